@@ -1,0 +1,5 @@
+import sys
+
+from dpscale.cli import main
+
+sys.exit(main())

@@ -1,0 +1,213 @@
+"""The ``dpscale`` command line: train, eval, account, models.
+
+Kept thin: every command parses arguments, calls the library and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dpscale.config import ConfigError
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer, default_out_dir
+
+    if args.resume:
+        if args.config or args.set:
+            raise ConfigError("--resume continues a run exactly as configured; do not pass a config or --set")
+        trainer = Trainer.resume(args.resume, progress=not args.quiet)
+    else:
+        config = load_config(args.config, args.set)
+        if config.run.out_dir is None:
+            config = replace(config, run=replace(config.run, out_dir=default_out_dir(config)))
+        trainer = Trainer.create(config, progress=not args.quiet)
+    summary = trainer.run(max_steps=args.max_steps)
+    if summary is None:
+        print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
+        return 0
+    print(_result_line(summary, trainer.run_dir))
+    return 0
+
+
+def _result_line(summary: dict, run_dir: Path) -> str:
+    accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
+    if summary["private"]:
+        privacy = f"epsilon={summary['epsilon']:.3f} delta={summary['delta']:g} ({summary['accountant']})"
+    else:
+        privacy = "epsilon=inf (NOT PRIVATE)"
+    notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"])
+    return f"{accuracy} {privacy} steps={summary['steps']} run_dir={run_dir}{notes}"
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from dpscale.train.loop import SUMMARY_NAME, Trainer
+
+    trainer = Trainer.resume(args.run_dir, progress=False)
+    from dpscale.train.metrics import evaluate, json_safe
+
+    accuracy, loss = evaluate(
+        trainer.model, trainer.data.x_test, trainer.data.y_test, trainer.config.train.eval_batch_size
+    )
+    result = {
+        "run_dir": str(args.run_dir),
+        "step": trainer.step,
+        "total_steps": trainer.total_steps,
+        "complete": (Path(args.run_dir) / SUMMARY_NAME).exists() and trainer.step == trainer.total_steps,
+        "test_accuracy": accuracy,
+        "test_loss": loss,
+        "epsilon": trainer.epsilon(),
+        "delta": trainer.plan.delta,
+        "accountant": trainer.plan.accountant,
+        "guarantee_caveats": trainer.plan.caveats(),
+    }
+    if args.json:
+        print(json.dumps(json_safe(result)))
+    else:
+        eps = "inf (NOT PRIVATE)" if not trainer.plan.is_private else f"{result['epsilon']:.3f}"
+        print(
+            f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, "
+            f"test loss {loss:.4f}, epsilon {eps} at delta {trainer.plan.delta:g}"
+        )
+        for note in result["guarantee_caveats"]:
+            print(f"WARNING: {note}")
+    return 0
+
+
+def _cmd_account(args: argparse.Namespace) -> int:
+    from dpscale.privacy import calibrate_noise_multiplier, calibrate_steps, compute_epsilon
+    from dpscale.privacy.plan import steps_for
+    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan
+
+    n, b = args.dataset_size, args.batch_size
+    if n < 1 or not 1 <= b <= n:
+        raise ConfigError(f"need 1 <= --batch-size <= --dataset-size, got {b} and {n}")
+    if not 0 < args.delta < 1:
+        raise ConfigError(f"--delta must be in (0, 1), got {args.delta}")
+    q = b / n
+    have_length = args.steps is not None or args.epochs is not None
+    if args.noise is None and args.target_epsilon is None:
+        raise ConfigError("give --noise (to compute epsilon) or --target-epsilon (to calibrate the noise)")
+    if args.noise is not None and args.noise <= 0:
+        raise ConfigError(f"--noise must be > 0, got {args.noise}")
+
+    if args.noise is not None and args.target_epsilon is not None and not have_length:
+        solved = "steps"
+        sigma = args.noise
+        steps = calibrate_steps(args.target_epsilon, args.delta, q, sigma, args.accountant)
+        if steps == 0:
+            raise ConfigError(f"not even one step fits in epsilon={args.target_epsilon} with noise {sigma}")
+    elif not have_length:
+        raise ConfigError("give --epochs or --steps")
+    else:
+        steps = steps_for(args.epochs, args.steps, n, b)
+        if args.noise is not None:
+            solved, sigma = "epsilon", args.noise
+        else:
+            solved = "noise_multiplier"
+            sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, q, steps, args.accountant)
+    epsilon = compute_epsilon(q, sigma, steps, args.delta, args.accountant)
+    tan = eps_tan(q, sigma, steps, args.delta)
+    result = {
+        "epsilon": epsilon,
+        "delta": args.delta,
+        "noise_multiplier": sigma,
+        "steps": steps,
+        "epochs": steps * q,
+        "sample_rate": q,
+        "dataset_size": n,
+        "batch_size": b,
+        "accountant": args.accountant,
+        "eps_tan": tan,
+        "solved_for": solved,
+        "target_epsilon": args.target_epsilon,
+        "sampling": "poisson",
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"DP-SGD with Poisson sampling q = {b}/{n} = {q:.6g}, noise multiplier sigma = {sigma:.6g}, "
+        f"{steps} steps ({steps * q:.4g} epochs)"
+    )
+    print(f"  epsilon = {epsilon:.4f} at delta = {args.delta:g}  [{args.accountant} accountant]")
+    wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
+    print(f"  eps_TAN = {tan:.4f}  [Sander et al. 2023, eq. 4]{wall}")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from dpscale.models import build_model, count_parameters, list_models
+    from dpscale.privacy.per_example import ENGINES
+
+    default_shapes = {"tramer-cifar-cnn": (3, 32, 32), "tramer-cifar-cnn-small": (3, 32, 32)}
+    rows = []
+    for name in list_models():
+        shape = default_shapes.get(name, (1, 28, 28))
+        model = build_model(name, 10, shape)
+        rows.append({"name": name, "params": count_parameters(model), "input_shape": list(shape), "engines": sorted(ENGINES)})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for row in rows:
+            shape = "x".join(map(str, row["input_shape"]))
+            print(f"{row['name']:<26} {row['params']:>10,} params  input {shape:<8} engines: {', '.join(row['engines'])}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model with DP-SGD (default: embedded MNIST sample)")
+    train.add_argument("config", nargs="?", help="YAML config (see configs/)")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. dp.epsilon=3")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
+    train.add_argument("--max-steps", type=int, metavar="N", help="stop at global step N with a checkpoint")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="re-evaluate a run's checkpoint on its test set")
+    ev.add_argument("run_dir")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=_cmd_eval)
+
+    acc = sub.add_parser("account", help="epsilon for DP-SGD parameters, or the noise for a target epsilon")
+    acc.add_argument("--dataset-size", type=int, required=True, help="N")
+    acc.add_argument("--batch-size", type=int, required=True, help="expected batch size B (q = B/N)")
+    acc.add_argument("--noise", type=float, help="noise multiplier sigma")
+    length = acc.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=float)
+    length.add_argument("--steps", type=int)
+    acc.add_argument("--delta", type=float, default=1e-5)
+    acc.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
+    acc.add_argument("--target-epsilon", type=float, help="calibrate sigma (or steps, given --noise) to this")
+    acc.add_argument("--json", action="store_true")
+    acc.set_defaults(func=_cmd_account)
+
+    models = sub.add_parser("models", help="list the registered models")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(func=_cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"dpscale {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Run configuration: frozen dataclasses loaded from YAML and ``--set key=value`` overrides.
+
+Everything a run does is decided here, once; the resolved config is written to the run
+directory so a run can be reproduced (and resumed) from it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Attributes:
+    name: dataset name (see ``dpscale.data.DATASET_NAMES``); "mnist-5k" is embedded.
+    root: directory (or .npz file) holding the data; unused for "mnist-5k".
+    image_size: resize image-folder images to this square size.
+    normalize: map [0, 1] pixels to [-1, 1] with the data-independent (0.5, 0.5); statistics
+        computed from private data would leak privacy.
+    """
+
+    name: str = "mnist-5k"
+    root: str | None = None
+    image_size: int | None = None
+    normalize: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Attributes:
+    name: registry name (``dpscale models`` lists them).
+    activation: relu, tanh, or tempered_sigmoid(s=..,T=..,o=..).
+    kwargs: builder-specific options, e.g. {filters: [16, 16]}.
+    """
+
+    name: str = "papernot-cnn"
+    activation: str = "tanh"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """Attributes:
+    epsilon: target epsilon; sigma is calibrated to it when noise_multiplier is null, and
+        a given noise_multiplier must not exceed it. Null with noise_multiplier=0: non-private.
+    delta: target delta (use < 1/N).
+    noise_multiplier: sigma; noise std on the clipped-gradient sum is sigma * max_grad_norm.
+    max_grad_norm: per-example clipping norm C; null disables clipping (non-private only).
+    batch_size: expected logical batch size B (q = B / N).
+    sampling: "poisson" (what the accountant assumes) or "shuffle" (labelled as not covered).
+    accountant: "pld" (tightest) or "rdp".
+    """
+
+    epsilon: float | None = 3.0
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    max_grad_norm: float | None = 1.0
+    batch_size: int = 256
+    sampling: str = "poisson"
+    accountant: str = "pld"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Attributes:
+    name: sgd, adam or adamw.
+    lr: peak learning rate.
+    momentum, nesterov, dampening: SGD options.
+    weight_decay: L2 (sgd, adam) or decoupled (adamw) decay.
+    betas, eps: Adam options.
+    schedule: "constant" or "cosine" (linear warmup then cosine decay to min_lr_ratio * lr).
+    warmup_steps: linear warmup length (both schedules).
+    min_lr_ratio: final lr / peak lr for the cosine schedule.
+    """
+
+    name: str = "sgd"
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Attributes:
+    epochs: training length in epochs (steps = round(epochs * N / B)); or give steps.
+    steps: training length in logical steps (overrides epochs).
+    max_physical_batch_size: most examples processed at once (gradient accumulation).
+    engine: per-example gradient engine ("vmap").
+    eval_batch_size: batch size for evaluation.
+    eval_every_epochs: evaluate and log every this many epochs (and at the end).
+    """
+
+    epochs: float | None = 15.0
+    steps: int | None = None
+    max_physical_batch_size: int = 512
+    engine: str = "vmap"
+    eval_batch_size: int = 1000
+    eval_every_epochs: float = 1.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Attributes:
+    seed: seeds model init, batch sampling and noise (separate streams).
+    out_dir: run directory for config.yaml, metrics.jsonl, checkpoint.pt, summary.json
+        (null: runs/<model>-<data>-<date-time>).
+    threads: torch CPU threads (null: torch's default).
+    device: "cpu" or "cuda".
+    """
+
+    seed: int = 0
+    out_dir: str | None = None
+    threads: int | None = None
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    """Tuples -> lists so YAML stays plain and re-loadable."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Check/convert ``value`` against a (simple) type annotation, with a clear error."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{path} must not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(path, value, option)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if value is None:
+        raise ConfigError(f"{path} must not be null")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return int(value)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{path} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{path}: unsupported type {annotation}")  # pragma: no cover
+
+
+def _build(cls: type, path: str, values: dict[str, Any]) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, names, n=1)
+        where = f"{path}.{key}" if path else key
+        hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""
+        raise ConfigError(f"unknown config key {where!r}{hint}; valid keys: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name not in values:
+            continue
+        sub_path = f"{path}.{name}" if path else name
+        if dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], sub_path, values[name] or {})
+        else:
+            kwargs[name] = _coerce(sub_path, values[name], hints[name])
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b.c=value``; the value is read as YAML (numbers, null, lists, strings)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {text!r}: cannot parse value: {err}") from err
+    return key.strip().split("."), value
+
+
+def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = base
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML file <- ``--set`` overrides, validated.
+
+    Args:
+        path: YAML file with sections data, model, dp, optim, train, run (any may be omitted).
+        overrides: "section.key=value" strings, applied in order.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or out-of-range value.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for text in overrides:
+        keys, value = parse_override(text)
+        _merge(values, keys, value)
+    config = _build(Config, "", values)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Range checks that need no data; dataset-dependent checks happen in the trainer."""
+    dp, train, optim = config.dp, config.train, config.optim
+    if dp.epsilon is not None and not (dp.epsilon > 0 and math.isfinite(dp.epsilon)):
+        raise ConfigError(f"dp.epsilon must be a positive finite number, got {dp.epsilon}")
+    if not 0 < dp.delta < 1:
+        raise ConfigError(f"dp.delta must be in (0, 1), got {dp.delta}")
+    if dp.noise_multiplier is not None and not (dp.noise_multiplier >= 0 and math.isfinite(dp.noise_multiplier)):
+        raise ConfigError(f"dp.noise_multiplier must be >= 0, got {dp.noise_multiplier}")
+    if dp.epsilon is None and dp.noise_multiplier is None:
+        raise ConfigError("set dp.epsilon (sigma is then calibrated) or dp.noise_multiplier (0 for a non-private run)")
+    if dp.max_grad_norm is not None and not dp.max_grad_norm > 0:
+        raise ConfigError(f"dp.max_grad_norm must be > 0 (or null for no clipping), got {dp.max_grad_norm}")
+    is_private = dp.noise_multiplier is None or dp.noise_multiplier > 0
+    if is_private and dp.max_grad_norm is None:
+        raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")
+    if dp.noise_multiplier == 0 and dp.epsilon is not None:
+        raise ConfigError(
+            "dp.noise_multiplier=0 is a non-private run and cannot meet dp.epsilon; "
+            "set dp.epsilon=null to train without privacy"
+        )
+    if dp.batch_size < 1:
+        raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
+    if dp.sampling not in ("poisson", "shuffle"):
+        raise ConfigError(f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
+    if dp.accountant not in ("pld", "rdp"):
+        raise ConfigError(f"dp.accountant must be pld or rdp, got {dp.accountant!r}")
+    if train.steps is None and train.epochs is None:
+        raise ConfigError("set train.epochs or train.steps")
+    if train.steps is not None and train.steps < 1:
+        raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
+    if train.steps is None and not train.epochs > 0:
+        raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+    if train.max_physical_batch_size < 1:
+        raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
+    if not train.eval_every_epochs > 0:
+        raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
+    if optim.name not in ("sgd", "adam", "adamw"):
+        raise ConfigError(f"optim.name must be sgd, adam or adamw, got {optim.name!r}")
+    if not optim.lr > 0:
+        raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
+    if optim.schedule not in ("constant", "cosine"):
+        raise ConfigError(f"optim.schedule must be constant or cosine, got {optim.schedule!r}")
+    if optim.nesterov and (optim.momentum <= 0 or optim.dampening != 0):
+        raise ConfigError("optim.nesterov needs optim.momentum > 0 and optim.dampening = 0")
+    if optim.warmup_steps < 0 or not 0 <= optim.min_lr_ratio <= 1:
+        raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+
+
+def save_config(config: Config, path: Path) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    from dpscale.train.checkpoint import atomic_write_text  # local: avoid an import cycle
+
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

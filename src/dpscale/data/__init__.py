@@ -1,0 +1,27 @@
+"""Dataset loading: in-memory image-classification datasets with fixed train/test splits."""
+
+from .datasets import (
+    DATASET_NAMES,
+    DatasetError,
+    DatasetInfo,
+    ImageDataset,
+    load_cifar,
+    load_dataset,
+    load_idx,
+    load_image_folder,
+    load_mnist_5k,
+    load_npz,
+)
+
+__all__ = [
+    "DATASET_NAMES",
+    "DatasetError",
+    "DatasetInfo",
+    "ImageDataset",
+    "load_cifar",
+    "load_dataset",
+    "load_idx",
+    "load_image_folder",
+    "load_mnist_5k",
+    "load_npz",
+]

@@ -1,0 +1,314 @@
+"""Low-level readers for on-disk image formats: IDX, CIFAR "python" pickles, image files and npz.
+
+Everything here returns plain numpy arrays (or PIL images) and raises :class:`DatasetError` with a
+message that names the offending file. Splitting, tensor conversion and :class:`DatasetInfo`
+bookkeeping live in :mod:`dpscale.data.datasets`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+__all__ = [
+    "DatasetError",
+    "IMAGE_EXTENSIONS",
+    "read_bytes",
+    "read_idx_images",
+    "read_idx_labels",
+    "read_cifar_batch",
+    "read_image",
+    "read_npz",
+    "images_to_nchw_float",
+    "labels_to_int64",
+]
+
+
+class DatasetError(ValueError):
+    """A dataset file or directory is missing, malformed or inconsistent.
+
+    The message always names the file (or directory) and says what is wrong with it.
+    """
+
+
+IMAGE_EXTENSIONS = frozenset(
+    {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
+)
+
+_IDX_IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dimensions
+_IDX_LABELS_MAGIC = 0x00000801  # unsigned byte, 1 dimension
+
+
+def read_bytes(path: Path) -> bytes:
+    """Read a whole file, transparently decompressing names ending in ``.gz``.
+
+    Args:
+        path: The file to read.
+
+    Returns:
+        The (decompressed) file contents.
+    """
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise DatasetError(f"{path} does not exist") from None
+    # A damaged .gz surfaces as BadGzipFile (an OSError), EOFError (cut short) or zlib.error.
+    except (OSError, EOFError, zlib.error) as e:
+        raise DatasetError(f"{path} could not be read: {e}") from e
+
+
+def read_idx_images(path: Path) -> np.ndarray:
+    """Parse an IDX3 image file (``*-images-idx3-ubyte[.gz]``).
+
+    Args:
+        path: The file to read.
+
+    Returns:
+        uint8 array of shape (n, rows, cols).
+    """
+    data = read_bytes(path)
+    if len(data) < 16:
+        raise DatasetError(f"{path} is too short for an IDX image header: {len(data)} bytes, need 16")
+    magic, n, rows, cols = struct.unpack(">IIII", data[:16])
+    if magic != _IDX_IMAGES_MAGIC:
+        hint = " (it looks like a label file)" if magic == _IDX_LABELS_MAGIC else ""
+        raise DatasetError(
+            f"{path} is not an IDX image file: magic number 0x{magic:08x}, expected 0x{_IDX_IMAGES_MAGIC:08x}{hint}"
+        )
+    if rows == 0 or cols == 0:
+        raise DatasetError(f"{path} has a header claiming {rows}x{cols} images")
+    expected, payload = n * rows * cols, len(data) - 16
+    if payload != expected:
+        what = "is truncated" if payload < expected else "has trailing bytes"
+        raise DatasetError(
+            f"{path} {what}: header says {n} images of {rows}x{cols} = {expected} bytes, "
+            f"file has {payload} after the 16-byte header"
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=16).reshape(n, rows, cols)
+
+
+def read_idx_labels(path: Path) -> np.ndarray:
+    """Parse an IDX1 label file (``*-labels-idx1-ubyte[.gz]``).
+
+    Args:
+        path: The file to read.
+
+    Returns:
+        uint8 array of shape (n,).
+    """
+    data = read_bytes(path)
+    if len(data) < 8:
+        raise DatasetError(f"{path} is too short for an IDX label header: {len(data)} bytes, need 8")
+    magic, n = struct.unpack(">II", data[:8])
+    if magic != _IDX_LABELS_MAGIC:
+        hint = " (it looks like an image file)" if magic == _IDX_IMAGES_MAGIC else ""
+        raise DatasetError(
+            f"{path} is not an IDX label file: magic number 0x{magic:08x}, expected 0x{_IDX_LABELS_MAGIC:08x}{hint}"
+        )
+    payload = len(data) - 8
+    if payload != n:
+        what = "is truncated" if payload < n else "has trailing bytes"
+        raise DatasetError(
+            f"{path} {what}: header says {n} labels = {n} bytes, file has {payload} after the 8-byte header"
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=8)
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickler that only resolves the globals needed to rebuild numpy arrays.
+
+    A plain ``pickle.load`` on a downloaded file can execute arbitrary code; CIFAR batches only
+    ever contain dicts, lists, bytes and uint8 arrays, so anything else is refused.
+    """
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),  # written by numpy 1.x (the official files)
+        ("numpy._core.multiarray", "_reconstruct"),  # numpy 2.x, protocol <= 4
+        ("numpy.core.numeric", "_frombuffer"),  # protocol 5
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),  # Python 3 writes bytes this way under protocol 2
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):
+            # numpy 2 keeps numpy.core only as a deprecated alias.
+            module = "numpy._core." + module[len("numpy.core.") :]
+        return super().find_class(module, name)
+
+
+def _dict_get(d: dict, key: bytes) -> Any:
+    # encoding="bytes" leaves keys written by Python 2 as bytes but keys written by Python 3 as str.
+    return d[key] if key in d else d.get(key.decode())
+
+
+def read_cifar_batch(path: Path, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Load one CIFAR "python version" batch file.
+
+    Args:
+        path: The pickled batch (e.g. ``data_batch_1`` or ``train``).
+        label_key: ``b"labels"`` (CIFAR-10) or ``b"fine_labels"`` (CIFAR-100).
+        num_classes: Labels must lie in ``0..num_classes-1``.
+
+    Returns:
+        ``(x, y)``: uint8 images of shape (n, 3, 32, 32) and int64 labels of shape (n,).
+    """
+    if not path.is_file():
+        raise DatasetError(f"CIFAR batch file {path} does not exist")
+    try:
+        with open(path, "rb") as f:
+            obj = _NumpyOnlyUnpickler(f, encoding="bytes").load()
+    # Unpickling garbage can raise almost any exception type; all of them mean "bad file".
+    except Exception as e:  # noqa: BLE001
+        raise DatasetError(f"{path} could not be unpickled as a CIFAR batch: {type(e).__name__}: {e}") from e
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{path} does not hold a dict (found {type(obj).__name__}); not a CIFAR batch")
+    data, labels = _dict_get(obj, b"data"), _dict_get(obj, label_key)
+    for key, value in ((b"data", data), (label_key, labels)):
+        if value is None:
+            raise DatasetError(f"{path} has no {key.decode()!r} entry (keys: {sorted(map(str, obj))})")
+    x = np.asarray(data)
+    if x.ndim != 2 or x.shape[1] != 3 * 32 * 32:
+        raise DatasetError(f"{path}: 'data' has shape {x.shape}, expected (n, 3072) for 3x32x32 images")
+    if x.dtype != np.uint8:
+        if not np.issubdtype(x.dtype, np.integer) or (x.size and (x.min() < 0 or x.max() > 255)):
+            raise DatasetError(f"{path}: 'data' must hold uint8 pixels 0..255, found dtype {x.dtype}")
+        x = x.astype(np.uint8)
+    y = labels_to_int64(np.asarray(labels), path, label_key.decode())
+    if len(y) != len(x):
+        raise DatasetError(f"{path} has {len(x)} images but {len(y)} {label_key.decode()}")
+    _check_label_range(y, num_classes, path)
+    return x.reshape(-1, 3, 32, 32), y
+
+
+def _check_label_range(y: np.ndarray, num_classes: int, path: Path) -> None:
+    bad = np.flatnonzero((y < 0) | (y >= num_classes))
+    if bad.size:
+        i = int(bad[0])
+        raise DatasetError(
+            f"{path} is mislabeled: labels must be in 0..{num_classes - 1}, "
+            f"found {int(y[i])} at index {i} ({bad.size} bad in total)"
+        )
+
+
+def read_image(path: Path) -> Image.Image:
+    """Open and fully decode one image file.
+
+    Args:
+        path: The image file.
+
+    Returns:
+        The decoded PIL image, in its original mode.
+    """
+    try:
+        with Image.open(path) as img:
+            img.load()  # decode now, so a corrupt file fails here rather than later
+            return img.copy() if img.mode != "P" else img.convert("RGBA")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise DatasetError(f"could not read image {path}: {e}") from e
+
+
+def read_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Load the named arrays from an ``.npz`` file without allowing pickled objects.
+
+    Args:
+        path: The ``.npz`` file.
+        keys: Array names that must all be present.
+
+    Returns:
+        ``{key: array}`` for each requested key.
+    """
+    if not path.is_file():
+        raise DatasetError(f"npz file {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [k for k in keys if k not in npz.files]
+            if missing:
+                raise DatasetError(
+                    f"{path} is missing key {missing[0]!r} (needs {', '.join(keys)}; has {', '.join(npz.files) or 'nothing'})"
+                )
+            return {k: npz[k] for k in keys}
+    except DatasetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - zipfile/numpy raise many types for a damaged file
+        raise DatasetError(f"{path} could not be read as an npz archive: {type(e).__name__}: {e}") from e
+
+
+def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
+    """Convert NHW / NHWC / NCHW images (uint8 0..255 or float 0..1) to float32 NCHW in [0, 1].
+
+    The channel axis is axis 1 when it has size 1 or 3, otherwise the last axis; this is
+    unambiguous for any image larger than 3x3 pixels.
+
+    Args:
+        x: The image array.
+        path: File the array came from (for error messages).
+        key: Array name (for error messages).
+
+    Returns:
+        A new C-contiguous float32 array of shape (N, C, H, W).
+    """
+    if x.ndim == 3:
+        x = x[:, None]
+    elif x.ndim == 4:
+        if x.shape[1] not in (1, 3):
+            if x.shape[3] not in (1, 3):
+                raise DatasetError(
+                    f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW with 1 or 3 channels"
+                )
+            x = x.transpose(0, 3, 1, 2)
+    else:
+        raise DatasetError(f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW images")
+    if len(x) == 0:
+        raise DatasetError(f"{path}: {key} holds no images")
+    if np.issubdtype(x.dtype, np.integer) and not np.issubdtype(x.dtype, np.bool_):
+        if x.min() < 0 or x.max() > 255:
+            raise DatasetError(f"{path}: integer {key} must hold pixels 0..255, found {x.min()}..{x.max()}")
+        out = x.astype(np.float32) / np.float32(255)
+    elif np.issubdtype(x.dtype, np.floating):
+        out = x.astype(np.float32)
+        if not np.isfinite(out).all() or out.min() < 0 or out.max() > 1:
+            raise DatasetError(
+                f"{path}: float {key} must lie in [0, 1], found {out.min()}..{out.max()} "
+                "(store uint8 0..255 or divide by 255 first)"
+            )
+    else:
+        raise DatasetError(f"{path}: {key} has dtype {x.dtype}; expected uint8 or float")
+    return np.ascontiguousarray(out)
+
+
+def labels_to_int64(y: np.ndarray, path: Path, key: str) -> np.ndarray:
+    """Check that labels are a 1-D integer vector (``(N, 1)`` is flattened) and return int64.
+
+    Args:
+        y: The label array.
+        path: File the labels came from (for error messages).
+        key: Array name (for error messages).
+
+    Returns:
+        A new int64 array of shape (N,).
+    """
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]  # e.g. keras.datasets.cifar10 stores labels as (N, 1)
+    if y.ndim != 1:
+        raise DatasetError(f"{path}: {key} has shape {y.shape}; expected a 1-D vector of class indices")
+    if y.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.bool_):
+        raise DatasetError(f"{path}: {key} has dtype {y.dtype}; class labels must be integers")
+    if y.min() < 0:
+        raise DatasetError(f"{path} is mislabeled: {key} contains the negative label {int(y.min())}")
+    return y.astype(np.int64)

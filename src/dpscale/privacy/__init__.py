@@ -1,0 +1,23 @@
+"""Privacy: per-example clipping engines, noise, accounting and calibration."""
+
+from dpscale.privacy.accountant import ACCOUNTANT_KINDS, PrivacyAccountant, compute_epsilon
+from dpscale.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
+from dpscale.privacy.noise import add_gaussian_noise
+from dpscale.privacy.per_example import PerExampleEngine, VmapEngine, clip_factors, make_engine
+from dpscale.privacy.tan import eps_tan, tan_eta, total_amount_of_noise
+
+__all__ = [
+    "ACCOUNTANT_KINDS",
+    "PerExampleEngine",
+    "PrivacyAccountant",
+    "VmapEngine",
+    "add_gaussian_noise",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "clip_factors",
+    "compute_epsilon",
+    "eps_tan",
+    "make_engine",
+    "tan_eta",
+    "total_amount_of_noise",
+]

@@ -1,0 +1,188 @@
+"""Calibrate DP-SGD parameters to a target (epsilon, delta).
+
+Both searches bracket the answer and then shrink the bracket by Illinois-modified
+regula falsi in log-log space, where epsilon is nearly linear in log sigma and log
+steps, so a PLD calibration needs a handful of accountant calls instead of ~20
+bisections. Every epsilon comes from ``compute_epsilon`` (``dp_accounting``).
+
+Guarantees: the returned sigma's epsilon is *at most* the target and within
+``rel_tol`` of it; the returned step count is the largest whose epsilon does not
+exceed the target. A run configured from these never overspends its budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from dpscale.privacy.accountant import compute_epsilon
+
+# Upper end of the noise search; beyond this the run is pure noise.
+MAX_NOISE_MULTIPLIER = 1e4
+
+
+def _tan_sigma_guess(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Invert eps_TAN = eta^2 + 2 eta sqrt(log 1/delta) (TAN eq. 4) for a first sigma guess."""
+    log_term = math.log(1.0 / delta)
+    eta = math.sqrt(log_term + target_epsilon) - math.sqrt(log_term)
+    return max(0.3, sample_rate * math.sqrt(steps) / (math.sqrt(2.0) * eta))
+
+
+def _interpolate(lo: float, f_lo: float, hi: float, f_hi: float) -> float:
+    """Root of the secant through (lo, f_lo), (hi, f_hi); f_lo and f_hi have opposite signs."""
+    return hi - f_hi * (hi - lo) / (f_hi - f_lo)
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    kind: str = "pld",
+    rel_tol: float = 1e-3,
+) -> float:
+    """Noise multiplier sigma so that ``steps`` DP-SGD steps cost at most ``target_epsilon``.
+
+    Args:
+        target_epsilon: epsilon budget, > 0.
+        delta: delta, in (0, 1).
+        sample_rate: Poisson sampling rate q = B / N.
+        steps: number of noisy steps, >= 1.
+        kind: accountant, "pld" or "rdp".
+        rel_tol: the returned sigma's epsilon lies in [target * (1 - rel_tol), target].
+
+    Returns:
+        noise multiplier sigma.
+
+    Raises:
+        ValueError: on invalid arguments or when even sigma = 1e4 exceeds the budget.
+    """
+    if not target_epsilon > 0 or not math.isfinite(target_epsilon):
+        raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 to calibrate noise, got {steps}")
+    log_target = math.log(target_epsilon)
+
+    def f(log_sigma: float) -> float:  # decreasing; <= 0 means within budget
+        eps = compute_epsilon(sample_rate, math.exp(log_sigma), steps, delta, kind)
+        return math.log(eps) - log_target if eps > 0 else -math.inf
+
+    # Bracket [lo, hi] in log sigma: f(lo) > 0 (over budget), f(hi) <= 0 (within budget).
+    x = math.log(_tan_sigma_guess(target_epsilon, delta, sample_rate, steps))
+    fx = f(x)
+    step = math.log(1.25)
+    if fx <= 0:
+        hi, f_hi = x, fx
+        lo, f_lo = x - step, f(x - step)
+        while f_lo <= 0:
+            if lo < math.log(1e-3):
+                return math.exp(lo)  # absurdly generous budget: any noise fits
+            hi, f_hi, step = lo, f_lo, step * 2
+            lo, f_lo = hi - step, f(hi - step)
+    else:
+        lo, f_lo = x, fx
+        hi, f_hi = x + step, f(x + step)
+        while f_hi > 0:
+            if hi > math.log(MAX_NOISE_MULTIPLIER):
+                raise ValueError(
+                    f"cannot reach epsilon={target_epsilon} at delta={delta} with q={sample_rate}, "
+                    f"steps={steps}: even noise multiplier {MAX_NOISE_MULTIPLIER:g} is not enough"
+                )
+            lo, f_lo, step = hi, f_hi, step * 2
+            hi, f_hi = lo + step, f(lo + step)
+
+    tolerance = -math.log1p(-rel_tol)  # f(hi) in [-tolerance, 0] <=> eps in [target(1-rel_tol), target]
+    side = 0
+    for _ in range(100):
+        if f_hi >= -tolerance or hi - lo < 1e-12:
+            break
+        x = _interpolate(lo, f_lo if math.isfinite(f_lo) else 1.0, hi, f_hi if math.isfinite(f_hi) else -1.0)
+        if not lo < x < hi:
+            x = 0.5 * (lo + hi)
+        fx = f(x)
+        if fx <= 0:
+            hi, f_hi = x, fx
+            if side == 1:  # Illinois: the same end moved twice, halve the other end's weight
+                f_lo *= 0.5
+            side = 1
+        else:
+            lo, f_lo = x, fx
+            if side == -1:
+                f_hi *= 0.5
+            side = -1
+    return math.exp(hi)
+
+
+def calibrate_steps(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    noise_multiplier: float,
+    kind: str = "pld",
+    max_steps: int = 10**8,
+) -> int:
+    """Largest number of steps whose epsilon stays at most ``target_epsilon``.
+
+    Args:
+        target_epsilon: epsilon budget, > 0.
+        delta: delta, in (0, 1).
+        sample_rate: q = B / N.
+        noise_multiplier: sigma.
+        kind: "pld" or "rdp".
+        max_steps: search cap.
+
+    Returns:
+        steps (int, >= 0). 0 means not even one step fits in the budget.
+    """
+    if not target_epsilon > 0:
+        raise ValueError(f"target epsilon must be positive, got {target_epsilon}")
+    log_target = math.log(target_epsilon)
+
+    def f(steps: int) -> float:  # increasing; <= 0 means within budget
+        return math.log(compute_epsilon(sample_rate, noise_multiplier, steps, delta, kind)) - log_target
+
+    f_one = f(1)
+    if f_one > 0:
+        return 0
+    # First guess from eps_TAN: S = 2 sigma^2 eta^2 / q^2; then bracket around it.
+    log_term = math.log(1.0 / delta)
+    eta = math.sqrt(log_term + target_epsilon) - math.sqrt(log_term)
+    guess = min(max_steps, max(1, round(2 * (noise_multiplier * eta / sample_rate) ** 2)))
+    f_guess = f(guess) if guess > 1 else f_one
+    if f_guess <= 0:
+        lo, f_lo = guess, f_guess
+        hi = lo
+        while True:
+            if lo >= max_steps:
+                return max_steps
+            hi = min(max_steps, max(lo + 1, round(lo * 1.5)))
+            f_hi = f(hi)
+            if f_hi > 0:
+                break
+            lo, f_lo = hi, f_hi
+    else:
+        hi, f_hi = guess, f_guess
+        while True:
+            lo = max(1, hi // 2)
+            f_lo = f(lo) if lo > 1 else f_one
+            if f_lo <= 0:
+                break
+            hi, f_hi = lo, f_lo
+    return _bisect_steps(f, lo, hi, f_lo, f_hi)
+
+
+def _bisect_steps(
+    f: Callable[[int], float], lo: int, hi: int, f_lo: float | None = None, f_hi: float | None = None
+) -> int:
+    """Largest integer in [lo, hi) with f <= 0, given f(lo) <= 0 < f(hi); interpolates in log steps."""
+    f_lo = f(lo) if f_lo is None else f_lo
+    f_hi = f(hi) if f_hi is None else f_hi
+    while hi - lo > 1:
+        guess = math.exp(_interpolate(math.log(lo), f_lo, math.log(hi), f_hi))
+        mid = min(hi - 1, max(lo + 1, round(guess)))
+        f_mid = f(mid)
+        if f_mid <= 0:
+            lo, f_lo = mid, f_mid
+        else:
+            hi, f_hi = mid, f_mid
+    return lo

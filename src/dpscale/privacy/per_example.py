@@ -1,0 +1,107 @@
+"""Per-example clipped gradient sums: the expensive heart of DP-SGD.
+
+An engine turns one physical chunk of examples into the *sum* of their clipped
+gradients (and the per-example norms before clipping). Noise is not an engine's
+business: it is added once per logical step, after all chunks are summed.
+
+Engines are selected by name (``make_engine``); ``vmap`` is the generic reference
+built on ``torch.func`` and works for any model without batch-mixing layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+Params = dict[str, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Added to norms before dividing so that a zero gradient gets factor 1, and so that
+# the clipped norm norm * C / (norm + eps) stays strictly below C.
+CLIP_EPS = 1e-6
+
+
+def clip_factors(norms: torch.Tensor, max_grad_norm: float | None) -> torch.Tensor:
+    """Per-example scale min(1, C / ||g_i||); all ones when ``max_grad_norm`` is None (no clipping)."""
+    if max_grad_norm is None:
+        return torch.ones_like(norms)
+    return (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+
+
+def trainable_params(model: nn.Module) -> Params:
+    """The parameters DP-SGD updates (requires_grad=True), detached, by name."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+class PerExampleEngine(Protocol):
+    """Computes the clipped-gradient sum of one physical chunk."""
+
+    name: str
+    max_grad_norm: float | None
+
+    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
+        """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""
+        ...
+
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+        """As ``per_example_clipped_sum`` plus the per-example losses (for logging)."""
+        ...
+
+
+@dataclass(frozen=True)
+class VmapEngine:
+    """Per-example gradients by ``vmap(grad(loss))`` over a batch of one.
+
+    Args:
+        max_grad_norm: clipping norm C (L2 over all trainable parameters); None = no clipping.
+        loss_fn: loss of (logits, labels), mean-reduced over its (size-one) batch.
+    """
+
+    max_grad_norm: float | None
+    loss_fn: LossFn = F.cross_entropy
+    name: str = "vmap"
+
+    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
+        grad_sum, norms, _ = self.clipped_sum_and_losses(model, params, batch)
+        return grad_sum, norms
+
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+        x, y = batch
+        if x.shape[0] == 0:
+            zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+            empty = x.new_zeros(0)
+            return zeros, empty, empty
+        # Frozen parameters and buffers are constants of the per-example function.
+        constants = {n: t for n, t in model.named_parameters() if n not in params}
+        constants.update(dict(model.named_buffers()))
+
+        def loss_one(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            logits = functional_call(model, (p, constants), (xi.unsqueeze(0),))
+            return self.loss_fn(logits, yi.unsqueeze(0))
+
+        grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
+        sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
+        norms = sq_norms.sqrt()
+        factors = clip_factors(norms, self.max_grad_norm)
+        grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
+        return grad_sum, norms, losses.detach()
+
+
+ENGINES: dict[str, type] = {"vmap": VmapEngine}
+
+
+def make_engine(name: str, max_grad_norm: float | None, loss_fn: LossFn = F.cross_entropy) -> PerExampleEngine:
+    """Engine by name ("vmap"; faster engines register here)."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
+    return ENGINES[name](max_grad_norm=max_grad_norm, loss_fn=loss_fn)

@@ -1,0 +1,311 @@
+"""The training run: set-up from a config, the DP-SGD loop, checkpoints, resume, summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dpscale.config import Config, ConfigError, load_config, save_config
+from dpscale.data import ImageDataset, load_dataset
+from dpscale.models import build_model, count_parameters
+from dpscale.privacy.accountant import PrivacyAccountant
+from dpscale.privacy.per_example import make_engine
+from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
+from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
+from dpscale.train.metrics import MetricsLog, evaluate, json_safe
+from dpscale.train.optim import build_optimizer, build_scheduler
+from dpscale.train.step import apply_gradient, noisy_clipped_mean
+
+CONFIG_NAME = "config.yaml"
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+
+
+def _seeds(seed: int) -> dict[str, int]:
+    """Independent seeds for model init, batch sampling and noise, from one run seed."""
+    init, sampler, noise = np.random.SeedSequence(seed).generate_state(3, dtype=np.uint64)
+    return {"init": int(init), "sampler": int(sampler), "noise": int(noise)}
+
+
+def default_out_dir(config: Config) -> str:
+    return f"runs/{config.model.name}-{config.data.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def prepare_data(config: Config, device: torch.device) -> ImageDataset:
+    data = load_dataset(config.data.name, config.data.root, image_size=config.data.image_size)
+    x_train, x_test = data.x_train, data.x_test
+    if config.data.normalize:  # data-independent constants: no privacy cost
+        x_train, x_test = (x_train - 0.5) / 0.5, (x_test - 0.5) / 0.5
+    return ImageDataset(
+        x_train.to(device), data.y_train.to(device), x_test.to(device), data.y_test.to(device), data.info
+    )
+
+
+class Trainer:
+    """A DP-SGD run in a run directory. Build with ``Trainer.create`` or ``Trainer.resume``.
+
+    Args:
+        config: the resolved config (``run.out_dir`` set).
+        progress: show a progress bar and print a header and result lines (to stderr).
+    """
+
+    def __init__(self, config: Config, progress: bool = True) -> None:
+        self.config = config
+        self.progress = progress
+        if config.run.out_dir is None:
+            raise ConfigError("run.out_dir must be set (the CLI picks runs/<model>-<data>-<time>)")
+        self.run_dir = Path(config.run.out_dir)
+        if config.run.threads:
+            torch.set_num_threads(config.run.threads)
+        self.device = torch.device(config.run.device)
+        seeds = _seeds(config.run.seed)
+
+        self.data = prepare_data(config, self.device)
+        info = self.data.info
+        n = info.num_train
+        self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
+        self.steps_per_epoch = max(1, round(n / config.dp.batch_size))
+        self.eval_every = max(1, round(config.train.eval_every_epochs * self.steps_per_epoch))
+        self.plan: DPPlan = make_dp_plan(config.dp, n, self.total_steps)
+
+        torch.manual_seed(seeds["init"])
+        self.model = build_model(
+            config.model.name, info.num_classes, info.input_shape, config.model.activation, **config.model.kwargs
+        ).to(self.device)
+        self.engine = make_engine(config.train.engine, self.plan.max_grad_norm)
+        self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
+        self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
+        self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(seeds["sampler"]))
+        self.noise_generator = torch.Generator(device=self.device).manual_seed(seeds["noise"])
+        self.accountant = PrivacyAccountant(self.plan.accountant)
+        self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
+        self.step = 0
+        self.wall_time_s = 0.0
+        self._window = {"loss_sum": 0.0, "examples": 0}  # train loss since the last evaluation
+
+    # ----------------------------------------------------------------- set-up
+    @classmethod
+    def create(cls, config: Config, progress: bool = True) -> "Trainer":
+        """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run."""
+        run_dir = Path(config.run.out_dir)
+        if (run_dir / CHECKPOINT_NAME).exists() or (run_dir / SUMMARY_NAME).exists():
+            raise ConfigError(
+                f"{run_dir} already holds a run; continue it with `dpscale train --resume {run_dir}` "
+                "or choose another run.out_dir"
+            )
+        trainer = cls(config, progress)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir / CONFIG_NAME)
+        (run_dir / METRICS_NAME).unlink(missing_ok=True)
+        return trainer
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, progress: bool = True) -> "Trainer":
+        """Continue the run in ``run_dir`` from its checkpoint, exactly where it stopped."""
+        run_dir = Path(run_dir)
+        if not (run_dir / CONFIG_NAME).is_file():
+            raise ConfigError(f"{run_dir} is not a dpscale run directory (no {CONFIG_NAME})")
+        config = load_config(run_dir / CONFIG_NAME, [f"run.out_dir={run_dir}"])
+        trainer = cls(config, progress)
+        trainer.load_state(load_checkpoint(run_dir / CHECKPOINT_NAME))
+        trainer.metrics.truncate_after(trainer.step)
+        return trainer
+
+    # ------------------------------------------------------------ checkpoints
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "wall_time_s": self.wall_time_s,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "noise_generator": self.noise_generator.get_state(),
+            "window": dict(self._window),
+            "plan": asdict(self.plan),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if state["plan"] != asdict(self.plan):
+            raise ConfigError("the checkpoint was written under a different DP plan; refusing to resume")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.accountant.load_state_dict(state["accountant"])  # replaces, never adds
+        self.sampler.load_state_dict(state["sampler"])
+        self.noise_generator.set_state(state["noise_generator"])
+        self._window = dict(state["window"])
+        self.step = int(state["step"])
+        self.wall_time_s = float(state["wall_time_s"])
+        if self.plan.is_private and self.accountant.steps != self.step:
+            raise ValueError(f"checkpoint is inconsistent: step {self.step} but {self.accountant.steps} accounted")
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir / CHECKPOINT_NAME, self.state())
+
+    # ------------------------------------------------------------------- loop
+    def epsilon(self) -> float:
+        """Epsilon spent so far (inf for a non-private run)."""
+        return self.accountant.epsilon(self.plan.delta) if self.plan.is_private else math.inf
+
+    def _log(self, message: str) -> None:
+        if self.progress:
+            tqdm.write(message, file=sys.stderr)
+
+    def train_step(self) -> None:
+        """Sample a logical batch, take one private step, account for it."""
+        indices = self.sampler.sample().to(self.device)
+        x, y = self.data.x_train[indices], self.data.y_train[indices]
+        gradient, stats = noisy_clipped_mean(
+            self.engine,
+            self.model,
+            x,
+            y,
+            max_physical_batch_size=self.config.train.max_physical_batch_size,
+            noise_std=self.plan.noise_std,
+            expected_batch_size=self.plan.batch_size,
+            noise_generator=self.noise_generator,
+        )
+        apply_gradient(self.model, gradient, self.optimizer)
+        self.scheduler.step()
+        if self.plan.is_private:
+            self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
+        self.step += 1
+        self._window["loss_sum"] += stats.loss_sum
+        self._window["examples"] += stats.batch_size
+        self._last_stats = stats
+
+    def evaluate_and_log(self) -> dict[str, Any]:
+        accuracy, test_loss = evaluate(
+            self.model, self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
+        )
+        window = self._window
+        record = {
+            "epoch": self.step / self.steps_per_epoch,
+            "step": self.step,
+            "train_loss": window["loss_sum"] / window["examples"] if window["examples"] else None,
+            "test_accuracy": accuracy,
+            "test_loss": test_loss,
+            "epsilon": self.epsilon(),
+            "delta": self.plan.delta,
+            "lr": self.scheduler.get_last_lr()[0],
+            "wall_time_s": self.wall_time_s,
+        }
+        if self.plan.caveats():
+            record["privacy_note"] = "; ".join(self.plan.caveats())
+        self._window = {"loss_sum": 0.0, "examples": 0}
+        self.metrics.append(record)
+        return record
+
+    def run(self, max_steps: int | None = None) -> dict[str, Any] | None:
+        """Train until the planned number of steps, or until global step ``max_steps``.
+
+        Writes a checkpoint at every evaluation and when stopping early (also on Ctrl-C).
+
+        Returns:
+            the summary dict when training is complete, else None.
+        """
+        stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
+        if self.step == 0:
+            self._log(self.plan.describe())
+            for note in self.plan.caveats():
+                self._log(f"WARNING: {note}")
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not self.progress,
+            file=sys.stderr,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        epsilon = self.epsilon() if self.step else 0.0
+        try:
+            while self.step < stop:
+                started = time.perf_counter()
+                self.train_step()
+                at_end = self.step == self.total_steps
+                if self.step % self.eval_every == 0 or at_end:
+                    self.wall_time_s += time.perf_counter() - started
+                    started = time.perf_counter()
+                    record = self.evaluate_and_log()
+                    epsilon = record["epsilon"]
+                    self.save()
+                    self._log(
+                        f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
+                        f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
+                    )
+                self.wall_time_s += time.perf_counter() - started
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{self._last_stats.loss_sum / max(1, self._last_stats.batch_size):.3f}",
+                    eps=_fmt_eps(epsilon),
+                    refresh=False,
+                )
+        except KeyboardInterrupt:
+            self.save()
+            self._log(f"interrupted at step {self.step}; resume with: dpscale train --resume {self.run_dir}")
+            raise
+        finally:
+            bar.close()
+        if self.step < self.total_steps:
+            self.save()
+            return None
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        """Write ``summary.json`` for a completed run and return it."""
+        last = self.metrics.read()[-1]
+        plan = self.plan
+        summary = {
+            "test_accuracy": last["test_accuracy"],
+            "test_loss": last["test_loss"],
+            "epsilon": self.epsilon(),
+            "delta": plan.delta,
+            "target_epsilon": plan.target_epsilon,
+            "private": plan.is_private,
+            "noise_multiplier": plan.noise_multiplier,
+            "noise_calibrated": plan.calibrated,
+            "max_grad_norm": plan.max_grad_norm,
+            "batch_size": plan.batch_size,
+            "sample_rate": plan.sample_rate,
+            "dataset_size": plan.dataset_size,
+            "steps": self.step,
+            "epochs": self.step / self.steps_per_epoch,
+            "sampling": plan.sampling,
+            "accountant": plan.accountant,
+            "eps_tan": plan.eps_tan,
+            "guarantee_caveats": plan.caveats(),
+            "dataset": self.data.info.name,
+            "model": self.config.model.name,
+            "trainable_params": count_parameters(self.model, trainable_only=True),
+            "wall_time_s": self.wall_time_s,
+        }
+        atomic_write_text(self.run_dir / SUMMARY_NAME, json.dumps(json_safe(summary), indent=2) + "\n")
+        self._log(
+            f"done: test accuracy {100 * summary['test_accuracy']:.2f}% | "
+            + (
+                f"epsilon {summary['epsilon']:.3f} at delta {plan.delta:g} ({plan.accountant})"
+                if plan.is_private
+                else "NOT PRIVATE"
+            )
+            + f" | {self.step} steps in {self.wall_time_s:.1f}s | run dir {self.run_dir}"
+        )
+        for note in plan.caveats():
+            self._log(f"WARNING: {note}")
+        return summary
+
+
+def _fmt_eps(epsilon: float) -> str:
+    return "inf" if not math.isfinite(epsilon) else f"{epsilon:.3f}"

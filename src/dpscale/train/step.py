@@ -1,0 +1,90 @@
+"""One DP-SGD logical step, in data-flow order.
+
+    logical batch (Poisson) -> physical chunks -> per-example clipped sums (engine)
+    -> total clipped sum -> + N(0, (sigma C)^2) once -> / expected batch size B
+    -> optimizer step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dpscale.privacy.noise import add_gaussian_noise
+from dpscale.privacy.per_example import Params, PerExampleEngine, trainable_params
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Attributes:
+    batch_size: examples actually in this logical batch.
+    loss_sum: sum of per-example losses (before the update).
+    clipped_fraction: share of examples whose gradient norm exceeded C.
+    mean_grad_norm: mean per-example gradient norm before clipping.
+    """
+
+    batch_size: int
+    loss_sum: float
+    clipped_fraction: float
+    mean_grad_norm: float
+
+
+def noisy_clipped_mean(
+    engine: PerExampleEngine,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    max_physical_batch_size: int,
+    noise_std: float,
+    expected_batch_size: int,
+    noise_generator: torch.Generator,
+) -> tuple[Params, StepStats]:
+    """The private gradient of one logical batch.
+
+    Args:
+        engine: per-example clipping engine (holds C).
+        model: the model; its trainable parameters define the gradient.
+        x, y: the whole logical batch (may be empty).
+        max_physical_batch_size: chunk size for gradient accumulation.
+        noise_std: sigma * C (0 for non-private runs).
+        expected_batch_size: B; dividing by the *expected* size (not len(x)) keeps the
+            sensitivity of the mean at C / B, as the accountant assumes.
+        noise_generator: RNG for the noise.
+
+    Returns:
+        (gradient by parameter name, step statistics).
+    """
+    params = trainable_params(model)
+    total = {name: torch.zeros_like(p) for name, p in params.items()}
+    loss_sum, norm_parts = 0.0, []
+    for start in range(0, x.shape[0], max_physical_batch_size):
+        chunk = (x[start : start + max_physical_batch_size], y[start : start + max_physical_batch_size])
+        grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
+        for name in total:
+            total[name] += grad_sum[name]
+        loss_sum += float(losses.sum())
+        norm_parts.append(norms)
+    noisy = add_gaussian_noise(total, noise_std, noise_generator)  # once per logical step
+    gradient = {name: g / expected_batch_size for name, g in noisy.items()}
+
+    norms = torch.cat(norm_parts) if norm_parts else torch.zeros(0)
+    clip = engine.max_grad_norm
+    stats = StepStats(
+        batch_size=int(x.shape[0]),
+        loss_sum=loss_sum,
+        clipped_fraction=float((norms > clip).float().mean()) if clip is not None and norms.numel() else 0.0,
+        mean_grad_norm=float(norms.mean()) if norms.numel() else 0.0,
+    )
+    return gradient, stats
+
+
+def apply_gradient(model: nn.Module, gradient: Params, optimizer: torch.optim.Optimizer) -> None:
+    """Write the private gradient into ``.grad`` and take one optimizer step."""
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.grad = gradient[name].to(p.dtype)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
