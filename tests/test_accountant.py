@@ -181,3 +181,18 @@ def test_eps_tan_closed_form_and_privacy_wall():
     assert rdp_eps == pytest.approx(eps_tan(q, sigma, steps, delta), rel=0.25)
     # Same eta with sigma = 0.5 (q / 8, same steps): epsilon is far above eps_TAN.
     assert compute_epsilon(q / 8, 0.5, steps, delta, "rdp") > 1.5 * eps_tan(q / 8, 0.5, steps, delta)
+
+
+@pytest.mark.parametrize("segments", [[(0.032, 1.1, 300)], [(0.01, 0.9, 100), (0.05, 2.0, 40)], [(1.0, 4.0, 7)]])
+def test_cached_pld_composition_equals_dp_accounting_pld_accountant(segments):
+    from dp_accounting import pld
+
+    from dpscale.privacy.accountant import dp_sgd_event
+
+    reference = pld.PLDAccountant()
+    ours = PrivacyAccountant("pld")
+    for q, sigma, steps in segments:
+        reference.compose(dp_sgd_event(q, sigma, steps))
+        ours.step(q, sigma, steps)
+    for delta in (1e-5, 1e-3):
+        assert ours.epsilon(delta) == pytest.approx(reference.get_epsilon(delta), rel=1e-9)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -95,6 +96,12 @@ def _cmd_account(args: argparse.Namespace) -> int:
     have_length = args.steps is not None or args.epochs is not None
     if args.noise is None and args.target_epsilon is None:
         raise ConfigError("give --noise (to compute epsilon) or --target-epsilon (to calibrate the noise)")
+    if args.epochs is not None and not (args.epochs > 0 and math.isfinite(args.epochs)):
+        raise ConfigError(f"--epochs must be a positive number, got {args.epochs}")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if args.target_epsilon is not None and not (args.target_epsilon > 0 and math.isfinite(args.target_epsilon)):
+        raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
 

@@ -181,10 +181,21 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             return value
         raise ConfigError(f"{path} must be true or false, got {value!r}")
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or int(value) != value
+        ):
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return int(value)
     if annotation is float:
+        if isinstance(value, str):
+            # PyYAML follows YAML 1.1, which reads 1e-5 (no dot) as a string.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
         return float(value)
@@ -312,8 +323,8 @@ def validate(config: Config) -> None:
         raise ConfigError("set train.epochs or train.steps")
     if train.steps is not None and train.steps < 1:
         raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
-    if train.steps is None and not train.epochs > 0:
-        raise ConfigError(f"train.epochs must be > 0, got {train.epochs}")
+    if train.steps is None and not (train.epochs > 0 and math.isfinite(train.epochs)):
+        raise ConfigError(f"train.epochs must be a positive finite number, got {train.epochs}")
     if train.max_physical_batch_size < 1:
         raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
     if not train.eval_every_epochs > 0:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from datetime import datetime
@@ -29,6 +31,34 @@ from dpscale.train.step import apply_gradient, noisy_clipped_mean
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
+# How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
+EPSILON_REFRESH_S = 10.0
+
+
+class _DeferredInterrupt:
+    """Turns Ctrl-C into a request honoured between steps, so the checkpoint written on
+    interrupt is never taken halfway through a step (e.g. after the update but before the
+    accountant saw it). A second Ctrl-C interrupts immediately."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._installed = False
+        self._previous: Any = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
 def _seeds(seed: int) -> dict[str, int]:
@@ -74,8 +104,6 @@ class Trainer:
         info = self.data.info
         n = info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
-        self.steps_per_epoch = max(1, round(n / config.dp.batch_size))
-        self.eval_every = max(1, round(config.train.eval_every_epochs * self.steps_per_epoch))
         self.plan: DPPlan = make_dp_plan(config.dp, n, self.total_steps)
 
         torch.manual_seed(seeds["init"])
@@ -155,6 +183,18 @@ class Trainer:
         save_checkpoint(self.run_dir / CHECKPOINT_NAME, self.state())
 
     # ------------------------------------------------------------------- loop
+    def epochs_done(self, step: int) -> float:
+        """Epochs after ``step`` steps: step * B / N (an epoch is N / B expected-size batches)."""
+        return step * self.plan.batch_size / self.plan.dataset_size
+
+    def _eval_due(self) -> bool:
+        """True at the last step and whenever another ``train.eval_every_epochs`` has passed."""
+        if self.step == self.total_steps:
+            return True
+        every = self.config.train.eval_every_epochs
+        period = lambda step: math.floor(self.epochs_done(step) / every + 1e-9)  # noqa: E731
+        return period(self.step) > period(self.step - 1)
+
     def epsilon(self) -> float:
         """Epsilon spent so far (inf for a non-private run)."""
         return self.accountant.epsilon(self.plan.delta) if self.plan.is_private else math.inf
@@ -192,7 +232,7 @@ class Trainer:
         )
         window = self._window
         record = {
-            "epoch": self.step / self.steps_per_epoch,
+            "epoch": self.epochs_done(self.step),
             "step": self.step,
             "train_loss": window["loss_sum"] / window["examples"] if window["examples"] else None,
             "test_accuracy": accuracy,
@@ -211,7 +251,8 @@ class Trainer:
     def run(self, max_steps: int | None = None) -> dict[str, Any] | None:
         """Train until the planned number of steps, or until global step ``max_steps``.
 
-        Writes a checkpoint at every evaluation and when stopping early (also on Ctrl-C).
+        Writes a checkpoint at every evaluation and when stopping early. Ctrl-C finishes the
+        current step, writes a checkpoint and raises ``KeyboardInterrupt``.
 
         Returns:
             the summary dict when training is complete, else None.
@@ -231,34 +272,38 @@ class Trainer:
             dynamic_ncols=True,
         )
         epsilon = self.epsilon() if self.step else 0.0
+        epsilon_at = time.perf_counter()
+        interrupt = _DeferredInterrupt()
         try:
-            while self.step < stop:
-                started = time.perf_counter()
-                self.train_step()
-                at_end = self.step == self.total_steps
-                if self.step % self.eval_every == 0 or at_end:
-                    self.wall_time_s += time.perf_counter() - started
+            with interrupt:
+                while self.step < stop and not interrupt.requested:
                     started = time.perf_counter()
-                    record = self.evaluate_and_log()
-                    epsilon = record["epsilon"]
-                    self.save()
-                    self._log(
-                        f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
-                        f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
+                    self.train_step()
+                    if self._eval_due():
+                        self.wall_time_s += time.perf_counter() - started
+                        started = time.perf_counter()
+                        record = self.evaluate_and_log()
+                        epsilon, epsilon_at = record["epsilon"], time.perf_counter()
+                        self.save()
+                        self._log(
+                            f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
+                            f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
+                        )
+                    self.wall_time_s += time.perf_counter() - started
+                    if self.progress and time.perf_counter() - epsilon_at > EPSILON_REFRESH_S:
+                        epsilon, epsilon_at = self.epsilon(), time.perf_counter()
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{self._last_stats.loss_sum / max(1, self._last_stats.batch_size):.3f}",
+                        eps=_fmt_eps(epsilon),
+                        refresh=False,
                     )
-                self.wall_time_s += time.perf_counter() - started
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{self._last_stats.loss_sum / max(1, self._last_stats.batch_size):.3f}",
-                    eps=_fmt_eps(epsilon),
-                    refresh=False,
-                )
-        except KeyboardInterrupt:
-            self.save()
-            self._log(f"interrupted at step {self.step}; resume with: dpscale train --resume {self.run_dir}")
-            raise
         finally:
             bar.close()
+        if interrupt.requested:
+            self.save()
+            self._log(f"interrupted after step {self.step}; resume with: dpscale train --resume {self.run_dir}")
+            raise KeyboardInterrupt
         if self.step < self.total_steps:
             self.save()
             return None
@@ -282,7 +327,7 @@ class Trainer:
             "sample_rate": plan.sample_rate,
             "dataset_size": plan.dataset_size,
             "steps": self.step,
-            "epochs": self.step / self.steps_per_epoch,
+            "epochs": self.epochs_done(self.step),
             "sampling": plan.sampling,
             "accountant": plan.accountant,
             "eps_tan": plan.eps_tan,
@@ -292,7 +337,8 @@ class Trainer:
             "trainable_params": count_parameters(self.model, trainable_only=True),
             "wall_time_s": self.wall_time_s,
         }
-        atomic_write_text(self.run_dir / SUMMARY_NAME, json.dumps(json_safe(summary), indent=2) + "\n")
+        summary = json_safe(summary)
+        atomic_write_text(self.run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         self._log(
             f"done: test accuracy {100 * summary['test_accuracy']:.2f}% | "
             + (

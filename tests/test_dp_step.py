@@ -1,0 +1,219 @@
+"""The DP-SGD step against independent references.
+
+* per-example clipped sums vs a naive loop of ordinary backward passes, one example at a time;
+* every clipped per-example gradient has norm <= C;
+* the added noise: its empirical std vs sigma * C (statistical tests, fixed seeds), added
+  once per logical step however many physical chunks;
+* Poisson batch sizes vs Binomial(N, q).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
+from dpscale.models import build_model
+from dpscale.privacy import VmapEngine, add_gaussian_noise, clip_factors
+from dpscale.privacy.per_example import trainable_params
+from dpscale.train.step import noisy_clipped_mean
+
+
+def _model(name="papernot-cnn", seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return build_model(name, 10, (1, 28, 28), "tanh", **kwargs)
+
+
+def _batch(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def naive_clipped_sum(model, x, y, max_grad_norm):
+    """Reference: one ordinary forward/backward per example, clip, sum."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    norms = []
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        norms.append(norm)
+        scale = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (norm + 1e-6))
+        for n in names:
+            total[n] += scale * grads[n]
+    return total, torch.tensor(norms)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.1, 1.0, 100.0])
+@pytest.mark.parametrize("model_name", ["papernot-cnn", "linear"])
+def test_vmap_clipped_sum_matches_naive_loop(model_name, max_grad_norm):
+    model = _model(model_name)
+    x, y = _batch(9)
+    grad_sum, norms = VmapEngine(max_grad_norm).per_example_clipped_sum(model, trainable_params(model), (x, y))
+    ref_sum, ref_norms = naive_clipped_sum(model, x, y, max_grad_norm)
+    torch.testing.assert_close(norms, ref_norms.float(), rtol=1e-4, atol=1e-6)
+    assert set(grad_sum) == set(ref_sum)
+    for name in ref_sum:
+        torch.testing.assert_close(grad_sum[name], ref_sum[name], rtol=1e-4, atol=1e-6)
+    if max_grad_norm == 0.1:
+        assert (norms > 0.1).all()  # the case actually exercises clipping
+
+
+def test_frozen_parameters_are_excluded_and_still_used():
+    model = _model()
+    for p in model.features[0].parameters():  # freeze the first conv
+        p.requires_grad_(False)
+    x, y = _batch(5)
+    grad_sum, norms = VmapEngine(0.5).per_example_clipped_sum(model, trainable_params(model), (x, y))
+    ref_sum, ref_norms = naive_clipped_sum(model, x, y, 0.5)
+    assert "features.0.weight" not in grad_sum
+    torch.testing.assert_close(norms, ref_norms.float(), rtol=1e-4, atol=1e-6)
+    for name in ref_sum:
+        torch.testing.assert_close(grad_sum[name], ref_sum[name], rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(c=st.floats(1e-3, 10.0), scale=st.floats(0.01, 100.0), seed=st.integers(0, 2**16))
+def test_every_clipped_per_example_gradient_has_norm_at_most_c(c, scale, seed):
+    model = _model("linear", seed=seed % 7)
+    x, y = _batch(6, seed)
+    engine = VmapEngine(c)
+    params = trainable_params(model)
+    for i in range(x.shape[0]):  # the sum over a batch of one is that example's clipped gradient
+        grad_sum, norm = engine.per_example_clipped_sum(model, params, (scale * x[i : i + 1], y[i : i + 1]))
+        clipped_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grad_sum.values()))
+        assert clipped_norm <= c * (1 + 1e-5)
+        if float(norm) < c:  # below the threshold the gradient is left alone
+            assert clipped_norm == pytest.approx(float(norm), rel=1e-4)
+
+
+def test_clip_factors():
+    norms = torch.tensor([0.0, 0.5, 1.0, 4.0])
+    torch.testing.assert_close(clip_factors(norms, 1.0), torch.tensor([1.0, 1.0, 1.0 / (1 + 1e-6), 0.25 / (1 + 2.5e-7)]))
+    torch.testing.assert_close(clip_factors(norms, None), torch.ones(4))
+
+
+def test_noise_std_matches_sigma_times_c():
+    sigma, c = 1.3, 0.7
+    zeros = {"a": torch.zeros(300_000), "b": torch.zeros(100, 1000)}
+    noisy = add_gaussian_noise(zeros, sigma * c, torch.Generator().manual_seed(123))
+    sample = torch.cat([noisy["a"], noisy["b"].flatten()]).double()
+    n = sample.numel()
+    # std of the sample std is ~ std / sqrt(2n) = 0.07%; allow 5 standard errors.
+    assert float(sample.std()) == pytest.approx(sigma * c, rel=5 / math.sqrt(2 * n))
+    assert abs(float(sample.mean())) < 5 * sigma * c / math.sqrt(n)
+    # Shape of the distribution: Kolmogorov-Smirnov against N(0, (sigma C)^2).
+    assert stats.kstest(sample[:20000].numpy(), "norm", args=(0, sigma * c)).pvalue > 1e-3
+
+
+def test_noise_is_reproducible_and_independent_of_input_values():
+    grads = {"w": torch.ones(5, 5), "b": torch.zeros(5)}
+    a = add_gaussian_noise(grads, 2.0, torch.Generator().manual_seed(7))
+    b = add_gaussian_noise(grads, 2.0, torch.Generator().manual_seed(7))
+    assert all(torch.equal(a[k], b[k]) for k in grads)
+    assert not torch.equal(a["w"], grads["w"])
+    assert add_gaussian_noise(grads, 0.0, torch.Generator())["w"] is grads["w"]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 12, 100])
+def test_noise_added_once_per_logical_step_and_divided_by_expected_batch(chunk):
+    model = _model("linear")
+    x, y = _batch(12)
+    sigma, c, expected_b = 2.0, 0.5, 16
+    kwargs = dict(max_physical_batch_size=chunk, expected_batch_size=expected_b)
+    engine = VmapEngine(c)
+    clean, _ = noisy_clipped_mean(engine, model, x, y, noise_std=0.0, noise_generator=torch.Generator(), **kwargs)
+    noisy, stats_ = noisy_clipped_mean(
+        engine, model, x, y, noise_std=sigma * c, noise_generator=torch.Generator().manual_seed(3), **kwargs
+    )
+    noise = torch.cat([(noisy[k] - clean[k]).flatten() for k in clean]) * expected_b
+    # 7,850 noise coordinates: the std of the noise on the *sum* is sigma * C, whatever the chunking
+    # (per-chunk noise would give sqrt(#chunks) times more).
+    assert float(noise.std()) == pytest.approx(sigma * c, rel=0.05)
+    assert stats_.batch_size == 12
+
+
+def test_gradient_accumulation_is_invariant_to_chunk_size():
+    model = _model()
+    x, y = _batch(10)
+    results = [
+        noisy_clipped_mean(
+            VmapEngine(1.0), model, x, y, max_physical_batch_size=chunk, noise_std=0.0,
+            expected_batch_size=10, noise_generator=torch.Generator(),
+        )[0]
+        for chunk in (1, 3, 10)
+    ]
+    for other in results[1:]:
+        for name in results[0]:
+            torch.testing.assert_close(other[name], results[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_empty_logical_batch_gives_pure_noise():
+    model = _model("linear")
+    x, y = torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long)
+    grad, stats_ = noisy_clipped_mean(
+        VmapEngine(1.0), model, x, y, max_physical_batch_size=8, noise_std=3.0,
+        expected_batch_size=50, noise_generator=torch.Generator().manual_seed(0),
+    )
+    flat = torch.cat([g.flatten() for g in grad.values()])
+    assert stats_.batch_size == 0 and stats_.loss_sum == 0.0
+    assert float(flat.std()) == pytest.approx(3.0 / 50, rel=0.05)
+
+
+def test_poisson_batch_sizes_follow_binomial():
+    n, q, draws = 1000, 0.05, 4000
+    sampler = PoissonSampler(n, q, torch.Generator().manual_seed(11))
+    counts = torch.zeros(n)
+    sizes = []
+    for _ in range(draws):
+        idx = sampler.sample()
+        assert idx.unique().numel() == idx.numel()  # no duplicates within a batch
+        counts[idx] += 1
+        sizes.append(idx.numel())
+    sizes = torch.tensor(sizes, dtype=torch.float64)
+    mean, var = n * q, n * q * (1 - q)
+    assert float(sizes.mean()) == pytest.approx(mean, abs=5 * math.sqrt(var / draws))
+    assert float(sizes.var()) == pytest.approx(var, rel=5 * math.sqrt(2 / draws))
+    # Each example is included independently with probability q: chi-square on inclusion counts.
+    chi2 = float(((counts - draws * q) ** 2 / (draws * q * (1 - q))).sum())
+    assert stats.chi2.sf(chi2, n) > 1e-3
+    # Sizes as a whole: KS against Binomial(n, q) via a chi-square goodness of fit on bins.
+    hist = torch.bincount(sizes.long(), minlength=101)[:101].double()
+    expected = torch.tensor(stats.binom.pmf(range(101), n, q)) * draws
+    keep = expected > 5
+    chi2 = float(((hist[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert stats.chi2.sf(chi2, int(keep.sum()) - 1) > 1e-3
+
+
+def test_poisson_sampler_handles_empty_batches_and_restores_state():
+    sampler = PoissonSampler(10, 0.01, torch.Generator().manual_seed(0))
+    sizes = [sampler.sample().numel() for _ in range(200)]
+    assert 0 in sizes
+    state = sampler.state_dict()
+    after = [sampler.sample() for _ in range(5)]
+    sampler.load_state_dict(state)
+    assert all(torch.equal(a, sampler.sample()) for a in after)
+
+
+def test_shuffle_sampler_fixed_size_batches_cover_each_epoch_once():
+    sampler = ShuffleSampler(10, 3, torch.Generator().manual_seed(0))
+    epoch = torch.cat([sampler.sample() for _ in range(3)])
+    assert all(sampler.sample().numel() == 3 for _ in range(10))
+    assert epoch.unique().numel() == 9  # 3 full batches, last partial batch dropped
+    state = sampler.state_dict()
+    after = [sampler.sample() for _ in range(4)]
+    sampler.load_state_dict(state)
+    assert all(torch.equal(a, sampler.sample()) for a in after)
+
+
+def test_make_sampler_validates():
+    with pytest.raises(ValueError, match="sampling"):
+        make_sampler("uniform", 10, 2, torch.Generator())
+    with pytest.raises(ValueError, match="batch_size"):
+        make_sampler("shuffle", 10, 11, torch.Generator())

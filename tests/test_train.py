@@ -1,0 +1,234 @@
+"""End-to-end training runs: resume bit-identity, accounting, outputs, bad input."""
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dpscale.cli import main
+from dpscale.config import ConfigError, load_config
+from dpscale.privacy import compute_epsilon
+from dpscale.train.checkpoint import load_checkpoint, save_checkpoint
+from dpscale.train.loop import Trainer
+
+SHARED_MNIST = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mnist-10k"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_config(out_dir, *extra):
+    """A short private run on the embedded MNIST sample (N = 4000)."""
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "dp.batch_size=128",
+            "dp.epsilon=4",
+            "train.steps=24",
+            "train.eval_every_epochs=0.25",  # ~every 8 steps
+            "train.max_physical_batch_size=64",
+            "optim.momentum=0.9",
+            "optim.schedule=cosine",
+            "optim.warmup_steps=3",
+            *extra,
+        ],
+    )
+
+
+def _without_wall_time(records):
+    return [{k: v for k, v in r.items() if k != "wall_time_s"} for r in records]
+
+
+def _assert_identical_runs(dir_a: Path, dir_b: Path):
+    ckpt_a, ckpt_b = load_checkpoint(dir_a / "checkpoint.pt"), load_checkpoint(dir_b / "checkpoint.pt")
+    for name, tensor in ckpt_a["model"].items():
+        assert torch.equal(tensor, ckpt_b["model"][name]), name
+    assert ckpt_a["accountant"] == ckpt_b["accountant"]
+    assert torch.equal(ckpt_a["noise_generator"], ckpt_b["noise_generator"])
+    summary_a = json.loads((dir_a / "summary.json").read_text())
+    summary_b = json.loads((dir_b / "summary.json").read_text())
+    summary_a.pop("wall_time_s"), summary_b.pop("wall_time_s")
+    assert summary_a == summary_b
+    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert _without_wall_time(read(dir_a)) == _without_wall_time(read(dir_b))
+
+
+def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path):
+    full = Trainer.create(small_config(tmp_path / "full"), progress=False)
+    summary = full.run()
+    assert summary["steps"] == 24
+
+    part = Trainer.create(small_config(tmp_path / "split"), progress=False)
+    assert part.run(max_steps=11) is None  # stops between evaluations, mid-window
+    assert load_checkpoint(tmp_path / "split" / "checkpoint.pt")["step"] == 11
+    resumed = Trainer.resume(tmp_path / "split", progress=False)
+    assert resumed.step == 11 and resumed.accountant.steps == 11
+    resumed.run()
+    assert resumed.accountant.steps == 24
+    _assert_identical_runs(tmp_path / "full", tmp_path / "split")
+
+
+def test_ctrl_c_checkpoints_a_consistent_state_then_resumes_identically(tmp_path, monkeypatch):
+    Trainer.create(small_config(tmp_path / "full"), progress=False).run()
+
+    trainer = Trainer.create(small_config(tmp_path / "cut"), progress=False)
+    original = Trainer.train_step
+
+    def step_then_signal(self):
+        original(self)
+        if self.step == 5:  # Ctrl-C arrives in the middle of step 6's work? No: right after step 5
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    monkeypatch.setattr(Trainer, "train_step", original)
+    state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert state["step"] == 5 and state["accountant"]["history"][0][2] == 5
+    Trainer.resume(tmp_path / "cut", progress=False).run()
+    _assert_identical_runs(tmp_path / "full", tmp_path / "cut")
+
+
+def test_run_outputs_and_epsilon_accounting(tmp_path):
+    summary = Trainer.create(small_config(tmp_path / "run"), progress=False).run()
+    run_dir = tmp_path / "run"
+    for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "summary.json"):
+        assert (run_dir / name).is_file()
+    for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "sampling", "accountant", "wall_time_s"):
+        assert key in summary
+    # The reported epsilon is what an independent recomputation of the same mechanism gives,
+    # and never more than the target.
+    independent = compute_epsilon(128 / 4000, summary["noise_multiplier"], 24, 1e-5, "pld")
+    assert summary["epsilon"] == pytest.approx(independent, rel=1e-9)
+    assert 4 * (1 - 1e-3) <= summary["epsilon"] <= 4.0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [8, 16, 24]
+    assert all(a["epsilon"] < b["epsilon"] for a, b in zip(records, records[1:]))
+    for r in records:
+        assert {"step", "train_loss", "test_accuracy", "epsilon", "wall_time_s"} <= set(r)
+        assert "privacy_note" not in r
+    # The resolved config reloads to the same config.
+    assert load_config(run_dir / "config.yaml") == small_config(run_dir)
+
+
+def test_non_private_baseline_uses_same_path_and_says_so(tmp_path):
+    cfg = small_config(tmp_path / "np", "dp.epsilon=null", "dp.noise_multiplier=0", "dp.max_grad_norm=null")
+    summary = Trainer.create(cfg, progress=False).run()
+    assert summary["private"] is False and summary["epsilon"] is None
+    assert any("NOT PRIVATE" in note for note in summary["guarantee_caveats"])
+    records = [json.loads(line) for line in (tmp_path / "np" / "metrics.jsonl").read_text().splitlines()]
+    assert all("NOT PRIVATE" in r["privacy_note"] and r["epsilon"] is None for r in records)
+
+
+def test_shuffle_sampling_is_labelled_in_every_output(tmp_path, capsys):
+    code = main(["train", "--quiet", "--set", f"run.out_dir={tmp_path / 'sh'}", "--set", "dp.sampling=shuffle",
+                 "--set", "train.steps=6", "--set", "dp.batch_size=100", "--set", "train.eval_every_epochs=0.1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Poisson" in out
+    summary = json.loads((tmp_path / "sh" / "summary.json").read_text())
+    assert summary["sampling"] == "shuffle" and any("Poisson" in n for n in summary["guarantee_caveats"])
+    for line in (tmp_path / "sh" / "metrics.jsonl").read_text().splitlines():
+        assert "Poisson" in json.loads(line)["privacy_note"]
+    main(["eval", str(tmp_path / "sh")])
+    assert "Poisson" in capsys.readouterr().out
+
+
+def test_cli_train_then_eval_reproduces_the_accuracy(tmp_path, capsys):
+    run_dir = tmp_path / "cli"
+    assert main(["train", "--quiet", "--set", f"run.out_dir={run_dir}", "--set", "train.steps=10",
+                 "--set", "dp.batch_size=200", "--set", "model.name=linear"]) == 0
+    assert "test_accuracy=" in capsys.readouterr().out
+    assert main(["eval", str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert result["test_accuracy"] == summary["test_accuracy"] and result["complete"] is True
+    assert result["epsilon"] == pytest.approx(summary["epsilon"])
+
+
+def test_cli_max_steps_then_resume(tmp_path, capsys):
+    run_dir = tmp_path / "stop"
+    args = ["train", "--quiet", "--set", f"run.out_dir={run_dir}", "--set", "train.steps=8",
+            "--set", "dp.batch_size=200", "--set", "model.name=linear"]
+    assert main(args + ["--max-steps", "3"]) == 0
+    assert "--resume" in capsys.readouterr().out
+    assert not (run_dir / "summary.json").exists()
+    assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    # Starting a new run over an existing one is refused (nothing is lost).
+    assert main(args) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["dp.epsilon=0"], "dp.epsilon"),
+        (["dp.epsilon=-1"], "dp.epsilon"),
+        (["dp.delta=1"], "dp.delta"),
+        (["dp.delta=0"], "dp.delta"),
+        (["model.name=resnet-9000"], "unknown model"),
+        (["dp.batch_size=5000"], "larger than the training set"),
+        (["dp.noise_multiplier=0.3", "dp.epsilon=1"], "spends epsilon"),
+        (["data.name=imagenet"], "imagenet"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        Trainer.create(small_config(tmp_path / "bad", *overrides), progress=False)
+    assert not (tmp_path / "bad" / "checkpoint.pt").exists()
+
+
+def test_bad_config_through_cli_is_one_line_error(tmp_path, capsys):
+    assert main(["train", "--set", "dp.epsilon=-3", "--set", f"run.out_dir={tmp_path}/x"]) == 2
+    err = capsys.readouterr().err
+    assert "error: dp.epsilon must be a positive" in err and "Traceback" not in err
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"step": 1})
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        save_checkpoint(path, {"step": 2})
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left behind
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="unreadable"):
+        load_checkpoint(path)
+
+
+def test_demo_defaults_reach_85_percent_at_epsilon_3(tmp_path, capsys):
+    """Acceptance 1: `dpscale train` with no arguments (the README's demo)."""
+    assert main(["train", "--quiet", "--set", f"run.out_dir={tmp_path / 'demo'}"]) == 0
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["epsilon"] <= 3.0 and summary["private"] and summary["sampling"] == "poisson"
+    assert summary["test_accuracy"] >= 0.85
+    assert summary["dataset"] == "mnist-5k"
+
+
+def test_papernot_preset_matches_paper_appendix_b():
+    cfg = load_config(REPO / "configs" / "papernot-mnist-tanh.yaml")
+    assert (cfg.dp.batch_size, cfg.train.epochs, cfg.optim.name, cfg.optim.lr) == (256, 40, "sgd", 0.15)
+    assert (cfg.dp.max_grad_norm, cfg.dp.noise_multiplier) == (1.0, 1.1)
+    assert cfg.model.kwargs == {"filters": [16, 16]} and cfg.model.activation == "tanh"
+
+
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist-10k not available")
+def test_papernot_preset_runs_on_shared_mnist(tmp_path):
+    code = main(["train", str(REPO / "configs" / "papernot-mnist-tanh.yaml"), "--quiet",
+                 "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=2", "--set", f"run.out_dir={tmp_path / 'p'}"])
+    assert code == 0
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert summary["dataset_size"] == 8000 and summary["steps"] == round(2 * 8000 / 256)
+    assert summary["test_accuracy"] > 0.5
+    assert summary["epsilon"] == pytest.approx(compute_epsilon(256 / 8000, 1.1, summary["steps"], 1e-5, "rdp"))
