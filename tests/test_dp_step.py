@@ -20,7 +20,7 @@ from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.models import build_model
 from dpscale.privacy import VmapEngine, add_gaussian_noise, clip_factors
 from dpscale.privacy.per_example import trainable_params
-from dpscale.train.step import noisy_clipped_mean
+from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
 
 def _model(name="papernot-cnn", seed=0, **kwargs):
@@ -126,11 +126,15 @@ def test_noise_added_once_per_logical_step_and_divided_by_expected_batch(chunk):
     model = _model("linear")
     x, y = _batch(12)
     sigma, c, expected_b = 2.0, 0.5, 16
-    kwargs = dict(max_physical_batch_size=chunk, expected_batch_size=expected_b)
+    idx = torch.arange(12)
     engine = VmapEngine(c)
-    clean, _ = noisy_clipped_mean(engine, model, x, y, noise_std=0.0, noise_generator=torch.Generator(), **kwargs)
+    clean, _ = noisy_clipped_mean(
+        engine, model, physical_chunks(x, y, idx, chunk), noise_std=0.0, expected_batch_size=expected_b,
+        noise_generator=torch.Generator(),
+    )
     noisy, stats_ = noisy_clipped_mean(
-        engine, model, x, y, noise_std=sigma * c, noise_generator=torch.Generator().manual_seed(3), **kwargs
+        engine, model, physical_chunks(x, y, idx, chunk), noise_std=sigma * c, expected_batch_size=expected_b,
+        noise_generator=torch.Generator().manual_seed(3),
     )
     noise = torch.cat([(noisy[k] - clean[k]).flatten() for k in clean]) * expected_b
     # 7,850 noise coordinates: the std of the noise on the *sum* is sigma * C, whatever the chunking
@@ -144,7 +148,7 @@ def test_gradient_accumulation_is_invariant_to_chunk_size():
     x, y = _batch(10)
     results = [
         noisy_clipped_mean(
-            VmapEngine(1.0), model, x, y, max_physical_batch_size=chunk, noise_std=0.0,
+            VmapEngine(1.0), model, physical_chunks(x, y, torch.arange(10), chunk), noise_std=0.0,
             expected_batch_size=10, noise_generator=torch.Generator(),
         )[0]
         for chunk in (1, 3, 10)
@@ -156,9 +160,10 @@ def test_gradient_accumulation_is_invariant_to_chunk_size():
 
 def test_empty_logical_batch_gives_pure_noise():
     model = _model("linear")
-    x, y = torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long)
+    x, y = _batch(20)
+    empty = torch.zeros(0, dtype=torch.long)  # a Poisson draw can select nobody
     grad, stats_ = noisy_clipped_mean(
-        VmapEngine(1.0), model, x, y, max_physical_batch_size=8, noise_std=3.0,
+        VmapEngine(1.0), model, physical_chunks(x, y, empty, 8), noise_std=3.0,
         expected_batch_size=50, noise_generator=torch.Generator().manual_seed(0),
     )
     flat = torch.cat([g.flatten() for g in grad.values()])
@@ -217,3 +222,40 @@ def test_make_sampler_validates():
         make_sampler("uniform", 10, 2, torch.Generator())
     with pytest.raises(ValueError, match="batch_size"):
         make_sampler("shuffle", 10, 11, torch.Generator())
+
+
+def test_batch_mixing_layers_are_rejected_with_a_clear_error():
+    from torch import nn
+
+    from dpscale.privacy.per_example import check_per_example_compatible
+
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
+    with pytest.raises(ValueError, match="BatchNorm2d.*GroupNorm"):
+        check_per_example_compatible(model)
+    check_per_example_compatible(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)))
+
+
+def test_logical_batch_of_64k_in_bounded_chunks_matches_full_batch_backward():
+    """A 65,536-example logical batch (Kurakin's mega-batches) accumulated over 4,096-example
+    chunks equals one ordinary backward of the summed loss (no clipping, no noise)."""
+    torch.manual_seed(0)
+    model = build_model("linear", 10, (1, 8, 8))
+    n = 65_536
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+    seen = []
+
+    def counting_chunks():
+        for chunk in physical_chunks(x, y, torch.arange(n), 4096):
+            seen.append(chunk[0].shape[0])
+            yield chunk
+
+    grad, stats_ = noisy_clipped_mean(
+        VmapEngine(None), model, counting_chunks(), noise_std=0.0, expected_batch_size=n,
+        noise_generator=torch.Generator(),
+    )
+    assert max(seen) == 4096 and sum(seen) == n and stats_.batch_size == n
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction="mean").backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grad[name], p.grad, rtol=1e-4, atol=1e-6)

@@ -12,6 +12,7 @@ from .datasets import (
     load_mnist_5k,
     load_npz,
 )
+from .sampling import SAMPLING_MODES, SHUFFLE_CAVEAT, PoissonSampler, ShuffleSampler, make_sampler
 
 __all__ = [
     "DATASET_NAMES",
@@ -24,4 +25,9 @@ __all__ = [
     "load_image_folder",
     "load_mnist_5k",
     "load_npz",
+    "SAMPLING_MODES",
+    "SHUFFLE_CAVEAT",
+    "PoissonSampler",
+    "ShuffleSampler",
+    "make_sampler",
 ]

@@ -39,6 +39,21 @@ def trainable_params(model: nn.Module) -> Params:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+# Layers whose output for one example depends on the others in the batch: per-example
+# gradients (and the DP guarantee) are undefined with them in training mode.
+BATCH_MIXING_LAYERS = (nn.modules.batchnorm._BatchNorm,)
+
+
+def check_per_example_compatible(model: nn.Module) -> None:
+    """Raise ValueError naming the first batch-mixing layer (e.g. BatchNorm) in ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, BATCH_MIXING_LAYERS):
+            raise ValueError(
+                f"layer {name!r} ({type(module).__name__}) mixes examples within a batch, so per-example "
+                "gradients are not defined; use GroupNorm/LayerNorm instead"
+            )
+
+
 class PerExampleEngine(Protocol):
     """Computes the clipped-gradient sum of one physical chunk."""
 

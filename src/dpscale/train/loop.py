@@ -21,12 +21,12 @@ from dpscale.config import Config, ConfigError, load_config, save_config
 from dpscale.data import ImageDataset, load_dataset
 from dpscale.models import build_model, count_parameters
 from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.per_example import make_engine
+from dpscale.privacy.per_example import check_per_example_compatible, make_engine
 from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.metrics import MetricsLog, evaluate, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
-from dpscale.train.step import apply_gradient, noisy_clipped_mean
+from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
@@ -110,6 +110,7 @@ class Trainer:
         self.model = build_model(
             config.model.name, info.num_classes, info.input_shape, config.model.activation, **config.model.kwargs
         ).to(self.device)
+        check_per_example_compatible(self.model)
         self.engine = make_engine(config.train.engine, self.plan.max_grad_norm)
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
@@ -206,13 +207,13 @@ class Trainer:
     def train_step(self) -> None:
         """Sample a logical batch, take one private step, account for it."""
         indices = self.sampler.sample().to(self.device)
-        x, y = self.data.x_train[indices], self.data.y_train[indices]
+        chunks = physical_chunks(
+            self.data.x_train, self.data.y_train, indices, self.config.train.max_physical_batch_size
+        )
         gradient, stats = noisy_clipped_mean(
             self.engine,
             self.model,
-            x,
-            y,
-            max_physical_batch_size=self.config.train.max_physical_batch_size,
+            chunks,
             noise_std=self.plan.noise_std,
             expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator,

@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from dpscale.privacy.noise import add_gaussian_noise
-from dpscale.privacy.per_example import Params, PerExampleEngine, trainable_params
+from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, trainable_params
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,20 @@ class StepStats:
     mean_grad_norm: float
 
 
+def physical_chunks(
+    x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max_physical_batch_size: int
+) -> Iterable[Batch]:
+    """Gather a logical batch chunk by chunk, so at most ``max_physical_batch_size``
+    examples are materialised at once however large the logical batch (64k+) is."""
+    for chunk in indices.split(max_physical_batch_size):
+        yield x[chunk], y[chunk]
+
+
 def noisy_clipped_mean(
     engine: PerExampleEngine,
     model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    chunks: Iterable[Batch],
     *,
-    max_physical_batch_size: int,
     noise_std: float,
     expected_batch_size: int,
     noise_generator: torch.Generator,
@@ -47,11 +55,10 @@ def noisy_clipped_mean(
     Args:
         engine: per-example clipping engine (holds C).
         model: the model; its trainable parameters define the gradient.
-        x, y: the whole logical batch (may be empty).
-        max_physical_batch_size: chunk size for gradient accumulation.
+        chunks: the logical batch as physical (x, y) chunks (possibly none: an empty batch).
         noise_std: sigma * C (0 for non-private runs).
-        expected_batch_size: B; dividing by the *expected* size (not len(x)) keeps the
-            sensitivity of the mean at C / B, as the accountant assumes.
+        expected_batch_size: B; dividing by the *expected* size (not the realised one) keeps
+            the sensitivity of the mean at C / B, as the accountant assumes.
         noise_generator: RNG for the noise.
 
     Returns:
@@ -60,8 +67,7 @@ def noisy_clipped_mean(
     params = trainable_params(model)
     total = {name: torch.zeros_like(p) for name, p in params.items()}
     loss_sum, norm_parts = 0.0, []
-    for start in range(0, x.shape[0], max_physical_batch_size):
-        chunk = (x[start : start + max_physical_batch_size], y[start : start + max_physical_batch_size])
+    for chunk in chunks:
         grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
         for name in total:
             total[name] += grad_sum[name]
@@ -73,7 +79,7 @@ def noisy_clipped_mean(
     norms = torch.cat(norm_parts) if norm_parts else torch.zeros(0)
     clip = engine.max_grad_norm
     stats = StepStats(
-        batch_size=int(x.shape[0]),
+        batch_size=int(norms.numel()),
         loss_sum=loss_sum,
         clipped_fraction=float((norms > clip).float().mean()) if clip is not None and norms.numel() else 0.0,
         mean_grad_norm=float(norms.mean()) if norms.numel() else 0.0,
