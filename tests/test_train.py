@@ -26,6 +26,7 @@ def small_config(out_dir, *extra):
         None,
         [
             f"run.out_dir={out_dir}",
+            "run.seed=0",
             "dp.batch_size=128",
             "dp.epsilon=4",
             "train.steps=24",
@@ -57,22 +58,35 @@ def _assert_identical_runs(dir_a: Path, dir_b: Path):
     assert _without_wall_time(read(dir_a)) == _without_wall_time(read(dir_b))
 
 
-def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path):
-    full = Trainer.create(small_config(tmp_path / "full"), progress=False)
+MODES = {
+    "poisson": (),
+    "shuffle": ("dp.sampling=shuffle",),
+    "non-private": ("dp.epsilon=null", "dp.noise_multiplier=0"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path, mode):
+    full = Trainer.create(small_config(tmp_path / "full", *MODES[mode]), progress=False)
     summary = full.run()
     assert summary["steps"] == 24
 
-    part = Trainer.create(small_config(tmp_path / "split"), progress=False)
+    split_dir = tmp_path / "split #2"  # also: a name YAML would mangle
+    part = Trainer.create(small_config(split_dir, *MODES[mode]), progress=False)
     assert part.run(max_steps=11) is None  # stops between evaluations, mid-window
-    assert load_checkpoint(tmp_path / "split" / "checkpoint.pt")["step"] == 11
-    resumed = Trainer.resume(tmp_path / "split", progress=False)
-    assert resumed.step == 11 and resumed.accountant.steps == 11
+    assert load_checkpoint(split_dir / "checkpoint.pt")["step"] == 11
+    moved = tmp_path / "2024"  # a moved/renamed run directory resumes where it now is
+    split_dir.rename(moved)
+    resumed = Trainer.resume(moved, progress=False)
+    assert resumed.step == 11 and resumed.accountant.steps == (11 if mode != "non-private" else 0)
     resumed.run()
-    assert resumed.accountant.steps == 24
-    _assert_identical_runs(tmp_path / "full", tmp_path / "split")
+    assert resumed.accountant.steps == (24 if mode != "non-private" else 0)
+    assert not (tmp_path / "split").exists()
+    _assert_identical_runs(tmp_path / "full", moved)
 
 
-def test_ctrl_c_checkpoints_a_consistent_state_then_resumes_identically(tmp_path, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(tmp_path, monkeypatch, signum):
     Trainer.create(small_config(tmp_path / "full"), progress=False).run()
 
     trainer = Trainer.create(small_config(tmp_path / "cut"), progress=False)
@@ -80,8 +94,8 @@ def test_ctrl_c_checkpoints_a_consistent_state_then_resumes_identically(tmp_path
 
     def step_then_signal(self):
         original(self)
-        if self.step == 5:  # Ctrl-C arrives in the middle of step 6's work? No: right after step 5
-            os.kill(os.getpid(), signal.SIGINT)
+        if self.step == 5:  # Ctrl-C / preemption arrives during step 5: it completes, then we stop
+            os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(Trainer, "train_step", step_then_signal)
     with pytest.raises(KeyboardInterrupt):
@@ -232,3 +246,81 @@ def test_papernot_preset_runs_on_shared_mnist(tmp_path):
     assert summary["dataset_size"] == 8000 and summary["steps"] == round(2 * 8000 / 256)
     assert summary["test_accuracy"] > 0.5
     assert summary["epsilon"] == pytest.approx(compute_epsilon(256 / 8000, 1.1, summary["steps"], 1e-5, "rdp"))
+
+
+def test_unseeded_runs_draw_secret_noise(tmp_path):
+    """run.seed null (the default): fresh entropy, never written to the run directory."""
+    runs = []
+    for name in ("a", "b"):
+        cfg = small_config(tmp_path / name, "run.seed=null", "train.steps=2")
+        Trainer.create(cfg, progress=False).run()
+        runs.append(load_checkpoint(tmp_path / name / "checkpoint.pt")["model"])
+        assert yaml.safe_load((tmp_path / name / "config.yaml").read_text())["run"]["seed"] is None
+    assert not torch.equal(runs[0]["head.0.weight"], runs[1]["head.0.weight"])
+
+
+def test_a_run_directory_is_claimed_once(tmp_path):
+    first = Trainer.create(small_config(tmp_path / "same"), progress=False)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        Trainer.create(small_config(tmp_path / "same"), progress=False)  # before any checkpoint exists
+    first.run(max_steps=2)
+    assert load_config(tmp_path / "same" / "config.yaml") == small_config(tmp_path / "same")
+
+
+def test_eval_is_read_only(tmp_path, capsys):
+    run_dir = tmp_path / "ro"
+    Trainer.create(small_config(run_dir), progress=False).run(max_steps=10)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    assert main(["eval", str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 10 and result["complete"] is False
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_periodic_checkpoints_survive_a_crash(tmp_path, monkeypatch):
+    trainer = Trainer.create(small_config(tmp_path / "crash", "train.checkpoint_every_steps=2"), progress=False)
+    original = Trainer.train_step
+
+    def crash_at_step_6(self):
+        if self.step == 5:
+            raise RuntimeError("simulated crash")
+        original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_6)
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.run()
+    assert load_checkpoint(tmp_path / "crash" / "checkpoint.pt")["step"] == 4
+
+
+def test_resume_refuses_changed_training_data(tmp_path):
+    import numpy as np
+
+    def write(path, seed):
+        rng = np.random.default_rng(seed)
+        np.savez(path, x_train=rng.integers(0, 256, (300, 8, 8), dtype=np.uint8), y_train=rng.integers(0, 3, 300),
+                 x_test=rng.integers(0, 256, (50, 8, 8), dtype=np.uint8), y_test=rng.integers(0, 3, 50))
+
+    data = tmp_path / "d.npz"
+    write(data, 0)
+    cfg = small_config(tmp_path / "run", "data.name=npz", f"data.root={data}", "model.name=linear", "dp.batch_size=50")
+    Trainer.create(cfg, progress=False).run(max_steps=3)
+    write(data, 1)  # same size, different examples
+    with pytest.raises(ConfigError, match="differs"):
+        Trainer.resume(tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [("run.device=bogus", "run.device"), ("run.threads=0", "run.threads"), ("train.eval_batch_size=0", "eval_batch_size"),
+     ("train.checkpoint_every_steps=0", "checkpoint_every_steps")],
+)
+def test_run_settings_are_validated(override, match):
+    with pytest.raises(ConfigError, match=match):
+        small_config("x", override)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_request_without_cuda_is_a_one_line_error(tmp_path, capsys):
+    assert main(["train", "--quiet", "--set", "run.device=cuda", "--set", f"run.out_dir={tmp_path / 'c'}"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA" in err and "Traceback" not in err

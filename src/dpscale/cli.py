@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -51,7 +52,7 @@ def _result_line(summary: dict, run_dir: Path) -> str:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dpscale.train.loop import SUMMARY_NAME, Trainer
 
-    trainer = Trainer.resume(args.run_dir, progress=False)
+    trainer = Trainer.load(args.run_dir)
     from dpscale.train.metrics import evaluate, json_safe
 
     accuracy, loss = evaluate(
@@ -105,6 +106,10 @@ def _cmd_account(args: argparse.Namespace) -> int:
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
 
+    if args.noise is not None and args.target_epsilon is not None and have_length:
+        raise ConfigError(
+            "give two of --noise, --target-epsilon and --epochs/--steps: the third is computed from them"
+        )
     if args.noise is not None and args.target_epsilon is not None and not have_length:
         solved = "steps"
         sigma = args.noise
@@ -209,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, OSError, RuntimeError) as err:
+        if os.environ.get("DPSCALE_DEBUG"):
+            raise
         print(f"dpscale {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

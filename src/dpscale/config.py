@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -107,7 +108,8 @@ class TrainConfig:
     max_physical_batch_size: most examples processed at once (gradient accumulation).
     engine: per-example gradient engine ("vmap").
     eval_batch_size: batch size for evaluation.
-    eval_every_epochs: evaluate and log every this many epochs (and at the end).
+    eval_every_epochs: evaluate, log and checkpoint every this many epochs (and at the end).
+    checkpoint_every_steps: also checkpoint every this many steps (null: only at evaluations).
     """
 
     epochs: float | None = 15.0
@@ -116,19 +118,22 @@ class TrainConfig:
     engine: str = "vmap"
     eval_batch_size: int = 1000
     eval_every_epochs: float = 1.0
+    checkpoint_every_steps: int | None = None
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Attributes:
-    seed: seeds model init, batch sampling and noise (separate streams).
+    seed: seeds model init, batch sampling and noise (separate streams). null (default): fresh
+        OS entropy that is never written down, as the DP analysis assumes the noise is secret.
+        A fixed seed makes a run reproducible but lets anyone who knows it replay the noise.
     out_dir: run directory for config.yaml, metrics.jsonl, checkpoint.pt, summary.json
         (null: runs/<model>-<data>-<date-time>).
     threads: torch CPU threads (null: torch's default).
     device: "cpu" or "cuda".
     """
 
-    seed: int = 0
+    seed: int | None = None
     out_dir: str | None = None
     threads: int | None = None
     device: str = "cpu"
@@ -156,8 +161,43 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class _Override:
+    """A ``--set`` value: the text as typed and its YAML reading. String fields take the text
+    itself, so paths like ``runs/a #2`` or ``2024`` are not mangled by YAML (comments, numbers)."""
+
+    raw: str
+    parsed: Any
+    error: str | None = None  # why the text is not valid YAML (fine for a string-typed key)
+
+    def resolve(self, path: str, annotation: Any) -> Any:
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        options = typing.get_args(annotation) if union else (annotation,)
+        if str not in options:
+            if self.error:
+                raise ConfigError(f"{path}: cannot parse value {self.raw!r}: {self.error}")
+            return self.parsed
+        text = self.raw.strip()
+        if text in ("", "null", "~", "Null", "NULL"):
+            return None
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            return self.parsed
+        return text
+
+
+def _unwrap(value: Any) -> Any:
+    """Free-form values (model.kwargs) take the YAML reading of any --set inside them."""
+    if isinstance(value, _Override):
+        return value.parsed
+    if isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    return value
+
+
 def _coerce(path: str, value: Any, annotation: Any) -> Any:
     """Check/convert ``value`` against a (simple) type annotation, with a clear error."""
+    if isinstance(value, _Override):
+        value = value.resolve(path, annotation)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -211,7 +251,7 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
+        return _unwrap(value)
     raise ConfigError(f"{path}: unsupported type {annotation}")  # pragma: no cover
 
 
@@ -233,28 +273,33 @@ def _build(cls: type, path: str, values: dict[str, Any]) -> Any:
             continue
         sub_path = f"{path}.{name}" if path else name
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], sub_path, values[name] or {})
+            section = values[name]
+            if isinstance(section, _Override):  # --set dp={epsilon: 2, delta: 1e-6}
+                section = section.parsed
+            kwargs[name] = _build(hints[name], sub_path, section or {})
         else:
             kwargs[name] = _coerce(sub_path, values[name], hints[name])
     return cls(**kwargs)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``a.b.c=value``; the value is read as YAML (numbers, null, lists, strings)."""
+    """Parse ``a.b.c=value``; the value is read as YAML (numbers, null, lists, mappings), except
+    that string-typed keys take the text as typed."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set expects key=value, got {text!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set {text!r}: cannot parse value: {err}") from err
-    return key.strip().split("."), value
+        return key.strip().split("."), _Override(raw, yaml.safe_load(raw) if raw.strip() else None)
+    except yaml.YAMLError as err:  # only acceptable for a string-typed key; checked when built
+        return key.strip().split("."), _Override(raw, raw, str(err).replace("\n", " "))
 
 
 def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
     node = base
     for key in keys[:-1]:
         child = node.get(key)
+        if isinstance(child, _Override) and isinstance(child.parsed, dict):
+            child = node[key] = dict(child.parsed)
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
@@ -329,6 +374,17 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
     if not train.eval_every_epochs > 0:
         raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
+    if train.eval_batch_size < 1:
+        raise ConfigError(f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
+    if train.checkpoint_every_steps is not None and train.checkpoint_every_steps < 1:
+        raise ConfigError(f"train.checkpoint_every_steps must be >= 1 or null, got {train.checkpoint_every_steps}")
+    run = config.run
+    if run.threads is not None and run.threads < 1:
+        raise ConfigError(f"run.threads must be >= 1 or null, got {run.threads}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", run.device):
+        raise ConfigError(f"run.device must be cpu, cuda, cuda:N or mps, got {run.device!r}")
+    if run.seed is not None and run.seed < 0:
+        raise ConfigError(f"run.seed must be >= 0 or null, got {run.seed}")
     if optim.name not in ("sgd", "adam", "adamw"):
         raise ConfigError(f"optim.name must be sgd, adam or adamw, got {optim.name!r}")
     if not optim.lr > 0:

@@ -10,6 +10,7 @@ from .datasets import (
     load_idx,
     load_image_folder,
     load_mnist_5k,
+    dataset_fingerprint,
     load_npz,
 )
 from .sampling import SAMPLING_MODES, SHUFFLE_CAVEAT, PoissonSampler, ShuffleSampler, make_sampler
@@ -25,6 +26,7 @@ __all__ = [
     "load_image_folder",
     "load_mnist_5k",
     "load_npz",
+    "dataset_fingerprint",
     "SAMPLING_MODES",
     "SHUFFLE_CAVEAT",
     "PoissonSampler",

@@ -10,6 +10,7 @@ processes and machines.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.resources
 import os
 from dataclasses import dataclass, replace
@@ -435,3 +436,15 @@ def load_dataset(name: str, root: PathLike | None = None, *, image_size: int | N
     else:
         ds = load_npz(root)
     return ds if image_size is None else _resize(ds, image_size)
+
+
+def dataset_fingerprint(dataset: ImageDataset) -> str:
+    """A cheap content hash of the training set (labels, shapes, a strided pixel sample), so a
+    resumed run can detect that ``data.root`` now points at different data of the same size."""
+    digest = hashlib.sha256()
+    x, y = dataset.x_train, dataset.y_train
+    digest.update(repr((tuple(x.shape), tuple(y.shape))).encode())
+    digest.update(y.detach().cpu().numpy().tobytes())
+    flat = x.detach().reshape(-1)
+    digest.update(flat[:: max(1, flat.numel() // 100_003)].cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -49,9 +49,10 @@ class PoissonSampler:
         self.generator = generator
 
     def sample(self) -> torch.Tensor:
-        # One uniform per example keeps the draw exactly Bernoulli(q) per example;
-        # O(N) per step is negligible next to a training step.
-        mask = torch.rand(self.dataset_size, generator=self.generator) < self.sample_rate
+        # One uniform per example keeps the draw exactly Bernoulli(q) per example; O(N) per
+        # step is negligible next to a training step. float64: float32 uniforms are multiples
+        # of 2^-24, which would round the inclusion probability *up* for small q.
+        mask = torch.rand(self.dataset_size, generator=self.generator, dtype=torch.float64) < self.sample_rate
         return mask.nonzero().flatten()
 
     def state_dict(self) -> dict[str, Any]:

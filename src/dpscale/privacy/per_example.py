@@ -104,7 +104,15 @@ class VmapEngine:
             logits = functional_call(model, (p, constants), (xi.unsqueeze(0),))
             return self.loss_fn(logits, yi.unsqueeze(0))
 
-        grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
+        try:
+            grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
+        except RuntimeError as err:
+            if "randomness" not in str(err):
+                raise
+            raise ValueError(
+                f"{type(model).__name__} draws random numbers in its forward pass (e.g. Dropout); the vmap "
+                "engine does not support that (and the draws would not be checkpointed). Remove it or use eval mode."
+            ) from err
         sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
         norms = sq_norms.sqrt()
         factors = clip_factors(norms, self.max_grad_norm)

@@ -18,6 +18,12 @@ from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan
 
 NOT_PRIVATE = "NOT PRIVATE: noise_multiplier=0 (non-private baseline), no DP guarantee"
+GUARANTEE_SCOPE = (
+    "epsilon covers the trained model (and anything computed from it alone). Not covered: the "
+    "train_loss/gradient-norm statistics in metrics.jsonl and the progress bar (computed on private "
+    "examples without noise), the RNG states in checkpoint.pt, a fixed run.seed, and hyper-parameter "
+    "tuning on the same data. Keep the run directory private; release the model."
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,14 @@ class DPPlan:
         notes = []
         if not self.is_private:
             notes.append(NOT_PRIVATE)
-        elif self.sampling == "shuffle":
+            return notes
+        if self.sampling == "shuffle":
             notes.append(SHUFFLE_CAVEAT)
+        if self.delta >= 1.0 / self.dataset_size:
+            notes.append(
+                f"delta={self.delta:g} >= 1/N={1.0 / self.dataset_size:.3g}: a weak guarantee "
+                "(releasing one random example outright meets it); use delta < 1/N"
+            )
         return notes
 
     def make_sampler(self, generator: torch.Generator):
@@ -92,6 +104,25 @@ def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_
     if steps is not None:
         return int(steps)
     return max(1, round(epochs * dataset_size / batch_size))
+
+
+def check_plan_matches(plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int) -> None:
+    """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data."""
+    expected = {
+        "dataset_size": dataset_size,
+        "batch_size": dp.batch_size,
+        "steps": steps,
+        "max_grad_norm": dp.max_grad_norm,
+        "delta": dp.delta,
+        "target_epsilon": dp.epsilon,
+        "sampling": dp.sampling,
+        "accountant": dp.accountant,
+    }
+    if dp.noise_multiplier is not None:
+        expected["noise_multiplier"] = float(dp.noise_multiplier)
+    wrong = [f"{k}: checkpoint {getattr(plan, k)!r} vs now {v!r}" for k, v in expected.items() if getattr(plan, k) != v]
+    if wrong:
+        raise ConfigError("the checkpoint's DP plan does not match this config and data (" + "; ".join(wrong) + ")")
 
 
 def make_dp_plan(dp: DPConfig, dataset_size: int, steps: int) -> DPPlan:

@@ -56,7 +56,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only: a checkpoint from elsewhere must not be able to run code on load.
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for corrupt files
         raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:

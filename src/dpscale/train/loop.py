@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,11 @@ import torch
 from tqdm import tqdm
 
 from dpscale.config import Config, ConfigError, load_config, save_config
-from dpscale.data import ImageDataset, load_dataset
+from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.models import build_model, count_parameters
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.per_example import check_per_example_compatible, make_engine
-from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
+from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, check_plan_matches, make_dp_plan, steps_for
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.metrics import MetricsLog, evaluate, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
@@ -36,14 +38,15 @@ EPSILON_REFRESH_S = 10.0
 
 
 class _DeferredInterrupt:
-    """Turns Ctrl-C into a request honoured between steps, so the checkpoint written on
-    interrupt is never taken halfway through a step (e.g. after the update but before the
-    accountant saw it). A second Ctrl-C interrupts immediately."""
+    """Turns Ctrl-C and SIGTERM (preemption) into a request honoured between steps, so the
+    checkpoint written on interrupt is never taken halfway through a step (e.g. after the
+    update but before the accountant saw it). A second signal interrupts immediately."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self._installed = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
@@ -52,23 +55,35 @@ class _DeferredInterrupt:
 
     def __enter__(self) -> "_DeferredInterrupt":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
-def _seeds(seed: int) -> dict[str, int]:
-    """Independent seeds for model init, batch sampling and noise, from one run seed."""
+def _seeds(seed: int | None) -> dict[str, int]:
+    """Independent seeds for model init, batch sampling and noise, from one run seed.
+
+    With no seed, fresh OS entropy that is never written down: the DP analysis assumes the
+    noise is unknown to the adversary. (Resume restores the generators' states instead.)
+    """
+    if seed is None:
+        seed = secrets.randbits(128)
     init, sampler, noise = np.random.SeedSequence(seed).generate_state(3, dtype=np.uint64)
     return {"init": int(init), "sampler": int(sampler), "noise": int(noise)}
 
 
 def default_out_dir(config: Config) -> str:
-    return f"runs/{config.model.name}-{config.data.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    """runs/<model>-<data>-<date-time>, with a suffix if that directory already exists."""
+    base = f"runs/{config.model.name}-{config.data.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    candidate, n = base, 1
+    while Path(candidate).exists():
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
 
 
 def prepare_data(config: Config, device: torch.device) -> ImageDataset:
@@ -87,9 +102,10 @@ class Trainer:
     Args:
         config: the resolved config (``run.out_dir`` set).
         progress: show a progress bar and print a header and result lines (to stderr).
+        plan: a DP plan saved in a checkpoint (skips calibration; checked against config and data).
     """
 
-    def __init__(self, config: Config, progress: bool = True) -> None:
+    def __init__(self, config: Config, progress: bool = True, plan: DPPlan | None = None) -> None:
         self.config = config
         self.progress = progress
         if config.run.out_dir is None:
@@ -98,13 +114,19 @@ class Trainer:
         if config.run.threads:
             torch.set_num_threads(config.run.threads)
         self.device = torch.device(config.run.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"run.device={config.run.device} but this torch build has no usable CUDA device")
         seeds = _seeds(config.run.seed)
 
         self.data = prepare_data(config, self.device)
         info = self.data.info
         n = info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
-        self.plan: DPPlan = make_dp_plan(config.dp, n, self.total_steps)
+        if plan is None:
+            plan = make_dp_plan(config.dp, n, self.total_steps)
+        else:
+            check_plan_matches(plan, config.dp, n, self.total_steps)
+        self.plan: DPPlan = plan
 
         torch.manual_seed(seeds["init"])
         self.model = build_model(
@@ -127,26 +149,36 @@ class Trainer:
     def create(cls, config: Config, progress: bool = True) -> "Trainer":
         """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run."""
         run_dir = Path(config.run.out_dir)
-        if (run_dir / CHECKPOINT_NAME).exists() or (run_dir / SUMMARY_NAME).exists():
-            raise ConfigError(
-                f"{run_dir} already holds a run; continue it with `dpscale train --resume {run_dir}` "
-                "or choose another run.out_dir"
-            )
+        taken = f"{run_dir} already holds a run; continue it with `dpscale train --resume {run_dir}` or choose another run.out_dir"
+        if any((run_dir / name).exists() for name in (CONFIG_NAME, CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME)):
+            raise ConfigError(taken)
         trainer = cls(config, progress)
         run_dir.mkdir(parents=True, exist_ok=True)
+        try:  # claim the directory atomically: of two runs started on it at once, one fails here
+            os.close(os.open(run_dir / CONFIG_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            raise ConfigError(taken) from None
         save_config(config, run_dir / CONFIG_NAME)
-        (run_dir / METRICS_NAME).unlink(missing_ok=True)
+        return trainer
+
+    @classmethod
+    def load(cls, run_dir: str | Path, progress: bool = False) -> "Trainer":
+        """The run in ``run_dir`` at its checkpoint, read-only (nothing in the directory changes)."""
+        run_dir = Path(run_dir)
+        if not (run_dir / CONFIG_NAME).is_file():
+            raise ConfigError(f"{run_dir} is not a dpscale run directory (no {CONFIG_NAME})")
+        config = load_config(run_dir / CONFIG_NAME)
+        # The directory may have been moved or renamed since: it is wherever it is now.
+        config = replace(config, run=replace(config.run, out_dir=str(run_dir)))
+        state = load_checkpoint(run_dir / CHECKPOINT_NAME)
+        trainer = cls(config, progress, plan=DPPlan(**state["plan"]))
+        trainer.load_state(state)
         return trainer
 
     @classmethod
     def resume(cls, run_dir: str | Path, progress: bool = True) -> "Trainer":
         """Continue the run in ``run_dir`` from its checkpoint, exactly where it stopped."""
-        run_dir = Path(run_dir)
-        if not (run_dir / CONFIG_NAME).is_file():
-            raise ConfigError(f"{run_dir} is not a dpscale run directory (no {CONFIG_NAME})")
-        config = load_config(run_dir / CONFIG_NAME, [f"run.out_dir={run_dir}"])
-        trainer = cls(config, progress)
-        trainer.load_state(load_checkpoint(run_dir / CHECKPOINT_NAME))
+        trainer = cls.load(run_dir, progress)
         trainer.metrics.truncate_after(trainer.step)
         return trainer
 
@@ -163,11 +195,17 @@ class Trainer:
             "noise_generator": self.noise_generator.get_state(),
             "window": dict(self._window),
             "plan": asdict(self.plan),
+            "data_fingerprint": dataset_fingerprint(self.data),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         if state["plan"] != asdict(self.plan):
             raise ConfigError("the checkpoint was written under a different DP plan; refusing to resume")
+        if state["data_fingerprint"] != dataset_fingerprint(self.data):
+            raise ConfigError(
+                f"the training data at data.root={self.config.data.root!r} differs from the data this run "
+                "was trained on; refusing to resume"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -275,6 +313,7 @@ class Trainer:
         epsilon = self.epsilon() if self.step else 0.0
         epsilon_at = time.perf_counter()
         interrupt = _DeferredInterrupt()
+        every = self.config.train.checkpoint_every_steps
         try:
             with interrupt:
                 while self.step < stop and not interrupt.requested:
@@ -290,6 +329,8 @@ class Trainer:
                             f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
                             f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
                         )
+                    elif every and self.step % every == 0:
+                        self.save()
                     self.wall_time_s += time.perf_counter() - started
                     if self.progress and time.perf_counter() - epsilon_at > EPSILON_REFRESH_S:
                         epsilon, epsilon_at = self.epsilon(), time.perf_counter()
@@ -303,7 +344,8 @@ class Trainer:
             bar.close()
         if interrupt.requested:
             self.save()
-            self._log(f"interrupted after step {self.step}; resume with: dpscale train --resume {self.run_dir}")
+            # Always printed (also with progress off): this is how the user gets their run back.
+            print(f"interrupted after step {self.step}; resume with: dpscale train --resume {self.run_dir}", file=sys.stderr)
             raise KeyboardInterrupt
         if self.step < self.total_steps:
             self.save()
@@ -333,6 +375,8 @@ class Trainer:
             "accountant": plan.accountant,
             "eps_tan": plan.eps_tan,
             "guarantee_caveats": plan.caveats(),
+            "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
+            "seeded": self.config.run.seed is not None,
             "dataset": self.data.info.name,
             "model": self.config.model.name,
             "trainable_params": count_parameters(self.model, trainable_only=True),

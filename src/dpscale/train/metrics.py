@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpscale.train.checkpoint import atomic_write_text
+
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> tuple[float, float]:
@@ -54,8 +56,14 @@ class MetricsLog:
         """Drop records logged after ``step`` (written after the checkpoint a resume starts from)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by a crash mid-write
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
