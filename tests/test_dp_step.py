@@ -266,3 +266,12 @@ def test_poisson_inclusion_is_not_rounded_up_for_tiny_rates():
     sampler = PoissonSampler(1_000_000, 1e-9, torch.Generator().manual_seed(0))
     total = sum(sampler.sample().numel() for _ in range(300))  # expected 0.3 (float32: 18)
     assert total <= 3
+
+
+def test_models_with_randomness_get_a_clear_error():
+    from torch import nn
+
+    model = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(784, 10)).train()
+    x, y = _batch(4)
+    with pytest.raises(ValueError, match="Dropout"):
+        VmapEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (x, y))

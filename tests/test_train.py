@@ -324,3 +324,9 @@ def test_cuda_request_without_cuda_is_a_one_line_error(tmp_path, capsys):
     assert main(["train", "--quiet", "--set", "run.device=cuda", "--set", f"run.out_dir={tmp_path / 'c'}"]) == 2
     err = capsys.readouterr().err
     assert "CUDA" in err and "Traceback" not in err
+
+
+def test_weak_delta_is_flagged(tmp_path):
+    summary = Trainer.create(small_config(tmp_path / "d", "dp.delta=0.001", "train.steps=2"), progress=False).run()
+    assert any("delta=0.001 >= 1/N" in note for note in summary["guarantee_caveats"])
+    assert "guarantee_scope" in summary and "metrics.jsonl" in summary["guarantee_scope"]

@@ -156,13 +156,12 @@ def _cmd_account(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from dpscale.models import build_model, count_parameters, list_models
+    from dpscale.models import build_model, count_parameters, default_input_shape, list_models
     from dpscale.privacy.per_example import ENGINES
 
-    default_shapes = {"tramer-cifar-cnn": (3, 32, 32), "tramer-cifar-cnn-small": (3, 32, 32)}
     rows = []
     for name in list_models():
-        shape = default_shapes.get(name, (1, 28, 28))
+        shape = default_input_shape(name)
         model = build_model(name, 10, shape)
         rows.append({"name": name, "params": count_parameters(model), "input_shape": list(shape), "engines": sorted(ENGINES)})
     if args.json:

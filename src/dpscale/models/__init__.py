@@ -2,6 +2,14 @@
 
 from dpscale.models import cnn as _cnn  # noqa: F401  (registers the models)
 from dpscale.models.activations import TemperedSigmoid, make_activation
-from dpscale.models.registry import build_model, count_parameters, list_models, register_model
+from dpscale.models.registry import build_model, count_parameters, default_input_shape, list_models, register_model
 
-__all__ = ["TemperedSigmoid", "build_model", "count_parameters", "list_models", "make_activation", "register_model"]
+__all__ = [
+    "TemperedSigmoid",
+    "build_model",
+    "count_parameters",
+    "default_input_shape",
+    "list_models",
+    "make_activation",
+    "register_model",
+]

@@ -124,7 +124,7 @@ def _tramer_cnn(widths, pool_after, num_classes, input_shape, activation, hidden
     return Classifier(features, widths[-1] * h * w, num_classes, head_hidden=(hidden,), activation=activation)
 
 
-@register_model("tramer-cifar-cnn")
+@register_model("tramer-cifar-cnn", input_shape=(3, 32, 32))
 def tramer_cifar_cnn(
     num_classes: int = 10,
     input_shape: tuple[int, int, int] = (3, 32, 32),
@@ -135,7 +135,7 @@ def tramer_cifar_cnn(
     return _tramer_cnn((32, 32, 64, 64, 128, 128), (2, 4, 6), num_classes, input_shape, activation, hidden)
 
 
-@register_model("tramer-cifar-cnn-small")
+@register_model("tramer-cifar-cnn-small", input_shape=(3, 32, 32))
 def tramer_cifar_cnn_small(
     num_classes: int = 10,
     input_shape: tuple[int, int, int] = (3, 32, 32),

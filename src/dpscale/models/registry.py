@@ -14,18 +14,25 @@ from torch import nn
 
 ModelBuilder = Callable[..., nn.Module]
 _REGISTRY: dict[str, ModelBuilder] = {}
+_DEFAULT_INPUT: dict[str, tuple[int, int, int]] = {}
 
 
-def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Decorator adding a builder under ``name``."""
+def register_model(name: str, input_shape: tuple[int, int, int] = (1, 28, 28)) -> Callable[[ModelBuilder], ModelBuilder]:
+    """Decorator adding a builder under ``name``; ``input_shape`` is its usual (C, H, W)."""
 
     def add(builder: ModelBuilder) -> ModelBuilder:
         if name in _REGISTRY:
             raise ValueError(f"model {name!r} is already registered")
         _REGISTRY[name] = builder
+        _DEFAULT_INPUT[name] = tuple(input_shape)
         return builder
 
     return add
+
+
+def default_input_shape(name: str) -> tuple[int, int, int]:
+    """The (C, H, W) a model is usually trained on (used for listings and parameter counts)."""
+    return _DEFAULT_INPUT[name]
 
 
 def list_models() -> list[str]:
