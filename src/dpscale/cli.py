@@ -157,13 +157,13 @@ def _cmd_account(args: argparse.Namespace) -> int:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     from dpscale.models import build_model, count_parameters, default_input_shape, list_models
-    from dpscale.privacy.per_example import ENGINES
+    from dpscale.privacy.per_example import supported_engines
 
     rows = []
     for name in list_models():
         shape = default_input_shape(name)
         model = build_model(name, 10, shape)
-        rows.append({"name": name, "params": count_parameters(model), "input_shape": list(shape), "engines": sorted(ENGINES)})
+        rows.append({"name": name, "params": count_parameters(model), "input_shape": list(shape), "engines": supported_engines(model)})
     if args.json:
         print(json.dumps(rows))
     else:

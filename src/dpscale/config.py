@@ -106,7 +106,8 @@ class TrainConfig:
     epochs: training length in epochs (steps = round(epochs * N / B)); or give steps.
     steps: training length in logical steps (overrides epochs).
     max_physical_batch_size: most examples processed at once (gradient accumulation).
-    engine: per-example gradient engine ("vmap").
+    engine: per-example clipping engine: auto (bk when every trainable layer is supported,
+        else vmap), bk (book-keeping), ghost (ghost norms + second backward) or vmap.
     eval_batch_size: batch size for evaluation.
     eval_every_epochs: evaluate, log and checkpoint every this many epochs (and at the end).
     checkpoint_every_steps: also checkpoint every this many steps (null: only at evaluations).
@@ -115,7 +116,7 @@ class TrainConfig:
     epochs: float | None = 15.0
     steps: int | None = None
     max_physical_batch_size: int = 512
-    engine: str = "vmap"
+    engine: str = "auto"
     eval_batch_size: int = 1000
     eval_every_epochs: float = 1.0
     checkpoint_every_steps: int | None = None
@@ -374,6 +375,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
     if not train.eval_every_epochs > 0:
         raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
+    if train.engine not in ("auto", "bk", "ghost", "vmap"):
+        raise ConfigError(f"train.engine must be auto, bk, ghost or vmap, got {train.engine!r}")
     if train.eval_batch_size < 1:
         raise ConfigError(f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
     if train.checkpoint_every_steps is not None and train.checkpoint_every_steps < 1:

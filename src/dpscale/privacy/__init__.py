@@ -3,11 +3,13 @@
 from dpscale.privacy.accountant import ACCOUNTANT_KINDS, PrivacyAccountant, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
 from dpscale.privacy.noise import add_gaussian_noise
+from dpscale.privacy.ghost import GhostEngine, unsupported_modules
 from dpscale.privacy.per_example import PerExampleEngine, VmapEngine, clip_factors, make_engine
 from dpscale.privacy.tan import eps_tan, tan_eta, total_amount_of_noise
 
 __all__ = [
     "ACCOUNTANT_KINDS",
+    "GhostEngine",
     "PerExampleEngine",
     "PrivacyAccountant",
     "VmapEngine",
@@ -20,4 +22,5 @@ __all__ = [
     "make_engine",
     "tan_eta",
     "total_amount_of_noise",
+    "unsupported_modules",
 ]

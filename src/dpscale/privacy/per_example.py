@@ -20,7 +20,12 @@ from torch.func import functional_call, grad_and_value, vmap
 
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+# Per-example loss: (logits (B, ...), targets (B, ...)) -> losses (B,).
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def per_example_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, reduction="none")
 
 # Added to norms before dividing so that a zero gradient gets factor 1, and so that
 # the clipped norm norm * C / (norm + eps) stays strictly below C.
@@ -77,11 +82,11 @@ class VmapEngine:
 
     Args:
         max_grad_norm: clipping norm C (L2 over all trainable parameters); None = no clipping.
-        loss_fn: loss of (logits, labels), mean-reduced over its (size-one) batch.
+        loss_fn: per-example loss (logits, labels) -> (B,).
     """
 
     max_grad_norm: float | None
-    loss_fn: LossFn = F.cross_entropy
+    loss_fn: LossFn = per_example_cross_entropy
     name: str = "vmap"
 
     def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
@@ -102,7 +107,7 @@ class VmapEngine:
 
         def loss_one(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             logits = functional_call(model, (p, constants), (xi.unsqueeze(0),))
-            return self.loss_fn(logits, yi.unsqueeze(0))
+            return self.loss_fn(logits, yi.unsqueeze(0))[0]
 
         try:
             grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
@@ -120,11 +125,41 @@ class VmapEngine:
         return grad_sum, norms, losses.detach()
 
 
-ENGINES: dict[str, type] = {"vmap": VmapEngine}
+ENGINE_NAMES = ("auto", "bk", "ghost", "vmap")
 
 
-def make_engine(name: str, max_grad_norm: float | None, loss_fn: LossFn = F.cross_entropy) -> PerExampleEngine:
-    """Engine by name ("vmap"; faster engines register here)."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
-    return ENGINES[name](max_grad_norm=max_grad_norm, loss_fn=loss_fn)
+def make_engine(
+    name: str,
+    max_grad_norm: float | None,
+    model: nn.Module | None = None,
+    loss_fn: LossFn = per_example_cross_entropy,
+) -> tuple[PerExampleEngine, str | None]:
+    """Engine by name, plus a one-line notice when "auto" had to fall back.
+
+    Args:
+        name: "auto" (bk when every trainable layer is supported, else vmap), "bk", "ghost" or "vmap".
+        max_grad_norm: clipping norm C (None: no clipping).
+        model: needed by "auto" to check layer support (and by bk/ghost to fail early).
+        loss_fn: per-example loss.
+
+    Returns:
+        (engine, notice or None).
+    """
+    from dpscale.privacy.ghost import GhostEngine, unsupported_modules  # local: ghost imports this module
+
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    problems = unsupported_modules(model) if model is not None else []
+    if name == "vmap" or (name == "auto" and problems):
+        notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
+        return VmapEngine(max_grad_norm, loss_fn), notice
+    if problems:
+        raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
+    return GhostEngine(max_grad_norm, loss_fn, mode="bk" if name == "auto" else name), None
+
+
+def supported_engines(model: nn.Module) -> list[str]:
+    """Engines that can train ``model``."""
+    from dpscale.privacy.ghost import unsupported_modules
+
+    return ["auto", "vmap"] + ([] if unsupported_modules(model) else ["bk", "ghost"])

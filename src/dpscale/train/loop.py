@@ -133,7 +133,9 @@ class Trainer:
             config.model.name, info.num_classes, info.input_shape, config.model.activation, **config.model.kwargs
         ).to(self.device)
         check_per_example_compatible(self.model)
-        self.engine = make_engine(config.train.engine, self.plan.max_grad_norm)
+        self.engine, engine_notice = make_engine(config.train.engine, self.plan.max_grad_norm, self.model)
+        if engine_notice:
+            self._log(engine_notice)
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
         self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(seeds["sampler"]))

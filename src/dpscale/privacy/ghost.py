@@ -1,0 +1,358 @@
+"""Per-example clipping without per-example gradients: ghost norms and book-keeping.
+
+One forward pass records each trainable layer's input ``a`` and output; one backward pass
+computes only the gradients ``g`` with respect to those outputs (no parameter gradients).
+For every supported layer the per-example gradient is a simple function of (a_i, g_i), so
+
+* its squared norm comes either from Gram matrices, ||g_i^T a_i||^2 = <a_i a_i^T, g_i g_i^T>
+  (the "ghost" norm, cheap when the sequence/spatial length T is small), or from the explicit
+  per-example gradient (cheap when the layer is small); the "mixed" rule picks the cheaper
+  by a cost estimate from shapes;
+* the clipped sum sum_i c_i g_i^T a_i is one weight-gradient product with g scaled by the
+  per-example clip factors c_i (book-keeping, Bu et al. 2023) -- or, in ``ghost`` mode, a
+  second backward pass of sum_i c_i loss_i.
+
+Supported: Linear (any leading dims), Conv1d/Conv2d (stride, padding, dilation, groups; zero
+padding), GroupNorm/LayerNorm affine parameters, Embedding, and their biases. Nothing is
+stored on tensors or modules: hooks live for one call only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpscale.privacy.per_example import Batch, LossFn, Params, clip_factors, per_example_cross_entropy
+
+# ----------------------------------------------------------------------------- layer rules
+
+
+@dataclass
+class _Record:
+    """What one forward pass leaves behind for one layer."""
+
+    module: nn.Module
+    name: str
+    trainable: dict[str, bool]  # local param name -> requires_grad
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    out_grad: torch.Tensor | None = None
+    calls: int = 0
+    cache: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _use_ghost(length: int, d_in: int, d_out: int) -> bool:
+    """Mixed rule: Gram matrices cost ~T^2 (d_in + d_out) per example, explicit ~T d_in d_out."""
+    return length * (d_in + d_out) < d_in * d_out
+
+
+def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    b = a.shape[0]
+    a = a.reshape(b, -1, a.shape[-1])
+    g = g.reshape(b, -1, g.shape[-1])
+    sq = a.new_zeros(b)
+    if r.trainable.get("weight"):
+        t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+        if t == 1:
+            sq = sq + a[:, 0].pow(2).sum(1) * g[:, 0].pow(2).sum(1)
+        elif _use_ghost(t, d_in, d_out):
+            sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        else:
+            per_example = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
+            r.cache["weight"] = per_example
+            sq = sq + per_example.pow(2).sum((1, 2))
+    if r.trainable.get("bias"):
+        r.cache["bias"] = g.sum(1)
+        sq = sq + r.cache["bias"].pow(2).sum(1)
+    return sq
+
+
+def _linear_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
+    out: Params = {}
+    if r.trainable.get("weight"):
+        if "weight" in r.cache:
+            out["weight"] = torch.tensordot(c, r.cache["weight"], dims=1)
+        else:
+            gc = (g * c.view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
+            out["weight"] = gc.t() @ a.reshape(-1, a.shape[-1])
+    if r.trainable.get("bias"):
+        out["bias"] = c @ r.cache["bias"]
+    return out
+
+
+def _conv_geometry(m: nn.Module) -> tuple[tuple[int, int], ...]:
+    """(kernel, stride, padding, dilation) as 2-D pairs; Conv1d is a 1 x k Conv2d."""
+    if isinstance(m, nn.Conv1d):
+        (k,), (s,), (p,), (d,) = m.kernel_size, m.stride, m.padding, m.dilation
+        return (1, k), (1, s), (0, p), (1, d)
+    return (m.kernel_size, m.stride, m.padding, m.dilation)  # type: ignore[return-value]
+
+
+def _conv_unfold(r: _Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs as (B, groups, C_in/groups * k, L) patches and output grads as (B, groups, C_out/groups, L)."""
+    m = r.module
+    kernel, stride, padding, dilation = _conv_geometry(m)
+    if isinstance(m, nn.Conv1d):
+        a = a.unsqueeze(2)
+    b, groups = a.shape[0], m.groups
+    patches = F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    patches = patches.reshape(b, groups, -1, patches.shape[-1])
+    g = g.reshape(b, groups, m.out_channels // groups, -1)
+    return patches, g
+
+
+def _conv_per_example_grouped(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients as one grouped-convolution weight gradient with the batch
+    folded into the groups (uses the fast convolution kernels instead of im2col + bmm)."""
+    m = r.module
+    kernel, stride, padding, dilation = _conv_geometry(m)
+    if isinstance(m, nn.Conv1d):
+        a, g = a.unsqueeze(2), g.unsqueeze(2)
+    b, groups = a.shape[0], m.groups
+    weight = torch.nn.grad.conv2d_weight(
+        a.reshape(1, -1, *a.shape[2:]),
+        (b * m.out_channels, m.in_channels // groups, *kernel),
+        g.reshape(1, -1, *g.shape[2:]),
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=b * groups,
+    )
+    return weight.reshape(b, groups, m.out_channels // groups, -1)
+
+
+def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    b = a.shape[0]
+    sq = a.new_zeros(b)
+    if r.trainable.get("weight"):
+        m = r.module
+        length = g[0, 0].numel()
+        d_in = m.in_channels // m.groups * m.weight[0, 0].numel()
+        d_out = m.out_channels // m.groups
+        if _use_ghost(length, d_in, d_out):
+            patches, gg = _conv_unfold(r, a, g)
+            gram_a = torch.matmul(patches.transpose(2, 3), patches)  # (B, G, L, L)
+            gram_g = torch.matmul(gg.transpose(2, 3), gg)
+            sq = sq + (gram_a * gram_g).sum((1, 2, 3))
+            r.cache["patches"], r.cache["g"] = patches, gg
+        else:
+            # Two exact ways to the same per-example gradients; which is faster on CPU depends on
+            # shapes (measured: im2col + bmm for short outputs or thin inputs, grouped conv otherwise).
+            # A fixed shape rule, never timing, so reruns and resumes take the same arithmetic.
+            if length <= 64 or d_in < 32:
+                patches, gg = _conv_unfold(r, a, g)
+                per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
+            else:
+                per_example = _conv_per_example_grouped(r, a, g)
+            r.cache["weight"] = per_example
+            sq = sq + per_example.pow(2).sum((1, 2, 3))
+    if r.trainable.get("bias"):
+        r.cache["bias"] = g.reshape(b, g.shape[1], -1).sum(2)
+        sq = sq + r.cache["bias"].pow(2).sum(1)
+    return sq
+
+
+def _conv_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
+    m, out = r.module, {}
+    if r.trainable.get("weight"):
+        if "weight" in r.cache:
+            summed = torch.tensordot(c, r.cache["weight"], dims=1)  # (G, out/G, in/G * k)
+        else:
+            patches, gg = r.cache["patches"], r.cache["g"]
+            gc = gg * c.view(-1, 1, 1, 1)
+            # sum over examples and positions: (G, out/G, in/G * k)
+            summed = torch.einsum("bgol,bgil->goi", gc, patches)
+        out["weight"] = summed.reshape(m.weight.shape)
+    if r.trainable.get("bias"):
+        out["bias"] = c @ r.cache["bias"]
+    return out
+
+
+def _normalized(r: _Record, a: torch.Tensor) -> torch.Tensor:
+    m = r.module
+    if isinstance(m, nn.GroupNorm):
+        return F.group_norm(a, m.num_groups, None, None, m.eps)
+    return F.layer_norm(a, m.normalized_shape, None, None, m.eps)
+
+
+def _affine_parts(r: _Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-example gradients of a norm layer's affine weight and bias, shaped (B, *param)."""
+    m, b = r.module, a.shape[0]
+    parts = {}
+    if isinstance(m, nn.GroupNorm):  # params per channel (dim 1)
+        reduce = lambda t: t.reshape(b, m.num_channels, -1).sum(2)  # noqa: E731
+    else:  # LayerNorm: params over the trailing normalized_shape
+        n = len(m.normalized_shape)
+        reduce = lambda t: t.reshape(b, -1, *t.shape[t.dim() - n :]).sum(1)  # noqa: E731
+    if r.trainable.get("weight"):
+        parts["weight"] = reduce(g * _normalized(r, a))
+    if r.trainable.get("bias"):
+        parts["bias"] = reduce(g)
+    return parts
+
+
+def _norm_layer_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    parts = _affine_parts(r, a, g)
+    r.cache.update(parts)
+    return sum((t.reshape(t.shape[0], -1).pow(2).sum(1) for t in parts.values()), a.new_zeros(a.shape[0]))
+
+
+def _norm_layer_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
+    return {name: torch.tensordot(c, r.cache[name], dims=1) for name in ("weight", "bias") if name in r.cache}
+
+
+def _embedding_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    b = a.shape[0]
+    idx = a.reshape(b, -1)
+    g = g.reshape(b, idx.shape[1], -1)
+    if r.module.padding_idx is not None:  # torch gives the padding row no gradient
+        g = g * (idx != r.module.padding_idx).unsqueeze(-1)
+    r.cache["idx"], r.cache["g"] = idx, g
+    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)  # rows hit by both positions
+    return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+
+def _embedding_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
+    idx, gg = r.cache["idx"], r.cache["g"]
+    weight = torch.zeros_like(r.module.weight)
+    weight.index_add_(0, idx.reshape(-1), (gg * c.view(-1, 1, 1)).reshape(-1, gg.shape[-1]))
+    return {"weight": weight}
+
+
+@dataclass(frozen=True)
+class _Rule:
+    norms: Callable[[_Record, torch.Tensor, torch.Tensor], torch.Tensor]
+    sums: Callable[[_Record, torch.Tensor, torch.Tensor, torch.Tensor], Params]
+
+
+_RULES: dict[type, _Rule] = {
+    nn.Linear: _Rule(_linear_norms, _linear_sums),
+    nn.Conv1d: _Rule(_conv_norms, _conv_sums),
+    nn.Conv2d: _Rule(_conv_norms, _conv_sums),
+    nn.GroupNorm: _Rule(_norm_layer_norms, _norm_layer_sums),
+    nn.LayerNorm: _Rule(_norm_layer_norms, _norm_layer_sums),
+    nn.Embedding: _Rule(_embedding_norms, _embedding_sums),
+}
+
+
+def _why_unsupported(module: nn.Module) -> str | None:
+    """None if the layer's trainable parameters can be handled, else the reason."""
+    rule = _RULES.get(type(module))
+    if rule is None:
+        return type(module).__name__
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (
+        isinstance(module.padding, str) or module.padding_mode != "zeros"
+    ):
+        return f"{type(module).__name__} with padding={module.padding!r}, padding_mode={module.padding_mode!r}"
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
+        return "Embedding with max_norm or scale_grad_by_freq"
+    return None
+
+
+def unsupported_modules(model: nn.Module) -> list[str]:
+    """Names (and reasons) of layers with trainable parameters the ghost/bk engines cannot handle."""
+    problems = []
+    for name, module in model.named_modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            reason = _why_unsupported(module)
+            if reason is not None:
+                problems.append(f"{name or '<root>'} ({reason})")
+    return problems
+
+
+# ---------------------------------------------------------------------------------- engine
+
+
+@dataclass(frozen=True)
+class GhostEngine:
+    """Ghost-norm (``mode="ghost"``) or book-keeping (``mode="bk"``) per-example clipping.
+
+    Args:
+        max_grad_norm: clipping norm C; None = no clipping.
+        loss_fn: per-example loss (logits, labels) -> (B,).
+        mode: "ghost" (clipped sum by a second backward) or "bk" (from stored activations).
+    """
+
+    max_grad_norm: float | None
+    loss_fn: LossFn = per_example_cross_entropy
+    mode: str = "bk"
+
+    @property
+    def name(self) -> str:
+        return self.mode
+
+    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
+        grad_sum, norms, _ = self.clipped_sum_and_losses(model, params, batch)
+        return grad_sum, norms
+
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+        x, y = batch
+        if x.shape[0] == 0:
+            empty = x.new_zeros(0)
+            return {k: torch.zeros_like(v) for k, v in params.items()}, empty, empty
+        problems = unsupported_modules(model)
+        if problems:
+            raise ValueError(f"{self.mode} engine cannot handle: {', '.join(problems)}; use engine=vmap")
+
+        records = self._records(model, params)
+        handles = [r.module.register_forward_hook(self._capture(r)) for r in records]
+        try:
+            losses = self.loss_fn(model(x), y)
+        finally:
+            for h in handles:
+                h.remove()
+        for r in records:
+            if r.calls != 1:
+                raise ValueError(
+                    f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
+                )
+        # Gradients w.r.t. the layer outputs only: no parameter gradient is computed here.
+        out_grads = torch.autograd.grad(
+            losses.sum(), [r.output for r in records], retain_graph=self.mode == "ghost", allow_unused=True
+        )
+        sq_norms = x.new_zeros(x.shape[0])
+        for r, g in zip(records, out_grads):
+            g = torch.zeros_like(r.output) if g is None else g
+            r.out_grad = g
+            sq_norms = sq_norms + _RULES[type(r.module)].norms(r, r.inputs, g)
+        norms = sq_norms.sqrt()
+        factors = clip_factors(norms, self.max_grad_norm)
+
+        if self.mode == "ghost":
+            names = list(params)
+            live = dict(model.named_parameters())
+            grads = torch.autograd.grad((losses * factors).sum(), [live[n] for n in names], allow_unused=True)
+            grad_sum = {n: (torch.zeros_like(params[n]) if g is None else g) for n, g in zip(names, grads)}
+        else:
+            grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
+            for r in records:
+                for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, factors).items():
+                    grad_sum[f"{r.name}.{local}" if r.name else local] = s
+        return grad_sum, norms.detach(), losses.detach()
+
+    @staticmethod
+    def _records(model: nn.Module, params: Params) -> list[_Record]:
+        records = []
+        for name, module in model.named_modules():
+            local = {
+                pname: (f"{name}.{pname}" if name else pname) in params
+                for pname, _ in module.named_parameters(recurse=False)
+            }
+            if any(local.values()):
+                records.append(_Record(module, name, local))
+        return records
+
+    @staticmethod
+    def _capture(record: _Record) -> Callable:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            record.calls += 1
+            record.inputs = inputs[0].detach()
+            record.output = output
+
+        return hook

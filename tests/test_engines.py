@@ -1,0 +1,182 @@
+"""ghost / bk engines against the vmap reference (itself checked against a naive loop in
+test_dp_step.py): per-example norms and clipped sums, for every supported layer type with
+random shapes (hypothesis), frozen parameters, and every registered model."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from dpscale.models import build_model, default_input_shape, list_models
+from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
+from dpscale.privacy.per_example import supported_engines, trainable_params
+from dpscale.train.step import noisy_clipped_mean, physical_chunks
+
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def assert_engines_agree(model, x, y, clip, freeze_mask=None):
+    if freeze_mask is not None:
+        for p, frozen in zip(model.parameters(), freeze_mask):
+            p.requires_grad_(not frozen)
+    params = trainable_params(model)
+    if not params:
+        return
+    ref_sum, ref_norms = VmapEngine(clip).per_example_clipped_sum(model, params, (x, y))
+    for mode in ("ghost", "bk"):
+        grad_sum, norms = GhostEngine(clip, mode=mode).per_example_clipped_sum(model, params, (x, y))
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-7)
+        assert set(grad_sum) == set(ref_sum)
+        # Tolerance relative to the whole update: a parameter whose gradient is exactly zero in
+        # exact arithmetic (e.g. a bias before a normalisation) is float noise in both engines.
+        scale = max(float(ref.abs().max()) for ref in ref_sum.values()) + 1e-12
+        for name, ref in ref_sum.items():
+            torch.testing.assert_close(grad_sum[name], ref, rtol=1e-5, atol=1e-5 * scale, msg=f"{mode} {name}")
+
+
+def head(features: int, classes: int = 3) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, classes))
+
+
+def _labels(b, classes=3):
+    return torch.randint(0, classes, (b,))
+
+
+@SETTINGS
+@given(b=st.integers(1, 5), t=st.integers(1, 6), d_in=st.integers(1, 9), d_out=st.integers(1, 9),
+       bias=st.booleans(), seq=st.booleans(), clip=st.sampled_from([1e-3, 0.3, 1e3]), seed=st.integers(0, 999))
+def test_linear(b, t, d_in, d_out, bias, seq, clip, seed):
+    torch.manual_seed(seed)
+    if seq:  # sequence input (B, T, d_in)
+        model, x = nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Tanh(), head(t * d_out)), torch.randn(b, t, d_in)
+    else:
+        model, x = nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Tanh(), head(d_out)), torch.randn(b, d_in)
+    assert_engines_agree(model, x, _labels(b), clip)
+
+
+@SETTINGS
+@given(b=st.integers(1, 4), groups=st.sampled_from([1, 2]), cin_per=st.integers(1, 3), cout_per=st.integers(1, 3),
+       k=st.integers(1, 4), stride=st.integers(1, 3), padding=st.integers(0, 2), dilation=st.integers(1, 2),
+       size=st.integers(6, 16), bias=st.booleans(), one_d=st.booleans(), clip=st.sampled_from([1e-3, 1.0, 1e3]),
+       seed=st.integers(0, 999))
+def test_conv(b, groups, cin_per, cout_per, k, stride, padding, dilation, size, bias, one_d, clip, seed):
+    torch.manual_seed(seed)
+    cin, cout = groups * cin_per, groups * cout_per
+    conv_cls = nn.Conv1d if one_d else nn.Conv2d
+    conv = conv_cls(cin, cout, k, stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias)
+    x = torch.randn(b, cin, size) if one_d else torch.randn(b, cin, size, size)
+    with torch.no_grad():
+        features = conv(x)[0].numel()
+    assert_engines_agree(nn.Sequential(conv, nn.Tanh(), head(features)), x, _labels(b), clip)
+
+
+@pytest.mark.parametrize("size, cin, cout", [(20, 8, 4), (12, 40, 6), (10, 2, 3)])
+def test_conv_each_per_example_path(size, cin, cout):
+    """Shapes that exercise ghost, grouped-conv and im2col per-example paths of the mixed rule."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, 3, padding=1)
+    x = torch.randn(3, cin, size, size)
+    assert_engines_agree(nn.Sequential(conv, nn.Tanh(), head(cout * size * size)), x, _labels(3), 0.5)
+
+
+@SETTINGS
+@given(b=st.integers(1, 4), groups=st.sampled_from([1, 2, 4]), per=st.integers(1, 3), size=st.integers(2, 6),
+       affine=st.booleans(), clip=st.sampled_from([1e-3, 1.0]), seed=st.integers(0, 999))
+def test_group_norm(b, groups, per, size, affine, clip, seed):
+    torch.manual_seed(seed)
+    c = groups * per
+    conv = nn.Conv2d(2, c, 3, padding=1)
+    norm = nn.GroupNorm(groups, c, affine=affine)
+    with torch.no_grad():  # non-trivial affine parameters
+        for p in norm.parameters():
+            p.normal_()
+    model = nn.Sequential(conv, norm, nn.Tanh(), head(c * size * size))
+    assert_engines_agree(model, torch.randn(b, 2, size, size), _labels(b), clip)
+
+
+@SETTINGS
+@given(b=st.integers(1, 4), t=st.integers(1, 5), d=st.integers(2, 8), two_dims=st.booleans(), bias=st.booleans(),
+       seed=st.integers(0, 999))
+def test_layer_norm(b, t, d, two_dims, bias, seed):
+    torch.manual_seed(seed)
+    shape = (t, d) if two_dims else (d,)
+    norm = nn.LayerNorm(shape, bias=bias)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    model = nn.Sequential(nn.Linear(d, d), norm, nn.Tanh(), head(t * d))
+    assert_engines_agree(model, torch.randn(b, t, d), _labels(b), 0.7)
+
+
+@SETTINGS
+@given(b=st.integers(1, 4), t=st.integers(1, 7), vocab=st.integers(2, 6), d=st.integers(1, 5),
+       padding_idx=st.sampled_from([None, 0]), seed=st.integers(0, 999))
+def test_embedding(b, t, vocab, d, padding_idx, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(vocab, d, padding_idx=padding_idx), nn.Tanh(), head(t * d))
+    x = torch.randint(0, vocab, (b, t))  # small vocab: repeated tokens within an example
+    assert_engines_agree(model, x, _labels(b), 0.5)
+
+
+@SETTINGS
+@given(mask=st.lists(st.booleans(), min_size=6, max_size=6), seed=st.integers(0, 999))
+def test_frozen_parameters(mask, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 36, 5), nn.Tanh(), nn.Linear(5, 3))
+    assert_engines_agree(model, torch.randn(4, 1, 8, 8), _labels(4), 0.5, freeze_mask=mask)
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(name):
+    torch.manual_seed(0)
+    model = build_model(name, 10, default_input_shape(name))
+    x = torch.randn(9, *default_input_shape(name))
+    y = torch.randint(0, 10, (9,))
+    updates = {}
+    for engine_name in supported_engines(model):
+        engine, _ = make_engine(engine_name, 1.0, model)
+        updates[engine_name], _ = noisy_clipped_mean(
+            engine, model, physical_chunks(x, y, torch.arange(9), 4), noise_std=1.3,
+            expected_batch_size=8, noise_generator=torch.Generator().manual_seed(42),
+        )
+    assert {"vmap", "bk", "ghost", "auto"} <= set(updates)
+    for engine_name, update in updates.items():
+        for param, ref in updates["vmap"].items():
+            torch.testing.assert_close(update[param], ref, rtol=1e-5, atol=1e-6, msg=f"{engine_name} {param}")
+
+
+def test_auto_falls_back_to_vmap_naming_the_unsupported_layer():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.gain
+
+    model = nn.Sequential(nn.Linear(3, 4), Scale(), nn.Linear(4, 2))
+    assert unsupported_modules(model) == ["1 (Scale)"]
+    engine, notice = make_engine("auto", 1.0, model)
+    assert isinstance(engine, VmapEngine) and "Scale" in notice
+    engine, notice = make_engine("auto", 1.0, nn.Sequential(nn.Linear(3, 2)))
+    assert isinstance(engine, GhostEngine) and engine.mode == "bk" and notice is None
+    with pytest.raises(ValueError, match="Scale"):
+        make_engine("bk", 1.0, model)
+    # Freezing the unsupported layer makes the model supported.
+    model[1].gain.requires_grad_(False)
+    assert unsupported_modules(model) == []
+
+
+def test_weight_sharing_is_rejected():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="ran 2 times"):
+        GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2)))
+
+
+def test_ghost_engines_leave_no_state_behind():
+    model = nn.Sequential(nn.Linear(4, 3))
+    GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(2, 4), _labels(2)))
+    assert all(p.grad is None for p in model.parameters())
+    assert not model[0]._forward_hooks
