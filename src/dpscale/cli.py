@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)
 
+    from dpscale.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     models = sub.add_parser("models", help="list the registered models")
     models.add_argument("--json", action="store_true")
     models.set_defaults(func=_cmd_models)
@@ -210,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[2:]  # for `bench`: the flags, echoed in the report
     try:
         return args.func(args)
     except (ConfigError, ValueError, OSError, RuntimeError) as err:

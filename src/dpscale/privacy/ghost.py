@@ -45,9 +45,15 @@ class _Record:
     cache: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _use_ghost(length: int, d_in: int, d_out: int) -> bool:
-    """Mixed rule: Gram matrices cost ~T^2 (d_in + d_out) per example, explicit ~T d_in d_out."""
-    return length * (d_in + d_out) < d_in * d_out
+# Convolutions need im2col patches for Gram matrices; on CPU materialising them costs about as
+# much as this many multiply-adds per patch element (measured on the paper CNNs).
+IM2COL_COST = 32
+
+
+def _use_ghost(length: int, d_in: int, d_out: int, overhead: float = 0.0) -> bool:
+    """Mixed rule: Gram matrices cost ~T^2 (d_in + d_out) per example (+ ``overhead``), the
+    explicit per-example gradient ~T d_in d_out; pick the cheaper."""
+    return length * length * (d_in + d_out) + overhead < length * d_in * d_out
 
 
 def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -133,7 +139,7 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         length = g[0, 0].numel()
         d_in = m.in_channels // m.groups * m.weight[0, 0].numel()
         d_out = m.out_channels // m.groups
-        if _use_ghost(length, d_in, d_out):
+        if _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
             patches, gg = _conv_unfold(r, a, g)
             gram_a = torch.matmul(patches.transpose(2, 3), patches)  # (B, G, L, L)
             gram_g = torch.matmul(gg.transpose(2, 3), gg)
@@ -141,9 +147,10 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             r.cache["patches"], r.cache["g"] = patches, gg
         else:
             # Two exact ways to the same per-example gradients; which is faster on CPU depends on
-            # shapes (measured: im2col + bmm for short outputs or thin inputs, grouped conv otherwise).
-            # A fixed shape rule, never timing, so reruns and resumes take the same arithmetic.
-            if length <= 64 or d_in < 32:
+            # shapes. Measured (2-core CPU, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32)
+            # and for short outputs of large layers; grouped convolution wins elsewhere, by up to
+            # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
+            if d_in < 32 or (length <= 64 and d_in * d_out >= 32768):
                 patches, gg = _conv_unfold(r, a, g)
                 per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
             else:

@@ -1,0 +1,38 @@
+"""Benchmarks (``dpscale bench ...`` or ``python -m dpscale.bench ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench`` and its sub-commands on a subparsers object."""
+    bench = sub.add_parser("bench", help="benchmarks (step-time)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
+    step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
+    step.add_argument("--engines", default="", help="comma list; default: all (nonprivate, dpscale-*, opacus-*)")
+    step.add_argument("--repeats", type=int, default=10)
+    step.add_argument("--warmup", type=int, default=3)
+    step.add_argument("--device", default="cpu")
+    step.add_argument("--threads", type=int, default=None)
+    step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
+    step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
+    step.set_defaults(func=_run_step_time)
+
+
+def _run_step_time(args: argparse.Namespace) -> int:
+    from dpscale.bench.step_time import main
+
+    return main(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dpscale.bench")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(["bench", *argv])
+    args.argv = argv[1:]
+    return args.func(args)

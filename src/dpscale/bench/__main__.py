@@ -1,0 +1,5 @@
+import sys
+
+from dpscale.bench import main
+
+sys.exit(main())

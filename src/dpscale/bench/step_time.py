@@ -1,0 +1,239 @@
+"""Step-time benchmark: one DP-SGD optimizer step per engine, against a non-private step.
+
+Every row is measured in this one process, interleaved (each repeat runs every engine once,
+in turn), after warm-up, and reported as the median; ratios are to the non-private step of the
+same model and batch measured alongside. Opacus rows need the optional ``opacus`` package
+(``pip install -c constraints.txt .[bench]``) and are skipped with a note without it.
+
+Peak memory on CPU is the largest amount of tensor memory live during one step beyond what
+was live before it, from the torch profiler's allocation events (model and data excluded);
+on CUDA it is ``torch.cuda.max_memory_allocated`` over the same baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpscale.models import build_model, default_input_shape
+from dpscale.privacy.per_example import make_engine
+from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
+
+DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn-16-4": 64, "resnet18-gn": 32}
+DPSCALE_ENGINES = ("vmap", "ghost", "bk", "auto")
+OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")
+ALL_ENGINES = ("nonprivate", *(f"dpscale-{e}" for e in DPSCALE_ENGINES), *(f"opacus-{m}" for m in OPACUS_MODES))
+SIGMA, CLIP, LR = 1.0, 1.0, 0.1
+
+Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    batch_size: int
+    engine: str
+    median_ms: float
+    ratio_to_nonprivate: float
+    peak_mem_mb: float
+    repeats: int
+
+
+def _fresh_model(name: str, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(name, 10, default_input_shape(name)).to(device)
+
+
+def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+    model = _fresh_model(name, x.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _dpscale_step(name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+    model = _fresh_model(name, x.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, _ = make_engine(engine_name, CLIP, model)
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    indices = torch.arange(x.shape[0], device=x.device)
+
+    def step() -> None:
+        gradient, _ = noisy_clipped_mean(
+            engine, model, physical_chunks(x, y, indices, x.shape[0]),
+            noise_std=SIGMA * CLIP, expected_batch_size=x.shape[0], noise_generator=generator,
+        )
+        apply_gradient(model, gradient, optimizer)
+
+    return step
+
+
+def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+    import warnings
+
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = _fresh_model(name, x.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA,
+            max_grad_norm=CLIP, poisson_sampling=False, grad_sample_mode=mode, criterion=nn.CrossEntropyLoss(),
+        )
+    if mode == "ghost":
+        private_model, private_optimizer, criterion, _ = made
+    else:
+        private_model, private_optimizer, _ = made
+        criterion = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        private_optimizer.zero_grad(set_to_none=True)
+        criterion(private_model(x), y).backward()
+        private_optimizer.step()
+
+    return step
+
+
+def _peak_memory_mb(step: Step, device: torch.device) -> float:
+    """Extra tensor memory at the peak of one step (see module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start
+    )
+    live = peak = 0
+    for event in events:
+        if event.cpu_children:  # count each allocation once, at the innermost op
+            continue
+        live += event.cpu_memory_usage
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_step_time(
+    models: list[str], engines: list[str], repeats: int = 10, warmup: int = 3, device: str = "cpu",
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+) -> list[Row]:
+    """Measure every (model, engine); returns rows (engines that cannot run are skipped with a log line)."""
+    import warnings
+
+    # Opacus' hooks warn on every step that the input needs no gradient; not news here.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    dev = torch.device(device)
+    rows: list[Row] = []
+    for name in models:
+        batch = DEFAULT_BATCH.get(name, 64)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, *default_input_shape(name), generator=g).to(dev)
+        y = torch.randint(0, 10, (batch,), generator=g).to(dev)
+        steps: dict[str, Step] = {"nonprivate": _nonprivate_step(name, x, y)}
+        for engine in engines:
+            if engine == "nonprivate":
+                continue
+            kind, _, mode = engine.partition("-")
+            try:
+                if kind == "dpscale":
+                    steps[engine] = _dpscale_step(name, mode, x, y)
+                elif kind == "opacus":
+                    steps[engine] = _opacus_step(name, mode, x, y)
+                else:
+                    raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
+                steps[engine]()  # fail here, not mid-measurement
+            except ImportError:
+                log(f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')")
+                steps.pop(engine, None)
+            except (RuntimeError, ValueError, NotImplementedError) as err:
+                log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                steps.pop(engine, None)
+        for step in steps.values():
+            for _ in range(warmup):
+                step()
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(repeats):  # interleaved: machine noise hits every engine alike
+            for engine, step in steps.items():
+                _sync(dev)
+                start = time.perf_counter()
+                step()
+                _sync(dev)
+                times[engine].append(time.perf_counter() - start)
+        base = statistics.median(times["nonprivate"])
+        for engine, step in steps.items():
+            median = statistics.median(times[engine])
+            rows.append(Row(name, batch, engine, 1000 * median, median / base, _peak_memory_mb(step, dev), repeats))
+            log(f"{name} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
+    return rows
+
+
+def markdown_table(rows: list[Row], command: str, device: str) -> str:
+    threads = torch.get_num_threads()
+    machine = torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU"
+    lines = [
+        "# Step-time benchmark",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine}, {threads} torch threads, torch {torch.__version__}, Python {platform.python_version()}",
+        "- median ms per optimizer step over interleaved repeats after warm-up; ratio to the non-private",
+        "  step of the same model and batch measured in the same process; peak = extra tensor memory",
+        "  during one step (see `src/dpscale/bench/step_time.py`).",
+        "",
+        "| model | batch | engine | median ms | x non-private | peak MB | x non-private mem |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base_mem = {(r.model, r.batch_size): r.peak_mem_mb for r in rows if r.engine == "nonprivate"}
+    for r in rows:
+        mem_ratio = r.peak_mem_mb / base_mem[(r.model, r.batch_size)] if base_mem.get((r.model, r.batch_size)) else float("nan")
+        lines.append(
+            f"| {r.model} | {r.batch_size} | {r.engine} | {r.median_ms:.1f} | {r.ratio_to_nonprivate:.2f} | "
+            f"{r.peak_mem_mb:.1f} | {mem_ratio:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> int:
+    models = [m for m in args.models.split(",") if m]
+    engines = [e for e in args.engines.split(",") if e] if args.engines else list(ALL_ENGINES)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run_step_time(models, engines, repeats=args.repeats, warmup=args.warmup, device=args.device)
+    if args.json:
+        print(json.dumps([{k: v for k, v in asdict(r).items() if k != "repeats"} for r in rows]))
+    command = "dpscale bench step-time " + " ".join(args.argv)
+    table = markdown_table(rows, command.strip(), args.device)
+    if not args.json:
+        print(table)
+    if args.write:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write).write_text(table)
+    return 0

@@ -1,0 +1,28 @@
+"""The step-time benchmark runs and reports what it promises (no timing assertions)."""
+
+import json
+
+from dpscale.cli import main
+
+
+def test_step_time_benchmark_json_rows(capsys, tmp_path):
+    out = tmp_path / "bench.md"
+    code = main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk,dpscale-vmap",
+                 "--repeats", "2", "--warmup", "1", "--json", "--write", str(out)])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["engine"] for r in rows] == ["nonprivate", "dpscale-bk", "dpscale-vmap"]
+    for row in rows:
+        assert set(row) == {"model", "batch_size", "engine", "median_ms", "ratio_to_nonprivate", "peak_mem_mb"}
+        assert row["model"] == "papernot-cnn" and row["batch_size"] == 256 and row["median_ms"] > 0
+    assert rows[0]["ratio_to_nonprivate"] == 1.0
+    table = out.read_text()
+    assert "dpscale bench step-time --models papernot-cnn" in table and "| papernot-cnn | 256 | dpscale-bk |" in table
+
+
+def test_unknown_engine_is_skipped_with_a_note(capsys):
+    assert main(["bench", "step-time", "--models", "linear", "--engines", "nonprivate,dpscale-warp",
+                 "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [r["engine"] for r in json.loads(captured.out)] == ["nonprivate"]
+    assert "dpscale-warp" in captured.err
