@@ -144,15 +144,17 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             gram_a = torch.matmul(patches.transpose(2, 3), patches)  # (B, G, L, L)
             gram_g = torch.matmul(gg.transpose(2, 3), gg)
             sq = sq + (gram_a * gram_g).sum((1, 2, 3))
-            r.cache["patches"], r.cache["g"] = patches, gg
         else:
             # Two exact ways to the same per-example gradients; which is faster on CPU depends on
             # shapes. Measured (2-core CPU, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32)
-            # and for short outputs of large layers; grouped convolution wins elsewhere, by up to
-            # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
-            if d_in < 32 or (length <= 64 and d_in * d_out >= 32768):
+            # and short outputs (L <= 64); grouped convolution wins elsewhere, by up to 10x. A fixed
+            # shape rule, never timing, so reruns and resumes do the same arithmetic.
+            if d_in < 32 or length <= 64:
                 patches, gg = _conv_unfold(r, a, g)
-                per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
+                if m.groups == 1:  # plain bmm takes the transposed operand without a copy
+                    per_example = torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
+                else:
+                    per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
             else:
                 per_example = _conv_per_example_grouped(r, a, g)
             r.cache["weight"] = per_example
@@ -167,13 +169,19 @@ def _conv_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) ->
     m, out = r.module, {}
     if r.trainable.get("weight"):
         if "weight" in r.cache:
-            summed = torch.tensordot(c, r.cache["weight"], dims=1)  # (G, out/G, in/G * k)
+            out["weight"] = torch.tensordot(c, r.cache["weight"], dims=1).reshape(m.weight.shape)
         else:
-            patches, gg = r.cache["patches"], r.cache["g"]
-            gc = gg * c.view(-1, 1, 1, 1)
-            # sum over examples and positions: (G, out/G, in/G * k)
-            summed = torch.einsum("bgol,bgil->goi", gc, patches)
-        out["weight"] = summed.reshape(m.weight.shape)
+            # sum_i c_i g_i^T a_i is the ordinary weight gradient with g scaled per example:
+            # the library's convolution kernel, no im2col.
+            kernel, stride, padding, dilation = _conv_geometry(m)
+            scaled = g * c.view(-1, *([1] * (g.dim() - 1)))
+            if isinstance(m, nn.Conv1d):
+                a, scaled = a.unsqueeze(2), scaled.unsqueeze(2)
+            weight = torch.nn.grad.conv2d_weight(
+                a, (m.out_channels, m.in_channels // m.groups, *kernel), scaled,
+                stride=stride, padding=padding, dilation=dilation, groups=m.groups,
+            )
+            out["weight"] = weight.reshape(m.weight.shape)
     if r.trainable.get("bias"):
         out["bias"] = c @ r.cache["bias"]
     return out
