@@ -13,6 +13,7 @@ on CUDA it is ``torch.cuda.max_memory_allocated`` over the same baseline.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -196,9 +197,19 @@ def run_step_time(
     return rows
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
+    except OSError:
+        pass
+    return f"{platform.machine()} CPU, {os.cpu_count()} logical cores"
+
+
 def markdown_table(rows: list[Row], command: str, device: str) -> str:
     threads = torch.get_num_threads()
-    machine = torch.cuda.get_device_name() if device.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU"
+    machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
     lines = [
         "# Step-time benchmark",
         "",

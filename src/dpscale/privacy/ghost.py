@@ -48,6 +48,15 @@ class _Record:
 # Convolutions need im2col patches for Gram matrices; on CPU materialising them costs about as
 # much as this many multiply-adds per patch element (measured on the paper CNNs).
 IM2COL_COST = 32
+# Explicit conv per-example gradients take im2col + bmm (not grouped convolution) for layers
+# with at most SHORT_OUTPUT output positions and at least LARGE_LAYER weights per group.
+SHORT_OUTPUT = 64
+LARGE_LAYER = 32768
+
+
+def _sq_norms(t: torch.Tensor) -> torch.Tensor:
+    """Per-example squared L2 norms of a (B, ...) tensor, without a squared temporary."""
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
 
 
 def _use_ghost(length: int, d_in: int, d_out: int, overhead: float = 0.0) -> bool:
@@ -70,7 +79,7 @@ def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         else:
             per_example = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
             r.cache["weight"] = per_example
-            sq = sq + per_example.pow(2).sum((1, 2))
+            sq = sq + _sq_norms(per_example)
     if r.trainable.get("bias"):
         r.cache["bias"] = g.sum(1)
         sq = sq + r.cache["bias"].pow(2).sum(1)
@@ -147,9 +156,9 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         else:
             # Two exact ways to the same per-example gradients; which is faster on CPU depends on
             # shapes. Measured (2-core CPU, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32)
-            # and short outputs (L <= 64); grouped convolution wins elsewhere, by up to 10x. A fixed
-            # shape rule, never timing, so reruns and resumes do the same arithmetic.
-            if d_in < 32 or length <= 64:
+            # and for short outputs of large layers; grouped convolution wins elsewhere, by up to
+            # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
+            if d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER):
                 patches, gg = _conv_unfold(r, a, g)
                 if m.groups == 1:  # plain bmm takes the transposed operand without a copy
                     per_example = torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
@@ -158,7 +167,7 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             else:
                 per_example = _conv_per_example_grouped(r, a, g)
             r.cache["weight"] = per_example
-            sq = sq + per_example.pow(2).sum((1, 2, 3))
+            sq = sq + _sq_norms(per_example)
     if r.trainable.get("bias"):
         r.cache["bias"] = g.reshape(b, g.shape[1], -1).sum(2)
         sq = sq + r.cache["bias"].pow(2).sum(1)
@@ -328,14 +337,23 @@ class GhostEngine:
                     f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
                 )
         # Gradients w.r.t. the layer outputs only: no parameter gradient is computed here.
-        out_grads = torch.autograd.grad(
-            losses.sum(), [r.output for r in records], retain_graph=self.mode == "ghost", allow_unused=True
+        out_grads = list(
+            torch.autograd.grad(
+                losses.sum(), [r.output for r in records], retain_graph=self.mode == "ghost", allow_unused=True
+            )
         )
         sq_norms = x.new_zeros(x.shape[0])
-        for r, g in zip(records, out_grads):
-            g = torch.zeros_like(r.output) if g is None else g
-            r.out_grad = g
-            sq_norms = sq_norms + _RULES[type(r.module)].norms(r, r.inputs, g)
+        for i, r in enumerate(records):
+            g, out_grads[i] = out_grads[i], None
+            r.out_grad = torch.zeros_like(r.output) if g is None else g
+            del g
+            r.output = None  # only needed as a gradient target; free it now
+            sq_norms = sq_norms + _RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
+            if self.mode == "ghost" or "weight" in r.cache:
+                # The clipped sum will come from the cache (or a second backward): drop the
+                # activations early to keep the peak memory near a non-private step's.
+                r.inputs = r.out_grad = None
+        del out_grads
         norms = sq_norms.sqrt()
         factors = clip_factors(norms, self.max_grad_norm)
 
