@@ -96,9 +96,11 @@ def test_group_norm(b, groups, per, size, affine, clip, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 4), t=st.integers(1, 5), d=st.integers(2, 8), two_dims=st.booleans(), bias=st.booleans(),
+@given(b=st.integers(1, 4), t=st.integers(1, 5), d=st.integers(3, 8), two_dims=st.booleans(), bias=st.booleans(),
        seed=st.integers(0, 999))
 def test_layer_norm(b, t, d, two_dims, bias, seed):
+    # d >= 3: normalising 2 values always gives +-1, so the gradient through the layer is pure
+    # float noise (eps-sized) and no two correct implementations agree on it.
     torch.manual_seed(seed)
     shape = (t, d) if two_dims else (d,)
     norm = nn.LayerNorm(shape, bias=bias)
