@@ -45,11 +45,14 @@ class ModelConfig:
     name: registry name (``dpscale models`` lists them).
     activation: relu, tanh, or tempered_sigmoid(s=..,T=..,o=..).
     kwargs: builder-specific options, e.g. {filters: [16, 16]}.
+    freeze_groups: freeze the first k of the model's block groups (input stem first, logits
+        last); only the remaining parameters are trained, clipped and noised.
     """
 
     name: str = "papernot-cnn"
     activation: str = "tanh"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    freeze_groups: int = 0
 
 
 @dataclass(frozen=True)

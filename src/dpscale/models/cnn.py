@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.models.registry import register_model
+from dpscale.models.registry import register_family, register_model
 
 
 class Classifier(nn.Module):
@@ -61,6 +61,16 @@ class Classifier(nn.Module):
     def reset_head(self, num_classes: int) -> None:
         """Replace the head with a freshly initialised one with ``num_classes`` outputs."""
         self.head = self._make_head(num_classes)
+
+    def block_groups(self) -> list[list[nn.Parameter]]:
+        """Parameter groups in input-to-output order: one per feature layer with parameters,
+        one per hidden head layer, and the logits layer last (freeze a prefix to fine-tune)."""
+        return _layer_groups(self.features) + _layer_groups(self.head)
+
+
+def _layer_groups(module: nn.Module) -> list[list[nn.Parameter]]:
+    """One group per sub-module that owns parameters, in registration (= forward) order."""
+    return [list(m.parameters(recurse=False)) for m in module.modules() if list(m.parameters(recurse=False))]
 
 
 def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
@@ -145,6 +155,103 @@ def tramer_cifar_cnn_small(
     """The smaller Table 7 variant (Tramer & Boneh Section 4): convs 16-16-32-32-64, pools after
     the 2nd, 4th and 5th conv, fc 128 (168K params)."""
     return _tramer_cnn((16, 16, 32, 32, 64), (2, 4, 5), num_classes, input_shape, activation, hidden)
+
+
+@register_model("papernot-cifar-cnn", input_shape=(3, 32, 32))
+def papernot_cifar_cnn(
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 32, 32),
+    activation: str = "relu",
+    hidden: int = 1024,
+) -> Classifier:
+    """Papernot et al. Table 2 CIFAR-10 CNN: convs 32-32-64-64-128-128 (3x3, 'same'), 2x2 max-pool
+    after each pair, fc 1024, fc classes; 2,395,434 parameters (the count implies a pool after the
+    last pair too, as in Tramer Table 7). ReLU as in the paper's transfer experiments."""
+    return _tramer_cnn((32, 32, 64, 64, 128, 128), (2, 4, 6), num_classes, input_shape, activation, hidden)
+
+
+def parse_simplevgg(spec: str) -> tuple[list[tuple[int, int]], int]:
+    """'32(2)-64(2)-128(2)-128' -> ([(32, 2), (64, 2), (128, 2)], 128): blocks of (width, convs), fc width."""
+    parts = spec.split("-")
+    try:
+        blocks = []
+        for part in parts[:-1]:
+            width, _, rest = part.partition("(")
+            if not rest.endswith(")"):
+                raise ValueError(part)
+            blocks.append((int(width), int(rest[:-1])))
+        fc = int(parts[-1])
+    except ValueError:
+        raise ValueError(
+            f"bad simpleVGG spec {spec!r}; expected blocks width(convs) then the fc width, "
+            "e.g. simplevgg-32(2)-64(2)-128(2)-128"
+        ) from None
+    if not blocks or any(w < 1 or n < 1 for w, n in blocks) or fc < 1:
+        raise ValueError(f"bad simpleVGG spec {spec!r}: needs at least one block and positive sizes")
+    return blocks, fc
+
+
+@register_family("simplevgg", example="simplevgg-32(2)-64(2)-128(2)-128", input_shape=(3, 32, 32))
+def simplevgg(
+    spec: str,
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 32, 32),
+    activation: str = "tanh",
+) -> Classifier:
+    """Kurakin et al. Appendix H simpleVGG: blocks of equal-width 3x3 convs with 2x2 max-pooling
+    after each block, then fc (128 in the paper) and the logits; tanh by default.
+    simplevgg-32(2)-64(2)-128(2)-128 is the Tramer Table 7 network."""
+    blocks, fc = parse_simplevgg(spec)
+    widths, pools, count = [], [], 0
+    for width, convs in blocks:
+        widths += [width] * convs
+        count += convs
+        pools.append(count)
+    return _tramer_cnn(tuple(widths), tuple(pools), num_classes, input_shape, activation, fc)
+
+
+class AllConvNet(nn.Module):
+    """Papernot et al. Appendix A (Table 6) all-convolutional CIFAR-10 model: 3x3 convs
+    64-128 | avgpool | 128-256 | avgpool | 256-512 | avgpool | conv to classes, spatial mean.
+    The head is the last conv and the mean (2,334,730 parameters with 10 classes)."""
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, int, int], activation: str) -> None:
+        super().__init__()
+        channels = input_shape[0]
+        layers: list[nn.Module] = []
+        for i, width in enumerate((64, 128, 128, 256, 256, 512)):
+            layers += [nn.Conv2d(channels, width, 3, padding=1), make_activation(activation)]
+            channels = width
+            if i % 2 == 1:
+                layers.append(nn.AvgPool2d(2))
+        self.features = nn.Sequential(*layers)
+        self.feature_channels = channels
+        self.head = nn.Conv2d(channels, num_classes, 3, padding=1)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(features).mean(dim=(2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def reset_head(self, num_classes: int) -> None:
+        self.head = nn.Conv2d(self.feature_channels, num_classes, 3, padding=1)
+
+    def block_groups(self) -> list[list[nn.Parameter]]:
+        return _layer_groups(self.features) + [list(self.head.parameters())]
+
+
+@register_model("papernot-allconv", input_shape=(3, 32, 32))
+def papernot_allconv(
+    num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 32, 32), activation: str = "tanh"
+) -> AllConvNet:
+    """Papernot Appendix A all-convolutional model (tanh, as in their Section 4.2 column)."""
+    if input_shape[1] < 8 or input_shape[2] < 8:
+        raise ValueError(f"input {input_shape} is too small for three 2x2 poolings")
+    return AllConvNet(num_classes, input_shape, activation)
 
 
 @register_model("linear")

@@ -30,13 +30,42 @@ def register_model(name: str, input_shape: tuple[int, int, int] = (1, 28, 28)) -
     return add
 
 
+# Families named by a spec after a prefix, e.g. simplevgg-32(2)-64(2)-128(2)-128.
+_FAMILIES: dict[str, tuple[Callable[..., nn.Module], tuple[int, int, int], str]] = {}
+
+
+def register_family(prefix: str, example: str, input_shape: tuple[int, int, int]) -> Callable[[Callable], Callable]:
+    """Decorator for a builder taking ``spec`` (the name after ``prefix-``); ``example`` is listed."""
+
+    def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        _FAMILIES[prefix] = (builder, tuple(input_shape), example)
+        return builder
+
+    return add
+
+
+def _resolve(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]] | None:
+    if name in _REGISTRY:
+        return _REGISTRY[name], {}
+    for family, (builder, _, _) in _FAMILIES.items():
+        if name.startswith(family + "-"):
+            return builder, {"spec": name[len(family) + 1 :]}
+    return None
+
+
 def default_input_shape(name: str) -> tuple[int, int, int]:
     """The (C, H, W) a model is usually trained on (used for listings and parameter counts)."""
-    return _DEFAULT_INPUT[name]
+    if name in _DEFAULT_INPUT:
+        return _DEFAULT_INPUT[name]
+    for family, (_, shape, _) in _FAMILIES.items():
+        if name.startswith(family + "-"):
+            return shape
+    raise ValueError(f"unknown model {name!r}")
 
 
 def list_models() -> list[str]:
-    return sorted(_REGISTRY)
+    """Registered names, plus one example name per family (e.g. the simpleVGG of the papers)."""
+    return sorted([*_REGISTRY, *(example for _, _, example in _FAMILIES.values())])
 
 
 def build_model(
@@ -58,12 +87,14 @@ def build_model(
     Raises:
         ValueError: unknown name (with the closest known names) or bad options.
     """
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=3)
+    resolved = _resolve(name)
+    if resolved is None:
+        close = difflib.get_close_matches(name, list_models(), n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ValueError(f"unknown model {name!r}.{hint} Known models: {', '.join(list_models())}")
     try:
-        return _REGISTRY[name](num_classes=num_classes, input_shape=tuple(input_shape), activation=activation, **options)
+        builder, spec = resolved
+        return builder(num_classes=num_classes, input_shape=tuple(input_shape), activation=activation, **spec, **options)
     except TypeError as err:
         raise ValueError(f"bad options for model {name!r}: {err}") from err
 

@@ -50,12 +50,17 @@ BATCH_MIXING_LAYERS = (nn.modules.batchnorm._BatchNorm,)
 
 
 def check_per_example_compatible(model: nn.Module) -> None:
-    """Raise ValueError naming the first batch-mixing layer (e.g. BatchNorm) in ``model``."""
+    """Raise ValueError naming the first layer that mixes examples: BatchNorm, or any norm layer
+    keeping running statistics (their buffers are updated from the whole batch, without noise)."""
     for name, module in model.named_modules():
-        if isinstance(module, BATCH_MIXING_LAYERS):
+        mixing = isinstance(module, BATCH_MIXING_LAYERS)
+        running = isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats
+        if mixing or running:
             raise ValueError(
-                f"layer {name!r} ({type(module).__name__}) mixes examples within a batch, so per-example "
-                "gradients are not defined; use GroupNorm/LayerNorm instead"
+                f"layer {name!r} ({type(module).__name__}) "
+                + ("mixes examples within a batch" if mixing else "keeps running statistics of the private batch")
+                + ", so per-example gradients (or the DP guarantee) break; use GroupNorm/LayerNorm, e.g. "
+                "dpscale.models.convert_batchnorm_to_groupnorm(model)"
             )
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dpscale.config import Config, ConfigError, load_config, save_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
-from dpscale.models import build_model, count_parameters
+from dpscale.models import build_model, count_parameters, freeze_block_groups
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.per_example import check_per_example_compatible, make_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, check_plan_matches, make_dp_plan, steps_for
@@ -133,6 +133,8 @@ class Trainer:
             config.model.name, info.num_classes, info.input_shape, config.model.activation, **config.model.kwargs
         ).to(self.device)
         check_per_example_compatible(self.model)
+        if config.model.freeze_groups:
+            freeze_block_groups(self.model, config.model.freeze_groups)
         self.engine, engine_notice = make_engine(config.train.engine, self.plan.max_grad_norm, self.model)
         if engine_notice:
             self._log(engine_notice)

@@ -1,0 +1,95 @@
+"""Model zoo additions: paper parameter counts, simpleVGG specs, block groups and freezing,
+BatchNorm conversion."""
+
+import pytest
+import torch
+from torch import nn
+
+from dpscale.config import load_config
+from dpscale.models import build_model, convert_batchnorm_to_groupnorm, count_parameters, freeze_block_groups, list_models
+from dpscale.models.cnn import parse_simplevgg
+from dpscale.privacy.per_example import check_per_example_compatible
+from dpscale.train.checkpoint import load_checkpoint
+from dpscale.train.loop import Trainer
+
+
+def conv(cin, cout, k=3):
+    return cin * cout * k * k + cout
+
+
+def test_papernot_table2_cifar_cnn_has_2395434_parameters():
+    # Papernot Table 2: convs 32,32,64,64,128,128 (3x3), fc 1024, softmax 10 -> 2,395,434.
+    convs = conv(3, 32) + conv(32, 32) + conv(32, 64) + conv(64, 64) + conv(64, 128) + conv(128, 128)
+    expected = convs + (128 * 4 * 4) * 1024 + 1024 + 1024 * 10 + 10
+    assert expected == 2_395_434
+    assert count_parameters(build_model("papernot-cifar-cnn", 10, (3, 32, 32))) == expected
+
+
+def test_papernot_appendix_a_allconv_has_2334730_parameters():
+    expected = conv(3, 64) + conv(64, 128) + conv(128, 128) + conv(128, 256) + conv(256, 256) + conv(256, 512) + conv(512, 10)
+    assert expected == 2_334_730
+    model = build_model("papernot-allconv", 10, (3, 32, 32))
+    assert count_parameters(model) == expected
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    model.reset_head(4)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+
+
+def test_simplevgg_specs():
+    assert parse_simplevgg("32(2)-64(2)-128(2)-128") == ([(32, 2), (64, 2), (128, 2)], 128)
+    # The paper's reference simpleVGG is Tramer's Table 7 network.
+    assert count_parameters(build_model("simplevgg-32(2)-64(2)-128(2)-128", 10, (3, 32, 32))) == 550_570
+    small = build_model("simplevgg-16(1)-32(1)-64", 10, (3, 32, 32))
+    assert count_parameters(small) == conv(3, 16) + conv(16, 32) + (32 * 8 * 8) * 64 + 64 + 64 * 10 + 10
+    assert small(torch.randn(3, 3, 32, 32)).shape == (3, 10)
+    assert "simplevgg-32(2)-64(2)-128(2)-128" in list_models()
+    for bad in ("simplevgg-32-64", "simplevgg-32(x)-128", "simplevgg-128", "simplevgg-0(2)-10"):
+        with pytest.raises(ValueError, match="simpleVGG spec"):
+            build_model(bad, 10, (3, 32, 32))
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_block_groups_cover_every_parameter_in_order(name):
+    from dpscale.models import default_input_shape
+
+    model = build_model(name, 10, default_input_shape(name))
+    groups = model.block_groups()
+    flat = [p for g in groups for p in g]
+    assert len(flat) == len(list(model.parameters())) and {id(p) for p in flat} == {id(p) for p in model.parameters()}
+    logits = groups[-1]
+    assert any(p.shape[0] == 10 for p in logits)  # the logits layer is last
+
+
+def test_freezing_k_groups_leaves_exactly_the_rest_trainable():
+    model = build_model("papernot-cnn", 10, (1, 28, 28))  # groups: conv1, conv2, fc 32, fc 10
+    assert freeze_block_groups(model, 3) == 32 * 10 + 10
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["head.2.weight", "head.2.bias"]
+    with pytest.raises(ValueError, match="block groups"):
+        freeze_block_groups(build_model("papernot-cnn", 10, (1, 28, 28)), 4)  # would freeze everything
+
+
+def test_training_with_frozen_groups_updates_and_noises_only_trainable_parameters(tmp_path):
+    cfg = load_config(None, [f"run.out_dir={tmp_path / 'f'}", "run.seed=0", "model.freeze_groups=2",
+                             "train.steps=3", "dp.batch_size=100", "dp.epsilon=2"])
+    trainer = Trainer.create(cfg, progress=False)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    summary = trainer.run()
+    after = load_checkpoint(tmp_path / "f" / "checkpoint.pt")["model"]
+    frozen = {"features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias"}
+    for name, value in before.items():
+        assert torch.equal(after[name], value) == (name in frozen), name
+    assert summary["trainable_params"] == 16_416 + 330
+
+
+def test_batchnorm_is_rejected_and_converted():
+    model = nn.Sequential(nn.Conv2d(3, 48, 3), nn.BatchNorm2d(48), nn.ReLU(), nn.Conv2d(48, 6, 3), nn.BatchNorm2d(6))
+    with torch.no_grad():
+        model[1].weight.fill_(2.0)
+    with pytest.raises(ValueError, match="BatchNorm2d.*convert_batchnorm_to_groupnorm"):
+        check_per_example_compatible(model)
+    convert_batchnorm_to_groupnorm(model, num_groups=32)
+    check_per_example_compatible(model)
+    assert isinstance(model[1], nn.GroupNorm) and model[1].num_groups == 24 and model[4].num_groups == 6
+    assert torch.all(model[1].weight == 2.0)
+    with pytest.raises(ValueError, match="running statistics"):
+        check_per_example_compatible(nn.Sequential(nn.InstanceNorm2d(4, track_running_stats=True)))
