@@ -93,3 +93,52 @@ def test_batchnorm_is_rejected_and_converted():
     assert torch.all(model[1].weight == 2.0)
     with pytest.raises(ValueError, match="running statistics"):
         check_per_example_compatible(nn.Sequential(nn.InstanceNorm2d(4, track_running_stats=True)))
+
+
+def test_resnet_v2_18_gn_parameter_count_by_hand():
+    # ResNet-v2-18, 224x224 stem, 10 classes: convs as in He et al. (no biases), pre-activation
+    # GroupNorm affine params (2 per channel) before every conv pair and once after the last group.
+    convs = 7 * 7 * 3 * 64
+    convs += 4 * conv(64, 64) - 4 * 64  # layer1 (bias-free)
+    convs += 64 * 128 * 9 + 3 * 128 * 128 * 9 + 64 * 128  # layer2 + 1x1 projection
+    convs += 128 * 256 * 9 + 3 * 256 * 256 * 9 + 128 * 256
+    convs += 256 * 512 * 9 + 3 * 512 * 512 * 9 + 256 * 512
+    norms = 2 * (4 * 64 + (64 + 3 * 128) + (128 + 3 * 256) + (256 + 3 * 512) + 512)
+    expected = convs + norms + 512 * 10 + 10
+    assert expected == 11_179_850
+    model = build_model("resnet18-gn", 10, (3, 224, 224))
+    assert count_parameters(model) == expected
+    assert model(torch.randn(1, 3, 224, 224)).shape == (1, 10)
+    cifar = build_model("resnet18-gn", 10, (3, 32, 32))  # 3x3 stem for small inputs
+    assert count_parameters(cifar) == expected - 7 * 7 * 3 * 64 + 3 * 3 * 3 * 64
+    assert cifar(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def test_resnet50_gn_and_freezing_four_groups_leaves_the_logits():
+    model = build_model("resnet50-gn", 10, (3, 224, 224))
+    assert 23_000_000 < count_parameters(model) < 24_000_000  # 25.5M with 1000 classes, as ResNet-50
+    assert model(torch.randn(1, 3, 224, 224)).shape == (1, 10)
+    r18 = build_model("resnet18-gn", 10, (3, 32, 32))
+    assert freeze_block_groups(r18, 4) == 512 * 10 + 10
+    assert [n for n, p in r18.named_parameters() if p.requires_grad] == ["head.weight", "head.bias"]
+
+
+def test_wrn16_4_parameters_and_norm_order():
+    # WRN-16-4: stem 3->16; three groups of 2 blocks, widths 64, 128, 256; 1x1 projections; GN 2/ch.
+    convs = 3 * 16 * 9
+    convs += 16 * 64 * 9 + 64 * 64 * 9 + 16 * 64 + 2 * 64 * 64 * 9
+    convs += 64 * 128 * 9 + 128 * 128 * 9 + 64 * 128 + 2 * 128 * 128 * 9
+    convs += 128 * 256 * 9 + 256 * 256 * 9 + 128 * 256 + 2 * 256 * 256 * 9
+    norms = 2 * (16 + 4 * 64 + 4 * 128 + 4 * 256)
+    expected = convs + norms + 256 * 10 + 10
+    post = build_model("wrn16-4", 10, (3, 32, 32), order="conv-norm-act")
+    pre = build_model("wrn16-4", 10, (3, 32, 32))  # default: conv-act-norm (TAN Section 4.4)
+    assert count_parameters(post) == count_parameters(pre) == expected == 2_748_890
+    pre.load_state_dict(post.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    assert post(x).shape == (2, 10) and not torch.allclose(post(x), pre(x))  # same weights, other order
+    with pytest.raises(ValueError, match="order"):
+        build_model("wrn16-4", 10, (3, 32, 32), order="norm-conv")
+    no_norm = build_model("wrn16-4", 10, (3, 32, 32), norm_groups=0)
+    assert count_parameters(no_norm) == expected - norms

@@ -30,7 +30,9 @@ from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.per_example import make_engine
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
-DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn-16-4": 64, "resnet18-gn": 32}
+DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
+# ImageNet-size models run at 224x224 on a GPU; on a CPU at 32x32 (CIFAR stem), labelled "@32".
+CPU_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32)}
 DPSCALE_ENGINES = ("vmap", "ghost", "bk", "auto")
 OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")
 ALL_ENGINES = ("nonprivate", *(f"dpscale-{e}" for e in DPSCALE_ENGINES), *(f"opacus-{m}" for m in OPACUS_MODES))
@@ -50,9 +52,13 @@ class Row:
     repeats: int
 
 
+def _input_shape(name: str, device: torch.device) -> tuple[int, int, int]:
+    return CPU_INPUT.get(name, default_input_shape(name)) if device.type == "cpu" else default_input_shape(name)
+
+
 def _fresh_model(name: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    return build_model(name, 10, default_input_shape(name)).to(device)
+    return build_model(name, 10, _input_shape(name, device)).to(device)
 
 
 def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
@@ -157,7 +163,9 @@ def run_step_time(
     for name in models:
         batch = DEFAULT_BATCH.get(name, 64)
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(batch, *default_input_shape(name), generator=g).to(dev)
+        shape = _input_shape(name, dev)
+        label = name if shape == default_input_shape(name) else f"{name}@{shape[-1]}"
+        x = torch.randn(batch, *shape, generator=g).to(dev)
         y = torch.randint(0, 10, (batch,), generator=g).to(dev)
         steps: dict[str, Step] = {"nonprivate": _nonprivate_step(name, x, y)}
         for engine in engines:
@@ -192,8 +200,8 @@ def run_step_time(
         base = statistics.median(times["nonprivate"])
         for engine, step in steps.items():
             median = statistics.median(times[engine])
-            rows.append(Row(name, batch, engine, 1000 * median, median / base, _peak_memory_mb(step, dev), repeats))
-            log(f"{name} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
+            rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(step, dev), repeats))
+            log(f"{label} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
     return rows
 
 

@@ -1,6 +1,7 @@
 """Models: a name -> builder registry; importing this package registers the built-ins."""
 
 from dpscale.models import cnn as _cnn  # noqa: F401  (registers the models)
+from dpscale.models import resnet as _resnet  # noqa: F401
 from dpscale.models.activations import TemperedSigmoid, make_activation
 from dpscale.models.adapt import convert_batchnorm_to_groupnorm, freeze_block_groups
 from dpscale.models.registry import build_model, count_parameters, default_input_shape, list_models, register_model
