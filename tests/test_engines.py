@@ -130,7 +130,7 @@ def test_frozen_parameters(mask, seed):
 
 
 # ImageNet-size models are checked on 32x32 inputs (their CIFAR stem) to keep the suite fast.
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32)}
+SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
 
 
 @pytest.mark.parametrize("name", list_models())

@@ -142,3 +142,16 @@ def test_wrn16_4_parameters_and_norm_order():
         build_model("wrn16-4", 10, (3, 32, 32), order="norm-conv")
     no_norm = build_model("wrn16-4", 10, (3, 32, 32), norm_groups=0)
     assert count_parameters(no_norm) == expected - norms
+
+
+@pytest.mark.parametrize("name, dim, expected", [("vit-tiny", 192, 5_717_416), ("vit-small", 384, 22_050_664)])
+def test_vit_parameter_counts_match_the_standard_models(name, dim, expected):
+    # 224x224, patch 16, 12 blocks, MLP 4x, 1000 classes (the published ViT-Ti/16 and ViT-S/16 sizes).
+    block = 2 * dim + (dim * 3 * dim + 3 * dim) + (dim * dim + dim) + 2 * dim + (dim * 4 * dim + 4 * dim) + (4 * dim * dim + dim)
+    count = (3 * 16 * 16 * dim + dim) + dim + 197 * dim + 12 * block + 2 * dim + (dim * 1000 + 1000)
+    assert count == expected
+    model = build_model(name, 1000, (3, 224, 224))
+    assert count_parameters(model) == expected
+    small = build_model(name, 10, (3, 32, 32))  # patch 4 on 32x32: 64 tokens
+    assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert freeze_block_groups(small, 13) == dim * 10 + 10  # 1 embedding + 12 block groups frozen

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpscale.models.layers import ClassTokenPositionEmbedding
 from dpscale.privacy.per_example import Batch, LossFn, Params, clip_factors, per_example_cross_entropy
 
 # ----------------------------------------------------------------------------- layer rules
@@ -247,6 +248,25 @@ def _embedding_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tenso
     return {"weight": weight}
 
 
+def _tokens_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    # out = [cls; tokens] + pos: d out / d pos = g (per example), d out / d cls = g[:, 0].
+    sq = a.new_zeros(a.shape[0])
+    if r.trainable.get("pos_embed"):
+        sq = sq + _sq_norms(g)
+    if r.trainable.get("cls_token"):
+        sq = sq + _sq_norms(g[:, 0])
+    return sq
+
+
+def _tokens_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
+    out = {}
+    if r.trainable.get("pos_embed"):
+        out["pos_embed"] = torch.tensordot(c, g, dims=1).unsqueeze(0)
+    if r.trainable.get("cls_token"):
+        out["cls_token"] = (c @ g[:, 0]).view(1, 1, -1)
+    return out
+
+
 @dataclass(frozen=True)
 class _Rule:
     norms: Callable[[_Record, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -260,6 +280,7 @@ _RULES: dict[type, _Rule] = {
     nn.GroupNorm: _Rule(_norm_layer_norms, _norm_layer_sums),
     nn.LayerNorm: _Rule(_norm_layer_norms, _norm_layer_sums),
     nn.Embedding: _Rule(_embedding_norms, _embedding_sums),
+    ClassTokenPositionEmbedding: _Rule(_tokens_norms, _tokens_sums),
 }
 
 
