@@ -130,7 +130,7 @@ def test_frozen_parameters(mask, seed):
 
 
 # ImageNet-size models are checked on 32x32 inputs (their CIFAR stem) to keep the suite fast.
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
+SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
 
 
 @pytest.mark.parametrize("name", list_models())
@@ -148,7 +148,11 @@ def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(na
             engine, model, physical_chunks(x, y, torch.arange(n), 4), noise_std=1.3,
             expected_batch_size=8, noise_generator=torch.Generator().manual_seed(42),
         )
-    assert {"vmap", "bk", "ghost", "auto"} <= set(updates)
+    if unsupported_modules(model):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
+        assert set(updates) == {"auto", "vmap"}
+        assert isinstance(make_engine("auto", 1.0, model)[0], VmapEngine)
+    else:
+        assert {"vmap", "bk", "ghost", "auto"} <= set(updates)
     for engine_name, update in updates.items():
         for param, ref in updates["vmap"].items():
             torch.testing.assert_close(update[param], ref, rtol=1e-5, atol=1e-6, msg=f"{engine_name} {param}")

@@ -155,3 +155,43 @@ def test_vit_parameter_counts_match_the_standard_models(name, dim, expected):
     small = build_model(name, 10, (3, 32, 32))  # patch 4 on 32x32: 64 tokens
     assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     assert freeze_block_groups(small, 13) == dim * 10 + 10  # 1 embedding + 12 block groups frozen
+
+
+def test_nf_resnet50_is_normaliser_free_and_routed_to_vmap():
+    from dpscale.privacy import VmapEngine, make_engine
+
+    model = build_model("nf-resnet50", 1000, (3, 224, 224))
+    # ResNet-50 convolutions plus per-channel WS gains and conv biases, 16 skip gains: ~25.6M
+    # (Brock et al. 2021 report 25.5M for NF-ResNet-50).
+    assert 25_400_000 < count_parameters(model) < 25_700_000
+    assert not any(isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)) for m in model.modules())
+    small = build_model("nf-resnet50", 10, (3, 32, 32))
+    assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    engine, notice = make_engine("auto", 1.0, small)
+    assert isinstance(engine, VmapEngine) and "ScaledStdConv2d" in notice
+    with torch.no_grad():  # weight standardisation: each output filter has zero mean, unit scale
+        conv = small.stem[0]
+        w = conv.weight
+        standardized = (w - w.mean((1, 2, 3), keepdim=True)) / (w.var((1, 2, 3), keepdim=True, unbiased=False) * w[0].numel() + conv.eps).sqrt()
+        x = torch.randn(1, 3, 8, 8)
+        torch.testing.assert_close(conv(x), torch.nn.functional.conv2d(x, standardized, conv.bias, padding=1))
+
+
+def _timm_imports() -> bool:
+    try:
+        import timm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _timm_imports(), reason="timm does not import with this torch build")
+def test_timm_adapter_builds_a_model():
+    model = build_model("timm:resnet18", 10, (3, 32, 32))
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+@pytest.mark.skipif(_timm_imports(), reason="checks the message shown when timm is unavailable")
+def test_timm_adapter_without_timm_is_a_clear_error():
+    with pytest.raises(ValueError, match="timm:resnet18 needs the timm package"):
+        build_model("timm:resnet18", 10, (3, 32, 32))

@@ -44,9 +44,24 @@ def register_family(prefix: str, example: str, input_shape: tuple[int, int, int]
     return add
 
 
+def _timm_builder(
+    num_classes: int, input_shape: tuple[int, int, int], activation: str, spec: str, **options: Any
+) -> nn.Module:
+    """``timm:<name>``: a timm model (optional; timm's CUDA wheels may not import on CPU torch).
+    BatchNorm models are rejected at training time; convert them with
+    ``dpscale.models.convert_batchnorm_to_groupnorm`` first. ``activation`` is timm's choice."""
+    try:
+        import timm
+    except Exception as err:  # ImportError, or a binary mismatch with this torch build
+        raise ValueError(f"timm:{spec} needs the timm package, which does not import here ({err})") from None
+    return timm.create_model(spec, num_classes=num_classes, in_chans=input_shape[0], **options)
+
+
 def _resolve(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]] | None:
     if name in _REGISTRY:
         return _REGISTRY[name], {}
+    if name.startswith("timm:") and len(name) > 5:
+        return _timm_builder, {"spec": name[5:]}
     for family, (builder, _, _) in _FAMILIES.items():
         if name.startswith(family + "-"):
             return builder, {"spec": name[len(family) + 1 :]}
@@ -57,6 +72,8 @@ def default_input_shape(name: str) -> tuple[int, int, int]:
     """The (C, H, W) a model is usually trained on (used for listings and parameter counts)."""
     if name in _DEFAULT_INPUT:
         return _DEFAULT_INPUT[name]
+    if name.startswith("timm:"):
+        return (3, 224, 224)
     for family, (_, shape, _) in _FAMILIES.items():
         if name.startswith(family + "-"):
             return shape

@@ -1,0 +1,119 @@
+"""Normaliser-free ResNet-50 (Brock et al. 2021): no normalisation layers at all; signal
+propagation is kept in check by scaled weight standardisation, scaled activations and
+residual branches x + alpha * f(x / beta) with a zero-initialised skip gain (SkipInit).
+
+Weight standardisation re-parametrises the convolution weights, so the ghost/bk engines do
+not claim it: ``engine=auto`` routes NF-ResNets to the exact vmap engine (with a notice).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpscale.models.activations import make_activation
+from dpscale.models.registry import register_model
+
+# gamma such that gamma * relu(x) has unit variance for x ~ N(0, 1) (Brock et al. 2021a).
+RELU_GAIN = math.sqrt(2.0 / (1.0 - 1.0 / math.pi))
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """Conv2d with scaled weight standardisation: W' = gain * (W - mean) / sqrt(fan_in * var + eps)."""
+
+    def __init__(self, *args, eps: float = 1e-4, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        mean = w.mean(dim=(1, 2, 3), keepdim=True)
+        var = w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
+        w = (w - mean) * torch.rsqrt(var * w[0].numel() + self.eps) * self.gain
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class _ScaledActivation(nn.Module):
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        self.act = make_activation(activation)
+        self.scale = RELU_GAIN if activation == "relu" else 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x) * self.scale
+
+
+class NFBottleneck(nn.Module):
+    def __init__(self, cin: int, planes: int, stride: int, alpha: float, beta: float, activation: str) -> None:
+        super().__init__()
+        cout = 4 * planes
+        self.alpha, self.beta = alpha, beta
+        self.act1, self.act2, self.act3 = (_ScaledActivation(activation) for _ in range(3))
+        self.conv1 = ScaledStdConv2d(cin, planes, 1)
+        self.conv2 = ScaledStdConv2d(planes, planes, 3, stride=stride, padding=1)
+        self.conv3 = ScaledStdConv2d(planes, cout, 1)
+        self.shortcut = ScaledStdConv2d(cin, cout, 1, stride=stride) if stride != 1 or cin != cout else None
+        self.skip_gain = nn.Parameter(torch.zeros(()))  # SkipInit: each block starts as the identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.act1(x) / self.beta
+        skip = x if self.shortcut is None else self.shortcut(pre)
+        h = self.conv2(self.act2(self.conv1(pre)))
+        h = self.conv3(self.act3(h))
+        return skip + h * (self.alpha * self.skip_gain)
+
+
+class NFResNet(nn.Module):
+    def __init__(self, counts, num_classes: int, input_shape: tuple[int, int, int], activation: str,
+                 alpha: float = 0.2, stem: str | None = None) -> None:
+        super().__init__()
+        stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
+        if stem == "imagenet":
+            self.stem = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), nn.MaxPool2d(3, 2, 1))
+        else:
+            self.stem = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 3, padding=1))
+        stages, cin = [], 64
+        for i, (planes, count) in enumerate(zip((64, 128, 256, 512), counts)):
+            expected_var, blocks = 1.0, []
+            for j in range(count):
+                stride = 2 if (j == 0 and i > 0) else 1
+                blocks.append(NFBottleneck(cin, planes, stride, alpha, math.sqrt(expected_var), activation))
+                # A transition block's shortcut re-normalises the signal; identity blocks add alpha^2.
+                expected_var = 1.0 + alpha**2 if j == 0 else expected_var + alpha**2
+                cin = 4 * planes
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.ModuleList(stages)
+        self.final_act = _ScaledActivation(activation)
+        self.feature_dim = cin
+        self.head = nn.Linear(cin, num_classes)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.final_act(x).mean(dim=(2, 3))
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def reset_head(self, num_classes: int) -> None:
+        self.head = nn.Linear(self.feature_dim, num_classes)
+
+    def block_groups(self) -> list[list[nn.Parameter]]:
+        groups = [list(self.stem.parameters()) + list(self.stages[0].parameters())]
+        groups += [list(stage.parameters()) for stage in self.stages[1:]]
+        return groups + [list(self.head.parameters())]
+
+
+@register_model("nf-resnet50", input_shape=(3, 224, 224))
+def nf_resnet50(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
+                alpha: float = 0.2, stem: str | None = None) -> NFResNet:
+    """NF-ResNet-50 (TAN's best ImageNet model): bottleneck layout 3-4-6-3, no normalisation."""
+    return NFResNet((3, 4, 6, 3), num_classes, input_shape, activation, alpha, stem)
