@@ -195,3 +195,23 @@ def test_timm_adapter_builds_a_model():
 def test_timm_adapter_without_timm_is_a_clear_error():
     with pytest.raises(ValueError, match="timm:resnet18 needs the timm package"):
         build_model("timm:resnet18", 10, (3, 32, 32))
+
+
+def _input_sizes(name):
+    from dpscale.models import default_input_shape
+
+    shape = default_input_shape(name)
+    return [shape, (3, 32, 32)] if shape[1] == 224 else [shape]
+
+
+@pytest.mark.parametrize("name, shape", [(n, s) for n in list_models() for s in _input_sizes(n)])
+def test_every_model_has_the_common_interface_at_every_supported_size(name, shape):
+    torch.manual_seed(0)
+    model = build_model(name, 10, shape).eval()
+    x = torch.randn(2, *shape)
+    logits = model(x)
+    assert logits.shape == (2, 10)
+    torch.testing.assert_close(model.forward_head(model.forward_features(x)), logits)
+    model.reset_head(5)
+    assert model(x).shape == (2, 5)
+    check_per_example_compatible(model)
