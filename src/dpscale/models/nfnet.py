@@ -16,6 +16,7 @@ from torch import nn
 
 from dpscale.models.activations import make_activation
 from dpscale.models.registry import register_model
+from dpscale.models.resnet import ResidualNetwork
 
 # gamma such that gamma * relu(x) has unit variance for x ~ N(0, 1) (Brock et al. 2021a).
 RELU_GAIN = math.sqrt(2.0 / (1.0 - 1.0 / math.pi))
@@ -67,53 +68,30 @@ class NFBottleneck(nn.Module):
         return skip + h * (self.alpha * self.skip_gain)
 
 
-class NFResNet(nn.Module):
-    def __init__(self, counts, num_classes: int, input_shape: tuple[int, int, int], activation: str,
-                 alpha: float = 0.2, stem: str | None = None) -> None:
-        super().__init__()
-        stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
-        if stem == "imagenet":
-            self.stem = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), nn.MaxPool2d(3, 2, 1))
-        else:
-            self.stem = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 3, padding=1))
-        stages, cin = [], 64
-        for i, (planes, count) in enumerate(zip((64, 128, 256, 512), counts)):
-            expected_var, blocks = 1.0, []
-            for j in range(count):
-                stride = 2 if (j == 0 and i > 0) else 1
-                blocks.append(NFBottleneck(cin, planes, stride, alpha, math.sqrt(expected_var), activation))
-                # A transition block's shortcut re-normalises the signal; identity blocks add alpha^2.
-                expected_var = 1.0 + alpha**2 if j == 0 else expected_var + alpha**2
-                cin = 4 * planes
-            stages.append(nn.Sequential(*blocks))
-        self.stages = nn.ModuleList(stages)
-        self.final_act = _ScaledActivation(activation)
-        self.feature_dim = cin
-        self.head = nn.Linear(cin, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for stage in self.stages:
-            x = stage(x)
-        return self.final_act(x).mean(dim=(2, 3))
-
-    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
-        return self.head(features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def reset_head(self, num_classes: int) -> None:
-        self.head = nn.Linear(self.feature_dim, num_classes)
-
-    def block_groups(self) -> list[list[nn.Parameter]]:
-        groups = [list(self.stem.parameters()) + list(self.stages[0].parameters())]
-        groups += [list(stage.parameters()) for stage in self.stages[1:]]
-        return groups + [list(self.head.parameters())]
+def _nf_resnet(counts, num_classes: int, input_shape: tuple[int, int, int], activation: str,
+               alpha: float = 0.2, stem: str | None = None) -> ResidualNetwork:
+    stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
+    if stem == "imagenet":
+        stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), nn.MaxPool2d(3, 2, 1))
+    elif stem == "cifar":
+        stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 3, padding=1))
+    else:
+        raise ValueError(f"stem must be imagenet or cifar, got {stem!r}")
+    stages, cin = [], 64
+    for i, (planes, count) in enumerate(zip((64, 128, 256, 512), counts)):
+        expected_var, blocks = 1.0, []
+        for j in range(count):
+            stride = 2 if (j == 0 and i > 0) else 1
+            blocks.append(NFBottleneck(cin, planes, stride, alpha, math.sqrt(expected_var), activation))
+            # A transition block's shortcut re-normalises the signal; identity blocks add alpha^2.
+            expected_var = 1.0 + alpha**2 if j == 0 else expected_var + alpha**2
+            cin = 4 * planes
+        stages.append(nn.Sequential(*blocks))
+    return ResidualNetwork(stem_module, stages, _ScaledActivation(activation), cin, num_classes)
 
 
 @register_model("nf-resnet50", input_shape=(3, 224, 224))
 def nf_resnet50(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
-                alpha: float = 0.2, stem: str | None = None) -> NFResNet:
+                alpha: float = 0.2, stem: str | None = None) -> ResidualNetwork:
     """NF-ResNet-50 (TAN's best ImageNet model): bottleneck layout 3-4-6-3, no normalisation."""
-    return NFResNet((3, 4, 6, 3), num_classes, input_shape, activation, alpha, stem)
+    return _nf_resnet((3, 4, 6, 3), num_classes, input_shape, activation, alpha, stem)

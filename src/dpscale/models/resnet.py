@@ -34,7 +34,7 @@ def _norm(channels: int, groups: int) -> nn.Module:
     return nn.GroupNorm(g, channels)
 
 
-class _Network(nn.Module):
+class ResidualNetwork(nn.Module):
     """stem -> stages -> pooled features -> logits, with the common model interface."""
 
     def __init__(self, stem: nn.Module, stages: Sequence[nn.Module], final: nn.Module, width: int, num_classes: int):
@@ -103,7 +103,7 @@ def wrn16_4(
     norm_groups: int = 16,
     depth: int = 16,
     width: int = 4,
-) -> _Network:
+) -> ResidualNetwork:
     """WideResNet-depth-width (default 16-4) with GroupNorm (``norm_groups`` groups, 0: none).
 
     Args:
@@ -126,7 +126,7 @@ def wrn16_4(
                   for j in range(blocks)]
         stages.append(nn.Sequential(*layers))
         cin = cout
-    return _Network(stem, stages, nn.Identity(), cin, num_classes)
+    return ResidualNetwork(stem, stages, nn.Identity(), cin, num_classes)
 
 
 # --------------------------------------------------------------------------- ResNet-v2 (GN)
@@ -178,7 +178,7 @@ class PreActBottleneck(nn.Module):
 
 
 def _resnet_v2(block: type, counts: Sequence[int], num_classes: int, input_shape, activation: str,
-               norm_groups: int, stem: str) -> _Network:
+               norm_groups: int, stem: str) -> ResidualNetwork:
     channels = input_shape[0]
     if stem == "imagenet":  # 7x7/2 conv + 3x3/2 max-pool (224x224 inputs)
         stem_module = nn.Sequential(nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), nn.MaxPool2d(3, 2, 1))
@@ -194,12 +194,12 @@ def _resnet_v2(block: type, counts: Sequence[int], num_classes: int, input_shape
             cin = planes * block.expansion
         stages.append(nn.Sequential(*blocks))
     final = nn.Sequential(_norm(cin, norm_groups), make_activation(activation))
-    return _Network(stem_module, stages, final, cin, num_classes)
+    return ResidualNetwork(stem_module, stages, final, cin, num_classes)
 
 
 @register_model("resnet18-gn", input_shape=(3, 224, 224))
 def resnet18_gn(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
-                norm_groups: int = 32, stem: str | None = None) -> _Network:
+                norm_groups: int = 32, stem: str | None = None) -> ResidualNetwork:
     """ResNet-v2-18 with GroupNorm (Kurakin et al.); ``stem`` defaults to cifar for inputs <= 64 px."""
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     return _resnet_v2(PreActBlock, (2, 2, 2, 2), num_classes, input_shape, activation, norm_groups, stem)
@@ -207,7 +207,7 @@ def resnet18_gn(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 2
 
 @register_model("resnet50-gn", input_shape=(3, 224, 224))
 def resnet50_gn(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
-                norm_groups: int = 32, stem: str | None = None) -> _Network:
+                norm_groups: int = 32, stem: str | None = None) -> ResidualNetwork:
     """ResNet-v2-50 (bottleneck) with GroupNorm (Kurakin et al.)."""
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     return _resnet_v2(PreActBottleneck, (3, 4, 6, 3), num_classes, input_shape, activation, norm_groups, stem)
