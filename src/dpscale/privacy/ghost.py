@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.models.layers import ClassTokenPositionEmbedding
-from dpscale.privacy.per_example import Batch, LossFn, Params, clip_factors, per_example_cross_entropy
+from dpscale.privacy.per_example import Batch, ClippedSumMixin, LossFn, Params, clip_factors, per_example_cross_entropy
 
 # ----------------------------------------------------------------------------- layer rules
 
@@ -313,7 +313,7 @@ def unsupported_modules(model: nn.Module) -> list[str]:
 
 
 @dataclass(frozen=True)
-class GhostEngine:
+class GhostEngine(ClippedSumMixin):
     """Ghost-norm (``mode="ghost"``) or book-keeping (``mode="bk"``) per-example clipping.
 
     Args:
@@ -330,17 +330,12 @@ class GhostEngine:
     def name(self) -> str:
         return self.mode
 
-    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
-        grad_sum, norms, _ = self.clipped_sum_and_losses(model, params, batch)
-        return grad_sum, norms
-
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         x, y = batch
         if x.shape[0] == 0:
-            empty = x.new_zeros(0)
-            return {k: torch.zeros_like(v) for k, v in params.items()}, empty, empty
+            return self.empty_result(params, x)
         problems = unsupported_modules(model)
         if problems:
             raise ValueError(f"{self.mode} engine cannot handle: {', '.join(problems)}; use engine=vmap")

@@ -81,8 +81,22 @@ class PerExampleEngine(Protocol):
         ...
 
 
+class ClippedSumMixin:
+    """What every engine shares: the interface method on top of ``clipped_sum_and_losses``,
+    and the result for an empty chunk (a Poisson draw may select nobody)."""
+
+    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
+        grad_sum, norms, _ = self.clipped_sum_and_losses(model, params, batch)  # type: ignore[attr-defined]
+        return grad_sum, norms
+
+    @staticmethod
+    def empty_result(params: Params, x: torch.Tensor) -> tuple[Params, torch.Tensor, torch.Tensor]:
+        empty = x.new_zeros(0)
+        return {k: torch.zeros_like(v) for k, v in params.items()}, empty, empty
+
+
 @dataclass(frozen=True)
-class VmapEngine:
+class VmapEngine(ClippedSumMixin):
     """Per-example gradients by ``vmap(grad(loss))`` over a batch of one.
 
     Args:
@@ -94,18 +108,12 @@ class VmapEngine:
     loss_fn: LossFn = per_example_cross_entropy
     name: str = "vmap"
 
-    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
-        grad_sum, norms, _ = self.clipped_sum_and_losses(model, params, batch)
-        return grad_sum, norms
-
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         x, y = batch
         if x.shape[0] == 0:
-            zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-            empty = x.new_zeros(0)
-            return zeros, empty, empty
+            return self.empty_result(params, x)
         # Frozen parameters and buffers are constants of the per-example function.
         constants = {n: t for n, t in model.named_parameters() if n not in params}
         constants.update(dict(model.named_buffers()))
