@@ -23,7 +23,13 @@ from hypothesis import strategies as st
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from dpscale.privacy import PrivacyAccountant, calibrate_noise_multiplier, calibrate_steps, compute_epsilon
+from dpscale.privacy import (
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    calibrate_steps,
+    compute_epsilon,
+    gaussian_release,
+)
 from dpscale.privacy.tan import eps_tan, tan_eta
 
 # case: (q, sigma, steps, delta, opacus_rdp, prv_lower, prv_upper)
@@ -196,3 +202,107 @@ def test_cached_pld_composition_equals_dp_accounting_pld_accountant(segments):
         ours.step(q, sigma, steps)
     for delta in (1e-5, 1e-3):
         assert ours.epsilon(delta) == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
+
+
+# ---------------------------------------------------------------- releases composed with DP-SGD
+def _exact_gaussian_epsilon(sigma_eff: float, delta: float) -> float:
+    """Exact epsilon of one Gaussian mechanism with noise multiplier sigma_eff (Balle & Wang 2018)."""
+
+    def exact_delta(eps: float) -> float:
+        s = sigma_eff
+        return norm.cdf(-eps * s + 1 / (2 * s)) - math.exp(eps) * norm.cdf(-eps * s - 1 / (2 * s))
+
+    return brentq(lambda e: exact_delta(e) - delta, 1e-6, 200)
+
+
+def test_release_composition_matches_exact_gaussian_composition():
+    # Full-batch DP-SGD (q = 1) and the two data-norm sums are all Gaussian mechanisms; their
+    # composition is exactly one Gaussian with 1/sigma_eff^2 = S/sigma^2 + 2/sigma_norm^2.
+    sigma, steps, sigma_norm, delta = 20.0, 30, 8.0, 1e-5
+    sigma_eff = 1.0 / math.sqrt(steps / sigma**2 + 2 / sigma_norm**2)
+    exact = _exact_gaussian_epsilon(sigma_eff, delta)
+    release = gaussian_release("data-norm", sigma_norm, 2)
+    eps = compute_epsilon(1.0, sigma, steps, delta, "pld", releases=(release,))
+    assert exact - 1e-9 <= eps == pytest.approx(exact, rel=1e-3)
+    # The release alone is one Gaussian with sigma_norm / sqrt(2).
+    alone = PrivacyAccountant("pld")
+    alone.record(release)
+    assert alone.epsilon(delta) == pytest.approx(_exact_gaussian_epsilon(sigma_norm / math.sqrt(2), delta), rel=1e-3)
+
+
+def test_release_composition_in_rdp_adds_claim_b5():
+    # Tramer & Boneh Claim B.5: PrivDataNorm is (alpha, alpha / sigma_norm^2)-RDP. Adding that to the
+    # DP-SGD RDP curve and converting must give the accountant's composed epsilon.
+    q, sigma, steps, sigma_norm, delta = 0.1, 1.2, 400, 6.0, 1e-5
+    orders = dp_rdp.RdpAccountant()._orders
+    from dpscale.privacy.accountant import dp_sgd_event
+
+    sgd_only = dp_rdp.RdpAccountant(orders)
+    sgd_only.compose(dp_sgd_event(q, sigma, steps))
+    rdp_curve = [r + a / sigma_norm**2 for r, a in zip(sgd_only._rdp, orders)]
+    expected, _ = dp_rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp_curve, delta)
+    composed = compute_epsilon(q, sigma, steps, delta, "rdp", releases=(gaussian_release("data-norm", sigma_norm, 2),))
+    assert composed == pytest.approx(expected, rel=1e-9)
+    assert composed > compute_epsilon(q, sigma, steps, delta, "rdp")
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_calibration_with_a_release_meets_the_target(kind):
+    q, steps, target, delta = 256 / 50000, 2000, 3.0, 1e-5
+    releases = (gaussian_release("data-norm", 8.0, 2),)
+    sigma_alone = calibrate_noise_multiplier(target, delta, q, steps, kind)
+    sigma = calibrate_noise_multiplier(target, delta, q, steps, kind, releases=releases)
+    assert sigma > sigma_alone  # the release uses part of the budget
+    eps = compute_epsilon(q, sigma, steps, delta, kind, releases=releases)
+    assert target * (1 - 1e-3) <= eps <= target
+    assert compute_epsilon(q, sigma, steps, delta, kind) < eps  # DP-SGD alone spends less
+    steps_fit = calibrate_steps(target, delta, q, sigma, kind, max_steps=10**5, releases=releases)
+    assert steps_fit >= steps
+    assert compute_epsilon(q, sigma, steps_fit + 1, delta, kind, releases=releases) > target
+
+
+def test_release_that_spends_the_budget_is_refused():
+    with pytest.raises(ValueError, match="data-norm alone spends"):
+        calibrate_noise_multiplier(1.0, 1e-5, 0.01, 100, "rdp", releases=(gaussian_release("data-norm", 1.0, 2),))
+
+
+def test_releases_are_labelled_not_steps_and_survive_state_dict():
+    acc = PrivacyAccountant("rdp")
+    acc.record(gaussian_release("data-norm", 8.0, 2))
+    acc.step(0.01, 1.0, 10)
+    assert acc.steps == 10
+    assert [r.label for r in acc.releases] == ["data-norm"]
+    parts = acc.epsilon_by_label(1e-5)
+    assert set(parts) == {"data-norm", "dp-sgd"}
+    assert max(parts.values()) < acc.epsilon(1e-5) < sum(parts.values())
+    restored = PrivacyAccountant.from_state_dict(acc.state_dict())
+    assert restored.history == acc.history and restored.epsilon(1e-5) == acc.epsilon(1e-5)
+    # Checkpoints written before labels existed ([q, sigma, steps]) still load as DP-SGD steps.
+    old = PrivacyAccountant.from_state_dict({"kind": "rdp", "history": [[0.01, 1.0, 10]]})
+    assert old.steps == 10 and not old.releases
+    with pytest.raises(ValueError, match="reserved"):
+        gaussian_release("dp-sgd", 1.0)
+
+
+def test_dp_plan_calibrates_for_the_composition_and_round_trips():
+    from dataclasses import asdict
+
+    from dpscale.config import ConfigError, DPConfig
+    from dpscale.privacy.plan import DPPlan, check_plan_matches, make_dp_plan
+
+    dp = DPConfig(epsilon=3.0, batch_size=500, accountant="rdp")
+    releases = (gaussian_release("data-norm", 8.0, 2),)
+    plain = make_dp_plan(dp, 50000, 1000)
+    plan = make_dp_plan(dp, 50000, 1000, releases)
+    assert plan.noise_multiplier > plain.noise_multiplier and plan.epsilon <= 3.0
+    assert plan.release_noise("data-norm") == 8.0 and "data-norm" in plan.describe()
+    restored = DPPlan(**asdict(plan))
+    assert restored == plan
+    check_plan_matches(restored, dp, 50000, 1000, releases)
+    with pytest.raises(ConfigError, match="releases"):
+        check_plan_matches(restored, dp, 50000, 1000, ())
+    with pytest.raises(ConfigError, match="data-norm alone spends"):
+        make_dp_plan(DPConfig(epsilon=0.5, batch_size=500, accountant="rdp"), 50000, 1000, (gaussian_release("data-norm", 2.0, 2),))
+    # A given sigma is checked against the budget including the release.
+    with pytest.raises(ConfigError, match="with data-norm"):
+        make_dp_plan(DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases)

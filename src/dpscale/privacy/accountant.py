@@ -5,6 +5,11 @@ We never write RDP/PLD maths ourselves: every epsilon comes from ``dp_accounting
 What we own is the *history* of (sample_rate q, noise_multiplier sigma, steps) that
 actually ran, so epsilon can be recomputed for any delta, checkpointed and resumed
 without ever counting a step twice.
+
+Besides DP-SGD steps the history holds one-off *releases* computed from the private data
+before training, e.g. the two Gaussian sums of private Data Normalization (Tramer & Boneh,
+Algorithm 2). They are Gaussian mechanisms on the whole dataset (q = 1), composed with the
+DP-SGD steps by ``dp_accounting`` exactly like the steps themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dp_accounting import pld, rdp
 from dp_accounting.pld import privacy_loss_distribution
 
 AccountantKind = Literal["pld", "rdp"]
+DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
 ACCOUNTANT_KINDS: tuple[str, ...] = ("pld", "rdp")
 
 # PLD discretisation: 1e-4 is dp_accounting's default. Results are pessimistic (upper
@@ -30,17 +36,20 @@ PLD_COARSE_DISCRETIZATION = 1e-3
 
 @dataclass(frozen=True)
 class AccountingSegment:
-    """A run of ``steps`` identical DP-SGD steps.
+    """A run of ``steps`` identical Gaussian mechanisms on a Poisson sample of the data.
 
     Attributes:
-        sample_rate: Poisson sampling probability q = B / N, in (0, 1].
-        noise_multiplier: sigma; the noise std is sigma * C on the clipped-gradient sum.
-        steps: number of logical (noisy) steps with these parameters.
+        sample_rate: Poisson sampling probability q = B / N, in (0, 1] (1: the whole dataset).
+        noise_multiplier: sigma; the noise std is sigma * C on a sum of terms clipped to norm C.
+        steps: number of mechanisms (logical DP-SGD steps, or releases) with these parameters.
+        label: "dp-sgd" for training steps; anything else names a one-off release
+            (e.g. "data-norm"), which does not count as a training step.
     """
 
     sample_rate: float
     noise_multiplier: float
     steps: int
+    label: str = DP_SGD
 
 
 def _check_mechanism(sample_rate: float, noise_multiplier: float, steps: int) -> None:
@@ -85,15 +94,23 @@ def _step_pld(
     )
 
 
+@functools.lru_cache(maxsize=32)
+def _full_batch_pld(
+    noise_multiplier: float, steps: int, discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """PLD of ``steps`` Gaussian mechanisms without subsampling: exactly one Gaussian with
+    sigma / sqrt(steps) (cached: calibration evaluates the same releases many times)."""
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier / math.sqrt(steps),
+        value_discretization_interval=discretization,
+    )
+
+
 def _pld_epsilon(segments: list[AccountingSegment], delta: float, discretization: float) -> float:
     total = None
     for seg in segments:
         if seg.sample_rate == 1.0:
-            # Without subsampling, S Gaussian steps are one Gaussian with sigma / sqrt(S) (exact).
-            composed = privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=seg.noise_multiplier / math.sqrt(seg.steps),
-                value_discretization_interval=discretization,
-            )
+            composed = _full_batch_pld(seg.noise_multiplier, seg.steps, discretization)
         else:
             composed = _step_pld(seg.sample_rate, seg.noise_multiplier, discretization).self_compose(seg.steps)
         total = composed if total is None else total.compose(composed)
@@ -119,8 +136,10 @@ def compute_epsilon(
     delta: float,
     kind: str = "pld",
     pld_discretization: float = PLD_VALUE_DISCRETIZATION,
+    releases: tuple[AccountingSegment, ...] = (),
 ) -> float:
-    """Epsilon of ``steps`` DP-SGD steps (Poisson sampling, add/remove adjacency).
+    """Epsilon of ``steps`` DP-SGD steps (Poisson sampling, add/remove adjacency), composed
+    with any one-off ``releases`` made before training.
 
     Args:
         sample_rate: q = B / N.
@@ -129,13 +148,31 @@ def compute_epsilon(
         delta: target delta, in (0, 1).
         kind: "pld" (tightest, default) or "rdp" (what the papers report).
         pld_discretization: PLD grid (smaller is tighter and slower).
+        releases: other mechanisms on the same data (see ``gaussian_release``).
 
     Returns:
-        epsilon (float, >= 0); 0.0 for zero steps.
+        epsilon (float, >= 0); 0.0 for zero steps and no releases.
     """
     accountant = PrivacyAccountant(kind, pld_discretization)
+    for release in releases:
+        accountant.record(release)
     accountant.step(sample_rate, noise_multiplier, steps)
     return accountant.epsilon(delta)
+
+
+def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> AccountingSegment:
+    """``count`` Gaussian mechanisms on the whole dataset, each a sum of per-example terms
+    clipped to norm C plus N(0, (noise_multiplier * C)^2) noise (sensitivity C under add/remove).
+
+    Args:
+        label: what was released (e.g. "data-norm"); must not be "dp-sgd".
+        noise_multiplier: sigma of each mechanism (noise std / clipping norm), > 0.
+        count: number of such sums released.
+    """
+    if label == DP_SGD:
+        raise ValueError(f"{DP_SGD!r} is reserved for training steps; name the release")
+    _check_mechanism(1.0, noise_multiplier, count)
+    return AccountingSegment(1.0, float(noise_multiplier), int(count), label)
 
 
 class PrivacyAccountant:
@@ -161,19 +198,34 @@ class PrivacyAccountant:
 
     @property
     def steps(self) -> int:
-        """Total number of accounted steps."""
-        return sum(s.steps for s in self._segments)
+        """Total number of accounted DP-SGD steps (releases are not steps)."""
+        return sum(s.steps for s in self._segments if s.label == DP_SGD)
+
+    @property
+    def releases(self) -> tuple[AccountingSegment, ...]:
+        """The one-off releases recorded (everything that is not a DP-SGD step)."""
+        return tuple(s for s in self._segments if s.label != DP_SGD)
 
     def step(self, sample_rate: float, noise_multiplier: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` steps run with sampling rate q and noise multiplier sigma."""
-        _check_mechanism(sample_rate, noise_multiplier, num_steps)
-        if num_steps == 0:
+        self.record(AccountingSegment(float(sample_rate), float(noise_multiplier), int(num_steps)))
+
+    def record(self, segment: AccountingSegment) -> None:
+        """Record a segment of steps or a release (merged with the previous one when identical)."""
+        _check_mechanism(segment.sample_rate, segment.noise_multiplier, segment.steps)
+        if segment.steps == 0:
             return
         last = self._segments[-1] if self._segments else None
-        if last and last.sample_rate == sample_rate and last.noise_multiplier == noise_multiplier:
-            self._segments[-1] = AccountingSegment(sample_rate, noise_multiplier, last.steps + int(num_steps))
+        if last and (last.sample_rate, last.noise_multiplier, last.label) == (
+            segment.sample_rate,
+            segment.noise_multiplier,
+            segment.label,
+        ):
+            self._segments[-1] = AccountingSegment(
+                last.sample_rate, last.noise_multiplier, last.steps + segment.steps, last.label
+            )
         else:
-            self._segments.append(AccountingSegment(float(sample_rate), float(noise_multiplier), int(num_steps)))
+            self._segments.append(segment)
 
     def epsilon(self, delta: float) -> float:
         """Epsilon spent so far at the given delta (0.0 before the first step)."""
@@ -195,10 +247,21 @@ class PrivacyAccountant:
             accountant.compose(dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps))
         return float(accountant.get_delta(epsilon))
 
+    def epsilon_by_label(self, delta: float) -> dict[str, float]:
+        """Epsilon of each labelled part on its own (for reports; the parts compose to ``epsilon``)."""
+        out = {}
+        for label in dict.fromkeys(s.label for s in self._segments):
+            part = PrivacyAccountant(self.kind, self.pld_discretization)
+            for seg in self._segments:
+                if seg.label == label:
+                    part.record(seg)
+            out[label] = part.epsilon(delta)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
-            "history": [[s.sample_rate, s.noise_multiplier, s.steps] for s in self._segments],
+            "history": [[s.sample_rate, s.noise_multiplier, s.steps, s.label] for s in self._segments],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -206,8 +269,8 @@ class PrivacyAccountant:
         if state.get("kind") != self.kind:
             raise ValueError(f"checkpoint accountant is {state.get('kind')!r}, this run uses {self.kind!r}")
         self._segments = []
-        for q, sigma, n in state["history"]:
-            self.step(q, sigma, n)
+        for entry in state["history"]:  # [q, sigma, steps] (older checkpoints) or [q, sigma, steps, label]
+            self.record(AccountingSegment(float(entry[0]), float(entry[1]), int(entry[2]), *entry[3:]))
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "PrivacyAccountant":

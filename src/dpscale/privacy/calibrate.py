@@ -15,7 +15,13 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from dpscale.privacy.accountant import PLD_COARSE_DISCRETIZATION, PLD_VALUE_DISCRETIZATION, compute_epsilon
+from dpscale.privacy.accountant import (
+    PLD_COARSE_DISCRETIZATION,
+    PLD_VALUE_DISCRETIZATION,
+    AccountingSegment,
+    PrivacyAccountant,
+    compute_epsilon,
+)
 
 # Upper end of the noise search; beyond this the run is pure noise.
 MAX_NOISE_MULTIPLIER = 1e4
@@ -40,8 +46,10 @@ def calibrate_noise_multiplier(
     steps: int,
     kind: str = "pld",
     rel_tol: float = 1e-3,
+    releases: tuple[AccountingSegment, ...] = (),
 ) -> float:
-    """Noise multiplier sigma so that ``steps`` DP-SGD steps cost at most ``target_epsilon``.
+    """Noise multiplier sigma so that ``steps`` DP-SGD steps cost at most ``target_epsilon``,
+    together with ``releases`` (e.g. private Data Normalization) when given.
 
     Args:
         target_epsilon: epsilon budget, > 0.
@@ -50,20 +58,23 @@ def calibrate_noise_multiplier(
         steps: number of noisy steps, >= 1.
         kind: accountant, "pld" or "rdp".
         rel_tol: the returned sigma's epsilon lies in [target * (1 - rel_tol), target].
+        releases: one-off mechanisms on the same data, composed with the steps.
 
     Returns:
         noise multiplier sigma.
 
     Raises:
-        ValueError: on invalid arguments or when even sigma = 1e4 exceeds the budget.
+        ValueError: on invalid arguments, when the releases alone spend the budget, or when
+            even sigma = 1e4 exceeds it.
     """
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1 to calibrate noise, got {steps}")
+    _check_releases_fit(target_epsilon, delta, kind, releases)
 
     def epsilon_fn(discretization: float) -> Callable[[float], float]:
-        return lambda sigma: compute_epsilon(sample_rate, sigma, steps, delta, kind, discretization)
+        return lambda sigma: compute_epsilon(sample_rate, sigma, steps, delta, kind, discretization, releases)
 
     guess = _tan_sigma_guess(target_epsilon, delta, sample_rate, steps)
     initial_step = 0.25
@@ -83,6 +94,22 @@ def calibrate_noise_multiplier(
 
 class _OutOfRange(ValueError):
     pass
+
+
+def _check_releases_fit(target_epsilon: float, delta: float, kind: str, releases: tuple[AccountingSegment, ...]) -> None:
+    """Refuse a budget that the one-off releases already use up (no step could then fit)."""
+    if not releases:
+        return
+    accountant = PrivacyAccountant(kind)
+    for release in releases:
+        accountant.record(release)
+    spent = accountant.epsilon(delta)
+    if spent >= target_epsilon:
+        names = ", ".join(dict.fromkeys(r.label for r in releases))
+        raise ValueError(
+            f"{names} alone spends epsilon={spent:.4g} >= the target {target_epsilon} at delta={delta}; "
+            "raise its noise or the budget"
+        )
 
 
 def _solve_sigma(
@@ -145,8 +172,9 @@ def calibrate_steps(
     noise_multiplier: float,
     kind: str = "pld",
     max_steps: int = 10**8,
+    releases: tuple[AccountingSegment, ...] = (),
 ) -> int:
-    """Largest number of steps whose epsilon stays at most ``target_epsilon``.
+    """Largest number of steps whose epsilon (with ``releases``) stays at most ``target_epsilon``.
 
     Args:
         target_epsilon: epsilon budget, > 0.
@@ -155,6 +183,7 @@ def calibrate_steps(
         noise_multiplier: sigma.
         kind: "pld" or "rdp".
         max_steps: search cap.
+        releases: one-off mechanisms on the same data, composed with the steps.
 
     Returns:
         steps (int, >= 0). 0 means not even one step fits in the budget.
@@ -165,7 +194,7 @@ def calibrate_steps(
 
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget
-            eps = compute_epsilon(sample_rate, noise_multiplier, steps, delta, kind, discretization)
+            eps = compute_epsilon(sample_rate, noise_multiplier, steps, delta, kind, discretization, releases)
             return math.log(eps) - log_target if eps > 0 else -math.inf
 
         return f
@@ -180,7 +209,7 @@ def calibrate_steps(
     if kind == "pld":
         # RDP is a valid (looser) bound and ~50x cheaper than PLD at millions of steps: if it
         # already certifies max_steps we are done, else its answer is a lower bound to start from.
-        rdp_steps = calibrate_steps(target_epsilon, delta, sample_rate, noise_multiplier, "rdp", max_steps)
+        rdp_steps = calibrate_steps(target_epsilon, delta, sample_rate, noise_multiplier, "rdp", max_steps, releases)
         if rdp_steps >= max_steps:
             return max_steps
         guess = max(1, _search_steps(f_at(PLD_COARSE_DISCRETIZATION), max(guess, rdp_steps), max_steps, growth=1.5))

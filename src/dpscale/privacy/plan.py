@@ -13,7 +13,7 @@ import torch
 
 from dpscale.config import ConfigError, DPConfig
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
-from dpscale.privacy.accountant import compute_epsilon
+from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan
 
@@ -41,6 +41,9 @@ class DPPlan:
     sampling: "poisson" | "shuffle".
     accountant: "pld" | "rdp".
     calibrated: whether sigma was calibrated to target_epsilon.
+    releases: one-off Gaussian mechanisms on the training data made before training (e.g.
+        private Data Normalization), composed with the DP-SGD steps in ``epsilon`` and in the
+        calibration of sigma.
     """
 
     dataset_size: int
@@ -55,6 +58,19 @@ class DPPlan:
     sampling: str
     accountant: str
     calibrated: bool
+    releases: tuple[AccountingSegment, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A plan read back from a checkpoint holds its releases as dicts (dataclasses.asdict).
+        releases = tuple(r if isinstance(r, AccountingSegment) else AccountingSegment(**r) for r in self.releases)
+        object.__setattr__(self, "releases", releases)
+
+    def release_noise(self, label: str) -> float:
+        """Noise multiplier of the release named ``label`` (KeyError if the plan has none)."""
+        for release in self.releases:
+            if release.label == label:
+                return release.noise_multiplier
+        raise KeyError(f"the DP plan has no {label!r} release")
 
     @property
     def is_private(self) -> bool:
@@ -91,6 +107,11 @@ class DPPlan:
         if not self.is_private:
             return f"{NOT_PRIVATE}; B={self.batch_size}, S={self.steps}"
         tan_note = "" if self.noise_multiplier >= PRIVACY_WALL_SIGMA else " (sigma<2: eps_TAN under-estimates)"
+        if self.releases:  # eps_TAN describes the DP-SGD steps alone
+            tan_note += "; composed with " + ", ".join(
+                f"{r.label} ({r.steps} Gaussian sum{'s' if r.steps > 1 else ''}, sigma={r.noise_multiplier:g})"
+                for r in self.releases
+            )
         return (
             f"DP-SGD: N={self.dataset_size}, B={self.batch_size}, q={self.sample_rate:.5g}, S={self.steps}, "
             f"sigma={self.noise_multiplier:.5g}, C={self.max_grad_norm:g}, "
@@ -106,9 +127,12 @@ def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_
     return max(1, round(epochs * dataset_size / batch_size))
 
 
-def check_plan_matches(plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int) -> None:
+def check_plan_matches(
+    plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
+) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data."""
     expected = {
+        "releases": tuple(releases) if plan.is_private else (),
         "dataset_size": dataset_size,
         "batch_size": dp.batch_size,
         "steps": steps,
@@ -125,26 +149,41 @@ def check_plan_matches(plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int
         raise ConfigError("the checkpoint's DP plan does not match this config and data (" + "; ".join(wrong) + ")")
 
 
-def make_dp_plan(dp: DPConfig, dataset_size: int, steps: int) -> DPPlan:
+def make_dp_plan(
+    dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
+) -> DPPlan:
     """Resolve the DP config against the dataset: calibrate sigma or check it meets the budget.
 
+    Args:
+        dp: the DP section of the config.
+        dataset_size: N.
+        steps: logical DP-SGD steps S.
+        releases: one-off Gaussian mechanisms on the data before training (see
+            ``dpscale.privacy.gaussian_release``); sigma is calibrated for the composition.
+
     Raises:
-        ConfigError: batch larger than the dataset, or a given sigma that overspends dp.epsilon.
+        ConfigError: batch larger than the dataset, releases that alone spend the budget, or a
+            given sigma that overspends dp.epsilon.
     """
     if dp.batch_size > dataset_size:
         raise ConfigError(f"dp.batch_size={dp.batch_size} is larger than the training set (N={dataset_size})")
     q = dp.batch_size / dataset_size
+    releases = tuple(releases)
     calibrated = False
     if dp.noise_multiplier is None:
-        sigma = calibrate_noise_multiplier(dp.epsilon, dp.delta, q, steps, dp.accountant)
+        try:
+            sigma = calibrate_noise_multiplier(dp.epsilon, dp.delta, q, steps, dp.accountant, releases=releases)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         calibrated = True
     else:
         sigma = float(dp.noise_multiplier)
     if sigma > 0:
-        epsilon = compute_epsilon(q, sigma, steps, dp.delta, dp.accountant)
+        epsilon = compute_epsilon(q, sigma, steps, dp.delta, dp.accountant, releases=releases)
         if dp.epsilon is not None and epsilon > dp.epsilon:
+            what = " with " + ", ".join(r.label for r in releases) if releases else ""
             raise ConfigError(
-                f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g} spends epsilon={epsilon:.4g} "
+                f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
                 f"> dp.epsilon={dp.epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
                 "to calibrate it"
             )
@@ -163,4 +202,5 @@ def make_dp_plan(dp: DPConfig, dataset_size: int, steps: int) -> DPPlan:
         sampling=dp.sampling,
         accountant=dp.accountant,
         calibrated=calibrated,
+        releases=releases if sigma > 0 else (),
     )
