@@ -183,7 +183,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
 def test_unknown_section():
     with pytest.raises(ConfigError, match=r"unknown config key 'dpp'.*did you mean dp\?"):
         load_config(overrides=["dpp.epsilon=3"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'wandb'; valid keys: data, model, dp"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'wandb'; valid keys: data, features, model, dp"):
         load_config(overrides=["wandb.project=x"])
 
 
@@ -303,6 +303,10 @@ def _nondefault_config():
             "data.name=cifar10",
             "data.root=/data/cifar",
             "data.image_size=32",
+            "features.extractor=scatternet",
+            "features.normalize=datanorm",
+            "features.norm_clip=[1.0, 1.5]",
+            "features.norm_noise=6",
             "model.name=tramer-cifar-cnn",
             "model.activation=tempered_sigmoid(s=1.5,T=2,o=0.5)",
             "model.kwargs={hidden: 64, extra: [1, 2]}",
@@ -329,7 +333,7 @@ def test_round_trip_through_yaml(tmp_path, make):
     config = make()
     plain = config.to_dict()
     # Plain YAML: safe_dump must accept it (no tuples), and sections are the dataclass fields.
-    assert list(plain) == ["data", "model", "dp", "optim", "train", "run"]
+    assert list(plain) == ["data", "features", "model", "dp", "optim", "train", "run"]
     assert plain["optim"]["betas"] == list(config.optim.betas)
     text = yaml.safe_dump(plain, sort_keys=False)
     reloaded = load_config(_write(tmp_path, text))
@@ -472,3 +476,31 @@ def test_string_key_with_a_number_in_a_yaml_file_is_rejected(tmp_path):
     path.write_text("data:\n  name: 5\n")
     with pytest.raises(ConfigError, match=r"data\.name must be a string"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("features.extractor=sift", "features.extractor must be"),
+        ("features.extractor=model:", "features.extractor must be"),
+        ("features.normalize=batchnorm", "features.normalize must be"),
+        ("features.groups=0", "features.groups"),
+        ("features.norm_clip=[0.3, 0]", "norm_clip"),
+        ("features.norm_clip=[0.3]", "list of 2"),
+        ("features.norm_noise=-1", "norm_noise"),
+        ("features.norm_floor=0", "norm_floor"),
+        ("features.scatter_order=3", "scatter_order"),
+    ],
+)
+def test_bad_features_values(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+def test_datanorm_without_noise_is_refused_for_a_private_run_only():
+    with pytest.raises(ConfigError, match="exact statistics"):
+        load_config(overrides=["features.normalize=datanorm", "features.norm_noise=0"])
+    config = load_config(
+        overrides=["features.normalize=datanorm", "features.norm_noise=0", "dp.epsilon=null", "dp.noise_multiplier=0"]
+    )
+    assert config.features.norm_noise == 0

@@ -62,6 +62,11 @@ MODES = {
     "poisson": (),
     "shuffle": ("dp.sampling=shuffle",),
     "non-private": ("dp.epsilon=null", "dp.noise_multiplier=0"),
+    # Features + private Data Normalization: the released statistics must be reused on resume.
+    "scatter-datanorm": (
+        "features.extractor=scatternet", "features.normalize=datanorm", "features.norm_clip=[0.2, 0.05]",
+        "data.normalize=false", "model.name=scatter-linear", "dp.max_grad_norm=0.1",
+    ),
 }
 
 
@@ -231,7 +236,7 @@ def test_demo_defaults_reach_85_percent_at_epsilon_3(tmp_path, capsys):
 
 
 def test_papernot_preset_matches_paper_appendix_b():
-    cfg = load_config(REPO / "configs" / "papernot-mnist-tanh.yaml")
+    cfg = load_config("preset:papernot-mnist-tanh")
     assert (cfg.dp.batch_size, cfg.train.epochs, cfg.optim.name, cfg.optim.lr) == (256, 40, "sgd", 0.15)
     assert (cfg.dp.max_grad_norm, cfg.dp.noise_multiplier) == (1.0, 1.1)
     assert cfg.model.kwargs == {"filters": [16, 16]} and cfg.model.activation == "tanh"
@@ -239,7 +244,7 @@ def test_papernot_preset_matches_paper_appendix_b():
 
 @pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist-10k not available")
 def test_papernot_preset_runs_on_shared_mnist(tmp_path):
-    code = main(["train", str(REPO / "configs" / "papernot-mnist-tanh.yaml"), "--quiet",
+    code = main(["train", "preset:papernot-mnist-tanh", "--quiet",
                  "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=2", "--set", f"run.out_dir={tmp_path / 'p'}",
                  "--set", "run.seed=0"])
     assert code == 0

@@ -173,12 +173,46 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_presets(args: argparse.Namespace) -> int:
+    import yaml
+
+    from dpscale.presets import get_preset, list_presets
+
+    if args.name:
+        try:
+            preset = get_preset(args.name)
+        except KeyError as err:
+            raise ConfigError(err.args[0]) from None
+        if args.json:
+            print(json.dumps({"name": preset.name, "description": preset.description, "source": preset.source, "values": preset.values}))
+            return 0
+        source = "\n".join(f"# {line}" for line in _wrap(preset.source))
+        print(f"# preset:{preset.name}: {preset.description}\n{source}")
+        print(f"#   dpscale train preset:{preset.name} --set data.root=DIR")
+        print(yaml.safe_dump(preset.values, sort_keys=False).rstrip())
+        return 0
+    presets = list_presets()
+    if args.json:
+        print(json.dumps([{"name": p.name, "description": p.description, "source": p.source} for p in presets]))
+        return 0
+    for preset in presets:
+        print(f"{preset.name:<32} {preset.description}")
+    print("\nrun one with: dpscale train preset:NAME --set data.root=DIR   (dpscale presets NAME shows it as YAML)")
+    return 0
+
+
+def _wrap(text: str, width: int = 96) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model with DP-SGD (default: embedded MNIST sample)")
-    train.add_argument("config", nargs="?", help="YAML config (see configs/)")
+    train.add_argument("config", nargs="?", help="YAML config file, or preset:NAME (see `dpscale presets`)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. dp.epsilon=3")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     train.add_argument("--max-steps", type=int, metavar="N", help="stop at global step N with a checkpoint")
@@ -206,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     from dpscale.bench import add_bench_parser
 
     add_bench_parser(sub)
+
+    presets = sub.add_parser("presets", help="list the paper presets, or print one as YAML")
+    presets.add_argument("name", nargs="?", help="a preset to print as a YAML config")
+    presets.add_argument("--json", action="store_true")
+    presets.set_defaults(func=_cmd_presets)
 
     models = sub.add_parser("models", help="list the registered models")
     models.add_argument("--json", action="store_true")

@@ -40,6 +40,41 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class FeaturesConfig:
+    """Fixed feature extraction and normalisation in front of the model (Tramer & Boneh 2021).
+
+    Attributes:
+        extractor: null (train on pixels), "scatternet" (ScatterNet S(x), no privacy cost: it is
+            data-independent), "model:<registry name>" or "checkpoint:<run dir>" (penultimate
+            features of a model, e.g. one pre-trained on public data, for a linear probe).
+        scatter_j, scatter_angles, scatter_order: ScatterNet scales J, angles L and depth
+            (paper: 2, 8, 2 -> 81 channels per image channel at H/4 x W/4).
+        normalize: "none"; "groupnorm" (per example, G groups, no privacy cost); or "datanorm"
+            (private per-channel mean/variance, Tramer Algorithm 2, composed with DP-SGD).
+        groups: G for groupnorm.
+        norm_clip: [C1, C2], L2 bounds on each example's channel means and mean-squares.
+        norm_noise: sigma_norm, the noise multiplier of both datanorm Gaussian sums.
+        norm_floor: tau, the smallest variance datanorm divides by.
+        cache: reuse features computed by an earlier run (keyed by data and extractor).
+        cache_dir: where features are cached (null: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).
+        batch_size: images per extraction batch.
+    """
+
+    extractor: str | None = None
+    scatter_j: int = 2
+    scatter_angles: int = 8
+    scatter_order: int = 2
+    normalize: str = "none"
+    groups: int = 27
+    norm_clip: tuple[float, float] = (0.3, 0.15)
+    norm_noise: float = 8.0
+    norm_floor: float = 1e-5
+    cache: bool = True
+    cache_dir: str | None = None
+    batch_size: int = 512
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Attributes:
     name: registry name (``dpscale models`` lists them).
@@ -146,6 +181,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -316,14 +352,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     """Defaults <- YAML file <- ``--set`` overrides, validated.
 
     Args:
-        path: YAML file with sections data, model, dp, optim, train, run (any may be omitted).
+        path: YAML file with sections data, features, model, dp, optim, train, run (any may be
+            omitted), or "preset:<name>" (``dpscale presets`` lists them).
         overrides: "section.key=value" strings, applied in order.
 
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or out-of-range value.
     """
     values: dict[str, Any] = {}
-    if path is not None:
+    if isinstance(path, str) and path.startswith("preset:"):
+        from dpscale.presets import get_preset  # local: presets are plain data, loaded on demand
+
+        try:
+            values = get_preset(path).values
+        except KeyError as err:
+            raise ConfigError(err.args[0]) from None
+    elif path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
@@ -401,6 +445,41 @@ def validate(config: Config) -> None:
         raise ConfigError("optim.nesterov needs optim.momentum > 0 and optim.dampening = 0")
     if optim.warmup_steps < 0 or not 0 <= optim.min_lr_ratio <= 1:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    _validate_features(config.features, is_private)
+
+
+FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run dir>")
+
+
+def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
+    extractor = features.extractor
+    if extractor is not None and not (
+        extractor == "scatternet"
+        or (extractor.startswith("model:") and len(extractor) > 6)
+        or (extractor.startswith("checkpoint:") and len(extractor) > 11)
+    ):
+        raise ConfigError(
+            f"features.extractor must be null or one of {', '.join(FEATURE_EXTRACTORS)}, got {extractor!r}"
+        )
+    if features.scatter_j < 1 or features.scatter_angles < 1 or features.scatter_order not in (1, 2):
+        raise ConfigError("features.scatter_j and scatter_angles must be >= 1 and scatter_order 1 or 2")
+    if features.normalize not in ("none", "groupnorm", "datanorm"):
+        raise ConfigError(f"features.normalize must be none, groupnorm or datanorm, got {features.normalize!r}")
+    if features.groups < 1:
+        raise ConfigError(f"features.groups must be >= 1, got {features.groups}")
+    if not all(c > 0 and math.isfinite(c) for c in features.norm_clip):
+        raise ConfigError(f"features.norm_clip must be two positive numbers [C1, C2], got {list(features.norm_clip)}")
+    if not (features.norm_noise >= 0 and math.isfinite(features.norm_noise)):
+        raise ConfigError(f"features.norm_noise must be >= 0, got {features.norm_noise}")
+    if not features.norm_floor > 0:
+        raise ConfigError(f"features.norm_floor must be > 0, got {features.norm_floor}")
+    if features.batch_size < 1:
+        raise ConfigError(f"features.batch_size must be >= 1, got {features.batch_size}")
+    if is_private and features.normalize == "datanorm" and features.norm_noise == 0:
+        raise ConfigError(
+            "features.normalize=datanorm with features.norm_noise=0 releases exact statistics of the private "
+            "data; set norm_noise > 0 (the paper uses 6 or 8) or use normalize=groupnorm"
+        )
 
 
 def save_config(config: Config, path: Path) -> None:

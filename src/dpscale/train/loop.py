@@ -21,6 +21,8 @@ from tqdm import tqdm
 
 from dpscale.config import Config, ConfigError, load_config, save_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
+from dpscale.features.normalize import FeatureNormalizer
+from dpscale.features.pipeline import extract_run_features, feature_releases, fit_normalizer, normalize_dataset
 from dpscale.models import build_model, count_parameters, freeze_block_groups
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.per_example import check_per_example_compatible, make_engine
@@ -65,15 +67,17 @@ class _DeferredInterrupt:
 
 
 def _seeds(seed: int | None) -> dict[str, int]:
-    """Independent seeds for model init, batch sampling and noise, from one run seed.
+    """Independent seeds for model init, batch sampling, DP-SGD noise and the noise of private
+    feature normalisation, from one run seed.
 
     With no seed, fresh OS entropy that is never written down: the DP analysis assumes the
     noise is unknown to the adversary. (Resume restores the generators' states instead.)
     """
     if seed is None:
         seed = secrets.randbits(128)
-    init, sampler, noise = np.random.SeedSequence(seed).generate_state(3, dtype=np.uint64)
-    return {"init": int(init), "sampler": int(sampler), "noise": int(noise)}
+    # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones.
+    init, sampler, noise, features = np.random.SeedSequence(seed).generate_state(4, dtype=np.uint64)
+    return {"init": int(init), "sampler": int(sampler), "noise": int(noise), "features": int(features)}
 
 
 def default_out_dir(config: Config) -> str:
@@ -103,9 +107,17 @@ class Trainer:
         config: the resolved config (``run.out_dir`` set).
         progress: show a progress bar and print a header and result lines (to stderr).
         plan: a DP plan saved in a checkpoint (skips calibration; checked against config and data).
+        feature_norm: a feature normaliser's state saved in a checkpoint (its private statistics
+            are reused, never drawn again: a second draw would be a second release).
     """
 
-    def __init__(self, config: Config, progress: bool = True, plan: DPPlan | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        progress: bool = True,
+        plan: DPPlan | None = None,
+        feature_norm: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.progress = progress
         if config.run.out_dir is None:
@@ -118,15 +130,26 @@ class Trainer:
             raise ConfigError(f"run.device={config.run.device} but this torch build has no usable CUDA device")
         seeds = _seeds(config.run.seed)
 
-        self.data = prepare_data(config, self.device)
-        info = self.data.info
+        images = prepare_data(config, self.device)
+        self.data_fingerprint = dataset_fingerprint(images)  # of the images: features may differ in the last bit
+        features = extract_run_features(config.features, images, self.device, progress, self._log)
+        del images
+        info = features.info
         n = info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
+        releases = feature_releases(config.features)
         if plan is None:
-            plan = make_dp_plan(config.dp, n, self.total_steps)
+            plan = make_dp_plan(config.dp, n, self.total_steps, releases)
         else:
-            check_plan_matches(plan, config.dp, n, self.total_steps)
+            check_plan_matches(plan, config.dp, n, self.total_steps, releases)
         self.plan: DPPlan = plan
+        if feature_norm is None:
+            generator = torch.Generator().manual_seed(seeds["features"])
+            self.feature_normalizer = fit_normalizer(config.features, features.x_train, plan, generator)
+        else:
+            self.feature_normalizer = FeatureNormalizer.from_state_dict(feature_norm)
+        self.data = normalize_dataset(features, self.feature_normalizer)
+        del features
 
         torch.manual_seed(seeds["init"])
         self.model = build_model(
@@ -143,6 +166,8 @@ class Trainer:
         self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(seeds["sampler"]))
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seeds["noise"])
         self.accountant = PrivacyAccountant(self.plan.accountant)
+        for release in self.plan.releases:  # made above, before any step (e.g. Data Normalization)
+            self.accountant.record(release)
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
         self.step = 0
         self.wall_time_s = 0.0
@@ -175,7 +200,7 @@ class Trainer:
         # The directory may have been moved or renamed since: it is wherever it is now.
         config = replace(config, run=replace(config.run, out_dir=str(run_dir)))
         state = load_checkpoint(run_dir / CHECKPOINT_NAME)
-        trainer = cls(config, progress, plan=DPPlan(**state["plan"]))
+        trainer = cls(config, progress, plan=DPPlan(**state["plan"]), feature_norm=state.get("feature_norm"))
         trainer.load_state(state)
         return trainer
 
@@ -199,13 +224,14 @@ class Trainer:
             "noise_generator": self.noise_generator.get_state(),
             "window": dict(self._window),
             "plan": asdict(self.plan),
-            "data_fingerprint": dataset_fingerprint(self.data),
+            "data_fingerprint": self.data_fingerprint,
+            "feature_norm": self.feature_normalizer.state_dict(),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         if state["plan"] != asdict(self.plan):
             raise ConfigError("the checkpoint was written under a different DP plan; refusing to resume")
-        if state["data_fingerprint"] != dataset_fingerprint(self.data):
+        if state["data_fingerprint"] != self.data_fingerprint:
             raise ConfigError(
                 f"the training data at data.root={self.config.data.root!r} differs from the data this run "
                 "was trained on; refusing to resume"
@@ -221,6 +247,8 @@ class Trainer:
         self.wall_time_s = float(state["wall_time_s"])
         if self.plan.is_private and self.accountant.steps != self.step:
             raise ValueError(f"checkpoint is inconsistent: step {self.step} but {self.accountant.steps} accounted")
+        if self.accountant.releases != self.plan.releases:
+            raise ValueError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
 
     def save(self) -> None:
         save_checkpoint(self.run_dir / CHECKPOINT_NAME, self.state())
@@ -378,6 +406,9 @@ class Trainer:
             "sampling": plan.sampling,
             "accountant": plan.accountant,
             "eps_tan": plan.eps_tan,
+            "epsilon_parts": self.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
+            "features": self.config.features.extractor,
+            "feature_normalization": self.feature_normalizer.kind,
             "guarantee_caveats": plan.caveats(),
             "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
             "seeded": self.config.run.seed is not None,

@@ -1,0 +1,82 @@
+"""Paper presets: they load, validate, build, and hold the paper's numbers."""
+
+import json
+
+import pytest
+import yaml
+
+from dpscale.cli import main
+from dpscale.config import ConfigError, load_config
+from dpscale.features import scatter_output_shape
+from dpscale.models import build_model
+from dpscale.presets import get_preset, list_presets
+
+FEATURE_SHAPES = {"mnist": (1, 28, 28), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+
+
+@pytest.mark.parametrize("name", [p.name for p in list_presets()])
+def test_every_preset_loads_and_its_model_builds(name):
+    config = load_config(f"preset:{name}")
+    shape = FEATURE_SHAPES.get(config.data.name, (1, 28, 28))
+    if config.features.extractor == "scatternet":
+        shape = scatter_output_shape(shape)
+    model = build_model(config.model.name, 10, shape, config.model.activation, **config.model.kwargs)
+    assert model is not None
+    assert get_preset(name).source and get_preset(name).description
+
+
+# (preset, batch size, lr = base x B / 512, epochs, normalize, groups, norm_noise, norm_clip)
+TABLE_13 = [
+    ("tramer-mnist-scatter-linear", 4096, 8.0, 40, "datanorm", None, 8.0, (0.2, 0.05)),
+    ("tramer-mnist-scatter-cnn", 1024, 1.0, 25, "datanorm", None, 8.0, (0.2, 0.05)),
+    ("tramer-mnist-cnn", 512, 0.5, 40, "none", None, None, None),
+    ("tramer-fmnist-scatter-linear", 8192, 16.0, 40, "groupnorm", 27, None, None),
+    ("tramer-fmnist-scatter-cnn", 2048, 4.0, 40, "groupnorm", 27, None, None),
+    ("tramer-fmnist-cnn", 2048, 4.0, 40, "none", None, None, None),
+    ("tramer-cifar10-scatter-linear", 8192, 4.0, 60, "datanorm", None, 8.0, (1.0, 1.5)),
+    ("tramer-cifar10-scatter-cnn", 8192, 4.0, 60, "datanorm", None, 8.0, (1.0, 1.5)),
+    ("tramer-cifar10-cnn", 1024, 1.0, 30, "none", None, None, None),
+]
+
+
+@pytest.mark.parametrize("row", TABLE_13, ids=[r[0] for r in TABLE_13])
+def test_tramer_presets_hold_table_13(row):
+    name, batch, lr, epochs, normalize, groups, noise, clip = row
+    c = load_config(f"preset:{name}")
+    assert (c.dp.batch_size, c.optim.lr, c.train.epochs) == (batch, lr, epochs)
+    assert (c.dp.epsilon, c.dp.delta, c.dp.max_grad_norm, c.optim.momentum) == (3.0, 1e-5, 0.1, 0.9)
+    assert c.dp.noise_multiplier is None and c.dp.sampling == "poisson" and c.model.activation == "tanh"
+    assert c.features.normalize == normalize and c.train.eval_every_epochs == 1
+    if groups:
+        assert c.features.groups == groups
+    if noise:
+        assert (c.features.norm_noise, c.features.norm_clip) == (noise, clip)
+    assert (c.features.extractor == "scatternet") == ("scatter" in name)
+    expected_model = name.split("-", 2)[2] if "scatter" in name else ("tramer-cifar-cnn" if "cifar" in name else "papernot-cnn")
+    assert c.model.name == expected_model
+
+
+def test_overrides_apply_on_top_of_a_preset_and_presets_are_not_shared():
+    c = load_config("preset:tramer-fmnist-cnn", ["dp.epsilon=1", "data.root=/data/fmnist"])
+    assert (c.dp.epsilon, c.data.root, c.dp.batch_size) == (1.0, "/data/fmnist", 2048)
+    get_preset("tramer-fmnist-cnn").values["dp"]["batch_size"] = 1
+    assert load_config("preset:tramer-fmnist-cnn").dp.batch_size == 2048
+
+
+def test_unknown_preset_suggests_close_names():
+    with pytest.raises(ConfigError, match="did you mean|Did you mean tramer-fmnist-cnn"):
+        load_config("preset:tramer-fmnist-cn")
+
+
+def test_presets_command_lists_and_prints_loadable_yaml(tmp_path, capsys):
+    assert main(["presets"]) == 0
+    listing = capsys.readouterr().out
+    assert all(p.name in listing for p in list_presets())
+    assert main(["presets", "tramer-cifar10-scatter-cnn"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "c.yaml").write_text(text)
+    assert load_config(tmp_path / "c.yaml") == load_config("preset:tramer-cifar10-scatter-cnn")
+    assert "Table 13" in text and yaml.safe_load(text)["features"]["norm_noise"] == 8.0
+    assert main(["presets", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == len(list_presets())
+    assert main(["presets", "nope"]) == 2
