@@ -504,3 +504,16 @@ def test_datanorm_without_noise_is_refused_for_a_private_run_only():
         overrides=["features.normalize=datanorm", "features.norm_noise=0", "dp.epsilon=null", "dp.noise_multiplier=0"]
     )
     assert config.features.norm_noise == 0
+
+
+def test_account_composes_private_data_normalization(capsys):
+    from dpscale.features.normalize import data_norm_release
+    from dpscale.privacy import compute_epsilon
+
+    alone = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp")
+    both = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8")
+    expected = compute_epsilon(Q, 1.1, both["steps"], 1e-5, "rdp", releases=(data_norm_release(8.0),))
+    assert both["epsilon"] == pytest.approx(expected) and both["epsilon"] > alone["epsilon"]
+    calibrated = _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--data-norm-noise", "8", "--accountant", "rdp")
+    assert calibrated["epsilon"] <= 3.0 and calibrated["noise_multiplier"] > _account_json(
+        capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")["noise_multiplier"]

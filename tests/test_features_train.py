@@ -85,3 +85,15 @@ def test_preset_runs_through_the_cli(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all("epsilon" in r and "test_accuracy" in r for r in records)  # one per epoch
     assert records[0]["epsilon"] < records[1]["epsilon"]
+
+
+def test_linear_probe_on_penultimate_features_of_a_model(tmp_path):
+    # Tramer Section 5.2 style: a linear model on a (here randomly initialised, seeded) model's
+    # penultimate features; the features are 1-D, normalised per example in 8 groups.
+    cfg = load_config(None, [f"run.out_dir={tmp_path / 'probe'}", "run.seed=0", "train.steps=4", "dp.batch_size=500",
+                             "features.extractor=model:papernot-cnn", "features.normalize=groupnorm",
+                             "features.groups=8", "model.name=linear"])
+    trainer = Trainer.create(cfg, progress=False)
+    assert trainer.data.info.input_shape == (512,) and trainer.data.x_train.shape == (4000, 512)
+    summary = trainer.run()
+    assert summary["trainable_params"] == 512 * 10 + 10 and summary["epsilon"] <= 3.0

@@ -105,6 +105,13 @@ def _cmd_account(args: argparse.Namespace) -> int:
         raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
+    releases = ()
+    if args.data_norm_noise is not None:
+        from dpscale.features.normalize import data_norm_release
+
+        if not args.data_norm_noise > 0:
+            raise ConfigError(f"--data-norm-noise must be > 0, got {args.data_norm_noise}")
+        releases = (data_norm_release(args.data_norm_noise),)
 
     if args.noise is not None and args.target_epsilon is not None and have_length:
         raise ConfigError(
@@ -113,7 +120,7 @@ def _cmd_account(args: argparse.Namespace) -> int:
     if args.noise is not None and args.target_epsilon is not None and not have_length:
         solved = "steps"
         sigma = args.noise
-        steps = calibrate_steps(args.target_epsilon, args.delta, q, sigma, args.accountant)
+        steps = calibrate_steps(args.target_epsilon, args.delta, q, sigma, args.accountant, releases=releases)
         if steps == 0:
             raise ConfigError(f"not even one step fits in epsilon={args.target_epsilon} with noise {sigma}")
     elif not have_length:
@@ -124,8 +131,13 @@ def _cmd_account(args: argparse.Namespace) -> int:
             solved, sigma = "epsilon", args.noise
         else:
             solved = "noise_multiplier"
-            sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, q, steps, args.accountant)
-    epsilon = compute_epsilon(q, sigma, steps, args.delta, args.accountant)
+            try:
+                sigma = calibrate_noise_multiplier(
+                    args.target_epsilon, args.delta, q, steps, args.accountant, releases=releases
+                )
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+    epsilon = compute_epsilon(q, sigma, steps, args.delta, args.accountant, releases=releases)
     tan = eps_tan(q, sigma, steps, args.delta)
     result = {
         "epsilon": epsilon,
@@ -141,6 +153,7 @@ def _cmd_account(args: argparse.Namespace) -> int:
         "solved_for": solved,
         "target_epsilon": args.target_epsilon,
         "sampling": "poisson",
+        "data_norm_noise": args.data_norm_noise,
     }
     if args.json:
         print(json.dumps(result))
@@ -149,9 +162,11 @@ def _cmd_account(args: argparse.Namespace) -> int:
         f"DP-SGD with Poisson sampling q = {b}/{n} = {q:.6g}, noise multiplier sigma = {sigma:.6g}, "
         f"{steps} steps ({steps * q:.4g} epochs)"
     )
-    print(f"  epsilon = {epsilon:.4f} at delta = {args.delta:g}  [{args.accountant} accountant]")
+    with_norm = f", composed with private Data Normalization (sigma_norm = {args.data_norm_noise:g})" if releases else ""
+    print(f"  epsilon = {epsilon:.4f} at delta = {args.delta:g}  [{args.accountant} accountant]{with_norm}")
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
-    print(f"  eps_TAN = {tan:.4f}  [Sander et al. 2023, eq. 4]{wall}")
+    alone = " (DP-SGD steps alone)" if releases else ""
+    print(f"  eps_TAN = {tan:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
     return 0
 
 
@@ -234,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--delta", type=float, default=1e-5)
     acc.add_argument("--accountant", choices=["pld", "rdp"], default="pld")
     acc.add_argument("--target-epsilon", type=float, help="calibrate sigma (or steps, given --noise) to this")
+    acc.add_argument(
+        "--data-norm-noise", type=float, metavar="SIGMA_NORM",
+        help="compose with private Data Normalization (two Gaussian sums, Tramer Algorithm 2) at this noise",
+    )
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)
 

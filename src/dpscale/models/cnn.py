@@ -5,6 +5,7 @@ No batch-mixing layers (no BatchNorm), so per-example gradients are well defined
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -260,6 +261,6 @@ def linear(
     input_shape: tuple[int, int, int] = (1, 28, 28),
     activation: str = "tanh",
 ) -> Classifier:
-    """Multinomial logistic regression on flattened pixels (``activation`` is unused)."""
-    channels, height, width = input_shape
-    return Classifier(nn.Flatten(), channels * height * width, num_classes, activation=activation)
+    """Multinomial logistic regression on flattened inputs of any shape, e.g. pixels (C, H, W) or
+    features (D,) for a linear probe (``activation`` is unused)."""
+    return Classifier(nn.Flatten(), math.prod(input_shape), num_classes, activation=activation)

@@ -11,6 +11,8 @@ parameter counts by default; ``paper_table_pooling=True`` builds the tables lite
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from dpscale.models.activations import make_activation
@@ -29,8 +31,7 @@ def scatter_linear(
 ) -> Classifier:
     """Logistic regression (with per-class bias) on flattened features: 3969 x 10 weights for
     MNIST / Fashion-MNIST, 15552 x 10 for CIFAR-10 (Tramer Table 5). ``activation`` is unused."""
-    channels, height, width = input_shape
-    return Classifier(nn.Flatten(), channels * height * width, num_classes, activation=activation)
+    return Classifier(nn.Flatten(), math.prod(input_shape), num_classes, activation=activation)
 
 
 @register_model("scatter-cnn", input_shape=SCATTER_GRAY_SHAPE)
