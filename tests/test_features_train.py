@@ -97,3 +97,16 @@ def test_linear_probe_on_penultimate_features_of_a_model(tmp_path):
     assert trainer.data.info.input_shape == (512,) and trainer.data.x_train.shape == (4000, 512)
     summary = trainer.run()
     assert summary["trainable_params"] == 512 * 10 + 10 and summary["epsilon"] <= 3.0
+
+
+def test_a_checkpoint_without_its_released_statistics_is_refused(tmp_path):
+    from dpscale.train.checkpoint import save_checkpoint
+
+    cfg = scatter_config(tmp_path / "r", "features.normalize=datanorm", "features.norm_clip=[0.2, 0.05]")
+    Trainer.create(cfg, progress=False).run(max_steps=2)
+    state = load_checkpoint(tmp_path / "r" / "checkpoint.pt")
+    del state["feature_norm"]  # drawing new statistics on resume would be a second, unaccounted release
+    state.pop("format")
+    save_checkpoint(tmp_path / "r" / "checkpoint.pt", state)
+    with pytest.raises(ConfigError, match="feature normalisation"):
+        Trainer.resume(tmp_path / "r", progress=False)

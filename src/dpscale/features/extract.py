@@ -12,7 +12,6 @@ keeps them in ``<cache dir>/<key>.pt``, where the key hashes everything the feat
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import sys
@@ -338,13 +337,9 @@ def _read_cache(
     path: Path, key: str, extractor: FeatureExtractor, dataset: ImageDataset
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached (x_train, x_test), or ValueError saying why the file cannot be used."""
-    try:
-        # weights_only: a cache file must not be able to run code on load.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for corrupt files
-        raise ValueError(f"unreadable: {type(err).__name__}: {err}") from err
-    if not isinstance(state, dict) or state.get("format") != CACHE_FORMAT:
-        raise ValueError(f"not a dpscale feature cache (format {CACHE_FORMAT})")
+    from dpscale.train.checkpoint import load_torch_file  # see _checkpoint_extractor
+
+    state = load_torch_file(path, CACHE_FORMAT, "feature cache")
     if state.get("key") != key or state.get("spec") != extractor.spec:
         raise ValueError("it was written for other data or another extractor")
     features = []
@@ -361,13 +356,9 @@ def _read_cache(
 def _write_cache(
     path: Path, key: str, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor
 ) -> None:
-    from dpscale.train.checkpoint import atomic_write_bytes  # see _checkpoint_extractor
+    from dpscale.train.checkpoint import save_torch_file  # see _checkpoint_extractor
 
-    buffer = io.BytesIO()
-    state = {"format": CACHE_FORMAT, "key": key, "spec": extractor.spec, "x_train": x_train, "x_test": x_test}
-    torch.save(state, buffer)
-    # getbuffer() rather than getvalue(): no second in-memory copy of what may be gigabytes.
-    atomic_write_bytes(path, buffer.getbuffer())  # type: ignore[arg-type]
+    save_torch_file(path, {"key": key, "spec": extractor.spec, "x_train": x_train, "x_test": x_test}, CACHE_FORMAT)
 
 
 def load_or_extract(

@@ -39,11 +39,37 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Serialise ``state`` (tensors, dicts, numbers) with ``torch.save`` and write it atomically."""
+def save_torch_file(path: Path, state: dict[str, Any], file_format: int) -> None:
+    """Serialise ``state`` (tensors, dicts, numbers) with ``torch.save``, tagged with
+    ``file_format``, and write it atomically."""
     buffer = io.BytesIO()
-    torch.save({"format": CHECKPOINT_FORMAT, **state}, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    torch.save({"format": file_format, **state}, buffer)
+    # getbuffer(), not getvalue(): no second in-memory copy of what may be gigabytes.
+    atomic_write_bytes(path, buffer.getbuffer())
+
+
+def load_torch_file(path: Path, file_format: int, what: str) -> dict[str, Any]:
+    """Load a file written by ``save_torch_file`` with ``file_format``.
+
+    Raises:
+        FileNotFoundError / ValueError: naming the path and ``what`` it should have been.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} at {path}")
+    try:
+        # weights_only: a file from elsewhere must not be able to run code on load.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for corrupt files
+        raise ValueError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
+    if not isinstance(state, dict) or state.get("format") != file_format:
+        raise ValueError(f"{path} is not a dpscale {what} (format {file_format})")
+    return state
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write a training checkpoint atomically."""
+    save_torch_file(path, state, CHECKPOINT_FORMAT)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -52,14 +78,4 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     Raises:
         FileNotFoundError / ValueError: with the path and what is wrong.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        # weights_only: a checkpoint from elsewhere must not be able to run code on load.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for corrupt files
-        raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from err
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a dpscale checkpoint (format {CHECKPOINT_FORMAT})")
-    return state
+    return load_torch_file(path, CHECKPOINT_FORMAT, "checkpoint")

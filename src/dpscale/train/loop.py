@@ -138,11 +138,17 @@ class Trainer:
         n = info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
         releases = feature_releases(config.features)
+        loading = plan is not None  # from a checkpoint
         if plan is None:
             plan = make_dp_plan(config.dp, n, self.total_steps, releases)
         else:
             check_plan_matches(plan, config.dp, n, self.total_steps, releases)
         self.plan: DPPlan = plan
+        if loading and (feature_norm or {}).get("kind", "none") != config.features.normalize:
+            raise ConfigError(
+                f"the checkpoint's feature normalisation ({(feature_norm or {}).get('kind', 'none')}) is not "
+                f"features.normalize={config.features.normalize} of its config; refusing to continue it"
+            )
         if feature_norm is None:
             generator = torch.Generator().manual_seed(seeds["features"])
             self.feature_normalizer = fit_normalizer(config.features, features.x_train, plan, generator)
