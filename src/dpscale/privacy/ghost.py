@@ -27,7 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.models.layers import ClassTokenPositionEmbedding
-from dpscale.privacy.per_example import Batch, ClippedSumMixin, LossFn, Params, clip_factors, per_example_cross_entropy
+from dpscale.privacy.per_example import (
+    Batch,
+    ClippedSumMixin,
+    LossFn,
+    Params,
+    clip_factors,
+    mean_over_views,
+    per_example_cross_entropy,
+)
 
 # ----------------------------------------------------------------------------- layer rules
 
@@ -44,6 +52,19 @@ class _Record:
     out_grad: torch.Tensor | None = None
     calls: int = 0
     cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Augmentation multiplicity K: the forward pass sees K consecutive rows per example, and an
+    # example's gradient is the sum over its rows (the 1/K of the mean loss is already in g).
+    views: int = 1
+
+
+def _per_example(r: _Record, t: torch.Tensor) -> torch.Tensor:
+    """Sum a per-row tensor (B*K, ...) over each example's K view rows -> (B, ...)."""
+    return t if r.views == 1 else t.reshape(-1, r.views, *t.shape[1:]).sum(1)
+
+
+def _row_factors(r: _Record, c: torch.Tensor) -> torch.Tensor:
+    """Per-example clip factors (B,) repeated for each example's K view rows (B*K,)."""
+    return c if r.views == 1 else c.repeat_interleave(r.views)
 
 
 # Convolutions need im2col patches for Gram matrices; on CPU materialising them costs about as
@@ -67,7 +88,7 @@ def _use_ghost(length: int, d_in: int, d_out: int, overhead: float = 0.0) -> boo
 
 
 def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    b = a.shape[0]
+    b = a.shape[0] // r.views  # an example's K views are consecutive rows: fold them into its sequence
     a = a.reshape(b, -1, a.shape[-1])
     g = g.reshape(b, -1, g.shape[-1])
     sq = a.new_zeros(b)
@@ -93,7 +114,8 @@ def _linear_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) 
         if "weight" in r.cache:
             out["weight"] = torch.tensordot(c, r.cache["weight"], dims=1)
         else:
-            gc = (g * c.view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
+            rows = _row_factors(r, c)
+            gc = (g * rows.view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
             out["weight"] = gc.t() @ a.reshape(-1, a.shape[-1])
     if r.trainable.get("bias"):
         out["bias"] = c @ r.cache["bias"]
@@ -141,16 +163,27 @@ def _conv_per_example_grouped(r: _Record, a: torch.Tensor, g: torch.Tensor) -> t
     return weight.reshape(b, groups, m.out_channels // groups, -1)
 
 
+def _fold_views(r: _Record, t: torch.Tensor) -> torch.Tensor:
+    """(B*K, G, d, L) -> (B, G, d, K*L): an example's views side by side along the positions."""
+    if r.views == 1:
+        return t
+    rows, groups, d, length = t.shape
+    return t.reshape(rows // r.views, r.views, groups, d, length).permute(0, 2, 3, 1, 4).reshape(
+        rows // r.views, groups, d, r.views * length
+    )
+
+
 def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    b = a.shape[0]
+    b = a.shape[0] // r.views
     sq = a.new_zeros(b)
     if r.trainable.get("weight"):
         m = r.module
-        length = g[0, 0].numel()
+        length = g[0, 0].numel() * r.views  # an example's positions, over all its views
         d_in = m.in_channels // m.groups * m.weight[0, 0].numel()
         d_out = m.out_channels // m.groups
         if _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
             patches, gg = _conv_unfold(r, a, g)
+            patches, gg = _fold_views(r, patches), _fold_views(r, gg)
             gram_a = torch.matmul(patches.transpose(2, 3), patches)  # (B, G, L, L)
             gram_g = torch.matmul(gg.transpose(2, 3), gg)
             sq = sq + (gram_a * gram_g).sum((1, 2, 3))
@@ -167,10 +200,11 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
                     per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
             else:
                 per_example = _conv_per_example_grouped(r, a, g)
+            per_example = _per_example(r, per_example)
             r.cache["weight"] = per_example
             sq = sq + _sq_norms(per_example)
     if r.trainable.get("bias"):
-        r.cache["bias"] = g.reshape(b, g.shape[1], -1).sum(2)
+        r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
         sq = sq + r.cache["bias"].pow(2).sum(1)
     return sq
 
@@ -184,7 +218,7 @@ def _conv_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) ->
             # sum_i c_i g_i^T a_i is the ordinary weight gradient with g scaled per example:
             # the library's convolution kernel, no im2col.
             kernel, stride, padding, dilation = _conv_geometry(m)
-            scaled = g * c.view(-1, *([1] * (g.dim() - 1)))
+            scaled = g * _row_factors(r, c).view(-1, *([1] * (g.dim() - 1)))
             if isinstance(m, nn.Conv1d):
                 a, scaled = a.unsqueeze(2), scaled.unsqueeze(2)
             weight = torch.nn.grad.conv2d_weight(
@@ -221,9 +255,9 @@ def _affine_parts(r: _Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, tor
 
 
 def _norm_layer_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    parts = _affine_parts(r, a, g)
+    parts = {name: _per_example(r, t) for name, t in _affine_parts(r, a, g).items()}
     r.cache.update(parts)
-    return sum((t.reshape(t.shape[0], -1).pow(2).sum(1) for t in parts.values()), a.new_zeros(a.shape[0]))
+    return sum((t.reshape(t.shape[0], -1).pow(2).sum(1) for t in parts.values()), a.new_zeros(a.shape[0] // r.views))
 
 
 def _norm_layer_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
@@ -231,7 +265,7 @@ def _norm_layer_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tens
 
 
 def _embedding_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    b = a.shape[0]
+    b = a.shape[0] // r.views  # views folded into the sequence, as for Linear
     idx = a.reshape(b, -1)
     g = g.reshape(b, idx.shape[1], -1)
     if r.module.padding_idx is not None:  # torch gives the padding row no gradient
@@ -250,7 +284,8 @@ def _embedding_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tenso
 
 def _tokens_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # out = [cls; tokens] + pos: d out / d pos = g (per example), d out / d cls = g[:, 0].
-    sq = a.new_zeros(a.shape[0])
+    g = r.cache["g"] = _per_example(r, g)
+    sq = a.new_zeros(g.shape[0])
     if r.trainable.get("pos_embed"):
         sq = sq + _sq_norms(g)
     if r.trainable.get("cls_token"):
@@ -259,7 +294,7 @@ def _tokens_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _tokens_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
-    out = {}
+    g, out = r.cache["g"], {}
     if r.trainable.get("pos_embed"):
         out["pos_embed"] = torch.tensordot(c, g, dims=1).unsqueeze(0)
     if r.trainable.get("cls_token"):
@@ -320,11 +355,15 @@ class GhostEngine(ClippedSumMixin):
         max_grad_norm: clipping norm C; None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
         mode: "ghost" (clipped sum by a second backward) or "bk" (from stored activations).
+        views: augmentation multiplicity K; chunks then hold x of shape (B, K, ...) and each
+            example's loss is the mean over its K views, so its clipped gradient is the clip of
+            the mean of the views' gradients (cross terms between views included).
     """
 
     max_grad_norm: float | None
     loss_fn: LossFn = per_example_cross_entropy
     mode: str = "bk"
+    views: int = 1
 
     @property
     def name(self) -> str:
@@ -340,10 +379,10 @@ class GhostEngine(ClippedSumMixin):
         if problems:
             raise ValueError(f"{self.mode} engine cannot handle: {', '.join(problems)}; use engine=vmap")
 
-        records = self._records(model, params)
+        records = self._records(model, params, self.views)
         handles = [r.module.register_forward_hook(self._capture(r)) for r in records]
         try:
-            losses = self.loss_fn(model(x), y)
+            losses = mean_over_views(self.loss_fn, model, x, y, self.views)
         finally:
             for h in handles:
                 h.remove()
@@ -386,7 +425,7 @@ class GhostEngine(ClippedSumMixin):
         return grad_sum, norms.detach(), losses.detach()
 
     @staticmethod
-    def _records(model: nn.Module, params: Params) -> list[_Record]:
+    def _records(model: nn.Module, params: Params, views: int) -> list[_Record]:
         records = []
         for name, module in model.named_modules():
             local = {
@@ -394,7 +433,7 @@ class GhostEngine(ClippedSumMixin):
                 for pname, _ in module.named_parameters(recurse=False)
             }
             if any(local.values()):
-                records.append(_Record(module, name, local))
+                records.append(_Record(module, name, local, views=views))
         return records
 
     @staticmethod

@@ -27,6 +27,18 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def per_example_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets, reduction="none")
 
+
+def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.Tensor, views: int) -> torch.Tensor:
+    """Per-example losses (B,); with augmentation multiplicity K > 1, ``x`` is (B, K, ...) and an
+    example's loss is the mean over its K views (TAN eq. 5: average *before* clipping), computed
+    in one forward pass over the B*K views."""
+    if views == 1:
+        return loss_fn(model(x), y)
+    if x.shape[1] != views:
+        raise ValueError(f"expected {views} views per example, got input of shape {tuple(x.shape)}")
+    logits = model(x.reshape(-1, *x.shape[2:]))
+    return loss_fn(logits, y.repeat_interleave(views)).reshape(-1, views).mean(1)
+
 # Added to norms before dividing so that a zero gradient gets factor 1, and so that
 # the clipped norm norm * C / (norm + eps) stays strictly below C.
 CLIP_EPS = 1e-6
@@ -102,11 +114,13 @@ class VmapEngine(ClippedSumMixin):
     Args:
         max_grad_norm: clipping norm C (L2 over all trainable parameters); None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
+        views: augmentation multiplicity K (chunks hold x of shape (B, K, ...); see mean_over_views).
     """
 
     max_grad_norm: float | None
     loss_fn: LossFn = per_example_cross_entropy
     name: str = "vmap"
+    views: int = 1
 
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
@@ -119,8 +133,8 @@ class VmapEngine(ClippedSumMixin):
         constants.update(dict(model.named_buffers()))
 
         def loss_one(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            logits = functional_call(model, (p, constants), (xi.unsqueeze(0),))
-            return self.loss_fn(logits, yi.unsqueeze(0))[0]
+            forward = lambda inputs: functional_call(model, (p, constants), (inputs,))  # noqa: E731
+            return mean_over_views(self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views)[0]
 
         try:
             grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
@@ -146,6 +160,7 @@ def make_engine(
     max_grad_norm: float | None,
     model: nn.Module | None = None,
     loss_fn: LossFn = per_example_cross_entropy,
+    views: int = 1,
 ) -> tuple[PerExampleEngine, str | None]:
     """Engine by name, plus a one-line notice when "auto" had to fall back.
 
@@ -154,6 +169,7 @@ def make_engine(
         max_grad_norm: clipping norm C (None: no clipping).
         model: needed by "auto" to check layer support (and by bk/ghost to fail early).
         loss_fn: per-example loss.
+        views: augmentation multiplicity K (each example arrives as K views).
 
     Returns:
         (engine, notice or None).
@@ -165,10 +181,12 @@ def make_engine(
     problems = unsupported_modules(model) if model is not None else []
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
-        return VmapEngine(max_grad_norm, loss_fn), notice
+        return VmapEngine(max_grad_norm, loss_fn, views=views), notice
     if problems:
         raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
-    return GhostEngine(max_grad_norm, loss_fn, mode="bk" if name == "auto" else name), None
+    if views < 1:
+        raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
+    return GhostEngine(max_grad_norm, loss_fn, mode="bk" if name == "auto" else name, views=views), None
 
 
 def supported_engines(model: nn.Module) -> list[str]:
