@@ -183,7 +183,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
 def test_unknown_section():
     with pytest.raises(ConfigError, match=r"unknown config key 'dpp'.*did you mean dp\?"):
         load_config(overrides=["dpp.epsilon=3"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'wandb'; valid keys: data, features, model, dp"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'wandb'; valid keys: data, features, augment, model, dp"):
         load_config(overrides=["wandb.project=x"])
 
 
@@ -333,7 +333,7 @@ def test_round_trip_through_yaml(tmp_path, make):
     config = make()
     plain = config.to_dict()
     # Plain YAML: safe_dump must accept it (no tuples), and sections are the dataclass fields.
-    assert list(plain) == ["data", "features", "model", "dp", "optim", "train", "run"]
+    assert list(plain) == ["data", "features", "augment", "model", "dp", "optim", "train", "run", "eval"]
     assert plain["optim"]["betas"] == list(config.optim.betas)
     text = yaml.safe_dump(plain, sort_keys=False)
     reloaded = load_config(_write(tmp_path, text))
@@ -517,3 +517,17 @@ def test_account_composes_private_data_normalization(capsys):
     calibrated = _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--data-norm-noise", "8", "--accountant", "rdp")
     assert calibrated["epsilon"] <= 3.0 and calibrated["noise_multiplier"] > _account_json(
         capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")["noise_multiplier"]
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("augment.multiplicity=0", "augment.multiplicity"),
+        ("augment.type=mixup", "augment.type"),
+        ("train.ema_decay=1", "ema_decay"),
+        ("eval.augtest=true", "augtest"),
+    ],
+)
+def test_bad_augment_and_ema_values(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])

@@ -75,6 +75,35 @@ class FeaturesConfig:
 
 
 @dataclass(frozen=True)
+class AugmentConfig:
+    """Augmentation multiplicity (AugMult; De et al. 2022, TAN eq. 5).
+
+    Attributes:
+        multiplicity: K views per training example; an example's loss (hence gradient) is the
+            mean over its views, taken before clipping, so the sensitivity stays C and the
+            accounting is unchanged. 1 (default): no augmentation.
+        type: identity, crop-flip (reflect-pad 4, random crop, horizontal flip), rrc (random
+            resized crop, area 8-100%, aspect 3/4-4/3, flip) or simclr (colour jitter, grayscale,
+            blur, rrc, flip). Parameters are drawn per view, on the training device, from a
+            generator seeded by the run seed and saved in checkpoints.
+    """
+
+    multiplicity: int = 1
+    type: str = "crop-flip"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Attributes:
+    augtest: also report ``test_accuracy_augtest``: a majority vote over ``augment.multiplicity``
+        views of each test image drawn with ``augment.type`` (TAN's AugTest; not the headline
+        accuracy).
+    """
+
+    augtest: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Attributes:
     name: registry name (``dpscale models`` lists them).
@@ -149,6 +178,9 @@ class TrainConfig:
     eval_batch_size: batch size for evaluation.
     eval_every_epochs: evaluate, log and checkpoint every this many epochs (and at the end).
     checkpoint_every_steps: also checkpoint every this many steps (null: only at evaluations).
+    ema_decay: keep an exponential moving average of the parameters, updated after every
+        logical step (e.g. 0.999); evaluations then also report the EMA model (null: off). It is
+        computed from the released (noisy) updates only, so it costs no privacy.
     """
 
     epochs: float | None = 15.0
@@ -158,6 +190,7 @@ class TrainConfig:
     eval_batch_size: int = 1000
     eval_every_epochs: float = 1.0
     checkpoint_every_steps: int | None = None
+    ema_decay: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,11 +215,13 @@ class RunConfig:
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -446,6 +481,18 @@ def validate(config: Config) -> None:
     if optim.warmup_steps < 0 or not 0 <= optim.min_lr_ratio <= 1:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     _validate_features(config.features, is_private)
+    if train.ema_decay is not None and not 0 < train.ema_decay < 1:
+        raise ConfigError(f"train.ema_decay must be in (0, 1) or null, got {train.ema_decay}")
+    augment = config.augment
+    if augment.multiplicity < 1:
+        raise ConfigError(f"augment.multiplicity must be >= 1, got {augment.multiplicity}")
+    if augment.type not in AUGMENT_TYPES:
+        raise ConfigError(f"augment.type must be one of {', '.join(AUGMENT_TYPES)}, got {augment.type!r}")
+    if config.eval.augtest and augment.multiplicity < 2:
+        raise ConfigError("eval.augtest votes over augment.multiplicity views: set augment.multiplicity >= 2")
+
+
+AUGMENT_TYPES = ("identity", "crop-flip", "rrc", "simclr")  # dpscale.data.augment.AUGMENTATIONS
 
 
 FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run dir>")

@@ -28,9 +28,10 @@ from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.per_example import check_per_example_compatible, make_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, check_plan_matches, make_dp_plan, steps_for
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
-from dpscale.train.metrics import MetricsLog, evaluate, json_safe
+from dpscale.train.ema import WeightEMA
+from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
-from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
+from dpscale.train.step import apply_gradient, augmented_chunks, noisy_clipped_mean, physical_chunks
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
@@ -76,8 +77,15 @@ def _seeds(seed: int | None) -> dict[str, int]:
     if seed is None:
         seed = secrets.randbits(128)
     # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones.
-    init, sampler, noise, features = np.random.SeedSequence(seed).generate_state(4, dtype=np.uint64)
-    return {"init": int(init), "sampler": int(sampler), "noise": int(noise), "features": int(features)}
+    init, sampler, noise, features, augment, augtest = np.random.SeedSequence(seed).generate_state(6, dtype=np.uint64)
+    return {
+        "init": int(init),
+        "sampler": int(sampler),
+        "noise": int(noise),
+        "features": int(features),
+        "augment": int(augment),
+        "augtest": int(augtest),
+    }
 
 
 def default_out_dir(config: Config) -> str:
@@ -164,13 +172,19 @@ class Trainer:
         check_per_example_compatible(self.model)
         if config.model.freeze_groups:
             freeze_block_groups(self.model, config.model.freeze_groups)
-        self.engine, engine_notice = make_engine(config.train.engine, self.plan.max_grad_norm, self.model)
+        views = config.augment.multiplicity
+        if views > 1 and config.features.extractor is not None:
+            raise ConfigError("augment.multiplicity > 1 augments images; it cannot be combined with features.extractor")
+        self.engine, engine_notice = make_engine(config.train.engine, self.plan.max_grad_norm, self.model, views=views)
         if engine_notice:
             self._log(engine_notice)
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
         self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(seeds["sampler"]))
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seeds["noise"])
+        self.augment_generator = torch.Generator().manual_seed(seeds["augment"])  # CPU: same draws on any device
+        self.augtest_seed = seeds["augtest"]  # test views: the same at every evaluation
+        self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
         self.accountant = PrivacyAccountant(self.plan.accountant)
         for release in self.plan.releases:  # made above, before any step (e.g. Data Normalization)
             self.accountant.record(release)
@@ -228,6 +242,9 @@ class Trainer:
             "accountant": self.accountant.state_dict(),
             "sampler": self.sampler.state_dict(),
             "noise_generator": self.noise_generator.get_state(),
+            "augment_generator": self.augment_generator.get_state(),
+            "augtest_seed": self.augtest_seed,
+            "ema": self.ema.state_dict() if self.ema else None,
             "window": dict(self._window),
             "plan": asdict(self.plan),
             "data_fingerprint": self.data_fingerprint,
@@ -248,6 +265,13 @@ class Trainer:
         self.accountant.load_state_dict(state["accountant"])  # replaces, never adds
         self.sampler.load_state_dict(state["sampler"])
         self.noise_generator.set_state(state["noise_generator"])
+        if "augment_generator" in state:  # absent in checkpoints from before augmentation existed
+            self.augment_generator.set_state(state["augment_generator"])
+            self.augtest_seed = int(state["augtest_seed"])
+        if self.ema is not None:
+            if state.get("ema") is None:
+                raise ConfigError("train.ema_decay is set but the checkpoint has no EMA of the weights")
+            self.ema.load_state_dict(state["ema"])
         self._window = dict(state["window"])
         self.step = int(state["step"])
         self.wall_time_s = float(state["wall_time_s"])
@@ -283,9 +307,14 @@ class Trainer:
     def train_step(self) -> None:
         """Sample a logical batch, take one private step, account for it."""
         indices = self.sampler.sample().to(self.device)
+        augment = self.config.augment
+        # With K views per example, a physical chunk holds max_physical_batch_size / K examples.
         chunks = physical_chunks(
-            self.data.x_train, self.data.y_train, indices, self.config.train.max_physical_batch_size
+            self.data.x_train, self.data.y_train, indices,
+            max(1, self.config.train.max_physical_batch_size // augment.multiplicity),
         )
+        if augment.multiplicity > 1:
+            chunks = augmented_chunks(chunks, augment.type, augment.multiplicity, self.augment_generator, self.value_range)
         gradient, stats = noisy_clipped_mean(
             self.engine,
             self.model,
@@ -296,6 +325,8 @@ class Trainer:
         )
         apply_gradient(self.model, gradient, self.optimizer)
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
         if self.plan.is_private:
             self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
         self.step += 1
@@ -319,11 +350,31 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "wall_time_s": self.wall_time_s,
         }
+        record.update(self._extra_evaluations())
         if self.plan.caveats():
             record["privacy_note"] = "; ".join(self.plan.caveats())
         self._window = {"loss_sum": 0.0, "examples": 0}
         self.metrics.append(record)
         return record
+
+    @property
+    def value_range(self) -> tuple[float, float]:
+        """Range of the input pixels (for colour augmentations)."""
+        return (-1.0, 1.0) if self.config.data.normalize else (0.0, 1.0)
+
+    def _extra_evaluations(self) -> dict[str, float]:
+        """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy)."""
+        out = {}
+        x, y, batch = self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
+        if self.ema is not None:
+            out["test_accuracy_ema"], out["test_loss_ema"] = evaluate(self.ema.model, x, y, batch)
+        if self.config.eval.augtest:
+            augment = self.config.augment
+            generator = torch.Generator().manual_seed(self.augtest_seed)
+            out["test_accuracy_augtest"] = evaluate_augtest(
+                self.model, x, y, augment.type, augment.multiplicity, generator, self.value_range, batch
+            )
+        return out
 
     def run(self, max_steps: int | None = None) -> dict[str, Any] | None:
         """Train until the planned number of steps, or until global step ``max_steps``.
@@ -397,6 +448,8 @@ class Trainer:
         summary = {
             "test_accuracy": last["test_accuracy"],
             "test_loss": last["test_loss"],
+            **{k: last[k] for k in ("test_accuracy_ema", "test_accuracy_augtest") if k in last},
+            "augment_multiplicity": self.config.augment.multiplicity,
             "epsilon": self.epsilon(),
             "delta": plan.delta,
             "target_epsilon": plan.target_epsilon,

@@ -69,3 +69,30 @@ class MetricsLog:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+
+
+@torch.no_grad()
+def evaluate_augtest(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    kind: str,
+    views: int,
+    generator: torch.Generator,
+    value_range: tuple[float, float],
+    batch_size: int = 1000,
+) -> float:
+    """AugTest accuracy: each test image is classified by a majority vote over ``views``
+    augmented copies of it (TAN Appendix C); a fraction in [0, 1]."""
+    from dpscale.data.augment import augment_views, majority_vote
+
+    was_training = model.training
+    model.eval()
+    correct = 0
+    step = max(1, batch_size // views)
+    for start in range(0, x.shape[0], step):
+        batch = augment_views(x[start : start + step], kind, views, generator, value_range=value_range)
+        logits = model(batch.reshape(-1, *batch.shape[2:])).reshape(batch.shape[0], views, -1)
+        correct += int((majority_vote(logits) == y[start : start + step]).sum())
+    model.train(was_training)
+    return correct / max(1, x.shape[0])

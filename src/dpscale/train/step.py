@@ -41,6 +41,22 @@ def physical_chunks(
         yield x[chunk], y[chunk]
 
 
+def augmented_chunks(
+    chunks: Iterable[Batch],
+    kind: str,
+    views: int,
+    generator: torch.Generator,
+    value_range: tuple[float, float],
+) -> Iterable[Batch]:
+    """Each chunk's images as K augmented views (B, K, C, H, W), with per-view random
+    parameters drawn from ``generator`` (checkpointed with the run, so a resumed run draws the
+    same views)."""
+    from dpscale.data.augment import augment_views
+
+    for x, y in chunks:
+        yield augment_views(x, kind, views, generator, value_range=value_range), y
+
+
 def noisy_clipped_mean(
     engine: PerExampleEngine,
     model: nn.Module,

@@ -1,0 +1,51 @@
+"""Exponential moving average (EMA) of the weights (TAN / De et al. 2022 evaluate it).
+
+It is a function of the released (noisy) updates only, so it costs no privacy.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class WeightEMA:
+    """ema <- d_t * ema + (1 - d_t) * weights after every logical step, with the usual warm-up
+    d_t = min(decay, (1 + t) / (10 + t)) (t = number of updates so far), so the average is not
+    dominated by the initial weights in short runs.
+
+    Args:
+        model: the trained model; a copy holds the average (parameters and buffers).
+        decay: the long-run decay d, in (0, 1).
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.updates = 0
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def current_decay(self) -> float:
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        d = self.current_decay()
+        for average, live in zip(self.model.parameters(), model.parameters()):
+            average.lerp_(live.detach(), 1.0 - d)
+        for average, live in zip(self.model.buffers(), model.buffers()):
+            average.copy_(live)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "updates": self.updates, "model": self.model.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["decay"] != self.decay:
+            raise ValueError(f"checkpoint EMA decay {state['decay']} != configured {self.decay}")
+        self.updates = int(state["updates"])
+        self.model.load_state_dict(state["model"])

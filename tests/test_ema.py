@@ -1,0 +1,53 @@
+"""EMA of the weights: the update formula, checkpointing and resume."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from dpscale.config import load_config
+from dpscale.train.checkpoint import load_checkpoint
+from dpscale.train.ema import WeightEMA
+from dpscale.train.loop import Trainer
+
+
+def test_ema_follows_the_warmed_up_recursion():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ema = WeightEMA(model, decay=0.9)
+    expected = [p.detach().clone() for p in model.parameters()]
+    for t in range(30):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        d = min(0.9, (1 + t) / (10 + t))
+        expected = [d * e + (1 - d) * p.detach() for e, p in zip(expected, model.parameters())]
+        ema.update(model)
+    for e, p in zip(expected, ema.model.parameters()):
+        torch.testing.assert_close(p, e)
+    assert ema.updates == 30 and ema.current_decay() == pytest.approx(31 / 40)
+    # The average is a separate copy: no gradients, and the live model is untouched.
+    assert all(not p.requires_grad for p in ema.model.parameters())
+    with pytest.raises(ValueError):
+        WeightEMA(model, 1.0)
+
+
+def test_run_reports_the_ema_model_and_resumes_it_bit_identically(tmp_path):
+    def config(out):
+        return load_config(None, [f"run.out_dir={out}", "run.seed=0", "dp.batch_size=128", "train.steps=12",
+                                  "train.eval_every_epochs=0.25", "train.ema_decay=0.99"])
+
+    full = Trainer.create(config(tmp_path / "full"), progress=False).run()
+    assert 0 < full["test_accuracy_ema"] <= 1
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert all("test_accuracy_ema" in r for r in records)
+
+    Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=5)
+    resumed = Trainer.resume(tmp_path / "split", progress=False)
+    assert resumed.ema.updates == 5
+    resumed.run()
+    a, b = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    for name, tensor in a["ema"]["model"].items():
+        assert torch.equal(tensor, b["ema"]["model"][name]), name
+    assert a["ema"]["updates"] == b["ema"]["updates"] == 12
