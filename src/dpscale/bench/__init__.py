@@ -13,7 +13,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
     step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
-    step.add_argument("--engines", default="", help="comma list; default: all (nonprivate, dpscale-*, opacus-*)")
+    step.add_argument(
+        "--engines", default="",
+        help="comma list; default: all (nonprivate, dpscale-*, opacus-*); a -kK suffix (dpscale-auto-k4, "
+        "nonprivate-k4) trains on K crop-flip views per example (augmentation multiplicity)",
+    )
     step.add_argument("--repeats", type=int, default=10)
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--device", default="cpu")

@@ -61,33 +61,56 @@ def _fresh_model(name: str, device: torch.device) -> nn.Module:
     return build_model(name, 10, _input_shape(name, device)).to(device)
 
 
-def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+def _views(x: torch.Tensor, views: int, generator: torch.Generator) -> torch.Tensor:
+    """AugMult input: K crop-flip views per example (B, K, C, H, W), drawn inside the timed step."""
+    from dpscale.data.augment import augment_views
+
+    return augment_views(x, "crop-flip", views, generator)
+
+
+def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1) -> Step:
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    augment = torch.Generator().manual_seed(1)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        inputs, targets = x, y
+        if views > 1:  # the same work without privacy: mean loss over the B*K views
+            inputs, targets = _views(x, views, augment).flatten(0, 1), y.repeat_interleave(views)
+        F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
 
     return step
 
 
-def _dpscale_step(name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+def _dpscale_step(name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1) -> Step:
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine, _ = make_engine(engine_name, CLIP, model)
+    engine, _ = make_engine(engine_name, CLIP, model, views=views)
     generator = torch.Generator(device=x.device).manual_seed(0)
+    augment = torch.Generator().manual_seed(1)
     indices = torch.arange(x.shape[0], device=x.device)
 
     def step() -> None:
+        inputs = _views(x, views, augment) if views > 1 else x
         gradient, _ = noisy_clipped_mean(
-            engine, model, physical_chunks(x, y, indices, x.shape[0]),
+            engine, model, physical_chunks(inputs, y, indices, x.shape[0]),
             noise_std=SIGMA * CLIP, expected_batch_size=x.shape[0], noise_generator=generator,
         )
         apply_gradient(model, gradient, optimizer)
 
     return step
+
+
+def _parse_engine(engine: str) -> tuple[str, str, int]:
+    """"dpscale-auto-k4" -> ("dpscale", "auto", 4): a "-kK" suffix asks for K augmented views."""
+    views = 1
+    head, _, last = engine.rpartition("-")
+    if head and last.startswith("k") and last[1:].isdigit():
+        engine, views = head, int(last[1:])
+    kind, _, mode = engine.partition("-")
+    return kind, mode, views
 
 
 def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Step:
@@ -171,11 +194,13 @@ def run_step_time(
         for engine in engines:
             if engine == "nonprivate":
                 continue
-            kind, _, mode = engine.partition("-")
+            kind, mode, views = _parse_engine(engine)
             try:
-                if kind == "dpscale":
-                    steps[engine] = _dpscale_step(name, mode, x, y)
-                elif kind == "opacus":
+                if kind == "nonprivate":
+                    steps[engine] = _nonprivate_step(name, x, y, views)
+                elif kind == "dpscale":
+                    steps[engine] = _dpscale_step(name, mode, x, y, views)
+                elif kind == "opacus" and views == 1:
                     steps[engine] = _opacus_step(name, mode, x, y)
                 else:
                     raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
