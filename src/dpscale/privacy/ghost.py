@@ -144,17 +144,23 @@ def _conv_unfold(r: _Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Te
 
 
 def _conv_per_example_grouped(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example weight gradients as one grouped-convolution weight gradient with the batch
-    folded into the groups (uses the fast convolution kernels instead of im2col + bmm)."""
+    """Per-example weight gradients as one grouped-convolution weight gradient with the examples
+    folded into the groups (uses the fast convolution kernels instead of im2col + bmm). An
+    example's K views go in the batch dimension, over which the weight gradient already sums."""
     m = r.module
     kernel, stride, padding, dilation = _conv_geometry(m)
     if isinstance(m, nn.Conv1d):
         a, g = a.unsqueeze(2), g.unsqueeze(2)
-    b, groups = a.shape[0], m.groups
+    views, groups = r.views, m.groups
+    b = a.shape[0] // views
+
+    def views_first(t: torch.Tensor) -> torch.Tensor:  # (B*K, C, H, W) -> (K, B*C, H, W)
+        return t.reshape(b, views, *t.shape[1:]).transpose(0, 1).reshape(views, -1, *t.shape[2:])
+
     weight = torch.nn.grad.conv2d_weight(
-        a.reshape(1, -1, *a.shape[2:]),
+        views_first(a),
         (b * m.out_channels, m.in_channels // groups, *kernel),
-        g.reshape(1, -1, *g.shape[2:]),
+        views_first(g),
         stride=stride,
         padding=padding,
         dilation=dilation,
@@ -194,13 +200,13 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
             if d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER):
                 patches, gg = _conv_unfold(r, a, g)
+                patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
                 if m.groups == 1:  # plain bmm takes the transposed operand without a copy
                     per_example = torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
                 else:
                     per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
             else:
                 per_example = _conv_per_example_grouped(r, a, g)
-            per_example = _per_example(r, per_example)
             r.cache["weight"] = per_example
             sq = sq + _sq_norms(per_example)
     if r.trainable.get("bias"):
