@@ -30,7 +30,7 @@ def test_identity_views_train_exactly_like_plain_dp_sgd(tmp_path, engine):
     assert views.epsilon() == plain.epsilon()  # AugMult does not change the accounting
 
 
-def test_resumed_run_draws_the_same_augmentations(tmp_path):
+def test_resumed_run_draws_the_same_augmentations(tmp_path, capsys):
     extra = ("augment.multiplicity=2", "augment.type=crop-flip", "eval.augtest=true", "train.ema_decay=0.9")
     full = Trainer.create(config(tmp_path / "full", *extra), progress=False).run()
     Trainer.create(config(tmp_path / "cut", *extra), progress=False).run(max_steps=3)
@@ -44,6 +44,13 @@ def test_resumed_run_draws_the_same_augmentations(tmp_path):
     assert summary == {**json.loads((tmp_path / "full" / "summary.json").read_text()), "wall_time_s": summary["wall_time_s"]}
     assert 0 <= full["test_accuracy_augtest"] <= 1 and 0 <= full["test_accuracy_ema"] <= 1
     assert full["augment_multiplicity"] == 2
+    # `dpscale eval` re-computes the same extra accuracies from the checkpoint.
+    from dpscale.cli import main
+
+    assert main(["eval", str(tmp_path / "cut"), "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["test_accuracy_ema"] == full["test_accuracy_ema"]
+    assert evaluated["test_accuracy_augtest"] == full["test_accuracy_augtest"]
 
 
 def test_augmentation_of_features_is_refused(tmp_path):

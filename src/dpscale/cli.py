@@ -65,6 +65,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "complete": (Path(args.run_dir) / SUMMARY_NAME).exists() and trainer.step == trainer.total_steps,
         "test_accuracy": accuracy,
         "test_loss": loss,
+        **trainer.extra_evaluations(),  # EMA model and AugTest accuracies, when configured
         "epsilon": trainer.epsilon(),
         "delta": trainer.plan.delta,
         "accountant": trainer.plan.accountant,

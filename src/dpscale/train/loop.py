@@ -350,7 +350,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "wall_time_s": self.wall_time_s,
         }
-        record.update(self._extra_evaluations())
+        record.update(self.extra_evaluations())
         if self.plan.caveats():
             record["privacy_note"] = "; ".join(self.plan.caveats())
         self._window = {"loss_sum": 0.0, "examples": 0}
@@ -362,7 +362,7 @@ class Trainer:
         """Range of the input pixels (for colour augmentations)."""
         return (-1.0, 1.0) if self.config.data.normalize else (0.0, 1.0)
 
-    def _extra_evaluations(self) -> dict[str, float]:
+    def extra_evaluations(self) -> dict[str, float]:
         """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy)."""
         out = {}
         x, y, batch = self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
