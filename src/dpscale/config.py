@@ -484,15 +484,17 @@ def validate(config: Config) -> None:
     if train.ema_decay is not None and not 0 < train.ema_decay < 1:
         raise ConfigError(f"train.ema_decay must be in (0, 1) or null, got {train.ema_decay}")
     augment = config.augment
+    from dpscale.data.augment import AUGMENTATIONS  # local: keep config import-light; one list of names
+
     if augment.multiplicity < 1:
         raise ConfigError(f"augment.multiplicity must be >= 1, got {augment.multiplicity}")
-    if augment.type not in AUGMENT_TYPES:
-        raise ConfigError(f"augment.type must be one of {', '.join(AUGMENT_TYPES)}, got {augment.type!r}")
+    if augment.type not in AUGMENTATIONS:
+        raise ConfigError(f"augment.type must be one of {', '.join(AUGMENTATIONS)}, got {augment.type!r}")
+    if augment.multiplicity > 1 and config.features.extractor is not None:
+        raise ConfigError("augment.multiplicity > 1 augments images; it cannot be combined with features.extractor")
     if config.eval.augtest and augment.multiplicity < 2:
         raise ConfigError("eval.augtest votes over augment.multiplicity views: set augment.multiplicity >= 2")
 
-
-AUGMENT_TYPES = ("identity", "crop-flip", "rrc", "simclr")  # dpscale.data.augment.AUGMENTATIONS
 
 
 FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run dir>")
@@ -510,8 +512,10 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
         )
     if features.scatter_j < 1 or features.scatter_angles < 1 or features.scatter_order not in (1, 2):
         raise ConfigError("features.scatter_j and scatter_angles must be >= 1 and scatter_order 1 or 2")
-    if features.normalize not in ("none", "groupnorm", "datanorm"):
-        raise ConfigError(f"features.normalize must be none, groupnorm or datanorm, got {features.normalize!r}")
+    from dpscale.features.normalize import NORMALIZATIONS  # local, as for AUGMENTATIONS
+
+    if features.normalize not in NORMALIZATIONS:
+        raise ConfigError(f"features.normalize must be one of {', '.join(NORMALIZATIONS)}, got {features.normalize!r}")
     if features.groups < 1:
         raise ConfigError(f"features.groups must be >= 1, got {features.groups}")
     if not all(c > 0 and math.isfinite(c) for c in features.norm_clip):

@@ -11,12 +11,10 @@ parameter counts by default; ``paper_table_pooling=True`` builds the tables lite
 
 from __future__ import annotations
 
-import math
-
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.models.cnn import Classifier, _conv_out
+from dpscale.models.cnn import Classifier, _conv_out, linear
 from dpscale.models.registry import register_model
 
 SCATTER_GRAY_SHAPE = (81, 7, 7)  # ScatterNet(J=2, L=8) of a 28x28 grayscale image
@@ -30,8 +28,9 @@ def scatter_linear(
     activation: str = "tanh",
 ) -> Classifier:
     """Logistic regression (with per-class bias) on flattened features: 3969 x 10 weights for
-    MNIST / Fashion-MNIST, 15552 x 10 for CIFAR-10 (Tramer Table 5). ``activation`` is unused."""
-    return Classifier(nn.Flatten(), math.prod(input_shape), num_classes, activation=activation)
+    MNIST / Fashion-MNIST, 15552 x 10 for CIFAR-10 (Tramer Table 5). The ``linear`` model under
+    its paper name and usual feature input shape."""
+    return linear(num_classes, input_shape, activation)
 
 
 @register_model("scatter-cnn", input_shape=SCATTER_GRAY_SHAPE)

@@ -178,14 +178,14 @@ def make_engine(
 
     if name not in ENGINE_NAMES:
         raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    if views < 1:
+        raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
     problems = unsupported_modules(model) if model is not None else []
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
         return VmapEngine(max_grad_norm, loss_fn, views=views), notice
     if problems:
         raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
-    if views < 1:
-        raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
     return GhostEngine(max_grad_norm, loss_fn, mode="bk" if name == "auto" else name, views=views), None
 
 

@@ -172,10 +172,9 @@ class Trainer:
         check_per_example_compatible(self.model)
         if config.model.freeze_groups:
             freeze_block_groups(self.model, config.model.freeze_groups)
-        views = config.augment.multiplicity
-        if views > 1 and config.features.extractor is not None:
-            raise ConfigError("augment.multiplicity > 1 augments images; it cannot be combined with features.extractor")
-        self.engine, engine_notice = make_engine(config.train.engine, self.plan.max_grad_norm, self.model, views=views)
+        self.engine, engine_notice = make_engine(
+            config.train.engine, self.plan.max_grad_norm, self.model, views=config.augment.multiplicity
+        )
         if engine_notice:
             self._log(engine_notice)
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
