@@ -138,7 +138,7 @@ def test_nested_free_form_overrides_are_read_as_yaml():
     [
         ("dp.epsilon=abc", r"dp\.epsilon must be a number, got 'abc'"),
         ("optim.lr=[1, 2]", r"optim\.lr must be a number"),
-        ("dp.batch_size=2.5", r"dp\.batch_size must be an integer"),
+        ("dp.batch_size=abc", r"dp\.batch_size must be an integer"),
         ("dp.batch_size=true", r"dp\.batch_size must be an integer"),
         ("optim.nesterov=1", r"optim\.nesterov must be true or false"),
         ("optim.betas=[0.9]", r"optim\.betas must be a list of 2 values"),

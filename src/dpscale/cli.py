@@ -26,12 +26,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.config or args.set:
             raise ConfigError("--resume continues a run exactly as configured; do not pass a config or --set")
         trainer = Trainer.resume(args.resume, progress=not args.quiet)
-    else:
-        config = load_config(args.config, args.set)
-        if config.run.out_dir is None:
-            config = replace(config, run=replace(config.run, out_dir=default_out_dir(config)))
-        trainer = Trainer.create(config, progress=not args.quiet)
-    summary = trainer.run(max_steps=args.max_steps)
+        return _train_and_report(trainer, args.max_steps)
+    config = load_config(args.config, args.set)
+    if config.run.out_dir is None:
+        config = replace(config, run=replace(config.run, out_dir=default_out_dir(config)))
+    return run_training(config, args.max_steps, args.quiet)
+
+
+def run_training(config, max_steps: int | None = None, quiet: bool = False) -> int:
+    """Start the run ``config`` describes (run.out_dir set), train, print the result line."""
+    from dpscale.train.loop import Trainer
+
+    return _train_and_report(Trainer.create(config, progress=not quiet), max_steps)
+
+
+def _train_and_report(trainer, max_steps: int | None) -> int:
+    summary = trainer.run(max_steps=max_steps)
     if summary is None:
         print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
         return 0
@@ -41,11 +51,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _result_line(summary: dict, run_dir: Path) -> str:
     accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
-    if summary["private"]:
+    if summary.get("simulation"):
+        privacy = (
+            f"TAN SIMULATION (no guarantee): stands for epsilon={summary['reference_epsilon']:.3f} "
+            f"delta={summary['delta']:g} ({summary['accountant']}) at B={summary['simulation']['batch_size']:g}; "
+            f"own epsilon={summary['epsilon']:.4g}"
+        )
+    elif summary["private"]:
         privacy = f"epsilon={summary['epsilon']:.3f} delta={summary['delta']:g} ({summary['accountant']})"
     else:
         privacy = "epsilon=inf (NOT PRIVATE)"
-    notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"])
+    notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"] + summary.get("privacy_warnings", []))
     return f"{accuracy} {privacy} steps={summary['steps']} run_dir={run_dir}{notes}"
 
 
@@ -69,6 +85,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "epsilon": trainer.epsilon(),
         "delta": trainer.plan.delta,
         "accountant": trainer.plan.accountant,
+        **({"reference_epsilon": trainer.plan.reference_epsilon(trainer.step)} if trainer.plan.simulation else {}),
         "guarantee_caveats": trainer.plan.caveats(),
     }
     if args.json:
@@ -87,7 +104,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_account(args: argparse.Namespace) -> int:
     from dpscale.privacy import calibrate_noise_multiplier, calibrate_steps, compute_epsilon
     from dpscale.privacy.plan import steps_for
-    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan
+    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning
 
     n, b = args.dataset_size, args.batch_size
     if n < 1 or not 1 <= b <= n:
@@ -140,6 +157,10 @@ def _cmd_account(args: argparse.Namespace) -> int:
                 raise ConfigError(str(err)) from None
     epsilon = compute_epsilon(q, sigma, steps, args.delta, args.accountant, releases=releases)
     tan = eps_tan(q, sigma, steps, args.delta)
+    wall_warning = None
+    if sigma < PRIVACY_WALL_SIGMA:  # compare the DP-SGD steps alone with eps_TAN
+        alone = epsilon if not releases else compute_epsilon(q, sigma, steps, args.delta, args.accountant)
+        wall_warning = privacy_wall_warning(alone, sigma, tan)
     result = {
         "epsilon": epsilon,
         "delta": args.delta,
@@ -155,6 +176,7 @@ def _cmd_account(args: argparse.Namespace) -> int:
         "target_epsilon": args.target_epsilon,
         "sampling": "poisson",
         "data_norm_noise": args.data_norm_noise,
+        "wall_warning": wall_warning,
     }
     if args.json:
         print(json.dumps(result))
@@ -168,6 +190,8 @@ def _cmd_account(args: argparse.Namespace) -> int:
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
     alone = " (DP-SGD steps alone)" if releases else ""
     print(f"  eps_TAN = {tan:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
+    if wall_warning:
+        print(f"WARNING: {wall_warning}")
     return 0
 
 
@@ -217,6 +241,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(text: str) -> int | float:
+    """An int when the text is one (batch sizes print as 256, not 256.0), else a float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _wrap(text: str, width: int = 96) -> list[str]:
     import textwrap
 
@@ -242,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = sub.add_parser("account", help="epsilon for DP-SGD parameters, or the noise for a target epsilon")
     acc.add_argument("--dataset-size", type=int, required=True, help="N")
-    acc.add_argument("--batch-size", type=int, required=True, help="expected batch size B (q = B/N)")
+    acc.add_argument("--batch-size", type=_number, required=True, help="expected batch size B (q = B/N)")
     acc.add_argument("--noise", type=float, help="noise multiplier sigma")
     length = acc.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=float)
@@ -258,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     acc.set_defaults(func=_cmd_account)
 
     from dpscale.bench import add_bench_parser
+    from dpscale.tune.cli import add_tune_parsers
 
     add_bench_parser(sub)
+    add_tune_parsers(sub)
 
     presets = sub.add_parser("presets", help="list the paper presets, or print one as YAML")
     presets.add_argument("name", nargs="?", help="a preset to print as a YAML config")

@@ -127,7 +127,12 @@ class DPConfig:
     delta: target delta (use < 1/N).
     noise_multiplier: sigma; noise std on the clipped-gradient sum is sigma * max_grad_norm.
     max_grad_norm: per-example clipping norm C; null disables clipping (non-private only).
-    batch_size: expected logical batch size B (q = B / N).
+    batch_size: expected logical batch size B (q = B / N). With Poisson sampling B need not be an
+        integer (``dpscale tan privacy-search`` gives such B to keep eta exact).
+    simulated_batch_size: a TAN simulation (Sander et al. 2023, Section 3.4) of this run: train at
+        this batch size with sigma scaled by simulated_batch_size / batch_size and the same steps,
+        for about that fraction of the compute. The run then carries NO privacy guarantee at
+        dp.epsilon; it reports the reference run's epsilon it stands for. Null: a normal run.
     sampling: "poisson" (what the accountant assumes) or "shuffle" (labelled as not covered).
     accountant: "pld" (tightest) or "rdp".
     """
@@ -136,7 +141,8 @@ class DPConfig:
     delta: float = 1e-5
     noise_multiplier: float | None = None
     max_grad_norm: float | None = 1.0
-    batch_size: int = 256
+    batch_size: int | float = 256
+    simulated_batch_size: int | float | None = None
     sampling: str = "poisson"
     accountant: str = "pld"
 
@@ -420,6 +426,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return config
 
 
+def is_private_config(dp: DPConfig) -> bool:
+    """Whether the DP section describes a private run (sigma calibrated, or given and > 0)."""
+    return dp.noise_multiplier is None or dp.noise_multiplier > 0
+
+
 def validate(config: Config) -> None:
     """Range checks that need no data; dataset-dependent checks happen in the trainer."""
     dp, train, optim = config.dp, config.train, config.optim
@@ -433,7 +444,7 @@ def validate(config: Config) -> None:
         raise ConfigError("set dp.epsilon (sigma is then calibrated) or dp.noise_multiplier (0 for a non-private run)")
     if dp.max_grad_norm is not None and not dp.max_grad_norm > 0:
         raise ConfigError(f"dp.max_grad_norm must be > 0 (or null for no clipping), got {dp.max_grad_norm}")
-    is_private = dp.noise_multiplier is None or dp.noise_multiplier > 0
+    is_private = is_private_config(dp)
     if is_private and dp.max_grad_norm is None:
         raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")
     if dp.noise_multiplier == 0 and dp.epsilon is not None:
@@ -441,10 +452,19 @@ def validate(config: Config) -> None:
             "dp.noise_multiplier=0 is a non-private run and cannot meet dp.epsilon; "
             "set dp.epsilon=null to train without privacy"
         )
-    if dp.batch_size < 1:
+    if not (dp.batch_size >= 1 and math.isfinite(dp.batch_size)):
         raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
     if dp.sampling not in ("poisson", "shuffle"):
         raise ConfigError(f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
+    if dp.sampling == "shuffle" and not isinstance(dp.batch_size, int):
+        raise ConfigError(f"dp.sampling=shuffle needs an integer dp.batch_size, got {dp.batch_size}")
+    if dp.simulated_batch_size is not None:
+        if not (1 <= dp.simulated_batch_size and math.isfinite(dp.simulated_batch_size)):
+            raise ConfigError(f"dp.simulated_batch_size must be >= 1 or null, got {dp.simulated_batch_size}")
+        if not is_private_config(dp):
+            raise ConfigError("dp.simulated_batch_size simulates a private run: it needs dp.noise_multiplier > 0 or null")
+        if dp.sampling == "shuffle" and not isinstance(dp.simulated_batch_size, int):
+            raise ConfigError(f"dp.sampling=shuffle needs an integer dp.simulated_batch_size, got {dp.simulated_batch_size}")
     if dp.accountant not in ("pld", "rdp"):
         raise ConfigError(f"dp.accountant must be pld or rdp, got {dp.accountant!r}")
     if train.steps is None and train.epochs is None:

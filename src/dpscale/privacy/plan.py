@@ -7,7 +7,8 @@ Sampler, clipping norm, noise std and accounting event are read from the same
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from dpscale.config import ConfigError, DPConfig
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
-from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan
+from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
 
 NOT_PRIVATE = "NOT PRIVATE: noise_multiplier=0 (non-private baseline), no DP guarantee"
 GUARANTEE_SCOPE = (
@@ -24,6 +25,30 @@ GUARANTEE_SCOPE = (
     "examples without noise), the RNG states in checkpoint.pt, a fixed run.seed, and hyper-parameter "
     "tuning on the same data. Keep the run directory private; release the model."
 )
+
+
+# The own epsilon of a TAN simulation is a diagnostic, not a guarantee anyone relies on; RDP gives
+# it in milliseconds where PLD takes tens of seconds at the tiny sigma of a simulation.
+SIMULATION_OWN_ACCOUNTANT = "rdp"
+
+
+@dataclass(frozen=True)
+class TanSimulation:
+    """The reference run that a TAN simulation (Sander et al. 2023, Section 3.4) stands for.
+
+    Attributes:
+        batch_size: the reference's expected batch size B_ref.
+        noise_multiplier: sigma_ref (the simulation runs at sigma_ref * B / B_ref).
+        sample_rate: q_ref = B_ref / N.
+        epsilon: what the reference run spends after all S steps (plan's accountant and releases).
+        compute_fraction: B / B_ref, the simulation's share of the reference's compute.
+    """
+
+    batch_size: float
+    noise_multiplier: float
+    sample_rate: float
+    epsilon: float
+    compute_fraction: float
 
 
 @dataclass(frozen=True)
@@ -44,6 +69,9 @@ class DPPlan:
     releases: one-off Gaussian mechanisms on the training data made before training (e.g.
         private Data Normalization), composed with the DP-SGD steps in ``epsilon`` and in the
         calibration of sigma.
+    simulation: set for a TAN simulation: the reference run it stands for. batch_size,
+        sample_rate and noise_multiplier are then the simulation's own, and ``epsilon`` its own
+        (RDP) epsilon, which is no useful guarantee.
     """
 
     dataset_size: int
@@ -59,11 +87,43 @@ class DPPlan:
     accountant: str
     calibrated: bool
     releases: tuple[AccountingSegment, ...] = ()
+    simulation: TanSimulation | None = None
 
     def __post_init__(self) -> None:
-        # A plan read back from a checkpoint holds its releases as dicts (dataclasses.asdict).
+        # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
         releases = tuple(r if isinstance(r, AccountingSegment) else AccountingSegment(**r) for r in self.releases)
         object.__setattr__(self, "releases", releases)
+        if isinstance(self.simulation, dict):
+            object.__setattr__(self, "simulation", TanSimulation(**self.simulation))
+
+    @property
+    def run_accountant(self) -> str:
+        """The accountant that tracks this run's own steps (RDP for a TAN simulation)."""
+        return SIMULATION_OWN_ACCOUNTANT if self.simulation else self.accountant
+
+    def reference_epsilon(self, steps: int) -> float:
+        """For a TAN simulation: the reference run's epsilon after ``steps`` steps (with the releases)."""
+        if self.simulation is None:
+            raise ValueError("not a TAN simulation")
+        sim = self.simulation
+        return compute_epsilon(
+            sim.sample_rate, sim.noise_multiplier, steps, self.delta, self.accountant, releases=self.releases
+        )
+
+    def wall_warning(self) -> str | None:
+        """The privacy-wall warning for the DP-SGD steps (of the reference run, for a simulation), or None."""
+        if not self.is_private:
+            return None
+        sim = self.simulation
+        q, sigma = (sim.sample_rate, sim.noise_multiplier) if sim else (self.sample_rate, self.noise_multiplier)
+        if sigma >= PRIVACY_WALL_SIGMA:
+            return None  # cannot fire: skip the accountant call
+        if sim is None and not self.releases:
+            epsilon = self.epsilon
+        else:  # eps_TAN describes the DP-SGD steps alone
+            epsilon = compute_epsilon(q, sigma, self.steps, self.delta, self.accountant)
+        warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, self.steps, self.delta))
+        return f"reference run: {warning}" if warning and sim else warning
 
     def release_noise(self, label: str) -> float:
         """Noise multiplier of the release named ``label`` (KeyError if the plan has none)."""
@@ -91,6 +151,8 @@ class DPPlan:
         if not self.is_private:
             notes.append(NOT_PRIVATE)
             return notes
+        if self.simulation is not None:
+            notes.append(self._simulation_note())
         if self.sampling == "shuffle":
             notes.append(SHUFFLE_CAVEAT)
         if self.delta >= 1.0 / self.dataset_size:
@@ -100,27 +162,43 @@ class DPPlan:
             )
         return notes
 
+    def _simulation_note(self) -> str:
+        sim = self.simulation
+        return (
+            f"TAN SIMULATION, NO PRIVACY GUARANTEE at epsilon={sim.epsilon:.4g}: this run trained at "
+            f"B={self.batch_size:g}, sigma={self.noise_multiplier:.4g} (its own epsilon is {self.epsilon:.4g}, "
+            f"RDP) to predict the reference run at B={sim.batch_size:g}, sigma={sim.noise_multiplier:.4g}, "
+            f"S={self.steps}, which would spend epsilon={sim.epsilon:.4g} at delta={self.delta:g}. "
+            "Use it to choose hyper-parameters; do not release it as a private model"
+        )
+
     def make_sampler(self, generator: torch.Generator):
         return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator)
 
     def describe(self) -> str:
         if not self.is_private:
-            return f"{NOT_PRIVATE}; B={self.batch_size}, S={self.steps}"
+            return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}"
         tan_note = "" if self.noise_multiplier >= PRIVACY_WALL_SIGMA else " (sigma<2: eps_TAN under-estimates)"
         if self.releases:  # eps_TAN describes the DP-SGD steps alone
             tan_note += "; composed with " + ", ".join(
                 f"{r.label} ({r.steps} Gaussian sum{'s' if r.steps > 1 else ''}, sigma={r.noise_multiplier:g})"
                 for r in self.releases
             )
+        if self.simulation:
+            sim = self.simulation
+            tan_note += (
+                f"; TAN simulation of B={sim.batch_size:g}, sigma={sim.noise_multiplier:.5g} "
+                f"(epsilon={sim.epsilon:.4g}) at {sim.compute_fraction:.3g}x its compute"
+            )
         return (
-            f"DP-SGD: N={self.dataset_size}, B={self.batch_size}, q={self.sample_rate:.5g}, S={self.steps}, "
+            f"DP-SGD: N={self.dataset_size}, B={self.batch_size:g}, q={self.sample_rate:.5g}, S={self.steps}, "
             f"sigma={self.noise_multiplier:.5g}, C={self.max_grad_norm:g}, "
             f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling} sampling), "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
         )
 
 
-def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_size: int) -> int:
+def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_size: float) -> int:
     """Logical steps for a run: ``steps`` if given, else round(epochs * N / B), at least 1."""
     if steps is not None:
         return int(steps)
@@ -131,10 +209,11 @@ def check_plan_matches(
     plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data."""
+    simulated = dp.simulated_batch_size is not None
     expected = {
         "releases": tuple(releases) if plan.is_private else (),
         "dataset_size": dataset_size,
-        "batch_size": dp.batch_size,
+        "batch_size": dp.simulated_batch_size if simulated else dp.batch_size,
         "steps": steps,
         "max_grad_norm": dp.max_grad_norm,
         "delta": dp.delta,
@@ -142,9 +221,13 @@ def check_plan_matches(
         "sampling": dp.sampling,
         "accountant": dp.accountant,
     }
+    actual: dict[str, Any] = {k: getattr(plan, k) for k in expected}
+    actual["simulation_of_batch_size"] = plan.simulation.batch_size if plan.simulation else None
+    expected["simulation_of_batch_size"] = dp.batch_size if simulated else None
     if dp.noise_multiplier is not None:
-        expected["noise_multiplier"] = float(dp.noise_multiplier)
-    wrong = [f"{k}: checkpoint {getattr(plan, k)!r} vs now {v!r}" for k, v in expected.items() if getattr(plan, k) != v]
+        expected["noise_multiplier"] = float(dp.noise_multiplier)  # the reference's, for a simulation
+        actual["noise_multiplier"] = plan.simulation.noise_multiplier if plan.simulation else plan.noise_multiplier
+    wrong = [f"{k}: checkpoint {actual[k]!r} vs now {v!r}" for k, v in expected.items() if actual[k] != v]
     if wrong:
         raise ConfigError("the checkpoint's DP plan does not match this config and data (" + "; ".join(wrong) + ")")
 
@@ -160,6 +243,10 @@ def make_dp_plan(
         steps: logical DP-SGD steps S.
         releases: one-off Gaussian mechanisms on the data before training (see
             ``dpscale.privacy.gaussian_release``); sigma is calibrated for the composition.
+
+    With ``dp.simulated_batch_size`` set, the plan of the reference run (dp.batch_size, its sigma
+    calibrated or checked as usual) is resolved first and the TAN simulation derived from it:
+    B = simulated_batch_size, sigma = sigma_ref * B / B_ref, same S.
 
     Raises:
         ConfigError: batch larger than the dataset, releases that alone spend the budget, or a
@@ -189,7 +276,7 @@ def make_dp_plan(
             )
     else:
         epsilon = math.inf
-    return DPPlan(
+    plan = DPPlan(
         dataset_size=dataset_size,
         batch_size=dp.batch_size,
         sample_rate=q,
@@ -203,4 +290,38 @@ def make_dp_plan(
         accountant=dp.accountant,
         calibrated=calibrated,
         releases=releases if sigma > 0 else (),
+    )
+    return plan if dp.simulated_batch_size is None else simulate_plan(plan, dp.simulated_batch_size)
+
+
+def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:
+    """The TAN simulation of ``reference`` at expected batch size B: sigma_ref * B / B_ref, same S.
+
+    Keeps S and eta_step = q / sigma exactly (so eta and eps_TAN too); the simulation's own epsilon
+    is computed with RDP and is no useful guarantee (see ``DPPlan.caveats``).
+    """
+    if not reference.is_private:
+        raise ConfigError("a TAN simulation needs a private reference run (noise_multiplier > 0)")
+    if reference.simulation is not None:
+        raise ConfigError("cannot simulate a simulation")
+    if not 0 < batch_size <= reference.dataset_size:
+        raise ConfigError(
+            f"dp.simulated_batch_size={batch_size} must be in [1, N={reference.dataset_size}]"
+        )
+    sigma = simulated_noise_multiplier(reference.noise_multiplier, reference.batch_size, batch_size)
+    q = batch_size / reference.dataset_size
+    own = compute_epsilon(q, sigma, reference.steps, reference.delta, SIMULATION_OWN_ACCOUNTANT, releases=reference.releases)
+    return replace(
+        reference,
+        batch_size=batch_size,
+        sample_rate=q,
+        noise_multiplier=sigma,
+        epsilon=own,
+        simulation=TanSimulation(
+            batch_size=reference.batch_size,
+            noise_multiplier=reference.noise_multiplier,
+            sample_rate=reference.sample_rate,
+            epsilon=reference.epsilon,
+            compute_fraction=batch_size / reference.batch_size,
+        ),
     )

@@ -184,7 +184,7 @@ class Trainer:
         self.augment_generator = torch.Generator().manual_seed(seeds["augment"])  # CPU: same draws on any device
         self.augtest_seed = seeds["augtest"]  # test views: the same at every evaluation
         self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
-        self.accountant = PrivacyAccountant(self.plan.accountant)
+        self.accountant = PrivacyAccountant(self.plan.run_accountant)
         for release in self.plan.releases:  # made above, before any step (e.g. Data Normalization)
             self.accountant.record(release)
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
@@ -251,7 +251,7 @@ class Trainer:
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        if state["plan"] != asdict(self.plan):
+        if DPPlan(**state["plan"]) != self.plan:
             raise ConfigError("the checkpoint was written under a different DP plan; refusing to resume")
         if state["data_fingerprint"] != self.data_fingerprint:
             raise ConfigError(
@@ -346,6 +346,7 @@ class Trainer:
             "test_loss": test_loss,
             "epsilon": self.epsilon(),
             "delta": self.plan.delta,
+            **({"reference_epsilon": self.plan.reference_epsilon(self.step)} if self.plan.simulation else {}),
             "lr": self.scheduler.get_last_lr()[0],
             "wall_time_s": self.wall_time_s,
         }
@@ -387,7 +388,7 @@ class Trainer:
         stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
         if self.step == 0:
             self._log(self.plan.describe())
-            for note in self.plan.caveats():
+            for note in self.plan.caveats() + self.privacy_warnings():
                 self._log(f"WARNING: {note}")
         bar = tqdm(
             total=self.total_steps,
@@ -440,6 +441,13 @@ class Trainer:
             return None
         return self.finish()
 
+    def privacy_warnings(self) -> list[str]:
+        """Advice about the privacy parameters (the privacy wall), computed once per run."""
+        if not hasattr(self, "_privacy_warnings"):
+            warning = self.plan.wall_warning()
+            self._privacy_warnings = [warning] if warning else []
+        return self._privacy_warnings
+
     def finish(self) -> dict[str, Any]:
         """Write ``summary.json`` for a completed run and return it."""
         last = self.metrics.read()[-1]
@@ -465,6 +473,11 @@ class Trainer:
             "accountant": plan.accountant,
             "eps_tan": plan.eps_tan,
             "epsilon_parts": self.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
+            "simulation": (
+                {**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None
+            ),
+            "reference_epsilon": plan.reference_epsilon(self.step) if plan.simulation else None,
+            "privacy_warnings": self.privacy_warnings(),
             "features": self.config.features.extractor,
             "feature_normalization": self.feature_normalizer.kind,
             "guarantee_caveats": plan.caveats(),
@@ -486,7 +499,7 @@ class Trainer:
             )
             + f" | {self.step} steps in {self.wall_time_s:.1f}s | run dir {self.run_dir}"
         )
-        for note in plan.caveats():
+        for note in plan.caveats() + self.privacy_warnings():
             self._log(f"WARNING: {note}")
         return summary
 

@@ -1,0 +1,201 @@
+"""Kurakin et al. 2022, Section 3.3: tune the clipping norm, then the learning rate.
+
+1. Take a good non-private learning rate alpha_pub (the config's ``optim.lr``).
+2. At sigma = 0 and lr = alpha_pub, sweep the clipping norm C; pick the smallest C~ whose accuracy
+   stays within ``tolerance`` of the unclipped run.
+3. At the target sigma (the config's DP section) and C = C~, sweep the learning rate; pick the best.
+
+Below C~, accuracy depends on lr x C (Kurakin: divide C by k, multiply lr by k), so the product
+is reported too. Both stages are ordinary resumable sweeps (``OUT/clip``, ``OUT/lr``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dpscale.config import ConfigError, load_config
+from dpscale.train.checkpoint import atomic_write_text
+from dpscale.train.metrics import json_safe
+from dpscale.tune import TUNING_CAVEAT
+from dpscale.tune.sweep import PointResult, Sweep, SweepSpec, display_value
+
+DEFAULT_CLIP_NORMS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+DEFAULT_LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+@dataclass(frozen=True)
+class GridValue:
+    """One swept value with the metric averaged over its seeds."""
+
+    value: Any
+    metric: float | None  # None when every run at this value failed
+    runs: int
+
+
+@dataclass(frozen=True)
+class ClipLrResult:
+    metric: str
+    tolerance: float
+    public_lr: float
+    unclipped: float
+    clip_norms: tuple[GridValue, ...]
+    chosen_clip_norm: float
+    learning_rates: tuple[GridValue, ...]
+    chosen_lr: float
+    best_metric: float
+
+    @property
+    def lr_times_clip(self) -> float:
+        return self.chosen_lr * self.chosen_clip_norm
+
+    def as_json(self) -> dict:
+        return json_safe({**asdict(self), "lr_times_clip": self.lr_times_clip, "tuning_caveat": TUNING_CAVEAT})
+
+
+def _by_value(results: list[PointResult], key: str, metric: str) -> list[GridValue]:
+    """Mean metric per value of ``key`` (over seeds), in grid order."""
+    groups: dict[str, list[PointResult]] = {}
+    for r in results:
+        groups.setdefault(json.dumps(r.point[key]), []).append(r)
+    out = []
+    for runs in groups.values():
+        values = [r.summary[metric] for r in runs if r.status == "done" and isinstance(r.summary.get(metric), (int, float))]
+        mean = sum(values) / len(values) if values else None
+        out.append(GridValue(runs[0].point[key], mean, len(values)))
+    return out
+
+
+def choose_clip_norm(values: list[GridValue], tolerance: float, higher_is_better: bool = True) -> tuple[float, float]:
+    """(C~, unclipped metric): the smallest C within ``tolerance`` of the unclipped (None) value."""
+    unclipped = next((v for v in values if v.value is None), None)
+    if unclipped is None or unclipped.metric is None:
+        raise ValueError("the unclipped run (dp.max_grad_norm=null) did not finish; cannot choose a clipping norm")
+    sign = 1.0 if higher_is_better else -1.0
+    ok = [
+        v.value for v in values
+        if v.value is not None and v.metric is not None and sign * (unclipped.metric - v.metric) <= tolerance
+    ]
+    if not ok:
+        raise ValueError(
+            f"no clipping norm came within {tolerance:g} of the unclipped {unclipped.metric:.4g}; "
+            "try larger --clip-norms or a larger --tolerance"
+        )
+    return float(min(ok)), unclipped.metric
+
+
+def run_clip_lr(
+    config: str | None,
+    overrides: list[str],
+    out_dir: str | Path,
+    clip_norms: tuple[float, ...] = DEFAULT_CLIP_NORMS,
+    learning_rates: tuple[float, ...] | None = None,
+    lr_factors: tuple[float, ...] = DEFAULT_LR_FACTORS,
+    tolerance: float = 0.01,
+    seeds: tuple[int, ...] = (),
+    metric: str = "test_accuracy",
+    progress: bool = True,
+    on_point: Callable[[PointResult], None] | None = None,
+) -> ClipLrResult:
+    """Run both stages (resumably) in ``out_dir`` and write ``clip_lr.json`` and ``clip_lr.md``.
+
+    Args:
+        config, overrides: the run to tune (its optim.lr is alpha_pub; its DP section the target).
+        clip_norms: C values for stage 2 (the unclipped run is added).
+        learning_rates: explicit lr values for stage 3; default alpha_pub * ``lr_factors``.
+        tolerance: how far below the unclipped metric C~ may be (absolute, e.g. 0.01 = 1 point).
+        seeds: run.seed values; each grid value is averaged over them (default: the config's seed).
+        metric: summary key to compare (higher is better unless it names a loss).
+    """
+    if not clip_norms or any(not c > 0 for c in clip_norms):
+        raise ConfigError(f"--clip-norms must be positive numbers, got {clip_norms}")
+    if not tolerance >= 0:
+        raise ConfigError(f"--tolerance must be >= 0, got {tolerance}")
+    base = load_config(config, overrides)
+    public_lr = base.optim.lr
+    if learning_rates is None:
+        learning_rates = tuple(public_lr * f for f in lr_factors)
+    if not learning_rates or any(not lr > 0 for lr in learning_rates):
+        raise ConfigError(f"learning rates must be positive, got {learning_rates}")
+    if base.dp.noise_multiplier == 0:
+        raise ConfigError("the config is not private (dp.noise_multiplier=0): stage 3 needs the target sigma")
+    seed_grid = (("run.seed", tuple(str(s) for s in seeds)),) if seeds else ()
+    out_dir = Path(out_dir)
+    higher = "loss" not in metric
+
+    clip_spec = SweepSpec(
+        config,
+        (*overrides, "dp.epsilon=null", "dp.noise_multiplier=0", "dp.simulated_batch_size=null"),
+        (("dp.max_grad_norm", ("null", *(repr(float(c)) for c in clip_norms))), *seed_grid),
+        metric,
+    )
+    clip_results = Sweep(out_dir / "clip", clip_spec, progress, on_point).run()
+    clip_values = _by_value(clip_results, "dp.max_grad_norm", metric)
+    chosen_clip, unclipped = choose_clip_norm(clip_values, tolerance, higher)
+
+    lr_spec = SweepSpec(
+        config,
+        (*overrides, f"dp.max_grad_norm={chosen_clip!r}"),
+        (("optim.lr", tuple(repr(float(lr)) for lr in learning_rates)), *seed_grid),
+        metric,
+    )
+    lr_results = Sweep(out_dir / "lr", lr_spec, progress, on_point).run()
+    lr_values = [v for v in _by_value(lr_results, "optim.lr", metric) if v.metric is not None]
+    if not lr_values:
+        raise ValueError(f"no learning-rate run finished; see {out_dir / 'lr' / 'sweep.md'}")
+    best = (max if higher else min)(lr_values, key=lambda v: v.metric)
+    result = ClipLrResult(
+        metric=metric,
+        tolerance=tolerance,
+        public_lr=public_lr,
+        unclipped=unclipped,
+        clip_norms=tuple(clip_values),
+        chosen_clip_norm=chosen_clip,
+        learning_rates=tuple(_by_value(lr_results, "optim.lr", metric)),
+        chosen_lr=float(best.value),
+        best_metric=best.metric,
+    )
+    atomic_write_text(out_dir / "clip_lr.json", json.dumps(result.as_json(), indent=2) + "\n")
+    atomic_write_text(out_dir / "clip_lr.md", clip_lr_report(result))
+    return result
+
+
+def _cell(value: float | None) -> str:
+    return "failed" if value is None else f"{value:.4f}"
+
+
+def clip_lr_report(result: ClipLrResult) -> str:
+    """Markdown report of both stages and the chosen pair."""
+    lines = [
+        "# Clip-norm / learning-rate tuning (Kurakin et al. 2022, Section 3.3)",
+        "",
+        f"Stage 2: sigma = 0, lr = alpha_pub = {result.public_lr:g}; the smallest C within "
+        f"{result.tolerance:g} of the unclipped {result.metric} ({result.unclipped:.4f}).",
+        "",
+        f"| C | {result.metric} | runs |",
+        "|---|---|---|",
+    ]
+    for v in result.clip_norms:
+        mark = " **chosen**" if v.value == result.chosen_clip_norm else ""
+        lines.append(f"| {'unclipped' if v.value is None else f'{v.value:g}'}{mark} | {_cell(v.metric)} | {v.runs} |")
+    lines += [
+        "",
+        f"Stage 3: the target sigma, C = {result.chosen_clip_norm:g}.",
+        "",
+        f"| lr | {result.metric} | runs |",
+        "|---|---|---|",
+    ]
+    for v in result.learning_rates:
+        mark = " **chosen**" if v.value == result.chosen_lr else ""
+        lines.append(f"| {display_value(repr(v.value))}{mark} | {_cell(v.metric)} | {v.runs} |")
+    lines += [
+        "",
+        f"Chosen: C = {result.chosen_clip_norm:g}, lr = {result.chosen_lr:g} ({result.metric} "
+        f"{result.best_metric:.4f}); lr x C = {result.lr_times_clip:g}. Below C~, keep lr x C fixed "
+        "when changing C.",
+        "",
+        f"**{TUNING_CAVEAT}.** Stage 2 runs at sigma = 0 are not private at all.",
+    ]
+    return "\n".join(lines) + "\n"

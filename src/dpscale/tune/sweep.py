@@ -1,0 +1,300 @@
+"""Grid sweeps through the normal trainer: sequential, resumable, one run directory per point.
+
+``OUT/sweep.json`` records what the sweep is (config, overrides, grid); ``OUT/runs/NNN-.../`` are
+ordinary run directories; ``OUT/sweep.jsonl`` (one record per finished or failed point) and
+``OUT/sweep.md`` (a table sorted by the metric) are rewritten after every point. Running the same
+sweep again skips finished points and resumes interrupted ones from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from dpscale.config import Config, ConfigError, load_config
+from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text
+from dpscale.train.loop import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME, Trainer
+from dpscale.train.metrics import json_safe
+from dpscale.tune import TUNING_CAVEAT
+
+MANIFEST_NAME = "sweep.json"
+RESULTS_NAME = "sweep.jsonl"
+TABLE_NAME = "sweep.md"
+
+
+def split_values(text: str) -> list[str]:
+    """Split ``v1,v2,...`` on commas outside brackets, braces and quotes ("[16, 16]" stays whole)."""
+    values, depth, quote, current = [], 0, None, []
+    for char in text:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            values.append("".join(current).strip())
+            current = []
+            continue
+        current.append(char)
+    values.append("".join(current).strip())
+    if quote or depth:
+        raise ConfigError(f"unbalanced brackets or quotes in grid values {text!r}")
+    if any(v == "" for v in values):
+        raise ConfigError(f"empty value in grid values {text!r}")
+    return values
+
+
+def parse_grid(text: str) -> tuple[str, tuple[str, ...]]:
+    """``KEY=V1,V2,...`` -> (KEY, (V1, V2, ...)); values are parsed like ``--set`` values."""
+    key, sep, rest = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not rest.strip():
+        raise ConfigError(f"--grid needs KEY=V1,V2,..., got {text!r}")
+    values = tuple(split_values(rest))
+    if len(set(values)) != len(values):
+        raise ConfigError(f"--grid {key}: repeated value in {text!r}")
+    return key, values
+
+
+def display_value(raw: str) -> Any:
+    """The YAML reading of a grid value, for tables and records."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What a sweep runs: every combination of the grid values on top of the config and overrides.
+
+    Attributes:
+        config: a YAML path, ``preset:NAME``, or None (defaults).
+        overrides: ``KEY=VALUE`` texts applied to every point (before the grid values).
+        grid: (KEY, raw values) pairs; points are their cartesian product, first key outermost.
+        metric: summary key the table is sorted by.
+        minimize: sort ascending (default: ascending only for metrics with "loss" in the name).
+    """
+
+    config: str | None
+    overrides: tuple[str, ...] = ()
+    grid: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    metric: str = "test_accuracy"
+    minimize: bool | None = None
+
+    @property
+    def ascending(self) -> bool:
+        return self.minimize if self.minimize is not None else "loss" in self.metric
+
+    def points(self) -> list[dict[str, str]]:
+        keys = [k for k, _ in self.grid]
+        if len(set(keys)) != len(keys):
+            raise ConfigError(f"a --grid key is given twice: {keys}")
+        return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in self.grid))]
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "overrides": list(self.overrides),
+            "grid": {k: list(v) for k, v in self.grid},
+        }
+
+
+def point_name(index: int, point: dict[str, str]) -> str:
+    """A directory name like ``003-dp.batch_size=256,run.seed=1`` (unsafe characters replaced)."""
+    text = ",".join(f"{k}={v}" for k, v in point.items()) or "base"
+    text = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", text)[:120]
+    return f"{index:03d}-{text}"
+
+
+@dataclass
+class PointResult:
+    index: int
+    name: str
+    point: dict[str, Any]
+    run_dir: str
+    status: str  # done | failed
+    summary: dict[str, Any] | None = None
+    error: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "index": self.index,
+                "name": self.name,
+                "point": self.point,
+                "run_dir": self.run_dir,
+                "status": self.status,
+                "error": self.error,
+                "summary": self.summary,
+                "tuning_caveat": TUNING_CAVEAT,
+            }
+        )
+
+
+def _config_digest(config: Config) -> str:
+    values = config.to_dict()
+    values["run"].pop("out_dir", None)
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class Sweep:
+    """A sweep in ``out_dir``. ``run()`` trains every unfinished point and returns the results.
+
+    Args:
+        out_dir: the sweep directory.
+        spec: what to run.
+        progress: show each run's progress bar and the per-point lines.
+        on_point: called with each PointResult as it completes (for callers printing their own lines).
+    """
+
+    out_dir: Path
+    spec: SweepSpec
+    progress: bool = True
+    on_point: Callable[[PointResult], None] | None = None
+    _configs: list[Config] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+
+    def prepare(self) -> list[Config]:
+        """Build and validate every point's config (bad values fail before anything trains) and
+        claim or check the sweep directory."""
+        points = self.spec.points()
+        configs = []
+        for index, point in enumerate(points):
+            overrides = [*self.spec.overrides, *(f"{k}={v}" for k, v in point.items())]
+            try:
+                config = load_config(self.spec.config, overrides)
+            except ConfigError as err:
+                raise ConfigError(f"sweep point {point_name(index, point)}: {err}") from None
+            run_dir = self.out_dir / "runs" / point_name(index, point)
+            configs.append(replace(config, run=replace(config.run, out_dir=str(run_dir))))
+        manifest = {**self.spec.manifest(), "config_digests": [_config_digest(c) for c in configs]}
+        path = self.out_dir / MANIFEST_NAME
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if saved != manifest:
+                raise ConfigError(
+                    f"{self.out_dir} holds a different sweep (its config, --set or --grid differ, or the "
+                    "config file changed since); choose another --out"
+                )
+        else:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
+        self._configs = configs
+        return configs
+
+    def run(self) -> list[PointResult]:
+        configs = self._configs or self.prepare()
+        points = self.spec.points()
+        results: list[PointResult] = []
+        for index, (point, config) in enumerate(zip(points, configs)):
+            name = point_name(index, point)
+            shown = {k: display_value(v) for k, v in point.items()}
+            if self.progress:
+                label = " ".join(f"{k}={v}" for k, v in point.items()) or "(base config)"
+                print(f"[sweep {index + 1}/{len(points)}] {label}", file=sys.stderr)
+            result = self._run_point(index, name, shown, config)
+            results.append(result)
+            self.write_results(results)
+            if self.on_point:
+                self.on_point(result)
+        return results
+
+    def _run_point(self, index: int, name: str, point: dict[str, Any], config: Config) -> PointResult:
+        run_dir = Path(config.run.out_dir)
+        result = PointResult(index, name, point, str(run_dir), "done")
+        try:
+            if (run_dir / SUMMARY_NAME).exists():
+                result.summary = json.loads((run_dir / SUMMARY_NAME).read_text())
+                return result
+            if (run_dir / CHECKPOINT_NAME).exists():
+                trainer = Trainer.resume(run_dir, progress=self.progress)
+            else:
+                # A run that died before its first checkpoint left only its config (and maybe a
+                # metrics header): nothing trained, so start it again.
+                for leftover in (CONFIG_NAME, METRICS_NAME):
+                    (run_dir / leftover).unlink(missing_ok=True)
+                trainer = Trainer.create(config, progress=self.progress)
+            result.summary = trainer.run()
+        except (ConfigError, ValueError, RuntimeError, OSError) as err:
+            result.status, result.error = "failed", f"{type(err).__name__}: {err}"
+        return result
+
+    def write_results(self, results: list[PointResult]) -> None:
+        lines = "".join(json.dumps(r.record()) + "\n" for r in results)
+        atomic_write_text(self.out_dir / RESULTS_NAME, lines)
+        atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec))
+
+
+def read_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``sweep.jsonl`` in ``sweep_dir``."""
+    path = Path(sweep_dir) / RESULTS_NAME
+    if not path.is_file():
+        raise ConfigError(f"{sweep_dir} is not a sweep directory (no {RESULTS_NAME}); run `dpscale sweep` first")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.4g}"
+    return "null" if value is None else str(value)
+
+
+def sorted_done(results: list[PointResult], metric: str, ascending: bool) -> list[PointResult]:
+    done = [r for r in results if r.status == "done" and isinstance((r.summary or {}).get(metric), (int, float))]
+    return sorted(done, key=lambda r: r.summary[metric], reverse=not ascending)
+
+
+def results_table(results: list[PointResult], spec: SweepSpec) -> str:
+    """Markdown: the finished points sorted by the metric, then failures, then the caveat."""
+    keys = [k for k, _ in spec.grid]
+    metric = spec.metric
+    done = sorted_done(results, metric, spec.ascending)
+    simulated = any((r.summary or {}).get("simulation") for r in done)
+    extra = ["test_accuracy", "epsilon"] + (["reference_epsilon"] if simulated else []) + ["steps", "wall_time_s"]
+    extra = [c for c in extra if c != metric]
+    header = ["rank", *keys, metric, *extra, "run"]
+    order = "ascending" if spec.ascending else "descending"
+    lines = [
+        f"# Sweep: {len(done)} of {len(spec.points())} points done, sorted by {metric} ({order})",
+        "",
+        f"config: {spec.config or '(defaults)'}" + (f"; --set {' '.join(spec.overrides)}" if spec.overrides else ""),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for rank, r in enumerate(done, 1):
+        cells = [str(rank), *(_fmt(r.point.get(k)) for k in keys), _fmt(r.summary[metric])]
+        cells += [_fmt(r.summary.get(c)) for c in extra]
+        cells.append(Path(r.run_dir).name)
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [r for r in results if r.status != "done"]
+    if failed:
+        lines += ["", "Failed points:", ""]
+        lines += [f"- {r.name}: {r.error}" for r in failed]
+    if simulated:
+        lines += [
+            "",
+            "Runs with a reference_epsilon are TAN simulations: they carry NO privacy guarantee at that "
+            "epsilon; it is what the reference run they stand for would spend.",
+        ]
+    notes = {n for r in done for n in (r.summary.get("guarantee_caveats") or []) if not n.startswith("TAN SIMULATION")}
+    lines += ["", f"**{TUNING_CAVEAT}.**"]
+    lines += [f"\nWARNING: {n}" for n in sorted(notes)]
+    return "\n".join(lines) + "\n"
+

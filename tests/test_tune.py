@@ -1,0 +1,249 @@
+"""Sweeps, TAN simulations through the trainer, `tan fit`, `tune clip-lr` and the TAN CLI commands."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dpscale.cli import main
+from dpscale.config import ConfigError, load_config
+from dpscale.train.checkpoint import load_checkpoint
+from dpscale.train.loop import Trainer
+from dpscale.tune import TUNING_CAVEAT
+from dpscale.tune.clip_lr import GridValue, choose_clip_norm
+from dpscale.tune.sweep import Sweep, SweepSpec, parse_grid, split_values
+
+# A tiny private run on the embedded MNIST sample (N = 4000): a linear model, 12 steps.
+TINY = [
+    "model.name=linear",
+    "dp.batch_size=512",
+    "dp.accountant=rdp",
+    "train.steps=12",
+    "train.eval_every_epochs=100",
+    "optim.lr=2",
+    "run.threads=1",
+]
+
+
+def _sets(*items):
+    return [x for item in items for x in ("--set", item)]
+
+
+# ------------------------------------------------------------------- grid
+def test_split_values_respects_brackets_and_quotes():
+    assert split_values("1,2, 3") == ["1", "2", "3"]
+    assert split_values("[16, 16],[32,32]") == ["[16, 16]", "[32,32]"]
+    assert split_values("'a,b',c") == ["'a,b'", "c"]
+    assert parse_grid("optim.lr=0.5,1") == ("optim.lr", ("0.5", "1"))
+    for bad in ("optim.lr", "optim.lr=", "=1,2", "optim.lr=1,,2", "optim.lr=[1,2", "optim.lr=1,1"):
+        with pytest.raises(ConfigError):
+            parse_grid(bad)
+
+
+def test_sweep_rejects_a_bad_point_before_training_anything(tmp_path):
+    spec = SweepSpec(None, tuple(TINY), (("optim.lr", ("1", "-1")),))
+    with pytest.raises(ConfigError, match=r"001-optim.lr=-1.*optim.lr must be > 0"):
+        Sweep(tmp_path / "s", spec, progress=False).prepare()
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(ConfigError, match="unknown config key"):
+        Sweep(tmp_path / "s", SweepSpec(None, tuple(TINY), (("optim.lrr", ("1",)),)), progress=False).prepare()
+
+
+# ------------------------------------------------------ TAN simulated run
+def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, capsys):
+    out = tmp_path / "sim"
+    code = main(["tan", "simulate", "--batch-size", "128", "--quiet", *_sets(*TINY, "run.seed=0", f"run.out_dir={out}")])
+    assert code == 0
+    line = capsys.readouterr().out
+    assert "TAN SIMULATION (no guarantee): stands for epsilon=" in line and "NO PRIVACY GUARANTEE" in line
+    summary = json.loads((out / "summary.json").read_text())
+    sim = summary["simulation"]
+    assert summary["batch_size"] == 128 and sim["batch_size"] == 512 and summary["steps"] == 12
+    assert summary["sample_rate"] / summary["noise_multiplier"] == pytest.approx(
+        sim["sample_rate"] / sim["noise_multiplier"], rel=1e-13
+    )
+    assert summary["reference_epsilon"] == pytest.approx(sim["epsilon"], rel=1e-9)
+    assert summary["reference_epsilon"] <= 3.0 < summary["epsilon"]  # stands for 3, spends more
+    assert any(n.startswith("TAN SIMULATION") for n in summary["guarantee_caveats"])
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("reference_epsilon" in r and "TAN SIMULATION" in r["privacy_note"] for r in records)
+    # the accountant saw the steps that ran: q = 128 / N at the simulated sigma, RDP
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert state["accountant"]["kind"] == "rdp" and len(state["accountant"]["history"]) == 1
+    q, sigma, steps, _ = state["accountant"]["history"][0]
+    assert (q, steps) == (summary["sample_rate"], 12) and sigma == summary["noise_multiplier"]
+    code = main(["eval", str(out), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["reference_epsilon"] == pytest.approx(summary["reference_epsilon"])
+
+
+def test_simulated_run_resumes_bit_identically(tmp_path):
+    sets = [*TINY, "run.seed=3", "dp.simulated_batch_size=200", "train.checkpoint_every_steps=1"]
+    whole = Trainer.create(load_config(None, [*sets, f"run.out_dir={tmp_path / 'a'}"]), progress=False)
+    whole.run()
+    part = Trainer.create(load_config(None, [*sets, f"run.out_dir={tmp_path / 'b'}"]), progress=False)
+    assert part.run(max_steps=5) is None
+    resumed = Trainer.resume(tmp_path / "b", progress=False)
+    summary = resumed.run()
+    for name, tensor in whole.model.state_dict().items():
+        assert tensor.equal(resumed.model.state_dict()[name])
+    expected = json.loads((tmp_path / "a" / "summary.json").read_text())
+    expected.pop("wall_time_s"), summary.pop("wall_time_s")
+    assert summary == expected
+
+
+def test_simulate_dry_run_prints_both_plans(capsys):
+    assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", *_sets(*TINY)]) == 0
+    out = capsys.readouterr().out
+    assert "reference run:  B=512" in out and "simulated run:  B=64" in out and "0.125x" in out
+
+
+# --------------------------------------------------- sweep + fit, end to end
+def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
+    sweep_dir = tmp_path / "sweep"
+    args = ["sweep", "--quiet", "--out", str(sweep_dir), *_sets(*TINY),
+            "--grid", "dp.simulated_batch_size=64,128,256", "--grid", "run.seed=0,1"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert TUNING_CAVEAT in table and "reference_epsilon" in table
+    records = [json.loads(x) for x in (sweep_dir / "sweep.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(r["status"] == "done" for r in records)
+    accuracies = [r["summary"]["test_accuracy"] for r in records]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [float(row.split("|")[4]) for row in rows] == pytest.approx(sorted(accuracies, reverse=True), abs=1e-4)
+
+    # rerunning skips finished points; a point that died mid-way is resumed, a lost one redone
+    (Path(records[1]["run_dir"]) / "summary.json").unlink()
+    created = []
+    original = Trainer.create.__func__
+    monkeypatch.setattr(Trainer, "create", classmethod(lambda cls, *a, **k: created.append(1) or original(cls, *a, **k)))
+    assert main(args) == 0
+    capsys.readouterr()
+    assert created == []  # point 1 resumed from its checkpoint, the others skipped
+    again = [json.loads(x) for x in (sweep_dir / "sweep.jsonl").read_text().splitlines()]
+    assert [r["summary"]["test_accuracy"] for r in again] == accuracies
+
+    # a reference run at B_ref, then the fit
+    ref = tmp_path / "ref"
+    assert main(["train", "--quiet", *_sets(*TINY, "run.seed=0", f"run.out_dir={ref}")]) == 0
+    capsys.readouterr()
+    assert main(["tan", "fit", str(sweep_dir), "--reference", str(ref)]) == 0
+    out = capsys.readouterr().out
+    assert "prediction at B_ref=512" in out and "error measured - predicted" in out
+    fit = json.loads((sweep_dir / "tan_fit.json").read_text())
+    assert fit["reference_batch_size"] == 512 and fit["fit"]["points"] == 6
+    assert fit["measured_reference"] == pytest.approx(json.loads((ref / "summary.json").read_text())["test_accuracy"])
+    assert fit["error"] == pytest.approx(fit["measured_reference"] - fit["prediction"]["value"])
+    assert (sweep_dir / "tan_fit.png").stat().st_size > 1000
+
+
+def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
+    sweep_dir = tmp_path / "sweep"
+    assert main(["sweep", "--quiet", "--out", str(sweep_dir), *_sets(*TINY, "train.steps=4"),
+                 "--grid", "dp.simulated_batch_size=64,128", "--grid", "dp.max_grad_norm=0.5,1"]) == 0
+    capsys.readouterr()
+    assert main(["tan", "fit", str(sweep_dir), "--no-plot"]) == 2
+    assert "also varies dp.max_grad_norm" in capsys.readouterr().err
+    assert main(["tan", "fit", str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"]) == 0
+    # a non-simulated run at another B has another eta_step: refused
+    other = tmp_path / "other"
+    assert main(["train", "--quiet", *_sets(*TINY, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}")]) == 0
+    capsys.readouterr()
+    code = main(["tan", "fit", str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1", "--reference", str(other)])
+    assert code == 2 and "do not share one" in capsys.readouterr().err
+
+
+def test_sweep_records_failed_points_and_continues(tmp_path, capsys):
+    # dp.batch_size=8000 > N=4000 fails when the trainer sees the data; the other point runs.
+    code = main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *_sets(*TINY, "train.steps=3"),
+                 "--grid", "dp.batch_size=256,8000"])
+    assert code == 1
+    records = [json.loads(x) for x in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in records] == ["done", "failed"]
+    assert "larger than the training set" in records[1]["error"]
+    assert "Failed points" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- clip-lr
+def test_choose_clip_norm_takes_the_smallest_within_tolerance():
+    values = [GridValue(None, 0.90, 1), GridValue(0.1, 0.80, 1), GridValue(0.3, 0.895, 1), GridValue(1.0, 0.91, 1)]
+    assert choose_clip_norm(values, 0.01) == (0.3, 0.90)
+    assert choose_clip_norm(values, 0.2) == (0.1, 0.90)
+    with pytest.raises(ValueError, match="no clipping norm"):
+        choose_clip_norm(values[:2], 0.01)
+    # for a loss, lower is better
+    losses = [GridValue(None, 0.30, 1), GridValue(0.1, 0.50, 1), GridValue(0.3, 0.305, 1)]
+    assert choose_clip_norm(losses, 0.01, higher_is_better=False) == (0.3, 0.30)
+
+
+def test_tune_clip_lr_end_to_end(tmp_path, capsys):
+    out = tmp_path / "tune"
+    code = main(["tune", "clip-lr", "--quiet", "--out", str(out), *_sets(*TINY, "train.steps=6", "run.seed=0"),
+                 "--clip-norms", "0.01,1", "--lr-factors", "0.5,2", "--tolerance", "0.05"])
+    assert code == 0
+    report = capsys.readouterr().out
+    assert TUNING_CAVEAT in report and "lr x C" in report
+    result = json.loads((out / "clip_lr.json").read_text())
+    clip = [json.loads(x) for x in (out / "clip" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["point"]["dp.max_grad_norm"] for r in clip] == [None, 0.01, 1.0]
+    assert all(not r["summary"]["private"] for r in clip)  # stage 2 is at sigma = 0
+    unclipped = clip[0]["summary"]["test_accuracy"]
+    ok = [r["point"]["dp.max_grad_norm"] for r in clip[1:] if unclipped - r["summary"]["test_accuracy"] <= 0.05]
+    assert result["chosen_clip_norm"] == min(ok)
+    lr = [json.loads(x) for x in (out / "lr" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["point"]["optim.lr"] for r in lr] == [1.0, 4.0]  # alpha_pub = 2
+    assert all(r["summary"]["private"] and r["summary"]["max_grad_norm"] == result["chosen_clip_norm"] for r in lr)
+    best = max(lr, key=lambda r: r["summary"]["test_accuracy"])
+    assert result["chosen_lr"] == best["point"]["optim.lr"]
+    assert result["lr_times_clip"] == pytest.approx(result["chosen_lr"] * result["chosen_clip_norm"])
+
+
+# ------------------------------------------------------ privacy commands
+def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
+    args = ["tan", "privacy-search", "--dataset-size", "50000", "--batch-size", "1000", "--noise", "3",
+            "--steps", "400", "--accountant", "rdp"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["steps"] for r in rows] == [100, 200, 400, 800, 1600]
+    assert set(rows[0]) == {"batch_size", "steps", "noise_multiplier", "epsilon", "eps_tan", "lr_scale"}
+    eta = lambda r: r["batch_size"] / 50000 * math.sqrt(r["steps"]) / r["noise_multiplier"]  # noqa: E731
+    assert all(eta(r) == pytest.approx(eta(rows[2]), rel=1e-13) for r in rows)
+    # ready configs: one per pair within the config's budget
+    budget = rows[2]["epsilon"] + 1e-9
+    assert main([*args, "--config", "preset:papernot-mnist-tanh", "--set", f"dp.epsilon={budget}",
+                 "--out", str(tmp_path / "pairs")]) == 0
+    out = capsys.readouterr().out
+    written = sorted((tmp_path / "pairs").glob("*.yaml"))
+    within = [r for r in rows if r["epsilon"] <= budget]
+    assert len(written) == len(within) >= 1 and "exceeds the config's dp.epsilon" in out
+    config = load_config(tmp_path / "pairs" / f"pair-S{within[0]['steps']}.yaml")
+    base = load_config("preset:papernot-mnist-tanh")
+    assert config.dp.batch_size == pytest.approx(within[0]["batch_size"], rel=1e-15)
+    assert config.train.steps == within[0]["steps"] and config.dp.noise_multiplier == 3
+    assert config.optim.lr == pytest.approx(base.optim.lr * within[0]["lr_scale"])
+
+
+def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
+    assert main(["account", "--dataset-size", "50000", "--batch-size", "500", "--noise", "0.8", "--steps", "1000",
+                 "--accountant", "rdp"]) == 0
+    assert "WARNING: privacy wall" in capsys.readouterr().out
+    assert main(["account", "--dataset-size", "50000", "--batch-size", "2500", "--noise", "4", "--steps", "1000",
+                 "--accountant", "rdp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["wall_warning"] is None
+    out = tmp_path / "run"
+    assert main(["train", "--quiet", *_sets(*TINY, "train.steps=3", "dp.epsilon=null", "dp.noise_multiplier=0.7",
+                                             f"run.out_dir={out}")]) == 0
+    assert "WARNING: privacy wall" in capsys.readouterr().out
+    assert "privacy wall" in json.loads((out / "summary.json").read_text())["privacy_warnings"][0]
+
+
+def test_wall_and_data_size_cli(tmp_path, capsys):
+    png = tmp_path / "wall.png"
+    assert main(["tan", "wall", "--epsilon-tan", "3", "--steps", "1000", "--sigmas", "0.7,4", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "<- wall" in out and png.stat().st_size > 1000
+    assert main(["tan", "data-size", "--dataset-size", "5000", "--batch-size", "4096", "--noise", "3",
+                 "--steps", "2500", "--delta", "1e-4", "--factors", "1,10", "--accountant", "rdp", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[1]["dataset_size"] == 50000 and rows[1]["epsilon"] == pytest.approx(7.1, abs=0.05)
