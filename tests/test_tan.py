@@ -200,3 +200,9 @@ def test_regression_needs_two_batch_sizes():
         fit_log_batch_law([64, 64, 64], [0.1, 0.2, 0.3])
     two = fit_log_batch_law([64, 128], [0.1, 0.2])  # a line, no interval
     assert two.slope == pytest.approx(0.1) and math.isnan(two.residual_std)
+
+
+def test_simulating_at_the_reference_batch_size_is_the_reference_run():
+    reference = make_dp_plan(_dp(), 50_000, 300)
+    same = make_dp_plan(_dp(simulated_batch_size=4096), 50_000, 300)
+    assert same == reference and same.simulation is None and "TAN SIMULATION" not in " ".join(same.caveats())

@@ -98,7 +98,7 @@ class ShuffleSampler:
 
 
 def make_sampler(
-    mode: str, dataset_size: int, batch_size: int, generator: torch.Generator
+    mode: str, dataset_size: int, batch_size: float, generator: torch.Generator
 ) -> PoissonSampler | ShuffleSampler:
     """Sampler for ``mode`` ("poisson" | "shuffle") with expected batch size B = ``batch_size``."""
     if mode == "poisson":

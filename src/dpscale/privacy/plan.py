@@ -75,7 +75,7 @@ class DPPlan:
     """
 
     dataset_size: int
-    batch_size: int
+    batch_size: float
     sample_rate: float
     steps: int
     noise_multiplier: float
@@ -209,7 +209,7 @@ def check_plan_matches(
     plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data."""
-    simulated = dp.simulated_batch_size is not None
+    simulated = is_simulation(dp)
     expected = {
         "releases": tuple(releases) if plan.is_private else (),
         "dataset_size": dataset_size,
@@ -291,7 +291,13 @@ def make_dp_plan(
         calibrated=calibrated,
         releases=releases if sigma > 0 else (),
     )
-    return plan if dp.simulated_batch_size is None else simulate_plan(plan, dp.simulated_batch_size)
+    return simulate_plan(plan, dp.simulated_batch_size) if is_simulation(dp) else plan
+
+
+def is_simulation(dp: DPConfig) -> bool:
+    """Whether ``dp`` asks for a TAN simulation (a simulated batch size equal to dp.batch_size is
+    the reference run itself, with its guarantee)."""
+    return dp.simulated_batch_size is not None and dp.simulated_batch_size != dp.batch_size
 
 
 def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:

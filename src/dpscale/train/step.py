@@ -63,7 +63,7 @@ def noisy_clipped_mean(
     chunks: Iterable[Batch],
     *,
     noise_std: float,
-    expected_batch_size: int,
+    expected_batch_size: float,
     noise_generator: torch.Generator,
 ) -> tuple[Params, StepStats]:
     """The private gradient of one logical batch.

@@ -107,7 +107,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     sweep = Sweep(out, spec, progress=not args.quiet, on_point=_print_point)
     sweep.prepare()
     print(f"sweep: {len(spec.points())} points in {out} (rerun the same command to resume)", file=sys.stderr)
-    results = sweep.run()
+    try:
+        results = sweep.run()
+    except KeyboardInterrupt:
+        print(f"sweep interrupted; rerun the same command (with --out {out}) to resume it", file=sys.stderr)
+        raise
     print((out / TABLE_NAME).read_text())
     failed = [r for r in results if r.status != "done"]
     return 1 if failed else 0
@@ -132,7 +136,7 @@ def _cmd_tan_fit(args: argparse.Namespace) -> int:
     from dpscale.tune.scaling import fit_sweep
     from dpscale.tune.sweep import display_value, read_results
 
-    sweep_dir = Path(args.sweep_dir)
+    sweep_dir = Path(args.out or args.sweep_dirs[0])  # where tan_fit.json/.png go
     where = {}
     for item in args.where:
         key, sep, value = item.partition("=")
@@ -145,9 +149,11 @@ def _cmd_tan_fit(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ConfigError(f"--reference {run_dir}: no summary.json (is the run finished?)")
         references.append((str(run_dir), json.loads(path.read_text())))
+    records = [record for directory in args.sweep_dirs for record in read_results(directory)]
     result = fit_sweep(
-        read_results(sweep_dir), args.metric, args.confidence, where, references, args.reference_batch_size
+        records, args.metric, args.confidence, where, references, args.reference_batch_size
     )
+    sweep_dir.mkdir(parents=True, exist_ok=True)
     out_json = sweep_dir / "tan_fit.json"
     from dpscale.train.checkpoint import atomic_write_text
     from dpscale.train.metrics import json_safe
@@ -365,7 +371,8 @@ def add_tune_parsers(sub: argparse._SubParsersAction) -> None:
     sim.set_defaults(func=_cmd_tan_simulate)
 
     fit = tan_sub.add_parser("fit", help="fit the batch scaling law (accuracy vs log B) on a sweep of simulations")
-    fit.add_argument("sweep_dir")
+    fit.add_argument("sweep_dirs", nargs="+", metavar="SWEEP_DIR", help="one or more sweeps (their runs are pooled)")
+    fit.add_argument("--out", metavar="DIR", help="where tan_fit.json/.png go (default: the first SWEEP_DIR)")
     fit.add_argument("--metric", default="test_accuracy")
     fit.add_argument("--confidence", type=float, default=0.95)
     fit.add_argument("--where", action="append", default=[], metavar="KEY=VALUE", help="use only these sweep points")
