@@ -133,6 +133,7 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
     assert "prediction at B_ref=512" in out and "error measured - predicted" in out
     fit = json.loads((sweep_dir / "tan_fit.json").read_text())
     assert fit["reference_batch_size"] == 512 and fit["fit"]["points"] == 6
+    assert fit["tuning_caveat"] == TUNING_CAVEAT
     assert fit["measured_reference"] == pytest.approx(json.loads((ref / "summary.json").read_text())["test_accuracy"])
     assert fit["error"] == pytest.approx(fit["measured_reference"] - fit["prediction"]["value"])
     assert (sweep_dir / "tan_fit.png").stat().st_size > 1000

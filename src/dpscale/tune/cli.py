@@ -158,14 +158,15 @@ def _cmd_tan_fit(args: argparse.Namespace) -> int:
     from dpscale.train.checkpoint import atomic_write_text
     from dpscale.train.metrics import json_safe
 
-    atomic_write_text(out_json, json.dumps(json_safe(result.as_json()), indent=2) + "\n")
+    report = json_safe({**result.as_json(), "tuning_caveat": TUNING_CAVEAT})
+    atomic_write_text(out_json, json.dumps(report, indent=2) + "\n")
     plot_path = None
     if not args.no_plot:
         from dpscale.tune.plot import plot_scaling_fit
 
         plot_path = plot_scaling_fit(result, args.plot or sweep_dir / "tan_fit.png")
     if args.json:
-        print(json.dumps(json_safe(result.as_json())))
+        print(json.dumps(report))
         return 0
     _print_fit(result, out_json, plot_path)
     return 0
