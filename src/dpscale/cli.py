@@ -29,7 +29,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _train_and_report(trainer, args.max_steps)
     config = load_config(args.config, args.set)
     if config.run.out_dir is None:
-        config = replace(config, run=replace(config.run, out_dir=default_out_dir(config)))
+        from dpscale.train.distributed import init_distributed
+
+        # under torchrun every process must use rank 0's directory name (it has the time in it)
+        out_dir = init_distributed(config.run.device).broadcast_object(default_out_dir(config))
+        config = replace(config, run=replace(config.run, out_dir=out_dir))
     return run_training(config, args.max_steps, args.quiet)
 
 
@@ -42,6 +46,8 @@ def run_training(config, max_steps: int | None = None, quiet: bool = False) -> i
 
 def _train_and_report(trainer, max_steps: int | None) -> int:
     summary = trainer.run(max_steps=max_steps)
+    if not trainer.dist.is_main:
+        return 0  # rank 0 reports for the job
     if summary is None:
         print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
         return 0
@@ -319,6 +325,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """End a torchrun job's process group cleanly (a no-op for a single process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -33,27 +33,38 @@ class BatchSampler(Protocol):
 class PoissonSampler:
     """Independent Bernoulli(q) inclusion of each of N examples per step.
 
+    In data-parallel training, rank r of P samples only its shard {i : i mod P = r}, with the
+    same q and its own generator: the shards are disjoint and cover all N examples, so the union
+    of the ranks' batches is exactly a Poisson sample of the whole dataset.
+
     Args:
         dataset_size: N.
         sample_rate: q in (0, 1].
         generator: seeded CPU generator; its state is the sampler's whole state.
+        rank, world_size: this process's shard (default: the whole dataset).
     """
 
-    def __init__(self, dataset_size: int, sample_rate: float, generator: torch.Generator) -> None:
+    def __init__(
+        self, dataset_size: int, sample_rate: float, generator: torch.Generator, rank: int = 0, world_size: int = 1
+    ) -> None:
         if dataset_size < 1:
             raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got {rank} and {world_size}")
         self.dataset_size = dataset_size
         self.sample_rate = sample_rate
         self.generator = generator
+        self.rank, self.world_size = rank, world_size
+        self.shard_size = len(range(rank, dataset_size, world_size))
 
     def sample(self) -> torch.Tensor:
-        # One uniform per example keeps the draw exactly Bernoulli(q) per example; O(N) per
+        # One uniform per example keeps the draw exactly Bernoulli(q) per example; O(N/P) per
         # step is negligible next to a training step. float64: float32 uniforms are multiples
         # of 2^-24, which would round the inclusion probability *up* for small q.
-        mask = torch.rand(self.dataset_size, generator=self.generator, dtype=torch.float64) < self.sample_rate
-        return mask.nonzero().flatten()
+        mask = torch.rand(self.shard_size, generator=self.generator, dtype=torch.float64) < self.sample_rate
+        return mask.nonzero().flatten() * self.world_size + self.rank  # shard position j -> example jP + r
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}
@@ -98,11 +109,14 @@ class ShuffleSampler:
 
 
 def make_sampler(
-    mode: str, dataset_size: int, batch_size: float, generator: torch.Generator
+    mode: str, dataset_size: int, batch_size: float, generator: torch.Generator, rank: int = 0, world_size: int = 1
 ) -> PoissonSampler | ShuffleSampler:
-    """Sampler for ``mode`` ("poisson" | "shuffle") with expected batch size B = ``batch_size``."""
+    """Sampler for ``mode`` ("poisson" | "shuffle") with expected batch size B = ``batch_size``
+    (of the whole logical batch; with ``world_size`` > 1 each rank samples its own shard)."""
     if mode == "poisson":
-        return PoissonSampler(dataset_size, batch_size / dataset_size, generator)
+        return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size)
+    if world_size > 1:
+        raise ValueError("distributed training samples with sampling=poisson only (shuffle has no sharded form)")
     if mode == "shuffle":
         return ShuffleSampler(dataset_size, batch_size, generator)
     raise ValueError(f"unknown sampling {mode!r}; choose one of {', '.join(SAMPLING_MODES)}")

@@ -172,8 +172,9 @@ class DPPlan:
             "Use it to choose hyper-parameters; do not release it as a private model"
         )
 
-    def make_sampler(self, generator: torch.Generator):
-        return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator)
+    def make_sampler(self, generator: torch.Generator, rank: int = 0, world_size: int = 1):
+        """This rank's sampler (its shard of the dataset when world_size > 1)."""
+        return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size)
 
     def describe(self) -> str:
         if not self.is_private:

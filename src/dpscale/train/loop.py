@@ -28,6 +28,7 @@ from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.per_example import check_per_example_compatible, make_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, check_plan_matches, make_dp_plan, steps_for
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
+from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
 from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
@@ -127,20 +128,29 @@ class Trainer:
         feature_norm: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
-        self.progress = progress
+        # Data parallel under torchrun (P processes), else a single process; only rank 0 prints and writes.
+        self.dist: Distributed = init_distributed(config.run.device)
+        if self.dist.enabled and config.dp.sampling != "poisson":
+            raise ConfigError("distributed training needs dp.sampling=poisson (each rank samples its own shard)")
+        self.progress = progress and self.dist.is_main
         if config.run.out_dir is None:
             raise ConfigError("run.out_dir must be set (the CLI picks runs/<model>-<data>-<time>)")
         self.run_dir = Path(config.run.out_dir)
         if config.run.threads:
             torch.set_num_threads(config.run.threads)
-        self.device = torch.device(config.run.device)
+        device = config.run.device
+        if self.dist.enabled and device == "cuda":
+            device = f"cuda:{self.dist.local_rank}"  # one GPU per process
+        self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"run.device={config.run.device} but this torch build has no usable CUDA device")
-        seeds = _seeds(config.run.seed)
+        seeds = self.dist.broadcast_object(_seeds(config.run.seed))  # fresh entropy: rank 0's, for all
+        self._seeds = seeds
 
         images = prepare_data(config, self.device)
         self.data_fingerprint = dataset_fingerprint(images)  # of the images: features may differ in the last bit
-        features = extract_run_features(config.features, images, self.device, progress, self._log)
+        with self.dist.main_first():  # rank 0 fills the feature cache, the others read it
+            features = extract_run_features(config.features, images, self.device, self.progress, self._log)
         del images
         info = features.info
         n = info.num_train
@@ -159,7 +169,10 @@ class Trainer:
             )
         if feature_norm is None:
             generator = torch.Generator().manual_seed(seeds["features"])
-            self.feature_normalizer = fit_normalizer(config.features, features.x_train, plan, generator)
+            normalizer = fit_normalizer(config.features, features.x_train, plan, generator)
+            # One release, whatever P: every rank uses rank 0's noisy statistics.
+            feature_norm = self.dist.broadcast_object(normalizer.state_dict()) if self.dist.enabled else None
+            self.feature_normalizer = normalizer if feature_norm is None else FeatureNormalizer.from_state_dict(feature_norm)
         else:
             self.feature_normalizer = FeatureNormalizer.from_state_dict(feature_norm)
         self.data = normalize_dataset(features, self.feature_normalizer)
@@ -172,6 +185,7 @@ class Trainer:
         check_per_example_compatible(self.model)
         if config.model.freeze_groups:
             freeze_block_groups(self.model, config.model.freeze_groups)
+        self.dist.broadcast_module_(self.model)  # identical already (same seed); made certain
         self.engine, engine_notice = make_engine(
             config.train.engine, self.plan.max_grad_norm, self.model, views=config.augment.multiplicity
         )
@@ -179,9 +193,9 @@ class Trainer:
             self._log(engine_notice)
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
-        self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(seeds["sampler"]))
+        self._start_rank_streams(0)
+        # Only the noise rank draws from it (NOISE_RANK); its state is the one checkpointed.
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seeds["noise"])
-        self.augment_generator = torch.Generator().manual_seed(seeds["augment"])  # CPU: same draws on any device
         self.augtest_seed = seeds["augtest"]  # test views: the same at every evaluation
         self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
         self.accountant = PrivacyAccountant(self.plan.run_accountant)
@@ -192,21 +206,37 @@ class Trainer:
         self.wall_time_s = 0.0
         self._window = {"loss_sum": 0.0, "examples": 0}  # train loss since the last evaluation
 
+    def _start_rank_streams(self, start_step: int) -> None:
+        """This rank's sampler and augmentation generators, fresh for a job of P processes that
+        starts (or restarts with a different P) at ``start_step``. CPU generators: the same draws
+        on any device."""
+        rank, world = self.dist.rank, self.dist.world_size
+        sampler_seed = rank_stream_seed(self._seeds["sampler"], rank, world, start_step)
+        self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(sampler_seed), rank, world)
+        augment_seed = rank_stream_seed(self._seeds["augment"], rank, world, start_step)
+        self.augment_generator = torch.Generator().manual_seed(augment_seed)
+
     # ----------------------------------------------------------------- set-up
     @classmethod
     def create(cls, config: Config, progress: bool = True) -> "Trainer":
         """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run."""
         run_dir = Path(config.run.out_dir)
         taken = f"{run_dir} already holds a run; continue it with `dpscale train --resume {run_dir}` or choose another run.out_dir"
-        if any((run_dir / name).exists() for name in (CONFIG_NAME, CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME)):
+        dist = init_distributed(config.run.device)
+        exists = any((run_dir / name).exists() for name in (CONFIG_NAME, CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME))
+        if dist.broadcast_object(exists):  # rank 0's view decides, so every rank stops together
             raise ConfigError(taken)
         trainer = cls(config, progress)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        try:  # claim the directory atomically: of two runs started on it at once, one fails here
-            os.close(os.open(run_dir / CONFIG_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            raise ConfigError(taken) from None
-        save_config(config, run_dir / CONFIG_NAME)
+        error = None
+        if dist.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            try:  # claim the directory atomically: of two runs started on it at once, one fails here
+                os.close(os.open(run_dir / CONFIG_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                save_config(config, run_dir / CONFIG_NAME)
+            except FileExistsError:
+                error = taken
+        if dist.broadcast_object(error):
+            raise ConfigError(taken)
         return trainer
 
     @classmethod
@@ -227,21 +257,26 @@ class Trainer:
     def resume(cls, run_dir: str | Path, progress: bool = True) -> "Trainer":
         """Continue the run in ``run_dir`` from its checkpoint, exactly where it stopped."""
         trainer = cls.load(run_dir, progress)
-        trainer.metrics.truncate_after(trainer.step)
+        if trainer.dist.is_main:
+            trainer.metrics.truncate_after(trainer.step)
         return trainer
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
+        """The checkpoint. Collective with P processes: gathers every rank's sampling streams."""
+        streams = self.dist.all_gather_object(
+            {"sampler": self.sampler.state_dict(), "augment_generator": self.augment_generator.get_state()}
+        )
         return {
+            "world_size": self.dist.world_size,
+            "rank_streams": streams,  # [rank 0's, rank 1's, ...]
             "step": self.step,
             "wall_time_s": self.wall_time_s,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "noise_generator": self.noise_generator.get_state(),
-            "augment_generator": self.augment_generator.get_state(),
+            "noise_generator": self.noise_generator.get_state(),  # the noise rank's (rank 0)
             "augtest_seed": self.augtest_seed,
             "ema": self.ema.state_dict() if self.ema else None,
             "window": dict(self._window),
@@ -262,10 +297,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.accountant.load_state_dict(state["accountant"])  # replaces, never adds
-        self.sampler.load_state_dict(state["sampler"])
-        self.noise_generator.set_state(state["noise_generator"])
-        if "augment_generator" in state:  # absent in checkpoints from before augmentation existed
-            self.augment_generator.set_state(state["augment_generator"])
+        if self.dist.rank == NOISE_RANK:
+            self.noise_generator.set_state(state["noise_generator"])
+        self._load_rank_streams(state)
+        if "augtest_seed" in state:  # absent in checkpoints from before augmentation existed
             self.augtest_seed = int(state["augtest_seed"])
         if self.ema is not None:
             if state.get("ema") is None:
@@ -279,8 +314,30 @@ class Trainer:
         if self.accountant.releases != self.plan.releases:
             raise ValueError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
 
+    def _load_rank_streams(self, state: dict[str, Any]) -> None:
+        """Continue this rank's sampling streams; with a different number of processes than the
+        checkpoint's, start fresh streams at the checkpoint's step (never replaying used ones)."""
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.dist.world_size:
+            self._start_rank_streams(int(state["step"]))
+            self._log(
+                f"resuming a {saved_world}-process run with {self.dist.world_size} process(es): each rank "
+                f"samples its shard from a fresh stream from step {state['step']} on"
+            )
+            return
+        if "rank_streams" in state:
+            mine = state["rank_streams"][self.dist.rank]
+        else:  # a checkpoint from before distributed training: one process
+            mine = {"sampler": state["sampler"], "augment_generator": state.get("augment_generator")}
+        self.sampler.load_state_dict(mine["sampler"])
+        if mine.get("augment_generator") is not None:
+            self.augment_generator.set_state(mine["augment_generator"])
+
     def save(self) -> None:
-        save_checkpoint(self.run_dir / CHECKPOINT_NAME, self.state())
+        """Write the checkpoint (rank 0; collective with P processes, so every rank calls it)."""
+        state = self.state()
+        if self.dist.is_main:
+            save_checkpoint(self.run_dir / CHECKPOINT_NAME, state)
 
     # ------------------------------------------------------------------- loop
     def epochs_done(self, step: int) -> float:
@@ -321,6 +378,8 @@ class Trainer:
             noise_std=self.plan.noise_std,
             expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator,
+            all_reduce_sum=self.dist.all_reduce_sum_ if self.dist.enabled else None,
+            add_noise=self.dist.adds_noise,
         )
         apply_gradient(self.model, gradient, self.optimizer)
         self.scheduler.step()
@@ -333,7 +392,11 @@ class Trainer:
         self._window["examples"] += stats.batch_size
         self._last_stats = stats
 
-    def evaluate_and_log(self) -> dict[str, Any]:
+    def evaluate_and_log(self) -> dict[str, Any] | None:
+        """Evaluate and append to metrics.jsonl (rank 0; other ranks only reset the window)."""
+        if not self.dist.is_main:
+            self._window = {"loss_sum": 0.0, "examples": 0}
+            return None
         accuracy, test_loss = evaluate(
             self.model, self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
         )
@@ -403,21 +466,27 @@ class Trainer:
         epsilon_at = time.perf_counter()
         interrupt = _DeferredInterrupt()
         every = self.config.train.checkpoint_every_steps
+        interrupted = False
         try:
             with interrupt:
-                while self.step < stop and not interrupt.requested:
+                while self.step < stop:
+                    # With P processes a signal may reach one rank only: all stop at the same step.
+                    if self.dist.any(interrupt.requested):
+                        interrupted = True
+                        break
                     started = time.perf_counter()
                     self.train_step()
                     if self._eval_due():
                         self.wall_time_s += time.perf_counter() - started
                         started = time.perf_counter()
                         record = self.evaluate_and_log()
-                        epsilon, epsilon_at = record["epsilon"], time.perf_counter()
                         self.save()
-                        self._log(
-                            f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
-                            f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
-                        )
+                        if record is not None:
+                            epsilon, epsilon_at = record["epsilon"], time.perf_counter()
+                            self._log(
+                                f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
+                                f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
+                            )
                     elif every and self.step % every == 0:
                         self.save()
                     self.wall_time_s += time.perf_counter() - started
@@ -431,10 +500,11 @@ class Trainer:
                     )
         finally:
             bar.close()
-        if interrupt.requested:
+        if interrupted or (not self.dist.enabled and interrupt.requested):
             self.save()
             # Always printed (also with progress off): this is how the user gets their run back.
-            print(f"interrupted after step {self.step}; resume with: dpscale train --resume {self.run_dir}", file=sys.stderr)
+            if self.dist.is_main:
+                print(f"interrupted after step {self.step}; resume with: dpscale train --resume {self.run_dir}", file=sys.stderr)
             raise KeyboardInterrupt
         if self.step < self.total_steps:
             self.save()
@@ -449,7 +519,11 @@ class Trainer:
         return self._privacy_warnings
 
     def finish(self) -> dict[str, Any]:
-        """Write ``summary.json`` for a completed run and return it."""
+        """Write ``summary.json`` for a completed run (rank 0) and return it (on every rank)."""
+        summary = self._summary() if self.dist.is_main else None
+        return self.dist.broadcast_object(summary)
+
+    def _summary(self) -> dict[str, Any]:
         last = self.metrics.read()[-1]
         plan = self.plan
         summary = {
@@ -486,6 +560,8 @@ class Trainer:
             "dataset": self.data.info.name,
             "model": self.config.model.name,
             "trainable_params": count_parameters(self.model, trainable_only=True),
+            "world_size": self.dist.world_size,
+            "noise_rank": NOISE_RANK if self.dist.enabled else None,
             "wall_time_s": self.wall_time_s,
         }
         summary = json_safe(summary)

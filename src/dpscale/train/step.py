@@ -3,12 +3,15 @@
     logical batch (Poisson) -> physical chunks -> per-example clipped sums (engine)
     -> total clipped sum -> + N(0, (sigma C)^2) once -> / expected batch size B
     -> optimizer step
+
+With P processes, each holds part of the logical batch: its clipped sum gets the noise on the
+noise rank only, and one all-reduce (SUM) between the two gives every rank the same noisy sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -65,6 +68,8 @@ def noisy_clipped_mean(
     noise_std: float,
     expected_batch_size: float,
     noise_generator: torch.Generator,
+    all_reduce_sum: Callable[[list[torch.Tensor]], None] | None = None,
+    add_noise: bool = True,
 ) -> tuple[Params, StepStats]:
     """The private gradient of one logical batch.
 
@@ -76,9 +81,12 @@ def noisy_clipped_mean(
         expected_batch_size: B; dividing by the *expected* size (not the realised one) keeps
             the sensitivity of the mean at C / B, as the accountant assumes.
         noise_generator: RNG for the noise.
+        all_reduce_sum: in data-parallel training, sums a list of tensors over the ranks in place
+            (``Distributed.all_reduce_sum_``); None for a single process.
+        add_noise: whether this process draws the noise (exactly one rank does).
 
     Returns:
-        (gradient by parameter name, step statistics).
+        (gradient by parameter name, step statistics of the whole logical batch).
     """
     params = trainable_params(model)
     total = {name: torch.zeros_like(p) for name, p in params.items()}
@@ -89,16 +97,28 @@ def noisy_clipped_mean(
             total[name] += grad_sum[name]
         loss_sum += float(losses.sum())
         norm_parts.append(norms)
-    noisy = add_gaussian_noise(total, noise_std, noise_generator)  # once per logical step
-    gradient = {name: g / expected_batch_size for name, g in noisy.items()}
+    # once per logical step: on one rank, before the ranks' sums are added up
+    noisy = add_gaussian_noise(total, noise_std if add_noise else 0.0, noise_generator)
 
     norms = torch.cat(norm_parts) if norm_parts else torch.zeros(0)
     clip = engine.max_grad_norm
+    clipped = float((norms > clip).sum()) if clip is not None else 0.0
+    # examples, loss sum, clipped examples, norm sum: of this rank's part, then of the whole batch
+    device = next(iter(total.values())).device if total else norms.device  # nccl reduces on the GPU
+    counts = torch.tensor(
+        [float(norms.numel()), loss_sum, clipped, float(norms.sum())], dtype=torch.float64, device=device
+    )
+    if all_reduce_sum is not None:
+        all_reduce_sum([noisy[name] for name in sorted(noisy)])
+        all_reduce_sum([counts])
+    gradient = {name: g / expected_batch_size for name, g in noisy.items()}
+
+    examples = int(counts[0])
     stats = StepStats(
-        batch_size=int(norms.numel()),
-        loss_sum=loss_sum,
-        clipped_fraction=float((norms > clip).float().mean()) if clip is not None and norms.numel() else 0.0,
-        mean_grad_norm=float(norms.mean()) if norms.numel() else 0.0,
+        batch_size=examples,
+        loss_sum=float(counts[1]),
+        clipped_fraction=float(counts[2]) / examples if examples else 0.0,
+        mean_grad_norm=float(counts[3]) / examples if examples else 0.0,
     )
     return gradient, stats
 

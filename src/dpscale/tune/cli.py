@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from datetime import datetime
@@ -99,6 +100,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     if not args.grid:
         raise ConfigError("give at least one --grid KEY=V1,V2,...")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("run `dpscale sweep` as one process; to train each point on P processes, run the points "
+                          "with torchrun ... -m dpscale train")
     spec = SweepSpec(
         args.config, tuple(args.set), tuple(parse_grid(g) for g in args.grid), args.metric,
         True if args.minimize else None,

@@ -1,0 +1,193 @@
+"""Data-parallel DP-SGD on torch.distributed (gloo, CPU processes).
+
+The 2-process step is checked against the 1-process step (same logical batch, same noise seed),
+the total noise std against sigma * C (a chi-square test: twice the noise would show as sqrt(2)),
+the sharded sampler against Poisson sampling of the whole set, and whole torchrun jobs against
+single-process runs (epsilon, accuracy band, resume with a different number of processes).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dpscale.data.sampling import PoissonSampler
+from dpscale.models import build_model
+from dpscale.privacy.per_example import make_engine
+from dpscale.train.distributed import Distributed, rank_stream_seed
+from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_MNIST = REPO / ".." / "shared" / "data" / "mnist-10k"
+SIGMA, CLIP, EXPECTED_B = 1.3, 0.7, 32.0
+NOISE_DRAWS = 400
+
+
+# --------------------------------------------------------------- sampler
+def test_sharded_poisson_sampler_is_a_poisson_sample_of_the_whole_set():
+    n, q, world, draws = 1001, 0.2, 3, 3000
+    samplers = [PoissonSampler(n, q, torch.Generator().manual_seed(10 + r), r, world) for r in range(world)]
+    counts = torch.zeros(n)
+    for _ in range(draws):
+        parts = [s.sample() for s in samplers]
+        for r, part in enumerate(parts):
+            assert bool((part % world == r).all())  # each rank draws only from its shard
+        union = torch.cat(parts)
+        assert union.unique().numel() == union.numel()  # disjoint
+        counts[union] += 1
+    # every example is included with probability q: per-example binomial z-scores
+    z = (counts - draws * q) / math.sqrt(draws * q * (1 - q))
+    assert z.abs().max() < 5.0
+    assert abs(float(z.mean())) < 4.0 / math.sqrt(n)
+    assert samplers[0].shard_size + samplers[1].shard_size + samplers[2].shard_size == n
+
+
+def test_one_process_sampler_is_unchanged():
+    # rank 0 of 1 draws exactly rand(N) < q, as before distributed training existed
+    a = PoissonSampler(500, 0.1, torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        expected = (torch.rand(500, generator=g, dtype=torch.float64) < 0.1).nonzero().flatten()
+        assert torch.equal(a.sample(), expected)
+    assert rank_stream_seed(123, 0, 1, 0) == 123
+    seeds = {rank_stream_seed(123, r, p, s) for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]}
+    assert len(seeds) == 4 and 123 not in seeds
+
+
+# ------------------------------------------------- one step on 1 vs 2 ranks
+def _problem():
+    torch.manual_seed(0)
+    model = build_model("papernot-cnn", 10, (1, 28, 28), "tanh", filters=[4, 4])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
+    batch = torch.tensor([0, 3, 4, 7, 8, 9, 15, 16, 22, 23, 30, 31, 33, 40, 41, 47, 50, 51, 58, 63])
+    return model, x, y, batch
+
+
+def _step(model, x, y, indices, reduce=None, add_noise=True):
+    engine, _ = make_engine("auto", CLIP, model)
+    generator = torch.Generator().manual_seed(99)
+    gradient, stats = noisy_clipped_mean(
+        engine, model, physical_chunks(x, y, indices, 6),
+        noise_std=SIGMA * CLIP, expected_batch_size=EXPECTED_B, noise_generator=generator,
+        all_reduce_sum=reduce, add_noise=add_noise,
+    )
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    apply_gradient(model, gradient, optimizer)
+    return gradient, stats
+
+
+def _worker(rank: int, world: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ctx = Distributed(rank, world, rank, "gloo")
+    model, x, y, batch = _problem()
+    mine = batch[batch % world == rank]  # this rank's shard of the logical batch
+    gradient, stats = _step(model, x, y, mine, ctx.all_reduce_sum_, ctx.adds_noise)
+    # noise only: an empty batch, so the all-reduced sum is exactly the added noise
+    engine, _ = make_engine("auto", CLIP, model)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    draws = []
+    for _ in range(NOISE_DRAWS):
+        noise, _ = noisy_clipped_mean(
+            engine, model, [], noise_std=SIGMA * CLIP, expected_batch_size=1.0, noise_generator=generator,
+            all_reduce_sum=ctx.all_reduce_sum_, add_noise=ctx.adds_noise,
+        )
+        draws.append(torch.cat([v.flatten() for v in noise.values()])[:200])
+    if rank == 0:
+        torch.save(
+            {"gradient": gradient, "stats": stats.__dict__, "params": dict(model.state_dict()), "noise": torch.stack(draws)},
+            Path(out) / "rank0.pt",
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_result(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    return torch.load(tmp / "rank0.pt", weights_only=False)
+
+
+def test_two_process_update_equals_one_process_update(two_process_result):
+    model, x, y, batch = _problem()
+    gradient, stats = _step(model, x, y, batch)
+    for name, g in gradient.items():
+        torch.testing.assert_close(two_process_result["gradient"][name], g, rtol=1e-5, atol=1e-6)
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(two_process_result["params"][name], p, rtol=1e-5, atol=1e-6)
+    two = two_process_result["stats"]
+    assert two["batch_size"] == stats.batch_size == 20
+    assert two["loss_sum"] == pytest.approx(stats.loss_sum, rel=1e-6)
+    assert two["clipped_fraction"] == pytest.approx(stats.clipped_fraction)
+
+
+def test_two_process_noise_has_std_sigma_c_in_total(two_process_result):
+    noise = two_process_result["noise"].double()  # NOISE_DRAWS x 200 coordinates
+    n = noise.numel()
+    variance = float((noise**2).mean())  # mean 0 is known
+    expected = (SIGMA * CLIP) ** 2
+    # n * var / expected ~ chi-square(n): z-score of the variance ratio; added twice it would be 2.
+    z = (variance / expected - 1) / math.sqrt(2 / n)
+    assert abs(z) < 4, (variance, expected)
+    assert abs(float(noise.mean())) < 4 * SIGMA * CLIP / math.sqrt(n)
+
+
+# ------------------------------------------------------- torchrun jobs
+def _job(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("WORLD_SIZE", None)
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "dpscale", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "dpscale", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+TINY_JOB = ["--set", "model.name=linear", "--set", "dp.batch_size=256", "--set", "dp.accountant=rdp",
+            "--set", "train.steps=24", "--set", "train.eval_every_epochs=0.5", "--set", "run.seed=0",
+            "--set", "run.threads=1", "--quiet"]
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_resume_with_a_different_number_of_processes(tmp_path, first, then):
+    whole = tmp_path / "whole"
+    _job(1, "train", *TINY_JOB, "--set", f"run.out_dir={whole}")
+    cut = tmp_path / "cut"
+    _job(first, "train", *TINY_JOB, "--set", f"run.out_dir={cut}", "--max-steps", "10")
+    state = torch.load(cut / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 10 and state["world_size"] == first and len(state["rank_streams"]) == first
+    out = _job(then, "train", "--resume", str(cut), "--quiet").stdout
+    assert "steps=24" in out
+    a = json.loads((whole / "summary.json").read_text())
+    b = json.loads((cut / "summary.json").read_text())
+    assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["world_size"] == then
+    history = torch.load(cut / "checkpoint.pt", weights_only=False)["accountant"]["history"]
+    assert sum(seg[2] for seg in history) == 24  # every step accounted once, none twice
+    steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 24
+
+
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="needs ../shared/data/mnist-10k")
+def test_two_process_mnist_run_matches_one_process(tmp_path):
+    args = ["train", "preset:papernot-mnist-tanh", "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=4",
+            "--set", "optim.momentum=0.9", "--set", "run.seed=0", "--set", "run.threads=1", "--quiet"]
+    _job(1, *args, "--set", f"run.out_dir={tmp_path / 'one'}")
+    _job(2, *args, "--set", f"run.out_dir={tmp_path / 'two'}")
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["noise_rank"] == 0
+    assert two["epsilon"] == one["epsilon"] and two["steps"] == one["steps"]
+    assert one["test_accuracy"] > 0.88
+    assert abs(two["test_accuracy"] - one["test_accuracy"]) < 0.02  # same band: other batches and noise, same law
