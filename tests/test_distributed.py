@@ -191,3 +191,40 @@ def test_two_process_mnist_run_matches_one_process(tmp_path):
     assert two["epsilon"] == one["epsilon"] and two["steps"] == one["steps"]
     assert one["test_accuracy"] > 0.88
     assert abs(two["test_accuracy"] - one["test_accuracy"]) < 0.02  # same band: other batches and noise, same law
+
+
+def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_path):
+    """A real kill: SIGTERM to torchrun mid-run, then resume on one process."""
+    import signal
+    import time
+
+    from dpscale.privacy import compute_epsilon
+
+    run = tmp_path / "run"
+    sets = ["--set", "model.name=papernot-cnn", "--set", "model.kwargs={filters: [4, 4]}", "--set", "dp.batch_size=128",
+            "--set", "dp.accountant=rdp", "--set", "train.steps=300", "--set", "train.eval_every_epochs=1000",
+            "--set", "train.checkpoint_every_steps=5", "--set", "run.seed=1", "--set", "run.threads=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpscale",
+         "train", *sets, "--set", f"run.out_dir={run}", "--quiet"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoint.pt").exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    assert "interrupted after step" in err, err[-2000:]
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    stopped = state["step"]
+    assert 0 < stopped < 300 and state["world_size"] == 2
+    assert sum(seg[2] for seg in state["accountant"]["history"]) == stopped  # ranks stopped together
+
+    _job(1, "train", "--resume", str(run), "--quiet")
+    summary = json.loads((run / "summary.json").read_text())
+    history = torch.load(run / "checkpoint.pt", weights_only=False)["accountant"]["history"]
+    assert summary["steps"] == 300 and sum(seg[2] for seg in history) == 300
+    expected = compute_epsilon(summary["sample_rate"], summary["noise_multiplier"], 300, summary["delta"], "rdp")
+    assert summary["epsilon"] == pytest.approx(expected, rel=1e-12)  # what an uninterrupted run spends

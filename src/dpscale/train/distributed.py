@@ -123,12 +123,15 @@ def init_distributed(device: str) -> Distributed:
     if world_size <= 1:
         return Distributed()
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)  # object collectives use the current device
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     return Distributed(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_rank=local_rank,
         backend=dist.get_backend(),
     )
 
