@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from dpscale.train.distributed import launch_command
 
 
 def run_job(processes: int, threads: int, batch_size: int, steps: int, device: str, model: str, out: Path) -> float:
@@ -31,13 +32,7 @@ def run_job(processes: int, threads: int, batch_size: int, steps: int, device: s
         "--set", "train.max_physical_batch_size=256", "--set", "run.seed=0",
         "--set", f"run.threads={threads}", "--set", f"run.device={device}", "--set", f"run.out_dir={out}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    env.pop("WORLD_SIZE", None)
-    if processes == 1:
-        cmd = [sys.executable, "-m", "dpscale", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "-m", "dpscale", *args]
+    cmd, env = launch_command(processes, args, threads)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

@@ -8,9 +8,7 @@ single-process runs (epsilon, accuracy band, resume with a different number of p
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch.multiprocessing as mp
 from dpscale.data.sampling import PoissonSampler
 from dpscale.models import build_model
 from dpscale.privacy.per_example import make_engine
-from dpscale.train.distributed import Distributed, rank_stream_seed
+from dpscale.train.distributed import Distributed, launch_command, rank_stream_seed
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,13 +141,7 @@ def test_two_process_noise_has_std_sigma_c_in_total(two_process_result):
 
 # ------------------------------------------------------- torchrun jobs
 def _job(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    env.pop("WORLD_SIZE", None)
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "dpscale", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "dpscale", *args]
+    cmd, env = launch_command(nproc, list(args))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -204,13 +196,8 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
     sets = ["--set", "model.name=papernot-cnn", "--set", "model.kwargs={filters: [4, 4]}", "--set", "dp.batch_size=128",
             "--set", "dp.accountant=rdp", "--set", "train.steps=300", "--set", "train.eval_every_epochs=1000",
             "--set", "train.checkpoint_every_steps=5", "--set", "run.seed=1", "--set", "run.threads=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpscale",
-         "train", *sets, "--set", f"run.out_dir={run}", "--quiet"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    cmd, env = launch_command(2, ["train", *sets, "--set", f"run.out_dir={run}", "--quiet"])
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (run / "checkpoint.pt").exists() and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.2)

@@ -148,3 +148,20 @@ def rank_stream_seed(base: int, rank: int, world_size: int, start_step: int) -> 
         return int(base)
     state = np.random.SeedSequence([int(base), world_size, rank, start_step]).generate_state(1, dtype=np.uint64)
     return int(state[0])
+
+
+def launch_command(processes: int, dpscale_args: list[str], threads: int = 1) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) that run ``dpscale ARGS`` on this machine with ``processes`` processes:
+    torchrun --standalone for several, plain ``python -m dpscale`` for one (benchmarks, tests).
+
+    The environment sets ``threads`` OpenMP threads per process and drops any WORLD_SIZE inherited
+    from an enclosing job.
+    """
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env.pop("WORLD_SIZE", None)
+    if processes == 1:
+        return [sys.executable, "-m", "dpscale", *dpscale_args], env
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    return [*launcher, "-m", "dpscale", *dpscale_args], env
