@@ -65,6 +65,7 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
     )
     assert summary["reference_epsilon"] == pytest.approx(sim["epsilon"], rel=1e-9)
     assert summary["reference_epsilon"] <= 3.0 < summary["epsilon"]  # stands for 3, spends more
+    assert summary["private"] is False  # not a private model, whatever sigma it ran at
     assert any(n.startswith("TAN SIMULATION") for n in summary["guarantee_caveats"])
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("reference_epsilon" in r and "TAN SIMULATION" in r["privacy_note"] for r in records)
@@ -97,9 +98,39 @@ def test_simulate_dry_run_prints_both_plans(capsys):
     assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", *_sets(*TINY)]) == 0
     out = capsys.readouterr().out
     assert "reference run:  B=512" in out and "simulated run:  B=64" in out and "0.125x" in out
+    assert main(["tan", "simulate", "--batch-size", "512", "--dry-run", *_sets(*TINY)]) == 2
+    assert "must be smaller" in capsys.readouterr().err
 
 
-# --------------------------------------------------- sweep + fit, end to end
+def test_simulation_evaluates_at_the_reference_runs_steps(tmp_path):
+    # B_ref = 512 of N = 4000: an evaluation every 0.25 reference epochs is every ~2 steps, at any B
+    sets = [*TINY, "train.eval_every_epochs=0.25", f"run.out_dir={tmp_path / 'sim'}", "dp.simulated_batch_size=64"]
+    Trainer.create(load_config(None, sets), progress=False).run()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8, 10, 12]
+
+
+def test_an_interrupted_rerun_keeps_every_finished_point(tmp_path, monkeypatch):
+    spec = SweepSpec(None, (*TINY, "train.steps=2"), (("optim.lr", ("1", "2", "3", "4")),))
+    first = Sweep(tmp_path / "s", spec, progress=False).run()
+    assert len(first) == 4
+    for lost in (1, 3):  # these points "died" after their last checkpoint
+        (Path(first[lost].run_dir) / "summary.json").unlink()
+    original, calls = Trainer.resume.__func__, []
+
+    def resume_then_interrupt(cls, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the rerun finishes point 1, then is interrupted at point 3
+            raise KeyboardInterrupt
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "resume", classmethod(resume_then_interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        Sweep(tmp_path / "s", spec, progress=False).run()
+    records = [json.loads(x) for x in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2]  # point 2, finished before, is still there
+
+
 def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
     sweep_dir = tmp_path / "sweep"
     args = ["sweep", "--quiet", "--out", str(sweep_dir), *_sets(*TINY),
@@ -147,6 +178,15 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
     assert main(["tan", "fit", str(sweep_dir), "--no-plot"]) == 2
     assert "also varies dp.max_grad_norm" in capsys.readouterr().err
     assert main(["tan", "fit", str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"]) == 0
+    # the same sweep twice, or runs of another setting, are refused
+    code = main(["tan", "fit", str(sweep_dir), str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"])
+    assert code == 2 and "counted twice" in capsys.readouterr().err
+    lr_sweep = tmp_path / "lr"
+    assert main(["sweep", "--quiet", "--out", str(lr_sweep), *_sets(*TINY, "train.steps=4", "optim.lr=1"),
+                 "--grid", "dp.simulated_batch_size=256", "--grid", "dp.max_grad_norm=1"]) == 0
+    capsys.readouterr()
+    code = main(["tan", "fit", str(sweep_dir), str(lr_sweep), "--no-plot", "--where", "dp.max_grad_norm=1"])
+    assert code == 2 and "configs differ" in capsys.readouterr().err
     # a non-simulated run at another B has another eta_step: refused
     other = tmp_path / "other"
     assert main(["train", "--quiet", *_sets(*TINY, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}")]) == 0
@@ -210,19 +250,29 @@ def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
     assert set(rows[0]) == {"batch_size", "steps", "noise_multiplier", "epsilon", "eps_tan", "lr_scale"}
     eta = lambda r: r["batch_size"] / 50000 * math.sqrt(r["steps"]) / r["noise_multiplier"]  # noqa: E731
     assert all(eta(r) == pytest.approx(eta(rows[2]), rel=1e-13) for r in rows)
-    # ready configs: one per pair within the config's budget
+    # ready configs: one per pair the trainer accepts (here: within the config's budget), for the
+    # embedded MNIST sample (N = 4000)
+    args = ["tan", "privacy-search", "--dataset-size", "4000", "--batch-size", "200", "--noise", "3",
+            "--steps", "400", "--accountant", "rdp"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
     budget = rows[2]["epsilon"] + 1e-9
-    assert main([*args, "--config", "preset:papernot-mnist-tanh", "--set", f"dp.epsilon={budget}",
+    base_sets = ["--set", "dp.accountant=rdp", "--set", f"dp.epsilon={budget}", "--set", "optim.lr=0.5"]
+    assert main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k", *base_sets,
                  "--out", str(tmp_path / "pairs")]) == 0
     out = capsys.readouterr().out
     written = sorted((tmp_path / "pairs").glob("*.yaml"))
     within = [r for r in rows if r["epsilon"] <= budget]
-    assert len(written) == len(within) >= 1 and "exceeds the config's dp.epsilon" in out
+    assert len(written) == len(within) >= 1 and "no config written: dp.noise_multiplier=3" in out
     config = load_config(tmp_path / "pairs" / f"pair-S{within[0]['steps']}.yaml")
-    base = load_config("preset:papernot-mnist-tanh")
+    base = load_config("preset:papernot-mnist-tanh", ["optim.lr=0.5"])
     assert config.dp.batch_size == pytest.approx(within[0]["batch_size"], rel=1e-15)
     assert config.train.steps == within[0]["steps"] and config.dp.noise_multiplier == 3
     assert config.optim.lr == pytest.approx(base.optim.lr * within[0]["lr_scale"])
+    # a --config that describes another run is refused
+    assert main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k",
+                 "--set", "dp.delta=1e-6", "--out", str(tmp_path / "other")]) == 2
+    assert "must describe the same run" in capsys.readouterr().err
 
 
 def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):

@@ -98,6 +98,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(json_safe(result)))
     else:
         eps = "inf (NOT PRIVATE)" if not trainer.plan.is_private else f"{result['epsilon']:.3f}"
+        if trainer.plan.simulation:
+            eps = f"{result['epsilon']:.4g} (own, rdp; a TAN simulation of epsilon {result['reference_epsilon']:.3f})"
         print(
             f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, "
             f"test loss {loss:.4f}, epsilon {eps} at delta {trainer.plan.delta:g}"

@@ -162,6 +162,14 @@ class DPPlan:
             )
         return notes
 
+    def _epsilon_text(self) -> str:
+        if self.simulation:
+            return (
+                f"own epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.run_accountant}, no useful guarantee; "
+                f"{self.sampling} sampling)"
+            )
+        return f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling} sampling)"
+
     def _simulation_note(self) -> str:
         sim = self.simulation
         return (
@@ -194,7 +202,7 @@ class DPPlan:
         return (
             f"DP-SGD: N={self.dataset_size}, B={self.batch_size:g}, q={self.sample_rate:.5g}, S={self.steps}, "
             f"sigma={self.noise_multiplier:.5g}, C={self.max_grad_norm:g}, "
-            f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling} sampling), "
+            f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
         )
 

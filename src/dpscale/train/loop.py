@@ -235,8 +235,11 @@ class Trainer:
                 save_config(config, run_dir / CONFIG_NAME)
             except FileExistsError:
                 error = taken
-        if dist.broadcast_object(error):
-            raise ConfigError(taken)
+            except OSError as err:  # e.g. permissions: every rank must hear of it, or they would wait
+                error = f"cannot write the run directory {run_dir}: {err}"
+        error = dist.broadcast_object(error)
+        if error:
+            raise ConfigError(error)
         return trainer
 
     @classmethod
@@ -319,7 +322,11 @@ class Trainer:
         checkpoint's, start fresh streams at the checkpoint's step (never replaying used ones)."""
         saved_world = int(state.get("world_size", 1))
         if saved_world != self.dist.world_size:
-            self._start_rank_streams(int(state["step"]))
+            step = int(state["step"])
+            self._start_rank_streams(step)
+            # Fresh noise too: had a run resumed from this checkpoint been abandoned, the same
+            # noise on other batches would otherwise cancel out between the two.
+            self.noise_generator.manual_seed(rank_stream_seed(self._seeds["noise"], NOISE_RANK, self.dist.world_size, step))
             self._log(
                 f"resuming a {saved_world}-process run with {self.dist.world_size} process(es): each rank "
                 f"samples its shard from a fresh stream from step {state['step']} on"
@@ -345,11 +352,13 @@ class Trainer:
         return step * self.plan.batch_size / self.plan.dataset_size
 
     def _eval_due(self) -> bool:
-        """True at the last step and whenever another ``train.eval_every_epochs`` has passed."""
+        """True at the last step and whenever another ``train.eval_every_epochs`` has passed
+        (epochs of the reference run for a TAN simulation, so both evaluate at the same steps)."""
         if self.step == self.total_steps:
             return True
         every = self.config.train.eval_every_epochs
-        period = lambda step: math.floor(self.epochs_done(step) / every + 1e-9)  # noqa: E731
+        batch = self.plan.simulation.batch_size if self.plan.simulation else self.plan.batch_size
+        period = lambda step: math.floor(step * batch / self.plan.dataset_size / every + 1e-9)  # noqa: E731
         return period(self.step) > period(self.step - 1)
 
     def epsilon(self) -> float:
@@ -534,7 +543,8 @@ class Trainer:
             "epsilon": self.epsilon(),
             "delta": plan.delta,
             "target_epsilon": plan.target_epsilon,
-            "private": plan.is_private,
+            # a TAN simulation is no private model: its guarantee is not the one it reports
+            "private": plan.is_private and plan.simulation is None,
             "noise_multiplier": plan.noise_multiplier,
             "noise_calibrated": plan.calibrated,
             "max_grad_norm": plan.max_grad_norm,
@@ -569,7 +579,10 @@ class Trainer:
         self._log(
             f"done: test accuracy {100 * summary['test_accuracy']:.2f}% | "
             + (
-                f"epsilon {summary['epsilon']:.3f} at delta {plan.delta:g} ({plan.accountant})"
+                f"TAN SIMULATION of epsilon {summary['reference_epsilon']:.3f} ({plan.accountant}), no guarantee; "
+                f"own epsilon {summary['epsilon']:.4g} ({plan.run_accountant})"
+                if plan.simulation
+                else f"epsilon {summary['epsilon']:.3f} at delta {plan.delta:g} ({plan.accountant})"
                 if plan.is_private
                 else "NOT PRIVATE"
             )

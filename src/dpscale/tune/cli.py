@@ -65,12 +65,17 @@ def _cmd_tan_simulate(args: argparse.Namespace) -> int:
 
     overrides = [*args.set, f"dp.simulated_batch_size={args.batch_size}"]
     config = load_config(args.config, overrides)
+    if not args.batch_size < config.dp.batch_size:
+        raise ConfigError(
+            f"--batch-size {args.batch_size} must be smaller than the reference run's dp.batch_size={config.dp.batch_size}"
+        )
     if args.dry_run:
         return _print_simulation_plan(config)
     if config.run.out_dir is None:
+        from dpscale.train.distributed import init_distributed
         from dpscale.train.loop import default_out_dir
 
-        out = f"{default_out_dir(config)}-tan-b{args.batch_size}"
+        out = init_distributed(config.run.device).broadcast_object(f"{default_out_dir(config)}-tan-b{args.batch_size}")
         config = replace(config, run=replace(config.run, out_dir=out))
     return run_training(config, max_steps=args.max_steps, quiet=args.quiet)
 
@@ -214,7 +219,7 @@ def _cmd_tan_privacy_search(args: argparse.Namespace) -> int:
     rows = privacy_search_table(
         args.dataset_size, args.batch_size, args.noise, args.steps, args.delta, args.accountant, args.steps_factors
     )
-    written = _write_pair_configs(args, rows) if args.config else {}
+    written, skipped = _write_pair_configs(args, rows) if args.config else ({}, {})
     if args.json:
         print(json.dumps([
             {
@@ -241,23 +246,37 @@ def _cmd_tan_privacy_search(args: argparse.Namespace) -> int:
         elif r.steps in written:
             print(f"  S={r.steps}: {written[r.steps]}")
         else:
-            print(f"  S={r.steps}: no config written: epsilon {r.epsilon:.4f} exceeds the config's dp.epsilon")
+            print(f"  S={r.steps}: no config written: {skipped[r.steps]}")
     if args.noise < 2:
         print("WARNING: sigma < 2: beyond the privacy wall the accountant's epsilon differs from pair to pair")
     return 0
 
 
-def _write_pair_configs(args: argparse.Namespace, rows) -> dict[int, str]:
-    """One YAML per pair within the config's budget; returns {steps: path}."""
-    from dpscale.config import load_config, save_config
+def _write_pair_configs(args: argparse.Namespace, rows) -> tuple[dict[int, str], dict[int, str]]:
+    """One YAML per pair that the trainer would accept (budget, releases, sampling).
+
+    Returns:
+        ({steps: path written}, {steps: why no config was written}).
+    """
+    from dpscale.config import load_config, save_config, validate
+    from dpscale.data import load_dataset
+    from dpscale.features.pipeline import feature_releases
+    from dpscale.privacy.plan import make_dp_plan
 
     base = load_config(args.config, args.set)
+    n = load_dataset(base.data.name, base.data.root, image_size=base.data.image_size).info.num_train
+    mismatch = {
+        "--dataset-size": (args.dataset_size, n),
+        "--delta": (args.delta, base.dp.delta),
+        "--accountant": (args.accountant, base.dp.accountant),
+    }
+    wrong = [f"{flag} {given} but the config has {have}" for flag, (given, have) in mismatch.items() if given != have]
+    if wrong:
+        raise ConfigError("--config must describe the same run: " + "; ".join(wrong))
     out = Path(args.out or f"tan-search-{_stamp()}")
     out.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written, skipped = {}, {}
     for r in rows:
-        if base.dp.epsilon is not None and r.epsilon > base.dp.epsilon:
-            continue
         config = replace(
             base,
             dp=replace(base.dp, batch_size=r.batch_size, noise_multiplier=r.noise_multiplier, simulated_batch_size=None),
@@ -265,10 +284,16 @@ def _write_pair_configs(args: argparse.Namespace, rows) -> dict[int, str]:
             optim=replace(base.optim, lr=base.optim.lr * r.lr_scale),
             run=replace(base.run, out_dir=None),
         )
+        try:  # exactly the checks the trainer makes: a written config is one that runs
+            validate(config)
+            make_dp_plan(config.dp, n, r.steps, feature_releases(config.features))
+        except ConfigError as err:
+            skipped[r.steps] = str(err)
+            continue
         path = out / f"pair-S{r.steps}.yaml"
         save_config(config, path)
         written[r.steps] = str(path)
-    return written
+    return written, skipped
 
 
 # ------------------------------------------------------------------------ wall

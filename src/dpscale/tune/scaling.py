@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class SweepFit:
 def _law_point(summary: dict, run_dir: str, metric: str) -> tuple[LawPoint, dict]:
     if metric not in summary or not isinstance(summary[metric], (int, float)):
         raise ValueError(f"run {run_dir} has no numeric {metric!r} in its summary")
-    if not summary.get("private"):
+    if not (summary.get("noise_multiplier") or 0) > 0:
         raise ValueError(f"run {run_dir} is not private (sigma = 0): the TAN law is for DP-SGD runs")
     sim = summary.get("simulation")
     info = {
@@ -237,6 +239,7 @@ def fit_sweep(
     steps = int(_same([i["steps"] for i in infos], "number of steps S"))
     eta = _same([i["eta_step"] for i in infos], "eta_step = q / sigma")
     b_ref = reference_batch_size or _same([i["reference_batch_size"] for i in infos], "reference batch size")
+    _check_one_setting([p.run_dir for p, _ in runs])
     # Runs at B_ref (a simulation there is the reference run itself) are the measurement to
     # predict; every other run is a point of the law.
     at_reference = lambda p: abs(p.batch_size - b_ref) <= 1e-9 * b_ref  # noqa: E731
@@ -258,6 +261,32 @@ def fit_sweep(
         points=points,
         reference_points=measured,
     )
+
+
+def _setting(run_dir: str) -> str | None:
+    """The run's config apart from what a law's runs may differ in (simulated B, the run section:
+    seed, directory, threads, device); None when the directory has no config.yaml."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    values = yaml.safe_load(path.read_text()) or {}
+    values.get("dp", {}).pop("simulated_batch_size", None)
+    values.pop("run", None)
+    return json_key(values)
+
+
+def _check_one_setting(run_dirs: list[str]) -> None:
+    """Refuse a run counted twice, or runs whose configs differ beyond batch size and seed
+    (e.g. two pooled sweeps with different --set values)."""
+    resolved = [str(Path(d).resolve()) for d in run_dirs]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError("a run is counted twice (the same sweep or --reference given twice?)")
+    settings = {s for s in (_setting(d) for d in run_dirs) if s is not None}
+    if len(settings) > 1:
+        raise ValueError(
+            "the runs' configs differ in more than the batch size and seed (compare their config.yaml); "
+            "the law compares one setting at several batch sizes"
+        )
 
 
 def json_key(value: Any) -> str:

@@ -201,19 +201,28 @@ class Sweep:
     def run(self) -> list[PointResult]:
         configs = self._configs or self.prepare()
         points = self.spec.points()
-        results: list[PointResult] = []
+        names = [point_name(i, p) for i, p in enumerate(points)]
+        shown = [{k: display_value(v) for k, v in p.items()} for p in points]
+        # Points finished by an earlier invocation are results from the start, so an interrupted
+        # rerun never drops them from sweep.jsonl.
+        results: list[PointResult | None] = [
+            PointResult(i, names[i], shown[i], c.run.out_dir, "done", json.loads(summary.read_text()))
+            if (summary := Path(c.run.out_dir) / SUMMARY_NAME).exists() else None
+            for i, c in enumerate(configs)
+        ]
         for index, (point, config) in enumerate(zip(points, configs)):
-            name = point_name(index, point)
-            shown = {k: display_value(v) for k, v in point.items()}
             if self.progress:
                 label = " ".join(f"{k}={v}" for k, v in point.items()) or "(base config)"
-                print(f"[sweep {index + 1}/{len(points)}] {label}", file=sys.stderr)
-            result = self._run_point(index, name, shown, config)
-            results.append(result)
-            self.write_results(results)
+                done = " (finished earlier)" if results[index] is not None else ""
+                print(f"[sweep {index + 1}/{len(points)}] {label}{done}", file=sys.stderr)
+            if results[index] is None:
+                results[index] = self._run_point(index, names[index], shown[index], config)
+                self.write_results([r for r in results if r is not None])
             if self.on_point:
-                self.on_point(result)
-        return results
+                self.on_point(results[index])
+        final = [r for r in results if r is not None]
+        self.write_results(final)
+        return final
 
     def _run_point(self, index: int, name: str, point: dict[str, Any], config: Config) -> PointResult:
         run_dir = Path(config.run.out_dir)
