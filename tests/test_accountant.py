@@ -306,3 +306,20 @@ def test_dp_plan_calibrates_for_the_composition_and_round_trips():
     # A given sigma is checked against the budget including the release.
     with pytest.raises(ConfigError, match="with data-norm"):
         make_dp_plan(DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases)
+
+
+def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(caplog):
+    import logging
+
+    from dpscale.privacy.accountant import _DropOrderExclusionNotices
+
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        epsilon = compute_epsilon(0.128, 0.95, 10, 1e-5, "rdp")  # small sigma: dp_accounting drops orders
+        logging.getLogger("absl").warning("something else")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("failed to converge" in m for m in messages) and "something else" in messages
+    assert math.isfinite(epsilon) and epsilon > 0
+    keep = _DropOrderExclusionNotices().filter
+    record = lambda msg: logging.LogRecord("absl", logging.WARNING, __file__, 1, msg, None, None)  # noqa: E731
+    assert not keep(record("_compute_log_a_frac failed to converge after 1000 iterations"))
+    assert keep(record("an unrelated warning"))
