@@ -319,23 +319,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv[2:]  # for `bench`: the flags, echoed in the report
     try:
-        return args.func(args)
+        code = args.func(args)
+        _leave_process_group()
+        return code
     except (ConfigError, ValueError, OSError, RuntimeError) as err:
+        # No goodbye to the other ranks here: a failure may be this rank's alone, and waiting for
+        # ranks blocked in another collective would hang; torchrun stops them.
         if os.environ.get("DPSCALE_DEBUG"):
             raise
         print(f"dpscale {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _leave_process_group()  # every rank stopped at the same step (see Trainer.run)
         return 130
-    finally:
-        _leave_process_group()
 
 
 def _leave_process_group() -> None:
-    """End a torchrun job's process group cleanly (a no-op for a single process)."""
+    """End a torchrun job's process group cleanly, after every rank got here (a no-op for a
+    single process)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Wait for every rank first: a rank that tears its group down while another still
+        # receives the last broadcast can abort the job (gloo: "terminate called ...").
+        dist.barrier()
         dist.destroy_process_group()
 
 
