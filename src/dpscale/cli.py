@@ -249,14 +249,6 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _number(text: str) -> int | float:
-    """An int when the text is one (batch sizes print as 256, not 256.0), else a float."""
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
 def _wrap(text: str, width: int = 96) -> list[str]:
     import textwrap
 
@@ -264,6 +256,9 @@ def _wrap(text: str, width: int = 96) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dpscale.bench import add_bench_parser
+    from dpscale.tune.cli import add_tune_parsers, number_arg
+
     parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -282,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = sub.add_parser("account", help="epsilon for DP-SGD parameters, or the noise for a target epsilon")
     acc.add_argument("--dataset-size", type=int, required=True, help="N")
-    acc.add_argument("--batch-size", type=_number, required=True, help="expected batch size B (q = B/N)")
+    acc.add_argument("--batch-size", type=number_arg, required=True, help="expected batch size B (q = B/N)")
     acc.add_argument("--noise", type=float, help="noise multiplier sigma")
     length = acc.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=float)
@@ -296,9 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)
-
-    from dpscale.bench import add_bench_parser
-    from dpscale.tune.cli import add_tune_parsers
 
     add_bench_parser(sub)
     add_tune_parsers(sub)

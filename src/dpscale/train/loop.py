@@ -205,6 +205,7 @@ class Trainer:
         self.step = 0
         self.wall_time_s = 0.0
         self._window = {"loss_sum": 0.0, "examples": 0}  # train loss since the last evaluation
+        self._privacy_warnings: list[str] | None = None  # computed on first use
 
     def _start_rank_streams(self, start_step: int) -> None:
         """This rank's sampler and augmentation generators, fresh for a job of P processes that
@@ -522,7 +523,7 @@ class Trainer:
 
     def privacy_warnings(self) -> list[str]:
         """Advice about the privacy parameters (the privacy wall), computed once per run."""
-        if not hasattr(self, "_privacy_warnings"):
+        if self._privacy_warnings is None:
             warning = self.plan.wall_warning()
             self._privacy_warnings = [warning] if warning else []
         return self._privacy_warnings

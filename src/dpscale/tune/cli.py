@@ -33,7 +33,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def _number(text: str) -> int | float:
+def number_arg(text: str) -> int | float:
+    """argparse type: an int when the text is one (batch sizes print as 256, not 256.0), else a float."""
     try:
         return int(text)
     except ValueError:
@@ -380,7 +381,7 @@ def _cmd_tune_clip_lr(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def _privacy_args(p: argparse.ArgumentParser, steps_required: bool = True) -> None:
     p.add_argument("--dataset-size", type=int, required=True, help="N")
-    p.add_argument("--batch-size", type=_number, required=True, help="expected batch size B (q = B/N)")
+    p.add_argument("--batch-size", type=number_arg, required=True, help="expected batch size B (q = B/N)")
     p.add_argument("--noise", type=float, required=True, help="noise multiplier sigma")
     p.add_argument("--steps", type=int, required=steps_required, help="steps S")
     p.add_argument("--delta", type=float, default=1e-5)
@@ -393,7 +394,7 @@ def add_tune_parsers(sub: argparse._SubParsersAction) -> None:
 
     sim = tan_sub.add_parser("simulate", help="train the cheap TAN simulation of a config at a smaller batch size")
     sim.add_argument("config", nargs="?", help="YAML config or preset:NAME: the reference run")
-    sim.add_argument("--batch-size", type=_number, required=True, help="simulated batch size B (< the config's)")
+    sim.add_argument("--batch-size", type=number_arg, required=True, help="simulated batch size B (< the config's)")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sim.add_argument("--dry-run", action="store_true", help="print the reference and simulated plans only")
     sim.add_argument("--max-steps", type=int, metavar="N")
@@ -428,7 +429,7 @@ def add_tune_parsers(sub: argparse._SubParsersAction) -> None:
     wall = tan_sub.add_parser("wall", help="epsilon vs sigma at constant eta: the privacy wall (TAN Figure 2)")
     wall.add_argument("--epsilon-tan", type=float, default=3.0, help="choose eta so that eps_TAN is this")
     wall.add_argument("--dataset-size", type=int, help="or take eta from a reference run: N")
-    wall.add_argument("--batch-size", type=_number, help="reference B")
+    wall.add_argument("--batch-size", type=number_arg, help="reference B")
     wall.add_argument("--noise", type=float, help="reference sigma")
     wall.add_argument("--steps", type=_ints, metavar="S1,S2,...", help="curves for these S (default 1000,10000,100000)")
     wall.add_argument("--sigmas", type=_floats, default=None, metavar="SIGMA1,...")

@@ -166,6 +166,15 @@ def _cell(value: float | None) -> str:
     return "failed" if value is None else f"{value:.4f}"
 
 
+def _value_table(name: str, values: tuple[GridValue, ...], chosen: Any, metric: str, show: Callable[[Any], str]) -> list[str]:
+    """Markdown rows: one swept value per row, the chosen one marked."""
+    rows = [f"| {name} | {metric} | runs |", "|---|---|---|"]
+    for v in values:
+        mark = " **chosen**" if v.value == chosen else ""
+        rows.append(f"| {show(v.value)}{mark} | {_cell(v.metric)} | {v.runs} |")
+    return rows
+
+
 def clip_lr_report(result: ClipLrResult) -> str:
     """Markdown report of both stages and the chosen pair."""
     lines = [
@@ -174,22 +183,11 @@ def clip_lr_report(result: ClipLrResult) -> str:
         f"Stage 2: sigma = 0, lr = alpha_pub = {result.public_lr:g}; the smallest C within "
         f"{result.tolerance:g} of the unclipped {result.metric} ({result.unclipped:.4f}).",
         "",
-        f"| C | {result.metric} | runs |",
-        "|---|---|---|",
     ]
-    for v in result.clip_norms:
-        mark = " **chosen**" if v.value == result.chosen_clip_norm else ""
-        lines.append(f"| {'unclipped' if v.value is None else f'{v.value:g}'}{mark} | {_cell(v.metric)} | {v.runs} |")
-    lines += [
-        "",
-        f"Stage 3: the target sigma, C = {result.chosen_clip_norm:g}.",
-        "",
-        f"| lr | {result.metric} | runs |",
-        "|---|---|---|",
-    ]
-    for v in result.learning_rates:
-        mark = " **chosen**" if v.value == result.chosen_lr else ""
-        lines.append(f"| {display_value(repr(v.value))}{mark} | {_cell(v.metric)} | {v.runs} |")
+    lines += _value_table("C", result.clip_norms, result.chosen_clip_norm, result.metric,
+                          lambda v: "unclipped" if v is None else f"{v:g}")
+    lines += ["", f"Stage 3: the target sigma, C = {result.chosen_clip_norm:g}.", ""]
+    lines += _value_table("lr", result.learning_rates, result.chosen_lr, result.metric, lambda v: str(display_value(repr(v))))
     lines += [
         "",
         f"Chosen: C = {result.chosen_clip_norm:g}, lr = {result.chosen_lr:g} ({result.metric} "
