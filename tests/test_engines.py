@@ -182,9 +182,24 @@ def test_auto_falls_back_to_vmap_naming_the_unsupported_layer():
 
 def test_weight_sharing_is_rejected():
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))  # one layer, two calls
     with pytest.raises(ValueError, match="ran 2 times"):
         GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2)))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[2].weight = model[0].weight  # two layers, one weight
+    with pytest.raises(ValueError, match=r"0\.weight = 2\.weight \(tied parameter\)"):
+        GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2)))
+
+    class Twice(nn.Module):  # one registration, two calls
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.fc(torch.tanh(self.fc(x))))
+
+    with pytest.raises(ValueError, match="ran 2 times"):
+        GhostEngine(1.0).per_example_clipped_sum(Twice(), trainable_params(Twice()), (torch.randn(3, 4), _labels(3, 2)))
 
 
 def test_ghost_engines_leave_no_state_behind():

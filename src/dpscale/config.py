@@ -179,8 +179,12 @@ class TrainConfig:
     epochs: training length in epochs (steps = round(epochs * N / B)); or give steps.
     steps: training length in logical steps (overrides epochs).
     max_physical_batch_size: most examples processed at once (gradient accumulation).
-    engine: per-example clipping engine: auto (bk when every trainable layer is supported,
-        else vmap), bk (book-keeping), ghost (ghost norms + second backward) or vmap.
+    engine: per-example clipping engine: auto (bk when every trainable parameter's route is
+        supported, else vmap), bk (book-keeping), ghost (Gram-matrix norms + book-keeping sums)
+        or vmap.
+    self_check: before the first step, compare the engine's per-example norms and clipped sum
+        with a per-example loop on a few training examples; refuse on a mismatch (auto falls
+        back to vmap). false: skip it, and every output says the engine went unchecked.
     eval_batch_size: batch size for evaluation.
     eval_every_epochs: evaluate, log and checkpoint every this many epochs (and at the end).
     checkpoint_every_steps: also checkpoint every this many steps (null: only at evaluations).
@@ -193,6 +197,7 @@ class TrainConfig:
     steps: int | None = None
     max_physical_batch_size: int = 512
     engine: str = "auto"
+    self_check: bool = True
     eval_batch_size: int = 1000
     eval_every_epochs: float = 1.0
     checkpoint_every_steps: int | None = None

@@ -9,22 +9,35 @@ For every supported layer the per-example gradient is a simple function of (a_i,
   per-example gradient (cheap when the layer is small); the "mixed" rule picks the cheaper
   by a cost estimate from shapes;
 * the clipped sum sum_i c_i g_i^T a_i is one weight-gradient product with g scaled by the
-  per-example clip factors c_i (book-keeping, Bu et al. 2023) -- or, in ``ghost`` mode, a
-  second backward pass of sum_i c_i loss_i.
+  per-example clip factors c_i (book-keeping, Bu et al. 2023), from the same records as the
+  norms in both modes, so a route the records miss can never be released unclipped.
+
+``ghost`` mode takes every norm of a weight from Gram matrices (never materialising a per-example
+gradient); ``bk`` picks the cheaper of the two per layer.
 
 Supported: Linear (any leading dims), Conv1d/Conv2d (stride, padding, dilation, groups; zero
 padding), GroupNorm/LayerNorm affine parameters, Embedding, and their biases. Nothing is
 stored on tensors or modules: hooks live for one call only.
+
+The records are exact only if each trainable parameter reaches the loss through its own
+module's single call and nothing else. Support is therefore judged by parameters: a module is
+supported only if its trainable parameter names are exactly those its rule knows; tied
+parameters (one tensor under two names) are refused; a parameter used outside its own module's
+forward (a tied head ``F.linear(h, fc.weight)``, a ``pos_embed`` added by the parent) is found by
+watching the first forward pass; and a recorded output or input changed in place afterwards
+(``ReLU(inplace=True)``, ``z += y``) is detected by its version counter and recorded from a copy.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dpscale.models.layers import ClassTokenPositionEmbedding
 from dpscale.privacy.per_example import (
@@ -55,6 +68,11 @@ class _Record:
     # Augmentation multiplicity K: the forward pass sees K consecutive rows per example, and an
     # example's gradient is the sum over its rows (the 1/K of the mean loss is already in g).
     views: int = 1
+    # ghost mode: weight norms from Gram matrices only (no per-example gradient materialised).
+    gram_only: bool = False
+    # Version counters of the recorded tensors right after the call: a later in-place change
+    # (ReLU(inplace=True), z += y) would make the records describe another tensor.
+    versions: tuple[int, int] = (0, 0)
 
 
 def _per_example(r: _Record, t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +114,7 @@ def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
         if t == 1:
             sq = sq + a[:, 0].pow(2).sum(1) * g[:, 0].pow(2).sum(1)
-        elif _use_ghost(t, d_in, d_out):
+        elif r.gram_only or _use_ghost(t, d_in, d_out):
             sq = sq + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
         else:
             per_example = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
@@ -187,7 +205,7 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         length = g[0, 0].numel() * r.views  # an example's positions, over all its views
         d_in = m.in_channels // m.groups * m.weight[0, 0].numel()
         d_out = m.out_channels // m.groups
-        if _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
+        if r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
             patches, gg = _conv_unfold(r, a, g)
             patches, gg = _fold_views(r, patches), _fold_views(r, gg)
             gram_a = torch.matmul(patches.transpose(2, 3), patches)  # (B, G, L, L)
@@ -312,24 +330,29 @@ def _tokens_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) 
 class _Rule:
     norms: Callable[[_Record, torch.Tensor, torch.Tensor], torch.Tensor]
     sums: Callable[[_Record, torch.Tensor, torch.Tensor, torch.Tensor], Params]
+    params: frozenset[str]  # the only parameter names the rule knows how to differentiate
 
 
+_WEIGHT_BIAS = frozenset({"weight", "bias"})
 _RULES: dict[type, _Rule] = {
-    nn.Linear: _Rule(_linear_norms, _linear_sums),
-    nn.Conv1d: _Rule(_conv_norms, _conv_sums),
-    nn.Conv2d: _Rule(_conv_norms, _conv_sums),
-    nn.GroupNorm: _Rule(_norm_layer_norms, _norm_layer_sums),
-    nn.LayerNorm: _Rule(_norm_layer_norms, _norm_layer_sums),
-    nn.Embedding: _Rule(_embedding_norms, _embedding_sums),
-    ClassTokenPositionEmbedding: _Rule(_tokens_norms, _tokens_sums),
+    nn.Linear: _Rule(_linear_norms, _linear_sums, _WEIGHT_BIAS),
+    nn.Conv1d: _Rule(_conv_norms, _conv_sums, _WEIGHT_BIAS),
+    nn.Conv2d: _Rule(_conv_norms, _conv_sums, _WEIGHT_BIAS),
+    nn.GroupNorm: _Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
+    nn.LayerNorm: _Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
+    nn.Embedding: _Rule(_embedding_norms, _embedding_sums, frozenset({"weight"})),
+    ClassTokenPositionEmbedding: _Rule(_tokens_norms, _tokens_sums, frozenset({"pos_embed", "cls_token"})),
 }
 
 
-def _why_unsupported(module: nn.Module) -> str | None:
-    """None if the layer's trainable parameters can be handled, else the reason."""
+def _why_unsupported(module: nn.Module, trainable: list[str], prefix: str) -> str | None:
+    """None if the layer's trainable parameters (local names) can be handled, else the reason."""
     rule = _RULES.get(type(module))
     if rule is None:
         return type(module).__name__
+    unknown = [prefix + n for n in trainable if n not in rule.params]
+    if unknown:  # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
+        return f"{type(module).__name__} with parameter(s) {', '.join(unknown)} that its rule does not know"
     if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (
         isinstance(module.padding, str) or module.padding_mode != "zeros"
     ):
@@ -339,15 +362,78 @@ def _why_unsupported(module: nn.Module) -> str | None:
     return None
 
 
+def _tied_parameters(model: nn.Module) -> list[str]:
+    """'a.weight = b.weight (tied parameter)' for every trainable tensor held by several layers
+    (one layer registered under two names is one record, and not a tie)."""
+    owners: dict[int, dict[tuple[int, str], str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for local, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                name = f"{prefix}.{local}" if prefix else local
+                owners.setdefault(id(p), {}).setdefault((id(module), local), name)
+    return [f"{' = '.join(group.values())} (tied parameter)" for group in owners.values() if len(group) > 1]
+
+
 def unsupported_modules(model: nn.Module) -> list[str]:
-    """Names (and reasons) of layers with trainable parameters the ghost/bk engines cannot handle."""
+    """What the ghost/bk engines cannot handle exactly, found without running the model: layers
+    without a rule, trainable parameters a layer's rule does not know, and tied parameters.
+
+    Returns:
+        one string per problem, naming the layer ("name (reason)") or the parameters.
+    """
     problems = []
     for name, module in model.named_modules():
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            reason = _why_unsupported(module)
+        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if trainable:
+            reason = _why_unsupported(module, trainable, f"{name}." if name else "")
             if reason is not None:
                 problems.append(f"{name or '<root>'} ({reason})")
-    return problems
+    return problems + _tied_parameters(model)
+
+
+class _OutsideUseMonitor(TorchFunctionMode):
+    """Watches one forward pass for trainable parameters of recorded layers that reach a
+    differentiable operation outside their own layer's call (their gradient would then have a
+    route the records do not see)."""
+
+    def __init__(self, records: list[_Record]) -> None:
+        super().__init__()
+        self.owner: dict[int, tuple[str, nn.Module]] = {}
+        for r in records:
+            for local, p in r.module.named_parameters(recurse=False):
+                if r.trainable.get(local):
+                    self.owner[id(p)] = (f"{r.name}.{local}" if r.name else local, r.module)
+        self.active: list[nn.Module] = []  # the recorded layers whose call is running
+        self.outside: dict[str, None] = {}  # ordered set of parameter names
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(t.requires_grad for t in _tensors(out)):  # .shape, .detach() etc. carry no gradient
+            current = self.active[-1] if self.active else None
+            for t in _tensors((args, kwargs)):
+                hit = self.owner.get(id(t))
+                if hit is not None and hit[1] is not current:
+                    self.outside[hit[0]] = None
+        return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors inside nested tuples/lists/dicts."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+@dataclass
+class _ModelState:
+    """What an engine learned about one model on its first calls."""
+
+    watched: bool = False  # the outside-use monitor has run on a forward pass
+    copied: set[str] = field(default_factory=set)  # layers whose tensors are changed in place later
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -355,21 +441,34 @@ def unsupported_modules(model: nn.Module) -> list[str]:
 
 @dataclass(frozen=True)
 class GhostEngine(ClippedSumMixin):
-    """Ghost-norm (``mode="ghost"``) or book-keeping (``mode="bk"``) per-example clipping.
+    """Book-keeping (``mode="bk"``) or ghost-norm (``mode="ghost"``) per-example clipping.
+
+    Both take the clipped sum from the same per-layer records as the norms. ``bk`` computes each
+    weight's per-example norm the cheaper way (Gram matrices or explicit per-example gradient);
+    ``ghost`` always from Gram matrices.
 
     Args:
         max_grad_norm: clipping norm C; None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
-        mode: "ghost" (clipped sum by a second backward) or "bk" (from stored activations).
+        mode: "bk" or "ghost".
         views: augmentation multiplicity K; chunks then hold x of shape (B, K, ...) and each
             example's loss is the mean over its K views, so its clipped gradient is the clip of
             the mean of the views' gradients (cross terms between views included).
+
+    Raises (from the clipping call), ValueError naming the parameter: a layer or parameter
+    ``unsupported_modules`` lists, a layer called more than once, or a trainable parameter used
+    outside its own layer's call.
     """
 
     max_grad_norm: float | None
     loss_fn: LossFn = per_example_cross_entropy
     mode: str = "bk"
     views: int = 1
+    _models: Any = field(default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bk", "ghost"):
+            raise ValueError(f"GhostEngine mode must be 'bk' or 'ghost', got {self.mode!r}")
 
     @property
     def name(self) -> str:
@@ -378,60 +477,96 @@ class GhostEngine(ClippedSumMixin):
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
-        x, y = batch
+        x, _ = batch
         if x.shape[0] == 0:
             return self.empty_result(params, x)
+        grad_sum, norms, losses, _ = self.clip_with_layer_norms(model, params, batch)
+        return grad_sum, norms, losses
+
+    def clip_with_layer_norms(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """As ``clipped_sum_and_losses`` plus each layer's per-example squared norms (B,) by
+        layer name (for the start-up self-check, which names the layers that disagree)."""
         problems = unsupported_modules(model)
         if problems:
-            raise ValueError(f"{self.mode} engine cannot handle: {', '.join(problems)}; use engine=vmap")
-
-        records = self._records(model, params, self.views)
-        handles = [r.module.register_forward_hook(self._capture(r)) for r in records]
-        try:
-            losses = mean_over_views(self.loss_fn, model, x, y, self.views)
-        finally:
-            for h in handles:
-                h.remove()
-        for r in records:
-            if r.calls != 1:
-                raise ValueError(
-                    f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
-                )
+            raise ValueError(f"{self.mode} engine cannot handle: {'; '.join(problems)}; use engine=vmap")
+        records, losses = self._recorded_forward(model, params, batch)
         # Gradients w.r.t. the layer outputs only: no parameter gradient is computed here.
-        out_grads = list(
-            torch.autograd.grad(
-                losses.sum(), [r.output for r in records], retain_graph=self.mode == "ghost", allow_unused=True
-            )
-        )
-        sq_norms = x.new_zeros(x.shape[0])
+        targets = [r.output for r in records]
+        out_grads = list(torch.autograd.grad(losses.sum(), targets, allow_unused=True)) if targets else []
+        sq_norms, layer_sq = batch[0].new_zeros(batch[0].shape[0]), {}
         for i, r in enumerate(records):
             g, out_grads[i] = out_grads[i], None
             r.out_grad = torch.zeros_like(r.output) if g is None else g
             del g
             r.output = None  # only needed as a gradient target; free it now
-            sq_norms = sq_norms + _RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
-            if self.mode == "ghost" or "weight" in r.cache:
-                # The clipped sum will come from the cache (or a second backward): drop the
-                # activations early to keep the peak memory near a non-private step's.
+            layer_sq[r.name] = _RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
+            sq_norms = sq_norms + layer_sq[r.name]
+            if "weight" in r.cache:  # the clipped sum comes from the cache: drop the activations early
                 r.inputs = r.out_grad = None
         del out_grads
         norms = sq_norms.sqrt()
         factors = clip_factors(norms, self.max_grad_norm)
+        grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
+        for r in records:
+            for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, factors).items():
+                grad_sum[f"{r.name}.{local}" if r.name else local] = s
+        return grad_sum, norms.detach(), losses.detach(), layer_sq
 
-        if self.mode == "ghost":
-            names = list(params)
-            live = dict(model.named_parameters())
-            grads = torch.autograd.grad((losses * factors).sum(), [live[n] for n in names], allow_unused=True)
-            grad_sum = {n: (torch.zeros_like(params[n]) if g is None else g) for n, g in zip(names, grads)}
-        else:
-            grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
+    def _recorded_forward(self, model: nn.Module, params: Params, batch: Batch) -> tuple[list[_Record], torch.Tensor]:
+        """One forward pass with every trainable layer's (input, output) recorded, checked for
+        routes the records would miss. A layer whose recorded tensor is changed in place later
+        is recorded from a copy, from then on (the pass is redone once when first found)."""
+        state = self._models.setdefault(model, _ModelState())
+        for _ in range(2):
+            records = self._records(model, params, self.views, self.mode == "ghost")
+            losses, outside = self._forward(model, records, batch, state)
+            if outside:
+                raise ValueError(
+                    f"{self.mode} engine: parameter(s) {', '.join(outside)} reach the loss outside their own "
+                    "layer's call (e.g. a tied head or a parameter used by the parent module); use engine=vmap"
+                )
             for r in records:
-                for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, factors).items():
-                    grad_sum[f"{r.name}.{local}" if r.name else local] = s
-        return grad_sum, norms.detach(), losses.detach()
+                if r.calls > 1:
+                    raise ValueError(
+                        f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
+                    )
+            records = [r for r in records if r.calls]  # a layer that did not run has zero gradient
+            changed = {r.name for r in records if (r.output._version, r.inputs._version) != r.versions}
+            if not changed:
+                return records, losses
+            if changed <= state.copied:
+                break
+            state.copied |= changed
+        raise ValueError(f"{self.mode} engine: the tensors of layer(s) {', '.join(sorted(changed))} change in place")
+
+    def _forward(
+        self, model: nn.Module, records: list[_Record], batch: Batch, state: _ModelState
+    ) -> tuple[torch.Tensor, list[str]]:
+        """The hooked forward pass: (per-example losses, parameters used outside their layer).
+        The first pass per model runs under the outside-use monitor."""
+        x, y = batch
+        monitor = None if state.watched else _OutsideUseMonitor(records)
+        handles = []
+        for r in records:
+            if monitor is not None:
+                handles.append(r.module.register_forward_pre_hook(lambda m, i: monitor.active.append(m)))
+            handles.append(r.module.register_forward_hook(self._capture(r, r.name in state.copied, monitor)))
+        try:
+            if monitor is None:
+                losses = mean_over_views(self.loss_fn, model, x, y, self.views)
+            else:
+                with monitor:
+                    losses = mean_over_views(self.loss_fn, model, x, y, self.views)
+                state.watched = True
+        finally:
+            for h in handles:
+                h.remove()
+        return losses, list(monitor.outside) if monitor is not None else []
 
     @staticmethod
-    def _records(model: nn.Module, params: Params, views: int) -> list[_Record]:
+    def _records(model: nn.Module, params: Params, views: int, gram_only: bool) -> list[_Record]:
         records = []
         for name, module in model.named_modules():
             local = {
@@ -439,14 +574,19 @@ class GhostEngine(ClippedSumMixin):
                 for pname, _ in module.named_parameters(recurse=False)
             }
             if any(local.values()):
-                records.append(_Record(module, name, local, views=views))
+                records.append(_Record(module, name, local, views=views, gram_only=gram_only))
         return records
 
     @staticmethod
-    def _capture(record: _Record) -> Callable:
-        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    def _capture(record: _Record, copy: bool, monitor: _OutsideUseMonitor | None) -> Callable:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            if monitor is not None:
+                monitor.active.pop()
             record.calls += 1
-            record.inputs = inputs[0].detach()
+            record.inputs = inputs[0].detach().clone() if copy else inputs[0].detach()
             record.output = output
+            record.versions = (output._version, record.inputs._version)
+            # The rest of the model sees a copy, so in-place changes there leave the record intact.
+            return output.clone() if copy else None
 
         return hook

@@ -128,12 +128,11 @@ class VmapEngine(ClippedSumMixin):
         x, y = batch
         if x.shape[0] == 0:
             return self.empty_result(params, x)
-        # Frozen parameters and buffers are constants of the per-example function.
-        constants = {n: t for n, t in model.named_parameters() if n not in params}
-        constants.update(dict(model.named_buffers()))
+        slots, constants = _functional_slots(model, params)
 
         def loss_one(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            forward = lambda inputs: functional_call(model, (p, constants), (inputs,))  # noqa: E731
+            values = {**constants, **{slot: p[name] for slot, name in slots.items()}}
+            forward = lambda inputs: functional_call(model, values, (inputs,), tie_weights=False)  # noqa: E731
             return mean_over_views(self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views)[0]
 
         try:
@@ -150,6 +149,29 @@ class VmapEngine(ClippedSumMixin):
         factors = clip_factors(norms, self.max_grad_norm)
         grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
         return grad_sum, norms, losses.detach()
+
+
+def _functional_slots(model: nn.Module, params: Params) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Where ``functional_call`` must put each tensor: one name per (layer, attribute), each layer
+    once. A parameter tied between layers gets the same (batched) value in every layer that holds
+    it; a layer registered under two names is swapped once (torch's own tying would swap it twice
+    and restore the model with a detached copy in place of the parameter).
+
+    Returns:
+        (slot name -> name in ``params`` for trainable tensors, slot name -> constant tensor for
+        frozen parameters and buffers).
+    """
+    canonical = {id(p): n for n, p in model.named_parameters()}  # the name trainable_params uses
+    slots, constants = {}, {}
+    for prefix, module in model.named_modules():  # each layer once
+        for local, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            slot = f"{prefix}.{local}" if prefix else local
+            name = canonical.get(id(t))
+            if name in params:
+                slots[slot] = name
+            else:
+                constants[slot] = t
+    return slots, constants
 
 
 ENGINE_NAMES = ("auto", "bk", "ghost", "vmap")

@@ -25,7 +25,8 @@ from dpscale.features.normalize import FeatureNormalizer
 from dpscale.features.pipeline import extract_run_features, feature_releases, fit_normalizer, normalize_dataset
 from dpscale.models import build_model, count_parameters, freeze_block_groups
 from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.per_example import check_per_example_compatible, make_engine
+from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
+from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, check_plan_matches, make_dp_plan, steps_for
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
@@ -186,11 +187,7 @@ class Trainer:
         if config.model.freeze_groups:
             freeze_block_groups(self.model, config.model.freeze_groups)
         self.dist.broadcast_module_(self.model)  # identical already (same seed); made certain
-        self.engine, engine_notice = make_engine(
-            config.train.engine, self.plan.max_grad_norm, self.model, views=config.augment.multiplicity
-        )
-        if engine_notice:
-            self._log(engine_notice)
+        self.engine, self.self_check = self._checked_engine()
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
         self._start_rank_streams(0)
@@ -206,6 +203,26 @@ class Trainer:
         self.wall_time_s = 0.0
         self._window = {"loss_sum": 0.0, "examples": 0}  # train loss since the last evaluation
         self._privacy_warnings: list[str] | None = None  # computed on first use
+
+    def _checked_engine(self) -> tuple[PerExampleEngine, SelfCheckResult | None]:
+        """The clipping engine, verified before the first step on the first few training
+        examples (their K views drawn from a fixed generator: the run's streams are untouched)."""
+        train, augment = self.config.train, self.config.augment
+        k = min(SELF_CHECK_EXAMPLES, len(self.data.y_train))
+        chunk = (self.data.x_train[:k], self.data.y_train[:k])
+        if augment.multiplicity > 1:
+            views = augmented_chunks([chunk], augment.type, augment.multiplicity, torch.Generator().manual_seed(0), self.value_range)
+            chunk = next(iter(views))
+        try:
+            engine, notices, result = checked_engine(
+                train.engine, self.plan.max_grad_norm, self.model, chunk,
+                views=augment.multiplicity, check=train.self_check,
+            )
+        except ValueError as err:
+            raise ConfigError(f"train.engine={train.engine}: {err}") from None
+        for note in notices + ([result.describe()] if result else []):
+            self._log(note)
+        return engine, result
 
     def _start_rank_streams(self, start_step: int) -> None:
         """This rank's sampler and augmentation generators, fresh for a job of P processes that
@@ -571,6 +588,8 @@ class Trainer:
             "dataset": self.data.info.name,
             "model": self.config.model.name,
             "trainable_params": count_parameters(self.model, trainable_only=True),
+            "engine": self.engine.name,
+            "engine_self_check": self.self_check.as_json() if self.self_check else None,
             "world_size": self.dist.world_size,
             "noise_rank": NOISE_RANK if self.dist.enabled else None,
             "wall_time_s": self.wall_time_s,

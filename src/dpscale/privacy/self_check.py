@@ -1,0 +1,233 @@
+"""Start-up self-check: the chosen clipping engine against a per-example loop on real examples.
+
+The ghost/bk engines are exact only for the routes their per-layer records see; support checks
+catch the known ways a model can leave that set (see ``dpscale.privacy.ghost``), and this check
+catches the rest on the run's own model. Before the first step, on a few real training examples,
+the engine's per-example norms, each layer's per-example norms (ghost/bk) and the clipped sum of
+every parameter are compared with a plain loop of batch-of-one backward passes (no hooks, no
+vmap). Beyond the tolerance the run refuses, naming the layers and parameters that differ, or,
+for ``engine: auto``, falls back to vmap (which is checked the same way).
+
+Tolerance (relative): 1e-8 in float64; 1e-3 in float32, where reordered sums of many products
+differ by ~1e-6 and a missed route differs by percents; 3e-2 in 16-bit types.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dpscale.privacy.per_example import (
+    CLIP_EPS,
+    Batch,
+    LossFn,
+    Params,
+    PerExampleEngine,
+    VmapEngine,
+    make_engine,
+    mean_over_views,
+    per_example_cross_entropy,
+    trainable_params,
+)
+
+SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
+_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-3}
+_LOW_PRECISION_TOLERANCE = 3e-2
+# Errors are relative to the value itself, floored at this share of the largest one, so that an
+# exactly-zero gradient (a bias before a normalisation) is not judged by its float noise.
+_FLOOR = 1e-3
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Relative tolerance of the self-check for parameters of ``dtype``."""
+    return _TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE)
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    """Attributes:
+    engine: the engine checked.
+    examples: examples compared.
+    tolerance: relative tolerance applied.
+    norm_error: largest relative error of a per-example norm.
+    sum_error: largest relative error of a parameter's clipped sum.
+    mismatched: layers (per-example norms) and parameters (clipped sums) beyond the tolerance.
+    refusal: the engine's own refusal (e.g. a parameter used outside its layer), if it refused.
+    seconds: wall time of the check.
+    """
+
+    engine: str
+    examples: int
+    tolerance: float
+    norm_error: float
+    sum_error: float
+    mismatched: tuple[str, ...]
+    refusal: str | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.refusal is None and not self.mismatched
+
+    def as_json(self) -> dict:
+        """The verdict for summary.json (no timing, so that reruns compare equal)."""
+        return {
+            "engine": self.engine, "passed": self.ok, "examples": self.examples, "tolerance": self.tolerance,
+            "norm_error": self.norm_error, "sum_error": self.sum_error, "mismatched": list(self.mismatched),
+        }  # fmt: skip
+
+    def describe(self) -> str:
+        if self.refusal is not None:
+            return f"self-check: {self.engine} refused: {self.refusal}"
+        verdict = "matches" if self.ok else "DIFFERS from"
+        text = (
+            f"self-check: {self.engine} {verdict} a per-example loop on {self.examples} examples "
+            f"(largest relative error: norms {self.norm_error:.2g}, clipped sums {self.sum_error:.2g}; "
+            f"tolerance {self.tolerance:g}; {self.seconds:.2f} s)"
+        )
+        return text if self.ok else f"{text} in: {', '.join(self.mismatched)}"
+
+
+def reference_clipped_sum(
+    model: nn.Module, names: list[str], batch: Batch, max_grad_norm: float | None, loss_fn: LossFn, views: int
+) -> tuple[Params, torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped sum, per-example norms and per-layer per-example squared norms, by a loop of
+    batch-of-one backward passes through the live model (the definition, nothing clever).
+
+    Returns:
+        (clipped sum by parameter name, norms (B,), squared norms (B,) by layer name).
+    """
+    live = dict(model.named_parameters())
+    x, y = batch
+    total = {n: torch.zeros_like(live[n]) for n in names}
+    norms, layer_sq = [], {}
+    for i in range(x.shape[0]):
+        loss = mean_over_views(loss_fn, model, x[i : i + 1], y[i : i + 1], views)[0]
+        if loss.requires_grad:
+            grads = torch.autograd.grad(loss, [live[n] for n in names], allow_unused=True)
+        else:  # no trainable parameter reaches the loss
+            grads = [None] * len(names)
+        grads = [torch.zeros_like(live[n]) if g is None else g.detach() for n, g in zip(names, grads)]
+        for n, g in zip(names, grads):
+            layer = n.rpartition(".")[0]
+            layer_sq.setdefault(layer, [0.0] * x.shape[0])[i] += g.double().square().sum()
+        norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
+        factor = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(norm) + CLIP_EPS))
+        for n, g in zip(names, grads):
+            total[n] += factor * g
+        norms.append(norm)
+    per_layer = {layer: torch.stack([torch.as_tensor(v) for v in sq]) for layer, sq in layer_sq.items()}
+    return total, torch.stack(norms), per_layer
+
+
+def _relative(error: torch.Tensor, value: torch.Tensor, scale: float) -> float:
+    return float((error / value.clamp(min=_FLOOR * scale + 1e-300)).max()) if error.numel() else 0.0
+
+
+def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> SelfCheckResult:
+    """Compare ``engine`` on ``batch`` with ``reference_clipped_sum`` (in eval mode, so that
+    both see the same deterministic function; the training mode is restored).
+
+    Args:
+        engine: the engine to check (holds C, the loss and the views).
+        model: the model it will train.
+        batch: a few real training examples (x, y), x of shape (B, K, ...) with K views.
+
+    Returns:
+        the verdict, with the largest errors and the layers/parameters that differ.
+    """
+    started = time.perf_counter()
+    params = trainable_params(model)
+    tol = tolerance_for(next(iter(params.values())).dtype) if params else 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        try:
+            if hasattr(engine, "clip_with_layer_norms"):
+                grad_sum, norms, _, layer_sq = engine.clip_with_layer_norms(model, params, batch)
+            else:
+                (grad_sum, norms, _), layer_sq = engine.clipped_sum_and_losses(model, params, batch), {}
+        except ValueError as err:
+            return SelfCheckResult(engine.name, len(batch[1]), tol, 0.0, 0.0, (), str(err), time.perf_counter() - started)
+        views = getattr(engine, "views", 1)
+        loss_fn = getattr(engine, "loss_fn", per_example_cross_entropy)
+        ref_sum, ref_norms, ref_layer_sq = reference_clipped_sum(
+            model, list(params), batch, engine.max_grad_norm, loss_fn, views
+        )
+    finally:
+        model.train(was_training)
+    return _compare(engine.name, tol, (grad_sum, norms, layer_sq), (ref_sum, ref_norms, ref_layer_sq), started)
+
+
+def _compare(name: str, tol: float, got: tuple, want: tuple, started: float) -> SelfCheckResult:
+    (grad_sum, norms, layer_sq), (ref_sum, ref_norms, ref_layer_sq) = got, want
+    scale = float(ref_norms.max()) if ref_norms.numel() else 0.0
+    norm_error = _relative((norms.double().cpu() - ref_norms.cpu()).abs(), ref_norms.cpu(), scale)
+    mismatched = []
+    for layer, sq in layer_sq.items():
+        want_layer = ref_layer_sq.get(layer, torch.zeros_like(ref_norms)).cpu().sqrt()
+        error = (sq.detach().double().cpu().clamp(min=0).sqrt() - want_layer).abs()
+        if _relative(error, want_layer, scale) > tol:
+            mismatched.append(f"layer {layer or '<root>'} (per-example norms)")
+    if not layer_sq and norm_error > tol:
+        mismatched.append("per-example norms")
+    total = float(torch.sqrt(sum(r.double().square().sum() for r in ref_sum.values()))) if ref_sum else 0.0
+    sum_error = 0.0
+    for param, ref in ref_sum.items():
+        error = torch.linalg.vector_norm((grad_sum[param] - ref).double()).reshape(1)
+        relative = _relative(error.cpu(), torch.linalg.vector_norm(ref.double()).reshape(1).cpu(), total)
+        sum_error = max(sum_error, relative)
+        if relative > tol:
+            mismatched.append(f"parameter {param} (clipped sum)")
+    examples = int(ref_norms.numel())
+    return SelfCheckResult(name, examples, tol, norm_error, sum_error, tuple(mismatched), None, time.perf_counter() - started)
+
+
+def checked_engine(
+    name: str,
+    max_grad_norm: float | None,
+    model: nn.Module,
+    batch: Batch,
+    *,
+    views: int = 1,
+    loss_fn: LossFn = per_example_cross_entropy,
+    check: bool = True,
+) -> tuple[PerExampleEngine, list[str], SelfCheckResult | None]:
+    """The engine a run trains with: ``make_engine``'s choice, verified on ``batch``.
+
+    With ``check`` the engine is compared with a per-example loop (``self_check``); without it,
+    a ghost/bk engine still runs once on ``batch`` so that a parameter used outside its layer is
+    found before training. ``auto`` falls back to vmap (checked in turn) with a notice; an
+    explicitly named engine that fails raises.
+
+    Returns:
+        (engine, notices to print, the self-check of the returned engine or None if not checked).
+
+    Raises:
+        ValueError: the named engine (or vmap, after auto's fallback) failed, naming what differs.
+    """
+    engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views)
+    notices = [notice] if notice else []
+    result = _verify(engine, model, batch, check)
+    if result is not None and not result.ok and name == "auto" and not isinstance(engine, VmapEngine):
+        notices.append(f"engine auto -> vmap: {result.describe()}")
+        engine = VmapEngine(max_grad_norm, loss_fn, views=views)
+        result = _verify(engine, model, batch, check)
+    if result is not None and not result.ok:
+        raise ValueError(f"{result.describe()}; refusing to train with engine={engine.name}")
+    return engine, notices, result if check else None
+
+
+def _verify(engine: PerExampleEngine, model: nn.Module, batch: Batch, check: bool) -> SelfCheckResult | None:
+    if check:
+        return self_check(engine, model, batch)
+    if isinstance(engine, VmapEngine):
+        return None
+    try:  # the route probe only: a refusal, not a comparison
+        engine.clipped_sum_and_losses(model, trainable_params(model), batch)
+    except ValueError as err:
+        return SelfCheckResult(engine.name, len(batch[1]), 0.0, 0.0, 0.0, (), str(err), 0.0)
+    return None

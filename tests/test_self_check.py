@@ -1,0 +1,158 @@
+"""The start-up self-check (engine against a per-example loop) and a property test over randomly
+composed models: every engine equals the naive per-example loop or refuses / falls back, never
+silently differs."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from dpscale.models import build_model, default_input_shape, list_models
+from dpscale.privacy import GhostEngine, VmapEngine, ghost, make_engine
+from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.self_check import checked_engine, self_check
+from test_engine_routes import naive_clipped_sum
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _plant_norm_error(monkeypatch, layer):
+    """A test-only engine error: layer ``layer``'s per-example norm scaled by 0.5."""
+    rule = ghost._RULES[nn.Linear]
+
+    def halved(r, a, g):
+        sq = rule.norms(r, a, g)
+        return sq * 0.25 if r.name == layer else sq
+
+    monkeypatch.setitem(ghost._RULES, nn.Linear, ghost._Rule(halved, rule.sums, rule.params))
+
+
+def test_self_check_catches_a_planted_norm_error_and_names_the_layer(monkeypatch):
+    model, x, y = _mlp(), torch.randn(8, 4), torch.randint(0, 3, (8,))
+    assert checked_engine("bk", 0.01, model, (x, y))[2].ok
+    _plant_norm_error(monkeypatch, "2")
+    result = self_check(GhostEngine(0.01), model, (x, y))
+    # the wrong norm changes clip factors, so clipped sums differ everywhere; only layer 2's norms do
+    assert not result.ok and [m for m in result.mismatched if m.startswith("layer")] == ["layer 2 (per-example norms)"]
+    with pytest.raises(ValueError, match="layer 2"):
+        checked_engine("bk", 0.01, model, (x, y))
+    engine, notices, result = checked_engine("auto", 0.01, model, (x, y))  # auto falls back to vmap
+    assert isinstance(engine, VmapEngine) and "layer 2" in notices[0] and result.ok
+
+
+def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypatch):
+    model, x, y = _mlp(), torch.randn(8, 4), torch.randint(0, 3, (8,))
+    rule = ghost._RULES[nn.Linear]
+
+    def wrong_bias(r, a, g, c):
+        out = rule.sums(r, a, g, c)
+        return {**out, "bias": out["bias"] * 1.01} if r.name == "0" else out
+
+    monkeypatch.setitem(ghost._RULES, nn.Linear, ghost._Rule(rule.norms, wrong_bias, rule.params))
+    result = self_check(GhostEngine(10.0), model, (x, y))
+    assert result.mismatched == ("parameter 0.bias (clipped sum)",)
+
+
+SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_self_check_passes_every_registered_model_in_float32(name):
+    """No false alarm at the fp32 tolerance: every zoo model keeps the engine auto picks."""
+    torch.manual_seed(0)
+    shape = SMALL_INPUT.get(name, default_input_shape(name))
+    model = build_model(name, 10, shape)
+    x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
+    picked = type(make_engine("auto", 1.0, model)[0])
+    engine, notices, result = checked_engine("auto", 1.0, model, (x, y))
+    assert type(engine) is picked and result.ok, result.describe()
+    assert result.norm_error < result.tolerance / 10, result.describe()
+
+
+# ------------------------------------------------------------------ randomly composed models
+
+OPS = ("linear", "linear_nobias", "weight_norm", "layernorm", "relu_", "tanh", "residual_inplace", "residual",
+       "reuse", "tie", "unused")
+
+
+class Composed(nn.Module):
+    """A width-4 MLP interpreted from a list of ops (with tying, weight norm, in-place ops,
+    residual adds, functional reuse of an earlier layer's weight, and an unused layer)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.layers, linears = list(ops), nn.ModuleList(), []
+        for op in self.ops:
+            if op in ("linear", "residual_inplace", "residual", "unused"):
+                layer = nn.Linear(4, 4)
+            elif op == "linear_nobias":
+                layer = nn.Linear(4, 4, bias=False)
+            elif op == "weight_norm":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    layer = nn.utils.weight_norm(nn.Linear(4, 4))
+            elif op == "layernorm":
+                layer = nn.LayerNorm(4)
+            elif op == "tie" and linears:
+                layer = nn.Linear(4, 4)
+                layer.weight = linears[0].weight
+            else:
+                layer = nn.Identity()
+            self.layers.append(layer)
+            if isinstance(layer, nn.Linear) and op != "weight_norm":
+                linears.append(layer)
+        self.reused = linears[0] if linears else None
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x
+        for op, layer in zip(self.ops, self.layers):
+            if op == "relu_":
+                h = F.relu_(h) if h is not x else F.relu(h)  # in place on the previous layer's output
+            elif op == "tanh":
+                h = torch.tanh(h)
+            elif op == "residual_inplace":
+                z = layer(h)
+                z += h
+                h = z
+            elif op == "residual":
+                h = layer(h) + h
+            elif op == "reuse" and self.reused is not None:
+                h = torch.tanh(F.linear(h, self.reused.weight))
+            elif op != "unused":
+                h = layer(h)
+        return self.head(torch.tanh(h))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=5), seed=st.integers(0, 99),
+       frozen=st.lists(st.booleans(), min_size=12, max_size=12), clip=st.sampled_from([0.05, 0.5, 50.0]))
+def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
+    torch.manual_seed(seed)
+    model = Composed(ops).double()
+    for p, freeze in zip(model.parameters(), frozen):
+        p.requires_grad_(not freeze)
+    if not trainable_params(model):
+        return
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    want = naive_clipped_sum(model, x, y, clip)
+    for name in ("auto", "bk", "ghost", "vmap"):
+        try:  # the engine alone, without the self-check: must be exact or refuse
+            engine, _ = make_engine(name, clip, model)
+            got, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+        except ValueError as err:
+            assert name != "vmap" and ("parameter" in str(err) or "layer" in str(err)), str(err)
+            continue
+        for param, ref in want.items():
+            torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10, msg=f"{ops} {name} {param}")
+    engine, _, result = checked_engine("auto", clip, model, (x[:3], y[:3]))  # a run never refuses on auto
+    got, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    for param, ref in want.items():
+        torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10, msg=f"{ops} checked auto {param}")
