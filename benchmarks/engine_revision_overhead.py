@@ -1,0 +1,94 @@
+"""Engine time against an earlier revision's ghost/bk engine, in one process, interleaved.
+
+The route checks (parameter-level support, the outside-use monitor on the first call, in-place
+version checks) must not slow the step down. This loads ``src/dpscale/privacy/ghost.py`` as it
+was at ``--baseline`` (default: the commit before they landed) next to the current one and times
+one clipped-sum call of each on the step-time benchmark's models and batch sizes:
+
+    python benchmarks/engine_revision_overhead.py --repeats 15 [--baseline REV] [--device cuda]
+
+Prints a markdown table: median ms per call of both and their ratio (current / baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dpscale.bench.step_time import DEFAULT_BATCH, _input_shape
+from dpscale.models import build_model
+from dpscale.privacy.ghost import GhostEngine
+from dpscale.privacy.per_example import trainable_params
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "4c7b181"  # the last commit before the route checks
+
+
+def load_baseline_engine(revision: str) -> type:
+    """GhostEngine as it was at ``revision`` (imported under another module name)."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:src/dpscale/privacy/ghost.py"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "baseline_ghost.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("baseline_ghost", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_ghost"] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module.GhostEngine
+
+
+def _timed(call, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start)
+
+
+def measure(name: str, batch: int, baseline: type, repeats: int, device: torch.device) -> tuple[float, float]:
+    """(baseline median ms, current median ms) of one bk clipped-sum call."""
+    torch.manual_seed(0)
+    model = build_model(name, 10, _input_shape(name, device)).to(device)
+    x = torch.randn(batch, *_input_shape(name, device), device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    params = trainable_params(model)
+    engines = {"baseline": baseline(1.0, mode="bk"), "current": GhostEngine(1.0, mode="bk")}
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for i in range(repeats + 2):  # two warm-up rounds, then interleaved repeats
+        for key, engine in engines.items():
+            ms = _timed(lambda: engine.clipped_sum_and_losses(model, params, (x, y)), device)
+            if i >= 2:
+                times[key].append(ms)
+    return statistics.median(times["baseline"]), statistics.median(times["current"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of the baseline engine")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", default=",".join(DEFAULT_BATCH))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    baseline = load_baseline_engine(args.baseline)
+    print(f"| model | batch | baseline {args.baseline} ms | current ms | current / baseline |")
+    print("|---|---|---|---|---|")
+    for name in args.models.split(","):
+        old, new = measure(name, DEFAULT_BATCH.get(name, 32), baseline, args.repeats, device)
+        print(f"| {name} | {DEFAULT_BATCH.get(name, 32)} | {old:.1f} | {new:.1f} | {new / old:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
