@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from dpscale.data.sampling import PoissonSampler
 from dpscale.models import build_model
 from dpscale.privacy.per_example import make_engine
+from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command, rank_stream_seed
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
@@ -31,7 +32,7 @@ NOISE_DRAWS = 400
 # --------------------------------------------------------------- sampler
 def test_sharded_poisson_sampler_is_a_poisson_sample_of_the_whole_set():
     n, q, world, draws = 1001, 0.2, 3, 3000
-    samplers = [PoissonSampler(n, q, torch.Generator().manual_seed(10 + r), r, world) for r in range(world)]
+    samplers = [PoissonSampler(n, q, DPRandom(10 + r), r, world) for r in range(world)]
     counts = torch.zeros(n)
     for _ in range(draws):
         parts = [s.sample() for s in samplers]
@@ -48,15 +49,16 @@ def test_sharded_poisson_sampler_is_a_poisson_sample_of_the_whole_set():
 
 
 def test_one_process_sampler_is_unchanged():
-    # rank 0 of 1 draws exactly rand(N) < q, as before distributed training existed
-    a = PoissonSampler(500, 0.1, torch.Generator().manual_seed(4))
-    g = torch.Generator().manual_seed(4)
+    # rank 0 of 1 draws exactly uniform(N) < q, as before distributed training existed
+    a = PoissonSampler(500, 0.1, DPRandom(4))
+    g = DPRandom(4)
     for _ in range(5):
-        expected = (torch.rand(500, generator=g, dtype=torch.float64) < 0.1).nonzero().flatten()
+        expected = (g.uniform(500) < 0.1).nonzero().flatten()
         assert torch.equal(a.sample(), expected)
     assert rank_stream_seed(123, 0, 1, 0) == 123
     seeds = {rank_stream_seed(123, r, p, s) for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]}
     assert len(seeds) == 4 and 123 not in seeds
+    assert all(s < 2**128 for s in seeds) and max(seeds) >= 2**64  # 128-bit seeds for DPRandom
 
 
 # ------------------------------------------------- one step on 1 vs 2 ranks
@@ -71,7 +73,7 @@ def _problem():
 
 def _step(model, x, y, indices, reduce=None, add_noise=True):
     engine, _ = make_engine("auto", CLIP, model)
-    generator = torch.Generator().manual_seed(99)
+    generator = DPRandom(99)
     gradient, stats = noisy_clipped_mean(
         engine, model, physical_chunks(x, y, indices, 6),
         noise_std=SIGMA * CLIP, expected_batch_size=EXPECTED_B, noise_generator=generator,
@@ -91,7 +93,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
     gradient, stats = _step(model, x, y, mine, ctx.all_reduce_sum_, ctx.adds_noise)
     # noise only: an empty batch, so the all-reduced sum is exactly the added noise
     engine, _ = make_engine("auto", CLIP, model)
-    generator = torch.Generator().manual_seed(1000 + rank)
+    generator = DPRandom(1000 + rank)
     draws = []
     for _ in range(NOISE_DRAWS):
         noise, _ = noisy_clipped_mean(

@@ -20,6 +20,7 @@ from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.models import build_model
 from dpscale.privacy import VmapEngine, add_gaussian_noise, clip_factors
 from dpscale.privacy.per_example import trainable_params
+from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
 
@@ -102,7 +103,7 @@ def test_clip_factors():
 def test_noise_std_matches_sigma_times_c():
     sigma, c = 1.3, 0.7
     zeros = {"a": torch.zeros(300_000), "b": torch.zeros(100, 1000)}
-    noisy = add_gaussian_noise(zeros, sigma * c, torch.Generator().manual_seed(123))
+    noisy = add_gaussian_noise(zeros, sigma * c, DPRandom(123))
     sample = torch.cat([noisy["a"], noisy["b"].flatten()]).double()
     n = sample.numel()
     # std of the sample std is ~ std / sqrt(2n) = 0.07%; allow 5 standard errors.
@@ -114,11 +115,11 @@ def test_noise_std_matches_sigma_times_c():
 
 def test_noise_is_reproducible_and_independent_of_input_values():
     grads = {"w": torch.ones(5, 5), "b": torch.zeros(5)}
-    a = add_gaussian_noise(grads, 2.0, torch.Generator().manual_seed(7))
-    b = add_gaussian_noise(grads, 2.0, torch.Generator().manual_seed(7))
+    a = add_gaussian_noise(grads, 2.0, DPRandom(7))
+    b = add_gaussian_noise(grads, 2.0, DPRandom(7))
     assert all(torch.equal(a[k], b[k]) for k in grads)
     assert not torch.equal(a["w"], grads["w"])
-    assert add_gaussian_noise(grads, 0.0, torch.Generator())["w"] is grads["w"]
+    assert add_gaussian_noise(grads, 0.0, DPRandom(0))["w"] is grads["w"]
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 5])  # 12, 3 and 3 chunks: per-chunk noise would show
@@ -130,11 +131,11 @@ def test_noise_added_once_per_logical_step_and_divided_by_expected_batch(chunk):
     engine = VmapEngine(c)
     clean, _ = noisy_clipped_mean(
         engine, model, physical_chunks(x, y, idx, chunk), noise_std=0.0, expected_batch_size=expected_b,
-        noise_generator=torch.Generator(),
+        noise_generator=DPRandom(0),
     )
     noisy, stats_ = noisy_clipped_mean(
         engine, model, physical_chunks(x, y, idx, chunk), noise_std=sigma * c, expected_batch_size=expected_b,
-        noise_generator=torch.Generator().manual_seed(3),
+        noise_generator=DPRandom(3),
     )
     noise = torch.cat([(noisy[k] - clean[k]).flatten() for k in clean]) * expected_b
     # 7,850 noise coordinates: the std of the noise on the *sum* is sigma * C, whatever the chunking
@@ -149,7 +150,7 @@ def test_gradient_accumulation_is_invariant_to_chunk_size():
     results = [
         noisy_clipped_mean(
             VmapEngine(1.0), model, physical_chunks(x, y, torch.arange(10), chunk), noise_std=0.0,
-            expected_batch_size=10, noise_generator=torch.Generator(),
+            expected_batch_size=10, noise_generator=DPRandom(0),
         )[0]
         for chunk in (1, 3, 10)
     ]
@@ -164,7 +165,7 @@ def test_empty_logical_batch_gives_pure_noise():
     empty = torch.zeros(0, dtype=torch.long)  # a Poisson draw can select nobody
     grad, stats_ = noisy_clipped_mean(
         VmapEngine(1.0), model, physical_chunks(x, y, empty, 8), noise_std=3.0,
-        expected_batch_size=50, noise_generator=torch.Generator().manual_seed(0),
+        expected_batch_size=50, noise_generator=DPRandom(0),
     )
     flat = torch.cat([g.flatten() for g in grad.values()])
     assert stats_.batch_size == 0 and stats_.loss_sum == 0.0
@@ -173,7 +174,7 @@ def test_empty_logical_batch_gives_pure_noise():
 
 def test_poisson_batch_sizes_follow_binomial():
     n, q, draws = 1000, 0.05, 4000
-    sampler = PoissonSampler(n, q, torch.Generator().manual_seed(11))
+    sampler = PoissonSampler(n, q, DPRandom(11))
     counts = torch.zeros(n)
     sizes = []
     for _ in range(draws):
@@ -197,7 +198,7 @@ def test_poisson_batch_sizes_follow_binomial():
 
 
 def test_poisson_sampler_handles_empty_batches_and_restores_state():
-    sampler = PoissonSampler(10, 0.01, torch.Generator().manual_seed(0))
+    sampler = PoissonSampler(10, 0.01, DPRandom(0))
     sizes = [sampler.sample().numel() for _ in range(200)]
     assert 0 in sizes
     state = sampler.state_dict()
@@ -207,7 +208,7 @@ def test_poisson_sampler_handles_empty_batches_and_restores_state():
 
 
 def test_shuffle_sampler_fixed_size_batches_cover_each_epoch_once():
-    sampler = ShuffleSampler(10, 3, torch.Generator().manual_seed(0))
+    sampler = ShuffleSampler(10, 3, DPRandom(0))
     epoch = torch.cat([sampler.sample() for _ in range(3)])
     assert all(sampler.sample().numel() == 3 for _ in range(10))
     assert epoch.unique().numel() == 9  # 3 full batches, last partial batch dropped
@@ -219,9 +220,9 @@ def test_shuffle_sampler_fixed_size_batches_cover_each_epoch_once():
 
 def test_make_sampler_validates():
     with pytest.raises(ValueError, match="sampling"):
-        make_sampler("uniform", 10, 2, torch.Generator())
+        make_sampler("uniform", 10, 2, DPRandom(0))
     with pytest.raises(ValueError, match="batch_size"):
-        make_sampler("shuffle", 10, 11, torch.Generator())
+        make_sampler("shuffle", 10, 11, DPRandom(0))
 
 
 def test_batch_mixing_layers_are_rejected_with_a_clear_error():
@@ -252,7 +253,7 @@ def test_logical_batch_of_64k_in_bounded_chunks_matches_full_batch_backward():
 
     grad, stats_ = noisy_clipped_mean(
         VmapEngine(None), model, counting_chunks(), noise_std=0.0, expected_batch_size=n,
-        noise_generator=torch.Generator(),
+        noise_generator=DPRandom(0),
     )
     assert max(seen) == 4096 and sum(seen) == n and stats_.batch_size == n
     model.zero_grad()
@@ -263,7 +264,7 @@ def test_logical_batch_of_64k_in_bounded_chunks_matches_full_batch_backward():
 
 def test_poisson_inclusion_is_not_rounded_up_for_tiny_rates():
     # float32 uniforms are multiples of 2^-24 ~ 6e-8: P(u < 1e-9) would be 6e-8, 60x too large.
-    sampler = PoissonSampler(1_000_000, 1e-9, torch.Generator().manual_seed(0))
+    sampler = PoissonSampler(1_000_000, 1e-9, DPRandom(0))
     total = sum(sampler.sample().numel() for _ in range(300))  # expected 0.3 (float32: 18)
     assert total <= 3
 

@@ -11,6 +11,7 @@ from torch import nn
 from dpscale.models import build_model, count_parameters, default_input_shape, list_models
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
 from dpscale.privacy.per_example import supported_engines, trainable_params
+from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -146,7 +147,7 @@ def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(na
         engine, _ = make_engine(engine_name, 1.0, model)
         updates[engine_name], _ = noisy_clipped_mean(
             engine, model, physical_chunks(x, y, torch.arange(n), 4), noise_std=1.3,
-            expected_batch_size=8, noise_generator=torch.Generator().manual_seed(42),
+            expected_batch_size=8, noise_generator=DPRandom(42),
         )
     if unsupported_modules(model):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
         assert set(updates) == {"auto", "vmap"}

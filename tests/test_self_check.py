@@ -156,3 +156,41 @@ def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
     got, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
     for param, ref in want.items():
         torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10, msg=f"{ops} checked auto {param}")
+
+
+# ------------------------------------------------------------------------------- in a run
+
+
+def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, capsys):
+    from dpscale.privacy.plan import ENGINE_UNCHECKED_CAVEAT
+    from dpscale.train import Trainer
+    from test_train import small_config
+
+    checked = Trainer.create(small_config(tmp_path / "checked", "train.steps=2")).run()
+    assert checked["engine"] == "bk" and checked["engine_self_check"]["passed"]
+    assert ENGINE_UNCHECKED_CAVEAT not in checked["guarantee_caveats"]
+    assert "self-check: bk matches a per-example loop on 8 examples" in capsys.readouterr().err
+
+    unchecked = Trainer.create(small_config(tmp_path / "unchecked", "train.steps=2", "train.self_check=false")).run()
+    assert unchecked["engine_self_check"] is None and ENGINE_UNCHECKED_CAVEAT in unchecked["guarantee_caveats"]
+    assert ENGINE_UNCHECKED_CAVEAT in capsys.readouterr().err
+    resumed = Trainer.resume(tmp_path / "unchecked")  # the label comes back with the config
+    assert ENGINE_UNCHECKED_CAVEAT in resumed.plan.caveats()
+
+
+def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeypatch):
+    from dpscale.config import ConfigError
+    from dpscale.train import Trainer
+    from test_train import small_config
+
+    rule = ghost._RULES[nn.Conv2d]
+
+    def halved(r, a, g):
+        sq = rule.norms(r, a, g)
+        return sq * 0.25 if r.name == "features.3" else sq
+
+    monkeypatch.setitem(ghost._RULES, nn.Conv2d, ghost._Rule(halved, rule.sums, rule.params))
+    with pytest.raises(ConfigError, match=r"layer features\.3 \(per-example norms\)"):
+        Trainer.create(small_config(tmp_path / "bk", "train.steps=2", "train.engine=bk"))
+    trainer = Trainer.create(small_config(tmp_path / "auto", "train.steps=2"))
+    assert isinstance(trainer.engine, VmapEngine)

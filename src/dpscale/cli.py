@@ -65,6 +65,8 @@ def _result_line(summary: dict, run_dir: Path) -> str:
         )
     elif summary["private"]:
         privacy = f"epsilon={summary['epsilon']:.3f} delta={summary['delta']:g} ({summary['accountant']})"
+        if summary.get("extractor_privacy") == "composed":  # the other cases come as caveats
+            privacy += " (composed with the extractor's run)"
     else:
         privacy = "epsilon=inf (NOT PRIVATE)"
     notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"] + summary.get("privacy_warnings", []))
@@ -93,6 +95,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "accountant": trainer.plan.accountant,
         **({"reference_epsilon": trainer.plan.reference_epsilon(trainer.step)} if trainer.plan.simulation else {}),
         "guarantee_caveats": trainer.plan.caveats(),
+        "extractor_privacy": trainer.plan.extractor.case if trainer.plan.extractor else None,
     }
     if args.json:
         print(json.dumps(json_safe(result)))
@@ -104,6 +107,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, "
             f"test loss {loss:.4f}, epsilon {eps} at delta {trainer.plan.delta:g}"
         )
+        extractor = trainer.plan.extractor
+        if extractor is not None and extractor.caveat() is None:  # the other cases are caveats, below
+            print(f"epsilon includes the extractor's run: {extractor.describe()}")
         for note in result["guarantee_caveats"]:
             print(f"WARNING: {note}")
     return 0

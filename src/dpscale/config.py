@@ -46,7 +46,12 @@ class FeaturesConfig:
     Attributes:
         extractor: null (train on pixels), "scatternet" (ScatterNet S(x), no privacy cost: it is
             data-independent), "model:<registry name>" or "checkpoint:<run dir>" (penultimate
-            features of a model, e.g. one pre-trained on public data, for a linear probe).
+            features of a model, e.g. one pre-trained on public data, for a linear probe). When the
+            run behind a checkpoint trained on this run's training data (same data fingerprint), its
+            whole accounting history is composed into this run's epsilon (and sigma calibrated for it);
+            a non-private such run is refused.
+        extractor_public: declare the run behind a "checkpoint:" extractor public: its cost is then
+            left out of epsilon even on the same training data, and every output says so.
         scatter_j, scatter_angles, scatter_order: ScatterNet scales J, angles L and depth
             (paper: 2, 8, 2 -> 81 channels per image channel at H/4 x W/4).
         normalize: "none"; "groupnorm" (per example, G groups, no privacy cost); or "datanorm"
@@ -61,6 +66,7 @@ class FeaturesConfig:
     """
 
     extractor: str | None = None
+    extractor_public: bool = False
     scatter_j: int = 2
     scatter_angles: int = 8
     scatter_order: int = 2
@@ -209,7 +215,8 @@ class RunConfig:
     """Attributes:
     seed: seeds model init, batch sampling and noise (separate streams). null (default): fresh
         OS entropy that is never written down, as the DP analysis assumes the noise is secret.
-        A fixed seed makes a run reproducible but lets anyone who knows it replay the noise.
+        A fixed seed makes a run reproducible but lets anyone who knows it replay the noise; every
+        output of such a run says so with its epsilon.
     out_dir: run directory for config.yaml, metrics.jsonl, checkpoint.pt, summary.json
         (null: runs/<model>-<data>-<date-time>).
     threads: torch CPU threads (null: torch's default).
@@ -534,6 +541,12 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
     ):
         raise ConfigError(
             f"features.extractor must be null or one of {', '.join(FEATURE_EXTRACTORS)}, got {extractor!r}"
+        )
+    if features.extractor_public and not (extractor or "").startswith("checkpoint:"):
+        # Only a trained run can have spent privacy; anything else declared public is a mistake.
+        raise ConfigError(
+            f"features.extractor_public declares the run behind a checkpoint:<run dir> extractor public; "
+            f"features.extractor is {extractor!r}"
         )
     if features.scatter_j < 1 or features.scatter_angles < 1 or features.scatter_order not in (1, 2):
         raise ConfigError("features.scatter_j and scatter_angles must be >= 1 and scatter_order 1 or 2")

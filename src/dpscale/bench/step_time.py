@@ -28,6 +28,7 @@ from torch import nn
 
 from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.per_example import make_engine
+from dpscale.rng import DPRandom
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
 DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
@@ -88,7 +89,7 @@ def _dpscale_step(name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor,
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, _ = make_engine(engine_name, CLIP, model, views=views)
-    generator = torch.Generator(device=x.device).manual_seed(0)
+    generator = DPRandom(0)  # the trainer's noise RNG: its host draws and copies are part of a step
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(x.shape[0], device=x.device)
 

@@ -3,7 +3,9 @@
 DP-SGD's guarantee covers what is trained on the features, not the features themselves, so an
 extractor must not depend on the private training data: a ScatterNet is data-independent, a
 ``model:`` extractor is a seeded random initialisation, and a ``checkpoint:`` extractor is only
-private if the run it comes from was trained on *public* data (or its privacy cost is counted).
+private if the run it comes from was trained on *public* data or its privacy cost is counted:
+:func:`read_source_run` gives the DP plan what that run spent (see
+``dpscale.features.pipeline.extractor_privacy``).
 
 Extracting ScatterNet features for CIFAR-10 takes minutes on a CPU, so :func:`load_or_extract`
 keeps them in ``<cache dir>/<key>.pt``, where the key hashes everything the features depend on.
@@ -27,6 +29,7 @@ from tqdm import tqdm
 
 from dpscale.data import ImageDataset
 from dpscale.models import build_model
+from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 
 from .scatternet import ScatterNet, import_kymatio
 
@@ -38,6 +41,8 @@ __all__ = [
     "feature_cache_key",
     "load_or_extract",
     "make_extractor",
+    "read_source_run",
+    "SourceRun",
 ]
 
 CACHE_FORMAT = 1  # bump when the cache file layout or the key's contents change
@@ -144,7 +149,15 @@ def _trained_input_shape(data_name: str, image_size: int | None) -> tuple[int | 
     return (_KNOWN_CHANNELS.get(key), size, size)
 
 
-def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device: torch.device) -> FeatureExtractor:
+def _read_run(
+    where: str, check_config: Callable[[Any, Path], None] | None = None
+) -> tuple[Path, Path, Any, dict[str, Any]]:
+    """The run directory, checkpoint path, config and checkpoint state of ``checkpoint:<where>``;
+    ``check_config`` may refuse the run from its config before the checkpoint is read.
+
+    Raises:
+        ValueError: not a run directory, or no checkpoint.
+    """
     # Imported here: dpscale.train imports the training loop, which may itself import this package.
     from dpscale.config import load_config
     from dpscale.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -155,6 +168,17 @@ def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device:
     if not config_path.is_file():
         raise ValueError(f"checkpoint:{where}: {run_dir} is not a dpscale run directory (no config.yaml)")
     config = load_config(config_path)
+    if check_config is not None:
+        check_config(config, run_dir)
+    try:
+        state = load_checkpoint(ckpt)
+    except FileNotFoundError as err:  # a ValueError like every other bad-spec error
+        raise ValueError(str(err)) from None
+    return run_dir, ckpt, config, state
+
+
+def _trained_on_images(config: Any, run_dir: Path) -> None:
+    """Refuse a run trained on features (checked before its checkpoint is read)."""
     trained_on = getattr(getattr(config, "features", None), "extractor", None)
     if trained_on:
         # Its model takes (normalised) features, not images: it would need that pipeline in front.
@@ -162,10 +186,57 @@ def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device:
             f"the run in {run_dir} was trained on {trained_on} features, not on images; "
             "only runs trained on images can serve as feature extractors"
         )
-    try:
-        weights = load_checkpoint(ckpt).get("model")
-    except FileNotFoundError as err:  # a ValueError like every other bad-spec error
-        raise ValueError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class SourceRun:
+    """What the run behind a ``checkpoint:`` extractor did with its training data.
+
+    Attributes:
+        run_dir: its run directory.
+        data_fingerprint: ``dpscale.data.dataset_fingerprint`` of its training images as it
+            prepared them (None if its checkpoint has none).
+        data_normalize: its data.normalize, under which that fingerprint was taken.
+        private: whether it trained with noise (noise multiplier > 0).
+        history: its accountant's whole history: its DP-SGD segments and its own releases.
+    """
+
+    run_dir: Path
+    data_fingerprint: str | None
+    data_normalize: bool
+    private: bool
+    history: tuple[AccountingSegment, ...]
+
+
+def read_source_run(where: str) -> SourceRun:
+    """The privacy-relevant record of the run that ``checkpoint:<where>`` names (its checkpoint's
+    data fingerprint, DP plan and accountant history), for the DP plan of a run on its features.
+
+    Args:
+        where: the run directory or its checkpoint.pt, as in ``checkpoint:<where>``.
+
+    Returns:
+        The source run's record.
+
+    Raises:
+        ValueError: not a run directory, no checkpoint, or one without a DP plan and accountant.
+    """
+    run_dir, ckpt, config, state = _read_run(where)
+    plan, accountant = state.get("plan"), state.get("accountant")
+    if not isinstance(plan, dict) or "noise_multiplier" not in plan or not isinstance(accountant, dict):
+        raise ValueError(f"{ckpt} holds no DP plan and accountant history: cannot tell what its training cost")
+    return SourceRun(
+        run_dir=run_dir,
+        data_fingerprint=state.get("data_fingerprint"),
+        data_normalize=bool(config.data.normalize),
+        private=float(plan["noise_multiplier"]) > 0,
+        history=PrivacyAccountant.from_state_dict(accountant).history,
+    )
+
+
+def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device: torch.device) -> FeatureExtractor:
+    run_dir, ckpt, config, state = _read_run(where, _trained_on_images)
+    weights = state.get("model")
     if not isinstance(weights, dict):
         raise ValueError(f"checkpoint {ckpt} holds no model weights")
     trained = _trained_input_shape(config.data.name, config.data.image_size)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dpscale.privacy.accountant import AccountingSegment, gaussian_release
+from dpscale.rng import DPRandom, require_dprandom
 
 DATA_NORM = "data-norm"  # accountant label of the two PrivDataNorm sums
 NORMALIZATIONS: tuple[str, ...] = ("none", "groupnorm", "datanorm")
@@ -52,7 +53,7 @@ def _per_example_channel_means(x: torch.Tensor) -> torch.Tensor:
 
 
 def private_channel_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: torch.Generator
+    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom
 ) -> torch.Tensor:
     """PrivChannelMean of Algorithm 2: mean over examples of per-example channel means, each
     clipped to L2 norm ``clip``, plus N(0, (noise_multiplier * clip)^2) noise on the sum.
@@ -64,7 +65,8 @@ def private_channel_mean(
         x: [N, K, ...] private features.
         clip: C, L2 bound on each example's K-vector of channel means.
         noise_multiplier: sigma_norm (0: no noise, not private).
-        generator: the noise RNG; draws K standard normals (float64, on CPU).
+        generator: the noise RNG (128-bit seeded: the released statistics must not reveal
+            their noise); draws K standard normals (float64, on CPU), even when sigma_norm = 0.
 
     Returns:
         [K] float64 estimate.
@@ -73,7 +75,7 @@ def private_channel_mean(
     norms = means.norm(dim=1, keepdim=True)
     clipped = means * torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
     total = clipped.sum(dim=0).cpu()
-    noise = torch.randn(total.shape, generator=generator, dtype=torch.float64)
+    noise = require_dprandom(generator, "Data Normalization noise").normal(total.shape, dtype=torch.float64)
     return (total + noise * (noise_multiplier * clip)) / x.shape[0]
 
 
@@ -102,7 +104,7 @@ def private_data_norm(
     clip_square: float,
     noise_multiplier: float,
     floor: float,
-    generator: torch.Generator,
+    generator: DPRandom,
 ) -> DataNormStats:
     """PrivDataNorm (Tramer & Boneh, Algorithm 2): private per-channel mean and variance.
 

@@ -16,15 +16,29 @@ from dpscale.config import ConfigError, DPConfig
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
+from dpscale.rng import DPRandom
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
 
 NOT_PRIVATE = "NOT PRIVATE: noise_multiplier=0 (non-private baseline), no DP guarantee"
 GUARANTEE_SCOPE = (
     "epsilon covers the trained model (and anything computed from it alone). Not covered: the "
     "train_loss/gradient-norm statistics in metrics.jsonl and the progress bar (computed on private "
-    "examples without noise), the RNG states in checkpoint.pt, a fixed run.seed, and hyper-parameter "
-    "tuning on the same data. Keep the run directory private; release the model."
+    "examples without noise), the RNG states in checkpoint.pt, and hyper-parameter tuning on the same "
+    "data. Keep the run directory private; release the model."
 )
+# A fixed run.seed is a caveat of its own (DPPlan.seeded), printed with every epsilon of such a run.
+SEEDED_CAVEAT = (
+    "run.seed is fixed: anyone who knows it (and the code) can replay the batch sampling and the noise, "
+    "which the guarantee assumes secret; use a seed for research, not for a model you release"
+)
+# train.self_check=false: the clipping engine was not compared with a per-example loop (DPPlan.engine_unchecked).
+ENGINE_UNCHECKED_CAVEAT = (
+    "train.self_check=false: the per-example clipping engine was not checked against a per-example loop "
+    "on this model, so a gradient route it misses would go unnoticed (docs/engines.md)"
+)
+# Label prefix of the releases that stand for a checkpoint extractor's own run ("extractor-run:dp-sgd").
+EXTRACTOR_RUN = "extractor-run"
+EXTRACTOR_CASES = ("composed", "declared public", "other data")
 
 
 # The own epsilon of a TAN simulation is a diagnostic, not a guarantee anyone relies on; RDP gives
@@ -52,6 +66,50 @@ class TanSimulation:
 
 
 @dataclass(frozen=True)
+class ExtractorPrivacy:
+    """How the run behind a ``checkpoint:`` feature extractor enters this run's guarantee.
+
+    Attributes:
+        source: the extractor spec, "checkpoint:<run dir>".
+        case: "composed" (it trained on this run's training data: its whole accounting history
+            is composed into the plan's releases), "declared public" (same data, but
+            features.extractor_public says its cost is not to be counted) or "other data" (its
+            data fingerprint differs: nothing composed).
+    """
+
+    source: str
+    case: str
+
+    def __post_init__(self) -> None:
+        if self.case not in EXTRACTOR_CASES:
+            raise ValueError(f"extractor privacy case must be one of {EXTRACTOR_CASES}, got {self.case!r}")
+
+    def describe(self) -> str:
+        """One clause for the plan's header: which case applies."""
+        if self.case == "composed":
+            return (
+                f"features from {self.source}, trained on this run's training data (same data fingerprint): "
+                f"its privacy cost is composed ({EXTRACTOR_RUN}:* releases)"
+            )
+        return self.caveat()
+
+    def caveat(self) -> str | None:
+        """What the guarantee does not cover because of the extractor (None when composed)."""
+        if self.case == "declared public":
+            return (
+                f"features.extractor_public: the extractor run {self.source} trained on this run's training "
+                "data (same data fingerprint) and is declared public: its cost is not included in epsilon"
+            )
+        if self.case == "other data":
+            return (
+                f"the extractor run {self.source} trained on other data (its data fingerprint differs): its cost "
+                "is not included in epsilon, which assumes that data shares no example with this run's "
+                "(an overlapping subset is not detected)"
+            )
+        return None
+
+
+@dataclass(frozen=True)
 class DPPlan:
     """Attributes:
     dataset_size: N.
@@ -72,6 +130,11 @@ class DPPlan:
     simulation: set for a TAN simulation: the reference run it stands for. batch_size,
         sample_rate and noise_multiplier are then the simulation's own, and ``epsilon`` its own
         (RDP) epsilon, which is no useful guarantee.
+    seeded: whether run.seed is fixed (a caveat). A label derived from the config, not a privacy
+        parameter: plans read back from a checkpoint get it from the run's config.
+    extractor: set for a ``checkpoint:`` feature extractor: how its run enters the guarantee (its
+        releases, when composed, are in ``releases``). A label too, recomputed on resume.
+    engine_unchecked: train.self_check is off (a caveat; a label from the config, like seeded).
     """
 
     dataset_size: int
@@ -88,6 +151,9 @@ class DPPlan:
     calibrated: bool
     releases: tuple[AccountingSegment, ...] = ()
     simulation: TanSimulation | None = None
+    seeded: bool = False
+    extractor: ExtractorPrivacy | None = None
+    engine_unchecked: bool = False
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -95,6 +161,8 @@ class DPPlan:
         object.__setattr__(self, "releases", releases)
         if isinstance(self.simulation, dict):
             object.__setattr__(self, "simulation", TanSimulation(**self.simulation))
+        if isinstance(self.extractor, dict):
+            object.__setattr__(self, "extractor", ExtractorPrivacy(**self.extractor))
 
     @property
     def run_accountant(self) -> str:
@@ -160,6 +228,12 @@ class DPPlan:
                 f"delta={self.delta:g} >= 1/N={1.0 / self.dataset_size:.3g}: a weak guarantee "
                 "(releasing one random example outright meets it); use delta < 1/N"
             )
+        if self.seeded:
+            notes.append(SEEDED_CAVEAT)
+        if self.extractor is not None and self.extractor.caveat():
+            notes.append(self.extractor.caveat())
+        if self.engine_unchecked:
+            notes.append(ENGINE_UNCHECKED_CAVEAT)
         return notes
 
     def _epsilon_text(self) -> str:
@@ -180,19 +254,19 @@ class DPPlan:
             "Use it to choose hyper-parameters; do not release it as a private model"
         )
 
-    def make_sampler(self, generator: torch.Generator, rank: int = 0, world_size: int = 1):
-        """This rank's sampler (its shard of the dataset when world_size > 1)."""
+    def make_sampler(self, generator: DPRandom, rank: int = 0, world_size: int = 1):
+        """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``."""
         return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size)
 
     def describe(self) -> str:
+        """The one-line header printed when a run starts (and which extractor case applies)."""
+        extractor = f"; {self.extractor.describe()}" if self.extractor else ""
         if not self.is_private:
-            return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}"
+            return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}{extractor}"
         tan_note = "" if self.noise_multiplier >= PRIVACY_WALL_SIGMA else " (sigma<2: eps_TAN under-estimates)"
         if self.releases:  # eps_TAN describes the DP-SGD steps alone
-            tan_note += "; composed with " + ", ".join(
-                f"{r.label} ({r.steps} Gaussian sum{'s' if r.steps > 1 else ''}, sigma={r.noise_multiplier:g})"
-                for r in self.releases
-            )
+            tan_note += "; composed with " + ", ".join(_release_text(r) for r in self.releases)
+        tan_note += extractor
         if self.simulation:
             sim = self.simulation
             tan_note += (
@@ -207,6 +281,15 @@ class DPPlan:
         )
 
 
+def _release_text(release: AccountingSegment) -> str:
+    """A release for the header: Gaussian sums on the whole dataset, or subsampled steps (q < 1,
+    e.g. the DP-SGD steps of a checkpoint extractor's run)."""
+    if release.sample_rate < 1.0:
+        return f"{release.label} ({release.steps} steps at q={release.sample_rate:.5g}, sigma={release.noise_multiplier:.5g})"
+    plural = "s" if release.steps > 1 else ""
+    return f"{release.label} ({release.steps} Gaussian sum{plural}, sigma={release.noise_multiplier:g})"
+
+
 def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_size: float) -> int:
     """Logical steps for a run: ``steps`` if given, else round(epochs * N / B), at least 1."""
     if steps is not None:
@@ -217,7 +300,20 @@ def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_
 def check_plan_matches(
     plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
 ) -> None:
-    """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data."""
+    """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data.
+
+    The labels ``seeded``, ``extractor`` and ``engine_unchecked`` are not compared: they derive from the config (the
+    caller sets them afresh); what the extractor costs is in ``releases``, recomputed from its run.
+
+    Args:
+        plan: the plan saved in the checkpoint.
+        dp: the DP section of the run's config.
+        dataset_size: N of the training set now.
+        steps: the run's total logical steps.
+        releases: the releases recomputed now (a checkpoint extractor's run's history, then
+            the feature normalisation's).
+    """
+    _check_extractor_releases(plan, releases)
     simulated = is_simulation(dp)
     expected = {
         "releases": tuple(releases) if plan.is_private else (),
@@ -241,8 +337,33 @@ def check_plan_matches(
         raise ConfigError("the checkpoint's DP plan does not match this config and data (" + "; ".join(wrong) + ")")
 
 
+def _check_extractor_releases(plan: DPPlan, releases: tuple[AccountingSegment, ...]) -> None:
+    """Refuse to continue a run whose checkpoint extractor's run is no longer the one its plan
+    composed (it trained on, or was resumed, since): the saved epsilon would no longer cover it."""
+    if not plan.is_private:
+        return
+
+    def of_extractor(segments: tuple[AccountingSegment, ...]) -> tuple[AccountingSegment, ...]:
+        return tuple(r for r in segments if r.label.startswith(f"{EXTRACTOR_RUN}:"))
+
+    saved, now = of_extractor(plan.releases), of_extractor(tuple(releases))
+    if saved != now:
+        raise ConfigError(
+            "the run behind features.extractor changed since this run started: this run's DP plan composed "
+            f"{[(r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in saved] or 'nothing'} from it, "
+            f"its checkpoint now gives {[(r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in now] or 'nothing'} "
+            "(it trained further, its data fingerprint changed, or this run predates that composition); "
+            "refusing to continue: restore that run's checkpoint, or start a new run"
+        )
+
+
 def make_dp_plan(
-    dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
+    dp: DPConfig,
+    dataset_size: int,
+    steps: int,
+    releases: tuple[AccountingSegment, ...] = (),
+    seeded: bool = False,
+    extractor: ExtractorPrivacy | None = None,
 ) -> DPPlan:
     """Resolve the DP config against the dataset: calibrate sigma or check it meets the budget.
 
@@ -251,7 +372,13 @@ def make_dp_plan(
         dataset_size: N.
         steps: logical DP-SGD steps S.
         releases: one-off Gaussian mechanisms on the data before training (see
-            ``dpscale.privacy.gaussian_release``); sigma is calibrated for the composition.
+            ``dpscale.privacy.gaussian_release``), and the history of a checkpoint extractor's run
+            on the same data; sigma is calibrated for the composition.
+        seeded: run.seed is fixed (a caveat of the plan).
+        extractor: how a ``checkpoint:`` extractor's run enters the guarantee (None otherwise).
+
+    Returns:
+        The plan (the TAN simulation's, with ``dp.simulated_batch_size``).
 
     With ``dp.simulated_batch_size`` set, the plan of the reference run (dp.batch_size, its sigma
     calibrated or checked as usual) is resolved first and the TAN simulation derived from it:
@@ -270,7 +397,7 @@ def make_dp_plan(
         try:
             sigma = calibrate_noise_multiplier(dp.epsilon, dp.delta, q, steps, dp.accountant, releases=releases)
         except ValueError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(f"{err}{_extractor_hint(releases)}") from None
         calibrated = True
     else:
         sigma = float(dp.noise_multiplier)
@@ -281,7 +408,7 @@ def make_dp_plan(
             raise ConfigError(
                 f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
                 f"> dp.epsilon={dp.epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
-                "to calibrate it"
+                f"to calibrate it{_extractor_hint(releases)}"
             )
     else:
         epsilon = math.inf
@@ -299,8 +426,21 @@ def make_dp_plan(
         accountant=dp.accountant,
         calibrated=calibrated,
         releases=releases if sigma > 0 else (),
+        seeded=seeded,
+        extractor=extractor,
     )
     return simulate_plan(plan, dp.simulated_batch_size) if is_simulation(dp) else plan
+
+
+def _extractor_hint(releases: tuple[AccountingSegment, ...]) -> str:
+    """Advice for a budget that a checkpoint extractor's run already uses up (or most of it)."""
+    if not any(r.label.startswith(f"{EXTRACTOR_RUN}:") for r in releases):
+        return ""
+    return (
+        f" ({EXTRACTOR_RUN}:* is the run behind features.extractor, which trained on this run's training data: "
+        "this run's budget must cover it too; raise dp.epsilon, or set features.extractor_public=true to leave "
+        "its cost out (every output then says so)"
+    )
 
 
 def is_simulation(dp: DPConfig) -> bool:

@@ -18,10 +18,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dpscale.rng import derive_seed
 
 # The rank that draws the DP noise (documented; tests check the total std is sigma * C).
 NOISE_RANK = 0
@@ -143,11 +144,14 @@ def rank_stream_seed(base: int, rank: int, world_size: int, start_step: int) -> 
     A single process starting at step 0 keeps ``base`` itself, so single-process runs draw exactly
     what they drew before distributed training existed. Every other (P, rank, start) gets an
     independent stream, so a resume with a different P never replays randomness already used.
+
+    Returns:
+        a 128-bit seed (DPRandom streams need that many bits; fewer could be enumerated).
     """
     if world_size == 1 and start_step == 0:
         return int(base)
-    state = np.random.SeedSequence([int(base), world_size, rank, start_step]).generate_state(1, dtype=np.uint64)
-    return int(state[0])
+    # A spawn key, not more entropy words: [base, P, r, s] could equal another base's words.
+    return derive_seed(base, (world_size, rank, start_step))
 
 
 def launch_command(processes: int, dpscale_args: list[str], threads: int = 1) -> tuple[list[str], dict[str, str]]:

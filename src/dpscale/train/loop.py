@@ -19,15 +19,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dpscale.config import Config, ConfigError, load_config, save_config
+from dpscale.config import Config, ConfigError, is_private_config, load_config, save_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.features.normalize import FeatureNormalizer
-from dpscale.features.pipeline import extract_run_features, feature_releases, fit_normalizer, normalize_dataset
+from dpscale.features.pipeline import (
+    extract_run_features,
+    extractor_privacy,
+    feature_releases,
+    fit_normalizer,
+    normalize_dataset,
+)
 from dpscale.models import build_model, count_parameters, freeze_block_groups
-from dpscale.privacy.accountant import PrivacyAccountant
+from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
-from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, check_plan_matches, make_dp_plan, steps_for
+from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, check_plan_matches, make_dp_plan, steps_for
+from dpscale.rng import DPRandom, words_to_int
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
@@ -75,19 +82,33 @@ def _seeds(seed: int | None) -> dict[str, int]:
 
     With no seed, fresh OS entropy that is never written down: the DP analysis assumes the
     noise is unknown to the adversary. (Resume restores the generators' states instead.)
+
+    The privacy-relevant streams (sampler, noise, features) get 128-bit seeds for ``DPRandom``:
+    a torch generator keeps 32 bits of its seed, few enough to enumerate. Init and augmentation
+    are not privacy-relevant and keep 64-bit seeds for torch generators.
     """
     if seed is None:
         seed = secrets.randbits(128)
-    # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones.
-    init, sampler, noise, features, augment, augtest = np.random.SeedSequence(seed).generate_state(6, dtype=np.uint64)
+    # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones:
+    # init/augment/augtest keep their values; words 1-3 (the retired 64-bit sampler/noise/
+    # features seeds) stay unused; words 6-11 are the 128-bit seeds, two words each.
+    words = np.random.SeedSequence(seed).generate_state(12, dtype=np.uint64)
     return {
-        "init": int(init),
-        "sampler": int(sampler),
-        "noise": int(noise),
-        "features": int(features),
-        "augment": int(augment),
-        "augtest": int(augtest),
+        "init": int(words[0]),
+        "sampler": words_to_int(words[6:8]),
+        "noise": words_to_int(words[8:10]),
+        "features": words_to_int(words[10:12]),
+        "augment": int(words[4]),
+        "augtest": int(words[5]),
     }
+
+
+def _torch_generator_streams(state: dict[str, Any]) -> bool:
+    """True for a checkpoint written before DPRandom: its noise or sampler generator states are
+    torch ByteTensors (32-bit-seeded mt19937), which a DPRandom cannot continue, and should not."""
+    streams = state.get("rank_streams") or [{"sampler": state.get("sampler") or {}}]
+    generators = [state.get("noise_generator"), *(s["sampler"].get("generator") for s in streams)]
+    return any(isinstance(g, torch.Tensor) for g in generators)
 
 
 def default_out_dir(config: Config) -> str:
@@ -108,6 +129,21 @@ def prepare_data(config: Config, device: torch.device) -> ImageDataset:
     return ImageDataset(
         x_train.to(device), data.y_train.to(device), x_test.to(device), data.y_test.to(device), data.info
     )
+
+
+def training_fingerprint(config: Config, normalize: bool | None = None) -> str:
+    """``dataset_fingerprint`` of the training images a run with ``config`` prepares (on the CPU).
+
+    Args:
+        config: the run's config.
+        normalize: the data.normalize to prepare them with (None: the config's own).
+
+    Returns:
+        The fingerprint, as checkpoints store it in ``data_fingerprint``.
+    """
+    if normalize is not None:
+        config = replace(config, data=replace(config.data, normalize=normalize))
+    return dataset_fingerprint(prepare_data(config, torch.device("cpu")))
 
 
 class Trainer:
@@ -150,18 +186,19 @@ class Trainer:
 
         images = prepare_data(config, self.device)
         self.data_fingerprint = dataset_fingerprint(images)  # of the images: features may differ in the last bit
+        # Before extracting: a checkpoint extractor's run that cannot be composed is refused at once.
+        extractor, extractor_releases = extractor_privacy(
+            config.features, self._fingerprint_as, is_private_config(config.dp)
+        )
         with self.dist.main_first():  # rank 0 fills the feature cache, the others read it
             features = extract_run_features(config.features, images, self.device, self.progress, self._log)
         del images
         info = features.info
         n = info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
-        releases = feature_releases(config.features)
+        releases = extractor_releases + feature_releases(config.features)
         loading = plan is not None  # from a checkpoint
-        if plan is None:
-            plan = make_dp_plan(config.dp, n, self.total_steps, releases)
-        else:
-            check_plan_matches(plan, config.dp, n, self.total_steps, releases)
+        plan = self._resolve_plan(plan, n, releases, extractor)
         self.plan: DPPlan = plan
         if loading and (feature_norm or {}).get("kind", "none") != config.features.normalize:
             raise ConfigError(
@@ -169,7 +206,7 @@ class Trainer:
                 f"features.normalize={config.features.normalize} of its config; refusing to continue it"
             )
         if feature_norm is None:
-            generator = torch.Generator().manual_seed(seeds["features"])
+            generator = DPRandom(seeds["features"])  # Data Normalization's noise: 128-bit seed
             normalizer = fit_normalizer(config.features, features.x_train, plan, generator)
             # One release, whatever P: every rank uses rank 0's noisy statistics.
             feature_norm = self.dist.broadcast_object(normalizer.state_dict()) if self.dist.enabled else None
@@ -192,7 +229,8 @@ class Trainer:
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
         self._start_rank_streams(0)
         # Only the noise rank draws from it (NOISE_RANK); its state is the one checkpointed.
-        self.noise_generator = torch.Generator(device=self.device).manual_seed(seeds["noise"])
+        # Drawn on the host, then copied to the device: the same noise on CPU and CUDA.
+        self.noise_generator = DPRandom(seeds["noise"])
         self.augtest_seed = seeds["augtest"]  # test views: the same at every evaluation
         self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
         self.accountant = PrivacyAccountant(self.plan.run_accountant)
@@ -203,6 +241,31 @@ class Trainer:
         self.wall_time_s = 0.0
         self._window = {"loss_sum": 0.0, "examples": 0}  # train loss since the last evaluation
         self._privacy_warnings: list[str] | None = None  # computed on first use
+
+    def _resolve_plan(
+        self,
+        plan: DPPlan | None,
+        dataset_size: int,
+        releases: tuple[AccountingSegment, ...],
+        extractor: ExtractorPrivacy | None,
+    ) -> DPPlan:
+        """A new run's plan, or the checkpoint's ``plan`` checked against the config and data.
+        Either way with the labels the config determines (a fixed seed, the checkpoint
+        extractor's case): they are no privacy parameters, and older checkpoints lack them."""
+        dp, seeded = self.config.dp, self.config.run.seed is not None
+        unchecked = not self.config.train.self_check
+        if plan is None:
+            plan = make_dp_plan(dp, dataset_size, self.total_steps, releases, seeded=seeded, extractor=extractor)
+        else:
+            check_plan_matches(plan, dp, dataset_size, self.total_steps, releases)
+        return replace(plan, seeded=seeded, extractor=extractor, engine_unchecked=unchecked)
+
+    def _fingerprint_as(self, normalize: bool) -> str:
+        """This run's training-set fingerprint as prepared with data.normalize=``normalize`` (a
+        checkpoint extractor's run may have used the other convention on the same images)."""
+        if normalize == self.config.data.normalize:
+            return self.data_fingerprint
+        return training_fingerprint(self.config, normalize)
 
     def _checked_engine(self) -> tuple[PerExampleEngine, SelfCheckResult | None]:
         """The clipping engine, verified before the first step on the first few training
@@ -227,12 +290,13 @@ class Trainer:
     def _start_rank_streams(self, start_step: int) -> None:
         """This rank's sampler and augmentation generators, fresh for a job of P processes that
         starts (or restarts with a different P) at ``start_step``. CPU generators: the same draws
-        on any device."""
+        on any device. The sampler's is a 128-bit-seeded DPRandom (which examples join a batch
+        is private); augmentation's a torch generator (not privacy-relevant)."""
         rank, world = self.dist.rank, self.dist.world_size
         sampler_seed = rank_stream_seed(self._seeds["sampler"], rank, world, start_step)
-        self.sampler = self.plan.make_sampler(torch.Generator().manual_seed(sampler_seed), rank, world)
+        self.sampler = self.plan.make_sampler(DPRandom(sampler_seed), rank, world)
         augment_seed = rank_stream_seed(self._seeds["augment"], rank, world, start_step)
-        self.augment_generator = torch.Generator().manual_seed(augment_seed)
+        self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)  # torch takes 64 bits
 
     # ----------------------------------------------------------------- set-up
     @classmethod
@@ -297,7 +361,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "noise_generator": self.noise_generator.get_state(),  # the noise rank's (rank 0)
+            "noise_generator": self.noise_generator.state_dict(),  # the noise rank's (rank 0)
             "augtest_seed": self.augtest_seed,
             "ema": self.ema.state_dict() if self.ema else None,
             "window": dict(self._window),
@@ -307,7 +371,11 @@ class Trainer:
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
-        if DPPlan(**state["plan"]) != self.plan:
+        saved = DPPlan(**state["plan"])
+        # seeded, extractor and engine_unchecked are labels from the config (absent in older
+        # checkpoints), not privacy parameters.
+        labels = {"seeded": self.plan.seeded, "extractor": self.plan.extractor, "engine_unchecked": self.plan.engine_unchecked}
+        if replace(saved, **labels) != self.plan:
             raise ConfigError("the checkpoint was written under a different DP plan; refusing to resume")
         if state["data_fingerprint"] != self.data_fingerprint:
             raise ConfigError(
@@ -318,9 +386,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.accountant.load_state_dict(state["accountant"])  # replaces, never adds
-        if self.dist.rank == NOISE_RANK:
-            self.noise_generator.set_state(state["noise_generator"])
-        self._load_rank_streams(state)
+        legacy = _torch_generator_streams(state)
+        if self.dist.rank == NOISE_RANK and not legacy:
+            self.noise_generator.load_state_dict(state["noise_generator"])
+        self._load_rank_streams(state, legacy)
         if "augtest_seed" in state:  # absent in checkpoints from before augmentation existed
             self.augtest_seed = int(state["augtest_seed"])
         if self.ema is not None:
@@ -335,16 +404,23 @@ class Trainer:
         if self.accountant.releases != self.plan.releases:
             raise ValueError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
 
-    def _load_rank_streams(self, state: dict[str, Any]) -> None:
+    def _load_rank_streams(self, state: dict[str, Any], legacy: bool = False) -> None:
         """Continue this rank's sampling streams; with a different number of processes than the
-        checkpoint's, start fresh streams at the checkpoint's step (never replaying used ones)."""
+        checkpoint's, or ``legacy`` torch generator states (32-bit seeded, from before DPRandom),
+        start fresh streams at the checkpoint's step (never replaying used ones)."""
         saved_world = int(state.get("world_size", 1))
-        if saved_world != self.dist.world_size:
+        if legacy or saved_world != self.dist.world_size:
             step = int(state["step"])
             self._start_rank_streams(step)
             # Fresh noise too: had a run resumed from this checkpoint been abandoned, the same
             # noise on other batches would otherwise cancel out between the two.
-            self.noise_generator.manual_seed(rank_stream_seed(self._seeds["noise"], NOISE_RANK, self.dist.world_size, step))
+            self.noise_generator = DPRandom(rank_stream_seed(self._seeds["noise"], NOISE_RANK, self.dist.world_size, step))
+            if legacy:  # _seeds is fresh OS entropy without run.seed, else derived from it (and the step here)
+                self._log(
+                    f"the checkpoint's noise and sampling generators are 32-bit-seeded torch states (written "
+                    f"before the 128-bit DP RNG): continuing with fresh 128-bit streams from step {step} on"
+                )
+                return
             self._log(
                 f"resuming a {saved_world}-process run with {self.dist.world_size} process(es): each rank "
                 f"samples its shard from a fresh stream from step {state['step']} on"
@@ -582,6 +658,8 @@ class Trainer:
             "privacy_warnings": self.privacy_warnings(),
             "features": self.config.features.extractor,
             "feature_normalization": self.feature_normalizer.kind,
+            # composed / declared public / other data: how a checkpoint extractor's run enters epsilon
+            "extractor_privacy": plan.extractor.case if plan.extractor else None,
             "guarantee_caveats": plan.caveats(),
             "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
             "seeded": self.config.run.seed is not None,

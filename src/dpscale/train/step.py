@@ -18,6 +18,7 @@ from torch import nn
 
 from dpscale.privacy.noise import add_gaussian_noise
 from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, trainable_params
+from dpscale.rng import DPRandom
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def noisy_clipped_mean(
     *,
     noise_std: float,
     expected_batch_size: float,
-    noise_generator: torch.Generator,
+    noise_generator: DPRandom,
     all_reduce_sum: Callable[[list[torch.Tensor]], None] | None = None,
     add_noise: bool = True,
 ) -> tuple[Params, StepStats]:
@@ -80,7 +81,7 @@ def noisy_clipped_mean(
         noise_std: sigma * C (0 for non-private runs).
         expected_batch_size: B; dividing by the *expected* size (not the realised one) keeps
             the sensitivity of the mean at C / B, as the accountant assumes.
-        noise_generator: RNG for the noise.
+        noise_generator: RNG for the noise (128-bit seeded; draws on the host, copied to the device).
         all_reduce_sum: in data-parallel training, sums a list of tensors over the ranks in place
             (``Distributed.all_reduce_sum_``); None for a single process.
         add_noise: whether this process draws the noise (exactly one rank does).

@@ -11,9 +11,15 @@ import sys
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpscale.config import ConfigError
 from dpscale.tune import TUNING_CAVEAT
+
+if TYPE_CHECKING:  # the commands import the library lazily, so that --help stays fast
+    from dpscale.config import Config
+    from dpscale.privacy.accountant import AccountingSegment
+    from dpscale.privacy.plan import ExtractorPrivacy
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -81,14 +87,26 @@ def _cmd_tan_simulate(args: argparse.Namespace) -> int:
     return run_training(config, max_steps=args.max_steps, quiet=args.quiet)
 
 
+def _plan_inputs(config: Config, private: bool) -> tuple[tuple[AccountingSegment, ...], ExtractorPrivacy | None]:
+    """(releases, extractor case) that the trainer would compose for ``config``: a checkpoint
+    extractor's run on the same data, then the feature normalisation's releases."""
+    from dpscale.features.pipeline import extractor_privacy, feature_releases
+    from dpscale.train.loop import training_fingerprint
+
+    extractor, releases = extractor_privacy(
+        config.features, lambda normalize: training_fingerprint(config, normalize), private
+    )
+    return releases + feature_releases(config.features), extractor
+
+
 def _print_simulation_plan(config) -> int:
     from dpscale.data import load_dataset
-    from dpscale.features.pipeline import feature_releases
     from dpscale.privacy.plan import make_dp_plan, steps_for
 
     n = load_dataset(config.data.name, config.data.root, image_size=config.data.image_size).info.num_train
     steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
-    plan = make_dp_plan(config.dp, n, steps, feature_releases(config.features))
+    releases, extractor = _plan_inputs(config, private=True)  # a simulation's reference is private
+    plan = make_dp_plan(config.dp, n, steps, releases, seeded=config.run.seed is not None, extractor=extractor)
     sim = plan.simulation
     print(f"reference run:  B={sim.batch_size:g}, sigma={sim.noise_multiplier:.6g}, S={steps}, "
           f"epsilon={sim.epsilon:.4f} at delta={plan.delta:g} ({plan.accountant})")
@@ -261,7 +279,6 @@ def _write_pair_configs(args: argparse.Namespace, rows) -> tuple[dict[int, str],
     """
     from dpscale.config import load_config, save_config, validate
     from dpscale.data import load_dataset
-    from dpscale.features.pipeline import feature_releases
     from dpscale.privacy.plan import make_dp_plan
 
     base = load_config(args.config, args.set)
@@ -274,6 +291,7 @@ def _write_pair_configs(args: argparse.Namespace, rows) -> tuple[dict[int, str],
     wrong = [f"{flag} {given} but the config has {have}" for flag, (given, have) in mismatch.items() if given != have]
     if wrong:
         raise ConfigError("--config must describe the same run: " + "; ".join(wrong))
+    releases, _ = _plan_inputs(base, private=True)  # every pair has sigma > 0
     out = Path(args.out or f"tan-search-{_stamp()}")
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = {}, {}
@@ -287,7 +305,7 @@ def _write_pair_configs(args: argparse.Namespace, rows) -> tuple[dict[int, str],
         )
         try:  # exactly the checks the trainer makes: a written config is one that runs
             validate(config)
-            make_dp_plan(config.dp, n, r.steps, feature_releases(config.features))
+            make_dp_plan(config.dp, n, r.steps, releases)
         except ConfigError as err:
             skipped[r.steps] = str(err)
             continue
@@ -370,12 +388,28 @@ def _cmd_tune_clip_lr(args: argparse.Namespace) -> int:
         args.config, args.set, out, args.clip_norms, args.lrs, args.lr_factors, args.tolerance,
         args.seeds or (), args.metric, progress=not args.quiet, on_point=_print_point,
     )
+    caveats = _private_stage_caveats(out)
     if args.json:
-        print(json.dumps(result.as_json()))
+        print(json.dumps({**result.as_json(), "guarantee_caveats": caveats}))
     else:
         print(clip_lr_report(result))
         print(f"wrote {out / 'clip_lr.json'} and {out / 'clip_lr.md'}")
+        for note in caveats:
+            print(f"WARNING: {note}")
     return 0
+
+
+def _private_stage_caveats(out: Path) -> list[str]:
+    """What the guarantees of the private (stage 3) runs do not cover, e.g. the fixed run.seed of
+    ``--seeds``: printed with the chosen pair (stage 2's runs are not private and say so)."""
+    from dpscale.tune.sweep import read_results
+
+    notes = {
+        note
+        for record in read_results(out / "lr")
+        for note in ((record.get("summary") or {}).get("guarantee_caveats") or [])
+    }
+    return sorted(notes)
 
 
 # ---------------------------------------------------------------------- parser
