@@ -155,6 +155,33 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class HookedOutput(nn.Module):
+    """A user forward hook that replaces a Linear's output (scaled by a trainable gain)."""
+
+    def __init__(self, with_gain):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.gain = nn.Linear(1, 1, bias=False)  # a supported layer, its weight used in the hook
+        self.fc.register_forward_hook(lambda m, i, o: o * 2.0)
+        if with_gain:
+            self.out.register_forward_hook(lambda m, i, o: o * self.gain.weight[0, 0])
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+
+class SharedRowLayer(nn.Module):
+    """A layer called on one constant row, its output broadcast to every example: its records
+    cannot be split by example."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.offset, self.out = nn.Linear(4, 5), nn.Linear(1, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x) + self.offset(torch.ones(1, 1, dtype=x.dtype))))
+
+
 def _vectors(n=5):
     return torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))
 
@@ -170,6 +197,9 @@ CASES = {
     "functional_tied_head": (lambda: SharedLinear(True), _vectors, "head.weight"),
     "pos_embed_outside": (PosEmbedOutside, lambda: (torch.randn(5, 2, 3, dtype=torch.float64), torch.randint(0, 3, (5,))), "tokens.pos_embed"),
     "extra_parameter": (ExtraParameter, _vectors, "scale"),
+    "user_forward_hook": (lambda: HookedOutput(False), _vectors, None),
+    "user_forward_hook_with_a_parameter": (lambda: HookedOutput(True), _vectors, "gain.weight"),
+    "layer_called_on_one_shared_row": (SharedRowLayer, _vectors, "offset"),
     "resnet_block": (TinyResNet, lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))), None),
 }
 

@@ -543,6 +543,13 @@ class GhostEngine(ClippedSumMixin):
                         f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
                     )
             records = [r for r in records if r.calls]  # a layer that did not run has zero gradient
+            rows = batch[0].shape[0] * self.views  # the forward pass sees an example's K views as rows
+            shared = [r.name for r in records if r.inputs.shape[0] != rows or r.output.shape[0] != rows]
+            if shared:  # e.g. a layer applied to one constant row broadcast to every example
+                raise ValueError(
+                    f"{self.mode} engine: layer(s) {', '.join(shared)} do not process the {rows} examples row by row "
+                    "(their per-example gradients cannot be told apart); use engine=vmap"
+                )
             changed = {r.name for r in records if (r.output._version, r.inputs._version) != r.versions}
             if not changed:
                 return records, losses
@@ -562,7 +569,10 @@ class GhostEngine(ClippedSumMixin):
         for r in records:
             if monitor is not None:
                 handles.append(r.module.register_forward_pre_hook(lambda m, i: monitor.active.append(m)))
-            handles.append(r.module.register_forward_hook(self._capture(r, r.name in state.copied, monitor)))
+            # prepend: the layer's own output, before any user hook replaces it (the route through
+            # such a hook is then part of the output gradient, as it should be).
+            capture = self._capture(r, r.name in state.copied, monitor)
+            handles.append(r.module.register_forward_hook(capture, prepend=True))
         try:
             if monitor is None:
                 losses = mean_over_views(self.loss_fn, model, x, y, self.views)
