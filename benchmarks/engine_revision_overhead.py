@@ -7,7 +7,9 @@ one clipped-sum call of each on the step-time benchmark's models and batch sizes
 
     python benchmarks/engine_revision_overhead.py --repeats 15 [--baseline REV] [--device cuda]
 
-Prints a markdown table: median ms per call of both and their ratio (current / baseline).
+Prints a markdown table: median ms per call of both and their ratio (current / baseline); then
+the per-step noise draw for each model's parameters from the 128-bit ``DPRandom`` (PCG64DXSM,
+host) against the 32-bit-seeded ``torch.randn`` it replaced.
 """
 
 from __future__ import annotations
@@ -66,11 +68,33 @@ def measure(name: str, batch: int, baseline: type, repeats: int, device: torch.d
     engines = {"baseline": baseline(1.0, mode="bk"), "current": GhostEngine(1.0, mode="bk")}
     times: dict[str, list[float]] = {k: [] for k in engines}
     for i in range(repeats + 2):  # two warm-up rounds, then interleaved repeats
-        for key, engine in engines.items():
+        order = list(engines.items()) if i % 2 else list(engines.items())[::-1]  # ABBA: no order bias
+        for key, engine in order:
             ms = _timed(lambda: engine.clipped_sum_and_losses(model, params, (x, y)), device)
             if i >= 2:
                 times[key].append(ms)
     return statistics.median(times["baseline"]), statistics.median(times["current"])
+
+
+def measure_noise(name: str, repeats: int, device: torch.device) -> tuple[int, float, float]:
+    """(parameters, torch.randn median ms, DPRandom median ms) of one step's noise draw."""
+    from dpscale.privacy.noise import add_gaussian_noise
+    from dpscale.rng import DPRandom
+
+    model = build_model(name, 10, _input_shape(name, device)).to(device)
+    grads = {n: torch.zeros_like(p) for n, p in trainable_params(model).items()}
+    torch_generator, dprandom = torch.Generator(device=device).manual_seed(0), DPRandom(0)
+
+    def torch_noise() -> None:  # what add_gaussian_noise drew before DPRandom
+        for g in grads.values():
+            g + torch.randn(g.shape, generator=torch_generator, device=device)
+
+    times: dict[str, list[float]] = {"torch": [], "dprandom": []}
+    for i in range(repeats + 2):
+        times["torch"].append(_timed(torch_noise, device))
+        times["dprandom"].append(_timed(lambda: add_gaussian_noise(grads, 1.0, dprandom), device))
+    count = sum(g.numel() for g in grads.values())
+    return count, statistics.median(times["torch"][2:]), statistics.median(times["dprandom"][2:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         old, new = measure(name, DEFAULT_BATCH.get(name, 32), baseline, args.repeats, device)
         print(f"| {name} | {DEFAULT_BATCH.get(name, 32)} | {old:.1f} | {new:.1f} | {new / old:.3f} |", flush=True)
+    print("\n| model | parameters | noise torch.randn ms | noise DPRandom ms | ratio |")
+    print("|---|---|---|---|---|")
+    for name in args.models.split(","):
+        count, torch_ms, dprandom_ms = measure_noise(name, args.repeats, device)
+        print(f"| {name} | {count:,} | {torch_ms:.1f} | {dprandom_ms:.1f} | {dprandom_ms / torch_ms:.2f} |", flush=True)
     return 0
 
 

@@ -13,20 +13,29 @@ resist an adversary who sees many outputs and solves for the state; a 128-bit se
 out enumerating seeds. A cryptographic mode is planned in a later issue.
 
 Draws are made on the host and then copied to the requested device, so a run draws exactly the
-same noise on CPU and on CUDA. Cost (2-core AMD EPYC, numpy 2.4.6, torch 2.13; command in
-docs/privacy.md): 97 ms for 11M float32 normals, twice ``torch.randn`` (49 ms), as numpy draws
-on one thread. Drawing into a preallocated array (``out=``) saved 1-3%, so ``normal`` allocates.
+same noise on CPU and on CUDA. numpy draws on one thread, at about half ``torch.randn``'s speed
+on 2 cores; so a draw of more than ``PARALLEL_CHUNK`` normals takes a fresh 128-bit key from
+the stream and fills fixed chunks of ``PARALLEL_CHUNK`` from child generators
+(``SeedSequence(key, spawn_key=(chunk,))``) on ``torch.get_num_threads()`` threads. The chunks,
+not the threads, fix the values: any number of threads gives the same draws. Measured costs are
+in docs/privacy.md ("Random numbers").
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 BIT_GENERATOR = "PCG64DXSM"
+# Normals per chunk of a parallel draw (4 MB of float32): large enough that creating a child
+# generator (~20 us) is negligible, small enough to share a ResNet's noise among the threads.
+PARALLEL_CHUNK = 1 << 20
 SEED_BITS = 128  # bits of the seeds derive_seed gives (the run's stream seeds are as wide)
 # float32 draws serve the half-precision dtypes too (then cast): numpy has no bf16/fp16 normals.
 _HOST_DTYPE = {
@@ -90,6 +99,30 @@ def require_dprandom(generator: Any, stream: str) -> "DPRandom":
     return generator
 
 
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dprandom")
+
+
+def _parallel_normals(key: int, count: int, host_dtype: type) -> np.ndarray:
+    """``count`` standard normals: chunk j of ``PARALLEL_CHUNK`` comes from the child generator
+    ``SeedSequence(key, spawn_key=(j,))`` (numpy releases the GIL while it fills a chunk)."""
+    out = np.empty(count, dtype=host_dtype)
+
+    def fill(j: int) -> None:
+        child = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(key, spawn_key=(j,))))
+        child.standard_normal(out=out[j * PARALLEL_CHUNK : (j + 1) * PARALLEL_CHUNK], dtype=host_dtype)
+
+    chunks = range(-(-count // PARALLEL_CHUNK))
+    workers = max(1, min(torch.get_num_threads(), len(chunks)))
+    if workers == 1:
+        for j in chunks:
+            fill(j)
+    else:
+        list(_pool(workers).map(fill, chunks))
+    return out
+
+
 class DPRandom:
     """A 128-bit-seeded PCG64DXSM generator that returns torch tensors.
 
@@ -123,7 +156,12 @@ class DPRandom:
         host = _HOST_DTYPE.get(dtype)
         if host is None:
             raise TypeError(f"DPRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}")
-        draws = self._rng.standard_normal(tuple(shape), dtype=host)
+        count = math.prod(tuple(shape))
+        if count <= PARALLEL_CHUNK:
+            draws = self._rng.standard_normal(tuple(shape), dtype=host)
+        else:
+            key = words_to_int(self._rng.integers(0, 2**32, size=SEED_BITS // 32, dtype=np.uint32))
+            draws = _parallel_normals(key, count, host).reshape(tuple(shape))
         return torch.from_numpy(draws).to(device=device, dtype=dtype)
 
     def uniform(self, n: int) -> torch.Tensor:

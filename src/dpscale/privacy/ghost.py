@@ -502,9 +502,11 @@ class GhostEngine(ClippedSumMixin):
         if problems:
             raise ValueError(f"{self.mode} engine cannot handle: {'; '.join(problems)}; use engine=vmap")
         records, losses = self._recorded_forward(model, params, batch)
-        # Gradients w.r.t. the layer outputs only: no parameter gradient is computed here.
-        targets = [r.output for r in records]
-        out_grads = list(torch.autograd.grad(losses.sum(), targets, allow_unused=True)) if targets else []
+        # Gradients w.r.t. the layer outputs only; the list of outputs is not kept, so that each
+        # output can be freed as soon as its layer is done below.
+        out_grads = (
+            list(torch.autograd.grad(losses.sum(), [r.output for r in records], allow_unused=True)) if records else []
+        )
         sq_norms, layer_sq = batch[0].new_zeros(batch[0].shape[0]), {}
         for i, r in enumerate(records):
             g, out_grads[i] = out_grads[i], None

@@ -26,10 +26,14 @@ def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom) -> Par
     if std == 0:
         return dict(grad_sum)
     require_dprandom(generator, "DP-SGD noise")
-    noisy = {}
     # Sorted names make the draw order independent of dict construction order.
-    for name in sorted(grad_sum):
-        g = grad_sum[name]
-        noise = generator.normal(g.shape, dtype=g.dtype, device=g.device)
-        noisy[name] = g + std * noise
-    return noisy
+    names = sorted(grad_sum)
+    tensors = [grad_sum[name] for name in names]
+    if len({(t.dtype, t.device) for t in tensors}) == 1:
+        # One draw for the whole step, cut in parameter order: the host generator draws a large
+        # block in parallel (see dpscale.rng.PARALLEL_CHUNK) and copies it to the device once.
+        flat = generator.normal((sum(t.numel() for t in tensors),), dtype=tensors[0].dtype, device=tensors[0].device)
+        noises = [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    else:
+        noises = [generator.normal(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    return {name: t + std * noise for name, t, noise in zip(names, tensors, noises)}
