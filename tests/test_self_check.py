@@ -16,6 +16,7 @@ from dpscale.privacy import GhostEngine, VmapEngine, ghost, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.self_check import checked_engine, self_check
 from test_engine_routes import naive_clipped_sum
+from test_engines import SMALL_INPUT
 
 
 def _mlp():
@@ -58,9 +59,6 @@ def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypa
     monkeypatch.setitem(ghost._RULES, nn.Linear, ghost._Rule(rule.norms, wrong_bias, rule.params))
     result = self_check(GhostEngine(10.0), model, (x, y))
     assert result.mismatched == ("parameter 0.bias (clipped sum)",)
-
-
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
 
 
 @pytest.mark.parametrize("name", list_models())
