@@ -271,3 +271,171 @@ def test_static_support_names_the_parameters():
         unsupported_modules(TiedEmbedding())
     )
     assert isinstance(make_engine("auto", 1.0, ExtraParameter())[0], VmapEngine)
+
+
+# ------------------------------------------------------------- routes the first checks cannot see
+
+
+class TrainOnlyRoute(nn.Module):
+    """fc.weight reaches the loss outside fc's call only in train mode (the self-check runs in eval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            h = h + F.linear(x, self.fc.weight)
+        return self.out(torch.tanh(h))
+
+
+class ViewAlias(nn.Module):
+    """A view of fc.weight kept by the parent at construction (its id is not the parameter's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.weight_t = self.fc.weight.T
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x) + x @ self.weight_t))
+
+
+class CopyAlias(ViewAlias):
+    """A copy of fc.weight made at construction (not a view: no ``_base`` leads back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight_t = self.fc.weight.T.clone()
+
+
+class ReplacedForward(nn.Module):
+    """An instance-level ``forward`` that scales the weight: output != the rule's x W^T + b."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+        fc = self.fc
+        fc.forward = lambda x: F.linear(x, fc.weight * 2.0, fc.bias)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+
+ALIAS_CASES = {
+    "view_alias": (ViewAlias, "fc.weight"),
+    "copy_alias": (CopyAlias, "fc.weight"),
+    "replaced_forward": (ReplacedForward, "fc.weight"),
+}
+
+
+def _plain_mlp():
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+@pytest.mark.parametrize("case", sorted(ALIAS_CASES))
+def test_routes_past_the_monitor_are_refused_by_the_route_check_naming_the_parameter(case):
+    make, expected = ALIAS_CASES[case]
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # built in float64: .double() would not convert the alias
+    try:
+        model = make()
+    finally:
+        torch.set_default_dtype(default)
+    x, y = _vectors()
+    want = naive_clipped_sum(model, x, y, 0.1)
+    for name in ("bk", "ghost"):
+        with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
+            GhostEngine(0.1, mode=name).per_example_clipped_sum(model, trainable_params(model), (x, y))
+    for name in ENGINES:  # with the self-check: equal to the naive loop, or refused
+        got, message = _engine_result(name, model, x, y, 0.1)
+        if got is not None:
+            for param, ref in want.items():
+                torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10, msg=f"{case} {name} {param}")
+
+
+def test_a_global_forward_hook_changing_outputs_is_refused():
+    torch.manual_seed(0)
+    model = _plain_mlp().double()
+    x, y = _vectors()
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o * 1.5 if isinstance(m, nn.Linear) else None
+    )
+    try:
+        with pytest.raises(ValueError, match=r"0\.weight"):
+            GhostEngine(0.1).per_example_clipped_sum(model, trainable_params(model), (x, y))
+    finally:
+        handle.remove()
+
+
+def test_a_route_taken_only_in_train_mode_is_checked_when_training_starts():
+    torch.manual_seed(0)
+    model = TrainOnlyRoute().double()
+    x, y = _vectors()
+    engine, _, result = checked_engine("bk", 0.1, model, (x, y))  # the self-check runs in eval mode
+    assert result.ok
+    model.train()
+    with pytest.raises(ValueError, match=r"fc\.weight"):
+        engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+
+
+def test_a_parameter_unfrozen_later_is_checked_on_its_first_pass():
+    torch.manual_seed(0)
+    model = TrainOnlyRoute().double().train()
+    model.fc.weight.requires_grad_(False)  # frozen: its outside use carries no gradient
+    x, y = _vectors()
+    engine = GhostEngine(0.1)
+    engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    model.fc.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"fc\.weight"):
+        engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+
+
+def test_the_route_check_runs_once_per_mode_and_parameter_set(monkeypatch):
+    from dpscale.privacy import ghost
+
+    calls = []
+    original = ghost._unseen_routes
+    monkeypatch.setattr(ghost, "_unseen_routes", lambda *a: calls.append(1) or original(*a))
+    model, (x, y), engine = _plain_mlp().double(), _vectors(), GhostEngine(0.1)
+    for mode in (True, True, False, False, True):
+        engine.per_example_clipped_sum(model.train(mode), trainable_params(model), (x, y))
+    assert len(calls) == 2
+    model[0].bias.requires_grad_(False)
+    engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    assert len(calls) == 3
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+        return self.b(h)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, for the reentrant case
+def test_activation_checkpointing_is_exact_or_refused_naming_the_layer():
+    torch.manual_seed(0)
+    x, y = _vectors()
+    model = Checkpointed(reentrant=False).double()
+    got, _ = GhostEngine(0.1).per_example_clipped_sum(model, trainable_params(model), (x, y))
+    for param, ref in naive_clipped_sum(model, x, y, 0.1).items():
+        torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10)
+    model = Checkpointed(reentrant=True).double()
+    with pytest.raises(ValueError, match="layer.* a .*use_reentrant"):
+        GhostEngine(0.1).per_example_clipped_sum(model, trainable_params(model), (x, y))
+
+
+def test_a_compiled_model_is_refused_by_bk_and_auto_falls_back():
+    model = _plain_mlp().double()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(ValueError, match="torch.compile"):
+        GhostEngine(0.1).per_example_clipped_sum(compiled, trainable_params(compiled), _vectors())
+    engine, notices = make_engine("auto", 0.1, compiled)
+    assert isinstance(engine, VmapEngine) and "torch.compile" in notices

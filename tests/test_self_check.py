@@ -56,9 +56,14 @@ def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypa
         out = rule.sums(r, a, g, c)
         return {**out, "bias": out["bias"] * 1.01} if r.name == "0" else out
 
+    engine = GhostEngine(10.0)
+    assert self_check(engine, model, (x, y)).ok  # the engine's own route check has passed for this model
     monkeypatch.setitem(ghost._RULES, nn.Linear, ghost._Rule(rule.norms, wrong_bias, rule.params))
-    result = self_check(GhostEngine(10.0), model, (x, y))
+    result = self_check(engine, model, (x, y))
     assert result.mismatched == ("parameter 0.bias (clipped sum)",)
+    # a fresh engine's route check (records' unclipped sum vs autograd) already refuses, naming it
+    refused = self_check(GhostEngine(10.0), model, (x, y))
+    assert refused.refusal is not None and "0.bias" in refused.refusal
 
 
 @pytest.mark.parametrize("name", list_models())

@@ -26,6 +26,11 @@ parameters (one tensor under two names) are refused; a parameter used outside it
 forward (a tied head ``F.linear(h, fc.weight)``, a ``pos_embed`` added by the parent) is found by
 watching the first forward pass; and a recorded output or input changed in place afterwards
 (``ReLU(inplace=True)``, ``z += y``) is detected by its version counter and recorded from a copy.
+Any other route (a copy of a parameter kept elsewhere, a replaced ``forward``, a global hook) is
+caught by the route check: on the first pass in each training mode and after every change of the
+trainable parameter set, the unclipped sum of the records' per-example gradients must equal the
+parameters' autograd gradient. A route taken only on some inputs, never on a checked pass, is
+beyond these checks (see docs/engines.md).
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ from dpscale.privacy.per_example import (
     Batch,
     ClippedSumMixin,
     LossFn,
+    RELATIVE_ERROR_FLOOR,
     Params,
     clip_factors,
     mean_over_views,
     per_example_cross_entropy,
+    tolerance_for,
 )
 
 # ----------------------------------------------------------------------------- layer rules
@@ -381,6 +388,9 @@ def unsupported_modules(model: nn.Module) -> list[str]:
     Returns:
         one string per problem, naming the layer ("name (reason)") or the parameters.
     """
+    if type(model).__name__ == "OptimizedModule" and "_orig_mod" in model._modules:  # without importing dynamo
+        return ["<root> (a torch.compile'd model: its layers run inside the compiled graph, where hooks cannot record "
+                "them; pass the uncompiled module)"]  # fmt: skip
     problems = []
     for name, module in model.named_modules():
         trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -411,7 +421,8 @@ class _OutsideUseMonitor(TorchFunctionMode):
         if any(t.requires_grad for t in _tensors(out)):  # .shape, .detach() etc. carry no gradient
             current = self.active[-1] if self.active else None
             for t in _tensors((args, kwargs)):
-                hit = self.owner.get(id(t))
+                # a view of the parameter (``fc.weight.T`` kept by the parent) is the parameter too
+                hit = self.owner.get(id(t)) or (self.owner.get(id(t._base)) if t._base is not None else None)
                 if hit is not None and hit[1] is not current:
                     self.outside[hit[0]] = None
         return out
@@ -432,7 +443,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 class _ModelState:
     """What an engine learned about one model on its first calls."""
 
-    watched: bool = False  # the outside-use monitor has run on a forward pass
+    # (training mode, support_key) pairs whose first pass passed the route checks: a route that
+    # exists only in train mode, or a parameter unfrozen later, is checked when it first runs.
+    checked: set[tuple] = field(default_factory=set)
     copied: set[str] = field(default_factory=set)  # layers whose tensors are changed in place later
     # unsupported_modules costs ~0.6 ms on a ResNet-50: its verdict is kept while the parameter
     # set and their requires_grad flags stay the same.
@@ -444,6 +457,44 @@ class _ModelState:
         if key != self.support_key:
             self.problems, self.support_key = unsupported_modules(model), key
         return self.problems
+
+    def route_key(self, model: nn.Module) -> tuple:
+        """Key of the routes a pass can take: training mode and the current parameter set."""
+        self.static_problems(model)
+        return (model.training, self.support_key)
+
+
+def _true_gradients(model: nn.Module, params: Params) -> dict[str, torch.Tensor]:
+    """The model's own trainable tensors named in ``params`` (which may hold detached copies)."""
+    return {name: p for name, p in model.named_parameters() if name in params and p.requires_grad}
+
+
+def _unseen_routes(records: list[_Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor) -> list[str]:
+    """Parameters whose autograd gradient differs from the unclipped sum of the records'
+    per-example gradients: a route the records do not see (a view or copy of the parameter used
+    elsewhere, a replaced ``forward``, a global hook changing an output).
+
+    Args:
+        records: the pass's records, norms already computed (caches filled).
+        true: parameter name -> its gradient of the summed loss by autograd (None: unused).
+        rows: ones, one per example (the clip factors of an unclipped sum).
+    """
+    from_records: Params = {}
+    for r in records:
+        for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, rows).items():
+            from_records[f"{r.name}.{local}" if r.name else local] = s
+    sizes = {n: float(torch.linalg.vector_norm(t)) if t is not None else 0.0 for n, t in true.items()}
+    scale = RELATIVE_ERROR_FLOOR * max(sizes.values(), default=0.0) + 1e-300
+    unseen = []
+    for name, t in true.items():
+        got = from_records.get(name)
+        if t is None and got is None:
+            continue
+        t = torch.zeros_like(got) if t is None else t
+        error = float(torch.linalg.vector_norm(t - (torch.zeros_like(t) if got is None else got)))
+        if error > tolerance_for(t.dtype) * max(sizes[name], scale):
+            unseen.append(f"{name} (records {error / max(sizes[name], scale):.2g} off, relative)")
+    return unseen
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -498,15 +549,20 @@ class GhostEngine(ClippedSumMixin):
     ) -> tuple[Params, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """As ``clipped_sum_and_losses`` plus each layer's per-example squared norms (B,) by
         layer name (for the start-up self-check, which names the layers that disagree)."""
-        problems = self._models.setdefault(model, _ModelState()).static_problems(model)
+        state = self._models.setdefault(model, _ModelState())
+        problems = state.static_problems(model)
         if problems:
             raise ValueError(f"{self.mode} engine cannot handle: {'; '.join(problems)}; use engine=vmap")
-        records, losses = self._recorded_forward(model, params, batch)
-        # Gradients w.r.t. the layer outputs only; the list of outputs is not kept, so that each
-        # output can be freed as soon as its layer is done below.
-        out_grads = (
-            list(torch.autograd.grad(losses.sum(), [r.output for r in records], allow_unused=True)) if records else []
-        )
+        key = state.route_key(model)
+        check = key not in state.checked  # first pass in this mode with this parameter set
+        records, losses = self._recorded_forward(model, params, batch, watch=check)
+        # Gradients w.r.t. the layer outputs only (and, on a checked pass, w.r.t. the parameters);
+        # the list of outputs is not kept, so that each output can be freed once its layer is done.
+        true = _true_gradients(model, params) if check and losses.requires_grad else {}
+        targets = [r.output for r in records] + list(true.values())
+        grads = list(torch.autograd.grad(losses.sum(), targets, allow_unused=True)) if targets else []
+        out_grads, true = grads[: len(records)], dict(zip(true, grads[len(records) :]))
+        del targets, grads
         sq_norms, layer_sq = batch[0].new_zeros(batch[0].shape[0]), {}
         for i, r in enumerate(records):
             g, out_grads[i] = out_grads[i], None
@@ -518,6 +574,15 @@ class GhostEngine(ClippedSumMixin):
             if "weight" in r.cache:  # the clipped sum comes from the cache: drop the activations early
                 r.inputs = r.out_grad = None
         del out_grads
+        if check:
+            unseen = _unseen_routes(records, true, torch.ones_like(sq_norms))
+            if unseen:
+                raise ValueError(
+                    f"{self.mode} engine: the gradient of {', '.join(unseen)} reaches the loss by a route the layer "
+                    "records do not see (a view or copy of the parameter used elsewhere, a replaced forward, a "
+                    "global hook changing an output?); use engine=vmap"
+                )
+            state.checked.add(key)
         norms = sq_norms.sqrt()
         factors = clip_factors(norms, self.max_grad_norm)
         grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
@@ -526,14 +591,17 @@ class GhostEngine(ClippedSumMixin):
                 grad_sum[f"{r.name}.{local}" if r.name else local] = s
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
-    def _recorded_forward(self, model: nn.Module, params: Params, batch: Batch) -> tuple[list[_Record], torch.Tensor]:
+    def _recorded_forward(
+        self, model: nn.Module, params: Params, batch: Batch, watch: bool
+    ) -> tuple[list[_Record], torch.Tensor]:
         """One forward pass with every trainable layer's (input, output) recorded, checked for
-        routes the records would miss. A layer whose recorded tensor is changed in place later
-        is recorded from a copy, from then on (the pass is redone once when first found)."""
-        state = self._models.setdefault(model, _ModelState())
+        routes the records would miss (under the outside-use monitor when ``watch``). A layer
+        whose recorded tensor is changed in place later is recorded from a copy, from then on
+        (the pass is redone once when first found)."""
+        state = self._models[model]
         for _ in range(2):
             records = self._records(model, params, self.views, self.mode == "ghost")
-            losses, outside = self._forward(model, records, batch, state)
+            losses, outside = self._forward(model, records, batch, state, watch)
             if outside:
                 raise ValueError(
                     f"{self.mode} engine: parameter(s) {', '.join(outside)} reach the loss outside their own "
@@ -545,6 +613,12 @@ class GhostEngine(ClippedSumMixin):
                         f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
                     )
             records = [r for r in records if r.calls]  # a layer that did not run has zero gradient
+            detached = [r.name for r in records if not r.output.requires_grad]
+            if detached:  # run under no_grad, e.g. by reentrant activation checkpointing
+                raise ValueError(
+                    f"{self.mode} engine: the outputs of layer(s) {', '.join(detached)} carry no gradient when "
+                    "recorded (torch.no_grad or checkpoint(..., use_reentrant=True)?); use use_reentrant=False"
+                )
             rows = batch[0].shape[0] * self.views  # the forward pass sees an example's K views as rows
             shared = [r.name for r in records if r.inputs.shape[0] != rows or r.output.shape[0] != rows]
             if shared:  # e.g. a layer applied to one constant row broadcast to every example
@@ -561,12 +635,12 @@ class GhostEngine(ClippedSumMixin):
         raise ValueError(f"{self.mode} engine: the tensors of layer(s) {', '.join(sorted(changed))} change in place")
 
     def _forward(
-        self, model: nn.Module, records: list[_Record], batch: Batch, state: _ModelState
+        self, model: nn.Module, records: list[_Record], batch: Batch, state: _ModelState, watch: bool
     ) -> tuple[torch.Tensor, list[str]]:
-        """The hooked forward pass: (per-example losses, parameters used outside their layer).
-        The first pass per model runs under the outside-use monitor."""
+        """The hooked forward pass: (per-example losses, parameters used outside their layer,
+        when ``watch`` runs it under the outside-use monitor)."""
         x, y = batch
-        monitor = None if state.watched else _OutsideUseMonitor(records)
+        monitor = _OutsideUseMonitor(records) if watch else None
         handles = []
         for r in records:
             if monitor is not None:
@@ -581,7 +655,6 @@ class GhostEngine(ClippedSumMixin):
             else:
                 with monitor:
                     losses = mean_over_views(self.loss_fn, model, x, y, self.views)
-                state.watched = True
         finally:
             for h in handles:
                 h.remove()

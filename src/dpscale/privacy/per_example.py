@@ -51,6 +51,21 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float | None) -> torch.Tens
     return (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
 
 
+# Exact engines are compared with independent references (the start-up self-check, the ghost
+# engine's route check) to a relative tolerance by dtype: reordered sums of many products differ
+# by ~1e-6 in float32, a missed route by percents.
+_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-3}
+_LOW_PRECISION_TOLERANCE = 3e-2
+# Errors are relative to the value itself, floored at this share of the largest one, so that an
+# exactly-zero gradient (a bias before a normalisation) is not judged by its float noise.
+RELATIVE_ERROR_FLOOR = 1e-3
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Relative tolerance for comparing an exact engine with a reference, for values of ``dtype``."""
+    return _TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE)
+
+
 def trainable_params(model: nn.Module) -> Params:
     """The parameters DP-SGD updates (requires_grad=True), detached, by name."""
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}

@@ -22,6 +22,7 @@ from torch import nn
 
 from dpscale.privacy.per_example import (
     CLIP_EPS,
+    RELATIVE_ERROR_FLOOR,
     Batch,
     LossFn,
     Params,
@@ -30,21 +31,11 @@ from dpscale.privacy.per_example import (
     make_engine,
     mean_over_views,
     per_example_cross_entropy,
+    tolerance_for,
     trainable_params,
 )
 
 SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
-_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-3}
-_LOW_PRECISION_TOLERANCE = 3e-2
-# Errors are relative to the value itself, floored at this share of the largest one, so that an
-# exactly-zero gradient (a bias before a normalisation) is not judged by its float noise.
-_FLOOR = 1e-3
-
-
-def tolerance_for(dtype: torch.dtype) -> float:
-    """Relative tolerance of the self-check for parameters of ``dtype``."""
-    return _TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE)
-
 
 @dataclass(frozen=True)
 class SelfCheckResult:
@@ -124,7 +115,9 @@ def reference_clipped_sum(
 
 
 def _relative(error: torch.Tensor, value: torch.Tensor, scale: float) -> float:
-    return float((error / value.clamp(min=_FLOOR * scale + 1e-300)).max()) if error.numel() else 0.0
+    if not error.numel():
+        return 0.0
+    return float((error / value.clamp(min=RELATIVE_ERROR_FLOOR * scale + 1e-300)).max().detach())
 
 
 def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> SelfCheckResult:
