@@ -11,6 +11,7 @@ from dpscale.config import ConfigError, load_config
 from dpscale.train.checkpoint import load_checkpoint
 from dpscale.train.loop import Trainer
 from dpscale.tune import TUNING_CAVEAT
+from dpscale.privacy.plan import SEEDED_CAVEAT
 from dpscale.tune.clip_lr import GridValue, choose_clip_norm
 from dpscale.tune.sweep import Sweep, SweepSpec, parse_grid, split_values
 
@@ -238,6 +239,9 @@ def test_tune_clip_lr_end_to_end(tmp_path, capsys):
     best = max(lr, key=lambda r: r["summary"]["test_accuracy"])
     assert result["chosen_lr"] == best["point"]["optim.lr"]
     assert result["lr_times_clip"] == pytest.approx(result["chosen_lr"] * result["chosen_clip_norm"])
+    # run.seed is fixed: the private stage's caveat is in the json, the markdown and on screen
+    assert SEEDED_CAVEAT in result["guarantee_caveats"]
+    assert SEEDED_CAVEAT in (out / "clip_lr.md").read_text() and f"WARNING: {SEEDED_CAVEAT}" in report
 
 
 # ------------------------------------------------------ privacy commands

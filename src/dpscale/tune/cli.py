@@ -388,28 +388,14 @@ def _cmd_tune_clip_lr(args: argparse.Namespace) -> int:
         args.config, args.set, out, args.clip_norms, args.lrs, args.lr_factors, args.tolerance,
         args.seeds or (), args.metric, progress=not args.quiet, on_point=_print_point,
     )
-    caveats = _private_stage_caveats(out)
     if args.json:
-        print(json.dumps({**result.as_json(), "guarantee_caveats": caveats}))
+        print(json.dumps(result.as_json()))
     else:
         print(clip_lr_report(result))
         print(f"wrote {out / 'clip_lr.json'} and {out / 'clip_lr.md'}")
-        for note in caveats:
+        for note in result.guarantee_caveats:
             print(f"WARNING: {note}")
     return 0
-
-
-def _private_stage_caveats(out: Path) -> list[str]:
-    """What the guarantees of the private (stage 3) runs do not cover, e.g. the fixed run.seed of
-    ``--seeds``: printed with the chosen pair (stage 2's runs are not private and say so)."""
-    from dpscale.tune.sweep import read_results
-
-    notes = {
-        note
-        for record in read_results(out / "lr")
-        for note in ((record.get("summary") or {}).get("guarantee_caveats") or [])
-    }
-    return sorted(notes)
 
 
 # ---------------------------------------------------------------------- parser

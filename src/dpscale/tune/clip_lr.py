@@ -46,6 +46,8 @@ class ClipLrResult:
     learning_rates: tuple[GridValue, ...]
     chosen_lr: float
     best_metric: float
+    # what the stage-3 runs' guarantees do not cover (e.g. the fixed run.seed of --seeds)
+    guarantee_caveats: tuple[str, ...] = ()
 
     @property
     def lr_times_clip(self) -> float:
@@ -156,6 +158,7 @@ def run_clip_lr(
         learning_rates=tuple(_by_value(lr_results, "optim.lr", metric)),
         chosen_lr=float(best.value),
         best_metric=best.metric,
+        guarantee_caveats=tuple(sorted({n for r in lr_results for n in ((r.summary or {}).get("guarantee_caveats") or [])})),
     )
     atomic_write_text(out_dir / "clip_lr.json", json.dumps(result.as_json(), indent=2) + "\n")
     atomic_write_text(out_dir / "clip_lr.md", clip_lr_report(result))
@@ -195,5 +198,6 @@ def clip_lr_report(result: ClipLrResult) -> str:
         "when changing C.",
         "",
         f"**{TUNING_CAVEAT}.** Stage 2 runs at sigma = 0 are not private at all.",
+        *(f"**Stage 3's guarantee does not cover:** {note}" for note in result.guarantee_caveats),
     ]
     return "\n".join(lines) + "\n"
