@@ -323,3 +323,20 @@ def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(ca
     record = lambda msg: logging.LogRecord("absl", logging.WARNING, __file__, 1, msg, None, None)  # noqa: E731
     assert not keep(record("_compute_log_a_frac failed to converge after 1000 iterations"))
     assert keep(record("an unrelated warning"))
+
+
+def test_epsilon_is_cached_per_history_and_delta(monkeypatch):
+    from dpscale.privacy import accountant as module
+
+    calls = []
+    original = module._pld_epsilon
+    monkeypatch.setattr(module, "_pld_epsilon", lambda *a: calls.append(a) or original(*a))
+    module._cached_epsilon.cache_clear()
+    acc = module.PrivacyAccountant("pld")
+    acc.step(0.01, 1.1, 37)
+    first = acc.epsilon(1e-5)
+    assert acc.epsilon(1e-5) == first and len(calls) == 1  # asked again: no recomputation
+    assert first == original(list(acc.history), 1e-5, acc.pld_discretization)
+    acc.epsilon(1e-6)
+    acc.step(0.01, 1.1)  # one more step: a new history, recomputed, and larger
+    assert acc.epsilon(1e-5) > first and len(calls) == 3

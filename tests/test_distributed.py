@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         draws.append(torch.cat([v.flatten() for v in noise.values()])[:200])
     if rank == 0:
         torch.save(
-            {"gradient": gradient, "stats": stats.__dict__, "params": dict(model.state_dict()), "noise": torch.stack(draws)},
+            {"gradient": gradient, "stats": stats.as_dict(), "params": dict(model.state_dict()), "noise": torch.stack(draws)},
             Path(out) / "rank0.pt",
         )
     dist.barrier()

@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from torch.overrides import TorchFunctionMode
 import torch
 import yaml
 
@@ -336,3 +337,46 @@ def test_weak_delta_is_flagged(tmp_path):
     summary = Trainer.create(small_config(tmp_path / "d", "dp.delta=0.001", "train.steps=2"), progress=False).run()
     assert any("delta=0.001 >= 1/N" in note for note in summary["guarantee_caveats"])
     assert "guarantee_scope" in summary and "metrics.jsonl" in summary["guarantee_scope"]
+
+
+class _HostReads(TorchFunctionMode):
+    """Records every read of a tensor's value by the host (each one waits for the device)."""
+
+    READS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("engine", ["bk", "vmap"])
+def test_a_logical_step_reads_no_tensor_on_the_host(tmp_path, engine):
+    trainer = Trainer.create(small_config(tmp_path / engine, f"train.engine={engine}", "augment.multiplicity=2",
+                                          "augment.type=crop-flip"), progress=False)  # fmt: skip
+    trainer.train_step()  # the first step runs the engine's one-off route checks
+    with _HostReads() as probe:
+        for _ in range(3):  # several chunks each (128 expected examples, chunks of 32)
+            trainer.train_step()
+    assert probe.reads == []
+    assert trainer._last_stats.batch_size > 0  # read afterwards, when reporting
+
+
+def test_checkpoints_by_time_and_at_the_end(tmp_path, monkeypatch):
+    saves = []
+    original = Trainer.save
+    monkeypatch.setattr(Trainer, "save", lambda self: saves.append(self.step) or original(self))
+    Trainer.create(small_config(tmp_path / "default"), progress=False).run()
+    assert saves == [24]  # a short run: only the end (evaluations no longer checkpoint)
+    saves.clear()
+    trainer = Trainer.create(small_config(tmp_path / "often", "train.checkpoint_every_minutes=1e-9"), progress=False)
+    trainer.run(max_steps=5)
+    assert saves == [1, 2, 3, 4, 5, 5]  # every step, then on stopping early
+    saves.clear()
+    Trainer.create(small_config(tmp_path / "steps", "train.checkpoint_every_minutes=null",
+                                "train.checkpoint_every_steps=10"), progress=False).run()  # fmt: skip
+    assert saves == [10, 20, 24]

@@ -192,8 +192,11 @@ class TrainConfig:
         with a per-example loop on a few training examples; refuse on a mismatch (auto falls
         back to vmap). false: skip it, and every output says the engine went unchecked.
     eval_batch_size: batch size for evaluation.
-    eval_every_epochs: evaluate, log and checkpoint every this many epochs (and at the end).
-    checkpoint_every_steps: also checkpoint every this many steps (null: only at evaluations).
+    eval_every_epochs: evaluate and log every this many epochs (and at the end).
+    checkpoint_every_minutes: checkpoint once this many minutes have passed since the last
+        checkpoint (checked after every step; null: never by time). Always at the end, when
+        stopping early and on Ctrl-C.
+    checkpoint_every_steps: also checkpoint every this many steps (null: off).
     ema_decay: keep an exponential moving average of the parameters, updated after every
         logical step (e.g. 0.999); evaluations then also report the EMA model (null: off). It is
         computed from the released (noisy) updates only, so it costs no privacy.
@@ -206,6 +209,7 @@ class TrainConfig:
     self_check: bool = True
     eval_batch_size: int = 1000
     eval_every_epochs: float = 1.0
+    checkpoint_every_minutes: float | None = 10.0
     checkpoint_every_steps: int | None = None
     ema_decay: float | None = None
 
@@ -493,6 +497,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.engine must be auto, bk, ghost or vmap, got {train.engine!r}")
     if train.eval_batch_size < 1:
         raise ConfigError(f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
+    if train.checkpoint_every_minutes is not None and not train.checkpoint_every_minutes > 0:
+        raise ConfigError(f"train.checkpoint_every_minutes must be > 0 or null, got {train.checkpoint_every_minutes}")
     if train.checkpoint_every_steps is not None and train.checkpoint_every_steps < 1:
         raise ConfigError(f"train.checkpoint_every_steps must be >= 1 or null, got {train.checkpoint_every_steps}")
     run = config.run

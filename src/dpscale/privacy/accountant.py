@@ -191,6 +191,14 @@ def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> Acc
     return AccountingSegment(1.0, float(noise_multiplier), int(count), label)
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_epsilon(kind: str, discretization: float, segments: tuple[AccountingSegment, ...], delta: float) -> float:
+    """Epsilon of a history (a pure function of its arguments, so safe to memoise)."""
+    if kind == "pld":
+        return _pld_epsilon(list(segments), delta, discretization)
+    return float(_rdp_accountant(list(segments)).get_epsilon(delta))
+
+
 class PrivacyAccountant:
     """Keeps the history of DP-SGD steps that ran and turns it into epsilon.
 
@@ -244,13 +252,12 @@ class PrivacyAccountant:
             self._segments.append(segment)
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at the given delta (0.0 before the first step)."""
+        """Epsilon spent so far at the given delta (0.0 before the first step). Cached per
+        (history, delta): a run asks at every evaluation, the summary and the progress bar."""
         _check_delta(delta)
         if not self._segments:
             return 0.0
-        if self.kind == "pld":
-            return _pld_epsilon(self._segments, delta, self.pld_discretization)
-        return float(_rdp_accountant(self._segments).get_epsilon(delta))
+        return _cached_epsilon(self.kind, self.pld_discretization, tuple(self._segments), float(delta))
 
     def delta(self, epsilon: float) -> float:
         """Smallest delta achieved at the given epsilon."""

@@ -239,7 +239,8 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
         self.step = 0
         self.wall_time_s = 0.0
-        self._window = {"loss_sum": 0.0, "examples": 0}  # train loss since the last evaluation
+        self._reset_window()
+        self._saved_at = time.perf_counter()  # when the checkpoint was last written (perf_counter s)
         self._privacy_warnings: list[str] | None = None  # computed on first use
 
     def _resolve_plan(
@@ -364,7 +365,7 @@ class Trainer:
             "noise_generator": self.noise_generator.state_dict(),  # the noise rank's (rank 0)
             "augtest_seed": self.augtest_seed,
             "ema": self.ema.state_dict() if self.ema else None,
-            "window": dict(self._window),
+            "window": self._window_as_dict(),
             "plan": asdict(self.plan),
             "data_fingerprint": self.data_fingerprint,
             "feature_norm": self.feature_normalizer.state_dict(),
@@ -396,7 +397,9 @@ class Trainer:
             if state.get("ema") is None:
                 raise ConfigError("train.ema_decay is set but the checkpoint has no EMA of the weights")
             self.ema.load_state_dict(state["ema"])
-        self._window = dict(state["window"])
+        self._window = torch.tensor(
+            [float(state["window"]["loss_sum"]), float(state["window"]["examples"])], dtype=torch.float64, device=self.device
+        )
         self.step = int(state["step"])
         self.wall_time_s = float(state["wall_time_s"])
         if self.plan.is_private and self.accountant.steps != self.step:
@@ -439,6 +442,7 @@ class Trainer:
         state = self.state()
         if self.dist.is_main:
             save_checkpoint(self.run_dir / CHECKPOINT_NAME, state)
+        self._saved_at = time.perf_counter()
 
     # ------------------------------------------------------------------- loop
     def epochs_done(self, step: int) -> float:
@@ -491,19 +495,37 @@ class Trainer:
         if self.plan.is_private:
             self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
         self.step += 1
-        self._window["loss_sum"] += stats.loss_sum
-        self._window["examples"] += stats.batch_size
+        self._window += stats.counts[[1, 0]].to(self._window.device)  # on the device: no host sync
         self._last_stats = stats
+
+    def _reset_window(self) -> None:
+        """Train loss sum and examples since the last evaluation (float64, on the device)."""
+        self._window = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def _window_as_dict(self) -> dict[str, float | int]:
+        loss_sum, examples = self._window.tolist()
+        return {"loss_sum": loss_sum, "examples": int(examples)}
+
+    def _checkpoint_due(self) -> bool:
+        """Every ``train.checkpoint_every_steps`` steps, and once ``train.checkpoint_every_minutes``
+        have passed since the last checkpoint (agreed by all ranks: saving is collective)."""
+        train = self.config.train
+        every = train.checkpoint_every_steps
+        if every and self.step % every == 0:
+            return True
+        minutes = train.checkpoint_every_minutes
+        due = minutes is not None and time.perf_counter() - self._saved_at >= 60.0 * minutes
+        return self.dist.any(due) if minutes is not None else False
 
     def evaluate_and_log(self) -> dict[str, Any] | None:
         """Evaluate and append to metrics.jsonl (rank 0; other ranks only reset the window)."""
         if not self.dist.is_main:
-            self._window = {"loss_sum": 0.0, "examples": 0}
+            self._reset_window()
             return None
         accuracy, test_loss = evaluate(
             self.model, self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
         )
-        window = self._window
+        window = self._window_as_dict()
         record = {
             "epoch": self.epochs_done(self.step),
             "step": self.step,
@@ -519,7 +541,7 @@ class Trainer:
         record.update(self.extra_evaluations())
         if self.plan.caveats():
             record["privacy_note"] = "; ".join(self.plan.caveats())
-        self._window = {"loss_sum": 0.0, "examples": 0}
+        self._reset_window()
         self.metrics.append(record)
         return record
 
@@ -545,8 +567,9 @@ class Trainer:
     def run(self, max_steps: int | None = None) -> dict[str, Any] | None:
         """Train until the planned number of steps, or until global step ``max_steps``.
 
-        Writes a checkpoint at every evaluation and when stopping early. Ctrl-C finishes the
-        current step, writes a checkpoint and raises ``KeyboardInterrupt``.
+        Writes a checkpoint every ``train.checkpoint_every_minutes`` (and every
+        ``train.checkpoint_every_steps``), at the end and when stopping early. Ctrl-C finishes
+        the current step, writes a checkpoint and raises ``KeyboardInterrupt``.
 
         Returns:
             the summary dict when training is complete, else None.
@@ -566,9 +589,9 @@ class Trainer:
             dynamic_ncols=True,
         )
         epsilon = self.epsilon() if self.step else 0.0
-        epsilon_at = time.perf_counter()
+        reported_at = time.perf_counter()
         interrupt = _DeferredInterrupt()
-        every = self.config.train.checkpoint_every_steps
+        self._saved_at = time.perf_counter()
         interrupted = False
         try:
             with interrupt:
@@ -579,28 +602,26 @@ class Trainer:
                         break
                     started = time.perf_counter()
                     self.train_step()
-                    if self._eval_due():
+                    evaluated = self._eval_due()
+                    if evaluated:
                         self.wall_time_s += time.perf_counter() - started
                         started = time.perf_counter()
                         record = self.evaluate_and_log()
-                        self.save()
                         if record is not None:
-                            epsilon, epsilon_at = record["epsilon"], time.perf_counter()
+                            epsilon = record["epsilon"]
                             self._log(
                                 f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
                                 f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
                             )
-                    elif every and self.step % every == 0:
+                    if self.step == self.total_steps or self._checkpoint_due():
                         self.save()
                     self.wall_time_s += time.perf_counter() - started
-                    if self.progress and time.perf_counter() - epsilon_at > EPSILON_REFRESH_S:
-                        epsilon, epsilon_at = self.epsilon(), time.perf_counter()
                     bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{self._last_stats.loss_sum / max(1, self._last_stats.batch_size):.3f}",
-                        eps=_fmt_eps(epsilon),
-                        refresh=False,
-                    )
+                    # Reading the step's loss waits for the device: only when the bar is redrawn.
+                    if self.progress and (evaluated or time.perf_counter() - reported_at > EPSILON_REFRESH_S):
+                        epsilon, reported_at = self.epsilon(), time.perf_counter()
+                        loss = self._last_stats.loss_sum / max(1, self._last_stats.batch_size)
+                        bar.set_postfix(loss=f"{loss:.3f}", eps=_fmt_eps(epsilon), refresh=False)
         finally:
             bar.close()
         if interrupted or (not self.dist.enabled and interrupt.requested):

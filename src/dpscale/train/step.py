@@ -23,17 +23,39 @@ from dpscale.rng import DPRandom
 
 @dataclass(frozen=True)
 class StepStats:
-    """Attributes:
-    batch_size: examples actually in this logical batch.
-    loss_sum: sum of per-example losses (before the update).
-    clipped_fraction: share of examples whose gradient norm exceeded C.
-    mean_grad_norm: mean per-example gradient norm before clipping.
+    """Statistics of one logical batch, kept where they were computed: reading a property waits
+    for the device (a host sync), so a training loop reads them only when it reports.
+
+    Attributes:
+        counts: float64 tensor [examples, sum of per-example losses (before the update),
+            examples whose gradient norm exceeded C, sum of per-example gradient norms].
     """
 
-    batch_size: int
-    loss_sum: float
-    clipped_fraction: float
-    mean_grad_norm: float
+    counts: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        """Examples actually in this logical batch."""
+        return int(self.counts[0])
+
+    @property
+    def loss_sum(self) -> float:
+        return float(self.counts[1])
+
+    @property
+    def clipped_fraction(self) -> float:
+        """Share of examples whose gradient norm exceeded C."""
+        return float(self.counts[2]) / self.batch_size if self.batch_size else 0.0
+
+    @property
+    def mean_grad_norm(self) -> float:
+        """Mean per-example gradient norm before clipping."""
+        return float(self.counts[3]) / self.batch_size if self.batch_size else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """All four statistics (one host sync)."""
+        names = ("batch_size", "loss_sum", "clipped_fraction", "mean_grad_norm")
+        return {name: getattr(StepStats(self.counts.cpu()), name) for name in names}
 
 
 def physical_chunks(
@@ -91,37 +113,24 @@ def noisy_clipped_mean(
     """
     params = trainable_params(model)
     total = {name: torch.zeros_like(p) for name, p in params.items()}
-    loss_sum, norm_parts = 0.0, []
+    # examples, loss sum, clipped examples, norm sum: accumulated on the device, no host sync
+    device = next(iter(total.values())).device if total else torch.device("cpu")  # nccl reduces on the GPU
+    counts = torch.zeros(4, dtype=torch.float64, device=device)
+    clip = engine.max_grad_norm
     for chunk in chunks:
         grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
         for name in total:
             total[name] += grad_sum[name]
-        loss_sum += float(losses.sum())
-        norm_parts.append(norms)
+        clipped = (norms > clip).sum() if clip is not None else norms.new_zeros(())
+        examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
+        counts += torch.stack([examples, losses.sum().double(), clipped.double(), norms.sum().double()]).to(device)
     # once per logical step: on one rank, before the ranks' sums are added up
     noisy = add_gaussian_noise(total, noise_std if add_noise else 0.0, noise_generator)
-
-    norms = torch.cat(norm_parts) if norm_parts else torch.zeros(0)
-    clip = engine.max_grad_norm
-    clipped = float((norms > clip).sum()) if clip is not None else 0.0
-    # examples, loss sum, clipped examples, norm sum: of this rank's part, then of the whole batch
-    device = next(iter(total.values())).device if total else norms.device  # nccl reduces on the GPU
-    counts = torch.tensor(
-        [float(norms.numel()), loss_sum, clipped, float(norms.sum())], dtype=torch.float64, device=device
-    )
-    if all_reduce_sum is not None:
+    if all_reduce_sum is not None:  # this rank's part, then the whole batch's
         all_reduce_sum([noisy[name] for name in sorted(noisy)])
         all_reduce_sum([counts])
     gradient = {name: g / expected_batch_size for name, g in noisy.items()}
-
-    examples = int(counts[0])
-    stats = StepStats(
-        batch_size=examples,
-        loss_sum=float(counts[1]),
-        clipped_fraction=float(counts[2]) / examples if examples else 0.0,
-        mean_grad_norm=float(counts[3]) / examples if examples else 0.0,
-    )
-    return gradient, stats
+    return gradient, StepStats(counts)
 
 
 def apply_gradient(model: nn.Module, gradient: Params, optimizer: torch.optim.Optimizer) -> None:
