@@ -26,3 +26,36 @@ def test_unknown_engine_is_skipped_with_a_note(capsys):
     captured = capsys.readouterr()
     assert [r["engine"] for r in json.loads(captured.out)] == ["nonprivate"]
     assert "dpscale-warp" in captured.err
+
+
+def test_step_time_in_bf16_at_a_given_batch_size(capsys, tmp_path):
+    out = tmp_path / "bench.md"
+    code = main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-auto,dpscale-vmap",
+                 "--repeats", "1", "--warmup", "0", "--precision", "bf16", "--batch-size", "16", "--write", str(out)])
+    assert code == 0
+    table = out.read_text()
+    assert "precision: bf16" in table and "| papernot-cnn | 16 | dpscale-auto |" in table
+    assert "| papernot-cnn | 16 | dpscale-vmap |" in table
+
+
+def test_peak_memory_is_measured_after_releasing_what_the_previous_step_left():
+    """A step that leaves 4 MB behind (like Opacus' grad_sample): the leftover is released
+    before the measured step (on CUDA it would otherwise sit in the baseline, and its free
+    inside the step would hide the step's own allocation), and the step's own 4 MB count."""
+    import torch
+
+    from dpscale.bench.step_time import TimedStep, _peak_memory_mb
+
+    kept, released = [], []
+
+    def step():
+        kept.clear()
+        kept.append(torch.ones(2**20))
+
+    def release():
+        released.append(len(kept))
+        kept.clear()
+
+    step()
+    peak = _peak_memory_mb(TimedStep(step, release), torch.device("cpu"))
+    assert released == [1] and 3.9 < peak < 4.2

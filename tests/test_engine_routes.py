@@ -182,6 +182,26 @@ class SharedRowLayer(nn.Module):
         return self.out(torch.tanh(self.fc(x) + self.offset(torch.ones(1, 1, dtype=x.dtype))))
 
 
+class WeightStandardised(nn.Module):
+    """NF-ResNet's pieces: scaled weight-standardised convs (with and without bias, strided, grouped)
+    and a SkipInit scalar gain on a residual branch."""
+
+    def __init__(self):
+        super().__init__()
+        from dpscale.models.layers import ScalarGain, ScaledStdConv2d
+
+        self.stem = ScaledStdConv2d(1, 4, 3, padding=1)
+        self.branch = ScaledStdConv2d(4, 4, 3, padding=1, groups=2, bias=False)
+        self.gain = ScalarGain(0.2, init=0.5)
+        self.down = ScaledStdConv2d(4, 6, 3, stride=2)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = h + self.gain(torch.tanh(self.branch(h)))
+        return self.head(self.down(h).mean((2, 3)))
+
+
 def _vectors(n=5):
     return torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))
 
@@ -200,6 +220,7 @@ CASES = {
     "user_forward_hook": (lambda: HookedOutput(False), _vectors, None),
     "user_forward_hook_with_a_parameter": (lambda: HookedOutput(True), _vectors, "gain.weight"),
     "layer_called_on_one_shared_row": (SharedRowLayer, _vectors, "offset"),
+    "weight_standardised_conv": (WeightStandardised, lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))), None),
     "resnet_block": (TinyResNet, lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))), None),
 }
 
@@ -256,7 +277,7 @@ def test_no_released_per_example_contribution_exceeds_the_clip_norm(case):
 
 
 def test_in_place_models_are_handled_exactly_by_bk_not_refused():
-    for case in ("relu_", "inplace_relu_module", "relu_then_residual", "resnet_block"):
+    for case in ("relu_", "inplace_relu_module", "relu_then_residual", "resnet_block", "weight_standardised_conv"):
         model, x, y, _ = _build(case)
         engine, notices, result = checked_engine("auto", 0.5, model, (x[:3], y[:3]))
         assert isinstance(engine, GhostEngine) and not notices and result.ok, (case, notices)

@@ -169,7 +169,7 @@ def test_auto_falls_back_to_vmap_naming_the_unsupported_layer():
             return x * self.gain
 
     model = nn.Sequential(nn.Linear(3, 4), Scale(), nn.Linear(4, 2))
-    assert unsupported_modules(model) == ["1 (Scale)"]
+    assert unsupported_modules(model) == ["1 (Scale: no rule for its parameter(s) 1.gain)"]
     engine, notice = make_engine("auto", 1.0, model)
     assert isinstance(engine, VmapEngine) and "Scale" in notice
     engine, notice = make_engine("auto", 1.0, nn.Sequential(nn.Linear(3, 2)))

@@ -157,8 +157,8 @@ def test_vit_parameter_counts_match_the_standard_models(name, dim, expected):
     assert freeze_block_groups(small, 13) == dim * 10 + 10  # 1 embedding + 12 block groups frozen
 
 
-def test_nf_resnet50_is_normaliser_free_and_routed_to_vmap():
-    from dpscale.privacy import VmapEngine, make_engine
+def test_nf_resnet50_is_normaliser_free_and_trains_with_bk():
+    from dpscale.privacy import GhostEngine, make_engine
 
     model = build_model("nf-resnet50", 1000, (3, 224, 224))
     # ResNet-50 convolutions plus per-channel WS gains and conv biases, 16 skip gains: ~25.6M
@@ -168,7 +168,7 @@ def test_nf_resnet50_is_normaliser_free_and_routed_to_vmap():
     small = build_model("nf-resnet50", 10, (3, 32, 32))
     assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     engine, notice = make_engine("auto", 1.0, small)
-    assert isinstance(engine, VmapEngine) and "ScaledStdConv2d" in notice
+    assert isinstance(engine, GhostEngine) and notice is None  # the exact WS-conv and skip-gain rules
     with torch.no_grad():  # weight standardisation: each output filter has zero mean, unit scale
         conv = small.stem[0]
         w = conv.weight
@@ -215,3 +215,17 @@ def test_every_model_has_the_common_interface_at_every_supported_size(name, shap
     model.reset_head(5)
     assert model(x).shape == (2, 5)
     check_per_example_compatible(model)
+
+
+def test_nf_resnet_checkpoints_from_before_the_skip_gain_layer_still_load():
+    model = build_model("nf-resnet50", 10, (3, 32, 32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    old_style = {k.removesuffix(".skip_gain.gain") + ".skip_gain" if k.endswith(".skip_gain.gain") else k: v
+                 for k, v in model.state_dict().items()}  # fmt: skip
+    assert any(k.endswith(".skip_gain") for k in old_style)
+    fresh = build_model("nf-resnet50", 10, (3, 32, 32))
+    fresh.load_state_dict(old_style)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -191,6 +191,11 @@ class TrainConfig:
     self_check: before the first step, compare the engine's per-example norms and clipped sum
         with a per-example loop on a few training examples; refuse on a mismatch (auto falls
         back to vmap). false: skip it, and every output says the engine went unchecked.
+    precision: how the model's forward/backward compute: fp32, tf32 (CUDA TF32 matmuls), bf16
+        or fp16 (autocast; parameters stay float32). Per-example norms, clip factors, the
+        clipped sum and the noise are float32 in every case (docs/precision.md).
+    fp16_loss_scale: the fixed loss scale S of fp16 (a power of two; never adapted, since
+        adapting to overflows would depend on the private data).
     eval_batch_size: batch size for evaluation.
     eval_every_epochs: evaluate and log every this many epochs (and at the end).
     checkpoint_every_minutes: checkpoint once this many minutes have passed since the last
@@ -207,6 +212,8 @@ class TrainConfig:
     max_physical_batch_size: int = 512
     engine: str = "auto"
     self_check: bool = True
+    precision: str = "fp32"
+    fp16_loss_scale: float = 1024.0
     eval_batch_size: int = 1000
     eval_every_epochs: float = 1.0
     checkpoint_every_minutes: float | None = 10.0
@@ -493,6 +500,14 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
     if not train.eval_every_epochs > 0:
         raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
+    from dpscale.privacy.precision import PRECISIONS, Precision  # local: keep config import-light
+
+    if train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {train.precision!r}")
+    try:
+        Precision("fp16", train.fp16_loss_scale)
+    except ValueError as err:
+        raise ConfigError(f"train.fp16_loss_scale: {err}") from None
     if train.engine not in ("auto", "bk", "ghost", "vmap"):
         raise ConfigError(f"train.engine must be auto, bk, ghost or vmap, got {train.engine!r}")
     if train.eval_batch_size < 1:

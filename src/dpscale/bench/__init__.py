@@ -21,6 +21,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_argument("--repeats", type=int, default=10)
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--device", default="cpu")
+    step.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"),
+                      help="forward/backward precision of every row (docs/precision.md)")
+    step.add_argument("--batch-size", type=int, default=None,
+                      help="for every model (default: a per-model size, larger on cuda)")
     step.add_argument("--threads", type=int, default=None)
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")

@@ -5,9 +5,14 @@ in turn), after warm-up, and reported as the median; ratios are to the non-priva
 same model and batch measured alongside. Opacus rows need the optional ``opacus`` package
 (``pip install -c constraints.txt .[bench]``) and are skipped with a note without it.
 
-Peak memory on CPU is the largest amount of tensor memory live during one step beyond what
-was live before it, from the torch profiler's allocation events (model and data excluded);
-on CUDA it is ``torch.cuda.max_memory_allocated`` over the same baseline.
+Peak memory is measured against the memory held by the model, optimizer state and data alone:
+before the measured step, whatever the previous step left behind (``.grad``, Opacus'
+``grad_sample``) is released. On CPU it is the largest amount of tensor memory live during one
+step beyond that, from the torch profiler's allocation events; on CUDA
+``torch.cuda.max_memory_allocated`` over the same baseline.
+
+``--precision bf16|fp16|tf32`` runs every row's forward/backward in that precision (the
+non-private and Opacus rows under the same autocast; fp16 with the same fixed loss scale).
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ from torch import nn
 
 from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.per_example import make_engine
+from dpscale.privacy.precision import FP32, Precision, make_precision
 from dpscale.rng import DPRandom
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
 DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
+# On a GPU: the batch sizes of the issue's H100 table (224x224 for the ImageNet models).
+GPU_BATCH = {
+    "papernot-cnn": 2048, "tramer-cifar-cnn": 512, "wrn16-4": 256, "resnet18-gn": 128, "resnet50-gn": 64,
+    "vit-small": 128, "nf-resnet50": 64,
+}  # fmt: skip
 # ImageNet-size models run at 224x224 on a GPU; on a CPU at 32x32 (CIFAR stem), labelled "@32".
 CPU_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32)}
 DPSCALE_ENGINES = ("vmap", "ghost", "bk", "auto")
@@ -40,6 +51,15 @@ ALL_ENGINES = ("nonprivate", *(f"dpscale-{e}" for e in DPSCALE_ENGINES), *(f"opa
 SIGMA, CLIP, LR = 1.0, 1.0, 0.1
 
 Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One engine's optimizer step, and how to drop what a step leaves behind (gradients,
+    per-sample gradients) so that memory is measured from the model + optimizer + data alone."""
+
+    run: Step
+    release: Step
 
 
 @dataclass(frozen=True)
@@ -69,7 +89,7 @@ def _views(x: torch.Tensor, views: int, generator: torch.Generator) -> torch.Ten
     return augment_views(x, "crop-flip", views, generator)
 
 
-def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1) -> Step:
+def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32) -> TimedStep:
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     augment = torch.Generator().manual_seed(1)
@@ -79,16 +99,20 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
         inputs, targets = x, y
         if views > 1:  # the same work without privacy: mean loss over the B*K views
             inputs, targets = _views(x, views, augment).flatten(0, 1), y.repeat_interleave(views)
-        F.cross_entropy(model(inputs), targets).backward()
+        with precision.forward(x.device):
+            loss = F.cross_entropy(model(inputs), targets)
+        (loss.float() * precision.loss_scale).backward()  # fp16: the same fixed loss scale
         optimizer.step()
 
-    return step
+    return TimedStep(step, lambda: optimizer.zero_grad(set_to_none=True))
 
 
-def _dpscale_step(name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1) -> Step:
+def _dpscale_step(
+    name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32
+) -> TimedStep:
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine, _ = make_engine(engine_name, CLIP, model, views=views)
+    engine, _ = make_engine(engine_name, CLIP, model, views=views, precision=precision)
     generator = DPRandom(0)  # the trainer's noise RNG: its host draws and copies are part of a step
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(x.shape[0], device=x.device)
@@ -101,7 +125,7 @@ def _dpscale_step(name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor,
         )
         apply_gradient(model, gradient, optimizer)
 
-    return step
+    return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
 
 
 def _parse_engine(engine: str) -> tuple[str, str, int]:
@@ -114,7 +138,7 @@ def _parse_engine(engine: str) -> tuple[str, str, int]:
     return kind, mode, views
 
 
-def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precision: Precision = FP32) -> TimedStep:
     import warnings
 
     from opacus import PrivacyEngine
@@ -137,16 +161,22 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Step
 
     def step() -> None:
         private_optimizer.zero_grad(set_to_none=True)
-        criterion(private_model(x), y).backward()
+        with precision.forward(x.device):
+            loss = criterion(private_model(x), y)
+        (loss.float() * precision.loss_scale).backward()
         private_optimizer.step()
 
-    return step
+    # zero_grad(set_to_none) also drops Opacus' grad_sample / summed_grad
+    return TimedStep(step, lambda: private_optimizer.zero_grad(set_to_none=True))
 
 
-def _peak_memory_mb(step: Step, device: torch.device) -> float:
-    """Extra tensor memory at the peak of one step (see module docstring)."""
+def _peak_memory_mb(timed: TimedStep, device: torch.device) -> float:
+    """Extra tensor memory at the peak of one step over model + optimizer + data (see module docstring)."""
+    timed.release()
+    step = timed.run
     if device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step()
@@ -176,58 +206,77 @@ def _sync(device: torch.device) -> None:
 def run_step_time(
     models: list[str], engines: list[str], repeats: int = 10, warmup: int = 3, device: str = "cpu",
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+    precision: str = "fp32", batch_size: int | None = None,
 ) -> list[Row]:
-    """Measure every (model, engine); returns rows (engines that cannot run are skipped with a log line)."""
+    """Measure every (model, engine); returns rows (engines that cannot run are skipped with a log line).
+
+    Args:
+        precision: fp32, tf32, bf16 or fp16 for every row (see the module docstring).
+        batch_size: for every model (default: DEFAULT_BATCH on CPU, GPU_BATCH on CUDA, else 64).
+    """
     import warnings
 
     # Opacus' hooks warn on every step that the input needs no gradient; not news here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     dev = torch.device(device)
+    prec = make_precision(precision)
+    defaults = GPU_BATCH if dev.type == "cuda" else DEFAULT_BATCH
     rows: list[Row] = []
     for name in models:
-        batch = DEFAULT_BATCH.get(name, 64)
+        batch = batch_size or defaults.get(name, 64)
         g = torch.Generator().manual_seed(0)
         shape = _input_shape(name, dev)
         label = name if shape == default_input_shape(name) else f"{name}@{shape[-1]}"
         x = torch.randn(batch, *shape, generator=g).to(dev)
         y = torch.randint(0, 10, (batch,), generator=g).to(dev)
-        steps: dict[str, Step] = {"nonprivate": _nonprivate_step(name, x, y)}
+        steps: dict[str, TimedStep] = {"nonprivate": _nonprivate_step(name, x, y, precision=prec)}
         for engine in engines:
             if engine == "nonprivate":
                 continue
             kind, mode, views = _parse_engine(engine)
             try:
                 if kind == "nonprivate":
-                    steps[engine] = _nonprivate_step(name, x, y, views)
+                    steps[engine] = _nonprivate_step(name, x, y, views, prec)
                 elif kind == "dpscale":
-                    steps[engine] = _dpscale_step(name, mode, x, y, views)
+                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec)
                 elif kind == "opacus" and views == 1:
-                    steps[engine] = _opacus_step(name, mode, x, y)
+                    steps[engine] = _opacus_step(name, mode, x, y, prec)
                 else:
                     raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
-                steps[engine]()  # fail here, not mid-measurement
+                steps[engine].run()  # fail here, not mid-measurement
             except ImportError:
                 log(f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')")
                 steps.pop(engine, None)
             except (RuntimeError, ValueError, NotImplementedError) as err:
                 log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
                 steps.pop(engine, None)
-        for step in steps.values():
-            for _ in range(warmup):
-                step()
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(repeats):  # interleaved: machine noise hits every engine alike
-            for engine, step in steps.items():
-                _sync(dev)
-                start = time.perf_counter()
-                step()
-                _sync(dev)
-                times[engine].append(time.perf_counter() - start)
-        base = statistics.median(times["nonprivate"])
-        for engine, step in steps.items():
-            median = statistics.median(times[engine])
-            rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(step, dev), repeats))
-            log(f"{label} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
+        with prec.matmul_flags():
+            rows += _measure(label, batch, steps, repeats, warmup, dev, log)
+    return rows
+
+
+def _measure(
+    label: str, batch: int, steps: dict[str, TimedStep], repeats: int, warmup: int, dev: torch.device,
+    log: Callable[[str], None],
+) -> list[Row]:
+    """Warm up, time the steps interleaved, then measure each one's peak memory."""
+    rows = []
+    for timed in steps.values():
+        for _ in range(warmup):
+            timed.run()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):  # interleaved: machine noise hits every engine alike
+        for engine, timed in steps.items():
+            _sync(dev)
+            start = time.perf_counter()
+            timed.run()
+            _sync(dev)
+            times[engine].append(time.perf_counter() - start)
+    base = statistics.median(times["nonprivate"])
+    for engine, timed in steps.items():
+        median = statistics.median(times[engine])
+        rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(timed, dev), repeats))
+        log(f"{label} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
     return rows
 
 
@@ -241,7 +290,7 @@ def _cpu_name() -> str:
     return f"{platform.machine()} CPU, {os.cpu_count()} logical cores"
 
 
-def markdown_table(rows: list[Row], command: str, device: str) -> str:
+def markdown_table(rows: list[Row], command: str, device: str, precision: str = "fp32") -> str:
     threads = torch.get_num_threads()
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
     lines = [
@@ -249,6 +298,7 @@ def markdown_table(rows: list[Row], command: str, device: str) -> str:
         "",
         f"- command: `{command}`",
         f"- machine: {machine}, {threads} torch threads, torch {torch.__version__}, Python {platform.python_version()}",
+        f"- date: {time.strftime('%Y-%m-%d')}; precision: {precision}",
         "- median ms per optimizer step over interleaved repeats after warm-up; ratio to the non-private",
         "  step of the same model and batch measured in the same process; peak = extra tensor memory",
         "  during one step (see `src/dpscale/bench/step_time.py`).",
@@ -271,11 +321,14 @@ def main(args) -> int:
     engines = [e for e in args.engines.split(",") if e] if args.engines else list(ALL_ENGINES)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run_step_time(models, engines, repeats=args.repeats, warmup=args.warmup, device=args.device)
+    rows = run_step_time(
+        models, engines, repeats=args.repeats, warmup=args.warmup, device=args.device,
+        precision=args.precision, batch_size=args.batch_size,
+    )
     if args.json:
         print(json.dumps([{k: v for k, v in asdict(r).items() if k != "repeats"} for r in rows]))
     command = "dpscale bench step-time " + " ".join(args.argv)
-    table = markdown_table(rows, command.strip(), args.device)
+    table = markdown_table(rows, command.strip(), args.device, args.precision)
     if not args.json:
         print(table)
     if args.write:

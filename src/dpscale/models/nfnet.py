@@ -2,8 +2,9 @@
 propagation is kept in check by scaled weight standardisation, scaled activations and
 residual branches x + alpha * f(x / beta) with a zero-initialised skip gain (SkipInit).
 
-Weight standardisation re-parametrises the convolution weights, so the ghost/bk engines do
-not claim it: ``engine=auto`` routes NF-ResNets to the exact vmap engine (with a notice).
+Weight standardisation re-parametrises the convolution weights; the bk/ghost engines have an
+exact rule for it (the standardisation's Jacobian applied to each example's gradient), and the
+skip gain is its own ``ScalarGain`` layer, so NF-ResNets train with bk.
 """
 
 from __future__ import annotations
@@ -11,31 +12,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpscale.models.activations import make_activation
+from dpscale.models.layers import ScalarGain, ScaledStdConv2d
 from dpscale.models.registry import register_model
 from dpscale.models.resnet import ResidualNetwork
 
 # gamma such that gamma * relu(x) has unit variance for x ~ N(0, 1) (Brock et al. 2021a).
 RELU_GAIN = math.sqrt(2.0 / (1.0 - 1.0 / math.pi))
-
-
-class ScaledStdConv2d(nn.Conv2d):
-    """Conv2d with scaled weight standardisation: W' = gain * (W - mean) / sqrt(fan_in * var + eps)."""
-
-    def __init__(self, *args, eps: float = 1e-4, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        mean = w.mean(dim=(1, 2, 3), keepdim=True)
-        var = w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
-        w = (w - mean) * torch.rsqrt(var * w[0].numel() + self.eps) * self.gain
-        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 class _ScaledActivation(nn.Module):
@@ -58,14 +43,22 @@ class NFBottleneck(nn.Module):
         self.conv2 = ScaledStdConv2d(planes, planes, 3, stride=stride, padding=1)
         self.conv3 = ScaledStdConv2d(planes, cout, 1)
         self.shortcut = ScaledStdConv2d(cin, cout, 1, stride=stride) if stride != 1 or cin != cout else None
-        self.skip_gain = nn.Parameter(torch.zeros(()))  # SkipInit: each block starts as the identity
+        self.skip_gain = ScalarGain(alpha)  # SkipInit: zero, so each block starts as the identity
+        self._register_load_state_dict_pre_hook(_skip_gain_as_a_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.act1(x) / self.beta
         skip = x if self.shortcut is None else self.shortcut(pre)
         h = self.conv2(self.act2(self.conv1(pre)))
         h = self.conv3(self.act3(h))
-        return skip + h * (self.alpha * self.skip_gain)
+        return skip + self.skip_gain(h)
+
+
+def _skip_gain_as_a_layer(state_dict: dict, prefix: str, *args) -> None:
+    """Checkpoints from before ScalarGain stored the gain as ``<block>.skip_gain``."""
+    old = prefix + "skip_gain"
+    if old in state_dict:
+        state_dict[old + ".gain"] = state_dict.pop(old)
 
 
 def _nf_resnet(counts, num_classes: int, input_shape: tuple[int, int, int], activation: str,

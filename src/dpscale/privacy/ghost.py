@@ -16,8 +16,9 @@ For every supported layer the per-example gradient is a simple function of (a_i,
 gradient); ``bk`` picks the cheaper of the two per layer.
 
 Supported: Linear (any leading dims), Conv1d/Conv2d (stride, padding, dilation, groups; zero
-padding), GroupNorm/LayerNorm affine parameters, Embedding, and their biases. Nothing is
-stored on tensors or modules: hooks live for one call only.
+padding), GroupNorm/LayerNorm affine parameters, Embedding, scaled weight-standardised Conv2d
+and scalar gains (NF-ResNet), and their biases. Nothing is stored on tensors or modules: hooks
+live for one call only.
 
 The records are exact only if each trainable parameter reaches the loss through its own
 module's single call and nothing else. Support is therefore judged by parameters: a module is
@@ -35,6 +36,7 @@ beyond these checks (see docs/engines.md).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpscale.models.layers import ClassTokenPositionEmbedding
+from dpscale.models.layers import ClassTokenPositionEmbedding, ScalarGain, ScaledStdConv2d
 from dpscale.privacy.per_example import (
     Batch,
     ClippedSumMixin,
@@ -56,6 +58,7 @@ from dpscale.privacy.per_example import (
     per_example_cross_entropy,
     tolerance_for,
 )
+from dpscale.privacy.precision import FP32, Precision, at_least_fp32, zero_rows
 
 # ----------------------------------------------------------------------------- layer rules
 
@@ -204,6 +207,24 @@ def _fold_views(r: _Record, t: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _conv_per_example(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each example's weight gradient, (B, G, out/G, in/G * k), summed over its K views."""
+    m = r.module
+    length = g[0, 0].numel() * r.views
+    d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
+    # Two exact ways to the same per-example gradients; which is faster on CPU depends on
+    # shapes. Measured (2-core CPU, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32)
+    # and for short outputs of large layers; grouped convolution wins elsewhere, by up to
+    # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
+    if d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER):
+        patches, gg = _conv_unfold(r, a, g)
+        patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
+        if m.groups == 1:  # plain bmm takes the transposed operand without a copy
+            return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
+        return torch.matmul(gg, patches.transpose(2, 3))
+    return _conv_per_example_grouped(r, a, g)
+
+
 def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     b = a.shape[0] // r.views
     sq = a.new_zeros(b)
@@ -219,19 +240,7 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             gram_g = torch.matmul(gg.transpose(2, 3), gg)
             sq = sq + (gram_a * gram_g).sum((1, 2, 3))
         else:
-            # Two exact ways to the same per-example gradients; which is faster on CPU depends on
-            # shapes. Measured (2-core CPU, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32)
-            # and for short outputs of large layers; grouped convolution wins elsewhere, by up to
-            # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
-            if d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER):
-                patches, gg = _conv_unfold(r, a, g)
-                patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
-                if m.groups == 1:  # plain bmm takes the transposed operand without a copy
-                    per_example = torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
-                else:
-                    per_example = torch.matmul(gg, patches.transpose(2, 3))  # (B, G, out/G, in/G * k)
-            else:
-                per_example = _conv_per_example_grouped(r, a, g)
+            per_example = _conv_per_example(r, a, g)
             r.cache["weight"] = per_example
             sq = sq + _sq_norms(per_example)
     if r.trainable.get("bias"):
@@ -260,6 +269,49 @@ def _conv_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) ->
     if r.trainable.get("bias"):
         out["bias"] = c @ r.cache["bias"]
     return out
+
+
+def _ws_conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output filter,
+    s = sqrt(n var + eps): from each example's gradient G with respect to W' (an ordinary conv
+    per-example gradient), d/d gain = <u, G> and d/d W = gain / s * (G - mean(G) - u <u, G>)
+    (the Jacobian of u is (P - u u^T) / s, P the centring projection). Needs the explicit
+    per-example G in both modes."""
+    m, b = r.module, a.shape[0] // r.views
+    sq = a.new_zeros(b)
+    if r.trainable.get("weight") or r.trainable.get("gain"):
+        grad_w = _conv_per_example(r, a, g).reshape(b, m.out_channels, -1)  # (B, out, n)
+        with torch.no_grad():
+            u = m.standardized_weight().reshape(m.out_channels, -1).to(grad_w.dtype)
+            w = m.weight.reshape(m.out_channels, -1)
+            s = torch.sqrt(w.var(1, unbiased=False, keepdim=True) * w.shape[1] + m.eps).to(grad_w.dtype)
+        along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
+        if r.trainable.get("gain"):
+            r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
+            sq = sq + _sq_norms(r.cache["gain"])
+        if r.trainable.get("weight"):
+            scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
+            r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
+            sq = sq + _sq_norms(r.cache["weight"])
+    if r.trainable.get("bias"):
+        r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
+        sq = sq + r.cache["bias"].pow(2).sum(1)
+    return sq
+
+
+def _cached_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
+    """sum_i c_i * (per-example gradient), for rules that cache every parameter's per-example gradient."""
+    params = dict(r.module.named_parameters(recurse=False))
+    return {n: torch.tensordot(c, t, dims=1).reshape(params[n].shape) for n, t in r.cache.items() if n in params}
+
+
+def _scalar_gain_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """y = scale * gain * x: the per-example gradient of the gain is scale * <x_i, g_i>."""
+    if not r.trainable.get("gain"):
+        return a.new_zeros(a.shape[0] // r.views)
+    per_row = (a * g).reshape(a.shape[0], -1).sum(1) * r.module.scale
+    r.cache["gain"] = _per_example(r, per_row)
+    return r.cache["gain"].square()
 
 
 def _normalized(r: _Record, a: torch.Tensor) -> torch.Tensor:
@@ -349,6 +401,8 @@ _RULES: dict[type, _Rule] = {
     nn.LayerNorm: _Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
     nn.Embedding: _Rule(_embedding_norms, _embedding_sums, frozenset({"weight"})),
     ClassTokenPositionEmbedding: _Rule(_tokens_norms, _tokens_sums, frozenset({"pos_embed", "cls_token"})),
+    ScaledStdConv2d: _Rule(_ws_conv_norms, _cached_sums, frozenset({"weight", "gain", "bias"})),
+    ScalarGain: _Rule(_scalar_gain_norms, _cached_sums, frozenset({"gain"})),
 }
 
 
@@ -356,7 +410,7 @@ def _why_unsupported(module: nn.Module, trainable: list[str], prefix: str) -> st
     """None if the layer's trainable parameters (local names) can be handled, else the reason."""
     rule = _RULES.get(type(module))
     if rule is None:
-        return type(module).__name__
+        return f"{type(module).__name__}: no rule for its parameter(s) {', '.join(prefix + n for n in trainable)}"
     unknown = [prefix + n for n in trainable if n not in rule.params]
     if unknown:  # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
         return f"{type(module).__name__} with parameter(s) {', '.join(unknown)} that its rule does not know"
@@ -469,7 +523,28 @@ def _true_gradients(model: nn.Module, params: Params) -> dict[str, torch.Tensor]
     return {name: p for name, p in model.named_parameters() if name in params and p.requires_grad}
 
 
-def _unseen_routes(records: list[_Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor) -> list[str]:
+def _unscaled(t: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """A gradient of the loss times ``scale`` (fp16 loss scaling), as float32 of the loss itself."""
+    return None if t is None else at_least_fp32(t) / scale if scale != 1.0 else at_least_fp32(t)
+
+
+def _zero_examples(records: list[_Record], finite: torch.Tensor, views: int) -> None:
+    """Set every record's rows (and cached per-example gradients) of the non-finite examples to
+    exactly zero, so that their clipped contribution is zero rather than 0 * inf = NaN."""
+    rows = finite.repeat_interleave(views) if views > 1 else finite
+    for r in records:
+        if r.inputs is not None and r.inputs.is_floating_point():
+            r.inputs = zero_rows(r.inputs, rows)
+        if r.out_grad is not None:
+            r.out_grad = zero_rows(r.out_grad, rows)
+        for name, t in r.cache.items():
+            if t.is_floating_point():
+                r.cache[name] = zero_rows(t, finite)
+
+
+def _unseen_routes(
+    records: list[_Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor, compare: torch.dtype | None = None
+) -> list[str]:
     """Parameters whose autograd gradient differs from the unclipped sum of the records'
     per-example gradients: a route the records do not see (a view or copy of the parameter used
     elsewhere, a replaced ``forward``, a global hook changing an output).
@@ -478,6 +553,8 @@ def _unseen_routes(records: list[_Record], true: dict[str, torch.Tensor | None],
         records: the pass's records, norms already computed (caches filled).
         true: parameter name -> its gradient of the summed loss by autograd (None: unused).
         rows: ones, one per example (the clip factors of an unclipped sum).
+        compare: the dtype whose tolerance applies (the precision the model ran in); None: each
+            gradient's own.
     """
     from_records: Params = {}
     for r in records:
@@ -492,7 +569,7 @@ def _unseen_routes(records: list[_Record], true: dict[str, torch.Tensor | None],
             continue
         t = torch.zeros_like(got) if t is None else t
         error = float(torch.linalg.vector_norm(t - (torch.zeros_like(t) if got is None else got)))
-        if error > tolerance_for(t.dtype) * max(sizes[name], scale):
+        if error > tolerance_for(compare or t.dtype) * max(sizes[name], scale):
             unseen.append(f"{name} (records {error / max(sizes[name], scale):.2g} off, relative)")
     return unseen
 
@@ -515,6 +592,8 @@ class GhostEngine(ClippedSumMixin):
         views: augmentation multiplicity K; chunks then hold x of shape (B, K, ...) and each
             example's loss is the mean over its K views, so its clipped gradient is the clip of
             the mean of the views' gradients (cross terms between views included).
+        precision: how the model computes (``dpscale.privacy.precision``): in 16 bits the forward
+            pass runs under autocast and every record is taken to float32 before its norms.
 
     Raises (from the clipping call), ValueError naming the parameter: a layer or parameter
     ``unsupported_modules`` lists, a layer called more than once, or a trainable parameter used
@@ -525,6 +604,7 @@ class GhostEngine(ClippedSumMixin):
     loss_fn: LossFn = per_example_cross_entropy
     mode: str = "bk"
     views: int = 1
+    precision: Precision = FP32
     _models: Any = field(default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -556,40 +636,60 @@ class GhostEngine(ClippedSumMixin):
         key = state.route_key(model)
         check = key not in state.checked  # first pass in this mode with this parameter set
         records, losses = self._recorded_forward(model, params, batch, watch=check)
+        losses, scale = at_least_fp32(losses), self.precision.loss_scale
         # Gradients w.r.t. the layer outputs only (and, on a checked pass, w.r.t. the parameters);
         # the list of outputs is not kept, so that each output can be freed once its layer is done.
         true = _true_gradients(model, params) if check and losses.requires_grad else {}
         targets = [r.output for r in records] + list(true.values())
-        grads = list(torch.autograd.grad(losses.sum(), targets, allow_unused=True)) if targets else []
-        out_grads, true = grads[: len(records)], dict(zip(true, grads[len(records) :]))
+        grads = list(torch.autograd.grad(losses.sum() * scale, targets, allow_unused=True)) if targets else []
+        out_grads, true = grads[: len(records)], {n: _unscaled(t, scale) for n, t in zip(true, grads[len(records) :])}
         del targets, grads
-        sq_norms, layer_sq = batch[0].new_zeros(batch[0].shape[0]), {}
+        sq_norms, layer_sq = self._layer_norms(records, out_grads, batch[0].shape[0], batch[0])
+        finite = torch.isfinite(sq_norms) if self.precision.low else None
+        if check and (finite is None or bool(finite.all())):  # a non-finite example would fail it
+            self._check_routes(records, true, torch.ones_like(sq_norms))
+            state.checked.add(key)
+        norms = sq_norms.sqrt()
+        factors = clip_factors(norms, self.max_grad_norm)
+        if finite is not None:  # 16 bits: a non-finite example contributes exactly zero
+            factors = torch.where(finite, factors, torch.zeros_like(factors))
+            _zero_examples(records, finite, self.views)
+        grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
+        for r in records:
+            for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, factors).items():
+                grad_sum[f"{r.name}.{local}" if r.name else local] = s
+        return grad_sum, norms.detach(), losses.detach() / scale, layer_sq
+
+    def _layer_norms(
+        self, records: list[_Record], out_grads: list[torch.Tensor | None], examples: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-example squared norms (B,), in total and by layer, each layer's output freed once
+        used. In 16-bit precision each record is first taken to float32 (gradient unscaled)."""
+        scale, low = self.precision.loss_scale, self.precision.low
+        sq_norms, layer_sq = like.new_zeros(examples, dtype=torch.float32 if low else None), {}
         for i, r in enumerate(records):
             g, out_grads[i] = out_grads[i], None
             r.out_grad = torch.zeros_like(r.output) if g is None else g
             del g
             r.output = None  # only needed as a gradient target; free it now
+            if low:
+                r.out_grad = _unscaled(r.out_grad, scale)
+                r.inputs = at_least_fp32(r.inputs) if r.inputs.is_floating_point() else r.inputs
             layer_sq[r.name] = _RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
             sq_norms = sq_norms + layer_sq[r.name]
-            if "weight" in r.cache:  # the clipped sum comes from the cache: drop the activations early
-                r.inputs = r.out_grad = None
-        del out_grads
-        if check:
-            unseen = _unseen_routes(records, true, torch.ones_like(sq_norms))
-            if unseen:
-                raise ValueError(
-                    f"{self.mode} engine: the gradient of {', '.join(unseen)} reaches the loss by a route the layer "
-                    "records do not see (a view or copy of the parameter used elsewhere, a replaced forward, a "
-                    "global hook changing an output?); use engine=vmap"
-                )
-            state.checked.add(key)
-        norms = sq_norms.sqrt()
-        factors = clip_factors(norms, self.max_grad_norm)
-        grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
-        for r in records:
-            for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, factors).items():
-                grad_sum[f"{r.name}.{local}" if r.name else local] = s
-        return grad_sum, norms.detach(), losses.detach(), layer_sq
+            if "weight" in r.cache or _RULES[type(r.module)].sums is _cached_sums:
+                r.inputs = r.out_grad = None  # the clipped sum comes from the cache: drop the activations early
+        return sq_norms, layer_sq
+
+    def _check_routes(self, records: list[_Record], true: dict[str, torch.Tensor | None], ones: torch.Tensor) -> None:
+        compare = self.precision.compare_dtype if self.precision.name != "fp32" else None
+        unseen = _unseen_routes(records, true, ones, compare)
+        if unseen:
+            raise ValueError(
+                f"{self.mode} engine: the gradient of {', '.join(unseen)} reaches the loss by a route the layer "
+                "records do not see (a view or copy of the parameter used elsewhere, a replaced forward, a "
+                "global hook changing an output?); use engine=vmap"
+            )
 
     def _recorded_forward(
         self, model: nn.Module, params: Params, batch: Batch, watch: bool
@@ -650,11 +750,8 @@ class GhostEngine(ClippedSumMixin):
             capture = self._capture(r, r.name in state.copied, monitor)
             handles.append(r.module.register_forward_hook(capture, prepend=True))
         try:
-            if monitor is None:
+            with self.precision.forward(x.device), monitor or contextlib.nullcontext():
                 losses = mean_over_views(self.loss_fn, model, x, y, self.views)
-            else:
-                with monitor:
-                    losses = mean_over_views(self.loss_fn, model, x, y, self.views)
         finally:
             for h in handles:
                 h.remove()

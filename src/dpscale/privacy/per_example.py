@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from dpscale.privacy.precision import FP32, Precision, at_least_fp32, zero_rows
+
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
 # Per-example loss: (logits (B, ...), targets (B, ...)) -> losses (B,).
@@ -130,12 +132,15 @@ class VmapEngine(ClippedSumMixin):
         max_grad_norm: clipping norm C (L2 over all trainable parameters); None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
         views: augmentation multiplicity K (chunks hold x of shape (B, K, ...); see mean_over_views).
+        precision: how the model computes (``dpscale.privacy.precision``); per-example gradients
+            are taken to float32 before their norms.
     """
 
     max_grad_norm: float | None
     loss_fn: LossFn = per_example_cross_entropy
     name: str = "vmap"
     views: int = 1
+    precision: Precision = FP32
 
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
@@ -144,11 +149,14 @@ class VmapEngine(ClippedSumMixin):
         if x.shape[0] == 0:
             return self.empty_result(params, x)
         slots, constants = _functional_slots(model, params)
+        precision, scale = self.precision, self.precision.loss_scale
 
         def loss_one(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             values = {**constants, **{slot: p[name] for slot, name in slots.items()}}
             forward = lambda inputs: functional_call(model, values, (inputs,), tie_weights=False)  # noqa: E731
-            return mean_over_views(self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views)[0]
+            with precision.forward(xi.device):
+                loss = mean_over_views(self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views)[0]
+            return at_least_fp32(loss) * scale  # fp16: the fixed loss scale S
 
         try:
             grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
@@ -159,9 +167,16 @@ class VmapEngine(ClippedSumMixin):
                 f"{type(model).__name__} draws random numbers in its forward pass (e.g. Dropout); the vmap "
                 "engine does not support that (and the draws would not be checkpointed). Remove it or use eval mode."
             ) from err
+        if precision.low:  # float32 gradients of the loss itself
+            grads = {k: at_least_fp32(g) / scale for k, g in grads.items()}
+            losses = losses / scale
         sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
         norms = sq_norms.sqrt()
         factors = clip_factors(norms, self.max_grad_norm)
+        if precision.low:  # a non-finite example contributes exactly zero (not 0 * inf = NaN)
+            finite = torch.isfinite(sq_norms)
+            factors = torch.where(finite, factors, torch.zeros_like(factors))
+            grads = {k: zero_rows(g, finite) for k, g in grads.items()}
         grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
         return grad_sum, norms, losses.detach()
 
@@ -198,6 +213,7 @@ def make_engine(
     model: nn.Module | None = None,
     loss_fn: LossFn = per_example_cross_entropy,
     views: int = 1,
+    precision: Precision = FP32,
 ) -> tuple[PerExampleEngine, str | None]:
     """Engine by name, plus a one-line notice when "auto" had to fall back.
 
@@ -207,6 +223,7 @@ def make_engine(
         model: needed by "auto" to check layer support (and by bk/ghost to fail early).
         loss_fn: per-example loss.
         views: augmentation multiplicity K (each example arrives as K views).
+        precision: how the model computes (fp32, tf32, bf16, fp16 with a fixed loss scale).
 
     Returns:
         (engine, notice or None).
@@ -220,10 +237,11 @@ def make_engine(
     problems = unsupported_modules(model) if model is not None else []
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
-        return VmapEngine(max_grad_norm, loss_fn, views=views), notice
+        return VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision), notice
     if problems:
         raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
-    return GhostEngine(max_grad_norm, loss_fn, mode="bk" if name == "auto" else name, views=views), None
+    mode = "bk" if name == "auto" else name
+    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision), None
 
 
 def supported_engines(model: nn.Module) -> list[str]:

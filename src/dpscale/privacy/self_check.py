@@ -34,6 +34,7 @@ from dpscale.privacy.per_example import (
     tolerance_for,
     trainable_params,
 )
+from dpscale.privacy.precision import FP32, Precision
 
 SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
 
@@ -83,10 +84,17 @@ class SelfCheckResult:
 
 
 def reference_clipped_sum(
-    model: nn.Module, names: list[str], batch: Batch, max_grad_norm: float | None, loss_fn: LossFn, views: int
+    model: nn.Module,
+    names: list[str],
+    batch: Batch,
+    max_grad_norm: float | None,
+    loss_fn: LossFn,
+    views: int,
+    precision: Precision = FP32,
 ) -> tuple[Params, torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped sum, per-example norms and per-layer per-example squared norms, by a loop of
-    batch-of-one backward passes through the live model (the definition, nothing clever).
+    batch-of-one backward passes through the live model (the definition, nothing clever), its
+    forward pass in ``precision`` (so that a 16-bit engine is judged on its own arithmetic).
 
     Returns:
         (clipped sum by parameter name, norms (B,), squared norms (B,) by layer name).
@@ -96,7 +104,8 @@ def reference_clipped_sum(
     total = {n: torch.zeros_like(live[n]) for n in names}
     norms, layer_sq = [], {}
     for i in range(x.shape[0]):
-        loss = mean_over_views(loss_fn, model, x[i : i + 1], y[i : i + 1], views)[0]
+        with precision.forward(x.device):
+            loss = mean_over_views(loss_fn, model, x[i : i + 1], y[i : i + 1], views)[0].float()
         if loss.requires_grad:
             grads = torch.autograd.grad(loss, [live[n] for n in names], allow_unused=True)
         else:  # no trainable parameter reaches the loss
@@ -134,7 +143,9 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
     """
     started = time.perf_counter()
     params = trainable_params(model)
-    tol = tolerance_for(next(iter(params.values())).dtype) if params else 0.0
+    precision = getattr(engine, "precision", FP32)
+    dtype = precision.compare_dtype if precision.name != "fp32" else next(iter(params.values()), torch.zeros(())).dtype
+    tol = tolerance_for(dtype) if params else 0.0
     was_training = model.training
     model.eval()
     try:
@@ -148,7 +159,7 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
         views = getattr(engine, "views", 1)
         loss_fn = getattr(engine, "loss_fn", per_example_cross_entropy)
         ref_sum, ref_norms, ref_layer_sq = reference_clipped_sum(
-            model, list(params), batch, engine.max_grad_norm, loss_fn, views
+            model, list(params), batch, engine.max_grad_norm, loss_fn, views, precision
         )
     finally:
         model.train(was_training)
@@ -188,6 +199,7 @@ def checked_engine(
     views: int = 1,
     loss_fn: LossFn = per_example_cross_entropy,
     check: bool = True,
+    precision: Precision = FP32,
 ) -> tuple[PerExampleEngine, list[str], SelfCheckResult | None]:
     """The engine a run trains with: ``make_engine``'s choice, verified on ``batch``.
 
@@ -202,12 +214,12 @@ def checked_engine(
     Raises:
         ValueError: the named engine (or vmap, after auto's fallback) failed, naming what differs.
     """
-    engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views)
+    engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision)
     notices = [notice] if notice else []
     result = _verify(engine, model, batch, check)
     if result is not None and not result.ok and name == "auto" and not isinstance(engine, VmapEngine):
         notices.append(f"engine auto -> vmap: {result.describe()}")
-        engine = VmapEngine(max_grad_norm, loss_fn, views=views)
+        engine = VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision)
         result = _verify(engine, model, batch, check)
     if result is not None and not result.ok:
         raise ValueError(f"{result.describe()}; refusing to train with engine={engine.name}")

@@ -32,6 +32,7 @@ from dpscale.features.pipeline import (
 from dpscale.models import build_model, count_parameters, freeze_block_groups
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
+from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, check_plan_matches, make_dp_plan, steps_for
 from dpscale.rng import DPRandom, words_to_int
@@ -224,6 +225,7 @@ class Trainer:
         if config.model.freeze_groups:
             freeze_block_groups(self.model, config.model.freeze_groups)
         self.dist.broadcast_module_(self.model)  # identical already (same seed); made certain
+        self.precision = make_precision(config.train.precision, config.train.fp16_loss_scale)
         self.engine, self.self_check = self._checked_engine()
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
@@ -280,7 +282,7 @@ class Trainer:
         try:
             engine, notices, result = checked_engine(
                 train.engine, self.plan.max_grad_norm, self.model, chunk,
-                views=augment.multiplicity, check=train.self_check,
+                views=augment.multiplicity, check=train.self_check, precision=self.precision,
             )
         except ValueError as err:
             raise ConfigError(f"train.engine={train.engine}: {err}") from None
@@ -594,7 +596,7 @@ class Trainer:
         self._saved_at = time.perf_counter()
         interrupted = False
         try:
-            with interrupt:
+            with interrupt, self.precision.matmul_flags():
                 while self.step < stop:
                     # With P processes a signal may reach one rank only: all stop at the same step.
                     if self.dist.any(interrupt.requested):
@@ -688,6 +690,7 @@ class Trainer:
             "model": self.config.model.name,
             "trainable_params": count_parameters(self.model, trainable_only=True),
             "engine": self.engine.name,
+            "precision": self.precision.name,
             "engine_self_check": self.self_check.as_json() if self.self_check else None,
             "world_size": self.dist.world_size,
             "noise_rank": NOISE_RANK if self.dist.enabled else None,

@@ -19,15 +19,16 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` on (x, y)."""
     was_training = model.training
     model.eval()
-    correct, loss_sum = 0, 0.0
+    totals = torch.zeros(2, dtype=torch.float64, device=x.device)  # correct, loss sum: read once at the end
     for start in range(0, x.shape[0], batch_size):
         logits = model(x[start : start + batch_size])
         target = y[start : start + batch_size]
-        loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
-        correct += int((logits.argmax(1) == target).sum())
+        loss = F.cross_entropy(logits, target, reduction="sum").double()
+        totals += torch.stack([(logits.argmax(1) == target).sum().double(), loss])
     model.train(was_training)
     n = max(1, x.shape[0])
-    return correct / n, loss_sum / n
+    correct, loss_sum = totals.tolist()
+    return int(correct) / n, loss_sum / n
 
 
 def json_safe(value: Any) -> Any:

@@ -1,0 +1,122 @@
+"""Mixed precision for DP-SGD: the model runs in 16 bits, the privacy arithmetic in 32.
+
+``train.precision`` chooses how the model's forward and backward passes compute:
+
+* ``fp32``: plain float32.
+* ``tf32``: float32 tensors, with CUDA matmuls and convolutions allowed to use TF32 tensor cores
+  (10-bit mantissa inputs; no effect on CPU).
+* ``bf16`` / ``fp16``: the forward pass under ``torch.autocast``; parameters stay float32.
+
+Whatever the choice, each example's gradient is taken to float32 *before* its norm is measured,
+and its norm, clip factor, the clipped sum and the noise are computed in float32 from that same
+float32 gradient. The released contribution of an example is therefore clipped exactly as in
+fp32 (its norm is at most C up to float32 rounding, which ``CLIP_EPS`` covers): 16 bits change
+which gradient is clipped, never the bound.
+
+fp16's narrow range needs loss scaling: the summed loss is multiplied by a fixed power of two S
+before the backward pass, and each example's gradient divided by S in float32 (exact for a power
+of two) before anything else. The scale is fixed, never adapted: a dynamic scale reacts to
+overflows, and whether an overflow happened depends on the private examples. An example whose
+gradient is not finite (overflow, or a NaN from its own data) contributes exactly zero (the same
+per-example function of that example alone, still bounded by C); in fp32 a non-finite example
+makes the step non-finite, as it always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+DEFAULT_FP16_LOSS_SCALE = 1024.0
+_AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Comparisons with a float32 reference (self-check, route check) use the tolerance of the
+# precision the gradients were computed in; TF32 inputs keep fp16's 10-bit mantissa.
+_COMPARE_DTYPE = {"fp32": torch.float32, "tf32": torch.float16, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the model computes, and the fixed fp16 loss scale.
+
+    Attributes:
+        name: "fp32", "tf32", "bf16" or "fp16".
+        loss_scale: S, a power of two (fp16 only; 1 otherwise).
+    """
+
+    name: str = "fp32"
+    loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.name!r}")
+        if not self.loss_scale > 0 or math.frexp(self.loss_scale)[0] != 0.5:
+            raise ValueError(f"the loss scale must be a positive power of two, got {self.loss_scale}")
+        if self.name != "fp16" and self.loss_scale != 1.0:
+            raise ValueError(f"a loss scale is for fp16 only (precision {self.name})")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The 16-bit type the forward pass runs in (None: float32)."""
+        return _AUTOCAST_DTYPE.get(self.name)
+
+    @property
+    def low(self) -> bool:
+        """The model computes in 16 bits (gradients must be taken to float32 and checked)."""
+        return self.autocast_dtype is not None
+
+    @property
+    def compare_dtype(self) -> torch.dtype:
+        """The dtype whose tolerance applies when comparing with a float32 reference."""
+        return _COMPARE_DTYPE[self.name]
+
+    @contextlib.contextmanager
+    def forward(self, device: torch.device) -> Iterator[None]:
+        """The model's forward pass in this precision (autocast for bf16/fp16)."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            yield
+
+    @contextlib.contextmanager
+    def matmul_flags(self) -> Iterator[None]:
+        """TF32 for CUDA matmuls and convolutions while inside (restored after), for ``tf32``."""
+        if self.name != "tf32":
+            yield
+            return
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+FP32 = Precision()
+
+
+def make_precision(name: str, fp16_loss_scale: float = DEFAULT_FP16_LOSS_SCALE) -> Precision:
+    """The ``Precision`` for a config's ``train.precision`` (the loss scale applies to fp16 only)."""
+    return Precision(name, fp16_loss_scale if name == "fp16" else 1.0)
+
+
+def finite_examples(rows_finite: torch.Tensor, views: int) -> torch.Tensor:
+    """Per-example finiteness (B,) from per-row finiteness (B*K,): all of an example's K views."""
+    return rows_finite.reshape(-1, views).all(1)
+
+
+def zero_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows first) with the rows where ``keep`` is False set to exactly zero (not
+    multiplied: 0 * inf would be NaN)."""
+    return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or kept in its own type when that is wider (float64)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
