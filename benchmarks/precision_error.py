@@ -13,25 +13,19 @@ import argparse
 import copy
 
 import torch
-import torch.nn.functional as F
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy.per_example import CLIP_EPS, make_engine, trainable_params
+from dpscale.privacy.per_example import make_engine, per_example_cross_entropy, trainable_params
 from dpscale.privacy.precision import make_precision
+from dpscale.privacy.self_check import reference_clipped_sum
 
 
 def float64_reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> tuple[dict, torch.Tensor]:
     """Clipped sum and norms of a float64 copy of ``model``, one backward per example."""
     ref = copy.deepcopy(model).double()
-    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    total, norms = {n: torch.zeros_like(p) for n, p in named}, []
-    for i in range(len(x)):
-        grads = torch.autograd.grad(F.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1]), [p for _, p in named])
-        norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
-        norms.append(norm)
-        for (n, _), g in zip(named, grads):
-            total[n] += min(1.0, clip / (norm + CLIP_EPS)) * g
-    return total, torch.tensor(norms, dtype=torch.float64)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    total, norms, _ = reference_clipped_sum(ref, names, (x.double(), y), clip, per_example_cross_entropy, views=1)
+    return total, norms
 
 
 def errors(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, engine: str, precision: str, clip: float) -> tuple[float, float]:

@@ -59,3 +59,23 @@ def test_peak_memory_is_measured_after_releasing_what_the_previous_step_left():
     step()
     peak = _peak_memory_mb(TimedStep(step, release), torch.device("cpu"))
     assert released == [1] and 3.9 < peak < 4.2
+
+
+def test_end_to_end_benchmark_trains_both_recipes(capsys, tmp_path):
+    """dpscale's row is a real run; Opacus' (when installed) trains the same model, data and
+    plan: same steps, same epsilon target, an accuracy in the same range."""
+    import importlib.util
+
+    code = main(["bench", "end-to-end", "--set", "train.steps=6", "--set", "run.seed=0",  # the embedded MNIST sample
+                 "--set", "dp.batch_size=256", "--out", str(tmp_path / "runs"), "--json"])
+    assert code == 0
+    captured = capsys.readouterr()
+    rows = {r["library"]: r for r in json.loads(captured.out)}
+    assert rows["dpscale"]["steps"] == 6 and rows["dpscale"]["whole_s"] >= rows["dpscale"]["training_s"] > 0
+    assert (tmp_path / "runs" / "dpscale" / "summary.json").exists()
+    if importlib.util.find_spec("opacus") is None:
+        assert "skip opacus: not installed" in captured.err
+        return
+    opacus = rows["opacus"]
+    assert opacus["steps"] == 6 and opacus["whole_s"] >= opacus["training_s"] > 0
+    assert abs(opacus["test_accuracy"] - rows["dpscale"]["test_accuracy"]) < 0.25

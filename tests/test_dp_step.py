@@ -144,6 +144,25 @@ def test_noise_added_once_per_logical_step_and_divided_by_expected_batch(chunk):
     assert stats_.batch_size == 12
 
 
+def test_noise_drawn_during_the_step_is_the_same_noise():
+    """Prefetching the noise on a host thread (the GPU default) draws the same values in the same
+    order as drawing it after the chunks: results and the generator's next state are identical."""
+    model = _model("linear")
+    x, y = _batch(12)
+    results, generators = [], []
+    for prefetch in (False, True):
+        generator = DPRandom(7)
+        grad, _ = noisy_clipped_mean(
+            VmapEngine(0.5), model, physical_chunks(x, y, torch.arange(12), 5), noise_std=1.3,
+            expected_batch_size=12, noise_generator=generator, prefetch_noise=prefetch,
+        )
+        results.append(grad)
+        generators.append(generator)
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name])
+    assert torch.equal(generators[0].normal((5,)), generators[1].normal((5,)))
+
+
 def test_gradient_accumulation_is_invariant_to_chunk_size():
     model = _model()
     x, y = _batch(10)

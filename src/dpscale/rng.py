@@ -65,6 +65,15 @@ def words_to_int(words: np.ndarray) -> int:
     return sum(int(w) << (width * i) for i, w in enumerate(words))
 
 
+def _to_device(host: torch.Tensor, device: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``host`` as ``dtype`` on ``device``; to a GPU through pinned memory without blocking the
+    host (a copy from pageable memory would wait for the device's queue to drain)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device=device, dtype=dtype)
+    return host.pin_memory().to(device=device, non_blocking=True).to(dtype)
+
+
 def derive_seed(entropy: int, spawn_key: tuple[int, ...] = ()) -> int:
     """A ``SEED_BITS``-bit seed from ``entropy`` and ``spawn_key``, through ``np.random.SeedSequence``
     (``spawn_key`` is its way to derive independent children of one entropy).
@@ -162,7 +171,7 @@ class DPRandom:
         else:
             key = words_to_int(self._rng.integers(0, 2**32, size=SEED_BITS // 32, dtype=np.uint32))
             draws = _parallel_normals(key, count, host).reshape(tuple(shape))
-        return torch.from_numpy(draws).to(device=device, dtype=dtype)
+        return _to_device(torch.from_numpy(draws), device, dtype)
 
     def uniform(self, n: int) -> torch.Tensor:
         """``n`` independent uniforms on [0, 1) in float64 (53 random bits each), on the CPU.

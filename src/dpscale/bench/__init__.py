@@ -9,7 +9,7 @@ from typing import Sequence
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on a subparsers object."""
-    bench = sub.add_parser("bench", help="benchmarks (step-time)")
+    bench = sub.add_parser("bench", help="benchmarks (step-time, end-to-end)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
     step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
@@ -29,10 +29,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
     step.set_defaults(func=_run_step_time)
+    whole = kinds.add_parser("end-to-end", help="a preset's whole training run, dpscale vs the same recipe in Opacus")
+    whole.add_argument("config", nargs="?", default=None, help="YAML file or preset:<name> (default: the default config)")
+    whole.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    whole.add_argument("--libraries", default="dpscale,opacus", help="comma list: dpscale, opacus")
+    whole.add_argument("--device", default=None, help="run.device for both (default: the config's)")
+    whole.add_argument("--out", default=None, help="directory for the runs (default: runs/bench-end-to-end-<time>)")
+    whole.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
+    whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
+    whole.set_defaults(func=_run_end_to_end)
 
 
 def _run_step_time(args: argparse.Namespace) -> int:
     from dpscale.bench.step_time import main
+
+    return main(args)
+
+
+def _run_end_to_end(args: argparse.Namespace) -> int:
+    from dpscale.bench.end_to_end import main
 
     return main(args)
 

@@ -9,7 +9,33 @@ from dpscale.rng import DPRandom, require_dprandom
 Params = dict[str, torch.Tensor]
 
 
-def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom) -> Params:
+def draw_noise(like: Params, generator: DPRandom) -> Params:
+    """Standard normals shaped like each tensor of ``like`` (its dtype and device), drawn in
+    sorted-name order as one block: the draw ``add_gaussian_noise`` makes, available on its own
+    so that a step can draw its noise while its gradient is being computed.
+
+    Args:
+        like: tensors by parameter name (only shapes, dtypes and devices are read).
+        generator: the run's noise RNG (128-bit seeded, checkpointed).
+
+    Returns:
+        standard normal tensors by name.
+    """
+    require_dprandom(generator, "DP-SGD noise")
+    # Sorted names make the draw order independent of dict construction order.
+    names = sorted(like)
+    tensors = [like[name] for name in names]
+    if len({(t.dtype, t.device) for t in tensors}) == 1:
+        # One draw for the whole step, cut in parameter order: the host generator draws a large
+        # block in parallel (see dpscale.rng.PARALLEL_CHUNK) and copies it to the device once.
+        flat = generator.normal((sum(t.numel() for t in tensors),), dtype=tensors[0].dtype, device=tensors[0].device)
+        noises = [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    else:
+        noises = [generator.normal(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    return dict(zip(names, noises))
+
+
+def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom, noise: Params | None = None) -> Params:
     """Return grad_sum + N(0, std^2 I), one independent draw per coordinate.
 
     Args:
@@ -17,6 +43,8 @@ def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom) -> Par
         std: noise standard deviation, sigma * C (0 returns the input unchanged).
         generator: the run's noise RNG (checkpointed for bit-exact resume). Draws are made on
             the host and copied to each gradient's device: the same noise on CPU and CUDA.
+        noise: standard normals already drawn by ``draw_noise(grad_sum, generator)`` (the same
+            values it would draw now); None draws them here.
 
     Returns:
         a new dict; inputs are not modified.
@@ -25,15 +53,5 @@ def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom) -> Par
         raise ValueError(f"noise std must be >= 0, got {std}")
     if std == 0:
         return dict(grad_sum)
-    require_dprandom(generator, "DP-SGD noise")
-    # Sorted names make the draw order independent of dict construction order.
-    names = sorted(grad_sum)
-    tensors = [grad_sum[name] for name in names]
-    if len({(t.dtype, t.device) for t in tensors}) == 1:
-        # One draw for the whole step, cut in parameter order: the host generator draws a large
-        # block in parallel (see dpscale.rng.PARALLEL_CHUNK) and copies it to the device once.
-        flat = generator.normal((sum(t.numel() for t in tensors),), dtype=tensors[0].dtype, device=tensors[0].device)
-        noises = [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-    else:
-        noises = [generator.normal(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    return {name: t + std * noise for name, t, noise in zip(names, tensors, noises)}
+    noise = draw_noise(grad_sum, generator) if noise is None else noise
+    return {name: grad_sum[name] + std * noise[name] for name in sorted(grad_sum)}

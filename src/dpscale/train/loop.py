@@ -471,7 +471,9 @@ class Trainer:
 
     def train_step(self) -> None:
         """Sample a logical batch, take one private step, account for it."""
-        indices = self.sampler.sample().to(self.device)
+        indices = self.sampler.sample()
+        if self.device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
+            indices = indices.pin_memory().to(self.device, non_blocking=True)
         augment = self.config.augment
         # With K views per example, a physical chunk holds max_physical_batch_size / K examples.
         chunks = physical_chunks(

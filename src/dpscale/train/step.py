@@ -10,15 +10,20 @@ noise rank only, and one all-reduce (SUM) between the two gives every rank the s
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from dpscale.privacy.noise import add_gaussian_noise
+from dpscale.privacy.noise import add_gaussian_noise, draw_noise
 from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, trainable_params
 from dpscale.rng import DPRandom
+
+
+# One host thread draws a step's noise while the device computes its gradient (see noisy_clipped_mean).
+_NOISE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpscale-noise")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ def noisy_clipped_mean(
     noise_generator: DPRandom,
     all_reduce_sum: Callable[[list[torch.Tensor]], None] | None = None,
     add_noise: bool = True,
+    prefetch_noise: bool | None = None,
 ) -> tuple[Params, StepStats]:
     """The private gradient of one logical batch.
 
@@ -107,6 +113,9 @@ def noisy_clipped_mean(
         all_reduce_sum: in data-parallel training, sums a list of tensors over the ranks in place
             (``Distributed.all_reduce_sum_``); None for a single process.
         add_noise: whether this process draws the noise (exactly one rank does).
+        prefetch_noise: draw the noise on a host thread while the chunks' gradients are computed
+            (the same values, in the same order: the noise never depends on the gradient).
+            None: on a GPU only, where the host is otherwise idle while the device works.
 
     Returns:
         (gradient by parameter name, step statistics of the whole logical batch).
@@ -117,6 +126,10 @@ def noisy_clipped_mean(
     device = next(iter(total.values())).device if total else torch.device("cpu")  # nccl reduces on the GPU
     counts = torch.zeros(4, dtype=torch.float64, device=device)
     clip = engine.max_grad_norm
+    std = noise_std if add_noise else 0.0
+    if prefetch_noise is None:
+        prefetch_noise = device.type == "cuda"
+    pending = _NOISE_THREAD.submit(draw_noise, total, noise_generator) if std > 0 and prefetch_noise else None
     for chunk in chunks:
         grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
         for name in total:
@@ -125,7 +138,7 @@ def noisy_clipped_mean(
         examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
         counts += torch.stack([examples, losses.sum().double(), clipped.double(), norms.sum().double()]).to(device)
     # once per logical step: on one rank, before the ranks' sums are added up
-    noisy = add_gaussian_noise(total, noise_std if add_noise else 0.0, noise_generator)
+    noisy = add_gaussian_noise(total, std, noise_generator, pending.result() if pending else None)
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
         all_reduce_sum([noisy[name] for name in sorted(noisy)])
         all_reduce_sum([counts])
