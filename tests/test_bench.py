@@ -79,3 +79,13 @@ def test_end_to_end_benchmark_trains_both_recipes(capsys, tmp_path):
     opacus = rows["opacus"]
     assert opacus["steps"] == 6 and opacus["whole_s"] >= opacus["training_s"] > 0
     assert abs(opacus["test_accuracy"] - rows["dpscale"]["test_accuracy"]) < 0.25
+
+
+def test_every_opacus_mode_runs_when_opacus_is_installed(capsys):
+    import pytest
+
+    pytest.importorskip("opacus")
+    modes = ["opacus-hooks", "opacus-functorch", "opacus-ew", "opacus-ghost"]
+    assert main(["bench", "step-time", "--models", "linear", "--engines", ",".join(["nonprivate", *modes]),
+                 "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", *modes]

@@ -152,3 +152,16 @@ def test_a_bf16_run_on_cpu_trains_with_the_same_privacy(tmp_path):
     fp32, bf16 = summaries["fp32"], summaries["bf16"]
     assert bf16["epsilon"] == fp32["epsilon"] and bf16["noise_multiplier"] == fp32["noise_multiplier"]
     assert bf16["test_accuracy"] > 0.5 and abs(bf16["test_accuracy"] - fp32["test_accuracy"]) < 0.1
+
+
+def test_tf32_sets_the_cuda_matmul_flags_only_inside_and_restores_them():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with make_precision("tf32").matmul_flags():
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        with make_precision("fp32").matmul_flags():
+            assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -163,7 +163,9 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precisi
         private_optimizer.zero_grad(set_to_none=True)
         with precision.forward(x.device):
             loss = criterion(private_model(x), y)
-        (loss.float() * precision.loss_scale).backward()
+        if precision.loss_scale != 1.0:  # (Opacus' ghost mode returns its own loss type, without .float())
+            loss = loss.float() * precision.loss_scale
+        loss.backward()
         private_optimizer.step()
 
     # zero_grad(set_to_none) also drops Opacus' grad_sample / summed_grad

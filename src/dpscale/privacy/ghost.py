@@ -644,7 +644,7 @@ class GhostEngine(ClippedSumMixin):
         grads = list(torch.autograd.grad(losses.sum() * scale, targets, allow_unused=True)) if targets else []
         out_grads, true = grads[: len(records)], {n: _unscaled(t, scale) for n, t in zip(true, grads[len(records) :])}
         del targets, grads
-        sq_norms, layer_sq = self._layer_norms(records, out_grads, batch[0].shape[0], batch[0])
+        sq_norms, layer_sq = self._layer_norms(records, out_grads, batch[0])
         finite = torch.isfinite(sq_norms) if self.precision.low else None
         if check and (finite is None or bool(finite.all())):  # a non-finite example would fail it
             self._check_routes(records, true, torch.ones_like(sq_norms))
@@ -661,12 +661,13 @@ class GhostEngine(ClippedSumMixin):
         return grad_sum, norms.detach(), losses.detach() / scale, layer_sq
 
     def _layer_norms(
-        self, records: list[_Record], out_grads: list[torch.Tensor | None], examples: int, like: torch.Tensor
+        self, records: list[_Record], out_grads: list[torch.Tensor | None], x: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-example squared norms (B,), in total and by layer, each layer's output freed once
-        used. In 16-bit precision each record is first taken to float32 (gradient unscaled)."""
+        """Per-example squared norms (B,) of the chunk ``x``, in total and by layer, each layer's
+        output freed once used. In 16-bit precision each record is first taken to float32
+        (its gradient unscaled)."""
         scale, low = self.precision.loss_scale, self.precision.low
-        sq_norms, layer_sq = like.new_zeros(examples, dtype=torch.float32 if low else None), {}
+        sq_norms, layer_sq = x.new_zeros(x.shape[0], dtype=torch.float32 if low else None), {}
         for i, r in enumerate(records):
             g, out_grads[i] = out_grads[i], None
             r.out_grad = torch.zeros_like(r.output) if g is None else g
