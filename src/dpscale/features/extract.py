@@ -30,6 +30,7 @@ from tqdm import tqdm
 from dpscale.data import ImageDataset
 from dpscale.models import build_model
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
+from dpscale.privacy.plan import DPPlan
 
 from .scatternet import ScatterNet, import_kymatio
 
@@ -199,6 +200,7 @@ class SourceRun:
         data_normalize: its data.normalize, under which that fingerprint was taken.
         private: whether it trained with noise (noise multiplier > 0).
         history: its accountant's whole history: its DP-SGD segments and its own releases.
+        caveats: what its own guarantee did not cover (``DPPlan.caveats`` of its plan).
     """
 
     run_dir: Path
@@ -206,6 +208,7 @@ class SourceRun:
     data_normalize: bool
     private: bool
     history: tuple[AccountingSegment, ...]
+    caveats: tuple[str, ...] = ()
 
 
 def read_source_run(where: str) -> SourceRun:
@@ -231,7 +234,14 @@ def read_source_run(where: str) -> SourceRun:
         data_normalize=bool(config.data.normalize),
         private=float(plan["noise_multiplier"]) > 0,
         history=PrivacyAccountant.from_state_dict(accountant).history,
+        caveats=_source_caveats(plan, config),
     )
+
+
+def _source_caveats(plan: dict[str, Any], config: Any) -> tuple[str, ...]:
+    """The source plan's caveats, its labels taken from its config (older checkpoints lack them)."""
+    labels = {"seeded": config.run.seed is not None, "engine_unchecked": not config.train.self_check}
+    return tuple(replace(DPPlan(**plan), **labels).caveats())
 
 
 def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device: torch.device) -> FeatureExtractor:

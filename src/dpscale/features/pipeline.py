@@ -121,7 +121,7 @@ def extractor_privacy(
             "(its cost is then left out, and every output says so), or use another extractor"
         )
     releases = tuple(replace(seg, label=f"{EXTRACTOR_RUN}:{seg.label}") for seg in source.history)
-    return ExtractorPrivacy(spec, "composed"), releases
+    return ExtractorPrivacy(spec, "composed", source.caveats), releases
 
 
 def fit_normalizer(

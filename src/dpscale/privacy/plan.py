@@ -75,14 +75,18 @@ class ExtractorPrivacy:
             is composed into the plan's releases), "declared public" (same data, but
             features.extractor_public says its cost is not to be counted) or "other data" (its
             data fingerprint differs: nothing composed).
+        source_caveats: what the source run's own guarantee did not cover (its fixed seed, an
+            unchecked engine, ...): when its cost is composed, this run's guarantee inherits them.
     """
 
     source: str
     case: str
+    source_caveats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.case not in EXTRACTOR_CASES:
             raise ValueError(f"extractor privacy case must be one of {EXTRACTOR_CASES}, got {self.case!r}")
+        object.__setattr__(self, "source_caveats", tuple(self.source_caveats))  # a list when read back
 
     def describe(self) -> str:
         """One clause for the plan's header: which case applies."""
@@ -93,8 +97,15 @@ class ExtractorPrivacy:
             )
         return self.caveat()
 
+    def caveats(self) -> list[str]:
+        """Everything the guarantee does not cover because of the extractor: the case's own
+        caveat, or (composed) the source run's caveats, each naming the source."""
+        if self.case == "composed":
+            return [f"the extractor run {self.source} (its cost is composed): {note}" for note in self.source_caveats]
+        return [self.caveat()]
+
     def caveat(self) -> str | None:
-        """What the guarantee does not cover because of the extractor (None when composed)."""
+        """What the guarantee does not cover because of the extractor's case (None when composed)."""
         if self.case == "declared public":
             return (
                 f"features.extractor_public: the extractor run {self.source} trained on this run's training "
@@ -230,8 +241,8 @@ class DPPlan:
             )
         if self.seeded:
             notes.append(SEEDED_CAVEAT)
-        if self.extractor is not None and self.extractor.caveat():
-            notes.append(self.extractor.caveat())
+        if self.extractor is not None:
+            notes.extend(self.extractor.caveats())
         if self.engine_unchecked:
             notes.append(ENGINE_UNCHECKED_CAVEAT)
         return notes
