@@ -165,3 +165,52 @@ def test_tf32_sets_the_cuda_matmul_flags_only_inside_and_restores_them():
             assert not torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+class CancellingTokens(nn.Module):
+    """logits = 1e3 (h_0 - h_1) of two nearly equal tokens: each example's per-token gradients
+    almost cancel, which a float32 Gram-matrix norm reads as ~0 (the review found 3455 C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 10, bias=False)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h[:, 0] - h[:, 1]) * 1e3
+
+
+@pytest.mark.parametrize("precision", [make_precision("fp32"), make_precision("bf16")], ids=lambda p: p.name)
+@pytest.mark.parametrize("engine", ["bk", "ghost"])
+def test_gram_norms_never_underestimate_when_tokens_cancel(engine, precision):
+    torch.manual_seed(0)
+    model, clip = CancellingTokens(), 1e-3
+    base = torch.randn(6, 256).bfloat16().float()
+    x = torch.stack([base, base.clone()], 1)
+    x[:, 1, :1] += base[:, :1] * 2**-7  # the second token one bf16 ulp off the first
+    y = torch.randint(0, 10, (6,))
+    run = make_engine(engine, clip, model, precision=precision)[0]
+    # a benign first batch passes the route check (in bf16 the autograd reference itself cancels)
+    run.per_example_clipped_sum(model, trainable_params(model), (torch.randn(4, 2, 256), y[:4]))
+    for i in range(len(x)):  # a batch of one: the release is that example's contribution
+        grad_sum, _ = run.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        released = float(torch.sqrt(sum(g.double().square().sum() for g in grad_sum.values())))
+        assert released <= clip * (1 + 1e-6), (engine, precision.name, i, released / clip)
+
+
+def test_squared_norms_of_large_per_example_gradients_are_accurate():
+    from dpscale.privacy.ghost import _sq_norms
+
+    t = torch.randn(3, 2_100_000, generator=torch.Generator().manual_seed(0))
+    exact = t.double().square().sum(1)
+    assert float(((_sq_norms(t).double() - exact) / exact).abs().max()) < 1e-7  # torch's vector_norm: 6e-5
+
+
+@pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
+def test_fp16_engines_return_the_loss_itself_not_the_scaled_one(engine):
+    torch.manual_seed(5)
+    model, (x, y) = SmallConvNet(), _data(4, seed=5)
+    want = F.cross_entropy(model(x), y, reduction="none")
+    run = make_engine(engine, 1.0, model, precision=make_precision("fp16"))[0]
+    _, _, losses = run.clipped_sum_and_losses(model, trainable_params(model), (x, y))
+    torch.testing.assert_close(losses.float(), want.detach(), rtol=2e-2, atol=1e-3)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpscale.privacy.precision import FP32, Precision, at_least_fp32, zero_rows
+from dpscale.privacy.precision import FP32, Precision, at_least_fp32, exact_float32, zero_rows
 
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -146,7 +146,7 @@ class VmapEngine(ClippedSumMixin):
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         x, y = batch
-        if x.shape[0] == 0:
+        if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train
             return self.empty_result(params, x)
         slots, constants = _functional_slots(model, params)
         precision, scale = self.precision, self.precision.loss_scale
@@ -170,14 +170,15 @@ class VmapEngine(ClippedSumMixin):
         if precision.low:  # float32 gradients of the loss itself
             grads = {k: at_least_fp32(g) / scale for k, g in grads.items()}
             losses = losses / scale
-        sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
-        norms = sq_norms.sqrt()
-        factors = clip_factors(norms, self.max_grad_norm)
-        if precision.low:  # a non-finite example contributes exactly zero (not 0 * inf = NaN)
-            finite = torch.isfinite(sq_norms)
-            factors = torch.where(finite, factors, torch.zeros_like(factors))
-            grads = {k: zero_rows(g, finite) for k, g in grads.items()}
-        grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
+        with exact_float32():  # the clip bound's arithmetic never in TF32
+            sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
+            norms = sq_norms.sqrt()
+            factors = clip_factors(norms, self.max_grad_norm)
+            if precision.low:  # a non-finite example contributes exactly zero (not 0 * inf = NaN)
+                finite = torch.isfinite(norms)
+                factors = torch.where(finite, factors, torch.zeros_like(factors))
+                grads = {k: zero_rows(g, finite) for k, g in grads.items()}
+            grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
         return grad_sum, norms, losses.detach()
 
 

@@ -101,6 +101,19 @@ class Precision:
 FP32 = Precision()
 
 
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """Full float32 matmuls and convolutions while inside, whatever the user's TF32 setting: the
+    engines' per-example norms and clipped sums run here (a TF32 Gram matrix or clipped sum
+    would carry 10-bit rounding into the clip bound)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def make_precision(name: str, fp16_loss_scale: float = DEFAULT_FP16_LOSS_SCALE) -> Precision:
     """The ``Precision`` for a config's ``train.precision`` (the loss scale applies to fp16 only)."""
     return Precision(name, fp16_loss_scale if name == "fp16" else 1.0)

@@ -34,7 +34,7 @@ from dpscale.privacy.per_example import (
     tolerance_for,
     trainable_params,
 )
-from dpscale.privacy.precision import FP32, Precision
+from dpscale.privacy.precision import FP32, Precision, at_least_fp32
 
 SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
 
@@ -105,9 +105,10 @@ def reference_clipped_sum(
     norms, layer_sq = [], {}
     for i in range(x.shape[0]):
         with precision.forward(x.device):
-            loss = mean_over_views(loss_fn, model, x[i : i + 1], y[i : i + 1], views)[0].float()
-        if loss.requires_grad:
-            grads = torch.autograd.grad(loss, [live[n] for n in names], allow_unused=True)
+            loss = at_least_fp32(mean_over_views(loss_fn, model, x[i : i + 1], y[i : i + 1], views)[0])
+        if loss.requires_grad:  # with the engine's fixed fp16 loss scale, undone on the gradients
+            grads = torch.autograd.grad(loss * precision.loss_scale, [live[n] for n in names], allow_unused=True)
+            grads = [None if g is None else at_least_fp32(g) / precision.loss_scale for g in grads]
         else:  # no trainable parameter reaches the loss
             grads = [None] * len(names)
         grads = [torch.zeros_like(live[n]) if g is None else g.detach() for n, g in zip(names, grads)]
