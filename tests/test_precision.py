@@ -214,3 +214,17 @@ def test_fp16_engines_return_the_loss_itself_not_the_scaled_one(engine):
     run = make_engine(engine, 1.0, model, precision=make_precision("fp16"))[0]
     _, _, losses = run.clipped_sum_and_losses(model, trainable_params(model), (x, y))
     torch.testing.assert_close(losses.float(), want.detach(), rtol=2e-2, atol=1e-3)
+
+
+def test_a_step_counts_the_examples_whose_gradients_were_not_finite():
+    from dpscale.rng import DPRandom
+    from dpscale.train.step import noisy_clipped_mean, physical_chunks
+
+    torch.manual_seed(6)
+    model, (x, y) = SmallConvNet(), _data(6, seed=6)
+    x[2] = 1e5  # overflows fp16
+    engine = make_engine("bk", 1.0, model, precision=make_precision("fp16"))[0]
+    grad, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(6), 4), noise_std=0.0,
+                                     expected_batch_size=6, noise_generator=DPRandom(0))  # fmt: skip
+    assert stats.nonfinite_examples == 1 and stats.batch_size == 6 and stats.as_dict()["nonfinite_examples"] == 1
+    assert all(torch.isfinite(g).all() for g in grad.values()) and stats.mean_grad_norm == stats.mean_grad_norm

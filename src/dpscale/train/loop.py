@@ -399,8 +399,10 @@ class Trainer:
             if state.get("ema") is None:
                 raise ConfigError("train.ema_decay is set but the checkpoint has no EMA of the weights")
             self.ema.load_state_dict(state["ema"])
+        window = state["window"]  # nonfinite_examples: absent in checkpoints from before mixed precision
         self._window = torch.tensor(
-            [float(state["window"]["loss_sum"]), float(state["window"]["examples"])], dtype=torch.float64, device=self.device
+            [float(window["loss_sum"]), float(window["examples"]), float(window.get("nonfinite_examples", 0))],
+            dtype=torch.float64, device=self.device,
         )
         self.step = int(state["step"])
         self.wall_time_s = float(state["wall_time_s"])
@@ -499,16 +501,16 @@ class Trainer:
         if self.plan.is_private:
             self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
         self.step += 1
-        self._window += stats.counts[[1, 0]].to(self._window.device)  # on the device: no host sync
+        self._window += stats.counts[[1, 0, 4]].to(self._window.device)  # on the device: no host sync
         self._last_stats = stats
 
     def _reset_window(self) -> None:
         """Train loss sum and examples since the last evaluation (float64, on the device)."""
-        self._window = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._window = torch.zeros(3, dtype=torch.float64, device=self.device)
 
     def _window_as_dict(self) -> dict[str, float | int]:
-        loss_sum, examples = self._window.tolist()
-        return {"loss_sum": loss_sum, "examples": int(examples)}
+        loss_sum, examples, nonfinite = self._window.tolist()
+        return {"loss_sum": loss_sum, "examples": int(examples), "nonfinite_examples": int(nonfinite)}
 
     def _checkpoint_due(self) -> bool:
         """Every ``train.checkpoint_every_steps`` steps, and once ``train.checkpoint_every_minutes``
@@ -542,6 +544,12 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "wall_time_s": self.wall_time_s,
         }
+        if window["nonfinite_examples"]:  # 16 bits: they contributed zero; say so, it is a utility loss
+            record["nonfinite_examples"] = window["nonfinite_examples"]
+            self._log(
+                f"WARNING: {window['nonfinite_examples']} examples since the last evaluation had non-finite gradients "
+                "and contributed zero (fp16 overflow? lower train.fp16_loss_scale or use bf16)"
+            )
         record.update(self.extra_evaluations())
         if self.plan.caveats():
             record["privacy_note"] = "; ".join(self.plan.caveats())

@@ -33,7 +33,8 @@ class StepStats:
 
     Attributes:
         counts: float64 tensor [examples, sum of per-example losses (before the update),
-            examples whose gradient norm exceeded C, sum of per-example gradient norms].
+            examples whose gradient norm exceeded C, sum of per-example gradient norms,
+            examples whose gradient was not finite (16-bit runs: they contributed zero)].
     """
 
     counts: torch.Tensor
@@ -57,9 +58,14 @@ class StepStats:
         """Mean per-example gradient norm before clipping."""
         return float(self.counts[3]) / self.batch_size if self.batch_size else 0.0
 
+    @property
+    def nonfinite_examples(self) -> int:
+        """Examples whose gradient was not finite (in 16 bits they contributed exactly zero)."""
+        return int(self.counts[4])
+
     def as_dict(self) -> dict[str, float]:
-        """All four statistics (one host sync)."""
-        names = ("batch_size", "loss_sum", "clipped_fraction", "mean_grad_norm")
+        """All the statistics (one host sync)."""
+        names = ("batch_size", "loss_sum", "clipped_fraction", "mean_grad_norm", "nonfinite_examples")
         return {name: getattr(StepStats(self.counts.cpu()), name) for name in names}
 
 
@@ -124,7 +130,7 @@ def noisy_clipped_mean(
     total = {name: torch.zeros_like(p) for name, p in params.items()}
     # examples, loss sum, clipped examples, norm sum: accumulated on the device, no host sync
     device = next(iter(total.values())).device if total else torch.device("cpu")  # nccl reduces on the GPU
-    counts = torch.zeros(4, dtype=torch.float64, device=device)
+    counts = torch.zeros(5, dtype=torch.float64, device=device)
     clip = engine.max_grad_norm
     std = noise_std if add_noise else 0.0
     if prefetch_noise is None:
@@ -136,7 +142,11 @@ def noisy_clipped_mean(
             total[name] += grad_sum[name]
         clipped = (norms > clip).sum() if clip is not None else norms.new_zeros(())
         examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
-        counts += torch.stack([examples, losses.sum().double(), clipped.double(), norms.sum().double()]).to(device)
+        finite = torch.isfinite(norms)
+        counts += torch.stack([
+            examples, losses.sum().double(), clipped.double(), torch.where(finite, norms, 0.0).sum().double(),
+            (~finite).sum().double(),
+        ]).to(device)  # fmt: skip
     # once per logical step: on one rank, before the ranks' sums are added up
     noisy = add_gaussian_noise(total, std, noise_generator, pending.result() if pending else None)
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
