@@ -132,11 +132,15 @@ def _gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     a relative 1e-11 in float64 where float32 would have needed 1e-3 to 4e-2."""
     a64, g64 = a.double(), g.double()
     gram = (torch.matmul(a64, a64.transpose(-1, -2)) * torch.matmul(g64, g64.transpose(-1, -2))).flatten(1).sum(1)
-    length, d_in, d_out = a.shape[-2], a.shape[-1], g.shape[-1]
     weight = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum(-1)  # (B, ...)
+    return _upper_bound(gram, a.shape[-1] + g.shape[-1], a.shape[-2], weight).to(a.dtype)
+
+
+def _upper_bound(gram: torch.Tensor, inner: int, length: int, weight: torch.Tensor) -> torch.Tensor:
+    """A float64 Gram squared norm (B,) plus the rigorous bound on its rounding error,
+    2 (inner + L^2 + 4) u W^2 (W = ``weight``, summed over any group dims): never below the exact value."""
     unit = torch.finfo(torch.float64).eps / 2
-    bound = 2.0 * (d_in + d_out + length * length + 4) * unit * weight.square().reshape(weight.shape[0], -1).sum(1)
-    return (gram.clamp(min=0) + bound).to(a.dtype)
+    return gram.clamp(min=0) + 2.0 * (inner + length * length + 4) * unit * weight.square().reshape(len(gram), -1).sum(1)
 
 
 # Gram matrices are multiplied in float64 (see _gram_sq_norms): on CPU about twice float32's cost.
@@ -390,9 +394,8 @@ def _embedding_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(torch.float64)
     g64 = g.double()
     gram = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2))
-    unit = torch.finfo(torch.float64).eps / 2
-    bound = 2.0 * (g.shape[-1] + idx.shape[1] ** 2 + 4) * unit * torch.linalg.vector_norm(g64, dim=-1).sum(1).square()
-    return (gram.clamp(min=0) + bound).to(g.dtype)
+    # a one-hot row of unit norm stands for a_t: W = sum_t ||g_t||, inner dimension d (the one-hot products are exact)
+    return _upper_bound(gram, g.shape[-1], idx.shape[1], torch.linalg.vector_norm(g64, dim=-1).sum(1)).to(g.dtype)
 
 
 def _embedding_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:

@@ -84,34 +84,30 @@ class Precision:
         with torch.autocast(device_type=device.type, dtype=dtype):
             yield
 
-    @contextlib.contextmanager
-    def matmul_flags(self) -> Iterator[None]:
+    def matmul_flags(self) -> contextlib.AbstractContextManager[None]:
         """TF32 for CUDA matmuls and convolutions while inside (restored after), for ``tf32``."""
-        if self.name != "tf32":
-            yield
-            return
-        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        return _tf32(True) if self.name == "tf32" else contextlib.nullcontext()
 
 
 FP32 = Precision()
 
 
 @contextlib.contextmanager
-def exact_float32() -> Iterator[None]:
-    """Full float32 matmuls and convolutions while inside, whatever the user's TF32 setting: the
-    engines' per-example norms and clipped sums run here (a TF32 Gram matrix or clipped sum
-    would carry 10-bit rounding into the clip bound)."""
+def _tf32(allowed: bool) -> Iterator[None]:
+    """CUDA matmuls and convolutions may (or may not) use TF32 while inside; restored after."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allowed
     try:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def exact_float32() -> contextlib.AbstractContextManager[None]:
+    """Full float32 matmuls and convolutions while inside, whatever the user's TF32 setting: the
+    engines' per-example norms and clipped sums run here (a TF32 Gram matrix or clipped sum
+    would carry 10-bit rounding into the clip bound)."""
+    return _tf32(False)
 
 
 def make_precision(name: str, fp16_loss_scale: float = DEFAULT_FP16_LOSS_SCALE) -> Precision:

@@ -520,8 +520,9 @@ class Trainer:
         if every and self.step % every == 0:
             return True
         minutes = train.checkpoint_every_minutes
-        due = minutes is not None and time.perf_counter() - self._saved_at >= 60.0 * minutes
-        return self.dist.any(due) if minutes is not None else False
+        if minutes is None:
+            return False
+        return self.dist.any(time.perf_counter() - self._saved_at >= 60.0 * minutes)
 
     def evaluate_and_log(self) -> dict[str, Any] | None:
         """Evaluate and append to metrics.jsonl (rank 0; other ranks only reset the window)."""

@@ -128,7 +128,7 @@ def noisy_clipped_mean(
     """
     params = trainable_params(model)
     total = {name: torch.zeros_like(p) for name, p in params.items()}
-    # examples, loss sum, clipped examples, norm sum: accumulated on the device, no host sync
+    # the StepStats counts, accumulated on the device: no host sync
     device = next(iter(total.values())).device if total else torch.device("cpu")  # nccl reduces on the GPU
     counts = torch.zeros(5, dtype=torch.float64, device=device)
     clip = engine.max_grad_norm
