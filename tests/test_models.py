@@ -345,3 +345,49 @@ def test_cli_models_table(capsys):
     lines = capsys.readouterr().out.splitlines()
     line = next(l for l in lines if l.startswith("papernot-cnn "))
     assert "26,010 params" in line and "1x28x28" in line and "vmap" in line
+
+
+# ----- MaxPool2d: the channels-last CPU path must be nn.MaxPool2d bit for bit -----
+
+POOL_GEOMETRIES = [
+    dict(kernel_size=2, stride=1),
+    dict(kernel_size=2, stride=2),
+    dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=3, stride=2, ceil_mode=True),
+    dict(kernel_size=2, stride=1, dilation=2),
+    dict(kernel_size=(2, 3), stride=(1, 2)),
+]
+
+
+@pytest.mark.parametrize("geometry", POOL_GEOMETRIES)
+def test_maxpool_matches_torch_values_and_gradients_with_ties_and_nan(geometry):
+    from dpscale.models.layers import MaxPool2d
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (4, 5, 9, 11), generator=gen).float()  # many ties in every window
+    x[0, 0, 1, 1] = float("nan")
+    grad = torch.randn(nn.MaxPool2d(**geometry)(x).shape, generator=gen)
+    results = []
+    for layer in (nn.MaxPool2d(**geometry), MaxPool2d(**geometry)):
+        leaf = x.clone().requires_grad_(True)
+        out = layer(leaf)
+        out.backward(grad)
+        with torch.no_grad():
+            results.append((out.detach(), leaf.grad, layer(x)))
+    (ref_out, ref_grad, ref_eval), (out, grad_x, eval_out) = results
+    assert torch.equal(ref_out.nan_to_num(-1), out.nan_to_num(-1))
+    assert out.is_contiguous() and torch.isnan(out).any()
+    assert torch.equal(ref_grad, grad_x)
+    assert torch.equal(ref_eval.nan_to_num(-1), eval_out.nan_to_num(-1))
+
+
+def test_maxpool_falls_back_inside_vmap_and_for_unbatched_input():
+    from torch.func import grad, vmap
+
+    from dpscale.models.layers import MaxPool2d
+
+    x = torch.randn(3, 2, 6, 6)
+    ours, ref = MaxPool2d(2, stride=1), nn.MaxPool2d(2, stride=1)
+    per_example = [vmap(grad(lambda t, m=m: m(t.unsqueeze(0)).square().sum()))(x) for m in (ref, ours)]
+    assert torch.equal(per_example[0], per_example[1])
+    assert torch.equal(ours(x[0]), ref(x[0]))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
+from dpscale.models.layers import MaxPool2d
 from dpscale.models.registry import register_family, register_model
 
 
@@ -103,10 +104,10 @@ def papernot_cnn(
     features = nn.Sequential(
         nn.Conv2d(channels, k1, 8, stride=2, padding=2),
         make_activation(activation),
-        nn.MaxPool2d(2, stride=1),
+        MaxPool2d(2, stride=1),
         nn.Conv2d(k1, k2, 4, stride=2),
         make_activation(activation),
-        nn.MaxPool2d(2, stride=1),
+        MaxPool2d(2, stride=1),
         nn.Flatten(),
     )
     return Classifier(features, k2 * h * w, num_classes, head_hidden=(hidden,), activation=activation)
@@ -121,7 +122,7 @@ def _vgg_features(
         layers += [nn.Conv2d(channels, width, 3, padding=1), make_activation(activation)]
         channels = width
         if i in pool_after:
-            layers.append(nn.MaxPool2d(2, stride=2))
+            layers.append(MaxPool2d(2, stride=2))
     layers.append(nn.Flatten())
     return nn.Sequential(*layers), len(pool_after)
 

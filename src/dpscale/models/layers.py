@@ -61,3 +61,51 @@ class ScalarGain(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * (self.scale * self.gain)
+
+
+class _ChannelsLastMaxPool(torch.autograd.Function):
+    """Max pooling computed in channels-last memory, with the usual NCHW backward kernel.
+
+    On CPU, torch's NCHW max-pool forward is 2.6-8x slower than its channels-last one (measured
+    on this project's CNN shapes, 2 cores, torch 2.13), while the NCHW backward is the cheaper
+    one. Both kernels scan a window in the same order and keep the first maximum (NaN wins), so
+    values, indices and gradients are those of ``F.max_pool2d``, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool) -> torch.Tensor:  # type: ignore[override]
+        out, indices = F.max_pool2d(
+            x.contiguous(memory_format=torch.channels_last), kernel, stride, padding, dilation, ceil_mode,
+            return_indices=True,
+        )  # fmt: skip
+        ctx.save_for_backward(x, indices.contiguous())
+        ctx.geometry = (kernel, stride, padding, dilation, ceil_mode)
+        return out.contiguous()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, indices = ctx.saved_tensors
+        kernel, stride, padding, dilation, ceil_mode = (_pair(v) if not isinstance(v, bool) else v for v in ctx.geometry)
+        grad_x = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad.contiguous(), x, kernel, stride, padding, dilation, ceil_mode, indices
+        )
+        return grad_x, None, None, None, None, None
+
+
+def _pair(v: int | tuple[int, ...]) -> list[int]:
+    return [v, v] if isinstance(v, int) else list(v)
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` (same arguments, values and gradients) that pools in channels-last
+    memory on CPU, where that kernel is several times faster (see ``_ChannelsLastMaxPool``).
+    Anywhere else (GPUs, inside ``torch.func`` transforms, unbatched 3-D inputs) it is the
+    plain layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dim() != 4 or self.return_indices or torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return super().forward(x)
+        args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return F.max_pool2d(x.contiguous(memory_format=torch.channels_last), *args).contiguous()
+        return _ChannelsLastMaxPool.apply(x, *args)

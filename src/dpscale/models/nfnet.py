@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.models.layers import ScalarGain, ScaledStdConv2d
+from dpscale.models.layers import MaxPool2d, ScalarGain, ScaledStdConv2d
 from dpscale.models.registry import register_model
 from dpscale.models.resnet import ResidualNetwork
 
@@ -65,7 +65,7 @@ def _nf_resnet(counts, num_classes: int, input_shape: tuple[int, int, int], acti
                alpha: float = 0.2, stem: str | None = None) -> ResidualNetwork:
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     if stem == "imagenet":
-        stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), nn.MaxPool2d(3, 2, 1))
+        stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), MaxPool2d(3, 2, 1))
     elif stem == "cifar":
         stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 3, padding=1))
     else:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
+from dpscale.models.layers import MaxPool2d
 from dpscale.models.registry import register_model
 
 ORDERS = ("conv-norm-act", "conv-act-norm")
@@ -181,7 +182,7 @@ def _resnet_v2(block: type, counts: Sequence[int], num_classes: int, input_shape
                norm_groups: int, stem: str) -> ResidualNetwork:
     channels = input_shape[0]
     if stem == "imagenet":  # 7x7/2 conv + 3x3/2 max-pool (224x224 inputs)
-        stem_module = nn.Sequential(nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), nn.MaxPool2d(3, 2, 1))
+        stem_module = nn.Sequential(nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), MaxPool2d(3, 2, 1))
     elif stem == "cifar":  # 3x3/1 conv, no pooling (32x32 inputs)
         stem_module = nn.Sequential(nn.Conv2d(channels, 64, 3, padding=1, bias=False))
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from dpscale.models.activations import make_activation
+from dpscale.models.layers import MaxPool2d
 from dpscale.models.cnn import Classifier, _conv_out, linear
 from dpscale.models.registry import register_model
 
@@ -58,19 +59,19 @@ def scatter_cnn(
         size_h, size_w = _conv_out(height, 3, 2, 1), _conv_out(width, 3, 2, 1)
         layers = [nn.Conv2d(channels, 16, 3, stride=2, padding=1), act()]
         if paper_table_pooling:
-            layers.append(nn.MaxPool2d(2, stride=1))
+            layers.append(MaxPool2d(2, stride=1))
             size_h, size_w = size_h - 1, size_w - 1
         layers += [nn.Conv2d(16, 32, 3, stride=1, padding=1), act()]
         if paper_table_pooling:
-            layers.append(nn.MaxPool2d(2, stride=1))
+            layers.append(MaxPool2d(2, stride=1))
             size_h, size_w = size_h - 1, size_w - 1
         hidden, out_channels = (32,), 32
     elif variant == "cifar":
-        layers = [nn.Conv2d(channels, 64, 3, padding=1), act(), nn.MaxPool2d(2, 2)]
+        layers = [nn.Conv2d(channels, 64, 3, padding=1), act(), MaxPool2d(2, 2)]
         size_h, size_w = height // 2, width // 2
         layers += [nn.Conv2d(64, 64, 3, padding=1), act()]
         if paper_table_pooling:
-            layers.append(nn.MaxPool2d(2, 2))
+            layers.append(MaxPool2d(2, 2))
             size_h, size_w = size_h // 2, size_w // 2
         hidden, out_channels = (), 64
     else:
