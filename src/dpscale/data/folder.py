@@ -1,0 +1,253 @@
+"""Image folders: one listing (files, labels, split) shared by the in-memory and the streaming loader.
+
+Both loaders decode a file with :func:`image_array`, so an image streamed from disk is the same
+uint8 array, bit for bit, as the one the in-memory loader holds.
+
+Layouts (classes are the sorted sub-folder names of the training split; label i is the i-th):
+  * ``root/train/<class>/*`` with ``root/test/<class>/*`` or ``root/val/<class>/*`` (official split);
+  * ``root/train/<class>/*`` with a flat ``root/val/*`` folder and a label file
+    (``val_labels``: one ``<file name> <class>`` per line, comma or whitespace separated, the class
+    given by folder name or index; ImageNet's validation set);
+  * ``root/<class>/*`` or ``root/train/<class>/*`` alone: a stratified 20% is held out as the test set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from .formats import IMAGE_EXTENSIONS, DatasetError, read_image
+
+GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
+TEST_FRACTION = 0.2  # held out when a folder has no test split
+
+
+@dataclass(frozen=True)
+class FolderListing:
+    """The files of an image folder, with labels and the split, before any decoding.
+
+    Attributes:
+        root: the folder.
+        classes: class names; label i is ``classes[i]``.
+        train_files, train_labels: the private training set (labels int64).
+        test_files, test_labels: the test set.
+        test_split: "official" or how the test set was held out.
+        mode: "L" when every image is grayscale, else "RGB" (alpha dropped).
+        skipped: files left out because they could not be read (``skip_corrupt``), with the reason.
+    """
+
+    root: Path
+    classes: tuple[str, ...]
+    train_files: tuple[Path, ...]
+    train_labels: np.ndarray
+    test_files: tuple[Path, ...]
+    test_labels: np.ndarray
+    test_split: str
+    mode: str = "RGB"
+    skipped: tuple[str, ...] = ()
+
+
+def _class_folders(split_dir: Path) -> list[str]:
+    return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+    )
+
+
+def _list_classes(split_dir: Path) -> dict[str, list[Path]]:
+    """Map each class sub-folder (sorted, hidden ones skipped) to its sorted image files."""
+    classes = _class_folders(split_dir)
+    if not classes:
+        raise DatasetError(f"{split_dir} has no class sub-folders (expected {split_dir}/<class>/<image>)")
+    found = {}
+    for c in classes:
+        files = _images_in(split_dir / c)
+        if not files:
+            raise DatasetError(f"class folder {split_dir / c} contains no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+        found[c] = files
+    return found
+
+
+def _flatten(by_class: dict[str, list[Path]], classes: list[str]) -> tuple[tuple[Path, ...], np.ndarray]:
+    files = tuple(p for c in classes for p in by_class[c])
+    labels = np.array([i for i, c in enumerate(classes) for _ in by_class[c]], dtype=np.int64)
+    return files, labels
+
+
+def _read_label_file(path: Path, folder: Path, classes: list[str]) -> tuple[tuple[Path, ...], np.ndarray]:
+    """A flat validation folder's files and labels from ``<file name> <class>`` lines."""
+    if not path.is_file():
+        raise DatasetError(f"validation label file {path} does not exist")
+    index = {c: i for i, c in enumerate(classes)}
+    files, labels = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        fields = [f for f in re.split(r"[,\s]+", line.strip()) if f]
+        if not fields or line.lstrip().startswith("#"):
+            continue
+        if len(fields) < 2:
+            raise DatasetError(f"{path}:{number}: expected '<file name> <class>', got {line!r}")
+        name, label = fields[0], fields[1]
+        if label in index:
+            value = index[label]
+        elif label.isdigit() and int(label) < len(classes):
+            value = int(label)
+        else:
+            raise DatasetError(f"{path}:{number}: class {label!r} is neither a training class folder nor an index < {len(classes)}")
+        file = folder / name
+        if not file.is_file():
+            raise DatasetError(f"{path}:{number}: {file} does not exist")
+        files.append(file)
+        labels.append(value)
+    if not files:
+        raise DatasetError(f"validation label file {path} lists no images")
+    return tuple(files), np.array(labels, dtype=np.int64)
+
+
+def _test_split(root: Path, train_dir: Path, classes: list[str], val_labels: Path | None) -> tuple[tuple[Path, ...], np.ndarray] | None:
+    """The official test set of a ``root/train`` layout, if there is one."""
+    if train_dir == root:
+        return None
+    for name in ("test", "val"):
+        folder = root / name
+        if not folder.is_dir():
+            continue
+        if val_labels is not None or not _class_folders(folder):
+            if val_labels is None:
+                raise DatasetError(f"{folder} has no class sub-folders: pass data.val_labels (a '<file name> <class>' file)")
+            return _read_label_file(Path(val_labels), folder, classes)
+        by_class = _list_classes(folder)
+        if list(by_class) != classes:
+            raise DatasetError(f"{folder} class folders {sorted(by_class)} differ from {train_dir} class folders {classes}")
+        return _flatten(by_class, classes)
+    return None
+
+
+def _header(path: Path) -> tuple[str, tuple[int, int]]:
+    """(mode, (width, height)) from the file's header alone (no pixel decoding)."""
+    try:
+        with Image.open(path) as img:
+            return img.mode, img.size
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DatasetError(f"could not read image {path}: {e}") from e
+
+
+def _check(path: Path, full: bool) -> tuple[str, tuple[int, int]] | str:
+    """The header of ``path`` (decoding every pixel when ``full``), or why it cannot be read."""
+    try:
+        if full:
+            img = read_image(path)
+            return img.mode, img.size
+        return _header(path)
+    except DatasetError as e:
+        return str(e)
+
+
+def _check_all(files: list[Path], full: bool, workers: int) -> list[tuple[str, tuple[int, int]] | str]:
+    if workers <= 1 or len(files) < 512:
+        return [_check(p, full) for p in files]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_check, files, [full] * len(files), chunksize=256))
+
+
+def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, workers: int) -> FolderListing:
+    """Read every file's header (every pixel with ``skip_corrupt``): the colour mode of the set,
+    one size when no ``image_size`` is given, and the unreadable files, refused or left out."""
+    files = list(listing.train_files) + list(listing.test_files)
+    results = _check_all(files, skip_corrupt, workers)
+    bad = [(p, r) for p, r in zip(files, results) if isinstance(r, str)]
+    if bad and not skip_corrupt:
+        raise DatasetError(f"{bad[0][1]} ({len(bad)} unreadable file(s) in {listing.root}; data.skip_corrupt=true leaves them out)")
+    good = [(p, r) for p, r in zip(files, results) if not isinstance(r, str)]
+    if image_size is None and good:
+        first, (_, size) = good[0]
+        for p, (_, other) in good:
+            if other != size:
+                raise DatasetError(
+                    f"{p} is {other[0]}x{other[1]} but {first} is {size[0]}x{size[1]}; "
+                    "pass image_size to resize all images to one size"
+                )
+    mode = "L" if good and all(r[0] in GRAYSCALE_MODES for _, r in good) else "RGB"
+    dropped = {p for p, _ in bad}
+    train_keep = np.array([p not in dropped for p in listing.train_files], dtype=bool)
+    test_keep = np.array([p not in dropped for p in listing.test_files], dtype=bool)
+    return replace(
+        listing,
+        train_files=tuple(p for p, k in zip(listing.train_files, train_keep) if k),
+        train_labels=listing.train_labels[train_keep],
+        test_files=tuple(p for p, k in zip(listing.test_files, test_keep) if k),
+        test_labels=listing.test_labels[test_keep],
+        mode=mode,
+        skipped=tuple(reason for _, reason in bad),
+    )
+
+
+def list_image_folder(
+    root: str | os.PathLike,
+    *,
+    image_size: int | None = None,
+    val_labels: str | os.PathLike | None = None,
+    skip_corrupt: bool = False,
+    workers: int = 1,
+) -> FolderListing:
+    """List an image folder (layouts in the module docstring), check every file's header and split it.
+
+    Args:
+        root: the folder.
+        image_size: images will be resized to this square size; None: all must share one size.
+        val_labels: label file of a flat ``root/val`` folder.
+        skip_corrupt: decode every image now and leave out those that fail (counted in
+            ``skipped``); otherwise an unreadable header is an error naming the file.
+        workers: processes for the check.
+
+    Returns:
+        The listing; with no official test split, a stratified 20% of the (readable) images is
+        held out, exactly as the in-memory loaders do.
+    """
+    from .splits import holdout_description, stratified_holdout
+
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(f"image folder {root} does not exist or is not a directory")
+    if image_size is not None and image_size <= 0:
+        raise DatasetError(f"image_size must be positive, got {image_size}")
+    train_dir = root / "train" if (root / "train").is_dir() else root
+    by_class = _list_classes(train_dir)
+    classes = list(by_class)
+    files, labels = _flatten(by_class, classes)
+    test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
+    empty = (), np.zeros(0, dtype=np.int64)
+    listing = FolderListing(root, tuple(classes), files, labels, *(test or empty), "official" if test else "")
+    listing = _scan(listing, image_size, skip_corrupt, workers)
+    if test is not None:
+        return listing
+    n = len(listing.train_files)
+    if n < 2:
+        raise DatasetError(f"image folder {root} has {n} readable image(s); need at least 2 to hold out a test split")
+    n_test = min(max(round(TEST_FRACTION * n), 1), n - 1)
+    train, held = stratified_holdout(listing.train_labels, n_test)
+    pick = lambda idx: tuple(listing.train_files[i] for i in idx)  # noqa: E731
+    return replace(
+        listing,
+        train_files=pick(train), train_labels=listing.train_labels[train],
+        test_files=pick(held), test_labels=listing.train_labels[held],
+        test_split=holdout_description(n_test, n),
+    )  # fmt: skip
+
+
+def image_array(path: Path, mode: str, image_size: int | None) -> np.ndarray:
+    """Decode one image file as a uint8 (C, H, W) array in ``mode``, resized (bilinear, aspect
+    ratio not kept) to ``image_size`` squared when given. Errors name the file."""
+    img = read_image(path).convert(mode)
+    if image_size is not None and img.size != (image_size, image_size):
+        img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
+    array = np.asarray(img, dtype=np.uint8)
+    return array[None] if mode == "L" else array.transpose(2, 0, 1)
