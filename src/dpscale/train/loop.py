@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dpscale.config import Config, ConfigError, is_private_config, load_config, save_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
+from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, open_stream
 from dpscale.features.normalize import FeatureNormalizer
 from dpscale.features.pipeline import (
     extract_run_features,
@@ -39,7 +40,7 @@ from dpscale.rng import DPRandom, words_to_int
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
-from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, json_safe
+from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, evaluate_batches, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.step import apply_gradient, augmented_chunks, noisy_clipped_mean, physical_chunks
 
@@ -123,12 +124,57 @@ def default_out_dir(config: Config) -> str:
 
 
 def prepare_data(config: Config, device: torch.device) -> ImageDataset:
-    data = load_dataset(config.data.name, config.data.root, image_size=config.data.image_size)
+    """The whole dataset in memory on ``device`` (data.loader=memory)."""
+    cfg = config.data
+    data = load_dataset(
+        cfg.name, cfg.root, image_size=cfg.image_size, val_labels=cfg.val_labels, skip_corrupt=cfg.skip_corrupt,
+        workers=_workers(config),
+    )
     x_train, x_test = data.x_train, data.x_test
     if config.data.normalize:  # data-independent constants: no privacy cost
         x_train, x_test = (x_train - 0.5) / 0.5, (x_test - 0.5) / 0.5
     return ImageDataset(
         x_train.to(device), data.y_train.to(device), x_test.to(device), data.y_test.to(device), data.info
+    )
+
+
+def _workers(config: Config) -> int:
+    return default_workers() if config.data.workers is None else config.data.workers
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def open_training_data(config: Config, device: torch.device, log: Any = print) -> ImageDataset | StreamedData:
+    """The run's data: in memory, or streamed from disk (data.loader; "auto" streams when the
+    decoded float32 training and test sets would take more than a quarter of physical memory)."""
+    cfg = config.data
+    loader = cfg.loader
+    if loader == "auto" and cfg.name in ("imagefolder", "shards") and cfg.root is not None:
+        streamed = _open_stream(config)
+        info = streamed.info
+        decoded = 4 * (info.num_train + info.num_test) * int(np.prod(info.input_shape))
+        memory = _physical_memory_bytes()
+        if memory and decoded > memory / 4 and config.features.extractor is None and config.features.normalize == "none" and not config.eval.augtest:
+            log(f"data.loader=auto: streaming {cfg.root} from disk (decoded it would take {decoded / 2**30:.1f} GiB of {memory / 2**30:.1f} GiB)")
+            return streamed
+        loader = "memory"
+    if loader == "stream":
+        return _open_stream(config)
+    return prepare_data(config, device)
+
+
+def _open_stream(config: Config) -> StreamedData:
+    cfg = config.data
+    if cfg.root is None:
+        raise ConfigError(f"data.loader=stream needs data.root (the image folder or prepared shards)")
+    return open_stream(
+        cfg.name, cfg.root, image_size=cfg.image_size, normalize=cfg.normalize, val_labels=cfg.val_labels,
+        skip_corrupt=cfg.skip_corrupt, workers=_workers(config),
     )
 
 
@@ -185,8 +231,15 @@ class Trainer:
         seeds = self.dist.broadcast_object(_seeds(config.run.seed))  # fresh entropy: rank 0's, for all
         self._seeds = seeds
 
-        images = prepare_data(config, self.device)
-        self.data_fingerprint = dataset_fingerprint(images)  # of the images: features may differ in the last bit
+        images = open_training_data(config, self.device, self._log)
+        self.streamed = isinstance(images, StreamedData)
+        # of the images: features may differ in the last bit
+        self.data_fingerprint = images.fingerprint if self.streamed else dataset_fingerprint(images)
+        if images.info.skipped_files:
+            self._log(
+                f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
+                f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images"
+            )
         # Before extracting: a checkpoint extractor's run that cannot be composed is refused at once.
         extractor, extractor_releases = extractor_privacy(
             config.features, self._fingerprint_as, is_private_config(config.dp)
@@ -208,7 +261,8 @@ class Trainer:
             )
         if feature_norm is None:
             generator = DPRandom(seeds["features"])  # Data Normalization's noise: 128-bit seed
-            normalizer = fit_normalizer(config.features, features.x_train, plan, generator)
+            # a stream has features.normalize=none (config validation): nothing to fit
+            normalizer = FeatureNormalizer() if self.streamed else fit_normalizer(config.features, features.x_train, plan, generator)
             # One release, whatever P: every rank uses rank 0's noisy statistics.
             feature_norm = self.dist.broadcast_object(normalizer.state_dict()) if self.dist.enabled else None
             self.feature_normalizer = normalizer if feature_norm is None else FeatureNormalizer.from_state_dict(feature_norm)
@@ -275,7 +329,7 @@ class Trainer:
         examples (their K views drawn from a fixed generator: the run's streams are untouched)."""
         train, augment = self.config.train, self.config.augment
         k = min(SELF_CHECK_EXAMPLES, len(self.data.y_train))
-        chunk = (self.data.x_train[:k], self.data.y_train[:k])
+        chunk = self.data.head(k, self.device) if self.streamed else (self.data.x_train[:k], self.data.y_train[:k])
         if augment.multiplicity > 1:
             views = augmented_chunks([chunk], augment.type, augment.multiplicity, torch.Generator().manual_seed(0), self.value_range)
             chunk = next(iter(views))
@@ -298,6 +352,7 @@ class Trainer:
         rank, world = self.dist.rank, self.dist.world_size
         sampler_seed = rank_stream_seed(self._seeds["sampler"], rank, world, start_step)
         self.sampler = self.plan.make_sampler(DPRandom(sampler_seed), rank, world)
+        self._feed: StreamFeed | None = None  # streaming: started at the first step
         augment_seed = rank_stream_seed(self._seeds["augment"], rank, world, start_step)
         self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)  # torch takes 64 bits
 
@@ -353,7 +408,7 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         """The checkpoint. Collective with P processes: gathers every rank's sampling streams."""
         streams = self.dist.all_gather_object(
-            {"sampler": self.sampler.state_dict(), "augment_generator": self.augment_generator.get_state()}
+            {"sampler": self._sampler_state(), "augment_generator": self.augment_generator.get_state()}
         )
         return {
             "world_size": self.dist.world_size,
@@ -372,6 +427,10 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "feature_norm": self.feature_normalizer.state_dict(),
         }
+
+    def _sampler_state(self) -> dict[str, Any]:
+        """The sampler's state before the next step's draw (a stream draws batches ahead)."""
+        return self._feed.sampler_state(self.step) if self._feed is not None else self.sampler.state_dict()
 
     def load_state(self, state: dict[str, Any]) -> None:
         saved = DPPlan(**state["plan"])
@@ -437,6 +496,7 @@ class Trainer:
             mine = state["rank_streams"][self.dist.rank]
         else:  # a checkpoint from before distributed training: one process
             mine = {"sampler": state["sampler"], "augment_generator": state.get("augment_generator")}
+        self._feed = None
         self.sampler.load_state_dict(mine["sampler"])
         if mine.get("augment_generator") is not None:
             self.augment_generator.set_state(mine["augment_generator"])
@@ -473,15 +533,9 @@ class Trainer:
 
     def train_step(self) -> None:
         """Sample a logical batch, take one private step, account for it."""
-        indices = self.sampler.sample()
-        if self.device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
-            indices = indices.pin_memory().to(self.device, non_blocking=True)
         augment = self.config.augment
         # With K views per example, a physical chunk holds max_physical_batch_size / K examples.
-        chunks = physical_chunks(
-            self.data.x_train, self.data.y_train, indices,
-            max(1, self.config.train.max_physical_batch_size // augment.multiplicity),
-        )
+        chunks = self._train_chunks(max(1, self.config.train.max_physical_batch_size // augment.multiplicity))
         if augment.multiplicity > 1:
             chunks = augmented_chunks(chunks, augment.type, augment.multiplicity, self.augment_generator, self.value_range)
         gradient, stats = noisy_clipped_mean(
@@ -503,6 +557,27 @@ class Trainer:
         self.step += 1
         self._window += stats.counts[[1, 0, 4]].to(self._window.device)  # on the device: no host sync
         self._last_stats = stats
+
+    def _train_chunks(self, chunk_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """This step's logical batch (drawn by the sampler) as physical chunks on the device."""
+        if not self.streamed:
+            indices = self.sampler.sample()
+            if self.device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
+                indices = indices.pin_memory().to(self.device, non_blocking=True)
+            return physical_chunks(self.data.x_train, self.data.y_train, indices, chunk_size)
+        if self._feed is None:
+            self._feed = StreamFeed(
+                self.data, self.sampler, chunk_size=chunk_size, start_step=self.step, total_steps=self.total_steps,
+                device=self.device, workers=_workers(self.config), prefetch=self.config.data.prefetch,
+            )  # fmt: skip
+        return self._feed.chunks(self.step)
+
+    def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+        """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is)."""
+        batch = self.config.train.eval_batch_size
+        if self.streamed:
+            return evaluate_batches(model, eval_batches(self.data, batch, self.device, _workers(self.config)), self.device)
+        return evaluate(model, self.data.x_test, self.data.y_test, batch)
 
     def _reset_window(self) -> None:
         """Train loss sum and examples since the last evaluation (float64, on the device)."""
@@ -529,9 +604,7 @@ class Trainer:
         if not self.dist.is_main:
             self._reset_window()
             return None
-        accuracy, test_loss = evaluate(
-            self.model, self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
-        )
+        accuracy, test_loss = self._evaluate(self.model)
         window = self._window_as_dict()
         record = {
             "epoch": self.epochs_done(self.step),
@@ -566,10 +639,10 @@ class Trainer:
     def extra_evaluations(self) -> dict[str, float]:
         """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy)."""
         out = {}
-        x, y, batch = self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
         if self.ema is not None:
-            out["test_accuracy_ema"], out["test_loss_ema"] = evaluate(self.ema.model, x, y, batch)
-        if self.config.eval.augtest:
+            out["test_accuracy_ema"], out["test_loss_ema"] = self._evaluate(self.ema.model)
+        if self.config.eval.augtest:  # in memory only (config validation)
+            x, y, batch = self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
             augment = self.config.augment
             generator = torch.Generator().manual_seed(self.augtest_seed)
             out["test_accuracy_augtest"] = evaluate_augtest(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -14,21 +14,28 @@ from torch import nn
 from dpscale.train.checkpoint import atomic_write_text
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> tuple[float, float]:
     """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` on (x, y)."""
+    batches = ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, x.shape[0], batch_size))
+    return evaluate_batches(model, batches, x.device)
+
+
+@torch.no_grad()
+def evaluate_batches(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> tuple[float, float]:
+    """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` over (x, y) batches on ``device``."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=x.device)  # correct, loss sum: read once at the end
-    for start in range(0, x.shape[0], batch_size):
-        logits = model(x[start : start + batch_size])
-        target = y[start : start + batch_size]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count: read once at the end
+    for x, target in batches:
+        logits = model(x)
         loss = F.cross_entropy(logits, target, reduction="sum").double()
-        totals += torch.stack([(logits.argmax(1) == target).sum().double(), loss])
+        count = torch.full((), float(len(target)), dtype=torch.float64, device=device)
+        totals += torch.stack([(logits.argmax(1) == target).sum().double(), loss, count])
     model.train(was_training)
-    n = max(1, x.shape[0])
-    correct, loss_sum = totals.tolist()
-    return int(correct) / n, loss_sum / n
+    correct, loss_sum, n = totals.tolist()
+    return int(correct) / max(1, n), loss_sum / max(1, n)
 
 
 def json_safe(value: Any) -> Any:

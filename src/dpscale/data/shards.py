@@ -1,0 +1,202 @@
+"""Prepared shards: decoded, fixed-size uint8 images in ``.npy`` files read by memory mapping.
+
+``dpscale data prepare SRC DEST --size S`` decodes an image folder once (``folder.image_array``:
+the pixels the folder loaders would produce) into ``DEST/<split>-NNNNN.npy`` arrays of shape
+(count, C, S, S) plus ``<split>-labels.npy`` and a ``manifest.json`` holding the classes, the split,
+the counts and each file's SHA-256. Reading an example is then a slice of a memory map: no decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .folder import FolderListing, image_array
+from .formats import DatasetError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "dpscale-shards"
+VERSION = 1
+SHARD_BYTES = 1 << 30  # about 1 GiB of pixels per shard file
+VERIFY_LIMIT_BYTES = 4 << 30  # opening checks every checksum of a set up to this size (else sizes only)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _decode_chunk(args: tuple[list[Path], str, int]) -> np.ndarray:
+    files, mode, size = args
+    return np.stack([image_array(p, mode, size) for p in files])
+
+
+def _write_split(
+    dest: Path, split: str, files: tuple[Path, ...], labels: np.ndarray, mode: str, size: int, workers: int,
+    progress: Callable[[int], None],
+) -> dict:
+    """Decode ``files`` into shard files of ``split``; returns its manifest entry."""
+    channels = 1 if mode == "L" else 3
+    per_shard = max(1, SHARD_BYTES // (channels * size * size))
+    batch = 256
+    shards = []
+    with ProcessPoolExecutor(max(1, workers)) as pool:
+        for first in range(0, max(len(files), 1), per_shard):
+            part = files[first : first + per_shard]
+            name = f"{split}-{len(shards):05d}.npy"
+            array = np.lib.format.open_memmap(dest / name, mode="w+", dtype=np.uint8, shape=(len(part), channels, size, size))
+            jobs = [(list(part[i : i + batch]), mode, size) for i in range(0, len(part), batch)]
+            for i, decoded in zip(range(0, len(part), batch), pool.map(_decode_chunk, jobs)):
+                array[i : i + len(decoded)] = decoded
+                progress(len(decoded))
+            array.flush()
+            del array
+            shards.append({"file": name, "count": len(part), "sha256": _sha256(dest / name)})
+    labels_name = f"{split}-labels.npy"
+    np.save(dest / labels_name, labels.astype(np.int64))
+    return {"count": len(files), "labels": labels_name, "labels_sha256": _sha256(dest / labels_name), "shards": shards}
+
+
+def prepare_shards(
+    listing: FolderListing, dest: str | os.PathLike, size: int, *, workers: int = 1, progress: Callable[[int], None] = lambda n: None
+) -> Path:
+    """Write ``listing``'s images, decoded and resized to ``size`` squared, as shards in ``dest``.
+
+    Args:
+        listing: the folder (``folder.list_image_folder``), its split already made.
+        dest: a new or empty directory.
+        size: the square side in pixels.
+        workers: decoding processes.
+        progress: called with the number of images written after each batch.
+
+    Returns:
+        The manifest's path (written last, atomically: a half-written set has none).
+    """
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise DatasetError(f"{dest} exists and is not empty; prepare into a new directory")
+    if size <= 0:
+        raise DatasetError(f"--size must be positive, got {size}")
+    dest.mkdir(parents=True, exist_ok=True)
+    splits = {
+        split: _write_split(dest, split, files, labels, listing.mode, size, workers, progress)
+        for split, files, labels in (
+            ("train", listing.train_files, listing.train_labels), ("test", listing.test_files, listing.test_labels)
+        )
+    }  # fmt: skip
+    manifest = {
+        "format": FORMAT, "version": VERSION, "image_shape": [1 if listing.mode == "L" else 3, size, size],
+        "classes": list(listing.classes), "source": str(listing.root), "test_split": listing.test_split,
+        "skipped_files": list(listing.skipped), "splits": splits,
+    }  # fmt: skip
+    path = dest / MANIFEST_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass(frozen=True)
+class ShardSplit:
+    """One split of a prepared set: labels in memory, images as read-only memory maps."""
+
+    labels: np.ndarray
+    arrays: tuple[np.ndarray, ...]
+    starts: np.ndarray  # index of each shard's first image
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, index: int) -> np.ndarray:
+        """Image ``index`` as a uint8 (C, H, W) array (a copy: the map stays read-only)."""
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return np.array(self.arrays[shard][index - self.starts[shard]])
+
+
+def _bad(dest: Path, why: str) -> DatasetError:
+    return DatasetError(f"bad prepared data in {dest}: {why} (re-run `dpscale data prepare` into a new directory)")
+
+
+def _read_manifest(dest: Path) -> dict:
+    path = dest / MANIFEST_NAME
+    if not path.is_file():
+        raise _bad(dest, f"no {MANIFEST_NAME} (not prepared, or preparation did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(dest, f"{MANIFEST_NAME} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise _bad(dest, f"{MANIFEST_NAME} is not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise _bad(dest, f"manifest version {manifest.get('version')!r}; this dpscale reads version {VERSION}")
+    for key in ("image_shape", "classes", "splits"):
+        if key not in manifest:
+            raise _bad(dest, f"manifest has no {key!r}")
+    return manifest
+
+
+def _open_split(dest: Path, split: str, entry: dict, shape: tuple[int, ...], classes: int, verify: bool) -> ShardSplit:
+    try:
+        labels_path, shards = dest / entry["labels"], entry["shards"]
+        names = [s["file"] for s in shards]
+        counts = [int(s["count"]) for s in shards]
+        if sum(counts) != int(entry["count"]):
+            raise _bad(dest, f"{split}: shard counts add up to {sum(counts)}, manifest says {entry['count']}")
+        checks = [(labels_path, entry["labels_sha256"])] + [(dest / s["file"], s["sha256"]) for s in shards]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _bad(dest, f"{split} entry of the manifest is malformed ({e!r})") from None
+    for path, digest in checks:
+        if not path.is_file():
+            raise _bad(dest, f"{path.name} is missing")
+        if verify and _sha256(path) != digest:
+            raise _bad(dest, f"{path.name} does not match its SHA-256 in the manifest")
+    labels = np.load(labels_path)
+    if labels.shape != (int(entry["count"]),) or (len(labels) and (labels.min() < 0 or labels.max() >= classes)):
+        raise _bad(dest, f"{labels_path.name} holds {labels.shape} labels, want {entry['count']} in 0..{classes - 1}")
+    arrays = []
+    for name, count in zip(names, counts):
+        try:
+            array = np.load(dest / name, mmap_mode="r")
+        except ValueError as e:
+            raise _bad(dest, f"{name} is not a readable .npy file ({e})") from None
+        if array.dtype != np.uint8 or array.shape != (count, *shape):
+            raise _bad(dest, f"{name} is {array.dtype} {array.shape}, the manifest says uint8 {(count, *shape)}")
+        arrays.append(array)
+    return ShardSplit(labels.astype(np.int64), tuple(arrays), np.cumsum([0, *counts[:-1]], dtype=np.int64))
+
+
+def open_shards(dest: str | os.PathLike, verify: bool | None = None) -> tuple[dict, ShardSplit, ShardSplit]:
+    """Open a prepared set after checking its manifest.
+
+    Args:
+        dest: the directory ``prepare_shards`` wrote.
+        verify: check every file's SHA-256 (None: when the set is at most 4 GiB; larger sets
+            get the cheap checks only: sizes, shapes, labels).
+
+    Returns:
+        (manifest, train split, test split).
+    """
+    dest = Path(dest)
+    manifest = _read_manifest(dest)
+    shape = tuple(int(d) for d in manifest["image_shape"])
+    splits = manifest["splits"]
+    if not isinstance(splits, dict) or set(splits) != {"train", "test"}:
+        raise _bad(dest, "manifest splits must be exactly 'train' and 'test'")
+    if verify is None:
+        total = sum(int(s.get("count", 0)) for s in splits.values()) * int(np.prod(shape))
+        verify = total <= VERIFY_LIMIT_BYTES
+    classes = len(manifest["classes"])
+    train, test = (_open_split(dest, name, splits[name], shape, classes, verify) for name in ("train", "test"))
+    if len(train) == 0:
+        raise _bad(dest, "no training images")
+    return manifest, train, test

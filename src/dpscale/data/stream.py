@@ -1,0 +1,247 @@
+"""Streaming: training on datasets larger than memory, with the sampling unchanged.
+
+The Poisson (or shuffle) sampler draws a logical batch's indices exactly as for an in-memory
+dataset; the indices are split into physical chunks, and a ``torch.utils.data.DataLoader`` with
+``workers`` processes reads each chunk (decoding JPEGs, or slicing memory-mapped shards) while
+the device trains on earlier ones. Workers return uint8 pixels; the conversion to float (and any
+augmentation) happens in the training process, in training order, so a streamed run sees the
+same chunks, pixels and views as the in-memory run of the same seed.
+
+The loader asks for chunks ahead of training, so the sampler draws logical batches ahead too;
+:class:`StreamFeed` remembers the sampler's state before each draw, and a checkpoint stores the
+state before the first step not yet trained: a resumed run redraws the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+import torch
+
+from .datasets import DatasetInfo
+from .folder import image_array
+
+
+class ImageSource(Protocol):
+    """One split of a dataset, read one example at a time (in a loader worker)."""
+
+    labels: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: int) -> np.ndarray:
+        """Example ``index`` as a uint8 (C, H, W) array."""
+        ...
+
+
+@dataclass(frozen=True)
+class FolderSource:
+    """Image files decoded on demand (``folder.image_array``: the in-memory loader's pixels)."""
+
+    files: tuple[Path, ...]
+    labels: np.ndarray
+    mode: str
+    image_size: int | None
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def read(self, index: int) -> np.ndarray:
+        return image_array(self.files[index], self.mode, self.image_size)
+
+
+def default_workers() -> int:
+    """All cores but one (at least one)."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def to_model_input(x: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """uint8 pixels -> float32 in [0, 1] (or [-1, 1] with ``normalize``), by the same operations
+    as the in-memory loaders, so both give the same floats bit for bit."""
+    x = x.float().div_(255.0)
+    return (x - 0.5) / 0.5 if normalize else x
+
+
+@dataclass(frozen=True)
+class StreamedData:
+    """A dataset the trainer reads from disk: the counts and labels in memory, pixels on demand."""
+
+    train: ImageSource
+    test: ImageSource
+    info: DatasetInfo
+    normalize: bool
+    fingerprint: str
+
+    @property
+    def y_train(self) -> torch.Tensor:
+        return torch.from_numpy(self.train.labels)
+
+    @property
+    def y_test(self) -> torch.Tensor:
+        return torch.from_numpy(self.test.labels)
+
+    def head(self, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` training examples as model input (for the engine's self-check)."""
+        x = torch.from_numpy(np.stack([self.train.read(i) for i in range(count)]))
+        return to_model_input(x.to(device), self.normalize), self.y_train[:count].to(device)
+
+
+class _Chunks(torch.utils.data.Dataset):
+    """Map-style dataset whose items are whole chunks: a worker reads all of a chunk's examples."""
+
+    def __init__(self, source: ImageSource, shape: tuple[int, ...]) -> None:
+        self.source, self.shape = source, shape
+
+    def __len__(self) -> int:  # items are requests, not examples
+        return 0
+
+    def __getitem__(self, request: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        tag, indices = request
+        rows = indices.tolist()
+        x = np.stack([self.source.read(i) for i in rows]) if rows else np.zeros((0, *self.shape), np.uint8)
+        return tag, torch.from_numpy(x), torch.from_numpy(self.source.labels[rows])
+
+
+def _loader(dataset: _Chunks, requests: Any, workers: int, prefetch: int, pin: bool) -> torch.utils.data.DataLoader:
+    extra = {"prefetch_factor": prefetch} if workers > 0 else {}
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=None, sampler=requests, num_workers=workers, pin_memory=pin, **extra
+    )
+
+
+class _BatchRequests:
+    """Iterated by the DataLoader in the training process: draws logical batches as the loader
+    asks for chunks, recording the sampler's state before each draw."""
+
+    def __init__(self, feed: "StreamFeed") -> None:
+        self.feed = feed
+
+    def __iter__(self) -> Iterator[tuple[tuple[int, bool], torch.Tensor]]:
+        feed = self.feed
+        for step in range(feed.next_draw, feed.total_steps):
+            feed.states[step] = feed.sampler.state_dict()
+            indices = feed.sampler.sample()
+            feed.next_draw = step + 1
+            chunks = list(indices.split(feed.chunk_size)) or [indices]  # an empty batch: one empty chunk
+            for j, chunk in enumerate(chunks):
+                yield (step, j == len(chunks) - 1), chunk
+
+
+class StreamFeed:
+    """A training run's chunks from disk, prefetched by ``workers`` processes.
+
+    Args:
+        data: the streamed dataset.
+        sampler: the run's batch sampler (``sample()``, ``state_dict()``); the feed draws from it.
+        chunk_size: examples per physical chunk.
+        start_step: the first step to feed (the sampler stands just before its draw).
+        total_steps: the last step + 1 (nothing is drawn beyond it).
+        device: where chunks go (pinned host memory and non-blocking copies on a GPU).
+        workers: loader processes (0: read in this process).
+        prefetch: chunks each worker reads ahead.
+    """
+
+    def __init__(
+        self, data: StreamedData, sampler: Any, *, chunk_size: int, start_step: int, total_steps: int,
+        device: torch.device, workers: int, prefetch: int = 2,
+    ) -> None:  # fmt: skip
+        self.data, self.sampler, self.chunk_size = data, sampler, chunk_size
+        self.next_draw, self.total_steps, self.device = start_step, total_steps, device
+        self.states: dict[int, dict] = {}
+        self.workers, self.prefetch = workers, prefetch
+        self._iterator: Iterator | None = None
+
+    def sampler_state(self, step: int) -> dict:
+        """The sampler's state before step ``step``'s draw (what a checkpoint after ``step - 1`` holds)."""
+        return self.states[step] if step in self.states else self.sampler.state_dict()
+
+    def chunks(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Step ``step``'s chunks, as model input on the device, in sampling order."""
+        if self._iterator is None:
+            shape = tuple(self.data.info.input_shape)
+            self._iterator = iter(_loader(_Chunks(self.data.train, shape), _BatchRequests(self), self.workers, self.prefetch, self.device.type == "cuda"))
+        for old in [s for s in self.states if s < step]:
+            del self.states[old]
+        while True:
+            (chunk_step, last), x, y = next(self._iterator)
+            if chunk_step != step:
+                raise RuntimeError(f"stream out of order: got a chunk of step {chunk_step} while training step {step}")
+            if len(y):
+                blocking = self.device.type != "cuda"
+                yield to_model_input(x.to(self.device, non_blocking=not blocking), self.data.normalize), y.to(self.device, non_blocking=not blocking)
+            if last:
+                return
+
+    def close(self, next_step: int) -> None:
+        """Stop the workers and put the sampler back before step ``next_step``'s draw (the
+        batches drawn ahead are drawn again by the next ``chunks`` call)."""
+        self._iterator = None
+        if next_step in self.states:
+            self.sampler.load_state_dict(self.states[next_step])
+            self.next_draw = next_step
+        self.states.clear()
+
+
+def eval_batches(
+    data: StreamedData, batch_size: int, device: torch.device, workers: int, prefetch: int = 2
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The test set in order, ``batch_size`` examples at a time, as model input on ``device``."""
+    requests = [(None, chunk) for chunk in torch.arange(len(data.test)).split(batch_size)]
+    loader = _loader(_Chunks(data.test, tuple(data.info.input_shape)), requests, min(workers, len(requests)), prefetch, device.type == "cuda")
+    for _, x, y in loader:
+        yield to_model_input(x.to(device), data.normalize), y.to(device)
+
+
+def _fingerprint(name: str, train: ImageSource, shape: tuple[int, ...]) -> str:
+    """Labels, shape and 16 evenly spaced training images: a resumed run notices other data."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((name, len(train), shape)).encode())
+    digest.update(np.ascontiguousarray(train.labels).tobytes())
+    for i in np.linspace(0, len(train) - 1, num=min(16, len(train))).astype(int):
+        digest.update(train.read(int(i)).tobytes())
+    return digest.hexdigest()
+
+
+def open_stream(
+    name: str, root: str | os.PathLike, *, image_size: int | None = None, normalize: bool = True,
+    val_labels: str | os.PathLike | None = None, skip_corrupt: bool = False, workers: int = 1,
+) -> StreamedData:  # fmt: skip
+    """A dataset to stream: an image folder ("imagefolder") or prepared shards ("shards").
+
+    Args:
+        name: "imagefolder" or "shards".
+        root: the folder, or the directory ``dpscale data prepare`` wrote.
+        image_size: folders only: resize to this square size (None: all images share one size).
+        normalize: map pixels to [-1, 1] (data.normalize).
+        val_labels, skip_corrupt: as for ``folder.list_image_folder``.
+        workers: processes for the start-up check of a folder.
+
+    Returns:
+        The streamed dataset (N = the readable training images).
+    """
+    from .formats import DatasetError
+    from .shards import open_shards
+
+    if name == "shards":
+        if image_size is not None:
+            raise DatasetError("data.image_size does not apply to prepared shards (their size was fixed by `dpscale data prepare --size`)")
+        manifest, train, test = open_shards(root)
+        classes, source, split = manifest["classes"], str(root), manifest.get("test_split", "official")
+        skipped = tuple(manifest.get("skipped_files", ()))
+    elif name == "imagefolder":
+        from .folder import list_image_folder
+
+        listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
+        train = FolderSource(listing.train_files, listing.train_labels, listing.mode, image_size)
+        test = FolderSource(listing.test_files, listing.test_labels, listing.mode, image_size)
+        classes, source, split, skipped = listing.classes, str(listing.root), listing.test_split, listing.skipped
+    else:
+        raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
+    shape = tuple(int(d) for d in train.read(0).shape)
+    info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped)  # type: ignore[arg-type]
+    return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape))
