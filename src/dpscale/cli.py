@@ -263,6 +263,7 @@ def _wrap(text: str, width: int = 96) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from dpscale.bench import add_bench_parser
+    from dpscale.data.command import add_data_parser
     from dpscale.tune.cli import add_tune_parsers, number_arg
 
     parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_tune_parsers(sub)
+    add_data_parser(sub)
 
     presets = sub.add_parser("presets", help="list the paper presets, or print one as YAML")
     presets.add_argument("name", nargs="?", help="a preset to print as a YAML config")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -154,7 +153,9 @@ def _check(path: Path, full: bool) -> tuple[str, tuple[int, int]] | str:
 def _check_all(files: list[Path], full: bool, workers: int) -> list[tuple[str, tuple[int, int]] | str]:
     if workers <= 1 or len(files) < 512:
         return [_check(p, full) for p in files]
-    with ProcessPoolExecutor(workers) as pool:
+    from .shards import _decoder_pool
+
+    with _decoder_pool(workers) as pool:
         return list(pool.map(_check, files, [full] * len(files), chunksize=256))
 
 

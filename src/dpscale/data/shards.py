@@ -9,6 +9,7 @@ the counts and each file's SHA-256. Reading an example is then a slice of a memo
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -41,6 +42,26 @@ def _decode_chunk(args: tuple[list[Path], str, int]) -> np.ndarray:
     return np.stack([image_array(p, mode, size) for p in files])
 
 
+class _InProcess:
+    """``map`` in this process (one worker: no pool to start)."""
+
+    def __enter__(self) -> "_InProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    map = staticmethod(map)
+
+
+def _decoder_pool(workers: int) -> ProcessPoolExecutor | _InProcess:
+    """Decoding processes, started by a fork server: a plain fork of a process whose torch
+    threads hold locks can hang in the child."""
+    if workers <= 1:
+        return _InProcess()
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+
+
 def _write_split(
     dest: Path, split: str, files: tuple[Path, ...], labels: np.ndarray, mode: str, size: int, workers: int,
     progress: Callable[[int], None],
@@ -50,7 +71,7 @@ def _write_split(
     per_shard = max(1, SHARD_BYTES // (channels * size * size))
     batch = 256
     shards = []
-    with ProcessPoolExecutor(max(1, workers)) as pool:
+    with _decoder_pool(workers) as pool:
         for first in range(0, max(len(files), 1), per_shard):
             part = files[first : first + per_shard]
             name = f"{split}-{len(shards):05d}.npy"

@@ -167,7 +167,11 @@ class StreamFeed:
         for old in [s for s in self.states if s < step]:
             del self.states[old]
         while True:
-            (chunk_step, last), x, y = next(self._iterator)
+            try:
+                (chunk_step, last), x, y = next(self._iterator)
+            except BaseException:  # a worker failed: stop the workers now, not when collected
+                self._iterator = None
+                raise
             if chunk_step != step:
                 raise RuntimeError(f"stream out of order: got a chunk of step {chunk_step} while training step {step}")
             if len(y):

@@ -572,6 +572,13 @@ class Trainer:
             )  # fmt: skip
         return self._feed.chunks(self.step)
 
+    def _stop_feed(self) -> None:
+        """Stop the stream's workers now (left to the garbage collector, each takes seconds to
+        shut down) and put the sampler back before the next step's draw."""
+        if self._feed is not None:
+            self._feed.close(self.step)
+            self._feed = None
+
     def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
         """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is)."""
         batch = self.config.train.eval_batch_size
@@ -710,6 +717,7 @@ class Trainer:
                         bar.set_postfix(loss=f"{loss:.3f}", eps=_fmt_eps(epsilon), refresh=False)
         finally:
             bar.close()
+            self._stop_feed()
         if interrupted or (not self.dist.enabled and interrupt.requested):
             self.save()
             # Always printed (also with progress off): this is how the user gets their run back.
