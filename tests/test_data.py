@@ -89,7 +89,7 @@ def test_mnist5k_deterministic_across_calls_and_processes(mnist5k: ImageDataset)
 
 
 def test_load_dataset_names_and_root() -> None:
-    assert DATASET_NAMES == ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "npz")
+    assert DATASET_NAMES == ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "shards", "npz")
     with pytest.raises(DatasetError, match="valid names: mnist-5k, mnist"):
         load_dataset("imagenet")
     with pytest.raises(DatasetError, match="needs root"):

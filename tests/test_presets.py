@@ -80,3 +80,62 @@ def test_presets_command_lists_and_prints_loadable_yaml(tmp_path, capsys):
     assert main(["presets", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == len(list_presets())
     assert main(["presets", "nope"]) == 2
+
+
+# ----- every new preset runs two steps on generated data of the right shape -----
+
+def _generated_root(kind, tmp_path):
+    """A tiny dataset in the format the preset's data.name reads (images of the real shape)."""
+    import numpy as np
+
+    from test_data import make_cifar10, write_idx
+    from test_stream import _write_folder
+
+    if kind == "cifar10":
+        make_cifar10(tmp_path / "cifar-10-batches-py")  # 15 train, 4 test: 32x32x3
+        return tmp_path
+    if kind == "fashion-mnist":
+        rng = np.random.default_rng(0)
+        write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (40, 28, 28)))
+        write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(40) % 10)
+        return tmp_path
+    return _write_folder(tmp_path / "images", per_class=8, size=40, classes=3)  # resized to 224 by the preset
+
+
+# Small batches for the generated sets (N is tens of images); everything else is the preset's.
+RUN_OVERRIDES = {
+    "papernot-fmnist-tanh": ["dp.batch_size=8"],
+    "papernot-cifar10-tanh": ["dp.batch_size=4"],
+    "tan-cifar10-wrn16-4-augmult": ["dp.batch_size=4", "train.max_physical_batch_size=32"],
+    "tan-cifar10-wrn16-4-augmult-sim512": ["dp.batch_size=4", "dp.simulated_batch_size=2", "train.max_physical_batch_size=32"],
+    "kurakin-imagenet-resnet18-gn": ["dp.batch_size=4", "train.max_physical_batch_size=4"],
+    "kurakin-imagenet-resnet50-gn": ["dp.batch_size=2", "train.max_physical_batch_size=2"],
+    "tan-imagenet-nf-resnet50": ["dp.batch_size=2", "train.max_physical_batch_size=8"],
+    "tan-imagenet-nf-resnet50-sim256": ["dp.batch_size=2", "dp.simulated_batch_size=1", "train.max_physical_batch_size=8"],
+}
+# 224-px ResNet-50s at K views take minutes of CPU: in `make test-all`
+HEAVY = {"kurakin-imagenet-resnet50-gn", "tan-imagenet-nf-resnet50", "tan-imagenet-nf-resnet50-sim256"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in RUN_OVERRIDES]
+)
+def test_new_presets_run_two_steps_on_generated_data(name, tmp_path):
+    preset = get_preset(name)
+    root = _generated_root(preset.values["data"]["name"], tmp_path)
+    argv = ["train", f"preset:{name}", "--quiet", "--set", f"data.root={root}", "--set", "train.steps=2",
+            "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "data.workers=0"]  # fmt: skip
+    for override in RUN_OVERRIDES[name]:
+        argv += ["--set", override]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    if preset.values["data"]["name"] == "imagefolder":
+        assert summary["dataset"] == "imagefolder"
+        config = load_config(f"preset:{name}")
+        assert config.data.image_size == 224  # the paper's input size
+
+
+def test_every_preset_is_covered_by_a_run_test_or_an_older_one():
+    older = {p for p in (r[0] for r in TABLE_13)} | {"papernot-mnist-tanh"}
+    assert {p.name for p in list_presets()} == older | set(RUN_OVERRIDES)

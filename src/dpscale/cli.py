@@ -250,7 +250,8 @@ def _cmd_presets(args: argparse.Namespace) -> int:
         print(json.dumps([{"name": p.name, "description": p.description, "source": p.source} for p in presets]))
         return 0
     for preset in presets:
-        print(f"{preset.name:<32} {preset.description}")
+        width = max(len(p.name) for p in presets) + 1
+        print(f"{preset.name:<{width}} {preset.description}")
     print("\nrun one with: dpscale train preset:NAME --set data.root=DIR   (dpscale presets NAME shows it as YAML)")
     return 0
 

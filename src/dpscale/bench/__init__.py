@@ -9,7 +9,7 @@ from typing import Sequence
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on a subparsers object."""
-    bench = sub.add_parser("bench", help="benchmarks (step-time, end-to-end)")
+    bench = sub.add_parser("bench", help="benchmarks (step-time, end-to-end, data)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
     step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
@@ -38,10 +38,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
+    data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
+    from dpscale.bench.data import add_arguments
+
+    add_arguments(data)
+    data.set_defaults(func=_run_data)
 
 
 def _run_step_time(args: argparse.Namespace) -> int:
     from dpscale.bench.step_time import main
+
+    return main(args)
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    from dpscale.bench.data import main
 
     return main(args)
 

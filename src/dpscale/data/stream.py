@@ -15,6 +15,7 @@ state before the first step not yet trained: a resumed run redraws the same batc
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -154,6 +155,8 @@ class StreamFeed:
         self.states: dict[int, dict] = {}
         self.workers, self.prefetch = workers, prefetch
         self._iterator: Iterator | None = None
+        self.wait_s = 0.0  # time the training process waited for a chunk (s)
+        self.examples = 0  # examples delivered
 
     def sampler_state(self, step: int) -> dict:
         """The sampler's state before step ``step``'s draw (what a checkpoint after ``step - 1`` holds)."""
@@ -167,11 +170,14 @@ class StreamFeed:
         for old in [s for s in self.states if s < step]:
             del self.states[old]
         while True:
+            started = time.perf_counter()
             try:
                 (chunk_step, last), x, y = next(self._iterator)
             except BaseException:  # a worker failed: stop the workers now, not when collected
                 self._iterator = None
                 raise
+            self.wait_s += time.perf_counter() - started
+            self.examples += len(y)
             if chunk_step != step:
                 raise RuntimeError(f"stream out of order: got a chunk of step {chunk_step} while training step {step}")
             if len(y):

@@ -298,6 +298,7 @@ class Trainer:
         self._reset_window()
         self._saved_at = time.perf_counter()  # when the checkpoint was last written (perf_counter s)
         self._privacy_warnings: list[str] | None = None  # computed on first use
+        self.data_wait_s = 0.0  # streaming: time this process waited for chunks (s), this session
 
     def _resolve_plan(
         self,
@@ -576,6 +577,7 @@ class Trainer:
         """Stop the stream's workers now (left to the garbage collector, each takes seconds to
         shut down) and put the sampler back before the next step's draw."""
         if self._feed is not None:
+            self.data_wait_s += self._feed.wait_s
             self._feed.close(self.step)
             self._feed = None
 
@@ -779,6 +781,10 @@ class Trainer:
             "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
             "seeded": self.config.run.seed is not None,
             "dataset": self.data.info.name,
+            "data_loader": "stream" if self.streamed else "memory",
+            "skipped_files": len(self.data.info.skipped_files),
+            # streaming, this session: time the step waited for the loader's chunks (s)
+            "data_wait_s": self.data_wait_s if self.streamed else None,
             "model": self.config.model.name,
             "trainable_params": count_parameters(self.model, trainable_only=True),
             "engine": self.engine.name,
