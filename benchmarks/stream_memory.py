@@ -4,9 +4,9 @@
 
 Writes ``--images`` JPEGs (``--size`` px, 10 classes, smooth content + texture, quality 90) into
 ``--folder`` unless it already holds them, then runs ``dpscale train`` on it with
-``data.loader=stream`` for one epoch in a subprocess, sampling the resident memory (RSS) of the
-whole process tree (trainer + loader workers) every 0.2 s. Prints the decoded size of the set,
-the peak RSS of the tree and of the trainer alone, and the run's summary line.
+``data.loader=stream`` for one epoch in a subprocess, sampling the memory of the whole process tree (trainer +
+loader workers) every 0.2 s. Prints the decoded size of the set, the peak PSS of the tree (shared
+pages counted once), the peak of the RSS summed over it, and the trainer's own peak RSS.
 """
 
 from __future__ import annotations
@@ -47,8 +47,20 @@ def generate(folder: Path, images: int, size: int) -> None:
         list(pool.map(_write, [(folder, start, size) for start in range(0, images, 500)]))
 
 
-def _tree_rss(pid: int) -> tuple[int, int]:
-    """(RSS of ``pid`` and all its descendants, RSS of ``pid``) in bytes, from /proc."""
+def _pss(pid: int) -> int:
+    """Proportional set size (bytes): shared pages (torch's libraries in forked workers) split
+    between the processes that share them, so a tree's sum counts each page once."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _tree_rss(pid: int) -> tuple[int, int, int]:
+    """(PSS of ``pid`` and all its descendants, RSS of them, RSS of ``pid``) in bytes, from /proc."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -60,12 +72,14 @@ def _tree_rss(pid: int) -> tuple[int, int]:
             rss[int(entry)] = int(stat[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             continue
-    total, todo = 0, [pid]
+    total = pss = 0
+    todo = [pid]
     while todo:
         p = todo.pop()
         total += rss.get(p, 0)
+        pss += _pss(p)
         todo += children.get(p, [])
-    return total, rss.get(pid, 0)
+    return pss, total, rss.get(pid, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,15 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     command = [sys.executable, "-m", "dpscale", "train", "--quiet", *sum((["--set", o] for o in overrides), [])]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak_tree = peak_main = 0
+    peak_pss = peak_tree = peak_main = 0
     while process.poll() is None:
-        tree, own = _tree_rss(process.pid)
-        peak_tree, peak_main = max(peak_tree, tree), max(peak_main, own)
+        pss, tree, own = _tree_rss(process.pid)
+        peak_pss, peak_tree, peak_main = max(peak_pss, pss), max(peak_tree, tree), max(peak_main, own)
         time.sleep(0.2)
     output = process.stdout.read()
     print(output[-1500:])
     summary = json.loads((Path(args.out) / "summary.json").read_text()) if process.returncode == 0 else {}
-    print(f"peak RSS: process tree {peak_tree / 2**30:.2f} GiB, trainer alone {peak_main / 2**30:.2f} GiB; "
+    print(f"peak memory: process tree PSS {peak_pss / 2**30:.2f} GiB (RSS summed {peak_tree / 2**30:.2f} GiB, "
+          f"counting shared pages once per process), trainer alone RSS {peak_main / 2**30:.2f} GiB; "
           f"wall {summary.get('wall_time_s', float('nan')):.0f} s training, data wait {summary.get('data_wait_s')} s")  # fmt: skip
     return process.returncode
 

@@ -72,6 +72,14 @@ def test_streamed_run_equals_in_memory_run_with_augmult_views(folder, tmp_path):
     _assert_same_weights(_weights(memory), _weights(stream))
     assert summary_memory["test_accuracy"] == summary_stream["test_accuracy"]
     assert summary_memory["epsilon"] == summary_stream["epsilon"]
+    assert summary_stream["data_loader"] == "stream" and summary_stream["data_wait_s"] >= 0
+
+
+def test_eval_command_re_evaluates_a_streamed_run(folder, tmp_path, capsys):
+    _, summary = _train(_config(tmp_path / "s", folder, "stream"))
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "s"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test_accuracy"] == summary["test_accuracy"]
 
 
 def test_stream_resumes_mid_epoch_bit_identically(folder, tmp_path):
@@ -226,3 +234,20 @@ def test_flat_validation_folder_with_a_label_file(folder, tmp_path):
     (root / "labels.txt").write_text("val_0_0.jpg dog\n")
     with pytest.raises(DatasetError, match="class 'dog'"):
         list_image_folder(root, val_labels=root / "labels.txt")
+
+
+def test_two_process_streamed_run_equals_two_process_in_memory_run(folder, tmp_path):
+    """Each rank streams only its shard of every batch; the job's result is the in-memory job's."""
+    from test_distributed import _job
+
+    common = ["train", "--quiet", "--set", "data.name=imagefolder", "--set", f"data.root={folder}",
+              "--set", "data.image_size=28", "--set", "data.workers=1", "--set", "dp.batch_size=12",
+              "--set", "dp.noise_multiplier=1.0", "--set", "dp.epsilon=null", "--set", "train.steps=4",
+              "--set", "train.max_physical_batch_size=4", "--set", "run.seed=5", "--set", "run.threads=1"]  # fmt: skip
+    for loader in ("memory", "stream"):
+        _job(2, *common, "--set", f"data.loader={loader}", "--set", f"run.out_dir={tmp_path / loader}")
+    memory, stream = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("memory", "stream"))
+    assert stream["world_size"] == 2 and len(stream["rank_streams"]) == 2
+    _assert_same_weights(memory["model"], stream["model"])
+    samplers = [[r["sampler"] for r in run["rank_streams"]] for run in (memory, stream)]
+    assert samplers[0] == samplers[1]  # each rank's sampler stands where the in-memory one stood

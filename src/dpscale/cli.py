@@ -77,11 +77,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from dpscale.train.loop import SUMMARY_NAME, Trainer
 
     trainer = Trainer.load(args.run_dir)
-    from dpscale.train.metrics import evaluate, json_safe
+    from dpscale.train.metrics import json_safe
 
-    accuracy, loss = evaluate(
-        trainer.model, trainer.data.x_test, trainer.data.y_test, trainer.config.train.eval_batch_size
-    )
+    accuracy, loss = trainer.evaluate_model(trainer.model)  # in memory or streamed, as the run trained
     result = {
         "run_dir": str(args.run_dir),
         "step": trainer.step,

@@ -581,10 +581,11 @@ class Trainer:
             self._feed.close(self.step)
             self._feed = None
 
-    def _evaluate(self, model: torch.nn.Module) -> tuple[float, float]:
+    def evaluate_model(self, model: torch.nn.Module) -> tuple[float, float]:
         """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is)."""
         batch = self.config.train.eval_batch_size
-        if self.streamed:
+        if self.streamed:  # host memory bounded by the training chunk, whatever eval_batch_size says
+            batch = min(batch, self.config.train.max_physical_batch_size)
             return evaluate_batches(model, eval_batches(self.data, batch, self.device, _workers(self.config)), self.device)
         return evaluate(model, self.data.x_test, self.data.y_test, batch)
 
@@ -613,7 +614,7 @@ class Trainer:
         if not self.dist.is_main:
             self._reset_window()
             return None
-        accuracy, test_loss = self._evaluate(self.model)
+        accuracy, test_loss = self.evaluate_model(self.model)
         window = self._window_as_dict()
         record = {
             "epoch": self.epochs_done(self.step),
@@ -649,7 +650,7 @@ class Trainer:
         """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy)."""
         out = {}
         if self.ema is not None:
-            out["test_accuracy_ema"], out["test_loss_ema"] = self._evaluate(self.ema.model)
+            out["test_accuracy_ema"], out["test_loss_ema"] = self.evaluate_model(self.ema.model)
         if self.config.eval.augtest:  # in memory only (config validation)
             x, y, batch = self.data.x_test, self.data.y_test, self.config.train.eval_batch_size
             augment = self.config.augment
