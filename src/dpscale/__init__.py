@@ -1,3 +1,14 @@
 """dpscale: fast DP-SGD training of image classifiers with honest privacy accounting."""
 
 __version__ = "0.1.0"
+
+__all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private"]
+
+
+def __getattr__(name: str):
+    """``dpscale.make_private`` and friends, imported on first use (``import dpscale`` stays light)."""
+    if name in __all__:
+        from dpscale.train import mechanism
+
+        return getattr(mechanism, name)
+    raise AttributeError(f"module 'dpscale' has no attribute {name!r}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -36,13 +35,14 @@ from dpscale.privacy.per_example import PerExampleEngine, check_per_example_comp
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, check_plan_matches, make_dp_plan, steps_for
-from dpscale.rng import DPRandom, words_to_int
+from dpscale.rng import DPRandom
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
 from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, evaluate_batches, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
-from dpscale.train.step import apply_gradient, augmented_chunks, noisy_clipped_mean, physical_chunks
+from dpscale.train.mechanism import DPMechanism, run_seeds
+from dpscale.train.step import augmented_chunks, physical_chunks
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
@@ -78,31 +78,7 @@ class _DeferredInterrupt:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
-def _seeds(seed: int | None) -> dict[str, int]:
-    """Independent seeds for model init, batch sampling, DP-SGD noise and the noise of private
-    feature normalisation, from one run seed.
-
-    With no seed, fresh OS entropy that is never written down: the DP analysis assumes the
-    noise is unknown to the adversary. (Resume restores the generators' states instead.)
-
-    The privacy-relevant streams (sampler, noise, features) get 128-bit seeds for ``DPRandom``:
-    a torch generator keeps 32 bits of its seed, few enough to enumerate. Init and augmentation
-    are not privacy-relevant and keep 64-bit seeds for torch generators.
-    """
-    if seed is None:
-        seed = secrets.randbits(128)
-    # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones:
-    # init/augment/augtest keep their values; words 1-3 (the retired 64-bit sampler/noise/
-    # features seeds) stay unused; words 6-11 are the 128-bit seeds, two words each.
-    words = np.random.SeedSequence(seed).generate_state(12, dtype=np.uint64)
-    return {
-        "init": int(words[0]),
-        "sampler": words_to_int(words[6:8]),
-        "noise": words_to_int(words[8:10]),
-        "features": words_to_int(words[10:12]),
-        "augment": int(words[4]),
-        "augtest": int(words[5]),
-    }
+_seeds = run_seeds  # the run's seeds (one definition, with the mechanism)
 
 
 def _torch_generator_streams(state: dict[str, Any]) -> bool:
@@ -283,15 +259,18 @@ class Trainer:
         self.engine, self.self_check = self._checked_engine()
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
+        # The DP mechanism keeps sampler, noise and accountant in step (the releases made above,
+        # e.g. Data Normalization, recorded before any step). Only the noise rank (NOISE_RANK) draws
+        # noise; its generator's state is the one checkpointed. Noise is drawn on the host, then
+        # copied to the device: the same noise on CPU and CUDA.
+        self.mechanism = DPMechanism(
+            self.model, self.optimizer, self.plan, self.engine, scheduler=self.scheduler, noise_seed=seeds["noise"],
+            sampler_seed=rank_stream_seed(seeds["sampler"], self.dist.rank, self.dist.world_size, 0),
+            rank=self.dist.rank, world_size=self.dist.world_size,
+        )  # fmt: skip
         self._start_rank_streams(0)
-        # Only the noise rank draws from it (NOISE_RANK); its state is the one checkpointed.
-        # Drawn on the host, then copied to the device: the same noise on CPU and CUDA.
-        self.noise_generator = DPRandom(seeds["noise"])
         self.augtest_seed = seeds["augtest"]  # test views: the same at every evaluation
         self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
-        self.accountant = PrivacyAccountant(self.plan.run_accountant)
-        for release in self.plan.releases:  # made above, before any step (e.g. Data Normalization)
-            self.accountant.record(release)
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
         self.step = 0
         self.wall_time_s = 0.0
@@ -344,6 +323,26 @@ class Trainer:
         for note in notices + ([result.describe()] if result else []):
             self._log(note)
         return engine, result
+
+    @property
+    def sampler(self) -> Any:
+        return self.mechanism.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Any) -> None:
+        self.mechanism.sampler = sampler
+
+    @property
+    def noise_generator(self) -> DPRandom:
+        return self.mechanism.noise_generator
+
+    @noise_generator.setter
+    def noise_generator(self, generator: DPRandom) -> None:
+        self.mechanism.noise_generator = generator
+
+    @property
+    def accountant(self) -> PrivacyAccountant:
+        return self.mechanism.accountant
 
     def _start_rank_streams(self, start_step: int) -> None:
         """This rank's sampler and augmentation generators, fresh for a job of P processes that
@@ -465,6 +464,7 @@ class Trainer:
             dtype=torch.float64, device=self.device,
         )
         self.step = int(state["step"])
+        self.mechanism.steps_taken = self.step
         self.wall_time_s = float(state["wall_time_s"])
         if self.plan.is_private and self.accountant.steps != self.step:
             raise ValueError(f"checkpoint is inconsistent: step {self.step} but {self.accountant.steps} accounted")
@@ -539,22 +539,11 @@ class Trainer:
         chunks = self._train_chunks(max(1, self.config.train.max_physical_batch_size // augment.multiplicity))
         if augment.multiplicity > 1:
             chunks = augmented_chunks(chunks, augment.type, augment.multiplicity, self.augment_generator, self.value_range)
-        gradient, stats = noisy_clipped_mean(
-            self.engine,
-            self.model,
-            chunks,
-            noise_std=self.plan.noise_std,
-            expected_batch_size=self.plan.batch_size,
-            noise_generator=self.noise_generator,
-            all_reduce_sum=self.dist.all_reduce_sum_ if self.dist.enabled else None,
-            add_noise=self.dist.adds_noise,
+        stats = self.mechanism.step_chunks(  # clip, noise once, / B, optimizer and scheduler step, account
+            chunks, all_reduce_sum=self.dist.all_reduce_sum_ if self.dist.enabled else None, add_noise=self.dist.adds_noise
         )
-        apply_gradient(self.model, gradient, self.optimizer)
-        self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.model)
-        if self.plan.is_private:
-            self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
         self.step += 1
         self._window += stats.counts[[1, 0, 4]].to(self._window.device)  # on the device: no host sync
         self._last_stats = stats

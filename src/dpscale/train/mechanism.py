@@ -1,0 +1,291 @@
+"""One DP-SGD mechanism for any training loop: ``dpscale.make_private``.
+
+A :class:`DPMechanism` owns everything that must stay in step for the guarantee to hold: the
+frozen plan (q, sigma, C, steps, delta), the per-example clipping engine, the Poisson sampler and
+the noise generator (128-bit seeded), and the accountant. A loop asks it which examples form the
+next logical batch, hands it those examples, and it clips, adds the noise once, divides by the
+expected batch size, steps the optimizer and accounts, refusing to go past the planned steps::
+
+    mechanism = dpscale.make_private(model, optimizer, dataset_size=len(ds), batch_size=256,
+                                     max_grad_norm=1.0, target_epsilon=3.0, delta=1e-5, epochs=10)
+    for indices in mechanism.batches():
+        x, y = gather(ds, indices)
+        stats = mechanism.step(x, y)
+    print(mechanism.epsilon())
+
+The Trainer takes its steps through the same object.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import asdict, replace
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpscale.config import DPConfig
+from dpscale.privacy.accountant import PrivacyAccountant
+from dpscale.privacy.per_example import Batch, PerExampleEngine, make_engine, per_example_cross_entropy
+from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
+from dpscale.privacy.precision import make_precision
+from dpscale.rng import DPRandom, words_to_int
+from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean, physical_chunks
+
+
+class PrivacyBudgetExhausted(RuntimeError):
+    """A step was asked for after the planned number of steps (the budget is spent)."""
+
+
+def run_seeds(seed: int | None) -> dict[str, int]:
+    """Independent seeds for model init, batch sampling, DP-SGD noise and the noise of private
+    feature normalisation, from one run seed.
+
+    With no seed, fresh OS entropy that is never written down: the DP analysis assumes the
+    noise is unknown to the adversary. (Resume restores the generators' states instead.)
+
+    The privacy-relevant streams (sampler, noise, features) get 128-bit seeds for ``DPRandom``:
+    a torch generator keeps 32 bits of its seed, few enough to enumerate. Init and augmentation
+    are not privacy-relevant and keep 64-bit seeds for torch generators.
+    """
+    if seed is None:
+        seed = secrets.randbits(128)
+    # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones:
+    # init/augment/augtest keep their values; words 1-3 (the retired 64-bit sampler/noise/
+    # features seeds) stay unused; words 6-11 are the 128-bit seeds, two words each.
+    words = np.random.SeedSequence(seed).generate_state(12, dtype=np.uint64)
+    return {
+        "init": int(words[0]),
+        "sampler": words_to_int(words[6:8]),
+        "noise": words_to_int(words[8:10]),
+        "features": words_to_int(words[10:12]),
+        "augment": int(words[4]),
+        "augtest": int(words[5]),
+    }
+
+
+class DPMechanism:
+    """The DP-SGD mechanism of one training run (build it with :func:`make_private`).
+
+    Attributes:
+        plan: the frozen DP plan (q, sigma, C, steps, delta, accountant).
+        engine: the per-example clipping engine.
+        sampler: the logical-batch sampler (Poisson: what the accountant assumes).
+        noise_generator: the 128-bit generator of the Gaussian noise.
+        accountant: the privacy accountant (one entry per step taken).
+        steps_taken: logical steps taken so far.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, engine: PerExampleEngine, *,
+        sampler_seed: int, noise_seed: int, scheduler: Any = None, max_physical_batch_size: int | None = None,
+        rank: int = 0, world_size: int = 1,
+    ) -> None:  # fmt: skip
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.plan, self.engine = plan, engine
+        self.sampler = plan.make_sampler(DPRandom(sampler_seed), rank, world_size)
+        self.noise_generator = DPRandom(noise_seed)
+        self.accountant = PrivacyAccountant(plan.run_accountant)
+        for release in plan.releases:  # one-off releases made before the first step
+            self.accountant.record(release)
+        self.max_physical_batch_size = max_physical_batch_size
+        self.steps_taken = 0
+
+    # ----------------------------------------------------------------- batches
+    def remaining_steps(self) -> int:
+        """Logical steps left in the plan."""
+        return self.plan.steps - self.steps_taken
+
+    def sample(self) -> torch.Tensor:
+        """The next logical batch's example indices (int64, sorted; possibly empty)."""
+        self._check_budget()
+        return self.sampler.sample()
+
+    def batches(self) -> Iterator[torch.Tensor]:
+        """The example indices of every remaining logical batch, one step at a time (draw a
+        batch, take its step, then draw the next)."""
+        while self.remaining_steps() > 0:
+            expected = self.steps_taken
+            yield self.sample()
+            if self.steps_taken != expected + 1:
+                raise RuntimeError("call mechanism.step(...) once for each batch that batches() yields")
+
+    def data_loader(self, dataset: torch.utils.data.Dataset, **loader_options: Any) -> Iterator[list[Batch]]:
+        """For a map-style dataset returning (x, y): each remaining logical batch as a list of
+        physical chunks of at most ``max_physical_batch_size`` examples, read by a DataLoader
+        (``loader_options`` such as num_workers are passed on)."""
+        chunk = self.max_physical_batch_size or int(math.ceil(self.plan.batch_size * 2))
+        for indices in self.batches():
+            parts = [p.tolist() for p in indices.split(chunk)]
+            loader = torch.utils.data.DataLoader(dataset, batch_sampler=parts, **loader_options)
+            yield list(loader)
+
+    # -------------------------------------------------------------------- step
+    def step(self, inputs: torch.Tensor | Iterable[Batch], targets: torch.Tensor | None = None) -> StepStats:
+        """One private step on the logical batch that ``batches()``/``sample()`` drew.
+
+        Args:
+            inputs, targets: the batch's examples, or ``inputs`` = an iterable of (x, y) physical
+                chunks (for a logical batch larger than memory) and no ``targets``.
+
+        Returns:
+            the step's statistics (on the device; reading them waits for it).
+        """
+        self._check_budget()
+        if targets is not None:
+            chunks: Iterable[Batch] = physical_chunks(
+                inputs, targets, torch.arange(len(targets), device=targets.device),
+                self.max_physical_batch_size or max(1, len(targets)),
+            )  # fmt: skip
+        else:
+            chunks = inputs
+        return self.step_chunks(chunks)
+
+    def step_chunks(
+        self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True,
+        before_optimizer: Callable[[], None] | None = None,
+    ) -> StepStats:  # fmt: skip
+        """``step`` for physical chunks, with the data-parallel hooks the Trainer uses."""
+        self._check_budget()
+        gradient, stats = noisy_clipped_mean(
+            self.engine, self.model, chunks,
+            noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
+            noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
+        )  # fmt: skip
+        apply_gradient(self.model, gradient, self.optimizer)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.plan.is_private:
+            self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
+        self.steps_taken += 1
+        return stats
+
+    def _check_budget(self) -> None:
+        if self.steps_taken >= self.plan.steps:
+            raise PrivacyBudgetExhausted(
+                f"all {self.plan.steps} planned steps are taken (epsilon {self.epsilon():.4g} at delta "
+                f"{self.plan.delta:g}); another step would spend more than the plan. Make a new mechanism "
+                "with more steps (and a new budget) to train further"
+            )
+
+    # ---------------------------------------------------------------- privacy
+    def epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far at ``delta`` (default: the plan's); inf when not private."""
+        if not self.plan.is_private:
+            return math.inf
+        return self.accountant.epsilon(self.plan.delta if delta is None else delta)
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Sampler, noise generator, accountant and step (with the plan, to check on load):
+        with the model's and optimizer's state, a loop resumes bit-identically."""
+        return {
+            "plan": asdict(self.plan),
+            "steps_taken": self.steps_taken,
+            "sampler": self.sampler.state_dict(),
+            "noise_generator": self.noise_generator.state_dict(),
+            "accountant": self.accountant.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``; refuses a state written under another plan."""
+        saved = DPPlan(**state["plan"])
+        # seeded/extractor/engine_unchecked label how this mechanism was made, not the privacy numbers
+        labels = {"seeded": self.plan.seeded, "extractor": self.plan.extractor, "engine_unchecked": self.plan.engine_unchecked}
+        if replace(saved, **labels) != self.plan:
+            raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
+        self.sampler.load_state_dict(state["sampler"])
+        self.noise_generator.load_state_dict(state["noise_generator"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.steps_taken = int(state["steps_taken"])
+
+
+def per_example_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    """``loss_fn`` checked at every call to return one loss per example, shape (B,): a mean or a
+    sum over the batch would be clipped as if the batch were one example."""
+
+    def checked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = loss_fn(logits, targets)
+        if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.shape[0] != targets.shape[0]:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"loss_fn must return one loss per example, shape ({targets.shape[0]},), got {shape}: use "
+                "reduction='none' (a loss averaged or summed over the batch cannot be clipped per example)"
+            )
+        return out
+
+    return checked
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    dataset_size: int,
+    batch_size: float,
+    max_grad_norm: float,
+    delta: float,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    epochs: float | None = None,
+    steps: int | None = None,
+    accountant: str = "pld",
+    engine: str = "auto",
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    augment_multiplicity: int = 1,
+    precision: str = "fp32",
+    max_physical_batch_size: int | None = None,
+    scheduler: Any = None,
+    seed: int | None = None,
+    check_batch: Batch | None = None,
+) -> DPMechanism:
+    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD, Poisson sampling).
+
+    Args:
+        model, optimizer: the user's; the optimizer must hold the trainable parameters.
+        dataset_size: N, the number of private training examples.
+        batch_size: expected logical batch size B (q = B / N).
+        max_grad_norm: C, the per-example clipping norm.
+        delta: the delta of the guarantee (use < 1/N).
+        target_epsilon: calibrate sigma so the planned steps spend exactly this (or give noise_multiplier).
+        noise_multiplier: sigma (the noise std on the clipped sum is sigma * C).
+        epochs, steps: the length of the plan (one of them).
+        accountant: "pld" or "rdp".
+        engine: "auto", "bk", "ghost" or "vmap" (docs/engines.md).
+        loss_fn: per-example loss (logits, targets) -> (B,); default cross-entropy.
+        augment_multiplicity: K views per example, consecutive in each chunk (their losses averaged).
+        precision: "fp32", "tf32", "bf16" or "fp16" (docs/precision.md).
+        max_physical_batch_size: examples per chunk in ``step(x, y)`` and ``data_loader``.
+        scheduler: a learning-rate scheduler stepped after every optimizer step.
+        seed: fixes the sampling and noise streams (research only: anyone who knows it can replay
+            them); None draws fresh 128-bit OS entropy.
+        check_batch: (x, y) examples to verify the engine on against a per-example loop first.
+
+    Returns:
+        The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
+    """
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs= and steps=")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
+    dp = DPConfig(
+        epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        batch_size=batch_size, accountant=accountant,
+    )  # fmt: skip
+    plan = make_dp_plan(dp, dataset_size, steps_for(epochs, steps, dataset_size, batch_size), seeded=seed is not None)
+    loss = per_example_loss(loss_fn) if loss_fn is not None else per_example_cross_entropy
+    kind = make_precision(precision)
+    if check_batch is not None:
+        from dpscale.privacy.self_check import checked_engine
+
+        chosen, _, _ = checked_engine(engine, max_grad_norm, model, check_batch, views=augment_multiplicity, loss_fn=loss, precision=kind)
+    else:
+        chosen, _ = make_engine(engine, max_grad_norm, model, loss_fn=loss, views=augment_multiplicity, precision=kind)
+    seeds = run_seeds(seed)
+    return DPMechanism(
+        model, optimizer, plan, chosen, sampler_seed=seeds["sampler"], noise_seed=seeds["noise"],
+        scheduler=scheduler, max_physical_batch_size=max_physical_batch_size,
+    )  # fmt: skip
