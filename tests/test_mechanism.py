@@ -151,3 +151,16 @@ def test_a_state_from_another_plan_is_refused(reference):
                                  **{**RECIPE, "noise_multiplier": 2.0})  # fmt: skip
     with pytest.raises(ValueError, match="different DP plan"):
         other.load_state_dict(mechanism.state_dict())
+
+
+def test_the_bring_your_own_loop_example_in_the_docs_runs(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "own-loop.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "docs/own-loop.md", "exec"), scope)
+    mechanism = scope["mechanism"]
+    assert mechanism.remaining_steps() == 0 and (tmp_path / "checkpoint.pt").exists()
+    assert 2.99 < mechanism.epsilon() <= 3.0  # sigma calibrated to spend (at most) the target over the plan
