@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from dpscale.models.layers import MaxPool2d
+from dpscale.layers import MaxPool2d
 
 # (input shape, kernel, stride, padding): papernot-cnn at B=512 and 256, tramer-cifar-cnn at
 # B=128, a ResNet stem at 32 px (B=32) and 224 px (B=8)

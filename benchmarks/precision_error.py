@@ -15,7 +15,8 @@ import copy
 import torch
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy.per_example import make_engine, per_example_cross_entropy, trainable_params
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.per_example import per_example_cross_entropy, trainable_params
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import reference_clipped_sum
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from dpscale.models import build_model, default_input_shape, list_models
-from dpscale.privacy.per_example import clip_factors, make_engine, supported_engines, trainable_params
+from dpscale.privacy.engines import make_engine, supported_engines
+from dpscale.privacy.per_example import clip_factors, trainable_params
 
 # Small inputs keep the loop fast; every registered family is covered (conv, linear, GroupNorm,
 # LayerNorm, class-token/position embeddings).

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpscale.models.layers import ClassTokenPositionEmbedding
+from dpscale.layers import ClassTokenPositionEmbedding
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine
 from dpscale.privacy.per_example import CLIP_EPS, trainable_params
 from dpscale.privacy.self_check import checked_engine
@@ -188,7 +188,7 @@ class WeightStandardised(nn.Module):
 
     def __init__(self):
         super().__init__()
-        from dpscale.models.layers import ScalarGain, ScaledStdConv2d
+        from dpscale.layers import ScalarGain, ScaledStdConv2d
 
         self.stem = ScaledStdConv2d(1, 4, 3, padding=1)
         self.branch = ScaledStdConv2d(4, 4, 3, padding=1, groups=2, bias=False)

@@ -10,7 +10,8 @@ from torch import nn
 
 from dpscale.models import build_model, count_parameters, default_input_shape, list_models
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
-from dpscale.privacy.per_example import supported_engines, trainable_params
+from dpscale.privacy.engines import supported_engines
+from dpscale.privacy.per_example import trainable_params
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 

@@ -361,7 +361,7 @@ POOL_GEOMETRIES = [
 
 @pytest.mark.parametrize("geometry", POOL_GEOMETRIES)
 def test_maxpool_matches_torch_values_and_gradients_with_ties_and_nan(geometry):
-    from dpscale.models.layers import MaxPool2d
+    from dpscale.layers import MaxPool2d
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 3, (4, 5, 9, 11), generator=gen).float()  # many ties in every window
@@ -384,7 +384,7 @@ def test_maxpool_matches_torch_values_and_gradients_with_ties_and_nan(geometry):
 def test_maxpool_falls_back_inside_vmap_and_for_unbatched_input():
     from torch.func import grad, vmap
 
-    from dpscale.models.layers import MaxPool2d
+    from dpscale.layers import MaxPool2d
 
     x = torch.randn(3, 2, 6, 6)
     ours, ref = MaxPool2d(2, stride=1), nn.MaxPool2d(2, stride=1)

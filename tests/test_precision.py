@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.config import ConfigError, load_config
-from dpscale.privacy.per_example import CLIP_EPS, make_engine, trainable_params
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.per_example import CLIP_EPS, trainable_params
 from dpscale.privacy.precision import Precision, make_precision
 from dpscale.privacy.self_check import checked_engine
 from dpscale.train import Trainer

@@ -21,12 +21,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from dpscale.config import load_config
     from dpscale.train.loop import Trainer, default_out_dir
+    from dpscale.train.run import run_training, train_and_report
 
     if args.resume:
         if args.config or args.set:
             raise ConfigError("--resume continues a run exactly as configured; do not pass a config or --set")
         trainer = Trainer.resume(args.resume, progress=not args.quiet)
-        return _train_and_report(trainer, args.max_steps)
+        return train_and_report(trainer, args.max_steps)
     config = load_config(args.config, args.set)
     if config.run.out_dir is None:
         from dpscale.train.distributed import init_distributed
@@ -35,42 +36,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         out_dir = init_distributed(config.run.device).broadcast_object(default_out_dir(config))
         config = replace(config, run=replace(config.run, out_dir=out_dir))
     return run_training(config, args.max_steps, args.quiet)
-
-
-def run_training(config, max_steps: int | None = None, quiet: bool = False) -> int:
-    """Start the run ``config`` describes (run.out_dir set), train, print the result line."""
-    from dpscale.train.loop import Trainer
-
-    return _train_and_report(Trainer.create(config, progress=not quiet), max_steps)
-
-
-def _train_and_report(trainer, max_steps: int | None) -> int:
-    summary = trainer.run(max_steps=max_steps)
-    if not trainer.dist.is_main:
-        return 0  # rank 0 reports for the job
-    if summary is None:
-        print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
-        return 0
-    print(_result_line(summary, trainer.run_dir))
-    return 0
-
-
-def _result_line(summary: dict, run_dir: Path) -> str:
-    accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
-    if summary.get("simulation"):
-        privacy = (
-            f"TAN SIMULATION (no guarantee): stands for epsilon={summary['reference_epsilon']:.3f} "
-            f"delta={summary['delta']:g} ({summary['accountant']}) at B={summary['simulation']['batch_size']:g}; "
-            f"own epsilon={summary['epsilon']:.4g}"
-        )
-    elif summary["private"]:
-        privacy = f"epsilon={summary['epsilon']:.3f} delta={summary['delta']:g} ({summary['accountant']})"
-        if summary.get("extractor_privacy") == "composed":  # the other cases come as caveats
-            privacy += " (composed with the extractor's run)"
-    else:
-        privacy = "epsilon=inf (NOT PRIVATE)"
-    notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"] + summary.get("privacy_warnings", []))
-    return f"{accuracy} {privacy} steps={summary['steps']} run_dir={run_dir}{notes}"
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -209,7 +174,7 @@ def _cmd_account(args: argparse.Namespace) -> int:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     from dpscale.models import build_model, count_parameters, default_input_shape, list_models
-    from dpscale.privacy.per_example import supported_engines
+    from dpscale.privacy.engines import supported_engines
 
     rows = []
     for name in list_models():

@@ -632,6 +632,6 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
 
 def save_config(config: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
-    from dpscale.train.checkpoint import atomic_write_text  # local: avoid an import cycle
+    from dpscale._io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -33,7 +33,8 @@ def _engine_step(name: str | None, input_shape: tuple[int, ...], classes: int, d
     if name is None:
         return None
     from dpscale.models import build_model
-    from dpscale.privacy.per_example import make_engine, trainable_params
+    from dpscale.privacy.engines import make_engine
+    from dpscale.privacy.per_example import trainable_params
 
     model = build_model(name, classes, input_shape).to(device)
     (engine, _), params = make_engine("auto", 1.0, model), trainable_params(model)

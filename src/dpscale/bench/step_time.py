@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy.per_example import make_engine
+from dpscale.privacy.engines import make_engine
 from dpscale.privacy.precision import FP32, Precision, make_precision
 from dpscale.rng import DPRandom
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks

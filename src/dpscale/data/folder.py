@@ -13,8 +13,10 @@ Layouts (classes are the sorted sub-folder names of the training split; label i 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -150,12 +152,30 @@ def _check(path: Path, full: bool) -> tuple[str, tuple[int, int]] | str:
         return str(e)
 
 
+class _InProcess:
+    """``map`` in this process (one worker: no pool to start)."""
+
+    def __enter__(self) -> "_InProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    map = staticmethod(map)
+
+
+def decoder_pool(workers: int) -> ProcessPoolExecutor | _InProcess:
+    """Decoding processes, started by a fork server: a plain fork of a process whose torch
+    threads hold locks can hang in the child."""
+    if workers <= 1:
+        return _InProcess()
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+
+
 def _check_all(files: list[Path], full: bool, workers: int) -> list[tuple[str, tuple[int, int]] | str]:
     if workers <= 1 or len(files) < 512:
         return [_check(p, full) for p in files]
-    from .shards import _decoder_pool
-
-    with _decoder_pool(workers) as pool:
+    with decoder_pool(workers) as pool:
         return list(pool.map(_check, files, [full] * len(files), chunksize=256))
 
 

@@ -9,17 +9,15 @@ the counts and each file's SHA-256. Reading an example is then a slice of a memo
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import json
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .folder import FolderListing, image_array
+from .folder import FolderListing, decoder_pool, image_array
 from .formats import DatasetError
 
 MANIFEST_NAME = "manifest.json"
@@ -42,26 +40,6 @@ def _decode_chunk(args: tuple[list[Path], str, int]) -> np.ndarray:
     return np.stack([image_array(p, mode, size) for p in files])
 
 
-class _InProcess:
-    """``map`` in this process (one worker: no pool to start)."""
-
-    def __enter__(self) -> "_InProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    map = staticmethod(map)
-
-
-def _decoder_pool(workers: int) -> ProcessPoolExecutor | _InProcess:
-    """Decoding processes, started by a fork server: a plain fork of a process whose torch
-    threads hold locks can hang in the child."""
-    if workers <= 1:
-        return _InProcess()
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
-
-
 def _write_split(
     dest: Path, split: str, files: tuple[Path, ...], labels: np.ndarray, mode: str, size: int, workers: int,
     progress: Callable[[int], None],
@@ -71,7 +49,7 @@ def _write_split(
     per_shard = max(1, SHARD_BYTES // (channels * size * size))
     batch = 256
     shards = []
-    with _decoder_pool(workers) as pool:
+    with decoder_pool(workers) as pool:
         for first in range(0, max(len(files), 1), per_shard):
             part = files[first : first + per_shard]
             name = f"{split}-{len(shards):05d}.npy"

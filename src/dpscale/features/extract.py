@@ -159,9 +159,8 @@ def _read_run(
     Raises:
         ValueError: not a run directory, or no checkpoint.
     """
-    # Imported here: dpscale.train imports the training loop, which may itself import this package.
     from dpscale.config import load_config
-    from dpscale.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from dpscale._io import CHECKPOINT_NAME, load_checkpoint
 
     path = Path(where).expanduser()
     run_dir, ckpt = (path, path / CHECKPOINT_NAME) if path.is_dir() else (path.parent, path)
@@ -418,7 +417,7 @@ def _read_cache(
     path: Path, key: str, extractor: FeatureExtractor, dataset: ImageDataset
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached (x_train, x_test), or ValueError saying why the file cannot be used."""
-    from dpscale.train.checkpoint import load_torch_file  # see _checkpoint_extractor
+    from dpscale._io import load_torch_file
 
     state = load_torch_file(path, CACHE_FORMAT, "feature cache")
     if state.get("key") != key or state.get("spec") != extractor.spec:
@@ -437,7 +436,7 @@ def _read_cache(
 def _write_cache(
     path: Path, key: str, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor
 ) -> None:
-    from dpscale.train.checkpoint import save_torch_file  # see _checkpoint_extractor
+    from dpscale._io import save_torch_file
 
     save_torch_file(path, {"key": key, "spec": extractor.spec, "x_train": x_train, "x_test": x_test}, CACHE_FORMAT)
 

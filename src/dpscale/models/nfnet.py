@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.models.layers import MaxPool2d, ScalarGain, ScaledStdConv2d
+from dpscale.layers import MaxPool2d, ScalarGain, ScaledStdConv2d
 from dpscale.models.registry import register_model
 from dpscale.models.resnet import ResidualNetwork
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.models.layers import MaxPool2d
+from dpscale.layers import MaxPool2d
 from dpscale.models.cnn import Classifier, _conv_out, linear
 from dpscale.models.registry import register_model
 

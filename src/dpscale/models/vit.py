@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.models.layers import ClassTokenPositionEmbedding
+from dpscale.layers import ClassTokenPositionEmbedding
 from dpscale.models.registry import register_model
 
 

@@ -10,7 +10,8 @@ from dpscale.privacy.accountant import (
 from dpscale.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
 from dpscale.privacy.noise import add_gaussian_noise
 from dpscale.privacy.ghost import GhostEngine, unsupported_modules
-from dpscale.privacy.per_example import PerExampleEngine, VmapEngine, clip_factors, make_engine
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.per_example import PerExampleEngine, VmapEngine, clip_factors
 from dpscale.privacy.tan import eps_tan, tan_eta, total_amount_of_noise
 
 __all__ = [

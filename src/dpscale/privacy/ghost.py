@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpscale.models.layers import ClassTokenPositionEmbedding, ScalarGain, ScaledStdConv2d
+from dpscale.layers import ClassTokenPositionEmbedding, ScalarGain, ScaledStdConv2d
 from dpscale.privacy.per_example import (
     Batch,
     ClippedSumMixin,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import (
     CLIP_EPS,
     RELATIVE_ERROR_FLOOR,
@@ -28,7 +29,6 @@ from dpscale.privacy.per_example import (
     Params,
     PerExampleEngine,
     VmapEngine,
-    make_engine,
     mean_over_views,
     per_example_cross_entropy,
     tolerance_for,

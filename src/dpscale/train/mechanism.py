@@ -29,7 +29,8 @@ from torch import nn
 
 from dpscale.config import DPConfig
 from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.per_example import Batch, PerExampleEngine, make_engine, per_example_cross_entropy
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
 from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.rng import DPRandom, words_to_int

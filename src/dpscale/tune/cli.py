@@ -67,7 +67,7 @@ def _stamp() -> str:
 
 # ------------------------------------------------------------------ tan simulate
 def _cmd_tan_simulate(args: argparse.Namespace) -> int:
-    from dpscale.cli import run_training
+    from dpscale.train.run import run_training
     from dpscale.config import load_config
 
     overrides = [*args.set, f"dp.simulated_batch_size={args.batch_size}"]

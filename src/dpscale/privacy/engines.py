@@ -1,0 +1,54 @@
+"""The engine factory: an engine by name (``auto`` picks bk when every trainable layer has an
+exact rule, else vmap). Its own module so that the engines (``per_example``: shared types and the
+vmap engine; ``ghost``: the ghost/bk engines) import neither each other's factory nor this one."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dpscale.privacy.ghost import GhostEngine, unsupported_modules
+from dpscale.privacy.per_example import LossFn, PerExampleEngine, VmapEngine, per_example_cross_entropy
+from dpscale.privacy.precision import FP32, Precision
+
+
+ENGINE_NAMES = ("auto", "bk", "ghost", "vmap")
+
+
+def make_engine(
+    name: str,
+    max_grad_norm: float | None,
+    model: nn.Module | None = None,
+    loss_fn: LossFn = per_example_cross_entropy,
+    views: int = 1,
+    precision: Precision = FP32,
+) -> tuple[PerExampleEngine, str | None]:
+    """Engine by name, plus a one-line notice when "auto" had to fall back.
+
+    Args:
+        name: "auto" (bk when every trainable layer is supported, else vmap), "bk", "ghost" or "vmap".
+        max_grad_norm: clipping norm C (None: no clipping).
+        model: needed by "auto" to check layer support (and by bk/ghost to fail early).
+        loss_fn: per-example loss.
+        views: augmentation multiplicity K (each example arrives as K views).
+        precision: how the model computes (fp32, tf32, bf16, fp16 with a fixed loss scale).
+
+    Returns:
+        (engine, notice or None).
+    """
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    if views < 1:
+        raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
+    problems = unsupported_modules(model) if model is not None else []
+    if name == "vmap" or (name == "auto" and problems):
+        notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
+        return VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision), notice
+    if problems:
+        raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
+    mode = "bk" if name == "auto" else name
+    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision), None
+
+
+def supported_engines(model: nn.Module) -> list[str]:
+    """Engines that can train ``model``."""
+    return ["auto", "vmap"] + ([] if unsupported_modules(model) else ["bk", "ghost"])

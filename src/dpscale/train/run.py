@@ -1,0 +1,44 @@
+"""Starting a run and reporting its result: shared by ``dpscale train``, ``dpscale tan simulate``
+and the tuning commands (kept out of the CLI module so the commands do not import each other)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def run_training(config, max_steps: int | None = None, quiet: bool = False) -> int:
+    """Start the run ``config`` describes (run.out_dir set), train, print the result line."""
+    from dpscale.train.loop import Trainer
+
+    return train_and_report(Trainer.create(config, progress=not quiet), max_steps)
+
+
+def train_and_report(trainer, max_steps: int | None) -> int:
+    """Train ``trainer`` (until ``max_steps``), print the result line (rank 0); exit status 0."""
+    summary = trainer.run(max_steps=max_steps)
+    if not trainer.dist.is_main:
+        return 0  # rank 0 reports for the job
+    if summary is None:
+        print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
+        return 0
+    print(result_line(summary, trainer.run_dir))
+    return 0
+
+
+def result_line(summary: dict, run_dir: Path) -> str:
+    """The one-line result of a finished run, with every caveat of its guarantee."""
+    accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
+    if summary.get("simulation"):
+        privacy = (
+            f"TAN SIMULATION (no guarantee): stands for epsilon={summary['reference_epsilon']:.3f} "
+            f"delta={summary['delta']:g} ({summary['accountant']}) at B={summary['simulation']['batch_size']:g}; "
+            f"own epsilon={summary['epsilon']:.4g}"
+        )
+    elif summary["private"]:
+        privacy = f"epsilon={summary['epsilon']:.3f} delta={summary['delta']:g} ({summary['accountant']})"
+        if summary.get("extractor_privacy") == "composed":  # the other cases come as caveats
+            privacy += " (composed with the extractor's run)"
+    else:
+        privacy = "epsilon=inf (NOT PRIVATE)"
+    notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"] + summary.get("privacy_warnings", []))
+    return f"{accuracy} {privacy} steps={summary['steps']} run_dir={run_dir}{notes}"
