@@ -380,3 +380,21 @@ def test_checkpoints_by_time_and_at_the_end(tmp_path, monkeypatch):
     Trainer.create(small_config(tmp_path / "steps", "train.checkpoint_every_minutes=null",
                                 "train.checkpoint_every_steps=10"), progress=False).run()  # fmt: skip
     assert saves == [10, 20, 24]
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0])
+def test_one_privacy_status_text_in_train_eval_and_summary(tmp_path, capsys, sigma):
+    from dpscale.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", "--quiet", "--set", "train.steps=2", "--set", "dp.epsilon=null", "--set", f"dp.noise_multiplier={sigma}",
+            "--set", f"run.out_dir={out}"]  # fmt: skip
+    if sigma == 0.0:
+        args += ["--set", "dp.max_grad_norm=null"]
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    expected = "epsilon=inf (NOT PRIVATE)" if sigma == 0.0 else f"epsilon={summary['epsilon']:.3f} delta=1e-05 (pld)"
+    assert summary["privacy_status"] == expected
+    assert expected in capsys.readouterr().out
+    assert main(["eval", str(out)]) == 0
+    assert expected in capsys.readouterr().out

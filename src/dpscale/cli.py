@@ -63,12 +63,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(json_safe(result)))
     else:
-        eps = "inf (NOT PRIVATE)" if not trainer.plan.is_private else f"{result['epsilon']:.3f}"
-        if trainer.plan.simulation:
-            eps = f"{result['epsilon']:.4g} (own, rdp; a TAN simulation of epsilon {result['reference_epsilon']:.3f})"
+        status = trainer.plan.status(result["epsilon"], result.get("reference_epsilon"))
         print(
             f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, "
-            f"test loss {loss:.4f}, epsilon {eps} at delta {trainer.plan.delta:g}"
+            f"test loss {loss:.4f}, {status}"
         )
         extractor = trainer.plan.extractor
         if extractor is not None and extractor.caveat() is None:  # the other cases are caveats, below

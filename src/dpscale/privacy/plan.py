@@ -265,6 +265,20 @@ class DPPlan:
             "Use it to choose hyper-parameters; do not release it as a private model"
         )
 
+    def status(self, epsilon: float, reference_epsilon: float | None = None) -> str:
+        """The privacy clause of every result line (train, eval, tan simulate, sweeps): what the
+        run's epsilon means, after ``epsilon`` was spent (and, for a TAN simulation, the
+        reference run's ``reference_epsilon``)."""
+        if self.simulation:
+            return (
+                f"TAN SIMULATION (no guarantee): stands for epsilon={reference_epsilon:.3f} delta={self.delta:g} "
+                f"({self.accountant}) at B={self.simulation.batch_size:g}; own epsilon={epsilon:.4g} ({self.run_accountant})"
+            )
+        if not self.is_private:
+            return "epsilon=inf (NOT PRIVATE)"
+        composed = " (composed with the extractor's run)" if self.extractor and self.extractor.case == "composed" else ""
+        return f"epsilon={epsilon:.3f} delta={self.delta:g} ({self.accountant}){composed}"
+
     def make_sampler(self, generator: DPRandom, rank: int = 0, world_size: int = 1):
         """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``."""
         return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size)

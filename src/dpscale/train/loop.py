@@ -784,19 +784,12 @@ class Trainer:
             "noise_rank": NOISE_RANK if self.dist.enabled else None,
             "wall_time_s": self.wall_time_s,
         }
+        summary["privacy_status"] = plan.status(summary["epsilon"], summary["reference_epsilon"])
         summary = json_safe(summary)
         atomic_write_text(self.run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         self._log(
-            f"done: test accuracy {100 * summary['test_accuracy']:.2f}% | "
-            + (
-                f"TAN SIMULATION of epsilon {summary['reference_epsilon']:.3f} ({plan.accountant}), no guarantee; "
-                f"own epsilon {summary['epsilon']:.4g} ({plan.run_accountant})"
-                if plan.simulation
-                else f"epsilon {summary['epsilon']:.3f} at delta {plan.delta:g} ({plan.accountant})"
-                if plan.is_private
-                else "NOT PRIVATE"
-            )
-            + f" | {self.step} steps in {self.wall_time_s:.1f}s | run dir {self.run_dir}"
+            f"done: test accuracy {100 * summary['test_accuracy']:.2f}% | {summary['privacy_status']} | "
+            f"{self.step} steps in {self.wall_time_s:.1f}s | run dir {self.run_dir}"
         )
         for note in plan.caveats() + self.privacy_warnings():
             self._log(f"WARNING: {note}")

@@ -28,17 +28,5 @@ def train_and_report(trainer, max_steps: int | None) -> int:
 def result_line(summary: dict, run_dir: Path) -> str:
     """The one-line result of a finished run, with every caveat of its guarantee."""
     accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
-    if summary.get("simulation"):
-        privacy = (
-            f"TAN SIMULATION (no guarantee): stands for epsilon={summary['reference_epsilon']:.3f} "
-            f"delta={summary['delta']:g} ({summary['accountant']}) at B={summary['simulation']['batch_size']:g}; "
-            f"own epsilon={summary['epsilon']:.4g}"
-        )
-    elif summary["private"]:
-        privacy = f"epsilon={summary['epsilon']:.3f} delta={summary['delta']:g} ({summary['accountant']})"
-        if summary.get("extractor_privacy") == "composed":  # the other cases come as caveats
-            privacy += " (composed with the extractor's run)"
-    else:
-        privacy = "epsilon=inf (NOT PRIVATE)"
     notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"] + summary.get("privacy_warnings", []))
-    return f"{accuracy} {privacy} steps={summary['steps']} run_dir={run_dir}{notes}"
+    return f"{accuracy} {summary['privacy_status']} steps={summary['steps']} run_dir={run_dir}{notes}"

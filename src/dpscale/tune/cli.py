@@ -150,13 +150,7 @@ def _print_point(result) -> None:
         print(f"  failed: {result.error}", file=sys.stderr)
         return
     s = result.summary
-    if s.get("simulation"):
-        privacy = f"TAN simulation of epsilon={s['reference_epsilon']:.3f}"
-    elif s.get("private"):
-        privacy = f"epsilon={s['epsilon']:.3f}"
-    else:
-        privacy = "NOT PRIVATE"
-    print(f"  test_accuracy={100 * s['test_accuracy']:.2f}% {privacy} -> {result.run_dir}", file=sys.stderr)
+    print(f"  test_accuracy={100 * s['test_accuracy']:.2f}% {s['privacy_status']} -> {result.run_dir}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------- tan fit
