@@ -111,3 +111,13 @@ def test_importing_the_privacy_package_does_not_load_the_model_zoo():
     code = "import sys, dpscale.privacy; print(sorted(m for m in sys.modules if m.startswith('dpscale.models')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_no_function_in_the_training_loop_is_longer_than_50_lines():
+    path = SRC / "dpscale" / "train" / "loop.py"
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50
+    ]
+    assert long == []

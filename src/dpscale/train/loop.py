@@ -188,6 +188,14 @@ class Trainer:
         feature_norm: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self._setup_process(progress)
+        info = self._setup_data_and_plan(plan, feature_norm)
+        self._setup_model(info)
+        self._setup_state()
+
+    def _setup_process(self, progress: bool) -> None:
+        """Processes, device, run directory and the run's seeds."""
+        config = self.config
         # Data parallel under torchrun (P processes), else a single process; only rank 0 prints and writes.
         self.dist: Distributed = init_distributed(config.run.device)
         if self.dist.enabled and config.dp.sampling != "poisson":
@@ -204,9 +212,12 @@ class Trainer:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"run.device={config.run.device} but this torch build has no usable CUDA device")
-        seeds = self.dist.broadcast_object(_seeds(config.run.seed))  # fresh entropy: rank 0's, for all
-        self._seeds = seeds
+        self._seeds = self.dist.broadcast_object(_seeds(config.run.seed))  # fresh entropy: rank 0's, for all
 
+    def _setup_data_and_plan(self, plan: DPPlan | None, feature_norm: dict[str, Any] | None) -> Any:
+        """Data (in memory or streamed), features, the DP plan (new, or a checkpoint's checked)
+        and the feature normaliser; returns the dataset info."""
+        config = self.config
         images = open_training_data(config, self.device, self._log)
         self.streamed = isinstance(images, StreamedData)
         # of the images: features may differ in the last bit
@@ -217,37 +228,39 @@ class Trainer:
                 f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images"
             )
         # Before extracting: a checkpoint extractor's run that cannot be composed is refused at once.
-        extractor, extractor_releases = extractor_privacy(
-            config.features, self._fingerprint_as, is_private_config(config.dp)
-        )
+        extractor, extractor_releases = extractor_privacy(config.features, self._fingerprint_as, is_private_config(config.dp))
         with self.dist.main_first():  # rank 0 fills the feature cache, the others read it
             features = extract_run_features(config.features, images, self.device, self.progress, self._log)
         del images
-        info = features.info
-        n = info.num_train
+        n = features.info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
-        releases = extractor_releases + feature_releases(config.features)
         loading = plan is not None  # from a checkpoint
-        plan = self._resolve_plan(plan, n, releases, extractor)
-        self.plan: DPPlan = plan
+        self.plan: DPPlan = self._resolve_plan(plan, n, extractor_releases + feature_releases(config.features), extractor)
         if loading and (feature_norm or {}).get("kind", "none") != config.features.normalize:
             raise ConfigError(
                 f"the checkpoint's feature normalisation ({(feature_norm or {}).get('kind', 'none')}) is not "
                 f"features.normalize={config.features.normalize} of its config; refusing to continue it"
             )
-        if feature_norm is None:
-            generator = DPRandom(seeds["features"])  # Data Normalization's noise: 128-bit seed
-            # a stream has features.normalize=none (config validation): nothing to fit
-            normalizer = FeatureNormalizer() if self.streamed else fit_normalizer(config.features, features.x_train, plan, generator)
-            # One release, whatever P: every rank uses rank 0's noisy statistics.
-            feature_norm = self.dist.broadcast_object(normalizer.state_dict()) if self.dist.enabled else None
-            self.feature_normalizer = normalizer if feature_norm is None else FeatureNormalizer.from_state_dict(feature_norm)
-        else:
-            self.feature_normalizer = FeatureNormalizer.from_state_dict(feature_norm)
+        self.feature_normalizer = self._feature_normalizer(features, feature_norm)
         self.data = normalize_dataset(features, self.feature_normalizer)
-        del features
+        return features.info
 
-        torch.manual_seed(seeds["init"])
+    def _feature_normalizer(self, features: Any, saved: dict[str, Any] | None) -> FeatureNormalizer:
+        """A checkpoint's normaliser (its private statistics reused, never drawn again), or a new one."""
+        if saved is not None:
+            return FeatureNormalizer.from_state_dict(saved)
+        generator = DPRandom(self._seeds["features"])  # Data Normalization's noise: 128-bit seed
+        # a stream has features.normalize=none (config validation): nothing to fit
+        normalizer = FeatureNormalizer() if self.streamed else fit_normalizer(self.config.features, features.x_train, self.plan, generator)
+        if not self.dist.enabled:
+            return normalizer
+        # One release, whatever P: every rank uses rank 0's noisy statistics.
+        return FeatureNormalizer.from_state_dict(self.dist.broadcast_object(normalizer.state_dict()))
+
+    def _setup_model(self, info: Any) -> None:
+        """Model (seeded init, frozen groups), the checked engine, optimizer, scheduler and the DP mechanism."""
+        config = self.config
+        torch.manual_seed(self._seeds["init"])
         self.model = build_model(
             config.model.name, info.num_classes, info.input_shape, config.model.activation, **config.model.kwargs
         ).to(self.device)
@@ -264,13 +277,16 @@ class Trainer:
         # noise; its generator's state is the one checkpointed. Noise is drawn on the host, then
         # copied to the device: the same noise on CPU and CUDA.
         self.mechanism = DPMechanism(
-            self.model, self.optimizer, self.plan, self.engine, scheduler=self.scheduler, noise_seed=seeds["noise"],
-            sampler_seed=rank_stream_seed(seeds["sampler"], self.dist.rank, self.dist.world_size, 0),
+            self.model, self.optimizer, self.plan, self.engine, scheduler=self.scheduler, noise_seed=self._seeds["noise"],
+            sampler_seed=rank_stream_seed(self._seeds["sampler"], self.dist.rank, self.dist.world_size, 0),
             rank=self.dist.rank, world_size=self.dist.world_size,
         )  # fmt: skip
         self._start_rank_streams(0)
-        self.augtest_seed = seeds["augtest"]  # test views: the same at every evaluation
         self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
+
+    def _setup_state(self) -> None:
+        """The loop's own state: step, clocks, metrics log, the train-loss window."""
+        self.augtest_seed = self._seeds["augtest"]  # test views: the same at every evaluation
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
         self.step = 0
         self.wall_time_s = 0.0
@@ -665,16 +681,10 @@ class Trainer:
             for note in self.plan.caveats() + self.privacy_warnings():
                 self._log(f"WARNING: {note}")
         bar = tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            disable=not self.progress,
-            file=sys.stderr,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-        )
-        epsilon = self.epsilon() if self.step else 0.0
-        reported_at = time.perf_counter()
+            total=self.total_steps, initial=self.step, disable=not self.progress, file=sys.stderr, desc="train",
+            unit="step", dynamic_ncols=True,
+        )  # fmt: skip
+        self._bar_state = {"epsilon": self.epsilon() if self.step else 0.0, "reported_at": time.perf_counter()}
         interrupt = _DeferredInterrupt()
         self._saved_at = time.perf_counter()
         interrupted = False
@@ -685,28 +695,7 @@ class Trainer:
                     if self.dist.any(interrupt.requested):
                         interrupted = True
                         break
-                    started = time.perf_counter()
-                    self.train_step()
-                    evaluated = self._eval_due()
-                    if evaluated:
-                        self.wall_time_s += time.perf_counter() - started
-                        started = time.perf_counter()
-                        record = self.evaluate_and_log()
-                        if record is not None:
-                            epsilon = record["epsilon"]
-                            self._log(
-                                f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
-                                f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(epsilon)}"
-                            )
-                    if self.step == self.total_steps or self._checkpoint_due():
-                        self.save()
-                    self.wall_time_s += time.perf_counter() - started
-                    bar.update(1)
-                    # Reading the step's loss waits for the device: only when the bar is redrawn.
-                    if self.progress and (evaluated or time.perf_counter() - reported_at > EPSILON_REFRESH_S):
-                        epsilon, reported_at = self.epsilon(), time.perf_counter()
-                        loss = self._last_stats.loss_sum / max(1, self._last_stats.batch_size)
-                        bar.set_postfix(loss=f"{loss:.3f}", eps=_fmt_eps(epsilon), refresh=False)
+                    self._step_evaluate_save(bar)
         finally:
             bar.close()
             self._stop_feed()
@@ -721,6 +710,32 @@ class Trainer:
             return None
         return self.finish()
 
+    def _step_evaluate_save(self, bar: Any) -> None:
+        """One step, then the evaluation and checkpoint that are due, then the progress bar."""
+        started = time.perf_counter()
+        self.train_step()
+        evaluated = self._eval_due()
+        if evaluated:
+            self.wall_time_s += time.perf_counter() - started
+            started = time.perf_counter()
+            record = self.evaluate_and_log()
+            if record is not None:
+                self._bar_state["epsilon"] = record["epsilon"]
+                self._log(
+                    f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
+                    f"{100 * record['test_accuracy']:.2f}%, epsilon {_fmt_eps(record['epsilon'])}"
+                )
+        if self.step == self.total_steps or self._checkpoint_due():
+            self.save()
+        self.wall_time_s += time.perf_counter() - started
+        bar.update(1)
+        # Reading the step's loss waits for the device: only when the bar is redrawn.
+        state = self._bar_state
+        if self.progress and (evaluated or time.perf_counter() - state["reported_at"] > EPSILON_REFRESH_S):
+            state["epsilon"], state["reported_at"] = self.epsilon(), time.perf_counter()
+            loss = self._last_stats.loss_sum / max(1, self._last_stats.batch_size)
+            bar.set_postfix(loss=f"{loss:.3f}", eps=_fmt_eps(state["epsilon"]), refresh=False)
+
     def privacy_warnings(self) -> list[str]:
         """Advice about the privacy parameters (the privacy wall), computed once per run."""
         if self._privacy_warnings is None:
@@ -733,14 +748,10 @@ class Trainer:
         summary = self._summary() if self.dist.is_main else None
         return self.dist.broadcast_object(summary)
 
-    def _summary(self) -> dict[str, Any]:
-        last = self.metrics.read()[-1]
+    def _privacy_summary(self) -> dict[str, Any]:
+        """The summary's privacy fields: what was spent, by which plan, and what it does not cover."""
         plan = self.plan
-        summary = {
-            "test_accuracy": last["test_accuracy"],
-            "test_loss": last["test_loss"],
-            **{k: last[k] for k in ("test_accuracy_ema", "test_accuracy_augtest") if k in last},
-            "augment_multiplicity": self.config.augment.multiplicity,
+        return {
             "epsilon": self.epsilon(),
             "delta": plan.delta,
             "target_epsilon": plan.target_epsilon,
@@ -770,6 +781,17 @@ class Trainer:
             "guarantee_caveats": plan.caveats(),
             "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
             "seeded": self.config.run.seed is not None,
+        }
+
+    def _summary(self) -> dict[str, Any]:
+        last = self.metrics.read()[-1]
+        plan = self.plan
+        summary = {
+            "test_accuracy": last["test_accuracy"],
+            "test_loss": last["test_loss"],
+            **{k: last[k] for k in ("test_accuracy_ema", "test_accuracy_augtest") if k in last},
+            "augment_multiplicity": self.config.augment.multiplicity,
+            **self._privacy_summary(),
             "dataset": self.data.info.name,
             "data_loader": "stream" if self.streamed else "memory",
             "skipped_files": len(self.data.info.skipped_files),
