@@ -32,10 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy.engines import make_engine
 from dpscale.privacy.precision import FP32, Precision, make_precision
-from dpscale.rng import DPRandom
-from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
+from dpscale.train.step import physical_chunks
 
 DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
 # On a GPU: the batch sizes of the issue's H100 table (224x224 for the ImageNet models).
@@ -110,20 +108,24 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
 def _dpscale_step(
     name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32
 ) -> TimedStep:
+    """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
+    noise from the 128-bit host generator and the accounting included), on the whole batch."""
+    from dpscale.train.mechanism import make_private
+
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine, _ = make_engine(engine_name, CLIP, model, views=views, precision=precision)
-    generator = DPRandom(0)  # the trainer's noise RNG: its host draws and copies are part of a step
+    batch = x.shape[0]
+    mechanism = make_private(
+        model, optimizer, dataset_size=100 * batch, batch_size=batch, max_grad_norm=CLIP, noise_multiplier=SIGMA,
+        delta=1e-5, steps=10**5, accountant="rdp", engine=engine_name, augment_multiplicity=views,
+        precision=precision.name, seed=0,
+    )  # fmt: skip
     augment = torch.Generator().manual_seed(1)
-    indices = torch.arange(x.shape[0], device=x.device)
+    indices = torch.arange(batch, device=x.device)
 
     def step() -> None:
         inputs = _views(x, views, augment) if views > 1 else x
-        gradient, _ = noisy_clipped_mean(
-            engine, model, physical_chunks(inputs, y, indices, x.shape[0]),
-            noise_std=SIGMA * CLIP, expected_batch_size=x.shape[0], noise_generator=generator,
-        )
-        apply_gradient(model, gradient, optimizer)
+        mechanism.step_chunks(physical_chunks(inputs, y, indices, batch))
 
     return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
 
