@@ -288,24 +288,25 @@ def test_dp_plan_calibrates_for_the_composition_and_round_trips():
     from dataclasses import asdict
 
     from dpscale.config import ConfigError, DPConfig
-    from dpscale.privacy.plan import DPPlan, check_plan_matches, make_dp_plan
+    from dpscale.privacy.plan import DPPlan
+    from dpscale.train.plan_config import check_plan_against_config, plan_from_config
 
     dp = DPConfig(epsilon=3.0, batch_size=500, accountant="rdp")
     releases = (gaussian_release("data-norm", 8.0, 2),)
-    plain = make_dp_plan(dp, 50000, 1000)
-    plan = make_dp_plan(dp, 50000, 1000, releases)
+    plain = plan_from_config(dp, 50000, 1000)
+    plan = plan_from_config(dp, 50000, 1000, releases)
     assert plan.noise_multiplier > plain.noise_multiplier and plan.epsilon <= 3.0
     assert plan.release_noise("data-norm") == 8.0 and "data-norm" in plan.describe()
     restored = DPPlan(**asdict(plan))
     assert restored == plan
-    check_plan_matches(restored, dp, 50000, 1000, releases)
+    check_plan_against_config(restored, dp, 50000, 1000, releases)
     with pytest.raises(ConfigError, match="releases"):
-        check_plan_matches(restored, dp, 50000, 1000, ())
+        check_plan_against_config(restored, dp, 50000, 1000, ())
     with pytest.raises(ConfigError, match="data-norm alone spends"):
-        make_dp_plan(DPConfig(epsilon=0.5, batch_size=500, accountant="rdp"), 50000, 1000, (gaussian_release("data-norm", 2.0, 2),))
+        plan_from_config(DPConfig(epsilon=0.5, batch_size=500, accountant="rdp"), 50000, 1000, (gaussian_release("data-norm", 2.0, 2),))
     # A given sigma is checked against the budget including the release.
     with pytest.raises(ConfigError, match="with data-norm"):
-        make_dp_plan(DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases)
+        plan_from_config(DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases)
 
 
 def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(caplog):

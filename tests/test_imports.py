@@ -121,3 +121,22 @@ def test_no_function_in_the_training_loop_is_longer_than_50_lines():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50
     ]
     assert long == []
+
+
+def test_the_privacy_core_does_not_depend_on_the_config():
+    graph = import_graph()
+    assert [m for m in graph if m.startswith("dpscale.privacy") and "dpscale.config" in graph[m]] == []
+
+
+def test_the_plan_from_plain_numbers_equals_the_plan_from_a_config():
+    from dpscale.config import DPConfig
+    from dpscale.privacy.plan import make_dp_plan
+    from dpscale.train.plan_config import plan_from_config
+
+    dp = DPConfig(epsilon=2.0, delta=1e-5, batch_size=256, max_grad_norm=0.7, accountant="rdp", simulated_batch_size=128)
+    from_numbers = make_dp_plan(
+        dataset_size=60_000, steps=500, batch_size=256, max_grad_norm=0.7, delta=1e-5, target_epsilon=2.0,
+        simulated_batch_size=128, accountant="rdp",
+    )  # fmt: skip
+    assert from_numbers == plan_from_config(dp, 60_000, 500)
+    assert from_numbers.simulation is not None and from_numbers.batch_size == 128

@@ -9,7 +9,7 @@ from scipy import stats
 
 from dpscale.config import ConfigError, DPConfig
 from dpscale.privacy import compute_epsilon
-from dpscale.privacy.plan import make_dp_plan
+from dpscale.train.plan_config import plan_from_config
 from dpscale.privacy.tan import (
     eps_tan,
     eps_tan_from_eta,
@@ -61,8 +61,8 @@ def _dp(**kw):
 @pytest.mark.parametrize("simulated", [64, 256, 512, 1000.5])
 def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
     n, steps = 50_000, 600
-    reference = make_dp_plan(_dp(), n, steps)
-    sim = make_dp_plan(_dp(simulated_batch_size=simulated), n, steps)
+    reference = plan_from_config(_dp(), n, steps)
+    sim = plan_from_config(_dp(simulated_batch_size=simulated), n, steps)
     assert sim.steps == reference.steps == steps
     assert sim.batch_size == simulated and sim.sample_rate == simulated / n
     assert sim.sample_rate / sim.noise_multiplier == pytest.approx(
@@ -87,14 +87,14 @@ def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
 
 def test_simulation_from_a_given_sigma_and_errors():
     n, steps = 50_000, 100
-    sim = make_dp_plan(_dp(epsilon=None, noise_multiplier=3.0, simulated_batch_size=512), n, steps)
+    sim = plan_from_config(_dp(epsilon=None, noise_multiplier=3.0, simulated_batch_size=512), n, steps)
     assert sim.noise_multiplier == pytest.approx(3.0 * 512 / 4096, rel=1e-15)
     assert simulated_noise_multiplier(3.0, 4096, 512) == 0.375
     with pytest.raises(ConfigError, match="simulated_batch_size"):
-        make_dp_plan(_dp(simulated_batch_size=60_000), n, steps)
+        plan_from_config(_dp(simulated_batch_size=60_000), n, steps)
     # the reference budget is still enforced on the reference run
     with pytest.raises(ConfigError, match="spends epsilon"):
-        make_dp_plan(_dp(epsilon=0.5, noise_multiplier=1.0, simulated_batch_size=512), n, steps)
+        plan_from_config(_dp(epsilon=0.5, noise_multiplier=1.0, simulated_batch_size=512), n, steps)
 
 
 # ----------------------------------------------------------- privacy search
@@ -138,7 +138,7 @@ def test_wall_warning_fires_at_sigma_1_not_at_sigma_4_for_the_same_eta():
     for sigma in (1.0, 4.0):
         q = math.sqrt(2) * sigma * eta / math.sqrt(steps)
         batch = q * n
-        plans[sigma] = make_dp_plan(_dp(epsilon=None, noise_multiplier=sigma, batch_size=batch), n, steps)
+        plans[sigma] = plan_from_config(_dp(epsilon=None, noise_multiplier=sigma, batch_size=batch), n, steps)
         assert tan_eta(plans[sigma].sample_rate, sigma, steps) == pytest.approx(eta, rel=1e-12)
     assert plans[1.0].wall_warning() is not None and "privacy wall" in plans[1.0].wall_warning()
     assert plans[4.0].wall_warning() is None
@@ -203,6 +203,6 @@ def test_regression_needs_two_batch_sizes():
 
 
 def test_simulating_at_the_reference_batch_size_is_the_reference_run():
-    reference = make_dp_plan(_dp(), 50_000, 300)
-    same = make_dp_plan(_dp(simulated_batch_size=4096), 50_000, 300)
+    reference = plan_from_config(_dp(), 50_000, 300)
+    same = plan_from_config(_dp(simulated_batch_size=4096), 50_000, 300)
     assert same == reference and same.simulation is None and "TAN SIMULATION" not in " ".join(same.caveats())

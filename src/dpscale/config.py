@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from dpscale.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
+
 
 
 @dataclass(frozen=True)

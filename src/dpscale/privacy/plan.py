@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dpscale.config import ConfigError, DPConfig
+from dpscale.errors import ConfigError
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
@@ -323,39 +323,50 @@ def steps_for(epochs: float | None, steps: int | None, dataset_size: int, batch_
 
 
 def check_plan_matches(
-    plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
+    plan: DPPlan,
+    *,
+    dataset_size: int,
+    batch_size: float,
+    steps: int,
+    max_grad_norm: float | None,
+    delta: float,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    simulated_batch_size: float | None = None,
+    sampling: str = "poisson",
+    accountant: str = "pld",
+    releases: tuple[AccountingSegment, ...] = (),
 ) -> None:
-    """Raise ConfigError if a saved plan (from a checkpoint) does not describe this config and data.
+    """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
     The labels ``seeded``, ``extractor`` and ``engine_unchecked`` are not compared: they derive from the config (the
     caller sets them afresh); what the extractor costs is in ``releases``, recomputed from its run.
 
     Args:
         plan: the plan saved in the checkpoint.
-        dp: the DP section of the run's config.
-        dataset_size: N of the training set now.
-        steps: the run's total logical steps.
+        dataset_size: N of the training set now; steps: the run's total logical steps.
+        batch_size ... accountant: the privacy numbers asked for now (as for ``make_dp_plan``).
         releases: the releases recomputed now (a checkpoint extractor's run's history, then
             the feature normalisation's).
     """
     _check_extractor_releases(plan, releases)
-    simulated = is_simulation(dp)
+    simulated = is_simulation(batch_size, simulated_batch_size)
     expected = {
         "releases": tuple(releases) if plan.is_private else (),
         "dataset_size": dataset_size,
-        "batch_size": dp.simulated_batch_size if simulated else dp.batch_size,
+        "batch_size": simulated_batch_size if simulated else batch_size,
         "steps": steps,
-        "max_grad_norm": dp.max_grad_norm,
-        "delta": dp.delta,
-        "target_epsilon": dp.epsilon,
-        "sampling": dp.sampling,
-        "accountant": dp.accountant,
+        "max_grad_norm": max_grad_norm,
+        "delta": delta,
+        "target_epsilon": target_epsilon,
+        "sampling": sampling,
+        "accountant": accountant,
     }
     actual: dict[str, Any] = {k: getattr(plan, k) for k in expected}
     actual["simulation_of_batch_size"] = plan.simulation.batch_size if plan.simulation else None
-    expected["simulation_of_batch_size"] = dp.batch_size if simulated else None
-    if dp.noise_multiplier is not None:
-        expected["noise_multiplier"] = float(dp.noise_multiplier)  # the reference's, for a simulation
+    expected["simulation_of_batch_size"] = batch_size if simulated else None
+    if noise_multiplier is not None:
+        expected["noise_multiplier"] = float(noise_multiplier)  # the reference's, for a simulation
         actual["noise_multiplier"] = plan.simulation.noise_multiplier if plan.simulation else plan.noise_multiplier
     wrong = [f"{k}: checkpoint {actual[k]!r} vs now {v!r}" for k, v in expected.items() if actual[k] != v]
     if wrong:
@@ -383,78 +394,80 @@ def _check_extractor_releases(plan: DPPlan, releases: tuple[AccountingSegment, .
 
 
 def make_dp_plan(
-    dp: DPConfig,
+    *,
     dataset_size: int,
+    batch_size: float,
     steps: int,
+    max_grad_norm: float | None,
+    delta: float,
+    target_epsilon: float | None = None,
+    noise_multiplier: float | None = None,
+    simulated_batch_size: float | None = None,
+    sampling: str = "poisson",
+    accountant: str = "pld",
     releases: tuple[AccountingSegment, ...] = (),
     seeded: bool = False,
     extractor: ExtractorPrivacy | None = None,
 ) -> DPPlan:
-    """Resolve the DP config against the dataset: calibrate sigma or check it meets the budget.
+    """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
+    ``noise_multiplier`` checked against it.
 
     Args:
-        dp: the DP section of the config.
-        dataset_size: N.
-        steps: logical DP-SGD steps S.
+        dataset_size: N; batch_size: expected B (q = B / N); steps: logical DP-SGD steps S.
+        max_grad_norm: C (None: no clipping, non-private runs only); delta: the guarantee's delta.
+        target_epsilon: calibrate sigma to spend this; noise_multiplier: sigma, given (0: not private).
+        simulated_batch_size: a TAN simulation of this run at that batch size (see below).
+        sampling: "poisson" (what the accountant assumes) or "shuffle"; accountant: "pld" or "rdp".
         releases: one-off Gaussian mechanisms on the data before training (see
             ``dpscale.privacy.gaussian_release``), and the history of a checkpoint extractor's run
             on the same data; sigma is calibrated for the composition.
-        seeded: run.seed is fixed (a caveat of the plan).
+        seeded: the seed is fixed (a caveat of the plan).
         extractor: how a ``checkpoint:`` extractor's run enters the guarantee (None otherwise).
 
     Returns:
-        The plan (the TAN simulation's, with ``dp.simulated_batch_size``).
+        The plan (the TAN simulation's, with ``simulated_batch_size``).
 
-    With ``dp.simulated_batch_size`` set, the plan of the reference run (dp.batch_size, its sigma
+    With ``simulated_batch_size`` set, the plan of the reference run (batch_size, its sigma
     calibrated or checked as usual) is resolved first and the TAN simulation derived from it:
     B = simulated_batch_size, sigma = sigma_ref * B / B_ref, same S.
 
     Raises:
         ConfigError: batch larger than the dataset, releases that alone spend the budget, or a
-            given sigma that overspends dp.epsilon.
+            given sigma that overspends target_epsilon.
     """
-    if dp.batch_size > dataset_size:
-        raise ConfigError(f"dp.batch_size={dp.batch_size} is larger than the training set (N={dataset_size})")
-    q = dp.batch_size / dataset_size
+    if batch_size > dataset_size:
+        raise ConfigError(f"dp.batch_size={batch_size} is larger than the training set (N={dataset_size})")
+    q = batch_size / dataset_size
     releases = tuple(releases)
-    calibrated = False
-    if dp.noise_multiplier is None:
-        try:
-            sigma = calibrate_noise_multiplier(dp.epsilon, dp.delta, q, steps, dp.accountant, releases=releases)
-        except ValueError as err:
-            raise ConfigError(f"{err}{_extractor_hint(releases)}") from None
-        calibrated = True
-    else:
-        sigma = float(dp.noise_multiplier)
-    if sigma > 0:
-        epsilon = compute_epsilon(q, sigma, steps, dp.delta, dp.accountant, releases=releases)
-        if dp.epsilon is not None and epsilon > dp.epsilon:
-            what = " with " + ", ".join(r.label for r in releases) if releases else ""
-            raise ConfigError(
-                f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
-                f"> dp.epsilon={dp.epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
-                f"to calibrate it{_extractor_hint(releases)}"
-            )
-    else:
-        epsilon = math.inf
+    sigma, calibrated = _noise_for(target_epsilon, noise_multiplier, delta, q, steps, accountant, releases)
+    epsilon = compute_epsilon(q, sigma, steps, delta, accountant, releases=releases) if sigma > 0 else math.inf
+    if sigma > 0 and target_epsilon is not None and epsilon > target_epsilon:
+        what = " with " + ", ".join(r.label for r in releases) if releases else ""
+        raise ConfigError(
+            f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
+            f"> dp.epsilon={target_epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
+            f"to calibrate it{_extractor_hint(releases)}"
+        )
     plan = DPPlan(
-        dataset_size=dataset_size,
-        batch_size=dp.batch_size,
-        sample_rate=q,
-        steps=steps,
-        noise_multiplier=sigma,
-        max_grad_norm=dp.max_grad_norm,
-        delta=dp.delta,
-        target_epsilon=dp.epsilon,
-        epsilon=epsilon,
-        sampling=dp.sampling,
-        accountant=dp.accountant,
-        calibrated=calibrated,
-        releases=releases if sigma > 0 else (),
-        seeded=seeded,
+        dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
+        accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
         extractor=extractor,
-    )
-    return simulate_plan(plan, dp.simulated_batch_size) if is_simulation(dp) else plan
+    )  # fmt: skip
+    return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
+
+
+def _noise_for(
+    target_epsilon: float | None, noise_multiplier: float | None, delta: float, q: float, steps: int, accountant: str,
+    releases: tuple[AccountingSegment, ...],
+) -> tuple[float, bool]:  # fmt: skip
+    """(sigma, whether it was calibrated): the given noise, or the one that spends ``target_epsilon``."""
+    if noise_multiplier is not None:
+        return float(noise_multiplier), False
+    try:
+        return calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, releases=releases), True
+    except ValueError as err:
+        raise ConfigError(f"{err}{_extractor_hint(releases)}") from None
 
 
 def _extractor_hint(releases: tuple[AccountingSegment, ...]) -> str:
@@ -468,10 +481,10 @@ def _extractor_hint(releases: tuple[AccountingSegment, ...]) -> str:
     )
 
 
-def is_simulation(dp: DPConfig) -> bool:
-    """Whether ``dp`` asks for a TAN simulation (a simulated batch size equal to dp.batch_size is
+def is_simulation(batch_size: float, simulated_batch_size: float | None) -> bool:
+    """Whether a simulated batch size asks for a TAN simulation (one equal to the batch size is
     the reference run itself, with its guarantee)."""
-    return dp.simulated_batch_size is not None and dp.simulated_batch_size != dp.batch_size
+    return simulated_batch_size is not None and simulated_batch_size != batch_size
 
 
 def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:

@@ -34,7 +34,8 @@ from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
-from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, check_plan_matches, make_dp_plan, steps_for
+from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, steps_for
+from dpscale.train.plan_config import check_plan_against_config, plan_from_config
 from dpscale.rng import DPRandom
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
@@ -308,9 +309,9 @@ class Trainer:
         dp, seeded = self.config.dp, self.config.run.seed is not None
         unchecked = not self.config.train.self_check
         if plan is None:
-            plan = make_dp_plan(dp, dataset_size, self.total_steps, releases, seeded=seeded, extractor=extractor)
+            plan = plan_from_config(dp, dataset_size, self.total_steps, releases, seeded=seeded, extractor=extractor)
         else:
-            check_plan_matches(plan, dp, dataset_size, self.total_steps, releases)
+            check_plan_against_config(plan, dp, dataset_size, self.total_steps, releases)
         return replace(plan, seeded=seeded, extractor=extractor, engine_unchecked=unchecked)
 
     def _fingerprint_as(self, normalize: bool) -> str:

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpscale.config import DPConfig
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
@@ -272,11 +271,11 @@ def make_private(
         raise ValueError("give exactly one of epochs= and steps=")
     if (target_epsilon is None) == (noise_multiplier is None):
         raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
-    dp = DPConfig(
-        epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        batch_size=batch_size, accountant=accountant,
+    plan = make_dp_plan(
+        dataset_size=dataset_size, batch_size=batch_size, steps=steps_for(epochs, steps, dataset_size, batch_size),
+        max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
+        accountant=accountant, seeded=seed is not None,
     )  # fmt: skip
-    plan = make_dp_plan(dp, dataset_size, steps_for(epochs, steps, dataset_size, batch_size), seeded=seed is not None)
     loss = per_example_loss(loss_fn) if loss_fn is not None else per_example_cross_entropy
     kind = make_precision(precision)
     if check_batch is not None:

@@ -101,12 +101,13 @@ def _plan_inputs(config: Config, private: bool) -> tuple[tuple[AccountingSegment
 
 def _print_simulation_plan(config) -> int:
     from dpscale.data import load_dataset
-    from dpscale.privacy.plan import make_dp_plan, steps_for
+    from dpscale.privacy.plan import steps_for
+    from dpscale.train.plan_config import plan_from_config
 
     n = load_dataset(config.data.name, config.data.root, image_size=config.data.image_size).info.num_train
     steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
     releases, extractor = _plan_inputs(config, private=True)  # a simulation's reference is private
-    plan = make_dp_plan(config.dp, n, steps, releases, seeded=config.run.seed is not None, extractor=extractor)
+    plan = plan_from_config(config.dp, n, steps, releases, seeded=config.run.seed is not None, extractor=extractor)
     sim = plan.simulation
     print(f"reference run:  B={sim.batch_size:g}, sigma={sim.noise_multiplier:.6g}, S={steps}, "
           f"epsilon={sim.epsilon:.4f} at delta={plan.delta:g} ({plan.accountant})")
@@ -273,7 +274,7 @@ def _write_pair_configs(args: argparse.Namespace, rows) -> tuple[dict[int, str],
     """
     from dpscale.config import load_config, save_config, validate
     from dpscale.data import load_dataset
-    from dpscale.privacy.plan import make_dp_plan
+    from dpscale.train.plan_config import plan_from_config
 
     base = load_config(args.config, args.set)
     n = load_dataset(base.data.name, base.data.root, image_size=base.data.image_size).info.num_train
@@ -299,7 +300,7 @@ def _write_pair_configs(args: argparse.Namespace, rows) -> tuple[dict[int, str],
         )
         try:  # exactly the checks the trainer makes: a written config is one that runs
             validate(config)
-            make_dp_plan(config.dp, n, r.steps, releases)
+            plan_from_config(config.dp, n, r.steps, releases)
         except ConfigError as err:
             skipped[r.steps] = str(err)
             continue
