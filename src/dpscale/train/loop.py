@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dpscale.config import Config, ConfigError, is_private_config, load_config, save_config
+from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, open_stream
 from dpscale.features.normalize import FeatureNormalizer
@@ -37,7 +36,17 @@ from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, che
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, steps_for
 from dpscale.train.plan_config import check_plan_against_config, plan_from_config
 from dpscale.rng import DPRandom
-from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, load_checkpoint, save_checkpoint
+from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, save_checkpoint
+from dpscale.train.rundir import (  # noqa: F401 - the file names, re-exported for callers
+    CONFIG_NAME,
+    METRICS_NAME,
+    SUMMARY_NAME,
+    claim,
+    default_out_dir,
+    holds_run,
+    read_run,
+    taken_message,
+)
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
 from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, evaluate_batches, json_safe
@@ -45,9 +54,6 @@ from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.mechanism import DPMechanism, run_seeds
 from dpscale.train.step import augmented_chunks, physical_chunks
 
-CONFIG_NAME = "config.yaml"
-METRICS_NAME = "metrics.jsonl"
-SUMMARY_NAME = "summary.json"
 # How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
 EPSILON_REFRESH_S = 10.0
 
@@ -88,16 +94,6 @@ def _torch_generator_streams(state: dict[str, Any]) -> bool:
     streams = state.get("rank_streams") or [{"sampler": state.get("sampler") or {}}]
     generators = [state.get("noise_generator"), *(s["sampler"].get("generator") for s in streams)]
     return any(isinstance(g, torch.Tensor) for g in generators)
-
-
-def default_out_dir(config: Config) -> str:
-    """runs/<model>-<data>-<date-time>, with a suffix if that directory already exists."""
-    base = f"runs/{config.model.name}-{config.data.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    candidate, n = base, 1
-    while Path(candidate).exists():
-        n += 1
-        candidate = f"{base}-{n}"
-    return candidate
 
 
 def prepare_data(config: Config, device: torch.device) -> ImageDataset:
@@ -378,23 +374,12 @@ class Trainer:
     def create(cls, config: Config, progress: bool = True) -> "Trainer":
         """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run."""
         run_dir = Path(config.run.out_dir)
-        taken = f"{run_dir} already holds a run; continue it with `dpscale train --resume {run_dir}` or choose another run.out_dir"
         dist = init_distributed(config.run.device)
-        exists = any((run_dir / name).exists() for name in (CONFIG_NAME, CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME))
-        if dist.broadcast_object(exists):  # rank 0's view decides, so every rank stops together
-            raise ConfigError(taken)
+        if dist.broadcast_object(holds_run(run_dir)):  # rank 0's view decides, so every rank stops together
+            raise ConfigError(taken_message(run_dir))
         trainer = cls(config, progress)
-        error = None
-        if dist.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            try:  # claim the directory atomically: of two runs started on it at once, one fails here
-                os.close(os.open(run_dir / CONFIG_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                save_config(config, run_dir / CONFIG_NAME)
-            except FileExistsError:
-                error = taken
-            except OSError as err:  # e.g. permissions: every rank must hear of it, or they would wait
-                error = f"cannot write the run directory {run_dir}: {err}"
-        error = dist.broadcast_object(error)
+        # every rank must hear of a failure, or they would wait for the failed one
+        error = dist.broadcast_object(claim(run_dir, config) if dist.is_main else None)
         if error:
             raise ConfigError(error)
         return trainer
@@ -402,13 +387,7 @@ class Trainer:
     @classmethod
     def load(cls, run_dir: str | Path, progress: bool = False) -> "Trainer":
         """The run in ``run_dir`` at its checkpoint, read-only (nothing in the directory changes)."""
-        run_dir = Path(run_dir)
-        if not (run_dir / CONFIG_NAME).is_file():
-            raise ConfigError(f"{run_dir} is not a dpscale run directory (no {CONFIG_NAME})")
-        config = load_config(run_dir / CONFIG_NAME)
-        # The directory may have been moved or renamed since: it is wherever it is now.
-        config = replace(config, run=replace(config.run, out_dir=str(run_dir)))
-        state = load_checkpoint(run_dir / CHECKPOINT_NAME)
+        config, state = read_run(run_dir)
         trainer = cls(config, progress, plan=DPPlan(**state["plan"]), feature_norm=state.get("feature_norm"))
         trainer.load_state(state)
         return trainer
