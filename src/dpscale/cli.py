@@ -20,7 +20,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from dpscale.config import load_config
-    from dpscale.train.loop import Trainer, default_out_dir
+    from dpscale.train.loop import Trainer
+    from dpscale.train.rundir import default_out_dir
     from dpscale.train.run import run_training, train_and_report
 
     if args.resume:
@@ -39,7 +40,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from dpscale.train.loop import SUMMARY_NAME, Trainer
+    from dpscale.train.loop import Trainer
+    from dpscale.train.rundir import SUMMARY_NAME
 
     trainer = Trainer.load(args.run_dir)
     from dpscale.train.metrics import json_safe

@@ -80,7 +80,7 @@ def _cmd_tan_simulate(args: argparse.Namespace) -> int:
         return _print_simulation_plan(config)
     if config.run.out_dir is None:
         from dpscale.train.distributed import init_distributed
-        from dpscale.train.loop import default_out_dir
+        from dpscale.train.rundir import default_out_dir
 
         out = init_distributed(config.run.device).broadcast_object(f"{default_out_dir(config)}-tan-b{args.batch_size}")
         config = replace(config, run=replace(config.run, out_dir=out))

@@ -22,7 +22,8 @@ import yaml
 
 from dpscale.config import Config, ConfigError, load_config
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text
-from dpscale.train.loop import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME, Trainer
+from dpscale.train.loop import Trainer
+from dpscale.train.rundir import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 from dpscale.train.metrics import json_safe
 from dpscale.tune import TUNING_CAVEAT
 
