@@ -164,3 +164,43 @@ def test_the_bring_your_own_loop_example_in_the_docs_runs(tmp_path, monkeypatch)
     mechanism = scope["mechanism"]
     assert mechanism.remaining_steps() == 0 and (tmp_path / "checkpoint.pt").exists()
     assert 2.99 < mechanism.epsilon() <= 3.0  # sigma calibrated to spend (at most) the target over the plan
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+
+
+def test_step_on_chunks_and_the_data_loader_equal_step_on_the_whole_batch():
+    x, y = torch.randn(90, 1, 3, 4), torch.randint(0, 3, (90,))
+    dataset = torch.utils.data.TensorDataset(x, y)
+    recipe = dict(dataset_size=90, batch_size=30, max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5, steps=3, seed=4)
+    finals = []
+    for way in ("whole", "chunks", "loader"):
+        model, optimizer = _tiny()
+        mechanism = dpscale.make_private(model, optimizer, max_physical_batch_size=7, **recipe)
+        if way == "loader":
+            for chunks in mechanism.data_loader(dataset):
+                assert all(len(cy) <= 7 for _, cy in chunks)
+                mechanism.step(chunks)
+        else:
+            for indices in mechanism.batches():
+                if way == "whole":
+                    mechanism.step(x[indices], y[indices])
+                else:
+                    mechanism.step([(x[part], y[part]) for part in indices.split(7)])
+        finals.append(model[1].weight.detach().clone())
+    assert torch.equal(finals[0], finals[1]) and torch.equal(finals[0], finals[2])
+
+
+def test_augment_multiplicity_takes_k_views_per_example():
+    model, optimizer = _tiny()
+    mechanism = dpscale.make_private(
+        model, optimizer, dataset_size=40, batch_size=8, max_grad_norm=1.0, noise_multiplier=0.0, delta=1e-5,
+        steps=1, augment_multiplicity=3,
+    )  # fmt: skip
+    indices = mechanism.sample()
+    views = torch.randn(len(indices), 3, 1, 3, 4)  # (B, K, C, H, W)
+    stats = mechanism.step(views, torch.randint(0, 3, (len(indices),)))
+    assert stats.batch_size == len(indices)

@@ -256,7 +256,8 @@ def make_private(
         accountant: "pld" or "rdp".
         engine: "auto", "bk", "ghost" or "vmap" (docs/engines.md).
         loss_fn: per-example loss (logits, targets) -> (B,); default cross-entropy.
-        augment_multiplicity: K views per example, consecutive in each chunk (their losses averaged).
+        augment_multiplicity: K views per example: inputs shaped (B, K, ...); an example's loss is the
+            mean over its views, clipped once (TAN's AugMult).
         precision: "fp32", "tf32", "bf16" or "fp16" (docs/precision.md).
         max_physical_batch_size: examples per chunk in ``step(x, y)`` and ``data_loader``.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
