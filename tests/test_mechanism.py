@@ -204,3 +204,38 @@ def test_augment_multiplicity_takes_k_views_per_example():
     views = torch.randn(len(indices), 3, 1, 3, 4)  # (B, K, C, H, W)
     stats = mechanism.step(views, torch.randint(0, 3, (len(indices),)))
     assert stats.batch_size == len(indices)
+
+
+def test_changing_the_head_or_unfreezing_after_building_a_run_is_refused_not_ignored(tmp_path):
+    from dpscale.models import freeze_block_groups
+
+    trainer = Trainer.create(_config(tmp_path / "head"), progress=False)
+    trainer.model.reset_head(10)  # the optimizer still holds the old head
+    with pytest.raises(ValueError, match=r"not in the optimizer: head\.0\.bias, head\.0\.weight, head\.2\.bias"):
+        trainer.run()
+    assert trainer.step == 0 and trainer.accountant.steps == 0  # nothing trained, nothing spent
+
+    frozen = load_config(None, [f"run.out_dir={tmp_path / 'frozen'}", "model.freeze_groups=1", "train.steps=2"])
+    trainer = Trainer.create(frozen, progress=False)
+    trainer.model.features[0].weight.requires_grad_(True)  # unfrozen after the optimizer was made
+    with pytest.raises(ValueError, match=r"not in the optimizer: features\.0\.weight"):
+        trainer.train_step()
+
+    model, optimizer = _tiny()
+    mechanism = dpscale.make_private(model, optimizer, dataset_size=40, batch_size=8, max_grad_norm=1.0,
+                                     noise_multiplier=1.0, delta=1e-5, steps=3)  # fmt: skip
+    model[1] = nn.Linear(12, 5)
+    with pytest.raises(ValueError, match=r"not in the optimizer: 1\.bias, 1\.weight"):
+        mechanism.step(torch.randn(4, 1, 3, 4), torch.randint(0, 5, (4,)))
+
+
+def test_freezing_after_building_leaves_the_frozen_layers_unchanged(tmp_path):
+    from dpscale.models import freeze_block_groups
+
+    trainer = Trainer.create(_config(tmp_path / "late"), progress=False)
+    freeze_block_groups(trainer.model, 1)  # frozen layers get no gradient: the optimizer skips them
+    before = trainer.model.features[0].weight.detach().clone()
+    head_before = trainer.model.head[2].weight.detach().clone()
+    trainer.train_step()
+    assert torch.equal(trainer.model.features[0].weight, before)
+    assert not torch.equal(trainer.model.head[2].weight, head_before)

@@ -145,11 +145,11 @@ class DPMechanism:
         return self.step_chunks(chunks)
 
     def step_chunks(
-        self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True,
-        before_optimizer: Callable[[], None] | None = None,
-    ) -> StepStats:  # fmt: skip
+        self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True
+    ) -> StepStats:
         """``step`` for physical chunks, with the data-parallel hooks the Trainer uses."""
         self._check_budget()
+        self._check_parameters()
         gradient, stats = noisy_clipped_mean(
             self.engine, self.model, chunks,
             noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
@@ -162,6 +162,21 @@ class DPMechanism:
             self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
         self.steps_taken += 1
         return stats
+
+    def _check_parameters(self) -> None:
+        """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
+        replaced, or layers unfrozen, after the optimizer was made): it would be clipped and
+        noised but never updated, a silent no-op. (Freezing later is fine: a frozen parameter gets
+        no gradient, so the optimizer leaves it alone.)"""
+        optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        missing = sorted(n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in optimized)
+        if missing:
+            raise ValueError(
+                f"trainable parameters not in the optimizer: {', '.join(missing)} (a head replaced or layers "
+                "unfrozen after the optimizer was made: they would never be updated). Replace the head or "
+                "unfreeze before the run is built (model.freeze_groups in the config; in your own loop, make the "
+                "optimizer and call make_private after the change)"
+            )
 
     def _check_budget(self) -> None:
         if self.steps_taken >= self.plan.steps:
