@@ -39,6 +39,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return run_training(config, args.max_steps, args.quiet)
 
 
+PRETRAIN_OVERRIDES = ("dp.epsilon=null", "dp.noise_multiplier=0", "dp.max_grad_norm=null")
+
+
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    """Non-private training on public data: ``dpscale train`` with no noise and no clipping."""
+    overrides = [o for o in args.set if o.split("=", 1)[0].strip() not in ("dp.epsilon", "dp.noise_multiplier", "dp.max_grad_norm")]
+    if len(overrides) != len(args.set):
+        raise ConfigError("dpscale pretrain trains without privacy: do not set dp.epsilon, dp.noise_multiplier or dp.max_grad_norm")
+    args.set = [*overrides, *PRETRAIN_OVERRIDES]
+    args.resume = None
+    print("dpscale pretrain: NOT PRIVATE (for public data; start private runs from it with model.init=RUN_DIR)", file=sys.stderr)
+    return _cmd_train(args)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dpscale.train.loop import Trainer
     from dpscale.train.rundir import SUMMARY_NAME
@@ -240,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, metavar="N", help="stop at global step N with a checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_cmd_train)
+
+    pre = sub.add_parser("pretrain", help="non-private training on public data, for model.init of private runs")
+    pre.add_argument("config", nargs="?", help="YAML config file, or preset:NAME")
+    pre.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. data.name=cifar100")
+    pre.add_argument("--max-steps", type=int, metavar="N", help="stop at global step N with a checkpoint")
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+    pre.set_defaults(func=_cmd_pretrain)
 
     ev = sub.add_parser("eval", help="re-evaluate a run's checkpoint on its test set")
     ev.add_argument("run_dir")

@@ -132,12 +132,19 @@ class ModelConfig:
     kwargs: builder-specific options, e.g. {filters: [16, 16]}.
     freeze_groups: freeze the first k of the model's block groups (input stem first, logits
         last); only the remaining parameters are trained, clipped and noised.
+    init: start from these weights instead of a random init: a run directory (its checkpoint,
+        e.g. from ``dpscale pretrain``), a checkpoint or state-dict file, or ``timm:<name>`` where
+        timm imports. Matched by name and shape; a mismatch is refused with the list. The
+        guarantee assumes the source's training data is public.
+    reset_head: with init, keep a freshly initialised logits layer (for another number of classes).
     """
 
     name: str = "papernot-cnn"
     activation: str = "tanh"
     kwargs: dict[str, Any] = field(default_factory=dict)
     freeze_groups: int = 0
+    init: str | None = None
+    reset_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -550,6 +557,7 @@ def validate(config: Config) -> None:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     _validate_features(config.features, is_private)
     _validate_data(config)
+    _validate_model(config)
     if train.ema_decay is not None and not 0 < train.ema_decay < 1:
         raise ConfigError(f"train.ema_decay must be in (0, 1) or null, got {train.ema_decay}")
     augment = config.augment
@@ -570,6 +578,14 @@ FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run di
 
 
 DATA_LOADERS = ("auto", "memory", "stream")
+
+
+def _validate_model(config: Config) -> None:
+    model = config.model
+    if model.reset_head and model.init is None:
+        raise ConfigError("model.reset_head re-initialises the head of weights loaded with model.init; set model.init")
+    if model.freeze_groups < 0:
+        raise ConfigError(f"model.freeze_groups must be >= 0, got {model.freeze_groups}")
 
 
 def _validate_data(config: Config) -> None:

@@ -29,6 +29,7 @@ from dpscale.features.pipeline import (
     normalize_dataset,
 )
 from dpscale.models import build_model, count_parameters, freeze_block_groups
+from dpscale.models.init import PUBLIC_SOURCE_CAVEAT, init_from
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
 from dpscale.privacy.precision import make_precision
@@ -187,7 +188,7 @@ class Trainer:
         self.config = config
         self._setup_process(progress)
         info = self._setup_data_and_plan(plan, feature_norm)
-        self._setup_model(info)
+        self._setup_model(info, initial_weights=plan is None)  # a resumed run's weights come from its checkpoint
         self._setup_state()
 
     def _setup_process(self, progress: bool) -> None:
@@ -254,13 +255,20 @@ class Trainer:
         # One release, whatever P: every rank uses rank 0's noisy statistics.
         return FeatureNormalizer.from_state_dict(self.dist.broadcast_object(normalizer.state_dict()))
 
-    def _setup_model(self, info: Any) -> None:
-        """Model (seeded init, frozen groups), the checked engine, optimizer, scheduler and the DP mechanism."""
+    def _setup_model(self, info: Any, initial_weights: bool) -> None:
+        """Model (seeded init or model.init, frozen groups), the checked engine, optimizer,
+        scheduler and the DP mechanism."""
         config = self.config
         torch.manual_seed(self._seeds["init"])
         self.model = build_model(
             config.model.name, info.num_classes, info.input_shape, config.model.activation, **config.model.kwargs
-        ).to(self.device)
+        )
+        self.init_report: dict[str, Any] | None = None
+        if config.model.init and initial_weights:
+            report = init_from(self.model, config.model.init, reset_head=config.model.reset_head)
+            self.init_report = asdict(report)
+            self._log(report.describe())
+        self.model.to(self.device)
         check_per_example_compatible(self.model)
         if config.model.freeze_groups:
             freeze_block_groups(self.model, config.model.freeze_groups)
@@ -422,6 +430,7 @@ class Trainer:
             "plan": asdict(self.plan),
             "data_fingerprint": self.data_fingerprint,
             "feature_norm": self.feature_normalizer.state_dict(),
+            "model_init": self.init_report,
         }
 
     def _sampler_state(self) -> dict[str, Any]:
@@ -441,6 +450,7 @@ class Trainer:
                 "was trained on; refusing to resume"
             )
         self.model.load_state_dict(state["model"])
+        self.init_report = state.get("model_init")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.accountant.load_state_dict(state["accountant"])  # replaces, never adds
@@ -721,6 +731,8 @@ class Trainer:
         if self._privacy_warnings is None:
             warning = self.plan.wall_warning()
             self._privacy_warnings = [warning] if warning else []
+            if self.config.model.init:
+                self._privacy_warnings.append(PUBLIC_SOURCE_CAVEAT.format(source=self.config.model.init))
         return self._privacy_warnings
 
     def finish(self) -> dict[str, Any]:
@@ -778,6 +790,7 @@ class Trainer:
             # streaming, this session: time the step waited for the loader's chunks (s)
             "data_wait_s": self.data_wait_s if self.streamed else None,
             "model": self.config.model.name,
+            "model_init": self.init_report,
             "trainable_params": count_parameters(self.model, trainable_only=True),
             "engine": self.engine.name,
             "precision": self.precision.name,

@@ -1,0 +1,114 @@
+"""Starting a model from public weights (``model.init``): a run directory, a checkpoint or
+state-dict file, or ``timm:<name>`` where timm imports.
+
+Tensors are matched by name and shape; with ``reset_head`` the logits layer keeps its fresh
+initialisation (a new number of classes). Anything else that does not match is refused with the
+list. The DP guarantee of the run that follows covers its own training data only: it assumes the
+source's training data is public (a source trained on the private data is a release that this
+does not account for).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpscale._io import CHECKPOINT_NAME, load_checkpoint
+from dpscale.errors import ConfigError
+
+PUBLIC_SOURCE_CAVEAT = "model.init: the guarantee assumes the training data of the initial weights ({source}) is public"
+
+
+@dataclass(frozen=True)
+class InitReport:
+    """What ``init_from`` loaded: the source, a fingerprint of the loaded tensors, the counts."""
+
+    source: str
+    fingerprint: str
+    loaded: int
+    reset_head: tuple[str, ...]
+
+    def describe(self) -> str:
+        head = f"; head re-initialised ({', '.join(self.reset_head)})" if self.reset_head else ""
+        return f"model.init: {self.loaded} tensors from {self.source} (sha256 {self.fingerprint[:12]}){head}"
+
+
+def read_weights(source: str) -> dict[str, torch.Tensor]:
+    """The state dict ``source`` names: a run directory (its checkpoint), a dpscale checkpoint, a
+    file holding a state dict (or {"model" | "state_dict": ...}), or ``timm:<name>``."""
+    if source.startswith("timm:"):
+        try:
+            import timm  # noqa: PLC0415 - optional; does not import on the CPU torch of CI
+        except Exception as err:  # noqa: BLE001 - any import failure: say so
+            raise ConfigError(f"model.init={source}: timm does not import here ({type(err).__name__}: {err})") from None
+        return timm.create_model(source[len("timm:") :], pretrained=True).state_dict()
+    path = Path(source)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise ConfigError(f"model.init={source}: no such run directory or weights file")
+    try:
+        state = load_checkpoint(path)
+    except ValueError:  # not a dpscale checkpoint: a plain state dict file
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"model.init={source}: {path} holds no state dict of tensors")
+    return state
+
+
+def _head_names(model: nn.Module) -> set[str]:
+    """Names of the logits layer's parameters (the last of ``block_groups()``)."""
+    if not hasattr(model, "block_groups"):
+        raise ConfigError(f"model.reset_head: {type(model).__name__} has no block_groups(), so no known head")
+    head = {id(p) for p in model.block_groups()[-1]}
+    return {name for name, p in model.named_parameters() if id(p) in head}
+
+
+def _fingerprint(state: dict[str, torch.Tensor], names: list[str]) -> str:
+    digest = hashlib.sha256()
+    for name in names:
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def init_from(model: nn.Module, source: str, *, reset_head: bool = False) -> InitReport:
+    """Load ``source``'s weights into ``model`` by name and shape (in place).
+
+    Args:
+        model: the freshly built model.
+        source: see :func:`read_weights`.
+        reset_head: keep the model's fresh logits layer (the source's head is ignored).
+
+    Returns:
+        What was loaded.
+
+    Raises:
+        ConfigError: listing every tensor missing from the source, of another shape, or in the
+            source but not in the model.
+    """
+    state = read_weights(source)
+    own = model.state_dict()
+    head = _head_names(model) if reset_head else set()
+    problems = [f"{n}: not in the source" for n in own if n not in head and n not in state]
+    problems += [
+        f"{n}: source {tuple(state[n].shape)} vs model {tuple(t.shape)}"
+        for n, t in own.items() if n not in head and n in state and state[n].shape != t.shape
+    ]  # fmt: skip
+    problems += [f"{n}: in the source, not in the model" for n in state if n not in own and n not in head]
+    if problems:
+        hint = "" if reset_head else " (a different number of classes? set model.reset_head: true)"
+        raise ConfigError(f"model.init={source} does not match the model{hint}: " + "; ".join(problems))
+    names = [n for n in own if n not in head]
+    with torch.no_grad():
+        for name in names:
+            own[name].copy_(state[name])
+    return InitReport(source, _fingerprint(state, names), len(names), tuple(sorted(head)))

@@ -1,0 +1,94 @@
+"""Transfer from public weights: ``dpscale pretrain``, ``model.init`` (+ ``reset_head``), frozen groups."""
+
+import json
+
+import pytest
+import torch
+
+from dpscale.cli import main
+from dpscale.config import ConfigError, load_config
+from dpscale.models import build_model
+from dpscale.models.init import init_from
+from dpscale.train.loop import Trainer
+
+SMALL = ["model.kwargs={filters: [4, 4]}", "train.steps=3", "dp.batch_size=64", "train.max_physical_batch_size=64"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A non-private run on the embedded MNIST sample (the "public" source here)."""
+    out = tmp_path_factory.mktemp("pre") / "run"
+    args = ["pretrain", "--quiet", *sum((["--set", o] for o in SMALL), []), "--set", f"run.out_dir={out}"]
+    assert main(args) == 0
+    return out
+
+
+def test_pretrain_is_a_labelled_non_private_run(pretrained, capsys):
+    summary = json.loads((pretrained / "summary.json").read_text())
+    assert summary["private"] is False and summary["privacy_status"] == "epsilon=inf (NOT PRIVATE)"
+    assert summary["noise_multiplier"] == 0 and summary["max_grad_norm"] is None
+    with pytest.raises(ConfigError, match="trains without privacy"):
+        from dpscale.cli import _cmd_pretrain, build_parser
+
+        _cmd_pretrain(build_parser().parse_args(["pretrain", "--set", "dp.epsilon=3"]))
+
+
+def test_init_loads_by_name_and_shape_with_a_fresh_head(pretrained, tmp_path):
+    source = torch.load(pretrained / "checkpoint.pt", weights_only=True)["model"]
+    config = load_config(None, [*SMALL, f"model.init={pretrained}", "model.reset_head=true", "dp.epsilon=null",
+                                "dp.noise_multiplier=1.0", f"run.out_dir={tmp_path / 'private'}"])  # fmt: skip
+    trainer = Trainer.create(config, progress=False)
+    state = trainer.model.state_dict()
+    for name in ("features.0.weight", "features.3.bias", "head.0.weight"):
+        assert torch.equal(state[name], source[name]), name
+    assert not torch.equal(state["head.2.weight"], source["head.2.weight"])  # the logits layer is fresh
+    summary = trainer.run()
+    assert summary["model_init"]["source"] == str(pretrained) and summary["model_init"]["loaded"] == 6
+    assert summary["model_init"]["reset_head"] == ["head.2.bias", "head.2.weight"]
+    assert any("assumes the training data of the initial weights" in w for w in summary["privacy_warnings"])
+
+
+def test_init_then_frozen_groups_stay_bit_unchanged_and_out_of_the_clipping(pretrained, tmp_path):
+    config = load_config(None, [*SMALL, f"model.init={pretrained}", "model.freeze_groups=2", "dp.epsilon=null",
+                                "dp.noise_multiplier=1.0", f"run.out_dir={tmp_path / 'frozen'}"])  # fmt: skip
+    trainer = Trainer.create(config, progress=False)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.startswith("features.")}
+    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if n.startswith("features."))
+    trainer.run()
+    for name, before in frozen.items():
+        assert torch.equal(dict(trainer.model.named_parameters())[name], before), name
+    # the clipping norm covers only the trainable (head) parameters: a frozen layer adds nothing
+    from dpscale.privacy.per_example import trainable_params
+
+    assert set(trainable_params(trainer.model)) == {"head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"}
+
+
+def test_a_mismatched_source_is_refused_with_the_list(pretrained, tmp_path):
+    other = build_model("papernot-cnn", 10, (1, 28, 28), "tanh", filters=[8, 4])
+    with pytest.raises(ConfigError, match=r"features\.0\.weight: source \(4, 1, 8, 8\) vs model \(8, 1, 8, 8\)") as err:
+        init_from(other, str(pretrained))
+    assert "features.0.bias: source (4,) vs model (8,)" in str(err.value)
+    five = build_model("papernot-cnn", 5, (1, 28, 28), "tanh", filters=[4, 4])
+    with pytest.raises(ConfigError, match=r"reset_head: true\): head\.2\.weight: source \(10, 32\) vs model \(5, 32\)"):
+        init_from(five, str(pretrained))
+    assert init_from(five, str(pretrained), reset_head=True).loaded == 6
+    torch.save({"model": {"features.0.weight": torch.zeros(4, 1, 8, 8)}}, tmp_path / "partial.pt")
+    with pytest.raises(ConfigError, match="features.0.bias: not in the source"):
+        init_from(five, str(tmp_path / "partial.pt"), reset_head=True)
+    with pytest.raises(ConfigError, match="no such run directory"):
+        init_from(five, str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match="model.reset_head re-initialises"):
+        load_config(None, ["model.reset_head=true"])
+
+
+def test_a_resumed_run_keeps_its_weights_and_its_init_record(pretrained, tmp_path):
+    out = tmp_path / "cut"
+    config = load_config(None, [*SMALL, f"model.init={pretrained}", "dp.epsilon=null", "dp.noise_multiplier=1.0",
+                                f"run.out_dir={out}"])  # fmt: skip
+    first = Trainer.create(config, progress=False)
+    first.run(max_steps=1)
+    weights = {k: v.clone() for k, v in first.model.state_dict().items()}
+    resumed = Trainer.resume(out, progress=False)
+    for name, value in weights.items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
+    assert resumed.init_report["source"] == str(pretrained)
