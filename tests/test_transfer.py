@@ -92,3 +92,47 @@ def test_a_resumed_run_keeps_its_weights_and_its_init_record(pretrained, tmp_pat
     for name, value in weights.items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
     assert resumed.init_report["source"] == str(pretrained)
+
+
+# ----- class subsets and meta-classes (source variants) -----
+
+def test_meta_classes_are_balanced_and_seeded():
+    from dpscale.data.subsets import meta_class_map
+
+    mapping = meta_class_map(100, 7, seed=3)
+    sizes = torch.bincount(torch.from_numpy(mapping), minlength=7)
+    assert sizes.max() - sizes.min() <= 1 and sizes.sum() == 100
+    assert (meta_class_map(100, 7, seed=3) == mapping).all()
+    assert not (meta_class_map(100, 7, seed=4) == mapping).all()
+
+
+def test_class_subsets_relabel_cap_and_shrink_n():
+    from dpscale.data import load_dataset
+    from dpscale.data.subsets import random_classes, select
+
+    data = load_dataset("mnist-5k")
+    kept = select(data, classes=[3, 1])
+    counts = {c: int((data.y_train == c).sum()) for c in (1, 3)}
+    assert kept.info.num_train == counts[1] + counts[3] and kept.info.num_classes == 2
+    assert int((kept.y_train == 0).sum()) == counts[3]  # relabelled in the order given: 3 -> 0, 1 -> 1
+    assert torch.equal(kept.x_train[kept.y_train == 0], data.x_train[data.y_train == 3])
+    assert kept.info.num_test == int((data.y_test == 1).sum() + (data.y_test == 3).sum())
+    capped = select(data, max_per_class=50, seed=1)
+    assert torch.bincount(capped.y_train).tolist() == [50] * 10 and capped.info.num_test == data.info.num_test
+    assert torch.equal(select(data, max_per_class=50, seed=1).x_train, capped.x_train)
+    assert random_classes(100, 10, seed=2) == random_classes(100, 10, seed=2) != random_classes(100, 10, seed=5)
+    grouped = select(data, meta_classes=3, seed=0)
+    assert grouped.info.num_classes == 3 and set(grouped.y_train.tolist()) == {0, 1, 2}
+
+
+def test_a_private_run_on_a_class_subset_accounts_for_the_subset(tmp_path):
+    config = load_config(None, [*SMALL, "data.classes=[5, 6, 7, 8, 9]", "dp.epsilon=2.0", f"run.out_dir={tmp_path / 'r'}"])
+    trainer = Trainer.create(config, progress=False)
+    from dpscale.data import load_dataset
+
+    full = load_dataset("mnist-5k")
+    expected_n = int(sum((full.y_train == c).sum() for c in range(5, 10)))
+    assert trainer.plan.dataset_size == expected_n and trainer.plan.sample_rate == 64 / expected_n
+    assert trainer.model.head[2].out_features == 5
+    with pytest.raises(ConfigError, match="need data.loader=memory"):
+        load_config(None, ["data.name=imagefolder", "data.root=/x", "data.loader=stream", "data.classes=[1]"])

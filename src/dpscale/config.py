@@ -41,6 +41,11 @@ class DataConfig:
         image before training; N is then the readable images. Default: an unreadable image is an
         error naming the file.
     val_labels: label file of a flat ``root/val`` folder ("<file name> <class>" lines).
+    classes: keep only these labels (relabelled 0..k-1 in this order), in training and test.
+    random_classes: keep this many labels drawn with ``subset_seed`` (instead of ``classes``).
+    meta_classes: group the kept classes into this many evenly sized meta-classes (seeded).
+    max_per_class: at most this many training examples per class (a seeded choice).
+    subset_seed: the seed of random_classes, meta_classes and max_per_class.
     """
 
     name: str = "mnist-5k"
@@ -52,6 +57,11 @@ class DataConfig:
     prefetch: int = 2
     skip_corrupt: bool = False
     val_labels: str | None = None
+    classes: tuple[int, ...] | None = None
+    random_classes: int | None = None
+    meta_classes: int | None = None
+    max_per_class: int | None = None
+    subset_seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -371,6 +381,10 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
         return value
     if origin is tuple:
         args = typing.get_args(annotation)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{path} must be a list, got {value!r}")
+            return tuple(_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value))
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{path} must be a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
@@ -596,6 +610,13 @@ def _validate_data(config: Config) -> None:
         raise ConfigError(f"data.workers must be >= 0 (0: read in the training process), got {data.workers}")
     if data.prefetch < 1:
         raise ConfigError(f"data.prefetch must be >= 1, got {data.prefetch}")
+    subsetting = data.classes is not None or data.random_classes or data.meta_classes or data.max_per_class
+    if data.classes is not None and data.random_classes:
+        raise ConfigError("set data.classes or data.random_classes, not both")
+    if data.max_per_class is not None and data.max_per_class < 1:
+        raise ConfigError(f"data.max_per_class must be >= 1, got {data.max_per_class}")
+    if data.loader == "stream" and subsetting:
+        raise ConfigError("class subsets (data.classes, random_classes, meta_classes, max_per_class) need data.loader=memory")
     if data.loader == "stream":
         if data.name not in ("imagefolder", "shards"):
             raise ConfigError(f"data.loader=stream reads image folders and prepared shards (data.name imagefolder or shards), not {data.name!r}")

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
+from dpscale.data.subsets import random_classes, select as select_classes
 from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, open_stream
 from dpscale.features.normalize import FeatureNormalizer
 from dpscale.features.pipeline import (
@@ -104,6 +105,13 @@ def prepare_data(config: Config, device: torch.device) -> ImageDataset:
         cfg.name, cfg.root, image_size=cfg.image_size, val_labels=cfg.val_labels, skip_corrupt=cfg.skip_corrupt,
         workers=_workers(config),
     )
+    if cfg.classes is not None or cfg.random_classes or cfg.meta_classes or cfg.max_per_class:
+        classes = cfg.classes
+        if cfg.random_classes:
+            classes = random_classes(data.info.num_classes, cfg.random_classes, cfg.subset_seed)
+        data = select_classes(
+            data, classes=classes, meta_classes=cfg.meta_classes, max_per_class=cfg.max_per_class, seed=cfg.subset_seed
+        )
     x_train, x_test = data.x_train, data.x_test
     if config.data.normalize:  # data-independent constants: no privacy cost
         x_train, x_test = (x_train - 0.5) / 0.5, (x_test - 0.5) / 0.5
