@@ -136,3 +136,62 @@ def test_a_private_run_on_a_class_subset_accounts_for_the_subset(tmp_path):
     assert trainer.model.head[2].out_features == 5
     with pytest.raises(ConfigError, match="need data.loader=memory"):
         load_config(None, ["data.name=imagefolder", "data.root=/x", "data.loader=stream", "data.classes=[1]"])
+
+
+# ----- Mean-Var init: statistics of a seed model, a release composed into epsilon -----
+
+PRIVATE = ["dp.epsilon=null", "dp.noise_multiplier=1.0"]
+
+
+@pytest.fixture(scope="module")
+def private_seed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seed") / "run"
+    trainer = Trainer.create(load_config(None, [*SMALL, *PRIVATE, f"run.out_dir={out}"]), progress=False)
+    trainer.run()
+    return out
+
+
+def _meanvar_config(seed_dir, out, *extra):
+    return load_config(None, [*SMALL, *PRIVATE, "model.init_scaling=meanvar", f"model.init_seed_model={seed_dir}",
+                              f"run.out_dir={out}", *extra])  # fmt: skip
+
+
+def test_meanvar_draws_each_layer_with_the_seed_layers_mean_and_variance(private_seed, tmp_path):
+    seed = torch.load(private_seed / "checkpoint.pt", weights_only=True)["model"]
+    trainer = Trainer.create(_meanvar_config(private_seed, tmp_path / "mv"), progress=False)
+    assert trainer.init_report["scaled"] == 8 and trainer.init_report["kept"] == 0
+    for name, param in trainer.model.named_parameters():
+        source = seed[name].double()
+        if source.numel() < 256:
+            continue
+        n, mean, std = param.numel(), source.mean(), source.std(unbiased=False)
+        drawn = param.detach().double()
+        assert abs(drawn.mean() - mean) < 5 * std / n**0.5, name
+        assert abs(drawn.std(unbiased=False) / std - 1) < 5 * (2 / n) ** 0.5, name
+        assert not torch.equal(drawn, source)  # drawn, not copied
+
+
+def test_meanvar_composes_the_seed_runs_epsilon(private_seed, tmp_path):
+    from dataclasses import replace
+
+    from dpscale.privacy.accountant import PrivacyAccountant
+
+    trainer = Trainer.create(_meanvar_config(private_seed, tmp_path / "mv"), progress=False)
+    summary = trainer.run()
+    seed_history = torch.load(private_seed / "checkpoint.pt", weights_only=False)["accountant"]
+    reference = PrivacyAccountant(trainer.plan.accountant)
+    for segment in PrivacyAccountant.from_state_dict(seed_history).history:
+        reference.record(replace(segment, label=f"init-seed-run:{segment.label}"))
+    for _ in range(trainer.step):
+        reference.step(trainer.plan.sample_rate, trainer.plan.noise_multiplier)
+    assert summary["epsilon"] == pytest.approx(reference.epsilon(trainer.plan.delta), rel=1e-12)
+    alone = json.loads((private_seed / "summary.json").read_text())["epsilon"]
+    assert summary["epsilon"] > alone and "init-seed-run:dp-sgd" in summary["epsilon_parts"]
+
+
+def test_meanvar_from_a_non_private_seed_needs_it_declared_public(pretrained, tmp_path):
+    with pytest.raises(ConfigError, match="trained without privacy"):
+        Trainer.create(_meanvar_config(pretrained, tmp_path / "a"), progress=False)
+    trainer = Trainer.create(_meanvar_config(pretrained, tmp_path / "b", "model.init_seed_public=true"), progress=False)
+    assert trainer.plan.releases == ()
+    assert any("init_seed_public" in w for w in trainer.privacy_warnings())

@@ -147,6 +147,12 @@ class ModelConfig:
         timm imports. Matched by name and shape; a mismatch is refused with the list. The
         guarantee assumes the source's training data is public.
     reset_head: with init, keep a freshly initialised logits layer (for another number of classes).
+    init_scaling: "none", or "meanvar": every layer drawn from a Gaussian with the mean and variance
+        of the same layer of ``init_seed_model`` (Raghu et al. 2019, as Papernot Section 4.2).
+    init_seed_model: the run directory of the seed model for meanvar. Its statistics are a release
+        about its training data: its run's accounting is composed into this run's epsilon (it must
+        be private), unless ``init_seed_public`` declares its training data public.
+    init_seed_public: the seed model trained on public data: its cost is left out (every output says so).
     """
 
     name: str = "papernot-cnn"
@@ -155,6 +161,9 @@ class ModelConfig:
     freeze_groups: int = 0
     init: str | None = None
     reset_head: bool = False
+    init_scaling: str = "none"
+    init_seed_model: str | None = None
+    init_seed_public: bool = False
 
 
 @dataclass(frozen=True)
@@ -598,6 +607,12 @@ def _validate_model(config: Config) -> None:
     model = config.model
     if model.reset_head and model.init is None:
         raise ConfigError("model.reset_head re-initialises the head of weights loaded with model.init; set model.init")
+    if model.init_scaling not in ("none", "meanvar"):
+        raise ConfigError(f"model.init_scaling must be none or meanvar, got {model.init_scaling!r}")
+    if model.init_scaling == "meanvar" and (model.init_seed_model is None or model.init is not None):
+        raise ConfigError("model.init_scaling=meanvar needs model.init_seed_model (a run directory) and no model.init")
+    if model.init_scaling == "none" and (model.init_seed_model is not None or model.init_seed_public):
+        raise ConfigError("model.init_seed_model / init_seed_public are for model.init_scaling=meanvar")
     if model.freeze_groups < 0:
         raise ConfigError(f"model.freeze_groups must be >= 0, got {model.freeze_groups}")
 

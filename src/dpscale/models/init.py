@@ -112,3 +112,31 @@ def init_from(model: nn.Module, source: str, *, reset_head: bool = False) -> Ini
         for name in names:
             own[name].copy_(state[name])
     return InitReport(source, _fingerprint(state, names), len(names), tuple(sorted(head)))
+
+
+def meanvar_init(model: nn.Module, seed_state: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, int]:
+    """Mean-Var weight scaling (Raghu et al. 2019; Papernot et al. Section 4.2): every parameter
+    tensor of ``model`` that the seed model has (by name) is redrawn i.i.d. from a Gaussian with
+    the mean and variance of the seed's tensor of that name (shapes may differ, e.g. the head).
+
+    Args:
+        model: the freshly built model (changed in place).
+        seed_state: the seed model's state dict.
+        generator: the init generator (CPU).
+
+    Returns:
+        {"scaled": tensors redrawn, "kept": tensors the seed lacks (default init kept)}.
+    """
+    scaled = kept = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = seed_state.get(name)
+            if source is None or not source.is_floating_point():
+                kept += 1
+                continue
+            values = source.detach().double().cpu()
+            mean, std = values.mean(), values.std(unbiased=False)
+            draw = torch.randn(param.shape, generator=generator, dtype=torch.float64) * std + mean
+            param.copy_(draw.to(param.dtype))
+            scaled += 1
+    return {"scaled": scaled, "kept": kept}

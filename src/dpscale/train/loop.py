@@ -21,6 +21,7 @@ from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.data.subsets import random_classes, select as select_classes
 from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, open_stream
+from dpscale.features.extract import read_source_run
 from dpscale.features.normalize import FeatureNormalizer
 from dpscale.features.pipeline import (
     extract_run_features,
@@ -30,7 +31,7 @@ from dpscale.features.pipeline import (
     normalize_dataset,
 )
 from dpscale.models import build_model, count_parameters, freeze_block_groups
-from dpscale.models.init import PUBLIC_SOURCE_CAVEAT, init_from
+from dpscale.models.init import PUBLIC_SOURCE_CAVEAT, init_from, meanvar_init, read_weights
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
 from dpscale.privacy.precision import make_precision
@@ -56,6 +57,7 @@ from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.mechanism import DPMechanism, run_seeds
 from dpscale.train.step import augmented_chunks, physical_chunks
 
+SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
 # How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
 EPSILON_REFRESH_S = 10.0
 
@@ -241,7 +243,8 @@ class Trainer:
         n = features.info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
         loading = plan is not None  # from a checkpoint
-        self.plan: DPPlan = self._resolve_plan(plan, n, extractor_releases + feature_releases(config.features), extractor)
+        releases = extractor_releases + feature_releases(config.features) + self._seed_model_releases()
+        self.plan: DPPlan = self._resolve_plan(plan, n, releases, extractor)
         if loading and (feature_norm or {}).get("kind", "none") != config.features.normalize:
             raise ConfigError(
                 f"the checkpoint's feature normalisation ({(feature_norm or {}).get('kind', 'none')}) is not "
@@ -250,6 +253,21 @@ class Trainer:
         self.feature_normalizer = self._feature_normalizer(features, feature_norm)
         self.data = normalize_dataset(features, self.feature_normalizer)
         return features.info
+
+    def _seed_model_releases(self) -> tuple[AccountingSegment, ...]:
+        """Mean-Var init releases statistics of its seed model, which trained on private data: that
+        run's whole accounting history, composed into this run's plan (unless declared public)."""
+        model = self.config.model
+        if model.init_scaling != "meanvar" or model.init_seed_public:
+            return ()
+        source = read_source_run(model.init_seed_model)
+        if not source.private:
+            raise ConfigError(
+                f"model.init_seed_model={model.init_seed_model} trained without privacy: its Mean-Var statistics would "
+                "release its training data without a guarantee; use a private seed run, or set "
+                "model.init_seed_public=true if its training data is public"
+            )
+        return tuple(replace(seg, label=f"{SEED_MODEL_RUN}:{seg.label}") for seg in source.history)
 
     def _feature_normalizer(self, features: Any, saved: dict[str, Any] | None) -> FeatureNormalizer:
         """A checkpoint's normaliser (its private statistics reused, never drawn again), or a new one."""
@@ -276,6 +294,13 @@ class Trainer:
             report = init_from(self.model, config.model.init, reset_head=config.model.reset_head)
             self.init_report = asdict(report)
             self._log(report.describe())
+        if config.model.init_scaling == "meanvar" and initial_weights:
+            counts = meanvar_init(
+                self.model, read_weights(config.model.init_seed_model), torch.Generator().manual_seed(self._seeds["init"])
+            )
+            self.init_report = {"source": config.model.init_seed_model, "scaling": "meanvar", **counts}
+            self._log(f"model.init_scaling=meanvar: {counts['scaled']} tensors drawn with the statistics of "
+                      f"{config.model.init_seed_model} ({counts['kept']} kept at their default init)")  # fmt: skip
         self.model.to(self.device)
         check_per_example_compatible(self.model)
         if config.model.freeze_groups:
@@ -739,8 +764,14 @@ class Trainer:
         if self._privacy_warnings is None:
             warning = self.plan.wall_warning()
             self._privacy_warnings = [warning] if warning else []
-            if self.config.model.init:
-                self._privacy_warnings.append(PUBLIC_SOURCE_CAVEAT.format(source=self.config.model.init))
+            model = self.config.model
+            if model.init:
+                self._privacy_warnings.append(PUBLIC_SOURCE_CAVEAT.format(source=model.init))
+            if model.init_scaling == "meanvar" and model.init_seed_public:
+                self._privacy_warnings.append(
+                    f"model.init_seed_public: the Mean-Var statistics of {model.init_seed_model} are left out of "
+                    "epsilon (its training data declared public)"
+                )
         return self._privacy_warnings
 
     def finish(self) -> dict[str, Any]:
