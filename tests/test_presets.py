@@ -94,6 +94,14 @@ def _generated_root(kind, tmp_path):
     if kind == "cifar10":
         make_cifar10(tmp_path / "cifar-10-batches-py")  # 15 train, 4 test: 32x32x3
         return tmp_path
+    if kind == "cifar100":
+        from test_data import write_batch
+
+        base = tmp_path / "cifar-100-python"
+        base.mkdir(parents=True)
+        write_batch(base / "train", 400, b"fine_labels", 100, 1)
+        write_batch(base / "test", 40, b"fine_labels", 100, 2)
+        return tmp_path
     if kind == "fashion-mnist":
         rng = np.random.default_rng(0)
         write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (40, 28, 28)))
@@ -112,7 +120,38 @@ RUN_OVERRIDES = {
     "kurakin-imagenet-resnet50-gn": ["dp.batch_size=2", "train.max_physical_batch_size=2"],
     "tan-imagenet-nf-resnet50": ["dp.batch_size=2", "train.max_physical_batch_size=8"],
     "tan-imagenet-nf-resnet50-sim256": ["dp.batch_size=2", "dp.simulated_batch_size=1", "train.max_physical_batch_size=8"],
+    "papernot-cifar100-source-min-rand-10": ["dp.batch_size=8"],
+    "papernot-cifar100-source-half-rand-50": ["dp.batch_size=8"],
+    "papernot-cifar100-source-max-100": ["dp.batch_size=8"],
+    "papernot-cifar10-transfer": ["dp.batch_size=4"],
+    "tramer-cifar10-linear-probe": ["dp.batch_size=4"],
 }
+# Targets start from a source run: (source preset or model, data kind, the override naming it)
+SOURCES = {
+    "papernot-cifar10-transfer": ("papernot-cifar100-source-max-100", "cifar100", "model.init={}"),
+    "tramer-cifar10-linear-probe": ("papernot-cifar100-source-max-100", "cifar100", "features.extractor=checkpoint:{}"),
+    "kurakin-imagenet-resnet18-gn": ("resnet18-gn", "imagefolder", "model.init={}"),
+}
+
+
+def _source_run(name, tmp_path):
+    """A short non-private source run for a target preset (``dpscale pretrain``); the override naming it."""
+    source, kind, override = SOURCES[name]
+    root, out = _generated_root(kind, tmp_path / "source-data"), tmp_path / "source-run"
+    if "-source-" in source:  # one of the paper's source presets
+        head, sets = [f"preset:{source}"], ["dp.batch_size=8"]
+    else:  # a Places365 stand-in: the target's architecture on other generated images
+        head = []
+        sets = [f"model.name={source}", "model.kwargs={norm_groups: 32, stem: imagenet}", "model.activation=relu",
+                "data.name=imagefolder", "data.image_size=224", "dp.batch_size=2", "train.max_physical_batch_size=2"]  # fmt: skip
+    args = ["pretrain", *head, "--quiet", "--set", f"data.root={root}", "--set", "train.steps=2",
+            "--set", f"run.out_dir={out}", "--set", "data.workers=0"]  # fmt: skip
+    for item in sets:
+        args += ["--set", item]
+    assert main(args) == 0
+    return override.format(out)
+
+
 # 224-px ResNet-50s at K views take minutes of CPU: in `make test-all`
 HEAVY = {"kurakin-imagenet-resnet50-gn", "tan-imagenet-nf-resnet50", "tan-imagenet-nf-resnet50-sim256"}
 
@@ -125,7 +164,7 @@ def test_new_presets_run_two_steps_on_generated_data(name, tmp_path):
     root = _generated_root(preset.values["data"]["name"], tmp_path)
     argv = ["train", f"preset:{name}", "--quiet", "--set", f"data.root={root}", "--set", "train.steps=2",
             "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "data.workers=0"]  # fmt: skip
-    for override in RUN_OVERRIDES[name]:
+    for override in RUN_OVERRIDES[name] + ([_source_run(name, tmp_path)] if name in SOURCES else []):
         argv += ["--set", override]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -138,4 +177,5 @@ def test_new_presets_run_two_steps_on_generated_data(name, tmp_path):
 
 def test_every_preset_is_covered_by_a_run_test_or_an_older_one():
     older = {p for p in (r[0] for r in TABLE_13)} | {"papernot-mnist-tanh"}
+    assert all(name in RUN_OVERRIDES for name in SOURCES)
     assert {p.name for p in list_presets()} == older | set(RUN_OVERRIDES)

@@ -13,12 +13,13 @@ import difflib
 from dpscale.presets.base import Preset
 from dpscale.presets.papernot import PAPERNOT_PRESETS
 from dpscale.presets.scale import SCALE_PRESETS
+from dpscale.presets.transfer import TRANSFER_PRESETS
 from dpscale.presets.tramer import TRAMER_PRESETS
 
 PRESET_PREFIX = "preset:"
 
 
-_PRESETS: dict[str, Preset] = {p.name: p for p in (*PAPERNOT_PRESETS, *TRAMER_PRESETS, *SCALE_PRESETS)}
+_PRESETS: dict[str, Preset] = {p.name: p for p in (*PAPERNOT_PRESETS, *TRAMER_PRESETS, *SCALE_PRESETS, *TRANSFER_PRESETS)}
 
 
 def list_presets() -> list[Preset]:

@@ -28,19 +28,20 @@ _KURAKIN_OPTIM = {  # Section 3.6 / App. B: Nesterov 0.9, weight decay 1e-4, war
 
 KURAKIN_RESNET18 = Preset(
     "kurakin-imagenet-resnet18-gn",
-    "ImageNet, ResNet-18-GN, epsilon=10, B=64k, 70 epochs (Kurakin 2022 Sec. 3.6: 47.9% from Places365)",
+    "ImageNet, ResNet-18-GN from a Places365 run, 3 groups frozen, epsilon=10, B=64k, 70 epochs (Kurakin Sec. 3.6: 47.9%)",
     "Kurakin et al. 2022, Section 3.6 and Table 7 (row '3 / 70', column 64*1024: 47.9% top-1 at epsilon=10, "
     "delta=1e-6): C=1, B=64*1024, 70 epochs, Nesterov momentum 0.9, peak lr 7.68 with 1 warmup epoch and "
-    "cosine decay to 0, weight decay 1e-4, the first 3 block groups frozen. The paper starts from a ResNet-18 "
-    "pre-trained (non-privately) on Places365 with a new 1000-class head; dpscale cannot start from a checkpoint "
-    "yet (issue 17), so this preset trains group 4 and the head on top of RANDOM frozen groups and will not reach "
-    "47.9%. Not in the paper, from its released code: 224 px Inception crops + flips (a single view; dpscale "
+    "cosine decay to 0, weight decay 1e-4, the first 3 block groups frozen (Appendix G: input convolution and "
+    "groups 1-3). It starts from a ResNet-18-GN pre-trained non-privately on Places365 (54.96%, 80 epochs, App. F) "
+    "with a new 1000-class head: --set model.init=RUN_DIR, a `dpscale pretrain` run of resnet18-gn on Places365 "
+    "(the guarantee assumes that data public). Table 7's other cells: 4 frozen groups (logits only) reach 38.1% at "
+    "B=256k. Not in the paper, from its released code: 224 px Inception crops + flips (a single view; dpscale "
     "augments only with multiplicity > 1, so none here), GroupNorm with 32 groups. Weight decay: the code adds it "
     "inside each example's clipped loss; dpscale applies it after the noise (no privacy effect). " + IMAGENET_GAPS,
     {
         "data": dict(_KURAKIN_DATA),
         "model": {"name": "resnet18-gn", "activation": "relu", "kwargs": {"norm_groups": 32, "stem": "imagenet"},
-                  "freeze_groups": 3},  # fmt: skip
+                  "freeze_groups": 3, "init": "RUN_DIR", "reset_head": True},  # fmt: skip
         "dp": {"epsilon": 10.0, "delta": 1.0e-6, "noise_multiplier": None, "max_grad_norm": 1.0, "batch_size": 65536,
                "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
         "optim": {**_KURAKIN_OPTIM, "lr": 7.68, "warmup_steps": round(IMAGENET_TRAIN / 65536)},  # 1 epoch
