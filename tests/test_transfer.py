@@ -195,3 +195,14 @@ def test_meanvar_from_a_non_private_seed_needs_it_declared_public(pretrained, tm
     trainer = Trainer.create(_meanvar_config(pretrained, tmp_path / "b", "model.init_seed_public=true"), progress=False)
     assert trainer.plan.releases == ()
     assert any("init_seed_public" in w for w in trainer.privacy_warnings())
+
+
+def test_timm_sources_say_clearly_when_timm_does_not_import():
+    try:
+        import timm  # noqa: F401
+    except Exception:  # noqa: BLE001 - the CPU torch of CI: timm does not import
+        model = build_model("papernot-cnn", 10, (1, 28, 28), "tanh", filters=[4, 4])
+        with pytest.raises(ConfigError, match="model.init=timm:resnet18: timm does not import here"):
+            init_from(model, "timm:resnet18")
+    else:
+        pytest.skip("timm imports here: the error path is not reachable")
