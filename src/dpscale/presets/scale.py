@@ -35,7 +35,9 @@ KURAKIN_RESNET18 = Preset(
     "groups 1-3). It starts from a ResNet-18-GN pre-trained non-privately on Places365 (54.96%, 80 epochs, App. F) "
     "with a new 1000-class head: --set model.init=RUN_DIR, a `dpscale pretrain` run of resnet18-gn on Places365 "
     "(the guarantee assumes that data public). Table 7's other cells: 4 frozen groups (logits only) reach 38.1% at "
-    "B=256k. Not in the paper, from its released code: 224 px Inception crops + flips (a single view; dpscale "
+    "B=256k; each cell took a learning-rate sweep (grid not printed for Table 7; Table 6's grid scaled with B gives "
+    "{0.256, 0.768, 2.56, 7.68, 25.6, 76.8, 256} at 64k: `dpscale sweep` over optim.lr, whose tuning cost is not "
+    "accounted). Not in the paper, from its released code: 224 px Inception crops + flips (a single view; dpscale "
     "augments only with multiplicity > 1, so none here), GroupNorm with 32 groups. Weight decay: the code adds it "
     "inside each example's clipped loss; dpscale applies it after the noise (no privacy effect). " + IMAGENET_GAPS,
     {
