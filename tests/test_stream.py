@@ -251,3 +251,15 @@ def test_two_process_streamed_run_equals_two_process_in_memory_run(folder, tmp_p
     _assert_same_weights(memory["model"], stream["model"])
     samplers = [[r["sampler"] for r in run["rank_streams"]] for run in (memory, stream)]
     assert samplers[0] == samplers[1]  # each rank's sampler stands where the in-memory one stood
+
+
+def test_auto_loader_on_a_small_folder_holds_what_the_memory_loader_holds(folder):
+    from dpscale.data import dataset_fingerprint
+    from dpscale.train.loop import open_training_data, prepare_data
+
+    auto = open_training_data(_config("/tmp/unused", folder, "auto"), torch.device("cpu"))
+    memory = prepare_data(_config("/tmp/unused", folder, "memory"), torch.device("cpu"))
+    assert not isinstance(auto, type(open_training_data(_config("/tmp/unused", folder, "stream"), torch.device("cpu"))))
+    for key in ("x_train", "y_train", "x_test", "y_test"):
+        assert torch.equal(getattr(auto, key), getattr(memory, key)), key
+    assert auto.info == memory.info and dataset_fingerprint(auto) == dataset_fingerprint(memory)

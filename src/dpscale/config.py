@@ -63,6 +63,11 @@ class DataConfig:
     max_per_class: int | None = None
     subset_seed: int = 0
 
+    @property
+    def selects_classes(self) -> bool:
+        """Whether a class subset, meta-classes or a per-class cap applies."""
+        return self.classes is not None or bool(self.random_classes or self.meta_classes or self.max_per_class)
+
 
 @dataclass(frozen=True)
 class FeaturesConfig:
@@ -625,12 +630,11 @@ def _validate_data(config: Config) -> None:
         raise ConfigError(f"data.workers must be >= 0 (0: read in the training process), got {data.workers}")
     if data.prefetch < 1:
         raise ConfigError(f"data.prefetch must be >= 1, got {data.prefetch}")
-    subsetting = data.classes is not None or data.random_classes or data.meta_classes or data.max_per_class
     if data.classes is not None and data.random_classes:
         raise ConfigError("set data.classes or data.random_classes, not both")
     if data.max_per_class is not None and data.max_per_class < 1:
         raise ConfigError(f"data.max_per_class must be >= 1, got {data.max_per_class}")
-    if data.loader == "stream" and subsetting:
+    if data.loader == "stream" and data.selects_classes:
         raise ConfigError("class subsets (data.classes, random_classes, meta_classes, max_per_class) need data.loader=memory")
     if data.loader == "stream":
         if data.name not in ("imagefolder", "shards"):

@@ -89,7 +89,7 @@ class ImageDataset:
     info: DatasetInfo
 
 
-def _images(x_uint8: np.ndarray) -> torch.Tensor:
+def images_from_uint8(x_uint8: np.ndarray) -> torch.Tensor:
     """uint8 (N, C, H, W) -> contiguous float32 tensor in [0, 1]."""
     # astype copies into a fresh writable array, so torch.from_numpy neither warns nor aliases the file buffer.
     return torch.from_numpy(x_uint8.astype(np.float32)).div_(255.0).contiguous()
@@ -158,7 +158,7 @@ def load_mnist_5k() -> ImageDataset:
     pixels, y = table[:, :784], table[:, 784]  # label is the last column
     if pixels.min() < 0 or pixels.max() > 255 or y.min() < 0 or y.max() > 9:
         raise DatasetError(f"{_MNIST_5K_SOURCE} is malformed: pixel or label values out of range")
-    x = _images(pixels.astype(np.uint8).reshape(-1, 1, 28, 28))
+    x = images_from_uint8(pixels.astype(np.uint8).reshape(-1, 1, 28, 28))
     return _split("mnist-5k", _MNIST_5K_SOURCE, 10, x, y, n_test=1000)
 
 
@@ -208,12 +208,12 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
         absent = root / f"{stems[2] if test_img is None else stems[3]}[.gz]"
         raise DatasetError(f"{name}: found only one of the two t10k test files; {absent} is missing")
     if test_img is None:
-        return _split(name, str(root), 10, _images(x[:, None]), y.astype(np.int64), n_test=round(len(y) / 6))
+        return _split(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64), n_test=round(len(y) / 6))
     assert test_lbl is not None
     xt, yt = _read_idx_pair(test_img, test_lbl)
     if xt.shape[1:] != x.shape[1:]:
         raise DatasetError(f"{test_img} holds {xt.shape[1]}x{xt.shape[2]} images but {train_img} holds {x.shape[1]}x{x.shape[2]}")
-    return _make(name, str(root), "official", 10, _images(x[:, None]), y, _images(xt[:, None]), yt)
+    return _make(name, str(root), "official", 10, images_from_uint8(x[:, None]), y, images_from_uint8(xt[:, None]), yt)
 
 
 def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
@@ -243,7 +243,7 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
 
     def read(files: list[str]) -> tuple[torch.Tensor, np.ndarray]:
         parts = [read_cifar_batch(base / f, key, num_classes) for f in files]
-        return _images(np.concatenate([p[0] for p in parts])), np.concatenate([p[1] for p in parts])
+        return images_from_uint8(np.concatenate([p[0] for p in parts])), np.concatenate([p[1] for p in parts])
 
     (x, y), (xt, yt) = read(train_files), read(test_files)
     return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt)
@@ -253,7 +253,7 @@ def _decode_files(files: tuple[Path, ...], mode: str, image_size: int | None, sh
     """Decode image files (``folder.image_array``) into one float32 NCHW tensor in [0, 1]."""
     if not files:
         return torch.zeros((0, *shape))
-    return _images(np.stack([image_array(p, mode, image_size) for p in files]))
+    return images_from_uint8(np.stack([image_array(p, mode, image_size) for p in files]))
 
 
 def load_image_folder(
@@ -322,7 +322,7 @@ def load_shards(path: PathLike) -> ImageDataset:
     manifest, train, test = open_shards(path)
 
     def decoded(split) -> torch.Tensor:
-        return _images(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
+        return images_from_uint8(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
 
     ds = _make("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
                decoded(train), train.labels, decoded(test), test.labels)  # fmt: skip

@@ -255,3 +255,16 @@ def open_stream(
     shape = tuple(int(d) for d in train.read(0).shape)
     info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped)  # type: ignore[arg-type]
     return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape))
+
+
+def materialize(data: StreamedData) -> "ImageDataset":
+    """The streamed dataset decoded into memory: the pixels, labels and info the in-memory loaders
+    give for the same folder or shards (the same ``read`` per example, the same float conversion)."""
+    from .datasets import ImageDataset, images_from_uint8
+
+    def decode(source: ImageSource) -> torch.Tensor:
+        if not len(source):
+            return torch.zeros((0, *data.info.input_shape))
+        return images_from_uint8(np.stack([source.read(i) for i in range(len(source))]))
+
+    return ImageDataset(decode(data.train), data.y_train.clone(), decode(data.test), data.y_test.clone(), data.info)

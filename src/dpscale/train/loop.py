@@ -20,7 +20,7 @@ from tqdm import tqdm
 from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.data.subsets import random_classes, select as select_classes
-from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, open_stream
+from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, materialize, open_stream
 from dpscale.features.extract import read_source_run
 from dpscale.features.normalize import FeatureNormalizer
 from dpscale.features.pipeline import (
@@ -100,14 +100,16 @@ def _torch_generator_streams(state: dict[str, Any]) -> bool:
     return any(isinstance(g, torch.Tensor) for g in generators)
 
 
-def prepare_data(config: Config, device: torch.device) -> ImageDataset:
-    """The whole dataset in memory on ``device`` (data.loader=memory)."""
+def prepare_data(config: Config, device: torch.device, data: ImageDataset | None = None) -> ImageDataset:
+    """The whole dataset in memory on ``device`` (data.loader=memory): loaded (unless ``data``
+    is given, already decoded), class-selected and scaled as the config says."""
     cfg = config.data
-    data = load_dataset(
-        cfg.name, cfg.root, image_size=cfg.image_size, val_labels=cfg.val_labels, skip_corrupt=cfg.skip_corrupt,
-        workers=_workers(config),
-    )
-    if cfg.classes is not None or cfg.random_classes or cfg.meta_classes or cfg.max_per_class:
+    if data is None:
+        data = load_dataset(
+            cfg.name, cfg.root, image_size=cfg.image_size, val_labels=cfg.val_labels, skip_corrupt=cfg.skip_corrupt,
+            workers=_workers(config),
+        )
+    if cfg.selects_classes:
         classes = cfg.classes
         if cfg.random_classes:
             classes = random_classes(data.info.num_classes, cfg.random_classes, cfg.subset_seed)
@@ -146,7 +148,7 @@ def open_training_data(config: Config, device: torch.device, log: Any = print) -
         if memory and decoded > memory / 4 and config.features.extractor is None and config.features.normalize == "none" and not config.eval.augtest:
             log(f"data.loader=auto: streaming {cfg.root} from disk (decoded it would take {decoded / 2**30:.1f} GiB of {memory / 2**30:.1f} GiB)")
             return streamed
-        loader = "memory"
+        return prepare_data(config, device, materialize(streamed))  # decoded from the listing already made
     if loader == "stream":
         return _open_stream(config)
     return prepare_data(config, device)

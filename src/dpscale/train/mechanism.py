@@ -33,7 +33,7 @@ from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cro
 from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.rng import DPRandom, words_to_int
-from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean, physical_chunks
+from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 
 
 class PrivacyBudgetExhausted(RuntimeError):
@@ -136,10 +136,8 @@ class DPMechanism:
         """
         self._check_budget()
         if targets is not None:
-            chunks: Iterable[Batch] = physical_chunks(
-                inputs, targets, torch.arange(len(targets), device=targets.device),
-                self.max_physical_batch_size or max(1, len(targets)),
-            )  # fmt: skip
+            size = self.max_physical_batch_size or max(1, len(targets))
+            chunks: Iterable[Batch] = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
         else:
             chunks = inputs
         return self.step_chunks(chunks)
