@@ -7,7 +7,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LOWER = ("dpscale.config", "dpscale.data", "dpscale.models", "dpscale.privacy", "dpscale.features")
-UPPER = ("dpscale.train", "dpscale.tune", "dpscale.cli")
+UPPER = ("dpscale.train", "dpscale.tune", "dpscale.cli", "dpscale.audit")
 
 
 def _modules() -> dict[str, Path]:

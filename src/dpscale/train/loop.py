@@ -54,6 +54,7 @@ from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed,
 from dpscale.train.ema import WeightEMA
 from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, evaluate_batches, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
+from dpscale.train.hooks import RunHooks
 from dpscale.train.mechanism import DPMechanism, run_seeds
 from dpscale.train.step import augmented_chunks, physical_chunks
 
@@ -188,6 +189,7 @@ class Trainer:
         plan: a DP plan saved in a checkpoint (skips calibration; checked against config and data).
         feature_norm: a feature normaliser's state saved in a checkpoint (its private statistics
             are reused, never drawn again: a second draw would be a second release).
+        hooks: an audit's canaries and observer (``dpscale.audit``); None for a plain run.
     """
 
     def __init__(
@@ -196,8 +198,10 @@ class Trainer:
         progress: bool = True,
         plan: DPPlan | None = None,
         feature_norm: dict[str, Any] | None = None,
+        hooks: RunHooks | None = None,
     ) -> None:
         self.config = config
+        self.hooks = hooks or RunHooks()
         self._setup_process(progress)
         info = self._setup_data_and_plan(plan, feature_norm)
         self._setup_model(info, initial_weights=plan is None)  # a resumed run's weights come from its checkpoint
@@ -242,6 +246,8 @@ class Trainer:
         with self.dist.main_first():  # rank 0 fills the feature cache, the others read it
             features = extract_run_features(config.features, images, self.device, self.progress, self._log)
         del images
+        if self.hooks.training_set is not None:  # an audit's canaries: before the plan, so N counts them
+            features = self.hooks.training_set(features)
         n = features.info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
         loading = plan is not None  # from a checkpoint
@@ -310,6 +316,8 @@ class Trainer:
         self.dist.broadcast_module_(self.model)  # identical already (same seed); made certain
         self.precision = make_precision(config.train.precision, config.train.fp16_loss_scale)
         self.engine, self.self_check = self._checked_engine()
+        if self.hooks.engine is not None:
+            self.engine = self.hooks.engine(self.engine, self.model)
         self.optimizer = build_optimizer(config.optim, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(config.optim, self.optimizer, self.total_steps)
         # The DP mechanism keeps sampler, noise and accountant in step (the releases made above,
@@ -321,6 +329,7 @@ class Trainer:
             sampler_seed=rank_stream_seed(self._seeds["sampler"], self.dist.rank, self.dist.world_size, 0),
             rank=self.dist.rank, world_size=self.dist.world_size,
         )  # fmt: skip
+        self.mechanism.observer = self.hooks.observe_gradient
         self._start_rank_streams(0)
         self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
 
@@ -416,13 +425,14 @@ class Trainer:
 
     # ----------------------------------------------------------------- set-up
     @classmethod
-    def create(cls, config: Config, progress: bool = True) -> "Trainer":
-        """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run."""
+    def create(cls, config: Config, progress: bool = True, hooks: RunHooks | None = None) -> "Trainer":
+        """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run
+        (``hooks``: an audit's canaries, see ``RunHooks``)."""
         run_dir = Path(config.run.out_dir)
         dist = init_distributed(config.run.device)
         if dist.broadcast_object(holds_run(run_dir)):  # rank 0's view decides, so every rank stops together
             raise ConfigError(taken_message(run_dir))
-        trainer = cls(config, progress)
+        trainer = cls(config, progress, hooks=hooks)
         # every rank must hear of a failure, or they would wait for the failed one
         error = dist.broadcast_object(claim(run_dir, config) if dist.is_main else None)
         if error:

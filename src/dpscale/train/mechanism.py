@@ -93,6 +93,8 @@ class DPMechanism:
             self.accountant.record(release)
         self.max_physical_batch_size = max_physical_batch_size
         self.steps_taken = 0
+        # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
+        self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
 
     # ----------------------------------------------------------------- batches
     def remaining_steps(self) -> int:
@@ -153,6 +155,8 @@ class DPMechanism:
             noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
         )  # fmt: skip
+        if self.observer is not None:
+            self.observer(gradient)
         apply_gradient(self.model, gradient, self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()

@@ -1,0 +1,188 @@
+"""Running an audit: train with canaries, score them, bound epsilon, write audit.json and the
+score plot (see ``dpscale.audit``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dpscale._io import atomic_write_text
+from dpscale.audit import AUDIT_NAME, DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
+from dpscale.audit.canaries import CanaryAudit
+from dpscale.config import Config, ConfigError
+from dpscale.privacy.audit_bound import best_guesses, default_guess_rules
+from dpscale.rng import DPRandom
+
+
+@dataclass(frozen=True)
+class AuditFault:
+    """A deliberately broken mechanism, for showing that the audit catches bugs (tests and
+    docs/audit.md only; no command offers it). The accountant is still told the configured sigma.
+
+    Attributes:
+        noise_scale: the noise is drawn at this multiple of sigma * C.
+        clip_scale: per-example norms are under-reported by this factor, so clipping lets up to
+            clip_scale * C through.
+    """
+
+    noise_scale: float = 1.0
+    clip_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """What an audit measured (``as_json`` is what ``dpscale audit --json`` prints)."""
+
+    kind: str
+    canaries: int
+    included: int
+    eps_lower_bound: float
+    epsilon: float
+    delta: float
+    confidence: float
+    guesses: int
+    correct: int
+    guess_in: int
+    guess_out: int
+    rules_tried: int
+    audit_seed: int
+    verdict: str
+    passed: bool
+    run_dir: str
+    plot: str | None
+    test_accuracy: float
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verdict_for(eps_lower_bound: float, epsilon: float, confidence: float) -> tuple[bool, str]:
+    """(passed, the verdict line) for a measured bound against the claimed epsilon."""
+    if eps_lower_bound > epsilon:
+        return False, (
+            f"FAIL: the run leaks more than it claims: epsilon >= {eps_lower_bound:.3g} with {100 * confidence:g}% "
+            f"confidence, but it claims epsilon = {epsilon:.3g} (a bug in clipping, noise or accounting)"
+        )
+    return True, (
+        f"PASS: no violation found (epsilon >= {eps_lower_bound:.3g} at {100 * confidence:g}% confidence, claimed "
+        f"{epsilon:.3g}); an audit can refute a claim, never prove it"
+    )
+
+
+def audit_config_problems(config: Config) -> list[str]:
+    """What an audit cannot run with (the run set-ups the canaries are not built for)."""
+    problems = []
+    if config.data.loader == "stream":
+        problems.append("data.loader=stream (canaries are added to the training set in memory)")
+    if config.features.extractor is not None or config.features.normalize != "none":
+        problems.append("features.extractor / features.normalize (canaries would need to pass through them)")
+    if config.dp.sampling != "poisson":
+        problems.append(f"dp.sampling={config.dp.sampling} (the accounting covers Poisson sampling only)")
+    if config.dp.simulated_batch_size is not None:
+        problems.append("dp.simulated_batch_size (a TAN simulation claims no epsilon to test)")
+    return problems
+
+
+def run_audit(
+    config: Config,
+    *,
+    kind: str = "gradient",
+    canaries: int = DEFAULT_CANARIES,
+    confidence: float = DEFAULT_CONFIDENCE,
+    rules: Sequence[tuple[int, int]] | None = None,
+    audit_seed: int | None = None,
+    progress: bool = True,
+    plot: bool = True,
+    fault: AuditFault | None = None,
+) -> AuditResult:
+    """Train the run ``config`` describes with canaries, then audit it.
+
+    Args:
+        config: the run (run.out_dir set); any ``dpscale train`` config that is private.
+        kind: "gradient" (white-box Dirac canaries) or "input" (mislabelled images).
+        canaries: m, each included with probability 1/2.
+        confidence: of the lower bound (e.g. 0.95).
+        rules: (k+, k-) guessing rules, union-bounded (default: ``default_guess_rules``).
+        audit_seed: membership and canary draws (default: run.seed, else fresh entropy).
+        progress: show training progress.
+        plot: write the score histogram PNG.
+        fault: a deliberately broken mechanism (tests only).
+
+    Returns:
+        the result, also written to ``<run_dir>/audit.json``.
+    """
+    from dpscale.train.loop import Trainer
+
+    problems = audit_config_problems(config)
+    if problems:
+        raise ConfigError("dpscale audit does not support " + "; ".join(problems))
+    seed = audit_seed if audit_seed is not None else config.run.seed if config.run.seed is not None else secrets.randbits(64)
+    audit = CanaryAudit(kind, canaries, seed)
+    trainer = Trainer.create(config, progress=progress, hooks=audit.hooks(fault))
+    if not trainer.plan.is_private:
+        raise ConfigError("dpscale audit needs a private run: a non-private run claims no epsilon to test")
+    audit.plan = trainer.plan
+    if fault is not None and fault.noise_scale != 1:
+        trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
+    summary = trainer.run()
+    scores = audit.scores(trainer.model)
+    outcome = best_guesses(scores, audit.included, delta=trainer.plan.delta, confidence=confidence, rules=rules)
+    epsilon = trainer.epsilon()
+    passed, verdict = verdict_for(outcome.eps_lower_bound, epsilon, confidence)
+    plot_path = plot_scores(scores, audit.included, trainer.run_dir / PLOT_NAME, outcome, kind) if plot else None
+    result = AuditResult(
+        kind=kind, canaries=audit.m, included=int(audit.included.sum()), eps_lower_bound=outcome.eps_lower_bound,
+        epsilon=epsilon, delta=trainer.plan.delta, confidence=confidence, guesses=outcome.guesses,
+        correct=outcome.correct, guess_in=outcome.guess_in, guess_out=outcome.guess_out,
+        rules_tried=len(rules) if rules else len(default_guess_rules(audit.m)), audit_seed=seed, verdict=verdict,
+        passed=passed, run_dir=str(trainer.run_dir), plot=str(plot_path) if plot_path else None,
+        test_accuracy=float(summary["test_accuracy"]) if summary else math.nan,
+    )  # fmt: skip
+    atomic_write_text(trainer.run_dir / AUDIT_NAME, json.dumps(result.as_json(), indent=2) + "\n")
+    return result
+
+
+class _ScaledNoise(DPRandom):
+    """A noise generator that draws its normals at ``scale`` times their std (AuditFault)."""
+
+    def __init__(self, source: DPRandom, scale: float) -> None:  # noqa: D107 - shares the source's state
+        self.__dict__.update(source.__dict__)
+        self.scale = scale
+
+    def normal(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return super().normal(*args, **kwargs) * self.scale
+
+
+def plot_scores(scores: np.ndarray, included: np.ndarray, path: Path, outcome: Any, kind: str) -> Path:
+    """A histogram of the included and the excluded canaries' scores, the guessing cut-offs marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    finite = np.isfinite(scores)
+    bins = np.histogram_bin_edges(scores[finite], bins=40) if finite.any() else 10
+    ax.hist(scores[included & finite], bins=bins, alpha=0.6, label=f"included ({int(included.sum())})")
+    ax.hist(scores[~included & finite], bins=bins, alpha=0.6, label=f"excluded ({int((~included).sum())})")
+    order = np.sort(scores)[::-1]
+    if outcome.guess_in:
+        ax.axvline(order[outcome.guess_in - 1], color="k", linestyle="--", label=f"top {outcome.guess_in} guessed in")
+    if outcome.guess_out:
+        ax.axvline(order[-outcome.guess_out], color="k", linestyle=":", label=f"bottom {outcome.guess_out} guessed out")
+    ax.set_xlabel("log-likelihood ratio over the steps" if kind == "gradient" else "loss decrease (initial - final)")
+    ax.set_ylabel("canaries")
+    ax.set_title(f"{kind} canaries: {outcome.correct}/{outcome.guesses} guesses right, eps >= {outcome.eps_lower_bound:.3g}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

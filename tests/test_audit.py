@@ -1,0 +1,179 @@
+"""The one-run privacy audit (Steinke, Nasr & Jagielski 2023): the bound against the paper's
+algorithm and an exactly epsilon-DP simulation; the canaries; honest runs never refuted and
+deliberately broken runs caught."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dpscale.audit.canaries import DIRAC_SCALE, CanaryAudit, DiracCanaryEngine
+from dpscale.audit.run import AuditFault, run_audit, verdict_for
+from dpscale.cli import main
+from dpscale.config import ConfigError, load_config
+from dpscale.privacy.audit_bound import (
+    audit_p_value,
+    best_guesses,
+    default_guess_rules,
+    epsilon_lower_bound,
+    score_guesses,
+)
+from dpscale.privacy.per_example import VmapEngine, trainable_params
+
+# Values from the paper's Appendix D algorithm (p_value_DP_audit / get_eps_audit, run as
+# published with scipy 1.17 at p = 0.05): (m, r, v) -> (epsilon at delta 0, at delta 1e-5).
+PAPER_ALGORITHM = {
+    (1000, 100, 100): (3.4930, 3.4654),
+    (1000, 100, 90): (1.6308, 1.6261),
+    (1000, 200, 180): (1.7989, 1.7963),
+    (1000, 1000, 1000): (5.8091, 5.7823),
+    (5000, 1000, 900): (2.0212, 2.0183),
+    (10000, 1000, 1000): (5.8091, 5.5293),
+}
+
+
+@pytest.mark.parametrize("counts", sorted(PAPER_ALGORITHM))
+def test_lower_bound_matches_the_papers_algorithm(counts):
+    m, r, v = counts
+    for delta, expected in zip((0.0, 1e-5), PAPER_ALGORITHM[counts]):
+        got = epsilon_lower_bound(canaries=m, guesses=r, correct=v, delta=delta, confidence=0.95)
+        assert got == pytest.approx(expected, abs=2e-4)
+
+
+def test_all_right_without_delta_has_a_closed_form():
+    # p^r = alpha at the bound: epsilon = logit(alpha^(1/r))
+    for r in (10, 50, 400):
+        p = 0.05 ** (1 / r)
+        assert epsilon_lower_bound(canaries=r, guesses=r, correct=r, delta=0, confidence=0.95) == pytest.approx(
+            math.log(p / (1 - p)), rel=1e-6
+        )
+
+
+def test_delta_term_by_hand():
+    # r = v = 2, m = 2: tail p^2; spread max(P[Bin=1], (P[Bin=1] + P[Bin=0]) / 2)
+    eps, delta = 0.7, 0.01
+    p = 1 / (1 + math.exp(-eps))
+    one, zero = 2 * p * (1 - p), (1 - p) ** 2
+    expected = p**2 + 2 * 2 * delta * max(one, (one + zero) / 2)
+    assert audit_p_value(canaries=2, guesses=2, correct=2, epsilon=eps, delta=delta) == pytest.approx(expected, rel=1e-12)
+
+
+def test_bound_holds_for_an_exactly_dp_mechanism():
+    # Randomised response at epsilon0 is exactly epsilon0-DP per canary: each guess is right with
+    # probability e^eps0 / (1 + e^eps0). The 95% bound may exceed eps0 in at most ~5% of trials.
+    rng = np.random.default_rng(0)
+    eps0, m, trials = 1.0, 300, 300
+    p = 1 / (1 + math.exp(-eps0))
+    bounds = np.array([
+        epsilon_lower_bound(canaries=m, guesses=m, correct=int(rng.binomial(m, p)), delta=0, confidence=0.95)
+        for _ in range(trials)
+    ])  # fmt: skip
+    assert (bounds > eps0).mean() <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
+    assert np.median(bounds) > 0.5 * eps0  # and it is not vacuous
+
+
+def test_guess_counting_and_union_bound():
+    scores = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    truth = np.array([True, True, False, True, False, False])
+    assert score_guesses(scores, truth, 2, 0) == (2, 2)
+    assert score_guesses(scores, truth, 3, 2) == (5, 4)  # 2 of top 3 in; both bottom 2 out
+    with pytest.raises(ValueError, match="k\\+"):
+        score_guesses(scores, truth, 4, 3)
+    rng = np.random.default_rng(1)
+    truth = rng.random(400) < 0.5
+    scores = truth + rng.normal(0, 0.5, 400)
+    rules = default_guess_rules(400)
+    best = best_guesses(scores, truth, delta=1e-5, confidence=0.95)
+    r, v = score_guesses(scores, truth, best.guess_in, best.guess_out)
+    # each rule is evaluated at confidence 1 - 0.05 / len(rules)
+    assert best.eps_lower_bound == pytest.approx(
+        epsilon_lower_bound(canaries=400, guesses=r, correct=v, delta=1e-5, confidence=1 - 0.05 / len(rules))
+    )
+    assert best.eps_lower_bound < epsilon_lower_bound(canaries=400, guesses=r, correct=v, delta=1e-5, confidence=0.95)
+
+
+def test_dirac_engine_adds_exactly_c_on_the_canary_coordinate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    params = trainable_params(model)
+    inner = VmapEngine(0.5, views=1)
+    engine = DiracCanaryEngine(inner, [("1.weight", 5), ("1.bias", 2)], DIRAC_SCALE * 0.5)
+    x = torch.randn(4, 1, 2, 2)
+    y = torch.tensor([0, -2, 1, 2])  # example 1 is canary 1 (bias coordinate 2)
+    got, norms, losses = engine.clipped_sum_and_losses(model, params, (x, y))
+    keep = y >= 0
+    expected, _, _ = inner.clipped_sum_and_losses(model, params, (x[keep], y[keep]))
+    assert torch.allclose(got["1.weight"], expected["1.weight"])
+    delta = got["1.bias"] - expected["1.bias"]
+    assert delta[2].item() == pytest.approx(0.5, rel=1e-5) and delta[[0, 1]].abs().max() == 0
+    assert len(norms) == 4 and len(losses) == 4
+    assert engine.data_sum[1].item() == pytest.approx(expected["1.bias"][2].item(), rel=1e-6)
+
+
+def _config(tmp_path, name, *overrides):
+    return load_config(None, [f"run.out_dir={tmp_path / name}", "train.steps=30", "train.checkpoint_every_minutes=null", *overrides])
+
+
+def test_canaries_are_counted_in_n(tmp_path):
+    from dpscale.train.loop import Trainer
+
+    plain = Trainer.create(_config(tmp_path, "plain", "run.seed=0"), progress=False)
+    n = plain.plan.dataset_size
+    for kind, expected in (("gradient", lambda a: n + a.included.sum()), ("input", lambda a: n - 100 + a.included.sum())):
+        audit = CanaryAudit(kind, 100, seed=3)
+        trainer = Trainer.create(_config(tmp_path, kind, "run.seed=0"), progress=False, hooks=audit.hooks())
+        assert trainer.plan.dataset_size == expected(audit)
+        assert trainer.plan.sample_rate == pytest.approx(256 / trainer.plan.dataset_size)
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 3.0, 8.0])
+def test_honest_runs_are_never_refuted(tmp_path, epsilon):
+    for seed in range(3):
+        config = _config(tmp_path, f"e{epsilon}-{seed}", f"dp.epsilon={epsilon}", f"run.seed={seed}")
+        result = run_audit(config, canaries=500, progress=False, plot=False)
+        assert result.epsilon == pytest.approx(epsilon, rel=1e-3)
+        assert result.eps_lower_bound <= result.epsilon and result.passed, result
+
+
+@pytest.mark.parametrize("fault", [AuditFault(noise_scale=0.05), AuditFault(clip_scale=10.0)], ids=["noise", "clip"])
+def test_broken_runs_are_caught(tmp_path, fault):
+    config = _config(tmp_path, "broken", "dp.epsilon=1", "run.seed=0")
+    result = run_audit(config, canaries=500, progress=False, plot=False, fault=fault)
+    assert result.epsilon == pytest.approx(1.0, rel=1e-3)  # it still claims epsilon 1
+    assert result.eps_lower_bound > result.epsilon and not result.passed
+    assert result.verdict.startswith("FAIL")
+
+
+def test_input_canaries_run_and_pass(tmp_path):
+    result = run_audit(_config(tmp_path, "input", "run.seed=0"), kind="input", canaries=200, progress=False, plot=False)
+    assert result.kind == "input" and result.passed and 0 <= result.eps_lower_bound <= result.epsilon
+
+
+def test_cli_json_is_the_last_line(tmp_path, capsys):
+    code = main(["audit", "--canaries", "200", "--json", "--quiet", "--set", f"run.out_dir={tmp_path / 'cli'}",
+                 "--set", "train.steps=20", "--set", "run.seed=0"])  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("eps_lower_bound", "epsilon", "confidence", "guesses", "correct", "verdict"):
+        assert key in result
+    assert (tmp_path / "cli" / "audit.json").exists() and (tmp_path / "cli" / "audit_scores.png").stat().st_size > 1000
+
+
+def test_refusals(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="private run"):
+        run_audit(_config(tmp_path, "np", "dp.epsilon=null", "dp.noise_multiplier=0"), canaries=10, progress=False)
+    with pytest.raises(ConfigError, match="stream"):
+        run_audit(_config(tmp_path, "st", "data.loader=stream"), canaries=10, progress=False)
+    with pytest.raises(ConfigError, match="at most"):
+        run_audit(_config(tmp_path, "many", "run.seed=0"), kind="input", canaries=100000, progress=False)
+    assert main(["audit", "--guesses", "x", "--set", f"run.out_dir={tmp_path / 'g'}"]) == 2
+    assert "K_IN,K_OUT" in capsys.readouterr().err
+
+
+def test_verdict_lines():
+    assert verdict_for(0.5, 1.0, 0.95)[0] and not verdict_for(1.5, 1.0, 0.95)[0]
