@@ -10,7 +10,8 @@ target's membership).
 
 What it is NOT: a cryptographically secure generator. PCG64DXSM's output is not designed to
 resist an adversary who sees many outputs and solves for the state; a 128-bit seed only rules
-out enumerating seeds. A cryptographic mode is planned in a later issue.
+out enumerating seeds. For that, ``dp.secure_noise`` draws the noise with ``SecureRandom``:
+every bit from the operating system's CSPRNG, nothing recorded.
 
 Draws are made on the host and then copied to the requested device, so a run draws exactly the
 same noise on CPU and on CUDA. numpy draws on one thread, at about half ``torch.randn``'s speed
@@ -26,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -219,3 +221,81 @@ class DPRandom:
 
     def __repr__(self) -> str:  # never the state: it is as secret as the noise
         return f"DPRandom({BIT_GENERATOR})"
+
+
+SECURE_SOURCE = "os.urandom"  # the "bit_generator" a SecureRandom's state_dict names
+_SECURE_CHUNK = 1 << 22  # normals per os.urandom call (32 MB of bytes), filled on the thread pool
+
+
+def _secure_normals(count: int) -> np.ndarray:
+    """``count`` float64 standard normals, every random bit from ``os.urandom``: pairs of 53-bit
+    uniforms through the Box-Muller transform (8 bytes of OS randomness per normal)."""
+    pairs = -(-count // 2)
+    out = np.empty(2 * pairs, dtype=np.float64)
+
+    def fill(j: int) -> None:
+        lo, hi = j * _SECURE_CHUNK // 2, min(pairs, (j + 1) * _SECURE_CHUNK // 2)
+        words = np.frombuffer(os.urandom(16 * (hi - lo)), dtype=np.uint64).reshape(2, -1)
+        u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]: log is finite
+        u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+        radius = np.sqrt(-2.0 * np.log(u1))
+        out[2 * lo : 2 * hi : 2] = radius * np.cos(2 * np.pi * u2)
+        out[2 * lo + 1 : 2 * hi : 2] = radius * np.sin(2 * np.pi * u2)
+
+    chunks = range(-(-2 * pairs // _SECURE_CHUNK))
+    workers = max(1, min(torch.get_num_threads(), len(chunks)))
+    if workers == 1:
+        for j in chunks:
+            fill(j)
+    else:  # os.urandom releases the GIL
+        list(_pool(workers).map(fill, chunks))
+    return out[:count]
+
+
+class SecureRandom(DPRandom):
+    """Gaussian noise from the operating system's cryptographically secure generator
+    (``os.urandom``: getrandom(2) on Linux), for ``dp.secure_noise``. It has no seed and no state:
+    nothing written anywhere lets anyone reproduce the noise, and a resumed run continues with
+    fresh noise (so it is not bit-identical to an uninterrupted one; nothing about it is).
+
+    Floating-point leaks of sampled normals (Mironov 2012; Jin et al. 2022) are not addressed:
+    the normals are float64 Box-Muller values, cast to the gradient's dtype.
+    """
+
+    def __init__(self) -> None:  # no seed: nothing to record
+        pass
+
+    def normal(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu"
+    ) -> torch.Tensor:
+        """Independent standard normals from the OS CSPRNG (see ``DPRandom.normal`` for the arguments)."""
+        if dtype not in _HOST_DTYPE:
+            raise TypeError(f"SecureRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}")
+        draws = _secure_normals(math.prod(tuple(shape))).reshape(tuple(shape))
+        return _to_device(torch.from_numpy(draws), device, dtype)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """``n`` uniforms on [0, 1), 53 OS-random bits each, float64 on the CPU."""
+        words = np.frombuffer(os.urandom(8 * int(n)), dtype=np.uint64)
+        return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+    def permutation(self, n: int) -> torch.Tensor:
+        raise TypeError("SecureRandom serves the DP-SGD noise only; batch sampling uses the run's DPRandom")
+
+    def state_dict(self) -> dict[str, Any]:
+        """A marker with no state: a checkpoint holds nothing that reproduces the noise."""
+        return {"bit_generator": SECURE_SOURCE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Accept a SecureRandom marker (nothing to restore); refuse a seeded generator's state,
+        which belongs to a run without dp.secure_noise."""
+        if not (isinstance(state, dict) and state.get("bit_generator") == SECURE_SOURCE):
+            raise ValueError("this checkpoint's noise came from a seeded generator, not dp.secure_noise; refusing to mix them")
+
+    def __repr__(self) -> str:
+        return f"SecureRandom({SECURE_SOURCE})"
+
+
+def noise_generator(seed: int, secure: bool) -> DPRandom:
+    """The noise generator of a run: ``SecureRandom`` for dp.secure_noise, else ``DPRandom(seed)``."""
+    return SecureRandom() if secure else DPRandom(seed)

@@ -152,12 +152,14 @@ def run_audit(
 class _ScaledNoise(DPRandom):
     """A noise generator that draws its normals at ``scale`` times their std (AuditFault)."""
 
-    def __init__(self, source: DPRandom, scale: float) -> None:  # noqa: D107 - shares the source's state
-        self.__dict__.update(source.__dict__)
-        self.scale = scale
+    def __init__(self, source: DPRandom, scale: float) -> None:  # wraps ``source``: no seed of its own
+        self.source, self.scale = source, scale
 
     def normal(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return super().normal(*args, **kwargs) * self.scale
+        return self.source.normal(*args, **kwargs) * self.scale
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
 
 
 def plot_scores(scores: np.ndarray, included: np.ndarray, path: Path, outcome: Any, kind: str) -> Path:

@@ -31,6 +31,10 @@ SEEDED_CAVEAT = (
     "run.seed is fixed: anyone who knows it (and the code) can replay the batch sampling and the noise, "
     "which the guarantee assumes secret; use a seed for research, not for a model you release"
 )
+SEEDED_SECURE_NOISE_CAVEAT = (
+    "run.seed is fixed: anyone who knows it (and the code) can replay the batch sampling, which the guarantee "
+    "assumes secret (the noise comes from the OS CSPRNG, dp.secure_noise, and cannot be replayed)"
+)
 # train.self_check=false: the clipping engine was not compared with a per-example loop (DPPlan.engine_unchecked).
 ENGINE_UNCHECKED_CAVEAT = (
     "train.self_check=false: the per-example clipping engine was not checked against a per-example loop "
@@ -146,6 +150,8 @@ class DPPlan:
     extractor: set for a ``checkpoint:`` feature extractor: how its run enters the guarantee (its
         releases, when composed, are in ``releases``). A label too, recomputed on resume.
     engine_unchecked: train.self_check is off (a caveat; a label from the config, like seeded).
+    secure_noise: the noise comes from the OS CSPRNG (dp.secure_noise), so a fixed seed replays
+        the sampling only. A label from the config, like seeded.
     """
 
     dataset_size: int
@@ -165,6 +171,7 @@ class DPPlan:
     seeded: bool = False
     extractor: ExtractorPrivacy | None = None
     engine_unchecked: bool = False
+    secure_noise: bool = False
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -240,7 +247,7 @@ class DPPlan:
                 "(releasing one random example outright meets it); use delta < 1/N"
             )
         if self.seeded:
-            notes.append(SEEDED_CAVEAT)
+            notes.append(SEEDED_SECURE_NOISE_CAVEAT if self.secure_noise else SEEDED_CAVEAT)
         if self.extractor is not None:
             notes.extend(self.extractor.caveats())
         if self.engine_unchecked:
@@ -339,7 +346,7 @@ def check_plan_matches(
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
-    The labels ``seeded``, ``extractor`` and ``engine_unchecked`` are not compared: they derive from the config (the
+    The labels ``seeded``, ``extractor``, ``engine_unchecked`` and ``secure_noise`` are not compared: they derive from the config (the
     caller sets them afresh); what the extractor costs is in ``releases``, recomputed from its run.
 
     Args:

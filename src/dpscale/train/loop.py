@@ -38,7 +38,7 @@ from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, steps_for
 from dpscale.train.plan_config import check_plan_against_config, plan_from_config
-from dpscale.rng import DPRandom
+from dpscale.rng import DPRandom, noise_generator
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, save_checkpoint
 from dpscale.train.rundir import (  # noqa: F401 - the file names, re-exported for callers
     CONFIG_NAME,
@@ -360,7 +360,7 @@ class Trainer:
             plan = plan_from_config(dp, dataset_size, self.total_steps, releases, seeded=seeded, extractor=extractor)
         else:
             check_plan_against_config(plan, dp, dataset_size, self.total_steps, releases)
-        return replace(plan, seeded=seeded, extractor=extractor, engine_unchecked=unchecked)
+        return replace(plan, seeded=seeded, extractor=extractor, engine_unchecked=unchecked, secure_noise=dp.secure_noise)
 
     def _fingerprint_as(self, normalize: bool) -> str:
         """This run's training-set fingerprint as prepared with data.normalize=``normalize`` (a
@@ -534,7 +534,9 @@ class Trainer:
             self._start_rank_streams(step)
             # Fresh noise too: had a run resumed from this checkpoint been abandoned, the same
             # noise on other batches would otherwise cancel out between the two.
-            self.noise_generator = DPRandom(rank_stream_seed(self._seeds["noise"], NOISE_RANK, self.dist.world_size, step))
+            self.noise_generator = noise_generator(
+                rank_stream_seed(self._seeds["noise"], NOISE_RANK, self.dist.world_size, step), self.plan.secure_noise
+            )
             if legacy:  # _seeds is fresh OS entropy without run.seed, else derived from it (and the step here)
                 self._log(
                     f"the checkpoint's noise and sampling generators are 32-bit-seeded torch states (written "

@@ -32,7 +32,7 @@ from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
 from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
-from dpscale.rng import DPRandom, words_to_int
+from dpscale.rng import DPRandom, noise_generator, words_to_int
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 
 
@@ -87,7 +87,8 @@ class DPMechanism:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.plan, self.engine = plan, engine
         self.sampler = plan.make_sampler(DPRandom(sampler_seed), rank, world_size)
-        self.noise_generator = DPRandom(noise_seed)
+        # dp.secure_noise: from the OS CSPRNG, no seed, no state (plan.secure_noise)
+        self.noise_generator = noise_generator(noise_seed, plan.secure_noise)
         self.accountant = PrivacyAccountant(plan.run_accountant)
         for release in plan.releases:  # one-off releases made before the first step
             self.accountant.record(release)
@@ -211,7 +212,10 @@ class DPMechanism:
         """Continue from ``state_dict()``; refuses a state written under another plan."""
         saved = DPPlan(**state["plan"])
         # seeded/extractor/engine_unchecked label how this mechanism was made, not the privacy numbers
-        labels = {"seeded": self.plan.seeded, "extractor": self.plan.extractor, "engine_unchecked": self.plan.engine_unchecked}
+        labels = {
+            "seeded": self.plan.seeded, "extractor": self.plan.extractor, "engine_unchecked": self.plan.engine_unchecked,
+            "secure_noise": self.plan.secure_noise,
+        }  # fmt: skip
         if replace(saved, **labels) != self.plan:
             raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
         self.sampler.load_state_dict(state["sampler"])
@@ -257,6 +261,7 @@ def make_private(
     max_physical_batch_size: int | None = None,
     scheduler: Any = None,
     seed: int | None = None,
+    secure_noise: bool = False,
     check_batch: Batch | None = None,
 ) -> DPMechanism:
     """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD, Poisson sampling).
@@ -280,6 +285,8 @@ def make_private(
         scheduler: a learning-rate scheduler stepped after every optimizer step.
         seed: fixes the sampling and noise streams (research only: anyone who knows it can replay
             them); None draws fresh 128-bit OS entropy.
+        secure_noise: draw the noise from the OS CSPRNG (``dpscale.rng.SecureRandom``): never
+            reproducible, not even with ``seed``, and ``state_dict()`` holds no noise state.
         check_batch: (x, y) examples to verify the engine on against a per-example loop first.
 
     Returns:
@@ -294,6 +301,7 @@ def make_private(
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
         accountant=accountant, seeded=seed is not None,
     )  # fmt: skip
+    plan = replace(plan, secure_noise=secure_noise)
     loss = per_example_loss(loss_fn) if loss_fn is not None else per_example_cross_entropy
     kind = make_precision(precision)
     if check_batch is not None:
