@@ -130,12 +130,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                           "with torchrun ... -m dpscale train")
     spec = SweepSpec(
         args.config, tuple(args.set), tuple(parse_grid(g) for g in args.grid), args.metric,
-        True if args.minimize else None,
+        True if args.minimize else None, args.private_tuning,
     )
     out = Path(args.out or f"sweeps/{Path(args.config or 'default').stem.replace('preset:', '')}-{_stamp()}")
     sweep = Sweep(out, spec, progress=not args.quiet, on_point=_print_point)
     sweep.prepare()
-    print(f"sweep: {len(spec.points())} points in {out} (rerun the same command to resume)", file=sys.stderr)
+    if spec.private_tuning:
+        print(f"sweep: private tuning, {sweep.tuning.describe()}: {len(sweep._points)} trials drawn from {len(spec.points())} "
+              f"points, in {out} (rerun the same command to resume)", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"sweep: {len(spec.points())} points in {out} (rerun the same command to resume)", file=sys.stderr)
     try:
         results = sweep.run()
     except KeyboardInterrupt:
@@ -378,6 +382,12 @@ def _cmd_tan_data_size(args: argparse.Namespace) -> int:
 def _cmd_tune_clip_lr(args: argparse.Namespace) -> int:
     from dpscale.tune.clip_lr import clip_lr_report, run_clip_lr
 
+    if args.private_tuning:
+        raise ConfigError(
+            "--private-tuning cannot cover clip-lr: its first stage trains at sigma=0 on the data (Kurakin et al.), "
+            "which no tuning bound makes private. Tune C and the lr together with `dpscale sweep --private-tuning "
+            "DIST --grid dp.max_grad_norm=... --grid optim.lr=...` at the target sigma, or run clip-lr on public data"
+        )
     out = Path(args.out or f"sweeps/clip-lr-{Path(args.config or 'default').stem.replace('preset:', '')}-{_stamp()}")
     result = run_clip_lr(
         args.config, args.set, out, args.clip_norms, args.lrs, args.lr_factors, args.tolerance,
@@ -471,6 +481,11 @@ def add_tune_parsers(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--out", metavar="DIR", help="sweep directory (default sweeps/<config>-<time>)")
     sweep.add_argument("--metric", default="test_accuracy", help="summary key to sort by")
     sweep.add_argument("--minimize", action="store_true", help="sort ascending (default only for *loss*)")
+    sweep.add_argument(
+        "--private-tuning", metavar="DIST",
+        help="run K random grid points, K ~ DIST (poisson:MEAN, geometric:MEAN, logarithmic:MEAN, negbin:ETA:MEAN), "
+        "and report the best with the tuning's privacy cost composed (Papernot & Steinke 2022)",
+    )  # fmt: skip
     sweep.add_argument("--quiet", action="store_true")
     sweep.set_defaults(func=_cmd_sweep)
 
@@ -490,4 +505,5 @@ def add_tune_parsers(sub: argparse._SubParsersAction) -> None:
     clip.add_argument("--metric", default="test_accuracy")
     clip.add_argument("--quiet", action="store_true")
     clip.add_argument("--json", action="store_true")
+    clip.add_argument("--private-tuning", metavar="DIST", help="refused, with the reason: stage 1 is not private")
     clip.set_defaults(func=_cmd_tune_clip_lr)

@@ -25,11 +25,14 @@ from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text
 from dpscale.train.loop import Trainer
 from dpscale.train.rundir import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 from dpscale.train.metrics import json_safe
+from dpscale.privacy.tuning import TuningDistribution
 from dpscale.tune import TUNING_CAVEAT
+from dpscale.tune.private_tuning import draw_trials, tuning_from_text, tuning_release
 
 MANIFEST_NAME = "sweep.json"
 RESULTS_NAME = "sweep.jsonl"
 TABLE_NAME = "sweep.md"
+RELEASE_NAME = "release.json"  # private tuning: the one run that may be released, with its tuned epsilon
 
 
 def split_values(text: str) -> list[str]:
@@ -87,6 +90,8 @@ class SweepSpec:
         grid: (KEY, raw values) pairs; points are their cartesian product, first key outermost.
         metric: summary key the table is sorted by.
         minimize: sort ascending (default: ascending only for metrics with "loss" in the name).
+        private_tuning: ``poisson:MEAN`` etc.: run K random points instead of the grid and account
+            for releasing the best (``dpscale.tune.private_tuning``); None: the whole grid.
     """
 
     config: str | None
@@ -94,6 +99,7 @@ class SweepSpec:
     grid: tuple[tuple[str, tuple[str, ...]], ...] = ()
     metric: str = "test_accuracy"
     minimize: bool | None = None
+    private_tuning: str | None = None
 
     @property
     def ascending(self) -> bool:
@@ -110,14 +116,16 @@ class SweepSpec:
             "config": self.config,
             "overrides": list(self.overrides),
             "grid": {k: list(v) for k, v in self.grid},
+            **({"private_tuning": self.private_tuning} if self.private_tuning else {}),
         }
 
 
-def point_name(index: int, point: dict[str, str]) -> str:
-    """A directory name like ``003-dp.batch_size=256,run.seed=1`` (unsafe characters replaced)."""
+def point_name(index: int, point: dict[str, str], trial: bool = False) -> str:
+    """A directory name like ``003-dp.batch_size=256,run.seed=1`` (unsafe characters replaced;
+    ``trial-003-...`` for the drawn trials of private tuning)."""
     text = ",".join(f"{k}={v}" for k, v in point.items()) or "base"
     text = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", text)[:120]
-    return f"{index:03d}-{text}"
+    return f"{'trial-' if trial else ''}{index:03d}-{text}"
 
 
 @dataclass
@@ -167,27 +175,30 @@ class Sweep:
     progress: bool = True
     on_point: Callable[[PointResult], None] | None = None
     _configs: list[Config] = field(default_factory=list, init=False)
+    _points: list[dict[str, str]] = field(default_factory=list, init=False)
+    tuning: TuningDistribution | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
 
     def prepare(self) -> list[Config]:
         """Build and validate every point's config (bad values fail before anything trains) and
-        claim or check the sweep directory."""
-        points = self.spec.points()
-        configs = []
-        for index, point in enumerate(points):
-            overrides = [*self.spec.overrides, *(f"{k}={v}" for k, v in point.items())]
-            try:
-                config = load_config(self.spec.config, overrides)
-            except ConfigError as err:
-                raise ConfigError(f"sweep point {point_name(index, point)}: {err}") from None
-            run_dir = self.out_dir / "runs" / point_name(index, point)
-            configs.append(replace(config, run=replace(config.run, out_dir=str(run_dir))))
-        manifest = {**self.spec.manifest(), "config_digests": [_config_digest(c) for c in configs]}
+        claim or check the sweep directory. With private tuning, the points are the drawn trials."""
         path = self.out_dir / MANIFEST_NAME
-        if path.exists():
-            saved = json.loads(path.read_text())
+        saved = json.loads(path.read_text()) if path.exists() else None
+        grid_points = self.spec.points()
+        self._points, trials = grid_points, None
+        if self.spec.private_tuning:
+            self.tuning = tuning_from_text(self.spec.private_tuning, [k for k, _ in self.spec.grid])
+            trials = (saved or {}).get("trials")
+            if trials is None or saved.get("private_tuning") != self.spec.private_tuning:
+                trials = draw_trials(self.tuning, len(grid_points))
+            self._points = [grid_points[i] for i in trials]
+        configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self._points)]
+        manifest = {**self.spec.manifest(), "config_digests": [_config_digest(c) for c in configs]}
+        if trials is not None:
+            manifest["trials"] = trials
+        if saved is not None:
             if saved != manifest:
                 raise ConfigError(
                     f"{self.out_dir} holds a different sweep (its config, --set or --grid differ, or the "
@@ -199,10 +210,21 @@ class Sweep:
         self._configs = configs
         return configs
 
+    def _point_config(self, index: int, point: dict[str, str], trial: bool) -> Config:
+        overrides = [*self.spec.overrides, *(f"{k}={v}" for k, v in point.items())]
+        try:
+            config = load_config(self.spec.config, overrides)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {point_name(index, point)}: {err}") from None
+        run = replace(config.run, out_dir=str(self.out_dir / "runs" / point_name(index, point, trial)))
+        if trial and run.seed is not None:  # each trial is a separate run with its own randomness
+            run = replace(run, seed=run.seed + index)
+        return replace(config, run=run)
+
     def run(self) -> list[PointResult]:
         configs = self._configs or self.prepare()
-        points = self.spec.points()
-        names = [point_name(i, p) for i, p in enumerate(points)]
+        points = self._points
+        names = [point_name(i, p, bool(self.spec.private_tuning)) for i, p in enumerate(points)]
         shown = [{k: display_value(v) for k, v in p.items()} for p in points]
         # Points finished by an earlier invocation are results from the start, so an interrupted
         # rerun never drops them from sweep.jsonl.
@@ -248,7 +270,18 @@ class Sweep:
     def write_results(self, results: list[PointResult]) -> None:
         lines = "".join(json.dumps(r.record()) + "\n" for r in results)
         atomic_write_text(self.out_dir / RESULTS_NAME, lines)
-        atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec))
+        release = self.release(results) if self.tuning is not None and len(results) == len(self._points) else None
+        atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec, len(self._points), release))
+
+    def release(self, results: list[PointResult]) -> dict[str, Any]:
+        """Private tuning: the best run and its epsilon with the tuning composed."""
+        done = sorted_done(results, self.spec.metric, self.spec.ascending)
+        best = done[0] if done else None
+        delta = best.summary.get("delta") if best else None
+        record = tuning_release(self.tuning, best.run_dir if best else None, [r.run_dir for r in done], delta)
+        record.update(trials=len(self._points), metric=self.spec.metric, value=best.summary[self.spec.metric] if best else None)
+        atomic_write_text(self.out_dir / RELEASE_NAME, json.dumps(json_safe(record), indent=2) + "\n")
+        return record
 
 
 def read_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -270,8 +303,11 @@ def sorted_done(results: list[PointResult], metric: str, ascending: bool) -> lis
     return sorted(done, key=lambda r: r.summary[metric], reverse=not ascending)
 
 
-def results_table(results: list[PointResult], spec: SweepSpec) -> str:
-    """Markdown: the finished points sorted by the metric, then failures, then the caveat."""
+def results_table(
+    results: list[PointResult], spec: SweepSpec, total: int | None = None, release: dict[str, Any] | None = None
+) -> str:
+    """Markdown: the finished points sorted by the metric, then failures, then the caveat (or,
+    for private tuning, what may be released)."""
     keys = [k for k, _ in spec.grid]
     metric = spec.metric
     done = sorted_done(results, metric, spec.ascending)
@@ -281,7 +317,7 @@ def results_table(results: list[PointResult], spec: SweepSpec) -> str:
     header = ["rank", *keys, metric, *extra, "run"]
     order = "ascending" if spec.ascending else "descending"
     lines = [
-        f"# Sweep: {len(done)} of {len(spec.points())} points done, sorted by {metric} ({order})",
+        f"# Sweep: {len(done)} of {total or len(spec.points())} {'trials' if spec.private_tuning else 'points'} done, sorted by {metric} ({order})",
         "",
         f"config: {spec.config or '(defaults)'}" + (f"; --set {' '.join(spec.overrides)}" if spec.overrides else ""),
         "",
@@ -304,7 +340,25 @@ def results_table(results: list[PointResult], spec: SweepSpec) -> str:
             "epsilon; it is what the reference run they stand for would spend.",
         ]
     notes = {n for r in done for n in (r.summary.get("guarantee_caveats") or []) if not n.startswith("TAN SIMULATION")}
-    lines += ["", f"**{TUNING_CAVEAT}.**"]
+    lines += ["", tuning_text(spec, release)]
     lines += [f"\nWARNING: {n}" for n in sorted(notes)]
     return "\n".join(lines) + "\n"
 
+
+
+def tuning_text(spec: SweepSpec, release: dict[str, Any] | None) -> str:
+    """The sweep's statement about tuning: the caveat, or the private tuning's release."""
+    if not spec.private_tuning:
+        return f"**{TUNING_CAVEAT}.**"
+    if release is None:
+        return "**Private tuning in progress: nothing may be released before every drawn trial has finished.**"
+    if release["released_run"] is None:
+        return f"**Private tuning ({release['distribution']}, {release['trials']} trials drawn): nothing to release.**"
+    return (
+        f"**Private tuning (Papernot & Steinke 2022, {release['distribution']}, {release['trials']} trials drawn): "
+        f"release only {Path(release['released_run']).name} ({release['metric']}={_fmt(release['value'])}) with "
+        f"epsilon={release['tuned_epsilon']:.4g} at delta={release['delta']:g} (RDP, the tuning included; one run alone: "
+        f"{release['run_epsilon_rdp']:.4g} RDP). The other "
+        f"rows are for the tuner alone: releasing them is not covered. The selection {release['metric']} must come "
+        "from data outside the private training set (it does for test_accuracy on a separate test split).**"
+    )
