@@ -17,6 +17,7 @@ from dpscale.audit.run import AuditFault, run_audit, verdict_for
 from dpscale.cli import main
 from dpscale.config import ConfigError, load_config
 from dpscale.privacy.audit_bound import (
+    audit_ceiling,
     audit_p_value,
     best_guesses,
     default_guess_rules,
@@ -177,3 +178,13 @@ def test_refusals(tmp_path, capsys):
 
 def test_verdict_lines():
     assert verdict_for(0.5, 1.0, 0.95)[0] and not verdict_for(1.5, 1.0, 0.95)[0]
+    assert "cannot refute 8" in verdict_for(2.0, 8.0, 0.95, ceiling=5.2)[1]
+
+
+def test_ceiling_is_every_guess_right_and_capped_by_delta():
+    rules = default_guess_rules(1000)
+    each = 1 - 0.05 / len(rules)
+    expected = max(epsilon_lower_bound(canaries=1000, guesses=a + b, correct=a + b, delta=1e-5, confidence=each) for a, b in rules)
+    assert audit_ceiling(1000, delta=1e-5) == pytest.approx(expected)
+    # the 2 m delta term: 20x the canaries barely moves it at delta 1e-5, but does at delta 0
+    assert audit_ceiling(20000, delta=1e-5) < 6 < 8 < audit_ceiling(20000, delta=0)

@@ -76,7 +76,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     print(f"  guesses: {result.guesses} ({result.guess_in} in, {result.guess_out} out), {result.correct} right; "
           f"best of {result.rules_tried} rules, union-bounded")  # fmt: skip
     print(f"  eps_lower_bound = {result.eps_lower_bound:.4f} at {100 * result.confidence:g}% confidence; "
-          f"claimed epsilon = {result.epsilon:.4f} at delta = {result.delta:g}")  # fmt: skip
+          f"claimed epsilon = {result.epsilon:.4f} at delta = {result.delta:g} (this audit can show at most "
+          f"{result.eps_ceiling:.3g})")  # fmt: skip
     print(f"  {result.verdict}")
     print(f"  run_dir={result.run_dir}" + (f" plot={result.plot}" if result.plot else ""))
     return 0

@@ -17,7 +17,7 @@ from dpscale._io import atomic_write_text
 from dpscale.audit import AUDIT_NAME, DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
 from dpscale.config import Config, ConfigError
-from dpscale.privacy.audit_bound import best_guesses, default_guess_rules
+from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
 from dpscale.rng import DPRandom
 
 
@@ -47,6 +47,7 @@ class AuditResult:
     epsilon: float
     delta: float
     confidence: float
+    eps_ceiling: float  # the most these canaries and rules could show (every guess right)
     guesses: int
     correct: int
     guess_in: int
@@ -63,16 +64,21 @@ class AuditResult:
         return asdict(self)
 
 
-def verdict_for(eps_lower_bound: float, epsilon: float, confidence: float) -> tuple[bool, str]:
-    """(passed, the verdict line) for a measured bound against the claimed epsilon."""
+def verdict_for(eps_lower_bound: float, epsilon: float, confidence: float, ceiling: float = math.inf) -> tuple[bool, str]:
+    """(passed, the verdict line) for a measured bound against the claimed epsilon (``ceiling``:
+    the most this audit could have shown)."""
     if eps_lower_bound > epsilon:
         return False, (
             f"FAIL: the run leaks more than it claims: epsilon >= {eps_lower_bound:.3g} with {100 * confidence:g}% "
             f"confidence, but it claims epsilon = {epsilon:.3g} (a bug in clipping, noise or accounting)"
         )
+    weak = (
+        f"; this audit could show at most {ceiling:.3g} (its canaries and delta), so it cannot refute {epsilon:.3g}"
+        if ceiling <= epsilon else ""
+    )
     return True, (
         f"PASS: no violation found (epsilon >= {eps_lower_bound:.3g} at {100 * confidence:g}% confidence, claimed "
-        f"{epsilon:.3g}); an audit can refute a claim, never prove it"
+        f"{epsilon:.3g}){weak}; an audit can refute a claim, never prove it"
     )
 
 
@@ -135,11 +141,12 @@ def run_audit(
     scores = audit.scores(trainer.model)
     outcome = best_guesses(scores, audit.included, delta=trainer.plan.delta, confidence=confidence, rules=rules)
     epsilon = trainer.epsilon()
-    passed, verdict = verdict_for(outcome.eps_lower_bound, epsilon, confidence)
+    ceiling = audit_ceiling(audit.m, delta=trainer.plan.delta, confidence=confidence, rules=rules)
+    passed, verdict = verdict_for(outcome.eps_lower_bound, epsilon, confidence, ceiling)
     plot_path = plot_scores(scores, audit.included, trainer.run_dir / PLOT_NAME, outcome, kind) if plot else None
     result = AuditResult(
         kind=kind, canaries=audit.m, included=int(audit.included.sum()), eps_lower_bound=outcome.eps_lower_bound,
-        epsilon=epsilon, delta=trainer.plan.delta, confidence=confidence, guesses=outcome.guesses,
+        epsilon=epsilon, delta=trainer.plan.delta, confidence=confidence, eps_ceiling=ceiling, guesses=outcome.guesses,
         correct=outcome.correct, guess_in=outcome.guess_in, guess_out=outcome.guess_out,
         rules_tried=len(rules) if rules else len(default_guess_rules(audit.m)), audit_seed=seed, verdict=verdict,
         passed=passed, run_dir=str(trainer.run_dir), plot=str(plot_path) if plot_path else None,

@@ -159,3 +159,23 @@ def best_guesses(
             best = outcome
     assert best is not None
     return best
+
+
+def audit_ceiling(canaries: int, *, delta: float, confidence: float = 0.95, rules: Sequence[tuple[int, int]] | None = None) -> float:
+    """The largest bound these guessing rules can give, every guess right: a claimed epsilon above it
+    cannot be refuted by this audit, whatever the run does (the delta term 2 m delta caps it, so
+    more canaries do not lift it past about 5.4 at delta = 1e-5).
+
+    Args:
+        canaries: m.
+        delta, confidence, rules: as for ``best_guesses``.
+
+    Returns:
+        epsilon.
+    """
+    rules = list(rules) if rules else default_guess_rules(canaries)
+    each = 1 - (1 - confidence) / len(rules)
+    return max(
+        epsilon_lower_bound(canaries=canaries, guesses=k_in + k_out, correct=k_in + k_out, delta=delta, confidence=each)
+        for k_in, k_out in rules
+    )
