@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,7 +62,10 @@ class AuditResult:
     test_accuracy: float
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as plain JSON values (infinities and NaN as null)."""
+        from dpscale.train.metrics import json_safe
+
+        return json_safe(asdict(self))
 
 
 def verdict_for(eps_lower_bound: float, epsilon: float, confidence: float, ceiling: float = math.inf) -> tuple[bool, str]:
@@ -93,6 +97,8 @@ def audit_config_problems(config: Config) -> list[str]:
         problems.append(f"dp.sampling={config.dp.sampling} (the accounting covers Poisson sampling only)")
     if config.dp.simulated_batch_size is not None:
         problems.append("dp.simulated_batch_size (a TAN simulation claims no epsilon to test)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        problems.append("torchrun (run the audit as one process)")
     return problems
 
 
@@ -134,7 +140,7 @@ def run_audit(
     trainer = Trainer.create(config, progress=progress, hooks=audit.hooks(fault))
     if not trainer.plan.is_private:
         raise ConfigError("dpscale audit needs a private run: a non-private run claims no epsilon to test")
-    audit.plan = trainer.plan
+    audit.plan = trainer.plan  # the observer scores residuals with the run's q and sigma
     if fault is not None and fault.noise_scale != 1:
         trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
     summary = trainer.run()
