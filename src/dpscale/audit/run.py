@@ -7,6 +7,7 @@ import json
 import math
 import os
 import secrets
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -141,6 +142,12 @@ def run_audit(
     if not trainer.plan.is_private:
         raise ConfigError("dpscale audit needs a private run: a non-private run claims no epsilon to test")
     audit.plan = trainer.plan  # the observer scores residuals with the run's q and sigma
+    if progress:
+        print(
+            f"audit: {audit.m} {kind} canaries, {int(audit.included.sum())} included; N = {trainer.plan.dataset_size} "
+            f"counts them (q = {trainer.plan.sample_rate:.4g}, claimed epsilon = {trainer.plan.epsilon:.4g})",
+            file=sys.stderr,
+        )
     if fault is not None and fault.noise_scale != 1:
         trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
     summary = trainer.run()
