@@ -163,6 +163,10 @@ def test_cli_json_is_the_last_line(tmp_path, capsys):
     for key in ("eps_lower_bound", "epsilon", "confidence", "guesses", "correct", "verdict"):
         assert key in result
     assert (tmp_path / "cli" / "audit.json").exists() and (tmp_path / "cli" / "audit_scores.png").stat().st_size > 1000
+    # its training set holds canaries its config does not describe: resume and eval refuse it
+    assert main(["train", "--resume", str(tmp_path / "cli")]) == 2
+    assert main(["eval", str(tmp_path / "cli")]) == 2
+    assert "dpscale audit` run" in capsys.readouterr().err
 
 
 def test_refusals(tmp_path, capsys):

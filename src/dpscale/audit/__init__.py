@@ -27,5 +27,4 @@ Two kinds of canary:
 AUDIT_KINDS = ("gradient", "input")
 DEFAULT_CANARIES = 1000
 DEFAULT_CONFIDENCE = 0.95
-AUDIT_NAME = "audit.json"
 PLOT_NAME = "audit_scores.png"

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from dpscale._io import atomic_write_text
-from dpscale.audit import AUDIT_NAME, DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
+from dpscale.audit import DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
 from dpscale.config import Config, ConfigError
 from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
 from dpscale.rng import DPRandom
+from dpscale.train.rundir import AUDIT_NAME
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ def run_audit(
     if not trainer.plan.is_private:
         raise ConfigError("dpscale audit needs a private run: a non-private run claims no epsilon to test")
     audit.plan = trainer.plan  # the observer scores residuals with the run's q and sigma
+    # the marker first: resume and eval refuse this directory (its N counts canaries its config lacks)
+    atomic_write_text(trainer.run_dir / AUDIT_NAME, json.dumps({"status": "running", "kind": kind, "canaries": audit.m}) + "\n")
     if progress:
         print(
             f"audit: {audit.m} {kind} canaries, {int(audit.included.sum())} included; N = {trainer.plan.dataset_size} "

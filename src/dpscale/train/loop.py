@@ -41,6 +41,7 @@ from dpscale.train.plan_config import check_plan_against_config, plan_from_confi
 from dpscale.rng import DPRandom, noise_generator
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, save_checkpoint
 from dpscale.train.rundir import (  # noqa: F401 - the file names, re-exported for callers
+    AUDIT_NAME,
     CONFIG_NAME,
     METRICS_NAME,
     SUMMARY_NAME,
@@ -442,6 +443,11 @@ class Trainer:
     @classmethod
     def load(cls, run_dir: str | Path, progress: bool = False) -> "Trainer":
         """The run in ``run_dir`` at its checkpoint, read-only (nothing in the directory changes)."""
+        if (Path(run_dir) / AUDIT_NAME).exists():
+            raise ConfigError(
+                f"{run_dir} is a `dpscale audit` run: its training set holds canaries its config does not describe, "
+                "so it cannot be resumed or evaluated; run `dpscale audit` again"
+            )
         config, state = read_run(run_dir)
         trainer = cls(config, progress, plan=DPPlan(**state["plan"]), feature_norm=state.get("feature_norm"))
         trainer.load_state(state)

@@ -20,6 +20,7 @@ from dpscale.config import Config, ConfigError, load_config, save_config
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
+AUDIT_NAME = "audit.json"  # marks a `dpscale audit` run (canaries in its training set), with its result
 RUN_FILES = (CONFIG_NAME, CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME)
 
 __all__ = ["CHECKPOINT_NAME", "CONFIG_NAME", "METRICS_NAME", "RUN_FILES", "SUMMARY_NAME", "claim", "default_out_dir", "holds_run", "read_run"]
