@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.audit.canaries import DIRAC_SCALE, CanaryAudit, DiracCanaryEngine
+from dpscale.audit.canaries import DIRAC_SCALE, CanaryAudit, CanaryEngine
 from dpscale.audit.run import AuditFault, run_audit, verdict_for
 from dpscale.cli import main
 from dpscale.config import ConfigError, load_config
@@ -98,38 +98,47 @@ def test_guess_counting_and_union_bound():
     assert best.eps_lower_bound < epsilon_lower_bound(canaries=400, guesses=r, correct=v, delta=1e-5, confidence=0.95)
 
 
-def test_dirac_engine_adds_exactly_c_on_the_canary_coordinate():
+def test_canary_engine_adds_exactly_c_for_included_and_nothing_for_excluded():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     params = trainable_params(model)
     inner = VmapEngine(0.5, views=1)
-    engine = DiracCanaryEngine(inner, [("1.weight", 5), ("1.bias", 2)], DIRAC_SCALE * 0.5)
-    x = torch.randn(4, 1, 2, 2)
-    y = torch.tensor([0, -2, 1, 2])  # example 1 is canary 1 (bias coordinate 2)
+    included = np.array([True, True, False])
+    engine = CanaryEngine(inner, included, [("1.weight", 5), ("1.bias", 2), ("1.bias", 0)], DIRAC_SCALE * 0.5)
+    x = torch.randn(5, 1, 2, 2)
+    y = torch.tensor([0, -2, 1, -3, 2])  # rows 1 and 3: canary 1 (included, bias 2) and canary 2 (excluded, bias 0)
     got, norms, losses = engine.clipped_sum_and_losses(model, params, (x, y))
     keep = y >= 0
     expected, _, _ = inner.clipped_sum_and_losses(model, params, (x[keep], y[keep]))
     assert torch.allclose(got["1.weight"], expected["1.weight"])
     delta = got["1.bias"] - expected["1.bias"]
     assert delta[2].item() == pytest.approx(0.5, rel=1e-5) and delta[[0, 1]].abs().max() == 0
-    assert len(norms) == 4 and len(losses) == 4
+    assert len(norms) == 5 and len(losses) == 5
     assert engine.data_sum[1].item() == pytest.approx(expected["1.bias"][2].item(), rel=1e-6)
+    # input canaries: placeholders (the excluded ones) drop out, the rest is the inner engine's
+    plain = CanaryEngine(inner, included)
+    got, norms, _ = plain.clipped_sum_and_losses(model, params, (x, y))
+    assert all(torch.allclose(got[k], expected[k]) for k in got) and len(norms) == 3
 
 
 def _config(tmp_path, name, *overrides):
     return load_config(None, [f"run.out_dir={tmp_path / name}", "train.steps=30", "train.checkpoint_every_minutes=null", *overrides])
 
 
-def test_canaries_are_counted_in_n(tmp_path):
+def test_canaries_are_counted_in_n_whatever_their_membership(tmp_path):
     from dpscale.train.loop import Trainer
 
     plain = Trainer.create(_config(tmp_path, "plain", "run.seed=0"), progress=False)
     n = plain.plan.dataset_size
-    for kind, expected in (("gradient", lambda a: n + a.included.sum()), ("input", lambda a: n - 100 + a.included.sum())):
-        audit = CanaryAudit(kind, 100, seed=3)
-        trainer = Trainer.create(_config(tmp_path, kind, "run.seed=0"), progress=False, hooks=audit.hooks())
-        assert trainer.plan.dataset_size == expected(audit)
-        assert trainer.plan.sample_rate == pytest.approx(256 / trainer.plan.dataset_size)
+    for kind, expected in (("gradient", n + 100), ("input", n)):  # input canaries are taken from the data
+        plans = []
+        for seed in (3, 4):  # different memberships, the same N, q, sigma and steps
+            audit = CanaryAudit(kind, 100, seed=seed)
+            trainer = Trainer.create(_config(tmp_path, f"{kind}{seed}", "run.seed=0"), progress=False, hooks=audit.hooks())
+            assert trainer.plan.dataset_size == expected
+            assert trainer.plan.sample_rate == pytest.approx(256 / expected)
+            plans.append((trainer.plan.noise_multiplier, trainer.plan.steps))
+        assert plans[0] == plans[1] and audit.included.sum() not in (0, 100)
 
 
 @pytest.mark.parametrize("epsilon", [1.0, 3.0, 8.0])
@@ -170,8 +179,13 @@ def test_cli_json_is_the_last_line(tmp_path, capsys):
 
 
 def test_refusals(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="private run"):
+    with pytest.raises(ConfigError, match="non-private run"):
         run_audit(_config(tmp_path, "np", "dp.epsilon=null", "dp.noise_multiplier=0"), canaries=10, progress=False)
+    assert not (tmp_path / "np").exists()  # refused before anything was claimed or trained
+    with pytest.raises(ConfigError, match="--guesses 300,0"):
+        run_audit(_config(tmp_path, "g3"), canaries=200, rules=[(300, 0)], progress=False)
+    with pytest.raises(ConfigError, match="got 1.5"):
+        run_audit(_config(tmp_path, "c"), canaries=200, confidence=1.5, progress=False)
     with pytest.raises(ConfigError, match="stream"):
         run_audit(_config(tmp_path, "st", "data.loader=stream"), canaries=10, progress=False)
     with pytest.raises(ConfigError, match="at most"):

@@ -76,7 +76,7 @@ def test_tuned_epsilon_of_a_dp_sgd_run():
         tuned_epsilon((), 1e-5, TuningDistribution("poisson", 10))
 
 
-@pytest.mark.parametrize("text", ["poisson:4", "geometric:4", "logarithmic:4", "negbin:0.5:4", "negbin:3:4"])
+@pytest.mark.parametrize("text", ["poisson:4", "geometric:4", "logarithmic:4", "negbin:0.5:4", "negbin:3:4", "negbin:3:1.2"])
 def test_number_of_runs_has_the_stated_distribution(text):
     tuning = parse_tuning_distribution(text)
     rng = np.random.default_rng(0)
@@ -90,8 +90,14 @@ def test_number_of_runs_has_the_stated_distribution(text):
             assert abs((draws == k).mean() - pmf) < 5 * math.sqrt(pmf * (1 - pmf) / len(draws))
 
 
+def test_a_mean_of_one_is_one_run():
+    rng = np.random.default_rng(0)
+    for text in ("geometric:1", "logarithmic:1", "negbin:0.5:1", "negbin:3:1"):
+        assert {parse_tuning_distribution(text).sample(rng) for _ in range(100)} == {1}
+
+
 def test_bad_distributions_are_refused():
-    for text in ("poisson", "uniform:3", "geometric:0.5", "negbin:0:3", "poisson:x"):
+    for text in ("poisson", "uniform:3", "geometric:0.5", "negbin:0:3", "poisson:x", "poisson:0.5"):
         with pytest.raises(ValueError):
             parse_tuning_distribution(text)
 
@@ -101,25 +107,53 @@ def _sweep(tmp_path, *extra):
                  "--set", "train.steps=4", "--set", "run.seed=0", *extra])  # fmt: skip
 
 
-def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, capsys):
+def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, monkeypatch):
+    import dpscale.tune.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [2, 0, 2])  # a repeated point too
     assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
     manifest = json.loads((tmp_path / "sw" / "sweep.json").read_text())
-    trials = manifest["trials"]
+    assert manifest["trials"] == [2, 0, 2]
     runs = sorted(p.name for p in (tmp_path / "sw" / "runs").iterdir())
-    assert len(runs) == len(trials) and all(r.startswith("trial-") for r in runs)
+    assert runs == ["trial-000-optim.lr=2", "trial-001-optim.lr=0.5", "trial-002-optim.lr=2"]
     release = json.loads((tmp_path / "sw" / "release.json").read_text())
+    history = read_source_run(release["released_run"]).history
+    assert release["tuned_epsilon"] == pytest.approx(tuned_epsilon(history, 1e-5, TuningDistribution("poisson", 3.0)))
+    assert release["tuned_epsilon"] > release["run_epsilon_rdp"]
     table = (tmp_path / "sw" / "sweep.md").read_text()
-    if trials:
-        history = read_source_run(release["released_run"]).history
-        assert release["tuned_epsilon"] == pytest.approx(tuned_epsilon(history, 1e-5, TuningDistribution("poisson", 3.0)))
-        assert release["tuned_epsilon"] > release["run_epsilon_rdp"]
-        assert "release only" in table and "Papernot & Steinke" in table
-    else:
-        assert release["released_run"] is None and "nothing to release" in table
-    # rerunning resumes the same draws: nothing is drawn or trained again
+    assert "release only" in table and "Papernot & Steinke" in table and "3 of 3 trials" in table
+    # rerunning resumes the same draws (even if a fresh draw would differ): nothing is trained again
+    monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [1])
     assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
-    assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["trials"] == trials
+    assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["trials"] == [2, 0, 2]
     assert sorted(p.name for p in (tmp_path / "sw" / "runs").iterdir()) == runs
+    assert json.loads((tmp_path / "sw" / "release.json").read_text()) == release
+    # another grid in the same directory is a different sweep
+    assert main(["sweep", "--quiet", "--out", str(tmp_path / "sw"), "--grid", "optim.lr=3", "--set", "train.steps=4",
+                 "--set", "run.seed=0", "--private-tuning", "poisson:3"]) == 2  # fmt: skip
+
+
+def test_no_trials_release_nothing_and_failed_trials_are_final(tmp_path, monkeypatch):
+    import dpscale.tune.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [])
+    assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
+    assert json.loads((tmp_path / "sw" / "release.json").read_text())["released_run"] is None
+    assert "nothing to release" in (tmp_path / "sw" / "sweep.md").read_text()
+    assert "0 of 0 trials" in (tmp_path / "sw" / "sweep.md").read_text()
+    monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [0])
+    calls = []
+
+    def failing_create(config, progress=True, hooks=None):
+        calls.append(config.run.out_dir)
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(sweep_module.Trainer, "create", staticmethod(failing_create))
+    out = ["--out", str(tmp_path / "f")]
+    args = ["sweep", "--quiet", *out, "--grid", "optim.lr=1", "--set", "train.steps=4", "--private-tuning", "geometric:2"]
+    assert main(args) == 1 and main(args) == 1
+    assert len(calls) == 1  # the failed trial is not run again
+    assert json.loads((tmp_path / "f" / "release.json").read_text())["released_run"] is None
 
 
 def test_private_tuning_refusals(tmp_path, capsys):
@@ -127,5 +161,10 @@ def test_private_tuning_refusals(tmp_path, capsys):
     assert "same privacy cost" in capsys.readouterr().err
     assert main(["tune", "clip-lr", "--out", str(tmp_path / "b"), "--private-tuning", "geometric:3"]) == 2
     assert "sigma=0" in capsys.readouterr().err
+    assert main(["sweep", "--out", str(tmp_path / "c"), "--grid", "optim.lr=1,2", "--set", "dp.epsilon=null",
+                 "--set", "dp.noise_multiplier=0", "--private-tuning", "geometric:3"]) == 2  # fmt: skip
+    assert "without noise" in capsys.readouterr().err and not (tmp_path / "c" / "runs").exists()
+    assert main(["sweep", "--out", str(tmp_path / "d"), "--grid", "optim.lr=1,2", "--private-tuning", "poisson:0.5"]) == 2
+    assert ">= 1" in capsys.readouterr().err
     assert _sweep(tmp_path) == 0  # without it, the caveat stays
     assert "NOT covered" in (tmp_path / "sw" / "sweep.md").read_text()

@@ -44,6 +44,8 @@ def test_secure_state_holds_nothing():
     generator.load_state_dict(generator.state_dict())
     with pytest.raises(ValueError, match="seeded generator"):
         generator.load_state_dict(DPRandom(0).state_dict())
+    with pytest.raises(ValueError, match="resume it with dp.secure_noise"):
+        DPRandom(0).load_state_dict(generator.state_dict())
     a, b = SecureRandom().normal((8,)), SecureRandom().normal((8,))
     assert not torch.equal(a, b)
 

@@ -187,8 +187,9 @@ class DPConfig:
         dp.epsilon; it reports the reference run's epsilon it stands for. Null: a normal run.
     sampling: "poisson" (what the accountant assumes) or "shuffle" (labelled as not covered).
     accountant: "pld" (tightest) or "rdp".
-    secure_noise: draw the Gaussian noise from the operating system's cryptographically secure
-        generator (os.urandom) instead of the seeded 128-bit stream: nothing (not run.seed, not the
+    secure_noise: draw the Gaussian noise (DP-SGD's and Data Normalization's) from the operating
+        system's cryptographically secure generator (os.urandom) instead of the seeded 128-bit
+        stream: nothing (not run.seed, not the
         checkpoint) can reproduce it; a resumed run continues with fresh noise, so resume is no
         longer bit-identical. Batch sampling stays on the seeded stream.
     """

@@ -215,6 +215,8 @@ class DPRandom:
         Raises:
             ValueError: if ``state`` is not a DPRandom state (e.g. a torch generator's ByteTensor).
         """
+        if isinstance(state, dict) and state.get("bit_generator") == SECURE_SOURCE:
+            raise ValueError("this checkpoint's noise came from dp.secure_noise (it holds no state to continue); resume it with dp.secure_noise")
         if not is_dprandom_state(state):
             raise ValueError(f"not a {BIT_GENERATOR} DPRandom state: {type(state).__name__}")
         self._bit_generator.state = copy.deepcopy(state)
@@ -297,5 +299,5 @@ class SecureRandom(DPRandom):
 
 
 def noise_generator(seed: int, secure: bool) -> DPRandom:
-    """The noise generator of a run: ``SecureRandom`` for dp.secure_noise, else ``DPRandom(seed)``."""
+    """A noise generator (DP-SGD, Data Normalization): ``SecureRandom`` for dp.secure_noise, else ``DPRandom(seed)``."""
     return SecureRandom() if secure else DPRandom(seed)

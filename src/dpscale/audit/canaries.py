@@ -21,26 +21,34 @@ from dpscale.train.hooks import RunHooks
 DIRAC_SCALE = 1000.0  # a gradient canary's norm, in units of C: clipping must cut it to C
 
 
-class DiracCanaryEngine(ClippedSumMixin):
-    """Wraps a clipping engine: placeholder rows (label -1 - i) become gradient canary i, whose
-    per-example gradient is ``magnitude`` on one coordinate, clipped by the inner engine's C.
+class CanaryEngine(ClippedSumMixin):
+    """Wraps a clipping engine: a placeholder row (label -1 - i) is canary i. An excluded canary
+    contributes nothing (the noisy sum is then distributed exactly as without it, while N and q
+    stay independent of membership); an included gradient canary contributes ``magnitude`` on its
+    own coordinate, clipped by the inner engine's C.
 
     Args:
         inner: the run's checked engine (it clips the real examples).
-        coordinates: per canary, (parameter name, flat index); all distinct.
-        magnitude: the canary gradient's norm before clipping.
+        included: per canary, whether it is in the training set.
+        coordinates: per canary, (parameter name, flat index), all distinct (gradient canaries);
+            None for input canaries, whose included ones are ordinary examples.
+        magnitude: a gradient canary's norm before clipping.
     """
 
-    def __init__(self, inner: PerExampleEngine, coordinates: Sequence[tuple[str, int]], magnitude: float) -> None:
+    def __init__(
+        self, inner: PerExampleEngine, included: np.ndarray, coordinates: Sequence[tuple[str, int]] | None = None,
+        magnitude: float = 0.0,
+    ) -> None:  # fmt: skip
         self.inner, self.magnitude = inner, float(magnitude)
         self.name = inner.name
+        self.dirac = torch.from_numpy(np.asarray(included, dtype=bool) & (coordinates is not None))
         groups: dict[str, tuple[list[int], list[int]]] = {}
-        for canary, (name, flat) in enumerate(coordinates):
+        for canary, (name, flat) in enumerate(coordinates or ()):
             groups.setdefault(name, ([], []))[0].append(canary)
             groups[name][1].append(flat)
         self.groups = {name: (torch.tensor(ids), torch.tensor(flats)) for name, (ids, flats) in groups.items()}
         # the real examples' clipped sum on the canary coordinates, this step (the auditor's side knowledge)
-        self.data_sum = torch.zeros(len(coordinates), dtype=torch.float64)
+        self.data_sum = torch.zeros(len(self.dirac), dtype=torch.float64)
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -57,12 +65,13 @@ class DiracCanaryEngine(ClippedSumMixin):
         else:
             grad_sum, norms, losses = self.empty_result(params, x)
         self.data_sum += self.at_coordinates(grad_sum)
-        if not bool(is_canary.any()):
+        if not self.groups or not bool(is_canary.any()):  # input canaries: excluded placeholders just drop out
             return grad_sum, norms, losses
         ids = (-1 - y[is_canary]).cpu()
-        canary_norms = torch.full((len(ids),), self.magnitude, dtype=norms.dtype, device=norms.device)
+        # an included gradient canary's norm is the magnitude; an excluded one's gradient is zero
+        canary_norms = torch.where(self.dirac[ids], self.magnitude, 0.0).to(norms.dtype).to(norms.device)
         values = torch.zeros(len(self.data_sum), dtype=torch.float64)
-        values[ids] = (clip_factors(canary_norms, self.max_grad_norm) * self.magnitude).double().cpu()
+        values[ids] = (clip_factors(canary_norms, self.max_grad_norm) * canary_norms).double().cpu()
         grad_sum = dict(grad_sum)
         for name, (group_ids, flats) in self.groups.items():
             added = values[group_ids]
@@ -75,7 +84,7 @@ class DiracCanaryEngine(ClippedSumMixin):
     def at_coordinates(self, tensors: Params) -> torch.Tensor:
         """The canaries' coordinates of ``tensors`` (by parameter name), as float64 on the CPU."""
         out = torch.zeros(len(self.data_sum), dtype=torch.float64)
-        for name, (ids, flats) in self.groups.items():
+        for name, (ids, flats) in self.groups.items():  # none for input canaries
             out[ids] = tensors[name].reshape(-1)[flats.to(tensors[name].device)].double().cpu()
         return out
 
@@ -98,7 +107,7 @@ class CanaryAudit:
         self.kind, self.m, self.seed = kind, int(canaries), int(seed)
         self.rng = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(self.seed)))
         self.included = self.rng.random(self.m) < 0.5
-        self.engine: DiracCanaryEngine | None = None
+        self.engine: CanaryEngine | None = None
         self.llr = np.zeros(self.m)  # gradient canaries' scores, accumulated step by step
         self.plan: Any = None
 
@@ -108,23 +117,27 @@ class CanaryAudit:
 
     # ------------------------------------------------------------- training set
     def _training_set(self, data: ImageDataset) -> ImageDataset:
+        """All m canaries join the training set, so N (and q) do not depend on which are included:
+        an excluded canary is a placeholder (label -1 - i) whose gradient is zero (CanaryEngine)."""
         n = len(data.y_train)
+        device = data.y_train.device
+        ids = torch.arange(self.m)
+        placeholders = (-1 - ids).to(device, data.y_train.dtype)
         if self.kind == "input":
             if self.m > n // 2:
                 raise ConfigError(f"--canaries {self.m}: input canaries are taken from the {n} training images; use at most {n // 2}")
             chosen = torch.from_numpy(self.rng.choice(n, size=self.m, replace=False))
             shift = torch.from_numpy(self.rng.integers(1, data.info.num_classes, size=self.m))
             self.images = data.x_train[chosen.to(data.x_train.device)]
-            self.labels = (data.y_train[chosen.to(data.y_train.device)].cpu() + shift) % data.info.num_classes
+            self.labels = (data.y_train[chosen.to(device)].cpu() + shift) % data.info.num_classes
             keep = torch.ones(n, dtype=torch.bool)
             keep[chosen] = False
-            inside = torch.from_numpy(self.included)
-            x = torch.cat([data.x_train[keep.to(data.x_train.device)], self.images[inside.to(self.images.device)]])
-            y = torch.cat([data.y_train[keep.to(data.y_train.device)], self.labels[inside].to(data.y_train.device)])
-        else:  # placeholders: label -1 - i marks canary i for DiracCanaryEngine
-            ids = torch.from_numpy(np.flatnonzero(self.included))
-            x = torch.cat([data.x_train, data.x_train.new_zeros((len(ids), *data.x_train.shape[1:]))])
-            y = torch.cat([data.y_train, (-1 - ids).to(data.y_train.device, data.y_train.dtype)])
+            labels = torch.where(torch.from_numpy(self.included), self.labels, placeholders.cpu()).to(device)
+            x = torch.cat([data.x_train[keep.to(data.x_train.device)], self.images])
+            y = torch.cat([data.y_train[keep.to(device)], labels])
+        else:
+            x = torch.cat([data.x_train, data.x_train.new_zeros((self.m, *data.x_train.shape[1:]))])
+            y = torch.cat([data.y_train, placeholders])
         return replace(data, x_train=x, y_train=y, info=replace(data.info, num_train=len(y)))
 
     # ------------------------------------------------------------------ engine
@@ -133,7 +146,8 @@ class CanaryAudit:
             engine = replace(engine, max_grad_norm=engine.max_grad_norm * fault.clip_scale)  # type: ignore[type-var]
         if self.kind == "input":
             self.initial_losses = self.canary_losses(model)
-            return engine
+            self.engine = CanaryEngine(engine, self.included)  # drops the excluded placeholders
+            return self.engine
         params = trainable_params(model)
         sizes = [(name, p.numel()) for name, p in sorted(params.items())]
         total = sum(size for _, size in sizes)
@@ -147,7 +161,7 @@ class CanaryAudit:
             k = int(np.searchsorted(starts, index, side="right") - 1)
             coordinates.append((sizes[k][0], int(index - starts[k])))
         clip = self.max_grad_norm_of(engine, fault)
-        self.engine = DiracCanaryEngine(engine, coordinates, DIRAC_SCALE * clip)
+        self.engine = CanaryEngine(engine, self.included, coordinates, DIRAC_SCALE * clip)
         return self.engine
 
     @staticmethod
@@ -162,7 +176,7 @@ class CanaryAudit:
         """Score the gradient canaries on one released gradient: the residual r of canary i's
         coordinate (noisy sum minus the data's clipped sum, in units of C) is N(0, sigma^2) if
         absent and q N(1, sigma^2) + (1 - q) N(0, sigma^2) if included: add its log-likelihood ratio."""
-        if self.engine is None:
+        if self.engine is None or not self.engine.groups:  # input canaries are scored at the end
             return
         plan = self.plan
         clip = plan.max_grad_norm

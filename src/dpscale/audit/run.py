@@ -18,7 +18,7 @@ import torch
 from dpscale._io import atomic_write_text
 from dpscale.audit import DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
-from dpscale.config import Config, ConfigError
+from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
 from dpscale.rng import DPRandom
 from dpscale.train.rundir import AUDIT_NAME
@@ -132,37 +132,21 @@ def run_audit(
     Returns:
         the result, also written to ``<run_dir>/audit.json``.
     """
-    from dpscale.train.loop import Trainer
-
-    problems = audit_config_problems(config)
-    if problems:
-        raise ConfigError("dpscale audit does not support " + "; ".join(problems))
+    check_audit_request(config, canaries=canaries, confidence=confidence, rules=rules)
     seed = audit_seed if audit_seed is not None else config.run.seed if config.run.seed is not None else secrets.randbits(64)
     audit = CanaryAudit(kind, canaries, seed)
-    trainer = Trainer.create(config, progress=progress, hooks=audit.hooks(fault))
-    if not trainer.plan.is_private:
-        raise ConfigError("dpscale audit needs a private run: a non-private run claims no epsilon to test")
-    audit.plan = trainer.plan  # the observer scores residuals with the run's q and sigma
-    # the marker first: resume and eval refuse this directory (its N counts canaries its config lacks)
-    atomic_write_text(trainer.run_dir / AUDIT_NAME, json.dumps({"status": "running", "kind": kind, "canaries": audit.m}) + "\n")
-    if progress:
-        print(
-            f"audit: {audit.m} {kind} canaries, {int(audit.included.sum())} included; N = {trainer.plan.dataset_size} "
-            f"counts them (q = {trainer.plan.sample_rate:.4g}, claimed epsilon = {trainer.plan.epsilon:.4g})",
-            file=sys.stderr,
-        )
-    if fault is not None and fault.noise_scale != 1:
-        trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
+    trainer = _start_run(config, audit, progress, fault)
     summary = trainer.run()
     scores = audit.scores(trainer.model)
-    outcome = best_guesses(scores, audit.included, delta=trainer.plan.delta, confidence=confidence, rules=rules)
+    delta = trainer.plan.delta
+    outcome = best_guesses(scores, audit.included, delta=delta, confidence=confidence, rules=rules)
     epsilon = trainer.epsilon()
-    ceiling = audit_ceiling(audit.m, delta=trainer.plan.delta, confidence=confidence, rules=rules)
+    ceiling = audit_ceiling(audit.m, delta=delta, confidence=confidence, rules=rules)
     passed, verdict = verdict_for(outcome.eps_lower_bound, epsilon, confidence, ceiling)
     plot_path = plot_scores(scores, audit.included, trainer.run_dir / PLOT_NAME, outcome, kind) if plot else None
     result = AuditResult(
         kind=kind, canaries=audit.m, included=int(audit.included.sum()), eps_lower_bound=outcome.eps_lower_bound,
-        epsilon=epsilon, delta=trainer.plan.delta, confidence=confidence, eps_ceiling=ceiling, guesses=outcome.guesses,
+        epsilon=epsilon, delta=delta, confidence=confidence, eps_ceiling=ceiling, guesses=outcome.guesses,
         correct=outcome.correct, guess_in=outcome.guess_in, guess_out=outcome.guess_out,
         rules_tried=len(rules) if rules else len(default_guess_rules(audit.m)), audit_seed=seed, verdict=verdict,
         passed=passed, run_dir=str(trainer.run_dir), plot=str(plot_path) if plot_path else None,
@@ -170,6 +154,41 @@ def run_audit(
     )  # fmt: skip
     atomic_write_text(trainer.run_dir / AUDIT_NAME, json.dumps(result.as_json(), indent=2) + "\n")
     return result
+
+
+def check_audit_request(
+    config: Config, *, canaries: int, confidence: float, rules: Sequence[tuple[int, int]] | None
+) -> None:
+    """Refuse, before anything trains, what an audit cannot do or measure."""
+    problems = audit_config_problems(config)
+    if not is_private_config(config.dp):
+        problems.append("a non-private run (it claims no epsilon to test)")
+    if problems:
+        raise ConfigError("dpscale audit does not support " + "; ".join(problems))
+    if not 0 < confidence < 1:
+        raise ConfigError(f"--confidence must be in (0, 1), got {confidence}")
+    for k_in, k_out in rules or ():
+        if k_in < 0 or k_out < 0 or k_in + k_out > canaries or k_in + k_out == 0:
+            raise ConfigError(f"--guesses {k_in},{k_out}: need k+, k- >= 0 with 0 < k+ + k- <= --canaries ({canaries})")
+
+
+def _start_run(config: Config, audit: CanaryAudit, progress: bool, fault: AuditFault | None) -> Any:
+    """The Trainer with the canaries in, the directory marked as an audit's, and any fault."""
+    from dpscale.train.loop import Trainer
+
+    trainer = Trainer.create(config, progress=progress, hooks=audit.hooks(fault))
+    audit.plan = trainer.plan  # the observer scores residuals with the run's q and sigma
+    # the marker first: resume and eval refuse this directory (its N counts canaries its config lacks)
+    atomic_write_text(trainer.run_dir / AUDIT_NAME, json.dumps({"status": "running", "canaries": audit.m}) + "\n")
+    if progress:
+        print(
+            f"audit: {audit.m} {audit.kind} canaries, {int(audit.included.sum())} included; N = {trainer.plan.dataset_size} "
+            f"counts all of them (q = {trainer.plan.sample_rate:.4g}, claimed epsilon = {trainer.plan.epsilon:.4g})",
+            file=sys.stderr,
+        )  # fmt: skip
+    if fault is not None and fault.noise_scale != 1:
+        trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
+    return trainer
 
 
 class _ScaledNoise(DPRandom):

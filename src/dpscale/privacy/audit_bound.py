@@ -76,7 +76,10 @@ def epsilon_lower_bound(*, canaries: int, guesses: int, correct: int, delta: flo
         high *= 2
         if high > 1e4:
             return math.inf
-    return float(optimize.brentq(excess, 0.0, high, xtol=1e-6, rtol=1e-10))
+    root = float(optimize.brentq(excess, 0.0, high, xtol=1e-9, rtol=1e-12))
+    while root > 0 and excess(root) >= 0:  # brentq may land just past the crossing: stay on the rejected side
+        root = max(0.0, root - 1e-9)
+    return root
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ SEEDED_CAVEAT = (
 )
 SEEDED_SECURE_NOISE_CAVEAT = (
     "run.seed is fixed: anyone who knows it (and the code) can replay the batch sampling, which the guarantee "
-    "assumes secret (the noise comes from the OS CSPRNG, dp.secure_noise, and cannot be replayed)"
+    "assumes secret (the noise of DP-SGD and of Data Normalization comes from the OS CSPRNG, dp.secure_noise, "
+    "and cannot be replayed)"
 )
 # train.self_check=false: the clipping engine was not compared with a per-example loop (DPPlan.engine_unchecked).
 ENGINE_UNCHECKED_CAVEAT = (

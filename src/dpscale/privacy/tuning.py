@@ -15,6 +15,7 @@ re-accounted with RDP here, so its tuned epsilon exceeds its PLD epsilon by more
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class TuningDistribution:
     Attributes:
         kind: "poisson" (K >= 0), "geometric" (eta = 1), "logarithmic" (eta = 0) or "negbin"
             (truncated negative binomial with shape ``eta``); all but Poisson have K >= 1.
-        mean: E[K] (>= 1 for the truncated ones, > 0 for Poisson).
+        mean: E[K], >= 1 (dp_accounting's bounds need it; for Poisson, Theorem 6's log(mean) term).
         eta: the shape of "negbin" (> 0; ignored otherwise).
     """
 
@@ -46,8 +47,8 @@ class TuningDistribution:
     def __post_init__(self) -> None:
         if self.kind not in TUNING_DISTRIBUTIONS:
             raise ValueError(f"unknown tuning distribution {self.kind!r}; use {TUNING_SYNTAX}")
-        if not (self.mean >= 1 or (self.kind == "poisson" and self.mean > 0)) or not math.isfinite(self.mean):
-            raise ValueError(f"the mean number of runs must be >= 1 (> 0 for poisson), got {self.mean}")
+        if not self.mean >= 1 or not math.isfinite(self.mean):
+            raise ValueError(f"the mean number of runs must be a number >= 1, got {self.mean}")
         if self.kind == "negbin" and not self.eta > 0:
             raise ValueError(f"negbin needs a shape eta > 0, got {self.eta}")
 
@@ -61,29 +62,48 @@ class TuningDistribution:
         return f"K ~ {self.kind}(mean={self.mean:g}{eta})"
 
     def gamma(self) -> float:
-        """The truncated negative binomial's gamma with this mean (bisection; the mean falls as gamma rises)."""
-        low, high = 1e-12, 1.0
-        for _ in range(200):
-            mid = (low + high) / 2
-            if truncated_negbin_mean(mid, self.shape) > self.mean:
-                low = mid
-            else:
-                high = mid
-        return high
+        """The truncated negative binomial's gamma with this mean (1 for a mean of 1: K = 1 surely)."""
+        return _gamma_for_mean(self.mean, self.shape)
 
     def sample(self, rng: np.random.Generator) -> int:
         """One draw of K."""
         if self.kind == "poisson":
             return int(rng.poisson(self.mean))
         gamma = self.gamma()
+        if gamma >= 1:
+            return 1
         if self.kind == "geometric":
             return int(rng.geometric(gamma))
         if self.kind == "logarithmic":
-            return int(rng.logseries(1 - gamma)) if gamma < 1 else 1
-        while True:  # negative binomial (failures before eta successes), conditioned on K >= 1
-            k = int(rng.negative_binomial(self.eta, gamma))
-            if k >= 1:
-                return k
+            return int(rng.logseries(1 - gamma))
+        return _negbin_inverse_cdf(float(rng.random()), self.eta, gamma)
+
+
+def _negbin_inverse_cdf(u: float, eta: float, gamma: float) -> int:
+    """The K >= 1 with P[K < k] <= u < P[K <= k] under D_{eta, gamma} (Definition 1), walking the
+    pmf by its ratio P[k + 1] / P[k] = (1 - gamma)(k + eta) / (k + 1)."""
+    k, pmf = 1, (1 - gamma) * eta / (gamma**-eta - 1)
+    total = pmf
+    while total <= u and pmf > 0:
+        pmf *= (1 - gamma) * (k + eta) / (k + 1)
+        total += pmf
+        k += 1
+    return k
+
+
+@functools.lru_cache(maxsize=64)
+def _gamma_for_mean(mean: float, eta: float) -> float:
+    """Bisection for gamma: the mean of D_{eta, gamma} falls as gamma rises."""
+    if mean == 1:
+        return 1.0
+    low, high = 1e-12, 1.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        if truncated_negbin_mean(mid, eta) > mean:
+            low = mid
+        else:
+            high = mid
+    return high
 
 
 def truncated_negbin_mean(gamma: float, eta: float) -> float:

@@ -282,7 +282,8 @@ class Trainer:
         """A checkpoint's normaliser (its private statistics reused, never drawn again), or a new one."""
         if saved is not None:
             return FeatureNormalizer.from_state_dict(saved)
-        generator = DPRandom(self._seeds["features"])  # Data Normalization's noise: 128-bit seed
+        # Data Normalization's noise: 128-bit seed, or the OS CSPRNG with dp.secure_noise
+        generator = noise_generator(self._seeds["features"], self.config.dp.secure_noise)
         # a stream has features.normalize=none (config validation): nothing to fit
         normalizer = FeatureNormalizer() if self.streamed else fit_normalizer(self.config.features, features.x_train, self.plan, generator)
         if not self.dist.enabled:

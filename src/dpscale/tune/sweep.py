@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import yaml
 
-from dpscale.config import Config, ConfigError, load_config
+from dpscale.config import Config, ConfigError, is_private_config, load_config
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text
 from dpscale.train.loop import Trainer
 from dpscale.train.rundir import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
@@ -32,6 +32,7 @@ from dpscale.tune.private_tuning import draw_trials, tuning_from_text, tuning_re
 MANIFEST_NAME = "sweep.json"
 RESULTS_NAME = "sweep.jsonl"
 TABLE_NAME = "sweep.md"
+TRIAL_FAILED_NAME = "trial_failed.json"  # private tuning: a trial that failed, for good
 RELEASE_NAME = "release.json"  # private tuning: the one run that may be released, with its tuned epsilon
 
 
@@ -186,6 +187,8 @@ class Sweep:
         claim or check the sweep directory. With private tuning, the points are the drawn trials."""
         path = self.out_dir / MANIFEST_NAME
         saved = json.loads(path.read_text()) if path.exists() else None
+        if saved is not None and any(saved.get(key) != value for key, value in self.spec.manifest().items()):
+            raise ConfigError(self._different_sweep())
         grid_points = self.spec.points()
         self._points, trials = grid_points, None
         if self.spec.private_tuning:
@@ -195,20 +198,25 @@ class Sweep:
                 trials = draw_trials(self.tuning, len(grid_points))
             self._points = [grid_points[i] for i in trials]
         configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self._points)]
+        if trials is not None and not all(is_private_config(c.dp) for c in configs):
+            raise ConfigError("--private-tuning accounts for private runs; this config trains without noise (no finite cost)")
         manifest = {**self.spec.manifest(), "config_digests": [_config_digest(c) for c in configs]}
         if trials is not None:
             manifest["trials"] = trials
         if saved is not None:
             if saved != manifest:
-                raise ConfigError(
-                    f"{self.out_dir} holds a different sweep (its config, --set or --grid differ, or the "
-                    "config file changed since); choose another --out"
-                )
+                raise ConfigError(self._different_sweep())
         else:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(manifest, indent=2) + "\n")
         self._configs = configs
         return configs
+
+    def _different_sweep(self) -> str:
+        return (
+            f"{self.out_dir} holds a different sweep (its config, --set, --grid or --private-tuning differ, or the "
+            "config file changed since); choose another --out"
+        )
 
     def _point_config(self, index: int, point: dict[str, str], trial: bool) -> Config:
         overrides = [*self.spec.overrides, *(f"{k}={v}" for k, v in point.items())]
@@ -228,11 +236,7 @@ class Sweep:
         shown = [{k: display_value(v) for k, v in p.items()} for p in points]
         # Points finished by an earlier invocation are results from the start, so an interrupted
         # rerun never drops them from sweep.jsonl.
-        results: list[PointResult | None] = [
-            PointResult(i, names[i], shown[i], c.run.out_dir, "done", json.loads(summary.read_text()))
-            if (summary := Path(c.run.out_dir) / SUMMARY_NAME).exists() else None
-            for i, c in enumerate(configs)
-        ]
+        results = [self._earlier_result(i, names[i], shown[i], Path(c.run.out_dir)) for i, c in enumerate(configs)]
         for index, (point, config) in enumerate(zip(points, configs)):
             if self.progress:
                 label = " ".join(f"{k}={v}" for k, v in point.items()) or "(base config)"
@@ -246,6 +250,16 @@ class Sweep:
         final = [r for r in results if r is not None]
         self.write_results(final)
         return final
+
+    def _earlier_result(self, index: int, name: str, point: dict[str, Any], run_dir: Path) -> PointResult | None:
+        """A point's result from an earlier invocation: finished, or (private tuning) failed for
+        good: a trial is never run twice, or more than K runs would have been made."""
+        if (run_dir / SUMMARY_NAME).exists():
+            return PointResult(index, name, point, str(run_dir), "done", json.loads((run_dir / SUMMARY_NAME).read_text()))
+        if self.tuning is not None and (run_dir / TRIAL_FAILED_NAME).exists():
+            error = json.loads((run_dir / TRIAL_FAILED_NAME).read_text())["error"]
+            return PointResult(index, name, point, str(run_dir), "failed", error=error)
+        return None
 
     def _run_point(self, index: int, name: str, point: dict[str, Any], config: Config) -> PointResult:
         run_dir = Path(config.run.out_dir)
@@ -265,6 +279,9 @@ class Sweep:
             result.summary = trainer.run()
         except (ConfigError, ValueError, RuntimeError, OSError) as err:
             result.status, result.error = "failed", f"{type(err).__name__}: {err}"
+            if self.tuning is not None:  # final: rerunning it would make more runs than the K drawn
+                run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(run_dir / TRIAL_FAILED_NAME, json.dumps({"error": result.error}) + "\n")
         return result
 
     def write_results(self, results: list[PointResult]) -> None:
@@ -274,13 +291,17 @@ class Sweep:
         atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec, len(self._points), release))
 
     def release(self, results: list[PointResult]) -> dict[str, Any]:
-        """Private tuning: the best run and its epsilon with the tuning composed."""
+        """Private tuning: the best run and its epsilon with the tuning composed, decided once
+        (a later invocation reads it back: one release per draw)."""
+        path = self.out_dir / RELEASE_NAME
+        if path.exists():
+            return json.loads(path.read_text())
         done = sorted_done(results, self.spec.metric, self.spec.ascending)
         best = done[0] if done else None
         delta = best.summary.get("delta") if best else None
         record = tuning_release(self.tuning, best.run_dir if best else None, [r.run_dir for r in done], delta)
         record.update(trials=len(self._points), metric=self.spec.metric, value=best.summary[self.spec.metric] if best else None)
-        atomic_write_text(self.out_dir / RELEASE_NAME, json.dumps(json_safe(record), indent=2) + "\n")
+        atomic_write_text(path, json.dumps(json_safe(record), indent=2) + "\n")
         return record
 
 
@@ -317,7 +338,7 @@ def results_table(
     header = ["rank", *keys, metric, *extra, "run"]
     order = "ascending" if spec.ascending else "descending"
     lines = [
-        f"# Sweep: {len(done)} of {total or len(spec.points())} {'trials' if spec.private_tuning else 'points'} done, sorted by {metric} ({order})",
+        f"# Sweep: {len(done)} of {len(spec.points()) if total is None else total} {'trials' if spec.private_tuning else 'points'} done, sorted by {metric} ({order})",
         "",
         f"config: {spec.config or '(defaults)'}" + (f"; --set {' '.join(spec.overrides)}" if spec.overrides else ""),
         "",
