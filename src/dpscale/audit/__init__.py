@@ -1,8 +1,9 @@
 """``dpscale audit``: measure, on one training run, that it leaks no more than it claims
 (Steinke, Nasr & Jagielski 2023, "Privacy auditing with one (1) training run").
 
-m canaries are made, each included in the training set independently with probability 1/2 (N
-grows by the included ones, so q and epsilon count them). After the run, each canary gets a
+m canaries are made, each included in the training set independently with probability 1/2. All
+of them join the training set (an excluded one as a placeholder whose gradient is zero), so N, q
+and the claimed epsilon count them without depending on which are included. After the run, each canary gets a
 score; the most and least confident are guessed in or out, and the number of right guesses
 gives an epsilon the run provably exceeds with probability at most 1 - confidence
 (``dpscale.privacy.audit_bound``). A lower bound above the claimed epsilon means the claim is
