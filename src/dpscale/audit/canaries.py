@@ -64,8 +64,10 @@ class CanaryEngine(ClippedSumMixin):
             grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, (x[data], y[data]))
         else:
             grad_sum, norms, losses = self.empty_result(params, x)
+        if not self.groups:  # input canaries: excluded placeholders just drop out
+            return grad_sum, norms, losses
         self.data_sum += self.at_coordinates(grad_sum)
-        if not self.groups or not bool(is_canary.any()):  # input canaries: excluded placeholders just drop out
+        if not bool(is_canary.any()):
             return grad_sum, norms, losses
         ids = (-1 - y[is_canary]).cpu()
         # an included gradient canary's norm is the magnitude; an excluded one's gradient is zero

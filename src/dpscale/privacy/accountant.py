@@ -14,11 +14,12 @@ DP-SGD steps by ``dp_accounting`` exactly like the steps themselves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -127,16 +128,23 @@ class _DropOrderExclusionNotices(logging.Filter):
         return "failed to converge" not in record.getMessage()
 
 
-def _rdp_accountant(segments: list[AccountingSegment]) -> rdp.RdpAccountant:
-    accountant = rdp.RdpAccountant()
+@contextlib.contextmanager
+def quiet_order_notices() -> Iterator[None]:
+    """Composing into an RDP accountant without dp_accounting's per-order convergence notices."""
     quiet = _DropOrderExclusionNotices()
     absl_logger = logging.getLogger("absl")
     absl_logger.addFilter(quiet)
     try:
-        for seg in segments:
-            accountant.compose(dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps))
+        yield
     finally:
         absl_logger.removeFilter(quiet)
+
+
+def _rdp_accountant(segments: list[AccountingSegment]) -> rdp.RdpAccountant:
+    accountant = rdp.RdpAccountant()
+    with quiet_order_notices():
+        for seg in segments:
+            accountant.compose(dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps))
     return accountant
 
 

@@ -16,14 +16,13 @@ re-accounted with RDP here, so its tuned epsilon exceeds its PLD epsilon by more
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 from dp_accounting import dp_event, rdp
 
-from dpscale.privacy.accountant import AccountingSegment, _DropOrderExclusionNotices, dp_sgd_event
+from dpscale.privacy.accountant import AccountingSegment, dp_sgd_event, quiet_order_notices
 
 TUNING_DISTRIBUTIONS = ("poisson", "geometric", "logarithmic", "negbin")
 TUNING_SYNTAX = "poisson:MEAN, geometric:MEAN, logarithmic:MEAN or negbin:ETA:MEAN"
@@ -132,12 +131,8 @@ def repeat_and_select(event: dp_event.DpEvent, tuning: TuningDistribution, order
     """An RDP accountant (default orders, or ``orders``) holding ``event`` repeated K ~ ``tuning``
     times with only the best output released."""
     accountant = rdp.RdpAccountant(orders) if orders is not None else rdp.RdpAccountant()
-    quiet = _DropOrderExclusionNotices()
-    logging.getLogger("absl").addFilter(quiet)
-    try:
+    with quiet_order_notices():
         accountant.compose(dp_event.RepeatAndSelectDpEvent(event, tuning.mean, tuning.shape))
-    finally:
-        logging.getLogger("absl").removeFilter(quiet)
     return accountant
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from dpscale.config import ConfigError
 from dpscale.features.extract import read_source_run
-from dpscale.privacy.accountant import DP_SGD, AccountingSegment, PrivacyAccountant
+from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.tuning import TuningDistribution, parse_tuning_distribution, tuned_epsilon
 
 # Grid keys that change a run's privacy cost (q, sigma, steps, N, releases): the bound needs one
@@ -80,8 +80,5 @@ def compute_history_epsilon(history: tuple[AccountingSegment, ...], delta: float
     """Epsilon of one run's history with the RDP accountant (the tuned epsilon's baseline)."""
     accountant = PrivacyAccountant("rdp")
     for segment in history:
-        if segment.label == DP_SGD:
-            accountant.step(segment.sample_rate, segment.noise_multiplier, segment.steps)
-        else:
-            accountant.record(segment)
+        accountant.record(segment)
     return accountant.epsilon(delta)
