@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -116,10 +117,9 @@ def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, monkeypa
     assert manifest["trials"] == [2, 0, 2]
     runs = sorted(p.name for p in (tmp_path / "sw" / "runs").iterdir())
     assert runs == ["trial-000-optim.lr=2", "trial-001-optim.lr=0.5", "trial-002-optim.lr=2"]
-    release = json.loads((tmp_path / "sw" / "release.json").read_text())
-    history = read_source_run(release["released_run"]).history
-    assert release["tuned_epsilon"] == pytest.approx(tuned_epsilon(history, 1e-5, TuningDistribution("poisson", 3.0)))
-    assert release["tuned_epsilon"] > release["run_epsilon_rdp"]
+    release = json.loads((tmp_path / "sw" / "released" / "release.json").read_text())
+    assert release["released"] and release["tuned_epsilon"] > release["run_epsilon_rdp"]
+    assert release["hyperparameters"] == {"optim.lr": 2} and any("run.seed is fixed" in n for n in release["guarantee_caveats"])
     table = (tmp_path / "sw" / "sweep.md").read_text()
     assert "release only" in table and "Papernot & Steinke" in table and "3 of 3 trials" in table
     # rerunning resumes the same draws (even if a fresh draw would differ): nothing is trained again
@@ -127,7 +127,7 @@ def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, monkeypa
     assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
     assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["trials"] == [2, 0, 2]
     assert sorted(p.name for p in (tmp_path / "sw" / "runs").iterdir()) == runs
-    assert json.loads((tmp_path / "sw" / "release.json").read_text()) == release
+    assert json.loads((tmp_path / "sw" / "released" / "release.json").read_text()) == release
     # another grid in the same directory is a different sweep
     assert main(["sweep", "--quiet", "--out", str(tmp_path / "sw"), "--grid", "optim.lr=3", "--set", "train.steps=4",
                  "--set", "run.seed=0", "--private-tuning", "poisson:3"]) == 2  # fmt: skip
@@ -138,7 +138,8 @@ def test_no_trials_release_nothing_and_failed_trials_are_final(tmp_path, monkeyp
 
     monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [])
     assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
-    assert json.loads((tmp_path / "sw" / "release.json").read_text())["released_run"] is None
+    assert json.loads((tmp_path / "sw" / "released" / "release.json").read_text())["released"] is False
+    assert sorted(p.name for p in (tmp_path / "sw" / "released").iterdir()) == ["release.json"]
     assert "nothing to release" in (tmp_path / "sw" / "sweep.md").read_text()
     assert "0 of 0 trials" in (tmp_path / "sw" / "sweep.md").read_text()
     monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [0])
@@ -153,7 +154,7 @@ def test_no_trials_release_nothing_and_failed_trials_are_final(tmp_path, monkeyp
     args = ["sweep", "--quiet", *out, "--grid", "optim.lr=1", "--set", "train.steps=4", "--private-tuning", "geometric:2"]
     assert main(args) == 1 and main(args) == 1
     assert len(calls) == 1  # the failed trial is not run again
-    assert json.loads((tmp_path / "f" / "release.json").read_text())["released_run"] is None
+    assert json.loads((tmp_path / "f" / "released" / "release.json").read_text())["released"] is False
 
 
 def test_private_tuning_refusals(tmp_path, capsys):
@@ -168,3 +169,88 @@ def test_private_tuning_refusals(tmp_path, capsys):
     assert ">= 1" in capsys.readouterr().err
     assert _sweep(tmp_path) == 0  # without it, the caveat stays
     assert "NOT covered" in (tmp_path / "sw" / "sweep.md").read_text()
+
+
+# ------------------------------------------------- K stays hidden (issue 24)
+DRAWS = [2, 0, 2, 1]  # K = 4, a repeated point; every index > 0 names a trial after the first
+
+
+def _published(sweep_dir):
+    """What a user would publish: the release record (wherever the sweep put it) and its folder."""
+    (path,) = sweep_dir.rglob("release.json")
+    return path, json.loads(path.read_text())
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One private-tuning sweep with K = 4 drawn, and what it printed: (sweep dir, stdout, stderr)."""
+    import contextlib
+    import io
+
+    import dpscale.tune.sweep as sweep_module
+
+    where, out, err = tmp_path_factory.mktemp("tuned"), io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(sweep_module, "draw_trials", lambda tuning, points: list(DRAWS))
+        assert _sweep(where, "--private-tuning", "poisson:3") == 0
+    return where / "sw", out.getvalue(), err.getvalue()
+
+
+TRIAL = re.compile(r"trial-\d")  # a trial's run name: its index bounds K from below
+
+
+def test_the_release_does_not_hold_k(tuned):
+    sweep_dir, out, err = tuned
+    _, release = _published(sweep_dir)
+    ints = [v for v in _leaves(release) if isinstance(v, int) and not isinstance(v, bool)]
+    assert len(DRAWS) not in ints
+    assert "must stay secret" in release["k_secret"]
+    # the printed release line (stdout) neither; the tuner's console and table say they are private
+    assert "must stay secret" in out and f"{len(DRAWS)} trials" not in out and f"of {len(DRAWS)}" not in out
+    assert "private to the tuner" in err.lower()
+    assert "private to the tuner" in (sweep_dir / "sweep.md").read_text().lower()
+
+
+def test_the_released_model_is_not_named_after_its_trial(tuned):
+    from dpscale.config import load_config
+    from dpscale.models.init import read_weights
+
+    sweep_dir, out, _ = tuned
+    path, release = _published(sweep_dir)
+    assert not TRIAL.search(json.dumps(release)) and not TRIAL.search(out)
+    assert not any(TRIAL.search(str(p.relative_to(sweep_dir))) for p in path.parent.rglob("*"))
+    # the released config withholds the trial's seed (seed + index) and its run directory
+    config = load_config(path.parent / "config.yaml")
+    assert config.run.seed is None and config.run.out_dir is None
+    # the released weights are the best trial's (found from the tuner's private records)
+    records = [json.loads(line) for line in (sweep_dir / "sweep.jsonl").read_text().splitlines()]
+    best = max(records, key=lambda r: r["summary"]["test_accuracy"])
+    released, trained = read_weights(str(path.parent / "model.pt")), read_weights(best["run_dir"])
+    assert released.keys() == trained.keys() and all((released[k] == trained[k]).all() for k in trained)
+    history = read_source_run(best["run_dir"]).history
+    assert release["tuned_epsilon"] == pytest.approx(tuned_epsilon(history, 1e-5, TuningDistribution("poisson", 3.0)))
+
+
+@pytest.mark.parametrize("metric", ["train_loss", "wall_time_s", "epsilon"])
+def test_private_tuning_selects_on_test_metrics_only(tmp_path, capsys, metric):
+    args = ["sweep", "--out", str(tmp_path / "m"), "--grid", "optim.lr=1,2", "--set", "train.steps=4",
+            "--metric", metric, "--private-tuning", "poisson:3"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and metric in err and "test_accuracy" in err and "test_loss" in err
+    assert not (tmp_path / "m").exists()  # refused before anything is drawn or trained
+
+
+def test_a_test_split_metric_is_accepted(tmp_path):
+    from dpscale.tune.sweep import Sweep, SweepSpec
+
+    spec = SweepSpec(None, ("train.steps=4",), (("optim.lr", ("1", "2")),), "test_loss", None, "poisson:3")
+    assert Sweep(tmp_path / "ok", spec, progress=False).prepare()  # prepared: nothing is trained

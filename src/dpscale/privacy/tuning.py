@@ -3,7 +3,8 @@
 
 The procedure the bound covers: draw the number of runs K from a known distribution, run K
 trainings, each with hyper-parameters drawn independently and uniformly from the candidates (and
-fresh randomness), and release only the best run (by a score the run itself computes). If every
+fresh randomness), and release only the best run (by a score the run itself computes), never K:
+the bound's gain comes from the adversary not knowing how many runs were made. If every
 run has the same RDP curve, the released run is RDP with the curve of their Theorem 2 (K from a
 truncated negative binomial: logarithmic eta = 0, geometric eta = 1) or Theorem 6 (K Poisson,
 possibly 0). ``dp_accounting`` implements both (``RepeatAndSelectDpEvent``); as everywhere in

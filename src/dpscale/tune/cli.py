@@ -121,6 +121,7 @@ def _print_simulation_plan(config) -> int:
 
 # ----------------------------------------------------------------------- sweep
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    from dpscale.tune.private_tuning import TUNER_PRIVATE
     from dpscale.tune.sweep import TABLE_NAME, Sweep, SweepSpec, parse_grid
 
     if not args.grid:
@@ -137,7 +138,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     sweep.prepare()
     if spec.private_tuning:
         print(f"sweep: private tuning, {sweep.tuning.describe()}: {len(sweep._points)} trials drawn from {len(spec.points())} "
-              f"points, in {out} (rerun the same command to resume)", file=sys.stderr)  # fmt: skip
+              f"points, in {out} (rerun the same command to resume). {TUNER_PRIVATE}", file=sys.stderr)  # fmt: skip
     else:
         print(f"sweep: {len(spec.points())} points in {out} (rerun the same command to resume)", file=sys.stderr)
     try:
@@ -145,9 +146,26 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"sweep interrupted; rerun the same command (with --out {out}) to resume it", file=sys.stderr)
         raise
-    print((out / TABLE_NAME).read_text())
+    if spec.private_tuning:
+        _print_release(sweep, out, results)
+    else:
+        print((out / TABLE_NAME).read_text())
     failed = [r for r in results if r.status != "done"]
     return 1 if failed else 0
+
+
+def _print_release(sweep, out: Path, results) -> None:
+    """Private tuning: the tuner's table (it reveals K) on stderr, and on stdout only the line
+    that may be published."""
+    from dpscale.tune.private_tuning import RELEASED_DIR, release_statement
+    from dpscale.tune.sweep import TABLE_NAME
+
+    print((out / TABLE_NAME).read_text(), file=sys.stderr)
+    release = sweep.release(results)
+    print(release_statement(release))
+    print(f"released: {out / RELEASED_DIR}")
+    for note in release["guarantee_caveats"] or []:
+        print(f"WARNING: {note}")
 
 
 def _print_point(result) -> None:
@@ -484,7 +502,8 @@ def add_tune_parsers(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument(
         "--private-tuning", metavar="DIST",
         help="run K random grid points, K ~ DIST (poisson:MEAN, geometric:MEAN, logarithmic:MEAN, negbin:ETA:MEAN), "
-        "and report the best with the tuning's privacy cost composed (Papernot & Steinke 2022)",
+        "and release the best in OUT/released/ with the tuning's privacy cost composed (Papernot & Steinke 2022); "
+        "K must stay secret",
     )  # fmt: skip
     sweep.add_argument("--quiet", action="store_true")
     sweep.set_defaults(func=_cmd_sweep)

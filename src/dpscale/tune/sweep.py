@@ -4,6 +4,9 @@
 ordinary run directories; ``OUT/sweep.jsonl`` (one record per finished or failed point) and
 ``OUT/sweep.md`` (a table sorted by the metric) are rewritten after every point. Running the same
 sweep again skips finished points and resumes interrupted ones from their checkpoints.
+
+With private tuning, all of that is the tuner's alone (it reveals K); what may be published is
+``OUT/released/`` (``dpscale.tune.private_tuning``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,22 @@ from dpscale.train.rundir import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 from dpscale.train.metrics import json_safe
 from dpscale.privacy.tuning import TuningDistribution
 from dpscale.tune import TUNING_CAVEAT
-from dpscale.tune.private_tuning import draw_trials, tuning_from_text, tuning_release
+from dpscale.tune.private_tuning import (
+    RELEASE_NAME,
+    RELEASED_DIR,
+    TUNER_PRIVATE,
+    check_tuning_metric,
+    draw_trials,
+    release_statement,
+    tuning_from_text,
+    tuning_release,
+    write_release,
+)
 
 MANIFEST_NAME = "sweep.json"
 RESULTS_NAME = "sweep.jsonl"
 TABLE_NAME = "sweep.md"
 TRIAL_FAILED_NAME = "trial_failed.json"  # private tuning: a trial that failed, for good
-RELEASE_NAME = "release.json"  # private tuning: the one run that may be released, with its tuned epsilon
 
 
 def split_values(text: str) -> list[str]:
@@ -193,6 +205,7 @@ class Sweep:
         self._points, trials = grid_points, None
         if self.spec.private_tuning:
             self.tuning = tuning_from_text(self.spec.private_tuning, [k for k, _ in self.spec.grid])
+            check_tuning_metric(self.spec.metric)
             trials = (saved or {}).get("trials")
             if trials is None or saved.get("private_tuning") != self.spec.private_tuning:
                 trials = draw_trials(self.tuning, len(grid_points))
@@ -291,17 +304,24 @@ class Sweep:
         atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec, len(self._points), release))
 
     def release(self, results: list[PointResult]) -> dict[str, Any]:
-        """Private tuning: the best run and its epsilon with the tuning composed, decided once
-        (a later invocation reads it back: one release per draw)."""
-        path = self.out_dir / RELEASE_NAME
+        """Private tuning: the best run, its model copied to ``released/`` with its epsilon (the
+        tuning composed) and no trace of K, decided once (a later invocation reads it back: one
+        release per draw)."""
+        path = self.out_dir / RELEASED_DIR / RELEASE_NAME
         if path.exists():
             return json.loads(path.read_text())
         done = sorted_done(results, self.spec.metric, self.spec.ascending)
         best = done[0] if done else None
+        selection = {
+            "metric": self.spec.metric,
+            "value": best.summary[self.spec.metric] if best else None,
+            "hyperparameters": best.point if best else None,
+            "guarantee_caveats": best.summary.get("guarantee_caveats") if best else None,  # e.g. a fixed seed
+        }
+        best_dir = best.run_dir if best else None
         delta = best.summary.get("delta") if best else None
-        record = tuning_release(self.tuning, best.run_dir if best else None, [r.run_dir for r in done], delta)
-        record.update(trials=len(self._points), metric=self.spec.metric, value=best.summary[self.spec.metric] if best else None)
-        atomic_write_text(path, json.dumps(json_safe(record), indent=2) + "\n")
+        record = tuning_release(self.tuning, best_dir, [r.run_dir for r in done], delta, selection)
+        write_release(path.parent, record, best_dir)
         return record
 
 
@@ -337,7 +357,8 @@ def results_table(
     extra = [c for c in extra if c != metric]
     header = ["rank", *keys, metric, *extra, "run"]
     order = "ascending" if spec.ascending else "descending"
-    lines = [
+    lines = [f"**{TUNER_PRIVATE}.**", ""] if spec.private_tuning else []
+    lines += [
         f"# Sweep: {len(done)} of {len(spec.points()) if total is None else total} {'trials' if spec.private_tuning else 'points'} done, sorted by {metric} ({order})",
         "",
         f"config: {spec.config or '(defaults)'}" + (f"; --set {' '.join(spec.overrides)}" if spec.overrides else ""),
@@ -373,13 +394,9 @@ def tuning_text(spec: SweepSpec, release: dict[str, Any] | None) -> str:
         return f"**{TUNING_CAVEAT}.**"
     if release is None:
         return "**Private tuning in progress: nothing may be released before every drawn trial has finished.**"
-    if release["released_run"] is None:
-        return f"**Private tuning ({release['distribution']}, {release['trials']} trials drawn): nothing to release.**"
+    if not release["released"]:
+        return f"**{release_statement(release)}**"
     return (
-        f"**Private tuning (Papernot & Steinke 2022, {release['distribution']}, {release['trials']} trials drawn): "
-        f"release only {Path(release['released_run']).name} ({release['metric']}={_fmt(release['value'])}) with "
-        f"epsilon={release['tuned_epsilon']:.4g} at delta={release['delta']:g} (RDP, the tuning included; one run alone: "
-        f"{release['run_epsilon_rdp']:.4g} RDP). The other "
-        f"rows are for the tuner alone: releasing them is not covered. The selection {release['metric']} must come "
-        "from data outside the private training set (it does for test_accuracy on a separate test split).**"
+        f"**{release_statement(release)} It is rank 1 above; the other rows are for the tuner alone: releasing "
+        "them is not covered.**"
     )
