@@ -116,7 +116,8 @@ RUN_OVERRIDES = {
     "papernot-cifar10-tanh": ["dp.batch_size=4"],
     "tan-cifar10-wrn16-4-augmult": ["dp.batch_size=4", "train.max_physical_batch_size=32"],
     "tan-cifar10-wrn16-4-augmult-sim512": ["dp.batch_size=4", "dp.simulated_batch_size=2", "train.max_physical_batch_size=32"],
-    "kurakin-imagenet-resnet18-gn": ["dp.batch_size=4", "train.max_physical_batch_size=4"],
+    # its stand-in source (below) trained, without noise, on these very generated images: declared public
+    "kurakin-imagenet-resnet18-gn": ["dp.batch_size=4", "train.max_physical_batch_size=4", "model.init_public=true"],
     "kurakin-imagenet-resnet50-gn": ["dp.batch_size=2", "train.max_physical_batch_size=2"],
     "tan-imagenet-nf-resnet50": ["dp.batch_size=2", "train.max_physical_batch_size=8"],
     "tan-imagenet-nf-resnet50-sim256": ["dp.batch_size=2", "dp.simulated_batch_size=1", "train.max_physical_batch_size=8"],
@@ -140,7 +141,7 @@ def _source_run(name, tmp_path):
     root, out = _generated_root(kind, tmp_path / "source-data"), tmp_path / "source-run"
     if "-source-" in source:  # one of the paper's source presets
         head, sets = [f"preset:{source}"], ["dp.batch_size=8"]
-    else:  # a Places365 stand-in: the target's architecture on other generated images
+    else:  # a Places365 stand-in: the target's architecture on the same generated images, in another folder
         head = []
         sets = [f"model.name={source}", "model.kwargs={norm_groups: 32, stem: imagenet}", "model.activation=relu",
                 "data.name=imagefolder", "data.image_size=224", "dp.batch_size=2", "train.max_physical_batch_size=2"]  # fmt: skip

@@ -12,6 +12,9 @@ from dpscale.models.init import init_from
 from dpscale.train.loop import Trainer
 
 SMALL = ["model.kwargs={filters: [4, 4]}", "train.steps=3", "dp.batch_size=64", "train.max_physical_batch_size=64"]
+# The source below trained on the same data as the private runs: declared public (tests/test_init_privacy.py
+# covers what happens otherwise).
+PUBLIC = "model.init_public=true"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def test_pretrain_is_a_labelled_non_private_run(pretrained, capsys):
 
 def test_init_loads_by_name_and_shape_with_a_fresh_head(pretrained, tmp_path):
     source = torch.load(pretrained / "checkpoint.pt", weights_only=True)["model"]
-    config = load_config(None, [*SMALL, f"model.init={pretrained}", "model.reset_head=true", "dp.epsilon=null",
+    config = load_config(None, [*SMALL, f"model.init={pretrained}", PUBLIC, "model.reset_head=true", "dp.epsilon=null",
                                 "dp.noise_multiplier=1.0", f"run.out_dir={tmp_path / 'private'}"])  # fmt: skip
     trainer = Trainer.create(config, progress=False)
     state = trainer.model.state_dict()
@@ -45,11 +48,12 @@ def test_init_loads_by_name_and_shape_with_a_fresh_head(pretrained, tmp_path):
     summary = trainer.run()
     assert summary["model_init"]["source"] == str(pretrained) and summary["model_init"]["loaded"] == 6
     assert summary["model_init"]["reset_head"] == ["head.2.bias", "head.2.weight"]
-    assert any("assumes the training data of the initial weights" in w for w in summary["privacy_warnings"])
+    [note] = summary["guarantee_caveats"]
+    assert note.startswith(f"model.init_public: the init run {pretrained}") and "not included in epsilon" in note
 
 
 def test_init_then_frozen_groups_stay_bit_unchanged_and_out_of_the_clipping(pretrained, tmp_path):
-    config = load_config(None, [*SMALL, f"model.init={pretrained}", "model.freeze_groups=2", "dp.epsilon=null",
+    config = load_config(None, [*SMALL, f"model.init={pretrained}", PUBLIC, "model.freeze_groups=2", "dp.epsilon=null",
                                 "dp.noise_multiplier=1.0", f"run.out_dir={tmp_path / 'frozen'}"])  # fmt: skip
     trainer = Trainer.create(config, progress=False)
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.startswith("features.")}
@@ -83,8 +87,8 @@ def test_a_mismatched_source_is_refused_with_the_list(pretrained, tmp_path):
 
 def test_a_resumed_run_keeps_its_weights_and_its_init_record(pretrained, tmp_path):
     out = tmp_path / "cut"
-    config = load_config(None, [*SMALL, f"model.init={pretrained}", "dp.epsilon=null", "dp.noise_multiplier=1.0",
-                                f"run.out_dir={out}"])  # fmt: skip
+    config = load_config(None, [*SMALL, f"model.init={pretrained}", PUBLIC, "dp.epsilon=null",
+                                "dp.noise_multiplier=1.0", f"run.out_dir={out}"])  # fmt: skip
     first = Trainer.create(config, progress=False)
     first.run(max_steps=1)
     weights = {k: v.clone() for k, v in first.model.state_dict().items()}
@@ -92,6 +96,7 @@ def test_a_resumed_run_keeps_its_weights_and_its_init_record(pretrained, tmp_pat
     for name, value in weights.items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
     assert resumed.init_report["source"] == str(pretrained)
+    assert resumed.plan.init_run == first.plan.init_run and resumed.plan.init_run.case == "declared public"
 
 
 # ----- class subsets and meta-classes (source variants) -----

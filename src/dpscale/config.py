@@ -149,8 +149,13 @@ class ModelConfig:
         last); only the remaining parameters are trained, clipped and noised.
     init: start from these weights instead of a random init: a run directory (its checkpoint,
         e.g. from ``dpscale pretrain``), a checkpoint or state-dict file, or ``timm:<name>`` where
-        timm imports. Matched by name and shape; a mismatch is refused with the list. The
-        guarantee assumes the source's training data is public.
+        timm imports. Matched by name and shape; a mismatch is refused with the list. When a run
+        directory's run trained on this run's training data (same data fingerprint), its whole
+        accounting history is composed into this run's epsilon (and sigma calibrated for it); a
+        non-private such run is refused. On other data, and for any other source, the guarantee
+        assumes the source's training data is public (every output says so).
+    init_public: declare the run behind model.init public: its cost is then left out of epsilon
+        even on the same training data, and every output says so.
     reset_head: with init, keep a freshly initialised logits layer (for another number of classes).
     init_scaling: "none", or "meanvar": every layer drawn from a Gaussian with the mean and variance
         of the same layer of ``init_seed_model`` (Raghu et al. 2019, as Papernot Section 4.2).
@@ -165,6 +170,7 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     freeze_groups: int = 0
     init: str | None = None
+    init_public: bool = False
     reset_head: bool = False
     init_scaling: str = "none"
     init_seed_model: str | None = None
@@ -618,6 +624,8 @@ def _validate_model(config: Config) -> None:
     model = config.model
     if model.reset_head and model.init is None:
         raise ConfigError("model.reset_head re-initialises the head of weights loaded with model.init; set model.init")
+    if model.init_public and model.init is None:
+        raise ConfigError("model.init_public declares the run behind model.init public; set model.init")
     if model.init_scaling not in ("none", "meanvar"):
         raise ConfigError(f"model.init_scaling must be none or meanvar, got {model.init_scaling!r}")
     if model.init_scaling == "meanvar" and (model.init_seed_model is None or model.init is not None):

@@ -4,8 +4,8 @@ DP-SGD's guarantee covers what is trained on the features, not the features them
 extractor must not depend on the private training data: a ScatterNet is data-independent, a
 ``model:`` extractor is a seeded random initialisation, and a ``checkpoint:`` extractor is only
 private if the run it comes from was trained on *public* data or its privacy cost is counted:
-:func:`read_source_run` gives the DP plan what that run spent (see
-``dpscale.features.pipeline.extractor_privacy``).
+:func:`read_source_run` gives the DP plan what that run spent, and :func:`source_run_privacy`
+decides how it enters the guarantee (for a ``model.init`` run too).
 
 Extracting ScatterNet features for CIFAR-10 takes minutes on a CPU, so :func:`load_or_extract`
 keeps them in ``<cache dir>/<key>.pt``, where the key hashes everything the features depend on.
@@ -28,9 +28,10 @@ from torch import nn
 from tqdm import tqdm
 
 from dpscale.data import ImageDataset
+from dpscale.errors import ConfigError
 from dpscale.models import build_model
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.plan import SOURCE_ROLES, DPPlan, SourceRunPrivacy
 
 from .scatternet import ScatterNet, import_kymatio
 
@@ -43,6 +44,7 @@ __all__ = [
     "load_or_extract",
     "make_extractor",
     "read_source_run",
+    "source_run_privacy",
     "SourceRun",
 ]
 
@@ -235,6 +237,54 @@ def read_source_run(where: str) -> SourceRun:
         history=PrivacyAccountant.from_state_dict(accountant).history,
         caveats=_source_caveats(plan, config),
     )
+
+
+def source_run_privacy(
+    role: str, source: str, where: str, public: bool, fingerprint_as: Callable[[bool], str], private: bool = True
+) -> tuple[SourceRunPrivacy, tuple[AccountingSegment, ...]]:
+    """How a run this run starts from (``role`` "extractor" or "init") enters its guarantee, and
+    the releases of that run's training that the DP plan must compose.
+
+    A model trained on this run's training data carries that data's privacy cost into what this
+    run takes from it, so its run's whole accounting history (DP-SGD steps and its own releases)
+    is composed, relabelled "<prefix>:<label>" (``SOURCE_ROLES``), unless ``public`` declares it
+    public. Runs are matched by data fingerprint only: an overlapping subset counts as other data.
+
+    Args:
+        role: a key of ``SOURCE_ROLES``.
+        source: what the config names (for messages and the plan's label).
+        where: the run directory or its checkpoint.pt.
+        public: the role's public key (e.g. model.init_public) is set.
+        fingerprint_as: this run's training-set fingerprint as prepared with data.normalize set
+            to the given flag, so that the source's own convention is compared like for like.
+        private: whether this run is private (only then is a non-private source refused).
+
+    Returns:
+        The case that applies and the releases to compose (empty unless "composed").
+
+    Raises:
+        ConfigError: the source run cannot be read, or it trained on this run's data without
+            noise and is not declared public (its release has no finite epsilon).
+    """
+    words = SOURCE_ROLES[role]
+    try:
+        run = read_source_run(where)
+    except ValueError as err:
+        raise ConfigError(f"{words.key}={source!r}: {err}") from None
+    # No fingerprint (never written by dpscale so far): assume the same data, the safe side.
+    if run.data_fingerprint is not None and run.data_fingerprint != fingerprint_as(run.data_normalize):
+        return SourceRunPrivacy(source, "other data", role=role), ()
+    if public:
+        return SourceRunPrivacy(source, "declared public", role=role), ()
+    if private and not run.private:
+        raise ConfigError(
+            f"{words.key}={source!r}: the run in {run.run_dir} trained on this run's training data (same data "
+            f"fingerprint) without noise (dp.noise_multiplier=0), so {words.product} have no finite epsilon and "
+            f"neither would this run; set {words.public_key}=true to declare that run public (its cost is then "
+            f"left out, and every output says so), or {words.alternative}"
+        )
+    releases = tuple(replace(seg, label=f"{words.prefix}:{seg.label}") for seg in run.history)
+    return SourceRunPrivacy(source, "composed", run.caveats, role=role), releases
 
 
 def _source_caveats(plan: dict[str, Any], config: Any) -> tuple[str, ...]:

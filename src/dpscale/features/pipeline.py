@@ -16,10 +16,10 @@ import torch
 
 from dpscale.config import ConfigError, FeaturesConfig
 from dpscale.data import ImageDataset
-from dpscale.features.extract import load_or_extract, make_extractor, read_source_run
+from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
 from dpscale.features.normalize import DATA_NORM, FeatureNormalizer, data_norm_release, private_data_norm
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.plan import EXTRACTOR_RUN, DPPlan, ExtractorPrivacy
+from dpscale.privacy.plan import DPPlan, ExtractorPrivacy
 from dpscale.rng import DPRandom
 
 
@@ -76,19 +76,13 @@ def extractor_privacy(
     features: FeaturesConfig, fingerprint_as: Callable[[bool], str], private: bool = True
 ) -> tuple[ExtractorPrivacy | None, tuple[AccountingSegment, ...]]:
     """How the run behind a ``checkpoint:`` extractor enters this run's guarantee, and the
-    releases its training made that the DP plan must compose.
-
-    A model trained on this run's training data carries that data's privacy cost into its
-    features, so its run's whole accounting history (DP-SGD steps and its own releases, e.g. its
-    Data Normalization) is composed, relabelled "extractor-run:<label>", unless
-    ``features.extractor_public`` declares it public. Runs are matched by data fingerprint only:
-    a run on an overlapping but different subset counts as other data.
+    releases its training made that the DP plan must compose ("extractor-run:<label>"; see
+    ``dpscale.features.extract.source_run_privacy``, unless ``features.extractor_public``).
 
     Args:
         features: the run's features section.
         fingerprint_as: this run's training-set fingerprint (``dpscale.data.dataset_fingerprint``)
-            as prepared with data.normalize set to the given flag, so that the source's own
-            convention is compared like for like.
+            as prepared with data.normalize set to the given flag.
         private: whether this run is private (only then is a non-private source refused).
 
     Returns:
@@ -97,31 +91,13 @@ def extractor_privacy(
 
     Raises:
         ConfigError: the source run cannot be read, or it trained on this run's data without
-            noise and is not declared public (its release has no finite epsilon).
+            noise and is not declared public.
     """
     spec = features.extractor or ""
     kind, _, where = spec.partition(":")
     if kind.strip().lower() != "checkpoint" or not where.strip():
         return None, ()
-    try:
-        source = read_source_run(where.strip())
-    except ValueError as err:
-        raise ConfigError(f"features.extractor={spec!r}: {err}") from None
-    # No fingerprint (never written by dpscale so far): assume the same data, the safe side.
-    same = source.data_fingerprint is None or source.data_fingerprint == fingerprint_as(source.data_normalize)
-    if not same:
-        return ExtractorPrivacy(spec, "other data"), ()
-    if features.extractor_public:
-        return ExtractorPrivacy(spec, "declared public"), ()
-    if private and not source.private:
-        raise ConfigError(
-            f"features.extractor={spec!r}: the run in {source.run_dir} trained on this run's training data (same "
-            "data fingerprint) without noise (dp.noise_multiplier=0), so features from its model have no finite "
-            "epsilon and neither would this run; set features.extractor_public=true to declare that run public "
-            "(its cost is then left out, and every output says so), or use another extractor"
-        )
-    releases = tuple(replace(seg, label=f"{EXTRACTOR_RUN}:{seg.label}") for seg in source.history)
-    return ExtractorPrivacy(spec, "composed", source.caveats), releases
+    return source_run_privacy("extractor", spec, where.strip(), features.extractor_public, fingerprint_as, private)
 
 
 def fit_normalizer(

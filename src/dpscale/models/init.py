@@ -3,9 +3,11 @@ state-dict file, or ``timm:<name>`` where timm imports.
 
 Tensors are matched by name and shape; with ``reset_head`` the logits layer keeps its fresh
 initialisation (a new number of classes). Anything else that does not match is refused with the
-list. The DP guarantee of the run that follows covers its own training data only: it assumes the
-source's training data is public (a source trained on the private data is a release that this
-does not account for).
+list. A source that is a dpscale run directory is checked by :func:`init_privacy`: trained on this
+run's training data (same data fingerprint), its whole accounting history is composed into this
+run's DP plan ("init-run:*"), or, trained without noise, refused unless ``model.init_public``
+declares it public. Any other source (a weights file, ``timm:<name>``) is assumed public, and
+every output says so.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from dpscale._io import CHECKPOINT_NAME, load_checkpoint
 from dpscale.errors import ConfigError
-
-PUBLIC_SOURCE_CAVEAT = "model.init: the guarantee assumes the training data of the initial weights ({source}) is public"
+from dpscale.features.extract import source_run_privacy
+from dpscale.privacy.accountant import AccountingSegment
+from dpscale.privacy.plan import SourceRunPrivacy
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ def read_weights(source: str) -> dict[str, torch.Tensor]:
     if path.is_dir():
         path = path / CHECKPOINT_NAME
     if not path.is_file():
-        raise ConfigError(f"model.init={source}: no such run directory or weights file")
+        raise _no_source(source)
     try:
         state = load_checkpoint(path)
     except ValueError:  # not a dpscale checkpoint: a plain state dict file
@@ -61,6 +65,48 @@ def read_weights(source: str) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"model.init={source}: {path} holds no state dict of tensors")
     return state
+
+
+def _no_source(source: str) -> ConfigError:
+    return ConfigError(f"model.init={source}: no such run directory or weights file")
+
+
+def _run_directory(source: str) -> Path | None:
+    """The dpscale run directory ``source`` names (it, or its checkpoint.pt), else None."""
+    path = Path(source).expanduser()
+    run_dir = path if path.is_dir() else path.parent if path.name == CHECKPOINT_NAME else None
+    return run_dir if run_dir is not None and (run_dir / "config.yaml").is_file() else None
+
+
+def init_privacy(
+    model: Any, fingerprint_as: Callable[[bool], str], private: bool = True
+) -> tuple[SourceRunPrivacy | None, tuple[AccountingSegment, ...]]:
+    """How the source of ``model.init`` enters this run's guarantee, and the releases its run
+    made that the DP plan must compose (see ``dpscale.features.extract.source_run_privacy``).
+
+    Args:
+        model: the run's model section (init, init_public).
+        fingerprint_as: this run's training-set fingerprint as prepared with data.normalize set
+            to the given flag.
+        private: whether this run is private (only then is a non-private source refused).
+
+    Returns:
+        (None, ()) without model.init; ("assumed public", ()) for a source that is no dpscale run
+        directory; else the run's case and the releases to compose (empty unless "composed").
+
+    Raises:
+        ConfigError: no such source; a run that cannot be read; or one that trained on this run's
+            data without noise and is not declared public.
+    """
+    source = model.init
+    if source is None:
+        return None, ()
+    run_dir = None if source.startswith("timm:") else _run_directory(source)
+    if run_dir is None:
+        if not source.startswith("timm:") and not Path(source).expanduser().is_file():
+            raise _no_source(source)
+        return SourceRunPrivacy(source, "assumed public", role="init"), ()
+    return source_run_privacy("init", source, source, model.init_public, fingerprint_as, private)
 
 
 def _head_names(model: nn.Module) -> set[str]:

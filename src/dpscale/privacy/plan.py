@@ -41,9 +41,46 @@ ENGINE_UNCHECKED_CAVEAT = (
     "train.self_check=false: the per-example clipping engine was not checked against a per-example loop "
     "on this model, so a gradient route it misses would go unnoticed (docs/engines.md)"
 )
-# Label prefix of the releases that stand for a checkpoint extractor's own run ("extractor-run:dp-sgd").
+# Label prefixes of the releases that stand for a source run's own history ("extractor-run:dp-sgd").
 EXTRACTOR_RUN = "extractor-run"
-EXTRACTOR_CASES = ("composed", "declared public", "other data")
+INIT_RUN = "init-run"
+# How a source run enters the guarantee; "assumed public" is a model.init source that is no dpscale
+# run directory (a weights file, timm:<name>), whose data and cost cannot be read.
+SOURCE_CASES = ("composed", "declared public", "other data", "assumed public")
+EXTRACTOR_CASES = SOURCE_CASES[:3]
+
+
+@dataclass(frozen=True)
+class SourceRole:
+    """What a source run is to this run: the words every text about it uses.
+
+    Attributes:
+        key: the config key that names it; public_key: the key that declares it public.
+        prefix: label prefix of its releases in this run's plan.
+        noun: how texts name it ("the extractor run"); gives: what this run takes from it.
+        product: what of it would have no finite epsilon if it trained without noise.
+        alternative: the way out besides declaring it public.
+    """
+
+    key: str
+    public_key: str
+    prefix: str
+    noun: str
+    gives: str
+    product: str
+    alternative: str
+
+
+SOURCE_ROLES = {
+    "extractor": SourceRole(
+        "features.extractor", "features.extractor_public", EXTRACTOR_RUN, "the extractor run", "features from",
+        "features from its model", "use another extractor",
+    ),
+    "init": SourceRole(
+        "model.init", "model.init_public", INIT_RUN, "the init run", "initial weights from",
+        "weights from it", "start from a run on public data",
+    ),
+}  # fmt: skip
 
 
 # The own epsilon of a TAN simulation is a diagnostic, not a guarantee anyone relies on; RDP gives
@@ -71,58 +108,77 @@ class TanSimulation:
 
 
 @dataclass(frozen=True)
-class ExtractorPrivacy:
-    """How the run behind a ``checkpoint:`` feature extractor enters this run's guarantee.
+class SourceRunPrivacy:
+    """How a run this run starts from (a ``checkpoint:`` feature extractor, a ``model.init``
+    source) enters this run's guarantee.
 
     Attributes:
-        source: the extractor spec, "checkpoint:<run dir>".
+        source: what the config names, e.g. "checkpoint:<run dir>" or the model.init run directory.
         case: "composed" (it trained on this run's training data: its whole accounting history
-            is composed into the plan's releases), "declared public" (same data, but
-            features.extractor_public says its cost is not to be counted) or "other data" (its
-            data fingerprint differs: nothing composed).
+            is composed into the plan's releases), "declared public" (same data, but the role's
+            public key says its cost is not to be counted), "other data" (its data fingerprint
+            differs: nothing composed) or "assumed public" (model.init only: no dpscale run
+            directory, nothing can be checked).
         source_caveats: what the source run's own guarantee did not cover (its fixed seed, an
             unchecked engine, ...): when its cost is composed, this run's guarantee inherits them.
+        role: "extractor" or "init" (``SOURCE_ROLES``); checkpoints from before "init" lack it.
     """
 
     source: str
     case: str
     source_caveats: tuple[str, ...] = ()
+    role: str = "extractor"
 
     def __post_init__(self) -> None:
-        if self.case not in EXTRACTOR_CASES:
-            raise ValueError(f"extractor privacy case must be one of {EXTRACTOR_CASES}, got {self.case!r}")
+        cases = EXTRACTOR_CASES if self.role == "extractor" else SOURCE_CASES
+        if self.role not in SOURCE_ROLES or self.case not in cases:
+            raise ValueError(f"source run privacy: role {self.role!r} with case {self.case!r} (cases: {cases})")
         object.__setattr__(self, "source_caveats", tuple(self.source_caveats))  # a list when read back
+
+    @property
+    def words(self) -> SourceRole:
+        """The role's words (config keys, label prefix, how texts name it)."""
+        return SOURCE_ROLES[self.role]
 
     def describe(self) -> str:
         """One clause for the plan's header: which case applies."""
         if self.case == "composed":
             return (
-                f"features from {self.source}, trained on this run's training data (same data fingerprint): "
-                f"its privacy cost is composed ({EXTRACTOR_RUN}:* releases)"
+                f"{self.words.gives} {self.source}, trained on this run's training data (same data fingerprint): "
+                f"its privacy cost is composed ({self.words.prefix}:* releases)"
             )
         return self.caveat()
 
     def caveats(self) -> list[str]:
-        """Everything the guarantee does not cover because of the extractor: the case's own
+        """Everything the guarantee does not cover because of the source: the case's own
         caveat, or (composed) the source run's caveats, each naming the source."""
         if self.case == "composed":
-            return [f"the extractor run {self.source} (its cost is composed): {note}" for note in self.source_caveats]
+            return [f"{self.words.noun} {self.source} (its cost is composed): {note}" for note in self.source_caveats]
         return [self.caveat()]
 
     def caveat(self) -> str | None:
-        """What the guarantee does not cover because of the extractor's case (None when composed)."""
+        """What the guarantee does not cover because of the source's case (None when composed)."""
+        words = self.words
         if self.case == "declared public":
             return (
-                f"features.extractor_public: the extractor run {self.source} trained on this run's training "
+                f"{words.public_key}: {words.noun} {self.source} trained on this run's training "
                 "data (same data fingerprint) and is declared public: its cost is not included in epsilon"
             )
         if self.case == "other data":
             return (
-                f"the extractor run {self.source} trained on other data (its data fingerprint differs): its cost "
+                f"{words.noun} {self.source} trained on other data (its data fingerprint differs): its cost "
                 "is not included in epsilon, which assumes that data shares no example with this run's "
                 "(an overlapping subset is not detected)"
             )
+        if self.case == "assumed public":
+            return (
+                f"{words.key}: the guarantee assumes the training data of the initial weights ({self.source}) is "
+                "public (not a dpscale run directory, so its data and privacy cost cannot be checked)"
+            )
         return None
+
+
+ExtractorPrivacy = SourceRunPrivacy  # the name from before model.init sources were checked too
 
 
 @dataclass(frozen=True)
@@ -150,6 +206,7 @@ class DPPlan:
         parameter: plans read back from a checkpoint get it from the run's config.
     extractor: set for a ``checkpoint:`` feature extractor: how its run enters the guarantee (its
         releases, when composed, are in ``releases``). A label too, recomputed on resume.
+    init_run: set for ``model.init``: how its source run enters the guarantee (as ``extractor``).
     engine_unchecked: train.self_check is off (a caveat; a label from the config, like seeded).
     secure_noise: the noise comes from the OS CSPRNG (dp.secure_noise), so a fixed seed replays
         the sampling only. A label from the config, like seeded.
@@ -170,9 +227,10 @@ class DPPlan:
     releases: tuple[AccountingSegment, ...] = ()
     simulation: TanSimulation | None = None
     seeded: bool = False
-    extractor: ExtractorPrivacy | None = None
+    extractor: SourceRunPrivacy | None = None
     engine_unchecked: bool = False
     secure_noise: bool = False
+    init_run: SourceRunPrivacy | None = None
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -180,8 +238,14 @@ class DPPlan:
         object.__setattr__(self, "releases", releases)
         if isinstance(self.simulation, dict):
             object.__setattr__(self, "simulation", TanSimulation(**self.simulation))
-        if isinstance(self.extractor, dict):
-            object.__setattr__(self, "extractor", ExtractorPrivacy(**self.extractor))
+        for name in ("extractor", "init_run"):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, SourceRunPrivacy(**getattr(self, name)))
+
+    @property
+    def sources(self) -> tuple[SourceRunPrivacy, ...]:
+        """The runs this run starts from whose privacy it checked (extractor, then model.init)."""
+        return tuple(s for s in (self.extractor, self.init_run) if s is not None)
 
     @property
     def run_accountant(self) -> str:
@@ -249,8 +313,8 @@ class DPPlan:
             )
         if self.seeded:
             notes.append(SEEDED_SECURE_NOISE_CAVEAT if self.secure_noise else SEEDED_CAVEAT)
-        if self.extractor is not None:
-            notes.extend(self.extractor.caveats())
+        for source in self.sources:
+            notes.extend(source.caveats())
         if self.engine_unchecked:
             notes.append(ENGINE_UNCHECKED_CAVEAT)
         return notes
@@ -284,7 +348,8 @@ class DPPlan:
             )
         if not self.is_private:
             return "epsilon=inf (NOT PRIVATE)"
-        composed = " (composed with the extractor's run)" if self.extractor and self.extractor.case == "composed" else ""
+        runs = [s.words.noun for s in self.sources if s.case == "composed"]
+        composed = f" (composed with {' and '.join(runs)})" if runs else ""
         return f"epsilon={epsilon:.3f} delta={self.delta:g} ({self.accountant}){composed}"
 
     def make_sampler(self, generator: DPRandom, rank: int = 0, world_size: int = 1):
@@ -292,8 +357,8 @@ class DPPlan:
         return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size)
 
     def describe(self) -> str:
-        """The one-line header printed when a run starts (and which extractor case applies)."""
-        extractor = f"; {self.extractor.describe()}" if self.extractor else ""
+        """The one-line header printed when a run starts (and which case applies to each source run)."""
+        extractor = "".join(f"; {source.describe()}" for source in self.sources)
         if not self.is_private:
             return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}{extractor}"
         tan_note = "" if self.noise_multiplier >= PRIVACY_WALL_SIGMA else " (sigma<2: eps_TAN under-estimates)"
@@ -347,17 +412,18 @@ def check_plan_matches(
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
-    The labels ``seeded``, ``extractor``, ``engine_unchecked`` and ``secure_noise`` are not compared: they derive from the config (the
-    caller sets them afresh); what the extractor costs is in ``releases``, recomputed from its run.
+    The labels ``seeded``, ``extractor``, ``init_run``, ``engine_unchecked`` and ``secure_noise`` are not compared: they
+    derive from the config (the caller sets them afresh); what a source run costs is in ``releases``, recomputed
+    from that run.
 
     Args:
         plan: the plan saved in the checkpoint.
         dataset_size: N of the training set now; steps: the run's total logical steps.
         batch_size ... accountant: the privacy numbers asked for now (as for ``make_dp_plan``).
-        releases: the releases recomputed now (a checkpoint extractor's run's history, then
-            the feature normalisation's).
+        releases: the releases recomputed now (a checkpoint extractor's run's history, a
+            model.init run's, then the feature normalisation's).
     """
-    _check_extractor_releases(plan, releases)
+    _check_source_releases(plan, releases)
     simulated = is_simulation(batch_size, simulated_batch_size)
     expected = {
         "releases": tuple(releases) if plan.is_private else (),
@@ -381,24 +447,26 @@ def check_plan_matches(
         raise ConfigError("the checkpoint's DP plan does not match this config and data (" + "; ".join(wrong) + ")")
 
 
-def _check_extractor_releases(plan: DPPlan, releases: tuple[AccountingSegment, ...]) -> None:
-    """Refuse to continue a run whose checkpoint extractor's run is no longer the one its plan
-    composed (it trained on, or was resumed, since): the saved epsilon would no longer cover it."""
+def _check_source_releases(plan: DPPlan, releases: tuple[AccountingSegment, ...]) -> None:
+    """Refuse to continue a run whose source run (checkpoint extractor, model.init run) is no
+    longer the one its plan composed (it trained on, or was resumed, since): the saved epsilon
+    would no longer cover it."""
     if not plan.is_private:
         return
 
-    def of_extractor(segments: tuple[AccountingSegment, ...]) -> tuple[AccountingSegment, ...]:
-        return tuple(r for r in segments if r.label.startswith(f"{EXTRACTOR_RUN}:"))
+    def shown(segments: list[AccountingSegment]) -> Any:
+        return [(r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in segments] or "nothing"
 
-    saved, now = of_extractor(plan.releases), of_extractor(tuple(releases))
-    if saved != now:
-        raise ConfigError(
-            "the run behind features.extractor changed since this run started: this run's DP plan composed "
-            f"{[(r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in saved] or 'nothing'} from it, "
-            f"its checkpoint now gives {[(r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in now] or 'nothing'} "
-            "(it trained further, its data fingerprint changed, or this run predates that composition); "
-            "refusing to continue: restore that run's checkpoint, or start a new run"
-        )
+    for role in SOURCE_ROLES.values():
+        saved = [r for r in plan.releases if r.label.startswith(f"{role.prefix}:")]
+        now = [r for r in releases if r.label.startswith(f"{role.prefix}:")]
+        if saved != now:
+            raise ConfigError(
+                f"the run behind {role.key} changed since this run started: this run's DP plan composed "
+                f"{shown(saved)} from it, its checkpoint now gives {shown(now)} (it trained further, its data "
+                "fingerprint changed, or this run predates that composition); refusing to continue: restore that "
+                "run's checkpoint, or start a new run"
+            )
 
 
 def make_dp_plan(
@@ -415,7 +483,7 @@ def make_dp_plan(
     accountant: str = "pld",
     releases: tuple[AccountingSegment, ...] = (),
     seeded: bool = False,
-    extractor: ExtractorPrivacy | None = None,
+    extractor: SourceRunPrivacy | None = None,
 ) -> DPPlan:
     """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
     ``noise_multiplier`` checked against it.
@@ -427,7 +495,7 @@ def make_dp_plan(
         simulated_batch_size: a TAN simulation of this run at that batch size (see below).
         sampling: "poisson" (what the accountant assumes) or "shuffle"; accountant: "pld" or "rdp".
         releases: one-off Gaussian mechanisms on the data before training (see
-            ``dpscale.privacy.gaussian_release``), and the history of a checkpoint extractor's run
+            ``dpscale.privacy.gaussian_release``), and the history of a checkpoint extractor's or model.init run
             on the same data; sigma is calibrated for the composition.
         seeded: the seed is fixed (a caveat of the plan).
         extractor: how a ``checkpoint:`` extractor's run enters the guarantee (None otherwise).
@@ -454,7 +522,7 @@ def make_dp_plan(
         raise ConfigError(
             f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
             f"> dp.epsilon={target_epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
-            f"to calibrate it{_extractor_hint(releases)}"
+            f"to calibrate it{_source_run_hint(releases)}"
         )
     plan = DPPlan(
         dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
@@ -475,18 +543,20 @@ def _noise_for(
     try:
         return calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, releases=releases), True
     except ValueError as err:
-        raise ConfigError(f"{err}{_extractor_hint(releases)}") from None
+        raise ConfigError(f"{err}{_source_run_hint(releases)}") from None
 
 
-def _extractor_hint(releases: tuple[AccountingSegment, ...]) -> str:
-    """Advice for a budget that a checkpoint extractor's run already uses up (or most of it)."""
-    if not any(r.label.startswith(f"{EXTRACTOR_RUN}:") for r in releases):
-        return ""
-    return (
-        f" ({EXTRACTOR_RUN}:* is the run behind features.extractor, which trained on this run's training data: "
-        "this run's budget must cover it too; raise dp.epsilon, or set features.extractor_public=true to leave "
-        "its cost out (every output then says so)"
-    )
+def _source_run_hint(releases: tuple[AccountingSegment, ...]) -> str:
+    """Advice for a budget that a source run (checkpoint extractor, model.init run) already uses
+    up (or most of it)."""
+    hints = [
+        f"{role.prefix}:* is the run behind {role.key}, which trained on this run's training data: this run's "
+        f"budget must cover it too; raise dp.epsilon, or set {role.public_key}=true to leave its cost out "
+        "(every output then says so)"
+        for role in SOURCE_ROLES.values()
+        if any(r.label.startswith(f"{role.prefix}:") for r in releases)
+    ]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def is_simulation(batch_size: float, simulated_batch_size: float | None) -> bool:

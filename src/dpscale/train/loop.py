@@ -31,12 +31,12 @@ from dpscale.features.pipeline import (
     normalize_dataset,
 )
 from dpscale.models import build_model, count_parameters, freeze_block_groups
-from dpscale.models.init import PUBLIC_SOURCE_CAVEAT, init_from, meanvar_init, read_weights
+from dpscale.models.init import init_from, init_privacy, meanvar_init, read_weights
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
-from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, ExtractorPrivacy, steps_for
+from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan, SourceRunPrivacy, steps_for
 from dpscale.train.plan_config import check_plan_against_config, plan_from_config
 from dpscale.rng import DPRandom, noise_generator
 from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, save_checkpoint
@@ -242,8 +242,10 @@ class Trainer:
                 f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
                 f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images"
             )
-        # Before extracting: a checkpoint extractor's run that cannot be composed is refused at once.
-        extractor, extractor_releases = extractor_privacy(config.features, self._fingerprint_as, is_private_config(config.dp))
+        # Before extracting: a source run (checkpoint extractor, model.init) that cannot be composed is refused at once.
+        private = is_private_config(config.dp)
+        extractor, extractor_releases = extractor_privacy(config.features, self._fingerprint_as, private)
+        init_run, init_releases = init_privacy(config.model, self._fingerprint_as, private)
         with self.dist.main_first():  # rank 0 fills the feature cache, the others read it
             features = extract_run_features(config.features, images, self.device, self.progress, self._log)
         del images
@@ -252,8 +254,8 @@ class Trainer:
         n = features.info.num_train
         self.total_steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
         loading = plan is not None  # from a checkpoint
-        releases = extractor_releases + feature_releases(config.features) + self._seed_model_releases()
-        self.plan: DPPlan = self._resolve_plan(plan, n, releases, extractor)
+        releases = extractor_releases + init_releases + feature_releases(config.features) + self._seed_model_releases()
+        self.plan: DPPlan = self._resolve_plan(plan, n, releases, extractor, init_run)
         if loading and (feature_norm or {}).get("kind", "none") != config.features.normalize:
             raise ConfigError(
                 f"the checkpoint's feature normalisation ({(feature_norm or {}).get('kind', 'none')}) is not "
@@ -351,18 +353,24 @@ class Trainer:
         plan: DPPlan | None,
         dataset_size: int,
         releases: tuple[AccountingSegment, ...],
-        extractor: ExtractorPrivacy | None,
+        extractor: SourceRunPrivacy | None,
+        init_run: SourceRunPrivacy | None = None,
     ) -> DPPlan:
-        """A new run's plan, or the checkpoint's ``plan`` checked against the config and data.
+        """A new run's plan, or the checkpoint's ``plan`` checked against the config and data
+        (a changed source run is refused: its releases differ).
         Either way with the labels the config determines (a fixed seed, the checkpoint
-        extractor's case): they are no privacy parameters, and older checkpoints lack them."""
+        extractor's and the model.init run's cases): they are no privacy parameters, and older
+        checkpoints lack them."""
         dp, seeded = self.config.dp, self.config.run.seed is not None
         unchecked = not self.config.train.self_check
         if plan is None:
             plan = plan_from_config(dp, dataset_size, self.total_steps, releases, seeded=seeded, extractor=extractor)
         else:
             check_plan_against_config(plan, dp, dataset_size, self.total_steps, releases)
-        return replace(plan, seeded=seeded, extractor=extractor, engine_unchecked=unchecked, secure_noise=dp.secure_noise)
+        return replace(
+            plan, seeded=seeded, extractor=extractor, init_run=init_run, engine_unchecked=unchecked,
+            secure_noise=dp.secure_noise,
+        )
 
     def _fingerprint_as(self, normalize: bool) -> str:
         """This run's training-set fingerprint as prepared with data.normalize=``normalize`` (a
@@ -787,9 +795,7 @@ class Trainer:
         if self._privacy_warnings is None:
             warning = self.plan.wall_warning()
             self._privacy_warnings = [warning] if warning else []
-            model = self.config.model
-            if model.init:
-                self._privacy_warnings.append(PUBLIC_SOURCE_CAVEAT.format(source=model.init))
+            model = self.config.model  # model.init's source: in the plan's caveats (plan.init_run)
             if model.init_scaling == "meanvar" and model.init_seed_public:
                 self._privacy_warnings.append(
                     f"model.init_seed_public: the Mean-Var statistics of {model.init_seed_model} are left out of "
