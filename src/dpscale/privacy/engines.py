@@ -7,7 +7,9 @@ from __future__ import annotations
 from torch import nn
 
 from dpscale.privacy.ghost import GhostEngine, unsupported_modules
-from dpscale.privacy.per_example import LossFn, PerExampleEngine, VmapEngine, per_example_cross_entropy
+from dpscale.privacy.per_example import (
+    LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy,
+)
 from dpscale.privacy.precision import FP32, Precision
 
 
@@ -39,9 +41,13 @@ def make_engine(
         raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
     if views < 1:
         raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
+    if model is not None:  # layers no engine can take (refused before one fails inside torch)
+        check_per_example_compatible(model)
     problems = unsupported_modules(model) if model is not None else []
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
+        if model is not None:
+            _check_vmap_runs(model, notice)
         return VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision), notice
     if problems:
         raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
@@ -49,6 +55,33 @@ def make_engine(
     return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision), None
 
 
+def _check_vmap_runs(model: nn.Module, notice: str | None) -> None:
+    """Refuse layers that the vmap engine alone cannot run, saying why auto came to vmap.
+
+    Args:
+        model: the model to train.
+        notice: auto's fallback notice (None: vmap was named).
+
+    Raises:
+        ValueError: one line naming the layer and the fix.
+    """
+    try:
+        check_per_example_compatible(model, "vmap")
+    except ValueError as err:
+        if notice is None:
+            raise
+        raise ValueError(f"{err} ({notice})") from None
+
+
 def supported_engines(model: nn.Module) -> list[str]:
-    """Engines that can train ``model``."""
-    return ["auto", "vmap"] + ([] if unsupported_modules(model) else ["bk", "ghost"])
+    """Engines that can train ``model``: those ``make_engine`` neither refuses nor finds unsupported."""
+    try:  # a layer that every engine refuses
+        check_per_example_compatible(model)
+    except ValueError:
+        return []
+    bk = [] if unsupported_modules(model) else ["bk", "ghost"]
+    try:
+        check_per_example_compatible(model, "vmap")
+    except ValueError:
+        return (["auto"] if bk else []) + bk
+    return ["auto", "vmap"] + bk

@@ -73,24 +73,93 @@ def trainable_params(model: nn.Module) -> Params:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
-# Layers whose output for one example depends on the others in the batch: per-example
-# gradients (and the DP guarantee) are undefined with them in training mode.
-BATCH_MIXING_LAYERS = (nn.modules.batchnorm._BatchNorm,)
+def _trainable(module: nn.Module) -> bool:
+    """Whether the layer itself holds a parameter that DP-SGD updates."""
+    return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def check_per_example_compatible(model: nn.Module) -> None:
-    """Raise ValueError naming the first layer that mixes examples: BatchNorm, or any norm layer
-    keeping running statistics (their buffers are updated from the whole batch, without noise)."""
+@dataclass(frozen=True)
+class LayerRefusal:
+    """A layer configuration that per-example clipping refuses, and the way out.
+
+    Attributes:
+        layers: the layer types concerned (subclasses included).
+        applies: whether a layer of those types is refused as configured.
+        reason: what goes wrong with it (completes "layer 'name' (Type) ...").
+        fix: the way out, for the user.
+        engines: the engines that refuse it; None: every engine.
+    """
+
+    layers: tuple[type[nn.Module], ...]
+    applies: Callable[[nn.Module], bool]
+    reason: str
+    fix: str
+    engines: tuple[str, ...] | None = None
+
+
+_NORM_FIX = "use GroupNorm/LayerNorm, e.g. dpscale.models.convert_batchnorm_to_groupnorm(model)"
+_RECURRENT = (nn.RNNBase, nn.RNNCellBase)  # RNN/GRU/LSTM and their cells
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+# The one list of layers that per-example clipping refuses, checked before any engine runs (the
+# alternative is a torch-internal error, or a silently wrong guarantee). Measured on torch 2.x:
+# vmap cannot batch torch's fused recurrent kernels (their state is written in place; LSTM runs
+# only on CPU float32's mkldnn kernel, so it is refused too rather than depend on the CPU), and
+# bk/ghost have no rule for their parameters, but run a frozen one as it is.
+REFUSED_LAYERS: tuple[LayerRefusal, ...] = (
+    LayerRefusal(
+        (nn.modules.batchnorm._BatchNorm,), lambda m: True,
+        "mixes examples within a batch, so per-example gradients (and the DP guarantee) break", _NORM_FIX,
+    ),
+    LayerRefusal(
+        (nn.modules.instancenorm._InstanceNorm,), lambda m: m.track_running_stats,
+        "keeps running statistics of the private batch (updated without noise)",
+        f"set track_running_stats=False, or {_NORM_FIX}",
+    ),
+    LayerRefusal(
+        _RECURRENT, _trainable,
+        "has no exact per-example gradient in any engine (torch's fused recurrent kernel)",
+        "write the recurrence with nn.Linear layers applied at each time step and use engine=vmap, or freeze "
+        "the layer (requires_grad_(False)) and use engine=bk",
+    ),
+    LayerRefusal(
+        _RECURRENT, lambda m: True,
+        "cannot run inside the vmap engine (torch's fused recurrent kernel writes its state in place)",
+        "use engine=bk or ghost, which run a frozen recurrent layer as it is", engines=("vmap",),
+    ),
+    LayerRefusal(
+        _EMBEDDINGS, lambda m: m.max_norm is not None,
+        "renormalises its weight in place during the forward pass (a write to the model that depends on "
+        "the private batch and is never noised)",
+        "set max_norm=None (renormalise the weight after each optimizer step instead, if it is needed)",
+    ),
+    LayerRefusal(
+        _EMBEDDINGS, lambda m: m.sparse and _trainable(m),
+        "has sparse gradients, which no engine can take per example", "set sparse=False",
+    ),
+)
+
+
+def check_per_example_compatible(model: nn.Module, engine: str | None = None) -> None:
+    """Refuse a model holding a layer that per-example clipping cannot handle (``REFUSED_LAYERS``):
+    one that mixes examples (BatchNorm, norms with running statistics), writes private data into
+    the model (``Embedding(max_norm=...)``) or has no per-example gradient (torch's RNN/GRU/LSTM).
+
+    Args:
+        model: the model to train.
+        engine: the engine that will run it ("vmap", "bk", "ghost"), which adds the refusals of
+            that engine alone; None: only what every engine refuses.
+
+    Raises:
+        ValueError: one line naming the first refused layer (its path in the model), why, and the fix.
+    """
     for name, module in model.named_modules():
-        mixing = isinstance(module, BATCH_MIXING_LAYERS)
-        running = isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats
-        if mixing or running:
-            raise ValueError(
-                f"layer {name!r} ({type(module).__name__}) "
-                + ("mixes examples within a batch" if mixing else "keeps running statistics of the private batch")
-                + ", so per-example gradients (or the DP guarantee) break; use GroupNorm/LayerNorm, e.g. "
-                "dpscale.models.convert_batchnorm_to_groupnorm(model)"
-            )
+        for refusal in REFUSED_LAYERS:
+            concerned = refusal.engines is None or engine in refusal.engines
+            if concerned and isinstance(module, refusal.layers) and refusal.applies(module):
+                raise ValueError(
+                    f"layer {name or '<root>'!r} ({type(module).__name__}) {refusal.reason}; {refusal.fix}"
+                )
 
 
 class PerExampleEngine(Protocol):
