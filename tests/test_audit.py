@@ -121,6 +121,127 @@ def test_canary_engine_adds_exactly_c_for_included_and_nothing_for_excluded():
     assert all(torch.allclose(got[k], expected[k]) for k in got) and len(norms) == 3
 
 
+def _loose_clipping(monkeypatch, scale):
+    """A clipping bug inside the engines: their clip rule (patched where vmap, bk and ghost call it)
+    lets ``scale`` * C through, while every engine still reports C."""
+    from dpscale.privacy import ghost, per_example
+
+    exact = per_example.clip_factors
+
+    def loose(norms, max_grad_norm):
+        return exact(norms, None if max_grad_norm is None else max_grad_norm * scale)
+
+    monkeypatch.setattr(per_example, "clip_factors", loose)
+    monkeypatch.setattr(ghost, "clip_factors", loose)
+
+
+@pytest.mark.parametrize("views", [1, 2])
+@pytest.mark.parametrize("name", ["vmap", "bk", "ghost"])
+@pytest.mark.parametrize("scale", [1.0, 10.0], ids=["honest", "leaks-10C"])
+def test_gradient_canaries_are_clipped_by_the_engine_itself(monkeypatch, name, views, scale):
+    # A canary's released contribution is whatever the engine's own norm, clip and sum make of it:
+    # C from an honest engine, 10 C from one whose clipping lets 10 C through.
+    from dpscale.privacy.engines import make_engine
+
+    if scale != 1:
+        _loose_clipping(monkeypatch, scale)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4))
+    params = trainable_params(model)
+    clip = 0.5
+    inner, _ = make_engine(name, clip, model, views=views)
+    coordinates = [("0.weight", 7), ("0.bias", 1), ("3.weight", 20), ("3.bias", 2), ("3.weight", 0)]
+    included = np.array([True, True, True, True, False])
+    engine = CanaryEngine(inner, included, coordinates, DIRAC_SCALE * clip)
+    x = torch.randn(8, *([views] if views > 1 else []), 2, 6, 6)
+    y = torch.tensor([0, -1, 3, -2, -3, 1, -4, -5])  # rows 1, 3, 4, 6, 7: canaries 0-4 (4 excluded)
+    got, norms, _ = engine.clipped_sum_and_losses(model, params, (x, y))
+    released = (engine.at_coordinates(got) - engine.data_sum) / clip  # in units of C
+    assert released[:4].tolist() == pytest.approx([scale] * 4, rel=1e-5) and released[4] == 0
+    # the engine measured the canaries' norms; nothing else moved
+    assert norms[-5:-1].tolist() == pytest.approx([DIRAC_SCALE * clip] * 4, rel=1e-5) and norms[-1] == 0
+    keep = y >= 0
+    expected, _, _ = inner.clipped_sum_and_losses(model, params, (x[keep], y[keep]))
+    for canary, (pname, flat) in enumerate(coordinates):
+        if included[canary]:
+            expected[pname].view(-1)[flat] = got[pname].view(-1)[flat]
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    # a chunk whose only canary is on the conv bias: the probe calls that layer alone
+    engine.data_sum.zero_()  # (the observer does this after each step)
+    got, _, _ = engine.clipped_sum_and_losses(model, params, (x[[0, 3]], y[[0, 3]]))
+    assert ((engine.at_coordinates(got) - engine.data_sum)[1] / clip).item() == pytest.approx(scale, rel=1e-5)
+
+
+def test_first_chunk_checks_see_only_the_real_examples():
+    # a check of how the model treats a batch (the mechanism's first-chunk check) gets the real
+    # rows and the inner engine; the engine it chooses stays wrapped
+    audit = CanaryAudit("gradient", 4, seed=0)
+    inner, chosen = VmapEngine(0.5), VmapEngine(0.5, name="chosen")
+    engine = CanaryEngine(inner, audit.included, [("1.bias", 0), ("1.bias", 1), ("1.bias", 2), ("1.weight", 0)], 500.0)
+    seen = []
+
+    def check(e, model, chunk):
+        seen.append((e, chunk[1].tolist()))
+        return chosen
+
+    x, y = torch.randn(4, 1, 2, 2), torch.tensor([2, -1, 0, -4])
+    assert audit.on_real_examples(check)(engine, None, (x, y)) is engine
+    assert seen == [(inner, [2, 0])] and engine.inner is chosen and engine.name == "chosen"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["vmap", "bk"])
+def test_gradient_canaries_stay_finite_in_16_bits(name, precision):
+    # fp16 with loss scale S: the canary's norm is lowered so that S M stays finite (an overflowing
+    # canary would contribute zero, as if absent); it still gets exactly C
+    from dpscale.audit.canaries import dirac_norm
+    from dpscale.privacy.engines import make_engine
+    from dpscale.privacy.precision import make_precision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4))
+    params = trainable_params(model)
+    inner, _ = make_engine(name, 1.0, model, precision=make_precision(precision))
+    norm = dirac_norm(inner, 1.0)
+    assert norm == (32.0 if precision == "fp16" else DIRAC_SCALE)
+    coordinates = [("0.weight", 7), ("0.bias", 1), ("3.weight", 20), ("3.bias", 2)]
+    engine = CanaryEngine(inner, np.ones(4, dtype=bool), coordinates, norm)
+    x, y = torch.randn(6, 2, 6, 6), torch.tensor([0, -1, -2, 2, -3, -4])
+    got, norms, _ = engine.clipped_sum_and_losses(model, params, (x, y))
+    assert (engine.at_coordinates(got) - engine.data_sum).tolist() == pytest.approx([1.0] * 4, rel=1e-3)
+    assert norms[-4:].tolist() == pytest.approx([norm] * 4, rel=1e-3)
+    with pytest.raises(ConfigError, match="fp16_loss_scale=65536"):
+        dirac_norm(make_engine(name, 1.0, model, precision=make_precision("fp16", 65536.0))[0], 1.0)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Linear(5, 4),
+        nn.Linear(5, 4, bias=False),
+        nn.Conv2d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2),
+        nn.Conv2d(2, 3, (3, 2), stride=(1, 3), padding=(0, 1)),
+        nn.Conv1d(3, 4, 5, stride=3, padding=4),
+    ],
+    ids=["linear", "linear-no-bias", "conv2d-dilated-grouped", "conv2d-rect", "conv1d"],
+)
+def test_dirac_probe_gives_each_canary_exactly_its_coordinate(layer):
+    from dpscale.audit.dirac import DiracProbe, host_sizes
+
+    model = nn.Sequential(nn.Identity(), layer).double()
+    params = trainable_params(model)
+    coordinates = [(name, i) for name, size in host_sizes(model, params) for i in range(size)]
+    probe = DiracProbe(model, coordinates, magnitude=3.0)
+    x, y = probe.batch(torch.arange(len(coordinates)), 1, params["1.weight"])
+    live = dict(model.named_parameters())
+    for i, (name, flat) in enumerate(coordinates):
+        loss = nn.functional.cross_entropy(probe(x[i : i + 1]), y[i : i + 1])
+        grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
+        assert grads[name].view(-1)[flat].item() == pytest.approx(3.0, rel=1e-12)
+        grads[name].view(-1)[flat] = 0
+        assert all(not g.any() for g in grads.values()), (name, flat)
+
+
 def _config(tmp_path, name, *overrides):
     return load_config(None, [f"run.out_dir={tmp_path / name}", "train.steps=30", "train.checkpoint_every_minutes=null", *overrides])
 

@@ -13,10 +13,12 @@ an audit can only refute.
 Two kinds of canary:
 
 * ``gradient`` (white box, the default and far stronger): Dirac canaries. Canary i is a
-  placeholder example whose per-example gradient the engine replaces by M e_j(i), with M =
-  ``DIRAC_SCALE`` * C on its own coordinate j(i) of the trainable parameters; it is Poisson
-  sampled like any example and clipped by the engine's rule (so a clipping bug lets more than C
-  through). The auditor sees every released noisy gradient and, as DP-SGD's guarantee allows,
+  placeholder example whose per-example gradient is M e_j(i), with M = ``DIRAC_SCALE`` * C (less
+  in fp16) on its own coordinate j(i) of a trainable Linear/Conv weight or bias; it is Poisson
+  sampled like any example. An included canary is an example of a probe (``dpscale.audit.dirac``)
+  that calls that one layer on a crafted input, and the run's engine itself differentiates,
+  norms, clips and sums it, so a clipping bug in the engine lets more than C through for the
+  canaries too. The auditor sees every released noisy gradient and, as DP-SGD's guarantee allows,
   everything but the canaries' membership, including the data's clipped sum; it scores canary i
   by the log-likelihood ratio of its coordinate's per-step residuals under "sampled with
   probability q, contributing C" against "absent".

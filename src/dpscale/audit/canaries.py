@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -13,42 +13,85 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.audit import AUDIT_KINDS
+from dpscale.audit.dirac import DiracProbe, host_sizes
 from dpscale.config import ConfigError
 from dpscale.data.datasets import ImageDataset
-from dpscale.privacy.per_example import ClippedSumMixin, Params, PerExampleEngine, clip_factors, trainable_params
+from dpscale.privacy.per_example import (
+    ClippedSumMixin,
+    Params,
+    PerExampleEngine,
+    per_example_cross_entropy,
+    trainable_params,
+)
 from dpscale.train.hooks import RunHooks
 
 DIRAC_SCALE = 1000.0  # a gradient canary's norm, in units of C: clipping must cut it to C
+# In fp16 a canary's gradient times the loss scale S must stay finite (fp16's largest is 65504):
+# M S <= 2^15 (an overflowing canary would contribute zero, as if it were absent).
+FP16_CANARY_LIMIT = 2.0**15
+
+
+def dirac_norm(engine: PerExampleEngine, clip: float) -> float:
+    """M, a gradient canary's norm before clipping: ``DIRAC_SCALE`` C, or less in fp16 (its loss
+    scale S times M must stay finite). A clipping bug shows up to a looseness of M / C.
+
+    Args:
+        engine: the engine that will clip the canaries (its ``precision``, if any).
+        clip: C.
+
+    Returns:
+        M; ConfigError when fp16 leaves no room above 2 C.
+    """
+    norm = DIRAC_SCALE * clip
+    precision = getattr(engine, "precision", None)
+    if precision is not None and precision.name == "fp16":
+        norm = min(norm, FP16_CANARY_LIMIT / precision.loss_scale)
+        if norm < 2 * clip:
+            raise ConfigError(
+                f"gradient canaries in fp16 with train.fp16_loss_scale={precision.loss_scale:g} can be at most "
+                f"{norm / clip:.3g} C before clipping (they must exceed C well); lower the loss scale or use bf16"
+            )
+    return norm
 
 
 class CanaryEngine(ClippedSumMixin):
     """Wraps a clipping engine: a placeholder row (label -1 - i) is canary i. An excluded canary
     contributes nothing (the noisy sum is then distributed exactly as without it, while N and q
-    stay independent of membership); an included gradient canary contributes ``magnitude`` on its
-    own coordinate, clipped by the inner engine's C.
+    stay independent of membership). An included gradient canary is an example of the Dirac probe
+    (``dpscale.audit.dirac``) that the inner engine itself differentiates, norms, clips and sums:
+    its gradient is ``magnitude`` on its own coordinate, and its share of the released sum is
+    whatever the engine makes of that (C if the engine clips correctly).
 
     Args:
-        inner: the run's checked engine (it clips the real examples).
+        inner: the run's checked engine (it clips the real examples and the canaries).
         included: per canary, whether it is in the training set.
-        coordinates: per canary, (parameter name, flat index), all distinct (gradient canaries);
-            None for input canaries, whose included ones are ordinary examples.
+        coordinates: per canary, (parameter name, flat index), all distinct, each on a parameter
+            ``host_sizes`` lists (gradient canaries); None for input canaries, whose included ones
+            are ordinary examples.
         magnitude: a gradient canary's norm before clipping.
+        model: the training model, to place the canaries at once (else at the first call).
     """
 
     def __init__(
         self, inner: PerExampleEngine, included: np.ndarray, coordinates: Sequence[tuple[str, int]] | None = None,
-        magnitude: float = 0.0,
+        magnitude: float = 0.0, model: nn.Module | None = None,
     ) -> None:  # fmt: skip
         self.inner, self.magnitude = inner, float(magnitude)
-        self.name = inner.name
+        self.coordinates = list(coordinates or ())
         self.dirac = torch.from_numpy(np.asarray(included, dtype=bool) & (coordinates is not None))
         groups: dict[str, tuple[list[int], list[int]]] = {}
-        for canary, (name, flat) in enumerate(coordinates or ()):
+        for canary, (name, flat) in enumerate(self.coordinates):
             groups.setdefault(name, ([], []))[0].append(canary)
             groups[name][1].append(flat)
         self.groups = {name: (torch.tensor(ids), torch.tensor(flats)) for name, (ids, flats) in groups.items()}
         # the real examples' clipped sum on the canary coordinates, this step (the auditor's side knowledge)
         self.data_sum = torch.zeros(len(self.dirac), dtype=torch.float64)
+        # the canaries' examples, for ``model`` (else for the model of the first call)
+        self.probe = DiracProbe(model, self.coordinates, self.magnitude) if model is not None and self.groups else None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -70,18 +113,31 @@ class CanaryEngine(ClippedSumMixin):
         if not bool(is_canary.any()):
             return grad_sum, norms, losses
         ids = (-1 - y[is_canary]).cpu()
-        # an included gradient canary's norm is the magnitude; an excluded one's gradient is zero
-        canary_norms = torch.where(self.dirac[ids], self.magnitude, 0.0).to(norms.dtype).to(norms.device)
-        values = torch.zeros(len(self.data_sum), dtype=torch.float64)
-        values[ids] = (clip_factors(canary_norms, self.max_grad_norm) * canary_norms).double().cpu()
-        grad_sum = dict(grad_sum)
-        for name, (group_ids, flats) in self.groups.items():
-            added = values[group_ids]
-            if bool(added.any()):
-                flat = grad_sum[name].reshape(-1).clone()
-                flat[flats.to(flat.device)] += added.to(flat.device, flat.dtype)
-                grad_sum[name] = flat.view_as(grad_sum[name])
+        present = self.dirac[ids]  # an excluded canary's gradient is zero: it never reaches the engine
+        canary_norms = norms.new_zeros(len(ids))
+        if bool(present.any()):
+            canary_sum, sampled_norms = self.canary_sum(model, params, ids[present])
+            grad_sum = {name: g + canary_sum[name] for name, g in grad_sum.items()}
+            canary_norms[present.to(norms.device)] = sampled_norms.to(norms.dtype)
         return grad_sum, torch.cat([norms, canary_norms]), torch.cat([losses, losses.new_zeros(len(ids))])
+
+    def canary_sum(self, model: nn.Module, params: Params, canaries: torch.Tensor) -> tuple[Params, torch.Tensor]:
+        """The inner engine's clipped sum and norms of the Dirac probe's examples for ``canaries``.
+
+        Args:
+            model: the training model (the probe holds it).
+            params: its trainable parameters by name.
+            canaries: ids of included canaries, all sampled in this chunk.
+
+        Returns:
+            (clipped sum under the model's names, per-canary norms the engine measured).
+        """
+        if self.probe is None or self.probe.net is not model:
+            self.probe = DiracProbe(model, self.coordinates, self.magnitude)
+        like = params[self.coordinates[0][0]]
+        chunk = self.probe.batch(canaries, getattr(self.inner, "views", 1), like)
+        grad_sum, norms, _ = self.inner.clipped_sum_and_losses(self.probe, self.probe.params(params), chunk)
+        return self.probe.model_names(grad_sum), norms
 
     def at_coordinates(self, tensors: Params) -> torch.Tensor:
         """The canaries' coordinates of ``tensors`` (by parameter name), as float64 on the CPU."""
@@ -144,17 +200,29 @@ class CanaryAudit:
 
     # ------------------------------------------------------------------ engine
     def _wrap(self, engine: PerExampleEngine, model: nn.Module, fault: Any) -> PerExampleEngine:
-        if fault is not None and fault.clip_scale != 1:
-            engine = replace(engine, max_grad_norm=engine.max_grad_norm * fault.clip_scale)  # type: ignore[type-var]
+        clip = self.max_grad_norm_of(engine)
+        if fault is not None:  # a broken engine (tests): the canaries go through it like everything else
+            engine = fault.apply(engine)
         if self.kind == "input":
             self.initial_losses = self.canary_losses(model)
             self.engine = CanaryEngine(engine, self.included)  # drops the excluded placeholders
             return self.engine
-        params = trainable_params(model)
-        sizes = [(name, p.numel()) for name, p in sorted(params.items())]
+        if getattr(engine, "loss_fn", per_example_cross_entropy) is not per_example_cross_entropy:
+            raise ConfigError("gradient canaries need the engine's cross-entropy loss (their gradient is built for it)")
+        norm = dirac_norm(engine, clip)
+        self.engine = CanaryEngine(engine, self.included, self._draw_coordinates(model), norm, model=model)
+        return self.engine
+
+    def _draw_coordinates(self, model: nn.Module) -> list[tuple[str, int]]:
+        """m distinct coordinates, uniformly over the trainable Linear/Conv weights and biases
+        (those a Dirac probe can give a gradient on one coordinate: ``dpscale.audit.dirac``)."""
+        sizes = host_sizes(model, trainable_params(model))
         total = sum(size for _, size in sizes)
         if total < self.m:
-            raise ConfigError(f"--canaries {self.m}: gradient canaries need distinct coordinates, and the model has {total} trainable")
+            raise ConfigError(
+                f"--canaries {self.m}: gradient canaries need distinct coordinates of trainable Linear/Conv layers, "
+                f"and the model has {total}"
+            )
         flat = np.sort(self.rng.choice(total, size=self.m, replace=False))
         self.rng.shuffle(flat)
         starts = np.cumsum([0] + [size for _, size in sizes])
@@ -162,16 +230,54 @@ class CanaryAudit:
         for index in flat:
             k = int(np.searchsorted(starts, index, side="right") - 1)
             coordinates.append((sizes[k][0], int(index - starts[k])))
-        clip = self.max_grad_norm_of(engine, fault)
-        self.engine = CanaryEngine(engine, self.included, coordinates, DIRAC_SCALE * clip)
-        return self.engine
+        return coordinates
+
+    def on_real_examples(self, check: Callable[[Any, nn.Module, Any], Any]) -> Callable[[Any, nn.Module, Any], Any]:
+        """A first-chunk check (engine, model, chunk) -> engine, run with the wrapped engine on the
+        chunk's real examples: canary rows are no input of the model (placeholder labels -1 - i,
+        Dirac probe rows), so a check of how the model treats a batch must not see them.
+
+        Args:
+            check: the mechanism's ``first_chunk_check``.
+
+        Returns:
+            the check for the canary engine; the engine it chooses is wrapped in place.
+        """
+
+        def on_real(engine: Any, model: nn.Module, chunk: Any) -> Any:
+            if not isinstance(engine, CanaryEngine):
+                return check(engine, model, chunk)
+            x, y = chunk
+            real = y >= 0
+            engine.inner = check(engine.inner, model, (x[real], y[real]))  # the check may choose another engine
+            return engine
+
+        return on_real
 
     @staticmethod
-    def max_grad_norm_of(engine: PerExampleEngine, fault: Any) -> float:
-        """C as the plan states it (a fault's looser clipping is hidden from everyone else)."""
+    def max_grad_norm_of(engine: PerExampleEngine) -> float:
+        """C as the plan states it (and as a broken engine still reports it)."""
         if engine.max_grad_norm is None:
             raise ConfigError("an audit needs clipping (dp.max_grad_norm): without it there is no claim to test")
-        return engine.max_grad_norm / (fault.clip_scale if fault is not None else 1.0)
+        return engine.max_grad_norm
+
+    def scope(self) -> str:
+        """One line: what the canaries put through the run's engine, and what they do not test."""
+        if self.kind == "input":
+            return (
+                "input canaries: mislabelled images, ordinary examples of the whole model and engine; scored on the "
+                "final model only (black box)"
+            )
+        if self.engine is None or self.engine.probe is None:
+            return "gradient canaries: not yet placed"
+        return (
+            f"gradient canaries: Dirac examples (norm {self.engine.magnitude / self.max_grad_norm_of(self.engine):.4g} C "
+            f"on one coordinate each) that the "
+            f"{self.engine.name} engine itself differentiates, norms, clips and sums, each through one layer called "
+            f"alone on a crafted input ({self.engine.probe.describe()}); not exercised by them: the engine's rules "
+            "for other layer types and for the real examples' input shapes, and the model's full forward pass "
+            "(the engine self-check compares those with a reference)"
+        )
 
     # ---------------------------------------------------------------- scores
     def _observe(self, gradient: Params) -> None:

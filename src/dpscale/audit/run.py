@@ -8,18 +8,20 @@ import math
 import os
 import secrets
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from dpscale._io import atomic_write_text
 from dpscale.audit import DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
 from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
+from dpscale.privacy.per_example import ClippedSumMixin, Params, PerExampleEngine, per_example_cross_entropy
 from dpscale.rng import DPRandom
 from dpscale.train.rundir import AUDIT_NAME
 
@@ -27,16 +29,34 @@ from dpscale.train.rundir import AUDIT_NAME
 @dataclass(frozen=True)
 class AuditFault:
     """A deliberately broken mechanism, for showing that the audit catches bugs (tests and
-    docs/audit.md only; no command offers it). The accountant is still told the configured sigma.
+    docs/audit.md only; no command offers it). The accountant is still told the configured sigma and C.
 
     Attributes:
         noise_scale: the noise is drawn at this multiple of sigma * C.
-        clip_scale: per-example norms are under-reported by this factor, so clipping lets up to
-            clip_scale * C through.
+        clip_scale: the engine clips at clip_scale * C inside while it reports C (``max_grad_norm``)
+            to everyone else: a clipping bug in the engine's own arithmetic.
     """
 
     noise_scale: float = 1.0
     clip_scale: float = 1.0
+
+    def apply(self, engine: PerExampleEngine) -> PerExampleEngine:
+        """``engine`` with this fault's clipping bug (itself when there is none)."""
+        return engine if self.clip_scale == 1 else _LooseClipping(engine, self.clip_scale)
+
+
+class _LooseClipping(ClippedSumMixin):
+    """An engine that reports C but whose clipped sums are those of the same engine at
+    ``scale`` * C (AuditFault.clip_scale): only what passes through its arithmetic shows the bug."""
+
+    def __init__(self, inner: PerExampleEngine, scale: float) -> None:  # wraps ``inner``, a dataclass engine
+        self.loose = replace(inner, max_grad_norm=inner.max_grad_norm * scale)  # type: ignore[type-var,operator]
+        self.name, self.max_grad_norm = inner.name, inner.max_grad_norm
+        self.views, self.precision = getattr(inner, "views", 1), getattr(inner, "precision", None)
+        self.loss_fn = getattr(inner, "loss_fn", per_example_cross_entropy)
+
+    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Any) -> tuple[Params, torch.Tensor, torch.Tensor]:
+        return self.loose.clipped_sum_and_losses(model, params, batch)
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,7 @@ class AuditResult:
     run_dir: str
     plot: str | None
     test_accuracy: float
+    canary_path: str  # what the canaries put through the run's engine, and what they do not test
 
     def as_json(self) -> dict[str, Any]:
         """The fields as plain JSON values (infinities and NaN as null)."""
@@ -150,7 +171,7 @@ def run_audit(
         correct=outcome.correct, guess_in=outcome.guess_in, guess_out=outcome.guess_out,
         rules_tried=len(rules) if rules else len(default_guess_rules(audit.m)), audit_seed=seed, verdict=verdict,
         passed=passed, run_dir=str(trainer.run_dir), plot=str(plot_path) if plot_path else None,
-        test_accuracy=float(summary["test_accuracy"]) if summary else math.nan,
+        test_accuracy=float(summary["test_accuracy"]) if summary else math.nan, canary_path=audit.scope(),
     )  # fmt: skip
     atomic_write_text(trainer.run_dir / AUDIT_NAME, json.dumps(result.as_json(), indent=2) + "\n")
     return result
@@ -183,11 +204,15 @@ def _start_run(config: Config, audit: CanaryAudit, progress: bool, fault: AuditF
     if progress:
         print(
             f"audit: {audit.m} {audit.kind} canaries, {int(audit.included.sum())} included; N = {trainer.plan.dataset_size} "
-            f"counts all of them (q = {trainer.plan.sample_rate:.4g}, claimed epsilon = {trainer.plan.epsilon:.4g})",
+            f"counts all of them (q = {trainer.plan.sample_rate:.4g}, claimed epsilon = {trainer.plan.epsilon:.4g})\n"
+            f"audit: {audit.scope()}",
             file=sys.stderr,
         )  # fmt: skip
     if fault is not None and fault.noise_scale != 1:
         trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
+    check = getattr(trainer.mechanism, "first_chunk_check", None)
+    if check is not None:  # the training-mode check of the first chunk: on its real examples only
+        trainer.mechanism.first_chunk_check = audit.on_real_examples(check)
     return trainer
 
 
