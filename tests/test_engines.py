@@ -2,6 +2,8 @@
 test_dp_step.py): per-example norms and clipped sums, for every supported layer type with
 random shapes (hypothesis), frozen parameters, and every registered model."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +13,7 @@ from torch import nn
 from dpscale.models import build_model, count_parameters, default_input_shape, list_models
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
 from dpscale.privacy.engines import supported_engines
-from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.per_example import CLIP_EPS, trainable_params
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
@@ -209,3 +211,40 @@ def test_ghost_engines_leave_no_state_behind():
     GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(2, 4), _labels(2)))
     assert all(p.grad is None for p in model.parameters())
     assert not model[0]._forward_hooks
+
+
+def _float64_clipped_sum(model, x, y, clip):
+    """sum_i min(1, C / (||g_i|| + eps)) g_i of a float64 copy, one backward per example."""
+    ref = copy.deepcopy(model).double()
+    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    total = {n: torch.zeros_like(p) for n, p in named}
+    for i in range(len(x)):
+        loss = nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
+        grads = torch.autograd.grad(loss, [p for _, p in named])
+        norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
+        for (n, _), g in zip(named, grads):
+            total[n] += min(1.0, clip / (norm + CLIP_EPS)) * g
+    return total
+
+
+@pytest.mark.parametrize("bad", [3e38, float("nan")])
+@pytest.mark.parametrize("engine_name", ["vmap", "bk", "ghost"])
+def test_a_non_finite_example_contributes_exactly_zero_in_float32_and_is_counted(engine_name, bad):
+    """fp32: an input of 3e38 overflows (or a NaN in its own data); that example's gradient is not
+    finite. It must contribute zero (was: the whole update NaN, showing it was in the batch)."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3))
+    x, y = torch.randn(7, 1, 8, 8), _labels(7)
+    x[3] = bad
+    engine, _ = make_engine(engine_name, 0.5, model)
+    grad_sum, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    assert (~torch.isfinite(norms)).tolist() == [i == 3 for i in range(7)]
+    others = torch.arange(7) != 3
+    want = _float64_clipped_sum(model, x[others], y[others], 0.5)
+    for name, ref in want.items():
+        torch.testing.assert_close(grad_sum[name].double(), ref, rtol=1e-5, atol=1e-6, msg=name)
+    update, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(7), 3), noise_std=0.0,
+                                       expected_batch_size=7, noise_generator=DPRandom(0))  # fmt: skip
+    assert stats.nonfinite_examples == 1 and stats.batch_size == 7
+    for name, ref in want.items():
+        torch.testing.assert_close(update[name].double() * 7, ref, rtol=1e-5, atol=1e-6, msg=name)

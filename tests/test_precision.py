@@ -229,3 +229,76 @@ def test_a_step_counts_the_examples_whose_gradients_were_not_finite():
                                      expected_batch_size=6, noise_generator=DPRandom(0))  # fmt: skip
     assert stats.nonfinite_examples == 1 and stats.batch_size == 6 and stats.as_dict()["nonfinite_examples"] == 1
     assert all(torch.isfinite(g).all() for g in grad.values()) and stats.mean_grad_norm == stats.mean_grad_norm
+
+
+class NormedNet(nn.Module):
+    """Conv + GroupNorm, then Linear + LayerNorm: each norm layer gets a 16-bit input (CPU autocast
+    leaves its float32 affine parameters as they are) and passes a gradient back to that input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.group = nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(8 * 7 * 7, 16)
+        self.layer = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.group(self.conv(x)))
+        return self.head(torch.tanh(self.layer(self.fc(h.flatten(1)))))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("clip", [0.05, 50.0])
+def test_vmap_in_16_bits_handles_group_norm_and_layer_norm(precision, clip):
+    """vmap (auto's fallback) under autocast with norm layers: was 'expected scalar type
+    BFloat16 but found Float'; now within the 16-bit tolerance of the float64 loop."""
+    torch.manual_seed(7)
+    model, (x, y) = NormedNet(), _data(6, seed=7)
+    want, want_norms = naive_float64(model, x, y, clip)
+    got, norms = make_engine("vmap", clip, model, precision=precision)[0].per_example_clipped_sum(
+        model, trainable_params(model), (x, y)
+    )
+    assert float(((norms.double() - want_norms).abs() / want_norms).max()) < NORM_TOLERANCE[precision.name]
+    error = torch.sqrt(sum((got[n].double() - want[n]).square().sum() for n in want))
+    size = torch.sqrt(sum(w.square().sum() for w in want.values()))
+    assert float(error / size) < SUM_TOLERANCE[precision.name]
+
+
+# Relative error of a released sum against the float64 loop: fp32 and tf32 (no TF32 on CPU) are
+# float32 arithmetic, ~1e-7 here; 16 bits as above.
+RELEASE_TOLERANCE = {"fp32": 1e-5, "tf32": 1e-5, **SUM_TOLERANCE}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
+def test_an_overflowing_example_contributes_zero_through_make_private_and_is_counted(engine, precision):
+    """A drawn example of 3e38 overflows in every precision: the release must be the clipped sum
+    of the others plus the noise (was NaN in fp32/tf32: membership visible), and the step counts it.
+    It arrives at the second step (the first sampled batch is the one make_private checks)."""
+    import dpscale
+    from dpscale.privacy.noise import draw_noise
+
+    torch.manual_seed(8)
+    model, (x, y) = SmallConvNet(), _data(12, seed=8)
+    options = dict(dataset_size=12, batch_size=6, max_grad_norm=1.0, delta=1e-5, noise_multiplier=0.5, steps=2,
+                   engine=engine, precision=precision, seed=3)  # fmt: skip
+    other = copy.deepcopy(model)
+    twin = dpscale.make_private(other, torch.optim.SGD(other.parameters(), lr=0.0), **options)
+    noise = [draw_noise(trainable_params(other), twin.noise_generator) for _ in range(2)]  # the seed's draws
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), **options)
+    released = []
+    mechanism.observer = released.append
+    drawn = mechanism.sample()
+    mechanism.step(x[drawn], y[drawn])
+    drawn = mechanism.sample()
+    assert len(drawn) >= 2
+    x[drawn[0]] = 3e38
+    want, _ = naive_float64(model, x[drawn[1:]], y[drawn[1:]], 1.0)  # lr 0: the model has not moved
+    stats = mechanism.step(x[drawn], y[drawn])
+    assert stats.nonfinite_examples == 1 and stats.batch_size == len(drawn)
+    got = {n: g.double() * 6 - 0.5 * noise[1][n].double() for n, g in released[1].items()}  # the clipped sum
+    assert all(torch.isfinite(g).all() for g in got.values())
+    error = torch.sqrt(sum((got[n] - want[n]).square().sum() for n in want))
+    size = torch.sqrt(sum(w.square().sum() for w in want.values()))
+    assert float(error / size) < RELEASE_TOLERANCE[precision]

@@ -30,7 +30,8 @@ watching the first forward pass; and a recorded output or input changed in place
 Any other route (a copy of a parameter kept elsewhere, a replaced ``forward``, a global hook) is
 caught by the route check: on the first pass in each training mode and after every change of the
 trainable parameter set, the unclipped sum of the records' per-example gradients must equal the
-parameters' autograd gradient. A route taken only on some inputs, never on a checked pass, is
+parameters' autograd gradient (for a bf16/fp16/tf32 engine, on an extra float32 pass of that
+chunk: routes do not depend on the precision, 16-bit rounding would hide or fake one). A route taken only on some inputs, never on a checked pass, is
 beyond these checks (see docs/engines.md).
 """
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -582,9 +583,7 @@ def _zero_examples(records: list[_Record], finite: torch.Tensor, views: int) -> 
                 r.cache[name] = zero_rows(t, finite)
 
 
-def _unseen_routes(
-    records: list[_Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor, compare: torch.dtype | None = None
-) -> list[str]:
+def _unseen_routes(records: list[_Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor) -> list[str]:
     """Parameters whose autograd gradient differs from the unclipped sum of the records'
     per-example gradients: a route the records do not see (a view or copy of the parameter used
     elsewhere, a replaced ``forward``, a global hook changing an output).
@@ -593,8 +592,10 @@ def _unseen_routes(
         records: the pass's records, norms already computed (caches filled).
         true: parameter name -> its gradient of the summed loss by autograd (None: unused).
         rows: ones, one per example (the clip factors of an unclipped sum).
-        compare: the dtype whose tolerance applies (the precision the model ran in); None: each
-            gradient's own.
+
+    Returns:
+        "name (records x off, relative)" for each such parameter, compared at the tolerance of its
+        gradient's dtype (float32 for a 16-bit engine: its check runs on a float32 pass).
     """
     from_records: Params = {}
     for r in records:
@@ -609,7 +610,7 @@ def _unseen_routes(
             continue
         t = torch.zeros_like(got) if t is None else t
         error = float(torch.linalg.vector_norm(t - (torch.zeros_like(t) if got is None else got)))
-        if error > tolerance_for(compare or t.dtype) * max(sizes[name], scale):
+        if error > tolerance_for(t.dtype) * max(sizes[name], scale):
             unseen.append(f"{name} (records {error / max(sizes[name], scale):.2g} off, relative)")
     return unseen
 
@@ -675,6 +676,9 @@ class GhostEngine(ClippedSumMixin):
             raise ValueError(f"{self.mode} engine cannot handle: {'; '.join(problems)}; use engine=vmap")
         key = state.route_key(model)
         check = key not in state.checked  # first pass in this mode with this parameter set
+        if check and self.precision.name != "fp32":
+            self._check_routes_in_float32(model, params, batch)
+            check = False  # this pass's 16-bit (or TF32) rounding is no evidence about routes
         records, losses = self._recorded_forward(model, params, batch, watch=check)
         losses, scale = at_least_fp32(losses), self.precision.loss_scale
         # Gradients w.r.t. the layer outputs only (and, on a checked pass, w.r.t. the parameters);
@@ -687,12 +691,16 @@ class GhostEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             sq_norms, layer_sq = self._layer_norms(records, out_grads, batch[0])
             norms = sq_norms.sqrt()
-            finite = torch.isfinite(norms) if self.precision.low else None
-            if check and (finite is None or bool(finite.all())) and self._check_routes(records, true, torch.ones_like(sq_norms)):
+            finite = torch.isfinite(norms)
+            all_finite = bool(finite.all())  # one host sync: most chunks need no zeroing pass
+            # a non-finite example makes the autograd reference non-finite: this pass cannot tell
+            if check and all_finite and self._check_routes(records, true, torch.ones_like(sq_norms)):
                 state.checked.add(key)
-            factors = clip_factors(norms, self.max_grad_norm)
-            if finite is not None:  # 16 bits: a non-finite example contributes exactly zero
-                factors = torch.where(finite, factors, torch.zeros_like(factors))
+            # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
+            # exactly zero, a function of that example alone; otherwise 0 * inf = NaN would spread
+            # to the whole update and show that the example was in the batch.
+            factors = torch.where(finite, clip_factors(norms, self.max_grad_norm), torch.zeros_like(norms))
+            if not all_finite:
                 _zero_examples(records, finite, self.views)
             grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
             for r in records:
@@ -722,13 +730,32 @@ class GhostEngine(ClippedSumMixin):
                 r.inputs = r.out_grad = None  # the clipped sum comes from the cache: drop the activations early
         return sq_norms, layer_sq
 
+    def _check_routes_in_float32(self, model: nn.Module, params: Params, batch: Batch) -> None:
+        """The route check of a 16-bit or TF32 engine, on a float32 pass of the same chunk.
+
+        Which routes reach the loss does not depend on the precision, but 16-bit rounding does
+        not stay small: the autograd reference of a gradient whose terms cancel (or that sums a
+        long conv accumulation) differed from the records by 3-7% in bf16, beyond any tolerance
+        that still sees a missed route. In float32, with full float32 matmuls (no TF32), the two
+        agree to ~1e-6 and the float32 tolerance applies; the chunk is marked checked there.
+
+        Args:
+            model: the model (its trainable parameters, modes and hooks as in training).
+            params: the trainable parameters by name.
+            batch: the chunk this pass would have checked.
+
+        Raises:
+            ValueError: a parameter's gradient reaches the loss by a route the records miss.
+        """
+        with exact_float32():  # shares this engine's per-model state (the ``_models`` dictionary)
+            replace(self, precision=FP32).clip_with_layer_norms(model, params, batch)
+
     def _check_routes(self, records: list[_Record], true: dict[str, torch.Tensor | None], ones: torch.Tensor) -> bool:
         """Refuse a route the records miss; False when this pass cannot tell (an autograd
-        gradient overflowed, fp16), so that the next pass checks again."""
+        gradient is not finite), so that the next pass checks again."""
         if any(t is not None and not bool(torch.isfinite(t).all()) for t in true.values()):
             return False
-        compare = self.precision.compare_dtype if self.precision.name != "fp32" else None
-        unseen = _unseen_routes(records, true, ones, compare)
+        unseen = _unseen_routes(records, true, ones)
         if unseen:
             raise ValueError(
                 f"{self.mode} engine: the gradient of {', '.join(unseen)} reaches the loss by a route the layer "

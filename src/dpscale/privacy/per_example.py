@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpscale.privacy.precision import FP32, Precision, at_least_fp32, exact_float32, zero_rows
+from dpscale.privacy.precision import (
+    FP32,
+    Precision,
+    at_least_fp32,
+    exact_float32,
+    float32_normalization,
+    zero_rows,
+)
 
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -203,6 +210,8 @@ class VmapEngine(ClippedSumMixin):
         views: augmentation multiplicity K (chunks hold x of shape (B, K, ...); see mean_over_views).
         precision: how the model computes (``dpscale.privacy.precision``); per-example gradients
             are taken to float32 before their norms.
+
+    An example whose gradient is not finite contributes exactly zero, in every precision.
     """
 
     max_grad_norm: float | None
@@ -223,7 +232,8 @@ class VmapEngine(ClippedSumMixin):
         def loss_one(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             values = {**constants, **{slot: p[name] for slot, name in slots.items()}}
             forward = lambda inputs: functional_call(model, values, (inputs,), tie_weights=False)  # noqa: E731
-            with precision.forward(xi.device):
+            # 16 bits: norm layers on a float32 copy of their input (vmap cannot differentiate the mix)
+            with precision.forward(xi.device), float32_normalization(precision.low):
                 loss = mean_over_views(self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views)[0]
             return at_least_fp32(loss) * scale  # fp16: the fixed loss scale S
 
@@ -242,10 +252,12 @@ class VmapEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
             norms = sq_norms.sqrt()
-            factors = clip_factors(norms, self.max_grad_norm)
-            if precision.low:  # a non-finite example contributes exactly zero (not 0 * inf = NaN)
-                finite = torch.isfinite(norms)
-                factors = torch.where(finite, factors, torch.zeros_like(factors))
+            # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
+            # exactly zero, a function of that example alone; its rows are set to zero, since
+            # 0 * inf = NaN would spread to the whole update and show that it was in the batch.
+            finite = torch.isfinite(norms)
+            factors = torch.where(finite, clip_factors(norms, self.max_grad_norm), torch.zeros_like(norms))
+            if not bool(finite.all()):  # one host sync: most chunks need no zeroing pass
                 grads = {k: zero_rows(g, finite) for k, g in grads.items()}
             grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
         return grad_sum, norms, losses.detach()

@@ -18,8 +18,13 @@ before the backward pass, and each example's gradient divided by S in float32 (e
 of two) before anything else. The scale is fixed, never adapted: a dynamic scale reacts to
 overflows, and whether an overflow happened depends on the private examples. An example whose
 gradient is not finite (overflow, or a NaN from its own data) contributes exactly zero (the same
-per-example function of that example alone, still bounded by C); in fp32 a non-finite example
-makes the step non-finite, as it always did.
+per-example function of that example alone, still bounded by C). The same holds in fp32 and tf32
+(an input of 3e38 overflows there too): otherwise 0 * inf = NaN would make the whole update NaN,
+showing that the example was in the batch. Each step counts such examples.
+
+The vmap engine runs normalisation layers on a float32 copy of a 16-bit input
+(``float32_normalization``): CPU autocast leaves them mixed (16-bit input, float32 affine
+parameters), which torch's batching rules cannot differentiate.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 DEFAULT_FP16_LOSS_SCALE = 1024.0
@@ -129,3 +136,53 @@ def zero_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32, or kept in its own type when that is wider (float64)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+# Normalisations whose CPU autocast kernels take a 16-bit input with float32 affine parameters
+# (or running statistics): torch's vmap batching rules for their backward pass refuse the mix
+# ("expected scalar type BFloat16 but found Float"). F.* and torch.* names: a user may call either
+# (getattr: an older torch may lack rms_norm).
+_NORM_NAMES = ("layer_norm", "group_norm", "instance_norm", "batch_norm", "rms_norm")
+_NORMALIZATIONS = frozenset(f for m in (F, torch) for f in (getattr(m, n, None) for n in _NORM_NAMES) if f is not None)
+_SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+
+
+def _wider_operand(args: tuple, kwargs: dict) -> bool:
+    """Whether a floating tensor among ``args``/``kwargs`` is wider than 16 bits (float32 parameters)."""
+    operands = [*args, *kwargs.values()]
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in _SIXTEEN_BITS for t in operands)
+
+
+class _Float32Normalization(TorchFunctionMode):
+    """Runs a normalisation with a 16-bit input and wider parameters on a float32 copy of the input."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        mixed = (
+            func in _NORMALIZATIONS and isinstance(x, torch.Tensor) and x.dtype in _SIXTEEN_BITS
+            and _wider_operand(args[1:], kwargs)
+        )  # fmt: skip
+        if not mixed:
+            return func(*args, **kwargs)
+        out = func(x.float(), *args[1:], **kwargs)
+        # CUDA's autocast runs normalisations in float32 and returns float32; elsewhere the mixed
+        # kernel returns the input's type, and so does this (upcasting a 16-bit value is exact, and
+        # the mixed kernels compute in float32 too): the engines see the same forward pass, up to
+        # the kernels' order of summation.
+        return out if x.device.type == "cuda" else out.to(x.dtype)
+
+
+def float32_normalization(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """While inside, a normalisation (layer/group/instance/batch/RMS norm) called with a 16-bit
+    input and float32 parameters computes on a float32 copy of its input, returning the type the
+    plain autocast forward pass returns. For the vmap engine under bf16/fp16 autocast, whose
+    per-example backward pass cannot take the mixed types.
+
+    Args:
+        enabled: False gives a context that changes nothing (a float32 model needs none).
+
+    Returns:
+        the context manager (a torch function mode, active on this thread only).
+    """
+    return _Float32Normalization() if enabled else contextlib.nullcontext()

@@ -34,7 +34,7 @@ class StepStats:
     Attributes:
         counts: float64 tensor [examples, sum of per-example losses (before the update),
             examples whose gradient norm exceeded C, sum of per-example gradient norms,
-            examples whose gradient was not finite (16-bit runs: they contributed zero)].
+            examples whose gradient was not finite (every precision: they contributed zero)].
     """
 
     counts: torch.Tensor
@@ -60,7 +60,8 @@ class StepStats:
 
     @property
     def nonfinite_examples(self) -> int:
-        """Examples whose gradient was not finite (in 16 bits they contributed exactly zero)."""
+        """Examples whose gradient was not finite (an overflow, a NaN in their own data): they
+        contributed exactly zero, in every precision."""
         return int(self.counts[4])
 
     def as_dict(self) -> dict[str, float]:
