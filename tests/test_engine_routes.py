@@ -14,7 +14,7 @@ from dpscale.layers import ClassTokenPositionEmbedding
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine
 from dpscale.privacy.per_example import CLIP_EPS, trainable_params
 from dpscale.privacy.precision import make_precision
-from dpscale.privacy.self_check import checked_engine
+from dpscale.privacy.self_check import checked_engine, self_check
 
 ENGINES = ("auto", "bk", "ghost", "vmap")
 
@@ -396,11 +396,15 @@ def test_a_route_taken_only_in_train_mode_is_checked_when_training_starts():
     torch.manual_seed(0)
     model = TrainOnlyRoute().double()
     x, y = _vectors()
-    engine, _, result = checked_engine("bk", 0.1, model, (x, y))  # the self-check runs in eval mode
-    assert result.ok
+    engine = GhostEngine(0.1)
+    assert self_check(engine, model, (x, y)).ok  # the self-check runs in eval mode
     model.train()
     with pytest.raises(ValueError, match=r"fc\.weight"):
         engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    # the start-up checks also run in train mode (batch independence): bk is refused there, auto falls back
+    with pytest.raises(ValueError, match=r"in training mode, bk engine: parameter\(s\) fc\.weight"):
+        checked_engine("bk", 0.1, model, (x, y))
+    assert checked_engine("auto", 0.1, model, (x, y))[0].name == "vmap"
 
 
 def test_a_parameter_unfrozen_later_is_checked_on_its_first_pass():

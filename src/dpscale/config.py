@@ -527,8 +527,11 @@ def validate(config: Config) -> None:
         raise ConfigError(f"dp.noise_multiplier must be >= 0, got {dp.noise_multiplier}")
     if dp.epsilon is None and dp.noise_multiplier is None:
         raise ConfigError("set dp.epsilon (sigma is then calibrated) or dp.noise_multiplier (0 for a non-private run)")
-    if dp.max_grad_norm is not None and not dp.max_grad_norm > 0:
-        raise ConfigError(f"dp.max_grad_norm must be > 0 (or null for no clipping), got {dp.max_grad_norm}")
+    if dp.max_grad_norm is not None and (not isinstance(dp.max_grad_norm, (int, float)) or not dp.max_grad_norm > 0):
+        raise ConfigError(
+            f"dp.max_grad_norm must be > 0, one number (or null for no clipping), got {dp.max_grad_norm!r}"
+            + (" (per-layer clipping, a list, is not supported)" if isinstance(dp.max_grad_norm, list) else "")
+        )
     is_private = is_private_config(dp)
     if is_private and dp.max_grad_norm is None:
         raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")

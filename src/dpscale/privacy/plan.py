@@ -38,8 +38,9 @@ SEEDED_SECURE_NOISE_CAVEAT = (
 )
 # train.self_check=false: the clipping engine was not compared with a per-example loop (DPPlan.engine_unchecked).
 ENGINE_UNCHECKED_CAVEAT = (
-    "train.self_check=false: the per-example clipping engine was not checked against a per-example loop "
-    "on this model, so a gradient route it misses would go unnoticed (docs/engines.md)"
+    "checks off (train.self_check=false, make_private(check=False)): neither was the per-example clipping engine "
+    "checked against a per-example loop on this model, nor the model and loss for batch independence, so a gradient "
+    "route the engine misses, or a layer or loss that mixes examples, would go unnoticed (docs/privacy.md)"
 )
 # Label prefixes of the releases that stand for a source run's own history ("extractor-run:dp-sgd").
 EXTRACTOR_RUN = "extractor-run"
@@ -181,6 +182,10 @@ class SourceRunPrivacy:
 ExtractorPrivacy = SourceRunPrivacy  # the name from before model.init sources were checked too
 
 
+# DPPlan fields that label how a run was made (from its config), not privacy numbers.
+PLAN_LABELS = ("seeded", "extractor", "init_run", "engine_unchecked", "secure_noise")
+
+
 @dataclass(frozen=True)
 class DPPlan:
     """Attributes:
@@ -246,6 +251,11 @@ class DPPlan:
     def sources(self) -> tuple[SourceRunPrivacy, ...]:
         """The runs this run starts from whose privacy it checked (extractor, then model.init)."""
         return tuple(s for s in (self.extractor, self.init_run) if s is not None)
+
+    def same_numbers(self, other: "DPPlan") -> bool:
+        """Whether ``other`` (e.g. read back from a checkpoint) has this plan's privacy numbers:
+        the labels (``PLAN_LABELS``: how the run was made, set afresh from its config) aside."""
+        return replace(other, **{label: getattr(self, label) for label in PLAN_LABELS}) == self
 
     @property
     def run_accountant(self) -> str:
@@ -511,6 +521,7 @@ def make_dp_plan(
         ConfigError: batch larger than the dataset, releases that alone spend the budget, or a
             given sigma that overspends target_epsilon.
     """
+    check_max_grad_norm(max_grad_norm)
     if batch_size > dataset_size:
         raise ConfigError(f"dp.batch_size={batch_size} is larger than the training set (N={dataset_size})")
     q = batch_size / dataset_size
@@ -531,6 +542,22 @@ def make_dp_plan(
         extractor=extractor,
     )  # fmt: skip
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
+
+
+def check_max_grad_norm(max_grad_norm: Any) -> None:
+    """Refuse a clipping norm C that is not one positive number (None: no clipping).
+
+    Raises:
+        ConfigError: a list (Opacus' per-layer clipping), a string, zero or a negative number.
+    """
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
+        per_layer = " (per-layer clipping, a list, is not supported)" if isinstance(max_grad_norm, (list, tuple)) else ""
+        raise ConfigError(
+            f"max_grad_norm must be one positive number C, the L2 bound on each example's whole gradient, got "
+            f"{max_grad_norm!r}{per_layer}; give one number, e.g. max_grad_norm=1.0"
+        )
 
 
 def _noise_for(

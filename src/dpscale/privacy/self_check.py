@@ -15,12 +15,14 @@ differ by ~1e-6 and a missed route differs by percents; 3e-2 in 16-bit types.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from copy import deepcopy
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from dpscale.privacy.engines import make_engine
+from dpscale.privacy.independence import IndependenceResult, check_batch_independence
 from dpscale.privacy.per_example import (
     CLIP_EPS,
     RELATIVE_ERROR_FLOOR,
@@ -49,6 +51,7 @@ class SelfCheckResult:
     mismatched: layers (per-example norms) and parameters (clipped sums) beyond the tolerance.
     refusal: the engine's own refusal (e.g. a parameter used outside its layer), if it refused.
     seconds: wall time of the check.
+    independence: the batch-independence check run with it (``checked_engine``), if any.
     """
 
     engine: str
@@ -59,6 +62,7 @@ class SelfCheckResult:
     mismatched: tuple[str, ...]
     refusal: str | None
     seconds: float
+    independence: IndependenceResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,6 +73,10 @@ class SelfCheckResult:
         return {
             "engine": self.engine, "passed": self.ok, "examples": self.examples, "tolerance": self.tolerance,
             "norm_error": self.norm_error, "sum_error": self.sum_error, "mismatched": list(self.mismatched),
+            "batch_independence": None if self.independence is None else {
+                "passed": self.independence.ok, "examples": self.independence.examples,
+                "loss_error": self.independence.loss_error, "norm_error": self.independence.norm_error,
+            },
         }  # fmt: skip
 
     def describe(self) -> str:
@@ -151,20 +159,43 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
     model.eval()
     try:
         try:
-            if hasattr(engine, "clip_with_layer_norms"):
-                grad_sum, norms, _, layer_sq = engine.clip_with_layer_norms(model, params, batch)
-            else:
-                (grad_sum, norms, _), layer_sq = engine.clipped_sum_and_losses(model, params, batch), {}
+            grad_sum, norms, layer_sq = _engine_side(engine, model, params, batch)
+            finite = torch.isfinite(norms.detach()).cpu()
+            if not finite.all():  # it overflows on its own (zeroed, tested elsewhere); a float64 reference would not
+                batch = (batch[0][finite.to(batch[0].device)], batch[1][finite.to(batch[1].device)])
+                grad_sum, norms, layer_sq = _engine_side(engine, model, params, batch)
         except ValueError as err:
             return SelfCheckResult(engine.name, len(batch[1]), tol, 0.0, 0.0, (), str(err), time.perf_counter() - started)
         views = getattr(engine, "views", 1)
         loss_fn = getattr(engine, "loss_fn", per_example_cross_entropy)
+        ref_model, ref_batch = _float64_reference(model, batch) if dtype == torch.float32 else (model, batch)
         ref_sum, ref_norms, ref_layer_sq = reference_clipped_sum(
-            model, list(params), batch, engine.max_grad_norm, loss_fn, views, precision
+            ref_model, list(params), ref_batch, engine.max_grad_norm, loss_fn, views, precision
         )
     finally:
         model.train(was_training)
     return _compare(engine.name, tol, (grad_sum, norms, layer_sq), (ref_sum, ref_norms, ref_layer_sq), started)
+
+
+def _engine_side(engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch) -> tuple:
+    """The engine's clipped sum, per-example norms and (ghost/bk) per-layer squared norms."""
+    if hasattr(engine, "clip_with_layer_norms"):
+        grad_sum, norms, _, layer_sq = engine.clip_with_layer_norms(model, params, batch)
+        return grad_sum, norms, layer_sq
+    grad_sum, norms, _ = engine.clipped_sum_and_losses(model, params, batch)
+    return grad_sum, norms, {}
+
+
+def _float64_reference(model: nn.Module, batch: Batch) -> tuple[nn.Module, Batch]:
+    """A float64 copy of a float32 model and batch, for the reference loop: float32 batch-of-one
+    passes take other kernels than batched ones on some CPUs (oneDNN), percent-level off on
+    cancelling sums, which would read as a missed route. (The model itself, if it cannot be copied.)"""
+    try:
+        copy = deepcopy(model).double()
+    except Exception:  # noqa: BLE001 - an uncopyable model keeps the float32 reference
+        return model, batch
+    x, y = batch
+    return copy, (x.double() if x.is_floating_point() else x, y)
 
 
 def _compare(name: str, tol: float, got: tuple, want: tuple, started: float) -> SelfCheckResult:
@@ -204,27 +235,47 @@ def checked_engine(
 ) -> tuple[PerExampleEngine, list[str], SelfCheckResult | None]:
     """The engine a run trains with: ``make_engine``'s choice, verified on ``batch``.
 
-    With ``check`` the engine is compared with a per-example loop (``self_check``); without it,
-    a ghost/bk engine still runs once on ``batch`` so that a parameter used outside its layer is
-    found before training. ``auto`` falls back to vmap (checked in turn) with a notice; an
-    explicitly named engine that fails raises.
+    With ``check``, first the batch-independence check (train mode: the model, the loss and the
+    engine's norms treat each example on its own, ``check_batch_independence``), then the
+    comparison with a per-example loop (``self_check``); without it, a ghost/bk engine still runs
+    once on ``batch`` so that a parameter used outside its layer is found before training.
+    ``auto`` falls back to vmap (checked in turn) with a notice when only the engine failed; an
+    explicitly named engine that fails, or a model or loss that mixes examples, raises.
 
     Returns:
         (engine, notices to print, the self-check of the returned engine or None if not checked).
 
     Raises:
-        ValueError: the named engine (or vmap, after auto's fallback) failed, naming what differs.
+        ValueError: the model or loss mixes examples, or the named engine (or vmap, after auto's
+            fallback) failed, naming what differs.
     """
     engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision)
     notices = [notice] if notice else []
+    failure, engine_only, result, independence = _verdict(engine, model, batch, check)
+    if failure is not None and engine_only and name == "auto" and not isinstance(engine, VmapEngine):
+        notices.append(f"engine auto -> vmap: {failure}")
+        engine, _ = make_engine("vmap", max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision)
+        failure, _, result, independence = _verdict(engine, model, batch, check)
+    if failure is not None:
+        raise ValueError(f"{failure}; refusing to train with engine={engine.name}")
+    if result is not None:
+        result = replace(result, independence=independence)
+    return engine, notices, result
+
+
+def _verdict(
+    engine: PerExampleEngine, model: nn.Module, batch: Batch, check: bool
+) -> tuple[str | None, bool, SelfCheckResult | None, IndependenceResult | None]:
+    """Why ``engine`` cannot train ``model`` (independence check, then self-check) or None, whether
+    only the engine is at fault (False: the model or loss itself mixes examples), the self-check
+    (None unless ``check``) and the independence check (None unless ``check`` and >= 2 examples)."""
+    independence = check_batch_independence(engine, model, batch) if check else None
+    if independence is not None and not independence.ok:
+        return independence.describe(), independence.engine_only, None, independence
     result = _verify(engine, model, batch, check)
-    if result is not None and not result.ok and name == "auto" and not isinstance(engine, VmapEngine):
-        notices.append(f"engine auto -> vmap: {result.describe()}")
-        engine = VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision)
-        result = _verify(engine, model, batch, check)
     if result is not None and not result.ok:
-        raise ValueError(f"{result.describe()}; refusing to train with engine={engine.name}")
-    return engine, notices, result if check else None
+        return result.describe(), True, result, independence
+    return None, True, result if check else None, independence
 
 
 def _verify(engine: PerExampleEngine, model: nn.Module, batch: Batch, check: bool) -> SelfCheckResult | None:

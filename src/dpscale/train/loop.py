@@ -56,7 +56,7 @@ from dpscale.train.ema import WeightEMA
 from dpscale.train.metrics import MetricsLog, evaluate, evaluate_augtest, evaluate_batches, json_safe
 from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.hooks import RunHooks
-from dpscale.train.mechanism import DPMechanism, run_seeds
+from dpscale.train.mechanism import DPMechanism, independence_check, run_seeds
 from dpscale.train.step import augmented_chunks, physical_chunks
 
 SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
@@ -92,6 +92,12 @@ class _DeferredInterrupt:
 
 
 _seeds = run_seeds  # the run's seeds (one definition, with the mechanism)
+
+
+FRESH_NOISE_ON_RESUME = (
+    "run.seed is null: the noise continues from fresh OS entropy, so no two continuations of this checkpoint share "
+    "noise (release one; releasing two continuations of one checkpoint composes both)"
+)
 
 
 def _torch_generator_streams(state: dict[str, Any]) -> bool:
@@ -332,6 +338,8 @@ class Trainer:
             self.model, self.optimizer, self.plan, self.engine, scheduler=self.scheduler, noise_seed=self._seeds["noise"],
             sampler_seed=rank_stream_seed(self._seeds["sampler"], self.dist.rank, self.dist.world_size, 0),
             rank=self.dist.rank, world_size=self.dist.world_size,
+            # in train mode, on the first real training chunk (the set-up check saw a few examples)
+            first_chunk_check=independence_check if config.train.self_check and self.plan.is_private else None,
         )  # fmt: skip
         self.mechanism.observer = self.hooks.observe_gradient
         self._start_rank_streams(0)
@@ -397,7 +405,8 @@ class Trainer:
             )
         except ValueError as err:
             raise ConfigError(f"train.engine={train.engine}: {err}") from None
-        for note in notices + ([result.describe()] if result else []):
+        checks = [result, result.independence] if result else []
+        for note in notices + [check.describe() for check in checks if check is not None]:
             self._log(note)
         return engine, result
 
@@ -485,7 +494,8 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "accountant": self.accountant.state_dict(),
-            "noise_generator": self.noise_generator.state_dict(),  # the noise rank's (rank 0)
+            # the noise rank's (rank 0); an unseeded run resumes with fresh noise, so nothing to keep
+            "noise_generator": self.noise_generator.state_dict() if self.plan.seeded else None,
             "augtest_seed": self.augtest_seed,
             "ema": self.ema.state_dict() if self.ema else None,
             "window": self._window_as_dict(),
@@ -501,10 +511,8 @@ class Trainer:
 
     def load_state(self, state: dict[str, Any]) -> None:
         saved = DPPlan(**state["plan"])
-        # seeded, extractor and engine_unchecked are labels from the config (absent in older
-        # checkpoints), not privacy parameters.
-        labels = {"seeded": self.plan.seeded, "extractor": self.plan.extractor, "engine_unchecked": self.plan.engine_unchecked}
-        if replace(saved, **labels) != self.plan:
+        # the plan's labels (PLAN_LABELS) come from the config (absent in older checkpoints)
+        if not self.plan.same_numbers(saved):
             raise ConfigError("the checkpoint was written under a different DP plan; refusing to resume")
         if state["data_fingerprint"] != self.data_fingerprint:
             raise ConfigError(
@@ -517,8 +525,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.accountant.load_state_dict(state["accountant"])  # replaces, never adds
         legacy = _torch_generator_streams(state)
-        if self.dist.rank == NOISE_RANK and not legacy:
+        if self.dist.rank == NOISE_RANK and not legacy and self.plan.seeded:
             self.noise_generator.load_state_dict(state["noise_generator"])
+        elif not self.plan.seeded and self.plan.is_private:
+            self._log(FRESH_NOISE_ON_RESUME)
         self._load_rank_streams(state, legacy)
         if "augtest_seed" in state:  # absent in checkpoints from before augmentation existed
             self.augtest_seed = int(state["augtest_seed"])
@@ -687,7 +697,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "wall_time_s": self.wall_time_s,
         }
-        if window["nonfinite_examples"]:  # 16 bits: they contributed zero; say so, it is a utility loss
+        if window["nonfinite_examples"]:  # they contributed zero; say so, it is a utility loss
             record["nonfinite_examples"] = window["nonfinite_examples"]
             self._log(
                 f"WARNING: {window['nonfinite_examples']} examples since the last evaluation had non-finite gradients "

@@ -18,6 +18,7 @@ The Trainer takes its steps through the same object.
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 from dataclasses import asdict, replace
@@ -29,9 +30,11 @@ from torch import nn
 
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.engines import make_engine
+from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
 from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
 from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
+from dpscale.privacy.self_check import checked_engine
 from dpscale.rng import DPRandom, noise_generator, words_to_int
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 
@@ -82,9 +85,10 @@ class DPMechanism:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, engine: PerExampleEngine, *,
         sampler_seed: int, noise_seed: int, scheduler: Any = None, max_physical_batch_size: int | None = None,
-        rank: int = 0, world_size: int = 1,
+        rank: int = 0, world_size: int = 1, first_chunk_check: FirstChunkCheck | None = None,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        _refuse_steps_outside_the_mechanism(optimizer)
         self.plan, self.engine = plan, engine
         self.sampler = plan.make_sampler(DPRandom(sampler_seed), rank, world_size)
         # dp.secure_noise: from the OS CSPRNG, no seed, no state (plan.secure_noise)
@@ -94,6 +98,9 @@ class DPMechanism:
             self.accountant.record(release)
         self.max_physical_batch_size = max_physical_batch_size
         self.steps_taken = 0
+        # run on the first physical chunk of >= MIN_EXAMPLES, in train mode, before anything is released
+        self.first_chunk_check = first_chunk_check
+        self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
 
@@ -105,7 +112,9 @@ class DPMechanism:
     def sample(self) -> torch.Tensor:
         """The next logical batch's example indices (int64, sorted; possibly empty)."""
         self._check_budget()
-        return self.sampler.sample()
+        indices = self.sampler.sample()
+        self._drawn = int(indices.numel())
+        return indices
 
     def batches(self) -> Iterator[torch.Tensor]:
         """The example indices of every remaining logical batch, one step at a time (draw a
@@ -138,33 +147,75 @@ class DPMechanism:
             the step's statistics (on the device; reading them waits for it).
         """
         self._check_budget()
+        if self._drawn is None:
+            raise RuntimeError(
+                "mechanism.step(...) takes the logical batch that mechanism.batches()/sample() drew (Poisson "
+                "sampling, which the epsilon describes), and none was drawn: iterate `for indices in "
+                "mechanism.batches()` and pass those examples, or use mechanism.data_loader(dataset)"
+            )
         if targets is not None:
             size = self.max_physical_batch_size or max(1, len(targets))
             chunks: Iterable[Batch] = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
         else:
             chunks = inputs
-        return self.step_chunks(chunks)
+        stats = self.step_chunks(chunks, expected_examples=self._drawn)
+        self._drawn = None
+        return stats
 
     def step_chunks(
-        self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True
-    ) -> StepStats:
-        """``step`` for physical chunks, with the data-parallel hooks the Trainer uses."""
+        self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True,
+        expected_examples: int | None = None,
+    ) -> StepStats:  # fmt: skip
+        """``step`` for physical chunks, with the data-parallel hooks the Trainer uses.
+
+        Args:
+            chunks: the logical batch as physical (x, y) chunks.
+            all_reduce_sum, add_noise: data-parallel hooks (see ``noisy_clipped_mean``).
+            expected_examples: the size of the drawn logical batch; a batch of another size is
+                refused before anything is released (None: the caller gathered the drawn batch).
+        """
         self._check_budget()
         self._check_parameters()
+        chunks = self._run_first_chunk_check(chunks)
         gradient, stats = noisy_clipped_mean(
             self.engine, self.model, chunks,
             noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
         )  # fmt: skip
+        if expected_examples is not None and stats.batch_size != expected_examples:
+            raise ValueError(
+                f"this step got {stats.batch_size} examples but the drawn logical batch has {expected_examples}: "
+                "pass exactly the examples of the indices that mechanism.batches()/sample() gave (a batch from "
+                "your own DataLoader is not the Poisson sample the epsilon describes); nothing was released"
+            )
         if self.observer is not None:
             self.observer(gradient)
-        apply_gradient(self.model, gradient, self.optimizer)
+        self.optimizer._dpscale_in_step = True  # type: ignore[attr-defined]
+        try:
+            apply_gradient(self.model, gradient, self.optimizer)
+        finally:
+            self.optimizer._dpscale_in_step = False  # type: ignore[attr-defined]
         if self.scheduler is not None:
             self.scheduler.step()
         if self.plan.is_private:
             self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
         self.steps_taken += 1
         return stats
+
+    def _run_first_chunk_check(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
+        """Until it has run once: the first-chunk check on this step's first chunk (if it holds
+        ``MIN_EXAMPLES`` or more), which may replace the engine (``engine=auto``) or refuse. (A
+        smaller chunk goes unchecked: with so few examples, mixing moves the sum the least.)"""
+        if self.first_chunk_check is None:
+            return chunks
+        chunks = iter(chunks)
+        first = next(chunks, None)
+        if first is None:
+            return chunks
+        if len(first[1]) >= MIN_EXAMPLES:
+            self.engine = self.first_chunk_check(self.engine, self.model, first)
+            self.first_chunk_check = None
+        return itertools.chain([first], chunks)
 
     def _check_parameters(self) -> None:
         """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
@@ -198,30 +249,87 @@ class DPMechanism:
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Sampler, noise generator, accountant and step (with the plan, to check on load):
-        with the model's and optimizer's state, a loop resumes bit-identically."""
+        """Sampler, accountant and step (with the plan, to check on load), and the noise
+        generator's state for a seeded mechanism only: an unseeded one continues with fresh noise
+        (so no checkpoint holds what reproduces its noise). With the model's and optimizer's
+        state, a seeded loop resumes bit-identically."""
         return {
             "plan": asdict(self.plan),
             "steps_taken": self.steps_taken,
             "sampler": self.sampler.state_dict(),
-            "noise_generator": self.noise_generator.state_dict(),
+            "noise_generator": self.noise_generator.state_dict() if self.plan.seeded else None,
             "accountant": self.accountant.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state_dict()``; refuses a state written under another plan."""
+        """Continue from ``state_dict()``, on a mechanism that has not stepped yet.
+
+        The accountant continues from the state's steps; the noise continues from the state's
+        generator if this mechanism is seeded (bit-identical resume, with the seed's caveat),
+        else from this mechanism's own fresh entropy: two continuations of one state never share
+        noise (releasing both still composes both: each one's epsilon covers itself only).
+
+        Raises:
+            RuntimeError: this mechanism has already taken steps (loading would roll its
+                accountant back below the steps it released, and replay noise).
+            ValueError: the state was written under another plan.
+        """
+        if self.steps_taken > 0:
+            raise RuntimeError(
+                f"this mechanism has taken {self.steps_taken} step(s); loading a state now would roll its accountant "
+                "back (epsilon below what was released) and could replay noise. Load a state into a new mechanism "
+                "(make_private) before its first step"
+            )
         saved = DPPlan(**state["plan"])
-        # seeded/extractor/engine_unchecked label how this mechanism was made, not the privacy numbers
-        labels = {
-            "seeded": self.plan.seeded, "extractor": self.plan.extractor, "engine_unchecked": self.plan.engine_unchecked,
-            "secure_noise": self.plan.secure_noise,
-        }  # fmt: skip
-        if replace(saved, **labels) != self.plan:
+        if not self.plan.same_numbers(saved):
             raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
         self.sampler.load_state_dict(state["sampler"])
-        self.noise_generator.load_state_dict(state["noise_generator"])
+        if self.plan.seeded and state.get("noise_generator") is not None:
+            self.noise_generator.load_state_dict(state["noise_generator"])
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
+
+
+# A check of (engine, model, first chunk) that returns the engine to train with, or raises ValueError.
+FirstChunkCheck = Callable[[PerExampleEngine, nn.Module, Batch], PerExampleEngine]
+STEP_OUTSIDE_THE_MECHANISM = (
+    "optimizer.step() was called outside mechanism.step(...): that update would be neither clipped, noised nor "
+    "accounted. Take every step with mechanism.step(x, y) (it steps the optimizer itself)"
+)
+
+
+def _refuse_steps_outside_the_mechanism(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step()`` raise unless the mechanism is taking its step (once per optimizer)."""
+    if getattr(optimizer, "_dpscale_guarded", False):
+        return
+
+    def refuse(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not getattr(opt, "_dpscale_in_step", False):
+            raise RuntimeError(STEP_OUTSIDE_THE_MECHANISM)
+
+    optimizer.register_step_pre_hook(refuse)
+    optimizer._dpscale_guarded = True  # type: ignore[attr-defined]
+    optimizer._dpscale_in_step = False  # type: ignore[attr-defined]
+
+
+def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
+    """The first training chunk's batch-independence check (``FirstChunkCheck``): ``engine`` if
+    each example's loss and norm are its own, else ValueError naming what mixes examples."""
+    result = check_batch_independence(engine, model, chunk)
+    if result is not None and not result.ok:
+        raise ValueError(f"on the first training batch: {result.describe()}")
+    return engine
+
+
+def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
+    """``make_private``'s first-chunk check without a ``check_batch``: the whole ``checked_engine``
+    (independence, then the self-check on its first examples; ``auto`` may fall back to vmap)."""
+
+    def check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
+        chosen, _, _ = checked_engine(name, engine.max_grad_norm, model, chunk, **engine_options)
+        return chosen
+
+    return check
 
 
 def per_example_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
@@ -262,6 +370,7 @@ def make_private(
     scheduler: Any = None,
     seed: int | None = None,
     secure_noise: bool = False,
+    check: bool = True,
     check_batch: Batch | None = None,
 ) -> DPMechanism:
     """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD, Poisson sampling).
@@ -287,10 +396,20 @@ def make_private(
             them); None draws fresh 128-bit OS entropy.
         secure_noise: draw the noise from the OS CSPRNG (``dpscale.rng.SecureRandom``): never
             reproducible, not even with ``seed``, and ``state_dict()`` holds no noise state.
-        check_batch: (x, y) examples to verify the engine on against a per-example loop first.
+        check: verify the model, the loss and the engine before anything is released (default):
+            on the first step's first chunk (or ``check_batch``), each example's loss and norm must
+            not depend on the other examples (train mode), and the engine must match a per-example
+            loop (eval mode); ``auto`` falls back to vmap where only bk is wrong. False skips
+            both, and the plan and every epsilon then say the run is unchecked.
+        check_batch: (x, y) examples to run the checks on now, in ``make_private`` (the first
+            step's chunk is still checked for batch independence).
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
+
+    Raises:
+        ValueError: a layer that mixes examples or cannot be clipped per example (BatchNorm, ...),
+            bad privacy numbers; at the first step, a model or loss that mixes examples.
     """
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of epochs= and steps=")
@@ -301,17 +420,19 @@ def make_private(
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
         accountant=accountant, seeded=seed is not None,
     )  # fmt: skip
-    plan = replace(plan, secure_noise=secure_noise)
-    loss = per_example_loss(loss_fn) if loss_fn is not None else per_example_cross_entropy
-    kind = make_precision(precision)
-    if check_batch is not None:
-        from dpscale.privacy.self_check import checked_engine
-
-        chosen, _, _ = checked_engine(engine, max_grad_norm, model, check_batch, views=augment_multiplicity, loss_fn=loss, precision=kind)
+    check = check and plan.is_private  # a non-private run claims no guarantee for the checks to protect
+    plan = replace(plan, secure_noise=secure_noise, engine_unchecked=not check and plan.is_private)
+    options = {"views": augment_multiplicity, "loss_fn": per_example_loss(loss_fn) if loss_fn else per_example_cross_entropy,
+               "precision": make_precision(precision)}  # fmt: skip
+    # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
+    if check and check_batch is not None:
+        chosen, _, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
+        first_chunk_check: FirstChunkCheck | None = independence_check
     else:
-        chosen, _ = make_engine(engine, max_grad_norm, model, loss_fn=loss, views=augment_multiplicity, precision=kind)
+        chosen, _ = make_engine(engine, max_grad_norm, model, **options)
+        first_chunk_check = _engine_check(engine, **options) if check else None
     seeds = run_seeds(seed)
     return DPMechanism(
         model, optimizer, plan, chosen, sampler_seed=seeds["sampler"], noise_seed=seeds["noise"],
-        scheduler=scheduler, max_physical_batch_size=max_physical_batch_size,
+        scheduler=scheduler, max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
     )  # fmt: skip

@@ -145,7 +145,8 @@ def noisy_clipped_mean(
         examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
         finite = torch.isfinite(norms)
         counts += torch.stack([
-            examples, losses.sum().double(), clipped.double(), torch.where(finite, norms, 0.0).sum().double(),
+            # a non-finite example contributed zero: its loss stays out of the logged train loss too
+            examples, torch.where(finite, losses, 0.0).sum().double(), clipped.double(), torch.where(finite, norms, 0.0).sum().double(),
             (~finite).sum().double(),
         ]).to(device)  # fmt: skip
     # once per logical step: on one rank, before the ranks' sums are added up
