@@ -84,7 +84,7 @@ def leave_one_out_change(make_model, x: torch.Tensor, y: torch.Tensor, leave: in
         model = make_model()
         mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": 3, **options})
         mechanism.observer = lambda gradient: released.append({k: v.double() for k, v in gradient.items()})
-        mechanism.step_chunks([(x[keep], y[keep])])
+        mechanism._step_chunks([(x[keep], y[keep])])
     difference = sum((released[0][k] - released[1][k]).square().sum() for k in released[0])
     return float(difference.sqrt()) * RECIPE["batch_size"] / C
 
@@ -159,7 +159,7 @@ def test_time_major_linear_at_t_equal_b_is_exact_or_refused():
     for engine in ("bk", "ghost"):  # their layer records take dim 0 as the batch: refused
         model = TimeMajor("linear")
         mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
-        with pytest.raises(ValueError, match=f"engine {engine}"):
+        with pytest.raises(ValueError, match=rf"{engine} engine: .*use engine=vmap"):
             first_step(mechanism, x, y)
     model = TimeMajor("linear")  # auto: vmap, whose per-example gradients are exact here
     mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
@@ -214,10 +214,11 @@ def test_a_batch_the_mechanism_did_not_draw_is_refused():
 
 
 def _continue(state: dict, x: torch.Tensor, y: torch.Tensor, seed: int | None) -> list[torch.Tensor]:
-    """A new mechanism loaded from ``state``, one step: the released gradient."""
+    """A new mechanism loaded from ``state`` (the model's weights first), one step: the released gradient."""
     model = mlp()
+    model.load_state_dict(state["model"])
     mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": seed})
-    mechanism.load_state_dict(state)
+    mechanism.load_state_dict(state["dp"])
     released = []
     mechanism.observer = lambda gradient: released.append(torch.cat([g.flatten() for g in gradient.values()]))
     first_step(mechanism, x, y)
@@ -230,7 +231,7 @@ def test_two_continuations_of_one_state_share_noise_only_when_seeded(seed):
     model = mlp()
     mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": seed})
     first_step(mechanism, x, y)
-    state = mechanism.state_dict()
+    state = {"model": model.state_dict(), "dp": mechanism.state_dict()}
     a, b = _continue(state, x, y, seed), _continue(state, x, y, seed)
     if seed is not None:  # research runs: bit-identical resume, under the seed's caveat
         assert torch.equal(a, b)
@@ -238,7 +239,7 @@ def test_two_continuations_of_one_state_share_noise_only_when_seeded(seed):
     # the same batch, the same weights: the difference is the noise of both, std sqrt(2) sigma C / B
     std = float((a - b).double().std()) * B / (SIGMA * C)
     assert 1.1 < std < 1.8, std
-    assert state["noise_generator"] is None  # nothing in the state reproduces the noise
+    assert state["dp"]["noise_generator"] is None  # nothing in the state reproduces the noise
 
 
 def test_a_mechanism_that_has_stepped_refuses_to_load_a_state():
@@ -276,3 +277,116 @@ def test_an_overflowing_example_in_the_first_batch_is_not_read_as_mixing(engine)
     stats = mechanism.step(x[drawn], y[drawn])
     assert stats.nonfinite_examples == 1 and mechanism.steps_taken == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------- found by the adversarial review
+class InitFromFirstBatch(nn.Module):
+    """ActNorm-style: its bias is set from the first batch's mean, in place (a noise-free release)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.bias, self.initialised = nn.Parameter(torch.zeros(width)), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialised:
+            with torch.no_grad():
+                self.bias.copy_(-x.mean(0))
+            self.initialised = True
+        return x + self.bias
+
+
+class ScaleByBatchMax(nn.Module):
+    """Divides by the batch's largest value in training mode: survives a roll and, when the
+    largest value sits in the first half, that half alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.abs().amax().clamp(min=1.0) if self.training else x / 4.0
+
+
+class MixesOnlyLargeBatches(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True) if self.training and x.shape[0] > 8 else x
+
+
+class FunctionalDropout(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, 0.3, self.training)
+
+
+def test_a_layer_that_writes_its_parameters_from_the_batch_is_refused():
+    x, y = data()
+    model = mlp(InitFromFirstBatch())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
+    with pytest.raises(ValueError, match=r"layer '2' \(InitFromFirstBatch\) writes its 'bias' from the private batch"):
+        first_step(mechanism, x, y)
+    assert_nothing_released(mechanism, model, before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_mixing_that_survives_a_roll_and_the_first_half_is_refused(engine):
+    x, y = data()
+    model = nn.Sequential(ScaleByBatchMax(), *mlp())
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+    drawn = mechanism.sample()
+    x[drawn[0]] *= 100  # the batch's largest value in the first half
+    with pytest.raises(ValueError, match=r"layer '0' \(ScaleByBatchMax\) mixes examples"):
+        mechanism.step(x[drawn], y[drawn])
+    assert mechanism.accountant.steps == 0
+
+
+def test_mixing_only_in_larger_batches_is_refused_when_a_larger_chunk_arrives():
+    x, y = data(n=600)
+    model = mlp(MixesOnlyLargeBatches())
+    recipe = {**RECIPE, "dataset_size": 600, "batch_size": 8, "steps": 60}
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **recipe)
+    with pytest.raises(ValueError, match=r"MixesOnlyLargeBatches\) mixes examples"):
+        for indices in mechanism.batches():
+            released = mechanism.steps_taken
+            mechanism.step(x[indices], y[indices])
+            assert len(indices) <= 8, "a batch of more than 8 was released"
+    assert mechanism.steps_taken == released  # the refused step released nothing
+
+
+def test_random_draws_in_the_forward_pass_are_named_not_called_mixing():
+    x, y = data()
+    model = mlp(FunctionalDropout())
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
+    with pytest.raises(ValueError, match="the model draws random numbers.*nn.Dropout modules"):
+        first_step(mechanism, x, y)
+    dropout_module = mlp(nn.Dropout(0.3))  # nn.Dropout is switched off during the check: accepted
+    first_step(dpscale.make_private(dropout_module, torch.optim.SGD(dropout_module.parameters(), lr=0.1), **RECIPE), x, y)
+
+
+def test_drawing_again_before_the_step_is_refused():
+    model = mlp()
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
+    mechanism.sample()
+    with pytest.raises(RuntimeError, match="a drawn batch is waiting for its step"):
+        mechanism.sample()
+
+
+def test_a_state_loaded_onto_weights_trained_further_is_refused():
+    """Roll-back through a new mechanism: a state saved at step 1, loaded onto a model that
+    has since taken 3 steps, would account 1 step for weights that took 3."""
+    x, y = data()
+    model = mlp()
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
+    first_step(mechanism, x, y)
+    early = mechanism.state_dict()
+    for _ in range(2):
+        first_step(mechanism, x, y)
+    fresh = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
+    with pytest.raises(ValueError, match="trainable weights are not the ones saved with this mechanism state"):
+        fresh.load_state_dict(early)
+
+
+def test_loaded_steps_keep_their_caveats():
+    x, y = data()
+    model = mlp()
+    seeded = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "check": False})
+    first_step(seeded, x, y)
+    state = seeded.state_dict()
+    again = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": None})
+    again.load_state_dict(state)
+    assert again.plan.seeded and again.plan.engine_unchecked

@@ -125,7 +125,7 @@ def _dpscale_step(
 
     def step() -> None:
         inputs = _views(x, views, augment) if views > 1 else x
-        mechanism.step_chunks(physical_chunks(inputs, y, indices, batch))
+        mechanism._step_chunks(physical_chunks(inputs, y, indices, batch))
 
     return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
 

@@ -60,7 +60,7 @@ from dpscale.privacy.per_example import (
     per_example_cross_entropy,
     tolerance_for,
 )
-from dpscale.privacy.precision import FP32, Precision, at_least_fp32, exact_float32, zero_rows
+from dpscale.privacy.precision import FP32, Precision, at_least_fp32, exact_float32, needs_zeroing, zero_rows
 
 # ----------------------------------------------------------------------------- layer rules
 
@@ -692,15 +692,15 @@ class GhostEngine(ClippedSumMixin):
             sq_norms, layer_sq = self._layer_norms(records, out_grads, batch[0])
             norms = sq_norms.sqrt()
             finite = torch.isfinite(norms)
-            all_finite = bool(finite.all())  # one host sync: most chunks need no zeroing pass
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell
-            if check and all_finite and self._check_routes(records, true, torch.ones_like(sq_norms)):
+            # (a one-off pass: its host read is no cost)
+            if check and bool(finite.all()) and self._check_routes(records, true, torch.ones_like(sq_norms)):
                 state.checked.add(key)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; otherwise 0 * inf = NaN would spread
             # to the whole update and show that the example was in the batch.
             factors = torch.where(finite, clip_factors(norms, self.max_grad_norm), torch.zeros_like(norms))
-            if not all_finite:
+            if needs_zeroing(finite):
                 _zero_examples(records, finite, self.views)
             grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
             for r in records:

@@ -8,14 +8,16 @@ takes a dimension other than 0 as the batch (``batch_first=False``, time-major) 
 the eval-mode self-check cannot see the first three. So this check runs in the mode training runs
 in (train mode), on real examples: each example's loss (a plain batched forward pass through the
 model and the loss) and its per-example norm (the engine's) computed within the whole chunk must
-equal those computed within the chunk rolled by one place and within its first half (chunks of
-2-3: within the chunk whose other examples are copies of the first, so that no float32 pass
-runs on one example, whose kernels differ on some CPUs and would read as mixing).
+equal those computed within the chunk rolled by one place and within each half of it (chunks of
+2-3: within the chunk whose rows are all copies of its first, then its last, example, so that no
+float32 pass runs on one example, whose kernels differ on some CPUs and would read as mixing).
 
-It also refuses a forward pass that writes a buffer in training mode (running statistics of the
-private batch, released without noise in ``state_dict()``). Dropout layers are switched off
-during the check (their masks follow batch positions, not examples, and they do not mix
-examples); every buffer and the global RNGs are restored, so the run is unchanged by the check.
+It also refuses a forward pass that writes a buffer or a parameter in training mode (running
+statistics, a data-dependent initialisation: values of the private batch kept without noise),
+and a model that draws random numbers other than nn.Dropout's (its draws follow batch
+positions, so passes cannot be compared). Dropout layers are switched off during the check
+(their masks follow batch positions, not examples, and they do not mix examples); every
+parameter, buffer and the global RNGs are restored, so the run is unchanged by the check.
 """
 
 from __future__ import annotations
@@ -46,7 +48,15 @@ MODEL_MIXING_FIX = (
     "use per-example layers (GroupNorm/LayerNorm instead of BatchNorm; dim 0 as the batch, batch_first=True)"
 )
 LOSS_MIXING_FIX = "DP-SGD needs each example's loss to depend on that example alone (no in-batch contrastive/centred logits)"
-BUFFER_WRITE = "updates its buffer"
+STATE_WRITE = "writes its"
+STATE_WRITE_FIX = (
+    "compute such values from public data before make_private/the run (or keep them out of the model's state)"
+)
+RANDOM_DRAWS_FIX = (
+    "its examples cannot be checked for independence: use nn.Dropout modules (switched off during the check) "
+    "instead of functional dropout or added noise, or turn the checks off (train.self_check=false, "
+    "make_private(check=False))"
+)
 ENGINE_MIXING_FIX = (
     "a layer that takes a dimension other than 0 as the batch (batch_first=False, time-major) is a likely cause; "
     "use batch_first=True, or engine=vmap"
@@ -91,8 +101,10 @@ class IndependenceResult:
                 f"is permuted or halved (train mode; largest relative change {max(self.loss_error, self.norm_error):.2g}, "
                 f"tolerance {self.tolerance:g}; {self.seconds:.2f} s)"
             )
-        if BUFFER_WRITE in self.culprit:
+        if STATE_WRITE in self.culprit:
             return f"{self.culprit} from the private batch in training mode, without noise (it is in state_dict()); {self.fix}"
+        if self.culprit == "the model":
+            return f"the model draws random numbers in its training-mode forward pass; {self.fix}"
         if self.engine_only and self.norm_error == float("inf"):  # the engine refused, in train mode
             return f"in training mode, {self.fix}"
         what = "per-example gradient norm" if self.engine_only else "loss"
@@ -104,8 +116,8 @@ class IndependenceResult:
 
 
 def check_batch_independence(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> IndependenceResult | None:
-    """Compare each example's loss and norm within ``batch``, within ``batch`` rolled by one and
-    within its first half, in train mode.
+    """Compare each example's loss and norm within ``batch`` with those within ``batch`` rolled
+    by one and within each of its halves, in train mode.
 
     Args:
         engine: the clipping engine (holds the loss, the views and the precision).
@@ -115,38 +127,76 @@ def check_batch_independence(engine: PerExampleEngine, model: nn.Module, batch: 
     Returns:
         the verdict, or None when the batch has fewer than ``MIN_EXAMPLES`` examples.
     """
-    x, y = batch
-    n = int(y.shape[0])
+    n = int(batch[1].shape[0])
     if n < MIN_EXAMPLES:
         return None
     started = time.perf_counter()
     precision = getattr(engine, "precision", FP32)
     params = trainable_params(model)
-    dtype = precision.compare_dtype if precision.name != "fp32" else next(iter(params.values()), x).dtype
+    dtype = precision.compare_dtype if precision.name != "fp32" else next(iter(params.values()), batch[0]).dtype
     tol = tolerance_for(dtype if dtype.is_floating_point else torch.float32)
-    order = torch.roll(torch.arange(n, device=y.device), 1)
-    half, part = _part_without_the_others(batch)
-    parts = [(x, y), (x[order], y[order]), part]
-    with _training_as_run(model) as buffers_before:
-        losses = [_plain_losses(engine, model, part) for part in parts]
-        culprit, fix = _buffer_writer(model, buffers_before), MODEL_MIXING_FIX
-        loss_error = _change(losses, order, half)
-        norm_error = 0.0
+    comparisons = _comparisons(batch)
+    with _training_as_run(model) as state_before:
+        full = _plain_losses(engine, model, batch)
+        culprit, fix = _random_draws(engine, model, batch, full, tol)
+        losses = [_plain_losses(engine, model, part) for part, _ in comparisons]
+        written = _state_writer(model, state_before)
+        if culprit is None and written is not None:
+            culprit, fix = written, STATE_WRITE_FIX
+        errors = [_change(full[rows], got) for (_, rows), got in zip(comparisons, losses)]
+        loss_error, norm_error = max(errors), 0.0
         if culprit is None and loss_error > tol:
-            culprit, fix = _mixing_layer(engine, model, (batch, part), half, tol)
+            worst = comparisons[errors.index(loss_error)]
+            culprit, fix = _mixing_layer(engine, model, batch, worst, tol)
         if culprit is None:
-            norm_error, refusal = _engine_norm_change(engine, model, params, parts, order, half)
+            norm_error, refusal = _engine_norm_change(engine, model, params, batch, comparisons)
             if norm_error > tol:
                 culprit, fix = f"engine {engine.name}", refusal or ENGINE_MIXING_FIX
     return IndependenceResult(n, tol, loss_error, norm_error, culprit, fix, time.perf_counter() - started)
 
 
+# A sub-batch to compare with the whole: (chunk, the whole batch's indices of its examples).
+Comparison = tuple[Batch, torch.Tensor]
+
+
+def _comparisons(batch: Batch) -> list[Comparison]:
+    """The batch rolled by one place, and each example within a chunk without some of the others:
+    both halves for 4 examples or more (each example is in one), else the batch with every row
+    replaced by its first (then its last) example: the same size, so that no float32 pass runs
+    on a single example (other kernels on some CPUs, which would read as mixing)."""
+    x, y = batch
+    n = int(y.shape[0])
+    index = torch.arange(n, device=y.device)
+    rolled = torch.roll(index, 1)
+    parts = [((x[rolled], y[rolled]), rolled)]
+    if n >= 4:
+        return parts + [((x[rows], y[rows]), rows) for rows in (index[: n // 2], index[n // 2 :])]
+    for keep in (0, n - 1):
+        rows = torch.full((n,), keep, dtype=torch.long, device=y.device)
+        parts.append(((x[rows], y[rows]), rows[:1]))  # row 0 is example ``keep``; the copies are its company
+    return parts
+
+
+def _random_draws(
+    engine: PerExampleEngine, model: nn.Module, batch: Batch, full: torch.Tensor, tol: float
+) -> tuple[str | None, str]:
+    """Whether the training-mode forward pass draws random numbers other than nn.Dropout's (a
+    functional dropout, added noise): the same chunk under another seed gives other losses. Such
+    a model cannot be checked by comparing passes (its draws follow batch positions)."""
+    torch.manual_seed(1)
+    again = _plain_losses(engine, model, batch)
+    torch.manual_seed(0)  # every other pass: the same draws
+    if _change(full, again) > tol:
+        return "the model", RANDOM_DRAWS_FIX
+    return None, MODEL_MIXING_FIX
+
+
 @contextlib.contextmanager
 def _training_as_run(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """Train mode with dropout off, every buffer and the global RNGs restored afterwards; yields
-    the buffers as they were before."""
+    """Train mode with dropout off and the global RNGs seeded (each pass draws alike), every
+    parameter, buffer and RNG restored afterwards; yields the parameters and buffers as they were."""
     was_training = model.training
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    saved = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
     model.train()
     dropouts = [m for m in model.modules() if isinstance(m, DROPOUT_LAYERS)]
     for m in dropouts:
@@ -154,25 +204,28 @@ def _training_as_run(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
             yield saved
     finally:
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in saved:
-                    b.copy_(saved[name])
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name in saved and saved[name].shape == t.shape:
+                    t.copy_(saved[name])
         model.train(was_training)
 
 
 def _engine_norm_change(
-    engine: PerExampleEngine, model: nn.Module, params: dict, parts: list[Batch], order: torch.Tensor, half: int
+    engine: PerExampleEngine, model: nn.Module, params: dict, batch: Batch, comparisons: list[Comparison]
 ) -> tuple[float, str | None]:
-    """The engine's per-example norms: largest relative change, and its refusal if it refused
-    one of the chunks (a layout it handles at one batch size only: inf)."""
+    """The engine's per-example norms: largest relative change between ``batch`` and the
+    comparisons, and the engine's refusal if it refused one of them (a layout it handles at one
+    batch size only: inf)."""
     try:
-        norms = [engine.clipped_sum_and_losses(model, params, part)[1].detach() for part in parts]
+        full = engine.clipped_sum_and_losses(model, params, batch)[1].detach()
+        norms = [engine.clipped_sum_and_losses(model, params, part)[1].detach() for part, _ in comparisons]
     except ValueError as err:
         return float("inf"), str(err)
-    return _change(norms, order, half), None
+    return max(_change(full[rows], got) for (_, rows), got in zip(comparisons, norms)), None
 
 
 def _plain_losses(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -184,58 +237,44 @@ def _plain_losses(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> t
         return mean_over_views(loss_fn, model, x, y, getattr(engine, "views", 1)).detach().double()
 
 
-def _part_without_the_others(batch: Batch) -> tuple[int, Batch]:
-    """(h, a chunk whose first h examples are the batch's first h, without the batch's others):
-    the first half for 4 examples or more, else the batch with its others replaced by copies of
-    its first example (the same size: no float32 pass on one example)."""
-    x, y = batch
-    n = int(y.shape[0])
-    if n >= 4:
-        return n // 2, (x[: n // 2], y[: n // 2])
-    keep = torch.zeros(n, dtype=torch.long, device=y.device)
-    return 1, (x[keep], y[keep])
+def _change(want: torch.Tensor, got: torch.Tensor) -> float:
+    """Largest relative change of a per-example value: ``got``'s first rows against ``want``
+    (relative to the value, floored at a share of the largest). An example that overflows on its
+    own (it will contribute zero) is left out, not read as mixing."""
+    want, got = want.double(), got[: want.shape[0]].double()
+    finite = torch.isfinite(want)
+    if got.shape != want.shape or not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = float(want[finite].abs().max())
+    error = (got - want)[finite].abs() / want[finite].abs().clamp(min=RELATIVE_ERROR_FLOOR * scale + 1e-300)
+    return float(error.max())
 
 
-def _change(values: list[torch.Tensor], order: torch.Tensor, half: int) -> float:
-    """Largest relative change of a per-example value between the whole chunk and the rolled
-    chunk / its first half (relative to the value, floored at a share of the largest)."""
-    full, rolled, halved = (v.double() for v in values)
-    finite = full[torch.isfinite(full)]
-    scale = float(finite.abs().max()) if finite.numel() else 0.0
-    floor = RELATIVE_ERROR_FLOOR * scale + 1e-300
-    worst = 0.0
-    for got, want in ((rolled, full[order]), (halved[:half], full[:half])):
-        finite = torch.isfinite(want)
-        # an example that overflows on its own (it will contribute zero) is left out, not read as mixing
-        if got.shape != want.shape or not torch.equal(finite, torch.isfinite(got)):
-            return float("inf")
-        if finite.any():
-            error = (got - want)[finite].abs() / want[finite].abs().clamp(min=floor)
-            worst = max(worst, float(error.max()))
-    return worst
-
-
-def _buffer_writer(model: nn.Module, before: dict[str, torch.Tensor]) -> str | None:
-    """The first layer whose buffer a training-mode forward pass changed: statistics of the
-    private batch, kept without noise (and released in ``state_dict()``)."""
-    for name, buffer in model.named_buffers():
+def _state_writer(model: nn.Module, before: dict[str, torch.Tensor]) -> str | None:
+    """The first layer whose buffer or parameter a training-mode forward pass wrote (running
+    statistics, a data-dependent initialisation): values of the private batch, kept in the model
+    without noise (and released with it)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         old = before.get(name)
-        if old is not None and (old.shape != buffer.shape or not torch.equal(old, buffer)):
+        if old is not None and (old.shape != tensor.shape or not torch.equal(old, tensor)):
             layer, _, local = name.rpartition(".")
             module = model.get_submodule(layer)
-            return f"layer {layer or '<root>'!r} ({type(module).__name__}) {BUFFER_WRITE} {local!r}"
+            return f"layer {layer or '<root>'!r} ({type(module).__name__}) {STATE_WRITE} {local!r}"
     return None
 
 
 def _mixing_layer(
-    engine: PerExampleEngine, model: nn.Module, batches: tuple[Batch, Batch], half: int, tol: float
+    engine: PerExampleEngine, model: nn.Module, batch: Batch, comparison: Comparison, tol: float
 ) -> tuple[str, str]:  # fmt: skip
-    """Name what mixes examples: the first layer (in execution order) whose output for the first
-    ``half`` examples changes between ``batches`` (the chunk, and one without the others), or
-    whose output does not follow the batch along dim 0 (a time-major layout); the loss function
-    if no layer does."""
+    """Name what mixes examples: the first layer (in execution order) whose output for some
+    examples changes between ``batch`` and ``comparison``'s chunk, or whose output does not
+    follow the batch along dim 0 (a time-major layout); the loss function if no layer does."""
+    part, rows = comparison
     views = getattr(engine, "views", 1)  # rows of the forward pass: examples x views
-    sizes = [int(chunk[1].shape[0]) * views for chunk in batches]
+    sizes = [int(chunk[1].shape[0]) * views for chunk in (batch, part)]
+    view_rows = (rows.unsqueeze(1) * views + torch.arange(views, device=rows.device)).reshape(-1)
     outputs: dict[str, list[torch.Tensor]] = {}
 
     def record(name: str):
@@ -247,17 +286,16 @@ def _mixing_layer(
 
     handles = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if name]
     try:
-        for chunk in batches:
+        for chunk in (batch, part):
             _plain_losses(engine, model, chunk)
     finally:
         for handle in handles:
             handle.remove()
-    rows = half * views
     for name, seen in outputs.items():  # dicts keep insertion order: the order layers ran
         if len(seen) != 2:
             continue
         follows = [out.dim() > 0 and out.shape[0] == size for out, size in zip(seen, sizes)]
-        if follows[0] != follows[1] or (all(follows) and _differs(seen[0][:rows], seen[1][:rows], tol)):
+        if follows[0] != follows[1] or (all(follows) and _differs(seen[0][view_rows], seen[1][: len(view_rows)], tol)):
             module = model.get_submodule(name)
             return f"layer {name!r} ({type(module).__name__})", MODEL_MIXING_FIX
     return "the loss function", LOSS_MIXING_FIX

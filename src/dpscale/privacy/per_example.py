@@ -24,6 +24,7 @@ from dpscale.privacy.precision import (
     at_least_fp32,
     exact_float32,
     float32_normalization,
+    needs_zeroing,
     zero_rows,
 )
 
@@ -257,7 +258,7 @@ class VmapEngine(ClippedSumMixin):
             # 0 * inf = NaN would spread to the whole update and show that it was in the batch.
             finite = torch.isfinite(norms)
             factors = torch.where(finite, clip_factors(norms, self.max_grad_norm), torch.zeros_like(norms))
-            if not bool(finite.all()):  # one host sync: most chunks need no zeroing pass
+            if needs_zeroing(finite):
                 grads = {k: zero_rows(g, finite) for k, g in grads.items()}
             grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
         return grad_sum, norms, losses.detach()

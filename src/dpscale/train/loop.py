@@ -619,7 +619,7 @@ class Trainer:
         chunks = self._train_chunks(max(1, self.config.train.max_physical_batch_size // augment.multiplicity))
         if augment.multiplicity > 1:
             chunks = augmented_chunks(chunks, augment.type, augment.multiplicity, self.augment_generator, self.value_range)
-        stats = self.mechanism.step_chunks(  # clip, noise once, / B, optimizer and scheduler step, account
+        stats = self.mechanism._step_chunks(  # clip, noise once, / B, optimizer and scheduler step, account
             chunks, all_reduce_sum=self.dist.all_reduce_sum_ if self.dist.enabled else None, add_noise=self.dist.adds_noise
         )
         if self.ema is not None:

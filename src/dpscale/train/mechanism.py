@@ -18,9 +18,11 @@ The Trainer takes its steps through the same object.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import secrets
+import warnings
 from dataclasses import asdict, replace
 from typing import Any, Callable, Iterable, Iterator
 
@@ -98,8 +100,10 @@ class DPMechanism:
             self.accountant.record(release)
         self.max_physical_batch_size = max_physical_batch_size
         self.steps_taken = 0
-        # run on the first physical chunk of >= MIN_EXAMPLES, in train mode, before anything is released
+        # run, in train mode and before anything is released, on the first chunk of >= MIN_EXAMPLES
+        # and again on every first chunk larger than any checked before
         self.first_chunk_check = first_chunk_check
+        self._checked_rows = 0
         self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
@@ -112,6 +116,11 @@ class DPMechanism:
     def sample(self) -> torch.Tensor:
         """The next logical batch's example indices (int64, sorted; possibly empty)."""
         self._check_budget()
+        if self._drawn is not None:
+            raise RuntimeError(
+                "a drawn batch is waiting for its step: take mechanism.step(...) on it before drawing again "
+                "(choosing among several draws would change the sampling the epsilon describes)"
+            )
         indices = self.sampler.sample()
         self._drawn = int(indices.numel())
         return indices
@@ -154,25 +163,36 @@ class DPMechanism:
                 "mechanism.batches()` and pass those examples, or use mechanism.data_loader(dataset)"
             )
         if targets is not None:
+            self._check_size(len(targets))  # before anything is computed
             size = self.max_physical_batch_size or max(1, len(targets))
             chunks: Iterable[Batch] = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
         else:
             chunks = inputs
-        stats = self.step_chunks(chunks, expected_examples=self._drawn)
+        stats = self._step_chunks(chunks, check_drawn=True)
         self._drawn = None
         return stats
 
-    def step_chunks(
+    def _check_size(self, examples: int) -> None:
+        if examples != self._drawn:
+            raise ValueError(
+                f"this step got {examples} examples but the drawn logical batch has {self._drawn}: pass exactly the "
+                "examples of the indices that mechanism.batches()/sample() gave (a batch from your own DataLoader "
+                "is not the Poisson sample the epsilon describes); nothing was released"
+            )
+
+    def _step_chunks(
         self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True,
-        expected_examples: int | None = None,
+        check_drawn: bool = False,
     ) -> StepStats:  # fmt: skip
-        """``step`` for physical chunks, with the data-parallel hooks the Trainer uses.
+        """``step`` for physical chunks, with the data-parallel hooks the Trainer uses. Package
+        internal: the caller vouches that ``chunks`` are the batch its sampler drew (the Trainer
+        draws from ``mechanism.sampler`` itself); users call ``step``.
 
         Args:
             chunks: the logical batch as physical (x, y) chunks.
             all_reduce_sum, add_noise: data-parallel hooks (see ``noisy_clipped_mean``).
-            expected_examples: the size of the drawn logical batch; a batch of another size is
-                refused before anything is released (None: the caller gathered the drawn batch).
+            check_drawn: refuse, before anything is released, chunks whose examples do not add
+                up to the batch ``sample()`` drew (``step``'s own check).
         """
         self._check_budget()
         self._check_parameters()
@@ -182,12 +202,8 @@ class DPMechanism:
             noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
         )  # fmt: skip
-        if expected_examples is not None and stats.batch_size != expected_examples:
-            raise ValueError(
-                f"this step got {stats.batch_size} examples but the drawn logical batch has {expected_examples}: "
-                "pass exactly the examples of the indices that mechanism.batches()/sample() gave (a batch from "
-                "your own DataLoader is not the Poisson sample the epsilon describes); nothing was released"
-            )
+        if check_drawn:  # chunks of unknown size: counted, refused before the release
+            self._check_size(stats.batch_size)
         if self.observer is not None:
             self.observer(gradient)
         self.optimizer._dpscale_in_step = True  # type: ignore[attr-defined]
@@ -203,18 +219,20 @@ class DPMechanism:
         return stats
 
     def _run_first_chunk_check(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
-        """Until it has run once: the first-chunk check on this step's first chunk (if it holds
-        ``MIN_EXAMPLES`` or more), which may replace the engine (``engine=auto``) or refuse. (A
-        smaller chunk goes unchecked: with so few examples, mixing moves the sum the least.)"""
+        """The first-chunk check on this step's first chunk, if it holds ``MIN_EXAMPLES`` or more
+        and more than any chunk checked before (a layer may mix examples only in larger batches);
+        it may replace the engine (``engine=auto``) or refuse. (A chunk of one example has nothing
+        to mix with.)"""
         if self.first_chunk_check is None:
             return chunks
         chunks = iter(chunks)
         first = next(chunks, None)
         if first is None:
             return chunks
-        if len(first[1]) >= MIN_EXAMPLES:
+        rows = len(first[1])
+        if rows >= MIN_EXAMPLES and rows > self._checked_rows:
             self.engine = self.first_chunk_check(self.engine, self.model, first)
-            self.first_chunk_check = None
+            self._checked_rows = rows
         return itertools.chain([first], chunks)
 
     def _check_parameters(self) -> None:
@@ -255,6 +273,7 @@ class DPMechanism:
         state, a seeded loop resumes bit-identically."""
         return {
             "plan": asdict(self.plan),
+            "model_digest": model_digest(self.model),
             "steps_taken": self.steps_taken,
             "sampler": self.sampler.state_dict(),
             "noise_generator": self.noise_generator.state_dict() if self.plan.seeded else None,
@@ -283,11 +302,32 @@ class DPMechanism:
         saved = DPPlan(**state["plan"])
         if not self.plan.same_numbers(saved):
             raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
+        if state.get("model_digest", model_digest(self.model)) != model_digest(self.model):
+            raise ValueError(
+                "the model's trainable weights are not the ones saved with this mechanism state (its accountant "
+                "would not cover the steps that trained them): load the model's weights from the same checkpoint "
+                "first, then the mechanism's state"
+            )
+        # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
+        self.plan = replace(self.plan, seeded=self.plan.seeded or saved.seeded,
+                            engine_unchecked=self.plan.engine_unchecked or saved.engine_unchecked)  # fmt: skip
         self.sampler.load_state_dict(state["sampler"])
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
+
+
+def model_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's trainable parameters (names, dtypes, shapes and values): ties a
+    mechanism state to the weights its accountant covers."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            value = p.detach().cpu().contiguous()
+            digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # A check of (engine, model, first chunk) that returns the engine to train with, or raises ValueError.
@@ -326,10 +366,17 @@ def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
     (independence, then the self-check on its first examples; ``auto`` may fall back to vmap)."""
 
     def check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
-        chosen, _, _ = checked_engine(name, engine.max_grad_norm, model, chunk, **engine_options)
+        chosen, notices, _ = checked_engine(name, engine.max_grad_norm, model, chunk, **engine_options)
+        _tell(notices)
         return chosen
 
     return check
+
+
+def _tell(notices: list[str]) -> None:
+    """What the user should know of the engine make_private chose (auto's fallback and why)."""
+    for notice in notices:
+        warnings.warn(notice, UserWarning, stacklevel=3)
 
 
 def per_example_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
@@ -426,10 +473,12 @@ def make_private(
                "precision": make_precision(precision)}  # fmt: skip
     # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
     if check and check_batch is not None:
-        chosen, _, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
+        chosen, notices, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
+        _tell(notices)
         first_chunk_check: FirstChunkCheck | None = independence_check
     else:
-        chosen, _ = make_engine(engine, max_grad_norm, model, **options)
+        chosen, notice = make_engine(engine, max_grad_norm, model, **options)
+        _tell([notice] if notice else [])
         first_chunk_check = _engine_check(engine, **options) if check else None
     seeds = run_seeds(seed)
     return DPMechanism(
