@@ -390,3 +390,30 @@ def test_loaded_steps_keep_their_caveats():
     again = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": None})
     again.load_state_dict(state)
     assert again.plan.seeded and again.plan.engine_unchecked
+
+
+def test_dpscale_train_unseeded_resumes_draw_fresh_noise_and_seeded_ones_replay_it(tmp_path):
+    """Two continuations of one checkpoint of ``dpscale train``: different weights without run.seed
+    (fresh noise; the checkpoint holds no noise state), identical with it (bit-identical resume)."""
+    import shutil
+
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer
+    from dpscale.train.checkpoint import load_checkpoint
+
+    for seed in ("null", "0"):
+        base = tmp_path / f"seed-{seed}"
+        config = load_config(None, [f"run.out_dir={base}", f"run.seed={seed}", "dp.batch_size=128", "train.steps=3",
+                                    "model.kwargs={filters: [4, 4]}", "train.eval_every_epochs=100"])  # fmt: skip
+        Trainer.create(config, progress=False).run(max_steps=1)
+        finals = []
+        for copy in ("a", "b"):
+            shutil.copytree(base, tmp_path / f"{seed}-{copy}")
+            trainer = Trainer.resume(tmp_path / f"{seed}-{copy}", progress=False)
+            trainer.run()
+            finals.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+        saved = load_checkpoint(base / "checkpoint.pt")
+        if seed == "null":
+            assert saved["noise_generator"] is None and not torch.equal(finals[0], finals[1])
+        else:
+            assert saved["noise_generator"] is not None and torch.equal(finals[0], finals[1])
