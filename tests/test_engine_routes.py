@@ -15,6 +15,7 @@ from dpscale.privacy import GhostEngine, VmapEngine, make_engine
 from dpscale.privacy.per_example import CLIP_EPS, trainable_params
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine, self_check
+from test_precision import CancellingTokens
 
 ENGINES = ("auto", "bk", "ghost", "vmap")
 
@@ -333,13 +334,14 @@ class CopyAlias(ViewAlias):
 
 
 class ReplacedForward(nn.Module):
-    """An instance-level ``forward`` that scales the weight: output != the rule's x W^T + b."""
+    """An instance-level ``forward`` that scales the weight by ``scale``: output != the rule's
+    x W^T + b (a route worth ``scale - 1`` of fc.weight's gradient)."""
 
-    def __init__(self):
+    def __init__(self, width: int = 4, scale: float = 2.0):
         super().__init__()
-        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.fc, self.out = nn.Linear(width, width), nn.Linear(width, 3)
         fc = self.fc
-        fc.forward = lambda x: F.linear(x, fc.weight * 2.0, fc.bias)
+        fc.forward = lambda x: F.linear(x, fc.weight * scale, fc.bias)
 
     def forward(self, x):
         return self.out(torch.tanh(self.fc(x)))
@@ -470,18 +472,9 @@ def test_a_compiled_model_is_refused_by_bk_and_auto_falls_back():
 # ------------------------------------------------------------------ the route check in 16 bits
 
 
-class CancellingTokens(nn.Module):
-    """logits = 1e3 (h_0 - h_1) of two tokens one bf16 ulp apart: each example's per-token
-    gradients nearly cancel, so a bf16 autograd weight gradient keeps few correct digits (7% off
-    the records) while the records, multiplied in float32, stay exact."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(256, 10, bias=False)
-
-    def forward(self, x):
-        h = self.lin(x)
-        return (h[:, 0] - h[:, 1]) * 1e3
+# test_precision's CancellingTokens: logits = 1e3 (h_0 - h_1). With the two tokens one bf16 ulp
+# apart, each example's per-token gradients nearly cancel, so a bf16 autograd weight gradient keeps
+# few correct digits (7% off the records) while the records, multiplied in float32, stay exact.
 
 
 def _cancelling_tokens(n=6):
@@ -504,25 +497,17 @@ def test_16_bit_rounding_is_not_mistaken_for_a_route(mode):
     assert float(torch.linalg.vector_norm(got["lin.weight"].double())) <= len(x) * 1e-3 * (1 + 1e-6)
 
 
-class SlightlyReplacedForward(nn.Module):
+def slightly_replaced_forward() -> nn.Module:
     """fc's forward scales its weight by 1.01: a route worth 1% of fc.weight's gradient, below the
     16-bit tolerance (3e-2) that the check used in bf16/fp16/tf32, far above float32 rounding."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 3)
-        fc = self.fc
-        fc.forward = lambda x: F.linear(x, fc.weight * 1.01, fc.bias)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.fc(x)))
+    return ReplacedForward(width=16, scale=1.01)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_a_small_route_is_caught_in_every_precision(mode, precision):
     torch.manual_seed(0)
-    model, x, y = SlightlyReplacedForward(), torch.randn(8, 16), torch.randint(0, 3, (8,))
+    model, x, y = slightly_replaced_forward(), torch.randn(8, 16), torch.randint(0, 3, (8,))
     engine = GhostEngine(0.1, mode=mode, precision=make_precision(precision))
     with pytest.raises(ValueError, match=r"fc\.weight \(records"):
         engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
