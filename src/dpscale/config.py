@@ -448,16 +448,64 @@ def _build(cls: type, path: str, values: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
+def _yaml_problem(err: yaml.YAMLError, text: str, in_file: bool) -> tuple[str | None, str, str]:
+    """Where and what PyYAML found wrong, for a one-line message.
+
+    PyYAML's own ``str(err)`` spans 4-8 lines (an excerpt with a caret, "<unicode string>" as
+    the file name), which breaks the one-line error contract of the command line.
+
+    Args:
+        err: the error ``yaml.safe_load(text)`` raised.
+        text: the text it was reading.
+        in_file: positions as compilers write them after a file name (``line:column``); else, for
+            a one-line ``--set`` value, ``column C`` (``line L, column C`` past its first line).
+
+    Returns:
+        (position, problem, context): the position is None when PyYAML gives none; the context
+        says what PyYAML was parsing and where that started, in parentheses ("" if it does not).
+    """
+
+    def at(line: int, column: int) -> str:  # 0-based in, 1-based out
+        if in_file:
+            return f"{line + 1}:{column + 1}"
+        return f"column {column + 1}" if line == 0 else f"line {line + 1}, column {column + 1}"
+
+    if isinstance(err, yaml.reader.ReaderError):  # a character offset, no line/column mark
+        offset = min(err.position, len(text))
+        character = f" (#x{err.character:04x})" if isinstance(err.character, int) else ""
+        start = text.rfind("\n", 0, offset) + 1
+        return at(text.count("\n", 0, offset), offset - start), f"{err.reason}{character}", ""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    what, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    context = f" ({what} at {at(context_mark.line, context_mark.column)})" if what and context_mark else ""
+    return (at(mark.line, mark.column) if mark else None), problem, context
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``a.b.c=value``; the value is read as YAML (numbers, null, lists, mappings), except
-    that string-typed keys take the text as typed."""
+    that string-typed keys take the text as typed.
+
+    Args:
+        text: one ``--set`` argument.
+
+    Returns:
+        (keys, value): the dotted key split into its parts, and the value to merge (an
+        ``_Override`` keeping the text as typed, its YAML reading and, when the text is not
+        valid YAML, why, in one line).
+
+    Raises:
+        ConfigError: no ``=`` or an empty key.
+    """
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set expects key=value, got {text!r}")
     try:
         return key.strip().split("."), _Override(raw, yaml.safe_load(raw) if raw.strip() else None)
     except yaml.YAMLError as err:  # only acceptable for a string-typed key; checked when built
-        return key.strip().split("."), _Override(raw, raw, str(err).replace("\n", " "))
+        position, problem, context = _yaml_problem(err, raw, in_file=False)
+        where = f" at {position}" if position else ""
+        return key.strip().split("."), _Override(raw, raw, f"{problem}{where}{context}")
 
 
 def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
@@ -474,12 +522,44 @@ def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """The sections of a YAML config file; every problem is one line naming the file (and, for
+    malformed YAML, ``file:line:column``, as compilers write it).
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        Its mapping of sections ({} for an empty file).
+
+    Raises:
+        ConfigError: missing, unreadable, not UTF-8, not valid YAML, or not a mapping.
+    """
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from err
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        position, problem, context = _yaml_problem(err, text, in_file=True)
+        where = f"{path}:{position}" if position else str(path)
+        raise ConfigError(f"config file {where}: not valid YAML: {problem}{context}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return values
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated.
 
     Args:
-        path: YAML file with sections data, features, model, dp, optim, train, run (any may be
-            omitted), or "preset:<name>" (``dpscale presets`` lists them).
+        path: YAML file with sections data, features, augment, model, dp, optim, train, run,
+            eval (any may be omitted), or "preset:<name>" (``dpscale presets`` lists them).
         overrides: "section.key=value" strings, applied in order.
 
     Raises:
@@ -494,15 +574,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except KeyError as err:
             raise ConfigError(err.args[0]) from None
     elif path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        values = _read_config_file(Path(path))
     for text in overrides:
         keys, value = parse_override(text)
         _merge(values, keys, value)
