@@ -30,6 +30,7 @@ from .formats import (
     read_idx_images,
     read_idx_labels,
     read_npz,
+    require_two_classes,
 )
 
 __all__ = [
@@ -108,6 +109,7 @@ def _make(
     """Assemble an :class:`ImageDataset`, deriving the counts in its :class:`DatasetInfo`."""
     if len(x_train) == 0:
         raise DatasetError(f"{source} contains no training images")
+    require_two_classes(y_train, source)
     info = DatasetInfo(
         name=name,
         num_train=len(x_train),
@@ -311,6 +313,7 @@ def load_npz(path: PathLike) -> ImageDataset:
             raise DatasetError(f"{path}: x_{key} has {len(images)} images but y_{key} has {len(labels)} labels")
     if x.shape[1:] != xt.shape[1:]:
         raise DatasetError(f"{path}: x_train images are {x.shape[1:]} (CHW) but x_test images are {xt.shape[1:]}")
+    require_two_classes(y, f"{path}: y_train")
     num_classes = int(max(y.max(), yt.max(initial=0))) + 1
     return _make("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .formats import IMAGE_EXTENSIONS, DatasetError, read_image
+from .formats import IMAGE_EXTENSIONS, MIN_CLASSES, DatasetError, read_image, require_two_classes
 
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
@@ -232,9 +232,11 @@ def list_image_folder(
     Returns:
         The listing; with no official test split, a stratified 20% of the (readable) images is
         held out, exactly as the in-memory loaders do.
-    """
-    from .splits import holdout_description, stratified_holdout
 
+    Raises:
+        DatasetError: a missing folder, an unreadable image (without ``skip_corrupt``), images of
+            different sizes (without ``image_size``), or fewer than two classes to train on.
+    """
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist or is not a directory")
@@ -243,16 +245,39 @@ def list_image_folder(
     train_dir = root / "train" if (root / "train").is_dir() else root
     by_class = _list_classes(train_dir)
     classes = list(by_class)
+    if len(classes) < MIN_CLASSES:  # before reading any image: nothing to train on
+        raise DatasetError(
+            f"image folder {train_dir} has 1 class sub-folder ({classes[0]!r}); a classifier needs at least two classes, "
+            f"one sub-folder each"
+        )
     files, labels = _flatten(by_class, classes)
     test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
     empty = (), np.zeros(0, dtype=np.int64)
     listing = FolderListing(root, tuple(classes), files, labels, *(test or empty), "official" if test else "")
     listing = _scan(listing, image_size, skip_corrupt, workers)
-    if test is not None:
-        return listing
+    if test is None:
+        listing = _hold_out(listing)
+    # Unreadable files left out, or a class's only image held out, can leave one class.
+    note = f" ({len(listing.skipped)} unreadable file(s) left out)" if listing.skipped else ""
+    require_two_classes(listing.train_labels, f"image folder {root}", listing.classes, note)
+    return listing
+
+
+def _hold_out(listing: FolderListing) -> FolderListing:
+    """Split a folder without an official test split: a stratified ``TEST_FRACTION`` of the
+    (readable) images becomes the test set, exactly as the in-memory loaders do.
+
+    Args:
+        listing: the scanned listing, every image in its training split.
+
+    Returns:
+        The listing with its test split made.
+    """
+    from .splits import holdout_description, stratified_holdout
+
     n = len(listing.train_files)
     if n < 2:
-        raise DatasetError(f"image folder {root} has {n} readable image(s); need at least 2 to hold out a test split")
+        raise DatasetError(f"image folder {listing.root} has {n} readable image(s); need at least 2 to hold out a test split")
     n_test = min(max(round(TEST_FRACTION * n), 1), n - 1)
     train, held = stratified_holdout(listing.train_labels, n_test)
     pick = lambda idx: tuple(listing.train_files[i] for i in idx)  # noqa: E731

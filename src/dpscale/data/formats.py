@@ -12,7 +12,7 @@ import pickle
 import struct
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -28,6 +28,7 @@ __all__ = [
     "read_npz",
     "images_to_nchw_float",
     "labels_to_int64",
+    "require_two_classes",
 ]
 
 
@@ -41,6 +42,8 @@ class DatasetError(ValueError):
 IMAGE_EXTENSIONS = frozenset(
     {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
 )
+
+MIN_CLASSES = 2  # fewer: every prediction is right, the accuracy is 100% and means nothing
 
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dimensions
 _IDX_LABELS_MAGIC = 0x00000801  # unsigned byte, 1 dimension
@@ -312,3 +315,26 @@ def labels_to_int64(y: np.ndarray, path: Path, key: str) -> np.ndarray:
     if y.min() < 0:
         raise DatasetError(f"{path} is mislabeled: {key} contains the negative label {int(y.min())}")
     return y.astype(np.int64)
+
+
+def require_two_classes(labels: np.ndarray, where: str, names: Sequence[str] | None = None, note: str = "") -> None:
+    """Refuse a training set whose labels hold fewer than two classes.
+
+    A one-class set trains without complaint and reports 100% test accuracy (every test label is
+    that class), so it is refused when the data is loaded instead.
+
+    Args:
+        labels: the training labels (class indices).
+        where: what the labels came from, first in the message (e.g. the file or folder).
+        names: class names by index, shown instead of the bare label when given.
+        note: appended to the message (e.g. why classes are missing).
+
+    Raises:
+        DatasetError: fewer than two distinct labels.
+    """
+    present = np.unique(np.asarray(labels))
+    if len(present) >= MIN_CLASSES:
+        return
+    shown = ", ".join(repr(names[int(c)]) if names is not None else f"label {int(c)}" for c in present)
+    which = f"only one class ({shown})" if len(present) else "no class"
+    raise DatasetError(f"{where}: the training set has {which}{note}; a classifier needs at least two classes")

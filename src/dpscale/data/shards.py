@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .folder import FolderListing, decoder_pool, image_array
-from .formats import DatasetError
+from .formats import DatasetError, require_two_classes
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "dpscale-shards"
@@ -198,4 +198,6 @@ def open_shards(dest: str | os.PathLike, verify: bool | None = None) -> tuple[di
     train, test = (_open_split(dest, name, splits[name], shape, classes, verify) for name in ("train", "test"))
     if len(train) == 0:
         raise _bad(dest, "no training images")
+    # not _bad: preparing again cannot add a class
+    require_two_classes(train.labels, f"prepared data in {dest}", manifest["classes"])
     return manifest, train, test

@@ -13,11 +13,14 @@ import numpy as np
 import torch
 
 from .datasets import DatasetError, ImageDataset
+from .formats import MIN_CLASSES, require_two_classes
 
 
 def random_classes(num_classes: int, count: int, seed: int) -> list[int]:
     """``count`` of the ``num_classes`` labels, drawn without replacement from ``seed`` (sorted)."""
-    if not 1 <= count <= num_classes:
+    if count < MIN_CLASSES:
+        raise DatasetError(f"data.random_classes={count}: a classifier needs at least two classes")
+    if not count <= num_classes:
         raise DatasetError(f"cannot pick {count} random classes of {num_classes}")
     return sorted(np.random.default_rng(seed).choice(num_classes, size=count, replace=False).tolist())
 
@@ -25,7 +28,9 @@ def random_classes(num_classes: int, count: int, seed: int) -> list[int]:
 def meta_class_map(num_classes: int, groups: int, seed: int) -> np.ndarray:
     """Label -> meta-class: the classes shuffled by ``seed`` and dealt into ``groups`` groups whose
     sizes differ by at most one."""
-    if not 1 <= groups <= num_classes:
+    if groups < MIN_CLASSES:
+        raise DatasetError(f"data.meta_classes={groups} puts every class in one group; a classifier needs at least two classes")
+    if not groups <= num_classes:
         raise DatasetError(f"cannot group {num_classes} classes into {groups} meta-classes")
     order = np.random.default_rng(seed).permutation(num_classes)
     mapping = np.empty(num_classes, dtype=np.int64)
@@ -60,7 +65,8 @@ def select(
     training examples per (original) class (seeded; the test split is not capped).
 
     Raises:
-        DatasetError: a class out of range, repeated, or a selection with no training example.
+        DatasetError: a class out of range, repeated, or a selection with no training example or
+            fewer than two classes among its training examples.
     """
     k = data.info.num_classes
     chosen = list(range(k)) if classes is None else [int(c) for c in classes]
@@ -76,6 +82,11 @@ def select(
     if len(train) == 0:
         raise DatasetError(f"data.classes {chosen} leave no training example")
     table = torch.from_numpy(relabel)
+    kept = data.y_train.cpu()[train]
+    if meta_classes is None:  # the labels as the user chose them, not relabelled
+        require_two_classes(kept.numpy(), f"data.classes {chosen}")
+    else:
+        require_two_classes(table[kept].numpy(), f"data.meta_classes={meta_classes}")
     out_classes = meta_classes if meta_classes is not None else len(chosen)
     info = replace(data.info, num_train=len(train), num_test=len(test), num_classes=out_classes)
     return ImageDataset(
