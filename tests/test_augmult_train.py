@@ -18,7 +18,12 @@ def config(out_dir, *extra):
                               "train.eval_every_epochs=0.25", "train.max_physical_batch_size=4096", *extra])
 
 
-@pytest.mark.parametrize("engine", ["vmap", "ghost", "bk"])
+# ghost and vmap only in the slow suite: what this checks through the trainer (the views reach the
+# engine, each step's batch is expanded, the accounting is unchanged) does not depend on the engine,
+# and every engine's clipped sum with identical views is checked against the plain float64 one in
+# test_augmult (test_identical_views_equal_plain_dp_sgd_for_every_engine and, with distinct views,
+# test_every_engine_clips_the_mean_of_the_views_gradients). bk is the engine a run picks.
+@pytest.mark.parametrize("engine", [pytest.param("vmap", marks=pytest.mark.slow), pytest.param("ghost", marks=pytest.mark.slow), "bk"])
 def test_identity_views_train_exactly_like_plain_dp_sgd(tmp_path, engine):
     # The views' mean differs from the plain gradient in the last bit; where a MaxPool window
     # holds a near-tie, that bit can pick the other maximum and the runs part by ~1e-5. The
@@ -35,14 +40,23 @@ def test_identity_views_train_exactly_like_plain_dp_sgd(tmp_path, engine):
 
 
 def test_resumed_run_draws_the_same_augmentations(tmp_path, capsys):
+    """Also the EMA's resume (test_ema's run test, slow since): the average is checkpointed and
+    continues bit-identically, and every record reports its accuracy."""
     extra = ("augment.multiplicity=2", "augment.type=crop-flip", "eval.augtest=true", "train.ema_decay=0.9")
     full = Trainer.create(config(tmp_path / "full", *extra), progress=False).run()
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all("test_accuracy_ema" in r for r in records)
     Trainer.create(config(tmp_path / "cut", *extra), progress=False).run(max_steps=3)
     resumed = Trainer.resume(tmp_path / "cut", progress=False)
+    assert resumed.ema.updates == 3
     resumed.run()
     a, b = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
+    for name, tensor in a["ema"]["model"].items():
+        assert torch.equal(tensor, b["ema"]["model"][name]), f"ema {name}"
+    assert a["ema"]["updates"] == b["ema"]["updates"] == 8
+    assert not torch.equal(a["ema"]["model"]["head.2.weight"], a["model"]["head.2.weight"])  # an average, not a copy
     assert torch.equal(a["rank_streams"][0]["augment_generator"], b["rank_streams"][0]["augment_generator"])
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary == {**json.loads((tmp_path / "full" / "summary.json").read_text()), "wall_time_s": summary["wall_time_s"]}

@@ -33,6 +33,10 @@ def test_ema_follows_the_warmed_up_recursion():
         WeightEMA(model, 1.0)
 
 
+# Slow: the same run-level checks (every record reports the EMA's accuracy, the average resumes
+# bit-identically, its update count) are made in the default suite by
+# test_augmult_train.py::test_resumed_run_draws_the_same_augmentations, whose run keeps an EMA.
+@pytest.mark.slow
 def test_run_reports_the_ema_model_and_resumes_it_bit_identically(tmp_path):
     def config(out):
         return load_config(None, [f"run.out_dir={out}", "run.seed=0", "dp.batch_size=128", "train.steps=12",
