@@ -10,6 +10,10 @@ Besides DP-SGD steps the history holds one-off *releases* computed from the priv
 before training, e.g. the two Gaussian sums of private Data Normalization (Tramer & Boneh,
 Algorithm 2). They are Gaussian mechanisms on the whole dataset (q = 1), composed with the
 DP-SGD steps by ``dp_accounting`` exactly like the steps themselves.
+
+PLD accounting discretises the privacy loss on a grid (1e-4 nats). Little noise (epsilon in the
+hundreds and more) makes the loss range so wide that this grid would need arrays of tens of GiB; the
+grid is then coarsened (``pld_grid``), which keeps epsilon a valid upper bound, only a looser one.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 import dp_accounting
-from dp_accounting import pld, rdp
-from dp_accounting.pld import privacy_loss_distribution
+from dp_accounting import rdp
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 AccountantKind = Literal["pld", "rdp"]
 DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
@@ -34,6 +39,30 @@ ACCOUNTANT_KINDS: tuple[str, ...] = ("pld", "rdp")
 # calibration uses for its search before confirming on the fine grid.
 PLD_VALUE_DISCRETIZATION = 1e-4
 PLD_COARSE_DISCRETIZATION = 1e-3
+
+# Caps on the sizes (points) of the PLD arrays. Small noise multipliers (large epsilons) make the
+# privacy loss range wide: sigma = 0.065 over 14062 steps at q = 0.0043 needs 1.5e8 points on the
+# 1e-4 grid and a 42 GiB FFT. Past a cap the grid is coarsened (by powers of 2, so cached step
+# PLDs are reused): a pessimistic PLD is an upper bound at any grid, so only tightness is lost,
+# and at large epsilon the coarser grid's relative cost is tiny. Building a step PLD takes ~1 s per
+# 1e5 points and composing 2**21 points ~1 s and ~0.5 GiB. All usual runs (epsilon <~ 50 at
+# q = 0.004, 14062 steps: 2.2e5 and 1.4e6 points) stay on the requested grid.
+PLD_MAX_STEP_POINTS = 2**18
+PLD_MAX_COMPOSED_POINTS = 2**21
+# dp_accounting's PrivacyLossDistribution.self_compose default: each composition moves this much
+# tail mass into the infinite-loss bucket, so no epsilon exists for a delta at or below it.
+PLD_TAIL_MASS_TRUNCATION = 1e-15
+# Smallest delta the PLD accountant reports: below ~1e-13 the truncated tail mass dominates and
+# epsilon jumps (q = 0.0043, sigma = 1, 14062 steps: 4.94 at 1e-12, 8.43 at 1e-13, inf at 1e-15).
+PLD_MIN_DELTA = 1e-12
+# Coarsest grid (nats) a history may need under the caps (rounded up to a power of 2 it can reach
+# twice that), so composed losses up to ~2e6 nats. A history needing more has epsilon in the millions
+# (q = 0.0043, 14062 steps: sigma < 0.0056), where a PLD means nothing and dp_accounting overflows
+# (exp of the grid) or runs for minutes; PLDRangeError says so.
+PLD_MAX_GRID = 1.0
+# Points of the cheap probe PLD that estimates the composed width (above dp_accounting's 1000-point
+# sparse threshold, so the probe is a dense array).
+_PROBE_POINTS = 1024
 
 
 @dataclass(frozen=True)
@@ -54,6 +83,10 @@ class AccountingSegment:
     label: str = DP_SGD
 
 
+class PLDRangeError(ValueError):
+    """The PLD accountant cannot represent a history: its privacy loss is too wide for any sane grid."""
+
+
 def _check_mechanism(sample_rate: float, noise_multiplier: float, steps: int) -> None:
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate q must be in (0, 1], got {sample_rate}")
@@ -65,9 +98,17 @@ def _check_mechanism(sample_rate: float, noise_multiplier: float, steps: int) ->
         raise ValueError(f"steps must be a non-negative integer, got {steps}")
 
 
-def _check_delta(delta: float) -> None:
+def _check_delta(delta: float, kind: str = "rdp") -> None:
+    """Refuse a delta outside (0, 1), or one the PLD accountant cannot resolve (see PLD_MIN_DELTA)."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if kind == "pld" and delta < PLD_MIN_DELTA:
+        raise ValueError(
+            f"delta={delta:g} is below {PLD_MIN_DELTA:g}, the smallest delta the PLD accountant resolves (it "
+            f"truncates {PLD_TAIL_MASS_TRUNCATION:g} of probability mass into an infinite-loss bucket, so epsilon "
+            f"would be inflated or infinite); use a delta below 1/N (N the training-set size) but >= "
+            f"{PLD_MIN_DELTA:g}, e.g. 1e-5 to 1e-10, or the rdp accountant for a smaller delta"
+        )
 
 
 def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
@@ -108,15 +149,110 @@ def _full_batch_pld(
     )
 
 
-def _pld_epsilon(segments: list[AccountingSegment], delta: float, discretization: float) -> float:
+def _step_loss_range(sample_rate: float, noise_multiplier: float) -> float:
+    """Width (in nats) of the privacy-loss range dp_accounting discretises for one Gaussian step,
+    the wider of its add and remove sides (a closed form: no PLD is built)."""
+    width = 0.0
+    for adjacency in (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD):
+        bounds = privacy_loss_mechanism.GaussianPrivacyLoss(
+            noise_multiplier, sampling_prob=sample_rate, adjacency_type=adjacency
+        ).connect_dots_bounds()
+        width = max(width, bounds.epsilon_upper - bounds.epsilon_lower)
+    return width
+
+
+def _composed_loss_width(sample_rate: float, noise_multiplier: float, steps: int, step_range: float) -> float:
+    """Width (in nats) of the support dp_accounting keeps when composing ``steps`` steps.
+
+    dp_accounting truncates the composition where a Chernoff bound puts less than
+    PLD_TAIL_MASS_TRUNCATION outside; its orders are spread over the step's loss range, so the
+    bound in nats hardly depends on the grid, and a ~1000-point probe PLD (~0.05 s) predicts it.
+
+    Returns:
+        the width in nats (steps * step_range, the untruncated width, if the probe cannot be read).
+    """
+    grid = step_range / _PROBE_POINTS
+    probe = privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=grid
+    )
+    width = 0.0
+    try:  # private attributes of dp_accounting 0.4-0.6; the fallback is a valid (loose) width
+        for pmf in (probe._pmf_remove, probe._pmf_add):
+            lower, upper = pld_common.compute_self_convolve_bounds(
+                pmf.to_dense_pmf()._probs, steps, PLD_TAIL_MASS_TRUNCATION
+            )
+            width = max(width, (upper - lower) * grid)
+    except AttributeError:
+        return steps * step_range
+    return width
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_widths(sample_rate: float, noise_multiplier: float, steps: int) -> tuple[float, float]:
+    """(width of one step's PLD, width of the segment's composed PLD), in nats."""
+    if sample_rate == 1.0:  # a release: one Gaussian with sigma / sqrt(steps), never self-composed
+        width = _step_loss_range(1.0, noise_multiplier / math.sqrt(steps))
+        return width, width
+    step_range = _step_loss_range(sample_rate, noise_multiplier)
+    if steps == 1 or step_range > PLD_MAX_GRID * PLD_MAX_STEP_POINTS:  # past the cap: the probe could overflow
+        return step_range, step_range
+    return step_range, _composed_loss_width(sample_rate, noise_multiplier, steps, step_range)
+
+
+def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VALUE_DISCRETIZATION) -> float:
+    """The PLD discretisation used for a history: ``requested``, or a power-of-2 multiple of it where
+    the requested grid would exceed PLD_MAX_STEP_POINTS per step PLD or PLD_MAX_COMPOSED_POINTS for
+    the composition (the epsilon is then a valid but looser upper bound). A request coarser than
+    PLD_VALUE_DISCRETIZATION asks for a cheaper evaluation (calibration's search): its caps shrink
+    in proportion.
+
+    Args:
+        segments: the history (DP-SGD segments and releases); composed widths add up.
+        requested: the grid asked for, in nats.
+
+    Returns:
+        the grid, in nats, >= requested.
+
+    Raises:
+        PLDRangeError: the history would need a grid above PLD_MAX_GRID at the full caps.
+    """
+    widths = [_segment_widths(s.sample_rate, s.noise_multiplier, s.steps) for s in segments]
+    needed = max(
+        max(step for step, _ in widths) / PLD_MAX_STEP_POINTS,
+        sum(composed for _, composed in widths) / PLD_MAX_COMPOSED_POINTS,
+    )
+    if needed > PLD_MAX_GRID:  # judged at the full caps, so the limit does not depend on ``requested``
+        sigma = min(s.noise_multiplier for s in segments)
+        raise PLDRangeError(
+            f"the PLD accountant cannot represent noise multiplier {sigma:.3g} over this history: its privacy "
+            f"loss spans ~{needed * PLD_MAX_COMPOSED_POINTS:.3g} nats, more than the "
+            f"{PLD_MAX_GRID * PLD_MAX_COMPOSED_POINTS:.3g} it handles (epsilon would be of that order: no "
+            "guarantee); use more noise or fewer steps, the rdp accountant, or noise multiplier 0 for a "
+            "non-private baseline"
+        )
+    needed /= min(1.0, PLD_VALUE_DISCRETIZATION / requested)
+    if needed <= requested:
+        return requested
+    return requested * 2.0 ** math.ceil(math.log2(needed / requested))
+
+
+def _composed_pld(
+    segments: list[AccountingSegment], discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """PLD of the whole history on the grid ``pld_grid`` picks for it."""
+    grid = pld_grid(tuple(segments), discretization)
     total = None
     for seg in segments:
         if seg.sample_rate == 1.0:
-            composed = _full_batch_pld(seg.noise_multiplier, seg.steps, discretization)
+            composed = _full_batch_pld(seg.noise_multiplier, seg.steps, grid)
         else:
-            composed = _step_pld(seg.sample_rate, seg.noise_multiplier, discretization).self_compose(seg.steps)
+            composed = _step_pld(seg.sample_rate, seg.noise_multiplier, grid).self_compose(seg.steps)
         total = composed if total is None else total.compose(composed)
-    return float(total.get_epsilon_for_delta(delta))
+    return total
+
+
+def _pld_epsilon(segments: list[AccountingSegment], delta: float, discretization: float) -> float:
+    return float(_composed_pld(segments, discretization).get_epsilon_for_delta(delta))
 
 
 class _DropOrderExclusionNotices(logging.Filter):
@@ -262,7 +398,7 @@ class PrivacyAccountant:
     def epsilon(self, delta: float) -> float:
         """Epsilon spent so far at the given delta (0.0 before the first step). Cached per
         (history, delta): a run asks at every evaluation, the summary and the progress bar."""
-        _check_delta(delta)
+        _check_delta(delta, self.kind)
         if not self._segments:
             return 0.0
         return _cached_epsilon(self.kind, self.pld_discretization, tuple(self._segments), float(delta))
@@ -273,10 +409,7 @@ class PrivacyAccountant:
             return 0.0
         if self.kind == "rdp":
             return float(_rdp_accountant(self._segments).get_delta(epsilon))
-        accountant = pld.PLDAccountant(value_discretization_interval=self.pld_discretization)
-        for seg in self._segments:
-            accountant.compose(dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps))
-        return float(accountant.get_delta(epsilon))
+        return float(_composed_pld(self._segments, self.pld_discretization).get_delta_for_epsilon(epsilon))
 
     def epsilon_by_label(self, delta: float) -> dict[str, float]:
         """Epsilon of each labelled part on its own (for reports; the parts compose to ``epsilon``)."""

@@ -19,12 +19,16 @@ from dpscale.privacy.accountant import (
     PLD_COARSE_DISCRETIZATION,
     PLD_VALUE_DISCRETIZATION,
     AccountingSegment,
+    PLDRangeError,
     PrivacyAccountant,
     compute_epsilon,
 )
 
 # Upper end of the noise search; beyond this the run is pure noise.
 MAX_NOISE_MULTIPLIER = 1e4
+# How closely (in log sigma) the search locates the smallest sigma the PLD accountant represents
+# before giving up on a budget beyond it (epsilon ~1e6 and more: bisecting further buys nothing).
+_WALL_RESOLUTION = math.log1p(0.01)
 
 
 def _tan_sigma_guess(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
@@ -64,8 +68,10 @@ def calibrate_noise_multiplier(
         noise multiplier sigma.
 
     Raises:
-        ValueError: on invalid arguments, when the releases alone spend the budget, or when
-            even sigma = 1e4 exceeds it.
+        ValueError: on invalid arguments (a delta below the PLD's PLD_MIN_DELTA too), when the
+            releases alone spend the budget, when even sigma = 1e4 exceeds it (the message names
+            the least reachable epsilon), or when the budget needs less noise than the PLD
+            accountant represents (epsilon in the millions). Each message is one line.
     """
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
@@ -76,24 +82,101 @@ def calibrate_noise_multiplier(
     def epsilon_fn(discretization: float) -> Callable[[float], float]:
         return lambda sigma: compute_epsilon(sample_rate, sigma, steps, delta, kind, discretization, releases)
 
-    guess = _tan_sigma_guess(target_epsilon, delta, sample_rate, steps)
+    # Beyond the cap the answer is refused anyway: start there (one evaluation to find out).
+    guess = min(_tan_sigma_guess(target_epsilon, delta, sample_rate, steps), MAX_NOISE_MULTIPLIER)
     initial_step = 0.25
-    if kind == "pld":
-        # Search on the coarse grid (~10x cheaper), then finish on the reporting grid
-        # starting from a tight bracket around the coarse answer.
-        guess = _solve_sigma(epsilon_fn(PLD_COARSE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol)
-        initial_step = 0.005
     try:
+        if kind == "pld":
+            # Search on the coarse grid (~10x cheaper), then finish on the reporting grid
+            # starting from a tight bracket around the coarse answer.
+            guess, initial_step = _coarse_start(epsilon_fn(PLD_COARSE_DISCRETIZATION), target_epsilon, guess, rel_tol)
         return _solve_sigma(epsilon_fn(PLD_VALUE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol)
-    except _OutOfRange as err:
-        raise ValueError(
-            f"cannot reach epsilon={target_epsilon} at delta={delta} with q={sample_rate}, steps={steps}: "
-            f"even noise multiplier {MAX_NOISE_MULTIPLIER:g} is not enough"
-        ) from err
+    except _OutOfRange:
+        def at_cap(num_steps: int) -> float:
+            return compute_epsilon(sample_rate, MAX_NOISE_MULTIPLIER, num_steps, delta, kind, releases=releases)
+
+        raise ValueError(_unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)) from None
+    except _BeyondPLD as err:
+        sigma = err.args[0]  # evaluated by the coarse search: its coarse epsilon is cached
+        spent = epsilon_fn(PLD_COARSE_DISCRETIZATION)(sigma)
+        raise ValueError(_beyond_pld_message(target_epsilon, delta, sample_rate, steps, sigma, spent)) from None
+
+
+def _coarse_start(
+    epsilon: Callable[[float], float], target_epsilon: float, guess: float, rel_tol: float
+) -> tuple[float, float]:
+    """Where the fine-grid search starts.
+
+    Args:
+        epsilon: epsilon as a function of sigma on the coarse PLD grid.
+        target_epsilon: the budget.
+        guess: first sigma tried.
+        rel_tol: as in ``calibrate_noise_multiplier``.
+
+    Returns:
+        (sigma, relative first step): the coarse grid's answer and a tight step, or ``guess`` and a
+        wide step when the coarse grid cannot meet the budget (an epsilon of the order of its 1e-3
+        grid, which its over-estimate alone can exceed).
+    """
+    try:
+        return _solve_sigma(epsilon, target_epsilon, guess, 0.25, rel_tol), 0.005
+    except _OutOfRange:
+        return guess, 0.25
 
 
 class _OutOfRange(ValueError):
-    pass
+    """The budget is not met even at MAX_NOISE_MULTIPLIER (the caller words the message)."""
+
+
+class _BeyondPLD(ValueError):
+    """The budget needs less noise than the PLD accountant can represent (args: the least sigma it can)."""
+
+
+def _unreachable_message(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, at_cap: Callable[[int], float]
+) -> str:
+    """One line: which budget cannot be met, the least epsilon the noise cap reaches, and what would work.
+
+    Args:
+        target_epsilon: the budget asked for.
+        delta: its delta.
+        sample_rate: q = B / N.
+        steps: number of DP-SGD steps.
+        at_cap: epsilon of a number of steps at MAX_NOISE_MULTIPLIER (with any releases).
+    """
+    floor = at_cap(steps)
+    # At large sigma epsilon grows about like sqrt(steps) (TAN eq. 4 with eta small): a first guess at
+    # the steps that fit at the cap, suggested only once the accountant confirms it.
+    fit = int(steps * (target_epsilon / floor) ** 2) if math.isfinite(floor) and floor > 0 else 0
+    fewer = f"train at most {fit} steps" if 1 <= fit < steps and at_cap(fit) <= target_epsilon else "train fewer steps"
+    return (
+        f"cannot reach epsilon={target_epsilon:g} at delta={delta:g} with q={sample_rate:.4g} over {steps} steps: "
+        f"even noise multiplier {MAX_NOISE_MULTIPLIER:g} (the search's cap: the updates are then pure noise) "
+        f"spends epsilon={floor:.4g}; raise the target epsilon to at least {_round_up(floor):.3g}, or {fewer} or "
+        "with a smaller sampling rate q = B/N"
+    )
+
+
+def _beyond_pld_message(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, sigma: float, spent: float
+) -> str:
+    """One line for a budget past what the PLD accountant represents: ``sigma`` is the least noise
+    it can account for (found to within 1%), ``spent`` that sigma's epsilon."""
+    return (
+        f"cannot calibrate epsilon={target_epsilon:g} at delta={delta:g} with q={sample_rate:.4g} over {steps} "
+        f"steps: it needs a noise multiplier below {sigma:.3g}, where the PLD accountant cannot represent the "
+        f"privacy loss (sigma={sigma:.3g} already spends epsilon={spent:.3g}); an epsilon this large promises "
+        "nothing: for a non-private baseline train with noise multiplier 0 and no epsilon, or ask for a smaller "
+        "epsilon, or use the rdp accountant"
+    )
+
+
+def _round_up(value: float, digits: int = 3) -> float:
+    """``value`` rounded up to ``digits`` significant digits (a suggested budget must not fall short)."""
+    if not (math.isfinite(value) and value > 0):
+        return value
+    unit = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return math.ceil(value / unit) * unit
 
 
 def _check_releases_fit(target_epsilon: float, delta: float, kind: str, releases: tuple[AccountingSegment, ...]) -> None:
@@ -115,43 +198,42 @@ def _check_releases_fit(target_epsilon: float, delta: float, kind: str, releases
 def _solve_sigma(
     epsilon: Callable[[float], float], target: float, guess: float, initial_step: float, rel_tol: float
 ) -> float:
-    """Largest-epsilon sigma within budget, epsilon in [target (1 - rel_tol), target]; epsilon decreasing."""
-    log_target = math.log(target)
+    """Sigma whose epsilon lies in [target (1 - rel_tol), target] (epsilon decreasing in sigma).
 
-    def f(log_sigma: float) -> float:  # decreasing; <= 0 means within budget
-        eps = epsilon(math.exp(log_sigma))
-        return math.log(eps) - log_target if eps > 0 else -math.inf
+    Args:
+        epsilon: epsilon as a function of sigma (may raise PLDRangeError at tiny sigma).
+        target: the budget.
+        guess: first sigma tried.
+        initial_step: first relative move of sigma while bracketing.
+        rel_tol: relative width of the accepted band under the target.
 
-    # Bracket [lo, hi] in log sigma: f(lo) > 0 (over budget), f(hi) <= 0 (within budget).
-    x = math.log(guess)
-    fx = f(x)
-    step = math.log1p(initial_step)
-    if fx <= 0:
-        hi, f_hi = x, fx
-        lo, f_lo = x - step, f(x - step)
-        while f_lo <= 0:
-            if lo < math.log(1e-3):
-                return math.exp(lo)  # absurdly generous budget: any noise fits
-            hi, f_hi, step = lo, f_lo, step * 2
-            lo, f_lo = hi - step, f(hi - step)
-    else:
-        lo, f_lo = x, fx
-        hi, f_hi = x + step, f(x + step)
-        while f_hi > 0:
-            if hi > math.log(MAX_NOISE_MULTIPLIER):
-                raise _OutOfRange
-            lo, f_lo, step = hi, f_hi, step * 2
-            hi, f_hi = lo + step, f(lo + step)
+    Returns:
+        sigma (always one whose epsilon was evaluated at most ``target``).
 
-    tolerance = -math.log1p(-rel_tol)  # f(hi) in [-tolerance, 0] <=> eps in [target(1-rel_tol), target]
+    Raises:
+        _OutOfRange: even MAX_NOISE_MULTIPLIER overspends.
+        _BeyondPLD: the band lies below the smallest sigma the PLD accountant represents.
+    """
+    tolerance = -math.log1p(-rel_tol)  # log eps in [log target - tolerance, log target]: accepted
+    # Aim at the middle of that band, not at its edge: PLD epsilons are multiples of the grid (a
+    # staircase), and a secant aimed at the edge stalls on a step just above the target.
+    f = _log_excess(epsilon, math.log(target) - tolerance / 2)  # <= tolerance / 2: within budget
+    lo, f_lo, hi, f_hi = _bracket(f, math.log(guess), math.log1p(initial_step), tolerance / 2)
     side = 0
     for _ in range(100):
-        if f_hi >= -tolerance or hi - lo < 1e-12:
+        if f_hi >= -tolerance / 2 or hi - lo < 1e-12:
             break
-        x = _interpolate(lo, f_lo if math.isfinite(f_lo) else 1.0, hi, f_hi if math.isfinite(f_hi) else -1.0)
+        if f_lo == math.inf and hi - lo < _WALL_RESOLUTION:  # the target lies past what the PLD represents
+            raise _BeyondPLD(math.exp(hi))
+        # Bisect while an end has no finite value (epsilon 0, or too wide for the PLD): interpolating
+        # against a stand-in value stalls, as the Illinois halving cannot act on an infinity.
+        finite = math.isfinite(f_lo) and math.isfinite(f_hi)
+        x = _interpolate(lo, f_lo, hi, f_hi) if finite else 0.5 * (lo + hi)
         if not lo < x < hi:
             x = 0.5 * (lo + hi)
         fx = f(x)
+        if 0 < fx <= tolerance / 2:  # above the aim but inside the band: within budget, done
+            return math.exp(x)
         if fx <= 0:
             hi, f_hi = x, fx
             if side == 1:  # Illinois: the same end moved twice, halve the other end's weight
@@ -163,6 +245,52 @@ def _solve_sigma(
                 f_hi *= 0.5
             side = -1
     return math.exp(hi)
+
+
+def _log_excess(epsilon: Callable[[float], float], log_aim: float) -> Callable[[float], float]:
+    """log(epsilon / aim) as a function of log sigma (decreasing); +inf where the PLD cannot represent
+    so little noise (epsilon is then astronomical, over any sane budget), -inf at epsilon 0."""
+
+    def f(log_sigma: float) -> float:
+        try:
+            eps = epsilon(math.exp(log_sigma))
+        except PLDRangeError:
+            return math.inf
+        return math.log(eps) - log_aim if eps > 0 else -math.inf
+
+    return f
+
+
+def _bracket(
+    f: Callable[[float], float], x: float, step: float, accept: float
+) -> tuple[float, float, float, float]:
+    """(lo, f(lo), hi, f(hi)) in log sigma with f(lo) > 0 >= f(hi), f decreasing, searched from x
+    with steps doubling from ``step``; lo = hi = x when |f(x)| <= accept (already in the band), and
+    lo = hi below sigma 1e-3 (any noise fits).
+
+    Raises:
+        _OutOfRange: f > 0 even past MAX_NOISE_MULTIPLIER.
+    """
+    fx = f(x)
+    if abs(fx) <= accept:  # e.g. the coarse grid's answer checked on the fine grid
+        return x, fx, x, fx
+    if fx <= 0:
+        hi, f_hi = x, fx
+        lo, f_lo = x - step, f(x - step)
+        while f_lo <= 0:
+            if lo < math.log(1e-3):
+                return lo, f_lo, lo, f_lo  # absurdly generous budget: any noise fits
+            hi, f_hi, step = lo, f_lo, step * 2
+            lo, f_lo = hi - step, f(hi - step)
+        return lo, f_lo, hi, f_hi
+    lo, f_lo = x, fx
+    hi, f_hi = x + step, f(x + step)
+    while f_hi > 0:
+        if hi > math.log(MAX_NOISE_MULTIPLIER):
+            raise _OutOfRange
+        lo, f_lo, step = hi, f_hi, step * 2
+        hi, f_hi = lo + step, f(lo + step)
+    return lo, f_lo, hi, f_hi
 
 
 def calibrate_steps(
@@ -194,7 +322,10 @@ def calibrate_steps(
 
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget
-            eps = compute_epsilon(sample_rate, noise_multiplier, steps, delta, kind, discretization, releases)
+            try:
+                eps = compute_epsilon(sample_rate, noise_multiplier, steps, delta, kind, discretization, releases)
+            except PLDRangeError:  # so many steps at so little noise that epsilon is astronomical
+                return math.inf
             return math.log(eps) - log_target if eps > 0 else -math.inf
 
         return f
