@@ -137,7 +137,28 @@ def test_frozen_parameters(mask, seed):
 SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
 
 
-@pytest.mark.parametrize("name", list_models())
+def engines_besides_auto(model: nn.Module, max_grad_norm: float, **options) -> list[str]:
+    """``supported_engines(model)`` less "auto", once "auto" is checked to build exactly the engine
+    it picks (bk, or vmap when a layer is unsupported: the same class and settings). Running "auto"
+    as well would repeat that engine's computation, the dearest part of the zoo-wide tests."""
+    names = supported_engines(model)
+    if "auto" in names:
+        auto, _ = make_engine("auto", max_grad_norm, model, **options)
+        twin, _ = make_engine("vmap" if unsupported_modules(model) else "bk", max_grad_norm, model, **options)
+        assert type(auto) is type(twin) and vars(auto) == vars(twin), (vars(auto), vars(twin))
+    return [name for name in names if name != "auto"]
+
+
+# resnet50-gn and vit-small only in the slow suite: their layer types (Conv2d 1x1/3x3/strided,
+# GroupNorm, Linear; Linear on tokens, LayerNorm, class token and position embedding) are those of
+# resnet18-gn and vit-tiny, checked here under every engine, and the default suite still checks
+# their auto (bk) engine against a per-example loop in test_self_check
+# (test_self_check_passes_every_registered_model_in_float32). nf-resnet50's weight-standardised
+# convs and skip gains are its own: it stays.
+ZOO_SLOW = {"resnet50-gn", "vit-small"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ZOO_SLOW else n for n in list_models()])
 def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(name):
     torch.manual_seed(0)
     shape = SMALL_INPUT.get(name, default_input_shape(name))
@@ -145,18 +166,19 @@ def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(na
     n = 9 if count_parameters(model) < 5_000_000 else 5
     x = torch.randn(n, *shape)
     y = torch.randint(0, 10, (n,))
+    assert "auto" in supported_engines(model)
     updates = {}
-    for engine_name in supported_engines(model):
+    for engine_name in engines_besides_auto(model, 1.0):
         engine, _ = make_engine(engine_name, 1.0, model)
         updates[engine_name], _ = noisy_clipped_mean(
             engine, model, physical_chunks(x, y, torch.arange(n), 4), noise_std=1.3,
             expected_batch_size=8, noise_generator=DPRandom(42),
         )
     if unsupported_modules(model):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
-        assert set(updates) == {"auto", "vmap"}
+        assert set(updates) == {"vmap"}
         assert isinstance(make_engine("auto", 1.0, model)[0], VmapEngine)
     else:
-        assert {"vmap", "bk", "ghost", "auto"} <= set(updates)
+        assert {"vmap", "bk", "ghost"} <= set(updates)
     for engine_name, update in updates.items():
         for param, ref in updates["vmap"].items():
             torch.testing.assert_close(update[param], ref, rtol=1e-5, atol=1e-6, msg=f"{engine_name} {param}")
