@@ -136,6 +136,7 @@ def test_resume_refuses_a_source_that_changed_since(source_run, tmp_path):
     Trainer.create(probe_config(tmp_path / "probe", source), progress=False).run(max_steps=2)
     resumed = Trainer.resume(tmp_path / "probe", progress=False)  # unchanged source: resumes
     assert resumed.step == 2 and resumed.plan.extractor.case == "composed"
+    resumed.close()  # its run directory's lock (held until run, or close)
     state = load_checkpoint(source / "checkpoint.pt")
     state["accountant"]["history"][-1][2] += 3  # the source trained on
     state.pop("format")
@@ -156,7 +157,7 @@ def test_a_seeded_run_says_so_with_every_epsilon(tmp_path, capsys):
     summary = Trainer.create(_tiny(tmp_path / "seeded", "run.seed=0"), progress=True).run()
     err = capsys.readouterr().err
     assert SEEDED_CAVEAT in summary["guarantee_caveats"] and summary["seeded"] is True
-    assert err.count(f"WARNING: {SEEDED_CAVEAT}") == 2  # the start-up header and the final lines
+    assert err.count(f"WARNING: {SEEDED_CAVEAT}") == 1  # once: the start-up header
     [record] = [json.loads(line) for line in (tmp_path / "seeded" / "metrics.jsonl").read_text().splitlines()]
     assert SEEDED_CAVEAT in record["privacy_note"]
     assert main(["eval", str(tmp_path / "seeded")]) == 0

@@ -116,6 +116,7 @@ def test_resume_works_and_refuses_a_source_that_changed_since(private_source, tm
     first.run(max_steps=1)
     resumed = Trainer.resume(out, progress=False)  # unchanged source: resumes, same composed plan
     assert resumed.step == 1 and resumed.plan == first.plan
+    resumed.close()  # its run directory's lock (held until run, or close)
     state = load_checkpoint(source / "checkpoint.pt")
     state["accountant"]["history"][-1][2] += 3  # the source trained on since
     state.pop("format")

@@ -148,8 +148,8 @@ def test_shuffle_sampling_is_labelled_in_every_output(tmp_path, capsys):
     code = main(["train", "--quiet", "--set", f"run.out_dir={tmp_path / 'sh'}", "--set", "dp.sampling=shuffle",
                  "--set", "train.steps=6", "--set", "dp.batch_size=100", "--set", "train.eval_every_epochs=0.1"])
     assert code == 0
-    out = capsys.readouterr().out
-    assert "Poisson" in out
+    out, err = capsys.readouterr()
+    assert "Poisson" in out + err  # once: when the run starts (stderr), so not again with the result
     summary = json.loads((tmp_path / "sh" / "summary.json").read_text())
     assert summary["sampling"] == "shuffle" and any("Poisson" in n for n in summary["guarantee_caveats"])
     for line in (tmp_path / "sh" / "metrics.jsonl").read_text().splitlines():
@@ -268,7 +268,7 @@ def test_unseeded_runs_draw_secret_noise(tmp_path):
 
 def test_a_run_directory_is_claimed_once(tmp_path):
     first = Trainer.create(small_config(tmp_path / "same"), progress=False)
-    with pytest.raises(ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match="in use by another dpscale process"):
         Trainer.create(small_config(tmp_path / "same"), progress=False)  # before any checkpoint exists
     first.run(max_steps=2)
     assert load_config(tmp_path / "same" / "config.yaml") == small_config(tmp_path / "same")

@@ -56,8 +56,9 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
     out = tmp_path / "sim"
     code = main(["tan", "simulate", "--batch-size", "128", "--quiet", *_sets(*TINY, "run.seed=0", f"run.out_dir={out}")])
     assert code == 0
-    line = capsys.readouterr().out
-    assert "TAN SIMULATION (no guarantee): stands for epsilon=" in line and "NO PRIVACY GUARANTEE" in line
+    stdout, stderr = capsys.readouterr()
+    assert "TAN SIMULATION (no guarantee): stands for epsilon=" in stdout  # the result line
+    assert "NO PRIVACY GUARANTEE" in stderr  # the caveat, once, when the run starts
     summary = json.loads((out / "summary.json").read_text())
     sim = summary["simulation"]
     assert summary["batch_size"] == 128 and sim["batch_size"] == 512 and summary["steps"] == 12
@@ -289,7 +290,7 @@ def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--quiet", *_sets(*TINY, "train.steps=3", "dp.epsilon=null", "dp.noise_multiplier=0.7",
                                              f"run.out_dir={out}")]) == 0
-    assert "WARNING: privacy wall" in capsys.readouterr().out
+    assert "WARNING: privacy wall" in capsys.readouterr().err  # once, when the run starts
     assert "privacy wall" in json.loads((out / "summary.json").read_text())["privacy_warnings"][0]
 
 

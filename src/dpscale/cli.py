@@ -25,9 +25,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from dpscale.train.run import run_training, train_and_report
 
     if args.resume:
-        if args.config or args.set:
-            raise ConfigError("--resume continues a run exactly as configured; do not pass a config or --set")
-        trainer = Trainer.resume(args.resume, progress=not args.quiet)
+        if args.config:
+            raise ConfigError("--resume continues a run as configured in its config.yaml; do not pass a config "
+                              "(change a setting explicitly with --set, recorded in the run)")  # fmt: skip
+        trainer = Trainer.resume(args.resume, progress=not args.quiet, overrides=args.set, report=True)
         return train_and_report(trainer, args.max_steps)
     config = load_config(args.config, args.set)
     if config.run.out_dir is None:
@@ -288,10 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model with DP-SGD (default: embedded MNIST sample)")
     train.add_argument("config", nargs="?", help="YAML config file, or preset:NAME (see `dpscale presets`)")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. dp.epsilon=3")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override, e.g. dp.epsilon=3 (with --resume: a change to the run, recorded in it)")  # fmt: skip
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its newest intact checkpoint")
     train.add_argument("--max-steps", type=int, metavar="N", help="stop at global step N with a checkpoint")
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--quiet", action="store_true", help="no progress bar (evaluations, warnings and results still print)")
     train.set_defaults(func=_cmd_train)
 
     pre = sub.add_parser("pretrain", help="non-private training on public data, for model.init of private runs")
@@ -359,16 +361,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args)
         _leave_process_group()
         return code
-    except (ConfigError, ValueError, OSError, RuntimeError) as err:
+    except (ConfigError, ValueError, OSError, RuntimeError, MemoryError) as err:
         # No goodbye to the other ranks here: a failure may be this rank's alone, and waiting for
         # ranks blocked in another collective would hang; torchrun stops them.
         if os.environ.get("DPSCALE_DEBUG"):
             raise
-        print(f"dpscale {args.command}: error: {err}", file=sys.stderr)
+        print(f"dpscale {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         _leave_process_group()  # every rank stopped at the same step (see Trainer.run)
         return 130
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (its type's name when it has none, as MemoryError may)."""
+    text = " ".join(str(err).split())
+    if isinstance(err, MemoryError):
+        return f"out of memory ({text or 'MemoryError'}); DPSCALE_DEBUG=1 shows where"
+    return text or type(err).__name__
 
 
 def _leave_process_group() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpscale._io import atomic_write_text
+from dpscale._io import PRIVATE_FILE_MODE, atomic_write_text
 from dpscale.audit import DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
 from dpscale.config import Config, ConfigError, is_private_config
@@ -254,4 +254,5 @@ def plot_scores(scores: np.ndarray, included: np.ndarray, path: Path, outcome: A
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    path.chmod(PRIVATE_FILE_MODE)  # in the run directory, private like every file there
     return path

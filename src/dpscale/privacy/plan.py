@@ -347,6 +347,21 @@ class DPPlan:
             "Use it to choose hyper-parameters; do not release it as a private model"
         )
 
+    def meaning(self) -> str:
+        """The guarantee in plain words: what epsilon and delta promise about one training example."""
+        if not self.is_private:
+            return "No privacy guarantee: the model may reveal its training examples."
+        if self.simulation:
+            return ("No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
+                    f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}.")  # fmt: skip
+        factor = math.exp(min(self.epsilon, 700.0))  # beyond, a float overflows (and means nothing)
+        factor_text = f"{factor:.3g}" if factor < 1e6 else f"{factor:.1e}"
+        return (
+            f"What it means: adding or removing any one training image changes the probability of any outcome of "
+            f"training (the model's weights and all computed from them) by at most a factor e^epsilon = {factor_text}, "
+            f"except with probability delta = {self.delta:g}."
+        )
+
     def status(self, epsilon: float, reference_epsilon: float | None = None) -> str:
         """The privacy clause of every result line (train, eval, tan simulate, sweeps): what the
         run's epsilon means, after ``epsilon`` was spent (and, for a TAN simulation, the
@@ -371,7 +386,7 @@ class DPPlan:
         extractor = "".join(f"; {source.describe()}" for source in self.sources)
         if not self.is_private:
             return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}{extractor}"
-        tan_note = "" if self.noise_multiplier >= PRIVACY_WALL_SIGMA else " (sigma<2: eps_TAN under-estimates)"
+        tan_note = " (TAN's estimate, Sander et al. 2023)"  # the privacy-wall warning says when it is optimistic
         if self.releases:  # eps_TAN describes the DP-SGD steps alone
             tan_note += "; composed with " + ", ".join(_release_text(r) for r in self.releases)
         tan_note += extractor

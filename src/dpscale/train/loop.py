@@ -11,13 +11,13 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from dpscale.config import Config, ConfigError, is_private_config
+from dpscale.config import Config, ConfigError, is_private_config, save_config
 from dpscale.data import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.data.subsets import random_classes, select as select_classes
 from dpscale.data.stream import StreamedData, StreamFeed, default_workers, eval_batches, materialize, open_stream
@@ -43,13 +43,17 @@ from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text, save_ch
 from dpscale.train.rundir import (  # noqa: F401 - the file names, re-exported for callers
     AUDIT_NAME,
     CONFIG_NAME,
+    DAMAGED_CHECKPOINT_NAME,
     METRICS_NAME,
     SUMMARY_NAME,
-    claim,
+    RunLock,
+    check_config_edits,
     default_out_dir,
     holds_run,
+    latest_checkpoint,
+    open_new_run,
     read_run,
-    taken_message,
+    read_run_config,
 )
 from dpscale.train.distributed import NOISE_RANK, Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
@@ -192,7 +196,8 @@ class Trainer:
 
     Args:
         config: the resolved config (``run.out_dir`` set).
-        progress: show a progress bar and print a header and result lines (to stderr).
+        progress: show a progress bar (to stderr).
+        report: print the header, evaluations, warnings and result lines (to stderr); default: ``progress``.
         plan: a DP plan saved in a checkpoint (skips calibration; checked against config and data).
         feature_norm: a feature normaliser's state saved in a checkpoint (its private statistics
             are reused, never drawn again: a second draw would be a second release).
@@ -206,15 +211,17 @@ class Trainer:
         plan: DPPlan | None = None,
         feature_norm: dict[str, Any] | None = None,
         hooks: RunHooks | None = None,
+        report: bool | None = None,
     ) -> None:
         self.config = config
         self.hooks = hooks or RunHooks()
-        self._setup_process(progress)
+        self._lock: RunLock | None = None  # the run directory's, held by create/resume until run returns
+        self._setup_process(progress, progress if report is None else report)
         info = self._setup_data_and_plan(plan, feature_norm)
         self._setup_model(info, initial_weights=plan is None)  # a resumed run's weights come from its checkpoint
         self._setup_state()
 
-    def _setup_process(self, progress: bool) -> None:
+    def _setup_process(self, progress: bool, report: bool) -> None:
         """Processes, device, run directory and the run's seeds."""
         config = self.config
         # Data parallel under torchrun (P processes), else a single process; only rank 0 prints and writes.
@@ -222,6 +229,7 @@ class Trainer:
         if self.dist.enabled and config.dp.sampling != "poisson":
             raise ConfigError("distributed training needs dp.sampling=poisson (each rank samples its own shard)")
         self.progress = progress and self.dist.is_main
+        self.report = report and self.dist.is_main
         if config.run.out_dir is None:
             raise ConfigError("run.out_dir must be set (the CLI picks runs/<model>-<data>-<time>)")
         self.run_dir = Path(config.run.out_dir)
@@ -354,6 +362,10 @@ class Trainer:
         self._reset_window()
         self._saved_at = time.perf_counter()  # when the checkpoint was last written (perf_counter s)
         self._privacy_warnings: list[str] | None = None  # computed on first use
+        self.warnings_shown = False  # printed at the start of this session's run (so not again at its end)
+        self.config_changes: list[dict[str, Any]] = []  # asked for with --set on resume
+        self._damaged_checkpoint: Path | None = None  # a damaged newest checkpoint, set aside at the next save
+        self._checkpoint_step: int | None = None  # the step of the last checkpoint this process wrote or read
         self.data_wait_s = 0.0  # streaming: time this process waited for chunks (s), this session
 
     def _resolve_plan(
@@ -444,40 +456,118 @@ class Trainer:
 
     # ----------------------------------------------------------------- set-up
     @classmethod
-    def create(cls, config: Config, progress: bool = True, hooks: RunHooks | None = None) -> "Trainer":
-        """Start a new run in ``config.run.out_dir``, refusing to overwrite an existing run
-        (``hooks``: an audit's canaries, see ``RunHooks``)."""
-        run_dir = Path(config.run.out_dir)
+    def create(
+        cls, config: Config, progress: bool = True, hooks: RunHooks | None = None, report: bool | None = None
+    ) -> "Trainer":
+        """Start a new run in ``config.run.out_dir`` (``hooks``: an audit's canaries, see ``RunHooks``).
+
+        Refuses a directory that holds a checkpointed run or that another process trains in; what a
+        run that stopped before its first checkpoint left there is cleared. The directory stays
+        locked until ``run`` returns; a start that fails leaves nothing behind.
+        """
         dist = init_distributed(config.run.device)
-        if dist.broadcast_object(holds_run(run_dir)):  # rank 0's view decides, so every rank stops together
-            raise ConfigError(taken_message(run_dir))
-        trainer = cls(config, progress, hooks=hooks)
-        # every rank must hear of a failure, or they would wait for the failed one
-        error = dist.broadcast_object(claim(run_dir, config) if dist.is_main else None)
-        if error:
-            raise ConfigError(error)
+        start = _on_main(dist, lambda: open_new_run(config.run.out_dir))
+        try:
+            trainer = cls(config, progress, hooks=hooks, report=report)
+            if start is not None and start.cleared:
+                trainer._log(f"{trainer.run_dir} held a run that stopped before its first checkpoint: cleared its "
+                             f"{', '.join(start.cleared)} and started again")  # fmt: skip
+            _on_main(dist, lambda: start.claim(config))
+        except BaseException:
+            if start is not None:
+                start.abandon()
+            raise
+        trainer._lock = start.lock if start is not None else None
         return trainer
 
     @classmethod
     def load(cls, run_dir: str | Path, progress: bool = False) -> "Trainer":
         """The run in ``run_dir`` at its checkpoint, read-only (nothing in the directory changes)."""
-        if (Path(run_dir) / AUDIT_NAME).exists():
-            raise ConfigError(
-                f"{run_dir} is a `dpscale audit` run: its training set holds canaries its config does not describe, "
-                "so it cannot be resumed or evaluated; run `dpscale audit` again"
-            )
+        _refuse_audit_run(run_dir)
         config, state = read_run(run_dir)
+        check_config_edits(Path(run_dir), state.get("config"), config, (), int(state["step"]))
         trainer = cls(config, progress, plan=DPPlan(**state["plan"]), feature_norm=state.get("feature_norm"))
         trainer.load_state(state)
         return trainer
 
     @classmethod
-    def resume(cls, run_dir: str | Path, progress: bool = True) -> "Trainer":
-        """Continue the run in ``run_dir`` from its checkpoint, exactly where it stopped."""
-        trainer = cls.load(run_dir, progress)
+    def resume(
+        cls, run_dir: str | Path, progress: bool = True, overrides: Sequence[str] = (), report: bool | None = None
+    ) -> "Trainer":
+        """Continue the run in ``run_dir`` from its newest intact checkpoint, exactly where it stopped.
+
+        Args:
+            overrides: ``section.key=value`` changes asked for explicitly (``--set`` on resume),
+                recorded in the run; config.yaml edited in any other setting is refused.
+
+        The directory is locked (another process training in it is refused) until ``run`` returns.
+        A run that stopped before its first checkpoint starts again from step 0; a damaged newest
+        checkpoint is set aside for the previous one when that is intact.
+        """
+        run_dir = Path(run_dir)
+        _refuse_audit_run(run_dir)
+        config = read_run_config(run_dir, overrides)
+        dist = init_distributed(config.run.device)
+        lock = RunLock(run_dir)
+        _on_main(dist, lock.acquire)
+        try:
+            trainer = cls._continue(run_dir, config, progress, overrides, report)
+        except BaseException:
+            lock.release()
+            raise
+        trainer._lock = lock if dist.is_main else None  # rank 0 holds it for the job
+        return trainer
+
+    @classmethod
+    def _continue(
+        cls, run_dir: Path, config: Config, progress: bool, overrides: Sequence[str], report: bool | None
+    ) -> "Trainer":
+        """``resume`` under the lock: the newest intact checkpoint loaded, config edits checked."""
+        latest = latest_checkpoint(run_dir)
+        if latest.state is None:
+            trainer = cls(config, progress, report=report)
+            trainer._log(latest.note)
+            if trainer.dist.is_main:
+                trainer.metrics.truncate_after(0)
+                if overrides:
+                    save_config(config, run_dir / CONFIG_NAME)
+            return trainer
+        state = latest.state
+        changes = check_config_edits(run_dir, state.get("config"), config, overrides, int(state["step"]))
+        trainer = cls(config, progress, plan=DPPlan(**state["plan"]), feature_norm=state.get("feature_norm"), report=report)
+        trainer.load_state(state)
+        if latest.note:
+            trainer._announce(latest.note)
+        trainer._damaged_checkpoint = latest.damaged
         if trainer.dist.is_main:
             trainer.metrics.truncate_after(trainer.step)
+        if changes:
+            trainer._record_config_changes(changes)
         return trainer
+
+    def _record_config_changes(self, changes: dict[str, tuple[Any, Any]]) -> None:
+        """Keep the changes asked for on resume in the run: in the checkpoint (written now, so
+        the next resume compares against the new values), config.yaml and the summary."""
+        record = {"step": self.step, "changes": {k: {"from": old, "to": new} for k, (old, new) in changes.items()}}
+        self.config_changes.append(record)
+        listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        self._announce(f"changed on resume at step {self.step} (recorded in the run): {listed}")
+        self.save()
+        if self.dist.is_main:
+            save_config(self.config, self.run_dir / CONFIG_NAME)
+
+    def close(self) -> None:
+        """Release the run directory's lock (``run`` does when it returns; safe to call twice)."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def __del__(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            try:
+                lock.release()
+            except Exception:  # at interpreter exit; the OS drops the lock with the process anyway
+                pass
 
     # ------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
@@ -503,6 +593,8 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "feature_norm": self.feature_normalizer.state_dict(),
             "model_init": self.init_report,
+            "config": self.config.to_dict(),  # a resume refuses config.yaml edited since (unless --set)
+            "config_changes": self.config_changes,
         }
 
     def _sampler_state(self) -> dict[str, Any]:
@@ -542,6 +634,8 @@ class Trainer:
             dtype=torch.float64, device=self.device,
         )
         self.step = int(state["step"])
+        self._checkpoint_step = self.step
+        self.config_changes = list(state.get("config_changes", []))
         self.mechanism.steps_taken = self.step
         self.wall_time_s = float(state["wall_time_s"])
         if self.plan.is_private and self.accountant.steps != self.step:
@@ -583,10 +677,24 @@ class Trainer:
             self.augment_generator.set_state(mine["augment_generator"])
 
     def save(self) -> None:
-        """Write the checkpoint (rank 0; collective with P processes, so every rank calls it)."""
+        """Write the checkpoint (rank 0; collective with P processes, so every rank calls it).
+
+        Raises:
+            OSError: the checkpoint could not be written (e.g. a full disk), saying that the
+                previous one is intact.
+        """
         state = self.state()
         if self.dist.is_main:
-            save_checkpoint(self.run_dir / CHECKPOINT_NAME, state)
+            path = self.run_dir / CHECKPOINT_NAME
+            if self._damaged_checkpoint is not None:  # never keep a damaged file as the previous checkpoint
+                os.replace(self._damaged_checkpoint, self.run_dir / DAMAGED_CHECKPOINT_NAME)
+                self._damaged_checkpoint = None
+            try:
+                save_checkpoint(path, state)
+            except OSError as err:
+                kept = "no earlier checkpoint" if self._checkpoint_step is None else f"the checkpoint of step {self._checkpoint_step} is intact"
+                raise OSError(f"cannot write {path} at step {self.step}: {err.strerror or err}; {kept}") from err
+        self._checkpoint_step = self.step
         self._saved_at = time.perf_counter()
 
     # ------------------------------------------------------------------- loop
@@ -609,7 +717,13 @@ class Trainer:
         return self.accountant.epsilon(self.plan.delta) if self.plan.is_private else math.inf
 
     def _log(self, message: str) -> None:
-        if self.progress:
+        """A line of the run's report (stderr; off with ``report=False``)."""
+        if self.report:
+            tqdm.write(message, file=sys.stderr)
+
+    def _announce(self, message: str) -> None:
+        """A line the user must see even with the report off: how their run was continued."""
+        if self.dist.is_main:
             tqdm.write(message, file=sys.stderr)
 
     def train_step(self) -> None:
@@ -740,10 +854,20 @@ class Trainer:
             the summary dict when training is complete, else None.
         """
         stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
-        if self.step == 0:
-            self._log(self.plan.describe())
-            for note in self.plan.caveats() + self.privacy_warnings():
-                self._log(f"WARNING: {note}")
+        if self._lock is not None:
+            self._lock.acquire()  # again, for a second call of run (the first released it)
+        try:
+            return self._run_locked(stop)
+        finally:
+            self.close()
+
+    def _run_locked(self, stop: int) -> dict[str, Any] | None:
+        """``run`` while holding the run directory's lock."""
+        self._log(self.plan.describe())
+        self._log(self.plan.meaning())
+        for note in self.plan.caveats() + self.privacy_warnings():
+            self._log(f"WARNING: {note}")
+        self.warnings_shown = self.report
         bar = tqdm(
             total=self.total_steps, initial=self.step, disable=not self.progress, file=sys.stderr, desc="train",
             unit="step", dynamic_ncols=True,
@@ -851,6 +975,7 @@ class Trainer:
             "guarantee_caveats": plan.caveats(),
             "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
             "seeded": self.config.run.seed is not None,
+            "config_changes": self.config_changes,  # asked for with --set on resume, by step
         }
 
     def _summary(self) -> dict[str, Any]:
@@ -880,13 +1005,35 @@ class Trainer:
         summary["privacy_status"] = plan.status(summary["epsilon"], summary["reference_epsilon"])
         summary = json_safe(summary)
         atomic_write_text(self.run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
-        self._log(
-            f"done: test accuracy {100 * summary['test_accuracy']:.2f}% | {summary['privacy_status']} | "
-            f"{self.step} steps in {self.wall_time_s:.1f}s | run dir {self.run_dir}"
-        )
-        for note in plan.caveats() + self.privacy_warnings():
-            self._log(f"WARNING: {note}")
         return summary
+
+
+T = TypeVar("T")
+
+
+def _on_main(dist: Distributed, action: Callable[[], T]) -> T | None:
+    """``action()`` on rank 0, its failure raised on every rank (each would otherwise wait for
+    the failed one); other ranks get None."""
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = action()
+        except (ConfigError, OSError) as err:
+            if not dist.enabled:
+                raise
+            error = str(err)
+    error = dist.broadcast_object(error) if dist.enabled else error
+    if error:
+        raise ConfigError(error)
+    return result
+
+
+def _refuse_audit_run(run_dir: str | Path) -> None:
+    if (Path(run_dir) / AUDIT_NAME).exists():
+        raise ConfigError(
+            f"{run_dir} is a `dpscale audit` run: its training set holds canaries its config does not describe, "
+            "so it cannot be resumed or evaluated; run `dpscale audit` again"
+        )
 
 
 def _fmt_eps(epsilon: float) -> str:

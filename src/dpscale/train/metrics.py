@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpscale.train.checkpoint import atomic_write_text
+from dpscale._io import append_private_text, atomic_write_text
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> tuple[float, float]:
@@ -56,9 +56,7 @@ class MetricsLog:
         self.path = Path(path)
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(json_safe(record)) + "\n")
-            f.flush()
+        append_private_text(self.path, json.dumps(json_safe(record)) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """Drop records logged after ``step`` (written after the checkpoint a resume starts from)."""

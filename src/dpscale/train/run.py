@@ -7,10 +7,11 @@ from pathlib import Path
 
 
 def run_training(config, max_steps: int | None = None, quiet: bool = False) -> int:
-    """Start the run ``config`` describes (run.out_dir set), train, print the result line."""
+    """Start the run ``config`` describes (run.out_dir set), train, print the result line
+    (``quiet``: no progress bar; the evaluations, warnings and result are still printed)."""
     from dpscale.train.loop import Trainer
 
-    return train_and_report(Trainer.create(config, progress=not quiet), max_steps)
+    return train_and_report(Trainer.create(config, progress=not quiet, report=True), max_steps)
 
 
 def train_and_report(trainer, max_steps: int | None) -> int:
@@ -21,12 +22,14 @@ def train_and_report(trainer, max_steps: int | None) -> int:
     if summary is None:
         print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
         return 0
-    print(result_line(summary, trainer.run_dir))
+    # each warning once: after the result unless the run printed them when it started
+    print(result_line(summary, trainer.run_dir, warnings=not getattr(trainer, "warnings_shown", False)))
     return 0
 
 
-def result_line(summary: dict, run_dir: Path) -> str:
-    """The one-line result of a finished run, with every caveat of its guarantee."""
+def result_line(summary: dict, run_dir: Path, warnings: bool = True) -> str:
+    """The one-line result of a finished run, followed (``warnings``) by every caveat of its guarantee."""
     accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
-    notes = "".join(f"\nWARNING: {n}" for n in summary["guarantee_caveats"] + summary.get("privacy_warnings", []))
+    notes = summary["guarantee_caveats"] + summary.get("privacy_warnings", []) if warnings else []
+    notes = "".join(f"\nWARNING: {n}" for n in notes)
     return f"{accuracy} {summary['privacy_status']} steps={summary['steps']} run_dir={run_dir}{notes}"

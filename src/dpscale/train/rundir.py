@@ -1,29 +1,58 @@
-"""A run directory: its file names, claiming a new one, reading a run back.
+"""A run directory: its file names, its lock, starting a run in it, reading a run back.
 
-    <run dir>/config.yaml     the resolved config (written first: it claims the directory)
-              checkpoint.pt   model, optimizer, DP mechanism state (atomic replace, dpscale._io)
-              metrics.jsonl   one line per evaluation
-              summary.json    the finished run's result
+    <run dir>/config.yaml          the resolved config (written complete, or not at all)
+              checkpoint.pt        model, optimizer, DP mechanism state (atomic replace, checksummed)
+              checkpoint.prev.pt   the checkpoint before it (resume falls back on it if the newest is damaged)
+              metrics.jsonl        one line per evaluation
+              summary.json         the finished run's result
+              .dpscale.lock        held (flock) by the one process training in the directory
+
+Every file is owner-only: the directory holds what the guarantee does not cover.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+import socket
+import time
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from dpscale._io import CHECKPOINT_NAME, load_checkpoint
-from dpscale.config import Config, ConfigError, load_config, save_config
+from dpscale._io import (
+    CHECKPOINT_NAME,
+    PREVIOUS_CHECKPOINT_NAME,
+    DamagedFileError,
+    atomic_create_bytes,
+    load_checkpoint,
+    make_private_dir,
+)
+from dpscale.config import Config, ConfigError, load_config, parse_override, save_config
+
+try:  # POSIX; elsewhere a run directory is not locked (see RunLock)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 AUDIT_NAME = "audit.json"  # marks a `dpscale audit` run (canaries in its training set), with its result
-RUN_FILES = (CONFIG_NAME, CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME)
+LOCK_NAME = ".dpscale.lock"
+DAMAGED_CHECKPOINT_NAME = "checkpoint.damaged.pt"  # a damaged newest checkpoint, set aside by a resume
+RUN_FILES = (CONFIG_NAME, CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME)
+# What a run leaves before its first checkpoint: nothing of it can be continued, so a new start may clear it.
+UNSTARTED_RUN_FILES = (CONFIG_NAME, METRICS_NAME, AUDIT_NAME)
 
-__all__ = ["CHECKPOINT_NAME", "CONFIG_NAME", "METRICS_NAME", "RUN_FILES", "SUMMARY_NAME", "claim", "default_out_dir", "holds_run", "read_run"]
+__all__ = [
+    "CHECKPOINT_NAME", "CONFIG_NAME", "METRICS_NAME", "RUN_FILES", "SUMMARY_NAME", "RunDirBusy", "RunLock",
+    "config_changes", "default_out_dir", "holds_run", "open_new_run", "read_run",
+]  # fmt: skip
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run directory's lock."""
 
 
 def default_out_dir(config: Config) -> str:
@@ -45,31 +74,271 @@ def holds_run(run_dir: Path) -> bool:
     return any((Path(run_dir) / name).exists() for name in RUN_FILES)
 
 
-def claim(run_dir: Path, config: Config) -> str | None:
-    """Create ``run_dir`` and write ``config`` into it, atomically claiming it: of two runs
-    started on one directory at once, exactly one succeeds.
+def holds_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run that got as far as a checkpoint (or finished)."""
+    return any((Path(run_dir) / name).exists() for name in (CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, SUMMARY_NAME))
 
-    Returns:
-        None, or why the directory could not be claimed.
+
+class RunLock:
+    """The exclusive lock of one run directory, held by the process that trains in it.
+
+    An advisory ``flock`` on ``.dpscale.lock``: the OS drops it when its process dies (even by
+    SIGKILL), so a lock file left by a killed run never blocks the next one; the file names the
+    holder (pid, host, start time) for the message a second process gets.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+        self.stale_holder: str | None = None  # the holder named by a lock file whose process died
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise ``RunDirBusy`` naming the process that holds it."""
+        if self._fd is not None or fcntl is None:
+            return
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunDirBusy(
+                    f"{self.run_dir} is in use by another dpscale process ({holder}); wait for it to finish, or "
+                    "stop it (Ctrl-C writes a checkpoint) and resume"
+                ) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # the holder released (and removed) the file between our open and flock: again
+        self.stale_holder = _read_holder(fd) or None
+        _write_holder(fd)
+        self._fd = fd
+        _remove_temporaries(self.run_dir)
+
+    def release(self) -> None:
+        """Give the lock up and remove its file (nothing left behind after a clean exit)."""
+        if self._fd is None:
+            return
+        # Removed while still held: a process that opened the old file sees the inode change and retries.
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _remove_temporaries(run_dir: Path) -> None:
+    """Remove the half-written temporaries of a process killed mid-write (only the lock's
+    holder writes in a run directory, so none of them is being written now)."""
+    for path in run_dir.glob(".*.tmp"):
+        path.unlink(missing_ok=True)
+    (run_dir / f".{PREVIOUS_CHECKPOINT_NAME}.link").unlink(missing_ok=True)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _write_holder(fd: int) -> None:
+    text = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode(), 0)
+    except OSError:  # a full disk: the lock holds without its note
+        pass
+
+
+@dataclass
+class NewRun:
+    """A run directory being started: locked, and how to undo the start if it fails.
+
+    Attributes:
+        lock: held from ``open_new_run`` until the run ends.
+        created: this start created the directory (a failed start removes it again).
+        cleared: files of a run that stopped before its first checkpoint, removed to start again.
+    """
+
+    run_dir: Path
+    lock: RunLock
+    created: bool
+    cleared: list[str] = field(default_factory=list)
+
+    def claim(self, config: Config) -> None:
+        """Write ``config`` as the run's config.yaml: complete or not at all (a full disk leaves
+        no empty file), and only where no other run's is."""
+        import yaml
+
+        text = yaml.safe_dump(config.to_dict(), sort_keys=False).encode("utf-8")
+        try:
+            created = atomic_create_bytes(self.run_dir / CONFIG_NAME, text)
+        except OSError as err:
+            raise OSError(f"cannot write the run directory {self.run_dir}: {err.strerror or err}") from err
+        if not created:
+            raise ConfigError(taken_message(self.run_dir))
+
+    def abandon(self) -> None:
+        """Undo a start that failed before training: release the lock; remove the directory if
+        this start created it and left it empty."""
+        self.lock.release()
+        if self.created:
+            try:
+                self.run_dir.rmdir()
+            except OSError:  # not empty: leave whatever is there
+                pass
+
+
+def open_new_run(run_dir: str | Path) -> NewRun:
+    """Create (owner-only) and lock ``run_dir`` for a new run.
+
+    A directory left by a run that stopped before its first checkpoint (its config and metrics,
+    no steps kept) is cleared: nothing of it can be continued.
+
+    Raises:
+        RunDirBusy: another process trains in it. ConfigError: it holds a checkpointed run.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    created = make_private_dir(run_dir)
+    lock = RunLock(run_dir)
+    start = NewRun(run_dir, lock, created)
     try:
-        os.close(os.open(run_dir / CONFIG_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        save_config(config, run_dir / CONFIG_NAME)
-    except FileExistsError:
-        return taken_message(run_dir)
-    except OSError as err:  # e.g. permissions
-        return f"cannot write the run directory {run_dir}: {err}"
-    return None
+        lock.acquire()
+        if holds_checkpoint(run_dir):
+            raise ConfigError(taken_message(run_dir))
+        for name in UNSTARTED_RUN_FILES:
+            if (run_dir / name).exists():
+                (run_dir / name).unlink()
+                start.cleared.append(name)
+    except BaseException:
+        start.abandon()
+        raise
+    return start
 
 
 def read_run(run_dir: str | Path) -> tuple[Config, dict[str, Any]]:
     """The config and checkpoint of the run in ``run_dir`` (wherever the directory is now)."""
     run_dir = Path(run_dir)
+    config = read_run_config(run_dir)
+    try:
+        return config, load_checkpoint(run_dir / CHECKPOINT_NAME)
+    except DamagedFileError as err:
+        if (run_dir / PREVIOUS_CHECKPOINT_NAME).is_file():
+            raise DamagedFileError(
+                f"{err}; the previous checkpoint {PREVIOUS_CHECKPOINT_NAME} is kept: "
+                f"`dpscale train --resume {run_dir}` continues from it"
+            ) from None
+        raise
+
+
+def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> Config:
+    """The run's config.yaml (with ``overrides`` applied), ``run.out_dir`` set to where it is now."""
     if not (run_dir / CONFIG_NAME).is_file():
         raise ConfigError(f"{run_dir} is not a dpscale run directory (no {CONFIG_NAME})")
-    config = load_config(run_dir / CONFIG_NAME)
+    config = load_config(run_dir / CONFIG_NAME, list(overrides))
     # The directory may have been moved or renamed since: it is wherever it is now.
-    config = replace(config, run=replace(config.run, out_dir=str(run_dir)))
-    return config, load_checkpoint(run_dir / CHECKPOINT_NAME)
+    return replace(config, run=replace(config.run, out_dir=str(run_dir)))
+
+
+@dataclass(frozen=True)
+class LatestCheckpoint:
+    """The checkpoint a resume continues from.
+
+    Attributes:
+        state: the checkpoint, or None when the run stopped before its first one.
+        damaged: the newest checkpoint's file, when it was damaged and ``state`` is the previous one.
+        note: a line saying which checkpoint was chosen and why (None for the plain case).
+    """
+
+    state: dict[str, Any] | None
+    damaged: Path | None = None
+    note: str | None = None
+
+
+def latest_checkpoint(run_dir: Path) -> LatestCheckpoint:
+    """The newest intact checkpoint of ``run_dir``: checkpoint.pt, else (missing or damaged)
+    checkpoint.prev.pt, else none at all.
+
+    Raises:
+        DamagedFileError: the newest is damaged and no intact previous one is kept.
+    """
+    newest, previous = run_dir / CHECKPOINT_NAME, run_dir / PREVIOUS_CHECKPOINT_NAME
+    try:
+        return LatestCheckpoint(load_checkpoint(newest))
+    except FileNotFoundError:
+        damage = None
+    except DamagedFileError as err:
+        damage = err
+    if not previous.is_file():
+        if damage is not None:
+            raise DamagedFileError(f"{damage}, and no previous checkpoint is kept; the run cannot be resumed") from None
+        return LatestCheckpoint(None, note=f"{run_dir} has no checkpoint (the run stopped before its first): starting it from step 0")
+    try:
+        state = load_checkpoint(previous)
+    except DamagedFileError as err:
+        raise DamagedFileError(f"{damage or 'no newest checkpoint'}; {err}") from None
+    why = str(damage) if damage is not None else f"{newest} is missing"
+    note = f"{why}: resuming from the previous checkpoint {previous} (step {state['step']})"
+    return LatestCheckpoint(state, newest if damage is not None else None, note)
+
+
+def flat_config(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim.lr": 0.5, ...}: a config dict's leaves under dotted keys."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
+    """Every setting of ``config`` that differs from the ``saved`` resolved config, as
+    {dotted key: (saved value, new value)} (``run.out_dir`` aside: a run directory may move)."""
+    before, after = flat_config(saved), flat_config(config.to_dict())
+    changes = {k: (before.get(k), after.get(k)) for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)}
+    changes.pop("run.out_dir", None)
+    return changes
+
+
+def check_config_edits(
+    run_dir: Path, saved: dict[str, Any] | None, config: Config, overrides: Sequence[str], step: int
+) -> dict[str, tuple[Any, Any]]:
+    """The changes ``overrides`` (``--set`` on resume) make to the checkpoint's config.
+
+    Raises:
+        ConfigError: config.yaml was edited since the checkpoint in a setting no override names
+            (a resume continues the run as configured unless a change is asked for explicitly).
+    """
+    if saved is None:  # a checkpoint from before configs were recorded in it: edits cannot be seen
+        return {}
+    changes = config_changes(saved, config)
+    asked = {".".join(parse_override(text)[0]) for text in overrides}
+    edited = {k: v for k, v in changes.items() if k not in asked}
+    if edited:
+        listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in edited.items())
+        sets = " ".join(f"--set {k}={_yaml_value(new)}" for k, (_, new) in edited.items())
+        raise ConfigError(
+            f"{run_dir / CONFIG_NAME} was edited after the checkpoint at step {step} ({listed}); a resume continues "
+            f"the run as configured: restore the file, or ask for the change with `dpscale train --resume {run_dir} "
+            f"{sets}` (recorded in the run)"
+        )
+    return changes
+
+
+def _yaml_value(value: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
