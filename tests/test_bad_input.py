@@ -170,6 +170,8 @@ def test_select_refuses_a_selection_whose_training_set_holds_one_class():
         ("dp:\n\tepsilon: 3\n", ":2:1:", "found character '\\\\t' that cannot start any token"),
         ("dp: {epsilon: 3\n", ":2:1:", r"expected ',' or '\}'"),
         ("data:\n  name: 'mnist\n", ":3:1:", "found unexpected end of stream"),
+        # PyYAML keeps the last of two equal keys silently: the second epsilon would win unseen
+        ("dp:\n  epsilon: 3\n  batch_size: 64\n  epsilon: 30\n", ":4:3:", r"duplicate key 'epsilon' \(first given on line 2\)"),
     ],
 )
 def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path, capsys, text, where, problem):
@@ -180,6 +182,14 @@ def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path, capsys, 
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert "\n" not in str(err.value)
+
+
+def test_yaml_merge_keys_may_override_what_they_merge(tmp_path):
+    from dpscale.config import _read_config_file
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {epsilon: 2, delta: 1.0e-6}\ndp:\n  <<: *b\n  epsilon: 4\n")
+    assert _read_config_file(path)["dp"] == {"epsilon": 4, "delta": 1e-6}
 
 
 def test_a_config_file_that_is_not_text_is_one_line(tmp_path, capsys):

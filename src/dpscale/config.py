@@ -522,6 +522,32 @@ def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, so a second ``epsilon:`` further down a file would override the first unseen."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base" may override what it merges in
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"duplicate key {key!r} (first given on line {first_line[key] + 1})", key_node.start_mark,
+                )  # fmt: skip
+            first_line[key] = key_node.start_mark.line
+        except TypeError:  # an unhashable key: SafeLoader's own error follows
+            break
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def _read_config_file(path: Path) -> dict[str, Any]:
     """The sections of a YAML config file; every problem is one line naming the file (and, for
     malformed YAML, ``file:line:column``, as compilers write it).
@@ -544,7 +570,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from err
     try:
-        values = yaml.safe_load(text) or {}
+        values = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         position, problem, context = _yaml_problem(err, text, in_file=True)
         where = f"{path}:{position}" if position else str(path)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 
 @dataclass(frozen=True)
@@ -269,8 +268,10 @@ def _setting(run_dir: str) -> str | None:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return None
-    values = yaml.safe_load(path.read_text()) or {}
-    values.get("dp", {}).pop("simulated_batch_size", None)
+    from dpscale.config import load_config
+
+    values = load_config(path).to_dict()  # one-line errors for a malformed file, defaults filled in
+    values["dp"].pop("simulated_batch_size", None)
     values.pop("run", None)
     return json_key(values)
 
