@@ -254,8 +254,10 @@ def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, c
         assert rng.state_dict() != DPRandom(seeds[stream]).state_dict()
     assert resumed.noise_generator.state_dict() != current.noise_generator.state_dict()
     assert resumed.sampler.state_dict() != current.sampler.state_dict()
+    resumed.close()  # the run directory's lock, taken again by resumed.run()
     again = Trainer.resume(run_dir, progress=False)  # a seeded run: the same fresh streams again
     assert again.noise_generator.state_dict() == resumed.noise_generator.state_dict()
+    again.close()
     summary = resumed.run()
     assert summary["steps"] == 8 and resumed.accountant.steps == 8
     written = load_checkpoint(run_dir / "checkpoint.pt")
@@ -267,7 +269,10 @@ def test_an_unseeded_legacy_checkpoint_resumes_with_new_entropy(tmp_path):
     run_dir = tmp_path / "unseeded"
     Trainer.create(small_config(run_dir, "run.seed=null", "train.steps=4"), progress=False).run(max_steps=2)
     _make_legacy(run_dir)
-    first, second = (Trainer.resume(run_dir, progress=False) for _ in range(2))
+    first = Trainer.resume(run_dir, progress=False)
+    first.close()  # the run directory's lock (one process at a time), taken again by first.run()
+    second = Trainer.resume(run_dir, progress=False)
+    second.close()
     assert first.noise_generator.state_dict() != second.noise_generator.state_dict()
     assert first.sampler.state_dict() != second.sampler.state_dict()
     first.run()
