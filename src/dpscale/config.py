@@ -801,8 +801,13 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
         )
 
 
+def config_yaml(config: Config) -> str:
+    """The resolved config as the YAML text of a run's config.yaml."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
 def save_config(config: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
     from dpscale._io import atomic_write_text
 
-    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
+    atomic_write_text(path, config_yaml(config))

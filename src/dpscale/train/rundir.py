@@ -28,7 +28,7 @@ from dpscale._io import (
     load_checkpoint,
     make_private_dir,
 )
-from dpscale.config import Config, ConfigError, load_config, parse_override, save_config
+from dpscale.config import Config, ConfigError, config_yaml, load_config, parse_override
 
 try:  # POSIX; elsewhere a run directory is not locked (see RunLock)
     import fcntl
@@ -179,9 +179,7 @@ class NewRun:
     def claim(self, config: Config) -> None:
         """Write ``config`` as the run's config.yaml: complete or not at all (a full disk leaves
         no empty file), and only where no other run's is."""
-        import yaml
-
-        text = yaml.safe_dump(config.to_dict(), sort_keys=False).encode("utf-8")
+        text = config_yaml(config).encode("utf-8")
         try:
             created = atomic_create_bytes(self.run_dir / CONFIG_NAME, text)
         except OSError as err:
