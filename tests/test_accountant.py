@@ -47,15 +47,19 @@ GOLDEN = {
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_rdp_matches_opacus(case):
     q, sigma, steps, delta, opacus_rdp, _, _ = GOLDEN[case]
-    assert compute_epsilon(q, sigma, steps, delta, "rdp") == pytest.approx(opacus_rdp, rel=1e-3)
+    assert compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
+    ) == pytest.approx(opacus_rdp, rel=1e-3)
 
 
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_pld_within_prv_bounds(case):
     q, sigma, steps, delta, _, lower, upper = GOLDEN[case]
-    eps = compute_epsilon(q, sigma, steps, delta, "pld")
+    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld")
     assert lower <= eps <= upper
-    assert eps < compute_epsilon(q, sigma, steps, delta, "rdp")  # PLD is the tighter one
+    assert eps < compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
+    )  # PLD is the tighter one
 
 
 def test_gaussian_without_subsampling_matches_exact_formula():
@@ -66,8 +70,12 @@ def test_gaussian_without_subsampling_matches_exact_formula():
 
     exact = brentq(lambda e: exact_delta(e) - 1e-5, 0.01, 20)
     assert exact == pytest.approx(2.594383, abs=1e-5)
-    assert compute_epsilon(1.0, 5.0, 10, 1e-5, "pld") == pytest.approx(exact, rel=1e-3)
-    assert compute_epsilon(1.0, 5.0, 10, 1e-5, "pld") >= exact - 1e-9  # pessimistic, never below
+    assert compute_epsilon(
+        sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld"
+    ) == pytest.approx(exact, rel=1e-3)
+    assert compute_epsilon(
+        sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld"
+    ) >= exact - 1e-9  # pessimistic, never below
 
 
 def test_published_opacus_docs_figure_with_their_orders():
@@ -82,22 +90,22 @@ def test_published_opacus_docs_figure_with_their_orders():
 def test_history_merges_and_recomputes_for_any_delta():
     acc = PrivacyAccountant("rdp")
     for _ in range(10):
-        acc.step(0.01, 1.0)
-    acc.step(0.02, 2.0, 5)
+        acc.step(sample_rate=0.01, noise_multiplier=1.0)
+    acc.step(sample_rate=0.02, noise_multiplier=2.0, num_steps=5)
     assert [(s.sample_rate, s.noise_multiplier, s.steps) for s in acc.history] == [(0.01, 1.0, 10), (0.02, 2.0, 5)]
     assert acc.steps == 15
     assert acc.epsilon(1e-6) > acc.epsilon(1e-5) > acc.epsilon(1e-3) > 0
     # Composition of the two segments equals accounting them together.
     both = PrivacyAccountant("rdp")
-    both.step(0.01, 1.0, 10)
-    both.step(0.02, 2.0, 5)
+    both.step(sample_rate=0.01, noise_multiplier=1.0, num_steps=10)
+    both.step(sample_rate=0.02, noise_multiplier=2.0, num_steps=5)
     assert both.epsilon(1e-5) == acc.epsilon(1e-5)
     assert acc.delta(acc.epsilon(1e-5)) == pytest.approx(1e-5, rel=0.05)
 
 
 def test_state_dict_round_trip_replaces_history():
     acc = PrivacyAccountant("pld")
-    acc.step(0.05, 1.2, 40)
+    acc.step(sample_rate=0.05, noise_multiplier=1.2, num_steps=40)
     restored = PrivacyAccountant.from_state_dict(acc.state_dict())
     assert restored.epsilon(1e-5) == acc.epsilon(1e-5)
     restored.load_state_dict(acc.state_dict())  # loading twice must not double-count
@@ -111,7 +119,7 @@ def test_epsilon_is_zero_before_any_step_and_grows():
     assert acc.epsilon(1e-5) == 0.0
     previous = 0.0
     for _ in range(3):
-        acc.step(0.05, 1.0, 20)
+        acc.step(sample_rate=0.05, noise_multiplier=1.0, num_steps=20)
         eps = acc.epsilon(1e-5)
         assert eps > previous
         previous = eps
@@ -123,8 +131,26 @@ def test_epsilon_is_zero_before_any_step_and_grows():
      ((0.1, 1.0, 10, 1.0), "delta"), ((0.1, 1.0, -1, 1e-5), "steps")],
 )
 def test_bad_mechanism_arguments_raise(args, match):
+    q, sigma, steps, delta = args
     with pytest.raises(ValueError, match=match):
-        compute_epsilon(*args)
+        compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: compute_epsilon(0.01, 1.0, 10, 1e-5),
+        lambda: calibrate_noise_multiplier(3.0, 1e-5, 0.01, 100),
+        lambda: calibrate_steps(3.0, 1e-5, 0.01, 1.0),
+        lambda: PrivacyAccountant("rdp").step(0.01, 1.0),
+    ],
+    ids=["compute_epsilon", "calibrate_noise_multiplier", "calibrate_steps", "accountant.step"],
+)
+def test_privacy_numbers_are_keyword_only(call):
+    # q, sigma, steps and delta are all plain numbers: a positional call that swapped two of them
+    # would give a plausible wrong epsilon, so it must not run at all.
+    with pytest.raises(TypeError, match="positional"):
+        call()
 
 
 def test_unknown_accountant_raises():
@@ -135,45 +161,61 @@ def test_unknown_accountant_raises():
 @settings(max_examples=15, deadline=None)
 @given(target=st.floats(0.3, 12.0), q=st.floats(0.001, 1.0), steps=st.integers(1, 20000))
 def test_noise_calibration_round_trip_rdp(target, q, steps):
-    sigma = calibrate_noise_multiplier(target, 1e-5, q, steps, "rdp")
-    eps = compute_epsilon(q, sigma, steps, 1e-5, "rdp")
+    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, kind="rdp")
+    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5, kind="rdp")
     assert target * (1 - 1e-3) <= eps <= target
 
 
 @pytest.mark.parametrize("target, q, steps", [(3.0, 256 / 60000, 14062), (1.0, 0.064, 235), (8.0, 1.0, 10)])
 def test_noise_calibration_round_trip_pld(target, q, steps):
-    sigma = calibrate_noise_multiplier(target, 1e-5, q, steps, "pld")
-    eps = compute_epsilon(q, sigma, steps, 1e-5, "pld")
+    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, kind="pld")
+    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5, kind="pld")
     assert target * (1 - 1e-3) <= eps <= target
 
 
 def test_noise_calibration_is_monotone():
-    sigmas = [calibrate_noise_multiplier(eps, 1e-5, 256 / 60000, 2000, "rdp") for eps in (0.5, 1.0, 2.0, 4.0, 8.0)]
+    sigmas = [
+        calibrate_noise_multiplier(target_epsilon=eps, delta=1e-5, sample_rate=256 / 60000, steps=2000, kind="rdp")
+        for eps in (0.5, 1.0, 2.0, 4.0, 8.0)
+    ]
     assert all(a > b for a, b in zip(sigmas, sigmas[1:]))
     # More steps at the same budget need more noise.
-    assert calibrate_noise_multiplier(2.0, 1e-5, 0.01, 4000, "rdp") > calibrate_noise_multiplier(2.0, 1e-5, 0.01, 1000, "rdp")
+    longer, shorter = (
+        calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=steps, kind="rdp")
+        for steps in (4000, 1000)
+    )
+    assert longer > shorter
 
 
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_steps_calibration_round_trip(kind):
-    steps = calibrate_steps(3.0, 1e-5, 0.01, 1.1, kind)
-    assert compute_epsilon(0.01, 1.1, steps, 1e-5, kind) <= 3.0 < compute_epsilon(0.01, 1.1, steps + 1, 1e-5, kind)
+    steps = calibrate_steps(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, noise_multiplier=1.1, kind=kind)
+    fits, one_more = (
+        compute_epsilon(sample_rate=0.01, noise_multiplier=1.1, steps=s, delta=1e-5, kind=kind) for s in (steps, steps + 1)
+    )
+    assert fits <= 3.0 < one_more
 
 
 @settings(max_examples=10, deadline=None)
 @given(target=st.floats(0.5, 10.0), q=st.floats(0.001, 0.5), sigma=st.floats(0.6, 10.0))
 def test_steps_calibration_round_trip_rdp(target, q, sigma):
-    steps = calibrate_steps(target, 1e-5, q, sigma, "rdp", max_steps=10**6)
+    steps = calibrate_steps(
+        target_epsilon=target, delta=1e-5, sample_rate=q, noise_multiplier=sigma, kind="rdp", max_steps=10**6
+    )
     if steps == 0:
-        assert compute_epsilon(q, sigma, 1, 1e-5, "rdp") > target
+        assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=1, delta=1e-5, kind="rdp") > target
     elif steps < 10**6:
-        assert compute_epsilon(q, sigma, steps, 1e-5, "rdp") <= target < compute_epsilon(q, sigma, steps + 1, 1e-5, "rdp")
+        fits, one_more = (
+            compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=s, delta=1e-5, kind="rdp")
+            for s in (steps, steps + 1)
+        )
+        assert fits <= target < one_more
 
 
 def test_calibration_rejects_impossible_targets():
     with pytest.raises(ValueError, match="positive"):
-        calibrate_noise_multiplier(0.0, 1e-5, 0.01, 100)
-    assert calibrate_steps(1e-4, 1e-5, 1.0, 0.5) == 0
+        calibrate_noise_multiplier(target_epsilon=0.0, delta=1e-5, sample_rate=0.01, steps=100)
+    assert calibrate_steps(target_epsilon=1e-4, delta=1e-5, sample_rate=1.0, noise_multiplier=0.5) == 0
 
 
 def test_eps_tan_closed_form_and_privacy_wall():
@@ -183,10 +225,12 @@ def test_eps_tan_closed_form_and_privacy_wall():
     assert eps_tan(q, sigma, steps, delta) == pytest.approx(eta**2 + 2 * eta * math.sqrt(math.log(1 / delta)))
     # TAN Section 3.2: for sigma >= 2 the RDP epsilon is close to eps_TAN (eps_TAN uses the classic
     # RDP->DP conversion, dp_accounting a tighter one, hence the loose tolerance); below the wall it blows up.
-    rdp_eps = compute_epsilon(q, sigma, steps, delta, "rdp")
+    rdp_eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")
     assert rdp_eps == pytest.approx(eps_tan(q, sigma, steps, delta), rel=0.25)
     # Same eta with sigma = 0.5 (q / 8, same steps): epsilon is far above eps_TAN.
-    assert compute_epsilon(q / 8, 0.5, steps, delta, "rdp") > 1.5 * eps_tan(q / 8, 0.5, steps, delta)
+    assert compute_epsilon(
+        sample_rate=q / 8, noise_multiplier=0.5, steps=steps, delta=delta, kind="rdp"
+    ) > 1.5 * eps_tan(q / 8, 0.5, steps, delta)
 
 
 @pytest.mark.parametrize("segments", [[(0.032, 1.1, 300)], [(0.01, 0.9, 100), (0.05, 2.0, 40)], [(1.0, 4.0, 7)]])
@@ -199,7 +243,7 @@ def test_cached_pld_composition_equals_dp_accounting_pld_accountant(segments):
     ours = PrivacyAccountant("pld")
     for q, sigma, steps in segments:
         reference.compose(dp_sgd_event(q, sigma, steps))
-        ours.step(q, sigma, steps)
+        ours.step(sample_rate=q, noise_multiplier=sigma, num_steps=steps)
     for delta in (1e-5, 1e-3):
         assert ours.epsilon(delta) == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
 
@@ -222,7 +266,9 @@ def test_release_composition_matches_exact_gaussian_composition():
     sigma_eff = 1.0 / math.sqrt(steps / sigma**2 + 2 / sigma_norm**2)
     exact = _exact_gaussian_epsilon(sigma_eff, delta)
     release = gaussian_release("data-norm", sigma_norm, 2)
-    eps = compute_epsilon(1.0, sigma, steps, delta, "pld", releases=(release,))
+    eps = compute_epsilon(
+        sample_rate=1.0, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld", releases=(release,)
+    )
     assert exact - 1e-9 <= eps == pytest.approx(exact, rel=1e-3)
     # The release alone is one Gaussian with sigma_norm / sqrt(2).
     alone = PrivacyAccountant("pld")
@@ -241,35 +287,63 @@ def test_release_composition_in_rdp_adds_claim_b5():
     sgd_only.compose(dp_sgd_event(q, sigma, steps))
     rdp_curve = [r + a / sigma_norm**2 for r, a in zip(sgd_only._rdp, orders)]
     expected, _ = dp_rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp_curve, delta)
-    composed = compute_epsilon(q, sigma, steps, delta, "rdp", releases=(gaussian_release("data-norm", sigma_norm, 2),))
+    composed = compute_epsilon(
+        sample_rate=q,
+        noise_multiplier=sigma,
+        steps=steps,
+        delta=delta,
+        kind="rdp",
+        releases=(gaussian_release("data-norm", sigma_norm, 2),),
+    )
     assert composed == pytest.approx(expected, rel=1e-9)
-    assert composed > compute_epsilon(q, sigma, steps, delta, "rdp")
+    assert composed > compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
 def test_calibration_with_a_release_meets_the_target(kind):
     q, steps, target, delta = 256 / 50000, 2000, 3.0, 1e-5
     releases = (gaussian_release("data-norm", 8.0, 2),)
-    sigma_alone = calibrate_noise_multiplier(target, delta, q, steps, kind)
-    sigma = calibrate_noise_multiplier(target, delta, q, steps, kind, releases=releases)
+    sigma_alone = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind)
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind, releases=releases
+    )
     assert sigma > sigma_alone  # the release uses part of the budget
-    eps = compute_epsilon(q, sigma, steps, delta, kind, releases=releases)
+    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind, releases=releases)
     assert target * (1 - 1e-3) <= eps <= target
-    assert compute_epsilon(q, sigma, steps, delta, kind) < eps  # DP-SGD alone spends less
-    steps_fit = calibrate_steps(target, delta, q, sigma, kind, max_steps=10**5, releases=releases)
+    assert compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind
+    ) < eps  # DP-SGD alone spends less
+    steps_fit = calibrate_steps(
+        target_epsilon=target,
+        delta=delta,
+        sample_rate=q,
+        noise_multiplier=sigma,
+        kind=kind,
+        max_steps=10**5,
+        releases=releases,
+    )
     assert steps_fit >= steps
-    assert compute_epsilon(q, sigma, steps_fit + 1, delta, kind, releases=releases) > target
+    assert compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps_fit + 1, delta=delta, kind=kind, releases=releases
+    ) > target
 
 
 def test_release_that_spends_the_budget_is_refused():
     with pytest.raises(ValueError, match="data-norm alone spends"):
-        calibrate_noise_multiplier(1.0, 1e-5, 0.01, 100, "rdp", releases=(gaussian_release("data-norm", 1.0, 2),))
+        calibrate_noise_multiplier(
+            target_epsilon=1.0,
+            delta=1e-5,
+            sample_rate=0.01,
+            steps=100,
+            kind="rdp",
+            releases=(gaussian_release("data-norm", 1.0, 2),),
+        )
 
 
 def test_releases_are_labelled_not_steps_and_survive_state_dict():
     acc = PrivacyAccountant("rdp")
     acc.record(gaussian_release("data-norm", 8.0, 2))
-    acc.step(0.01, 1.0, 10)
+    acc.step(sample_rate=0.01, noise_multiplier=1.0, num_steps=10)
     assert acc.steps == 10
     assert [r.label for r in acc.releases] == ["data-norm"]
     parts = acc.epsilon_by_label(1e-5)
@@ -315,7 +389,9 @@ def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(ca
     from dpscale.privacy.accountant import _DropOrderExclusionNotices
 
     with caplog.at_level(logging.WARNING, logger="absl"):
-        epsilon = compute_epsilon(0.128, 0.95, 10, 1e-5, "rdp")  # small sigma: dp_accounting drops orders
+        epsilon = compute_epsilon(
+            sample_rate=0.128, noise_multiplier=0.95, steps=10, delta=1e-5, kind="rdp"
+        )  # small sigma: dp_accounting drops orders
         logging.getLogger("absl").warning("something else")
     messages = [r.getMessage() for r in caplog.records]
     assert not any("failed to converge" in m for m in messages) and "something else" in messages
@@ -334,10 +410,10 @@ def test_epsilon_is_cached_per_history_and_delta(monkeypatch):
     monkeypatch.setattr(module, "_pld_epsilon", lambda *a: calls.append(a) or original(*a))
     module._cached_epsilon.cache_clear()
     acc = module.PrivacyAccountant("pld")
-    acc.step(0.01, 1.1, 37)
+    acc.step(sample_rate=0.01, noise_multiplier=1.1, num_steps=37)
     first = acc.epsilon(1e-5)
     assert acc.epsilon(1e-5) == first and len(calls) == 1  # asked again: no recomputation
     assert first == original(list(acc.history), 1e-5, acc.pld_discretization)
     acc.epsilon(1e-6)
-    acc.step(0.01, 1.1)  # one more step: a new history, recomputed, and larger
+    acc.step(sample_rate=0.01, noise_multiplier=1.1)  # one more step: a new history, recomputed, and larger
     assert acc.epsilon(1e-5) > first and len(calls) == 3

@@ -406,7 +406,7 @@ def test_account_calibrates_noise(capsys):
     assert result["solved_for"] == "noise_multiplier" and result["steps"] == 14062
     sigma = result["noise_multiplier"]
     assert sigma < 1.1  # sigma = 1.1 spends only ~2.6 < 3
-    eps = compute_epsilon(Q, sigma, 14062, 1e-5, "rdp")
+    eps = compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=14062, delta=1e-5, kind="rdp")
     assert 2.997 <= eps <= 3.0
     assert result["epsilon"] == pytest.approx(eps, rel=1e-12)
 
@@ -416,8 +416,10 @@ def test_account_solves_for_steps(capsys):
     assert result["solved_for"] == "steps" and result["noise_multiplier"] == 1.1
     steps = result["steps"]
     assert steps > 14062  # 14062 steps cost only ~2.6
-    assert compute_epsilon(Q, 1.1, steps, 1e-5, "rdp") <= 3.0
-    assert compute_epsilon(Q, 1.1, steps + 1, 1e-5, "rdp") > 3.0  # the largest such step count
+    assert compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=steps, delta=1e-5, kind="rdp") <= 3.0
+    assert compute_epsilon(
+        sample_rate=Q, noise_multiplier=1.1, steps=steps + 1, delta=1e-5, kind="rdp"
+    ) > 3.0  # the largest such step count
     assert result["epsilon"] <= 3.0
 
 
@@ -512,7 +514,14 @@ def test_account_composes_private_data_normalization(capsys):
 
     alone = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp")
     both = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8")
-    expected = compute_epsilon(Q, 1.1, both["steps"], 1e-5, "rdp", releases=(data_norm_release(8.0),))
+    expected = compute_epsilon(
+        sample_rate=Q,
+        noise_multiplier=1.1,
+        steps=both["steps"],
+        delta=1e-5,
+        kind="rdp",
+        releases=(data_norm_release(8.0),),
+    )
     assert both["epsilon"] == pytest.approx(expected) and both["epsilon"] > alone["epsilon"]
     calibrated = _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--data-norm-noise", "8", "--accountant", "rdp")
     assert calibrated["epsilon"] <= 3.0 and calibrated["noise_multiplier"] > _account_json(

@@ -215,5 +215,11 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
     summary = json.loads((run / "summary.json").read_text())
     history = torch.load(run / "checkpoint.pt", weights_only=False)["accountant"]["history"]
     assert summary["steps"] == 300 and sum(seg[2] for seg in history) == 300
-    expected = compute_epsilon(summary["sample_rate"], summary["noise_multiplier"], 300, summary["delta"], "rdp")
+    expected = compute_epsilon(
+        sample_rate=summary["sample_rate"],
+        noise_multiplier=summary["noise_multiplier"],
+        steps=300,
+        delta=summary["delta"],
+        kind="rdp",
+    )
     assert summary["epsilon"] == pytest.approx(expected, rel=1e-12)  # what an uninterrupted run spends

@@ -59,12 +59,12 @@ def test_a_source_on_the_same_data_is_composed_into_every_epsilon(source_run, tm
     for segment in history:
         independent.record(AccountingSegment(segment.sample_rate, segment.noise_multiplier, segment.steps, f"source {segment.label}"))
     q, sigma = PROBE_B / N, summary["noise_multiplier"]
-    independent.step(q, sigma, PROBE_STEPS)
+    independent.step(sample_rate=q, noise_multiplier=sigma, num_steps=PROBE_STEPS)
     assert summary["epsilon"] == pytest.approx(independent.epsilon(DELTA), rel=1e-9)
     # sigma was calibrated for the composition: the total meets the target, this run alone is cheaper
     assert 3 * (1 - 1e-3) <= summary["epsilon"] <= 3.0
-    assert compute_epsilon(q, sigma, PROBE_STEPS, DELTA) < summary["epsilon"]
-    assert sigma > calibrate_noise_multiplier(3.0, DELTA, q, PROBE_STEPS)
+    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=PROBE_STEPS, delta=DELTA) < summary["epsilon"]
+    assert sigma > calibrate_noise_multiplier(target_epsilon=3.0, delta=DELTA, sample_rate=q, steps=PROBE_STEPS)
     assert trainer.accountant.steps == PROBE_STEPS == summary["steps"]  # the source's steps are not this run's
     # the source ran with a fixed run.seed: its replayable noise is composed, and so is that caveat
     assert summary["extractor_privacy"] == "composed"
@@ -81,7 +81,9 @@ def test_a_source_on_the_same_data_is_composed_into_every_epsilon(source_run, tm
 def test_a_declared_public_source_reports_the_single_run_epsilon_and_says_so(source_run, tmp_path):
     config = probe_config(tmp_path / "public", source_run, "features.extractor_public=true")
     summary = Trainer.create(config, progress=False).run()
-    alone = compute_epsilon(PROBE_B / N, summary["noise_multiplier"], PROBE_STEPS, DELTA)
+    alone = compute_epsilon(
+        sample_rate=PROBE_B / N, noise_multiplier=summary["noise_multiplier"], steps=PROBE_STEPS, delta=DELTA
+    )
     assert summary["epsilon"] == pytest.approx(alone, rel=1e-9) and summary["epsilon"] <= 3.0
     assert summary["extractor_privacy"] == "declared public" and summary["epsilon_parts"] is None
     [note] = summary["guarantee_caveats"]

@@ -91,75 +91,85 @@ def _number_after(text: str, prefix: str) -> float:
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_an_unreachable_epsilon_names_the_least_reachable_one_and_that_one_calibrates(kind):
     with pytest.raises(ValueError) as err:
-        calibrate_noise_multiplier(1e-4, DELTA, Q, STEPS, kind)
+        calibrate_noise_multiplier(target_epsilon=1e-4, delta=DELTA, sample_rate=Q, steps=STEPS, kind=kind)
     message = str(err.value)
     _assert_one_line(
         message, r"cannot reach epsilon=0\.0001", "noise multiplier 10000", "at least", "fewer steps|at most"
     )
     suggested = _number_after(message, "raise the target epsilon to at least")
-    sigma = calibrate_noise_multiplier(suggested, DELTA, Q, STEPS, kind)
-    assert compute_epsilon(Q, sigma, STEPS, DELTA, kind) <= suggested
+    sigma = calibrate_noise_multiplier(target_epsilon=suggested, delta=DELTA, sample_rate=Q, steps=STEPS, kind=kind)
+    assert compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind=kind) <= suggested
 
 
 def test_the_suggested_number_of_steps_fits_the_budget():
     with pytest.raises(ValueError) as err:
-        calibrate_noise_multiplier(1e-4, DELTA, Q, STEPS, "pld")
+        calibrate_noise_multiplier(target_epsilon=1e-4, delta=DELTA, sample_rate=Q, steps=STEPS, kind="pld")
     steps = int(_number_after(str(err.value), "train at most"))
     assert 1 <= steps < STEPS
-    sigma = calibrate_noise_multiplier(1e-4, DELTA, Q, steps, "pld")
-    assert compute_epsilon(Q, sigma, steps, DELTA, "pld") <= 1e-4
+    sigma = calibrate_noise_multiplier(target_epsilon=1e-4, delta=DELTA, sample_rate=Q, steps=steps, kind="pld")
+    assert compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=steps, delta=DELTA, kind="pld") <= 1e-4
 
 
 def test_an_epsilon_of_the_order_of_the_coarse_search_grid_still_calibrates():
     # 6e-4 is reachable (sigma = 1e4 spends 5.2e-4), but the coarse 1e-3 grid alone over-reports it.
-    sigma = calibrate_noise_multiplier(6e-4, DELTA, Q, STEPS, "pld")
-    assert 6e-4 * (1 - 1e-3) <= compute_epsilon(Q, sigma, STEPS, DELTA, "pld") <= 6e-4
+    sigma = calibrate_noise_multiplier(target_epsilon=6e-4, delta=DELTA, sample_rate=Q, steps=STEPS, kind="pld")
+    assert 6e-4 * (1 - 1e-3) <= compute_epsilon(
+        sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind="pld"
+    ) <= 6e-4
 
 
 # ------------------------------------------------------------------ deltas the PLD cannot resolve
 def test_a_delta_below_what_the_pld_resolves_is_refused_in_one_line():
     for call in (
-        lambda: calibrate_noise_multiplier(3.0, 1e-300, Q, STEPS, "pld"),
-        lambda: compute_epsilon(Q, 1.0, STEPS, 1e-300, "pld"),  # used to return inf
+        lambda: calibrate_noise_multiplier(target_epsilon=3.0, delta=1e-300, sample_rate=Q, steps=STEPS, kind="pld"),
+        lambda: compute_epsilon(
+            sample_rate=Q, noise_multiplier=1.0, steps=STEPS, delta=1e-300, kind="pld"
+        ),  # used to return inf
     ):
         with pytest.raises(ValueError) as err:
             call()
         _assert_one_line(str(err.value), r"delta=1e-300", r"1e-12", r"1/N", r"1e-5 to 1e-10", "rdp")
-    assert math.isfinite(compute_epsilon(Q, 2.0, 20, 1e-12, "pld"))  # the floor itself works
+    assert math.isfinite(compute_epsilon(
+        sample_rate=Q, noise_multiplier=2.0, steps=20, delta=1e-12, kind="pld"
+    ))  # the floor itself works
 
 
 def test_the_rdp_accountant_calibrates_a_tiny_delta():
-    sigma = calibrate_noise_multiplier(3.0, 1e-300, Q, STEPS, "rdp")
-    assert 3.0 * (1 - 1e-3) <= compute_epsilon(Q, sigma, STEPS, 1e-300, "rdp") <= 3.0
+    sigma = calibrate_noise_multiplier(target_epsilon=3.0, delta=1e-300, sample_rate=Q, steps=STEPS, kind="rdp")
+    assert 3.0 * (1 - 1e-3) <= compute_epsilon(
+        sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=1e-300, kind="rdp"
+    ) <= 3.0
 
 
 # ------------------------------------------------------------------ budgets too large for a fine PLD
 def test_a_budget_beyond_what_a_pld_represents_is_refused_in_one_line():
     with pytest.raises(ValueError) as err:
-        calibrate_noise_multiplier(1e9, DELTA, 0.1, 50, "pld")
+        calibrate_noise_multiplier(target_epsilon=1e9, delta=DELTA, sample_rate=0.1, steps=50, kind="pld")
     patterns = (r"cannot calibrate epsilon=1e\+09", "cannot represent", "noise multiplier 0", "rdp")
     _assert_one_line(str(err.value), *patterns)
-    sigma = calibrate_noise_multiplier(1e9, DELTA, 0.1, 50, "rdp")  # RDP has no grid: it calibrates
-    assert compute_epsilon(0.1, sigma, 50, DELTA, "rdp") <= 1e9
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=1e9, delta=DELTA, sample_rate=0.1, steps=50, kind="rdp"
+    )  # RDP has no grid: it calibrates
+    assert compute_epsilon(sample_rate=0.1, noise_multiplier=sigma, steps=50, delta=DELTA, kind="rdp") <= 1e9
 
 
 def test_too_little_noise_for_the_pld_raises_one_line_instead_of_allocating():
     with pytest.raises(PLDRangeError) as err:
-        compute_epsilon(256 / 60000, 0.001, 14062, DELTA, "pld")
+        compute_epsilon(sample_rate=256 / 60000, noise_multiplier=0.001, steps=14062, delta=DELTA, kind="pld")
     _assert_one_line(str(err.value), "noise multiplier 0.001", "more noise", "rdp", "non-private")
 
 
 def test_a_coarsened_grid_is_still_an_upper_bound(monkeypatch: pytest.MonkeyPatch):
     history = (AccountingSegment(0.01, 1.0, 100),)
-    fine = compute_epsilon(0.01, 1.0, 100, DELTA, "pld")
+    fine = compute_epsilon(sample_rate=0.01, noise_multiplier=1.0, steps=100, delta=DELTA, kind="pld")
     monkeypatch.setattr(accountant_module, "PLD_MAX_STEP_POINTS", 2**10)
     monkeypatch.setattr(accountant_module, "PLD_MAX_COMPOSED_POINTS", 2**12)
     accountant_module._cached_epsilon.cache_clear()  # cached per requested grid, not per grid used
     try:
         assert pld_grid(history) >= 8 * PLD_VALUE_DISCRETIZATION
-        coarse = compute_epsilon(0.01, 1.0, 100, DELTA, "pld")
+        coarse = compute_epsilon(sample_rate=0.01, noise_multiplier=1.0, steps=100, delta=DELTA, kind="pld")
         accountant = PrivacyAccountant("pld")
-        accountant.step(0.01, 1.0, 100)
+        accountant.step(sample_rate=0.01, noise_multiplier=1.0, num_steps=100)
         assert accountant.delta(coarse) <= DELTA * (1 + 1e-9)  # delta() uses the same grid
     finally:
         accountant_module._cached_epsilon.cache_clear()
@@ -198,7 +208,9 @@ def test_dpscale_account_calibrates_a_huge_epsilon_within_budget(capsys, kind):
     result = json.loads(capsys.readouterr().out)
     sigma = result["noise_multiplier"]
     assert 1e6 * (1 - 1e-3) <= result["epsilon"] <= 1e6 and sigma > 0
-    assert compute_epsilon(0.1, sigma, 50, DELTA, kind) == result["epsilon"]
+    assert compute_epsilon(
+        sample_rate=0.1, noise_multiplier=sigma, steps=50, delta=DELTA, kind=kind
+    ) == result["epsilon"]
     if kind == "pld":  # the 1e-4 grid would need ~2e10 points here (the sentinel allows 4e6)
         assert pld_grid((AccountingSegment(0.1, sigma, 50),)) > 1000 * PLD_VALUE_DISCRETIZATION
 

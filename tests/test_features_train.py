@@ -34,8 +34,10 @@ def test_datanorm_run_spends_its_budget_on_both_releases(tmp_path):
     assert trainer.epsilon() > 0  # the statistics are released before the first step
     summary = trainer.run()
     q, sigma = 500 / 4000, summary["noise_multiplier"]
-    alone = compute_epsilon(q, sigma, 16, 1e-5, "rdp")
-    composed = compute_epsilon(q, sigma, 16, 1e-5, "rdp", releases=(release,))
+    alone = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=16, delta=1e-5, kind="rdp")
+    composed = compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=16, delta=1e-5, kind="rdp", releases=(release,)
+    )
     assert summary["epsilon"] == pytest.approx(composed) and alone < composed <= 3.0
     assert set(summary["epsilon_parts"]) == {"data-norm", "dp-sgd"}
     assert summary["feature_normalization"] == "datanorm" and summary["features"] == "scatternet"

@@ -66,7 +66,7 @@ def test_a_non_private_source_on_the_same_data_is_refused(baseline, tmp_path, ca
 
 def test_a_declared_public_source_is_left_out_and_every_output_says_so(baseline, tmp_path):
     summary = Trainer.create(_target(tmp_path / "public", baseline, "model.init_public=true"), progress=False).run()
-    alone = compute_epsilon(B / N, summary["noise_multiplier"], STEPS, DELTA)
+    alone = compute_epsilon(sample_rate=B / N, noise_multiplier=summary["noise_multiplier"], steps=STEPS, delta=DELTA)
     assert summary["epsilon"] == pytest.approx(alone, rel=1e-9) and summary["epsilon_parts"] is None
     [note] = summary["guarantee_caveats"]
     assert note.startswith(f"model.init_public: the init run {baseline} trained on this run's training data")
@@ -84,9 +84,13 @@ def test_a_private_source_on_the_same_data_is_composed_into_epsilon(private_sour
     assert [s.label for s in history] == ["dp-sgd"] and history[0].steps == 2
     # the whole history of the source, then this run's steps, composed by the accountant from scratch
     sigma = summary["noise_multiplier"]
-    expected = compute_epsilon(B / N, sigma, STEPS, DELTA, "pld", releases=tuple(history))
+    expected = compute_epsilon(
+        sample_rate=B / N, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind="pld", releases=tuple(history)
+    )
     assert summary["epsilon"] == pytest.approx(expected, rel=1e-9)
-    assert summary["epsilon"] > compute_epsilon(B / N, sigma, STEPS, DELTA)  # before: this run alone
+    assert summary["epsilon"] > compute_epsilon(
+        sample_rate=B / N, noise_multiplier=sigma, steps=STEPS, delta=DELTA
+    )  # before: this run alone
     assert 3 * (1 - 1e-3) <= summary["epsilon"] <= 3.0  # sigma calibrated for the composition
     assert set(summary["epsilon_parts"]) == {"init-run:dp-sgd", "dp-sgd"}
     assert summary["privacy_status"].endswith("(composed with the init run)")
@@ -104,7 +108,9 @@ def test_a_source_on_other_data_is_said_not_composed(tmp_path):
     [note] = summary["guarantee_caveats"]  # before: none (a privacy warning assumed the source public)
     assert note.startswith(f"the init run {source} trained on other data (its data fingerprint differs)")
     assert "overlapping subset is not detected" in note
-    assert summary["epsilon"] == pytest.approx(compute_epsilon(B / N, summary["noise_multiplier"], STEPS, DELTA))
+    assert summary["epsilon"] == pytest.approx(compute_epsilon(
+        sample_rate=B / N, noise_multiplier=summary["noise_multiplier"], steps=STEPS, delta=DELTA
+    ))
     assert trainer.plan.init_run.case == "other data" and trainer.plan.releases == ()
 
 

@@ -67,7 +67,7 @@ def test_poisson_pure_dp_gives_theorem_6():
 
 def test_tuned_epsilon_of_a_dp_sgd_run():
     history = (AccountingSegment(0.05, 1.1, 500, "dp-sgd"),)
-    alone = compute_epsilon(0.05, 1.1, 500, 1e-5, kind="rdp")
+    alone = compute_epsilon(sample_rate=0.05, noise_multiplier=1.1, steps=500, delta=1e-5, kind="rdp")
     # one run for sure (mean 1): Theorem 2 still charges (1 + eta) min (1 - 1/lam) eps(lam), a few percent here
     assert alone < tuned_epsilon(history, 1e-5, TuningDistribution("geometric", 1.0)) < 1.05 * alone
     costs = [tuned_epsilon(history, 1e-5, TuningDistribution(kind, mean)) for kind, mean in (("logarithmic", 10), ("geometric", 10), ("poisson", 10))]

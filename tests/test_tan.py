@@ -78,7 +78,9 @@ def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
     assert sim.simulation.epsilon == reference.epsilon
     assert sim.simulation.noise_multiplier == reference.noise_multiplier
     assert sim.simulation.batch_size == 4096
-    assert sim.epsilon == pytest.approx(compute_epsilon(sim.sample_rate, sim.noise_multiplier, steps, 1e-5, "rdp"))
+    assert sim.epsilon == pytest.approx(compute_epsilon(
+        sample_rate=sim.sample_rate, noise_multiplier=sim.noise_multiplier, steps=steps, delta=1e-5, kind="rdp"
+    ))
     assert sim.epsilon > 2 * reference.epsilon
     assert sim.reference_epsilon(steps) == pytest.approx(reference.epsilon, rel=1e-9)
     notes = " ".join(sim.caveats())

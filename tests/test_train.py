@@ -122,7 +122,9 @@ def test_run_outputs_and_epsilon_accounting(tmp_path):
         assert key in summary
     # The reported epsilon is what an independent recomputation of the same mechanism gives,
     # and never more than the target.
-    independent = compute_epsilon(128 / 4000, summary["noise_multiplier"], 24, 1e-5, "pld")
+    independent = compute_epsilon(
+        sample_rate=128 / 4000, noise_multiplier=summary["noise_multiplier"], steps=24, delta=1e-5, kind="pld"
+    )
     assert summary["epsilon"] == pytest.approx(independent, rel=1e-9)
     assert 4 * (1 - 1e-3) <= summary["epsilon"] <= 4.0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -252,7 +254,9 @@ def test_papernot_preset_runs_on_shared_mnist(tmp_path):
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["dataset_size"] == 8000 and summary["steps"] == round(2 * 8000 / 256)
     assert summary["test_accuracy"] > 0.3  # 62 steps at lr 0.15: well above chance (0.1), far from done
-    assert summary["epsilon"] == pytest.approx(compute_epsilon(256 / 8000, 1.1, summary["steps"], 1e-5, "rdp"))
+    assert summary["epsilon"] == pytest.approx(compute_epsilon(
+        sample_rate=256 / 8000, noise_multiplier=1.1, steps=summary["steps"], delta=1e-5, kind="rdp"
+    ))
 
 
 def test_unseeded_runs_draw_secret_noise(tmp_path):

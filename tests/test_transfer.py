@@ -188,7 +188,7 @@ def test_meanvar_composes_the_seed_runs_epsilon(private_seed, tmp_path):
     for segment in PrivacyAccountant.from_state_dict(seed_history).history:
         reference.record(replace(segment, label=f"init-seed-run:{segment.label}"))
     for _ in range(trainer.step):
-        reference.step(trainer.plan.sample_rate, trainer.plan.noise_multiplier)
+        reference.step(sample_rate=trainer.plan.sample_rate, noise_multiplier=trainer.plan.noise_multiplier)
     assert summary["epsilon"] == pytest.approx(reference.epsilon(trainer.plan.delta), rel=1e-12)
     alone = json.loads((private_seed / "summary.json").read_text())["epsilon"]
     assert summary["epsilon"] > alone and "init-seed-run:dp-sgd" in summary["epsilon_parts"]

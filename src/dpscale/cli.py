@@ -168,7 +168,10 @@ def _cmd_account(args: argparse.Namespace) -> int:
     if args.noise is not None and args.target_epsilon is not None and not have_length:
         solved = "steps"
         sigma = args.noise
-        steps = calibrate_steps(args.target_epsilon, args.delta, q, sigma, args.accountant, releases=releases)
+        steps = calibrate_steps(
+            target_epsilon=args.target_epsilon, delta=args.delta, sample_rate=q, noise_multiplier=sigma,
+            kind=args.accountant, releases=releases,
+        )  # fmt: skip
         if steps == 0:
             raise ConfigError(f"not even one step fits in epsilon={args.target_epsilon} with noise {sigma}")
     elif not have_length:
@@ -181,15 +184,17 @@ def _cmd_account(args: argparse.Namespace) -> int:
             solved = "noise_multiplier"
             try:
                 sigma = calibrate_noise_multiplier(
-                    args.target_epsilon, args.delta, q, steps, args.accountant, releases=releases
-                )
+                    target_epsilon=args.target_epsilon, delta=args.delta, sample_rate=q, steps=steps,
+                    kind=args.accountant, releases=releases,
+                )  # fmt: skip
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-    epsilon = compute_epsilon(q, sigma, steps, args.delta, args.accountant, releases=releases)
+    mechanism = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, "delta": args.delta, "kind": args.accountant}
+    epsilon = compute_epsilon(**mechanism, releases=releases)
     tan = eps_tan(q, sigma, steps, args.delta)
     wall_warning = None
     if sigma < PRIVACY_WALL_SIGMA:  # compare the DP-SGD steps alone with eps_TAN
-        alone = epsilon if not releases else compute_epsilon(q, sigma, steps, args.delta, args.accountant)
+        alone = epsilon if not releases else compute_epsilon(**mechanism)
         wall_warning = privacy_wall_warning(alone, sigma, tan)
     result = {
         "epsilon": epsilon,

@@ -290,6 +290,7 @@ def _check_kind(kind: str) -> None:
 
 
 def compute_epsilon(
+    *,
     sample_rate: float,
     noise_multiplier: float,
     steps: int,
@@ -300,6 +301,9 @@ def compute_epsilon(
 ) -> float:
     """Epsilon of ``steps`` DP-SGD steps (Poisson sampling, add/remove adjacency), composed
     with any one-off ``releases`` made before training.
+
+    Every argument is keyword-only: q, sigma, steps and delta are all numbers, so a call that
+    swaps two of them by position would return a plausible but wrong epsilon.
 
     Args:
         sample_rate: q = B / N.
@@ -316,7 +320,7 @@ def compute_epsilon(
     accountant = PrivacyAccountant(kind, pld_discretization)
     for release in releases:
         accountant.record(release)
-    accountant.step(sample_rate, noise_multiplier, steps)
+    accountant.step(sample_rate=sample_rate, noise_multiplier=noise_multiplier, num_steps=steps)
     return accountant.epsilon(delta)
 
 
@@ -374,8 +378,14 @@ class PrivacyAccountant:
         """The one-off releases recorded (everything that is not a DP-SGD step)."""
         return tuple(s for s in self._segments if s.label != DP_SGD)
 
-    def step(self, sample_rate: float, noise_multiplier: float, num_steps: int = 1) -> None:
-        """Record ``num_steps`` steps run with sampling rate q and noise multiplier sigma."""
+    def step(self, *, sample_rate: float, noise_multiplier: float, num_steps: int = 1) -> None:
+        """Record ``num_steps`` steps run with sampling rate q and noise multiplier sigma.
+
+        Args:
+            sample_rate: Poisson sampling rate q = B / N, in (0, 1].
+            noise_multiplier: sigma (noise std / clipping norm), > 0.
+            num_steps: how many such steps ran, >= 0.
+        """
         self.record(AccountingSegment(float(sample_rate), float(noise_multiplier), int(num_steps)))
 
     def record(self, segment: AccountingSegment) -> None:

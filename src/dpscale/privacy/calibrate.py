@@ -44,6 +44,7 @@ def _interpolate(lo: float, f_lo: float, hi: float, f_hi: float) -> float:
 
 
 def calibrate_noise_multiplier(
+    *,
     target_epsilon: float,
     delta: float,
     sample_rate: float,
@@ -53,7 +54,8 @@ def calibrate_noise_multiplier(
     releases: tuple[AccountingSegment, ...] = (),
 ) -> float:
     """Noise multiplier sigma so that ``steps`` DP-SGD steps cost at most ``target_epsilon``,
-    together with ``releases`` (e.g. private Data Normalization) when given.
+    together with ``releases`` (e.g. private Data Normalization) when given. Keyword-only
+    arguments, like ``compute_epsilon``'s: the privacy numbers have no natural order.
 
     Args:
         target_epsilon: epsilon budget, > 0.
@@ -80,7 +82,10 @@ def calibrate_noise_multiplier(
     _check_releases_fit(target_epsilon, delta, kind, releases)
 
     def epsilon_fn(discretization: float) -> Callable[[float], float]:
-        return lambda sigma: compute_epsilon(sample_rate, sigma, steps, delta, kind, discretization, releases)
+        return lambda sigma: compute_epsilon(
+            sample_rate=sample_rate, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind,
+            pld_discretization=discretization, releases=releases,
+        )  # fmt: skip
 
     # Beyond the cap the answer is refused anyway: start there (one evaluation to find out).
     guess = min(_tan_sigma_guess(target_epsilon, delta, sample_rate, steps), MAX_NOISE_MULTIPLIER)
@@ -93,7 +98,10 @@ def calibrate_noise_multiplier(
         return _solve_sigma(epsilon_fn(PLD_VALUE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol)
     except _OutOfRange:
         def at_cap(num_steps: int) -> float:
-            return compute_epsilon(sample_rate, MAX_NOISE_MULTIPLIER, num_steps, delta, kind, releases=releases)
+            return compute_epsilon(
+                sample_rate=sample_rate, noise_multiplier=MAX_NOISE_MULTIPLIER, steps=num_steps, delta=delta,
+                kind=kind, releases=releases,
+            )  # fmt: skip
 
         raise ValueError(_unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)) from None
     except _BeyondPLD as err:
@@ -294,6 +302,7 @@ def _bracket(
 
 
 def calibrate_steps(
+    *,
     target_epsilon: float,
     delta: float,
     sample_rate: float,
@@ -302,7 +311,8 @@ def calibrate_steps(
     max_steps: int = 10**8,
     releases: tuple[AccountingSegment, ...] = (),
 ) -> int:
-    """Largest number of steps whose epsilon (with ``releases``) stays at most ``target_epsilon``.
+    """Largest number of steps whose epsilon (with ``releases``) stays at most ``target_epsilon``
+    (keyword-only arguments, like ``compute_epsilon``'s).
 
     Args:
         target_epsilon: epsilon budget, > 0.
@@ -323,7 +333,10 @@ def calibrate_steps(
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget
             try:
-                eps = compute_epsilon(sample_rate, noise_multiplier, steps, delta, kind, discretization, releases)
+                eps = compute_epsilon(
+                    sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, delta=delta,
+                    kind=kind, pld_discretization=discretization, releases=releases,
+                )  # fmt: skip
             except PLDRangeError:  # so many steps at so little noise that epsilon is astronomical
                 return math.inf
             return math.log(eps) - log_target if eps > 0 else -math.inf
@@ -340,7 +353,10 @@ def calibrate_steps(
     if kind == "pld":
         # RDP is a valid (looser) bound and ~50x cheaper than PLD at millions of steps: if it
         # already certifies max_steps we are done, else its answer is a lower bound to start from.
-        rdp_steps = calibrate_steps(target_epsilon, delta, sample_rate, noise_multiplier, "rdp", max_steps, releases)
+        rdp_steps = calibrate_steps(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
+            kind="rdp", max_steps=max_steps, releases=releases,
+        )  # fmt: skip
         if rdp_steps >= max_steps:
             return max_steps
         guess = max(1, _search_steps(f_at(PLD_COARSE_DISCRETIZATION), max(guess, rdp_steps), max_steps, growth=1.5))

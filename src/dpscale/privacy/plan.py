@@ -268,8 +268,9 @@ class DPPlan:
             raise ValueError("not a TAN simulation")
         sim = self.simulation
         return compute_epsilon(
-            sim.sample_rate, sim.noise_multiplier, steps, self.delta, self.accountant, releases=self.releases
-        )
+            sample_rate=sim.sample_rate, noise_multiplier=sim.noise_multiplier, steps=steps, delta=self.delta,
+            kind=self.accountant, releases=self.releases,
+        )  # fmt: skip
 
     def wall_warning(self) -> str | None:
         """The privacy-wall warning for the DP-SGD steps (of the reference run, for a simulation), or None."""
@@ -282,7 +283,9 @@ class DPPlan:
         if sim is None and not self.releases:
             epsilon = self.epsilon
         else:  # eps_TAN describes the DP-SGD steps alone
-            epsilon = compute_epsilon(q, sigma, self.steps, self.delta, self.accountant)
+            epsilon = compute_epsilon(
+                sample_rate=q, noise_multiplier=sigma, steps=self.steps, delta=self.delta, kind=self.accountant
+            )
         warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, self.steps, self.delta))
         return f"reference run: {warning}" if warning and sim else warning
 
@@ -542,7 +545,11 @@ def make_dp_plan(
     q = batch_size / dataset_size
     releases = tuple(releases)
     sigma, calibrated = _noise_for(target_epsilon, noise_multiplier, delta, q, steps, accountant, releases)
-    epsilon = compute_epsilon(q, sigma, steps, delta, accountant, releases=releases) if sigma > 0 else math.inf
+    epsilon = math.inf
+    if sigma > 0:
+        epsilon = compute_epsilon(
+            sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=accountant, releases=releases
+        )
     if sigma > 0 and target_epsilon is not None and epsilon > target_epsilon:
         what = " with " + ", ".join(r.label for r in releases) if releases else ""
         raise ConfigError(
@@ -583,7 +590,10 @@ def _noise_for(
     if noise_multiplier is not None:
         return float(noise_multiplier), False
     try:
-        return calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, releases=releases), True
+        sigma = calibrate_noise_multiplier(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps, kind=accountant, releases=releases
+        )
+        return sigma, True
     except ValueError as err:
         raise ConfigError(f"{err}{_source_run_hint(releases)}") from None
 
@@ -623,7 +633,10 @@ def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:
         )
     sigma = simulated_noise_multiplier(reference.noise_multiplier, reference.batch_size, batch_size)
     q = batch_size / reference.dataset_size
-    own = compute_epsilon(q, sigma, reference.steps, reference.delta, SIMULATION_OWN_ACCOUNTANT, releases=reference.releases)
+    own = compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=reference.steps, delta=reference.delta,
+        kind=SIMULATION_OWN_ACCOUNTANT, releases=reference.releases,
+    )  # fmt: skip
     return replace(
         reference,
         batch_size=batch_size,

@@ -214,7 +214,7 @@ class DPMechanism:
         if self.scheduler is not None:
             self.scheduler.step()
         if self.plan.is_private:
-            self.accountant.step(self.plan.sample_rate, self.plan.noise_multiplier)
+            self.accountant.step(sample_rate=self.plan.sample_rate, noise_multiplier=self.plan.noise_multiplier)
         self.steps_taken += 1
         return stats
 

@@ -51,7 +51,10 @@ def privacy_search_table(
                 batch_size=pair.batch_size,
                 steps=pair.steps,
                 noise_multiplier=pair.noise_multiplier,
-                epsilon=compute_epsilon(pair.sample_rate, pair.noise_multiplier, pair.steps, delta, accountant),
+                epsilon=compute_epsilon(
+                    sample_rate=pair.sample_rate, noise_multiplier=pair.noise_multiplier, steps=pair.steps,
+                    delta=delta, kind=accountant,
+                ),
                 eps_tan=eps_tan_from_eta(pair.eta, delta),
                 lr_scale=pair.lr_scale,
                 steps_factor=pair.steps_factor,
@@ -96,7 +99,7 @@ def wall_table(
     target = eps_tan_from_eta(eta, delta)
     for steps in steps_list:
         for sigma, q in wall_curve_points(eta, steps, noise_multipliers):
-            epsilon = compute_epsilon(q, sigma, steps, delta, accountant)
+            epsilon = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=accountant)
             rows.append(WallRow(noise_multiplier=sigma, steps=steps, sample_rate=q, epsilon=epsilon, eps_tan=target))
     return rows
 
@@ -148,7 +151,9 @@ def data_size_table(
                 dataset_size=n,
                 sample_rate=q,
                 delta=row_delta,
-                epsilon=compute_epsilon(q, noise_multiplier, steps, row_delta, accountant),
+                epsilon=compute_epsilon(
+                    sample_rate=q, noise_multiplier=noise_multiplier, steps=steps, delta=row_delta, kind=accountant
+                ),
                 eps_tan=eps_tan(q, noise_multiplier, steps, row_delta),
                 eta=eta,
                 global_snr=n * eta if math.isfinite(eta) else math.inf,
