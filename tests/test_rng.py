@@ -16,13 +16,14 @@ import pytest
 import torch
 from scipy import stats
 
+from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.features.normalize import private_channel_mean
 from dpscale.privacy.noise import add_gaussian_noise
 from dpscale.rng import DPRandom, derive_seed, is_dprandom_state, words_to_int
-from dpscale.train.checkpoint import load_checkpoint, save_checkpoint
 from dpscale.train.distributed import rank_stream_seed
-from dpscale.train.loop import Trainer, _seeds
+from dpscale.train.loop import Trainer
+from dpscale.train.mechanism import run_seeds
 from test_train import small_config
 
 HIGH_BITS = [2**32, 2 * 2**32, 2**32 * 2**32]  # k * 2^32 for k = 1, 2, 2^32
@@ -55,7 +56,7 @@ def test_every_bit_of_a_128_bit_seed_counts():
 
 @pytest.mark.parametrize("offset", HIGH_BITS)
 def test_trainer_seeds_give_128_bit_privacy_streams(offset):
-    a, b = _seeds(7), _seeds(7 + offset)
+    a, b = run_seeds(7), run_seeds(7 + offset)
     for stream in ("noise", "sampler", "features"):
         assert a[stream] != b[stream]
         assert not torch.equal(DPRandom(a[stream]).normal((32,)), DPRandom(b[stream]).normal((32,)))
@@ -64,7 +65,7 @@ def test_trainer_seeds_give_128_bit_privacy_streams(offset):
             make_sampler("poisson", 3000, 300, DPRandom(b[stream])).sample(),
         )
     # fresh runs: 128-bit seeds (each below 2^64 with probability 2^-64)
-    fresh = _seeds(None)
+    fresh = run_seeds(None)
     assert all(2**64 <= fresh[s] < 2**128 for s in ("noise", "sampler", "features"))
     assert len({fresh[s] for s in ("noise", "sampler", "features")}) == 3
     # the torch streams (init, augmentation) keep their 64-bit seeds of before
@@ -73,7 +74,7 @@ def test_trainer_seeds_give_128_bit_privacy_streams(offset):
 
 
 def test_rank_streams_are_128_bit_and_distinct():
-    base = _seeds(3)["sampler"]
+    base = run_seeds(3)["sampler"]
     assert rank_stream_seed(base, 0, 1, 0) == base  # one process from step 0: the run's own stream
     derived = [rank_stream_seed(base, r, p, s) for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]]
     assert len(set(derived) | {base}) == 5 and all(d < 2**128 for d in derived)
@@ -249,7 +250,7 @@ def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, c
     assert resumed.step == 3 and resumed.accountant.steps == 3
     # fresh, derived from run.seed and the step: neither the step-0 streams nor the continued ones
     current = Trainer.resume(tmp_path / "current", progress=False)
-    seeds = _seeds(0)
+    seeds = run_seeds(0)
     for stream, rng in (("noise", resumed.noise_generator), ("sampler", resumed.sampler.generator)):
         assert rng.state_dict() != DPRandom(seeds[stream]).state_dict()
     assert resumed.noise_generator.state_dict() != current.noise_generator.state_dict()

@@ -23,7 +23,7 @@ from dpscale.config import Config, ConfigError, is_private_config
 from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
 from dpscale.privacy.per_example import ClippedSumMixin, Params, PerExampleEngine, per_example_cross_entropy
 from dpscale.rng import DPRandom
-from dpscale.train.rundir import AUDIT_NAME
+from dpscale.runs import AUDIT_NAME
 
 
 @dataclass(frozen=True)

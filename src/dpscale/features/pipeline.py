@@ -14,12 +14,13 @@ from typing import Callable
 
 import torch
 
-from dpscale.config import ConfigError, FeaturesConfig
+from dpscale.config import FeaturesConfig
 from dpscale.data import ImageDataset
+from dpscale.errors import ConfigError
 from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
 from dpscale.features.normalize import DATA_NORM, FeatureNormalizer, data_norm_release, private_data_norm
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.plan import DPPlan, ExtractorPrivacy
+from dpscale.privacy.plan import DPPlan, SourceRunPrivacy
 from dpscale.rng import DPRandom
 
 
@@ -46,7 +47,7 @@ def extract_run_features(
             device=device,
         )
     except ValueError as err:
-        raise ConfigError(f"features.extractor={features.extractor!r}: {err}") from None
+        raise ConfigError(f"features.extractor={features.extractor!r}: {err}") from err
     extracted, _ = load_or_extract(
         extractor,
         data,
@@ -74,7 +75,7 @@ def feature_releases(features: FeaturesConfig) -> tuple[AccountingSegment, ...]:
 
 def extractor_privacy(
     features: FeaturesConfig, fingerprint_as: Callable[[bool], str], private: bool = True
-) -> tuple[ExtractorPrivacy | None, tuple[AccountingSegment, ...]]:
+) -> tuple[SourceRunPrivacy | None, tuple[AccountingSegment, ...]]:
     """How the run behind a ``checkpoint:`` extractor enters this run's guarantee, and the
     releases its training made that the DP plan must compose ("extractor-run:<label>"; see
     ``dpscale.features.extract.source_run_privacy``, unless ``features.extractor_public``).

@@ -183,11 +183,11 @@ def parse_simplevgg(spec: str) -> tuple[list[tuple[int, int]], int]:
                 raise ValueError(part)
             blocks.append((int(width), int(rest[:-1])))
         fc = int(parts[-1])
-    except ValueError:
+    except ValueError as err:
         raise ValueError(
             f"bad simpleVGG spec {spec!r}; expected blocks width(convs) then the fc width, "
             "e.g. simplevgg-32(2)-64(2)-128(2)-128"
-        ) from None
+        ) from err
     if not blocks or any(w < 1 or n < 1 for w, n in blocks) or fc < 1:
         raise ValueError(f"bad simpleVGG spec {spec!r}: needs at least one block and positive sizes")
     return blocks, fc

@@ -20,11 +20,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpscale._io import CHECKPOINT_NAME, load_checkpoint
+from dpscale._io import load_checkpoint
 from dpscale.errors import ConfigError
 from dpscale.features.extract import source_run_privacy
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import SourceRunPrivacy
+from dpscale.runs import CHECKPOINT_NAME, is_run_dir
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def read_weights(source: str) -> dict[str, torch.Tensor]:
         try:
             import timm  # noqa: PLC0415 - optional; does not import on the CPU torch of CI
         except Exception as err:  # noqa: BLE001 - any import failure: say so
-            raise ConfigError(f"model.init={source}: timm does not import here ({type(err).__name__}: {err})") from None
+            raise ConfigError(f"model.init={source}: timm does not import here ({type(err).__name__}: {err})") from err
         return timm.create_model(source[len("timm:") :], pretrained=True).state_dict()
     path = Path(source)
     if path.is_dir():
@@ -75,7 +76,7 @@ def _run_directory(source: str) -> Path | None:
     """The dpscale run directory ``source`` names (it, or its checkpoint.pt), else None."""
     path = Path(source).expanduser()
     run_dir = path if path.is_dir() else path.parent if path.name == CHECKPOINT_NAME else None
-    return run_dir if run_dir is not None and (run_dir / "config.yaml").is_file() else None
+    return run_dir if run_dir is not None and is_run_dir(run_dir) else None
 
 
 def init_privacy(

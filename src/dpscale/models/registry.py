@@ -53,7 +53,7 @@ def _timm_builder(
     try:
         import timm
     except Exception as err:  # ImportError, or a binary mismatch with this torch build
-        raise ValueError(f"timm:{spec} needs the timm package, which does not import here ({err})") from None
+        raise ValueError(f"timm:{spec} needs the timm package, which does not import here ({err})") from err
     return timm.create_model(spec, num_classes=num_classes, in_chans=input_shape[0], **options)
 
 

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dpscale.config import ConfigError, load_config
-from dpscale.train.checkpoint import atomic_write_text
+from dpscale._io import atomic_write_text
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.train.metrics import json_safe
 from dpscale.tune import TUNING_CAVEAT
 from dpscale.tune.sweep import PointResult, Sweep, SweepSpec, display_value

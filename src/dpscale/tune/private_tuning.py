@@ -23,12 +23,13 @@ import numpy as np
 import torch
 
 from dpscale._io import atomic_write_bytes, atomic_write_text
-from dpscale.config import ConfigError, save_config
+from dpscale.config import save_config
+from dpscale.errors import ConfigError
 from dpscale.features.extract import read_source_run
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.tuning import TuningDistribution, parse_tuning_distribution, tuned_epsilon
+from dpscale.runs import CONFIG_NAME, read_run
 from dpscale.train.metrics import json_safe
-from dpscale.train.rundir import read_run
 
 # Grid keys that change a run's privacy cost (q, sigma, steps, N, releases): the bound needs one
 # RDP curve for every candidate. dp.max_grad_norm scales the noise with C and costs nothing.
@@ -43,7 +44,7 @@ TEST_METRICS = ("test_accuracy", "test_loss", "test_accuracy_ema", "test_accurac
 RELEASED_DIR = "released"
 RELEASE_NAME = "release.json"
 RELEASED_MODEL = "model.pt"
-RELEASED_CONFIG = "config.yaml"
+RELEASED_CONFIG = CONFIG_NAME  # named as in a run directory
 # The checkpoint entries a user of the model needs; never the RNG states, optimizer or sampler.
 RELEASED_STATE = ("model", "ema", "feature_norm")
 
@@ -63,7 +64,7 @@ def tuning_from_text(text: str, grid_keys: list[str]) -> TuningDistribution:
     try:
         tuning = parse_tuning_distribution(text)
     except ValueError as err:
-        raise ConfigError(f"--private-tuning: {err}") from None
+        raise ConfigError(f"--private-tuning: {err}") from err
     costly = [k for k in grid_keys if k.startswith(COST_KEYS) and k not in FREE_KEYS]
     if costly:
         raise ConfigError(

@@ -265,12 +265,11 @@ def fit_sweep(
 def _setting(run_dir: str) -> str | None:
     """The run's config apart from what a law's runs may differ in (simulated B, the run section:
     seed, directory, threads, device); None when the directory has no config.yaml."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return None
-    from dpscale.config import load_config
+    from dpscale.runs import is_run_dir, read_run_config  # local: fitting a law needs no torch
 
-    values = load_config(path).to_dict()  # one-line errors for a malformed file, defaults filled in
+    if not is_run_dir(run_dir):
+        return None
+    values = read_run_config(run_dir).to_dict()  # one-line errors for a malformed file, defaults filled in
     values["dp"].pop("simulated_batch_size", None)
     values.pop("run", None)
     return json_key(values)

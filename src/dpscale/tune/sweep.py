@@ -23,10 +23,11 @@ from typing import Any, Callable
 
 import yaml
 
-from dpscale.config import Config, ConfigError, is_private_config, load_config
-from dpscale.train.checkpoint import CHECKPOINT_NAME, atomic_write_text
+from dpscale._io import atomic_write_text
+from dpscale.config import Config, is_private_config, load_config
+from dpscale.errors import ConfigError
+from dpscale.runs import CONFIG_NAME, METRICS_NAME, holds_checkpoint, read_summary
 from dpscale.train.loop import Trainer
-from dpscale.train.rundir import CONFIG_NAME, METRICS_NAME, SUMMARY_NAME
 from dpscale.train.metrics import json_safe
 from dpscale.privacy.tuning import TuningDistribution
 from dpscale.tune import TUNING_CAVEAT
@@ -236,7 +237,7 @@ class Sweep:
         try:
             config = load_config(self.spec.config, overrides)
         except ConfigError as err:
-            raise ConfigError(f"sweep point {point_name(index, point)}: {err}") from None
+            raise ConfigError(f"sweep point {point_name(index, point)}: {err}") from err
         run = replace(config.run, out_dir=str(self.out_dir / "runs" / point_name(index, point, trial)))
         if trial and run.seed is not None:  # each trial is a separate run with its own randomness
             run = replace(run, seed=run.seed + index)
@@ -267,8 +268,9 @@ class Sweep:
     def _earlier_result(self, index: int, name: str, point: dict[str, Any], run_dir: Path) -> PointResult | None:
         """A point's result from an earlier invocation: finished, or (private tuning) failed for
         good: a trial is never run twice, or more than K runs would have been made."""
-        if (run_dir / SUMMARY_NAME).exists():
-            return PointResult(index, name, point, str(run_dir), "done", json.loads((run_dir / SUMMARY_NAME).read_text()))
+        summary = read_summary(run_dir)
+        if summary is not None:
+            return PointResult(index, name, point, str(run_dir), "done", summary)
         if self.tuning is not None and (run_dir / TRIAL_FAILED_NAME).exists():
             error = json.loads((run_dir / TRIAL_FAILED_NAME).read_text())["error"]
             return PointResult(index, name, point, str(run_dir), "failed", error=error)
@@ -278,10 +280,10 @@ class Sweep:
         run_dir = Path(config.run.out_dir)
         result = PointResult(index, name, point, str(run_dir), "done")
         try:
-            if (run_dir / SUMMARY_NAME).exists():
-                result.summary = json.loads((run_dir / SUMMARY_NAME).read_text())
+            result.summary = read_summary(run_dir)
+            if result.summary is not None:
                 return result
-            if (run_dir / CHECKPOINT_NAME).exists():
+            if holds_checkpoint(run_dir):  # checkpoint.pt, or only the previous one kept: resume falls back on it
                 trainer = Trainer.resume(run_dir, progress=self.progress)
             else:
                 # A run that died before its first checkpoint left only its config (and maybe a
