@@ -10,28 +10,20 @@ largest relative error of the per-example norms and of the clipped sum (relative
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
 
 from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import per_example_cross_entropy, trainable_params
+from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import make_precision
-from dpscale.privacy.self_check import reference_clipped_sum
-
-
-def float64_reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) -> tuple[dict, torch.Tensor]:
-    """Clipped sum and norms of a float64 copy of ``model``, one backward per example."""
-    ref = copy.deepcopy(model).double()
-    names = [n for n, p in ref.named_parameters() if p.requires_grad]
-    total, norms, _ = reference_clipped_sum(ref, names, (x.double(), y), clip, per_example_cross_entropy, views=1)
-    return total, norms
+from dpscale.privacy.reference import float64_reference
 
 
 def errors(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, engine: str, precision: str, clip: float) -> tuple[float, float]:
     """(largest relative norm error, relative error of the clipped sum) of one engine."""
-    want, want_norms = float64_reference(model, x, y, clip)
+    reference = float64_reference(model, (x, y), clip)  # a float64 copy, one backward per example
+    want, want_norms = reference.clipped_sum, reference.norms
     run, _ = make_engine(engine, clip, model, precision=make_precision(precision))
     got, norms = run.per_example_clipped_sum(model, trainable_params(model), (x, y))
     norm_error = float(((norms.double() - want_norms).abs() / want_norms).max())

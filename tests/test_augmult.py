@@ -1,15 +1,14 @@
 """Augmentation multiplicity (TAN eq. 5): each example's gradient is the mean of its K views'
 gradients, clipped once. Checked against a float64 per-example loop for every engine."""
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 from dpscale.models import build_model, default_input_shape, list_models
 from dpscale.privacy.engines import make_engine, supported_engines
-from dpscale.privacy.per_example import clip_factors, tolerance_for, trainable_params
+from dpscale.privacy.per_example import tolerance_for, trainable_params
+from dpscale.privacy.reference import float64_reference
 from test_engines import engines_besides_auto
 
 # Small inputs keep the loop fast; every registered family is covered (conv, linear, GroupNorm,
@@ -31,38 +30,20 @@ FLOAT32_RTOL = tolerance_for(torch.float32)
 
 def float64_augmult_reference(model, x, y, max_grad_norm):
     """sum_i clip(mean_k grad loss(model(x[i, k]), y[i])), one example (its K views) at a time, on
-    a float64 copy of the model and inputs.
+    a float64 copy of the model and inputs (``float64_reference``).
 
     Args:
         model: the model (left untouched); x: (B, K, ...) views; y: (B,) labels.
         max_grad_norm: clipping norm C.
-
-    Returns:
-        (clipped sum by parameter name, per-example norms (B,), the scale of each parameter's
-        per-example clipped gradients: its largest absolute entry over the examples).
     """
-    reference = copy.deepcopy(model).double()
-    names = list(trainable_params(model))
-    live = dict(reference.named_parameters())
-    total = {n: torch.zeros_like(live[n]) for n in names}
-    scale = {n: torch.zeros((), dtype=torch.float64) for n in names}
-    norms = []
-    for i in range(x.shape[0]):
-        loss = nn.functional.cross_entropy(reference(x[i].double()), y[i].repeat(x.shape[1]))  # mean over views
-        mean = dict(zip(names, torch.autograd.grad(loss, [live[n] for n in names])))
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in mean.values()))
-        factor = clip_factors(norm.view(1), max_grad_norm)[0]
-        for n in names:
-            total[n] += factor * mean[n]
-            scale[n] = torch.maximum(scale[n], (factor * mean[n]).abs().max())
-        norms.append(norm)
-    return total, torch.stack(norms), scale
+    return float64_reference(model, (x, y), max_grad_norm, views=x.shape[1])
 
 
 def assert_matches_float64(grad_sum, norms, reference, what):
-    """A float32 engine's clipped sum and norms against ``float64_augmult_reference``: norms
-    relative to themselves (no cancellation), sums relative to their tensor's per-example scale."""
-    expected, expected_norms, scale = reference
+    """A float32 engine's clipped sum and norms against the float64 loop: norms relative to
+    themselves (no cancellation), sums relative to their tensor's per-example scale (its largest
+    absolute entry over the examples' clipped gradients)."""
+    expected, expected_norms, scale = reference.clipped_sum, reference.norms, reference.clipped_max_abs
     torch.testing.assert_close(norms.double(), expected_norms, rtol=FLOAT32_RTOL, atol=0.0, msg=f"{what} norms")
     for p, ref in expected.items():
         error = (grad_sum[p].double() - ref).abs().max().item()
@@ -99,7 +80,7 @@ def test_identical_views_equal_plain_dp_sgd_for_every_engine(name):
     x = torch.randn(5, *shape)
     y = torch.randint(0, 10, (5,))
     params = trainable_params(model)
-    reference = float64_augmult_reference(model, x.unsqueeze(1), y, 1.0)  # plain DP-SGD: one view each
+    reference = float64_reference(model, (x, y), 1.0)  # plain DP-SGD: one view each
     engine_names = engines_besides_auto(model, 1.0, views=4)  # auto: the engine it builds, checked
     assert engine_names == engines_besides_auto(model, 1.0)
     for engine_name in engine_names:

@@ -20,6 +20,7 @@ from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.models import build_model
 from dpscale.privacy import VmapEngine, add_gaussian_noise, clip_factors
 from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.reference import float64_reference
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
@@ -34,34 +35,17 @@ def _batch(n, seed=1):
     return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def naive_clipped_sum(model, x, y, max_grad_norm):
-    """Reference: one ordinary forward/backward per example, clip, sum."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    total = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
-    norms = []
-    for i in range(x.shape[0]):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
-        norms.append(norm)
-        scale = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (norm + 1e-6))
-        for n in names:
-            total[n] += scale * grads[n]
-    return total, torch.tensor(norms)
-
-
 @pytest.mark.parametrize("max_grad_norm", [None, 0.1, 1.0, 100.0])
 @pytest.mark.parametrize("model_name", ["papernot-cnn", "linear"])
 def test_vmap_clipped_sum_matches_naive_loop(model_name, max_grad_norm):
     model = _model(model_name)
     x, y = _batch(9)
     grad_sum, norms = VmapEngine(max_grad_norm).per_example_clipped_sum(model, trainable_params(model), (x, y))
-    ref_sum, ref_norms = naive_clipped_sum(model, x, y, max_grad_norm)
-    torch.testing.assert_close(norms, ref_norms.float(), rtol=1e-4, atol=1e-6)
-    assert set(grad_sum) == set(ref_sum)
-    for name in ref_sum:
-        torch.testing.assert_close(grad_sum[name], ref_sum[name], rtol=1e-4, atol=1e-6)
+    ref = float64_reference(model, (x, y), max_grad_norm)  # one ordinary backward per example, clip, sum
+    torch.testing.assert_close(norms.double(), ref.norms, rtol=1e-4, atol=1e-6)
+    assert set(grad_sum) == set(ref.clipped_sum)
+    for name, want in ref.clipped_sum.items():
+        torch.testing.assert_close(grad_sum[name].double(), want, rtol=1e-4, atol=1e-6)
     if max_grad_norm == 0.1:
         assert (norms > 0.1).all()  # the case actually exercises clipping
 
@@ -72,11 +56,11 @@ def test_frozen_parameters_are_excluded_and_still_used():
         p.requires_grad_(False)
     x, y = _batch(5)
     grad_sum, norms = VmapEngine(0.5).per_example_clipped_sum(model, trainable_params(model), (x, y))
-    ref_sum, ref_norms = naive_clipped_sum(model, x, y, 0.5)
-    assert "features.0.weight" not in grad_sum
-    torch.testing.assert_close(norms, ref_norms.float(), rtol=1e-4, atol=1e-6)
-    for name in ref_sum:
-        torch.testing.assert_close(grad_sum[name], ref_sum[name], rtol=1e-4, atol=1e-6)
+    ref = float64_reference(model, (x, y), 0.5)
+    assert "features.0.weight" not in grad_sum and set(grad_sum) == set(ref.clipped_sum)
+    torch.testing.assert_close(norms.double(), ref.norms, rtol=1e-4, atol=1e-6)
+    for name, want in ref.clipped_sum.items():
+        torch.testing.assert_close(grad_sum[name].double(), want, rtol=1e-4, atol=1e-6)
 
 
 @settings(max_examples=25, deadline=None)

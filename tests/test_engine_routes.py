@@ -12,8 +12,9 @@ from torch import nn
 
 from dpscale.layers import ClassTokenPositionEmbedding
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine
-from dpscale.privacy.per_example import CLIP_EPS, trainable_params
+from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import make_precision
+from dpscale.privacy.reference import per_example_reference
 from dpscale.privacy.self_check import checked_engine, self_check
 from test_precision import CancellingTokens
 
@@ -21,21 +22,10 @@ ENGINES = ("auto", "bk", "ghost", "vmap")
 
 
 def naive_clipped_sum(model, x, y, clip):
-    """sum_i min(1, C / (||g_i|| + eps)) g_i, one backward per example (the definition)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    total = {n: torch.zeros_like(p) for n, p in named}
-    for i in range(len(x)):
-        loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
-        if not loss.requires_grad:  # no trainable parameter reaches the loss
-            grads = [None] * len(named)
-        else:
-            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for (_, p), g in zip(named, grads)]
-        norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
-        factor = min(1.0, clip / (norm + CLIP_EPS))
-        for (n, _), g in zip(named, grads):
-            total[n] += factor * g
-    return total
+    """sum_i min(1, C / (||g_i|| + eps)) g_i, one backward per example (the definition), through
+    ``model`` itself: the models here are float64 already, and a copy would lose the user hooks
+    bound to the original (HookedOutput)."""
+    return per_example_reference(model, (x, y), clip).clipped_sum
 
 
 class WeightNormMLP(nn.Module):

@@ -2,8 +2,6 @@
 test_dp_step.py): per-example norms and clipped sums, for every supported layer type with
 random shapes (hypothesis), frozen parameters, and every registered model."""
 
-import copy
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +11,8 @@ from torch import nn
 from dpscale.models import build_model, count_parameters, default_input_shape, list_models
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
 from dpscale.privacy.engines import supported_engines
-from dpscale.privacy.per_example import CLIP_EPS, trainable_params
+from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.reference import float64_reference
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
@@ -235,20 +234,6 @@ def test_ghost_engines_leave_no_state_behind():
     assert not model[0]._forward_hooks
 
 
-def _float64_clipped_sum(model, x, y, clip):
-    """sum_i min(1, C / (||g_i|| + eps)) g_i of a float64 copy, one backward per example."""
-    ref = copy.deepcopy(model).double()
-    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    total = {n: torch.zeros_like(p) for n, p in named}
-    for i in range(len(x)):
-        loss = nn.functional.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1])
-        grads = torch.autograd.grad(loss, [p for _, p in named])
-        norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
-        for (n, _), g in zip(named, grads):
-            total[n] += min(1.0, clip / (norm + CLIP_EPS)) * g
-    return total
-
-
 @pytest.mark.parametrize("bad", [3e38, float("nan")])
 @pytest.mark.parametrize("engine_name", ["vmap", "bk", "ghost"])
 def test_a_non_finite_example_contributes_exactly_zero_in_float32_and_is_counted(engine_name, bad):
@@ -262,7 +247,7 @@ def test_a_non_finite_example_contributes_exactly_zero_in_float32_and_is_counted
     grad_sum, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
     assert (~torch.isfinite(norms)).tolist() == [i == 3 for i in range(7)]
     others = torch.arange(7) != 3
-    want = _float64_clipped_sum(model, x[others], y[others], 0.5)
+    want = float64_reference(model, (x[others], y[others]), 0.5).clipped_sum
     for name, ref in want.items():
         torch.testing.assert_close(grad_sum[name].double(), ref, rtol=1e-5, atol=1e-6, msg=name)
     update, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(7), 3), noise_std=0.0,

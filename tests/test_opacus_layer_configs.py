@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.self_check import checked_engine, reference_clipped_sum
+from dpscale.privacy.reference import per_example_reference
+from dpscale.privacy.self_check import checked_engine
 
 B, C = 4, 0.7
 
@@ -93,10 +94,10 @@ def test_every_engine_equals_a_float64_per_example_loop_or_refuses(name, engine)
     model.train()
     params = trainable_params(model)
     got, norms, _ = chosen.clipped_sum_and_losses(model, params, batch)
-    want, want_norms, _ = reference_clipped_sum(model, list(params), batch, C, chosen.loss_fn, 1)
-    assert torch.allclose(norms.double(), want_norms, rtol=1e-8, atol=1e-12), (name, chosen.name)
-    for param in want:
-        assert torch.allclose(got[param].double(), want[param], rtol=1e-8, atol=1e-12), (name, chosen.name, param)
+    want = per_example_reference(model, batch, C, loss_fn=chosen.loss_fn, names=list(params))  # already float64
+    assert torch.allclose(norms.double(), want.norms, rtol=1e-8, atol=1e-12), (name, chosen.name)
+    for param, ref in want.clipped_sum.items():
+        assert torch.allclose(got[param].double(), ref, rtol=1e-8, atol=1e-12), (name, chosen.name, param)
 
 
 @pytest.mark.parametrize("name,refused_by", [

@@ -11,8 +11,9 @@ from torch import nn
 
 from dpscale.config import ConfigError, load_config
 from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import CLIP_EPS, trainable_params
+from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import Precision, make_precision
+from dpscale.privacy.reference import float64_reference
 from dpscale.privacy.self_check import checked_engine
 from dpscale.train import Trainer
 
@@ -40,16 +41,8 @@ class SmallConvNet(nn.Module):
 
 def naive_float64(model, x, y, clip):
     """Clipped sum and norms of a float64 copy, one backward per example, no autocast."""
-    ref = copy.deepcopy(model).double()
-    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    total, norms = {n: torch.zeros_like(p) for n, p in named}, []
-    for i in range(len(x)):
-        grads = torch.autograd.grad(F.cross_entropy(ref(x[i : i + 1].double()), y[i : i + 1]), [p for _, p in named])
-        norm = float(torch.sqrt(sum(g.square().sum() for g in grads)))
-        norms.append(norm)
-        for (n, _), g in zip(named, grads):
-            total[n] += min(1.0, clip / (norm + CLIP_EPS)) * g
-    return total, torch.tensor(norms, dtype=torch.float64)
+    reference = float64_reference(model, (x, y), clip)
+    return reference.clipped_sum, reference.norms
 
 
 def _data(n=8, seed=0):

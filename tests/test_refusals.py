@@ -5,16 +5,14 @@ engine path) naming the layer's path in the model and the way out. What an engin
 exactly (a frozen recurrent layer under bk, a recurrence of Linear layers under vmap) is checked
 against a float64 per-example loop instead of being refused."""
 
-import copy
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dpscale
 from dpscale.privacy.engines import ENGINE_NAMES, make_engine, supported_engines
-from dpscale.privacy.per_example import check_per_example_compatible, clip_factors, trainable_params
+from dpscale.privacy.per_example import check_per_example_compatible, trainable_params
+from dpscale.privacy.reference import float64_reference
 
 FEATURES, HIDDEN, CLASSES, STEPS, VOCAB = 4, 5, 3, 6, 11
 CLIP = 0.5
@@ -87,30 +85,15 @@ def sequences(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, STEPS, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
 
 
-def float64_clipped_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Per-example loop on a float64 copy of the model: (clipped sum by name, norms)."""
-    reference = copy.deepcopy(model).double()
-    names, live = list(trainable_params(model)), dict(reference.named_parameters())
-    total, norms = {n: torch.zeros_like(live[n]) for n in names}, []
-    for i in range(len(y)):
-        loss = F.cross_entropy(reference(x[i : i + 1].double()), y[i : i + 1])
-        grads = torch.autograd.grad(loss, [live[n] for n in names])
-        norm = torch.sqrt(sum(g.square().sum() for g in grads))
-        for n, g in zip(names, grads):
-            total[n] += clip_factors(norm.view(1), CLIP)[0] * g
-        norms.append(norm)
-    return total, torch.stack(norms)
-
-
 def assert_exact(engine_name: str, model: nn.Module) -> None:
     """The engine's float32 clipped sum equals the float64 loop. Every clipped per-example gradient
     has norm <= C, so float32 rounding (~1e-7 of it here) is judged against C, with 100x margin."""
     x, y = sequences()
     engine, _ = make_engine(engine_name, CLIP, model)
     got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
-    want, want_norms = float64_clipped_sum(model, x, y)
-    torch.testing.assert_close(norms.double(), want_norms, rtol=1e-5, atol=0.0, msg=engine_name)
-    for name, ref in want.items():
+    want = float64_reference(model, (x, y), CLIP)  # the per-example loop on a float64 copy
+    torch.testing.assert_close(norms.double(), want.norms, rtol=1e-5, atol=0.0, msg=engine_name)
+    for name, ref in want.clipped_sum.items():
         torch.testing.assert_close(got[name].double(), ref, rtol=0.0, atol=1e-5 * CLIP, msg=f"{engine_name} {name}")
 
 

@@ -15,7 +15,6 @@ differ by ~1e-6 and a missed route differs by percents; 3e-2 in 16-bit types.
 from __future__ import annotations
 
 import time
-from copy import deepcopy
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,19 +23,18 @@ from torch import nn
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.independence import IndependenceResult, check_batch_independence
 from dpscale.privacy.per_example import (
-    CLIP_EPS,
     RELATIVE_ERROR_FLOOR,
     Batch,
     LossFn,
     Params,
     PerExampleEngine,
     VmapEngine,
-    mean_over_views,
     per_example_cross_entropy,
     tolerance_for,
     trainable_params,
 )
-from dpscale.privacy.precision import FP32, Precision, at_least_fp32
+from dpscale.privacy.precision import FP32, Precision
+from dpscale.privacy.reference import PerExampleReference, float64_copy, per_example_reference
 
 SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
 
@@ -91,54 +89,6 @@ class SelfCheckResult:
         return text if self.ok else f"{text} in: {', '.join(self.mismatched)}"
 
 
-def reference_clipped_sum(
-    model: nn.Module,
-    names: list[str],
-    batch: Batch,
-    max_grad_norm: float | None,
-    loss_fn: LossFn,
-    views: int,
-    precision: Precision = FP32,
-    scales: dict[str, float] | None = None,
-) -> tuple[Params, torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped sum, per-example norms and per-layer per-example squared norms, by a loop of
-    batch-of-one backward passes through the live model (the definition, nothing clever), its
-    forward pass in ``precision`` (so that a 16-bit engine is judged on its own arithmetic).
-
-    Args:
-        scales: if given, filled with each parameter's sum over the examples of the norm of its
-            clipped gradient (the clipped sum's size without cancellation).
-
-    Returns:
-        (clipped sum by parameter name, norms (B,), squared norms (B,) by layer name).
-    """
-    live = dict(model.named_parameters())
-    x, y = batch
-    total = {n: torch.zeros_like(live[n]) for n in names}
-    norms, layer_sq = [], {}
-    for i in range(x.shape[0]):
-        with precision.forward(x.device):
-            loss = at_least_fp32(mean_over_views(loss_fn, model, x[i : i + 1], y[i : i + 1], views)[0])
-        if loss.requires_grad:  # with the engine's fixed fp16 loss scale, undone on the gradients
-            grads = torch.autograd.grad(loss * precision.loss_scale, [live[n] for n in names], allow_unused=True)
-            grads = [None if g is None else at_least_fp32(g) / precision.loss_scale for g in grads]
-        else:  # no trainable parameter reaches the loss
-            grads = [None] * len(names)
-        grads = [torch.zeros_like(live[n]) if g is None else g.detach() for n, g in zip(names, grads)]
-        for n, g in zip(names, grads):
-            layer = n.rpartition(".")[0]
-            layer_sq.setdefault(layer, [0.0] * x.shape[0])[i] += g.double().square().sum()
-        norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
-        factor = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(norm) + CLIP_EPS))
-        for n, g in zip(names, grads):
-            total[n] += factor * g
-            if scales is not None:  # sum of the clipped gradients' norms: the sum's size without cancellation
-                scales[n] = scales.get(n, 0.0) + factor * float(g.double().norm())
-        norms.append(norm)
-    per_layer = {layer: torch.stack([torch.as_tensor(v) for v in sq]) for layer, sq in layer_sq.items()}
-    return total, torch.stack(norms), per_layer
-
-
 def _relative(error: torch.Tensor, value: torch.Tensor, scale: float) -> float:
     if not error.numel():
         return 0.0
@@ -146,8 +96,9 @@ def _relative(error: torch.Tensor, value: torch.Tensor, scale: float) -> float:
 
 
 def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> SelfCheckResult:
-    """Compare ``engine`` on ``batch`` with ``reference_clipped_sum`` (in eval mode, so that
-    both see the same deterministic function; the training mode is restored).
+    """Compare ``engine`` on ``batch`` with the per-example loop (``per_example_reference``, its
+    forward pass in the engine's precision), in eval mode, so that both see the same
+    deterministic function (the training mode is restored).
 
     Args:
         engine: the engine to check (holds C, the loss and the views).
@@ -183,12 +134,13 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
     return result
 
 
-def _reference(engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch, precision: Precision = FP32) -> tuple:
-    """``reference_clipped_sum`` for ``engine``'s C, loss and views, with each parameter's scale."""
-    scales: dict[str, float] = {}
+def _reference(engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch, precision: Precision = FP32) -> PerExampleReference:
+    """The per-example loop for ``engine``'s C, loss and views, through ``model`` as it is."""
     loss_fn = getattr(engine, "loss_fn", per_example_cross_entropy)
-    ref = reference_clipped_sum(model, list(params), batch, engine.max_grad_norm, loss_fn, getattr(engine, "views", 1), precision, scales)
-    return (*ref, scales)
+    views = getattr(engine, "views", 1)
+    return per_example_reference(
+        model, batch, engine.max_grad_norm, loss_fn=loss_fn, views=views, names=list(params), precision=precision
+    )
 
 
 def _engine_side(engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch) -> tuple:
@@ -207,15 +159,15 @@ def _float64_reference(model: nn.Module, params: Params, batch: Batch) -> tuple[
     of a deep model with many views; a missed route fails both. (The model itself, if it cannot
     be copied.)"""
     try:
-        copy = deepcopy(model).double()
+        copy, copied_batch = float64_copy(model, batch)
     except Exception:  # noqa: BLE001 - an uncopyable model keeps the float32 reference
         return model, params, batch
-    x, y = batch
-    return copy, trainable_params(copy), (x.double() if x.is_floating_point() else x, y)
+    return copy, trainable_params(copy), copied_batch
 
 
-def _compare(name: str, tol: float, got: tuple, want: tuple, started: float) -> SelfCheckResult:
-    (grad_sum, norms, layer_sq), (ref_sum, ref_norms, ref_layer_sq, scales) = got, want
+def _compare(name: str, tol: float, got: tuple, want: PerExampleReference, started: float) -> SelfCheckResult:
+    grad_sum, norms, layer_sq = got
+    ref_sum, ref_norms, ref_layer_sq, scales = want.clipped_sum, want.norms, want.layer_sq_norms, want.clipped_norm_sums
     scale = float(ref_norms.max()) if ref_norms.numel() else 0.0
     norm_error = _relative((norms.double().cpu() - ref_norms.cpu()).abs(), ref_norms.cpu(), scale)
     mismatched = []
