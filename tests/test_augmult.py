@@ -5,17 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.models import build_model, default_input_shape, list_models
+from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.engines import make_engine, supported_engines
 from dpscale.privacy.per_example import tolerance_for, trainable_params
 from dpscale.privacy.reference import float64_reference
-from test_engines import engines_besides_auto
-
-# Small inputs keep the loop fast; every registered family is covered (conv, linear, GroupNorm,
-# LayerNorm, class-token/position embeddings).
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32),
-               "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
-HEAVY = {"resnet50-gn", "nf-resnet50", "vit-small"}  # the float64 reference loop is slow for these
+from test_engines import SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
 
 
 # Engines compute in float32 and are compared with a float64 reference. A float32 gradient entry
@@ -50,11 +44,13 @@ def assert_matches_float64(grad_sum, norms, reference, what):
         assert error <= FLOAT32_RTOL * scale[p].item(), f"{what} {p}: error {error:.2e}, scale {scale[p].item():.2e}"
 
 
-@pytest.mark.parametrize("name", [n for n in list_models() if n not in HEAVY])
+# Small inputs keep the loop fast; every registered family is covered (conv, linear, GroupNorm,
+# LayerNorm, class-token/position embeddings, weight-standardised convs); the heavy models only in
+# the slow suite (test_engines.HEAVY_MODELS: their layers are those of smaller ones).
+@pytest.mark.parametrize("name", zoo_cases())
 def test_every_engine_clips_the_mean_of_the_views_gradients(name):
     torch.manual_seed(0)
-    shape = SMALL_INPUT.get(name, default_input_shape(name))
-    model = build_model(name, 10, shape)
+    model, shape = build_zoo_model(name)
     n, views = 3, 3
     x = torch.randn(n, views, *shape)
     y = torch.randint(0, 10, (n,))

@@ -11,12 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dpscale.models import build_model, default_input_shape, list_models
 from dpscale.privacy import GhostEngine, VmapEngine, ghost, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.self_check import checked_engine, self_check
 from test_engine_routes import naive_clipped_sum
-from test_engines import SMALL_INPUT
+from test_engines import build_zoo_model, zoo_cases
 
 
 def _mlp():
@@ -66,12 +65,11 @@ def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypa
     assert refused.refusal is not None and "0.bias" in refused.refusal
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", zoo_cases())  # the heavy models in the slow suite (test_engines.HEAVY_MODELS)
 def test_self_check_passes_every_registered_model_in_float32(name):
     """No false alarm at the fp32 tolerance: every zoo model keeps the engine auto picks."""
     torch.manual_seed(0)
-    shape = SMALL_INPUT.get(name, default_input_shape(name))
-    model = build_model(name, 10, shape)
+    model, shape = build_zoo_model(name)
     x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
     picked = type(make_engine("auto", 1.0, model)[0])
     engine, notices, result = checked_engine("auto", 1.0, model, (x, y))
