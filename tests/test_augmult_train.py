@@ -25,14 +25,17 @@ def config(out_dir, *extra):
 # test_every_engine_clips_the_mean_of_the_views_gradients). bk is the engine a run picks.
 @pytest.mark.parametrize("engine", [pytest.param("vmap", marks=pytest.mark.slow), pytest.param("ghost", marks=pytest.mark.slow), "bk"])
 def test_identity_views_train_exactly_like_plain_dp_sgd(tmp_path, engine):
-    # The views' mean differs from the plain gradient in the last bit; where a MaxPool window
-    # holds a near-tie, that bit can pick the other maximum and the runs part by ~1e-5. The
-    # seed is one whose 8 steps (noise and batches from DPRandom) meet no such tie.
-    seed = "run.seed=1"
-    plain = Trainer.create(config(tmp_path / "plain", f"train.engine={engine}", seed), progress=False)
+    # The views' float32 gradient differs from the plain one in the last bit (4B rows take other
+    # float32 kernels than B rows). The linear model's training map is smooth, so the runs stay
+    # ~1e-8 apart through the steps. papernot-cnn's is not: its max-pool windows hold 1-ulp
+    # near-ties (5 flipped in one forward pass of the ghost run at seed 1), that bit picks the
+    # other maximum and the runs part by ~1e-4, at whichever seed a change of sigma or of the
+    # data order makes meet one. C near the median per-example norm (lr scaled down as much):
+    # about half the examples are clipped, so views summed instead of averaged would differ.
+    common = ("model.name=linear", "dp.max_grad_norm=25", "optim.lr=0.04", f"train.engine={engine}")
+    plain = Trainer.create(config(tmp_path / "plain", *common), progress=False)
     plain.run()
-    views = Trainer.create(config(tmp_path / "k4", f"train.engine={engine}", "augment.multiplicity=4",
-                                  "augment.type=identity", seed), progress=False)
+    views = Trainer.create(config(tmp_path / "k4", *common, "augment.multiplicity=4", "augment.type=identity"), progress=False)
     views.run()
     for name, p in plain.model.state_dict().items():
         torch.testing.assert_close(views.model.state_dict()[name], p, rtol=1e-5, atol=1e-6, msg=name)
