@@ -31,7 +31,8 @@ def test_pretrain_is_a_labelled_non_private_run(pretrained, capsys):
     assert summary["private"] is False and summary["privacy_status"] == "epsilon=inf (NOT PRIVATE)"
     assert summary["noise_multiplier"] == 0 and summary["max_grad_norm"] is None
     with pytest.raises(ConfigError, match="trains without privacy"):
-        from dpscale.cli import _cmd_pretrain, build_parser
+        from dpscale.cli import build_parser
+        from dpscale.cli.train import _cmd_pretrain
 
         _cmd_pretrain(build_parser().parse_args(["pretrain", "--set", "dp.epsilon=3"]))
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from dpscale.errors import UserError
+
 CHECKPOINT_NAME = "checkpoint.pt"
 PREVIOUS_CHECKPOINT_NAME = "checkpoint.prev.pt"  # the one before, kept to fall back on
 CHECKPOINT_FORMAT = 1
@@ -32,8 +34,13 @@ CHECKSUM_TRAILER_BYTES = len(CHECKSUM_MARK) + 64 + 1
 CHECKSUMMED_KEY = "sha256_trailer"  # in the payload: a file that has it but no intact trailer is damaged
 
 
-class DamagedFileError(ValueError):
+class DamagedFileError(UserError, ValueError):
     """A file's bytes do not match the checksum written with it (or it cannot be parsed)."""
+
+
+class ForeignFileError(UserError, ValueError):
+    """A readable file that is not the kind of dpscale file asked for (another program's, or
+    another dpscale file kind or format)."""
 
 
 def make_private_dir(path: Path) -> bool:
@@ -158,7 +165,7 @@ def load_torch_file(path: Path, file_format: int, what: str) -> dict[str, Any]:
     Raises:
         FileNotFoundError: no file at ``path``.
         DamagedFileError: the bytes do not match their checksum, or cannot be parsed.
-        ValueError: a readable file of another kind; every message names the path and ``what``.
+        ForeignFileError: a readable file of another kind; every message names the path and ``what``.
     """
     path = Path(path)
     if not path.is_file():
@@ -175,7 +182,7 @@ def load_torch_file(path: Path, file_format: int, what: str) -> dict[str, Any]:
         except Exception as err:  # torch raises several types for corrupt files
             raise DamagedFileError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or state.get("format") != file_format:
-        raise ValueError(f"{path} is not a dpscale {what} (format {file_format})")
+        raise ForeignFileError(f"{path} is not a dpscale {what} (format {file_format})")
     if state.pop(CHECKSUMMED_KEY, False) and checked is None:  # written with a trailer that is gone
         raise DamagedFileError(damaged)
     return state
@@ -211,6 +218,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint``.
 
     Raises:
-        FileNotFoundError / DamagedFileError / ValueError: with the path and what is wrong.
+        FileNotFoundError / DamagedFileError / ForeignFileError: with the path and what is wrong.
     """
     return load_torch_file(path, CHECKPOINT_FORMAT, "checkpoint")

@@ -18,9 +18,16 @@ from typing import Any
 
 import yaml
 
+from dpscale.choices import ACCOUNTANT_KINDS, ENGINE_NAMES, PRECISIONS
 from dpscale.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
 
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # optim.schedule
 
+
+def _either(names: tuple[str, ...]) -> str:
+    """``("a", "b", "c")`` -> "a, b or c" (how a refusal lists the allowed values)."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
 @dataclass(frozen=True)
@@ -598,7 +605,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         try:
             values = get_preset(path).values
         except KeyError as err:
-            raise ConfigError(err.args[0]) from None
+            raise ConfigError(err.args[0]) from err
     elif path is not None:
         values = _read_config_file(Path(path))
     for text in overrides:
@@ -640,8 +647,10 @@ def validate(config: Config) -> None:
         )
     if not (dp.batch_size >= 1 and math.isfinite(dp.batch_size)):
         raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
-    if dp.sampling not in ("poisson", "shuffle"):
-        raise ConfigError(f"dp.sampling must be poisson or shuffle, got {dp.sampling!r}")
+    from dpscale.data.sampling import SAMPLING_MODES  # local, as for AUGMENTATIONS: one list, where it is used
+
+    if dp.sampling not in SAMPLING_MODES:
+        raise ConfigError(f"dp.sampling must be {_either(SAMPLING_MODES)}, got {dp.sampling!r}")
     if dp.sampling == "shuffle" and not isinstance(dp.batch_size, int):
         raise ConfigError(f"dp.sampling=shuffle needs an integer dp.batch_size, got {dp.batch_size}")
     if dp.simulated_batch_size is not None:
@@ -651,8 +660,8 @@ def validate(config: Config) -> None:
             raise ConfigError("dp.simulated_batch_size simulates a private run: it needs dp.noise_multiplier > 0 or null")
         if dp.sampling == "shuffle" and not isinstance(dp.simulated_batch_size, int):
             raise ConfigError(f"dp.sampling=shuffle needs an integer dp.simulated_batch_size, got {dp.simulated_batch_size}")
-    if dp.accountant not in ("pld", "rdp"):
-        raise ConfigError(f"dp.accountant must be pld or rdp, got {dp.accountant!r}")
+    if dp.accountant not in ACCOUNTANT_KINDS:
+        raise ConfigError(f"dp.accountant must be {_either(ACCOUNTANT_KINDS)}, got {dp.accountant!r}")
     if train.steps is None and train.epochs is None:
         raise ConfigError("set train.epochs or train.steps")
     if train.steps is not None and train.steps < 1:
@@ -663,16 +672,16 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
     if not train.eval_every_epochs > 0:
         raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
-    from dpscale.privacy.precision import PRECISIONS, Precision  # local: keep config import-light
+    from dpscale.privacy.precision import Precision  # local: keep config import-light
 
     if train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {train.precision!r}")
     try:
         Precision("fp16", train.fp16_loss_scale)
     except ValueError as err:
-        raise ConfigError(f"train.fp16_loss_scale: {err}") from None
-    if train.engine not in ("auto", "bk", "ghost", "vmap"):
-        raise ConfigError(f"train.engine must be auto, bk, ghost or vmap, got {train.engine!r}")
+        raise ConfigError(f"train.fp16_loss_scale: {err}") from err
+    if train.engine not in ENGINE_NAMES:
+        raise ConfigError(f"train.engine must be {_either(ENGINE_NAMES)}, got {train.engine!r}")
     if train.eval_batch_size < 1:
         raise ConfigError(f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
     if train.checkpoint_every_minutes is not None and not train.checkpoint_every_minutes > 0:
@@ -686,12 +695,12 @@ def validate(config: Config) -> None:
         raise ConfigError(f"run.device must be cpu, cuda, cuda:N or mps, got {run.device!r}")
     if run.seed is not None and run.seed < 0:
         raise ConfigError(f"run.seed must be >= 0 or null, got {run.seed}")
-    if optim.name not in ("sgd", "adam", "adamw"):
-        raise ConfigError(f"optim.name must be sgd, adam or adamw, got {optim.name!r}")
+    if optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name must be {_either(OPTIMIZERS)}, got {optim.name!r}")
     if not optim.lr > 0:
         raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
-    if optim.schedule not in ("constant", "cosine"):
-        raise ConfigError(f"optim.schedule must be constant or cosine, got {optim.schedule!r}")
+    if optim.schedule not in LR_SCHEDULES:
+        raise ConfigError(f"optim.schedule must be {_either(LR_SCHEDULES)}, got {optim.schedule!r}")
     if optim.nesterov and (optim.momentum <= 0 or optim.dampening != 0):
         raise ConfigError("optim.nesterov needs optim.momentum > 0 and optim.dampening = 0")
     if optim.warmup_steps < 0 or not 0 <= optim.min_lr_ratio <= 1:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from dpscale.choices import PRECISIONS
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on a subparsers object."""
@@ -21,7 +23,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_argument("--repeats", type=int, default=10)
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--device", default="cpu")
-    step.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"),
+    step.add_argument("--precision", default="fp32", choices=PRECISIONS,
                       help="forward/backward precision of every row (docs/precision.md)")
     step.add_argument("--batch-size", type=int, default=None,
                       help="for every model (default: a per-model size, larger on cuda)")

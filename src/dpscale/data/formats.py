@@ -17,6 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from dpscale.errors import UserError
+
 __all__ = [
     "DatasetError",
     "IMAGE_EXTENSIONS",
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset file or directory is missing, malformed or inconsistent.
 
     The message always names the file (or directory) and says what is wrong with it.

@@ -30,9 +30,10 @@ from dp_accounting import rdp
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
+from dpscale.choices import ACCOUNTANT_KINDS
+
 AccountantKind = Literal["pld", "rdp"]
 DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
-ACCOUNTANT_KINDS: tuple[str, ...] = ("pld", "rdp")
 
 # PLD discretisation: 1e-4 is dp_accounting's default. Results are pessimistic (upper
 # bounds) at any grid; a coarser grid is ~10x faster and over-reports by < 0.5%, which

@@ -96,18 +96,18 @@ def calibrate_noise_multiplier(
             # starting from a tight bracket around the coarse answer.
             guess, initial_step = _coarse_start(epsilon_fn(PLD_COARSE_DISCRETIZATION), target_epsilon, guess, rel_tol)
         return _solve_sigma(epsilon_fn(PLD_VALUE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol)
-    except _OutOfRange:
+    except _OutOfRange as err:
         def at_cap(num_steps: int) -> float:
             return compute_epsilon(
                 sample_rate=sample_rate, noise_multiplier=MAX_NOISE_MULTIPLIER, steps=num_steps, delta=delta,
                 kind=kind, releases=releases,
             )  # fmt: skip
 
-        raise ValueError(_unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)) from None
+        raise ValueError(_unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)) from err
     except _BeyondPLD as err:
         sigma = err.args[0]  # evaluated by the coarse search: its coarse epsilon is cached
         spent = epsilon_fn(PLD_COARSE_DISCRETIZATION)(sigma)
-        raise ValueError(_beyond_pld_message(target_epsilon, delta, sample_rate, steps, sigma, spent)) from None
+        raise ValueError(_beyond_pld_message(target_epsilon, delta, sample_rate, steps, sigma, spent)) from err
 
 
 def _coarse_start(

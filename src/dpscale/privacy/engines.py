@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from dpscale.choices import ENGINE_NAMES
 from dpscale.privacy.ghost import GhostEngine, unsupported_modules
 from dpscale.privacy.per_example import (
     LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy,
 )
 from dpscale.privacy.precision import FP32, Precision
-
-
-ENGINE_NAMES = ("auto", "bk", "ghost", "vmap")
 
 
 def make_engine(
@@ -70,7 +68,7 @@ def _check_vmap_runs(model: nn.Module, notice: str | None) -> None:
     except ValueError as err:
         if notice is None:
             raise
-        raise ValueError(f"{err} ({notice})") from None
+        raise ValueError(f"{err} ({notice})") from err
 
 
 def supported_engines(model: nn.Module) -> list[str]:

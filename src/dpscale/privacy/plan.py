@@ -595,7 +595,7 @@ def _noise_for(
         )
         return sigma, True
     except ValueError as err:
-        raise ConfigError(f"{err}{_source_run_hint(releases)}") from None
+        raise ConfigError(f"{err}{_source_run_hint(releases)}") from err
 
 
 def _source_run_hint(releases: tuple[AccountingSegment, ...]) -> str:

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+from dpscale.choices import PRECISIONS
+
 DEFAULT_FP16_LOSS_SCALE = 1024.0
 _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Comparisons with a float32 reference (self-check, route check) use the tolerance of the

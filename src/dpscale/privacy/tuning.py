@@ -124,7 +124,7 @@ def parse_tuning_distribution(text: str) -> TuningDistribution:
         if len(parts) == 2:
             return TuningDistribution(parts[0], float(parts[1]))
     except ValueError as err:
-        raise ValueError(f"private tuning {text!r}: {err}") from None
+        raise ValueError(f"private tuning {text!r}: {err}") from err
     raise ValueError(f"private tuning {text!r}: use {TUNING_SYNTAX}")
 
 

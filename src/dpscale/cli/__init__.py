@@ -1,0 +1,93 @@
+"""The ``dpscale`` command line: train, eval, account, audit, tan, sweep, tune, data, bench, presets, models.
+
+Kept thin: every command parses arguments, calls the library and prints. Each command family
+registers its own sub-commands (``cli/train.py``, ``cli/account.py``, ...); this module assembles
+the parser and decides what an error looks like: a user error (``dpscale.errors.UserError``, a file
+system error, running out of memory) is one line and exit code 2; anything else is a bug and
+keeps its traceback. ``DPSCALE_DEBUG=1`` shows the traceback of user errors too, causes included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from dpscale.errors import UserError
+
+# What the user can fix: their input (config, flags, data, run directories), the file system
+# (missing files, permissions, a full disk) and the machine's memory. Never ValueError or
+# RuntimeError as such: one raised by a mistake in our code must show where it happened.
+USER_ERRORS = (UserError, OSError, MemoryError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dpscale`` parser with every command family's sub-commands, in the order ``--help`` lists them."""
+    from dpscale.bench import add_bench_parser
+    from dpscale.cli import account, audit, info, tan, train, tune
+    from dpscale.data.command import add_data_parser
+
+    parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train.add_train_parsers(sub)
+    audit.add_audit_parser(sub)
+    train.add_eval_parser(sub)
+    account.add_account_parser(sub)
+    add_bench_parser(sub)
+    tan.add_tan_parser(sub)
+    tune.add_sweep_parser(sub)
+    tune.add_tune_parser(sub)
+    add_data_parser(sub)
+    info.add_presets_parser(sub)
+    info.add_models_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``dpscale`` command.
+
+    Args:
+        argv: the command line after ``dpscale`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: the command's (0 on success), 2 for a user error (one line on stderr),
+        130 when interrupted.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv[2:]  # for `bench`: the flags, echoed in the report
+    try:
+        code = args.func(args)
+        _leave_process_group()
+        return code
+    except USER_ERRORS as err:
+        # No goodbye to the other ranks here: a failure may be this rank's alone, and waiting for
+        # ranks blocked in another collective would hang; torchrun stops them.
+        if os.environ.get("DPSCALE_DEBUG"):
+            raise
+        print(f"dpscale {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        _leave_process_group()  # every rank stopped at the same step (see Trainer.run)
+        return 130
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (its type's name when it has none, as MemoryError may)."""
+    text = " ".join(str(err).split())
+    if isinstance(err, MemoryError):
+        return f"out of memory ({text or 'MemoryError'}); DPSCALE_DEBUG=1 shows where"
+    return text or type(err).__name__
+
+
+def _leave_process_group() -> None:
+    """End a torchrun job's process group cleanly, after every rank got here (a no-op for a
+    single process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Wait for every rank first: a rank that tears its group down while another still
+        # receives the last broadcast can abort the job (gloo: "terminate called ...").
+        dist.barrier()
+        dist.destroy_process_group()

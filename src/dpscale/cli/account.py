@@ -1,0 +1,153 @@
+"""``dpscale account``: epsilon for DP-SGD parameters, or the noise (or steps) for a target epsilon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from dpscale.choices import ACCOUNTANT_KINDS
+from dpscale.cli.args import number_arg, refusals_as_config_errors
+from dpscale.config import ConfigError
+
+
+def _cmd_account(args: argparse.Namespace) -> int:
+    _check_account_args(args)
+    releases = _data_norm_releases(args.data_norm_noise)
+    solved, sigma, steps = _solve(args, releases)
+    result = _account(args, solved, sigma, steps, releases)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_account(result, with_releases=bool(releases))
+    return 0
+
+
+def _check_account_args(args: argparse.Namespace) -> None:
+    """Refuse flags out of range, and neither --noise nor --target-epsilon."""
+    n, b = args.dataset_size, args.batch_size
+    if n < 1 or not 1 <= b <= n:
+        raise ConfigError(f"need 1 <= --batch-size <= --dataset-size, got {b} and {n}")
+    if not 0 < args.delta < 1:
+        raise ConfigError(f"--delta must be in (0, 1), got {args.delta}")
+    if args.noise is None and args.target_epsilon is None:
+        raise ConfigError("give --noise (to compute epsilon) or --target-epsilon (to calibrate the noise)")
+    if args.epochs is not None and not (args.epochs > 0 and math.isfinite(args.epochs)):
+        raise ConfigError(f"--epochs must be a positive number, got {args.epochs}")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if args.target_epsilon is not None and not (args.target_epsilon > 0 and math.isfinite(args.target_epsilon)):
+        raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
+    if args.noise is not None and args.noise <= 0:
+        raise ConfigError(f"--noise must be > 0, got {args.noise}")
+
+
+def _data_norm_releases(data_norm_noise: float | None) -> tuple:
+    """The private Data Normalization releases of ``--data-norm-noise`` (none without it)."""
+    if data_norm_noise is None:
+        return ()
+    from dpscale.features.normalize import data_norm_release
+
+    if not data_norm_noise > 0:
+        raise ConfigError(f"--data-norm-noise must be > 0, got {data_norm_noise}")
+    return (data_norm_release(data_norm_noise),)
+
+
+def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
+    """The third of (noise, target epsilon, length) from the two given.
+
+    Returns:
+        (what was solved for: "steps", "epsilon" or "noise_multiplier", sigma, steps).
+    """
+    from dpscale.privacy import calibrate_noise_multiplier, calibrate_steps
+    from dpscale.privacy.plan import steps_for
+
+    have_length = args.steps is not None or args.epochs is not None
+    q = args.batch_size / args.dataset_size
+    budget = {"target_epsilon": args.target_epsilon, "delta": args.delta, "sample_rate": q}
+    if args.noise is not None and args.target_epsilon is not None:
+        if have_length:
+            raise ConfigError("give two of --noise, --target-epsilon and --epochs/--steps: the third is computed from them")
+        with refusals_as_config_errors():  # e.g. a delta the PLD accountant cannot resolve
+            steps = calibrate_steps(**budget, noise_multiplier=args.noise, kind=args.accountant, releases=releases)
+        if steps == 0:
+            raise ConfigError(f"not even one step fits in epsilon={args.target_epsilon} with noise {args.noise}")
+        return "steps", args.noise, steps
+    if not have_length:
+        raise ConfigError("give --epochs or --steps")
+    steps = steps_for(args.epochs, args.steps, args.dataset_size, args.batch_size)
+    if args.noise is not None:
+        return "epsilon", args.noise, steps
+    with refusals_as_config_errors():  # e.g. a budget that no noise reaches
+        sigma = calibrate_noise_multiplier(**budget, steps=steps, kind=args.accountant, releases=releases)
+    return "noise_multiplier", sigma, steps
+
+
+def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, releases: tuple) -> dict[str, Any]:
+    """Epsilon, eps_TAN and the privacy-wall warning of the solved parameters, as printed with --json."""
+    from dpscale.privacy import compute_epsilon
+    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning
+
+    q = args.batch_size / args.dataset_size
+    mechanism = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, "delta": args.delta, "kind": args.accountant}
+    with refusals_as_config_errors():  # e.g. a delta the PLD accountant cannot resolve
+        epsilon = compute_epsilon(**mechanism, releases=releases)
+        alone = compute_epsilon(**mechanism) if releases and sigma < PRIVACY_WALL_SIGMA else epsilon
+    tan = eps_tan(q, sigma, steps, args.delta)
+    # eps_TAN describes the DP-SGD steps alone: compare it with their epsilon below the wall
+    wall_warning = privacy_wall_warning(alone, sigma, tan) if sigma < PRIVACY_WALL_SIGMA else None
+    return {
+        "epsilon": epsilon,
+        "delta": args.delta,
+        "noise_multiplier": sigma,
+        "steps": steps,
+        "epochs": steps * q,
+        "sample_rate": q,
+        "dataset_size": args.dataset_size,
+        "batch_size": args.batch_size,
+        "accountant": args.accountant,
+        "eps_tan": tan,
+        "solved_for": solved,
+        "target_epsilon": args.target_epsilon,
+        "sampling": "poisson",
+        "data_norm_noise": args.data_norm_noise,
+        "wall_warning": wall_warning,
+    }
+
+
+def _print_account(result: dict[str, Any], with_releases: bool) -> None:
+    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA
+
+    n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
+    print(
+        f"DP-SGD with Poisson sampling q = {b}/{n} = {q:.6g}, noise multiplier sigma = {sigma:.6g}, "
+        f"{steps} steps ({steps * q:.4g} epochs)"
+    )
+    norm = f", composed with private Data Normalization (sigma_norm = {result['data_norm_noise']:g})" if with_releases else ""
+    print(f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}")
+    wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
+    alone = " (DP-SGD steps alone)" if with_releases else ""
+    print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
+    if result["wall_warning"]:
+        print(f"WARNING: {result['wall_warning']}")
+
+
+def add_account_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``account``."""
+    acc = sub.add_parser("account", help="epsilon for DP-SGD parameters, or the noise for a target epsilon")
+    acc.add_argument("--dataset-size", type=int, required=True, help="N")
+    acc.add_argument("--batch-size", type=number_arg, required=True, help="expected batch size B (q = B/N)")
+    acc.add_argument("--noise", type=float, help="noise multiplier sigma")
+    length = acc.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=float)
+    length.add_argument("--steps", type=int)
+    acc.add_argument("--delta", type=float, default=1e-5)
+    acc.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="pld")
+    acc.add_argument("--target-epsilon", type=float, help="calibrate sigma (or steps, given --noise) to this")
+    acc.add_argument(
+        "--data-norm-noise", type=float, metavar="SIGMA_NORM",
+        help="compose with private Data Normalization (two Gaussian sums, Tramer Algorithm 2) at this noise",
+    )
+    acc.add_argument("--json", action="store_true")
+    acc.set_defaults(func=_cmd_account)
