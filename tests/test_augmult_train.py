@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dpscale.config import ConfigError, load_config
-from dpscale.train.checkpoint import load_checkpoint
+from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 
 pytest.importorskip("dpscale.data.augment")
@@ -51,7 +51,7 @@ def test_resumed_run_draws_the_same_augmentations(tmp_path, capsys):
     assert records and all("test_accuracy_ema" in r for r in records)
     Trainer.create(config(tmp_path / "cut", *extra), progress=False).run(max_steps=3)
     resumed = Trainer.resume(tmp_path / "cut", progress=False)
-    assert resumed.ema.updates == 3
+    assert resumed.built.ema.updates == 3
     resumed.run()
     a, b = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     for name, tensor in a["model"].items():

@@ -167,7 +167,7 @@ def test_resume_with_a_different_number_of_processes(tmp_path, first, then):
     a = json.loads((whole / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
     assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["world_size"] == then
-    history = torch.load(cut / "checkpoint.pt", weights_only=False)["accountant"]["history"]
+    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
     assert sum(seg[2] for seg in history) == 24  # every step accounted once, none twice
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 24
@@ -209,11 +209,11 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     stopped = state["step"]
     assert 0 < stopped < 300 and state["world_size"] == 2
-    assert sum(seg[2] for seg in state["accountant"]["history"]) == stopped  # ranks stopped together
+    assert sum(seg[2] for seg in state["mechanism"]["accountant"]["history"]) == stopped  # ranks stopped together
 
     _job(1, "train", "--resume", str(run), "--quiet")
     summary = json.loads((run / "summary.json").read_text())
-    history = torch.load(run / "checkpoint.pt", weights_only=False)["accountant"]["history"]
+    history = torch.load(run / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
     assert summary["steps"] == 300 and sum(seg[2] for seg in history) == 300
     expected = compute_epsilon(
         sample_rate=summary["sample_rate"],

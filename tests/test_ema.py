@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dpscale.config import load_config
-from dpscale.train.checkpoint import load_checkpoint
+from dpscale._io import load_checkpoint
 from dpscale.train.ema import WeightEMA
 from dpscale.train.loop import Trainer
 
@@ -49,7 +49,7 @@ def test_run_reports_the_ema_model_and_resumes_it_bit_identically(tmp_path):
 
     Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=5)
     resumed = Trainer.resume(tmp_path / "split", progress=False)
-    assert resumed.ema.updates == 5
+    assert resumed.built.ema.updates == 5
     resumed.run()
     a, b = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "split" / "checkpoint.pt")
     for name, tensor in a["ema"]["model"].items():

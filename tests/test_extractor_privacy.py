@@ -12,7 +12,7 @@ from dpscale.privacy import compute_epsilon
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.plan import SEEDED_CAVEAT
-from dpscale.train.checkpoint import load_checkpoint, save_checkpoint
+from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.train.loop import Trainer
 
 N, PROBE_B, PROBE_STEPS, DELTA = 4000, 500, 4, 1e-5
@@ -44,7 +44,7 @@ def probe_config(out_dir, source, *extra):
 
 
 def _source_history(source) -> list[AccountingSegment]:
-    history = load_checkpoint(source / "checkpoint.pt")["accountant"]["history"]
+    history = load_checkpoint(source / "checkpoint.pt")["mechanism"]["accountant"]["history"]
     return [AccountingSegment(float(q), float(sigma), int(steps), label) for q, sigma, steps, label in history]
 
 
@@ -65,7 +65,7 @@ def test_a_source_on_the_same_data_is_composed_into_every_epsilon(source_run, tm
     assert 3 * (1 - 1e-3) <= summary["epsilon"] <= 3.0
     assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=PROBE_STEPS, delta=DELTA) < summary["epsilon"]
     assert sigma > calibrate_noise_multiplier(target_epsilon=3.0, delta=DELTA, sample_rate=q, steps=PROBE_STEPS)
-    assert trainer.accountant.steps == PROBE_STEPS == summary["steps"]  # the source's steps are not this run's
+    assert trainer.mechanism.accountant.steps == PROBE_STEPS == summary["steps"]  # the source's steps are not this run's
     # the source ran with a fixed run.seed: its replayable noise is composed, and so is that caveat
     assert summary["extractor_privacy"] == "composed"
     assert summary["guarantee_caveats"] == [f"the extractor run checkpoint:{source_run} (its cost is composed): {SEEDED_CAVEAT}"]
@@ -140,7 +140,7 @@ def test_resume_refuses_a_source_that_changed_since(source_run, tmp_path):
     assert resumed.step == 2 and resumed.plan.extractor.case == "composed"
     resumed.close()  # its run directory's lock (held until run, or close)
     state = load_checkpoint(source / "checkpoint.pt")
-    state["accountant"]["history"][-1][2] += 3  # the source trained on
+    state["mechanism"]["accountant"]["history"][-1][2] += 3  # the source trained on
     state.pop("format")
     save_checkpoint(source / "checkpoint.pt", state)
     with pytest.raises(ConfigError, match="changed since this run started"):
@@ -176,7 +176,7 @@ def test_an_older_checkpoint_without_the_seeded_label_resumes(tmp_path):
     Trainer.create(_tiny(tmp_path / "r", "run.seed=0", "train.checkpoint_every_steps=1"), progress=False).run(max_steps=1)
     state = load_checkpoint(tmp_path / "r" / "checkpoint.pt")
     for label in ("seeded", "extractor"):  # written before these labels existed
-        del state["plan"][label]
+        del state["mechanism"]["plan"][label]
     state.pop("format")
     save_checkpoint(tmp_path / "r" / "checkpoint.pt", state)
     summary = Trainer.resume(tmp_path / "r", progress=False).run()

@@ -9,7 +9,7 @@ from dpscale.cli import main
 from dpscale.config import ConfigError, load_config
 from dpscale.privacy import compute_epsilon
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.train.checkpoint import load_checkpoint
+from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 
 pytest.importorskip("kymatio")
@@ -30,7 +30,7 @@ def test_datanorm_run_spends_its_budget_on_both_releases(tmp_path):
     trainer = Trainer.create(cfg, progress=False)
     release = AccountingSegment(1.0, 6.0, 2, "data-norm")
     assert trainer.plan.releases == (release,)
-    assert trainer.accountant.releases == (release,) and trainer.accountant.steps == 0
+    assert trainer.mechanism.accountant.releases == (release,) and trainer.mechanism.accountant.steps == 0
     assert trainer.epsilon() > 0  # the statistics are released before the first step
     summary = trainer.run()
     q, sigma = 500 / 4000, summary["noise_multiplier"]
@@ -52,9 +52,9 @@ def test_released_statistics_are_checkpointed_and_reused_by_eval(tmp_path, capsy
     trainer = Trainer.create(cfg, progress=False)
     trainer.run()
     state = load_checkpoint(tmp_path / "r" / "checkpoint.pt")["feature_norm"]
-    assert state["kind"] == "datanorm" and torch.equal(state["mean"], trainer.feature_normalizer.stats.mean)
+    assert state["kind"] == "datanorm" and torch.equal(state["mean"], trainer.built.feature_normalizer.stats.mean)
     loaded = Trainer.load(tmp_path / "r")
-    assert torch.equal(loaded.feature_normalizer.stats.var, trainer.feature_normalizer.stats.var)
+    assert torch.equal(loaded.built.feature_normalizer.stats.var, trainer.built.feature_normalizer.stats.var)
     assert torch.equal(loaded.data.x_test, trainer.data.x_test)
     assert main(["eval", str(tmp_path / "r"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -102,7 +102,7 @@ def test_linear_probe_on_penultimate_features_of_a_model(tmp_path):
 
 
 def test_a_checkpoint_without_its_released_statistics_is_refused(tmp_path):
-    from dpscale.train.checkpoint import save_checkpoint
+    from dpscale._io import save_checkpoint
 
     cfg = scatter_config(tmp_path / "r", "features.normalize=datanorm", "features.norm_clip=[0.2, 0.05]")
     Trainer.create(cfg, progress=False).run(max_steps=2)

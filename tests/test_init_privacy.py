@@ -12,7 +12,7 @@ from dpscale.config import ConfigError, load_config
 from dpscale.privacy import compute_epsilon
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import SEEDED_CAVEAT
-from dpscale.train.checkpoint import load_checkpoint, save_checkpoint
+from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.train.loop import Trainer
 
 SMALL = ["model.kwargs={filters: [4, 4]}", "dp.batch_size=64", "train.max_physical_batch_size=64"]
@@ -48,7 +48,7 @@ def _target(out, source, *extra):
 
 
 def _history(run_dir):
-    history = load_checkpoint(run_dir / "checkpoint.pt")["accountant"]["history"]
+    history = load_checkpoint(run_dir / "checkpoint.pt")["mechanism"]["accountant"]["history"]
     return [AccountingSegment(float(q), float(sigma), int(steps), label) for q, sigma, steps, label in history]
 
 
@@ -124,7 +124,7 @@ def test_resume_works_and_refuses_a_source_that_changed_since(private_source, tm
     assert resumed.step == 1 and resumed.plan == first.plan
     resumed.close()  # its run directory's lock (held until run, or close)
     state = load_checkpoint(source / "checkpoint.pt")
-    state["accountant"]["history"][-1][2] += 3  # the source trained on since
+    state["mechanism"]["accountant"]["history"][-1][2] += 3  # the source trained on since
     state.pop("format")
     save_checkpoint(source / "checkpoint.pt", state)
     with pytest.raises(ConfigError, match="the run behind model.init changed since this run started"):

@@ -12,7 +12,8 @@ from torch import nn
 
 import dpscale
 from dpscale.config import load_config
-from dpscale.train.loop import Trainer, prepare_data
+from dpscale.data.run_data import prepare_data
+from dpscale.train.loop import Trainer
 
 RECIPE = {"batch_size": 64, "max_grad_norm": 0.5, "noise_multiplier": 1.2, "delta": 1e-5, "steps": 6}
 LR, MOMENTUM, CHUNK, SEED = 0.3, 0.9, 24, 11
@@ -214,7 +215,7 @@ def test_changing_the_head_or_unfreezing_after_building_a_run_is_refused_not_ign
     trainer.model.reset_head(10)  # the optimizer still holds the old head
     with pytest.raises(ValueError, match=r"not in the optimizer: head\.0\.bias, head\.0\.weight, head\.2\.bias"):
         trainer.run()
-    assert trainer.step == 0 and trainer.accountant.steps == 0  # nothing trained, nothing spent
+    assert trainer.step == 0 and trainer.mechanism.accountant.steps == 0  # nothing trained, nothing spent
 
     frozen = load_config(None, [f"run.out_dir={tmp_path / 'frozen'}", "model.freeze_groups=1", "train.steps=2"])
     trainer = Trainer.create(frozen, progress=False)

@@ -399,7 +399,7 @@ def test_dpscale_train_unseeded_resumes_draw_fresh_noise_and_seeded_ones_replay_
 
     from dpscale.config import load_config
     from dpscale.train.loop import Trainer
-    from dpscale.train.checkpoint import load_checkpoint
+    from dpscale._io import load_checkpoint
 
     for seed in ("null", "0"):
         base = tmp_path / f"seed-{seed}"
@@ -414,6 +414,6 @@ def test_dpscale_train_unseeded_resumes_draw_fresh_noise_and_seeded_ones_replay_
             finals.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
         saved = load_checkpoint(base / "checkpoint.pt")
         if seed == "null":
-            assert saved["noise_generator"] is None and not torch.equal(finals[0], finals[1])
+            assert saved["mechanism"]["noise_generator"] is None and not torch.equal(finals[0], finals[1])
         else:
-            assert saved["noise_generator"] is not None and torch.equal(finals[0], finals[1])
+            assert saved["mechanism"]["noise_generator"] is not None and torch.equal(finals[0], finals[1])

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dpscale._io import load_checkpoint, save_checkpoint
+from dpscale._io import load_checkpoint, save_checkpoint, save_torch_file
 from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.features.normalize import private_channel_mean
 from dpscale.privacy.noise import add_gaussian_noise
@@ -230,12 +230,20 @@ def test_poisson_inclusion_frequency_per_example_is_q():
 # ------------------------------------------------------------ checkpoints of before
 def _make_legacy(run_dir):
     """Rewrite a checkpoint as the code before DPRandom wrote it: torch ByteTensor generator states."""
-    state = load_checkpoint(run_dir / "checkpoint.pt")
+    state = as_format_1(load_checkpoint(run_dir / "checkpoint.pt"))
     state["noise_generator"] = torch.Generator().manual_seed(1).get_state()
     for stream in state["rank_streams"]:
         stream["sampler"]["generator"] = torch.Generator().manual_seed(2).get_state()
-    state.pop("format")
-    save_checkpoint(run_dir / "checkpoint.pt", state)
+    save_torch_file(run_dir / "checkpoint.pt", state, 1)
+
+
+def as_format_1(state):
+    """A current checkpoint state in checkpoint format 1's layout (plan, accountant and noise
+    generator at the top level), as the code of before wrote it."""
+    old = {k: v for k, v in state.items() if k not in ("mechanism", "fresh_streams", "format")}
+    mechanism = state["mechanism"]
+    return {**old, "plan": mechanism["plan"], "accountant": mechanism["accountant"],
+            "noise_generator": mechanism["noise_generator"]}  # fmt: skip
 
 
 def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, capsys):
@@ -247,22 +255,22 @@ def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, c
     resumed = Trainer.resume(run_dir, progress=True)
     notice = [line for line in capsys.readouterr().err.splitlines() if "32-bit-seeded torch" in line]
     assert len(notice) == 1 and "fresh 128-bit streams from step 3" in notice[0]
-    assert resumed.step == 3 and resumed.accountant.steps == 3
+    assert resumed.step == 3 and resumed.mechanism.accountant.steps == 3
     # fresh, derived from run.seed and the step: neither the step-0 streams nor the continued ones
     current = Trainer.resume(tmp_path / "current", progress=False)
     seeds = run_seeds(0)
-    for stream, rng in (("noise", resumed.noise_generator), ("sampler", resumed.sampler.generator)):
+    for stream, rng in (("noise", resumed.mechanism.noise_generator), ("sampler", resumed.mechanism.sampler.generator)):
         assert rng.state_dict() != DPRandom(seeds[stream]).state_dict()
-    assert resumed.noise_generator.state_dict() != current.noise_generator.state_dict()
-    assert resumed.sampler.state_dict() != current.sampler.state_dict()
+    assert resumed.mechanism.noise_generator.state_dict() != current.mechanism.noise_generator.state_dict()
+    assert resumed.mechanism.sampler.state_dict() != current.mechanism.sampler.state_dict()
     resumed.close()  # the run directory's lock, taken again by resumed.run()
     again = Trainer.resume(run_dir, progress=False)  # a seeded run: the same fresh streams again
-    assert again.noise_generator.state_dict() == resumed.noise_generator.state_dict()
+    assert again.mechanism.noise_generator.state_dict() == resumed.mechanism.noise_generator.state_dict()
     again.close()
     summary = resumed.run()
-    assert summary["steps"] == 8 and resumed.accountant.steps == 8
+    assert summary["steps"] == 8 and resumed.mechanism.accountant.steps == 8
     written = load_checkpoint(run_dir / "checkpoint.pt")
-    assert is_dprandom_state(written["noise_generator"])
+    assert is_dprandom_state(written["mechanism"]["noise_generator"])
     assert is_dprandom_state(written["rank_streams"][0]["sampler"]["generator"])
 
 
@@ -274,7 +282,7 @@ def test_an_unseeded_legacy_checkpoint_resumes_with_new_entropy(tmp_path):
     first.close()  # the run directory's lock (one process at a time), taken again by first.run()
     second = Trainer.resume(run_dir, progress=False)
     second.close()
-    assert first.noise_generator.state_dict() != second.noise_generator.state_dict()
-    assert first.sampler.state_dict() != second.sampler.state_dict()
+    assert first.mechanism.noise_generator.state_dict() != second.mechanism.noise_generator.state_dict()
+    assert first.mechanism.sampler.state_dict() != second.mechanism.sampler.state_dict()
     first.run()
     assert first.step == 4

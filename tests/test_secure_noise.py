@@ -64,7 +64,7 @@ def test_same_seed_differs_only_with_secure_noise(tmp_path, secure):
     same = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert same != secure  # the control (secure off) shows the comparison can fail
     if secure:
-        assert a["noise_generator"] == {"bit_generator": SECURE_SOURCE}  # no state to reproduce the noise
+        assert a["mechanism"]["noise_generator"] == {"bit_generator": SECURE_SOURCE}  # no state to reproduce the noise
 
 
 def test_secure_run_resumes_with_fresh_noise(tmp_path, capsys):
@@ -72,7 +72,7 @@ def test_secure_run_resumes_with_fresh_noise(tmp_path, capsys):
     assert main(["train", "--quiet", "--max-steps", "3", *args]) == 0
     assert main(["train", "--quiet", "--resume", str(tmp_path / "r")]) == 0
     state = _weights(tmp_path / "r")
-    assert state["step"] == 6 and state["noise_generator"] == {"bit_generator": SECURE_SOURCE}
+    assert state["step"] == 6 and state["mechanism"]["noise_generator"] == {"bit_generator": SECURE_SOURCE}
     out = capsys.readouterr()
     assert SEEDED_SECURE_NOISE_CAVEAT in out.out + out.err
 

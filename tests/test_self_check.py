@@ -194,4 +194,4 @@ def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeyp
     with pytest.raises(ConfigError, match=r"layer features\.3 \(per-example norms\)"):
         Trainer.create(small_config(tmp_path / "bk", "train.steps=2", "train.engine=bk"))
     trainer = Trainer.create(small_config(tmp_path / "auto", "train.steps=2"))
-    assert isinstance(trainer.engine, VmapEngine)
+    assert isinstance(trainer.built.engine, VmapEngine)

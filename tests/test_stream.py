@@ -67,7 +67,7 @@ def test_streamed_run_equals_in_memory_run_with_augmult_views(folder, tmp_path):
     views = ["augment.multiplicity=2", "augment.type=crop-flip"]
     memory, summary_memory = _train(_config(tmp_path / "m", folder, "memory", *views))
     stream, summary_stream = _train(_config(tmp_path / "s", folder, "stream", *views))
-    assert not memory.streamed and stream.streamed
+    assert not memory.built.streamed and stream.built.streamed
     assert memory.step == stream.step == memory.total_steps > 2
     _assert_same_weights(_weights(memory), _weights(stream))
     assert summary_memory["test_accuracy"] == summary_stream["test_accuracy"]
@@ -87,8 +87,8 @@ def test_stream_resumes_mid_epoch_bit_identically(folder, tmp_path):
     config = _config(tmp_path / "parts", folder, "stream")
     first = Trainer.create(config, progress=False)
     draws = []
-    sample = first.sampler.sample
-    first.sampler.sample = lambda: draws.append(1) or sample()
+    sample = first.mechanism.sampler.sample
+    first.mechanism.sampler.sample = lambda: draws.append(1) or sample()
     first.run(max_steps=3)  # the loader drew batches ahead of step 3; the checkpoint must not
     assert len(draws) > 3
     del first
@@ -255,7 +255,7 @@ def test_two_process_streamed_run_equals_two_process_in_memory_run(folder, tmp_p
 
 def test_auto_loader_on_a_small_folder_holds_what_the_memory_loader_holds(folder):
     from dpscale.data import dataset_fingerprint
-    from dpscale.train.loop import open_training_data, prepare_data
+    from dpscale.data.run_data import open_training_data, prepare_data
 
     auto = open_training_data(_config("/tmp/unused", folder, "auto"), torch.device("cpu"))
     memory = prepare_data(_config("/tmp/unused", folder, "memory"), torch.device("cpu"))

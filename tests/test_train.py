@@ -14,7 +14,7 @@ import yaml
 from dpscale.cli import main
 from dpscale.config import ConfigError, load_config
 from dpscale.privacy import compute_epsilon
-from dpscale.train.checkpoint import load_checkpoint, save_checkpoint
+from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.train.loop import Trainer
 
 SHARED_MNIST = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mnist-10k"
@@ -49,8 +49,8 @@ def _assert_identical_runs(dir_a: Path, dir_b: Path):
     ckpt_a, ckpt_b = load_checkpoint(dir_a / "checkpoint.pt"), load_checkpoint(dir_b / "checkpoint.pt")
     for name, tensor in ckpt_a["model"].items():
         assert torch.equal(tensor, ckpt_b["model"][name]), name
-    assert ckpt_a["accountant"] == ckpt_b["accountant"]
-    assert ckpt_a["noise_generator"] == ckpt_b["noise_generator"]  # DPRandom states: dicts of ints
+    assert ckpt_a["mechanism"]["accountant"] == ckpt_b["mechanism"]["accountant"]
+    assert ckpt_a["mechanism"]["noise_generator"] == ckpt_b["mechanism"]["noise_generator"]  # DPRandom states: dicts of ints
     summary_a = json.loads((dir_a / "summary.json").read_text())
     summary_b = json.loads((dir_b / "summary.json").read_text())
     summary_a.pop("wall_time_s"), summary_b.pop("wall_time_s")
@@ -84,9 +84,9 @@ def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path
     moved = tmp_path / "2024"  # a moved/renamed run directory resumes where it now is
     split_dir.rename(moved)
     resumed = Trainer.resume(moved, progress=False)
-    assert resumed.step == 11 and resumed.accountant.steps == (11 if mode != "non-private" else 0)
+    assert resumed.step == 11 and resumed.mechanism.accountant.steps == (11 if mode != "non-private" else 0)
     resumed.run()
-    assert resumed.accountant.steps == (24 if mode != "non-private" else 0)
+    assert resumed.mechanism.accountant.steps == (24 if mode != "non-private" else 0)
     assert not (tmp_path / "split").exists()
     _assert_identical_runs(tmp_path / "full", moved)
 
@@ -108,7 +108,7 @@ def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(tmp_p
         trainer.run()
     monkeypatch.setattr(Trainer, "train_step", original)
     state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
-    assert state["step"] == 5 and state["accountant"]["history"][0][2] == 5
+    assert state["step"] == 5 and state["mechanism"]["accountant"]["history"][0][2] == 5
     Trainer.resume(tmp_path / "cut", progress=False).run()
     _assert_identical_runs(tmp_path / "full", tmp_path / "cut")
 

@@ -96,7 +96,7 @@ def test_a_resumed_run_keeps_its_weights_and_its_init_record(pretrained, tmp_pat
     resumed = Trainer.resume(out, progress=False)
     for name, value in weights.items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
-    assert resumed.init_report["source"] == str(pretrained)
+    assert resumed.built.init_report["source"] == str(pretrained)
     assert resumed.plan.init_run == first.plan.init_run and resumed.plan.init_run.case == "declared public"
 
 
@@ -165,7 +165,7 @@ def _meanvar_config(seed_dir, out, *extra):
 def test_meanvar_draws_each_layer_with_the_seed_layers_mean_and_variance(private_seed, tmp_path):
     seed = torch.load(private_seed / "checkpoint.pt", weights_only=True)["model"]
     trainer = Trainer.create(_meanvar_config(private_seed, tmp_path / "mv"), progress=False)
-    assert trainer.init_report["scaled"] == 8 and trainer.init_report["kept"] == 0
+    assert trainer.built.init_report["scaled"] == 8 and trainer.built.init_report["kept"] == 0
     for name, param in trainer.model.named_parameters():
         source = seed[name].double()
         if source.numel() < 256:
@@ -184,7 +184,7 @@ def test_meanvar_composes_the_seed_runs_epsilon(private_seed, tmp_path):
 
     trainer = Trainer.create(_meanvar_config(private_seed, tmp_path / "mv"), progress=False)
     summary = trainer.run()
-    seed_history = torch.load(private_seed / "checkpoint.pt", weights_only=False)["accountant"]
+    seed_history = torch.load(private_seed / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]
     reference = PrivacyAccountant(trainer.plan.accountant)
     for segment in PrivacyAccountant.from_state_dict(seed_history).history:
         reference.record(replace(segment, label=f"init-seed-run:{segment.label}"))

@@ -8,7 +8,7 @@ import pytest
 
 from dpscale.cli import main
 from dpscale.config import ConfigError, load_config
-from dpscale.train.checkpoint import load_checkpoint
+from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 from dpscale.tune import TUNING_CAVEAT
 from dpscale.privacy.plan import SEEDED_CAVEAT
@@ -73,8 +73,8 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
     assert all("reference_epsilon" in r and "TAN SIMULATION" in r["privacy_note"] for r in records)
     # the accountant saw the steps that ran: q = 128 / N at the simulated sigma, RDP
     state = load_checkpoint(out / "checkpoint.pt")
-    assert state["accountant"]["kind"] == "rdp" and len(state["accountant"]["history"]) == 1
-    q, sigma, steps, _ = state["accountant"]["history"][0]
+    assert state["mechanism"]["accountant"]["kind"] == "rdp" and len(state["mechanism"]["accountant"]["history"]) == 1
+    q, sigma, steps, _ = state["mechanism"]["accountant"]["history"][0]
     assert (q, steps) == (summary["sample_rate"], 12) and sigma == summary["noise_multiplier"]
     code = main(["eval", str(out), "--json"])
     result = json.loads(capsys.readouterr().out)

@@ -9,7 +9,7 @@ from dpscale.config import load_config
 from dpscale.models import build_model, convert_batchnorm_to_groupnorm, count_parameters, freeze_block_groups, list_models
 from dpscale.models.cnn import parse_simplevgg
 from dpscale.privacy.per_example import check_per_example_compatible
-from dpscale.train.checkpoint import load_checkpoint
+from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from dpscale.checkpoint_format import CHECKPOINT_FORMAT, MIGRATED_FORMATS, migrate
 from dpscale.errors import UserError
 
 CHECKPOINT_NAME = "checkpoint.pt"
 PREVIOUS_CHECKPOINT_NAME = "checkpoint.prev.pt"  # the one before, kept to fall back on
-CHECKPOINT_FORMAT = 1
 PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
 # A torch file we write ends with this line: torch.save's bytes, then "\nDPSCALE-SHA256:<64 hex>\n"
@@ -159,8 +159,9 @@ def _keep_as(path: Path, previous: Path) -> None:
         raise
 
 
-def load_torch_file(path: Path, file_format: int, what: str) -> dict[str, Any]:
-    """Load a file written by ``save_torch_file`` with ``file_format``, checking its checksum.
+def load_torch_file(path: Path, file_format: int, what: str, older: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Load a file written by ``save_torch_file`` with ``file_format`` (or one of the ``older``
+    formats, for the caller to migrate), checking its checksum.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -181,7 +182,7 @@ def load_torch_file(path: Path, file_format: int, what: str) -> dict[str, Any]:
             state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises several types for corrupt files
             raise DamagedFileError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
-    if not isinstance(state, dict) or state.get("format") != file_format:
+    if not isinstance(state, dict) or state.get("format") not in (file_format, *older):
         raise ForeignFileError(f"{path} is not a dpscale {what} (format {file_format})")
     if state.pop(CHECKSUMMED_KEY, False) and checked is None:  # written with a trailer that is gone
         raise DamagedFileError(damaged)
@@ -215,9 +216,9 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint written by ``save_checkpoint``.
+    """Load a checkpoint written by ``save_checkpoint``, in the current layout (``migrate``).
 
     Raises:
         FileNotFoundError / DamagedFileError / ForeignFileError: with the path and what is wrong.
     """
-    return load_torch_file(path, CHECKPOINT_FORMAT, "checkpoint")
+    return migrate(load_torch_file(path, CHECKPOINT_FORMAT, "checkpoint", older=MIGRATED_FORMATS))

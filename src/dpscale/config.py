@@ -621,6 +621,17 @@ def is_private_config(dp: DPConfig) -> bool:
     return dp.noise_multiplier is None or dp.noise_multiplier > 0
 
 
+def plan_labels(config: Config) -> dict[str, bool]:
+    """The DP plan's labels a config determines (``dpscale.privacy.plan.PLAN_LABELS`` but the
+    source runs, which are checked against their own directories): a fixed seed, the engine's
+    self-check off, noise from the OS CSPRNG."""
+    return {
+        "seeded": config.run.seed is not None,
+        "engine_unchecked": not config.train.self_check,
+        "secure_noise": config.dp.secure_noise,
+    }
+
+
 def validate(config: Config) -> None:
     """Range checks that need no data; dataset-dependent checks happen in the trainer."""
     dp, train, optim = config.dp, config.train, config.optim

@@ -209,7 +209,7 @@ def _start_run(config: Config, audit: CanaryAudit, progress: bool, fault: AuditF
             file=sys.stderr,
         )  # fmt: skip
     if fault is not None and fault.noise_scale != 1:
-        trainer.noise_generator = _ScaledNoise(trainer.noise_generator, fault.noise_scale)
+        trainer.mechanism.noise_generator = _ScaledNoise(trainer.mechanism.noise_generator, fault.noise_scale)
     check = getattr(trainer.mechanism, "first_chunk_check", None)
     if check is not None:  # the training-mode check of the first chunk: on its real examples only
         trainer.mechanism.first_chunk_check = audit.on_real_examples(check)

@@ -110,7 +110,7 @@ def _dpscale_step(
 ) -> TimedStep:
     """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
     noise from the 128-bit host generator and the accounting included), on the whole batch."""
-    from dpscale.train.mechanism import make_private
+    from dpscale.train.private import make_private
 
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from dpscale._io import load_checkpoint
 from dpscale.data import ImageDataset
+from dpscale.config import plan_labels
 from dpscale.errors import ConfigError
 from dpscale.models import build_model
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
@@ -226,7 +227,8 @@ def read_source_run(where: str) -> SourceRun:
         ValueError: not a run directory, no checkpoint, or one without a DP plan and accountant.
     """
     run_dir, ckpt, config, state = _read_run(where)
-    plan, accountant = state.get("plan"), state.get("accountant")
+    mechanism = state.get("mechanism") or {}  # load_checkpoint gives every format in the current layout
+    plan, accountant = mechanism.get("plan"), mechanism.get("accountant")
     if not isinstance(plan, dict) or "noise_multiplier" not in plan or not isinstance(accountant, dict):
         raise ValueError(f"{ckpt} holds no DP plan and accountant history: cannot tell what its training cost")
     return SourceRun(
@@ -289,8 +291,7 @@ def source_run_privacy(
 
 def _source_caveats(plan: dict[str, Any], config: Any) -> tuple[str, ...]:
     """The source plan's caveats, its labels taken from its config (older checkpoints lack them)."""
-    labels = {"seeded": config.run.seed is not None, "engine_unchecked": not config.train.self_check}
-    return tuple(replace(DPPlan(**plan), **labels).caveats())
+    return tuple(replace(DPPlan(**plan), **plan_labels(config)).caveats())
 
 
 def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device: torch.device) -> FeatureExtractor:

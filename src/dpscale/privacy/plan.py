@@ -7,7 +7,7 @@ Sampler, clipping norm, noise std and accounting event are read from the same
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -182,10 +182,6 @@ class SourceRunPrivacy:
 ExtractorPrivacy = SourceRunPrivacy  # the name from before model.init sources were checked too
 
 
-# DPPlan fields that label how a run was made (from its config), not privacy numbers.
-PLAN_LABELS = ("seeded", "extractor", "init_run", "engine_unchecked", "secure_noise")
-
-
 @dataclass(frozen=True)
 class DPPlan:
     """Attributes:
@@ -231,11 +227,13 @@ class DPPlan:
     calibrated: bool
     releases: tuple[AccountingSegment, ...] = ()
     simulation: TanSimulation | None = None
-    seeded: bool = False
-    extractor: SourceRunPrivacy | None = None
-    engine_unchecked: bool = False
-    secure_noise: bool = False
-    init_run: SourceRunPrivacy | None = None
+    # Labels of how the run was made (set from its config), not privacy numbers: left out of
+    # ``==``, so two plans are equal exactly when they describe the same mechanism.
+    seeded: bool = field(default=False, compare=False)
+    extractor: SourceRunPrivacy | None = field(default=None, compare=False)
+    engine_unchecked: bool = field(default=False, compare=False)
+    secure_noise: bool = field(default=False, compare=False)
+    init_run: SourceRunPrivacy | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -251,11 +249,6 @@ class DPPlan:
     def sources(self) -> tuple[SourceRunPrivacy, ...]:
         """The runs this run starts from whose privacy it checked (extractor, then model.init)."""
         return tuple(s for s in (self.extractor, self.init_run) if s is not None)
-
-    def same_numbers(self, other: "DPPlan") -> bool:
-        """Whether ``other`` (e.g. read back from a checkpoint) has this plan's privacy numbers:
-        the labels (``PLAN_LABELS``: how the run was made, set afresh from its config) aside."""
-        return replace(other, **{label: getattr(self, label) for label in PLAN_LABELS}) == self
 
     @property
     def run_accountant(self) -> str:
@@ -405,6 +398,12 @@ class DPPlan:
             f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
         )
+
+
+# The DPPlan fields that are labels, not privacy numbers (one list: the dataclass's own).
+PLAN_LABELS = tuple(f.name for f in fields(DPPlan) if not f.compare)
+# Labels whose caveat stays with the steps taken under it, whatever a continuation's config says.
+LASTING_CAVEATS = ("seeded", "engine_unchecked")
 
 
 def _release_text(release: AccountingSegment) -> str:

@@ -22,7 +22,6 @@ import hashlib
 import itertools
 import math
 import secrets
-import warnings
 from dataclasses import asdict, replace
 from typing import Any, Callable, Iterable, Iterator
 
@@ -31,12 +30,9 @@ import torch
 from torch import nn
 
 from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.engines import make_engine
 from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
-from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
-from dpscale.privacy.plan import DPPlan, make_dp_plan, steps_for
-from dpscale.privacy.precision import make_precision
-from dpscale.privacy.self_check import checked_engine
+from dpscale.privacy.per_example import Batch, PerExampleEngine
+from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
 from dpscale.rng import DPRandom, noise_generator, words_to_int
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 
@@ -92,9 +88,8 @@ class DPMechanism:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         _refuse_steps_outside_the_mechanism(optimizer)
         self.plan, self.engine = plan, engine
-        self.sampler = plan.make_sampler(DPRandom(sampler_seed), rank, world_size)
-        # dp.secure_noise: from the OS CSPRNG, no seed, no state (plan.secure_noise)
-        self.noise_generator = noise_generator(noise_seed, plan.secure_noise)
+        self.rank, self.world_size = rank, world_size
+        self.restart_streams(sampler_seed=sampler_seed, noise_seed=noise_seed)
         self.accountant = PrivacyAccountant(plan.run_accountant)
         for release in plan.releases:  # one-off releases made before the first step
             self.accountant.record(release)
@@ -107,6 +102,14 @@ class DPMechanism:
         self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
+
+    def restart_streams(self, *, sampler_seed: int, noise_seed: int) -> None:
+        """Fresh sampling and noise streams (at the start, or when a run restarts with another
+        number of processes or from generator states it cannot continue: never replaying used
+        ones). The sampler's 128-bit stream decides which examples join a batch (private);
+        dp.secure_noise draws the noise from the OS CSPRNG (no seed, no state)."""
+        self.sampler = self.plan.make_sampler(DPRandom(sampler_seed), self.rank, self.world_size)
+        self.noise_generator = noise_generator(noise_seed, self.plan.secure_noise)
 
     # ----------------------------------------------------------------- batches
     def remaining_steps(self) -> int:
@@ -300,7 +303,7 @@ class DPMechanism:
                 "(make_private) before its first step"
             )
         saved = DPPlan(**state["plan"])
-        if not self.plan.same_numbers(saved):
+        if saved != self.plan:  # the numbers (labels are left out of ==)
             raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
         if state.get("model_digest", model_digest(self.model)) != model_digest(self.model):
             raise ValueError(
@@ -309,9 +312,9 @@ class DPMechanism:
                 "first, then the mechanism's state"
             )
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
-        self.plan = replace(self.plan, seeded=self.plan.seeded or saved.seeded,
-                            engine_unchecked=self.plan.engine_unchecked or saved.engine_unchecked)  # fmt: skip
-        self.sampler.load_state_dict(state["sampler"])
+        self.plan = replace(self.plan, **{k: getattr(self.plan, k) or getattr(saved, k) for k in LASTING_CAVEATS})
+        if state["sampler"] is not None:  # None: a state whose sampler stream is not continued
+            self.sampler.load_state_dict(state["sampler"])
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
         self.accountant.load_state_dict(state["accountant"])
@@ -359,129 +362,3 @@ def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch)
     if result is not None and not result.ok:
         raise ValueError(f"on the first training batch: {result.describe()}")
     return engine
-
-
-def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
-    """``make_private``'s first-chunk check without a ``check_batch``: the whole ``checked_engine``
-    (independence, then the self-check on its first examples; ``auto`` may fall back to vmap)."""
-
-    def check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
-        chosen, notices, _ = checked_engine(name, engine.max_grad_norm, model, chunk, **engine_options)
-        _tell(notices)
-        return chosen
-
-    return check
-
-
-def _tell(notices: list[str]) -> None:
-    """What the user should know of the engine make_private chose (auto's fallback and why)."""
-    for notice in notices:
-        warnings.warn(notice, UserWarning, stacklevel=3)
-
-
-def per_example_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
-    """``loss_fn`` checked at every call to return one loss per example, shape (B,): a mean or a
-    sum over the batch would be clipped as if the batch were one example."""
-
-    def checked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = loss_fn(logits, targets)
-        if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.shape[0] != targets.shape[0]:
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(
-                f"loss_fn must return one loss per example, shape ({targets.shape[0]},), got {shape}: use "
-                "reduction='none' (a loss averaged or summed over the batch cannot be clipped per example)"
-            )
-        return out
-
-    return checked
-
-
-def make_private(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    dataset_size: int,
-    batch_size: float,
-    max_grad_norm: float,
-    delta: float,
-    target_epsilon: float | None = None,
-    noise_multiplier: float | None = None,
-    epochs: float | None = None,
-    steps: int | None = None,
-    accountant: str = "pld",
-    engine: str = "auto",
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    augment_multiplicity: int = 1,
-    precision: str = "fp32",
-    max_physical_batch_size: int | None = None,
-    scheduler: Any = None,
-    seed: int | None = None,
-    secure_noise: bool = False,
-    check: bool = True,
-    check_batch: Batch | None = None,
-) -> DPMechanism:
-    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD, Poisson sampling).
-
-    Args:
-        model, optimizer: the user's; the optimizer must hold the trainable parameters.
-        dataset_size: N, the number of private training examples.
-        batch_size: expected logical batch size B (q = B / N).
-        max_grad_norm: C, the per-example clipping norm.
-        delta: the delta of the guarantee (use < 1/N).
-        target_epsilon: calibrate sigma so the planned steps spend exactly this (or give noise_multiplier).
-        noise_multiplier: sigma (the noise std on the clipped sum is sigma * C).
-        epochs, steps: the length of the plan (one of them).
-        accountant: "pld" or "rdp".
-        engine: "auto", "bk", "ghost" or "vmap" (docs/engines.md).
-        loss_fn: per-example loss (logits, targets) -> (B,); default cross-entropy.
-        augment_multiplicity: K views per example: inputs shaped (B, K, ...); an example's loss is the
-            mean over its views, clipped once (TAN's AugMult).
-        precision: "fp32", "tf32", "bf16" or "fp16" (docs/precision.md).
-        max_physical_batch_size: examples per chunk in ``step(x, y)`` and ``data_loader``.
-        scheduler: a learning-rate scheduler stepped after every optimizer step.
-        seed: fixes the sampling and noise streams (research only: anyone who knows it can replay
-            them); None draws fresh 128-bit OS entropy.
-        secure_noise: draw the noise from the OS CSPRNG (``dpscale.rng.SecureRandom``): never
-            reproducible, not even with ``seed``, and ``state_dict()`` holds no noise state.
-        check: verify the model, the loss and the engine before anything is released (default):
-            on the first step's first chunk (or ``check_batch``), each example's loss and norm must
-            not depend on the other examples (train mode), and the engine must match a per-example
-            loop (eval mode); ``auto`` falls back to vmap where only bk is wrong. False skips
-            both, and the plan and every epsilon then say the run is unchecked.
-        check_batch: (x, y) examples to run the checks on now, in ``make_private`` (the first
-            step's chunk is still checked for batch independence).
-
-    Returns:
-        The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
-
-    Raises:
-        ValueError: a layer that mixes examples or cannot be clipped per example (BatchNorm, ...),
-            bad privacy numbers; at the first step, a model or loss that mixes examples.
-    """
-    if (epochs is None) == (steps is None):
-        raise ValueError("give exactly one of epochs= and steps=")
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
-    plan = make_dp_plan(
-        dataset_size=dataset_size, batch_size=batch_size, steps=steps_for(epochs, steps, dataset_size, batch_size),
-        max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
-        accountant=accountant, seeded=seed is not None,
-    )  # fmt: skip
-    check = check and plan.is_private  # a non-private run claims no guarantee for the checks to protect
-    plan = replace(plan, secure_noise=secure_noise, engine_unchecked=not check and plan.is_private)
-    options = {"views": augment_multiplicity, "loss_fn": per_example_loss(loss_fn) if loss_fn else per_example_cross_entropy,
-               "precision": make_precision(precision)}  # fmt: skip
-    # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
-    if check and check_batch is not None:
-        chosen, notices, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
-        _tell(notices)
-        first_chunk_check: FirstChunkCheck | None = independence_check
-    else:
-        chosen, notice = make_engine(engine, max_grad_norm, model, **options)
-        _tell([notice] if notice else [])
-        first_chunk_check = _engine_check(engine, **options) if check else None
-    seeds = run_seeds(seed)
-    return DPMechanism(
-        model, optimizer, plan, chosen, sampler_seed=seeds["sampler"], noise_seed=seeds["noise"],
-        scheduler=scheduler, max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
-    )  # fmt: skip

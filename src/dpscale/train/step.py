@@ -26,43 +26,55 @@ from dpscale.rng import DPRandom
 _NOISE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpscale-noise")
 
 
+# The statistics a step accumulates, in the order of StepStats.counts (one device tensor: no host sync).
+STEP_STATISTICS = ("examples", "loss_sum", "clipped", "grad_norm_sum", "nonfinite")
+
+
 @dataclass(frozen=True)
 class StepStats:
     """Statistics of one logical batch, kept where they were computed: reading a property waits
     for the device (a host sync), so a training loop reads them only when it reports.
 
     Attributes:
-        counts: float64 tensor [examples, sum of per-example losses (before the update),
-            examples whose gradient norm exceeded C, sum of per-example gradient norms,
-            examples whose gradient was not finite (every precision: they contributed zero)].
+        counts: float64 tensor of the ``STEP_STATISTICS``: examples, sum of per-example losses
+            (before the update), examples whose gradient norm exceeded C, sum of per-example
+            gradient norms, examples whose gradient was not finite (every precision: they
+            contributed zero). Read it by name with ``select``.
     """
 
     counts: torch.Tensor
 
+    def select(self, *names: str) -> torch.Tensor:
+        """The named statistics as a tensor on the device, in the order given (no host sync)."""
+        return self.counts[[STEP_STATISTICS.index(name) for name in names]]
+
+    def _value(self, name: str) -> float:
+        return float(self.counts[STEP_STATISTICS.index(name)])
+
     @property
     def batch_size(self) -> int:
         """Examples actually in this logical batch."""
-        return int(self.counts[0])
+        return int(self._value("examples"))
 
     @property
     def loss_sum(self) -> float:
-        return float(self.counts[1])
+        return self._value("loss_sum")
 
     @property
     def clipped_fraction(self) -> float:
         """Share of examples whose gradient norm exceeded C."""
-        return float(self.counts[2]) / self.batch_size if self.batch_size else 0.0
+        return self._value("clipped") / self.batch_size if self.batch_size else 0.0
 
     @property
     def mean_grad_norm(self) -> float:
         """Mean per-example gradient norm before clipping."""
-        return float(self.counts[3]) / self.batch_size if self.batch_size else 0.0
+        return self._value("grad_norm_sum") / self.batch_size if self.batch_size else 0.0
 
     @property
     def nonfinite_examples(self) -> int:
         """Examples whose gradient was not finite (an overflow, a NaN in their own data): they
         contributed exactly zero, in every precision."""
-        return int(self.counts[4])
+        return int(self._value("nonfinite"))
 
     def as_dict(self) -> dict[str, float]:
         """All the statistics (one host sync)."""
@@ -131,24 +143,13 @@ def noisy_clipped_mean(
     total = {name: torch.zeros_like(p) for name, p in params.items()}
     # the StepStats counts, accumulated on the device: no host sync
     device = next(iter(total.values())).device if total else torch.device("cpu")  # nccl reduces on the GPU
-    counts = torch.zeros(5, dtype=torch.float64, device=device)
-    clip = engine.max_grad_norm
+    counts = torch.zeros(len(STEP_STATISTICS), dtype=torch.float64, device=device)
     std = noise_std if add_noise else 0.0
     if prefetch_noise is None:
         prefetch_noise = device.type == "cuda"
     pending = _NOISE_THREAD.submit(draw_noise, total, noise_generator) if std > 0 and prefetch_noise else None
     for chunk in chunks:
-        grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
-        for name in total:
-            total[name] += grad_sum[name]
-        clipped = (norms > clip).sum() if clip is not None else norms.new_zeros(())
-        examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
-        finite = torch.isfinite(norms)
-        counts += torch.stack([
-            # a non-finite example contributed zero: its loss stays out of the logged train loss too
-            examples, torch.where(finite, losses, 0.0).sum().double(), clipped.double(), torch.where(finite, norms, 0.0).sum().double(),
-            (~finite).sum().double(),
-        ]).to(device)  # fmt: skip
+        counts += _add_chunk(engine, model, params, chunk, total).to(device)
     # once per logical step: on one rank, before the ranks' sums are added up
     noisy = add_gaussian_noise(total, std, noise_generator, pending.result() if pending else None)
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
@@ -156,6 +157,26 @@ def noisy_clipped_mean(
         all_reduce_sum([counts])
     gradient = {name: g / expected_batch_size for name, g in noisy.items()}
     return gradient, StepStats(counts)
+
+
+def _add_chunk(engine: PerExampleEngine, model: nn.Module, params: Params, chunk: Batch, total: Params) -> torch.Tensor:
+    """Add one physical chunk's clipped per-example gradient sum into ``total`` (in place).
+
+    Returns:
+        the chunk's ``STEP_STATISTICS`` (float64, on the chunk's device).
+    """
+    grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
+    for name in total:
+        total[name] += grad_sum[name]
+    clip = engine.max_grad_norm
+    clipped = (norms > clip).sum() if clip is not None else norms.new_zeros(())
+    examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
+    finite = torch.isfinite(norms)
+    # a non-finite example contributed zero: its loss stays out of the logged train loss too
+    return torch.stack([
+        examples, torch.where(finite, losses, 0.0).sum().double(), clipped.double(),
+        torch.where(finite, norms, 0.0).sum().double(), (~finite).sum().double(),
+    ])  # fmt: skip
 
 
 def apply_gradient(model: nn.Module, gradient: Params, optimizer: torch.optim.Optimizer) -> None:

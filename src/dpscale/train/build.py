@@ -1,0 +1,254 @@
+"""A training run built once from its config, like an execution plan: process and device, data,
+the DP plan, model, checked engine, optimizer and the DP mechanism. ``build_run`` makes every
+part in data-flow order; the Trainer (train/loop.py) only runs what it built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dpscale.config import Config, ConfigError
+from dpscale.data.run_data import open_training_data, training_fingerprint
+from dpscale.data.stream import StreamedData
+from dpscale.features.normalize import FeatureNormalizer
+from dpscale.features.pipeline import extract_run_features, fit_normalizer, normalize_dataset
+from dpscale.models import build_model, freeze_block_groups
+from dpscale.models.init import init_from, meanvar_init, read_weights
+from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
+from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.precision import Precision, make_precision
+from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
+from dpscale.rng import noise_generator
+from dpscale.train.distributed import Distributed, init_distributed, rank_stream_seed
+from dpscale.train.ema import WeightEMA
+from dpscale.train.hooks import RunHooks
+from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, source_runs
+from dpscale.train.mechanism import DPMechanism, independence_check, run_seeds
+from dpscale.train.optim import build_optimizer, build_scheduler
+from dpscale.train.step import augmented_chunks
+
+Log = Callable[[str], Any]
+
+
+@dataclass
+class Run:
+    """Everything a run trains with, built by ``build_run``.
+
+    Attributes:
+        dist: the process group (a single process by default); device: this rank's device.
+        seeds: the run's seeds (``run_seeds``; fresh OS entropy without run.seed).
+        data: the training and test data, features extracted and normalised (in memory or streamed).
+        data_fingerprint: of the training images, as checkpoints record it.
+        plan: the frozen DP plan; total_steps: its S.
+        feature_normalizer: private Data Normalization's statistics (or the identity).
+        model, init_report: the model and what initialised it (model.init / Mean-Var), if anything.
+        precision, engine, self_check: the clipping engine, verified before the first step.
+        optimizer, scheduler, mechanism: the DP mechanism owns sampler, noise and accountant.
+        ema: an exponential moving average of the weights (train.ema_decay), or None.
+    """
+
+    config: Config
+    dist: Distributed
+    device: torch.device
+    seeds: dict[str, int]
+    data: Any
+    data_fingerprint: str
+    plan: DPPlan
+    total_steps: int
+    feature_normalizer: FeatureNormalizer
+    model: nn.Module
+    init_report: dict[str, Any] | None
+    precision: Precision
+    engine: PerExampleEngine
+    self_check: SelfCheckResult | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    mechanism: DPMechanism
+    ema: WeightEMA | None
+
+    @property
+    def streamed(self) -> bool:
+        """The training data is streamed from disk (data.loader), not held in memory."""
+        return isinstance(self.data, StreamedData)
+
+    @property
+    def value_range(self) -> tuple[float, float]:
+        """Range of the input pixels (for colour augmentations)."""
+        return (-1.0, 1.0) if self.config.data.normalize else (0.0, 1.0)
+
+
+def build_run(
+    config: Config,
+    hooks: RunHooks,
+    *,
+    log: Log,
+    progress: bool = False,
+    saved_plan: DPPlan | None = None,
+    feature_norm: dict[str, Any] | None = None,
+) -> Run:
+    """Build the run ``config`` describes.
+
+    Args:
+        config: the resolved config (``run.out_dir`` set).
+        hooks: an audit's canaries and observer (``RunHooks()`` for a plain run).
+        log: prints a line of the run's report.
+        progress: show the feature extraction's progress bar.
+        saved_plan: a checkpoint's DP plan (checked against the config and data, never
+            recalibrated); its weights come from the checkpoint, so no initialisation is applied.
+        feature_norm: a checkpoint's feature normaliser (its private statistics reused, never
+            drawn again: a second draw would be a second release).
+    """
+    dist, device, seeds = open_process(config)
+    images = open_training_data(config, device, log)
+    fingerprint = data_fingerprint(images)
+    if images.info.skipped_files:
+        log(f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
+            f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images")  # fmt: skip
+
+    def fingerprint_as(normalize: bool) -> str:  # a source run may have used the other data.normalize
+        return fingerprint if normalize == config.data.normalize else training_fingerprint(config, normalize)
+
+    # Before extracting: a source run (checkpoint extractor, model.init) that cannot be composed is refused at once.
+    sources = source_runs(config, fingerprint_as)
+    with dist.main_first():  # rank 0 fills the feature cache, the others read it
+        features = extract_run_features(config.features, images, device, progress and dist.is_main, log)
+    del images
+    if hooks.training_set is not None:  # an audit's canaries: before the plan, so N counts them
+        features = hooks.training_set(features)
+    inputs = inputs_for(config, features.info.num_train, sources)
+    plan = plan_for(config, inputs, saved_plan)
+    normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
+    data = normalize_dataset(features, normalizer)
+    model, init_report = _model(config, features.info, seeds, log, initial_weights=saved_plan is None)
+    model.to(device)
+    check_per_example_compatible(model)
+    if config.model.freeze_groups:
+        freeze_block_groups(model, config.model.freeze_groups)
+    dist.broadcast_module_(model)  # identical already (same seed); made certain
+    return _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
+                           model, init_report, log)  # fmt: skip
+
+
+def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, int]]:
+    """The process group (data parallel under torchrun, else one process), this rank's device
+    and the run's seeds (fresh entropy: rank 0's, for all)."""
+    dist = init_distributed(config.run.device)
+    if dist.enabled and config.dp.sampling != "poisson":
+        raise ConfigError("distributed training needs dp.sampling=poisson (each rank samples its own shard)")
+    if config.run.out_dir is None:
+        raise ConfigError("run.out_dir must be set (the CLI picks runs/<model>-<data>-<time>)")
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    device = config.run.device
+    if dist.enabled and device == "cuda":
+        device = f"cuda:{dist.local_rank}"  # one GPU per process
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={config.run.device} but this torch build has no usable CUDA device")
+    return dist, torch.device(device), dist.broadcast_object(run_seeds(config.run.seed))
+
+
+def _feature_normalizer(
+    config: Config, features: Any, plan: DPPlan, seeds: dict[str, int], dist: Distributed,
+    saved: dict[str, Any] | None, *, loading: bool,
+) -> FeatureNormalizer:  # fmt: skip
+    """A checkpoint's normaliser (its private statistics reused, never drawn again), or a new one
+    (``loading``: the run continues a checkpoint, whose normalisation must be the config's)."""
+    kind = (saved or {}).get("kind", "none")
+    if loading and kind != config.features.normalize:
+        raise ConfigError(
+            f"the checkpoint's feature normalisation ({kind}) is not features.normalize={config.features.normalize} "
+            "of its config; refusing to continue it"
+        )
+    if saved is not None:
+        return FeatureNormalizer.from_state_dict(saved)
+    # Data Normalization's noise: 128-bit seed, or the OS CSPRNG with dp.secure_noise
+    generator = noise_generator(seeds["features"], config.dp.secure_noise)
+    # a stream has features.normalize=none (config validation): nothing to fit
+    streamed = isinstance(features, StreamedData)
+    normalizer = FeatureNormalizer() if streamed else fit_normalizer(config.features, features.x_train, plan, generator)
+    if not dist.enabled:
+        return normalizer
+    # One release, whatever P: every rank uses rank 0's noisy statistics.
+    return FeatureNormalizer.from_state_dict(dist.broadcast_object(normalizer.state_dict()))
+
+
+def _model(
+    config: Config, info: Any, seeds: dict[str, int], log: Log, initial_weights: bool
+) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The model, seeded, with model.init's weights and Mean-Var scaling applied for a new run."""
+    cfg = config.model
+    torch.manual_seed(seeds["init"])
+    model = build_model(cfg.name, info.num_classes, info.input_shape, cfg.activation, **cfg.kwargs)
+    report: dict[str, Any] | None = None
+    if cfg.init and initial_weights:
+        loaded = init_from(model, cfg.init, reset_head=cfg.reset_head)
+        report = asdict(loaded)
+        log(loaded.describe())
+    if cfg.init_scaling == "meanvar" and initial_weights:
+        counts = meanvar_init(model, read_weights(cfg.init_seed_model), torch.Generator().manual_seed(seeds["init"]))
+        report = {"source": cfg.init_seed_model, "scaling": "meanvar", **counts}
+        log(f"model.init_scaling=meanvar: {counts['scaled']} tensors drawn with the statistics of "
+            f"{cfg.init_seed_model} ({counts['kept']} kept at their default init)")  # fmt: skip
+    return model, report
+
+
+def _with_mechanism(
+    config: Config, hooks: RunHooks, dist: Distributed, device: torch.device, seeds: dict[str, int], data: Any,
+    fingerprint: str, plan: DPPlan, total_steps: int, normalizer: FeatureNormalizer, model: nn.Module,
+    init_report: dict[str, Any] | None, log: Log,
+) -> Run:  # fmt: skip
+    """The checked engine, optimizer, scheduler and DP mechanism around ``model``."""
+    precision = make_precision(config.train.precision, config.train.fp16_loss_scale)
+    engine, self_check = _checked_engine(config, plan, model, data, device, precision, log)
+    if hooks.engine is not None:
+        engine = hooks.engine(engine, model)
+    optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])
+    scheduler = build_scheduler(config.optim, optimizer, total_steps)
+    # The mechanism keeps sampler, noise and accountant in step (the releases made before any
+    # step, e.g. Data Normalization, recorded first). Only the noise rank draws noise; noise is
+    # drawn on the host, then copied to the device: the same noise on CPU and CUDA.
+    mechanism = DPMechanism(
+        model, optimizer, plan, engine, scheduler=scheduler, noise_seed=seeds["noise"],
+        sampler_seed=rank_stream_seed(seeds["sampler"], dist.rank, dist.world_size, 0),
+        rank=dist.rank, world_size=dist.world_size,
+        # in train mode, on the first real training chunk (the set-up check saw a few examples)
+        first_chunk_check=independence_check if config.train.self_check and plan.is_private else None,
+    )  # fmt: skip
+    mechanism.observer = hooks.observe_gradient
+    ema = WeightEMA(model, config.train.ema_decay) if config.train.ema_decay else None
+    return Run(
+        config=config, dist=dist, device=device, seeds=seeds, data=data, data_fingerprint=fingerprint, plan=plan,
+        total_steps=total_steps, feature_normalizer=normalizer, model=model, init_report=init_report,
+        precision=precision, engine=engine, self_check=self_check, optimizer=optimizer, scheduler=scheduler,
+        mechanism=mechanism, ema=ema,
+    )  # fmt: skip
+
+
+def _checked_engine(
+    config: Config, plan: DPPlan, model: nn.Module, data: Any, device: torch.device, precision: Precision, log: Log
+) -> tuple[PerExampleEngine, SelfCheckResult | None]:
+    """The clipping engine, verified before the first step on the first few training examples
+    (their K views drawn from a fixed generator: the run's streams are untouched)."""
+    train, augment = config.train, config.augment
+    k = min(SELF_CHECK_EXAMPLES, len(data.y_train))
+    chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])
+    if augment.multiplicity > 1:
+        value_range = (-1.0, 1.0) if config.data.normalize else (0.0, 1.0)
+        views = augmented_chunks([chunk], augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range)
+        chunk = next(iter(views))
+    try:
+        engine, notices, result = checked_engine(
+            train.engine, plan.max_grad_norm, model, chunk,
+            # a non-private run claims no guarantee for the check to protect (and its unclipped,
+            # cancelling gradient sums are where float32 reorderings look largest)
+            views=augment.multiplicity, check=train.self_check and plan.is_private, precision=precision,
+        )  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(f"train.engine={train.engine}: {err}") from err
+    checks = [result, result.independence] if result else []
+    for note in notices + [check.describe() for check in checks if check is not None]:
+        log(note)
+    return engine, result

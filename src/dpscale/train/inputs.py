@@ -1,0 +1,138 @@
+"""What a run's DP plan is made of, worked out once for every caller: the Trainer, ``dpscale
+tan simulate --dry-run``, ``tan privacy-search --config`` and sweeps all ask here, so they
+report the same N, steps and epsilon for a config (class subsets, ``data.skip_corrupt``,
+source runs and a Mean-Var seed run included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from dpscale.config import Config, ConfigError, is_private_config, plan_labels
+from dpscale.data.datasets import ImageDataset, dataset_fingerprint
+from dpscale.data.run_data import open_training_data, training_fingerprint
+from dpscale.data.stream import StreamedData
+from dpscale.features.extract import read_source_run
+from dpscale.features.pipeline import extractor_privacy, feature_releases
+from dpscale.models.init import init_privacy
+from dpscale.privacy.accountant import AccountingSegment
+from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, steps_for
+from dpscale.train.plan_config import check_plan_against_config, plan_from_config
+
+SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
+
+
+@dataclass(frozen=True)
+class SourceRuns:
+    """The earlier runs a config draws on, and what each released before this run's first step.
+
+    Attributes:
+        extractor: a checkpoint feature extractor's run (None: none, or a public one).
+        init_run: the model.init source run.
+        releases: every release made before the first step, in accounting order: the
+            extractor's run, the model.init run, Data Normalization, the Mean-Var seed run.
+    """
+
+    extractor: SourceRunPrivacy | None
+    init_run: SourceRunPrivacy | None
+    releases: tuple[AccountingSegment, ...]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The numbers a config's DP plan is made from.
+
+    Attributes:
+        dataset_size: N, the training examples the sampler draws from (after class subsets,
+            skipped corrupt files and an audit's canaries).
+        steps: S, logical steps.
+        sources: the source runs and releases before the first step.
+    """
+
+    dataset_size: int
+    steps: int
+    sources: SourceRuns
+
+    @property
+    def releases(self) -> tuple[AccountingSegment, ...]:
+        return self.sources.releases
+
+    @property
+    def extractor(self) -> SourceRunPrivacy | None:
+        return self.sources.extractor
+
+    @property
+    def init_run(self) -> SourceRunPrivacy | None:
+        return self.sources.init_run
+
+
+def source_runs(config: Config, fingerprint_as: Callable[[bool], str]) -> SourceRuns:
+    """The source runs of ``config``; one that cannot be composed is refused at once.
+
+    Args:
+        fingerprint_as: the run's training-set fingerprint as prepared with a given
+            data.normalize (a source run is matched to this run's data by fingerprint).
+    """
+    private = is_private_config(config.dp)
+    extractor, extractor_releases = extractor_privacy(config.features, fingerprint_as, private)
+    init_run, init_releases = init_privacy(config.model, fingerprint_as, private)
+    releases = extractor_releases + init_releases + feature_releases(config.features) + seed_model_releases(config)
+    return SourceRuns(extractor=extractor, init_run=init_run, releases=releases)
+
+
+def seed_model_releases(config: Config) -> tuple[AccountingSegment, ...]:
+    """Mean-Var init releases statistics of its seed model, which trained on private data: that
+    run's whole accounting history, composed into this run's plan (unless declared public)."""
+    model = config.model
+    if model.init_scaling != "meanvar" or model.init_seed_public:
+        return ()
+    source = read_source_run(model.init_seed_model)
+    if not source.private:
+        raise ConfigError(
+            f"model.init_seed_model={model.init_seed_model} trained without privacy: its Mean-Var statistics would "
+            "release its training data without a guarantee; use a private seed run, or set "
+            "model.init_seed_public=true if its training data is public"
+        )
+    return tuple(replace(seg, label=f"{SEED_MODEL_RUN}:{seg.label}") for seg in source.history)
+
+
+def inputs_for(config: Config, dataset_size: int, sources: SourceRuns) -> PlanInputs:
+    """The plan's inputs for ``dataset_size`` training examples (steps from train.epochs/steps)."""
+    steps = steps_for(config.train.epochs, config.train.steps, dataset_size, config.dp.batch_size)
+    return PlanInputs(dataset_size=dataset_size, steps=steps, sources=sources)
+
+
+def plan_inputs(config: Config, *, log: Callable[[str], Any] = lambda _: None) -> PlanInputs:
+    """The plan's inputs for ``config`` without training: its data opened as the Trainer opens
+    it (on the CPU), its source runs checked. (No audit canaries: ``dpscale audit`` adds them.)"""
+    images = open_training_data(config, torch.device("cpu"), log)
+
+    def fingerprint_as(normalize: bool) -> str:  # asked only when a source run must be matched
+        if normalize == config.data.normalize:
+            return data_fingerprint(images)
+        return training_fingerprint(config, normalize)
+
+    return inputs_for(config, images.info.num_train, source_runs(config, fingerprint_as))
+
+
+def data_fingerprint(images: ImageDataset | StreamedData) -> str:
+    """The fingerprint checkpoints store for a run's training images (of the images, not the
+    extracted features: those may differ in the last bit between machines)."""
+    return images.fingerprint if isinstance(images, StreamedData) else dataset_fingerprint(images)
+
+
+def plan_for(config: Config, inputs: PlanInputs, saved: DPPlan | None = None) -> DPPlan:
+    """The DP plan the Trainer runs under: a new one (calibrated), or a checkpoint's ``saved``
+    plan checked against the config and inputs (a changed source run is refused: its releases
+    differ). Either way with the labels the config determines (a fixed seed, the source runs'
+    cases, checks off, secure noise): they are no privacy numbers, and older checkpoints lack them."""
+    labels = plan_labels(config)
+    n, steps, sources = inputs.dataset_size, inputs.steps, inputs.sources
+    if saved is None:
+        plan = plan_from_config(config.dp, n, steps, sources.releases, seeded=labels["seeded"], extractor=sources.extractor)
+    else:
+        check_plan_against_config(saved, config.dp, n, steps, sources.releases)
+        plan = saved
+    return replace(plan, extractor=sources.extractor, init_run=sources.init_run, **labels)

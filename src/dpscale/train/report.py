@@ -1,0 +1,149 @@
+"""What a run reports: the evaluation records of metrics.jsonl and the summary.json of a
+finished run (privacy fields first: what was spent, by which plan, what it does not cover)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpscale._io import atomic_write_text
+from dpscale.data.stream import eval_batches
+from dpscale.data.run_data import data_workers
+from dpscale.models import count_parameters
+from dpscale.privacy.plan import GUARANTEE_SCOPE
+from dpscale.runs import SUMMARY_NAME
+from dpscale.train.distributed import NOISE_RANK
+from dpscale.train.metrics import evaluate, evaluate_augtest, evaluate_batches, json_safe
+
+# ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
+Trainer = Any
+
+
+def format_epsilon(epsilon: float) -> str:
+    return "inf" if not math.isfinite(epsilon) else f"{epsilon:.3f}"
+
+
+def evaluate_model(trainer: Trainer, model: nn.Module) -> tuple[float, float]:
+    """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is)."""
+    built, config = trainer.built, trainer.built.config
+    batch = config.train.eval_batch_size
+    if built.streamed:  # host memory bounded by the training chunk, whatever eval_batch_size says
+        batch = min(batch, config.train.max_physical_batch_size)
+        return evaluate_batches(model, eval_batches(built.data, batch, built.device, data_workers(config)), built.device)
+    return evaluate(model, built.data.x_test, built.data.y_test, batch)
+
+
+def extra_evaluations(trainer: Trainer) -> dict[str, float]:
+    """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy)."""
+    built, out = trainer.built, {}
+    if built.ema is not None:
+        out["test_accuracy_ema"], out["test_loss_ema"] = evaluate_model(trainer, built.ema.model)
+    augment = built.config.augment
+    if built.config.eval.augtest:  # in memory only (config validation)
+        generator = torch.Generator().manual_seed(trainer.augtest_seed)
+        out["test_accuracy_augtest"] = evaluate_augtest(
+            built.model, built.data.x_test, built.data.y_test, augment.type, augment.multiplicity, generator,
+            built.value_range, built.config.train.eval_batch_size,
+        )  # fmt: skip
+    return out
+
+
+def evaluation_record(trainer: Trainer, window: dict[str, Any]) -> dict[str, Any]:
+    """One line of metrics.jsonl: test accuracy and loss, epsilon so far, the train-loss window."""
+    built, plan = trainer.built, trainer.built.plan
+    accuracy, test_loss = evaluate_model(trainer, built.model)
+    record = {
+        "epoch": trainer.epochs_done(trainer.step),
+        "step": trainer.step,
+        "train_loss": window["loss_sum"] / window["examples"] if window["examples"] else None,
+        "test_accuracy": accuracy,
+        "test_loss": test_loss,
+        "epsilon": trainer.epsilon(),
+        "delta": plan.delta,
+        **({"reference_epsilon": plan.reference_epsilon(trainer.step)} if plan.simulation else {}),
+        "lr": built.scheduler.get_last_lr()[0],
+        "wall_time_s": trainer.wall_time_s,
+    }
+    if window["nonfinite_examples"]:  # they contributed zero; say so, it is a utility loss
+        record["nonfinite_examples"] = window["nonfinite_examples"]
+        trainer.log(
+            f"WARNING: {window['nonfinite_examples']} examples since the last evaluation had non-finite gradients "
+            "and contributed zero (fp16 overflow? lower train.fp16_loss_scale or use bf16)"
+        )
+    record.update(extra_evaluations(trainer))
+    if plan.caveats():
+        record["privacy_note"] = "; ".join(plan.caveats())
+    return record
+
+
+def privacy_summary(trainer: Trainer) -> dict[str, Any]:
+    """The summary's privacy fields: what was spent, by which plan, and what it does not cover."""
+    built, plan = trainer.built, trainer.built.plan
+    return {
+        "epsilon": trainer.epsilon(),
+        "delta": plan.delta,
+        "target_epsilon": plan.target_epsilon,
+        # a TAN simulation is no private model: its guarantee is not the one it reports
+        "private": plan.is_private and plan.simulation is None,
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_calibrated": plan.calibrated,
+        "max_grad_norm": plan.max_grad_norm,
+        "batch_size": plan.batch_size,
+        "sample_rate": plan.sample_rate,
+        "dataset_size": plan.dataset_size,
+        "steps": trainer.step,
+        "epochs": trainer.epochs_done(trainer.step),
+        "sampling": plan.sampling,
+        "accountant": plan.accountant,
+        "eps_tan": plan.eps_tan,
+        "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
+        "simulation": (
+            {**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None
+        ),
+        "reference_epsilon": plan.reference_epsilon(trainer.step) if plan.simulation else None,
+        "privacy_warnings": trainer.privacy_warnings(),
+        "features": built.config.features.extractor,
+        "feature_normalization": built.feature_normalizer.kind,
+        # composed / declared public / other data: how a checkpoint extractor's run enters epsilon
+        "extractor_privacy": plan.extractor.case if plan.extractor else None,
+        "guarantee_caveats": plan.caveats(),
+        "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
+        "seeded": built.config.run.seed is not None,
+        "config_changes": trainer.config_changes,  # asked for with --set on resume, by step
+    }
+
+
+def write_summary(trainer: Trainer) -> dict[str, Any]:
+    """summary.json of a finished run (rank 0), returned."""
+    built, config = trainer.built, trainer.built.config
+    last = trainer.metrics.read()[-1]
+    summary = {
+        "test_accuracy": last["test_accuracy"],
+        "test_loss": last["test_loss"],
+        **{k: last[k] for k in ("test_accuracy_ema", "test_accuracy_augtest") if k in last},
+        "augment_multiplicity": config.augment.multiplicity,
+        **privacy_summary(trainer),
+        "dataset": built.data.info.name,
+        "data_loader": "stream" if built.streamed else "memory",
+        "skipped_files": len(built.data.info.skipped_files),
+        # streaming, this session: time the step waited for the loader's chunks (s)
+        "data_wait_s": trainer.data_wait_s if built.streamed else None,
+        "model": config.model.name,
+        "model_init": built.init_report,
+        "trainable_params": count_parameters(built.model, trainable_only=True),
+        "engine": built.engine.name,
+        "precision": built.precision.name,
+        "engine_self_check": built.self_check.as_json() if built.self_check else None,
+        "world_size": built.dist.world_size,
+        "noise_rank": NOISE_RANK if built.dist.enabled else None,
+        "wall_time_s": trainer.wall_time_s,
+    }
+    summary["privacy_status"] = built.plan.status(summary["epsilon"], summary["reference_epsilon"])
+    summary = json_safe(summary)
+    atomic_write_text(trainer.run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,48 @@
+"""A DP plan compares by its privacy numbers only; its labels (how the run was made) are one
+list, and every plan a config makes gets all of them from one place."""
+
+from dataclasses import asdict, replace
+
+import pytest
+
+from dpscale.config import load_config, plan_labels
+from dpscale.features.extract import _source_caveats
+from dpscale.privacy.plan import (
+    ENGINE_UNCHECKED_CAVEAT,
+    PLAN_LABELS,
+    SEEDED_CAVEAT,
+    SEEDED_SECURE_NOISE_CAVEAT,
+    make_dp_plan,
+)
+
+
+def _plan(**overrides):
+    numbers = dict(dataset_size=1000, batch_size=50, steps=40, max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.1)
+    return make_dp_plan(**{**numbers, **overrides})
+
+
+def test_equal_plans_are_the_same_mechanism_whatever_their_labels():
+    plan = _plan()
+    labelled = replace(plan, seeded=True, engine_unchecked=True, secure_noise=True)
+    assert labelled == plan and hash(labelled) == hash(plan)
+    assert labelled.caveats() != plan.caveats()  # the labels still say what the guarantee lacks
+    assert _plan(noise_multiplier=1.2) != plan and _plan(steps=41) != plan and _plan(delta=2e-5) != plan
+
+
+def test_the_labels_are_one_list_and_a_config_sets_all_but_the_source_runs():
+    assert set(PLAN_LABELS) == {"seeded", "extractor", "init_run", "engine_unchecked", "secure_noise"}
+    config = load_config(None, ["run.seed=0", "train.self_check=false", "dp.secure_noise=true"])
+    labels = plan_labels(config)
+    assert set(labels) | {"extractor", "init_run"} == set(PLAN_LABELS)
+    assert labels == {"seeded": True, "engine_unchecked": True, "secure_noise": True}
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_source_runs_caveats_take_every_label_from_its_config(secure):
+    """A source run with a fixed seed and secure noise replays its sampling only: its caveat
+    says so (the source's caveats once left secure_noise out and claimed its noise replayable)."""
+    config = load_config(None, ["run.seed=0", "train.self_check=false", f"dp.secure_noise={str(secure).lower()}"])
+    caveats = _source_caveats(asdict(_plan()), config)  # as a checkpoint holds it
+    assert (SEEDED_SECURE_NOISE_CAVEAT if secure else SEEDED_CAVEAT) in caveats
+    assert (SEEDED_CAVEAT if secure else SEEDED_SECURE_NOISE_CAVEAT) not in caveats
+    assert ENGINE_UNCHECKED_CAVEAT in caveats
