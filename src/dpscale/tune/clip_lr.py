@@ -125,45 +125,42 @@ def run_clip_lr(
     if base.dp.noise_multiplier == 0:
         raise ConfigError("the config is not private (dp.noise_multiplier=0): stage 3 needs the target sigma")
     seed_grid = (("run.seed", tuple(str(s) for s in seeds)),) if seeds else ()
-    out_dir = Path(out_dir)
-    higher = "loss" not in metric
+    out_dir, higher = Path(out_dir), "loss" not in metric
 
-    clip_spec = SweepSpec(
-        config,
-        (*overrides, "dp.epsilon=null", "dp.noise_multiplier=0", "dp.simulated_batch_size=null"),
-        (("dp.max_grad_norm", ("null", *(repr(float(c)) for c in clip_norms))), *seed_grid),
-        metric,
-    )
-    clip_results = Sweep(out_dir / "clip", clip_spec, progress, on_point).run()
+    def sweep(stage: str, fixed: tuple[str, ...], grid: tuple) -> list:
+        spec = SweepSpec(config, (*overrides, *fixed), (*grid, *seed_grid), metric)
+        return Sweep(out_dir / stage, spec, progress, on_point).run()
+
+    # stage 2: clipping norms of the non-private run, against the unclipped one
+    clip_results = sweep("clip", ("dp.epsilon=null", "dp.noise_multiplier=0", "dp.simulated_batch_size=null"),
+                         (("dp.max_grad_norm", ("null", *(repr(float(c)) for c in clip_norms))),))  # fmt: skip
     clip_values = _by_value(clip_results, "dp.max_grad_norm", metric)
     chosen_clip, unclipped = choose_clip_norm(clip_values, tolerance, higher)
-
-    lr_spec = SweepSpec(
-        config,
-        (*overrides, f"dp.max_grad_norm={chosen_clip!r}"),
-        (("optim.lr", tuple(repr(float(lr)) for lr in learning_rates)), *seed_grid),
-        metric,
-    )
-    lr_results = Sweep(out_dir / "lr", lr_spec, progress, on_point).run()
-    lr_values = [v for v in _by_value(lr_results, "optim.lr", metric) if v.metric is not None]
-    if not lr_values:
-        raise ValueError(f"no learning-rate run finished; see {out_dir / 'lr' / 'sweep.md'}")
-    best = (max if higher else min)(lr_values, key=lambda v: v.metric)
-    result = ClipLrResult(
-        metric=metric,
-        tolerance=tolerance,
-        public_lr=public_lr,
-        unclipped=unclipped,
-        clip_norms=tuple(clip_values),
-        chosen_clip_norm=chosen_clip,
-        learning_rates=tuple(_by_value(lr_results, "optim.lr", metric)),
-        chosen_lr=float(best.value),
-        best_metric=best.metric,
-        guarantee_caveats=tuple(sorted({n for r in lr_results for n in ((r.summary or {}).get("guarantee_caveats") or [])})),
-    )
+    # stage 3: learning rates of the private run at the chosen norm
+    lr_results = sweep("lr", (f"dp.max_grad_norm={chosen_clip!r}",),
+                       (("optim.lr", tuple(repr(float(lr)) for lr in learning_rates)),))  # fmt: skip
+    result = _result(metric, tolerance, public_lr, unclipped, clip_values, chosen_clip, lr_results, higher, out_dir)
     atomic_write_text(out_dir / "clip_lr.json", json.dumps(result.as_json(), indent=2) + "\n")
     atomic_write_text(out_dir / "clip_lr.md", clip_lr_report(result))
     return result
+
+
+def _result(
+    metric: str, tolerance: float, public_lr: float, unclipped: float, clip_values: list[GridValue],
+    chosen_clip: float, lr_results: list, higher: bool, out_dir: Path,
+) -> ClipLrResult:  # fmt: skip
+    """The tuning's result: the best learning rate of stage 3 (every caveat of its runs kept)."""
+    learning_rates = _by_value(lr_results, "optim.lr", metric)
+    finished = [v for v in learning_rates if v.metric is not None]
+    if not finished:
+        raise ValueError(f"no learning-rate run finished; see {out_dir / 'lr' / 'sweep.md'}")
+    best = (max if higher else min)(finished, key=lambda v: v.metric)
+    caveats = {n for r in lr_results for n in ((r.summary or {}).get("guarantee_caveats") or [])}
+    return ClipLrResult(
+        metric=metric, tolerance=tolerance, public_lr=public_lr, unclipped=unclipped, clip_norms=tuple(clip_values),
+        chosen_clip_norm=chosen_clip, learning_rates=tuple(learning_rates), chosen_lr=float(best.value),
+        best_metric=best.metric, guarantee_caveats=tuple(sorted(caveats)),
+    )  # fmt: skip
 
 
 def _cell(value: float | None) -> str:
