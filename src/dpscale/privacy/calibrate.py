@@ -13,7 +13,7 @@ exceed the target. A run configured from these never overspends its budget.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from dpscale.privacy.accountant import (
     PLD_COARSE_DISCRETIZATION,
@@ -36,6 +36,13 @@ def _tan_sigma_guess(target_epsilon: float, delta: float, sample_rate: float, st
     log_term = math.log(1.0 / delta)
     eta = math.sqrt(log_term + target_epsilon) - math.sqrt(log_term)
     return max(0.3, sample_rate * math.sqrt(steps) / (math.sqrt(2.0) * eta))
+
+
+def _tan_steps_guess(target_epsilon: float, delta: float, sample_rate: float, noise_multiplier: float) -> int:
+    """A first guess at the steps that fit, from eps_TAN (TAN eq. 4): S = 2 sigma^2 eta^2 / q^2 (>= 1)."""
+    log_term = math.log(1.0 / delta)
+    eta = math.sqrt(log_term + target_epsilon) - math.sqrt(log_term)
+    return max(1, round(2 * (noise_multiplier * eta / sample_rate) ** 2))
 
 
 def _interpolate(lo: float, f_lo: float, hi: float, f_hi: float) -> float:
@@ -80,12 +87,10 @@ def calibrate_noise_multiplier(
     if steps < 1:
         raise ValueError(f"steps must be >= 1 to calibrate noise, got {steps}")
     _check_releases_fit(target_epsilon, delta, kind, releases)
+    run = {"sample_rate": sample_rate, "delta": delta, "kind": kind, "releases": releases}  # all but sigma, steps
 
-    def epsilon_fn(discretization: float) -> Callable[[float], float]:
-        return lambda sigma: compute_epsilon(
-            sample_rate=sample_rate, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind,
-            pld_discretization=discretization, releases=releases,
-        )  # fmt: skip
+    def epsilon_fn(grid: float) -> Callable[[float], float]:
+        return lambda sigma: compute_epsilon(**run, noise_multiplier=sigma, steps=steps, pld_discretization=grid)
 
     # Beyond the cap the answer is refused anyway: start there (one evaluation to find out).
     guess = min(_tan_sigma_guess(target_epsilon, delta, sample_rate, steps), MAX_NOISE_MULTIPLIER)
@@ -96,18 +101,30 @@ def calibrate_noise_multiplier(
             # starting from a tight bracket around the coarse answer.
             guess, initial_step = _coarse_start(epsilon_fn(PLD_COARSE_DISCRETIZATION), target_epsilon, guess, rel_tol)
         return _solve_sigma(epsilon_fn(PLD_VALUE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol)
-    except _OutOfRange as err:
-        def at_cap(num_steps: int) -> float:
-            return compute_epsilon(
-                sample_rate=sample_rate, noise_multiplier=MAX_NOISE_MULTIPLIER, steps=num_steps, delta=delta,
-                kind=kind, releases=releases,
-            )  # fmt: skip
+    except (_OutOfRange, _BeyondPLD) as err:
+        coarse = epsilon_fn(PLD_COARSE_DISCRETIZATION)
+        raise ValueError(_no_sigma_message(err, target_epsilon, steps, run, coarse)) from err
 
-        raise ValueError(_unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)) from err
-    except _BeyondPLD as err:
-        sigma = err.args[0]  # evaluated by the coarse search: its coarse epsilon is cached
-        spent = epsilon_fn(PLD_COARSE_DISCRETIZATION)(sigma)
-        raise ValueError(_beyond_pld_message(target_epsilon, delta, sample_rate, steps, sigma, spent)) from err
+
+def _no_sigma_message(
+    err: ValueError, target_epsilon: float, steps: int, run: dict[str, Any], coarse: Callable[[float], float]
+) -> str:
+    """The one-line refusal of a noise search that found no sigma.
+
+    Args:
+        err: _OutOfRange (even the cap overspends) or _BeyondPLD (too little noise for a PLD).
+        run: compute_epsilon's arguments but noise_multiplier and steps.
+        coarse: epsilon as a function of sigma on the coarse PLD grid (its values are cached).
+    """
+    delta, sample_rate = run["delta"], run["sample_rate"]
+    if isinstance(err, _BeyondPLD):
+        sigma = err.args[0]  # evaluated by the coarse search
+        return _beyond_pld_message(target_epsilon, delta, sample_rate, steps, sigma, coarse(sigma))
+
+    def at_cap(num_steps: int) -> float:
+        return compute_epsilon(**run, noise_multiplier=MAX_NOISE_MULTIPLIER, steps=num_steps)
+
+    return _unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)
 
 
 def _coarse_start(
@@ -329,14 +346,12 @@ def calibrate_steps(
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
     log_target = math.log(target_epsilon)
+    run = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases}
 
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget
             try:
-                eps = compute_epsilon(
-                    sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, delta=delta,
-                    kind=kind, pld_discretization=discretization, releases=releases,
-                )  # fmt: skip
+                eps = compute_epsilon(**run, steps=steps, kind=kind, pld_discretization=discretization)
             except PLDRangeError:  # so many steps at so little noise that epsilon is astronomical
                 return math.inf
             return math.log(eps) - log_target if eps > 0 else -math.inf
@@ -346,17 +361,11 @@ def calibrate_steps(
     f = f_at(PLD_VALUE_DISCRETIZATION)
     if f(1) > 0:
         return 0
-    # First guess from eps_TAN: S = 2 sigma^2 eta^2 / q^2, refined on the cheap coarse PLD grid.
-    log_term = math.log(1.0 / delta)
-    eta = math.sqrt(log_term + target_epsilon) - math.sqrt(log_term)
-    guess = min(max_steps, max(1, round(2 * (noise_multiplier * eta / sample_rate) ** 2)))
+    guess = min(max_steps, _tan_steps_guess(target_epsilon, delta, sample_rate, noise_multiplier))
     if kind == "pld":
         # RDP is a valid (looser) bound and ~50x cheaper than PLD at millions of steps: if it
         # already certifies max_steps we are done, else its answer is a lower bound to start from.
-        rdp_steps = calibrate_steps(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, noise_multiplier=noise_multiplier,
-            kind="rdp", max_steps=max_steps, releases=releases,
-        )  # fmt: skip
+        rdp_steps = calibrate_steps(**run, target_epsilon=target_epsilon, kind="rdp", max_steps=max_steps)
         if rdp_steps >= max_steps:
             return max_steps
         guess = max(1, _search_steps(f_at(PLD_COARSE_DISCRETIZATION), max(guess, rdp_steps), max_steps, growth=1.5))
