@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,8 +17,6 @@ from dpscale.tune import TUNING_CAVEAT
 
 if TYPE_CHECKING:  # the commands import the library lazily, so that --help stays fast
     from dpscale.config import Config
-    from dpscale.privacy.accountant import AccountingSegment
-    from dpscale.privacy.plan import ExtractorPrivacy
 
 
 def _check_privacy_args(n: int, b: float, sigma: float, steps: int, delta: float) -> None:
@@ -53,27 +52,17 @@ def _cmd_tan_simulate(args: argparse.Namespace) -> int:
     return run_training(config, max_steps=args.max_steps, quiet=args.quiet)
 
 
-def _plan_inputs(config: Config, private: bool) -> tuple[tuple[AccountingSegment, ...], ExtractorPrivacy | None]:
-    """(releases, extractor case) that the trainer would compose for ``config``: a checkpoint
-    extractor's run on the same data, then the feature normalisation's releases."""
-    from dpscale.features.pipeline import extractor_privacy, feature_releases
-    from dpscale.train.loop import training_fingerprint
-
-    extractor, releases = extractor_privacy(
-        config.features, lambda normalize: training_fingerprint(config, normalize), private
-    )
-    return releases + feature_releases(config.features), extractor
+def _log(line: str) -> None:
+    """A notice from opening the data (e.g. files data.skip_corrupt left out), on stderr."""
+    print(line, file=sys.stderr)
 
 
 def _print_simulation_plan(config: Config) -> int:
-    from dpscale.data import load_dataset
-    from dpscale.privacy.plan import steps_for
-    from dpscale.train.plan_config import plan_from_config
+    """The plans the Trainer would build for the reference run and its simulation, without training."""
+    from dpscale.train.inputs import plan_for, plan_inputs
 
-    n = load_dataset(config.data.name, config.data.root, image_size=config.data.image_size).info.num_train
-    steps = steps_for(config.train.epochs, config.train.steps, n, config.dp.batch_size)
-    releases, extractor = _plan_inputs(config, private=True)  # a simulation's reference is private
-    plan = plan_from_config(config.dp, n, steps, releases, seeded=config.run.seed is not None, extractor=extractor)
+    inputs = plan_inputs(config, log=_log)  # N, steps and releases exactly as the Trainer finds them
+    plan, steps = plan_for(config, inputs), inputs.steps
     sim = plan.simulation
     print(f"reference run:  B={sim.batch_size:g}, sigma={sim.noise_multiplier:.6g}, S={steps}, "
           f"epsilon={sim.epsilon:.4f} at delta={plan.delta:g} ({plan.accountant})")
@@ -220,13 +209,12 @@ def _write_pair_configs(args: argparse.Namespace, rows: list) -> tuple[dict[int,
         ({steps: path written}, {steps: why no config was written}).
     """
     from dpscale.config import load_config, save_config, validate
-    from dpscale.data import load_dataset
-    from dpscale.train.plan_config import plan_from_config
+    from dpscale.train.inputs import inputs_for, plan_for, plan_inputs
 
     base = load_config(args.config, args.set)
-    n = load_dataset(base.data.name, base.data.root, image_size=base.data.image_size).info.num_train
-    _check_same_run(args, base, n)
-    releases, _ = _plan_inputs(base, private=True)  # every pair has sigma > 0
+    # Every pair trains on the base's data with sigma = --noise: the same N and source runs as this.
+    inputs = plan_inputs(replace(base, dp=replace(base.dp, noise_multiplier=args.noise)), log=_log)
+    _check_same_run(args, base, inputs.dataset_size)
     out = Path(args.out or f"tan-search-{time_stamp()}")
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = {}, {}
@@ -234,7 +222,7 @@ def _write_pair_configs(args: argparse.Namespace, rows: list) -> tuple[dict[int,
         config = _pair_config(base, r)
         try:  # exactly the checks the trainer makes: a written config is one that runs
             validate(config)
-            plan_from_config(config.dp, n, r.steps, releases)
+            plan_for(config, inputs_for(config, inputs.dataset_size, inputs.sources))
         except ConfigError as err:
             skipped[r.steps] = str(err)
             continue
