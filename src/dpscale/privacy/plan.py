@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import torch
-
 from dpscale.errors import ConfigError
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
@@ -177,9 +175,6 @@ class SourceRunPrivacy:
                 "public (not a dpscale run directory, so its data and privacy cost cannot be checked)"
             )
         return None
-
-
-ExtractorPrivacy = SourceRunPrivacy  # the name from before model.init sources were checked too
 
 
 @dataclass(frozen=True)

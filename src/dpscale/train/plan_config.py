@@ -7,7 +7,7 @@ from typing import Any
 
 from dpscale.config import DPConfig
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.plan import DPPlan, ExtractorPrivacy, check_plan_matches, make_dp_plan
+from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, check_plan_matches, make_dp_plan
 
 
 def dp_numbers(dp: DPConfig) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def plan_from_config(
     steps: int,
     releases: tuple[AccountingSegment, ...] = (),
     seeded: bool = False,
-    extractor: ExtractorPrivacy | None = None,
+    extractor: SourceRunPrivacy | None = None,
 ) -> DPPlan:
     """``make_dp_plan`` for a config's ``dp`` section (N, S and releases from the run)."""
     return make_dp_plan(

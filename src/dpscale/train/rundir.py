@@ -25,19 +25,6 @@ from dpscale.runs import (
     holds_checkpoint,
 )
 
-# TEMPORARY: train/loop.py imports these from here in one block; it takes them from dpscale.runs
-# once its rewrite lands, and then this import goes.
-from dpscale.runs import (  # noqa: F401
-    AUDIT_NAME,
-    DAMAGED_CHECKPOINT_NAME,
-    METRICS_NAME,
-    SUMMARY_NAME,
-    holds_run,
-    latest_checkpoint,
-    read_run,
-    read_run_config,
-)
-
 try:  # POSIX; elsewhere a run directory is not locked (see RunLock)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
