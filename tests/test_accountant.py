@@ -361,7 +361,8 @@ def test_releases_are_labelled_not_steps_and_survive_state_dict():
 def test_dp_plan_calibrates_for_the_composition_and_round_trips():
     from dataclasses import asdict
 
-    from dpscale.config import ConfigError, DPConfig
+    from dpscale.config import DPConfig
+    from dpscale.errors import ConfigError
     from dpscale.privacy.plan import DPPlan
     from dpscale.train.plan_config import check_plan_against_config, plan_from_config
 

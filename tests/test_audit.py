@@ -15,7 +15,8 @@ from torch import nn
 from dpscale.audit.canaries import DIRAC_SCALE, CanaryAudit, CanaryEngine
 from dpscale.audit.run import AuditFault, run_audit, verdict_for
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.privacy.audit_bound import (
     audit_ceiling,
     audit_p_value,

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 

@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.data import DatasetError, load_dataset
 from dpscale.data.folder import FolderListing, list_image_folder
 from dpscale.data.shards import open_shards, prepare_shards

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from dpscale._io import load_checkpoint
 from dpscale.checkpoint_format import CHECKPOINT_FORMAT, migrate

@@ -11,7 +11,8 @@ import pytest
 from dpscale import cli
 from dpscale.choices import ACCOUNTANT_KINDS, ENGINE_NAMES, PRECISIONS
 from dpscale.cli import account, build_parser, main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.errors import UserError
 
 ACCOUNT = ["account", "--dataset-size", "60000", "--batch-size", "256", "--steps", "1000"]

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from dpscale.cli import main
-from dpscale.config import Config, ConfigError, DPConfig, load_config, parse_override, save_config, validate
+from dpscale.config import Config, DPConfig, load_config, parse_override, save_config, validate
+from dpscale.errors import ConfigError
 from dpscale.models import build_model, count_parameters
 from dpscale.privacy import compute_epsilon
 

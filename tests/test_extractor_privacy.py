@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
 from dpscale.privacy.calibrate import calibrate_noise_multiplier

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale._io import load_checkpoint

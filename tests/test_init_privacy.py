@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import SEEDED_CAVEAT

@@ -209,7 +209,6 @@ def test_augment_multiplicity_takes_k_views_per_example():
 
 
 def test_changing_the_head_or_unfreezing_after_building_a_run_is_refused_not_ignored(tmp_path):
-    from dpscale.models import freeze_block_groups
 
     trainer = Trainer.create(_config(tmp_path / "head"), progress=False)
     trainer.model.reset_head(10)  # the optimizer still holds the old head

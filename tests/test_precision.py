@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import Precision, make_precision

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.features import scatter_output_shape
 from dpscale.models import build_model
 from dpscale.presets import get_preset, list_presets

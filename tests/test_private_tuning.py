@@ -13,7 +13,6 @@ import pytest
 from dp_accounting import dp_event
 
 from dpscale.cli import main
-from dpscale.config import ConfigError
 from dpscale.features.extract import read_source_run
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.tuning import (

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dpscale._io import load_checkpoint, save_checkpoint, save_torch_file
+from dpscale._io import load_checkpoint, save_torch_file
 from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.features.normalize import private_channel_mean
 from dpscale.privacy.noise import add_gaussian_noise

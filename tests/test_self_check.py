@@ -180,7 +180,7 @@ def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, cap
 
 
 def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeypatch):
-    from dpscale.config import ConfigError
+    from dpscale.errors import ConfigError
     from dpscale.train import Trainer
     from test_train import small_config
 

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.data import DatasetError, load_dataset
 from dpscale.data.shards import open_shards, prepare_shards
 from dpscale.data.folder import list_image_folder

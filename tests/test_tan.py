@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpscale.config import ConfigError, DPConfig
+from dpscale.config import DPConfig
+from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale.train.plan_config import plan_from_config
 from dpscale.privacy.tan import (

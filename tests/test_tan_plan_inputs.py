@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.data import load_dataset
 from dpscale.privacy.plan import DPPlan
 from dpscale.train.loop import Trainer

@@ -1,7 +1,6 @@
 """End-to-end training runs: resume bit-identity, accounting, outputs, bad input."""
 
 import json
-import math
 import os
 import signal
 from pathlib import Path
@@ -12,7 +11,8 @@ import torch
 import yaml
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.train.loop import Trainer

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale.models import build_model
 from dpscale.models.init import init_from
 from dpscale.train.loop import Trainer

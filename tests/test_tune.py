@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dpscale.cli import main
-from dpscale.config import ConfigError, load_config
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 from dpscale.tune import TUNING_CAVEAT

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from dpscale.choices import ACCOUNTANT_KINDS, ENGINE_NAMES, PRECISIONS
-from dpscale.errors import ConfigError  # noqa: F401 - raised here, re-exported for callers
+from dpscale.errors import ConfigError
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # optim.schedule

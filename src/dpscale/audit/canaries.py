@@ -14,7 +14,7 @@ from torch import nn
 
 from dpscale.audit import AUDIT_KINDS
 from dpscale.audit.dirac import DiracProbe, host_sizes
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset
 from dpscale.privacy.per_example import (
     ClippedSumMixin,

@@ -19,7 +19,8 @@ from torch import nn
 from dpscale._io import PRIVATE_FILE_MODE, atomic_write_text
 from dpscale.audit import DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
-from dpscale.config import Config, ConfigError, is_private_config
+from dpscale.config import Config, is_private_config
+from dpscale.errors import ConfigError
 from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
 from dpscale.privacy.per_example import ClippedSumMixin, Params, PerExampleEngine, per_example_cross_entropy
 from dpscale.rng import DPRandom

@@ -9,7 +9,7 @@ from typing import Any
 
 from dpscale.choices import ACCOUNTANT_KINDS
 from dpscale.cli.args import number_arg, refusals_as_config_errors
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 
 
 def _cmd_account(args: argparse.Namespace) -> int:

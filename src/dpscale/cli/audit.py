@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 import textwrap
 
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:

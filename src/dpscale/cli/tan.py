@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import ACCOUNTANT_KINDS
 from dpscale.cli.args import float_list, int_list, number_arg, refusals_as_config_errors, time_stamp
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 from dpscale.tune import TUNING_CAVEAT
 
 if TYPE_CHECKING:  # the commands import the library lazily, so that --help stays fast

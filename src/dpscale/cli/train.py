@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 
 PRETRAIN_OVERRIDES = ("dp.epsilon=null", "dp.noise_multiplier=0", "dp.max_grad_norm=null")
 

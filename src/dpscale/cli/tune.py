@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dpscale.cli.args import float_list, int_list, refusals_as_config_errors, time_stamp
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 
 
 def _default_out(prefix: str, config: str | None) -> Path:

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dpscale.config import Config, ConfigError
+from dpscale.config import Config
+from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset, dataset_fingerprint, load_dataset
 from dpscale.data.stream import StreamedData, default_workers, materialize, open_stream
 from dpscale.data.subsets import random_classes, select as select_classes

@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpscale.config import Config, ConfigError
+from dpscale.config import Config
+from dpscale.errors import ConfigError
 from dpscale.data.run_data import open_training_data, training_fingerprint
 from dpscale.data.stream import StreamedData
 from dpscale.features.normalize import FeatureNormalizer

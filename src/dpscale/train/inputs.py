@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from dpscale.config import Config, ConfigError, is_private_config, plan_labels
+from dpscale.config import Config, is_private_config, plan_labels
+from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset, dataset_fingerprint
 from dpscale.data.run_data import open_training_data, training_fingerprint
 from dpscale.data.stream import StreamedData

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from dpscale.config import Config, ConfigError, save_config
+from dpscale.config import Config, save_config
+from dpscale.errors import ConfigError
 from dpscale.privacy.plan import DPPlan
 from dpscale.runs import CONFIG_NAME, is_audit_run, latest_checkpoint, read_run, read_run_config
 from dpscale.train.distributed import Distributed, init_distributed

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dpscale.config import ConfigError
+from dpscale.errors import ConfigError
 from dpscale.train.distributed import NOISE_RANK, rank_stream_seed
 
 # ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
