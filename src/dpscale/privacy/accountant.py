@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import dp_accounting
 from dp_accounting import rdp
@@ -32,7 +32,6 @@ from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 from dpscale.choices import ACCOUNTANT_KINDS
 
-AccountantKind = Literal["pld", "rdp"]
 DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
 
 # PLD discretisation: 1e-4 is dp_accounting's default. Results are pessimistic (upper
