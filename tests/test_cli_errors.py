@@ -97,3 +97,15 @@ def test_config_validation_refuses_with_the_same_list(key, names):
     assert all(name in str(caught.value) for name in names)
     for name in names:  # and accepts every name on it
         load_config(None, [f"{key}={name}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.name=nope", "unknown model 'nope'"),
+    ("model.kwargs={bogus: 1}", "bad options for model"),
+])  # fmt: skip
+def test_a_bad_model_in_the_config_is_one_line(tmp_path, capsys, override, message):
+    """The model registry's refusals are user errors: one line, exit 2 (they were bare ValueErrors,
+    which the CLI now keeps as tracebacks)."""
+    code = main(["train", "--set", f"run.out_dir={tmp_path / 'r'}", "--set", override, "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0]

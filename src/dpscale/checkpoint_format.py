@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from dpscale.errors import ConfigError
+
 CHECKPOINT_FORMAT = 2
 MIGRATED_FORMATS = (1,)  # older formats ``migrate`` turns into this one
 
@@ -40,7 +42,7 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     if file_format == CHECKPOINT_FORMAT:
         return state
     if file_format not in MIGRATED_FORMATS:
-        raise ValueError(f"checkpoint format {file_format} is not one this dpscale reads ({CHECKPOINT_FORMAT} or older)")
+        raise ConfigError(f"checkpoint format {file_format} is not one this dpscale reads ({CHECKPOINT_FORMAT} or older)")
     old = dict(state)
     streams = old.pop("rank_streams", None)
     if streams is None:  # written before distributed training: one process

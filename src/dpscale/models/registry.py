@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from dpscale.errors import ConfigError
+
 ModelBuilder = Callable[..., nn.Module]
 _REGISTRY: dict[str, ModelBuilder] = {}
 _DEFAULT_INPUT: dict[str, tuple[int, int, int]] = {}
@@ -77,7 +79,7 @@ def default_input_shape(name: str) -> tuple[int, int, int]:
     for family, (_, shape, _) in _FAMILIES.items():
         if name.startswith(family + "-"):
             return shape
-    raise ValueError(f"unknown model {name!r}")
+    raise ConfigError(f"unknown model {name!r}")
 
 
 def list_models() -> list[str]:
@@ -108,12 +110,12 @@ def build_model(
     if resolved is None:
         close = difflib.get_close_matches(name, list_models(), n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown model {name!r}.{hint} Known models: {', '.join(list_models())}")
+        raise ConfigError(f"unknown model {name!r}.{hint} Known models: {', '.join(list_models())}")
     try:
         builder, spec = resolved
         return builder(num_classes=num_classes, input_shape=tuple(input_shape), activation=activation, **spec, **options)
     except TypeError as err:
-        raise ValueError(f"bad options for model {name!r}: {err}") from err
+        raise ConfigError(f"bad options for model {name!r}: {err}") from err
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -84,9 +84,9 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
 def _check_accounting(trainer: Trainer) -> None:
     plan, accountant = trainer.built.plan, trainer.built.mechanism.accountant
     if plan.is_private and accountant.steps != trainer.step:
-        raise ValueError(f"checkpoint is inconsistent: step {trainer.step} but {accountant.steps} accounted")
+        raise ConfigError(f"checkpoint is inconsistent: step {trainer.step} but {accountant.steps} accounted")
     if accountant.releases != plan.releases:
-        raise ValueError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
+        raise ConfigError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
 
 
 def _continue_rank_streams(trainer: Trainer, state: dict[str, Any]) -> None:
