@@ -18,7 +18,9 @@ from typing import Any
 
 import yaml
 
-from dpscale.choices import ACCOUNTANT_KINDS, ENGINE_NAMES, PRECISIONS
+from dpscale.choices import (
+    ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
+)  # fmt: skip
 from dpscale.errors import ConfigError
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
@@ -205,6 +207,13 @@ class DPConfig:
         stream: nothing (not run.seed, not the
         checkpoint) can reproduce it; a resumed run continues with fresh noise, so resume is no
         longer bit-identical. Batch sampling stays on the seeded stream.
+    mechanism: "dpsgd" (independent noise each step) or "bandmf" (banded matrix factorization:
+        correlated noise and cyclic Poisson sampling, docs/correlated_noise.md).
+    bands: BandMF's number of bands b, or "auto" (the b with the least expected error x sigma,
+        1 = DP-SGD when nothing beats it). Ignored for dpsgd.
+    max_bands: the largest b that bands=auto tries.
+    max_noise_memory_mb: BandMF keeps the last b-1 noise vectors, (b-1) x parameters x 4 bytes;
+        a b that needs more is refused (auto skips it).
     """
 
     epsilon: float | None = 3.0
@@ -216,6 +225,10 @@ class DPConfig:
     sampling: str = "poisson"
     accountant: str = "pld"
     secure_noise: bool = False
+    mechanism: str = "dpsgd"
+    bands: int | str = "auto"
+    max_bands: int = DEFAULT_MAX_BANDS
+    max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB
 
 
 @dataclass(frozen=True)
@@ -351,6 +364,8 @@ class _Override:
             return None
         if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
             return self.parsed
+        if int in options and isinstance(self.parsed, int) and not isinstance(self.parsed, bool):
+            return self.parsed  # a number or a word (dp.bands: 4 or auto): the number, as YAML reads it
         return text
 
 
@@ -673,6 +688,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"dp.sampling=shuffle needs an integer dp.simulated_batch_size, got {dp.simulated_batch_size}")
     if dp.accountant not in ACCOUNTANT_KINDS:
         raise ConfigError(f"dp.accountant must be {_either(ACCOUNTANT_KINDS)}, got {dp.accountant!r}")
+    _validate_mechanism(dp)
     if train.steps is None and train.epochs is None:
         raise ConfigError("set train.epochs or train.steps")
     if train.steps is not None and train.steps < 1:
@@ -733,6 +749,23 @@ def validate(config: Config) -> None:
     if config.eval.augtest and augment.multiplicity < 2:
         raise ConfigError("eval.augtest votes over augment.multiplicity views: set augment.multiplicity >= 2")
 
+
+
+def _validate_mechanism(dp: DPConfig) -> None:
+    """dp.mechanism and BandMF's settings (what needs the data, such as b*q <= 1, is checked with the plan)."""
+    if dp.mechanism not in MECHANISMS:
+        raise ConfigError(f"dp.mechanism must be {_either(MECHANISMS)}, got {dp.mechanism!r}")
+    if dp.bands != "auto" and (not isinstance(dp.bands, int) or dp.bands < 1):
+        raise ConfigError(f"dp.bands must be auto or an integer >= 1, got {dp.bands!r}")
+    if dp.max_bands < 1 or not dp.max_noise_memory_mb > 0:
+        raise ConfigError("dp.max_bands must be >= 1 and dp.max_noise_memory_mb > 0")
+    if dp.mechanism == "bandmf":
+        from dpscale.privacy.correlated import check_bandmf_settings  # local: keep config import-light; one text
+
+        check_bandmf_settings(
+            sampling=dp.sampling, simulated=dp.simulated_batch_size is not None,
+            noise_multiplier=dp.noise_multiplier, bands=dp.bands,
+        )  # fmt: skip
 
 
 FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run dir>")

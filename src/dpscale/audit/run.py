@@ -121,6 +121,12 @@ def audit_config_problems(config: Config) -> list[str]:
         problems.append(f"dp.sampling={config.dp.sampling} (the accounting covers Poisson sampling only)")
     if config.dp.simulated_batch_size is not None:
         problems.append("dp.simulated_batch_size (a TAN simulation claims no epsilon to test)")
+    if config.dp.mechanism == "bandmf":
+        problems.append(
+            "dp.mechanism=bandmf (the audit scores each step's release as if its noise were independent of the other "
+            "steps'; BandMF's noise is correlated across steps, so its scores would be wrong until the releases are "
+            "decorrelated, which dpscale does not do yet: audit the run with dp.mechanism=dpsgd)"
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         problems.append("torchrun (run the audit as one process)")
     return problems

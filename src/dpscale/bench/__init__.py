@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from dpscale.choices import PRECISIONS
+from dpscale.choices import MECHANISMS, PRECISIONS
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_argument("--batch-size", type=int, default=None,
                       help="for every model (default: a per-model size, larger on cuda)")
     step.add_argument("--threads", type=int, default=None)
+    step.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
+                      help="bandmf: time a BandMF twin (-bandmfB) next to each dpscale engine (its extra cost)")
+    step.add_argument("--bands", type=int, default=8, help="b of the BandMF rows (default 8)")
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
     step.set_defaults(func=_run_step_time)

@@ -47,6 +47,7 @@ DPSCALE_ENGINES = ("vmap", "ghost", "bk", "auto")
 OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")
 ALL_ENGINES = ("nonprivate", *(f"dpscale-{e}" for e in DPSCALE_ENGINES), *(f"opacus-{m}" for m in OPACUS_MODES))
 SIGMA, CLIP, LR = 1.0, 1.0, 0.1
+BANDMF_BENCH_STEPS = 2000  # the plan's length for BandMF rows (its strategy is optimised for it, once)
 
 Step = Callable[[], None]
 
@@ -106,10 +107,12 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
 
 
 def _dpscale_step(
-    name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32
-) -> TimedStep:
+    name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32,
+    bands: int = 1,
+) -> TimedStep:  # fmt: skip
     """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
-    noise from the 128-bit host generator and the accounting included), on the whole batch."""
+    noise from the 128-bit host generator and the accounting included), on the whole batch;
+    with ``bands`` > 1, BandMF's correlated noise (its recursion over the last b-1 noise vectors)."""
     from dpscale.train.private import make_private
 
     model = _fresh_model(name, x.device)
@@ -117,8 +120,9 @@ def _dpscale_step(
     batch = x.shape[0]
     mechanism = make_private(
         model, optimizer, dataset_size=100 * batch, batch_size=batch, max_grad_norm=CLIP, noise_multiplier=SIGMA,
-        delta=1e-5, steps=10**5, accountant="rdp", engine=engine_name, augment_multiplicity=views,
-        precision=precision.name, seed=0,
+        delta=1e-5, steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp", engine=engine_name,
+        augment_multiplicity=views, precision=precision.name, seed=0,
+        noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands,
     )  # fmt: skip
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)
@@ -130,14 +134,29 @@ def _dpscale_step(
     return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
 
 
-def _parse_engine(engine: str) -> tuple[str, str, int]:
-    """"dpscale-auto-k4" -> ("dpscale", "auto", 4): a "-kK" suffix asks for K augmented views."""
-    views = 1
+def _parse_engine(engine: str) -> tuple[str, str, int, int]:
+    """"dpscale-auto-k4-bandmf8" -> ("dpscale", "auto", 4, 8): a "-kK" suffix asks for K augmented
+    views, a "-bandmfB" suffix for BandMF's correlated noise with B bands (1: DP-SGD)."""
+    views, bands = 1, 1
     head, _, last = engine.rpartition("-")
+    if head and last.startswith("bandmf") and last[6:].isdigit():
+        engine, bands = head, int(last[6:])
+        head, _, last = engine.rpartition("-")
     if head and last.startswith("k") and last[1:].isdigit():
         engine, views = head, int(last[1:])
     kind, _, mode = engine.partition("-")
-    return kind, mode, views
+    return kind, mode, views, bands
+
+
+def with_bandmf_rows(engines: list[str], bands: int) -> list[str]:
+    """``engines`` with a BandMF twin after each dpscale engine (``--mechanism bandmf``): both
+    timed in one process, interleaved, so their ratio is the cost of the correlated noise."""
+    out = []
+    for engine in engines:
+        out.append(engine)
+        if engine.startswith("dpscale-") and "-bandmf" not in engine:
+            out.append(f"{engine}-bandmf{bands}")
+    return out
 
 
 def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precision: Precision = FP32) -> TimedStep:
@@ -237,13 +256,13 @@ def run_step_time(
         for engine in engines:
             if engine == "nonprivate":
                 continue
-            kind, mode, views = _parse_engine(engine)
+            kind, mode, views, bands = _parse_engine(engine)
             try:
-                if kind == "nonprivate":
+                if kind == "nonprivate" and bands == 1:
                     steps[engine] = _nonprivate_step(name, x, y, views, prec)
                 elif kind == "dpscale":
-                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec)
-                elif kind == "opacus" and views == 1:
+                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands)
+                elif kind == "opacus" and views == 1 and bands == 1:
                     steps[engine] = _opacus_step(name, mode, x, y, prec)
                 else:
                     raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
@@ -323,6 +342,8 @@ def markdown_table(rows: list[Row], command: str, device: str, precision: str = 
 def main(args) -> int:
     models = [m for m in args.models.split(",") if m]
     engines = [e for e in args.engines.split(",") if e] if args.engines else list(ALL_ENGINES)
+    if args.mechanism == "bandmf":
+        engines = with_bandmf_rows(engines, args.bands)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run_step_time(

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from dpscale.choices import ACCOUNTANT_KINDS
+from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
 from dpscale.cli.args import number_arg, refusals_as_config_errors
 from dpscale.errors import ConfigError
 
@@ -15,13 +15,50 @@ from dpscale.errors import ConfigError
 def _cmd_account(args: argparse.Namespace) -> int:
     _check_account_args(args)
     releases = _data_norm_releases(args.data_norm_noise)
-    solved, sigma, steps = _solve(args, releases)
-    result = _account(args, solved, sigma, steps, releases)
+    if args.mechanism == "bandmf":
+        result = _account_bandmf(args, releases)
+    else:
+        solved, sigma, steps = _solve(args, releases)
+        result = _account(args, solved, sigma, steps, releases)
     if args.json:
         print(json.dumps(result))
+    elif args.mechanism == "bandmf":
+        print(result["header"])
     else:
         _print_account(result, with_releases=bool(releases))
     return 0
+
+
+def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]:
+    """BandMF's plan for the flags: b (fixed or auto), sigma (given or calibrated for that b) and
+    the amplified accounting (ceil(S/b) compositions at p = b*q)."""
+    from dpscale.privacy.bandmf import Workload
+    from dpscale.privacy.correlated import BandsRequest
+    from dpscale.privacy.plan import make_dp_plan, steps_for
+
+    if args.steps is None and args.epochs is None:
+        raise ConfigError("--mechanism bandmf needs --epochs or --steps (solving for the length is DP-SGD only)")
+    if args.noise is not None and args.target_epsilon is not None:
+        raise ConfigError("--mechanism bandmf: give --noise (epsilon is computed) or --target-epsilon, not both")
+    steps = steps_for(args.epochs, args.steps, args.dataset_size, args.batch_size)
+    bands = "auto" if args.bands == "auto" else int(args.bands)
+    request = BandsRequest(bands=bands, workload=Workload(steps=steps, momentum=args.momentum), max_bands=args.max_bands)
+    with refusals_as_config_errors():
+        plan = make_dp_plan(
+            dataset_size=args.dataset_size, batch_size=args.batch_size, steps=steps, max_grad_norm=1.0,
+            delta=args.delta, target_epsilon=args.target_epsilon, noise_multiplier=args.noise,
+            accountant=args.accountant, releases=releases, correlated=request,
+        )  # fmt: skip
+    noise = plan.correlated
+    return {
+        "mechanism": "bandmf", "bands": noise.bands, "reason": noise.reason, "candidates": noise.candidates,
+        "coefficients": list(noise.coefficients), "relative_error": noise.relative_error, "workload": noise.workload,
+        "epsilon": plan.epsilon, "delta": plan.delta, "noise_multiplier": plan.noise_multiplier, "steps": steps,
+        "sample_rate": plan.sample_rate, "participation_rate": plan.participation_rate,
+        "compositions": plan.compositions(steps), "accountant": plan.accountant, "eps_tan": plan.eps_tan,
+        "dataset_size": args.dataset_size, "batch_size": args.batch_size, "target_epsilon": args.target_epsilon,
+        "data_norm_noise": args.data_norm_noise, "header": plan.describe(),
+    }  # fmt: skip
 
 
 def _check_account_args(args: argparse.Namespace) -> None:
@@ -149,5 +186,10 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         "--data-norm-noise", type=float, metavar="SIGMA_NORM",
         help="compose with private Data Normalization (two Gaussian sums, Tramer Algorithm 2) at this noise",
     )
+    acc.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
+                     help="dpsgd, or bandmf (banded matrix factorization, amplified: docs/correlated_noise.md)")
+    acc.add_argument("--bands", default="auto", help="BandMF's b, or auto (least expected error x sigma)")
+    acc.add_argument("--max-bands", type=int, default=DEFAULT_MAX_BANDS, help="the largest b that auto tries")
+    acc.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of the workload BandMF optimises for")
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)

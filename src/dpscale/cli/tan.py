@@ -212,6 +212,12 @@ def _write_pair_configs(args: argparse.Namespace, rows: list) -> tuple[dict[int,
     from dpscale.train.inputs import inputs_for, plan_for, plan_inputs
 
     base = load_config(args.config, args.set)
+    if base.dp.mechanism != "dpsgd":
+        raise ConfigError(
+            f"tan privacy-search trades DP-SGD's (B, sigma, S) at equal eps_TAN; {args.config} has "
+            f"dp.mechanism={base.dp.mechanism}, whose amplified accounting (ceil(S/b) compositions at b*q) changes "
+            "with b: search with dp.mechanism=dpsgd, then set dp.mechanism=bandmf on the pair you pick"
+        )
     # Every pair trains on the base's data with sigma = --noise: the same N and source runs as this.
     inputs = plan_inputs(replace(base, dp=replace(base.dp, noise_multiplier=args.noise)), log=_log)
     _check_same_run(args, base, inputs.dataset_size)

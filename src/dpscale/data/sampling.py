@@ -6,12 +6,22 @@ logical batch independently with probability q = B / N, so batch sizes vary
 per-epoch permutation) is what many codebases run instead; the guarantee we report
 then does *not* strictly apply, and every output says so.
 
-Both draw from a ``DPRandom`` (128-bit seed): which examples join a batch is as secret as the
+``CyclicPoissonSampler`` is the sampling that amplified banded matrix factorization
+(Choquette-Choo et al. 2023, "b-min-separation") assumes: the N examples are split once,
+by a seeded random partition, into b groups of (almost) equal size; step t samples only
+group t mod b, each of its examples independently with probability b * q. The expected
+batch stays ~B, and an example can join two steps only when they are a multiple of b apart,
+which is what lets a b-banded correlated-noise mechanism be accounted with amplification.
+With b = 1 it is exactly Poisson sampling, and ``make_sampler`` then returns a
+``PoissonSampler``.
+
+All draw from a ``DPRandom`` (128-bit seed): which examples join a batch is as secret as the
 noise, since Poisson subsampling's privacy amplification assumes the adversary cannot predict it.
 """
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +29,8 @@ import torch
 from dpscale.rng import DPRandom, require_dprandom
 
 SAMPLING_MODES = ("poisson", "shuffle")
+# b*q may exceed 1 by a rounding error when B*b == N (e.g. 3 * (1/3)); such a rate means "always".
+_RATE_TOLERANCE = 1e-12
 SHUFFLE_CAVEAT = (
     "sampling=shuffle: the reported epsilon is computed for Poisson sampling and does not "
     "strictly cover the fixed-size shuffled batches that ran"
@@ -113,15 +125,208 @@ class ShuffleSampler:
         self._cursor = int(state["cursor"])
 
 
+class CyclicPoissonSampler:
+    """Cyclic Poisson sampling (b-min-separation) for amplified banded matrix factorization.
+
+    The N examples are split once into ``bands`` = b groups: a ``DPRandom(partition_seed)``
+    permutation of 0..N-1 cut into b consecutive parts whose sizes differ by at most one (as
+    ``numpy.array_split`` cuts), each part sorted. Step t (0-based, from the start of the run)
+    samples only group t mod b, each of its examples independently with probability
+    p = b * q, so the expected batch is ~q * N = B and an example joins steps t and t' only
+    when t = t' (mod b). The partition must stay the same for the whole run: another one would
+    break the min-separation the accounting assumes (``load_state_dict`` restores it).
+
+    In data-parallel training, rank r of P samples only the members of the step's group in its
+    shard {i : i mod P = r}, with its own generator (as ``PoissonSampler`` does): the ranks'
+    batches are disjoint and their union is a cyclic Poisson sample of the whole dataset. All
+    ranks must share ``partition_seed``, hence the partition.
+
+    Args:
+        dataset_size: N.
+        sample_rate: q = B / N, the per-step expected rate over the whole dataset.
+        bands: b >= 1, the number of groups (the band count of the noise correlation).
+        generator: the sampling RNG (the within-group draws: as secret as the noise).
+        partition_seed: seed of the partition, shared by all ranks and kept for the run.
+        rank, world_size: this process's shard (default: the whole dataset).
+        start_step: index of the first step this sampler draws (a run resumed at step k).
+
+    Attributes:
+        participation_rate: p = b * q, each group member's inclusion probability at its steps.
+        step: index of the step the next ``sample()`` draws.
+        groups: the whole partition, b sorted int64 tensors (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        bands: int,
+        generator: DPRandom,
+        *,
+        partition_seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+    ) -> None:
+        self.participation_rate = _check_cyclic_args(dataset_size, sample_rate, bands, rank, world_size, start_step)
+        self.dataset_size = dataset_size
+        self.sample_rate = sample_rate
+        self.bands = int(bands)
+        self.generator = require_dprandom(generator, "cyclic Poisson sampling")
+        self.rank, self.world_size = rank, world_size
+        self.step = int(start_step)
+        self._set_partition(partition_seed)
+
+    def _set_partition(self, partition_seed: int) -> None:
+        """Build the partition from ``partition_seed`` and this rank's part of each group."""
+        perm = DPRandom(partition_seed).permutation(self.dataset_size)
+        # tensor_split cuts like numpy.array_split: the first N mod b parts get one more example
+        self.groups = tuple(part.sort().values for part in torch.tensor_split(perm, self.bands))
+        # precomputed once so that a step draws O(N / (bP)) uniforms and indexes, nothing more
+        self._members = tuple(g[g % self.world_size == self.rank] for g in self.groups)
+        self.partition_seed = int(partition_seed)
+
+    def group_of_step(self, step: int) -> int:
+        """The group that step ``step`` (0-based, from the start of the run) samples.
+
+        Args:
+            step: a step index >= 0.
+
+        Returns:
+            ``step mod bands``.
+        """
+        return int(step) % self.bands
+
+    def sample(self) -> torch.Tensor:
+        """This rank's sample of the current step's group; advances ``step``.
+
+        Returns:
+            sorted int64 example indices (possibly empty).
+        """
+        members = self._members[self.group_of_step(self.step)]
+        # one float64 uniform per member: exactly Bernoulli(p) each (float32 uniforms would
+        # round a small p up), and the same consumption as PoissonSampler when b = 1
+        mask = self.generator.uniform(members.numel()) < self.participation_rate
+        self.step += 1
+        return members[mask]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state: generator, next step, and what fixes the partition.
+
+        Returns:
+            ``{"generator": ..., "step": int, "partition_seed": int, "bands": int}``.
+        """
+        return {
+            "generator": self.generator.state_dict(),
+            "step": self.step,
+            "partition_seed": self.partition_seed,
+            "bands": self.bands,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where the sampler that wrote ``state`` stood, with its partition.
+
+        Args:
+            state: from ``state_dict()``.
+
+        Raises:
+            ValueError: if ``state`` is not a cyclic sampler's, or was written with another
+                number of bands (the run's min-separation and accounting assume that number).
+        """
+        if not {"generator", "step", "partition_seed", "bands"} <= set(state):
+            raise ValueError("not a CyclicPoissonSampler state (it needs generator, step, partition_seed and bands)")
+        if int(state["bands"]) != self.bands:
+            raise ValueError(
+                f"sampler state has bands={state['bands']}, this sampler bands={self.bands}: a run must keep "
+                "one number of bands (the min-separation its accounting assumes)"
+            )
+        self.generator.load_state_dict(state["generator"])
+        self.step = int(state["step"])
+        if int(state["partition_seed"]) != self.partition_seed:
+            # the run's partition wins: a new one would let an example join steps < b apart
+            self._set_partition(int(state["partition_seed"]))
+
+
+def _check_cyclic_args(
+    dataset_size: int, sample_rate: float, bands: int, rank: int, world_size: int, start_step: int
+) -> float:
+    """Validate ``CyclicPoissonSampler``'s arguments.
+
+    Returns:
+        the participation rate p = bands * sample_rate (rounding excess above 1 clipped).
+
+    Raises:
+        ValueError: on any invalid argument, in particular bands * sample_rate > 1.
+    """
+    if dataset_size < 1:
+        raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    _check_bands(bands)
+    if bands > dataset_size:  # an empty group would make every b-th step a batch of nothing
+        raise ValueError(f"bands={bands} exceeds dataset_size={dataset_size}: every group needs an example")
+    rate = bands * sample_rate
+    if rate > 1.0 + _RATE_TOLERANCE:
+        raise ValueError(
+            f"cyclic Poisson sampling includes each example of a step's group with probability b*q, which must "
+            f"be <= 1: got bands b={bands}, sample_rate q={sample_rate:g}, b*q={rate:g} (lower the batch size "
+            "or the number of bands)"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got {rank} and {world_size}")
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    return min(rate, 1.0)
+
+
+def _check_bands(bands: int) -> None:
+    """Raise ValueError unless ``bands`` is an integer >= 1."""
+    if isinstance(bands, bool) or not isinstance(bands, Integral) or bands < 1:
+        raise ValueError(f"bands must be an integer >= 1, got {bands!r}")
+
+
 def make_sampler(
-    mode: str, dataset_size: int, batch_size: float, generator: DPRandom, rank: int = 0, world_size: int = 1
-) -> PoissonSampler | ShuffleSampler:
-    """Sampler for ``mode`` ("poisson" | "shuffle") with expected batch size B = ``batch_size``
-    (of the whole logical batch; with ``world_size`` > 1 each rank samples its own shard)."""
+    mode: str, dataset_size: int, batch_size: float, generator: DPRandom, rank: int = 0, world_size: int = 1,
+    *, bands: int = 1, partition_seed: int | None = None, start_step: int = 0,
+) -> PoissonSampler | ShuffleSampler | CyclicPoissonSampler:
+    """The sampler for ``mode`` with expected batch size B = ``batch_size``.
+
+    Args:
+        mode: "poisson" | "shuffle".
+        dataset_size: N.
+        batch_size: B, of the whole logical batch (with ``world_size`` > 1 each rank samples
+            its own shard).
+        generator: the sampling RNG.
+        rank, world_size: this process's shard.
+        bands: b; 1 (the default) is plain Poisson sampling, b > 1 cyclic Poisson sampling.
+        partition_seed: the partition's seed, required when b > 1 (shared by all ranks).
+        start_step: the first step's index (cyclic sampling only; Poisson has no step).
+
+    Returns:
+        a ``PoissonSampler`` (poisson, b = 1: unchanged for every existing caller), a
+        ``CyclicPoissonSampler`` (poisson, b > 1) or a ``ShuffleSampler`` (shuffle).
+
+    Raises:
+        ValueError: on an unknown mode, shuffle with b > 1 or with world_size > 1, or b > 1
+            without partition_seed.
+    """
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"unknown sampling {mode!r}; choose one of {', '.join(SAMPLING_MODES)}")
+    _check_bands(bands)
+    if mode == "shuffle" and bands > 1:
+        raise ValueError(
+            f"sampling=shuffle cannot run with bands={bands}: banded matrix factorization's accounting assumes "
+            "cyclic Poisson sampling (b-min-separation), which shuffled batches do not give; use sampling=poisson"
+        )
+    if mode == "poisson" and bands > 1:
+        if partition_seed is None:
+            raise ValueError(f"bands={bands} (cyclic Poisson sampling) needs a partition_seed shared by all ranks")
+        return CyclicPoissonSampler(
+            dataset_size, batch_size / dataset_size, bands, generator,
+            partition_seed=partition_seed, rank=rank, world_size=world_size, start_step=start_step,
+        )
     if mode == "poisson":
         return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size)
     if world_size > 1:
         raise ValueError("distributed training samples with sampling=poisson only (shuffle has no sharded form)")
-    if mode == "shuffle":
-        return ShuffleSampler(dataset_size, batch_size, generator)
-    raise ValueError(f"unknown sampling {mode!r}; choose one of {', '.join(SAMPLING_MODES)}")
+    return ShuffleSampler(dataset_size, batch_size, generator)

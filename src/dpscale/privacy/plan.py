@@ -14,6 +14,9 @@ from dpscale.errors import ConfigError
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
+from dpscale.privacy.correlated import (
+    BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
+)  # fmt: skip
 from dpscale.rng import DPRandom
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
 
@@ -206,6 +209,9 @@ class DPPlan:
     engine_unchecked: train.self_check is off (a caveat; a label from the config, like seeded).
     secure_noise: the noise comes from the OS CSPRNG (dp.secure_noise), so a fixed seed replays
         the sampling only. A label from the config, like seeded.
+    mechanism: "dpsgd" (independent noise each step) or "bandmf" (correlated noise, cyclic
+        Poisson sampling; ``correlated`` holds its strategy).
+    correlated: BandMF's strategy (bands, coefficients, why); None for DP-SGD.
     """
 
     dataset_size: int
@@ -229,9 +235,13 @@ class DPPlan:
     engine_unchecked: bool = field(default=False, compare=False)
     secure_noise: bool = field(default=False, compare=False)
     init_run: SourceRunPrivacy | None = field(default=None, compare=False)
+    mechanism: str = "dpsgd"
+    correlated: BandedNoisePlan | None = None
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
+        if isinstance(self.correlated, dict):
+            object.__setattr__(self, "correlated", BandedNoisePlan(**self.correlated))
         releases = tuple(r if isinstance(r, AccountingSegment) else AccountingSegment(**r) for r in self.releases)
         object.__setattr__(self, "releases", releases)
         if isinstance(self.simulation, dict):
@@ -244,6 +254,20 @@ class DPPlan:
     def sources(self) -> tuple[SourceRunPrivacy, ...]:
         """The runs this run starts from whose privacy it checked (extractor, then model.init)."""
         return tuple(s for s in (self.extractor, self.init_run) if s is not None)
+
+    @property
+    def bands(self) -> int:
+        """b: the strategy's bands and the number of sampling groups (1 for DP-SGD)."""
+        return self.correlated.bands if self.correlated is not None else 1
+
+    @property
+    def participation_rate(self) -> float:
+        """p: the probability that an example joins a step of its group, b*q (q for DP-SGD)."""
+        return self.sample_rate * self.bands
+
+    def compositions(self, steps: int) -> int:
+        """The accountant's compositions after ``steps`` steps: ceil(steps / b) (steps for DP-SGD)."""
+        return compositions(steps, self.bands)
 
     @property
     def run_accountant(self) -> str:
@@ -265,16 +289,17 @@ class DPPlan:
         if not self.is_private:
             return None
         sim = self.simulation
-        q, sigma = (sim.sample_rate, sim.noise_multiplier) if sim else (self.sample_rate, self.noise_multiplier)
+        q, sigma = (sim.sample_rate, sim.noise_multiplier) if sim else (self.participation_rate, self.noise_multiplier)
         if sigma >= PRIVACY_WALL_SIGMA:
             return None  # cannot fire: skip the accountant call
+        steps = self.compositions(self.steps)  # per participation for BandMF
         if sim is None and not self.releases:
             epsilon = self.epsilon
         else:  # eps_TAN describes the DP-SGD steps alone
             epsilon = compute_epsilon(
-                sample_rate=q, noise_multiplier=sigma, steps=self.steps, delta=self.delta, kind=self.accountant
+                sample_rate=q, noise_multiplier=sigma, steps=steps, delta=self.delta, kind=self.accountant
             )
-        warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, self.steps, self.delta))
+        warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, steps, self.delta))
         return f"reference run: {warning}" if warning and sim else warning
 
     def release_noise(self, label: str) -> float:
@@ -295,7 +320,11 @@ class DPPlan:
 
     @property
     def eps_tan(self) -> float:
-        return eps_tan(self.sample_rate, self.noise_multiplier, self.steps, self.delta) if self.is_private else math.inf
+        """TAN's estimate (Sander et al. 2023) of the steps' epsilon; for BandMF, per participation
+        (p = b*q over ceil(S/b) compositions, what its accounting composes)."""
+        if not self.is_private:
+            return math.inf
+        return eps_tan(self.participation_rate, self.noise_multiplier, self.compositions(self.steps), self.delta)
 
     def caveats(self) -> list[str]:
         """Everything the reported guarantee does not cover; printed with every epsilon."""
@@ -320,13 +349,18 @@ class DPPlan:
             notes.append(ENGINE_UNCHECKED_CAVEAT)
         return notes
 
+    @property
+    def sampling_text(self) -> str:
+        """The sampling that ran: "poisson", "shuffle", or "cyclic poisson" (BandMF, b > 1)."""
+        return "cyclic poisson" if self.bands > 1 else self.sampling
+
     def _epsilon_text(self) -> str:
         if self.simulation:
             return (
                 f"own epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.run_accountant}, no useful guarantee; "
                 f"{self.sampling} sampling)"
             )
-        return f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling} sampling)"
+        return f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling_text} sampling)"
 
     def _simulation_note(self) -> str:
         sim = self.simulation
@@ -366,11 +400,20 @@ class DPPlan:
             return "epsilon=inf (NOT PRIVATE)"
         runs = [s.words.noun for s in self.sources if s.case == "composed"]
         composed = f" (composed with {' and '.join(runs)})" if runs else ""
-        return f"epsilon={epsilon:.3f} delta={self.delta:g} ({self.accountant}){composed}"
+        mechanism = f" {self.correlated.short()} sigma={self.noise_multiplier:.4g}" if self.correlated else ""
+        return f"epsilon={epsilon:.3f} delta={self.delta:g} ({self.accountant}){composed}{mechanism}"
 
-    def make_sampler(self, generator: DPRandom, rank: int = 0, world_size: int = 1):
-        """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``."""
-        return make_sampler(self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size)
+    def make_sampler(
+        self, generator: DPRandom, rank: int = 0, world_size: int = 1, *, partition_seed: int | None = None,
+        start_step: int = 0,
+    ):  # fmt: skip
+        """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``:
+        Poisson sampling, or for BandMF with b > 1 cyclic Poisson sampling over the b groups of the
+        partition ``partition_seed`` draws, at step ``start_step`` of the run."""
+        return make_sampler(
+            self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size, bands=self.bands,
+            partition_seed=partition_seed, start_step=start_step,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """The one-line header printed when a run starts (and which case applies to each source run)."""
@@ -388,10 +431,20 @@ class DPPlan:
                 f"(epsilon={sim.epsilon:.4g}) at {sim.compute_fraction:.3g}x its compute"
             )
         return (
-            f"DP-SGD: N={self.dataset_size}, B={self.batch_size:g}, q={self.sample_rate:.5g}, S={self.steps}, "
-            f"sigma={self.noise_multiplier:.5g}, C={self.max_grad_norm:g}, "
+            f"{self._mechanism_text()}: N={self.dataset_size}, B={self.batch_size:g}, q={self.sample_rate:.5g}, "
+            f"S={self.steps}, sigma={self.noise_multiplier:.5g}, C={self.max_grad_norm:g}, "
             f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
+        )
+
+    def _mechanism_text(self) -> str:
+        """The mechanism's name in the header; for BandMF its bands, sampling and accounting."""
+        if self.correlated is None:
+            return "DP-SGD"
+        return (
+            f"{self.correlated.describe()}; cyclic Poisson sampling in b={self.bands} groups at p=b*q="
+            f"{self.participation_rate:.5g}, accounted as {self.compositions(self.steps)} DP-SGD compositions "
+            "(amplified BandMF, Choquette-Choo et al. 2023)"
         )
 
 
@@ -431,6 +484,7 @@ def check_plan_matches(
     sampling: str = "poisson",
     accountant: str = "pld",
     releases: tuple[AccountingSegment, ...] = (),
+    correlated: BandsRequest | None = None,
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
@@ -444,6 +498,8 @@ def check_plan_matches(
         batch_size ... accountant: the privacy numbers asked for now (as for ``make_dp_plan``).
         releases: the releases recomputed now (a checkpoint extractor's run's history, a
             model.init run's, then the feature normalisation's).
+        correlated: BandMF's request now (its mechanism and a fixed b must match; the saved
+            strategy itself is kept, never re-optimised).
     """
     _check_source_releases(plan, releases)
     simulated = is_simulation(batch_size, simulated_batch_size)
@@ -458,6 +514,9 @@ def check_plan_matches(
         "sampling": sampling,
         "accountant": accountant,
     }
+    expected["mechanism"] = "dpsgd" if correlated is None else "bandmf"
+    if correlated is not None and correlated.bands != "auto":
+        expected["bands"] = int(correlated.bands)
     actual: dict[str, Any] = {k: getattr(plan, k) for k in expected}
     actual["simulation_of_batch_size"] = plan.simulation.batch_size if plan.simulation else None
     expected["simulation_of_batch_size"] = batch_size if simulated else None
@@ -506,6 +565,7 @@ def make_dp_plan(
     releases: tuple[AccountingSegment, ...] = (),
     seeded: bool = False,
     extractor: SourceRunPrivacy | None = None,
+    correlated: BandsRequest | None = None,
 ) -> DPPlan:
     """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
     ``noise_multiplier`` checked against it.
@@ -521,6 +581,8 @@ def make_dp_plan(
             on the same data; sigma is calibrated for the composition.
         seeded: the seed is fixed (a caveat of the plan).
         extractor: how a ``checkpoint:`` extractor's run enters the guarantee (None otherwise).
+        correlated: BandMF (dp.mechanism=bandmf): its bands and workload; None for DP-SGD. The
+            steps are then accounted as ceil(S/b) compositions at p = b*q, sigma calibrated for the b chosen.
 
     Returns:
         The plan (the TAN simulation's, with ``simulated_batch_size``).
@@ -538,12 +600,26 @@ def make_dp_plan(
         raise ConfigError(f"dp.batch_size={batch_size} is larger than the training set (N={dataset_size})")
     q = batch_size / dataset_size
     releases = tuple(releases)
-    sigma, calibrated = _noise_for(target_epsilon, noise_multiplier, delta, q, steps, accountant, releases)
+    noise_plan = None
+    if correlated is None:
+        sigma, calibrated = _noise_for(target_epsilon, noise_multiplier, delta, q, steps, accountant, releases)
+    else:
+        check_bandmf_settings(
+            sampling=sampling, simulated=is_simulation(batch_size, simulated_batch_size),
+            noise_multiplier=noise_multiplier, bands=correlated.bands,
+        )  # fmt: skip
+        noise_plan, sigma, calibrated = choose_bands(
+            correlated, steps=steps, sample_rate=q, sigma_for=lambda b: _noise_for(
+                target_epsilon, noise_multiplier, delta, b * q, compositions(steps, b), accountant, releases
+            ),
+        )  # fmt: skip
+    bands = noise_plan.bands if noise_plan is not None else 1
     epsilon = math.inf
     if sigma > 0:
         epsilon = compute_epsilon(
-            sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=accountant, releases=releases
-        )
+            sample_rate=q * bands, noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
+            kind=accountant, releases=releases,
+        )  # fmt: skip
     if sigma > 0 and target_epsilon is not None and epsilon > target_epsilon:
         what = " with " + ", ".join(r.label for r in releases) if releases else ""
         raise ConfigError(
@@ -555,7 +631,7 @@ def make_dp_plan(
         dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
         accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
-        extractor=extractor,
+        extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
     )  # fmt: skip
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
 

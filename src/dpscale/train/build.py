@@ -120,14 +120,16 @@ def build_run(
     if hooks.training_set is not None:  # an audit's canaries: before the plan, so N counts them
         features = hooks.training_set(features)
     inputs = inputs_for(config, features.info.num_train, sources)
-    plan = plan_for(config, inputs, saved_plan)
-    normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
-    data = normalize_dataset(features, normalizer)
+    # the model before the plan: BandMF's noise history is sized by its trainable parameters
     model, init_report = _model(config, features.info, seeds, log, initial_weights=saved_plan is None)
     model.to(device)
     check_per_example_compatible(model)
     if config.model.freeze_groups:
         freeze_block_groups(model, config.model.freeze_groups)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    plan = plan_for(config, inputs, saved_plan, parameters=trainable)
+    normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
+    data = normalize_dataset(features, normalizer)
     dist.broadcast_module_(model)  # identical already (same seed); made certain
     return _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
                            model, init_report, log)  # fmt: skip
@@ -214,6 +216,7 @@ def _with_mechanism(
     mechanism = DPMechanism(
         model, optimizer, plan, engine, scheduler=scheduler, noise_seed=seeds["noise"],
         sampler_seed=rank_stream_seed(seeds["sampler"], dist.rank, dist.world_size, 0),
+        partition_seed=seeds["partition"],  # one partition for every rank (BandMF's b groups)
         rank=dist.rank, world_size=dist.world_size,
         # in train mode, on the first real training chunk (the set-up check saw a few examples)
         first_chunk_check=independence_check if config.train.self_check and plan.is_private else None,

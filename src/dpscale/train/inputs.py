@@ -20,7 +20,7 @@ from dpscale.features.pipeline import extractor_privacy, feature_releases
 from dpscale.models.init import init_privacy
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, steps_for
-from dpscale.train.plan_config import check_plan_against_config, plan_from_config
+from dpscale.train.plan_config import bands_request, check_plan_against_config, plan_from_config
 
 SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
 
@@ -124,16 +124,23 @@ def data_fingerprint(images: ImageDataset | StreamedData) -> str:
     return images.fingerprint if isinstance(images, StreamedData) else dataset_fingerprint(images)
 
 
-def plan_for(config: Config, inputs: PlanInputs, saved: DPPlan | None = None) -> DPPlan:
+def plan_for(
+    config: Config, inputs: PlanInputs, saved: DPPlan | None = None, *, parameters: int | None = None
+) -> DPPlan:
     """The DP plan the Trainer runs under: a new one (calibrated), or a checkpoint's ``saved``
     plan checked against the config and inputs (a changed source run is refused: its releases
     differ). Either way with the labels the config determines (a fixed seed, the source runs'
-    cases, checks off, secure noise): they are no privacy numbers, and older checkpoints lack them."""
+    cases, checks off, secure noise): they are no privacy numbers, and older checkpoints lack them.
+    ``parameters``: the model's trainable parameters (BandMF's noise memory; None: not checked)."""
     labels = plan_labels(config)
     n, steps, sources = inputs.dataset_size, inputs.steps, inputs.sources
+    correlated = bands_request(config, steps, parameters)
     if saved is None:
-        plan = plan_from_config(config.dp, n, steps, sources.releases, seeded=labels["seeded"], extractor=sources.extractor)
+        plan = plan_from_config(
+            config.dp, n, steps, sources.releases, seeded=labels["seeded"], extractor=sources.extractor,
+            correlated=correlated,
+        )  # fmt: skip
     else:
-        check_plan_against_config(saved, config.dp, n, steps, sources.releases)
+        check_plan_against_config(saved, config.dp, n, steps, sources.releases, correlated)
         plan = saved
     return replace(plan, extractor=sources.extractor, init_run=sources.init_run, **labels)

@@ -33,8 +33,13 @@ from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
-from dpscale.rng import DPRandom, noise_generator, words_to_int
+from dpscale.privacy.bandmf import BandedNoise
+from dpscale.rng import DPRandom, derive_seed, noise_generator, words_to_int
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
+
+
+# spawn key of BandMF's partition seed when none is given (make_private: one process)
+PARTITION_KEY = (0x62616E64,)
 
 
 class PrivacyBudgetExhausted(RuntimeError):
@@ -56,13 +61,14 @@ def run_seeds(seed: int | None) -> dict[str, int]:
         seed = secrets.randbits(128)
     # generate_state(n) extends generate_state(n - 1), so adding a stream keeps the old ones:
     # init/augment/augtest keep their values; words 1-3 (the retired 64-bit sampler/noise/
-    # features seeds) stay unused; words 6-11 are the 128-bit seeds, two words each.
-    words = np.random.SeedSequence(seed).generate_state(12, dtype=np.uint64)
+    # features seeds) stay unused; words 6-13 are the 128-bit seeds, two words each.
+    words = np.random.SeedSequence(seed).generate_state(14, dtype=np.uint64)
     return {
         "init": int(words[0]),
         "sampler": words_to_int(words[6:8]),
         "noise": words_to_int(words[8:10]),
         "features": words_to_int(words[10:12]),
+        "partition": words_to_int(words[12:14]),  # BandMF's groups: the same on every rank, for the whole run
         "augment": int(words[4]),
         "augtest": int(words[5]),
     }
@@ -84,17 +90,21 @@ class DPMechanism:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, engine: PerExampleEngine, *,
         sampler_seed: int, noise_seed: int, scheduler: Any = None, max_physical_batch_size: int | None = None,
         rank: int = 0, world_size: int = 1, first_chunk_check: FirstChunkCheck | None = None,
+        partition_seed: int | None = None,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         _refuse_steps_outside_the_mechanism(optimizer)
         self.plan, self.engine = plan, engine
         self.rank, self.world_size = rank, world_size
+        self.steps_taken = 0
+        # BandMF's b groups, fixed for the whole run (every rank must pass the same seed)
+        self.partition_seed = derive_seed(sampler_seed, PARTITION_KEY) if partition_seed is None else partition_seed
         self.restart_streams(sampler_seed=sampler_seed, noise_seed=noise_seed)
+        self.correlated_noise = BandedNoise(plan.correlated.coefficients) if plan.correlated is not None else None
         self.accountant = PrivacyAccountant(plan.run_accountant)
         for release in plan.releases:  # one-off releases made before the first step
             self.accountant.record(release)
         self.max_physical_batch_size = max_physical_batch_size
-        self.steps_taken = 0
         # run, in train mode and before anything is released, on the first chunk of >= MIN_EXAMPLES
         # and again on every first chunk larger than any checked before
         self.first_chunk_check = first_chunk_check
@@ -107,8 +117,12 @@ class DPMechanism:
         """Fresh sampling and noise streams (at the start, or when a run restarts with another
         number of processes or from generator states it cannot continue: never replaying used
         ones). The sampler's 128-bit stream decides which examples join a batch (private);
-        dp.secure_noise draws the noise from the OS CSPRNG (no seed, no state)."""
-        self.sampler = self.plan.make_sampler(DPRandom(sampler_seed), self.rank, self.world_size)
+        dp.secure_noise draws the noise from the OS CSPRNG (no seed, no state). BandMF's groups
+        stay those of ``partition_seed``, and its cyclic sampling continues at the step taken next."""
+        self.sampler = self.plan.make_sampler(
+            DPRandom(sampler_seed), self.rank, self.world_size, partition_seed=self.partition_seed,
+            start_step=self.steps_taken,
+        )  # fmt: skip
         self.noise_generator = noise_generator(noise_seed, self.plan.secure_noise)
 
     # ----------------------------------------------------------------- batches
@@ -204,6 +218,7 @@ class DPMechanism:
             self.engine, self.model, chunks,
             noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
+            correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
         )  # fmt: skip
         if check_drawn:  # chunks of unknown size: counted, refused before the release
             self._check_size(stats.batch_size)
@@ -216,8 +231,12 @@ class DPMechanism:
             self.optimizer._dpscale_in_step = False  # type: ignore[attr-defined]
         if self.scheduler is not None:
             self.scheduler.step()
-        if self.plan.is_private:
-            self.accountant.step(sample_rate=self.plan.sample_rate, noise_multiplier=self.plan.noise_multiplier)
+        if self.plan.is_private and self.steps_taken % self.plan.bands == 0:
+            # DP-SGD: one composition per step. BandMF: one per b steps, at p = b*q, counted when
+            # its first step runs (an example joins at most one step of each b).
+            self.accountant.step(
+                sample_rate=self.plan.participation_rate, noise_multiplier=self.plan.noise_multiplier
+            )  # fmt: skip
         self.steps_taken += 1
         return stats
 
@@ -281,6 +300,10 @@ class DPMechanism:
             "sampler": self.sampler.state_dict(),
             "noise_generator": self.noise_generator.state_dict() if self.plan.seeded else None,
             "accountant": self.accountant.state_dict(),
+            "partition_seed": self.partition_seed,
+            # BandMF's last b-1 noise vectors: past noise, kept (like the generator) for a seeded run only
+            "correlated_noise": self.correlated_noise.state_dict()
+            if self.correlated_noise is not None and self.plan.seeded else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -289,7 +312,10 @@ class DPMechanism:
         The accountant continues from the state's steps; the noise continues from the state's
         generator if this mechanism is seeded (bit-identical resume, with the seed's caveat),
         else from this mechanism's own fresh entropy: two continuations of one state never share
-        noise (releasing both still composes both: each one's epsilon covers itself only).
+        noise (releasing both still composes both: each one's epsilon covers itself only). An
+        unseeded BandMF mechanism also restarts its noise recursion (its checkpoint holds no past
+        noise): from here on a new block of the banded strategy, whose columns still have norm <= 1
+        and never overlap for b-separated participations, so the same epsilon, a little more error.
 
         Raises:
             RuntimeError: this mechanism has already taken steps (loading would roll its
@@ -313,10 +339,13 @@ class DPMechanism:
             )
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
         self.plan = replace(self.plan, **{k: getattr(self.plan, k) or getattr(saved, k) for k in LASTING_CAVEATS})
+        self.partition_seed = state.get("partition_seed", self.partition_seed)  # the run keeps its groups
         if state["sampler"] is not None:  # None: a state whose sampler stream is not continued
             self.sampler.load_state_dict(state["sampler"])
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
+        if self.correlated_noise is not None and self.plan.seeded and state.get("correlated_noise") is not None:
+            self.correlated_noise.load_state_dict(state["correlated_noise"])
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
 

@@ -3,11 +3,16 @@ keyword-only numbers (the plan itself, in ``dpscale.privacy.plan``, knows nothin
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
-from dpscale.config import DPConfig
+from dpscale.config import Config, DPConfig, OptimConfig
 from dpscale.privacy.accountant import AccountingSegment
+from dpscale.privacy.bandmf import Workload
+from dpscale.privacy.correlated import BandsRequest
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, check_plan_matches, make_dp_plan
+from dpscale.train.optim import lr_multiplier
 
 
 def dp_numbers(dp: DPConfig) -> dict[str, Any]:
@@ -19,6 +24,43 @@ def dp_numbers(dp: DPConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def workload_for(optim: OptimConfig, steps: int) -> Workload:
+    """What the optimizer does with the noisy gradients over ``steps`` steps, for BandMF's strategy:
+    prefix sums, with SGD's momentum and the learning-rate schedule (Adam's update is not linear
+    in the gradients: its strategy is optimised for the schedule's prefix sums)."""
+    momentum = optim.momentum if optim.name == "sgd" else 0.0
+    multipliers = None
+    if optim.schedule != "constant" or optim.warmup_steps:
+        multipliers = tuple(
+            lr_multiplier(t, steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio) for t in range(steps)
+        )
+    return Workload(steps=steps, momentum=momentum, lr_multipliers=multipliers)
+
+
+def strategy_cache_dir() -> Path:
+    """Where optimised BandMF strategies are cached: ``$DPSCALE_CACHE_DIR/bandmf`` if set, else
+    ``$XDG_CACHE_HOME/dpscale/bandmf`` (``~/.cache`` if unset). Any cached strategy is safe to
+    use: the plan re-normalises it, and privacy needs only its bands and column norms."""
+    if os.environ.get("DPSCALE_CACHE_DIR"):
+        return Path(os.environ["DPSCALE_CACHE_DIR"]).expanduser() / "bandmf"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dpscale" / "bandmf"
+
+
+def bands_request(config: Config, steps: int, parameters: int | None = None) -> BandsRequest | None:
+    """BandMF's request for a config (None for dp.mechanism=dpsgd).
+
+    Args:
+        steps: S; parameters: the model's trainable parameters (None: the noise memory is not checked).
+    """
+    dp = config.dp
+    if dp.mechanism != "bandmf":
+        return None
+    return BandsRequest(
+        bands=dp.bands, workload=workload_for(config.optim, steps), max_bands=dp.max_bands, parameters=parameters,
+        max_noise_memory_mb=dp.max_noise_memory_mb, cache_dir=str(strategy_cache_dir()),
+    )  # fmt: skip
+
+
 def plan_from_config(
     dp: DPConfig,
     dataset_size: int,
@@ -26,15 +68,21 @@ def plan_from_config(
     releases: tuple[AccountingSegment, ...] = (),
     seeded: bool = False,
     extractor: SourceRunPrivacy | None = None,
+    correlated: BandsRequest | None = None,
 ) -> DPPlan:
-    """``make_dp_plan`` for a config's ``dp`` section (N, S and releases from the run)."""
+    """``make_dp_plan`` for a config's ``dp`` section (N, S and releases from the run; BandMF's
+    request from ``bands_request``)."""
     return make_dp_plan(
-        dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded, extractor=extractor, **dp_numbers(dp)
-    )
+        dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded, extractor=extractor,
+        correlated=correlated, **dp_numbers(dp),
+    )  # fmt: skip
 
 
 def check_plan_against_config(
-    plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = ()
-) -> None:
+    plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = (),
+    correlated: BandsRequest | None = None,
+) -> None:  # fmt: skip
     """``check_plan_matches`` for a checkpoint's plan against a config's ``dp`` section."""
-    check_plan_matches(plan, dataset_size=dataset_size, steps=steps, releases=releases, **dp_numbers(dp))
+    check_plan_matches(
+        plan, dataset_size=dataset_size, steps=steps, releases=releases, correlated=correlated, **dp_numbers(dp)
+    )

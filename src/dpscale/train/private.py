@@ -14,6 +14,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpscale.choices import MECHANISMS
+from dpscale.privacy.bandmf import Workload
+from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
 from dpscale.privacy.plan import make_dp_plan, steps_for
@@ -80,8 +83,14 @@ def make_private(
     secure_noise: bool = False,
     check: bool = True,
     check_batch: Batch | None = None,
+    noise_mechanism: str = "dpsgd",
+    bands: int | str = "auto",
+    max_bands: int = DEFAULT_MAX_BANDS,
+    max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB,
+    workload: Workload | None = None,
 ) -> DPMechanism:
-    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD, Poisson sampling).
+    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson
+    sampling, or BandMF's correlated noise with cyclic Poisson sampling).
 
     Args:
         model, optimizer: the user's; the optimizer must hold the trainable parameters.
@@ -111,6 +120,14 @@ def make_private(
             both, and the plan and every epsilon then say the run is unchecked.
         check_batch: (x, y) examples to run the checks on now, in ``make_private`` (the first
             step's chunk is still checked for batch independence).
+        noise_mechanism: "dpsgd" or "bandmf" (banded matrix factorization, docs/correlated_noise.md:
+            ``batches()`` then samples cyclically, and the accounting is amplified BandMF's).
+        bands: BandMF's b, or "auto" (least expected error x sigma; needs target_epsilon).
+        max_bands: the largest b "auto" tries; max_noise_memory_mb: refuse a b whose noise
+            history, (b-1) x trainable parameters x 4 bytes, is larger (MB).
+        workload: what the strategy is optimised for (``dpscale.privacy.bandmf.Workload``);
+            default: prefix sums with the optimizer's SGD momentum (give the learning-rate
+            multipliers here when ``scheduler`` changes the rate).
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
@@ -119,14 +136,14 @@ def make_private(
         ValueError: a layer that mixes examples or cannot be clipped per example (BatchNorm, ...),
             bad privacy numbers; at the first step, a model or loss that mixes examples.
     """
-    if (epochs is None) == (steps is None):
-        raise ValueError("give exactly one of epochs= and steps=")
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
+    _check_one_of(epochs=epochs, steps=steps, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
+    total_steps = steps_for(epochs, steps, dataset_size, batch_size)
+    correlated = _bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
+                                max_noise_memory_mb=max_noise_memory_mb, workload=workload)  # fmt: skip
     plan = make_dp_plan(
-        dataset_size=dataset_size, batch_size=batch_size, steps=steps_for(epochs, steps, dataset_size, batch_size),
-        max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier,
-        accountant=accountant, seeded=seed is not None,
+        dataset_size=dataset_size, batch_size=batch_size, steps=total_steps, max_grad_norm=max_grad_norm, delta=delta,
+        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
+        seeded=seed is not None, correlated=correlated,
     )  # fmt: skip
     check = check and plan.is_private  # a non-private run claims no guarantee for the checks to protect
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=not check and plan.is_private)
@@ -137,7 +154,39 @@ def make_private(
     seeds = run_seeds(seed)
     return DPMechanism(
         model, optimizer, plan, chosen, sampler_seed=seeds["sampler"], noise_seed=seeds["noise"],
+        partition_seed=seeds["partition"],
         scheduler=scheduler, max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
+    )  # fmt: skip
+
+
+def _check_one_of(
+    *, epochs: float | None, steps: int | None, target_epsilon: float | None, noise_multiplier: float | None
+) -> None:  # fmt: skip
+    """Refuse a length or a noise given twice or not at all."""
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs= and steps=")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
+
+
+def _bands_request(
+    mechanism: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *, bands: int | str,
+    max_bands: int, max_noise_memory_mb: float, workload: Workload | None,
+) -> BandsRequest | None:  # fmt: skip
+    """BandMF's request for ``make_private`` (None for DP-SGD)."""
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"noise_mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
+    if mechanism == "dpsgd":
+        return None
+    if workload is None:  # prefix sums, with SGD's momentum (torch's SGD has it in its param groups)
+        workload = Workload(steps=steps, momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
+                            if isinstance(optimizer, torch.optim.SGD) else 0.0)  # fmt: skip
+    if workload.steps != steps:
+        raise ValueError(f"workload.steps={workload.steps} but the plan has {steps} steps")
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return BandsRequest(
+        bands=bands, workload=workload, max_bands=max_bands, parameters=parameters,
+        max_noise_memory_mb=max_noise_memory_mb,
     )  # fmt: skip
 
 

@@ -98,8 +98,14 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "dataset_size": plan.dataset_size,
         "steps": trainer.step,
         "epochs": trainer.epochs_done(trainer.step),
-        "sampling": plan.sampling,
+        "sampling": plan.sampling_text,  # what ran: "cyclic poisson" for BandMF with b > 1
         "accountant": plan.accountant,
+        "mechanism": plan.mechanism,
+        # BandMF: b, why, its strategy and amplified accounting (ceil(S/b) compositions at p = b*q)
+        "bandmf": (
+            {**asdict(plan.correlated), "participation_rate": plan.participation_rate,
+             "compositions": plan.compositions(trainer.step)} if plan.correlated else None
+        ),  # fmt: skip
         "eps_tan": plan.eps_tan,
         "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
         "simulation": (

@@ -214,6 +214,9 @@ def config_changes(saved: dict[str, Any], config: Config) -> dict[str, tuple[Any
     """Every setting of ``config`` that differs from the ``saved`` resolved config, as
     {dotted key: (saved value, new value)} (``run.out_dir`` aside: a run directory may move)."""
     before, after = flat_config(saved), flat_config(config.to_dict())
+    # a setting added since the checkpoint was written (dp.mechanism, ...) had its default then
+    defaults = flat_config(Config().to_dict())
+    before.update({k: defaults[k] for k in set(after) - set(before) if k in defaults})
     changes = {k: (before.get(k), after.get(k)) for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)}
     changes.pop("run.out_dir", None)
     return changes

@@ -18,6 +18,9 @@ FRESH_NOISE_ON_RESUME = (
     "run.seed is null: the noise continues from fresh OS entropy, so no two continuations of this checkpoint share "
     "noise (release one; releasing two continuations of one checkpoint composes both)"
 )
+FRESH_CORRELATED_NOISE_ON_RESUME = (
+    " BandMF's noise recursion restarts too (the checkpoint holds no past noise): the same epsilon, a little more error"
+)
 
 
 def training_state(trainer: Trainer) -> dict[str, Any]:
@@ -77,14 +80,17 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
         trainer.augtest_seed = int(state["augtest_seed"])
     _check_accounting(trainer)
     if not built.plan.seeded and built.plan.is_private:
-        trainer.log(FRESH_NOISE_ON_RESUME)
+        trainer.log(FRESH_NOISE_ON_RESUME + (FRESH_CORRELATED_NOISE_ON_RESUME if built.plan.bands > 1 else ""))
     _continue_rank_streams(trainer, state)
 
 
 def _check_accounting(trainer: Trainer) -> None:
     plan, accountant = trainer.built.plan, trainer.built.mechanism.accountant
-    if plan.is_private and accountant.steps != trainer.step:
-        raise ConfigError(f"checkpoint is inconsistent: step {trainer.step} but {accountant.steps} accounted")
+    if plan.is_private and accountant.steps != plan.compositions(trainer.step):
+        raise ConfigError(
+            f"checkpoint is inconsistent: step {trainer.step} needs {plan.compositions(trainer.step)} accounted "
+            f"composition(s), it holds {accountant.steps}"
+        )
     if accountant.releases != plan.releases:
         raise ConfigError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
 

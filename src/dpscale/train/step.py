@@ -118,6 +118,7 @@ def noisy_clipped_mean(
     all_reduce_sum: Callable[[list[torch.Tensor]], None] | None = None,
     add_noise: bool = True,
     prefetch_noise: bool | None = None,
+    correlate: Callable[[Params], Params] | None = None,
 ) -> tuple[Params, StepStats]:
     """The private gradient of one logical batch.
 
@@ -135,6 +136,9 @@ def noisy_clipped_mean(
         prefetch_noise: draw the noise on a host thread while the chunks' gradients are computed
             (the same values, in the same order: the noise never depends on the gradient).
             None: on a GPU only, where the host is otherwise idle while the device works.
+        correlate: BandMF: turns this step's standard normals z_t into its correlated noise
+            (C_s^{-1} Z)_t (``BandedNoise.next``; called once per step, on the noise rank only);
+            None: independent noise (DP-SGD).
 
     Returns:
         (gradient by parameter name, step statistics of the whole logical batch).
@@ -151,7 +155,10 @@ def noisy_clipped_mean(
     for chunk in chunks:
         counts += _add_chunk(engine, model, params, chunk, total).to(device)
     # once per logical step: on one rank, before the ranks' sums are added up
-    noisy = add_gaussian_noise(total, std, noise_generator, pending.result() if pending else None)
+    noise = pending.result() if pending else None
+    if std > 0 and correlate is not None:
+        noise = correlate(noise if noise is not None else draw_noise(total, noise_generator))
+    noisy = add_gaussian_noise(total, std, noise_generator, noise)
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
         all_reduce_sum([noisy[name] for name in sorted(noisy)])
         all_reduce_sum([counts])
