@@ -8,7 +8,7 @@ and 8, each with DP-SGD, BandMF with ``dp.bands=auto`` and BandMF with a fixed b
 Every run is a separate ``dpscale train`` process, so its peak resident memory is its own.
 
     python benchmarks/bandmf_fmnist.py --data ../shared/data/fashion-mnist --out /tmp/bandmf-fmnist \
-        [--recipes cnn,scatter-linear] [--epsilons 1,3,8] [--seeds 0,1,2] [--fixed-bands 4]
+        [--recipes cnn,scatter-linear] [--epsilons 1,3,8] [--seeds 0,1,2] [--fixed-bands 4] [--threads 1]
 
 Prints one line per run as it finishes, then the markdown table (mean and spread of the three
 seeds). When ``dp.bands=auto`` picks b = 1 the run is DP-SGD's bit for bit (tested:
@@ -86,14 +86,43 @@ def main() -> int:
     parser.add_argument("--epsilons", default="1,3,8")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--fixed-bands", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="run.threads of every run")
+    parser.add_argument("--table-only", action="store_true", help="print the table of the runs already in --out")
     args = parser.parse_args()
     out = Path(args.out)
+    results = table_from(out, args) if args.table_only else run_all(out, args)
+    print("\n| recipe | epsilon | mechanism | b | sigma | accuracy per seed (%) | mean | spread | epsilon spent "
+          "| training s | peak RSS MB |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for (recipe, epsilon, mechanism), runs in results.items():
+        print(row(recipe, epsilon, mechanism, runs))
+    return 0
+
+
+def table_from(out: Path, args: argparse.Namespace) -> dict[tuple, list[dict]]:
+    """The runs already written to ``out`` (one JSON per run), grouped as ``run_all`` groups them;
+    an auto whose runs are missing stands for DP-SGD's (auto picked b = 1)."""
+    results: dict[tuple, list[dict]] = {}
+    for recipe in args.recipes.split(","):
+        for epsilon in map(float, args.epsilons.split(",")):
+            for mechanism in mechanisms(args.fixed_bands):
+                files = [out / f"{recipe}-eps{epsilon:g}-{mechanism}-s{seed}.json" for seed in args.seeds.split(",")]
+                runs = [json.loads(f.read_text()) for f in files if f.exists()]
+                if runs:
+                    results[(recipe, epsilon, mechanism)] = runs
+                elif mechanism == "bandmf-auto" and (recipe, epsilon, "dpsgd") in results:
+                    results[(recipe, epsilon, mechanism)] = results[(recipe, epsilon, "dpsgd")]
+    return results
+
+
+def run_all(out: Path, args: argparse.Namespace) -> dict[tuple, list[dict]]:
+    """Train every (recipe, epsilon, mechanism, seed) in turn, printing a line per run."""
     results: dict[tuple, list[dict]] = {}
     for recipe in args.recipes.split(","):
         preset, recipe_overrides = RECIPES[recipe]
         for epsilon in map(float, args.epsilons.split(",")):
             for mechanism, mech_overrides in mechanisms(args.fixed_bands).items():
-                overrides = [f"data.root={args.data}", f"dp.epsilon={epsilon}", *recipe_overrides, *mech_overrides]
+                overrides = [f"data.root={args.data}", f"dp.epsilon={epsilon}", f"run.threads={args.threads}",
+                             *recipe_overrides, *mech_overrides]  # fmt: skip
                 if mechanism == "bandmf-auto" and auto_bands(preset, overrides, out / "plan") == 1:
                     results[(recipe, epsilon, mechanism)] = results[(recipe, epsilon, "dpsgd")]
                     print(f"{recipe} eps={epsilon:g} {mechanism}: auto picks b=1, DP-SGD's runs", flush=True)
@@ -107,11 +136,7 @@ def main() -> int:
                     print(f"{name}: {100 * summary['test_accuracy']:.2f}% eps={summary['epsilon']:.3f} "
                           f"{summary['wall_time_s']:.0f}s {summary['peak_rss_mb']:.0f}MB", flush=True)  # fmt: skip
                 results[(recipe, epsilon, mechanism)] = runs
-    print("\n| recipe | epsilon | mechanism | b | sigma | accuracy per seed (%) | mean | spread | epsilon spent "
-          "| training s | peak RSS MB |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for (recipe, epsilon, mechanism), runs in results.items():
-        print(row(recipe, epsilon, mechanism, runs))
-    return 0
+    return results
 
 
 if __name__ == "__main__":
