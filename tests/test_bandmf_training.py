@@ -101,11 +101,14 @@ def test_released_noise_is_sigma_c_times_the_dense_inverse_of_the_strategy_times
     assert not torch.allclose(released, z.double() * SIGMA * CLIP, atol=1e-3)  # it is not DP-SGD's noise
 
 
-def test_released_noise_has_the_strategys_covariance_across_steps():
+@pytest.mark.parametrize("secure_noise", [False, True], ids=["seeded-noise", "secure-noise"])
+def test_released_noise_has_the_strategys_covariance_across_steps(secure_noise):
     # P = 20040 coordinates, 6 steps: the empirical covariance (1/P) N N^T estimates
     # sigma^2 C^2 (C_s^T C_s)^{-1} entry by entry with std ~ sqrt(2/P) x scale.
     steps, bands = 6, 4
-    mechanism = _mechanism(_model(500, 40), steps=steps, noise_mechanism="bandmf", bands=bands, seed=11)
+    mechanism = _mechanism(
+        _model(500, 40), steps=steps, noise_mechanism="bandmf", bands=bands, seed=11, secure_noise=secure_noise
+    )  # fmt: skip
     noise = _noise_releases(mechanism, steps) / (SIGMA * CLIP)
     params = noise.shape[1]
     inverse = torch.linalg.inv(strategy_matrix(mechanism.plan.correlated.coefficients, steps))
@@ -242,7 +245,7 @@ def test_auto_plan_names_b_sigma_and_why_and_never_overspends():
     [
         (["dp.sampling=shuffle"], "cyclic Poisson"),
         (["dp.simulated_batch_size=64"], "TAN"),
-        (["dp.noise_multiplier=1.0"], "dp.bands=auto"),
+        (["dp.noise_multiplier=1.0"], "bands=auto compares"),
         (["dp.bands=0"], "dp.bands must be"),
         (["dp.mechanism=banded"], "dp.mechanism must be"),
     ],
@@ -317,3 +320,61 @@ def test_an_unseeded_mechanism_resumes_with_a_fresh_recursion_and_the_same_accou
     drawn = _train(second)
     assert len(drawn) == 6 and second.epsilon() == pytest.approx(second.plan.epsilon, rel=1e-12)
     assert second.accountant.steps == 3  # ceil(12 / 4): none counted twice
+
+
+def test_secure_noise_is_not_replayed_by_the_seed():
+    a = _mechanism(_model(), noise_mechanism="bandmf", bands=3, secure_noise=True)
+    b = _mechanism(_model(), noise_mechanism="bandmf", bands=3, secure_noise=True)
+    assert not torch.allclose(_noise_releases(a, 4), _noise_releases(b, 4))  # same seed, OS-random noise
+
+
+def test_dpscale_train_with_one_band_is_the_dp_sgd_run(tmp_path):
+    from dpscale.train.loop import Trainer
+
+    def run(name: str, *extra: str) -> Trainer:
+        settings = [f"run.out_dir={tmp_path / name}", "run.seed=0", "model.name=linear", "dp.batch_size=128",
+                    "dp.noise_multiplier=1.2", "dp.epsilon=null", "train.steps=6", "train.eval_every_epochs=1",
+                    "optim.momentum=0.9", *extra]  # fmt: skip
+        trainer = Trainer.create(load_config(None, settings), progress=False)
+        trainer.run()
+        return trainer
+
+    dpsgd, bandmf = run("dpsgd"), run("bandmf", "dp.mechanism=bandmf", "dp.bands=1")
+    for name, weight in dpsgd.model.state_dict().items():
+        assert torch.equal(weight, bandmf.model.state_dict()[name]), name
+    summary = json.loads((tmp_path / "bandmf" / "summary.json").read_text())
+    assert summary["mechanism"] == "bandmf" and summary["bandmf"]["bands"] == 1 and summary["sampling"] == "poisson"
+    assert summary["epsilon"] == json.loads((tmp_path / "dpsgd" / "summary.json").read_text())["epsilon"]
+
+
+def test_a_seeded_secure_noise_state_holds_no_past_noise():
+    mechanism = _mechanism(_model(), noise_mechanism="bandmf", bands=3, secure_noise=True)
+    _train(mechanism, steps=4)
+    assert mechanism.state_dict()["correlated_noise"] is None  # the checkpoint cannot un-noise a release
+
+
+def test_loading_a_state_after_a_draw_is_refused():
+    first = _mechanism(_model(), noise_mechanism="bandmf", bands=3)
+    _train(first, steps=4)
+    second = _mechanism(_model(), noise_mechanism="bandmf", bands=3, seed=7)
+    second.model.load_state_dict(first.model.state_dict())
+    second.sample()  # from second's own partition: not the saved run's group 1
+    with pytest.raises(RuntimeError, match="drawn before loading"):
+        second.load_state_dict(first.state_dict())
+
+
+def test_a_refused_step_leaves_the_noise_recursion_untouched():
+    x, y = _data()
+    mechanism = _mechanism(_model(), noise_mechanism="bandmf", bands=3)
+    batches = mechanism.batches()
+    for _ in range(2):
+        indices = next(batches)
+        mechanism.step(x[indices], y[indices])
+    indices = next(batches)
+    before = mechanism.correlated_noise.snapshot()
+    assert len(before) == 2
+    with pytest.raises(ValueError, match="nothing was released"):  # one example short, counted after the noise
+        mechanism.step([(x[indices], y[indices]), (x[:1], y[:1])])
+    after = mechanism.correlated_noise.snapshot()
+    assert len(after) == 2 and all(a is b for a, b in zip(after, before))
+    assert mechanism.steps_taken == 2 and mechanism.accountant.steps == 1

@@ -30,7 +30,7 @@ from dpscale.rng import DPRandom, require_dprandom
 
 SAMPLING_MODES = ("poisson", "shuffle")
 # b*q may exceed 1 by a rounding error when B*b == N (e.g. 3 * (1/3)); such a rate means "always".
-_RATE_TOLERANCE = 1e-12
+RATE_TOLERANCE = 1e-12
 SHUFFLE_CAVEAT = (
     "sampling=shuffle: the reported epsilon is computed for Poisson sampling and does not "
     "strictly cover the fixed-size shuffled batches that ran"
@@ -266,7 +266,7 @@ def _check_cyclic_args(
     if bands > dataset_size:  # an empty group would make every b-th step a batch of nothing
         raise ValueError(f"bands={bands} exceeds dataset_size={dataset_size}: every group needs an example")
     rate = bands * sample_rate
-    if rate > 1.0 + _RATE_TOLERANCE:
+    if rate > 1.0 + RATE_TOLERANCE:
         raise ValueError(
             f"cyclic Poisson sampling includes each example of a step's group with probability b*q, which must "
             f"be <= 1: got bands b={bands}, sample_rate q={sample_rate:g}, b*q={rate:g} (lower the batch size "

@@ -729,6 +729,16 @@ class BandedNoise:
                 for name in moved:
                     entry[name] = entry[name].to(device=z[name].device, dtype=z[name].dtype)
 
+    def snapshot(self) -> tuple[Params, ...]:
+        """The history as it stands (references: ``next`` never writes into a past entry), for
+        ``rewind`` when a step is refused after its noise was made."""
+        return tuple(self._history)
+
+    def rewind(self, snapshot: tuple[Params, ...]) -> None:
+        """Put the history back to ``snapshot`` (a step that was not released leaves no trace)."""
+        self._history.clear()
+        self._history.extend(snapshot)
+
     def memory_bytes(self, like: Params) -> int:
         """Bytes of the full history for parameters shaped like ``like``: (b-1) x their size."""
         return (self.bands - 1) * sum(t.numel() * t.element_size() for t in like.values())

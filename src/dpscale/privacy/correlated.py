@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dpscale.choices import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB
+from dpscale.data.sampling import RATE_TOLERANCE
 from dpscale.errors import ConfigError
 from dpscale.privacy.bandmf import BandedStrategy, Workload, optimize_strategy
 
@@ -109,8 +110,9 @@ def check_bandmf_settings(*, sampling: str, simulated: bool, noise_multiplier: f
         raise ConfigError("dp.mechanism=bandmf correlates the noise of a private run; dp.noise_multiplier=0 adds none")
     if bands == "auto" and noise_multiplier is not None:
         raise ConfigError(
-            "dp.bands=auto compares each b at the sigma that spends dp.epsilon for it; with dp.noise_multiplier fixed, "
-            "set dp.noise_multiplier=null, or choose dp.bands=N"
+            "bands=auto compares each b at the sigma that spends the target epsilon for it, and sigma is fixed here: "
+            "give a target epsilon instead of the noise (dp.noise_multiplier=null; make_private(target_epsilon=...); "
+            "--target-epsilon), or a number of bands (dp.bands=N, bands=N, --bands N)"
         )
 
 
@@ -134,10 +136,10 @@ def _refusal(request: BandsRequest, bands: int, *, steps: int, sample_rate: floa
     """Why b bands cannot run (None: they can)."""
     if bands > steps:
         return f"dp.bands={bands} is more than the run's {steps} steps"
-    if bands * sample_rate > 1.0:
+    if bands * sample_rate > 1.0 + RATE_TOLERANCE:
         return (
-            f"dp.bands={bands} needs the sampling probability b*q = {bands}*{sample_rate:.4g} = "
-            f"{bands * sample_rate:.4g} <= 1 (each of the b groups holds N/b examples and must yield B on average): "
+            f"dp.bands={bands} needs the sampling probability b*q = {bands}*{sample_rate:.6g} = "
+            f"{bands * sample_rate:.6g} <= 1 (each of the b groups holds N/b examples and must yield B on average): "
             "lower dp.bands or dp.batch_size"
         )
     memory = noise_state_mb(bands, request.parameters)

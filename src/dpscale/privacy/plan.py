@@ -263,7 +263,7 @@ class DPPlan:
     @property
     def participation_rate(self) -> float:
         """p: the probability that an example joins a step of its group, b*q (q for DP-SGD)."""
-        return self.sample_rate * self.bands
+        return min(1.0, self.sample_rate * self.bands)  # b*q above 1 by a rounding error is 1 (the sampler's p)
 
     def compositions(self, steps: int) -> int:
         """The accountant's compositions after ``steps`` steps: ceil(steps / b) (steps for DP-SGD)."""
@@ -610,14 +610,14 @@ def make_dp_plan(
         )  # fmt: skip
         noise_plan, sigma, calibrated = choose_bands(
             correlated, steps=steps, sample_rate=q, sigma_for=lambda b: _noise_for(
-                target_epsilon, noise_multiplier, delta, b * q, compositions(steps, b), accountant, releases
+                target_epsilon, noise_multiplier, delta, min(1.0, b * q), compositions(steps, b), accountant, releases
             ),
         )  # fmt: skip
     bands = noise_plan.bands if noise_plan is not None else 1
     epsilon = math.inf
     if sigma > 0:
         epsilon = compute_epsilon(
-            sample_rate=q * bands, noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
+            sample_rate=min(1.0, q * bands), noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
             kind=accountant, releases=releases,
         )  # fmt: skip
     if sigma > 0 and target_epsilon is not None and epsilon > target_epsilon:

@@ -35,6 +35,7 @@ from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
 from dpscale.privacy.bandmf import BandedNoise
 from dpscale.rng import DPRandom, derive_seed, noise_generator, words_to_int
+from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 
 
@@ -214,6 +215,7 @@ class DPMechanism:
         self._check_budget()
         self._check_parameters()
         chunks = self._run_first_chunk_check(chunks)
+        history = self.correlated_noise.snapshot() if self.correlated_noise is not None else None
         gradient, stats = noisy_clipped_mean(
             self.engine, self.model, chunks,
             noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
@@ -221,7 +223,12 @@ class DPMechanism:
             correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
         )  # fmt: skip
         if check_drawn:  # chunks of unknown size: counted, refused before the release
-            self._check_size(stats.batch_size)
+            try:
+                self._check_size(stats.batch_size)
+            except ValueError:
+                if history is not None:  # BandMF: the refused step's noise leaves the recursion untouched
+                    self.correlated_noise.rewind(history)
+                raise
         if self.observer is not None:
             self.observer(gradient)
         self.optimizer._dpscale_in_step = True  # type: ignore[attr-defined]
@@ -256,6 +263,11 @@ class DPMechanism:
             self.engine = self.first_chunk_check(self.engine, self.model, first)
             self._checked_rows = rows
         return itertools.chain([first], chunks)
+
+    @property
+    def _keeps_noise_history(self) -> bool:
+        """Whether a checkpoint holds BandMF's past noise: a seeded run's, without dp.secure_noise."""
+        return self.correlated_noise is not None and self.plan.seeded and not self.plan.secure_noise
 
     def _check_parameters(self) -> None:
         """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
@@ -301,9 +313,9 @@ class DPMechanism:
             "noise_generator": self.noise_generator.state_dict() if self.plan.seeded else None,
             "accountant": self.accountant.state_dict(),
             "partition_seed": self.partition_seed,
-            # BandMF's last b-1 noise vectors: past noise, kept (like the generator) for a seeded run only
-            "correlated_noise": self.correlated_noise.state_dict()
-            if self.correlated_noise is not None and self.plan.seeded else None,
+            # BandMF's last b-1 noise vectors: past noise, kept (like the generator) for a seeded run
+            # only, and never with dp.secure_noise (no file may reproduce that noise)
+            "correlated_noise": self.correlated_noise.state_dict() if self._keeps_noise_history else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -328,6 +340,12 @@ class DPMechanism:
                 "back (epsilon below what was released) and could replay noise. Load a state into a new mechanism "
                 "(make_private) before its first step"
             )
+        if self._drawn is not None:
+            raise RuntimeError(
+                "a batch was drawn before loading this state: it came from this mechanism's own sampling, not the "
+                "saved run's (for BandMF another partition, breaking the b-step separation the epsilon assumes). "
+                "Load the state first, then draw"
+            )
         saved = DPPlan(**state["plan"])
         if saved != self.plan:  # the numbers (labels are left out of ==)
             raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
@@ -344,8 +362,8 @@ class DPMechanism:
             self.sampler.load_state_dict(state["sampler"])
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
-        if self.correlated_noise is not None and self.plan.seeded and state.get("correlated_noise") is not None:
-            self.correlated_noise.load_state_dict(state["correlated_noise"])
+        if self._keeps_noise_history and self.rank == NOISE_RANK and state.get("correlated_noise") is not None:
+            self.correlated_noise.load_state_dict(state["correlated_noise"])  # the noise rank's alone
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
 
