@@ -154,19 +154,28 @@ TINY_JOB = ["--set", "model.name=linear", "--set", "dp.batch_size=256", "--set",
             "--set", "run.threads=1", "--quiet"]
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
-def test_resume_with_a_different_number_of_processes(tmp_path, first, then):
+def _assert_stopped_at(run_dir: Path, step: int, world: int) -> None:
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert state["step"] == step and state["world_size"] == world and len(state["rank_streams"]) == world
+    assert sum(seg[2] for seg in state["mechanism"]["accountant"]["history"]) == step
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_resume_with_a_different_number_of_processes(tmp_path):
+    """Both directions on one run (once two tests, [2-1] and [1-2], each with its own reference and
+    cut jobs): 2 processes to step 10, resumed on 1 to step 17, resumed on 2 to the end."""
     whole = tmp_path / "whole"
     _job(1, "train", *TINY_JOB, "--set", f"run.out_dir={whole}")
     cut = tmp_path / "cut"
-    _job(first, "train", *TINY_JOB, "--set", f"run.out_dir={cut}", "--max-steps", "10")
-    state = torch.load(cut / "checkpoint.pt", weights_only=False)
-    assert state["step"] == 10 and state["world_size"] == first and len(state["rank_streams"]) == first
-    out = _job(then, "train", "--resume", str(cut), "--quiet").stdout
+    _job(2, "train", *TINY_JOB, "--set", f"run.out_dir={cut}", "--max-steps", "10")
+    _assert_stopped_at(cut, 10, world=2)
+    _job(1, "train", "--resume", str(cut), "--quiet", "--max-steps", "17")  # 2 -> 1
+    _assert_stopped_at(cut, 17, world=1)
+    out = _job(2, "train", "--resume", str(cut), "--quiet").stdout  # 1 -> 2
     assert "steps=24" in out
     a = json.loads((whole / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
-    assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["world_size"] == then
+    assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["world_size"] == 2
     history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
     assert sum(seg[2] for seg in history) == 24  # every step accounted once, none twice
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]

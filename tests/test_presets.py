@@ -154,8 +154,13 @@ def _source_run(name, tmp_path):
     return override.format(out)
 
 
-# 224-px ResNet-50s at K views take minutes of CPU: in `make test-all`
-HEAVY = {"kurakin-imagenet-resnet50-gn", "tan-imagenet-nf-resnet50", "tan-imagenet-nf-resnet50-sim256"}
+# 224-px ResNet-50s at K views take minutes of CPU: in `make test-all`. So does the WRN-16-4 TAN
+# simulation: its run is tan-cifar10-wrn16-4-augmult's (same model, K=16 views, and the same start-up
+# self-check and batch-independence check on them, most of its cost), here in the default suite, at a
+# simulated batch size; TAN simulations train in the default suite on small models (test_tune's
+# dp.simulated_batch_size runs and sweeps, test_tan_plan_inputs).
+HEAVY = {"kurakin-imagenet-resnet50-gn", "tan-imagenet-nf-resnet50", "tan-imagenet-nf-resnet50-sim256",
+         "tan-cifar10-wrn16-4-augmult-sim512"}
 
 
 @pytest.mark.parametrize(

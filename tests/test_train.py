@@ -59,6 +59,15 @@ def _assert_identical_runs(dir_a: Path, dir_b: Path):
     assert _without_wall_time(read(dir_a)) == _without_wall_time(read(dir_b))
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted ``small_config()`` run, shared by the tests that compare against it or read its
+    outputs (they only read it): a 24-step run costs as much as each test's own work."""
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    Trainer.create(small_config(run_dir), progress=False).run()
+    return run_dir
+
+
 MODES = {
     "poisson": (),
     "shuffle": ("dp.sampling=shuffle",),
@@ -74,10 +83,13 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path, mode):
-    full = Trainer.create(small_config(tmp_path / "full", *MODES[mode]), progress=False)
-    summary = full.run()
-    assert summary["steps"] == 24
+def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path, mode, request):
+    if MODES[mode]:
+        full_dir = tmp_path / "full"
+        Trainer.create(small_config(full_dir, *MODES[mode]), progress=False).run()
+    else:  # poisson: small_config() itself, the shared uninterrupted run
+        full_dir = request.getfixturevalue("full_run")
+    assert json.loads((full_dir / "summary.json").read_text())["steps"] == 24
 
     split_dir = tmp_path / "split #2"  # also: a name YAML would mangle
     part = Trainer.create(small_config(split_dir, *MODES[mode]), progress=False)
@@ -91,13 +103,11 @@ def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path
     resumed.run()
     assert resumed.mechanism.accountant.steps == (accounted(24) if mode != "non-private" else 0)
     assert not (tmp_path / "split").exists()
-    _assert_identical_runs(tmp_path / "full", moved)
+    _assert_identical_runs(full_dir, moved)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(tmp_path, monkeypatch, signum):
-    Trainer.create(small_config(tmp_path / "full"), progress=False).run()
-
+def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(tmp_path, monkeypatch, signum, full_run):
     trainer = Trainer.create(small_config(tmp_path / "cut"), progress=False)
     original = Trainer.train_step
 
@@ -113,12 +123,12 @@ def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(tmp_p
     state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     assert state["step"] == 5 and state["mechanism"]["accountant"]["history"][0][2] == 5
     Trainer.resume(tmp_path / "cut", progress=False).run()
-    _assert_identical_runs(tmp_path / "full", tmp_path / "cut")
+    _assert_identical_runs(full_run, tmp_path / "cut")
 
 
-def test_run_outputs_and_epsilon_accounting(tmp_path):
-    summary = Trainer.create(small_config(tmp_path / "run"), progress=False).run()
-    run_dir = tmp_path / "run"
+def test_run_outputs_and_epsilon_accounting(full_run):
+    run_dir = full_run
+    summary = json.loads((run_dir / "summary.json").read_text())  # what run() returned, as written
     for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "summary.json"):
         assert (run_dir / name).is_file()
     for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "sampling", "accountant", "wall_time_s"):
