@@ -27,7 +27,7 @@ from dpscale.privacy.correlated import BandsRequest, choose_bands
 from dpscale.privacy.noise import draw_noise
 from dpscale.privacy.plan import make_dp_plan
 from dpscale.rng import DPRandom
-from dpscale.train.mechanism import run_seeds
+from dpscale.train.seeds import run_seeds
 from dpscale.train.private import make_private
 
 SIGMA, CLIP, N, B, DELTA = 1.3, 0.5, 60, 10.0, 1e-5

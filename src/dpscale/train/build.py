@@ -27,7 +27,8 @@ from dpscale.train.distributed import Distributed, init_distributed, rank_stream
 from dpscale.train.ema import WeightEMA
 from dpscale.train.hooks import RunHooks
 from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, source_runs
-from dpscale.train.mechanism import DPMechanism, independence_check, run_seeds
+from dpscale.train.seeds import run_seeds
+from dpscale.train.mechanism import DPMechanism, independence_check
 from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.step import augmented_chunks
 

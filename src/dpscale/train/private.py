@@ -22,7 +22,8 @@ from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cro
 from dpscale.privacy.plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine
-from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check, run_seeds
+from dpscale.train.seeds import run_seeds
+from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
 
 
 def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
