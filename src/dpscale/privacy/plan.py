@@ -614,19 +614,7 @@ def make_dp_plan(
             ),
         )  # fmt: skip
     bands = noise_plan.bands if noise_plan is not None else 1
-    epsilon = math.inf
-    if sigma > 0:
-        epsilon = compute_epsilon(
-            sample_rate=min(1.0, q * bands), noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
-            kind=accountant, releases=releases,
-        )  # fmt: skip
-    if sigma > 0 and target_epsilon is not None and epsilon > target_epsilon:
-        what = " with " + ", ".join(r.label for r in releases) if releases else ""
-        raise ConfigError(
-            f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
-            f"> dp.epsilon={target_epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
-            f"to calibrate it{_source_run_hint(releases)}"
-        )
+    epsilon = _planned_epsilon(q, sigma, bands, steps, delta, accountant, releases, target_epsilon)
     plan = DPPlan(
         dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
@@ -634,6 +622,31 @@ def make_dp_plan(
         extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
     )  # fmt: skip
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
+
+
+def _planned_epsilon(
+    q: float, sigma: float, bands: int, steps: int, delta: float, accountant: str,
+    releases: tuple[AccountingSegment, ...], target_epsilon: float | None,
+) -> float:  # fmt: skip
+    """Epsilon after all ``steps`` (ceil(S/b) compositions at p = b*q; inf without noise).
+
+    Raises:
+        ConfigError: a given sigma that spends more than ``target_epsilon``.
+    """
+    if not sigma > 0:
+        return math.inf
+    epsilon = compute_epsilon(
+        sample_rate=min(1.0, q * bands), noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
+        kind=accountant, releases=releases,
+    )  # fmt: skip
+    if target_epsilon is not None and epsilon > target_epsilon:
+        what = " with " + ", ".join(r.label for r in releases) if releases else ""
+        raise ConfigError(
+            f"dp.noise_multiplier={sigma} for {steps} steps at q={q:.5g}{what} spends epsilon={epsilon:.4g} "
+            f"> dp.epsilon={target_epsilon}; raise the noise, train fewer steps, or set dp.noise_multiplier=null "
+            f"to calibrate it{_source_run_hint(releases)}"
+        )
+    return epsilon
 
 
 def check_max_grad_norm(max_grad_norm: Any) -> None:
