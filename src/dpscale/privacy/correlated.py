@@ -6,7 +6,7 @@ is a b-banded lower-triangular Toeplitz strategy with maximum column norm 1
 into b groups; step t samples group t mod b with probability p = b*B/N). Under that sampling the
 columns an example touches never overlap, and the run is accounted as DP-SGD with ceil(S/b)
 steps at sampling probability p and the same sigma (amplified BandMF: Choquette-Choo et al.
-2023, Theorem 4; jax_privacy's ``amplified_bandmf_event``). b = 1 is DP-SGD exactly.
+2023; jax_privacy's ``amplified_bandmf_event``). b = 1 is DP-SGD exactly.
 
 This module picks b (``dp.bands``) and writes down why; the plan (``dpscale.privacy.plan``)
 derives the sampler, the noise and the accounting from what it records.
