@@ -430,7 +430,7 @@ def test_an_unnormalised_cache_file_comes_back_normalised(tmp_path, counted, mon
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: optimize_strategy(Workload(10), 0), "bands must be between 1"),
+        (lambda: optimize_strategy(Workload(10), 0), "bands must be an integer >= 1"),
         (lambda: optimize_strategy(Workload(10), 11), "bands must be between 1"),
         (lambda: optimize_strategy(Workload(10), 2.5), "bands must be an integer"),
         (lambda: Workload(10, 1.0), "momentum must be in"),

@@ -142,8 +142,8 @@ def _check_count(value: Any, what: str) -> int:
         raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
     try:
         count = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be an integer >= 1, got {value!r}") from None
+    except TypeError as err:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}") from err
     if count < 1:
         raise ValueError(f"{what} must be an integer >= 1, got {count}")
     return count
@@ -180,8 +180,8 @@ def _check_coefficients(coefficients: Sequence[float], steps: int | None = None)
     """``coefficients`` as floats: non-empty, finite, c_0 > 0, and at most ``steps`` of them."""
     try:
         values = tuple(float(x) for x in coefficients)
-    except (TypeError, ValueError):
-        raise ValueError(f"coefficients must be a sequence of numbers, got {coefficients!r}") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"coefficients must be a sequence of numbers, got {coefficients!r}") from err
     if not values:
         raise ValueError("coefficients must not be empty (b >= 1 bands)")
     if not all(math.isfinite(x) for x in values):
@@ -530,13 +530,8 @@ def _best_coefficients(workload: Workload, bands: int) -> tuple[tuple[float, ...
 
 def _check_bands(bands: Any, steps: int) -> int:
     """``bands`` as an int in [1, steps]."""
-    if isinstance(bands, bool):
-        raise ValueError(f"bands must be an integer, got {bands!r}")
-    try:
-        count = operator.index(bands)
-    except TypeError:
-        raise ValueError(f"bands must be an integer, got {bands!r}") from None
-    if not 1 <= count <= steps:
+    count = _check_count(bands, "bands")
+    if count > steps:
         raise ValueError(f"bands must be between 1 and the number of steps ({steps}), got {count}")
     return count
 
@@ -759,8 +754,8 @@ class BandedNoise:
             raise ValueError("BandedNoise state must be a dict with 'coefficients' and 'history'")
         try:
             theirs = tuple(float(x) for x in state["coefficients"])
-        except (TypeError, ValueError):
-            raise ValueError(f"BandedNoise state has unreadable coefficients {state['coefficients']!r}") from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"BandedNoise state has unreadable coefficients {state['coefficients']!r}") from err
         if theirs != self._coefficients:
             raise ValueError(f"BandedNoise state was made with coefficients {theirs}, not {self._coefficients}")
         history = state["history"]
