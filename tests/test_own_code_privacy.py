@@ -417,3 +417,54 @@ def test_dpscale_train_unseeded_resumes_draw_fresh_noise_and_seeded_ones_replay_
             assert saved["mechanism"]["noise_generator"] is None and not torch.equal(finals[0], finals[1])
         else:
             assert saved["mechanism"]["noise_generator"] is not None and torch.equal(finals[0], finals[1])
+
+
+# ---------------------------------------------- the same doors with BandMF's correlated noise
+BANDMF = {**RECIPE, "steps": 6, "noise_mechanism": "bandmf", "bands": 2}
+
+
+def test_bandmf_refuses_what_dp_sgd_refuses_and_releases_nothing():
+    """Issue 27: a mixing layer, a mixing loss, an optimizer step outside the mechanism and a batch
+    it did not draw are refused through make_private(noise_mechanism="bandmf") as for DP-SGD,
+    nothing released and nothing accounted; an overflowing example contributes zero."""
+    x, y = data()
+    model = mlp(CentreInTraining())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **BANDMF)
+    with pytest.raises(ValueError, match=r"CentreInTraining\) mixes examples in training mode"):
+        first_step(mechanism, x, y)
+    assert_nothing_released(mechanism, model, before)
+    model = mlp()
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=info_nce, **BANDMF)
+    with pytest.raises(ValueError, match="the loss function mixes examples"):
+        first_step(mechanism, x, y)
+    assert mechanism.accountant.steps == 0 and not mechanism.correlated_noise.snapshot()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mechanism = dpscale.make_private(model, optimizer, **BANDMF)
+    F.cross_entropy(model(x[:8]), y[:8]).backward()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) was called outside mechanism.step"):
+        optimizer.step()
+    with pytest.raises(RuntimeError, match="none was drawn"):
+        mechanism.step(x[:B], y[:B])
+    drawn = mechanism.sample()
+    x[drawn[0]] = 3e38  # overflows on its own
+    stats = mechanism.step(x[drawn], y[drawn])
+    assert stats.nonfinite_examples == 1 and mechanism.steps_taken == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_bandmf_state_loaded_twice_is_refused():
+    x, y = data()
+    model = mlp()
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **BANDMF)
+    first_step(mechanism, x, y)
+    state = mechanism.state_dict()
+    again = mlp()
+    again.load_state_dict(model.state_dict())
+    loaded = dpscale.make_private(again, torch.optim.SGD(again.parameters(), lr=0.1), **BANDMF)
+    loaded.load_state_dict(state)
+    first_step(loaded, x, y)
+    with pytest.raises(RuntimeError, match="has taken 2 step.*roll its accountant back"):
+        loaded.load_state_dict(state)  # a replay of the state (and of its noise history) is refused
+    assert loaded.accountant.steps == 1 and loaded.steps_taken == 2  # ceil(2 / 2) compositions
