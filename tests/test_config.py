@@ -493,6 +493,7 @@ def test_string_key_with_a_number_in_a_yaml_file_is_rejected(tmp_path):
         ("features.norm_noise=-1", "norm_noise"),
         ("features.norm_floor=0", "norm_floor"),
         ("features.scatter_order=3", "scatter_order"),
+        ("features.scatter_pad=-2", "scatter_pad"),
     ],
 )
 def test_bad_features_values(override, match):

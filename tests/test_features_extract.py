@@ -75,6 +75,27 @@ def test_scatter_output_shape_formula_agrees_with_kymatio(kymatio, J, L, max_ord
     assert tuple(out.shape[1:]) == scatter_output_shape(shape, J=J, L=L, max_order=max_order)
 
 
+def test_scatternet_pad_is_the_transform_of_the_zero_padded_image(kymatio):
+    # Reference: an unpadded ScatterNet built for the larger image, fed the image padded by hand.
+    x = torch.rand(3, 1, 28, 28)
+    padded = ScatterNet((1, 28, 28), pad=2)
+    assert padded.output_shape == (81, 8, 8) == scatter_output_shape((1, 28, 28), pad=2)
+    by_hand = torch.zeros(3, 1, 32, 32)
+    by_hand[:, :, 2:30, 2:30] = x
+    torch.testing.assert_close(padded(x), ScatterNet((1, 32, 32))(by_hand), rtol=0, atol=0)
+    assert padded(x).shape == (3, 81, 8, 8)
+    with pytest.raises(ValueError, match="pad must be >= 0"):
+        scatter_output_shape((1, 28, 28), pad=-1)
+    with pytest.raises(ValueError, match="scatter_pad"):
+        scatter_output_shape((1, 28, 28), pad=1)  # 30 is not divisible by 4: the hint names the option
+
+
+def test_padded_scatternet_features_are_cached_apart(kymatio):
+    plain, padded = make_extractor("scatternet", (1, 28, 28)), make_extractor("scatternet", (1, 28, 28), pad=2)
+    assert "pad" not in plain.spec and padded.spec["pad"] == 2  # unpadded cache keys unchanged
+    assert padded.output_shape == (81, 8, 8) and padded.name == "scatternet(J=2, L=8, max_order=2, pad=2)"
+
+
 def test_scatternet_flattens_channel_major(kymatio):
     # Channel c of the input owns output channels c*K .. (c+1)*K - 1.
     x = torch.rand(2, 3, 16, 16)

@@ -72,6 +72,14 @@ def test_groupnorm_features_and_bad_groups(tmp_path):
         Trainer.create(scatter_config(tmp_path / "bad", "features.normalize=groupnorm", "features.groups=10"), progress=False)
 
 
+def test_padded_scatternet_features_feed_a_model_of_their_shape(tmp_path):
+    trainer = Trainer.create(scatter_config(tmp_path / "p", "features.normalize=groupnorm", "features.scatter_pad=2"), progress=False)
+    assert trainer.data.info.input_shape == trainer.data.x_train.shape[1:] == (81, 8, 8)
+    summary = trainer.run()
+    assert summary["steps"] == 16 and 0 < summary["epsilon"] <= 3
+    assert summary["test_accuracy"] > 0.5  # 16 steps on 81x8x8 features learn (chance is 0.1)
+
+
 def test_target_below_the_release_cost_is_a_clear_error(tmp_path):
     cfg = scatter_config(tmp_path / "r", "features.normalize=datanorm", "features.norm_noise=1", "dp.epsilon=1")
     with pytest.raises(ConfigError, match="data-norm alone spends"):

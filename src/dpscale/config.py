@@ -93,6 +93,8 @@ class FeaturesConfig:
             left out of epsilon even on the same training data, and every output says so.
         scatter_j, scatter_angles, scatter_order: ScatterNet scales J, angles L and depth
             (paper: 2, 8, 2 -> 81 channels per image channel at H/4 x W/4).
+        scatter_pad: zero pixels added on each side of the image before the ScatterNet
+            (paper: 0; 2 turns 28x28 images into 8x8 instead of 7x7 coefficients).
         normalize: "none"; "groupnorm" (per example, G groups, no privacy cost); or "datanorm"
             (private per-channel mean/variance, Tramer Algorithm 2, composed with DP-SGD).
         groups: G for groupnorm.
@@ -109,6 +111,7 @@ class FeaturesConfig:
     scatter_j: int = 2
     scatter_angles: int = 8
     scatter_order: int = 2
+    scatter_pad: int = 0
     normalize: str = "none"
     groups: int = 27
     norm_clip: tuple[float, float] = (0.3, 0.15)
@@ -833,6 +836,8 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
         )
     if features.scatter_j < 1 or features.scatter_angles < 1 or features.scatter_order not in (1, 2):
         raise ConfigError("features.scatter_j and scatter_angles must be >= 1 and scatter_order 1 or 2")
+    if features.scatter_pad < 0:
+        raise ConfigError(f"features.scatter_pad must be >= 0 (pixels per side), got {features.scatter_pad}")
     from dpscale.features.normalize import NORMALIZATIONS  # local, as for AUGMENTATIONS
 
     if features.normalize not in NORMALIZATIONS:

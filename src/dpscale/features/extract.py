@@ -338,6 +338,7 @@ def make_extractor(
     J: int = 2,
     L: int = 8,
     max_order: int = 2,
+    pad: int = 0,
     device: str | torch.device = "cpu",
 ) -> FeatureExtractor:
     """Build a fixed feature extractor for images of shape ``input_shape``.
@@ -348,7 +349,8 @@ def make_extractor(
             or ``"checkpoint:<path>"``, the ``forward_features`` of the trained model in a dpscale
             run directory (``path`` is the directory or its ``checkpoint.pt``).
         input_shape: (C, H, W) of one image, in pixels.
-        J, L, max_order: ScatterNet scales, angles and depth (ignored by other kinds).
+        J, L, max_order, pad: ScatterNet scales, angles, depth and zero padding in pixels per side
+            (ignored by other kinds).
         device: where the features are computed, e.g. "cpu" or "cuda".
 
     Returns:
@@ -366,9 +368,12 @@ def make_extractor(
     kind, _, arg = spec.strip().partition(":")
     kind, arg = kind.strip().lower(), arg.strip()
     if kind == "scatternet" and not arg:
-        net = ScatterNet(shape, J=J, L=L, max_order=max_order).to(device)
+        net = ScatterNet(shape, J=J, L=L, max_order=max_order, pad=pad).to(device)
         params = {"J": J, "L": L, "max_order": max_order}
-        name = "scatternet" if (J, L, max_order) == (2, 8, 2) else f"scatternet(J={J}, L={L}, max_order={max_order})"
+        if pad:  # only when set, so the cache keys of unpadded features stay as they were
+            params["pad"] = pad
+        settings = ", ".join(f"{key}={value}" for key, value in params.items())
+        name = "scatternet" if (J, L, max_order, pad) == (2, 8, 2, 0) else f"scatternet({settings})"
         spec_dict = {"kind": "scatternet", **params, "input_shape": list(shape)}
         return FeatureExtractor(net, spec_dict, net.output_shape, name=name, input_shape=shape)
     if kind == "model" and arg:

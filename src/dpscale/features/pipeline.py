@@ -44,6 +44,7 @@ def extract_run_features(
             J=features.scatter_j,
             L=features.scatter_angles,
             max_order=features.scatter_order,
+            pad=features.scatter_pad,
             device=device,
         )
     except ValueError as err:

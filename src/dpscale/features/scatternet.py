@@ -51,7 +51,7 @@ def scatter_channels(J: int = 2, L: int = 8, max_order: int = 2) -> int:
 
 
 def scatter_output_shape(
-    input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2
+    input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2, pad: int = 0
 ) -> tuple[int, int, int]:
     """Shape of the ScatterNet features of one image, without running the transform.
 
@@ -60,17 +60,22 @@ def scatter_output_shape(
         J: number of scales; the output is subsampled by 2^J in each spatial dimension.
         L: number of wavelet angles.
         max_order: scattering depth, 1 or 2.
+        pad: zero pixels added on each side of the image before the transform (>= 0).
 
     Returns:
-        (C * K, H / 2^J, W / 2^J), e.g. (81, 7, 7) for (1, 28, 28) and (243, 8, 8) for (3, 32, 32).
+        (C * K, (H + 2 pad) / 2^J, (W + 2 pad) / 2^J), e.g. (81, 7, 7) for (1, 28, 28), (81, 8, 8)
+        for (1, 28, 28) with pad 2, and (243, 8, 8) for (3, 32, 32).
 
     Raises:
-        ValueError: bad parameters, or H or W smaller than or not divisible by 2^J.
+        ValueError: bad parameters, or padded H or W smaller than or not divisible by 2^J.
     """
     k = scatter_channels(J, L, max_order)
     if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
         raise ValueError(f"ScatterNet input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}")
+    if pad < 0:
+        raise ValueError(f"ScatterNet pad must be >= 0, got {pad}")
     c, h, w = (int(d) for d in input_shape)
+    h, w = h + 2 * pad, w + 2 * pad
     step = 2**J
     for what, size in (("height", h), ("width", w)):
         if size < step:
@@ -78,7 +83,7 @@ def scatter_output_shape(
         if size % step:
             raise ValueError(
                 f"ScatterNet with J={J} needs image {what} divisible by 2^J = {step}, got {size}; "
-                "resize the images (data.image_size) or pick another J"
+                "resize the images (data.image_size), pad them (features.scatter_pad) or pick another J"
             )
     return (c * k, h // step, w // step)
 
@@ -95,22 +100,28 @@ class ScatterNet(nn.Module):
         J: number of scales (2 in the paper).
         L: number of wavelet angles (8 in the paper).
         max_order: scattering depth, 1 or 2 (2 in the paper).
+        pad: zero pixels added on each side before the transform (0 in the paper). On 28x28
+            Fashion-MNIST, pad 2 gives 8x8 instead of 7x7 coefficients and the wavelets stop
+            wrapping around the border; it raised DP linear-head accuracy (docs/results.md, issue 28).
 
     Raises:
         ValueError: bad parameters or image size (see :func:`scatter_output_shape`).
         ImportError: kymatio is not installed.
     """
 
-    def __init__(self, input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2) -> None:
+    def __init__(
+        self, input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2, pad: int = 0
+    ) -> None:
         super().__init__()
         # Validate first so a bad shape is reported as such even without kymatio.
-        self.output_shape = scatter_output_shape(input_shape, J, L, max_order)
+        self.output_shape = scatter_output_shape(input_shape, J, L, max_order, pad)
         self.input_shape = tuple(int(d) for d in input_shape)
-        self.J, self.L, self.max_order = J, L, max_order
+        self.J, self.L, self.max_order, self.pad = J, L, max_order, pad
         kymatio = import_kymatio()
         # kymatio.Scattering2D(frontend="torch") rather than kymatio.torch, whose import fails
         # with recent scipy; the result is an nn.Module whose filters are buffers.
         _, h, w = self.input_shape
+        h, w = h + 2 * pad, w + 2 * pad
         self.scattering = kymatio.Scattering2D(J=J, shape=(h, w), L=L, max_order=max_order, frontend="torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +130,10 @@ class ScatterNet(nn.Module):
                 f"ScatterNet built for images of shape {self.input_shape} (C, H, W) "
                 f"got a batch of shape {tuple(x.shape)}"
             )
+        if self.pad:
+            x = nn.functional.pad(x, (self.pad,) * 4)  # zeros: a fixed, data-independent border
         out = self.scattering(x.contiguous())  # [N, C, K, H/2^J, W/2^J]
         return out.reshape(x.shape[0], *self.output_shape)
 
     def extra_repr(self) -> str:
-        return f"input_shape={self.input_shape}, J={self.J}, L={self.L}, max_order={self.max_order}"
+        return f"input_shape={self.input_shape}, J={self.J}, L={self.L}, max_order={self.max_order}, pad={self.pad}"
