@@ -15,6 +15,7 @@ Usage (each argument is one run, as Python keyword arguments of ``run``):
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -28,6 +29,11 @@ from dpscale.privacy.calibrate import calibrate_noise_multiplier
 
 DATA_ROOT = "../shared/data/fashion-mnist"
 _RAW: dict[tuple, torch.Tensor] = {}
+
+
+@functools.cache
+def validation_data():  # loaded once for all the runs of one invocation
+    return load_dataset("fashion-mnist", DATA_ROOT)
 
 
 def scatter(images: torch.Tensor, split: str, J: int, L: int, pad: int) -> torch.Tensor:
@@ -56,7 +62,7 @@ def run(
     schedule: str = "const", nesterov: bool = False,
 ) -> tuple[float, int, float]:  # fmt: skip
     """One DP-SGD run; returns (sigma, steps, validation accuracy in [0, 1])."""
-    data = load_dataset("fashion-mnist", DATA_ROOT)
+    data = validation_data()
     gen = torch.Generator().manual_seed(seed)
     x = design(scatter(data.x_train, "train", J, L, pad), transform, G)
     onehot, norms = F.one_hot(data.y_train, 10).float(), x.norm(dim=1)
