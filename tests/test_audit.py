@@ -263,7 +263,7 @@ def test_canaries_are_counted_in_n_whatever_their_membership(tmp_path):
         assert plans[0] == plans[1] and audit.included.sum() not in (0, 100)
 
 
-@pytest.mark.parametrize("epsilon", [1.0, 3.0, 8.0])
+@pytest.mark.parametrize("epsilon", [pytest.param(1.0, marks=pytest.mark.slow), 3.0, pytest.param(8.0, marks=pytest.mark.slow)])
 def test_honest_runs_are_never_refuted(tmp_path, epsilon):
     for seed in range(3):
         config = _config(tmp_path, f"e{epsilon}-{seed}", f"dp.epsilon={epsilon}", f"run.seed={seed}")

@@ -182,6 +182,9 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 24
 
 
+# 36 s (an accuracy band on real MNIST): test_two_process_update_equals_one_process_update checks the
+# same equivalence exactly and cheaply in the default suite.
+@pytest.mark.slow
 @pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="needs ../shared/data/mnist-10k")
 def test_two_process_mnist_run_matches_one_process(tmp_path):
     args = ["train", "preset:papernot-mnist-tanh", "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=4",
@@ -196,6 +199,9 @@ def test_two_process_mnist_run_matches_one_process(tmp_path):
     assert abs(two["test_accuracy"] - one["test_accuracy"]) < 0.02  # same band: other batches and noise, same law
 
 
+# 25 s (a real torchrun kill): the default suite keeps the cross-world-size resume below and
+# test_run_faults' single-process kills.
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_path):
     """A real kill: SIGTERM to torchrun mid-run, then resume on one process."""
     import signal

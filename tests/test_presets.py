@@ -154,13 +154,13 @@ def _source_run(name, tmp_path):
     return override.format(out)
 
 
-# 224-px ResNet-50s at K views take minutes of CPU: in `make test-all`. So does the WRN-16-4 TAN
-# simulation: its run is tan-cifar10-wrn16-4-augmult's (same model, K=16 views, and the same start-up
-# self-check and batch-independence check on them, most of its cost), here in the default suite, at a
-# simulated batch size; TAN simulations train in the default suite on small models (test_tune's
+# 224-px ResNets at K views take minutes of CPU (resnet18-gn: 12 s for two steps): in `make test-all`. So do the WRN-16-4 TAN presets
+# (K=16 views, 28 s for two steps): their model at K views is checked against the per-example loop in
+# test_augmult, and TAN simulations train in the default suite on small models (test_tune's
 # dp.simulated_batch_size runs and sweeps, test_tan_plan_inputs).
 HEAVY = {"kurakin-imagenet-resnet50-gn", "tan-imagenet-nf-resnet50", "tan-imagenet-nf-resnet50-sim256",
-         "tan-cifar10-wrn16-4-augmult-sim512"}
+         "tan-cifar10-wrn16-4-augmult-sim512", "tan-cifar10-wrn16-4-augmult",
+         "kurakin-imagenet-resnet18-gn"}
 
 
 @pytest.mark.parametrize(

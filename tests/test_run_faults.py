@@ -380,6 +380,8 @@ def _reference_run(tmp_path: Path) -> tuple[Path, float]:
     return reference, time.monotonic() - started
 
 
+# 28 s: the default suite keeps the kill-before-first-checkpoint test and test_train's bit-identical resumes.
+@pytest.mark.slow
 def test_a_seeded_run_killed_at_random_points_resumes_to_the_uninterrupted_run(tmp_path):
     reference, seconds = _reference_run(tmp_path)
     run_dir = tmp_path / "killed"

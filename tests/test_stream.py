@@ -241,6 +241,8 @@ def test_flat_validation_folder_with_a_label_file(folder, tmp_path):
         list_image_folder(root, val_labels=root / "labels.txt")
 
 
+# 20 s of torchrun start-up: the one-process streamed/in-memory equivalence stays in the default suite.
+@pytest.mark.slow
 def test_two_process_streamed_run_equals_two_process_in_memory_run(folder, tmp_path):
     """Each rank streams only its shard of every batch; the job's result is the in-memory job's."""
     from test_distributed import _job
