@@ -391,3 +391,31 @@ def test_maxpool_falls_back_inside_vmap_and_for_unbatched_input():
     per_example = [vmap(grad(lambda t, m=m: m(t.unsqueeze(0)).square().sum()))(x) for m in (ref, ours)]
     assert torch.equal(per_example[0], per_example[1])
     assert torch.equal(ours(x[0]), ref(x[0]))
+
+
+# Issue 28's models. scatter-cnn "mnist" on 81x7x7: conv c1 3x3/2 pad 1 -> c1x4x4, conv c2 3x3 pad 1
+# -> c2x4x4, fc h, fc 10. simplevgg-16(1)-32(1)-64 on 28x28x1: conv 16 3x3 'same', pool -> 14x14,
+# conv 32, pool -> 7x7x32 = 1568, fc 64, fc 10.
+def _scatter_cnn_count(c1: int, c2: int, hidden: int) -> int:
+    return (c1 * 81 * 9 + c1) + (c2 * c1 * 9 + c2) + (c2 * 16 * hidden + hidden) + (hidden * 10 + 10)
+
+
+@pytest.mark.parametrize("widths", [(16, 32, 32), (32, 64, 32), (8, 8, 16)])
+def test_scatter_cnn_widths_set_its_conv_and_fc_widths(widths):
+    model = build_model("scatter-cnn", 10, (81, 7, 7), "tanh", widths=widths)
+    assert count_parameters(model) == _scatter_cnn_count(*widths)
+    assert model(torch.randn(2, 81, 7, 7)).shape == (2, 10)
+    assert _scatter_cnn_count(16, 32, 32) == 33_066  # the paper's Table 8 network, the default
+
+
+def test_scatter_cnn_refuses_widths_that_are_not_three_positive_numbers():
+    with pytest.raises(ValueError, match="widths"):
+        build_model("scatter-cnn", 10, (81, 7, 7), "tanh", widths=(16, 32))
+    with pytest.raises(ValueError, match="widths"):
+        build_model("scatter-cnn", 10, (81, 7, 7), "tanh", widths=(16, 0, 32))
+
+
+def test_simplevgg_on_fashion_mnist_counts_by_hand():
+    model = build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), "tanh")
+    by_hand = (16 * 9 + 16) + (32 * 16 * 9 + 32) + (1568 * 64 + 64) + (64 * 10 + 10)
+    assert count_parameters(model) == by_hand == 105_866

@@ -20,7 +20,7 @@ def test_every_preset_loads_and_its_model_builds(name):
     config = load_config(f"preset:{name}")
     shape = FEATURE_SHAPES.get(config.data.name, (1, 28, 28))
     if config.features.extractor == "scatternet":
-        shape = scatter_output_shape(shape)
+        shape = scatter_output_shape(shape, pad=config.features.scatter_pad)
     model = build_model(config.model.name, 10, shape, config.model.activation, **config.model.kwargs)
     assert model is not None
     assert get_preset(name).source and get_preset(name).description
@@ -55,6 +55,24 @@ def test_tramer_presets_hold_table_13(row):
     assert (c.features.extractor == "scatternet") == ("scatter" in name)
     expected_model = name.split("-", 2)[2] if "scatter" in name else ("tramer-cifar-cnn" if "cifar" in name else "papernot-cnn")
     assert c.model.name == expected_model
+
+
+DPSCALE_FMNIST = ["dpscale-fmnist-scatter-linear", "dpscale-fmnist-scatter-cnn", "dpscale-fmnist-cnn"]
+
+
+@pytest.mark.parametrize("name", DPSCALE_FMNIST)
+def test_dpscale_fmnist_recipes_spend_epsilon_3_and_name_their_model_size(name):
+    """Issue 28's recipes: the privacy numbers of the issue, and the parameter count their text gives."""
+    c = load_config(f"preset:{name}")
+    assert (c.data.name, c.dp.epsilon, c.dp.delta, c.dp.sampling) == ("fashion-mnist", 3.0, 1e-5, "poisson")
+    assert c.dp.noise_multiplier is None and c.dp.simulated_batch_size is None  # calibrated, and a real run
+    assert c.dp.accountant == "pld"
+    shape = (1, 28, 28)
+    if c.features.extractor == "scatternet":
+        shape = scatter_output_shape(shape, pad=c.features.scatter_pad)
+    model = build_model(c.model.name, 10, shape, c.model.activation, **c.model.kwargs)
+    count = sum(p.numel() for p in model.parameters())
+    assert f"({count:,} parameters)" in get_preset(name).description
 
 
 def test_overrides_apply_on_top_of_a_preset_and_presets_are_not_shared():
@@ -127,6 +145,9 @@ RUN_OVERRIDES = {
     "papernot-cifar100-source-max-100": ["dp.batch_size=8"],
     "papernot-cifar10-transfer": ["dp.batch_size=4"],
     "tramer-cifar10-linear-probe": ["dp.batch_size=4"],
+    "dpscale-fmnist-scatter-linear": ["dp.batch_size=8"],
+    "dpscale-fmnist-scatter-cnn": ["dp.batch_size=8"],
+    "dpscale-fmnist-cnn": ["dp.batch_size=8"],
 }
 # Targets start from a source run: (source preset or model, data kind, the override naming it)
 SOURCES = {

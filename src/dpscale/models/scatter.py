@@ -11,6 +11,8 @@ parameter counts by default; ``paper_table_pooling=True`` builds the tables lite
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 from dpscale.models.activations import make_activation
@@ -41,6 +43,7 @@ def scatter_cnn(
     activation: str = "tanh",
     variant: str | None = None,
     paper_table_pooling: bool = False,
+    widths: Sequence[int] = (16, 32, 32),
 ) -> Classifier:
     """CNN on ScatterNet features, tanh by default.
 
@@ -51,21 +54,26 @@ def scatter_cnn(
             81 channels, else "cifar".
         paper_table_pooling: add the max-pools the tables list (stride-1 pools after both convs
             for "mnist", a second stride-2 pool for "cifar").
+        widths: the "mnist" variant's two conv widths and its hidden FC width (the paper's
+            (16, 32, 32) by default).
     """
     channels, height, width = input_shape
     variant = variant or ("mnist" if channels <= SCATTER_GRAY_SHAPE[0] else "cifar")
     act = lambda: make_activation(activation)  # noqa: E731
     if variant == "mnist":
+        if len(widths) != 3 or min(widths) < 1:
+            raise ValueError(f"scatter-cnn widths are (conv1, conv2, fc) >= 1, got {list(widths)}")
+        conv1, conv2, fc = (int(w) for w in widths)
         size_h, size_w = _conv_out(height, 3, 2, 1), _conv_out(width, 3, 2, 1)
-        layers = [nn.Conv2d(channels, 16, 3, stride=2, padding=1), act()]
+        layers = [nn.Conv2d(channels, conv1, 3, stride=2, padding=1), act()]
         if paper_table_pooling:
             layers.append(MaxPool2d(2, stride=1))
             size_h, size_w = size_h - 1, size_w - 1
-        layers += [nn.Conv2d(16, 32, 3, stride=1, padding=1), act()]
+        layers += [nn.Conv2d(conv1, conv2, 3, stride=1, padding=1), act()]
         if paper_table_pooling:
             layers.append(MaxPool2d(2, stride=1))
             size_h, size_w = size_h - 1, size_w - 1
-        hidden, out_channels = (32,), 32
+        hidden, out_channels = (fc,), conv2
     elif variant == "cifar":
         layers = [nn.Conv2d(channels, 64, 3, padding=1), act(), MaxPool2d(2, 2)]
         size_h, size_w = height // 2, width // 2

@@ -11,6 +11,7 @@ import copy
 import difflib
 
 from dpscale.presets.base import Preset
+from dpscale.presets.dpscale_fmnist import DPSCALE_FMNIST_PRESETS
 from dpscale.presets.papernot import PAPERNOT_PRESETS
 from dpscale.presets.scale import SCALE_PRESETS
 from dpscale.presets.transfer import TRANSFER_PRESETS
@@ -19,7 +20,8 @@ from dpscale.presets.tramer import TRAMER_PRESETS
 PRESET_PREFIX = "preset:"
 
 
-_PRESETS: dict[str, Preset] = {p.name: p for p in (*PAPERNOT_PRESETS, *TRAMER_PRESETS, *SCALE_PRESETS, *TRANSFER_PRESETS)}
+_ALL = (*PAPERNOT_PRESETS, *TRAMER_PRESETS, *SCALE_PRESETS, *TRANSFER_PRESETS, *DPSCALE_FMNIST_PRESETS)
+_PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
 
 
 def list_presets() -> list[Preset]:
