@@ -41,7 +41,8 @@ DPSCALE_FMNIST_PRESETS = [
         "fashion-mnist, ScatterNet (J=2, L=8, images zero-padded by 2: 81x8x8) + linear "
         "(51,850 parameters), GroupNorm G=27, epsilon=3",
         "dpscale issue 28: Tramer & Boneh Table 13 (B=8192, lr 16, 40 epochs, C=0.1, momentum 0.9) "
-        "with the ScatterNet on zero-padded images and PLD calibration; docs/results.md",
+        "with the ScatterNet on zero-padded images and PLD calibration; validation accuracy 90.50% +- 0.22 "
+        "(3 seeds; Tramer Table 1: 89.7%); docs/results.md",
     ),
     _recipe(
         "dpscale-fmnist-scatter-cnn",
@@ -51,7 +52,8 @@ DPSCALE_FMNIST_PRESETS = [
         "fc 32 (33,066 parameters), GroupNorm G=27, EMA 0.999 reported beside the raw model, epsilon=3",
         "dpscale issue 28: Tramer & Boneh Table 13 (B=2048, lr 4, 40 epochs, C=0.1, momentum 0.9), which "
         "TAN simulations at B=256 found optimal among widths, lr, epochs, B, C, groups and padding; "
-        "PLD calibration and an EMA added; docs/results.md",
+        "PLD calibration and an EMA added; validation accuracy 89.53% +- 0.42, EMA 89.68% (3 seeds; "
+        "Tramer Table 1: 89.0%); docs/results.md",
     ),
     _recipe(
         "dpscale-fmnist-cnn",
@@ -60,6 +62,7 @@ DPSCALE_FMNIST_PRESETS = [
         "fashion-mnist, end-to-end tanh CNN simplevgg-16(1)-32(1)-64: conv 16 3x3, max-pool, conv 32 3x3, "
         "max-pool, fc 64 (105,866 parameters), EMA 0.999 reported beside the raw model, epsilon=3",
         "dpscale issue 28: Tramer & Boneh Table 13's CNN schedule (B=2048, lr 4, 40 epochs, C=0.1, "
-        "momentum 0.9) on a simpleVGG chosen by TAN simulations at B=256, PLD calibration; docs/results.md",
+        "momentum 0.9) on a simpleVGG chosen by TAN simulations at B=256, PLD calibration; validation "
+        "accuracy 89.02% +- 0.67 (3 seeds; Tramer Table 1: 86.0%); docs/results.md",
     ),
 ]
