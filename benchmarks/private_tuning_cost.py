@@ -11,11 +11,11 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from dpscale.privacy.accountant import AccountingSegment
+from dpscale.features.extract import read_source_run
 from dpscale.privacy.tuning import parse_tuning_distribution, tuned_epsilon
+from dpscale.tune.private_tuning import compute_history_epsilon
 
 
 def main() -> None:
@@ -24,13 +24,12 @@ def main() -> None:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--means", default="1,3,10,30")
     args = parser.parse_args()
-    summary = json.loads((args.run_dir / "summary.json").read_text())
-    if summary.get("simulation") is not None or summary.get("epsilon_parts"):
-        raise SystemExit("needs a plain DP-SGD run (not a TAN simulation, no extra releases)")
-    history = (AccountingSegment(summary["sample_rate"], summary["noise_multiplier"], summary["steps"]),)
+    history = read_source_run(str(args.run_dir)).history  # every release and DP-SGD step it accounted
     means = [float(m) for m in args.means.split(",")]
-    print(f"q={summary['sample_rate']:.5g} sigma={summary['noise_multiplier']:.5g} steps={summary['steps']} "
-          f"delta={args.delta:g}; epsilon of the best of K runs, K with mean M")
+    for segment in history:
+        print(f"{segment.label}: q={segment.sample_rate:.5g} sigma={segment.noise_multiplier:.5g} steps={segment.steps}")
+    print(f"one run alone: epsilon {compute_history_epsilon(history, args.delta):.3f} (RDP) at delta={args.delta:g}; "
+          "the best of K runs, K with mean M:")
     print("| K's distribution | " + " | ".join(f"M = {m:g}" for m in means) + " |")
     print("|---|" + "---|" * len(means))
     for name in ("logarithmic", "geometric", "poisson"):

@@ -15,13 +15,18 @@ from dpscale.presets import get_preset, list_presets
 FEATURE_SHAPES = {"mnist": (1, 28, 28), "fashion-mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
 
 
-@pytest.mark.parametrize("name", [p.name for p in list_presets()])
-def test_every_preset_loads_and_its_model_builds(name):
-    config = load_config(f"preset:{name}")
+def _preset_model(config):
+    """The preset's model, built for its data's images (or their ScatterNet features)."""
     shape = FEATURE_SHAPES.get(config.data.name, (1, 28, 28))
     if config.features.extractor == "scatternet":
         shape = scatter_output_shape(shape, pad=config.features.scatter_pad)
-    model = build_model(config.model.name, 10, shape, config.model.activation, **config.model.kwargs)
+    return build_model(config.model.name, 10, shape, config.model.activation, **config.model.kwargs)
+
+
+@pytest.mark.parametrize("name", [p.name for p in list_presets()])
+def test_every_preset_loads_and_its_model_builds(name):
+    config = load_config(f"preset:{name}")
+    model = _preset_model(config)
     assert model is not None
     assert get_preset(name).source and get_preset(name).description
 
@@ -67,11 +72,7 @@ def test_dpscale_fmnist_recipes_spend_epsilon_3_and_name_their_model_size(name):
     assert (c.data.name, c.dp.epsilon, c.dp.delta, c.dp.sampling) == ("fashion-mnist", 3.0, 1e-5, "poisson")
     assert c.dp.noise_multiplier is None and c.dp.simulated_batch_size is None  # calibrated, and a real run
     assert c.dp.accountant == "pld"
-    shape = (1, 28, 28)
-    if c.features.extractor == "scatternet":
-        shape = scatter_output_shape(shape, pad=c.features.scatter_pad)
-    model = build_model(c.model.name, 10, shape, c.model.activation, **c.model.kwargs)
-    count = sum(p.numel() for p in model.parameters())
+    count = sum(p.numel() for p in _preset_model(c).parameters())
     assert f"({count:,} parameters)" in get_preset(name).description
 
 
