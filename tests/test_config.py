@@ -257,7 +257,7 @@ def test_invalid_yaml_file(tmp_path):
         (["optim.nesterov=true"], r"optim\.nesterov needs optim\.momentum > 0"),
         (["optim.nesterov=true", "optim.momentum=0.9", "optim.dampening=0.1"], r"optim\.dampening = 0"),
         (["dp.max_grad_norm=null"], r"a private run needs clipping"),
-        (["dp.max_grad_norm=0"], r"dp\.max_grad_norm must be > 0"),
+        (["dp.max_grad_norm=0"], r"dp\.max_grad_norm must be one positive number C"),
         (["dp.noise_multiplier=0"], r"non-private run and cannot meet dp\.epsilon"),
         (["dp.epsilon=null"], r"set dp\.epsilon .* or dp\.noise_multiplier"),
         (["optim.lr=0"], r"optim\.lr must be > 0"),

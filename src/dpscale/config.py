@@ -22,6 +22,7 @@ from dpscale.choices import (
     ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
+from dpscale.privacy.clipping import check_max_grad_norm
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # optim.schedule
@@ -196,7 +197,9 @@ class DPConfig:
         a given noise_multiplier must not exceed it. Null with noise_multiplier=0: non-private.
     delta: target delta (use < 1/N).
     noise_multiplier: sigma; noise std on the clipped-gradient sum is sigma * max_grad_norm.
-    max_grad_norm: per-example clipping norm C; null disables clipping (non-private only).
+    max_grad_norm: per-example clipping norm C; or per-layer bounds, a mapping from parameter-name
+        patterns (fnmatch, first match wins) to C_g, e.g. {"features.*": 0.5, "*": 1.0}, the noise
+        then scaled to sqrt(sum_g C_g^2); null disables clipping (non-private only).
     batch_size: expected logical batch size B (q = B / N). With Poisson sampling B need not be an
         integer (``dpscale tan privacy-search`` gives such B to keep eta exact).
     simulated_batch_size: a TAN simulation (Sander et al. 2023, Section 3.4) of this run: train at
@@ -222,7 +225,7 @@ class DPConfig:
     epsilon: float | None = 3.0
     delta: float = 1e-5
     noise_multiplier: float | None = None
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | dict[str, float] | None = 1.0
     batch_size: int | float = 256
     simulated_batch_size: int | float | None = None
     sampling: str = "poisson"
@@ -661,11 +664,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"dp.noise_multiplier must be >= 0, got {dp.noise_multiplier}")
     if dp.epsilon is None and dp.noise_multiplier is None:
         raise ConfigError("set dp.epsilon (sigma is then calibrated) or dp.noise_multiplier (0 for a non-private run)")
-    if dp.max_grad_norm is not None and (not isinstance(dp.max_grad_norm, (int, float)) or not dp.max_grad_norm > 0):
-        raise ConfigError(
-            f"dp.max_grad_norm must be > 0, one number (or null for no clipping), got {dp.max_grad_norm!r}"
-            + (" (per-layer clipping, a list, is not supported)" if isinstance(dp.max_grad_norm, list) else "")
-        )
+    try:
+        check_max_grad_norm(dp.max_grad_norm)
+    except ValueError as err:
+        raise ConfigError(f"dp.{err} (or null for no clipping)") from err
     is_private = is_private_config(dp)
     if is_private and dp.max_grad_norm is None:
         raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")

@@ -16,6 +16,7 @@ from dpscale.audit import AUDIT_KINDS
 from dpscale.audit.dirac import DiracProbe, host_sizes
 from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset
+from dpscale.privacy.clipping import is_per_layer
 from dpscale.privacy.per_example import (
     ClippedSumMixin,
     Params,
@@ -259,7 +260,9 @@ class CanaryAudit:
         """C as the plan states it (and as a broken engine still reports it)."""
         if engine.max_grad_norm is None:
             raise ConfigError("an audit needs clipping (dp.max_grad_norm): without it there is no claim to test")
-        return engine.max_grad_norm
+        if is_per_layer(engine.max_grad_norm):
+            raise ConfigError("an audit's canaries are scaled to one clipping norm C: per-layer dp.max_grad_norm is not supported")
+        return engine.max_grad_norm  # type: ignore[return-value]
 
     def scope(self) -> str:
         """One line: what the canaries put through the run's engine, and what they do not test."""

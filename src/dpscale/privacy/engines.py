@@ -7,16 +7,17 @@ from __future__ import annotations
 from torch import nn
 
 from dpscale.choices import ENGINE_NAMES
-from dpscale.privacy.ghost import GhostEngine, unsupported_modules
+from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_groups
+from dpscale.privacy.ghost import GhostEngine, split_layers, unsupported_modules
 from dpscale.privacy.per_example import (
-    LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy,
+    LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy, trainable_params,
 )
 from dpscale.privacy.precision import FP32, Precision
 
 
 def make_engine(
     name: str,
-    max_grad_norm: float | None,
+    max_grad_norm: MaxGradNorm,
     model: nn.Module | None = None,
     loss_fn: LossFn = per_example_cross_entropy,
     views: int = 1,
@@ -26,7 +27,8 @@ def make_engine(
 
     Args:
         name: "auto" (bk when every trainable layer is supported, else vmap), "bk", "ghost" or "vmap".
-        max_grad_norm: clipping norm C (None: no clipping).
+        max_grad_norm: clipping norm C, per-layer bounds pattern -> C_g (bk/ghost: each layer's
+            parameters in one group; auto picks vmap otherwise) or None (no clipping).
         model: needed by "auto" to check layer support (and by bk/ghost to fail early).
         loss_fn: per-example loss.
         views: augmentation multiplicity K (each example arrives as K views).
@@ -42,6 +44,9 @@ def make_engine(
     if model is not None:  # layers no engine can take (refused before one fails inside torch)
         check_per_example_compatible(model)
     problems = unsupported_modules(model) if model is not None else []
+    if model is not None and is_per_layer(max_grad_norm):  # every parameter in a group, each group used
+        resolve_clip_groups(max_grad_norm, list(trainable_params(model)))  # type: ignore[arg-type]
+        problems += split_layers(model, max_grad_norm)  # type: ignore[arg-type]
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
         if model is not None:

@@ -41,7 +41,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +49,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpscale.layers import ClassTokenPositionEmbedding, ScalarGain, ScaledStdConv2d
+from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_groups
 from dpscale.privacy.per_example import (
     Batch,
     ClippedSumMixin,
     LossFn,
     RELATIVE_ERROR_FLOOR,
     Params,
-    clip_factors,
+    clip_units,
     mean_over_views,
     per_example_cross_entropy,
     tolerance_for,
@@ -559,6 +560,39 @@ class _ModelState:
         return (model.training, self.support_key)
 
 
+def split_layers(model: nn.Module, max_grad_norm: Mapping[str, float]) -> list[str]:
+    """The layers whose trainable parameters per-layer clipping puts in different groups (which
+    bk and ghost cannot clip: they take norms per layer), as "name (split between per-layer
+    clipping groups)"."""
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    group_of = resolve_clip_groups(max_grad_norm, trainable).group_of
+    split = []
+    for name, module in model.named_modules():
+        full = [f"{name}.{p}" if name else p for p, t in module.named_parameters(recurse=False) if t.requires_grad]
+        if len({group_of[n] for n in full if n in group_of}) > 1:
+            split.append(f"{name or '<root>'} (its parameters in different per-layer clipping groups)")
+    return split
+
+
+def _layer_groups(records: list[_Record], max_grad_norm: MaxGradNorm, params: Params) -> dict[str, int]:
+    """Layer name -> its per-layer clipping group. These engines clip a layer's parameters
+    together (their norms come per layer), so a layer split between groups is refused."""
+    param_group = resolve_clip_groups(max_grad_norm, list(params)).group_of  # type: ignore[arg-type]
+    layer_group = {}
+    for r in records:
+        names = [f"{r.name}.{local}" if r.name else local for local, trainable in r.trainable.items() if trainable]
+        groups = {param_group[n] for n in names}
+        if len(groups) > 1:
+            patterns = list(max_grad_norm)  # type: ignore[arg-type]
+            split = ", ".join(f"{n} -> {patterns[param_group[n]]!r}" for n in names)
+            raise ValueError(
+                f"per-layer max_grad_norm splits layer {r.name or '<root>'!r} between groups ({split}); the bk and "
+                "ghost engines clip a layer's parameters together: give them one pattern, or use engine=vmap"
+            )
+        layer_group[r.name] = groups.pop()
+    return layer_group
+
+
 def _true_gradients(model: nn.Module, params: Params) -> dict[str, torch.Tensor]:
     """The model's own trainable tensors named in ``params`` (which may hold detached copies)."""
     return {name: p for name, p in model.named_parameters() if name in params and p.requires_grad}
@@ -627,7 +661,8 @@ class GhostEngine(ClippedSumMixin):
     ``ghost`` always from Gram matrices.
 
     Args:
-        max_grad_norm: clipping norm C; None = no clipping.
+        max_grad_norm: clipping norm C, a per-layer mapping pattern -> C_g (each layer's
+            parameters in one group); None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
         mode: "bk" or "ghost".
         views: augmentation multiplicity K; chunks then hold x of shape (B, K, ...) and each
@@ -641,7 +676,7 @@ class GhostEngine(ClippedSumMixin):
     outside its own layer's call.
     """
 
-    max_grad_norm: float | None
+    max_grad_norm: MaxGradNorm
     loss_fn: LossFn = per_example_cross_entropy
     mode: str = "bk"
     views: int = 1
@@ -689,33 +724,33 @@ class GhostEngine(ClippedSumMixin):
         out_grads, true = grads[: len(records)], {n: _unscaled(t, scale) for n, t in zip(true, grads[len(records) :])}
         del targets, grads
         with exact_float32():  # the clip bound's arithmetic never in TF32
-            sq_norms, layer_sq = self._layer_norms(records, out_grads, batch[0])
-            norms = sq_norms.sqrt()
+            layer_sq = self._layer_norms(records, out_grads, batch[0])
+            group_of = _layer_groups(records, self.max_grad_norm, params) if is_per_layer(self.max_grad_norm) else None
+            layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of)
             finite = torch.isfinite(norms)
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell
             # (a one-off pass: its host read is no cost)
-            if check and bool(finite.all()) and self._check_routes(records, true, torch.ones_like(sq_norms)):
+            if check and bool(finite.all()) and self._check_routes(records, true, torch.ones_like(norms)):
                 state.checked.add(key)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; otherwise 0 * inf = NaN would spread
             # to the whole update and show that the example was in the batch.
-            factors = torch.where(finite, clip_factors(norms, self.max_grad_norm), torch.zeros_like(norms))
             if needs_zeroing(finite):
                 _zero_examples(records, finite, self.views)
             grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
             for r in records:
-                for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, factors).items():
+                for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, layer_factors[r.name]).items():
                     grad_sum[f"{r.name}.{local}" if r.name else local] = s
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
     def _layer_norms(
         self, records: list[_Record], out_grads: list[torch.Tensor | None], x: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-example squared norms (B,) of the chunk ``x``, in total and by layer, each layer's
-        output freed once used. In 16-bit precision each record is first taken to float32
-        (its gradient unscaled)."""
+    ) -> dict[str, torch.Tensor]:
+        """Per-example squared norms (B,) of the chunk ``x`` by layer, each layer's output freed
+        once used. In 16-bit precision each record is first taken to float32 (its gradient
+        unscaled)."""
         scale, low = self.precision.loss_scale, self.precision.low
-        sq_norms, layer_sq = x.new_zeros(x.shape[0], dtype=torch.float32 if low else None), {}
+        layer_sq: dict[str, torch.Tensor] = {}
         for i, r in enumerate(records):
             g, out_grads[i] = out_grads[i], None
             r.out_grad = torch.zeros_like(r.output) if g is None else g
@@ -725,10 +760,9 @@ class GhostEngine(ClippedSumMixin):
                 r.out_grad = _unscaled(r.out_grad, scale)
                 r.inputs = at_least_fp32(r.inputs) if r.inputs.is_floating_point() else r.inputs
             layer_sq[r.name] = _RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
-            sq_norms = sq_norms + layer_sq[r.name]
             if "weight" in r.cache or _RULES[type(r.module)].sums is _cached_sums:
                 r.inputs = r.out_grad = None  # the clipped sum comes from the cache: drop the activations early
-        return sq_norms, layer_sq
+        return layer_sq
 
     def _check_routes_in_float32(self, model: nn.Module, params: Params, batch: Batch) -> None:
         """The route check of a 16-bit or TF32 engine, on a float32 pass of the same chunk.

@@ -18,6 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from dpscale.privacy.clipping import (  # noqa: F401  (CLIP_EPS, clip_factors: re-exported)
+    CLIP_EPS,
+    ClipGroups,
+    MaxGradNorm,
+    clip_factors,
+    is_per_layer,
+    resolve_clip_groups,
+)
 from dpscale.privacy.precision import (
     FP32,
     Precision,
@@ -49,16 +57,36 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
     logits = model(x.reshape(-1, *x.shape[2:]))
     return loss_fn(logits, y.repeat_interleave(views)).reshape(-1, views).mean(1)
 
-# Added to norms before dividing so that a zero gradient gets factor 1, and so that
-# the clipped norm norm * C / (norm + eps) stays strictly below C.
-CLIP_EPS = 1e-6
+def clip_units(
+    unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-example clip factors of each unit (a parameter, or a layer) and the total norms.
 
+    Args:
+        unit_sq_norms: unit -> per-example squared norms (B,) of its gradient; together the whole gradient.
+        max_grad_norm: C (one factor min(1, C / ||g_i||) for every unit), a per-layer mapping
+            (the factor of a unit is that of its group, min(1, C_g / ||g_i restricted to g||)) or None.
+        group_of: unit -> group index, for a per-layer ``max_grad_norm`` (``resolve_clip_groups``).
 
-def clip_factors(norms: torch.Tensor, max_grad_norm: float | None) -> torch.Tensor:
-    """Per-example scale min(1, C / ||g_i||); all ones when ``max_grad_norm`` is None (no clipping)."""
-    if max_grad_norm is None:
-        return torch.ones_like(norms)
-    return (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+    Returns:
+        (unit -> factors (B,), norms (B,) of the whole unclipped gradients). An example whose norm
+        is not finite gets factor 0 everywhere: it contributes exactly zero.
+    """
+    sq_total = sum(unit_sq_norms.values())
+    norms = sq_total.sqrt()
+    finite = torch.isfinite(norms)
+    if not is_per_layer(max_grad_norm):
+        factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))  # type: ignore[arg-type]
+        return {unit: factors for unit in unit_sq_norms}, norms
+    if group_of is None:
+        raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
+    bounds = [float(c) for c in max_grad_norm.values()]  # type: ignore[union-attr]
+    group_sq = norms.new_zeros(len(bounds), norms.shape[0])
+    for unit, sq in unit_sq_norms.items():
+        group_sq[group_of[unit]] += sq  # type: ignore[index]
+    group_factors = ClipGroups(tuple(bounds), {}).factors(group_sq)
+    group_factors = torch.where(finite, group_factors, torch.zeros_like(group_factors))
+    return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms  # type: ignore[index]
 
 
 # Exact engines are compared with independent references (the start-up self-check, the ghost
@@ -174,7 +202,7 @@ class PerExampleEngine(Protocol):
     """Computes the clipped-gradient sum of one physical chunk."""
 
     name: str
-    max_grad_norm: float | None
+    max_grad_norm: MaxGradNorm
 
     def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
         """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""
@@ -206,7 +234,8 @@ class VmapEngine(ClippedSumMixin):
     """Per-example gradients by ``vmap(grad(loss))`` over a batch of one.
 
     Args:
-        max_grad_norm: clipping norm C (L2 over all trainable parameters); None = no clipping.
+        max_grad_norm: clipping norm C (L2 over all trainable parameters), a per-layer mapping
+            pattern -> C_g (``dpscale.privacy.clipping``); None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
         views: augmentation multiplicity K (chunks hold x of shape (B, K, ...); see mean_over_views).
         precision: how the model computes (``dpscale.privacy.precision``); per-example gradients
@@ -215,7 +244,7 @@ class VmapEngine(ClippedSumMixin):
     An example whose gradient is not finite contributes exactly zero, in every precision.
     """
 
-    max_grad_norm: float | None
+    max_grad_norm: MaxGradNorm
     loss_fn: LossFn = per_example_cross_entropy
     name: str = "vmap"
     views: int = 1
@@ -251,16 +280,16 @@ class VmapEngine(ClippedSumMixin):
             grads = {k: at_least_fp32(g) / scale for k, g in grads.items()}
             losses = losses / scale
         with exact_float32():  # the clip bound's arithmetic never in TF32
-            sq_norms = torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
-            norms = sq_norms.sqrt()
+            sq_norms = {k: g.reshape(g.shape[0], -1).pow(2).sum(1) for k, g in grads.items()}
+            group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
+            factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; its rows are set to zero, since
             # 0 * inf = NaN would spread to the whole update and show that it was in the batch.
             finite = torch.isfinite(norms)
-            factors = torch.where(finite, clip_factors(norms, self.max_grad_norm), torch.zeros_like(norms))
             if needs_zeroing(finite):
                 grads = {k: zero_rows(g, finite) for k, g in grads.items()}
-            grad_sum = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
+            grad_sum = {k: torch.tensordot(factors[k], g, dims=1) for k, g in grads.items()}
         return grad_sum, norms, losses.detach()
 
 

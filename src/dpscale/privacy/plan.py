@@ -12,6 +12,8 @@ from typing import Any
 
 from dpscale.errors import ConfigError
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
+from dpscale.privacy.clipping import MaxGradNorm, clip_sensitivity, describe_clip
+from dpscale.privacy.clipping import check_max_grad_norm as check_clip_value
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import (
@@ -188,7 +190,7 @@ class DPPlan:
     sample_rate: q = B / N.
     steps: total logical steps S.
     noise_multiplier: sigma (0 for a non-private run).
-    max_grad_norm: clipping norm C (None: no clipping).
+    max_grad_norm: clipping norm C, or per-layer bounds pattern -> C_g (None: no clipping).
     delta: delta.
     target_epsilon: the budget (None if not set).
     epsilon: epsilon after all S steps as planned (inf when not private).
@@ -219,7 +221,7 @@ class DPPlan:
     sample_rate: float
     steps: int
     noise_multiplier: float
-    max_grad_norm: float | None
+    max_grad_norm: MaxGradNorm
     delta: float
     target_epsilon: float | None
     epsilon: float
@@ -314,9 +316,15 @@ class DPPlan:
         return self.noise_multiplier > 0
 
     @property
+    def sensitivity(self) -> float | None:
+        """L2 bound on one example's clipped gradient: C, or sqrt(sum_g C_g^2) with per-layer clipping."""
+        return clip_sensitivity(self.max_grad_norm)
+
+    @property
     def noise_std(self) -> float:
-        """Std of the Gaussian added to the clipped-gradient sum: sigma * C."""
-        return self.noise_multiplier * self.max_grad_norm if self.is_private else 0.0
+        """Std of the Gaussian added to the clipped-gradient sum: sigma * C (sigma * sqrt(sum_g C_g^2)
+        per layer)."""
+        return self.noise_multiplier * self.sensitivity if self.is_private else 0.0
 
     @property
     def eps_tan(self) -> float:
@@ -432,7 +440,7 @@ class DPPlan:
             )
         return (
             f"{self._mechanism_text()}: N={self.dataset_size}, B={self.batch_size:g}, q={self.sample_rate:.5g}, "
-            f"S={self.steps}, sigma={self.noise_multiplier:.5g}, C={self.max_grad_norm:g}, "
+            f"S={self.steps}, sigma={self.noise_multiplier:.5g}, {describe_clip(self.max_grad_norm)}, "
             f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
         )
@@ -476,7 +484,7 @@ def check_plan_matches(
     dataset_size: int,
     batch_size: float,
     steps: int,
-    max_grad_norm: float | None,
+    max_grad_norm: MaxGradNorm,
     delta: float,
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
@@ -555,7 +563,7 @@ def make_dp_plan(
     dataset_size: int,
     batch_size: float,
     steps: int,
-    max_grad_norm: float | None,
+    max_grad_norm: MaxGradNorm,
     delta: float,
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
@@ -572,7 +580,8 @@ def make_dp_plan(
 
     Args:
         dataset_size: N; batch_size: expected B (q = B / N); steps: logical DP-SGD steps S.
-        max_grad_norm: C (None: no clipping, non-private runs only); delta: the guarantee's delta.
+        max_grad_norm: C, or per-layer bounds pattern -> C_g (the noise std is then sigma *
+            sqrt(sum_g C_g^2)); None: no clipping, non-private runs only. delta: the guarantee's delta.
         target_epsilon: calibrate sigma to spend this; noise_multiplier: sigma, given (0: not private).
         simulated_batch_size: a TAN simulation of this run at that batch size (see below).
         sampling: "poisson" (what the accountant assumes) or "shuffle"; accountant: "pld" or "rdp".
@@ -650,19 +659,16 @@ def _planned_epsilon(
 
 
 def check_max_grad_norm(max_grad_norm: Any) -> None:
-    """Refuse a clipping norm C that is not one positive number (None: no clipping).
+    """Refuse a clipping norm that is neither one positive number C nor a per-layer mapping
+    pattern -> C_g (``dpscale.privacy.clipping``; None: no clipping).
 
     Raises:
-        ConfigError: a list (Opacus' per-layer clipping), a string, zero or a negative number.
+        ConfigError: a list (Opacus' per-layer form), a string, zero, a negative number, an empty mapping.
     """
-    if max_grad_norm is None:
-        return
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
-        per_layer = " (per-layer clipping, a list, is not supported)" if isinstance(max_grad_norm, (list, tuple)) else ""
-        raise ConfigError(
-            f"max_grad_norm must be one positive number C, the L2 bound on each example's whole gradient, got "
-            f"{max_grad_norm!r}{per_layer}; give one number, e.g. max_grad_norm=1.0"
-        )
+    try:
+        check_clip_value(max_grad_norm)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _noise_for(

@@ -13,12 +13,16 @@ must not depend on the CPU's float32 kernels.
 
 from __future__ import annotations
 
+import math
 from copy import deepcopy
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Mapping
 
 import torch
 from torch import nn
 
+from dpscale.privacy.clipping import MaxGradNorm
 from dpscale.privacy.per_example import CLIP_EPS, Batch, LossFn, Params, mean_over_views, per_example_cross_entropy
 from dpscale.privacy.precision import FP32, Precision, at_least_fp32
 
@@ -49,7 +53,7 @@ class PerExampleReference:
 def per_example_reference(
     model: nn.Module,
     batch: Batch,
-    max_grad_norm: float | None,
+    max_grad_norm: MaxGradNorm,
     *,
     loss_fn: LossFn = per_example_cross_entropy,
     views: int = 1,
@@ -65,7 +69,7 @@ def per_example_reference(
             gradient for it.
         batch: (x, y); x is (B, ...), or (B, K, ...) with K = ``views`` > 1.
         max_grad_norm: C, the clipping norm (the factor is min(1, C / (norm + CLIP_EPS)), as the
-            engines'); None: no clipping.
+            engines'), or a per-layer mapping pattern -> C_g; None: no clipping.
         loss_fn: per-example loss (logits, targets) -> (B,).
         views: augmentation multiplicity K: an example's loss is the mean over its K views.
         names: the parameters to differentiate (default: those with requires_grad).
@@ -88,8 +92,9 @@ def per_example_reference(
         for n, g in zip(names, grads):
             layer_sq.setdefault(n.rpartition(".")[0], [0.0] * count)[i] += g.double().square().sum()
         norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
-        factor = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(norm) + CLIP_EPS))
+        factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm)
         for n, g in zip(names, grads):
+            factor = factors[n]
             total[n] += factor * g
             norm_sums[n] += factor * float(g.double().norm())
             if g.numel():  # (abs is exact: the largest entry times the factor, in float64)
@@ -98,6 +103,21 @@ def per_example_reference(
     per_layer = {layer: torch.stack([torch.as_tensor(v) for v in sq]) for layer, sq in layer_sq.items()}
     empty = torch.zeros(0, dtype=torch.float64)
     return PerExampleReference(total, torch.stack(norms) if norms else empty, per_layer, norm_sums, max_abs)
+
+
+def _reference_factors(grads: dict[str, torch.Tensor], norm: float, max_grad_norm: MaxGradNorm) -> dict[str, float]:
+    """One example's clip factor for each parameter, written out in float64 Python arithmetic
+    (independently of the engines' ``clip_units``): min(1, C / (||g|| + CLIP_EPS)), or per layer
+    min(1, C_g / (||g restricted to group g|| + CLIP_EPS)), the group the first matching pattern."""
+    if max_grad_norm is None:
+        return {n: 1.0 for n in grads}
+    if not isinstance(max_grad_norm, Mapping):
+        return {n: min(1.0, float(max_grad_norm) / (norm + CLIP_EPS)) for n in grads}
+    group = {n: next(p for p in max_grad_norm if fnmatchcase(n, p)) for n in grads}
+    group_sq = {p: 0.0 for p in max_grad_norm}
+    for n, g in grads.items():
+        group_sq[group[n]] += float(g.double().square().sum())
+    return {n: min(1.0, float(max_grad_norm[group[n]]) / (math.sqrt(group_sq[group[n]]) + CLIP_EPS)) for n in grads}
 
 
 def _example_gradients(
@@ -127,7 +147,7 @@ def float64_copy(model: nn.Module, batch: Batch) -> tuple[nn.Module, Batch]:
     return deepcopy(model).double(), (x.double() if x.is_floating_point() else x, y)
 
 
-def float64_reference(model: nn.Module, batch: Batch, max_grad_norm: float | None, **options) -> PerExampleReference:
+def float64_reference(model: nn.Module, batch: Batch, max_grad_norm: MaxGradNorm, **options) -> PerExampleReference:
     """``per_example_reference`` on a float64 copy of ``model`` and ``batch`` (same mode; the
     parameters that require gradients in ``model``), for comparisons that must not depend on the
     float32 kernels a CPU picks for a batch of one.

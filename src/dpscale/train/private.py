@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dpscale.choices import MECHANISMS
+from dpscale.privacy.clipping import MaxGradNorm
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
 from dpscale.privacy.engines import make_engine
@@ -67,7 +68,7 @@ def make_private(
     *,
     dataset_size: int,
     batch_size: float,
-    max_grad_norm: float,
+    max_grad_norm: MaxGradNorm,
     delta: float,
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
@@ -97,10 +98,13 @@ def make_private(
         model, optimizer: the user's; the optimizer must hold the trainable parameters.
         dataset_size: N, the number of private training examples.
         batch_size: expected logical batch size B (q = B / N).
-        max_grad_norm: C, the per-example clipping norm.
+        max_grad_norm: C, the per-example clipping norm; or per-layer bounds, a mapping from
+            parameter-name patterns to C_g (``{"conv*": 0.5, "fc*": 1.0}``: fnmatch, first match
+            wins, every trainable parameter matched), the noise then scaled to sqrt(sum_g C_g^2).
         delta: the delta of the guarantee (use < 1/N).
         target_epsilon: calibrate sigma so the planned steps spend exactly this (or give noise_multiplier).
-        noise_multiplier: sigma (the noise std on the clipped sum is sigma * C).
+        noise_multiplier: sigma (the noise std on the clipped sum is sigma * C, or sigma *
+            sqrt(sum_g C_g^2) per layer).
         epochs, steps: the length of the plan (one of them).
         accountant: "pld" or "rdp".
         engine: "auto", "bk", "ghost" or "vmap" (docs/engines.md).
@@ -192,7 +196,7 @@ def _bands_request(
 
 
 def _chosen_engine(
-    engine: str, max_grad_norm: float, model: nn.Module, *, loss_fn: Callable | None, views: int, precision: str,
+    engine: str, max_grad_norm: MaxGradNorm, model: nn.Module, *, loss_fn: Callable | None, views: int, precision: str,
     check: bool, check_batch: Batch | None,
 ) -> tuple[PerExampleEngine, FirstChunkCheck | None]:  # fmt: skip
     """``make_private``'s engine, checked now on ``check_batch`` or at the first step's first chunk."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dpscale.privacy.noise import add_gaussian_noise, draw_noise
+from dpscale.privacy.clipping import clip_sensitivity
 from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, trainable_params
 from dpscale.rng import DPRandom
 
@@ -126,7 +127,7 @@ def noisy_clipped_mean(
         engine: per-example clipping engine (holds C).
         model: the model; its trainable parameters define the gradient.
         chunks: the logical batch as physical (x, y) chunks (possibly none: an empty batch).
-        noise_std: sigma * C (0 for non-private runs).
+        noise_std: sigma * C, or sigma * sqrt(sum_g C_g^2) per layer (0 for non-private runs).
         expected_batch_size: B; dividing by the *expected* size (not the realised one) keeps
             the sensitivity of the mean at C / B, as the accountant assumes.
         noise_generator: RNG for the noise (128-bit seeded; draws on the host, copied to the device).
@@ -175,7 +176,9 @@ def _add_chunk(engine: PerExampleEngine, model: nn.Module, params: Params, chunk
     grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
     for name in total:
         total[name] += grad_sum[name]
-    clip = engine.max_grad_norm
+    # per layer: examples whose whole norm exceeds sqrt(sum_g C_g^2), which were clipped in some
+    # group (a lower bound on those clipped anywhere)
+    clip = clip_sensitivity(engine.max_grad_norm)
     clipped = (norms > clip).sum() if clip is not None else norms.new_zeros(())
     examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
     finite = torch.isfinite(norms)
