@@ -22,7 +22,7 @@ from dpscale.choices import (
     ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
-from dpscale.privacy.clipping import check_max_grad_norm
+from dpscale.clip_norms import check_max_grad_norm
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # optim.schedule
