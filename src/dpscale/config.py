@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from dpscale.choices import (
-    ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
+    ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
 from dpscale.clip_norms import check_max_grad_norm
@@ -220,6 +220,13 @@ class DPConfig:
     max_bands: the largest b that bands=auto tries.
     max_noise_memory_mb: BandMF keeps the last b-1 noise vectors, (b-1) x parameters x 4 bytes;
         a b that needs more is refused (auto skips it).
+    clipping: "fixed" (C = max_grad_norm throughout) or "adaptive" (Andrew et al. 2021: C starts
+        at max_grad_norm and follows the clip_quantile of the per-example norms through a noisy
+        count released each step, its cost included in sigma; docs/clipping.md).
+    clip_quantile: adaptive: the share of examples to leave unclipped (gamma, in (0, 1)).
+    clip_learning_rate: adaptive: eta, C_{t+1} = C_t exp(-eta (released share - gamma)).
+    clip_count_noise: adaptive: sigma_b, the std of the noise on the unclipped count (examples);
+        null: batch_size / 20 (Andrew et al.'s recommendation).
     """
 
     epsilon: float | None = 3.0
@@ -235,6 +242,10 @@ class DPConfig:
     bands: int | str = "auto"
     max_bands: int = DEFAULT_MAX_BANDS
     max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB
+    clipping: str = "fixed"
+    clip_quantile: float = 0.5
+    clip_learning_rate: float = 0.2
+    clip_count_noise: float | None = None
 
 
 @dataclass(frozen=True)
@@ -694,6 +705,8 @@ def validate(config: Config) -> None:
     if dp.accountant not in ACCOUNTANT_KINDS:
         raise ConfigError(f"dp.accountant must be {_either(ACCOUNTANT_KINDS)}, got {dp.accountant!r}")
     _validate_mechanism(dp)
+    if dp.clipping not in CLIPPINGS:
+        raise ConfigError(f"dp.clipping must be {_either(CLIPPINGS)}, got {dp.clipping!r}")
     if train.steps is None and train.epochs is None:
         raise ConfigError("set train.epochs or train.steps")
     if train.steps is not None and train.steps < 1:

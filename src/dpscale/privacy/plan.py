@@ -12,7 +12,8 @@ from typing import Any
 
 from dpscale.errors import ConfigError
 from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
-from dpscale.privacy.clipping import MaxGradNorm, clip_sensitivity, describe_clip
+from dpscale.privacy.adaptive import AdaptiveClipping
+from dpscale.privacy.clipping import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
 from dpscale.privacy.clipping import check_max_grad_norm as check_clip_value
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
@@ -214,6 +215,9 @@ class DPPlan:
     mechanism: "dpsgd" (independent noise each step) or "bandmf" (correlated noise, cyclic
         Poisson sampling; ``correlated`` holds its strategy).
     correlated: BandMF's strategy (bands, coefficients, why); None for DP-SGD.
+    adaptive: adaptive clipping (``dpscale.privacy.adaptive``): C starts at max_grad_norm and
+        follows a quantile of the norms; noise_multiplier is then the accounted sigma of the
+        joint release (gradient and count), the gradient's own is ``gradient_noise_multiplier``.
     """
 
     dataset_size: int
@@ -239,11 +243,14 @@ class DPPlan:
     init_run: SourceRunPrivacy | None = field(default=None, compare=False)
     mechanism: str = "dpsgd"
     correlated: BandedNoisePlan | None = None
+    adaptive: AdaptiveClipping | None = None
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
         if isinstance(self.correlated, dict):
             object.__setattr__(self, "correlated", BandedNoisePlan(**self.correlated))
+        if isinstance(self.adaptive, dict):
+            object.__setattr__(self, "adaptive", AdaptiveClipping(**self.adaptive))
         releases = tuple(r if isinstance(r, AccountingSegment) else AccountingSegment(**r) for r in self.releases)
         object.__setattr__(self, "releases", releases)
         if isinstance(self.simulation, dict):
@@ -321,10 +328,19 @@ class DPPlan:
         return clip_sensitivity(self.max_grad_norm)
 
     @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier on the gradient sum: sigma, or with adaptive clipping the larger
+        sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2) (the count's release takes the rest)."""
+        if self.adaptive is None:
+            return self.noise_multiplier
+        return self.adaptive.gradient_noise_multiplier(self.noise_multiplier)
+
+    @property
     def noise_std(self) -> float:
         """Std of the Gaussian added to the clipped-gradient sum: sigma * C (sigma * sqrt(sum_g C_g^2)
-        per layer)."""
-        return self.noise_multiplier * self.sensitivity if self.is_private else 0.0
+        per layer); with adaptive clipping sigma_grad * C_0, the first step's (the mechanism
+        scales it with C_t)."""
+        return self.gradient_noise_multiplier * self.sensitivity if self.is_private else 0.0
 
     @property
     def eps_tan(self) -> float:
@@ -443,6 +459,7 @@ class DPPlan:
             f"S={self.steps}, sigma={self.noise_multiplier:.5g}, {describe_clip(self.max_grad_norm)}, "
             f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
+            + (f"; {self.adaptive.describe(self.noise_multiplier)}" if self.adaptive is not None else "")
         )
 
     def _mechanism_text(self) -> str:
@@ -493,6 +510,7 @@ def check_plan_matches(
     accountant: str = "pld",
     releases: tuple[AccountingSegment, ...] = (),
     correlated: BandsRequest | None = None,
+    adaptive: AdaptiveClipping | None = None,
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
@@ -508,6 +526,8 @@ def check_plan_matches(
             model.init run's, then the feature normalisation's).
         correlated: BandMF's request now (its mechanism and a fixed b must match; the saved
             strategy itself is kept, never re-optimised).
+        adaptive: adaptive clipping's settings now (they must match; the current C is the
+            mechanism state's).
     """
     _check_source_releases(plan, releases)
     simulated = is_simulation(batch_size, simulated_batch_size)
@@ -521,6 +541,7 @@ def check_plan_matches(
         "target_epsilon": target_epsilon,
         "sampling": sampling,
         "accountant": accountant,
+        "adaptive": adaptive,
     }
     expected["mechanism"] = "dpsgd" if correlated is None else "bandmf"
     if correlated is not None and correlated.bands != "auto":
@@ -574,6 +595,7 @@ def make_dp_plan(
     seeded: bool = False,
     extractor: SourceRunPrivacy | None = None,
     correlated: BandsRequest | None = None,
+    adaptive: AdaptiveClipping | None = None,
 ) -> DPPlan:
     """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
     ``noise_multiplier`` checked against it.
@@ -592,6 +614,7 @@ def make_dp_plan(
         extractor: how a ``checkpoint:`` extractor's run enters the guarantee (None otherwise).
         correlated: BandMF (dp.mechanism=bandmf): its bands and workload; None for DP-SGD. The
             steps are then accounted as ceil(S/b) compositions at p = b*q, sigma calibrated for the b chosen.
+        adaptive: adaptive clipping (C_0 = max_grad_norm); sigma is the joint release's, as calibrated.
 
     Returns:
         The plan (the TAN simulation's, with ``simulated_batch_size``).
@@ -605,6 +628,7 @@ def make_dp_plan(
             given sigma that overspends target_epsilon.
     """
     check_max_grad_norm(max_grad_norm)
+    _check_adaptive(adaptive, max_grad_norm, correlated, is_simulation(batch_size, simulated_batch_size))
     if batch_size > dataset_size:
         raise ConfigError(f"dp.batch_size={batch_size} is larger than the training set (N={dataset_size})")
     q = batch_size / dataset_size
@@ -629,7 +653,13 @@ def make_dp_plan(
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
         accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
         extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
+        adaptive=adaptive,
     )  # fmt: skip
+    if adaptive is not None:
+        try:
+            adaptive.gradient_noise_multiplier(sigma)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
 
 
@@ -669,6 +699,24 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
         check_clip_value(max_grad_norm)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+
+
+def _check_adaptive(
+    adaptive: AdaptiveClipping | None, max_grad_norm: MaxGradNorm, correlated: BandsRequest | None, simulated: bool
+) -> None:
+    """Refuse adaptive clipping where its accounting is not written: with per-layer norms,
+    BandMF's correlated noise or a TAN simulation."""
+    if adaptive is None:
+        return
+    clash = (
+        "per-layer dp.max_grad_norm" if is_per_layer(max_grad_norm)
+        else "no clipping (dp.max_grad_norm=null)" if max_grad_norm is None
+        else "dp.mechanism=bandmf" if correlated is not None
+        else "a TAN simulation (dp.simulated_batch_size)" if simulated
+        else None
+    )  # fmt: skip
+    if clash:
+        raise ConfigError(f"adaptive clipping (dp.clipping=adaptive) needs one starting norm C and DP-SGD; not with {clash}")
 
 
 def _noise_for(

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dpscale.privacy.accountant import PrivacyAccountant
+from dpscale.privacy.adaptive import next_clip, noisy_unclipped_fraction
 from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
@@ -67,6 +68,9 @@ class DPMechanism:
         _refuse_steps_outside_the_mechanism(optimizer)
         self.plan, self.engine = plan, engine
         self.rank, self.world_size = rank, world_size
+        if plan.adaptive is not None and world_size > 1:
+            raise ValueError("adaptive clipping runs in one process (its count's noise and C are not shared across ranks yet)")
+        self.clip = plan.max_grad_norm  # C_t: fixed, or adaptive clipping's current norm
         self.steps_taken = 0
         # BandMF's b groups, fixed for the whole run (every rank must pass the same seed)
         self.partition_seed = derive_seed(sampler_seed, PARTITION_KEY) if partition_seed is None else partition_seed
@@ -186,9 +190,12 @@ class DPMechanism:
         self._check_parameters()
         chunks = self._run_first_chunk_check(chunks)
         history = self.correlated_noise.snapshot() if self.correlated_noise is not None else None
+        adaptive = self.plan.adaptive
+        engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
+        noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * self.clip
         gradient, stats = noisy_clipped_mean(
-            self.engine, self.model, chunks,
-            noise_std=self.plan.noise_std, expected_batch_size=self.plan.batch_size,
+            engine, self.model, chunks,
+            noise_std=noise_std, expected_batch_size=self.plan.batch_size,
             noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
             correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
         )  # fmt: skip
@@ -199,6 +206,13 @@ class DPMechanism:
                 if history is not None:  # BandMF: the refused step's noise leaves the recursion untouched
                     self.correlated_noise.rewind(history)
                 raise
+        if adaptive is not None:  # the count's release, then C for the next step (post-processing)
+            unclipped = stats.batch_size - stats.clipped
+            share = noisy_unclipped_fraction(
+                unclipped, stats.batch_size, expected_batch_size=self.plan.batch_size, count_noise=adaptive.count_noise,
+                generator=self.noise_generator,
+            )  # fmt: skip
+            self.clip = next_clip(self.clip, share, adaptive)
         if self.observer is not None:
             self.observer(gradient)
         self.optimizer._dpscale_in_step = True  # type: ignore[attr-defined]
@@ -286,6 +300,7 @@ class DPMechanism:
             # BandMF's last b-1 noise vectors: past noise, kept (like the generator) for a seeded run
             # only, and never with dp.secure_noise (no file may reproduce that noise)
             "correlated_noise": self.correlated_noise.state_dict() if self._keeps_noise_history else None,
+            "clip_norm": self.clip,  # adaptive clipping's C_t (a function of released counts)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -336,6 +351,7 @@ class DPMechanism:
             self.correlated_noise.load_state_dict(state["correlated_noise"])  # the noise rank's alone
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
+        self.clip = state.get("clip_norm", self.plan.max_grad_norm)
 
 
 def model_digest(model: nn.Module) -> str:

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from dpscale.config import Config, DPConfig, OptimConfig
+from dpscale.errors import ConfigError
 from dpscale.privacy.accountant import AccountingSegment
+from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.correlated import BandsRequest
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, check_plan_matches, make_dp_plan
@@ -21,7 +23,19 @@ def dp_numbers(dp: DPConfig) -> dict[str, Any]:
         "batch_size": dp.batch_size, "max_grad_norm": dp.max_grad_norm, "delta": dp.delta,
         "target_epsilon": dp.epsilon, "noise_multiplier": dp.noise_multiplier,
         "simulated_batch_size": dp.simulated_batch_size, "sampling": dp.sampling, "accountant": dp.accountant,
+        "adaptive": adaptive_request(dp),
     }  # fmt: skip
+
+
+def adaptive_request(dp: DPConfig) -> AdaptiveClipping | None:
+    """dp.clipping=adaptive's settings (None for fixed clipping)."""
+    try:
+        return adaptive_clipping(
+            dp.clipping, quantile=dp.clip_quantile, learning_rate=dp.clip_learning_rate,
+            count_noise=dp.clip_count_noise, batch_size=dp.batch_size,
+        )  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def workload_for(optim: OptimConfig, steps: int) -> Workload:

@@ -16,6 +16,7 @@ from torch import nn
 
 from dpscale.choices import MECHANISMS
 from dpscale.privacy.clipping import MaxGradNorm
+from dpscale.privacy.adaptive import adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
 from dpscale.privacy.engines import make_engine
@@ -72,24 +73,22 @@ def make_private(
     delta: float,
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
-    epochs: float | None = None,
-    steps: int | None = None,
-    accountant: str = "pld",
-    engine: str = "auto",
+    epochs: float | None = None, steps: int | None = None,
+    accountant: str = "pld", engine: str = "auto",
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     augment_multiplicity: int = 1,
     precision: str = "fp32",
     max_physical_batch_size: int | None = None,
     scheduler: Any = None,
-    seed: int | None = None,
-    secure_noise: bool = False,
-    check: bool = True,
-    check_batch: Batch | None = None,
+    seed: int | None = None, secure_noise: bool = False,
+    check: bool = True, check_batch: Batch | None = None,
     noise_mechanism: str = "dpsgd",
     bands: int | str = "auto",
     max_bands: int = DEFAULT_MAX_BANDS,
     max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB,
     workload: Workload | None = None,
+    clipping: str = "fixed", clip_quantile: float = 0.5, clip_learning_rate: float = 0.2,
+    clip_count_noise: float | None = None,
 ) -> DPMechanism:
     """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson
     sampling, or BandMF's correlated noise with cyclic Poisson sampling).
@@ -133,6 +132,10 @@ def make_private(
         workload: what the strategy is optimised for (``dpscale.privacy.bandmf.Workload``);
             default: prefix sums with the optimizer's SGD momentum (give the learning-rate
             multipliers here when ``scheduler`` changes the rate).
+        clipping: "fixed" or "adaptive" (Andrew et al. 2021, docs/clipping.md): C starts at
+            ``max_grad_norm`` and follows the ``clip_quantile`` of the per-example norms, moved by
+            ``clip_learning_rate`` each step through a count released with noise ``clip_count_noise``
+            (sigma_b, examples; None: batch_size / 20); sigma (calibrated or given) covers both.
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
@@ -145,10 +148,12 @@ def make_private(
     total_steps = steps_for(epochs, steps, dataset_size, batch_size)
     correlated = _bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
                                 max_noise_memory_mb=max_noise_memory_mb, workload=workload)  # fmt: skip
+    adaptive = adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
+                                 count_noise=clip_count_noise, batch_size=batch_size)  # fmt: skip
     plan = make_dp_plan(
         dataset_size=dataset_size, batch_size=batch_size, steps=total_steps, max_grad_norm=max_grad_norm, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-        seeded=seed is not None, correlated=correlated,
+        seeded=seed is not None, correlated=correlated, adaptive=adaptive,
     )  # fmt: skip
     check = check and plan.is_private  # a non-private run claims no guarantee for the checks to protect
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=not check and plan.is_private)
@@ -159,8 +164,8 @@ def make_private(
     seeds = run_seeds(seed)
     return DPMechanism(
         model, optimizer, plan, chosen, sampler_seed=seeds["sampler"], noise_seed=seeds["noise"],
-        partition_seed=seeds["partition"],
-        scheduler=scheduler, max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
+        partition_seed=seeds["partition"], scheduler=scheduler, max_physical_batch_size=max_physical_batch_size,
+        first_chunk_check=first_chunk_check,
     )  # fmt: skip
 
 

@@ -66,6 +66,7 @@ def evaluation_record(trainer: Trainer, window: dict[str, Any]) -> dict[str, Any
         "epsilon": trainer.epsilon(),
         "delta": plan.delta,
         **({"reference_epsilon": plan.reference_epsilon(trainer.step)} if plan.simulation else {}),
+        **({"clip_norm": built.mechanism.clip} if plan.adaptive is not None else {}),  # C_t, adaptive clipping
         "lr": built.scheduler.get_last_lr()[0],
         "wall_time_s": trainer.wall_time_s,
     }
@@ -93,6 +94,8 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.calibrated,
         "max_grad_norm": plan.max_grad_norm,
+        "clipping": "adaptive" if plan.adaptive is not None else "fixed",
+        "clip_norm": built.mechanism.clip,  # the last step's C (adaptive clipping moves it)
         "batch_size": plan.batch_size,
         "sample_rate": plan.sample_rate,
         "dataset_size": plan.dataset_size,

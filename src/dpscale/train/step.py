@@ -62,6 +62,11 @@ class StepStats:
         return self._value("loss_sum")
 
     @property
+    def clipped(self) -> int:
+        """Examples whose gradient norm exceeded C (or was not finite)."""
+        return int(self._value("clipped"))
+
+    @property
     def clipped_fraction(self) -> float:
         """Share of examples whose gradient norm exceeded C."""
         return self._value("clipped") / self.batch_size if self.batch_size else 0.0
@@ -179,7 +184,9 @@ def _add_chunk(engine: PerExampleEngine, model: nn.Module, params: Params, chunk
     # per layer: examples whose whole norm exceeds sqrt(sum_g C_g^2), which were clipped in some
     # group (a lower bound on those clipped anywhere)
     clip = clip_sensitivity(engine.max_grad_norm)
-    clipped = (norms > clip).sum() if clip is not None else norms.new_zeros(())
+    # a non-finite norm counts as clipped (it contributed zero): adaptive clipping's count needs
+    # every example's indicator in {0, 1}
+    clipped = (~(norms <= clip)).sum() if clip is not None else norms.new_zeros(())
     examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
     finite = torch.isfinite(norms)
     # a non-finite example contributed zero: its loss stays out of the logged train loss too
