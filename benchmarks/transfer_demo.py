@@ -1,10 +1,11 @@
 """Transfer demonstration: MNIST (public) -> Fashion-MNIST (private), at several epsilons and seeds:
 from scratch; initialised from a non-private MNIST model (new head) with the convolutions frozen or
-all layers fine-tuned; and Mean-Var init from a private Fashion-MNIST seed run whose epsilon
-(0.25) is composed into the run's budget:
+all layers fine-tuned, or fine-tuned parameter-efficiently (LoRA, BiTFiT, a linear probe of the
+logits layer); and Mean-Var init from a private Fashion-MNIST seed run whose epsilon (0.25) is
+composed into the run's budget:
 
     python benchmarks/transfer_demo.py --mnist ../shared/data/mnist-10k --fmnist ../shared/data/fashion-mnist \\
-        [--epsilons 1,3] [--seeds 0,1,2] [--epochs 10] [--out /tmp/transfer-demo]
+        [--epsilons 1,3] [--seeds 0,1,2] [--epochs 10] [--variants scratch,init,...] [--out /tmp/transfer-demo]
 
 Every run is a ``dpscale`` command (printed). Prints a markdown table of mean +- std test
 accuracy per (epsilon, variant) and each run's accuracy.
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=float, default=10)
     parser.add_argument("--out", default="/tmp/transfer-demo")
+    parser.add_argument("--variants", default="", help="comma list of scratch, init, init-all, meanvar, lora, bitfit, "
+                        "probe (default: all)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     source = out / "mnist-pretrained"
@@ -60,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         "Mean-Var from a private FMNIST seed (eps 0.25 of the budget)": ["model.init_scaling=meanvar",
                                                                         f"model.init_seed_model={seed_run}"],
     }  # fmt: skip
-    tags = dict(zip(variants, ("scratch", "init", "init-all", "meanvar")))
+    variants.update({
+        "MNIST init, LoRA r=4 (alpha 8) + new head": [*init, "model.peft=lora", "model.lora_rank=4", "model.lora_alpha=8"],
+        "MNIST init, BiTFiT (biases) + new head": [*init, "model.peft=bitfit"],
+        "MNIST init, linear probe (new head only)": [*init, "model.peft=last_groups", "model.train_last_groups=1"],
+    })  # fmt: skip
+    tags = dict(zip(variants, ("scratch", "init", "init-all", "meanvar", "lora", "bitfit", "probe")))
+    chosen = args.variants.split(",") if args.variants else list(tags.values())
+    variants = {name: extra for name, extra in variants.items() if tags[name] in chosen}
     results: dict[tuple[str, str], list[float]] = {}
     for eps in args.epsilons.split(","):
         for name, extra in variants.items():
@@ -71,13 +81,17 @@ def main(argv: list[str] | None = None) -> int:
                                                         f"dp.epsilon={eps}", f"train.epochs={args.epochs}", f"run.seed={seed}",
                                                         f"run.out_dir={run}"])])  # fmt: skip
                 summary = json.loads((run / "summary.json").read_text())
-                results.setdefault((eps, name), []).append(summary["test_accuracy"])
-    print("\n| epsilon | variant | test accuracy, mean +- std | runs |")
-    print("|---|---|---|---|")
-    for (eps, name), accs in results.items():
+                results.setdefault((eps, name), []).append(
+                    (summary["test_accuracy"], summary["trainable_params"], summary["wall_time_s"] / summary["steps"])
+                )  # fmt: skip
+    print("\n| epsilon | variant | trainable parameters | test accuracy, mean +- std | runs | ms per step (run wall time / steps) |")
+    print("|---|---|---|---|---|---|")
+    for (eps, name), rows in results.items():
+        accs = [a for a, _, _ in rows]
         spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
         runs = ", ".join(f"{100 * a:.2f}" for a in accs)
-        print(f"| {eps} | {name} | {100 * statistics.mean(accs):.2f} +- {100 * spread:.2f}% | {runs} |")
+        ms = statistics.median(1000 * t for _, _, t in rows)
+        print(f"| {eps} | {name} | {rows[0][1]:,} | {100 * statistics.mean(accs):.2f} +- {100 * spread:.2f}% | {runs} | {ms:.0f} |")
     return 0
 
 

@@ -20,6 +20,19 @@ def test_step_time_benchmark_json_rows(capsys, tmp_path):
     assert "dpscale bench step-time --models papernot-cnn" in table and "| papernot-cnn | 256 | dpscale-bk |" in table
 
 
+def test_step_time_peft_twins_train_fewer_parameters(capsys, monkeypatch):
+    """``--peft lora`` adds a -lora twin after each dpscale row, built with the adapters only trainable."""
+    from dpscale.bench import step_time
+
+    built = []
+    real = step_time.apply_peft
+    monkeypatch.setattr(step_time, "apply_peft", lambda model, method, **kw: built.append((method, real(model, method, **kw))))
+    assert main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk", "--peft", "lora",
+                 "--lora-rank", "2", "--batch-size", "8", "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-lora"]
+    assert built[0] == ("none", 26_010) and built[1][0] == "lora" and built[1][1] < 26_010 / 5
+
+
 def test_unknown_engine_is_skipped_with_a_note(capsys):
     assert main(["bench", "step-time", "--models", "linear", "--engines", "nonprivate,dpscale-warp",
                  "--repeats", "1", "--warmup", "0", "--json"]) == 0

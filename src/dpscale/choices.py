@@ -8,6 +8,7 @@ Kept free of imports (like ``dpscale.errors``): the privacy core may not import 
 ACCOUNTANT_KINDS: tuple[str, ...] = ("pld", "rdp")  # dp.accountant, --accountant
 ENGINE_NAMES: tuple[str, ...] = ("auto", "bk", "ghost", "vmap")  # train.engine (make_engine)
 PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")  # train.precision, bench --precision
+PEFT_METHODS: tuple[str, ...] = ("none", "lora", "bitfit", "last_groups")  # model.peft
 CLIPPINGS: tuple[str, ...] = ("fixed", "adaptive")  # dp.clipping, make_private(clipping=)
 MECHANISMS: tuple[str, ...] = ("dpsgd", "bandmf")  # dp.mechanism, make_private(noise_mechanism=), --mechanism
 DEFAULT_MAX_BANDS = 64  # dp.max_bands, make_private(max_bands=), --max-bands: the largest b that bands=auto tries

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from dpscale.choices import (
-    ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
+    ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, PEFT_METHODS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
 from dpscale.clip_norms import check_max_grad_norm
@@ -176,6 +176,13 @@ class ModelConfig:
         about its training data: its run's accounting is composed into this run's epsilon (it must
         be private), unless ``init_seed_public`` declares its training data public.
     init_seed_public: the seed model trained on public data: its cost is left out (every output says so).
+    peft: parameter-efficient fine-tuning (docs/transfer.md): "none", "lora" (frozen Linear/Conv2d
+        layers get trainable rank-r updates), "bitfit" (biases only) or "last_groups" (the last
+        train_last_groups of the model's block groups); the logits layer always trains in full.
+    lora_rank: LoRA's r.
+    lora_alpha: LoRA's alpha (the update is scaled by alpha / r); null: alpha = r.
+    lora_targets: fnmatch patterns over module names that get LoRA adapters (default: all).
+    train_last_groups: k for peft=last_groups.
     """
 
     name: str = "papernot-cnn"
@@ -188,6 +195,11 @@ class ModelConfig:
     init_scaling: str = "none"
     init_seed_model: str | None = None
     init_seed_public: bool = False
+    peft: str = "none"
+    lora_rank: int = 8
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] = ("*",)
+    train_last_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -806,6 +818,12 @@ def _validate_model(config: Config) -> None:
         raise ConfigError("model.init_seed_model / init_seed_public are for model.init_scaling=meanvar")
     if model.freeze_groups < 0:
         raise ConfigError(f"model.freeze_groups must be >= 0, got {model.freeze_groups}")
+    if model.peft not in PEFT_METHODS:
+        raise ConfigError(f"model.peft must be {_either(PEFT_METHODS)}, got {model.peft!r}")
+    if model.peft != "none" and model.freeze_groups:
+        raise ConfigError("model.peft chooses what trains; do not set model.freeze_groups with it")
+    if model.lora_rank < 1 or model.train_last_groups < 1:
+        raise ConfigError("model.lora_rank and model.train_last_groups must be >= 1")
 
 
 def _validate_data(config: Config) -> None:

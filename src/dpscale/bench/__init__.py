@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from dpscale.choices import MECHANISMS, PRECISIONS
+from dpscale.choices import MECHANISMS, PEFT_METHODS, PRECISIONS
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +31,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
                       help="bandmf: time a BandMF twin (-bandmfB) next to each dpscale engine (its extra cost)")
     step.add_argument("--bands", type=int, default=8, help="b of the BandMF rows (default 8)")
+    step.add_argument("--peft", choices=[m for m in PEFT_METHODS if m != "none"], default=None,
+                      help="also time a parameter-efficient twin (-lora, -bitfit, -last_groups) of each dpscale engine "
+                      "row: the same model with only the adapters (and the logits layer) trained")
+    step.add_argument("--lora-rank", type=int, default=8, help="r of the LoRA rows (default 8)")
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
     step.set_defaults(func=_run_step_time)

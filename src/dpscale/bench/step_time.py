@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpscale.choices import PEFT_METHODS
 from dpscale.models import build_model, default_input_shape
+from dpscale.models.peft import apply_peft
 from dpscale.privacy.precision import FP32, Precision, make_precision
 from dpscale.train.step import physical_chunks
 
@@ -108,15 +110,17 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
 
 def _dpscale_step(
     name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32,
-    bands: int = 1,
+    bands: int = 1, peft: str = "none", lora_rank: int = 8,
 ) -> TimedStep:  # fmt: skip
     """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
     noise from the 128-bit host generator and the accounting included), on the whole batch;
-    with ``bands`` > 1, BandMF's correlated noise (its recursion over the last b-1 noise vectors)."""
+    with ``bands`` > 1, BandMF's correlated noise (its recursion over the last b-1 noise vectors);
+    with ``peft``, only that method's parameters train (``dpscale.models.peft``)."""
     from dpscale.train.private import make_private
 
     model = _fresh_model(name, x.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    apply_peft(model, peft, rank=lora_rank)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch = x.shape[0]
     mechanism = make_private(
         model, optimizer, dataset_size=100 * batch, batch_size=batch, max_grad_norm=CLIP, noise_multiplier=SIGMA,
@@ -134,10 +138,18 @@ def _dpscale_step(
     return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
 
 
+def peft_of(engine: str) -> tuple[str, str]:
+    """"dpscale-auto-lora" -> ("dpscale-auto", "lora"): a PEFT suffix (``--peft``); "none" without one."""
+    head, _, last = engine.rpartition("-")
+    return (head, last) if head and last in PEFT_METHODS and last != "none" else (engine, "none")
+
+
 def _parse_engine(engine: str) -> tuple[str, str, int, int]:
     """"dpscale-auto-k4-bandmf8" -> ("dpscale", "auto", 4, 8): a "-kK" suffix asks for K augmented
-    views, a "-bandmfB" suffix for BandMF's correlated noise with B bands (1: DP-SGD)."""
+    views, a "-bandmfB" suffix for BandMF's correlated noise with B bands (1: DP-SGD); a PEFT
+    suffix (``peft_of``) is read apart."""
     views, bands = 1, 1
+    engine = peft_of(engine)[0]
     head, _, last = engine.rpartition("-")
     if head and last.startswith("bandmf") and last[6:].isdigit():
         engine, bands = head, int(last[6:])
@@ -146,6 +158,17 @@ def _parse_engine(engine: str) -> tuple[str, str, int, int]:
         engine, views = head, int(last[1:])
     kind, _, mode = engine.partition("-")
     return kind, mode, views, bands
+
+
+def with_twin_rows(engines: list[str], suffix: str) -> list[str]:
+    """``engines`` with a twin ``ENGINE-suffix`` after each dpscale engine, timed in the same
+    process, interleaved, so that their ratio is the suffix's cost (or saving)."""
+    out = []
+    for engine in engines:
+        out.append(engine)
+        if engine.startswith("dpscale-") and not engine.endswith(f"-{suffix}"):
+            out.append(f"{engine}-{suffix}")
+    return out
 
 
 def with_bandmf_rows(engines: list[str], bands: int) -> list[str]:
@@ -229,11 +252,12 @@ def _sync(device: torch.device) -> None:
 def run_step_time(
     models: list[str], engines: list[str], repeats: int = 10, warmup: int = 3, device: str = "cpu",
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-    precision: str = "fp32", batch_size: int | None = None,
+    precision: str = "fp32", batch_size: int | None = None, lora_rank: int = 8,
 ) -> list[Row]:
     """Measure every (model, engine); returns rows (engines that cannot run are skipped with a log line).
 
     Args:
+        lora_rank: r of "-lora" rows.
         precision: fp32, tf32, bf16 or fp16 for every row (see the module docstring).
         batch_size: for every model (default: DEFAULT_BATCH on CPU, GPU_BATCH on CUDA, else 64).
     """
@@ -261,7 +285,7 @@ def run_step_time(
                 if kind == "nonprivate" and bands == 1:
                     steps[engine] = _nonprivate_step(name, x, y, views, prec)
                 elif kind == "dpscale":
-                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands)
+                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(engine)[1], lora_rank)
                 elif kind == "opacus" and views == 1 and bands == 1:
                     steps[engine] = _opacus_step(name, mode, x, y, prec)
                 else:
@@ -344,11 +368,13 @@ def main(args) -> int:
     engines = [e for e in args.engines.split(",") if e] if args.engines else list(ALL_ENGINES)
     if args.mechanism == "bandmf":
         engines = with_bandmf_rows(engines, args.bands)
+    if args.peft:
+        engines = with_twin_rows(engines, args.peft)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run_step_time(
         models, engines, repeats=args.repeats, warmup=args.warmup, device=args.device,
-        precision=args.precision, batch_size=args.batch_size,
+        precision=args.precision, batch_size=args.batch_size, lora_rank=args.lora_rank,
     )
     if args.json:
         print(json.dumps([{k: v for k, v in asdict(r).items() if k != "repeats"} for r in rows]))

@@ -17,6 +17,7 @@ from dpscale.data.stream import StreamedData
 from dpscale.features.normalize import FeatureNormalizer
 from dpscale.features.pipeline import extract_run_features, fit_normalizer, normalize_dataset
 from dpscale.models import build_model, freeze_block_groups
+from dpscale.models.peft import apply_peft
 from dpscale.models.init import init_from, meanvar_init, read_weights
 from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
 from dpscale.privacy.plan import DPPlan
@@ -127,13 +128,28 @@ def build_run(
     check_per_example_compatible(model)
     if config.model.freeze_groups:
         freeze_block_groups(model, config.model.freeze_groups)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = _peft(model, config, log)
     plan = plan_for(config, inputs, saved_plan, parameters=trainable)
     normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
     data = normalize_dataset(features, normalizer)
     dist.broadcast_module_(model)  # identical already (same seed); made certain
     return _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
                            model, init_report, log)  # fmt: skip
+
+
+def _peft(model: nn.Module, config: Config, log: Log) -> int:
+    """model.peft applied (the same on resume: the checkpoint's state dict has the adapters);
+    returns the trainable parameters."""
+    cfg = config.model
+    try:
+        trainable = apply_peft(model, cfg.peft, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
+                               last_groups=cfg.train_last_groups)  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if cfg.peft != "none":
+        total = sum(p.numel() for p in model.parameters())
+        log(f"model.peft={cfg.peft}: {trainable:,} of {total:,} parameters train (clipped and noised); the rest is frozen")
+    return trainable
 
 
 def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, int]]:
