@@ -408,6 +408,38 @@ def test_scatter_cnn_widths_set_its_conv_and_fc_widths(widths):
     assert _scatter_cnn_count(16, 32, 32) == 33_066  # the paper's Table 8 network, the default
 
 
+def test_scatter_cnn_linear_skip_adds_a_linear_map_of_the_features_to_the_logits():
+    """On 81x8x8 (padded images): conv 16/2 -> 16x4x4, conv 32 -> 32x4x4 = 512, fc 32; the last
+    layer reads [fc 32 output, the 5184 features]: (32 + 5184) x 10 + 10."""
+    model = build_model("scatter-cnn", 10, (81, 8, 8), "tanh", linear_skip=True)
+    by_hand = (16 * 81 * 9 + 16) + (32 * 16 * 9 + 32) + (512 * 32 + 32) + ((32 + 5184) * 10 + 10)
+    assert count_parameters(model) == by_hand == 84_906
+    x = torch.randn(3, 81, 8, 8, dtype=torch.float64)
+    model = model.double()
+    last = model.head[-1]
+    with torch.no_grad():  # the CNN path alone, then the linear path alone
+        cnn_only = last(torch.cat([model.features.branch(x), torch.zeros(3, 5184, dtype=torch.float64)], 1))
+        linear_only = x.flatten(1) @ last.weight[:, 32:].T
+        torch.testing.assert_close(model(x), cnn_only + linear_only)
+    assert count_parameters(build_model("scatter-cnn", 10, (81, 8, 8), "tanh")) == 33_066  # default unchanged
+
+
+def test_scatter_cnn_linear_skip_is_clipped_exactly_by_bk():
+    from dpscale.privacy.engines import make_engine
+    from dpscale.privacy.reference import float64_reference
+
+    torch.manual_seed(0)
+    model = build_model("scatter-cnn", 10, (81, 8, 8), "tanh", linear_skip=True).double()
+    batch = (torch.randn(5, 81, 8, 8, dtype=torch.float64), torch.randint(0, 10, (5,)))
+    engine, notice = make_engine("auto", 0.1, model)
+    assert engine.name == "bk" and notice is None
+    grad_sum, norms, _ = engine.clipped_sum_and_losses(model, {n: p.detach() for n, p in model.named_parameters()}, batch)
+    reference = float64_reference(model, batch, 0.1)
+    torch.testing.assert_close(norms, reference.norms, rtol=1e-9, atol=1e-12)
+    for name, value in reference.clipped_sum.items():
+        torch.testing.assert_close(grad_sum[name], value, rtol=1e-9, atol=1e-12)
+
+
 def test_scatter_cnn_refuses_widths_that_are_not_three_positive_numbers():
     with pytest.raises(ValueError, match="widths"):
         build_model("scatter-cnn", 10, (81, 7, 7), "tanh", widths=(16, 32))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
@@ -22,6 +23,19 @@ from dpscale.models.registry import register_model
 
 SCATTER_GRAY_SHAPE = (81, 7, 7)  # ScatterNet(J=2, L=8) of a 28x28 grayscale image
 SCATTER_RGB_SHAPE = (243, 8, 8)  # ... of a 32x32 RGB image
+
+
+class WithLinearSkip(nn.Module):
+    """Concatenates a branch's output with the flattened input, so the head that follows is a
+    linear model of the features plus the branch's contribution (a scatter-linear model that the
+    CNN branch can only add to)."""
+
+    def __init__(self, branch: nn.Module) -> None:
+        super().__init__()
+        self.branch = branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.branch(x), x.flatten(1)], dim=1)
 
 
 @register_model("scatter-linear", input_shape=SCATTER_GRAY_SHAPE)
@@ -44,6 +58,7 @@ def scatter_cnn(
     variant: str | None = None,
     paper_table_pooling: bool = False,
     widths: Sequence[int] = (16, 32, 32),
+    linear_skip: bool = False,
 ) -> Classifier:
     """CNN on ScatterNet features, tanh by default.
 
@@ -56,6 +71,8 @@ def scatter_cnn(
             for "mnist", a second stride-2 pool for "cifar").
         widths: the "mnist" variant's two conv widths and its hidden FC width (the paper's
             (16, 32, 32) by default).
+        linear_skip: the logits also get a linear map of the flattened features (one Linear
+            layer reads the CNN's hidden FC output and the features side by side).
     """
     channels, height, width = input_shape
     variant = variant or ("mnist" if channels <= SCATTER_GRAY_SHAPE[0] else "cifar")
@@ -87,4 +104,10 @@ def scatter_cnn(
     if size_h < 1 or size_w < 1:
         raise ValueError(f"scatter-cnn ({variant}) needs larger features than {input_shape}")
     features = nn.Sequential(*layers, nn.Flatten())
-    return Classifier(features, out_channels * size_h * size_w, num_classes, hidden, activation)
+    feature_dim = out_channels * size_h * size_w
+    if linear_skip:
+        for hidden_width in hidden:
+            features.extend([nn.Linear(feature_dim, hidden_width), act()])
+            feature_dim = hidden_width
+        features, feature_dim, hidden = WithLinearSkip(features), feature_dim + channels * height * width, ()
+    return Classifier(features, feature_dim, num_classes, hidden, activation)
