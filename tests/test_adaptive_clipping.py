@@ -58,7 +58,7 @@ def _linear_run(**options):
     torch.manual_seed(0)
     model = nn.Linear(10, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = dpscale.make_private(model, optimizer, max_grad_norm=10.0, **{**RECIPE, **options})
+    mechanism = dpscale.make_private(model, optimizer, **{"max_grad_norm": 10.0, **RECIPE, **options})
     return model, optimizer, mechanism
 
 
@@ -124,6 +124,29 @@ def test_the_gradient_noise_has_std_sigma_grad_times_the_current_c():
         measured = float((model.weight.detach() - before).std()) * 200 / clip
         assert abs(measured / (1 / 0.1875) ** 0.5 - 1) < 5 / math.sqrt(2 * 4000)  # sigma_grad 2.309, not 2
     assert mechanism.clip != 0.5
+
+
+@pytest.mark.parametrize("engine", ["vmap", "bk", "ghost"])
+def test_each_step_clips_at_its_own_c_as_the_float64_loop_does(engine):
+    """Without gradient noise (sigma 0), the released gradient is the clipped sum / B: at every
+    step it must equal the float64 loop's at that step's C_t, whichever engine runs."""
+    import copy
+
+    x, y = _data()
+    model, _, mechanism = _linear_run(noise_multiplier=0.0, steps=6, engine=engine, max_physical_batch_size=64)
+    seen = []
+
+    def observe(gradient):
+        reference = float64_reference(copy.deepcopy(model), batch, mechanism.clip)
+        for name, value in reference.clipped_sum.items():
+            torch.testing.assert_close(gradient[name].double(), value / 200, rtol=1e-4, atol=1e-7)
+        seen.append(mechanism.clip)
+
+    mechanism.observer = observe
+    for indices in mechanism.batches():
+        batch = (x[indices], y[indices])
+        mechanism.step(*batch)
+    assert len(seen) == 6 and len(set(seen)) == 6  # C moved at every step
 
 
 def test_resume_restores_c_and_continues_bit_for_bit():

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.adaptive import next_clip, noisy_unclipped_fraction
+from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
 from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
@@ -206,15 +206,10 @@ class DPMechanism:
                 if history is not None:  # BandMF: the refused step's noise leaves the recursion untouched
                     self.correlated_noise.rewind(history)
                 raise
-        if adaptive is not None:  # the count's release, then C for the next step (post-processing)
-            unclipped = stats.batch_size - stats.clipped
-            share = noisy_unclipped_fraction(
-                unclipped, stats.batch_size, expected_batch_size=self.plan.batch_size, count_noise=adaptive.count_noise,
-                generator=self.noise_generator,
-            )  # fmt: skip
-            self.clip = next_clip(self.clip, share, adaptive)
         if self.observer is not None:
             self.observer(gradient)
+        if adaptive is not None:  # the count's release, then C for the next step (post-processing)
+            self._release_count_and_move_clip(stats, adaptive)
         self.optimizer._dpscale_in_step = True  # type: ignore[attr-defined]
         try:
             apply_gradient(self.model, gradient, self.optimizer)
@@ -230,6 +225,15 @@ class DPMechanism:
             )  # fmt: skip
         self.steps_taken += 1
         return stats
+
+    def _release_count_and_move_clip(self, stats: StepStats, adaptive: AdaptiveClipping) -> None:
+        """Adaptive clipping: the noisy share of unclipped examples of this step (drawn from the
+        noise generator after the gradient's noise), and C_{t+1} from it."""
+        share = noisy_unclipped_fraction(
+            stats.batch_size - stats.clipped, stats.batch_size, expected_batch_size=self.plan.batch_size,
+            count_noise=adaptive.count_noise, generator=self.noise_generator,
+        )  # fmt: skip
+        self.clip = next_clip(self.clip, share, adaptive)
 
     def _run_first_chunk_check(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
         """The first-chunk check on this step's first chunk, if it holds ``MIN_EXAMPLES`` or more
