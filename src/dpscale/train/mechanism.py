@@ -229,10 +229,8 @@ class DPMechanism:
     def _release_count_and_move_clip(self, stats: StepStats, adaptive: AdaptiveClipping) -> None:
         """Adaptive clipping: the noisy share of unclipped examples of this step (drawn from the
         noise generator after the gradient's noise), and C_{t+1} from it."""
-        share = noisy_unclipped_fraction(
-            stats.batch_size - stats.clipped, stats.batch_size, expected_batch_size=self.plan.batch_size,
-            count_noise=adaptive.count_noise, generator=self.noise_generator,
-        )  # fmt: skip
+        share = noisy_unclipped_fraction(stats.batch_size - stats.clipped, stats.batch_size, generator=self.noise_generator,
+                                         expected_batch_size=self.plan.batch_size, count_noise=adaptive.count_noise)
         self.clip = next_clip(self.clip, share, adaptive)
 
     def _run_first_chunk_check(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
