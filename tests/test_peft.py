@@ -158,3 +158,17 @@ def test_bad_peft_settings_are_refused(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         config = load_config(None, ["dp.batch_size=16", "train.steps=2", f"run.out_dir={tmp_path}", *overrides])
         Trainer.create(config, progress=False)
+
+
+def test_evaluation_computes_with_the_merged_weights():
+    """Under no_grad an adapted layer is one layer with W + (alpha/r) B A: the merged model's output."""
+    import copy
+
+    model = _adapted("papernot-cnn", (1, 28, 28), "lora")
+    x = torch.randn(4, 1, 28, 28, dtype=torch.float64)
+    training_path = model(x)  # grad enabled: base + adapter branch
+    with torch.no_grad():
+        evaluated = model(x)
+        merged = merge_lora(copy.deepcopy(model))(x)
+    torch.testing.assert_close(evaluated, merged, rtol=0, atol=0)
+    torch.testing.assert_close(evaluated, training_path.detach(), rtol=1e-10, atol=1e-12)

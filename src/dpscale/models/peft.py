@@ -9,7 +9,9 @@ records, clips or noises it.
   trainable low-rank update, y = W x + (alpha / r) B(A(x)) with A: in -> r (for a convolution, W's
   kernel, stride, padding and dilation) and B: r -> out (1x1), B = 0 at the start. A and B are
   themselves ``nn.Linear``/``nn.Conv2d`` layers, so the bk and ghost engines clip them with their
-  exact rules (no vmap fallback), and ``merge_lora`` folds them into W for export.
+  exact rules (no vmap fallback), and ``merge_lora`` folds them into W for export. Without
+  gradients (evaluation) an adapted layer computes with the merged weight: one layer's cost, the
+  exported model's arithmetic.
 - **BiTFiT** (Bu et al. 2022): only the biases (and the logits layer) train.
 - **last k groups**: only the last k of ``model.block_groups()`` train.
 
@@ -24,6 +26,7 @@ from fnmatch import fnmatchcase
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dpscale.choices import PEFT_METHODS
@@ -44,13 +47,19 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_b.weight)  # the wrapped layer computes W x at the start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: one layer, the merged weight (as exported)
+            return F.linear(x, self.merged_weight(), self.base.bias)
         return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A."""
+        return self.base.weight + self.scale * (self.lora_b.weight @ self.lora_a.weight)
 
     def merged(self) -> nn.Linear:
         """The plain ``nn.Linear`` with W + (alpha / r) B A."""
         layer = _copy(self.base)
         with torch.no_grad():
-            layer.weight += self.scale * (self.lora_b.weight @ self.lora_a.weight)
+            layer.weight.copy_(self.merged_weight())
         return layer
 
 
@@ -74,14 +83,20 @@ class LoRAConv2d(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: one convolution, the merged weight (as exported)
+            return self.base._conv_forward(x, self.merged_weight(), self.base.bias)
         return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
 
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A (B's 1x1 kernel applied to A's kernels)."""
+        update = torch.einsum("or,rikl->oikl", self.lora_b.weight[:, :, 0, 0], self.lora_a.weight)
+        return self.base.weight + self.scale * update
+
     def merged(self) -> nn.Conv2d:
-        """The plain ``nn.Conv2d`` with W + (alpha / r) B A (B's 1x1 kernel applied to A's kernels)."""
+        """The plain ``nn.Conv2d`` with W + (alpha / r) B A."""
         layer = _copy(self.base)
         with torch.no_grad():
-            update = torch.einsum("or,rikl->oikl", self.lora_b.weight[:, :, 0, 0], self.lora_a.weight)
-            layer.weight += self.scale * update
+            layer.weight.copy_(self.merged_weight())
         return layer
 
 
