@@ -726,7 +726,8 @@ class GhostEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             layer_sq = self._layer_norms(records, out_grads, batch[0])
             group_of = _layer_groups(records, self.max_grad_norm, params) if is_per_layer(self.max_grad_norm) else None
-            layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of)
+            zeros = batch[0].new_zeros(batch[0].shape[0], dtype=torch.float32 if self.precision.low else None)
+            layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of, zeros=zeros)
             finite = torch.isfinite(norms)
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell
             # (a one-off pass: its host read is no cost)

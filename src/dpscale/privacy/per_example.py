@@ -58,7 +58,8 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
     return loss_fn(logits, y.repeat_interleave(views)).reshape(-1, views).mean(1)
 
 def clip_units(
-    unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None
+    unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None,
+    *, zeros: torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-example clip factors of each unit (a parameter, or a layer) and the total norms.
 
@@ -67,13 +68,14 @@ def clip_units(
         max_grad_norm: C (one factor min(1, C / ||g_i||) for every unit), a per-layer mapping
             (the factor of a unit is that of its group, min(1, C_g / ||g_i restricted to g||)) or None.
         group_of: unit -> group index, for a per-layer ``max_grad_norm`` (``resolve_clip_groups``).
+        zeros: (B,) zeros in the norms' dtype: the norms when no unit has a gradient (no
+            trainable layer ran).
 
     Returns:
         (unit -> factors (B,), norms (B,) of the whole unclipped gradients). An example whose norm
         is not finite gets factor 0 everywhere: it contributes exactly zero.
     """
-    sq_total = sum(unit_sq_norms.values())
-    norms = sq_total.sqrt()
+    norms = sum(unit_sq_norms.values(), zeros).sqrt()
     finite = torch.isfinite(norms)
     if not is_per_layer(max_grad_norm):
         factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))  # type: ignore[arg-type]
@@ -282,7 +284,8 @@ class VmapEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             sq_norms = {k: g.reshape(g.shape[0], -1).pow(2).sum(1) for k, g in grads.items()}
             group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
-            factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of)
+            zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
+            factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; its rows are set to zero, since
             # 0 * inf = NaN would spread to the whole update and show that it was in the batch.
