@@ -50,10 +50,12 @@ class ClipGroups:
     norms: tuple[float, ...]
     group_of: dict[str, int]
 
-    def factors(self, group_sq_norms: torch.Tensor) -> torch.Tensor:
-        """Per-group, per-example factors (G, B) from per-group squared norms (G, B)."""
-        bounds = group_sq_norms.new_tensor(self.norms).unsqueeze(1)
-        return (bounds / (group_sq_norms.sqrt() + CLIP_EPS)).clamp(max=1.0)
+
+def group_clip_factors(bounds: Sequence[float], group_sq_norms: torch.Tensor) -> torch.Tensor:
+    """Per-group, per-example factors min(1, C_g / ||g_i,g||), (G, B), from the groups' bounds C_g
+    and per-group squared norms (G, B)."""
+    column = group_sq_norms.new_tensor([float(c) for c in bounds]).unsqueeze(1)
+    return (column / (group_sq_norms.sqrt() + CLIP_EPS)).clamp(max=1.0)
 
 
 def resolve_clip_groups(max_grad_norm: Mapping[str, float], names: Sequence[str]) -> ClipGroups:

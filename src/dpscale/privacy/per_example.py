@@ -20,9 +20,9 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from dpscale.privacy.clipping import (  # noqa: F401  (CLIP_EPS, clip_factors: re-exported)
     CLIP_EPS,
-    ClipGroups,
     MaxGradNorm,
     clip_factors,
+    group_clip_factors,
     is_per_layer,
     resolve_clip_groups,
 )
@@ -82,11 +82,11 @@ def clip_units(
         return {unit: factors for unit in unit_sq_norms}, norms
     if group_of is None:
         raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
-    bounds = [float(c) for c in max_grad_norm.values()]  # type: ignore[union-attr]
+    bounds = list(max_grad_norm.values())  # type: ignore[union-attr]
     group_sq = norms.new_zeros(len(bounds), norms.shape[0])
     for unit, sq in unit_sq_norms.items():
         group_sq[group_of[unit]] += sq  # type: ignore[index]
-    group_factors = ClipGroups(tuple(bounds), {}).factors(group_sq)
+    group_factors = group_clip_factors(bounds, group_sq)
     group_factors = torch.where(finite, group_factors, torch.zeros_like(group_factors))
     return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms  # type: ignore[index]
 
