@@ -146,3 +146,19 @@ def test_the_cli_takes_a_per_layer_mapping_and_records_it(tmp_path, capsys):
     assert main(["train", "--quiet", *(a for s in [*sets[:-2], f"run.out_dir={tmp_path / 'bk'}", "train.engine=bk",
                                                    sets[-1]] for a in ("--set", s))]) == 2  # fmt: skip
     assert "engine bk does not support head.0 (its parameters in different per-layer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["vmap", "bk"])
+def test_an_overflowing_example_contributes_zero_in_every_group(engine):
+    """The adversarial input: an example whose gradient is not finite adds nothing to any group's
+    sum (not a NaN spread over the update), exactly as removing it would."""
+    model, (x, y) = _net(), _batch()
+    clip = {"0.*": 0.05, "*": 0.1}
+    x_bad = x.clone()
+    x_bad[4] = float("inf")
+    with_bad, norms = _engine_sum(engine, model, clip, (x_bad, y))
+    keep = torch.arange(len(y)) != 4
+    without, _ = _engine_sum(engine, model, clip, (x[keep], y[keep]))
+    assert not bool(torch.isfinite(norms[4]))
+    for name in without:
+        torch.testing.assert_close(with_bad[name], without[name], rtol=1e-12, atol=1e-15)
