@@ -3,7 +3,7 @@
 A second, independent DP-SGD for logistic regression only: the per-example gradient of a linear
 model is the outer product (softmax - onehot) x features, so its norm is a product of two norms
 and a whole run takes 20-90 s on 2 cores. It was used to screen feature transforms, ScatterNet
-padding, J, L and schedules before confirming the promising ones with ``dpscale sweep`` (the
+padding, J, L, schedules and a pixel path before confirming the promising ones with ``dpscale sweep`` (the
 library's path; docs/results.md). Poisson sampling, clip C, noise sigma*C on the clipped sum,
 division by the expected batch B, SGD momentum 0.9, sigma calibrated with dpscale's PLD accountant;
 Tramer & Boneh's preset otherwise (B 8192, lr 16, 40 epochs, GroupNorm). Validation split: dpscale's
@@ -46,25 +46,30 @@ def scatter(images: torch.Tensor, split: str, J: int, L: int, pad: int) -> torch
     return _RAW[key]
 
 
-def design(raw: torch.Tensor, transform: str, groups: int) -> torch.Tensor:
-    """Transformed, GroupNorm-ed, flattened features with a constant 1 column for the bias."""
+def design(raw: torch.Tensor, transform: str, groups: int, images: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformed, GroupNorm-ed, flattened features with a constant 1 column for the bias.
+
+    With ``images``, the per-image standardised pixels are appended (a linear path on the pixels).
+    """
     if transform == "log":
         raw = torch.log(raw + 1e-2)
     elif transform == "sqrt":
         raw = raw.clamp_min(0).sqrt()
     x = F.group_norm(raw, groups, eps=1e-5).flatten(1)
+    if images is not None:
+        x = torch.cat([x, F.group_norm(images, 1, eps=1e-5).flatten(1)], 1)
     return torch.cat([x, torch.ones(len(x), 1)], 1)
 
 
 def run(
     transform: str = "none", G: int = 27, B: int = 8192, lr_base: float = 1.0, epochs: int = 40,
     C: float = 0.1, seed: int = 0, eps: float = 3.0, J: int = 2, L: int = 8, pad: int = 0,
-    schedule: str = "const", nesterov: bool = False,
+    schedule: str = "const", nesterov: bool = False, pixels: bool = False,
 ) -> tuple[float, int, float]:  # fmt: skip
     """One DP-SGD run; returns (sigma, steps, validation accuracy in [0, 1])."""
     data = validation_data()
     gen = torch.Generator().manual_seed(seed)
-    x = design(scatter(data.x_train, "train", J, L, pad), transform, G)
+    x = design(scatter(data.x_train, "train", J, L, pad), transform, G, data.x_train if pixels else None)
     onehot, norms = F.one_hot(data.y_train, 10).float(), x.norm(dim=1)
     n = len(x)
     q, steps = B / n, int(epochs * n / B)
@@ -78,7 +83,7 @@ def run(
         step_lr = lr * (0.5 * (1 + math.cos(math.pi * t / steps)) if schedule == "cos" else 1.0)
         momentum = 0.9 * momentum + grad
         weights -= step_lr * (grad + 0.9 * momentum if nesterov else momentum)
-    xv = design(scatter(data.x_test, "test", J, L, pad), transform, G)
+    xv = design(scatter(data.x_test, "test", J, L, pad), transform, G, data.x_test if pixels else None)
     return sigma, steps, ((xv @ weights.T).argmax(-1) == data.y_test).float().mean().item()
 
 

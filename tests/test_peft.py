@@ -19,6 +19,7 @@ import dpscale
 from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
+from dpscale.layers import LoRADownConv2d, LoRADownLinear
 from dpscale.models import build_model
 from dpscale.models.peft import LoRAConv2d, LoRALinear, apply_peft, merge_lora
 from dpscale.privacy.engines import make_engine
@@ -79,6 +80,21 @@ def test_lora_trains_adapters_and_the_logits_layer_only():
     adapters = sum(p.numel() for m in wrapped for p in (m.lora_a.weight, m.lora_b.weight))
     assert trainable == adapters + 32 * 10 + 10 < full / 5
     assert all(not p.requires_grad for m in wrapped for p in m.base.parameters())
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_lora_down_projection_computes_a_and_the_frozen_layer_in_one_call(kind):
+    torch.manual_seed(0)
+    frozen = nn.Linear(12, 5) if kind == "linear" else nn.Conv2d(3, 5, 3, stride=2, padding=1, dilation=1)
+    frozen = frozen.double().requires_grad_(False)
+    down = (LoRADownLinear if kind == "linear" else LoRADownConv2d)(frozen, 2)
+    assert [n for n, _ in down.named_parameters()] == ["weight"]  # W stays the adapter's, not A's
+    x = torch.randn(4, 12, dtype=torch.float64) if kind == "linear" else torch.randn(4, 3, 9, 9, dtype=torch.float64)
+    alone = down._conv_forward(x, down.weight, None) if kind == "conv" else x @ down.weight.T
+    torch.testing.assert_close(down(x), alone, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(down.take_frozen_output(), frozen(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="before the layer ran"):
+        down.take_frozen_output()  # handed over once: no stale tensor kept
 
 
 def test_lora_starts_as_the_pretrained_function_and_merges_back_exactly():

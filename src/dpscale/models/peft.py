@@ -8,8 +8,9 @@ records, clips or noises it.
 - **LoRA** (Hu et al. 2021; for DP: Yu et al. 2022, fastDP): a frozen ``Linear``/``Conv2d`` W gets a
   trainable low-rank update, y = W x + (alpha / r) B(A(x)) with A: in -> r (for a convolution, W's
   kernel, stride, padding and dilation) and B: r -> out (1x1), B = 0 at the start. A and B are
-  themselves ``nn.Linear``/``nn.Conv2d`` layers, so the bk and ghost engines clip them with their
-  exact rules (no vmap fallback), and ``merge_lora`` folds them into W for export. Without
+  themselves ``nn.Linear``/``nn.Conv2d`` layers (A a ``dpscale.layers.LoRADown*``, which computes
+  W x + b in the same call), so the bk and ghost engines clip them with their exact rules (no
+  vmap fallback), and ``merge_lora`` folds them into W for export. Without
   gradients (evaluation) an adapted layer computes with the merged weight: one layer's cost, the
   exported model's arithmetic.
 - **BiTFiT** (Bu et al. 2022): only the biases (and the logits layer) train.
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.choices import PEFT_METHODS
+from dpscale.layers import LoRADownConv2d, LoRADownLinear
 
 
 
@@ -41,7 +43,7 @@ class LoRALinear(nn.Module):
         self.base, self.scale = base, alpha / rank
         base.requires_grad_(False)
         kwargs = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_a = nn.Linear(base.in_features, rank, bias=False, **kwargs)
+        self.lora_a = LoRADownLinear(base, rank)
         self.lora_b = nn.Linear(rank, base.out_features, bias=False, **kwargs)
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)  # the wrapped layer computes W x at the start
@@ -49,7 +51,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: one layer, the merged weight (as exported)
             return F.linear(x, self.merged_weight(), self.base.bias)
-        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
+        down = self.lora_a(x)  # A x, computed with W x + b in one product
+        return torch.add(self.lora_a.take_frozen_output(), self.lora_b(down), alpha=self.scale)
 
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha / r) B A."""
@@ -74,10 +77,7 @@ class LoRAConv2d(nn.Module):
         self.base, self.scale = base, alpha / rank
         base.requires_grad_(False)
         kwargs = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_a = nn.Conv2d(
-            base.in_channels, rank, base.kernel_size, stride=base.stride, padding=base.padding,
-            dilation=base.dilation, bias=False, **kwargs,
-        )  # fmt: skip
+        self.lora_a = LoRADownConv2d(base, rank)
         self.lora_b = nn.Conv2d(rank, base.out_channels, 1, bias=False, **kwargs)
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
@@ -85,7 +85,8 @@ class LoRAConv2d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: one convolution, the merged weight (as exported)
             return self.base._conv_forward(x, self.merged_weight(), self.base.bias)
-        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
+        down = self.lora_a(x)  # A x, computed with W x + b in one convolution
+        return torch.add(self.lora_a.take_frozen_output(), self.lora_b(down), alpha=self.scale)
 
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha / r) B A (B's 1x1 kernel applied to A's kernels)."""

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpscale.layers import ClassTokenPositionEmbedding, ScalarGain, ScaledStdConv2d
+from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
 from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_groups
 from dpscale.privacy.per_example import (
     Batch,
@@ -437,8 +437,10 @@ class _Rule:
 _WEIGHT_BIAS = frozenset({"weight", "bias"})
 _RULES: dict[type, _Rule] = {
     nn.Linear: _Rule(_linear_norms, _linear_sums, _WEIGHT_BIAS),
+    LoRADownLinear: _Rule(_linear_norms, _linear_sums, frozenset({"weight"})),  # its output: A x alone
     nn.Conv1d: _Rule(_conv_norms, _conv_sums, _WEIGHT_BIAS),
     nn.Conv2d: _Rule(_conv_norms, _conv_sums, _WEIGHT_BIAS),
+    LoRADownConv2d: _Rule(_conv_norms, _conv_sums, frozenset({"weight"})),
     nn.GroupNorm: _Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
     nn.LayerNorm: _Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
     nn.Embedding: _Rule(_embedding_norms, _embedding_sums, frozenset({"weight"})),
