@@ -339,12 +339,17 @@ class RunConfig:
         (null: runs/<model>-<data>-<date-time>).
     threads: torch CPU threads (null: torch's default).
     device: "cpu" or "cuda".
+    tensorboard: write TensorBoard event files to <out_dir>/tensorboard (train loss, test
+        accuracy, epsilon, clipped fraction, mean per-example norm, step time, the config and the
+        privacy statement; ``dpscale.train.tensorboard``). Skipped with a note where the
+        tensorboard package is not installed.
     """
 
     seed: int | None = None
     out_dir: str | None = None
     threads: int | None = None
     device: str = "cpu"
+    tensorboard: bool = True
 
 
 @dataclass(frozen=True)

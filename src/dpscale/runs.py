@@ -31,6 +31,7 @@ CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 AUDIT_NAME = "audit.json"
+TENSORBOARD_NAME = "tensorboard"  # a folder of TensorBoard event files (dpscale.train.tensorboard)
 LOCK_NAME = ".dpscale.lock"
 DAMAGED_CHECKPOINT_NAME = "checkpoint.damaged.pt"
 RUN_FILES = (CONFIG_NAME, CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, SUMMARY_NAME, METRICS_NAME)
@@ -41,7 +42,8 @@ CHECKPOINTED_RUN_FILES = (CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, SUMMARY_NAM
 
 __all__ = [
     "AUDIT_NAME", "CHECKPOINT_NAME", "CHECKPOINTED_RUN_FILES", "CONFIG_NAME", "DAMAGED_CHECKPOINT_NAME",
-    "LOCK_NAME", "METRICS_NAME", "PREVIOUS_CHECKPOINT_NAME", "RUN_FILES", "SUMMARY_NAME", "UNSTARTED_RUN_FILES",
+    "LOCK_NAME", "METRICS_NAME", "PREVIOUS_CHECKPOINT_NAME", "RUN_FILES", "SUMMARY_NAME", "TENSORBOARD_NAME",
+    "UNSTARTED_RUN_FILES",
     "LatestCheckpoint", "NotARunDirectory", "holds_checkpoint", "holds_run", "is_audit_run", "is_run_dir",
     "latest_checkpoint", "read_metrics", "read_run", "read_run_config", "read_summary",
 ]  # fmt: skip

@@ -30,6 +30,7 @@ from dpscale.train.mechanism import DPMechanism
 from dpscale.train.metrics import MetricsLog
 from dpscale.train.rundir import RunLock
 from dpscale.train.step import augmented_chunks, physical_chunks
+from dpscale.train.tensorboard import RunBoard, open_board
 
 # How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
 EPSILON_REFRESH_S = 10.0
@@ -80,6 +81,7 @@ class Trainer:
         self.damaged_checkpoint: Path | None = None  # a damaged newest checkpoint, set aside at the next save
         self._checkpoint_step: int | None = None  # the step of the last checkpoint this process wrote or read
         self.data_wait_s = 0.0  # streaming: time this process waited for chunks (s), this session
+        self.board: RunBoard | None = None  # TensorBoard events (run.tensorboard), while ``run`` runs
 
     # The parts the loop and its callers read most.
     plan = property(lambda self: self.built.plan, doc="The frozen DP plan.")
@@ -141,7 +143,10 @@ class Trainer:
         self._lock = lock
 
     def close(self) -> None:
-        """Release the run directory's lock (``run`` does when it returns; safe to call twice)."""
+        """Close the TensorBoard events, release the run directory's lock (``run`` does; safe twice)."""
+        if self.board is not None:
+            self.board, board = None, self.board
+            board.close()
         if self._lock is not None:
             self._lock.release()
 
@@ -208,6 +213,7 @@ class Trainer:
     def _run_locked(self, stop: int) -> dict[str, Any] | None:
         """``run`` while holding the run directory's lock."""
         self._print_plan()
+        self.board = self.board or open_board(self)
         bar = tqdm(
             total=self.total_steps, initial=self.step, disable=not self.progress, file=sys.stderr, desc="train",
             unit="step", dynamic_ncols=True,
@@ -250,6 +256,8 @@ class Trainer:
         """One step, then the evaluation and checkpoint that are due, then the progress bar."""
         started = time.perf_counter()
         self.train_step()
+        if self.board is not None:
+            self.board.after_step(self, 1000 * (time.perf_counter() - started))
         evaluated = self._eval_due()
         if evaluated:
             self.wall_time_s += time.perf_counter() - started
@@ -350,6 +358,8 @@ class Trainer:
         self.load_window({"loss_sum": 0.0, "examples": 0, "nonfinite_examples": 0})
         if record is not None:
             self.metrics.append(record)
+            if self.board is not None:
+                self.board.evaluation(record)
         return record
 
     def evaluate_model(self, model: torch.nn.Module) -> tuple[float, float]:
@@ -371,14 +381,7 @@ class Trainer:
     def privacy_warnings(self) -> list[str]:
         """Advice about the privacy parameters (the privacy wall), computed once per run."""
         if self._privacy_warnings is None:
-            warning = self.plan.wall_warning()
-            self._privacy_warnings = [warning] if warning else []
-            model = self.config.model  # model.init's source: in the plan's caveats (plan.init_run)
-            if model.init_scaling == "meanvar" and model.init_seed_public:
-                self._privacy_warnings.append(
-                    f"model.init_seed_public: the Mean-Var statistics of {model.init_seed_model} are left out of "
-                    "epsilon (its training data declared public)"
-                )
+            self._privacy_warnings = report.privacy_advice(self.plan, self.config)
         return self._privacy_warnings
 
     def finish(self) -> dict[str, Any]:

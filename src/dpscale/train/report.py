@@ -15,7 +15,8 @@ from dpscale._io import atomic_write_text
 from dpscale.data.stream import eval_batches
 from dpscale.data.run_data import data_workers
 from dpscale.models import count_parameters
-from dpscale.privacy.plan import GUARANTEE_SCOPE
+from dpscale.config import Config
+from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.metrics import evaluate, evaluate_augtest, evaluate_batches, json_safe
@@ -80,6 +81,19 @@ def evaluation_record(trainer: Trainer, window: dict[str, Any]) -> dict[str, Any
     if plan.caveats():
         record["privacy_note"] = "; ".join(plan.caveats())
     return record
+
+
+def privacy_advice(plan: DPPlan, config: Config) -> list[str]:
+    """Advice about the privacy parameters: the privacy wall, and Mean-Var statistics declared public."""
+    warning = plan.wall_warning()
+    advice = [warning] if warning else []
+    model = config.model  # model.init's source: in the plan's caveats (plan.init_run)
+    if model.init_scaling == "meanvar" and model.init_seed_public:
+        advice.append(
+            f"model.init_seed_public: the Mean-Var statistics of {model.init_seed_model} are left out of "
+            "epsilon (its training data declared public)"
+        )
+    return advice
 
 
 def privacy_summary(trainer: Trainer) -> dict[str, Any]:
