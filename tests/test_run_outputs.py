@@ -58,3 +58,122 @@ def test_tensorboard_off_writes_no_events(tmp_path):
     sets = ["model.name=papernot-cnn", "dp.batch_size=16", "train.steps=2", "run.tensorboard=false", f"run.out_dir={out}"]
     assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
     assert (out / "summary.json").is_file() and not (out / "tensorboard").exists()
+
+
+def test_dpscale_plot_writes_valid_pngs_of_overlaid_runs(run_dir, tmp_path):
+    out = tmp_path / "plots"
+    assert main(["plot", str(run_dir), str(run_dir), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["accuracy.png", "epsilon.png", "epsilon_delta.png", "loss.png"]
+    for path in out.iterdir():
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 5000, path.name
+
+
+def test_the_epsilon_delta_curve_uses_the_accountant_numbers(run_dir):
+    from dpscale.plots import _final_accountant
+
+    accountant, delta = _final_accountant(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    curve = accountant.epsilons([1e-8, delta, 1e-3])
+    assert curve[1] == pytest.approx(summary["epsilon"], rel=1e-12)
+    assert curve == [accountant.epsilon(d) for d in (1e-8, delta, 1e-3)]
+    assert curve[0] > curve[1] > curve[2]  # epsilon falls as delta grows
+
+
+def test_plot_refuses_a_directory_that_is_no_run(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "not a dpscale run directory" in capsys.readouterr().err
+
+
+# A fresh interpreter: loads the export with no dpscale training code (dpscale.train never imported)
+# and computes its accuracy on the run's test images, prepared as the run prepared them.
+_FRESH = r"""
+import json, sys
+import torch
+fmt, path, data_file = sys.argv[1:4]
+test = torch.load(data_file)
+if fmt == "onnx":
+    import numpy as np, onnxruntime
+    session = onnxruntime.InferenceSession(path)
+    logits = np.concatenate([session.run(None, {"images": test["x"][i : i + 1000].numpy()})[0]
+                             for i in range(0, len(test["x"]), 1000)])
+    accuracy = float((torch.from_numpy(logits).argmax(1) == test["y"]).double().mean())
+    from dpscale.exported import read_metadata
+    metadata = read_metadata(path)
+elif fmt == "torchscript":
+    extra = {"dpscale.json": ""}
+    model = torch.jit.load(path, _extra_files=extra)
+    metadata = json.loads(extra["dpscale.json"])
+    from dpscale.exported import accuracy as top1
+    accuracy = top1(model, test["x"], test["y"])
+else:
+    from dpscale.exported import accuracy as top1, load_exported
+    model, metadata = load_exported(path)
+    accuracy = top1(model, test["x"], test["y"])
+assert not any(m.startswith("dpscale.train") for m in sys.modules), [m for m in sys.modules if "dpscale.train" in m]
+print(json.dumps({"accuracy": accuracy, "metadata": metadata}))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torchscript", "onnx"])
+def test_an_export_reproduces_the_run_test_accuracy_in_a_fresh_process(run_dir, tmp_path, fmt):
+    import subprocess
+    import sys
+
+    import torch
+
+    from dpscale.data.datasets import load_dataset
+
+    pytest.importorskip({"safetensors": "safetensors", "torchscript": "torch", "onnx": "onnxruntime"}[fmt])
+    if fmt == "onnx":
+        pytest.importorskip("onnxscript")
+    path = tmp_path / f"model.{fmt}"
+    path = path.with_suffix({"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}[fmt])
+    assert main(["export", str(run_dir), "--format", fmt, "--out", str(path)]) == 0
+    test = load_dataset("mnist-5k", None)  # the run's data, in [0, 1]: the export normalises itself
+    torch.save({"x": test.x_test, "y": test.y_test}, tmp_path / "test.pt")
+    done = subprocess.run([sys.executable, "-c", _FRESH, fmt, str(path), str(tmp_path / "test.pt")],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert result["accuracy"] == summary["test_accuracy"]  # exactly: the same weights and arithmetic
+    metadata = result["metadata"]
+    assert metadata["privacy"]["epsilon"] == summary["epsilon"] and metadata["privacy"]["delta"] == summary["delta"]
+    assert metadata["test_accuracy"] == summary["test_accuracy"] and metadata["model"]["name"] == "papernot-cnn"
+    assert metadata["privacy"]["accountant"] == summary["accountant"] and "guarantee_caveats" in metadata["privacy"]
+    card = (path.parent / "MODEL_CARD.md").read_text()
+    assert f"{summary['epsilon']}" in card and "papernot-cnn" in card
+
+
+def test_an_export_holds_no_optimizer_rng_or_accountant_state(run_dir, tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    path = tmp_path / "m.safetensors"
+    assert main(["export", str(run_dir), "--ema", "--out", str(path)]) == 0
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        metadata = json.loads(f.metadata()["dpscale"])
+    from dpscale.models import build_model
+
+    assert keys == set(build_model("papernot-cnn", 10, (1, 28, 28), "tanh").state_dict())
+    assert metadata["weights"] == "ema"
+    assert metadata["test_accuracy"] == json.loads((run_dir / "summary.json").read_text())["test_accuracy_ema"]
+
+
+def test_export_refuses_ema_without_an_ema_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = ["model.name=papernot-cnn", "dp.batch_size=16", "train.steps=2", "run.tensorboard=false", f"run.out_dir={out}"]
+    assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
+    assert main(["export", str(out), "--ema"]) == 2
+    assert "no EMA model" in capsys.readouterr().err
+
+
+def test_evaluate_exported_gives_the_run_test_accuracy(run_dir, tmp_path):
+    pytest.importorskip("safetensors")
+    from dpscale.exported import evaluate_exported
+
+    path = tmp_path / "m.safetensors"
+    assert main(["export", str(run_dir), "--out", str(path)]) == 0
+    assert evaluate_exported(path) == json.loads((run_dir / "summary.json").read_text())["test_accuracy"]

@@ -13,3 +13,5 @@ CLIPPINGS: tuple[str, ...] = ("fixed", "adaptive")  # dp.clipping, make_private(
 MECHANISMS: tuple[str, ...] = ("dpsgd", "bandmf")  # dp.mechanism, make_private(noise_mechanism=), --mechanism
 DEFAULT_MAX_BANDS = 64  # dp.max_bands, make_private(max_bands=), --max-bands: the largest b that bands=auto tries
 DEFAULT_MAX_NOISE_MEMORY_MB = 1024.0  # dp.max_noise_memory_mb, make_private(max_noise_memory_mb=): BandMF history limit
+# ``dpscale export --format`` (dpscale.export, dpscale.exported)
+EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")

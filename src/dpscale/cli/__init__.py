@@ -1,4 +1,4 @@
-"""The ``dpscale`` command line: train, eval, account, audit, tan, sweep, tune, data, bench, presets, models.
+"""The ``dpscale`` command line: train, eval, plot, export, account, audit, tan, sweep, tune, data, bench, presets, models.
 
 Kept thin: every command parses arguments, calls the library and prints. Each command family
 registers its own sub-commands (``cli/train.py``, ``cli/account.py``, ...); this module assembles
@@ -25,7 +25,7 @@ USER_ERRORS = (UserError, OSError, MemoryError)
 def build_parser() -> argparse.ArgumentParser:
     """The ``dpscale`` parser with every command family's sub-commands, in the order ``--help`` lists them."""
     from dpscale.bench import add_bench_parser
-    from dpscale.cli import account, audit, info, tan, train, tune
+    from dpscale.cli import account, audit, info, outputs, tan, train, tune
     from dpscale.data.command import add_data_parser
 
     parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_train_parsers(sub)
     audit.add_audit_parser(sub)
     train.add_eval_parser(sub)
+    outputs.add_outputs_parsers(sub)
     account.add_account_parser(sub)
     add_bench_parser(sub)
     tan.add_tan_parser(sub)

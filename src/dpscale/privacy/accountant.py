@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import dp_accounting
 from dp_accounting import rdp
@@ -412,6 +412,22 @@ class PrivacyAccountant:
         if not self._segments:
             return 0.0
         return _cached_epsilon(self.kind, self.pld_discretization, tuple(self._segments), float(delta))
+
+    def epsilons(self, deltas: Sequence[float]) -> list[float]:
+        """Epsilon at each of ``deltas`` (an epsilon-delta curve), the history composed once.
+
+        Returns:
+            one epsilon per delta (0.0 each before the first step); the same numbers as ``epsilon``.
+        """
+        for delta in deltas:
+            _check_delta(delta, self.kind)
+        if not self._segments:
+            return [0.0 for _ in deltas]
+        if self.kind == "rdp":
+            accountant = _rdp_accountant(self._segments)
+            return [float(accountant.get_epsilon(d)) for d in deltas]
+        pld = _composed_pld(self._segments, self.pld_discretization)
+        return [float(pld.get_epsilon_for_delta(d)) for d in deltas]
 
     def delta(self, epsilon: float) -> float:
         """Smallest delta achieved at the given epsilon."""

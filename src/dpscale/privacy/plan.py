@@ -26,9 +26,9 @@ from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warnin
 NOT_PRIVATE = "NOT PRIVATE: noise_multiplier=0 (non-private baseline), no DP guarantee"
 GUARANTEE_SCOPE = (
     "epsilon covers the trained model (and anything computed from it alone). Not covered: the "
-    "train_loss/gradient-norm statistics in metrics.jsonl and the progress bar (computed on private "
-    "examples without noise), the RNG states in checkpoint.pt, and hyper-parameter tuning on the same "
-    "data. Keep the run directory private; release the model."
+    "train_loss/gradient-norm statistics in metrics.jsonl, the TensorBoard events and the progress bar "
+    "(computed on private examples without noise), the RNG states in checkpoint.pt, and hyper-parameter tuning on the same "
+    "data. Keep the run directory private; release the model (dpscale export)."
 )
 # A fixed run.seed is a caveat of its own (DPPlan.seeded), printed with every epsilon of such a run.
 SEEDED_CAVEAT = (

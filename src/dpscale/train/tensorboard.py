@@ -10,7 +10,10 @@ The run directory's ``tensorboard/`` folder gets, through torch's ``SummaryWrite
   adaptive clipping;
 - once per session: the config (YAML) and the privacy statement (plan, meaning, caveats) as text.
 
-Step scalars are read every ``STEP_SCALARS_EVERY`` steps only, because reading them waits for the
+The train loss, clipped fraction and gradient norms are computed on private examples without
+noise: like metrics.jsonl they are not covered by the guarantee (the privacy text says so, with
+``GUARANTEE_SCOPE``); keep the run directory private. Step scalars are read every
+``STEP_SCALARS_EVERY`` steps only, because reading them waits for the
 device (one host sync). Epsilon is logged at evaluations, where the run computes it anyway.
 A resumed run purges the events after the checkpoint's step, so a curve never shows steps twice.
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 from dpscale._io import make_private_dir
 from dpscale.config import config_yaml
+from dpscale.privacy.plan import GUARANTEE_SCOPE
 from dpscale.runs import TENSORBOARD_NAME
 
 # ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
@@ -70,6 +74,8 @@ class RunBoard:
         """The config and the privacy statement as text, at the session's first step."""
         plan = trainer.plan
         statement = [plan.describe(), plan.meaning()] + [f"WARNING: {n}" for n in plan.caveats() + trainer.privacy_warnings()]
+        if plan.is_private:
+            statement.append(GUARANTEE_SCOPE)
         self.writer.add_text("config", _code(config_yaml(trainer.config)), trainer.step)
         self.writer.add_text("privacy", _code("\n".join(statement)), trainer.step)
 

@@ -1,0 +1,116 @@
+"""Loading a model that ``dpscale export`` wrote, without dpscale's training code.
+
+An exported model takes float32 images in [0, 1], shape (B, C, H, W), and returns logits (B, K):
+the run's input normalisation is part of it. Every format carries the same metadata (JSON):
+the model (zoo name, classes, input shape, activation, kwargs), the input convention, the test
+accuracy the run measured, and the full privacy statement (epsilon, delta, accountant,
+sampling, caveats). Where it is stored:
+
+- safetensors: the header's ``__metadata__["dpscale"]``; ``load_exported`` rebuilds the zoo model;
+- TorchScript: the extra file ``dpscale.json`` (``torch.jit.load(path, _extra_files=...)``);
+  the module itself needs nothing but torch;
+- ONNX: the model's ``metadata_props`` entry ``dpscale``; runs in onnxruntime.
+
+This module imports ``dpscale.models`` (and ``dpscale.data`` in ``evaluate_exported``) only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpscale.choices import EXPORT_FORMATS
+
+__all__ = ["EXPORT_FORMATS", "ImagesInUnitRange", "accuracy", "evaluate_exported", "load_exported", "read_metadata"]
+
+SUFFIXES = {"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}
+METADATA_KEY = "dpscale"  # safetensors metadata key / ONNX metadata_props key
+TORCHSCRIPT_METADATA = "dpscale.json"  # TorchScript extra file
+NORMALIZE_SHIFT, NORMALIZE_SCALE = 0.5, 0.5  # data.normalize: (x - 0.5) / 0.5, as dpscale.data.run_data
+
+
+class ImagesInUnitRange(nn.Module):
+    """The exported model: ``data.normalize``'s (x - 0.5) / 0.5 when the run used it, then the classifier."""
+
+    def __init__(self, classifier: nn.Module, normalize: bool) -> None:
+        super().__init__()
+        self.classifier, self.normalize = classifier, normalize
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.normalize:
+            images = (images - NORMALIZE_SHIFT) / NORMALIZE_SCALE
+        return self.classifier(images)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of an exported file (any format, told by its suffix)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads(f.metadata()[METADATA_KEY])
+    if path.suffix == ".onnx":
+        import onnx
+
+        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        return json.loads(props[METADATA_KEY])
+    extra = {TORCHSCRIPT_METADATA: ""}
+    torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    return json.loads(extra[TORCHSCRIPT_METADATA])
+
+
+def load_exported(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The model of a safetensors or TorchScript export (in eval mode) and its metadata.
+
+    Args:
+        path: a ``.safetensors`` file (the zoo model is rebuilt from its metadata) or a ``.pt``
+            TorchScript file. ONNX files run in onnxruntime instead (``read_metadata`` reads them).
+
+    Returns:
+        (model: float32 images in [0, 1] (B, C, H, W) -> logits (B, K), metadata).
+    """
+    path = Path(path)
+    metadata = read_metadata(path)
+    if path.suffix == ".onnx":
+        raise ValueError(f"{path}: run ONNX files with onnxruntime (metadata: dpscale.exported.read_metadata)")
+    if path.suffix != ".safetensors":
+        return torch.jit.load(str(path), map_location="cpu").eval(), metadata
+    from safetensors.torch import load_file
+
+    from dpscale.models import build_model
+
+    spec = metadata["model"]
+    classifier = build_model(spec["name"], spec["num_classes"], tuple(spec["input_shape"]), spec["activation"], **spec["kwargs"])
+    classifier.load_state_dict(load_file(str(path)))
+    return ImagesInUnitRange(classifier, metadata["input"]["normalize"]).eval(), metadata
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000) -> float:
+    """Top-1 accuracy (fraction) of an exported model on images in [0, 1] (the run's evaluation batch size)."""
+    correct = sum(
+        int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
+        for i in range(0, len(images), batch_size)
+    )
+    return correct / len(images)
+
+
+def evaluate_exported(path: str | Path, data_root: str | None = None) -> float:
+    """Test accuracy of an export on its run's test split (the dataset named in its metadata).
+
+    Args:
+        data_root: where the dataset lies (default: the root the run used).
+    """
+    from dpscale.data.datasets import load_dataset
+
+    model, metadata = load_exported(path)
+    data = metadata["data"]
+    if data["selects_classes"]:
+        raise ValueError(f"{path}: the run kept a subset of the classes (data.classes ...); evaluate it on that subset")
+    test = load_dataset(data["name"], data_root or data["root"], image_size=data["image_size"], val_labels=data["val_labels"])
+    return accuracy(model, test.x_test, test.y_test)

@@ -1,0 +1,129 @@
+"""``dpscale plot``: PNG curves of one or more run directories, drawn headless (matplotlib's Agg).
+
+- ``accuracy.png``: test accuracy (and the EMA / AugTest accuracies when logged) against steps;
+- ``loss.png``: train loss (since the previous evaluation) and test loss against steps;
+- ``epsilon.png``: epsilon spent (at the run's delta) against steps;
+- ``epsilon_delta.png``: the final model's epsilon against delta, from the accountant history in
+  its checkpoint (the run's own delta marked).
+
+Several runs are overlaid, each labelled by its directory's name. Everything is read from the
+run directory (metrics.jsonl, checkpoint.pt): a plot can be redrawn while a run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from dpscale.errors import ConfigError
+from dpscale.privacy.accountant import PLD_MIN_DELTA, PrivacyAccountant
+from dpscale.runs import read_metrics, read_run
+
+# The epsilon-delta curve's deltas: 1e-12 (PLD_MIN_DELTA) to 1e-2, four per decade.
+CURVE_DELTAS = tuple(10.0 ** (-12 + k / 4) for k in range(41))
+PLOT_NAMES = ("accuracy.png", "loss.png", "epsilon.png", "epsilon_delta.png")
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the records that hold a finite number for it."""
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel: str, path: Path, percent: bool) -> None:
+    """One figure of ``keys`` (metrics key -> legend suffix) against steps for every run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = ["-", "--", ":", "-."]
+    for color, (name, records) in enumerate(runs.items()):
+        for style, (key, suffix) in zip(styles, keys.items()):
+            steps, values = _series(records, key)
+            if steps:
+                scale = 100.0 if percent else 1.0
+                ax.plot(steps, [scale * v for v in values], style, color=f"C{color % 10}", marker=".", label=f"{name}{suffix}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _final_accountant(run_dir: Path) -> tuple[PrivacyAccountant, float] | None:
+    """The accountant of the run's newest checkpoint and the run's delta (None for a non-private run)."""
+    _, state = read_run(run_dir)
+    mechanism = state.get("mechanism") or {}
+    plan, accountant = mechanism.get("plan") or {}, mechanism.get("accountant")
+    if not accountant or not float(plan.get("noise_multiplier") or 0) > 0:
+        return None
+    return PrivacyAccountant.from_state_dict(accountant), float(plan["delta"])
+
+
+def _epsilon_delta(run_dirs: Sequence[Path], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for color, run_dir in enumerate(run_dirs):
+        final = _final_accountant(run_dir)
+        if final is None:
+            continue
+        accountant, delta = final
+        ax.plot(CURVE_DELTAS, accountant.epsilons(CURVE_DELTAS), color=f"C{color % 10}",
+                label=f"{run_dir.name} ({accountant.kind}, {accountant.steps} steps)")  # fmt: skip
+        ax.plot([delta], accountant.epsilons([delta]), "o", color=f"C{color % 10}")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"delta (the run's delta marked; PLD resolves delta >= {PLD_MIN_DELTA:g})")
+    ax.set_ylabel("epsilon of the final model")
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """Draw ``PLOT_NAMES`` for ``run_dirs`` into ``out_dir`` (created if missing).
+
+    Returns:
+        the paths written.
+
+    Raises:
+        ConfigError: a run directory with no evaluation yet (empty metrics.jsonl).
+    """
+    dirs = [Path(d) for d in run_dirs]
+    runs = {}
+    for run_dir in dirs:
+        records = read_metrics(run_dir)
+        if not records:
+            raise ConfigError(f"{run_dir} has no evaluation in metrics.jsonl yet: nothing to plot")
+        runs[_unique(run_dir.name, runs)] = records
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / name for name in PLOT_NAMES]
+    accuracy_keys = {"test_accuracy": "", "test_accuracy_ema": " (EMA)", "test_accuracy_augtest": " (AugTest)"}
+    _curves(runs, accuracy_keys, "test accuracy (%)", paths[0], percent=True)
+    _curves(runs, {"train_loss": " train", "test_loss": " test"}, "loss", paths[1], percent=False)
+    _curves(runs, {"epsilon": ""}, "epsilon spent (at the run's delta)", paths[2], percent=False)
+    _epsilon_delta(dirs, paths[3])
+    return paths
+
+
+def _unique(name: str, taken: dict[str, Any]) -> str:
+    """``name``, or ``name (2)``, ... when two run directories share a name."""
+    candidate, n = name, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{name} ({n})"
+    return candidate
