@@ -48,10 +48,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
     data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
-    from dpscale.bench.data import add_arguments
-
-    add_arguments(data)
+    add_data_arguments(data)
     data.set_defaults(func=_run_data)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``bench data`` (here, not in bench/data.py: registering them must not load torch)."""
+    parser.add_argument("--folder", help="an image folder (data.name=imagefolder layout)")
+    parser.add_argument("--shards", help="a directory written by `dpscale data prepare`")
+    parser.add_argument("--image-size", type=int, default=224, help="folders: resize to this square size")
+    parser.add_argument("--workers", help="comma list of worker counts (default: 0, 1, all cores but one)")
+    parser.add_argument("--batch-size", type=int, default=512, help="expected logical batch size")
+    parser.add_argument("--chunk", type=int, default=128, help="examples per physical chunk")
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed logical batches")
+    parser.add_argument("--model", help="also run the DP engine on every chunk (e.g. resnet18-gn)")
+    parser.add_argument("--device", default="cpu")
 
 
 def _run_step_time(args: argparse.Namespace) -> int:

@@ -84,14 +84,3 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--folder", help="an image folder (data.name=imagefolder layout)")
-    parser.add_argument("--shards", help="a directory written by `dpscale data prepare`")
-    parser.add_argument("--image-size", type=int, default=224, help="folders: resize to this square size")
-    parser.add_argument("--workers", help="comma list of worker counts (default: 0, 1, all cores but one)")
-    parser.add_argument("--batch-size", type=int, default=512, help="expected logical batch size")
-    parser.add_argument("--chunk", type=int, default=128, help="examples per physical chunk")
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="timed logical batches")
-    parser.add_argument("--model", help="also run the DP engine on every chunk (e.g. resnet18-gn)")
-    parser.add_argument("--device", default="cpu")

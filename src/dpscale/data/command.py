@@ -6,12 +6,13 @@ import argparse
 import sys
 import time
 
-from .folder import list_image_folder
-from .shards import open_shards, prepare_shards
-from .stream import default_workers
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    from .folder import list_image_folder  # imported here: registering the parser must not load torch
+    from .shards import prepare_shards
+    from .stream import default_workers
+
     from tqdm import tqdm
 
     workers = args.workers if args.workers is not None else default_workers()
@@ -36,6 +37,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .shards import open_shards
+
     manifest, train, test = open_shards(args.dest, verify=True)
     shape = "x".join(str(d) for d in manifest["image_shape"])
     print(f"{args.dest}: OK ({len(train)} training and {len(test)} test images, {shape}, every SHA-256 matches)")

@@ -26,15 +26,9 @@ from typing import Any, Protocol
 
 import torch
 
+from dpscale.data.sampling_modes import RATE_TOLERANCE, SAMPLING_MODES, SHUFFLE_CAVEAT  # noqa: F401 (re-exported)
 from dpscale.rng import DPRandom, require_dprandom
 
-SAMPLING_MODES = ("poisson", "shuffle")
-# b*q may exceed 1 by a rounding error when B*b == N (e.g. 3 * (1/3)); such a rate means "always".
-RATE_TOLERANCE = 1e-12
-SHUFFLE_CAVEAT = (
-    "sampling=shuffle: the reported epsilon is computed for Poisson sampling and does not "
-    "strictly cover the fixed-size shuffled batches that ran"
-)
 
 
 class BatchSampler(Protocol):

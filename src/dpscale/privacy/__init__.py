@@ -1,35 +1,35 @@
 """Privacy: per-example clipping engines, noise, accounting and calibration."""
 
-from dpscale.privacy.accountant import (
-    ACCOUNTANT_KINDS,
-    AccountingSegment,
-    PrivacyAccountant,
-    compute_epsilon,
-    gaussian_release,
-)
-from dpscale.privacy.calibrate import calibrate_noise_multiplier, calibrate_steps
-from dpscale.privacy.noise import add_gaussian_noise
-from dpscale.privacy.ghost import GhostEngine, unsupported_modules
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import PerExampleEngine, VmapEngine, clip_factors
-from dpscale.privacy.tan import eps_tan, tan_eta, total_amount_of_noise
+# Imported on first use (PEP 562): ``dpscale account``/``--help`` then never pay for torch.
+from __future__ import annotations
 
-__all__ = [
-    "ACCOUNTANT_KINDS",
-    "AccountingSegment",
-    "GhostEngine",
-    "PerExampleEngine",
-    "PrivacyAccountant",
-    "VmapEngine",
-    "add_gaussian_noise",
-    "calibrate_noise_multiplier",
-    "calibrate_steps",
-    "clip_factors",
-    "compute_epsilon",
-    "gaussian_release",
-    "eps_tan",
-    "make_engine",
-    "tan_eta",
-    "total_amount_of_noise",
-    "unsupported_modules",
-]
+import importlib
+from typing import Any
+
+_MODULE_OF = {
+    "ACCOUNTANT_KINDS": "accountant",
+    "AccountingSegment": "accountant",
+    "GhostEngine": "ghost",
+    "PerExampleEngine": "per_example",
+    "PrivacyAccountant": "accountant",
+    "VmapEngine": "per_example",
+    "add_gaussian_noise": "noise",
+    "calibrate_noise_multiplier": "calibrate",
+    "calibrate_steps": "calibrate",
+    "clip_factors": "per_example",
+    "compute_epsilon": "accountant",
+    "eps_tan": "tan",
+    "gaussian_release": "accountant",
+    "make_engine": "engines",
+    "tan_eta": "tan",
+    "total_amount_of_noise": "tan",
+    "unsupported_modules": "ghost",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dpscale.choices import CLIPPINGS
-from dpscale.rng import DPRandom
+
+if TYPE_CHECKING:  # the plan imports this module and never needs torch (dpscale account loads without it)
+    from dpscale.rng import DPRandom
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,8 @@ def noisy_unclipped_fraction(
         count_noise: sigma_b.
         generator: the mechanism's noise generator (one standard normal drawn).
     """
+    import torch
+
     noise = float(generator.normal((1,), dtype=torch.float64)[0]) * count_noise
     return (unclipped - examples / 2 + noise) / expected_batch_size + 0.5
 

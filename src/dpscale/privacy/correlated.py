@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from dpscale.choices import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB
-from dpscale.data.sampling import RATE_TOLERANCE
+from dpscale.data.sampling_modes import RATE_TOLERANCE
 from dpscale.errors import ConfigError
-from dpscale.privacy.bandmf import BandedStrategy, Workload, optimize_strategy
+
+if TYPE_CHECKING:  # bandmf needs torch; the plan (and dpscale account for DP-SGD) does not
+    from dpscale.privacy.bandmf import BandedStrategy, Workload
 
 NOISE_STATE_BYTES = 4  # the history holds float32 vectors, one per parameter and band
 
@@ -181,12 +183,12 @@ def choose_bands(
         refusal = _refusal(request, bands, steps=steps, sample_rate=sample_rate)
         if refusal is not None:
             raise ConfigError(refusal)
-        strategy = optimize_strategy(request.workload, bands, cache_dir=request.cache_dir)
+        strategy = _optimize(request, bands)
         sigma, calibrated = sigma_for(bands)
         return _noise_plan(request, strategy, f"dp.bands={bands}, fixed", ""), sigma, calibrated
     scored = []
     for bands in band_candidates(request, steps=steps, sample_rate=sample_rate):
-        strategy = optimize_strategy(request.workload, bands, cache_dir=request.cache_dir)
+        strategy = _optimize(request, bands)
         sigma, calibrated = sigma_for(bands)
         scored.append((strategy.rmse * sigma, bands, strategy, sigma, calibrated))
     best = min(scored, key=lambda entry: (entry[0], entry[1]))  # ties: the fewer bands
@@ -200,6 +202,12 @@ def _auto_reason(scored: list[tuple], best: tuple) -> tuple[str, str]:
     if best[1] == 1:
         return "dp.bands=auto: no banded strategy beat DP-SGD after calibrating its own sigma", table
     return f"dp.bands=auto: least expected error x sigma, {best[0] / baseline:.3f}x DP-SGD's", table
+
+
+def _optimize(request: BandsRequest, bands: int) -> BandedStrategy:
+    from dpscale.privacy.bandmf import optimize_strategy
+
+    return optimize_strategy(request.workload, bands, cache_dir=request.cache_dir)
 
 
 def _noise_plan(request: BandsRequest, strategy: BandedStrategy, reason: str, candidates: str) -> BandedNoisePlan:

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpscale.errors import ConfigError
-from dpscale.data.sampling import SHUFFLE_CAVEAT, make_sampler
+from dpscale.data.sampling_modes import SHUFFLE_CAVEAT
 from dpscale.privacy.adaptive import AdaptiveClipping
-from dpscale.privacy.clipping import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
-from dpscale.privacy.clipping import check_max_grad_norm as check_clip_value
+from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
+from dpscale.clip_norms import check_max_grad_norm as check_clip_value
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
 )  # fmt: skip
-from dpscale.rng import DPRandom
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
+
+if TYPE_CHECKING:  # the plan itself never needs torch (dpscale account loads without it)
+    from dpscale.rng import DPRandom
 
 NOT_PRIVATE = "NOT PRIVATE: noise_multiplier=0 (non-private baseline), no DP guarantee"
 GUARANTEE_SCOPE = (
@@ -434,6 +436,8 @@ class DPPlan:
         """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``:
         Poisson sampling, or for BandMF with b > 1 cyclic Poisson sampling over the b groups of the
         partition ``partition_seed`` draws, at step ``start_step`` of the run."""
+        from dpscale.data.sampling import make_sampler  # here: the plan itself never needs torch
+
         return make_sampler(
             self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size, bands=self.bands,
             partition_seed=partition_seed, start_step=start_step,
