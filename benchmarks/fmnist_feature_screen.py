@@ -64,7 +64,7 @@ def design(raw: torch.Tensor, transform: str, groups: int, images: torch.Tensor 
 def run(
     transform: str = "none", G: int = 27, B: int = 8192, lr_base: float = 1.0, epochs: int = 40,
     C: float = 0.1, seed: int = 0, eps: float = 3.0, J: int = 2, L: int = 8, pad: int = 0,
-    schedule: str = "const", nesterov: bool = False, pixels: bool = False,
+    schedule: str = "const", nesterov: bool = False, pixels: bool = False, flip_test: bool = False,
 ) -> tuple[float, int, float]:  # fmt: skip
     """One DP-SGD run; returns (sigma, steps, validation accuracy in [0, 1])."""
     data = validation_data()
@@ -84,7 +84,11 @@ def run(
         momentum = 0.9 * momentum + grad
         weights -= step_lr * (grad + 0.9 * momentum if nesterov else momentum)
     xv = design(scatter(data.x_test, "test", J, L, pad), transform, G, data.x_test if pixels else None)
-    return sigma, steps, ((xv @ weights.T).argmax(-1) == data.y_test).float().mean().item()
+    logits = xv @ weights.T
+    if flip_test:  # AugTest: the mean of the logits of each validation image and its mirror image
+        flipped = data.x_test.flip(-1)
+        logits = logits + design(scatter(flipped, "test-flipped", J, L, pad), transform, G, flipped if pixels else None) @ weights.T
+    return sigma, steps, (logits.argmax(-1) == data.y_test).float().mean().item()
 
 
 if __name__ == "__main__":

@@ -301,7 +301,9 @@ def test_every_run_file_is_owner_only(tmp_path):
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     files = sorted(p.name for p in run_dir.iterdir())
     assert {"config.yaml", "metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "summary.json"} <= set(files)
-    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in run_dir.iterdir()} == dict.fromkeys(files, "0o600")
+    modes = {str(p.relative_to(run_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in run_dir.rglob("*")}
+    assert "tensorboard" in modes and any(name.startswith("tensorboard/") for name in modes)
+    assert modes == {name: "0o700" if (run_dir / name).is_dir() else "0o600" for name in modes}
 
 
 def test_each_warning_is_printed_once_and_quiet_keeps_the_results(tmp_path, capsys):

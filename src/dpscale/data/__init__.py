@@ -3,8 +3,7 @@
 # Imported on first use (PEP 562): ``dpscale account``/``--help`` then never pay for torch.
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dpscale._lazy import lazy_getattr
 
 _MODULE_OF = {
     "DATASET_NAMES": "datasets",
@@ -12,8 +11,8 @@ _MODULE_OF = {
     "DatasetInfo": "datasets",
     "ImageDataset": "datasets",
     "PoissonSampler": "sampling",
-    "SAMPLING_MODES": "sampling",
-    "SHUFFLE_CAVEAT": "sampling",
+    "SAMPLING_MODES": "sampling_modes",
+    "SHUFFLE_CAVEAT": "sampling_modes",
     "ShuffleSampler": "sampling",
     "dataset_fingerprint": "datasets",
     "load_cifar": "datasets",
@@ -28,7 +27,4 @@ _MODULE_OF = {
 __all__ = sorted(_MODULE_OF)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_OF:
-        return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _MODULE_OF)

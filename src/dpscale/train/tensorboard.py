@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dpscale._io import make_private_dir
+from dpscale._io import PRIVATE_FILE_MODE, make_private_dir
 from dpscale.config import config_yaml
 from dpscale.privacy.plan import GUARANTEE_SCOPE
 from dpscale.runs import TENSORBOARD_NAME
@@ -69,6 +69,9 @@ class RunBoard:
         folder = Path(run_dir) / TENSORBOARD_NAME
         make_private_dir(folder)  # owner-only, as the rest of the run directory
         self.writer = SummaryWriter(str(folder), purge_step=start_step)
+        for path in folder.iterdir():  # the writer opened its event file with the umask's mode
+            if path.is_file():
+                path.chmod(PRIVATE_FILE_MODE)
 
     def start(self, trainer: Trainer) -> None:
         """The config and the privacy statement as text, at the session's first step."""

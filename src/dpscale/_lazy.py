@@ -1,0 +1,23 @@
+"""Packages whose names are imported on first use (PEP 562), so that importing one submodule (the
+DP plan, the accountant) does not load its siblings' torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+def lazy_getattr(package: str, module_of: dict[str, str]) -> Callable[[str], Any]:
+    """A package's ``__getattr__``: ``name`` from its submodule ``module_of[name]``, imported then.
+
+    Args:
+        package: the package's ``__name__``.
+        module_of: exported name -> submodule name (relative to the package).
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in module_of:
+            return getattr(importlib.import_module(f"{package}.{module_of[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
