@@ -177,3 +177,21 @@ def test_evaluate_exported_gives_the_run_test_accuracy(run_dir, tmp_path):
     path = tmp_path / "m.safetensors"
     assert main(["export", str(run_dir), "--out", str(path)]) == 0
     assert evaluate_exported(path) == json.loads((run_dir / "summary.json").read_text())["test_accuracy"]
+
+
+def test_a_lora_run_exports_the_plain_model_with_the_run_accuracy(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    from dpscale.exported import evaluate_exported
+    from dpscale.models import build_model
+
+    out = tmp_path / "lora"
+    sets = ["model.name=papernot-cnn", "model.peft=lora", "model.lora_rank=2", "dp.batch_size=16", "train.steps=3",
+            "run.tensorboard=false", f"run.out_dir={out}"]  # fmt: skip
+    assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
+    path = tmp_path / "m.safetensors"
+    assert main(["export", str(out), "--out", str(path)]) == 0
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(build_model("papernot-cnn", 10, (1, 28, 28), "tanh").state_dict())  # merged
+    assert evaluate_exported(path) == json.loads((out / "summary.json").read_text())["test_accuracy"]

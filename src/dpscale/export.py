@@ -61,7 +61,8 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
     trainer = Trainer.load(run_dir, progress=False)
     model = _exportable_model(trainer, ema)
-    metadata = _metadata(trainer, model, fmt, ema)
+    metadata = _metadata(trainer, model, fmt, ema)  # evaluated on the run's device, as the run did
+    model = model.float().cpu()
     path = Path(out) if out is not None else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     wrapped = ImagesInUnitRange(model, trainer.config.data.normalize).eval()
@@ -72,7 +73,7 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema
 
 
 def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
-    """A CPU float32 copy of the run's model (or EMA model), LoRA merged, in eval mode."""
+    """A copy of the run's model (or EMA model) on the run's device, LoRA merged, in eval mode."""
     config = trainer.config
     if config.features.extractor is not None:
         raise ConfigError(
@@ -82,7 +83,7 @@ def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
     if ema and trainer.built.ema is None:
         raise ConfigError("--ema: this run has no EMA model (train.ema_decay was not set)")
     source = trainer.built.ema.model if ema else trainer.model
-    return merge_lora(copy.deepcopy(source)).float().cpu().eval()
+    return merge_lora(copy.deepcopy(source)).eval()
 
 
 def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool) -> dict[str, Any]:
