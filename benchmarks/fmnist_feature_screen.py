@@ -36,11 +36,11 @@ def validation_data():  # loaded once for all the runs of one invocation
     return load_dataset("fashion-mnist", DATA_ROOT)
 
 
-def scatter(images: torch.Tensor, split: str, J: int, L: int, pad: int) -> torch.Tensor:
+def scatter(images: torch.Tensor, split: str, J: int, L: int, pad: int, order: int = 2) -> torch.Tensor:
     """ScatterNet coefficients of ``images`` (memoised per split and parameters)."""
-    key = (split, J, L, pad)
+    key = (split, J, L, pad, order)
     if key not in _RAW:
-        net = ScatterNet(tuple(images.shape[1:]), J=J, L=L, pad=pad)
+        net = ScatterNet(tuple(images.shape[1:]), J=J, L=L, pad=pad, max_order=order)
         with torch.no_grad():
             _RAW[key] = torch.cat([net(images[i : i + 2000]) for i in range(0, len(images), 2000)])
     return _RAW[key]
@@ -64,12 +64,12 @@ def design(raw: torch.Tensor, transform: str, groups: int, images: torch.Tensor 
 def run(
     transform: str = "none", G: int = 27, B: int = 8192, lr_base: float = 1.0, epochs: int = 40,
     C: float = 0.1, seed: int = 0, eps: float = 3.0, J: int = 2, L: int = 8, pad: int = 0,
-    schedule: str = "const", nesterov: bool = False, pixels: bool = False, flip_test: bool = False,
+    schedule: str = "const", nesterov: bool = False, pixels: bool = False, flip_test: bool = False, order: int = 2,
 ) -> tuple[float, int, float]:  # fmt: skip
     """One DP-SGD run; returns (sigma, steps, validation accuracy in [0, 1])."""
     data = validation_data()
     gen = torch.Generator().manual_seed(seed)
-    x = design(scatter(data.x_train, "train", J, L, pad), transform, G, data.x_train if pixels else None)
+    x = design(scatter(data.x_train, "train", J, L, pad, order), transform, G, data.x_train if pixels else None)
     onehot, norms = F.one_hot(data.y_train, 10).float(), x.norm(dim=1)
     n = len(x)
     q, steps = B / n, int(epochs * n / B)
@@ -83,11 +83,11 @@ def run(
         step_lr = lr * (0.5 * (1 + math.cos(math.pi * t / steps)) if schedule == "cos" else 1.0)
         momentum = 0.9 * momentum + grad
         weights -= step_lr * (grad + 0.9 * momentum if nesterov else momentum)
-    xv = design(scatter(data.x_test, "test", J, L, pad), transform, G, data.x_test if pixels else None)
+    xv = design(scatter(data.x_test, "test", J, L, pad, order), transform, G, data.x_test if pixels else None)
     logits = xv @ weights.T
     if flip_test:  # AugTest: the mean of the logits of each validation image and its mirror image
         flipped = data.x_test.flip(-1)
-        logits = logits + design(scatter(flipped, "test-flipped", J, L, pad), transform, G, flipped if pixels else None) @ weights.T
+        logits = logits + design(scatter(flipped, "test-flipped", J, L, pad, order), transform, G, flipped if pixels else None) @ weights.T
     return sigma, steps, (logits.argmax(-1) == data.y_test).float().mean().item()
 
 
