@@ -23,10 +23,12 @@ from dpscale._io import atomic_write_text
 from dpscale.errors import ConfigError
 from dpscale.choices import EXPORT_FORMATS
 from dpscale.exported import (
+    FEATURE_STATS_PREFIX,
     METADATA_KEY,
     SUFFIXES,
     TORCHSCRIPT_METADATA,
     ImagesInUnitRange,
+    ScatterNetFeatures,
 )
 from dpscale.models.peft import merge_lora
 from dpscale.train.metrics import json_safe
@@ -62,11 +64,12 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema
     trainer = Trainer.load(run_dir, progress=False)
     model = _exportable_model(trainer, ema)
     metadata = _metadata(trainer, model, fmt, ema)  # evaluated on the run's device, as the run did
+    features = _feature_stage(trainer, metadata)
     model = model.float().cpu()
     path = Path(out) if out is not None else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    wrapped = ImagesInUnitRange(model, trainer.config.data.normalize).eval()
-    _WRITERS[fmt](wrapped, metadata, path)
+    wrapped = ImagesInUnitRange(model if features is None else nn.Sequential(features, model), trainer.config.data.normalize)
+    _WRITERS[fmt](wrapped.eval(), metadata, path)
     card = path.parent / CARD_NAME
     atomic_write_text(card, model_card(metadata, path))
     return Exported(path, card, metadata)
@@ -75,10 +78,10 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema
 def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
     """A copy of the run's model (or EMA model) on the run's device, LoRA merged, in eval mode."""
     config = trainer.config
-    if config.features.extractor is not None:
+    if config.features.extractor not in (None, "scatternet"):
         raise ConfigError(
-            f"export takes models trained on images; this run trains on {config.features.extractor} features "
-            "(the extractor is not part of the model yet)"
+            f"export takes models trained on images or ScatterNet features; this run trains on "
+            f"{config.features.extractor} features (that extractor is not part of an export yet)"
         )
     if ema and trainer.built.ema is None:
         raise ConfigError("--ema: this run has no EMA model (train.ema_decay was not set)")
@@ -101,7 +104,8 @@ def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool) -> dict[str, 
         "model": {"name": config.model.name, "num_classes": info.num_classes, "input_shape": list(info.input_shape),
                   "activation": config.model.activation, "kwargs": dict(config.model.kwargs),
                   "parameters": sum(p.numel() for p in model.parameters())},
-        "input": {"dtype": "float32", "layout": "NCHW", "range": [0.0, 1.0], "normalize": config.data.normalize,
+        "input": {"dtype": "float32", "layout": "NCHW", "shape": list(info.input_shape), "range": [0.0, 1.0],
+                  "normalize": config.data.normalize,
                   "normalization": "(x - 0.5) / 0.5, inside the model" if config.data.normalize else "none"},
         "classes": [str(k) for k in range(info.num_classes)],
         # the root as this process found it (a relative root means nothing from another directory)
@@ -117,6 +121,39 @@ def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool) -> dict[str, 
     })  # fmt: skip
 
 
+def _feature_stage(trainer: Any, metadata: dict[str, Any]) -> ScatterNetFeatures | None:
+    """A ScatterNet run's feature map and normalisation as a module (None for a run on images);
+    its spec goes into ``metadata["features"]`` and the input shape becomes the images'."""
+    features = trainer.config.features
+    if features.extractor is None:
+        return None
+    normalizer = trainer.built.feature_normalizer
+    spec = {
+        "extractor": "scatternet", "J": features.scatter_j, "L": features.scatter_angles,
+        "max_order": features.scatter_order, "pad": features.scatter_pad,
+        "image_shape": list(_image_shape(trainer)), "normalize": normalizer.kind, "groups": normalizer.groups,
+    }  # fmt: skip
+    stats = normalizer.stats
+    stage = ScatterNetFeatures(spec, stats.mean if stats else None, stats.var if stats else None).eval()
+    metadata["features"], metadata["input"]["shape"] = spec, spec["image_shape"]
+    return stage
+
+
+def _image_shape(trainer: Any) -> tuple[int, int, int]:
+    """The images' (C, H, W), from the features' shape: the ScatterNet's shape rule run backwards
+    (and checked forwards)."""
+    from dpscale.features.scatternet import scatter_channels, scatter_output_shape
+
+    f = trainer.config.features
+    channels, h, w = trainer.data.info.input_shape
+    scale = 2**f.scatter_j
+    image = (channels // scatter_channels(f.scatter_j, f.scatter_angles, f.scatter_order),
+             h * scale - 2 * f.scatter_pad, w * scale - 2 * f.scatter_pad)  # fmt: skip
+    if scatter_output_shape(image, f.scatter_j, f.scatter_angles, f.scatter_order, f.scatter_pad) != (channels, h, w):
+        raise ConfigError(f"cannot tell the image shape behind features of shape {(channels, h, w)}")
+    return image
+
+
 def _needs(package: str, fmt: str) -> None:
     try:
         __import__(package)
@@ -128,15 +165,22 @@ def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     _needs("safetensors", "safetensors")
     from safetensors.torch import save_file
 
-    weights = {k: v.contiguous() for k, v in model.classifier.state_dict().items()}
+    inner = model.classifier
+    classifier, features = (inner[1], inner[0]) if isinstance(inner, nn.Sequential) else (inner, None)
+    weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
+    if features is not None and features.kind == "datanorm":  # the released statistics, as the run used them
+        weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
+        weights[f"{FEATURE_STATS_PREFIX}var"] = features.norm_var.contiguous()
     _atomically(path, lambda tmp: save_file(weights, str(tmp), metadata={METADATA_KEY: json.dumps(metadata)}))
 
 
 def _example(metadata: dict[str, Any]) -> torch.Tensor:
-    return torch.rand(2, *metadata["model"]["input_shape"], generator=torch.Generator().manual_seed(0))
+    return torch.rand(2, *metadata["input"]["shape"], generator=torch.Generator().manual_seed(0))
 
 
 def _write_torchscript(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
+    if metadata.get("features"):  # tracing probes kymatio's deprecated attributes, which raise NameError (0.3)
+        raise ConfigError("--format torchscript cannot trace the ScatterNet (kymatio 0.3); use safetensors or onnx")
     extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
     # torch >= 2.9 marks TorchScript deprecated; it is still what torch-only consumers load
     with torch.no_grad(), warnings.catch_warnings():  # no_grad: every layer's inference path
@@ -185,8 +229,8 @@ def model_card(metadata: dict[str, Any], path: Path) -> str:
 File: `{path.name}` ({metadata['format']}), exported from `{metadata['run_dir']}` at step {metadata['step']}.
 
 ## Model
-- {model['name']}, {model['parameters']:,} parameters, {model['num_classes']} classes, input {model['input_shape']}
-  (float32 images in [0, 1], NCHW; normalisation: {metadata['input']['normalization']}).
+- {model['name']}, {model['parameters']:,} parameters, {model['num_classes']} classes, input {metadata['input']['shape']}
+  (float32 images in [0, 1], NCHW; normalisation: {metadata['input']['normalization']}).{_features_line(metadata)}
 - Test accuracy {100 * metadata['test_accuracy']:.2f}% on {data['name']}'s test split ({data['test_split']}, {data['num_test']} images).
 
 ## Privacy
@@ -202,6 +246,16 @@ File: `{path.name}` ({metadata['format']}), exported from `{metadata['run_dir']}
 ## Loading
 {_LOADING[metadata['format']].format(name=path.name)}
 """
+
+
+def _features_line(metadata: dict[str, Any]) -> str:
+    spec = metadata.get("features")
+    if not spec:
+        return ""
+    return (f"\n- Inside the model, before {metadata['model']['name']}: ScatterNet (J={spec['J']}, L={spec['L']}, "
+            f"order {spec['max_order']}, pad {spec['pad']}) to {metadata['model']['input_shape']} features, then "
+            f"{spec['normalize']}"
+            + (" (its statistics: a private release, counted in epsilon)." if spec["normalize"] == "datanorm" else "."))  # fmt: skip
 
 
 _LOADING = {

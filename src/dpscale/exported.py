@@ -1,7 +1,8 @@
 """Loading a model that ``dpscale export`` wrote, without dpscale's training code.
 
 An exported model takes float32 images in [0, 1], shape (B, C, H, W), and returns logits (B, K):
-the run's input normalisation is part of it. Every format carries the same metadata (JSON):
+the run's input normalisation is part of it, and for a ScatterNet run the ScatterNet and the
+feature normalisation too (``ScatterNetFeatures``). Every format carries the same metadata (JSON):
 the model (zoo name, classes, input shape, activation, kwargs), the input convention, the test
 accuracy the run measured, and the full privacy statement (epsilon, delta, accountant,
 sampling, caveats). Where it is stored:
@@ -25,11 +26,15 @@ from torch import nn
 
 from dpscale.choices import EXPORT_FORMATS
 
-__all__ = ["EXPORT_FORMATS", "ImagesInUnitRange", "accuracy", "evaluate_exported", "load_exported", "read_metadata"]
+__all__ = [
+    "EXPORT_FORMATS", "ImagesInUnitRange", "ScatterNetFeatures", "accuracy", "evaluate_exported", "load_exported",
+    "read_metadata",
+]  # fmt: skip
 
 SUFFIXES = {"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}
 METADATA_KEY = "dpscale"  # safetensors metadata key / ONNX metadata_props key
 TORCHSCRIPT_METADATA = "dpscale.json"  # TorchScript extra file
+FEATURE_STATS_PREFIX = "dpscale_datanorm."  # safetensors: Data Normalization's released statistics
 NORMALIZE_SHIFT, NORMALIZE_SCALE = 0.5, 0.5  # data.normalize: (x - 0.5) / 0.5, as dpscale.data.run_data
 
 
@@ -44,6 +49,42 @@ class ImagesInUnitRange(nn.Module):
         if self.normalize:
             images = (images - NORMALIZE_SHIFT) / NORMALIZE_SCALE
         return self.classifier(images)
+
+
+class ScatterNetFeatures(nn.Module):
+    """A ScatterNet run's fixed feature map inside the export: the ScatterNet coefficients of the
+    images, then the run's feature normalisation (per-example GroupNorm, or Data Normalization
+    with the statistics the run released privately; their cost is in the run's epsilon).
+
+    Args:
+        spec: the metadata's ``features`` entry (J, L, max_order, pad, image_shape, normalize, groups).
+        mean, var: Data Normalization's released per-channel statistics (None otherwise).
+    """
+
+    def __init__(self, spec: dict[str, Any], mean: torch.Tensor | None = None, var: torch.Tensor | None = None) -> None:
+        super().__init__()
+        from dpscale.features.scatternet import ScatterNet
+
+        self.scatter = ScatterNet(
+            tuple(spec["image_shape"]), J=spec["J"], L=spec["L"], max_order=spec["max_order"], pad=spec["pad"]
+        )
+        self.kind, self.groups = spec["normalize"], spec["groups"]
+        if self.kind == "datanorm":  # kept in their own dtype: the same arithmetic as the run's
+            self.register_buffer("norm_mean", mean.clone())
+            self.register_buffer("norm_var", var.clone())
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        from dpscale.features.normalize import group_normalize
+
+        features = self.scatter(images)
+        if self.kind == "groupnorm":
+            return group_normalize(features, self.groups)
+        if self.kind == "datanorm":  # as dpscale.features.normalize.DataNormStats.apply
+            shape = (1, -1) + (1,) * (features.dim() - 2)
+            mean = self.norm_mean.to(dtype=features.dtype).reshape(shape)
+            std = self.norm_var.sqrt().to(dtype=features.dtype).reshape(shape)
+            return (features - mean) / std
+        return features
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -84,9 +125,12 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
 
     from dpscale.models import build_model
 
-    spec = metadata["model"]
+    spec, tensors = metadata["model"], load_file(str(path))
     classifier = build_model(spec["name"], spec["num_classes"], tuple(spec["input_shape"]), spec["activation"], **spec["kwargs"])
-    classifier.load_state_dict(load_file(str(path)))
+    stats = {k: tensors.pop(f"{FEATURE_STATS_PREFIX}{k}") for k in ("mean", "var") if f"{FEATURE_STATS_PREFIX}{k}" in tensors}
+    classifier.load_state_dict(tensors)
+    if metadata.get("features"):
+        classifier = nn.Sequential(ScatterNetFeatures(metadata["features"], stats.get("mean"), stats.get("var")), classifier)
     return ImagesInUnitRange(classifier, metadata["input"]["normalize"]).eval(), metadata
 
 
