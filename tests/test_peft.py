@@ -188,3 +188,36 @@ def test_evaluation_computes_with_the_merged_weights():
         merged = merge_lora(copy.deepcopy(model))(x)
     torch.testing.assert_close(evaluated, merged, rtol=0, atol=0)
     torch.testing.assert_close(evaluated, training_path.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_an_unfrozen_base_under_lora_is_refused_by_bk_and_exact_in_vmap():
+    """Adversarial: a user unfreezes W inside a LoRA adapter. W then gets its gradient through the
+    fused [A; W] call of A's layer, a route bk's records do not see: bk must refuse, vmap stay exact."""
+    model = _adapted("papernot-cnn", (1, 28, 28), "lora")
+    model.features[0].base.weight.requires_grad_(True)
+    batch = (torch.randn(5, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (5,)))
+    bk, _ = make_engine("bk", 0.5, model)
+    with pytest.raises(ValueError, match="engine=vmap"):
+        bk.clipped_sum_and_losses(model, _trainable(model), batch)
+    vmap, _ = make_engine("vmap", 0.5, model)
+    grad_sum, norms, _ = vmap.clipped_sum_and_losses(model, _trainable(model), batch)
+    reference = float64_reference(model, batch, 0.5)
+    assert "features.0.base.weight" in reference.clipped_sum
+    torch.testing.assert_close(norms, reference.norms, rtol=1e-9, atol=1e-12)
+    for name, value in reference.clipped_sum.items():
+        torch.testing.assert_close(grad_sum[name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_make_private_takes_vmap_for_an_unfrozen_base_under_lora():
+    """The public door on the same adversarial model: auto leaves bk for the exact vmap."""
+    model = _adapted("papernot-cnn", (1, 28, 28), "lora").float()
+    model.features[0].base.weight.requires_grad_(True)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    mechanism = dpscale.make_private(model, optimizer, dataset_size=200, batch_size=16, max_grad_norm=1.0,
+                                     noise_multiplier=1.0, delta=1e-5, steps=2, seed=0)  # fmt: skip
+    x, y = torch.randn(200, 1, 28, 28), torch.randint(0, 10, (200,))
+    before = model.features[0].base.weight.detach().clone()
+    for indices in mechanism.batches():
+        mechanism.step(x[indices], y[indices])
+        break
+    assert mechanism.engine.name == "vmap" and not torch.equal(model.features[0].base.weight, before)
