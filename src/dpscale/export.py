@@ -9,8 +9,8 @@ A ``MODEL_CARD.md`` beside it says the same for people. Load with ``dpscale.expo
 from __future__ import annotations
 
 import copy
+import io
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpscale._io import atomic_write_text
+from dpscale._io import atomic_write_bytes, atomic_write_text
 from dpscale.errors import ConfigError
 from dpscale.choices import EXPORT_FORMATS
 from dpscale.exported import (
@@ -163,7 +163,7 @@ def _needs(package: str, fmt: str) -> None:
 
 def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
     _needs("safetensors", "safetensors")
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     inner = model.classifier
     classifier, features = (inner[1], inner[0]) if isinstance(inner, nn.Sequential) else (inner, None)
@@ -171,7 +171,7 @@ def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     if features is not None and features.kind == "datanorm":  # the released statistics, as the run used them
         weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
         weights[f"{FEATURE_STATS_PREFIX}var"] = features.norm_var.contiguous()
-    _atomically(path, lambda tmp: save_file(weights, str(tmp), metadata={METADATA_KEY: json.dumps(metadata)}))
+    atomic_write_bytes(path, save(weights, metadata={METADATA_KEY: json.dumps(metadata)}))
 
 
 def _example(metadata: dict[str, Any]) -> torch.Tensor:
@@ -186,35 +186,22 @@ def _write_torchscript(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     with torch.no_grad(), warnings.catch_warnings():  # no_grad: every layer's inference path
         warnings.simplefilter("ignore", DeprecationWarning)
         traced = torch.jit.trace(model, _example(metadata))
-        _atomically(path, lambda tmp: torch.jit.save(traced, str(tmp), _extra_files=extra))
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer, _extra_files=extra)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
     _needs("onnx", "onnx")
-    import onnx
-
-    def write(tmp: Path) -> None:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations
-            program = torch.onnx.export(
-                model, (_example(metadata),), input_names=["images"], output_names=["logits"],
-                dynamic_shapes={"images": {0: torch.export.Dim("batch")}}, verbose=False,
-            )  # fmt: skip
-        proto = program.model_proto
-        proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(metadata))
-        onnx.save(proto, str(tmp))
-
-    _atomically(path, write)
-
-
-def _atomically(path: Path, write: Any) -> None:
-    """``write(tmp)`` then rename onto ``path``: a crash never leaves half a model under its name."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations
+        program = torch.onnx.export(
+            model, (_example(metadata),), input_names=["images"], output_names=["logits"],
+            dynamic_shapes={"images": {0: torch.export.Dim("batch")}}, verbose=False,
+        )  # fmt: skip
+    proto = program.model_proto
+    proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(metadata))
+    atomic_write_bytes(path, proto.SerializeToString())
 
 
 _WRITERS = {"safetensors": _write_safetensors, "torchscript": _write_torchscript, "onnx": _write_onnx}
