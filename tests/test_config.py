@@ -511,7 +511,7 @@ def test_datanorm_without_noise_is_refused_for_a_private_run_only():
 
 
 def test_account_composes_private_data_normalization(capsys):
-    from dpscale.features.normalize import data_norm_release
+    from dpscale.features.normalize import data_norm_release, feature_mean_release
     from dpscale.privacy import compute_epsilon
 
     alone = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp")
@@ -525,6 +525,14 @@ def test_account_composes_private_data_normalization(capsys):
         releases=(data_norm_release(8.0),),
     )
     assert both["epsilon"] == pytest.approx(expected) and both["epsilon"] > alone["epsilon"]
+    centred = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8",
+                            "--feature-mean-noise", "6")  # fmt: skip
+    releases = (data_norm_release(8.0), feature_mean_release(6.0))
+    assert centred["epsilon"] == pytest.approx(
+        compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=both["steps"], delta=1e-5, kind="rdp", releases=releases)
+    ) and centred["epsilon"] > both["epsilon"]
+    assert main([*MNIST, "--noise", "1.1", "--epochs", "15", "--feature-mean-noise", "0"]) == 2
+    assert "--feature-mean-noise must be > 0" in capsys.readouterr().err
     calibrated = _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--data-norm-noise", "8", "--accountant", "rdp")
     assert calibrated["epsilon"] <= 3.0 and calibrated["noise_multiplier"] > _account_json(
         capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")["noise_multiplier"]

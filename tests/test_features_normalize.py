@@ -1,4 +1,4 @@
-"""Feature normalisation: per-sample GroupNorm and private Data Normalization (Tramer Algorithm 2)."""
+"""Feature normalisation: per-sample GroupNorm, private Data Normalization (Tramer Algorithm 2) and private centring."""
 
 import math
 
@@ -7,11 +7,14 @@ import torch
 
 from dpscale.features.normalize import (
     DATA_NORM,
+    FEATURE_MEAN,
     FeatureNormalizer,
     data_norm_release,
+    feature_mean_release,
     group_normalize,
     private_channel_mean,
     private_data_norm,
+    private_feature_mean,
 )
 from dpscale.rng import DPRandom
 
@@ -97,3 +100,52 @@ def test_variance_floor_and_state_round_trip():
 def test_data_norm_release_is_two_gaussian_sums():
     release = data_norm_release(8.0)
     assert (release.label, release.sample_rate, release.noise_multiplier, release.steps) == (DATA_NORM, 1.0, 8.0, 2)
+
+
+def _feature_mean_reference(x, clip, sigma, seed):
+    """Private centring as a loop over examples in float64: clip each flattened example to
+    ``clip``, sum, add sigma * clip times one standard normal per feature (same draw order), / N."""
+    rows = [[float(v) for v in example.double().flatten()] for example in x]
+    total = [0.0] * len(rows[0])
+    for row in rows:
+        norm = math.sqrt(sum(v * v for v in row))
+        scale = min(1.0, clip / norm) if norm > 0 else 1.0
+        total = [t + v * scale for t, v in zip(total, row)]
+    noise = DPRandom(seed).normal((len(total),), dtype=torch.float64).tolist()
+    mean = [(t + sigma * clip * z) / len(rows) for t, z in zip(total, noise)]
+    return torch.tensor(mean, dtype=torch.float64).reshape(x.shape[1:])
+
+
+def test_private_feature_mean_matches_the_float64_loop_and_is_subtracted():
+    torch.manual_seed(2)
+    x = torch.randn(9, 3, 2, 2) * 2 + 1  # norms around 4-8: some examples clipped at 5, some not
+    center = private_feature_mean(x, 5.0, 1.5, DPRandom(7), batch_size=4)  # batches must not matter
+    assert torch.allclose(center, _feature_mean_reference(x, 5.0, 1.5, 7), rtol=1e-9, atol=1e-12)
+    assert center.dtype == torch.float64 and center.shape == (3, 2, 2)
+    normalizer = FeatureNormalizer("groupnorm", 3, center=center)
+    assert torch.allclose(normalizer(x).double(), group_normalize(x, 3).double() - center, atol=1e-6)
+    restored = FeatureNormalizer.from_state_dict(normalizer.state_dict())
+    assert torch.equal(restored.center, center) and torch.equal(restored(x), normalizer(x))
+    assert not normalizer.is_identity and FeatureNormalizer().is_identity
+    assert not FeatureNormalizer(center=center).is_identity
+
+
+def test_feature_mean_noise_has_std_sigma_r_over_n_and_one_example_moves_the_sum_by_at_most_r():
+    n, d, sigma, clip = 40, 20000, 3.0, 0.7
+    estimate = private_feature_mean(torch.zeros(n, d), clip, sigma, DPRandom(5))
+    expected_std = sigma * clip / n
+    assert float(estimate.std()) == pytest.approx(expected_std, rel=0.03)  # 20000 normals: within 3%
+    assert abs(float(estimate.mean())) < 4 * expected_std / math.sqrt(d)
+    torch.manual_seed(0)
+    x = torch.rand(10, 4, 3, 3)
+    outlier = torch.full((1, 4, 3, 3), -1e6)  # an input that would dominate an unclipped mean
+    without = private_feature_mean(x, 0.5, 0.0, DPRandom(0)) * 10
+    with_outlier = private_feature_mean(torch.cat([x, outlier]), 0.5, 0.0, DPRandom(0)) * 11
+    assert float((with_outlier - without).norm()) <= 0.5 + 1e-9
+    with pytest.raises(ValueError, match="clip > 0"):
+        private_feature_mean(x, 0.0, 1.0, DPRandom(0))
+
+
+def test_feature_mean_release_is_one_gaussian_sum():
+    release = feature_mean_release(8.0)
+    assert (release.label, release.sample_rate, release.noise_multiplier, release.steps) == (FEATURE_MEAN, 1.0, 8.0, 1)

@@ -121,3 +121,70 @@ def test_a_checkpoint_without_its_released_statistics_is_refused(tmp_path):
     save_checkpoint(tmp_path / "r" / "checkpoint.pt", state)
     with pytest.raises(ConfigError, match="feature normalisation"):
         Trainer.resume(tmp_path / "r", progress=False)
+
+
+def test_centred_run_composes_its_release_and_subtracts_a_mean_of_the_right_noise(tmp_path, capsys):
+    cfg = scatter_config(tmp_path / "c", "features.normalize=groupnorm", "features.groups=27", "features.center=true",
+                         "features.center_noise=8")  # fmt: skip
+    trainer = Trainer.create(cfg, progress=False)
+    release = AccountingSegment(1.0, 8.0, 1, "feature-mean")
+    assert trainer.plan.releases == (release,) and trainer.mechanism.accountant.releases == (release,)
+    summary = trainer.run()
+    sigma = summary["noise_multiplier"]
+    composed = compute_epsilon(sample_rate=500 / 4000, noise_multiplier=sigma, steps=16, delta=1e-5, kind="rdp",
+                               releases=(release,))  # fmt: skip
+    assert summary["epsilon"] == pytest.approx(composed) and composed <= 3.0
+    assert set(summary["epsilon_parts"]) == {"feature-mean", "dp-sgd"} and summary["feature_centering"] is True
+    plain = Trainer.create(scatter_config(tmp_path / "g", "features.normalize=groupnorm", "features.groups=27"), progress=False)
+    assert plain.plan.noise_multiplier < sigma  # calibration paid for the release
+    # `dpscale account --feature-mean-noise` calibrates the same sigma as the run.
+    capsys.readouterr()
+    assert main(["account", "--dataset-size", "4000", "--batch-size", "500", "--steps", "16", "--target-epsilon", "3",
+                 "--accountant", "rdp", "--feature-mean-noise", "8", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["noise_multiplier"] == pytest.approx(sigma, rel=1e-9)
+    # The inputs are GroupNorm minus the released mean; that mean is the exact one (R = sqrt(d) clips
+    # nothing after GroupNorm) plus noise of std sigma_c R / N per feature.
+    center = trainer.built.feature_normalizer.center
+    grouped = plain.data.x_train.double()  # the same features, GroupNorm only
+    assert torch.allclose(trainer.data.x_train.double(), grouped - center, atol=1e-5)
+    d, n = center.numel(), grouped.shape[0]
+    noise = (center - grouped.mean(0)).flatten()
+    expected_std = 8.0 * d**0.5 / n
+    assert float(noise.std()) == pytest.approx(expected_std, rel=0.1)  # 3969 normals: within 10%
+    assert float(grouped.mean(0).norm()) > 3 * float(noise.norm())  # a mean worth removing at this N
+
+
+def test_centring_is_checkpointed_reused_and_cannot_be_added_or_dropped_on_resume(tmp_path):
+    cfg = scatter_config(tmp_path / "c", "features.normalize=groupnorm", "features.groups=27", "features.center=true")
+    trainer = Trainer.create(cfg, progress=False)
+    trainer.run(max_steps=2)
+    state = load_checkpoint(tmp_path / "c" / "checkpoint.pt")["feature_norm"]
+    assert torch.equal(state["center"], trainer.built.feature_normalizer.center)
+    resumed = Trainer.resume(tmp_path / "c", progress=False)  # loaded again: the same mean, not a new draw
+    assert torch.equal(resumed.built.feature_normalizer.center, state["center"])
+    assert resumed.plan.releases == trainer.plan.releases and torch.equal(resumed.data.x_test, trainer.data.x_test)
+    resumed.close()
+    # Refused (by the DP plan's releases, or by the normaliser's own check in a non-private run).
+    with pytest.raises(ConfigError, match="feature-mean|features.center is false"):
+        Trainer.resume(tmp_path / "c", progress=False, overrides=["features.center=false"])
+    plain = scatter_config(tmp_path / "p", "features.normalize=groupnorm", "features.groups=27")
+    Trainer.create(plain, progress=False).run(max_steps=2)
+    with pytest.raises(ConfigError, match="feature-mean|holds no released feature mean"):
+        Trainer.resume(tmp_path / "p", progress=False, overrides=["features.center=true"])
+
+
+def test_exact_centring_of_a_private_run_is_refused():
+    with pytest.raises(ConfigError, match="center_noise=0 subtracts the exact mean"):
+        load_config(None, ["features.extractor=scatternet", "features.normalize=groupnorm", "features.center=true",
+                           "features.center_noise=0"])  # fmt: skip
+    with pytest.raises(ConfigError, match="center_clip must be a positive"):
+        load_config(None, ["features.center=true", "features.center_clip=0"])
+
+
+def test_non_private_runs_cannot_add_or_drop_centring_on_resume_either(tmp_path):
+    # Without noise there is no release in the plan to compare: the normaliser's check refuses.
+    cfg = scatter_config(tmp_path / "n", "features.normalize=groupnorm", "features.groups=27", "features.center=true",
+                         "dp.noise_multiplier=0", "dp.epsilon=null", "features.center_noise=0")  # fmt: skip
+    Trainer.create(cfg, progress=False).run(max_steps=2)
+    with pytest.raises(ConfigError, match="features.center is false"):
+        Trainer.resume(tmp_path / "n", progress=False, overrides=["features.center=false"])

@@ -197,9 +197,10 @@ def test_a_lora_run_exports_the_plain_model_with_the_run_accuracy(tmp_path):
     assert evaluate_exported(path) == json.loads((out / "summary.json").read_text())["test_accuracy"]
 
 
-def _scatternet_run(tmp_path: Path, normalize: str) -> tuple[Path, dict]:
+def _scatternet_run(tmp_path: Path, normalize: str, center: bool = False) -> tuple[Path, dict]:
     out = tmp_path / "scatter"
     sets = ["features.extractor=scatternet", f"features.normalize={normalize}", "features.groups=27",
+            f"features.center={str(center).lower()}",
             "model.name=scatter-linear", "dp.batch_size=64", "train.steps=4", "run.tensorboard=false",
             f"run.out_dir={out}"]  # fmt: skip
     assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
@@ -225,15 +226,19 @@ def _exported_accuracy(run_dir: Path, tmp_path: Path, fmt: str) -> tuple[float, 
     return result["accuracy"], result["metadata"]
 
 
-@pytest.mark.parametrize("normalize", ["datanorm", "groupnorm"])
-def test_a_scatternet_run_exports_features_and_head_with_the_run_accuracy(tmp_path, normalize):
+@pytest.mark.parametrize(("normalize", "center"), [("datanorm", True), ("groupnorm", False)])
+def test_a_scatternet_run_exports_features_and_head_with_the_run_accuracy(tmp_path, normalize, center):
     """The export takes images: ScatterNet, the feature normalisation (Data Normalization's
-    released statistics included) and the head, reproducing the run's accuracy exactly."""
+    released statistics and the released centring mean included) and the head, reproducing the
+    run's accuracy exactly."""
     pytest.importorskip("safetensors")
-    run_dir, summary = _scatternet_run(tmp_path, normalize)
+    run_dir, summary = _scatternet_run(tmp_path, normalize, center)
+    assert summary["feature_centering"] is center
     accuracy, metadata = _exported_accuracy(run_dir, tmp_path, "safetensors")
     assert accuracy == summary["test_accuracy"]
     assert metadata["features"]["normalize"] == normalize and metadata["input"]["shape"] == [1, 28, 28]
+    assert metadata["features"]["center"] is center and ("feature-mean" in (summary["epsilon_parts"] or {})) is center
+    assert ("mean feature vector" in (tmp_path / "MODEL_CARD.md").read_text()) is center
     assert main(["export", str(run_dir), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]) == 2
 
 

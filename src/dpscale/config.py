@@ -102,6 +102,13 @@ class FeaturesConfig:
         norm_clip: [C1, C2], L2 bounds on each example's channel means and mean-squares.
         norm_noise: sigma_norm, the noise multiplier of both datanorm Gaussian sums.
         norm_floor: tau, the smallest variance datanorm divides by.
+        center: subtract a private estimate of the training set's mean feature vector after the
+            normalisation (one Gaussian sum, the "feature-mean" release, composed with DP-SGD);
+            lifts linear heads on GroupNorm-ed ScatterNet features (docs/results.md, issue 28).
+        center_clip: L2 bound on each example's normalised feature vector, as a multiple of
+            sqrt(number of features) (a root-mean-square per feature); 1.0 is GroupNorm's own
+            bound, so with groupnorm no example is clipped.
+        center_noise: sigma_center, the noise multiplier of the centring sum.
         cache: reuse features computed by an earlier run (keyed by data and extractor).
         cache_dir: where features are cached (null: $DPSCALE_CACHE_DIR or ~/.cache/dpscale/features).
         batch_size: images per extraction batch.
@@ -118,6 +125,9 @@ class FeaturesConfig:
     norm_clip: tuple[float, float] = (0.3, 0.15)
     norm_noise: float = 8.0
     norm_floor: float = 1e-5
+    center: bool = False
+    center_clip: float = 1.0
+    center_noise: float = 8.0
     cache: bool = True
     cache_dir: str | None = None
     batch_size: int = 512
@@ -848,9 +858,10 @@ def _validate_data(config: Config) -> None:
     if data.loader == "stream":
         if data.name not in ("imagefolder", "shards"):
             raise ConfigError(f"data.loader=stream reads image folders and prepared shards (data.name imagefolder or shards), not {data.name!r}")
-        if config.features.extractor is not None or config.features.normalize != "none":
+        if config.features.extractor is not None or config.features.normalize != "none" or config.features.center:
             raise ConfigError(
-                "data.loader=stream feeds pixels to the model; features.extractor and features.normalize need data.loader=memory"
+                "data.loader=stream feeds pixels to the model; features.extractor, features.normalize and "
+                "features.center need data.loader=memory"
             )
         if config.eval.augtest:
             raise ConfigError("eval.augtest is not available with data.loader=stream yet; use data.loader=memory")
@@ -894,6 +905,19 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
         raise ConfigError(
             "features.normalize=datanorm with features.norm_noise=0 releases exact statistics of the private "
             "data; set norm_noise > 0 (the paper uses 6 or 8) or use normalize=groupnorm"
+        )
+    _validate_centring(features, is_private)
+
+
+def _validate_centring(features: FeaturesConfig, is_private: bool) -> None:
+    if not (features.center_clip > 0 and math.isfinite(features.center_clip)):
+        raise ConfigError(f"features.center_clip must be a positive number, got {features.center_clip}")
+    if not (features.center_noise >= 0 and math.isfinite(features.center_noise)):
+        raise ConfigError(f"features.center_noise must be >= 0, got {features.center_noise}")
+    if is_private and features.center and features.center_noise == 0:
+        raise ConfigError(
+            "features.center with features.center_noise=0 subtracts the exact mean of the private data; "
+            "set center_noise > 0 (dpscale's presets use 8)"
         )
 
 

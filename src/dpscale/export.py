@@ -132,9 +132,11 @@ def _feature_stage(trainer: Any, metadata: dict[str, Any]) -> ScatterNetFeatures
         "extractor": "scatternet", "J": features.scatter_j, "L": features.scatter_angles,
         "max_order": features.scatter_order, "pad": features.scatter_pad,
         "image_shape": list(_image_shape(trainer)), "normalize": normalizer.kind, "groups": normalizer.groups,
+        "center": normalizer.center is not None,
     }  # fmt: skip
     stats = normalizer.stats
-    stage = ScatterNetFeatures(spec, stats.mean if stats else None, stats.var if stats else None).eval()
+    stage = ScatterNetFeatures(spec, stats.mean if stats else None, stats.var if stats else None, normalizer.center)
+    stage.eval()
     metadata["features"], metadata["input"]["shape"] = spec, spec["image_shape"]
     return stage
 
@@ -171,6 +173,8 @@ def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     if features is not None and features.kind == "datanorm":  # the released statistics, as the run used them
         weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
         weights[f"{FEATURE_STATS_PREFIX}var"] = features.norm_var.contiguous()
+    if features is not None and features.feature_center is not None:  # private centring's released mean
+        weights[f"{FEATURE_STATS_PREFIX}center"] = features.feature_center.contiguous()
     atomic_write_bytes(path, save(weights, metadata={METADATA_KEY: json.dumps(metadata)}))
 
 
@@ -242,7 +246,9 @@ def _features_line(metadata: dict[str, Any]) -> str:
     return (f"\n- Inside the model, before {metadata['model']['name']}: ScatterNet (J={spec['J']}, L={spec['L']}, "
             f"order {spec['max_order']}, pad {spec['pad']}) to {metadata['model']['input_shape']} features, then "
             f"{spec['normalize']}"
-            + (" (its statistics: a private release, counted in epsilon)." if spec["normalize"] == "datanorm" else "."))  # fmt: skip
+            + (" (its statistics: a private release, counted in epsilon)" if spec["normalize"] == "datanorm" else "")
+            + (", then minus the training set's mean feature vector (a private release, counted in epsilon)."
+               if spec.get("center") else "."))  # fmt: skip
 
 
 _LOADING = {

@@ -34,7 +34,7 @@ __all__ = [
 SUFFIXES = {"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}
 METADATA_KEY = "dpscale"  # safetensors metadata key / ONNX metadata_props key
 TORCHSCRIPT_METADATA = "dpscale.json"  # TorchScript extra file
-FEATURE_STATS_PREFIX = "dpscale_datanorm."  # safetensors: Data Normalization's released statistics
+FEATURE_STATS_PREFIX = "dpscale_datanorm."  # safetensors: Data Normalization's (and centring's) released statistics
 NORMALIZE_SHIFT, NORMALIZE_SCALE = 0.5, 0.5  # data.normalize: (x - 0.5) / 0.5, as dpscale.data.run_data
 
 
@@ -54,14 +54,19 @@ class ImagesInUnitRange(nn.Module):
 class ScatterNetFeatures(nn.Module):
     """A ScatterNet run's fixed feature map inside the export: the ScatterNet coefficients of the
     images, then the run's feature normalisation (per-example GroupNorm, or Data Normalization
-    with the statistics the run released privately; their cost is in the run's epsilon).
+    with the statistics the run released privately; their cost is in the run's epsilon), then
+    the privately released mean feature vector subtracted when the run centred its features.
 
     Args:
-        spec: the metadata's ``features`` entry (J, L, max_order, pad, image_shape, normalize, groups).
+        spec: the metadata's ``features`` entry (J, L, max_order, pad, image_shape, normalize, groups, center).
         mean, var: Data Normalization's released per-channel statistics (None otherwise).
+        center: the released mean feature vector (None when the run did not centre).
     """
 
-    def __init__(self, spec: dict[str, Any], mean: torch.Tensor | None = None, var: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, spec: dict[str, Any], mean: torch.Tensor | None = None, var: torch.Tensor | None = None,
+        center: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         from dpscale.features.scatternet import ScatterNet
 
@@ -72,18 +77,24 @@ class ScatterNetFeatures(nn.Module):
         if self.kind == "datanorm":  # kept in their own dtype: the same arithmetic as the run's
             self.register_buffer("norm_mean", mean.clone())
             self.register_buffer("norm_var", var.clone())
+        if spec.get("center") and center is None:
+            raise ValueError("the export's metadata says the run centred its features, but the released mean is missing")
+        # kept in float64: the same arithmetic as the run's
+        self.register_buffer("feature_center", center.clone() if spec.get("center") else None)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         from dpscale.features.normalize import group_normalize
 
         features = self.scatter(images)
         if self.kind == "groupnorm":
-            return group_normalize(features, self.groups)
-        if self.kind == "datanorm":  # as dpscale.features.normalize.DataNormStats.apply
+            features = group_normalize(features, self.groups)
+        elif self.kind == "datanorm":  # as dpscale.features.normalize.DataNormStats.apply
             shape = (1, -1) + (1,) * (features.dim() - 2)
             mean = self.norm_mean.to(dtype=features.dtype).reshape(shape)
             std = self.norm_var.sqrt().to(dtype=features.dtype).reshape(shape)
-            return (features - mean) / std
+            features = (features - mean) / std
+        if self.feature_center is not None:  # as dpscale.features.normalize.FeatureNormalizer
+            features = features - self.feature_center.to(dtype=features.dtype)
         return features
 
 
@@ -127,10 +138,11 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
 
     spec, tensors = metadata["model"], load_file(str(path))
     classifier = build_model(spec["name"], spec["num_classes"], tuple(spec["input_shape"]), spec["activation"], **spec["kwargs"])
-    stats = {k: tensors.pop(f"{FEATURE_STATS_PREFIX}{k}") for k in ("mean", "var") if f"{FEATURE_STATS_PREFIX}{k}" in tensors}
+    stats = {k: tensors.pop(f"{FEATURE_STATS_PREFIX}{k}") for k in ("mean", "var", "center") if f"{FEATURE_STATS_PREFIX}{k}" in tensors}
     classifier.load_state_dict(tensors)
     if metadata.get("features"):
-        classifier = nn.Sequential(ScatterNetFeatures(metadata["features"], stats.get("mean"), stats.get("var")), classifier)
+        stage = ScatterNetFeatures(metadata["features"], stats.get("mean"), stats.get("var"), stats.get("center"))
+        classifier = nn.Sequential(stage, classifier)
     return ImagesInUnitRange(classifier, metadata["input"]["normalize"]).eval(), metadata
 
 

@@ -14,7 +14,7 @@ from dpscale.errors import ConfigError
 
 def _cmd_account(args: argparse.Namespace) -> int:
     _check_account_args(args)
-    releases = _data_norm_releases(args.data_norm_noise)
+    releases = _feature_releases(args.data_norm_noise, args.feature_mean_noise)
     if args.mechanism == "bandmf":
         result = _account_bandmf(args, releases)
     else:
@@ -57,7 +57,7 @@ def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]
         "sample_rate": plan.sample_rate, "participation_rate": plan.participation_rate,
         "compositions": plan.compositions(steps), "accountant": plan.accountant, "eps_tan": plan.eps_tan,
         "dataset_size": args.dataset_size, "batch_size": args.batch_size, "target_epsilon": args.target_epsilon,
-        "data_norm_noise": args.data_norm_noise, "header": plan.describe(),
+        "data_norm_noise": args.data_norm_noise, "feature_mean_noise": args.feature_mean_noise, "header": plan.describe(),
     }  # fmt: skip
 
 
@@ -80,15 +80,22 @@ def _check_account_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
 
 
-def _data_norm_releases(data_norm_noise: float | None) -> tuple:
-    """The private Data Normalization releases of ``--data-norm-noise`` (none without it)."""
-    if data_norm_noise is None:
-        return ()
-    from dpscale.features.normalize import data_norm_release
+def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple:
+    """The releases of ``--data-norm-noise`` (private Data Normalization) and
+    ``--feature-mean-noise`` (private centring), in the order a run draws them (none without them)."""
+    releases: tuple = ()
+    for flag, sigma in (("--data-norm-noise", data_norm_noise), ("--feature-mean-noise", feature_mean_noise)):
+        if sigma is not None and not sigma > 0:
+            raise ConfigError(f"{flag} must be > 0, got {sigma}")
+    if data_norm_noise is not None:
+        from dpscale.features.normalize import data_norm_release
 
-    if not data_norm_noise > 0:
-        raise ConfigError(f"--data-norm-noise must be > 0, got {data_norm_noise}")
-    return (data_norm_release(data_norm_noise),)
+        releases += (data_norm_release(data_norm_noise),)
+    if feature_mean_noise is not None:
+        from dpscale.features.normalize import feature_mean_release
+
+        releases += (feature_mean_release(feature_mean_noise),)
+    return releases
 
 
 def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
@@ -149,6 +156,7 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
         "target_epsilon": args.target_epsilon,
         "sampling": "poisson",
         "data_norm_noise": args.data_norm_noise,
+        "feature_mean_noise": args.feature_mean_noise,
         "wall_warning": wall_warning,
     }
 
@@ -161,7 +169,10 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
         f"DP-SGD with Poisson sampling q = {b}/{n} = {q:.6g}, noise multiplier sigma = {sigma:.6g}, "
         f"{steps} steps ({steps * q:.4g} epochs)"
     )
-    norm = f", composed with private Data Normalization (sigma_norm = {result['data_norm_noise']:g})" if with_releases else ""
+    parts = [f"private Data Normalization (sigma_norm = {result['data_norm_noise']:g})"] if result["data_norm_noise"] else []
+    if result["feature_mean_noise"]:
+        parts.append(f"private centring (sigma_center = {result['feature_mean_noise']:g})")
+    norm = f", composed with {' and '.join(parts)}" if with_releases else ""
     print(f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}")
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
     alone = " (DP-SGD steps alone)" if with_releases else ""
@@ -185,6 +196,10 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
     acc.add_argument(
         "--data-norm-noise", type=float, metavar="SIGMA_NORM",
         help="compose with private Data Normalization (two Gaussian sums, Tramer Algorithm 2) at this noise",
+    )
+    acc.add_argument(
+        "--feature-mean-noise", type=float, metavar="SIGMA_CENTER",
+        help="compose with private centring (one Gaussian sum: features.center) at this noise",
     )
     acc.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
                      help="dpsgd, or bandmf (banded matrix factorization, amplified: docs/correlated_noise.md)")

@@ -14,23 +14,29 @@ from .extract import (
 )
 from .normalize import (
     DATA_NORM,
+    FEATURE_MEAN,
     DataNormStats,
     FeatureNormalizer,
     data_norm_release,
+    feature_mean_release,
     group_normalize,
     private_channel_mean,
     private_data_norm,
+    private_feature_mean,
 )
 from .scatternet import ScatterNet, scatter_output_shape
 
 __all__ = [
     "DATA_NORM",
+    "FEATURE_MEAN",
     "DataNormStats",
     "FeatureNormalizer",
     "data_norm_release",
+    "feature_mean_release",
     "group_normalize",
     "private_channel_mean",
     "private_data_norm",
+    "private_feature_mean",
     "FeatureExtractor",
     "ScatterNet",
     "default_cache_dir",

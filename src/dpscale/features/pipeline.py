@@ -18,7 +18,15 @@ from dpscale.config import FeaturesConfig
 from dpscale.data import ImageDataset
 from dpscale.errors import ConfigError
 from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
-from dpscale.features.normalize import DATA_NORM, FeatureNormalizer, data_norm_release, private_data_norm
+from dpscale.features.normalize import (
+    DATA_NORM,
+    FEATURE_MEAN,
+    FeatureNormalizer,
+    data_norm_release,
+    feature_mean_release,
+    private_data_norm,
+    private_feature_mean,
+)
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy
 from dpscale.rng import DPRandom
@@ -68,10 +76,14 @@ def extract_run_features(
 
 
 def feature_releases(features: FeaturesConfig) -> tuple[AccountingSegment, ...]:
-    """The privacy-costing releases the feature normalisation makes (for the DP plan)."""
+    """The privacy-costing releases the feature normalisation makes (for the DP plan), in the
+    order the normaliser draws them."""
+    releases: tuple[AccountingSegment, ...] = ()
     if features.normalize == "datanorm" and features.norm_noise > 0:
-        return (data_norm_release(features.norm_noise),)
-    return ()
+        releases += (data_norm_release(features.norm_noise),)
+    if features.center and features.center_noise > 0:
+        releases += (feature_mean_release(features.center_noise),)
+    return releases
 
 
 def extractor_privacy(
@@ -105,8 +117,22 @@ def extractor_privacy(
 def fit_normalizer(
     features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom
 ) -> FeatureNormalizer:
-    """The normaliser a new run uses; Data Normalization draws its noise from ``generator``
-    with the noise multiplier the DP plan accounts for."""
+    """The normaliser a new run uses; Data Normalization, then centring, draw their noise from
+    ``generator`` with the noise multipliers the DP plan accounts for."""
+    normalizer = _fit_base_normalizer(features, x_train, plan, generator)
+    if not features.center:
+        return normalizer
+    sigma = plan.release_noise(FEATURE_MEAN) if plan.is_private else features.center_noise
+    normalized = normalize_dataset_tensor(x_train, normalizer)
+    clip = features.center_clip * normalized[0].numel() ** 0.5
+    center = private_feature_mean(normalized, clip, sigma, generator)
+    return replace(normalizer, center=center)
+
+
+def _fit_base_normalizer(
+    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom
+) -> FeatureNormalizer:
+    """GroupNorm, Data Normalization or nothing (before any centring)."""
     if features.normalize == "groupnorm":
         channels = x_train.shape[1]
         if channels % features.groups:
@@ -125,10 +151,17 @@ def fit_normalizer(
 
 def normalize_dataset(data: ImageDataset, normalizer: FeatureNormalizer, batch_size: int = 4096) -> ImageDataset:
     """Apply ``normalizer`` to the train and test inputs (in batches, to bound peak memory)."""
-    if normalizer.kind == "none":
+    if normalizer.is_identity:
         return data
+    return replace(
+        data,
+        x_train=normalize_dataset_tensor(data.x_train, normalizer, batch_size),
+        x_test=normalize_dataset_tensor(data.x_test, normalizer, batch_size),
+    )
 
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([normalizer(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]) if len(x) else x
 
-    return replace(data, x_train=apply(data.x_train), x_test=apply(data.x_test))
+def normalize_dataset_tensor(x: torch.Tensor, normalizer: FeatureNormalizer, batch_size: int = 4096) -> torch.Tensor:
+    """``normalizer`` applied to [N, ...] inputs, ``batch_size`` examples at a time."""
+    if normalizer.is_identity or not len(x):
+        return x
+    return torch.cat([normalizer(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])

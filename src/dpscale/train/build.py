@@ -182,6 +182,8 @@ def _feature_normalizer(
             f"the checkpoint's feature normalisation ({kind}) is not features.normalize={config.features.normalize} "
             "of its config; refusing to continue it"
         )
+    if loading:
+        _check_centring(config.features.center, "center" in (saved or {}))
     if saved is not None:
         return FeatureNormalizer.from_state_dict(saved)
     # Data Normalization's noise: 128-bit seed, or the OS CSPRNG with dp.secure_noise
@@ -193,6 +195,21 @@ def _feature_normalizer(
         return normalizer
     # One release, whatever P: every rank uses rank 0's noisy statistics.
     return FeatureNormalizer.from_state_dict(dist.broadcast_object(normalizer.state_dict()))
+
+
+def _check_centring(configured: bool, saved: bool) -> None:
+    """A continued run keeps its checkpoint's centring: none added (a new release its history
+    never accounted), none dropped (the model was trained on centred inputs)."""
+    if configured and not saved:
+        raise ConfigError(
+            "features.center is true but the checkpoint holds no released feature mean; refusing to continue it "
+            "(drawing one now would be a release its accounting never saw)"
+        )
+    if saved and not configured:
+        raise ConfigError(
+            "the checkpoint's model trained on inputs centred by a released feature mean but features.center is "
+            "false; refusing to continue it"
+        )
 
 
 def _model(

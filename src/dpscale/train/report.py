@@ -132,6 +132,7 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "privacy_warnings": trainer.privacy_warnings(),
         "features": built.config.features.extractor,
         "feature_normalization": built.feature_normalizer.kind,
+        "feature_centering": built.feature_normalizer.center is not None,  # a released mean subtracted
         # composed / declared public / other data: how a checkpoint extractor's run enters epsilon
         "extractor_privacy": plan.extractor.case if plan.extractor else None,
         "guarantee_caveats": plan.caveats(),
