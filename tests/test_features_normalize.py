@@ -123,6 +123,10 @@ def test_private_feature_mean_matches_the_float64_loop_and_is_subtracted():
     assert torch.allclose(center, _feature_mean_reference(x, 5.0, 1.5, 7), rtol=1e-9, atol=1e-12)
     assert center.dtype == torch.float64 and center.shape == (3, 2, 2)
     normalizer = FeatureNormalizer("groupnorm", 3, center=center)
+    # Normalising batch by batch inside equals normalising first (the pipeline's memory-saving path).
+    grouped = group_normalize(x, 3)
+    inside = private_feature_mean(x, 5.0, 1.5, DPRandom(7), batch_size=4, transform=FeatureNormalizer("groupnorm", 3))
+    assert torch.allclose(inside, private_feature_mean(grouped, 5.0, 1.5, DPRandom(7)), rtol=1e-9, atol=1e-12)
     assert torch.allclose(normalizer(x).double(), group_normalize(x, 3).double() - center, atol=1e-6)
     restored = FeatureNormalizer.from_state_dict(normalizer.state_dict())
     assert torch.equal(restored.center, center) and torch.equal(restored(x), normalizer(x))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +147,9 @@ def data_norm_release(noise_multiplier: float) -> AccountingSegment:
 
 
 def private_feature_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096
-) -> torch.Tensor:
+    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The training set's mean feature vector, privately: each example's flattened features are
     clipped to L2 norm ``clip``, summed in float64, and N(0, (noise_multiplier * clip)^2) noise is
     added to every coordinate of the sum, which is then divided by N (public, as DP-SGD's
@@ -164,6 +165,8 @@ def private_feature_mean(
         generator: the noise RNG; draws one standard normal per feature (float64, CPU), even
             when sigma_center = 0.
         batch_size: examples clipped at a time (bounds the float64 copy).
+        transform: applied to each batch first (the normalisation, so that the normalised
+            training set is never held twice); shape-preserving.
 
     Returns:
         [...] float64 tensor of one example's feature shape.
@@ -172,7 +175,8 @@ def private_feature_mean(
         raise ValueError("private_feature_mean needs clip > 0, noise_multiplier >= 0 and at least one example")
     total = torch.zeros(x[0].numel(), dtype=torch.float64)
     for start in range(0, len(x), batch_size):
-        rows = x[start : start + batch_size].reshape(-1, total.numel()).to(torch.float64)
+        batch = x[start : start + batch_size]
+        rows = (transform(batch) if transform else batch).reshape(-1, total.numel()).to(torch.float64)
         factors = torch.clamp(clip / rows.norm(dim=1, keepdim=True).clamp_min(1e-300), max=1.0)
         total += (rows * factors).sum(dim=0).cpu()
     noise = require_dprandom(generator, "feature centring noise").normal(total.shape, dtype=torch.float64)

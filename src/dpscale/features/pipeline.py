@@ -123,9 +123,8 @@ def fit_normalizer(
     if not features.center:
         return normalizer
     sigma = plan.release_noise(FEATURE_MEAN) if plan.is_private else features.center_noise
-    normalized = normalize_dataset_tensor(x_train, normalizer)
-    clip = features.center_clip * normalized[0].numel() ** 0.5
-    center = private_feature_mean(normalized, clip, sigma, generator)
+    clip = features.center_clip * x_train[0].numel() ** 0.5  # normalisation keeps the shape
+    center = private_feature_mean(x_train, clip, sigma, generator, transform=normalizer)
     return replace(normalizer, center=center)
 
 
