@@ -44,8 +44,10 @@ def test_a_checkpoint_of_format_1_resumes_where_it_stopped(tmp_path):
     expected = _records(FIXTURE / "full-run-metrics.jsonl")
     got = _records(run_dir / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in expected]
-    # float64 accounting: the epsilons of the uninterrupted run, to the last bits
-    assert [r["epsilon"] for r in got] == pytest.approx([r["epsilon"] for r in expected], rel=1e-12)
+    # float64 accounting: the epsilons of the uninterrupted run. The fixture's were computed with
+    # the numpy/scipy of 2026-11-24; a newer build's FFT rounds the PLD convolutions differently
+    # (measured: 1.2e-11 relative with numpy 2.4.6), far below what one step more or less moves (~1e-2).
+    assert [r["epsilon"] for r in got] == pytest.approx([r["epsilon"] for r in expected], rel=1e-9)
     # float32 training on another CPU may differ in the last bits; the same run within 1% accuracy
     assert summary["test_accuracy"] == pytest.approx(expected[-1]["test_accuracy"], abs=0.01)
     assert summary["steps"] == 12

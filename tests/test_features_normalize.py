@@ -146,6 +146,9 @@ def test_feature_mean_noise_has_std_sigma_r_over_n_and_one_example_moves_the_sum
     without = private_feature_mean(x, 0.5, 0.0, DPRandom(0)) * 10
     with_outlier = private_feature_mean(torch.cat([x, outlier]), 0.5, 0.0, DPRandom(0)) * 11
     assert float((with_outlier - without).norm()) <= 0.5 + 1e-9
+    # An input that overflows (inf, NaN) contributes nothing instead of poisoning the release.
+    broken = torch.cat([x, torch.full((1, 4, 3, 3), float("inf")), torch.full((1, 4, 3, 3), float("nan"))])
+    assert torch.allclose(private_feature_mean(broken, 0.5, 0.0, DPRandom(0)) * 12, without, atol=1e-12)
     with pytest.raises(ValueError, match="clip > 0"):
         private_feature_mean(x, 0.0, 1.0, DPRandom(0))
 

@@ -159,7 +159,7 @@ def private_feature_mean(
     (:func:`feature_mean_release` is its accounting event).
 
     Args:
-        x: [N, ...] private (already normalised) training features; N >= 1.
+        x: [N, ...] private training features (normalised, or normalised by ``transform``); N >= 1.
         clip: R, the L2 bound on each example's feature vector.
         noise_multiplier: sigma_center (0: exact mean, not private).
         generator: the noise RNG; draws one standard normal per feature (float64, CPU), even
@@ -177,8 +177,11 @@ def private_feature_mean(
     for start in range(0, len(x), batch_size):
         batch = x[start : start + batch_size]
         rows = (transform(batch) if transform else batch).reshape(-1, total.numel()).to(torch.float64)
-        factors = torch.clamp(clip / rows.norm(dim=1, keepdim=True).clamp_min(1e-300), max=1.0)
-        total += (rows * factors).sum(dim=0).cpu()
+        norms = rows.norm(dim=1, keepdim=True)
+        factors = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
+        # An example with a non-finite feature contributes nothing (inf * 0 would be NaN): still
+        # within the sensitivity R, and one bad input cannot turn the released mean into NaN.
+        total += torch.where(norms.isfinite(), rows * factors, 0.0).sum(dim=0).cpu()
     noise = require_dprandom(generator, "feature centring noise").normal(total.shape, dtype=torch.float64)
     return ((total + noise * (noise_multiplier * clip)) / len(x)).reshape(x.shape[1:])
 
