@@ -170,6 +170,16 @@ def test_export_refuses_ema_without_an_ema_model(tmp_path, capsys):
     assert "no EMA model" in capsys.readouterr().err
 
 
+def test_export_refuses_a_run_on_images_with_its_own_input_normalisation(tmp_path, capsys):
+    # A centred (or GroupNorm-ed) run on pixels: the export could not reproduce its inputs.
+    out = tmp_path / "run"
+    sets = ["model.name=papernot-cnn", "dp.batch_size=16", "train.steps=2", "run.tensorboard=false",
+            "features.center=true", f"run.out_dir={out}"]  # fmt: skip
+    assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
+    assert main(["export", str(out)]) == 2
+    assert "features.normalize or features.center" in capsys.readouterr().err
+
+
 def test_evaluate_exported_gives_the_run_test_accuracy(run_dir, tmp_path):
     pytest.importorskip("safetensors")
     from dpscale.exported import evaluate_exported

@@ -83,6 +83,13 @@ def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
             f"export takes models trained on images or ScatterNet features; this run trains on "
             f"{config.features.extractor} features (that extractor is not part of an export yet)"
         )
+    if config.features.extractor is None and not trainer.built.feature_normalizer.is_identity:
+        # the export's images path carries data.normalize only: without this the file would
+        # silently skip the run's own input normalisation and give other logits
+        raise ConfigError(
+            "export takes runs on images without features.normalize or features.center "
+            "(their normalisation of the images is not part of an export yet)"
+        )
     if ema and trainer.built.ema is None:
         raise ConfigError("--ema: this run has no EMA model (train.ema_decay was not set)")
     source = trainer.built.ema.model if ema else trainer.model
