@@ -83,19 +83,12 @@ def _check_account_args(args: argparse.Namespace) -> None:
 def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple:
     """The releases of ``--data-norm-noise`` (private Data Normalization) and
     ``--feature-mean-noise`` (private centring), in the order a run draws them (none without them)."""
-    releases: tuple = ()
+    from dpscale.privacy.accountant import feature_releases
+
     for flag, sigma in (("--data-norm-noise", data_norm_noise), ("--feature-mean-noise", feature_mean_noise)):
         if sigma is not None and not sigma > 0:
             raise ConfigError(f"{flag} must be > 0, got {sigma}")
-    if data_norm_noise is not None:
-        from dpscale.features.normalize import data_norm_release
-
-        releases += (data_norm_release(data_norm_noise),)
-    if feature_mean_noise is not None:
-        from dpscale.features.normalize import feature_mean_release
-
-        releases += (feature_mean_release(feature_mean_noise),)
-    return releases
+    return feature_releases(data_norm_noise, feature_mean_noise)
 
 
 def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:

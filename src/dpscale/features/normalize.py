@@ -30,11 +30,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from dpscale.privacy.accountant import AccountingSegment, gaussian_release
+from dpscale.privacy.accountant import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
 from dpscale.rng import DPRandom, require_dprandom
 
-DATA_NORM = "data-norm"  # accountant label of the two PrivDataNorm sums
-FEATURE_MEAN = "feature-mean"  # accountant label of private centring's one Gaussian sum
+__all__ = [  # the release labels and events live with the accountant (torch-free); re-exported here
+    "DATA_NORM", "FEATURE_MEAN", "NORMALIZATIONS", "DataNormStats", "FeatureNormalizer", "data_norm_release",
+    "feature_mean_release", "group_normalize", "private_channel_mean", "private_data_norm", "private_feature_mean",
+]  # fmt: skip
 NORMALIZATIONS: tuple[str, ...] = ("none", "groupnorm", "datanorm")
 GROUPNORM_EPS = 1e-5  # as torch.nn.GroupNorm
 
@@ -141,11 +143,6 @@ def private_data_norm(
     return DataNormStats(mean, var)
 
 
-def data_norm_release(noise_multiplier: float) -> AccountingSegment:
-    """The accounting event of PrivDataNorm: two Gaussian sums with noise multiplier sigma_norm."""
-    return gaussian_release(DATA_NORM, noise_multiplier, 2)
-
-
 def private_feature_mean(
     x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -184,11 +181,6 @@ def private_feature_mean(
         total += torch.where(norms.isfinite(), rows * factors, 0.0).sum(dim=0).cpu()
     noise = require_dprandom(generator, "feature centring noise").normal(total.shape, dtype=torch.float64)
     return ((total + noise * (noise_multiplier * clip)) / len(x)).reshape(x.shape[1:])
-
-
-def feature_mean_release(noise_multiplier: float) -> AccountingSegment:
-    """The accounting event of private centring: one Gaussian sum with noise multiplier sigma_center."""
-    return gaussian_release(FEATURE_MEAN, noise_multiplier, 1)
 
 
 @dataclass(frozen=True)

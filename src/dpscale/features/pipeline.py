@@ -18,16 +18,8 @@ from dpscale.config import FeaturesConfig
 from dpscale.data import ImageDataset
 from dpscale.errors import ConfigError
 from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
-from dpscale.features.normalize import (
-    DATA_NORM,
-    FEATURE_MEAN,
-    FeatureNormalizer,
-    data_norm_release,
-    feature_mean_release,
-    private_data_norm,
-    private_feature_mean,
-)
-from dpscale.privacy.accountant import AccountingSegment
+from dpscale.features.normalize import FeatureNormalizer, private_data_norm, private_feature_mean
+from dpscale.privacy.accountant import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy
 from dpscale.rng import DPRandom
 
@@ -77,13 +69,9 @@ def extract_run_features(
 
 def feature_releases(features: FeaturesConfig) -> tuple[AccountingSegment, ...]:
     """The privacy-costing releases the feature normalisation makes (for the DP plan), in the
-    order the normaliser draws them."""
-    releases: tuple[AccountingSegment, ...] = ()
-    if features.normalize == "datanorm" and features.norm_noise > 0:
-        releases += (data_norm_release(features.norm_noise),)
-    if features.center and features.center_noise > 0:
-        releases += (feature_mean_release(features.center_noise),)
-    return releases
+    order the normaliser draws them (none at zero noise: a non-private run)."""
+    data_norm = features.norm_noise if features.normalize == "datanorm" and features.norm_noise > 0 else None
+    return _releases(data_norm, features.center_noise if features.center and features.center_noise > 0 else None)
 
 
 def extractor_privacy(
@@ -152,15 +140,8 @@ def normalize_dataset(data: ImageDataset, normalizer: FeatureNormalizer, batch_s
     """Apply ``normalizer`` to the train and test inputs (in batches, to bound peak memory)."""
     if normalizer.is_identity:
         return data
-    return replace(
-        data,
-        x_train=normalize_dataset_tensor(data.x_train, normalizer, batch_size),
-        x_test=normalize_dataset_tensor(data.x_test, normalizer, batch_size),
-    )
 
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([normalizer(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]) if len(x) else x
 
-def normalize_dataset_tensor(x: torch.Tensor, normalizer: FeatureNormalizer, batch_size: int = 4096) -> torch.Tensor:
-    """``normalizer`` applied to [N, ...] inputs, ``batch_size`` examples at a time."""
-    if normalizer.is_identity or not len(x):
-        return x
-    return torch.cat([normalizer(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    return replace(data, x_train=apply(data.x_train), x_test=apply(data.x_test))

@@ -339,6 +339,32 @@ def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> Acc
     return AccountingSegment(1.0, float(noise_multiplier), int(count), label)
 
 
+DATA_NORM = "data-norm"  # label of private Data Normalization's two Gaussian sums (Tramer Algorithm 2)
+FEATURE_MEAN = "feature-mean"  # label of private centring's one Gaussian sum (features.center)
+
+
+def data_norm_release(noise_multiplier: float) -> AccountingSegment:
+    """The accounting event of PrivDataNorm: two Gaussian sums with noise multiplier sigma_norm."""
+    return gaussian_release(DATA_NORM, noise_multiplier, 2)
+
+
+def feature_mean_release(noise_multiplier: float) -> AccountingSegment:
+    """The accounting event of private centring: one Gaussian sum with noise multiplier sigma_center."""
+    return gaussian_release(FEATURE_MEAN, noise_multiplier, 1)
+
+
+def feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple[AccountingSegment, ...]:
+    """The releases a run's feature normalisation makes before training, in the order it draws
+    them (Data Normalization, then centring); a None noise multiplier means that release is not made.
+    The one list both a run's DP plan and ``dpscale account`` compose."""
+    releases: tuple[AccountingSegment, ...] = ()
+    if data_norm_noise is not None:
+        releases += (data_norm_release(data_norm_noise),)
+    if feature_mean_noise is not None:
+        releases += (feature_mean_release(feature_mean_noise),)
+    return releases
+
+
 @functools.lru_cache(maxsize=256)
 def _cached_epsilon(kind: str, discretization: float, segments: tuple[AccountingSegment, ...], delta: float) -> float:
     """Epsilon of a history (a pure function of its arguments, so safe to memoise)."""
