@@ -212,6 +212,27 @@ def test_a_lock_held_by_a_live_process_refuses_and_a_killed_holder_does_not(tmp_
     assert _eval_steps(run_dir) == EVAL_STEPS
 
 
+def test_a_holder_that_names_itself_a_moment_after_its_lock_is_still_named(tmp_path):
+    # The race a concurrent resume lost by microseconds: lock taken, name not written yet.
+    from dpscale.train.rundir import RunDirBusy, RunLock
+
+    tmp_path.joinpath("r").mkdir()
+    lock_file = tmp_path / "r" / LOCK_NAME
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; f = open(sys.argv[1], 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(0.3); "
+         "f.write(f'pid {os.getpid()}'); f.flush(); time.sleep(600)", str(lock_file)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
+            RunLock(tmp_path / "r").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_lock_is_held_for_the_run_and_released_after(tmp_path):
     from dpscale.config import load_config
     from dpscale.train import Trainer

@@ -80,7 +80,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as err:
-                holder = _read_holder(fd)
+                holder = _named_holder(fd)
                 os.close(fd)
                 raise RunDirBusy(
                     f"{self.run_dir} is in use by another dpscale process ({holder}); wait for it to finish, or "
@@ -124,6 +124,16 @@ def _read_holder(fd: int) -> str:
         return os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
     except OSError:
         return ""
+
+
+def _named_holder(fd: int, wait_s: float = 1.0) -> str:
+    """The holder's name from a lock file held by another process. It writes its name right
+    after taking the lock, so a process that lost the race by microseconds waits up to
+    ``wait_s`` seconds for it instead of naming nobody."""
+    deadline = time.monotonic() + wait_s
+    while not (holder := _read_holder(fd)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return holder or "its holder has not written its name yet"
 
 
 def _write_holder(fd: int) -> None:
