@@ -405,6 +405,25 @@ def test_a_bad_cache_file_is_ignored_and_replaced(tmp_path, counted, monkeypatch
     assert json.loads(path.read_text())["coefficients"] == list(good.coefficients)  # and rewritten
 
 
+def test_a_cached_strategy_comes_back_with_the_exact_bits_computed(tmp_path, counted, monkeypatch):
+    """Re-normalising a normalised band changes its last bits for about a third of bands (an
+    AVX-512 machine's L-BFGS landed on one): the cache must give back what was computed."""
+    import random
+
+    rng = random.Random(0)
+    bands = ([1.0] + [rng.random() for _ in range(3)] for _ in range(100))
+    raw = next(c for c in bands if normalize(normalize(c)) != normalize(c))  # what "L-BFGS" returns
+    workload = Workload(60)
+    monkeypatch.setattr(bandmf, "_optimize", lambda w, init: (counted.append(w), tuple(raw))[1])
+    computed = optimize_strategy(workload, 4, cache_dir=tmp_path)
+    assert computed.coefficients == normalize(raw)  # (the best candidate here) ...
+    assert normalize(computed.coefficients) != computed.coefficients  # ... which re-normalising would change
+    monkeypatch.setattr(bandmf, "_MEMORY_CACHE", {})
+    loaded = optimize_strategy(workload, 4, cache_dir=tmp_path)
+    assert len(counted) == 1 and loaded == computed  # every bit: coefficients and errors
+    assert [x.hex() for x in loaded.coefficients] == [x.hex() for x in computed.coefficients]
+
+
 def test_an_unnormalised_cache_file_comes_back_normalised(tmp_path, counted, monkeypatch):
     workload = Workload(60)
     good = optimize_strategy(workload, 4, cache_dir=tmp_path)

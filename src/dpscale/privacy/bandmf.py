@@ -56,7 +56,7 @@ _BLOCK = 256
 # 2 MiB buffers stay in cache (measured 3x faster than 16 MiB) and bound memory whatever S is.
 _CHUNK_ELEMENTS = 1 << 18
 _MAX_ITER = 300  # L-BFGS iterations (the loss is smooth in b parameters; it stops earlier)
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 # Returned to L-BFGS where the error overflows (a root of c(x) inside the unit circle makes
 # C^{-1} grow exponentially): finite, so its strong-Wolfe line search simply backtracks.
 _DIVERGED_LOSS = 1e30
@@ -549,9 +549,14 @@ def _cache_path(cache_dir: str | Path, workload: Workload, bands: int) -> Path:
     return Path(cache_dir).expanduser() / f"bandmf-v{_CACHE_FORMAT}-{workload.key()}-b{bands}.json"
 
 
-def _read_cache(path: Path, workload: Workload, bands: int) -> tuple[float, ...] | None:
-    """The normalised coefficients stored at ``path``, or None when the file is missing,
-    unreadable or not a valid band for this workload (then the caller recomputes it)."""
+def _read_cache(path: Path, workload: Workload, bands: int) -> BandedStrategy | None:
+    """The strategy stored at ``path``, or None when the file is missing, unreadable or not a
+    valid band for this workload (then the caller recomputes it).
+
+    A file this module wrote carries the exact bits that were computed (JSON floats round-trip),
+    its coefficients and errors are used as stored: re-normalising an already normalised band
+    changes its last bits on some inputs, so a run resumed from the cache would use another
+    strategy than the one computed (seen on an AVX-512 machine, where L-BFGS landed elsewhere)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
@@ -564,21 +569,32 @@ def _read_cache(path: Path, workload: Workload, bands: int) -> tuple[float, ...]
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values):
         return None
     try:
-        # Privacy rests on ||c|| = 1, not on the stored values being optimal: re-normalise.
-        return normalize(values)
+        stored = _check_coefficients(values)
     except ValueError:  # non-finite or c_0 <= 0
         return None
+    # Privacy rests on ||c|| = 1, not on the stored values being optimal: a band that is not
+    # normalised to rounding (edited by hand) is re-normalised and its errors recomputed.
+    if abs(math.fsum(x * x for x in stored) - 1.0) > len(stored) * 2.0**-52:
+        return _make_strategy(normalize(stored), workload)
+    errors = [data.get(key) for key in ("squared_error", "relative_error")]
+    if not all(isinstance(e, float) and math.isfinite(e) and e > 0 for e in errors):
+        return _make_strategy(stored, workload)
+    return BandedStrategy(stored, workload, *errors)
 
 
-def _write_cache(path: Path, workload: Workload, coefficients: tuple[float, ...]) -> None:
-    """Store ``coefficients`` atomically (temporary file in the same directory, os.replace);
-    a cache that cannot be written only costs a recomputation next time, so it warns."""
+def _write_cache(path: Path, strategy: BandedStrategy) -> None:
+    """Store ``strategy`` atomically (temporary file in the same directory, os.replace), its
+    floats with every bit; a cache that cannot be written only costs a recomputation next time,
+    so it warns."""
+    workload = strategy.workload
     record = {
         "format": _CACHE_FORMAT,
         "key": workload.key(),
         "workload": workload.describe(),
-        "bands": len(coefficients),
-        "coefficients": list(coefficients),
+        "bands": strategy.bands,
+        "coefficients": list(strategy.coefficients),
+        "squared_error": strategy.squared_error,
+        "relative_error": strategy.relative_error,
     }
     try:
         atomic_write_text(path, json.dumps(record, indent=1) + "\n")
@@ -624,15 +640,15 @@ def optimize_strategy(workload: Workload, bands: int, *, cache_dir: str | Path |
             reference = squared_error((1.0,), workload)
             strategy = _make_strategy((1.0,), workload, reference, reference)
         elif stored is not None:
-            strategy = _make_strategy(stored, workload)
+            strategy = stored
         else:
             coefficients, error, reference = _best_coefficients(workload, bands)
             strategy = _make_strategy(coefficients, workload, error, reference)
         _MEMORY_CACHE[memory_key] = strategy
         if path is not None and stored is None:
-            _write_cache(path, workload, strategy.coefficients)
+            _write_cache(path, strategy)
     elif path is not None and not path.exists():
-        _write_cache(path, workload, strategy.coefficients)
+        _write_cache(path, strategy)
     # Equal keys are equivalent workloads (e.g. lr None and all ones): report the caller's.
     return strategy if strategy.workload == workload else replace(strategy, workload=workload)
 
