@@ -209,6 +209,7 @@ def test_no_batchnorm(name):
     assert not any(isinstance(m, norms) for m in model.modules())
 
 
+@pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)
 @pytest.mark.parametrize("name", list(HAND_COUNTS))
 def test_examples_are_processed_independently(name):
     # Per-example gradients need f(batch)[i] == f(batch[i:i+1]), in train mode too.

@@ -58,6 +58,7 @@ def test_each_engine_equals_the_float64_per_example_loop(engine):
     assert max(float((grad_sum[n] - whole.clipped_sum[n]).abs().max()) for n in grad_sum) > 1e-4
 
 
+@pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)
 @pytest.mark.parametrize("engine", ["vmap", "bk"])
 def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(engine):
     model, (x, y) = _net(), _batch(scale=10.0)

@@ -147,7 +147,8 @@ def test_every_engine_refuses_or_keeps_the_leave_one_out_change_within_c(blocks,
     if full is None or without is None:
         return
     change = float(sum((full[k] - without[k]).square().sum() for k in full).sqrt())
-    assert change <= C * (1 + 1e-4), (blocks, engine, loss, change / C)
+    # the rounding of a float32 batch sum (far below the 1.2e-4 margin) needs no tolerance
+    assert change <= C, (blocks, engine, loss, change / C)
 
 
 @pytest.mark.parametrize("blocks,loss", [

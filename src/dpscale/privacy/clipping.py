@@ -12,6 +12,7 @@ name, e.g. ``{"features.*": 0.5, "*": 1.0}``) or None (no clipping, non-private 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Mapping, Sequence
@@ -30,12 +31,130 @@ from dpscale.clip_norms import (  # noqa: F401  (re-exported: the privacy core's
 # the clipped norm norm * C / (norm + eps) stays strictly below C.
 CLIP_EPS = 1e-6
 
+# ---------------------------------------------------------------- the clip bound, by construction
+#
+# An example's released contribution is what the engine's arithmetic makes of c * g, not c * g
+# itself: its norm is measured with rounding, the factor is rounded, and the release (a scaling,
+# or a matmul / convolution / index_add accumulating an example's positions) rounds again. With
+# u the unit roundoff of the type the clip arithmetic runs in (float32 in every train.precision:
+# 16-bit gradients are taken to float32 first) and gamma_n = n u / (1 - n u) the standard bound
+# on a sum of n rounded terms in any order (Higham, Accuracy and Stability, 3.1), dpscale clips to
+#
+#     factor = min(1, C (1 - m) / (B + CLIP_EPS)),   B = sqrt(sum_units (N_unit + s_unit)^2)
+#
+# N_unit the measured norm of a unit's (layer's / parameter's) gradient, s_unit >= 0 the slack of
+# an accumulating release (``release_slack``), m the margin of ``clip_margin``: the released
+# contribution is then <= C under the worst-case rounding of every kernel that satisfies the
+# standard model (docs/precision.md derives it; tests/test_clip_bound.py shows each term is needed).
 
-def clip_factors(norms: torch.Tensor, max_grad_norm: float | None) -> torch.Tensor:
-    """Per-example scale min(1, C / ||g_i||); all ones when ``max_grad_norm`` is None (no clipping)."""
+# Explicit per-example gradients are measured in blocks of at most this many values (a float32
+# vector_norm per block, the blocks' squares summed in float64): see ``blocked_sq_norms``.
+NORM_BLOCK = 4096
+# Roundings allowed around one block's sum of squares: a scaled norm (x / s, then s * sqrt),
+# the square, the sqrt, and the norm squared again.
+_NORM_EXTRA_ROUNDINGS = 5
+# float64 accumulations inside the bound (a unit's blocks, the units, the factor) are allowed up
+# to this many terms (2^20 blocks of 4096: 4e9 values in one unit).
+_FLOAT64_TERMS = 2**20
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u: the largest relative error of one rounding in ``dtype`` (2^-24 for float32)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """gamma_n = n u / (1 - n u): relative bound on n successive roundings in ``dtype``."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"no rounding bound for {n} terms in {dtype} (n u >= 1)")
+    return nu / (1 - nu)
+
+
+def clip_margin(dtype: torch.dtype) -> float:
+    """The relative margin m by which the clip arithmetic in ``dtype`` aims below C.
+
+    Covers, with u = ``unit_roundoff(dtype)``: a measured squared norm as low as
+    (1 - gamma_{NORM_BLOCK + 5}) of the exact one (blocked sums of squares), the factor's
+    cast from float64 to ``dtype`` (1 + u), the release's scaling by it (1 + u), and the float64
+    arithmetic of the bound and factor (gamma_{2^20} in float64). float32: m = 1.224e-4.
+
+    Args:
+        dtype: the type the norms, factor and release are computed in (float32 or float64).
+
+    Returns:
+        m in (0, 1): factors are min(1, C (1 - m) / (bound + CLIP_EPS)).
+    """
+    measured = math.sqrt(1 - gamma(NORM_BLOCK + _NORM_EXTRA_ROUNDINGS, dtype))
+    arithmetic = (1 + unit_roundoff(dtype)) ** 2 * (1 + gamma(_FLOAT64_TERMS, torch.float64))
+    return 1 - measured / arithmetic
+
+
+def release_slack(terms: int, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How far an accumulating release can land from c * G, per unit of c: gamma_{terms+1} * W.
+
+    A release sum_t fl(c g_t) a_t^T of ``terms`` products per entry (an example's positions and
+    views, through a matmul, a convolution's weight gradient or an index_add) errs entrywise by at
+    most gamma_{terms+1} c sum_t |g_t| |a_t|^T, whose Frobenius norm is at most
+    gamma_{terms+1} c W with W = sum_t ||g_t|| ||a_t||. When the terms cancel (||G|| << W) this is
+    far more than any relative margin: a contrived two-token model released 1.0000016 C on an
+    AVX-512 CPU without it.
+
+    Args:
+        terms: products accumulated into each entry of one example's release.
+        weight: W per example (B,), any float type.
+        dtype: the type the release is computed in.
+
+    Returns:
+        (B,) float64 slack s, added to the unit's measured norm before clipping.
+    """
+    return gamma(terms + 1, dtype) * weight.double()
+
+
+def blocked_sq_norms(t: torch.Tensor) -> torch.Tensor:
+    """Per-example squared L2 norms of a (B, ...) tensor, without a squared temporary.
+
+    torch's float32 ``vector_norm`` over millions of values underestimates the squared norm by
+    up to ~6e-5 (measured on 2M values; an underestimate lets a clipped contribution exceed C),
+    so norms are taken over blocks of at most ``NORM_BLOCK`` values and the blocks' squares
+    summed in float64 (error ~1e-9, at ~1.1x the time): never below (1 - gamma_{NORM_BLOCK + 5})
+    of the exact value, whatever the kernel's order of summation (``clip_margin`` covers it)."""
+    flat = t.reshape(t.shape[0], -1)
+    block = math.gcd(flat.shape[1], NORM_BLOCK) or 1
+    blocks = torch.linalg.vector_norm(flat.reshape(flat.shape[0], -1, block), dim=2)
+    return blocks.square().sum(1, dtype=torch.float64).to(t.dtype)
+
+
+def clip_factors(
+    bounds: torch.Tensor, max_grad_norm: float | None, *, release_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Per-example scale min(1, C (1 - m) / (bound + CLIP_EPS)); all ones when
+    ``max_grad_norm`` is None (no clipping).
+
+    Args:
+        bounds: per-example bounds on the release's norm (B,) (``clip_units``: float64).
+        max_grad_norm: C, or None.
+        release_dtype: the type the release is computed in, whose ``clip_margin`` m applies
+            (default: the bounds' type).
+
+    Returns:
+        (B,) factors in the bounds' type.
+    """
     if max_grad_norm is None:
-        return torch.ones_like(norms)
-    return (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+        return torch.ones_like(bounds)
+    margin = clip_margin(release_dtype or bounds.dtype)
+    return (max_grad_norm * (1 - margin) / (bounds + CLIP_EPS)).clamp(max=1.0)
+
+
+def group_clip_factors(
+    bounds: Sequence[float], group_bounds: torch.Tensor, *, release_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Per-group, per-example factors min(1, C_g (1 - m) / (bound_g + CLIP_EPS)), (G, B), from
+    the groups' C_g and each group's per-example bound on its release's norm (G, B); m as in
+    ``clip_factors``."""
+    column = group_bounds.new_tensor([float(c) for c in bounds]).unsqueeze(1)
+    margin = clip_margin(release_dtype or group_bounds.dtype)
+    return (column * (1 - margin) / (group_bounds + CLIP_EPS)).clamp(max=1.0)
 
 
 @dataclass(frozen=True)
@@ -49,13 +168,6 @@ class ClipGroups:
 
     norms: tuple[float, ...]
     group_of: dict[str, int]
-
-
-def group_clip_factors(bounds: Sequence[float], group_sq_norms: torch.Tensor) -> torch.Tensor:
-    """Per-group, per-example factors min(1, C_g / ||g_i,g||), (G, B), from the groups' bounds C_g
-    and per-group squared norms (G, B)."""
-    column = group_sq_norms.new_tensor([float(c) for c in bounds]).unsqueeze(1)
-    return (column / (group_sq_norms.sqrt() + CLIP_EPS)).clamp(max=1.0)
 
 
 def resolve_clip_groups(max_grad_norm: Mapping[str, float], names: Sequence[str]) -> ClipGroups:

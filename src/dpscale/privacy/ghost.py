@@ -49,7 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
-from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_groups
+from dpscale.privacy.clipping import MaxGradNorm, blocked_sq_norms, is_per_layer, release_slack, resolve_clip_groups
 from dpscale.privacy.per_example import (
     Batch,
     ClippedSumMixin,
@@ -86,6 +86,10 @@ class _Record:
     # Version counters of the recorded tensors right after the call: a later in-place change
     # (ReLU(inplace=True), z += y) would make the records describe another tensor.
     versions: tuple[int, int] = (0, 0)
+    # Per-example slack (B,) of a release that accumulates an example's positions (a matmul,
+    # convolution or index_add from the records, not from a cached per-example gradient): its
+    # worst-case rounding, added to the layer's norm before clipping (``release_slack``).
+    slack: torch.Tensor | None = None
 
 
 def _per_example(r: _Record, t: torch.Tensor) -> torch.Tensor:
@@ -107,22 +111,11 @@ SHORT_OUTPUT = 64
 LARGE_LAYER = 32768
 
 
-def _sq_norms(t: torch.Tensor) -> torch.Tensor:
-    """Per-example squared L2 norms of a (B, ...) tensor, without a squared temporary.
-
-    torch's float32 ``vector_norm`` over millions of values underestimates the squared norm by
-    up to ~6e-5 (measured on 2M values; an underestimate lets a clipped contribution exceed C),
-    so norms are taken over blocks of at most 4096 values and the blocks' squares summed in
-    float64 (error ~1e-9, at ~1.1x the time)."""
-    flat = t.reshape(t.shape[0], -1)
-    block = math.gcd(flat.shape[1], 4096) or 1
-    blocks = torch.linalg.vector_norm(flat.reshape(flat.shape[0], -1, block), dim=2)
-    return blocks.square().sum(1, dtype=torch.float64).to(t.dtype)
-
-
-def _gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """||sum_t g_t a_t^T||^2 per example from Gram matrices: sum over the leading dims of
-    <a a^T, g g^T>, for a (..., L, d_in) and g (..., L, d_out), dims after the first summed.
+    <a a^T, g g^T>, for a (..., L, d_in) and g (..., L, d_out), dims after the first summed;
+    and W = sum_t ||a_t|| ||g_t|| (over groups: the root of their W^2 summed), float64, from
+    which the release's slack follows.
 
     The Gram form cancels: when an example's per-position terms nearly cancel, float32 loses
     every digit (the review measured a norm read as ~0 and a released contribution of 3455 C).
@@ -135,7 +128,8 @@ def _gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     a64, g64 = a.double(), g.double()
     gram = (torch.matmul(a64, a64.transpose(-1, -2)) * torch.matmul(g64, g64.transpose(-1, -2))).flatten(1).sum(1)
     weight = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum(-1)  # (B, ...)
-    return _upper_bound(gram, a.shape[-1] + g.shape[-1], a.shape[-2], weight).to(a.dtype)
+    upper = _upper_bound(gram, a.shape[-1] + g.shape[-1], a.shape[-2], weight).to(a.dtype)
+    return upper, weight.square().reshape(len(gram), -1).sum(1).sqrt()
 
 
 def _upper_bound(gram: torch.Tensor, inner: int, length: int, weight: torch.Tensor) -> torch.Tensor:
@@ -162,17 +156,24 @@ def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     sq = a.new_zeros(b)
     if r.trainable.get("weight"):
         t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-        if t == 1:
-            sq = sq + a[:, 0].pow(2).sum(1) * g[:, 0].pow(2).sum(1)
+        if t == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+            # each factor summed in float64 and taken back to the records' type, so that an input
+            # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
+            sums = (t.double().square().sum(1).to(a.dtype).double() for t in (a[:, 0], g[:, 0]))
+            product = next(sums) * next(sums)
+            sq = sq + product.to(a.dtype)
+            r.slack = release_slack(1, product.sqrt(), a.dtype)
         elif r.gram_only or _use_ghost(t, d_in, d_out):
-            sq = sq + _gram_sq_norms(a, g)
+            gram, weight = _gram_sq_norms(a, g)
+            sq = sq + gram
+            r.slack = release_slack(t, weight, a.dtype)  # the release sums t products per entry
         else:
             per_example = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
             r.cache["weight"] = per_example
-            sq = sq + _sq_norms(per_example)
+            sq = sq + blocked_sq_norms(per_example)
     if r.trainable.get("bias"):
         r.cache["bias"] = g.sum(1)
-        sq = sq + r.cache["bias"].pow(2).sum(1)
+        sq = sq + blocked_sq_norms(r.cache["bias"])
     return sq
 
 
@@ -276,14 +277,17 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
             patches, gg = _conv_unfold(r, a, g)
             patches, gg = _fold_views(r, patches), _fold_views(r, gg)
-            sq = sq + _gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
+            gram, weight = _gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
+            sq = sq + gram
+            # the release (a convolution weight gradient) sums an example's positions and views
+            r.slack = release_slack(length, weight, a.dtype)
         else:
             per_example = _conv_per_example(r, a, g)
             r.cache["weight"] = per_example
-            sq = sq + _sq_norms(per_example)
+            sq = sq + blocked_sq_norms(per_example)
     if r.trainable.get("bias"):
         r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
-        sq = sq + r.cache["bias"].pow(2).sum(1)
+        sq = sq + blocked_sq_norms(r.cache["bias"])
     return sq
 
 
@@ -326,14 +330,14 @@ def _ws_conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
         along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
         if r.trainable.get("gain"):
             r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
-            sq = sq + _sq_norms(r.cache["gain"])
+            sq = sq + blocked_sq_norms(r.cache["gain"])
         if r.trainable.get("weight"):
             scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
             r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
-            sq = sq + _sq_norms(r.cache["weight"])
+            sq = sq + blocked_sq_norms(r.cache["weight"])
     if r.trainable.get("bias"):
         r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
-        sq = sq + r.cache["bias"].pow(2).sum(1)
+        sq = sq + blocked_sq_norms(r.cache["bias"])
     return sq
 
 
@@ -378,7 +382,7 @@ def _affine_parts(r: _Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, tor
 def _norm_layer_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     parts = {name: _per_example(r, t) for name, t in _affine_parts(r, a, g).items()}
     r.cache.update(parts)
-    return sum((t.reshape(t.shape[0], -1).pow(2).sum(1) for t in parts.values()), a.new_zeros(a.shape[0] // r.views))
+    return sum((blocked_sq_norms(t) for t in parts.values()), a.new_zeros(a.shape[0] // r.views))
 
 
 def _norm_layer_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
@@ -397,7 +401,10 @@ def _embedding_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     g64 = g.double()
     gram = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2))
     # a one-hot row of unit norm stands for a_t: W = sum_t ||g_t||, inner dimension d (the one-hot products are exact)
-    return _upper_bound(gram, g.shape[-1], idx.shape[1], torch.linalg.vector_norm(g64, dim=-1).sum(1)).to(g.dtype)
+    weight = torch.linalg.vector_norm(g64, dim=-1).sum(1)
+    # the release index_adds c g_t of an example's positions into the rows they hit
+    r.slack = release_slack(idx.shape[1], weight, g.dtype)
+    return _upper_bound(gram, g.shape[-1], idx.shape[1], weight).to(g.dtype)
 
 
 def _embedding_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
@@ -412,9 +419,9 @@ def _tokens_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     g = r.cache["g"] = _per_example(r, g)
     sq = a.new_zeros(g.shape[0])
     if r.trainable.get("pos_embed"):
-        sq = sq + _sq_norms(g)
+        sq = sq + blocked_sq_norms(g)
     if r.trainable.get("cls_token"):
-        sq = sq + _sq_norms(g[:, 0])
+        sq = sq + blocked_sq_norms(g[:, 0])
     return sq
 
 
@@ -728,8 +735,11 @@ class GhostEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             layer_sq = self._layer_norms(records, out_grads, batch[0])
             group_of = _layer_groups(records, self.max_grad_norm, params) if is_per_layer(self.max_grad_norm) else None
-            zeros = batch[0].new_zeros(batch[0].shape[0], dtype=torch.float32 if self.precision.low else None)
-            layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of, zeros=zeros)
+            # the type the release is computed in (float32 for a 16-bit model; never the tokens' int type)
+            release_dtype = torch.float32 if self.precision.low or not params else next(iter(params.values())).dtype
+            zeros = batch[0].new_zeros(batch[0].shape[0], dtype=release_dtype)
+            slack = {r.name: r.slack for r in records if r.slack is not None}
+            layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of, zeros=zeros, unit_slack=slack)
             finite = torch.isfinite(norms)
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell
             # (a one-off pass: its host read is no cost)

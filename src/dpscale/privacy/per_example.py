@@ -21,6 +21,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from dpscale.privacy.clipping import (  # noqa: F401  (CLIP_EPS, clip_factors: re-exported)
     CLIP_EPS,
     MaxGradNorm,
+    blocked_sq_norms,
     clip_factors,
     group_clip_factors,
     is_per_layer,
@@ -59,34 +60,48 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
 
 def clip_units(
     unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None,
-    *, zeros: torch.Tensor,
+    *, zeros: torch.Tensor, unit_slack: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-example clip factors of each unit (a parameter, or a layer) and the total norms.
 
+    Each unit's release is bounded by its measured norm plus its slack (``release_slack``: the
+    rounding of a release that accumulates positions); the factors clip that bound, computed in
+    float64, with the margin of the release's type (``dpscale.privacy.clipping``), so that the
+    released contribution is <= C (or C_g per group) under worst-case rounding.
+
     Args:
         unit_sq_norms: unit -> per-example squared norms (B,) of its gradient; together the whole gradient.
-        max_grad_norm: C (one factor min(1, C / ||g_i||) for every unit), a per-layer mapping
-            (the factor of a unit is that of its group, min(1, C_g / ||g_i restricted to g||)) or None.
+        max_grad_norm: C (one factor min(1, C (1 - m) / bound_i) for every unit), a per-layer
+            mapping (a unit's factor is its group's, from the group's bound) or None.
         group_of: unit -> group index, for a per-layer ``max_grad_norm`` (``resolve_clip_groups``).
-        zeros: (B,) zeros in the norms' dtype: the norms when no unit has a gradient (no
-            trainable layer ran).
+        zeros: (B,) zeros in the type the release is computed in: the norms when no unit has a
+            gradient (no trainable layer ran), and the factors' type.
+        unit_slack: unit -> (B,) slack of its release (units absent: 0).
 
     Returns:
-        (unit -> factors (B,), norms (B,) of the whole unclipped gradients). An example whose norm
-        is not finite gets factor 0 everywhere: it contributes exactly zero.
+        (unit -> factors (B,), norms (B,) of the whole unclipped gradients as measured). An example
+        whose norm is not finite gets factor 0 everywhere: it contributes exactly zero.
     """
     norms = sum(unit_sq_norms.values(), zeros).sqrt()
-    finite = torch.isfinite(norms)
+    slack = unit_slack or {}
+    # what each unit's release can reach, in float64: Minkowski adds the slack to the unit's norm
+    reach = {unit: sq.double().clamp(min=0).sqrt() + slack.get(unit, 0.0) for unit, sq in unit_sq_norms.items()}
+    release_dtype = zeros.dtype
     if not is_per_layer(max_grad_norm):
-        factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))  # type: ignore[arg-type]
+        bound = sum((r.square() for r in reach.values()), zeros.double()).sqrt()
+        finite = torch.isfinite(norms) & torch.isfinite(bound)
+        factors = clip_factors(bound, max_grad_norm, release_dtype=release_dtype).to(release_dtype)  # type: ignore[arg-type]
+        factors = torch.where(finite, factors, torch.zeros_like(factors))
         return {unit: factors for unit in unit_sq_norms}, norms
     if group_of is None:
         raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
     bounds = list(max_grad_norm.values())  # type: ignore[union-attr]
-    group_sq = norms.new_zeros(len(bounds), norms.shape[0])
-    for unit, sq in unit_sq_norms.items():
-        group_sq[group_of[unit]] += sq  # type: ignore[index]
-    group_factors = group_clip_factors(bounds, group_sq)
+    group_sq = zeros.double().new_zeros(len(bounds), norms.shape[0])
+    for unit, r in reach.items():
+        group_sq[group_of[unit]] += r.square()  # type: ignore[index]
+    group_bound = group_sq.sqrt()
+    finite = torch.isfinite(norms) & torch.isfinite(group_bound).all(0)
+    group_factors = group_clip_factors(bounds, group_bound, release_dtype=release_dtype).to(release_dtype)
     group_factors = torch.where(finite, group_factors, torch.zeros_like(group_factors))
     return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms  # type: ignore[index]
 
@@ -282,7 +297,8 @@ class VmapEngine(ClippedSumMixin):
             grads = {k: at_least_fp32(g) / scale for k, g in grads.items()}
             losses = losses / scale
         with exact_float32():  # the clip bound's arithmetic never in TF32
-            sq_norms = {k: g.reshape(g.shape[0], -1).pow(2).sum(1) for k, g in grads.items()}
+            # blocked: a float32 sum of millions of squares may underestimate (clip_margin covers blocks)
+            sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
             group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
             zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
             factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros)

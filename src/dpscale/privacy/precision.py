@@ -10,8 +10,8 @@
 Whatever the choice, each example's gradient is taken to float32 *before* its norm is measured,
 and its norm, clip factor, the clipped sum and the noise are computed in float32 from that same
 float32 gradient. The released contribution of an example is therefore clipped exactly as in
-fp32 (its norm is at most C up to float32 rounding, which ``CLIP_EPS`` covers): 16 bits change
-which gradient is clipped, never the bound.
+fp32 (its norm is at most C under worst-case float32 rounding: ``clipping.clip_margin`` and
+``clipping.release_slack``): 16 bits change which gradient is clipped, never the bound.
 
 fp16's narrow range needs loss scaling: the summed loss is multiplied by a fixed power of two S
 before the backward pass, and each example's gradient divided by S in float32 (exact for a power

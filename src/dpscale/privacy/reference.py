@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from dpscale.privacy.clipping import MaxGradNorm
+from dpscale.privacy.clipping import MaxGradNorm, clip_margin
 from dpscale.privacy.per_example import CLIP_EPS, Batch, LossFn, Params, mean_over_views, per_example_cross_entropy
 from dpscale.privacy.precision import FP32, Precision, at_least_fp32
 
@@ -59,6 +59,7 @@ def per_example_reference(
     views: int = 1,
     names: list[str] | None = None,
     precision: Precision = FP32,
+    release_dtype: torch.dtype | None = None,
 ) -> PerExampleReference:
     """Clipped sum and per-example norms of ``model`` on ``batch``, one batch-of-one backward
     pass per example, through the model as it is (dtype and train/eval mode unchanged; no
@@ -68,13 +69,16 @@ def per_example_reference(
         model: the model; a trainable parameter that does not reach an example's loss has a zero
             gradient for it.
         batch: (x, y); x is (B, ...), or (B, K, ...) with K = ``views`` > 1.
-        max_grad_norm: C, the clipping norm (the factor is min(1, C / (norm + CLIP_EPS)), as the
-            engines'), or a per-layer mapping pattern -> C_g; None: no clipping.
+        max_grad_norm: C, the clipping norm (the factor is min(1, C (1 - m) / (norm + CLIP_EPS)),
+            m the engines' margin for rounding, ``clip_margin``), or a per-layer mapping
+            pattern -> C_g; None: no clipping.
         loss_fn: per-example loss (logits, targets) -> (B,).
         views: augmentation multiplicity K: an example's loss is the mean over its K views.
         names: the parameters to differentiate (default: those with requires_grad).
         precision: the forward pass in this precision (autocast) and, for fp16, its fixed loss
             scale, undone on the gradients, so that a 16-bit engine is judged on its own arithmetic.
+        release_dtype: the type the judged engine clips in, whose margin m applies (default: the
+            gradients' type, float32 or wider).
 
     Returns:
         the ``PerExampleReference``.
@@ -92,7 +96,8 @@ def per_example_reference(
         for n, g in zip(names, grads):
             layer_sq.setdefault(n.rpartition(".")[0], [0.0] * count)[i] += g.double().square().sum()
         norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
-        factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm)
+        margin = clip_margin(release_dtype or (grads[0].dtype if grads else torch.float32))
+        factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm, margin)
         for n, g in zip(names, grads):
             factor = factors[n]
             total[n] += factor * g
@@ -105,19 +110,23 @@ def per_example_reference(
     return PerExampleReference(total, torch.stack(norms) if norms else empty, per_layer, norm_sums, max_abs)
 
 
-def _reference_factors(grads: dict[str, torch.Tensor], norm: float, max_grad_norm: MaxGradNorm) -> dict[str, float]:
+def _reference_factors(
+    grads: dict[str, torch.Tensor], norm: float, max_grad_norm: MaxGradNorm, margin: float
+) -> dict[str, float]:
     """One example's clip factor for each parameter, written out in float64 Python arithmetic
-    (independently of the engines' ``clip_units``): min(1, C / (||g|| + CLIP_EPS)), or per layer
-    min(1, C_g / (||g restricted to group g|| + CLIP_EPS)), the group the first matching pattern."""
+    (independently of the engines' ``clip_units``): min(1, C (1 - m) / (||g|| + CLIP_EPS)), or per
+    layer min(1, C_g (1 - m) / (||g restricted to group g|| + CLIP_EPS)), the group the first
+    matching pattern, m = ``margin``."""
     if max_grad_norm is None:
         return {n: 1.0 for n in grads}
     if not isinstance(max_grad_norm, Mapping):
-        return {n: min(1.0, float(max_grad_norm) / (norm + CLIP_EPS)) for n in grads}
+        return {n: min(1.0, float(max_grad_norm) * (1 - margin) / (norm + CLIP_EPS)) for n in grads}
     group = {n: next(p for p in max_grad_norm if fnmatchcase(n, p)) for n in grads}
     group_sq = {p: 0.0 for p in max_grad_norm}
     for n, g in grads.items():
         group_sq[group[n]] += float(g.double().square().sum())
-    return {n: min(1.0, float(max_grad_norm[group[n]]) / (math.sqrt(group_sq[group[n]]) + CLIP_EPS)) for n in grads}
+    bound = {p: float(c) * (1 - margin) for p, c in max_grad_norm.items()}
+    return {n: min(1.0, bound[group[n]] / (math.sqrt(group_sq[group[n]]) + CLIP_EPS)) for n in grads}
 
 
 def _example_gradients(
@@ -153,10 +162,13 @@ def float64_reference(model: nn.Module, batch: Batch, max_grad_norm: MaxGradNorm
     float32 kernels a CPU picks for a batch of one.
 
     Args:
-        model, batch, max_grad_norm, options: as for ``per_example_reference``.
+        model, batch, max_grad_norm, options: as for ``per_example_reference``; the margin is
+            that of ``model``'s own type unless ``release_dtype`` is given.
 
     Returns:
         the ``PerExampleReference``, its tensors in float64.
     """
     copy, copied_batch = float64_copy(model, batch)
-    return per_example_reference(copy, copied_batch, max_grad_norm, **options)
+    # the margin of the engine being judged: it clips in the model's own type (float32 at least)
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in model.parameters()) else torch.float32
+    return per_example_reference(copy, copied_batch, max_grad_norm, **{"release_dtype": dtype, **options})

@@ -125,21 +125,29 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
         except ValueError as err:
             return SelfCheckResult(engine.name, len(batch[1]), tol, 0.0, 0.0, (), str(err), time.perf_counter() - started)
         got = (grad_sum, norms, layer_sq)
-        result = _compare(engine.name, tol, got, _reference(engine, model, params, batch, precision), started)
+        # the reference clips with the engine's margin (that of the type it clips in), in any dtype
+        release = torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
+        result = _compare(engine.name, tol, got, _reference(engine, model, params, batch, precision, release), started)
         if not result.ok and dtype == torch.float32:  # judged again against the exact values (below)
-            exact = _compare(engine.name, tol, got, _reference(engine, *_float64_reference(model, params, batch)), started)
+            copy = _float64_reference(model, params, batch)
+            exact = _compare(engine.name, tol, got, _reference(engine, *copy, release_dtype=release), started)
             result = exact if exact.ok else result
     finally:
         model.train(was_training)
     return result
 
 
-def _reference(engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch, precision: Precision = FP32) -> PerExampleReference:
-    """The per-example loop for ``engine``'s C, loss and views, through ``model`` as it is."""
+def _reference(
+    engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch, precision: Precision = FP32,
+    release_dtype: torch.dtype = torch.float32,
+) -> PerExampleReference:
+    """The per-example loop for ``engine``'s C, loss and views, through ``model`` as it is, with
+    the clip margin of ``release_dtype`` (the type the engine clips in)."""
     loss_fn = getattr(engine, "loss_fn", per_example_cross_entropy)
     views = getattr(engine, "views", 1)
     return per_example_reference(
-        model, batch, engine.max_grad_norm, loss_fn=loss_fn, views=views, names=list(params), precision=precision
+        model, batch, engine.max_grad_norm, loss_fn=loss_fn, views=views, names=list(params), precision=precision,
+        release_dtype=release_dtype,
     )
 
 

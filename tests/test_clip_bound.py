@@ -1,0 +1,172 @@
+"""The clip bound by construction: an example's released contribution is <= C under worst-case
+rounding, in every precision and engine, and each part of the construction is needed.
+
+Each release here is of a batch of one (the release is that example's contribution), measured in
+float64 from the engine's output, and compared with C with no tolerance. The "without" tests
+remove a part of the construction (the margin, the slack) and find an example, by a short seeded
+search, whose release then exceeds C: on any x86 kernel, since the constructed cases round in a
+few scalar operations (docs/precision.md, "The clip bound under rounding").
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dpscale.privacy import clipping, ghost, make_engine, per_example
+from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.precision import make_precision
+
+pytestmark = pytest.mark.kernels  # also run under capped oneDNN/ATen/MKL kernels (test_kernel_families)
+
+PRECISIONS = ["fp32", "tf32", "bf16", "fp16"]
+ENGINES = ["bk", "ghost", "vmap"]
+
+
+def released(engine, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The L2 norm (float64) of what ``engine`` releases for the batch (x, y)."""
+    grad_sum, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    return math.sqrt(sum(float(g.double().square().sum()) for g in grad_sum.values()))
+
+
+def _without_margin(monkeypatch) -> None:
+    monkeypatch.setattr(clipping, "clip_margin", lambda dtype: 0.0)
+
+
+def _without_slack(monkeypatch) -> None:
+    monkeypatch.setattr(ghost, "release_slack", lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64))
+
+
+def _derived_margin(u: float) -> float:
+    """The margin from first principles: measured squares as low as (1 - gamma_{4096+5}), two
+    roundings after the factor (its cast, the release's scaling), float64 arithmetic gamma_{2^20}."""
+    gamma = lambda n, unit: n * unit / (1 - n * unit)  # noqa: E731
+    return 1 - math.sqrt(1 - gamma(4101, u)) / ((1 + u) ** 2 * (1 + gamma(2**20, 2.0**-53)))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_every_precision_clips_in_float32_with_the_margin_of_its_unit_roundoff(monkeypatch, engine_name, precision):
+    seen = []
+    exact = per_example.clip_factors
+    monkeypatch.setattr(per_example, "clip_factors", lambda *a, **k: (seen.append(k["release_dtype"]), exact(*a, **k))[1])
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    engine = make_engine(engine_name, 1.0, model, precision=make_precision(precision))[0]
+    released(engine, model, torch.randn(2, 1, 2, 2), torch.tensor([0, 2]))
+    assert seen and set(seen) == {torch.float32}  # 16-bit gradients are taken to float32 first
+    assert clipping.clip_margin(torch.float32) == pytest.approx(_derived_margin(2.0**-24), rel=1e-12)
+    assert 1.22e-4 < clipping.clip_margin(torch.float32) < 1.23e-4
+    assert clipping.clip_margin(torch.float64) == pytest.approx(_derived_margin(2.0**-53), rel=1e-9)
+
+
+def _scalar_cases(count: int):
+    """Linear(1 -> 2) on one input of ~100: a norm far above CLIP_EPS, and a release of one
+    rounded product per entry, whose rounding decides whether it lands above C."""
+    generator = torch.Generator().manual_seed(0)
+    for i in range(count):
+        torch.manual_seed(i)
+        x = (torch.rand(1, 1, generator=generator) + 0.5) * 100
+        yield nn.Linear(1, 2, bias=False), x, torch.randint(0, 2, (1,), generator=generator)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_without_the_margin_a_constructed_example_exceeds_c(monkeypatch, engine_name, precision):
+    def worst(count: int) -> float:
+        most = 0.0
+        for model, x, y in _scalar_cases(count):
+            engine = make_engine(engine_name, 1.0, model, precision=make_precision(precision))[0]
+            most = max(most, released(engine, model, x, y))
+            if most > 1.0:
+                break
+        return most
+
+    assert worst(60) <= 1.0  # with the margin: never above C
+    _without_margin(monkeypatch)
+    _without_slack(monkeypatch)
+    assert worst(400) > 1.0  # without it, one of the first 400 lands above C (measured: within 40)
+
+
+class CancellingPositions(nn.Module):
+    """Two positions whose per-position gradients g a_0^T and -g a_1^T nearly cancel."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[:, 0] - h[:, 1]
+
+
+def _cancelling_cases(count: int, ulp: float = 2.0**-16):
+    """One example whose second position differs from the first by ``ulp`` of one coordinate:
+    its gradient is ~ulp of W = sum_t ||g_t|| ||a_t||, and a float32 release of the two
+    products errs by ~u W, i.e. ~2^-8 of the gradient (far above the margin)."""
+    generator = torch.Generator().manual_seed(0)
+    for i in range(count):
+        torch.manual_seed(i)
+        base = torch.randn(1, 16, generator=generator)
+        x = torch.stack([base, base.clone()], 1)
+        x[:, 1, :1] += base[:, :1] * ulp
+        yield CancellingPositions(), x * 1e4, torch.randint(0, 2, (1,), generator=generator)
+
+
+@pytest.mark.parametrize("engine_name", ["bk", "ghost"])
+def test_without_the_slack_cancelling_positions_exceed_c(monkeypatch, engine_name):
+    clip = 2.0**-16 * 100  # about 1/100 of these gradients' norms: every one is clipped
+
+    def worst(count: int) -> float:
+        most = 0.0
+        for model, x, y in _cancelling_cases(count):
+            engine = make_engine(engine_name, clip, model)[0]
+            most = max(most, released(engine, model, x, y) / clip)
+            if most > 1.0:
+                break
+        return most
+
+    assert worst(40) <= 1.0  # with the slack (and the margin): never above C
+    _without_slack(monkeypatch)  # the margin alone (1.2e-4) is far below this rounding
+    assert worst(40) > 1.0  # measured: 1.0009 C
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_per_layer_groups_release_at_most_each_groups_bound(engine_name, precision):
+    torch.manual_seed(3)
+    model, bounds = TwoLayers(), {"conv.*": 0.01, "fc.*": 0.02}
+    engine = make_engine(engine_name, bounds, model, precision=make_precision(precision))[0]
+    x, y = torch.randn(6, 1, 6, 6) * 3, torch.randint(0, 5, (6,))
+    for i in range(len(x)):
+        grad_sum, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        for pattern, bound in (("conv.", 0.01), ("fc.", 0.02)):
+            group = math.sqrt(sum(float(g.double().square().sum()) for n, g in grad_sum.items() if n.startswith(pattern)))
+            assert 0.9 * bound < group <= bound, (engine_name, precision, i, pattern, group / bound)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_lora_releases_at_most_c(engine_name, precision):
+    from dpscale.models.peft import apply_lora
+
+    torch.manual_seed(4)
+    model = TwoLayers()
+    apply_lora(model, rank=2)
+    engine = make_engine(engine_name, 1e-3, model, precision=make_precision(precision))[0]
+    x, y = torch.randn(5, 1, 6, 6) * 3, torch.randint(0, 5, (5,))
+    for i in range(len(x)):
+        norm = released(engine, model, x[i : i + 1], y[i : i + 1])
+        assert 0.9e-3 < norm <= 1e-3, (engine_name, precision, i, norm / 1e-3)
