@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -88,6 +88,13 @@ def clip_margin(dtype: torch.dtype) -> float:
     measured = math.sqrt(1 - gamma(NORM_BLOCK + _NORM_EXTRA_ROUNDINGS, dtype))
     arithmetic = (1 + unit_roundoff(dtype)) ** 2 * (1 + gamma(_FLOAT64_TERMS, torch.float64))
     return 1 - measured / arithmetic
+
+
+def clip_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The type an engine's clip arithmetic (norms, factor, release) runs in for a model with
+    these parameters: float64 for a float64 model, else float32 (16-bit gradients are taken to
+    float32 first). Its ``clip_margin`` is the one that applies."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def release_slack(terms: int, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

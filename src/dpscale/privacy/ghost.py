@@ -49,7 +49,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
-from dpscale.privacy.clipping import MaxGradNorm, blocked_sq_norms, is_per_layer, release_slack, resolve_clip_groups
+from dpscale.privacy.clipping import (
+    MaxGradNorm, blocked_sq_norms, clip_dtype, is_per_layer, release_slack, resolve_clip_groups,
+)
 from dpscale.privacy.per_example import (
     Batch,
     ClippedSumMixin,
@@ -159,8 +161,8 @@ def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if t == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
             # each factor summed in float64 and taken back to the records' type, so that an input
             # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
-            sums = (t.double().square().sum(1).to(a.dtype).double() for t in (a[:, 0], g[:, 0]))
-            product = next(sums) * next(sums)
+            sq_a, sq_g = (v.double().square().sum(1).to(a.dtype).double() for v in (a[:, 0], g[:, 0]))
+            product = sq_a * sq_g
             sq = sq + product.to(a.dtype)
             r.slack = release_slack(1, product.sqrt(), a.dtype)
         elif r.gram_only or _use_ghost(t, d_in, d_out):
@@ -735,9 +737,8 @@ class GhostEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             layer_sq = self._layer_norms(records, out_grads, batch[0])
             group_of = _layer_groups(records, self.max_grad_norm, params) if is_per_layer(self.max_grad_norm) else None
-            # the type the release is computed in (float32 for a 16-bit model; never the tokens' int type)
-            release_dtype = torch.float32 if self.precision.low or not params else next(iter(params.values())).dtype
-            zeros = batch[0].new_zeros(batch[0].shape[0], dtype=release_dtype)
+            # the type the release is computed in (never the tokens' int type)
+            zeros = batch[0].new_zeros(batch[0].shape[0], dtype=clip_dtype(params.values()))
             slack = {r.name: r.slack for r in records if r.slack is not None}
             layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of, zeros=zeros, unit_slack=slack)
             finite = torch.isfinite(norms)

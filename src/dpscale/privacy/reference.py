@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from dpscale.privacy.clipping import MaxGradNorm, clip_margin
+from dpscale.privacy.clipping import MaxGradNorm, clip_dtype, clip_margin
 from dpscale.privacy.per_example import CLIP_EPS, Batch, LossFn, Params, mean_over_views, per_example_cross_entropy
 from dpscale.privacy.precision import FP32, Precision, at_least_fp32
 
@@ -170,5 +170,5 @@ def float64_reference(model: nn.Module, batch: Batch, max_grad_norm: MaxGradNorm
     """
     copy, copied_batch = float64_copy(model, batch)
     # the margin of the engine being judged: it clips in the model's own type (float32 at least)
-    dtype = torch.float64 if any(p.dtype == torch.float64 for p in model.parameters()) else torch.float32
-    return per_example_reference(copy, copied_batch, max_grad_norm, **{"release_dtype": dtype, **options})
+    options = {"release_dtype": clip_dtype(model.parameters()), **options}
+    return per_example_reference(copy, copied_batch, max_grad_norm, **options)

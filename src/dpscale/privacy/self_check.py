@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from dpscale.privacy.clipping import clip_dtype
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.independence import IndependenceResult, check_batch_independence
 from dpscale.privacy.per_example import (
@@ -126,7 +127,7 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
             return SelfCheckResult(engine.name, len(batch[1]), tol, 0.0, 0.0, (), str(err), time.perf_counter() - started)
         got = (grad_sum, norms, layer_sq)
         # the reference clips with the engine's margin (that of the type it clips in), in any dtype
-        release = torch.float64 if any(p.dtype == torch.float64 for p in params.values()) else torch.float32
+        release = clip_dtype(params.values())
         result = _compare(engine.name, tol, got, _reference(engine, model, params, batch, precision, release), started)
         if not result.ok and dtype == torch.float32:  # judged again against the exact values (below)
             copy = _float64_reference(model, params, batch)
