@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dpscale
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.privacy.engines import make_engine
@@ -160,6 +161,43 @@ def test_tf32_sets_the_cuda_matmul_flags_only_inside_and_restores_them():
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         with make_precision("fp32").matmul_flags():
             assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+class FlagProbe(nn.Module):
+    """Records the CUDA TF32 flags (matmul, cuDNN) that each of its forward passes runs under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("precision, tf32", [("fp32", False), ("tf32", True)])
+def test_make_private_steps_under_its_precision_not_the_users_tf32_flags(precision, tf32):
+    # cuDNN's default is TF32: "fp32" left to it ran convolutions in TF32 on an H200, and the
+    # self-check then refused bk and vmap on resnet18-gn at 224x224 (docs/benchmarks.md)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32  # the user's setting
+    try:
+        model = FlagProbe()
+        mechanism = dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=64, batch_size=16, max_grad_norm=1.0,
+            noise_multiplier=1.0, delta=1e-5, steps=3, seed=0, precision=precision,
+        )  # fmt: skip
+        x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        checked = 0
+        for indices in mechanism.batches():
+            mechanism.step(x[indices], y[indices])
+            checked = checked or len(model.seen)  # the first step's check compares in full float32
+        assert len(model.seen) > checked and set(model.seen[checked:]) == {(tf32, tf32)}
+        assert precision == "tf32" or set(model.seen) == {(False, False)}
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (not tf32, not tf32)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 

@@ -24,6 +24,7 @@ from dpscale.privacy.per_example import (
     per_example_cross_entropy,
     trainable_params,
 )
+from dpscale.privacy.precision import Precision
 from dpscale.train.hooks import RunHooks
 
 DIRAC_SCALE = 1000.0  # a gradient canary's norm, in units of C: clipping must cut it to C
@@ -72,6 +73,11 @@ class CanaryEngine(ClippedSumMixin):
         magnitude: a gradient canary's norm before clipping.
         model: the training model, to place the canaries at once (else at the first call).
     """
+
+    @property
+    def precision(self) -> Precision:
+        """The inner engine's precision (the mechanism sets its matmul flags around each step)."""
+        return self.inner.precision
 
     def __init__(
         self, inner: PerExampleEngine, included: np.ndarray, coordinates: Sequence[tuple[str, int]] | None = None,

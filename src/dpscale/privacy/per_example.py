@@ -220,6 +220,7 @@ class PerExampleEngine(Protocol):
 
     name: str
     max_grad_norm: MaxGradNorm
+    precision: Precision  # the forward/backward precision (its matmul flags hold for the whole step)
 
     def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
         """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""

@@ -278,12 +278,13 @@ def _checked_engine(
         views = augmented_chunks([chunk], augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range)
         chunk = next(iter(views))
     try:
-        engine, notices, result = checked_engine(
-            train.engine, plan.max_grad_norm, model, chunk,
-            # a non-private run claims no guarantee for the check to protect (and its unclipped,
-            # cancelling gradient sums are where float32 reorderings look largest)
-            views=augment.multiplicity, check=train.self_check and plan.is_private, precision=precision,
-        )  # fmt: skip
+        with precision.matmul_flags():  # as the steps will run (full float32 unless tf32)
+            engine, notices, result = checked_engine(
+                train.engine, plan.max_grad_norm, model, chunk,
+                # a non-private run claims no guarantee for the check to protect (and its unclipped,
+                # cancelling gradient sums are where float32 reorderings look largest)
+                views=augment.multiplicity, check=train.self_check and plan.is_private, precision=precision,
+            )  # fmt: skip
     except ValueError as err:
         raise ConfigError(f"train.engine={train.engine}: {err}") from err
     checks = [result, result.independence] if result else []

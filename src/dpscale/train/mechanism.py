@@ -188,17 +188,18 @@ class DPMechanism:
         """
         self._check_budget()
         self._check_parameters()
-        chunks = self._run_first_chunk_check(chunks)
         history = self.correlated_noise.snapshot() if self.correlated_noise is not None else None
-        adaptive = self.plan.adaptive
-        engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
-        noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * self.clip
-        gradient, stats = noisy_clipped_mean(
-            engine, self.model, chunks,
-            noise_std=noise_std, expected_batch_size=self.plan.batch_size,
-            noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
-            correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
-        )  # fmt: skip
+        with self.engine.precision.matmul_flags():  # the check and the step in the plan's precision
+            chunks = self._run_first_chunk_check(chunks)
+            adaptive = self.plan.adaptive
+            engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
+            noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * self.clip
+            gradient, stats = noisy_clipped_mean(
+                engine, self.model, chunks,
+                noise_std=noise_std, expected_batch_size=self.plan.batch_size,
+                noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
+                correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
+            )  # fmt: skip
         if check_drawn:  # chunks of unknown size: counted, refused before the release
             try:
                 self._check_size(stats.batch_size)
