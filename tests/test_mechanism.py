@@ -168,6 +168,18 @@ def test_the_bring_your_own_loop_example_in_the_docs_runs(tmp_path, monkeypatch)
     assert 2.99 < mechanism.epsilon() <= 3.0  # sigma calibrated to spend (at most) the target over the plan
 
 
+def test_the_epoch_loop_example_in_the_docs_runs_the_whole_plan(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "own-loop.md").read_text()
+    code = text.split("## An epoch loop", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "docs/own-loop.md", "exec"), scope)
+    assert scope["mechanism"].remaining_steps() == 0 and scope["steps_per_epoch"] == 40
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2", "epoch 3"] and "(120 steps)" in lines[-1]
+
+
 def _tiny(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))

@@ -3,7 +3,8 @@
 Each engine's clipped sum and norms equal the float64 per-example loop's (which groups and clips
 in its own code); one example's removal changes the released sum by at most the stated
 sensitivity sqrt(sum_g C_g^2); the noise through ``make_private`` has std sigma * sqrt(sum_g C_g^2);
-and the CLI takes the mapping from YAML / --set, refusing what no engine can do exactly.
+and the CLI takes the mapping from YAML / --set. bk and ghost clip a layer split between groups
+(issue 42) tensor by tensor, exactly as vmap and the loop.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ def _engine_sum(name: str, model: nn.Module, clip, batch) -> tuple[dict, torch.T
     return grad_sum, norms
 
 
+@pytest.mark.parametrize("clip", [PER_LAYER, {"0.*": 0.05, "*": 0.1}], ids=["layer-3-split", "layers-whole"])
 @pytest.mark.parametrize("engine", ["vmap", "bk", "ghost"])
-def test_each_engine_equals_the_float64_per_example_loop(engine):
+def test_each_engine_equals_the_float64_per_example_loop(engine, clip):
     model, batch = _net(), _batch()
-    clip = {"0.*": 0.05, "*": 0.1} if engine != "vmap" else PER_LAYER  # bk/ghost: a layer in one group
     reference = float64_reference(model, batch, clip)
     grad_sum, norms = _engine_sum(engine, model, clip, batch)
     torch.testing.assert_close(norms, reference.norms, rtol=1e-9, atol=1e-12)
@@ -74,20 +75,18 @@ def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(engine):
     assert math.sqrt(sum(by_group)) > 0.99 * bound  # the outlier's removal reaches it (it is clipped in both)
 
 
-def test_bk_and_ghost_refuse_a_layer_split_between_groups_and_auto_takes_vmap():
-    model = _net()
-    for name in ("bk", "ghost"):
-        with pytest.raises(ValueError, match=r"engine .* does not support 3 \(its parameters in different per-layer"):
-            make_engine(name, PER_LAYER, model)
-    engine, notice = make_engine("auto", PER_LAYER, model)
-    assert engine.name == "vmap" and "per-layer clipping groups" in notice
+def test_a_layer_split_between_groups_is_no_reason_for_auto_to_leave_bk():
+    """Once refused by bk/ghost (auto fell back to vmap); their per-tensor norms now clip it
+    (test_each_engine_equals_the_float64_per_example_loop[layer-3-split])."""
+    engine, notice = make_engine("auto", PER_LAYER, _net())
+    assert engine.name == "bk" and notice is None
 
 
 @pytest.mark.parametrize(
     "clip, message",
     [
         ({"0.*": 0.1}, r"no pattern of \['0.\*'\] matches trainable parameter '3.weight'"),
-        ({"fc*": 0.1, "*": 1.0}, r"pattern\(s\) \['fc\*'\] match no trainable parameter"),
+        ({"fc*": 0.1, "*": 1.0}, r"pattern 'fc\*' matches no trainable parameter .*trainable parameters: \['0.weight'"),
     ],
 )
 def test_patterns_must_cover_every_parameter_and_each_must_match_one(clip, message):
@@ -97,8 +96,8 @@ def test_patterns_must_cover_every_parameter_and_each_must_match_one(clip, messa
 
 @pytest.mark.parametrize(
     "value, message",
-    [([0.5, 1.0], "a list is Opacus' per-layer form"), ({}, "maps parameter-name patterns"),
-     ({"*": -1.0}, "bad entries"), ({"*": float("nan")}, "bad entries")],
+    [([0.5, 1.0], "a list is Opacus' clipping='per_layer' form: .* with max_grad_norm_per='tensor'"),
+     ({}, "maps parameter-name patterns"), ({"*": -1.0}, "bad entries"), ({"*": float("nan")}, "bad entries")],
 )  # fmt: skip
 def test_bad_per_layer_values_are_refused_by_the_plan(value, message):
     with pytest.raises(ConfigError, match=message):
@@ -137,16 +136,18 @@ def test_make_private_adds_noise_of_std_sigma_times_the_sensitivity():
     assert abs(measured - 0.5) < 5 * 0.5 / math.sqrt(2 * 4000)  # 0.3 or 0.4 alone would be 20+ std errors off
 
 
-def test_the_cli_takes_a_per_layer_mapping_and_records_it(tmp_path, capsys):
+def test_the_cli_takes_a_per_layer_mapping_and_records_it(tmp_path):
     out = tmp_path / "run"
     sets = ["model.name=linear", "dp.batch_size=16", "train.steps=2", f"run.out_dir={out}",
             'dp.max_grad_norm={"head.*.weight": 0.5, "*": 1.0}']  # fmt: skip
     assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["max_grad_norm"] == {"head.*.weight": 0.5, "*": 1.0}
+    # head.0's weight and bias in different groups: bk clips them tensor by tensor (it once refused)
     assert main(["train", "--quiet", *(a for s in [*sets[:-2], f"run.out_dir={tmp_path / 'bk'}", "train.engine=bk",
-                                                   sets[-1]] for a in ("--set", s))]) == 2  # fmt: skip
-    assert "engine bk does not support head.0 (its parameters in different per-layer" in capsys.readouterr().err
+                                                   sets[-1]] for a in ("--set", s))]) == 0  # fmt: skip
+    bk = json.loads((tmp_path / "bk" / "summary.json").read_text())
+    assert bk["engine"] == "bk" and bk["engine_self_check"]["passed"]
 
 
 @pytest.mark.parametrize("engine", ["vmap", "bk"])

@@ -1,5 +1,6 @@
 """The clipping-norm values of a config or ``make_private`` (``dp.max_grad_norm``): one number C,
-or per-layer bounds pattern -> C_g (``dpscale.privacy.clipping`` has what clips with them).
+or per-layer bounds pattern -> C_g (``dpscale.privacy.clipping`` has what clips with them), and
+the two forms a bound can take (``max_grad_norm_per``): per group of parameters, or per tensor.
 
 Kept free of torch (like ``dpscale.choices``): the config validates these values, and loading a
 config must not import torch.
@@ -8,9 +9,21 @@ config must not import torch.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping, Union
 
 MaxGradNorm = Union[float, Mapping[str, float], None]
+
+# "group": each pattern's tensors clipped together (one C on a float: the whole gradient);
+# "tensor": every tensor clipped on its own (Opacus' clipping="per_layer").
+MAX_GRAD_NORM_PER = ("group", "tensor")
+
+# fnmatch's special characters, and a pattern made of plain characters and one-character
+# classes ("[*]"): such a pattern matches exactly one name.
+_SPECIAL = re.compile(r"([*?\[])")
+_LITERAL = re.compile(r"(?:[^*?\[]|\[[*?\[]\])*")
+# a per-tensor header lists each tensor up to this many; beyond, the count at each C
+_LISTED_TENSORS = 12
 
 
 def is_per_layer(max_grad_norm: MaxGradNorm) -> bool:
@@ -18,20 +31,43 @@ def is_per_layer(max_grad_norm: MaxGradNorm) -> bool:
     return isinstance(max_grad_norm, Mapping)
 
 
+def literal_pattern(name: str) -> str:
+    """The fnmatch pattern that matches ``name`` and nothing else (``*``, ``?`` and ``[`` put in
+    one-character classes)."""
+    return _SPECIAL.sub(r"[\1]", name)
+
+
+def is_per_tensor(max_grad_norm: MaxGradNorm) -> bool:
+    """Whether every group of a per-layer ``max_grad_norm`` is one tensor: each pattern a literal
+    name (``literal_pattern``), which matches that tensor alone."""
+    return is_per_layer(max_grad_norm) and all(_LITERAL.fullmatch(p) for p in max_grad_norm)  # type: ignore[union-attr]
+
+
 def clip_sensitivity(max_grad_norm: MaxGradNorm) -> float | None:
-    """The L2 bound on one example's clipped gradient: C, or sqrt(sum_g C_g^2) per layer; None
-    without clipping."""
+    """The L2 bound on one example's clipped gradient: C, or sqrt(sum_g C_g^2) per layer (per
+    tensor: over the tensors); None without clipping."""
     if is_per_layer(max_grad_norm):
         return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm.values()))  # type: ignore[union-attr]
     return None if max_grad_norm is None else float(max_grad_norm)  # type: ignore[arg-type]
 
 
 def describe_clip(max_grad_norm: MaxGradNorm) -> str:
-    """"C=1" or "C per layer {conv*: 0.5, fc*: 1} (sensitivity 1.118)" for plans and logs."""
+    """"C=1", "C per layer {conv*: 0.5, fc*: 1} (sensitivity 1.118)" or, when every group is one
+    tensor, "C per tensor {conv1.weight: 0.5, ...} (8 tensors, sensitivity 2.236)" (beyond 12
+    tensors, the count at each C), for plans and logs."""
     if not is_per_layer(max_grad_norm):
         return f"C={max_grad_norm:g}" if max_grad_norm is not None else "C=none"
-    groups = ", ".join(f"{p}: {float(c):g}" for p, c in max_grad_norm.items())  # type: ignore[union-attr]
-    return f"C per layer {{{groups}}} (sensitivity {clip_sensitivity(max_grad_norm):.6g})"
+    sensitivity = f"sensitivity {clip_sensitivity(max_grad_norm):.6g}"
+    bounds = {p: float(c) for p, c in max_grad_norm.items()}  # type: ignore[union-attr]
+    if not is_per_tensor(max_grad_norm):
+        return f"C per layer {{{', '.join(f'{p}: {c:g}' for p, c in bounds.items())}}} ({sensitivity})"
+    if len(bounds) <= _LISTED_TENSORS:
+        listed = ", ".join(f"{p}: {c:g}" for p, c in bounds.items())
+        return f"C per tensor {{{listed}}} ({len(bounds)} tensors, {sensitivity})"
+    # a deep model: how many tensors at each C (the plan's max_grad_norm has each one)
+    counts = {c: sum(1 for v in bounds.values() if v == c) for c in bounds.values()}
+    listed = ", ".join(f"{n} at {c:g}" for c, n in counts.items())
+    return f"C per tensor ({len(bounds)} tensors: {listed}; {sensitivity})"
 
 
 def check_max_grad_norm(max_grad_norm: Any) -> None:
@@ -48,7 +84,9 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
             f"{{'conv*': 0.5, '*': 1.0}}; got {dict(max_grad_norm)!r}" + (f" (bad entries {bad!r})" if bad else "")
         )
     if not _positive(max_grad_norm):
-        hint = " (a list is Opacus' per-layer form: give a mapping pattern -> C)" if isinstance(max_grad_norm, (list, tuple)) else ""
+        listed = isinstance(max_grad_norm, (list, tuple))
+        hint = (" (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C with "
+                "max_grad_norm_per='tensor', docs/clipping.md)") if listed else ""  # fmt: skip
         raise ValueError(
             f"max_grad_norm must be one positive number C, the L2 bound on each example's whole gradient, or a "
             f"mapping from parameter-name patterns to per-layer bounds, got {max_grad_norm!r}{hint}; "
@@ -56,7 +94,22 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
         )
 
 
+def check_max_grad_norm_per(per: Any, max_grad_norm: Any) -> None:
+    """Raise ValueError unless ``per`` is one of ``MAX_GRAD_NORM_PER``, and "tensor" comes with a
+    norm to give each tensor (not None).
+
+    Args:
+        per: the form of the bound ("group" or "tensor").
+        max_grad_norm: the bound it applies to (checked by ``check_max_grad_norm``).
+    """
+    if per not in MAX_GRAD_NORM_PER:
+        raise ValueError(
+            f"max_grad_norm_per must be 'group' (each pattern's tensors clipped together; one C clips the whole "
+            f"gradient) or 'tensor' (each tensor clipped on its own, Opacus' clipping='per_layer'), got {per!r}"
+        )
+    if per == "tensor" and max_grad_norm is None:
+        raise ValueError("max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm (C or a mapping)")
+
+
 def _positive(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-

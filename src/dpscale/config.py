@@ -22,7 +22,7 @@ from dpscale.choices import (
     ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, PEFT_METHODS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
-from dpscale.clip_norms import check_max_grad_norm
+from dpscale.clip_norms import check_max_grad_norm, check_max_grad_norm_per
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # optim.schedule
@@ -56,6 +56,9 @@ class DataConfig:
     meta_classes: group the kept classes into this many evenly sized meta-classes (seeded).
     max_per_class: at most this many training examples per class (a seeded choice).
     subset_seed: the seed of random_classes, meta_classes and max_per_class.
+    num_classes: the number of classes K (the model's outputs), declared instead of read from the
+        labels; every label must be below it, and training labels with gaps or test labels absent
+        from training are then allowed (null: K from the data, and those are refused).
     """
 
     name: str = "mnist-5k"
@@ -72,6 +75,7 @@ class DataConfig:
     meta_classes: int | None = None
     max_per_class: int | None = None
     subset_seed: int = 0
+    num_classes: int | None = None
 
     @property
     def selects_classes(self) -> bool:
@@ -222,6 +226,10 @@ class DPConfig:
     max_grad_norm: per-example clipping norm C; or per-layer bounds, a mapping from parameter-name
         patterns (fnmatch, first match wins) to C_g, e.g. {"features.*": 0.5, "*": 1.0}, the noise
         then scaled to sqrt(sum_g C_g^2); null disables clipping (non-private only).
+    max_grad_norm_per: "group" (each pattern's tensors clipped together; one C clips the whole
+        gradient) or "tensor" (each trainable tensor clipped on its own, Opacus'
+        clipping="per_layer": ``make_private(max_grad_norm_per="tensor")``; config runs refuse it
+        until their plan is given the model's tensor names, docs/clipping.md).
     batch_size: expected logical batch size B (q = B / N). With Poisson sampling B need not be an
         integer (``dpscale tan privacy-search`` gives such B to keep eta exact).
     simulated_batch_size: a TAN simulation (Sander et al. 2023, Section 3.4) of this run: train at
@@ -255,6 +263,7 @@ class DPConfig:
     delta: float = 1e-5
     noise_multiplier: float | None = None
     max_grad_norm: float | dict[str, float] | None = 1.0
+    max_grad_norm_per: str = "group"
     batch_size: int | float = 256
     simulated_batch_size: int | float | None = None
     sampling: str = "poisson"
@@ -691,6 +700,21 @@ def plan_labels(config: Config) -> dict[str, bool]:
     }
 
 
+def _check_max_grad_norm_per(dp: DPConfig) -> None:
+    """Refuse a dp.max_grad_norm_per that is not "group" or "tensor", and "tensor" itself: a
+    config run's plan (whose sensitivity would sum over the tensors) is not given the model's
+    tensor names yet, and the run must not fall back to "group" clipping silently."""
+    try:
+        check_max_grad_norm_per(dp.max_grad_norm_per, dp.max_grad_norm)
+    except ValueError as err:
+        raise ConfigError(f"dp.{err}") from err
+    if dp.max_grad_norm_per == "tensor":
+        raise ConfigError(
+            "dp.max_grad_norm_per=tensor is not available in config runs yet (their plan is not given the model's "
+            "tensor names): use make_private(..., max_grad_norm_per='tensor'), or dp.max_grad_norm_per=group"
+        )
+
+
 def validate(config: Config) -> None:
     """Range checks that need no data; dataset-dependent checks happen in the trainer."""
     dp, train, optim = config.dp, config.train, config.optim
@@ -706,6 +730,7 @@ def validate(config: Config) -> None:
         check_max_grad_norm(dp.max_grad_norm)
     except ValueError as err:
         raise ConfigError(f"dp.{err} (or null for no clipping)") from err
+    _check_max_grad_norm_per(dp)
     is_private = is_private_config(dp)
     if is_private and dp.max_grad_norm is None:
         raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")
@@ -853,6 +878,11 @@ def _validate_data(config: Config) -> None:
         raise ConfigError("set data.classes or data.random_classes, not both")
     if data.max_per_class is not None and data.max_per_class < 1:
         raise ConfigError(f"data.max_per_class must be >= 1, got {data.max_per_class}")
+    if data.num_classes is not None and data.num_classes < 2:
+        raise ConfigError(f"data.num_classes must be >= 2 (a classifier needs at least two classes), got {data.num_classes}")
+    if data.num_classes is not None and (data.classes is not None or data.random_classes or data.meta_classes):
+        raise ConfigError("data.num_classes declares the stored labels; data.classes, random_classes and meta_classes "
+                          "choose classes and relabel them 0..k-1: set one or the other")
     if data.loader == "stream" and data.selects_classes:
         raise ConfigError("class subsets (data.classes, random_classes, meta_classes, max_per_class) need data.loader=memory")
     if data.loader == "stream":

@@ -15,6 +15,7 @@ _MODULE_OF = {
     "add_gaussian_noise": "noise",
     "calibrate_noise_multiplier": "calibrate",
     "calibrate_steps": "calibrate",
+    "clip_bounds": "clipping",
     "clip_factors": "per_example",
     "compute_epsilon": "accountant",
     "eps_tan": "tan",

@@ -1,13 +1,17 @@
 """What "clipping norm" means: one bound C on an example's whole gradient, or per-layer bounds.
 
-Per-layer clipping (Opacus' list ``max_grad_norm``, McMahan et al. 2018) splits the trainable
-parameters into groups by name pattern and clips each example's gradient *within* each group
-to C_g. The clipped per-example gradient then has L2 norm at most sqrt(sum_g C_g^2), the
-sensitivity that the noise std sigma * sensitivity is scaled to.
+Per-layer clipping splits the trainable parameters into groups by name pattern and clips each
+example's gradient *within* each group to C_g. The clipped per-example gradient then has L2 norm
+at most sqrt(sum_g C_g^2), the sensitivity that the noise std sigma * sensitivity is scaled to.
 
 ``max_grad_norm`` is therefore ``float`` (C), ``Mapping[str, float]`` (pattern -> C_g; a
 parameter belongs to the first pattern, in the mapping's order, that ``fnmatch`` matches to its
 name, e.g. ``{"features.*": 0.5, "*": 1.0}``) or None (no clipping, non-private runs only).
+
+``max_grad_norm_per="tensor"`` (Opacus' ``clipping="per_layer"``, McMahan et al. 2018) clips
+every tensor on its own instead: ``clip_bounds`` spells it out as one group per tensor, a mapping
+literal name -> C_i (``per_tensor_bounds``), so that every engine, the plan and the reference
+loop take it as they take any per-layer mapping; its sensitivity is sqrt(sum_i C_i^2).
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from dpscale.clip_norms import (  # noqa: F401  (re-exported: the privacy core's names for them)
+    MAX_GRAD_NORM_PER,
     MaxGradNorm,
     check_max_grad_norm,
+    check_max_grad_norm_per,
     clip_sensitivity,
     describe_clip,
     is_per_layer,
+    is_per_tensor,
+    literal_pattern,
 )
 
 # Added to norms before dividing so that a zero gradient gets factor 1, and so that
@@ -186,8 +194,9 @@ def resolve_clip_groups(max_grad_norm: Mapping[str, float], names: Sequence[str]
         names: the trainable parameters' names.
 
     Raises:
-        ValueError: a parameter that no pattern matches, or a pattern that matches no parameter
-            (its C_g would add to the sensitivity, and so to the noise, for nothing).
+        ValueError: a parameter that no pattern matches, or a pattern that is left with no
+            parameter (its C_g would add to the sensitivity, and so to the noise, for nothing):
+            one that matches none, or one shadowed by earlier patterns that take all it matches.
     """
     patterns = list(max_grad_norm)
     group_of: dict[str, int] = {}
@@ -201,8 +210,76 @@ def resolve_clip_groups(max_grad_norm: Mapping[str, float], names: Sequence[str]
         group_of[name] = index
     unused = [p for i, p in enumerate(patterns) if i not in group_of.values()]
     if unused:
-        raise ValueError(
-            f"per-layer max_grad_norm: pattern(s) {unused} match no trainable parameter (their norms would "
-            f"raise the noise for nothing); trainable parameters: {list(names)}"
-        )
+        raise ValueError(f"per-layer max_grad_norm: {_why_unused(unused, patterns, group_of)}")
     return ClipGroups(tuple(float(max_grad_norm[p]) for p in patterns), group_of)
+
+
+def _why_unused(unused: list[str], patterns: list[str], group_of: dict[str, int]) -> str:
+    """Why each pattern in ``unused`` has no parameter: it matches none (the trainable names are
+    listed), or earlier patterns, tried first, take every parameter it matches (named)."""
+    reasons, unmatched, shadowed = [], False, False
+    for pattern in unused:
+        matched = [n for n in group_of if fnmatchcase(n, pattern)]
+        takers = list(dict.fromkeys(repr(patterns[group_of[n]]) for n in matched))  # earlier ones, in order
+        if takers:
+            shadowed = True
+            plural = len(takers) > 1
+            reasons.append(
+                f"pattern {pattern!r} is shadowed by the earlier pattern{'s' if plural else ''} {', '.join(takers)}, "
+                f"which take{'' if plural else 's'} {_count(len(matched), 'parameter')} it matches"
+            )
+        else:
+            unmatched = True
+            reasons.append(f"pattern {pattern!r} matches no trainable parameter")
+    why = " (an unused pattern's norm would raise the noise for nothing)"
+    order = "; patterns are tried in order, the first match wins: put specific ones first, a catch-all '*' last"
+    names = f"; trainable parameters: {list(group_of)}" if unmatched else ""
+    return "; ".join(reasons) + why + (order if shadowed else "") + names
+
+
+def _count(n: int, noun: str) -> str:
+    """"the 1 parameter" or "all 4 parameters", for the messages."""
+    return f"the 1 {noun}" if n == 1 else f"all {n} {noun}s"
+
+
+def per_tensor_bounds(max_grad_norm: float | Mapping[str, float], names: Sequence[str]) -> dict[str, float]:
+    """Each trainable tensor's own bound, as a per-layer mapping with one group per tensor.
+
+    Args:
+        max_grad_norm: C for every tensor, or pattern -> C (each tensor takes the C of the first
+            pattern matching its name, as ``resolve_clip_groups``; the same refusals).
+        names: the trainable parameters' names, in ``model.named_parameters()`` order.
+
+    Returns:
+        ``literal_pattern(name) -> C_i`` for each name in order: clipped as groups, each tensor is
+        clipped on its own, and the sensitivity is sqrt(sum_i C_i^2).
+    """
+    if not is_per_layer(max_grad_norm):
+        return {literal_pattern(n): float(max_grad_norm) for n in names}  # type: ignore[arg-type]
+    groups = resolve_clip_groups(max_grad_norm, names)  # type: ignore[arg-type]
+    return {literal_pattern(n): groups.norms[groups.group_of[n]] for n in names}
+
+
+def clip_bounds(max_grad_norm: MaxGradNorm, per: str, names: Sequence[str]) -> MaxGradNorm:
+    """The ``max_grad_norm`` that engines and plans take for a bound and its form.
+
+    Args:
+        max_grad_norm: C, pattern -> C or None (no clipping).
+        per: "group" (``max_grad_norm`` as given: one C on the whole gradient, or each pattern's
+            tensors clipped together) or "tensor" (each tensor on its own: ``per_tensor_bounds``).
+        names: the trainable parameters' names, in ``model.named_parameters()`` order.
+
+    Returns:
+        ``max_grad_norm`` itself for "group"; for "tensor" the mapping literal name -> C_i of
+        ``per_tensor_bounds`` (its sensitivity, ``clip_sensitivity``, is sqrt(sum_i C_i^2)).
+
+    Raises:
+        ValueError: a bad ``per`` or bound (one line), and the refusals of ``resolve_clip_groups``.
+    """
+    check_max_grad_norm_per(per, max_grad_norm)
+    if per == "group":  # as given (the plan checks it)
+        return max_grad_norm
+    check_max_grad_norm(max_grad_norm)
+    if not names:
+        raise ValueError("max_grad_norm_per='tensor': the model has no trainable tensor to clip")
+    return per_tensor_bounds(max_grad_norm, names)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from torch import nn
 
 from dpscale.choices import ENGINE_NAMES
 from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_groups
-from dpscale.privacy.ghost import GhostEngine, split_layers, unsupported_modules
+from dpscale.privacy.ghost import GhostEngine, unsupported_modules
 from dpscale.privacy.per_example import (
     LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy, trainable_params,
 )
@@ -27,8 +27,9 @@ def make_engine(
 
     Args:
         name: "auto" (bk when every trainable layer is supported, else vmap), "bk", "ghost" or "vmap".
-        max_grad_norm: clipping norm C, per-layer bounds pattern -> C_g (bk/ghost: each layer's
-            parameters in one group; auto picks vmap otherwise) or None (no clipping).
+        max_grad_norm: clipping norm C, per-layer bounds pattern -> C_g (per-tensor bounds are
+            one group per tensor, ``dpscale.privacy.clipping.clip_bounds``; every engine clips
+            any grouping, bk/ghost a layer split between groups tensor by tensor) or None (no clipping).
         model: needed by "auto" to check layer support (and by bk/ghost to fail early).
         loss_fn: per-example loss.
         views: augmentation multiplicity K (each example arrives as K views).
@@ -46,7 +47,6 @@ def make_engine(
     problems = unsupported_modules(model) if model is not None else []
     if model is not None and is_per_layer(max_grad_norm):  # every parameter in a group, each group used
         resolve_clip_groups(max_grad_norm, list(trainable_params(model)))  # type: ignore[arg-type]
-        problems += split_layers(model, max_grad_norm)  # type: ignore[arg-type]
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
         if model is not None:

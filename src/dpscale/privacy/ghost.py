@@ -41,7 +41,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +90,20 @@ class _Record:
     versions: tuple[int, int] = (0, 0)
     # Per-example slack (B,) of a release that accumulates an example's positions (a matmul,
     # convolution or index_add from the records, not from a cached per-example gradient): its
-    # worst-case rounding, added to the layer's norm before clipping (``release_slack``).
+    # worst-case rounding, added to the layer's norm before clipping (``release_slack``). Only a
+    # weight's release accumulates (biases, gains and the rest come from cached per-example
+    # gradients, scaled): a layer clipped tensor by tensor adds it to its weight alone.
     slack: torch.Tensor | None = None
+    # Each trainable parameter's per-example squared norms (B,) by local name, as the rule added
+    # them into the layer's: per-tensor groups clip a layer's tensors on their own.
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _part(r: _Record, local: str, sq: torch.Tensor) -> torch.Tensor:
+    """Keep parameter ``local``'s per-example squared norms (B,) on its layer's record, and
+    return them (for the rule to add into the layer's)."""
+    r.parts[local] = sq
+    return sq
 
 
 def _per_example(r: _Record, t: torch.Tensor) -> torch.Tensor:
@@ -163,19 +175,19 @@ def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
             sq_a, sq_g = (v.double().square().sum(1).to(a.dtype).double() for v in (a[:, 0], g[:, 0]))
             product = sq_a * sq_g
-            sq = sq + product.to(a.dtype)
+            sq = sq + _part(r, "weight", product.to(a.dtype))
             r.slack = release_slack(1, product.sqrt(), a.dtype)
         elif r.gram_only or _use_ghost(t, d_in, d_out):
             gram, weight = _gram_sq_norms(a, g)
-            sq = sq + gram
+            sq = sq + _part(r, "weight", gram)
             r.slack = release_slack(t, weight, a.dtype)  # the release sums t products per entry
         else:
             per_example = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
             r.cache["weight"] = per_example
-            sq = sq + blocked_sq_norms(per_example)
+            sq = sq + _part(r, "weight", blocked_sq_norms(per_example))
     if r.trainable.get("bias"):
         r.cache["bias"] = g.sum(1)
-        sq = sq + blocked_sq_norms(r.cache["bias"])
+        sq = sq + _part(r, "bias", blocked_sq_norms(r.cache["bias"]))
     return sq
 
 
@@ -280,16 +292,16 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             patches, gg = _conv_unfold(r, a, g)
             patches, gg = _fold_views(r, patches), _fold_views(r, gg)
             gram, weight = _gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
-            sq = sq + gram
+            sq = sq + _part(r, "weight", gram)
             # the release (a convolution weight gradient) sums an example's positions and views
             r.slack = release_slack(length, weight, a.dtype)
         else:
             per_example = _conv_per_example(r, a, g)
             r.cache["weight"] = per_example
-            sq = sq + blocked_sq_norms(per_example)
+            sq = sq + _part(r, "weight", blocked_sq_norms(per_example))
     if r.trainable.get("bias"):
         r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
-        sq = sq + blocked_sq_norms(r.cache["bias"])
+        sq = sq + _part(r, "bias", blocked_sq_norms(r.cache["bias"]))
     return sq
 
 
@@ -332,21 +344,22 @@ def _ws_conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
         along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
         if r.trainable.get("gain"):
             r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
-            sq = sq + blocked_sq_norms(r.cache["gain"])
+            sq = sq + _part(r, "gain", blocked_sq_norms(r.cache["gain"]))
         if r.trainable.get("weight"):
             scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
             r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
-            sq = sq + blocked_sq_norms(r.cache["weight"])
+            sq = sq + _part(r, "weight", blocked_sq_norms(r.cache["weight"]))
     if r.trainable.get("bias"):
         r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
-        sq = sq + blocked_sq_norms(r.cache["bias"])
+        sq = sq + _part(r, "bias", blocked_sq_norms(r.cache["bias"]))
     return sq
 
 
 def _cached_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
     """sum_i c_i * (per-example gradient), for rules that cache every parameter's per-example gradient."""
     params = dict(r.module.named_parameters(recurse=False))
-    return {n: torch.tensordot(c, t, dims=1).reshape(params[n].shape) for n, t in r.cache.items() if n in params}
+    return {n: torch.tensordot(c, t, dims=1).reshape(params[n].shape)
+            for n, t in r.cache.items() if n in params and r.trainable.get(n)}  # fmt: skip
 
 
 def _scalar_gain_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -355,7 +368,7 @@ def _scalar_gain_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Te
         return a.new_zeros(a.shape[0] // r.views)
     per_row = (a * g).reshape(a.shape[0], -1).sum(1) * r.module.scale
     r.cache["gain"] = _per_example(r, per_row)
-    return r.cache["gain"].square()
+    return _part(r, "gain", r.cache["gain"].square())
 
 
 def _normalized(r: _Record, a: torch.Tensor) -> torch.Tensor:
@@ -384,11 +397,12 @@ def _affine_parts(r: _Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, tor
 def _norm_layer_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     parts = {name: _per_example(r, t) for name, t in _affine_parts(r, a, g).items()}
     r.cache.update(parts)
-    return sum((blocked_sq_norms(t) for t in parts.values()), a.new_zeros(a.shape[0] // r.views))
+    return sum((_part(r, n, blocked_sq_norms(t)) for n, t in parts.items()), a.new_zeros(a.shape[0] // r.views))
 
 
 def _norm_layer_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
-    return {name: torch.tensordot(c, r.cache[name], dims=1) for name in ("weight", "bias") if name in r.cache}
+    return {name: torch.tensordot(c, r.cache[name], dims=1)
+            for name in ("weight", "bias") if name in r.cache and r.trainable.get(name)}  # fmt: skip
 
 
 def _embedding_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -406,7 +420,7 @@ def _embedding_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     weight = torch.linalg.vector_norm(g64, dim=-1).sum(1)
     # the release index_adds c g_t of an example's positions into the rows they hit
     r.slack = release_slack(idx.shape[1], weight, g.dtype)
-    return _upper_bound(gram, g.shape[-1], idx.shape[1], weight).to(g.dtype)
+    return _part(r, "weight", _upper_bound(gram, g.shape[-1], idx.shape[1], weight).to(g.dtype))
 
 
 def _embedding_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
@@ -421,9 +435,9 @@ def _tokens_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     g = r.cache["g"] = _per_example(r, g)
     sq = a.new_zeros(g.shape[0])
     if r.trainable.get("pos_embed"):
-        sq = sq + blocked_sq_norms(g)
+        sq = sq + _part(r, "pos_embed", blocked_sq_norms(g))
     if r.trainable.get("cls_token"):
-        sq = sq + blocked_sq_norms(g[:, 0])
+        sq = sq + _part(r, "cls_token", blocked_sq_norms(g[:, 0]))
     return sq
 
 
@@ -571,37 +585,79 @@ class _ModelState:
         return (model.training, self.support_key)
 
 
-def split_layers(model: nn.Module, max_grad_norm: Mapping[str, float]) -> list[str]:
-    """The layers whose trainable parameters per-layer clipping puts in different groups (which
-    bk and ghost cannot clip: they take norms per layer), as "name (split between per-layer
-    clipping groups)"."""
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    group_of = resolve_clip_groups(max_grad_norm, trainable).group_of
-    split = []
-    for name, module in model.named_modules():
-        full = [f"{name}.{p}" if name else p for p, t in module.named_parameters(recurse=False) if t.requires_grad]
-        if len({group_of[n] for n in full if n in group_of}) > 1:
-            split.append(f"{name or '<root>'} (its parameters in different per-layer clipping groups)")
-    return split
+def _full_name(layer: str, local: str) -> str:
+    """A parameter's name in the model from its layer's name and its own."""
+    return f"{layer}.{local}" if layer else local
 
 
-def _layer_groups(records: list[_Record], max_grad_norm: MaxGradNorm, params: Params) -> dict[str, int]:
-    """Layer name -> its per-layer clipping group. These engines clip a layer's parameters
-    together (their norms come per layer), so a layer split between groups is refused."""
+@dataclass(frozen=True)
+class _Units:
+    """What ``clip_units`` clips for one pass: each layer as one unit (its norms come per
+    layer), except the layers that per-layer clipping splits between groups (per-tensor clipping
+    splits every layer with a weight and a bias), whose tensors are units of their own.
+
+    Attributes:
+        sq: unit -> per-example squared norms (B,): a layer's by its name, a tensor's by its full name.
+        slack: unit -> slack (B,) of its release (``_Record.slack``: a split layer's goes to its weight).
+        group_of: unit -> per-layer clipping group (None: one C for the whole gradient).
+        split: the layers clipped tensor by tensor.
+    """
+
+    sq: dict[str, torch.Tensor]
+    slack: dict[str, torch.Tensor]
+    group_of: dict[str, int] | None
+    split: frozenset[str]
+
+
+def _clip_units(
+    records: list[_Record], layer_sq: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, params: Params
+) -> _Units:
+    """The units and groups of a pass; a split layer's entry in ``layer_sq`` is set to the sum
+    of its tensors' norms (what is clipped is what the self-check compares).
+
+    Raises:
+        ValueError: a split layer whose rule gave no norm for one of its tensors.
+    """
+    slack = {r.name: r.slack for r in records if r.slack is not None}
+    if not is_per_layer(max_grad_norm):
+        return _Units(layer_sq, slack, None, frozenset())
     param_group = resolve_clip_groups(max_grad_norm, list(params)).group_of  # type: ignore[arg-type]
-    layer_group = {}
+    sq, unit_slack, group_of, split = {}, {}, {}, set()
     for r in records:
-        names = [f"{r.name}.{local}" if r.name else local for local, trainable in r.trainable.items() if trainable]
-        groups = {param_group[n] for n in names}
-        if len(groups) > 1:
-            patterns = list(max_grad_norm)  # type: ignore[arg-type]
-            split = ", ".join(f"{n} -> {patterns[param_group[n]]!r}" for n in names)
+        names = {local: _full_name(r.name, local) for local, trainable in r.trainable.items() if trainable}
+        groups = {param_group[n] for n in names.values()}
+        if len(groups) == 1:  # the layer's tensors clipped together, from its own norm
+            sq[r.name], group_of[r.name] = layer_sq[r.name], groups.pop()
+            if r.slack is not None:
+                unit_slack[r.name] = r.slack
+            continue
+        missing = [n for local, n in names.items() if local not in r.parts]
+        if missing or (r.slack is not None and "weight" not in names):
             raise ValueError(
-                f"per-layer max_grad_norm splits layer {r.name or '<root>'!r} between groups ({split}); the bk and "
-                "ghost engines clip a layer's parameters together: give them one pattern, or use engine=vmap"
+                f"{type(r.module).__name__} {r.name!r}: its rule gives no norm of its own for "
+                f"{', '.join(missing) or 'the weight'}, which per-layer clipping puts in a group apart; use engine=vmap"
             )
-        layer_group[r.name] = groups.pop()
-    return layer_group
+        split.add(r.name)
+        for local, name in names.items():
+            sq[name], group_of[name] = r.parts[local], param_group[name]
+        if r.slack is not None:  # the weight's release alone accumulates positions
+            unit_slack[names["weight"]] = r.slack
+        layer_sq[r.name] = sum((r.parts[local] for local in names), torch.zeros_like(layer_sq[r.name]))
+    return _Units(sq, unit_slack, group_of, frozenset(split))
+
+
+def _released(r: _Record, factors: dict[str, torch.Tensor], units: _Units) -> Params:
+    """A layer's clipped sums by local name: its rule's sums with the layer's factors, or for a
+    split layer with each tensor's own (the rule run for that tensor alone)."""
+    rule = _RULES[type(r.module)]
+    if r.name not in units.split:
+        return rule.sums(r, r.inputs, r.out_grad, factors[r.name])
+    out: Params = {}
+    for local, trainable in r.trainable.items():
+        if trainable:
+            alone = replace(r, trainable={n: n == local for n in r.trainable})
+            out[local] = rule.sums(alone, r.inputs, r.out_grad, factors[_full_name(r.name, local)])[local]
+    return out
 
 
 def _true_gradients(model: nn.Module, params: Params) -> dict[str, torch.Tensor]:
@@ -672,8 +728,9 @@ class GhostEngine(ClippedSumMixin):
     ``ghost`` always from Gram matrices.
 
     Args:
-        max_grad_norm: clipping norm C, a per-layer mapping pattern -> C_g (each layer's
-            parameters in one group); None = no clipping.
+        max_grad_norm: clipping norm C, a per-layer mapping pattern -> C_g (a layer whose
+            parameters fall in different groups, as with per-tensor bounds, is clipped tensor by
+            tensor from each tensor's own norm); None = no clipping.
         loss_fn: per-example loss (logits, labels) -> (B,).
         mode: "bk" or "ghost".
         views: augmentation multiplicity K; chunks then hold x of shape (B, K, ...) and each
@@ -736,11 +793,12 @@ class GhostEngine(ClippedSumMixin):
         del targets, grads
         with exact_float32():  # the clip bound's arithmetic never in TF32
             layer_sq = self._layer_norms(records, out_grads, batch[0])
-            group_of = _layer_groups(records, self.max_grad_norm, params) if is_per_layer(self.max_grad_norm) else None
+            units = _clip_units(records, layer_sq, self.max_grad_norm, params)
             # the type the release is computed in (never the tokens' int type)
             zeros = batch[0].new_zeros(batch[0].shape[0], dtype=clip_dtype(params.values()))
-            slack = {r.name: r.slack for r in records if r.slack is not None}
-            layer_factors, norms = clip_units(layer_sq, self.max_grad_norm, group_of, zeros=zeros, unit_slack=slack)
+            factors, norms = clip_units(
+                units.sq, self.max_grad_norm, units.group_of, zeros=zeros, unit_slack=units.slack
+            )
             finite = torch.isfinite(norms)
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell
             # (a one-off pass: its host read is no cost)
@@ -753,8 +811,8 @@ class GhostEngine(ClippedSumMixin):
                 _zero_examples(records, finite, self.views)
             grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
             for r in records:
-                for local, s in _RULES[type(r.module)].sums(r, r.inputs, r.out_grad, layer_factors[r.name]).items():
-                    grad_sum[f"{r.name}.{local}" if r.name else local] = s
+                for local, s in _released(r, factors, units).items():
+                    grad_sum[_full_name(r.name, local)] = s
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
     def _layer_norms(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpscale.choices import MECHANISMS
-from dpscale.privacy.clipping import MaxGradNorm
+from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
 from dpscale.privacy.adaptive import adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
@@ -67,9 +67,8 @@ def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    dataset_size: int,
-    batch_size: float,
-    max_grad_norm: MaxGradNorm,
+    dataset_size: int, batch_size: float,
+    max_grad_norm: MaxGradNorm, max_grad_norm_per: str = "group",
     delta: float,
     target_epsilon: float | None = None,
     noise_multiplier: float | None = None,
@@ -101,9 +100,14 @@ def make_private(
             parameter-name patterns to C_g (``{"conv*": 0.5, "fc*": 1.0}``: fnmatch, first match
             wins, every trainable parameter matched), the noise then scaled to sqrt(sum_g C_g^2).
         delta: the delta of the guarantee (use < 1/N).
+        max_grad_norm_per: "group" (default): one C clips each example's whole gradient, and a
+            mapping clips each pattern's tensors together to its C_g. "tensor": every trainable
+            tensor (a weight, a bias) is clipped on its own to C, or to the C of the first pattern
+            matching its name (Opacus' ``clipping="per_layer"``); the sensitivity is then
+            sqrt(sum over the tensors of C_i^2), and the plan's ``max_grad_norm`` lists each tensor.
         target_epsilon: calibrate sigma so the planned steps spend exactly this (or give noise_multiplier).
         noise_multiplier: sigma (the noise std on the clipped sum is sigma * C, or sigma *
-            sqrt(sum_g C_g^2) per layer).
+            sqrt(sum_g C_g^2) per layer, sigma * sqrt(sum_i C_i^2) per tensor).
         epochs, steps: the length of the plan (one of them).
         accountant: "pld" or "rdp".
         engine: "auto", "bk", "ghost" or "vmap" (docs/engines.md).
@@ -142,9 +146,11 @@ def make_private(
 
     Raises:
         ValueError: a layer that mixes examples or cannot be clipped per example (BatchNorm, ...),
-            bad privacy numbers; at the first step, a model or loss that mixes examples.
+            bad privacy numbers, patterns that leave a parameter unmatched or a pattern unused;
+            at the first step, a model or loss that mixes examples.
     """
     _check_one_of(epochs=epochs, steps=steps, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
+    max_grad_norm = _clip_bounds(model, max_grad_norm, max_grad_norm_per)
     total_steps = steps_for(epochs, steps, dataset_size, batch_size)
     correlated = _bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
                                 max_noise_memory_mb=max_noise_memory_mb, workload=workload)  # fmt: skip
@@ -167,6 +173,20 @@ def make_private(
         partition_seed=seeds["partition"], scheduler=scheduler, max_physical_batch_size=max_physical_batch_size,
         first_chunk_check=first_chunk_check,
     )  # fmt: skip
+
+
+def _clip_bounds(model: nn.Module, max_grad_norm: MaxGradNorm, per: str) -> MaxGradNorm:
+    """``max_grad_norm`` as the plan, the engines and the checks all take it: as given ("group"),
+    or spelled out as one group per trainable tensor ("tensor", ``clip_bounds``).
+
+    Args:
+        model: whose trainable tensors, in ``named_parameters()`` order, get a bound each per tensor.
+        max_grad_norm, per: ``make_private``'s ``max_grad_norm`` and ``max_grad_norm_per``.
+
+    Returns:
+        C, pattern -> C_g, or (per tensor) tensor name -> C_i; None without clipping.
+    """
+    return clip_bounds(max_grad_norm, per, [name for name, p in model.named_parameters() if p.requires_grad])
 
 
 def _check_one_of(
@@ -209,7 +229,8 @@ def _chosen_engine(
                "precision": make_precision(precision)}  # fmt: skip
     # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
     if check and check_batch is not None:
-        chosen, notices, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
+        with options["precision"].matmul_flags():  # as at every step (full float32 unless tf32)
+            chosen, notices, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
         _tell(notices)
         return chosen, independence_check
     chosen, notice = make_engine(engine, max_grad_norm, model, **options)

@@ -1,0 +1,337 @@
+"""Per-tensor clipping (issue 42, row 2): ``max_grad_norm_per="tensor"``, Opacus' ``clipping="per_layer"``.
+
+The report's translation of Opacus' ``max_grad_norm=[0.5]*4 + [1.0]*4`` into ``{"conv*": 0.5,
+"fc*": 1.0}`` clips each pattern's tensors together (sensitivity 1.118); Opacus clips each tensor on
+its own (2.236). Here: every engine's per-tensor clipping equals a float64 per-example loop written
+in this file (Opacus' rule, each tensor on its own), each released tensor is <= its C_i with no
+tolerance, removing one example moves each tensor by at most C_i, the sensitivity and the noise
+through ``make_private`` are sqrt(sum_i C_i^2), the two forms differ, and a shadowed pattern says so.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpscale
+from dpscale.config import load_config
+from dpscale.errors import ConfigError
+from dpscale.privacy import ghost
+from dpscale.privacy.clipping import clip_bounds
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.precision import make_precision
+
+PATTERNS = {"conv*": 0.5, "fc*": 1.0}  # the report's translation
+OPACUS_LIST = [0.5] * 4 + [1.0] * 4  # Opacus' max_grad_norm, one per tensor in parameter order
+ENGINES = ["vmap", "bk", "ghost", "auto"]
+
+
+class ReportNet(nn.Module):
+    """The report's shape: 4 conv tensors (2 convolutions, weight and bias) and 4 fc tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 3, 3), nn.Conv2d(3, 4, 3)
+        self.fc1, self.fc2 = nn.Linear(4 * 4 * 4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv2(torch.tanh(self.conv1(x)))).flatten(1)
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
+def _net(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return ReportNet().to(dtype)
+
+
+def _batch(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 examples at scales 0.03 to 30: some tensors clipped, others not (checked where it matters)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 1, 8, 8, generator=generator, dtype=torch.float64)
+    x = x * torch.logspace(-1.5, 1.5, 8, dtype=torch.float64).view(-1, 1, 1, 1)
+    return x.to(dtype), torch.randint(0, 3, (8,), generator=generator)
+
+
+def _opacus_bounds(model: nn.Module) -> dict[str, float]:
+    """Opacus' list by position: the i-th trainable tensor (``model.parameters()`` order) gets the i-th C."""
+    return dict(zip((n for n, p in model.named_parameters() if p.requires_grad), OPACUS_LIST))
+
+
+def _float64_loop(model: nn.Module, batch, bounds: dict[str, float]) -> tuple[list[dict], list[dict]]:
+    """Each example alone: its gradient by autograd, each tensor clipped on its own by Opacus'
+    rule min(1, C_i / (||g_i|| + 1e-6)). Shares no code with the engines.
+
+    Returns:
+        (per example: tensor -> unclipped norm, per example: tensor -> clipped gradient).
+    """
+    params = dict(model.named_parameters())
+    x, y = batch
+    norms, clipped = [], []
+    for i in range(len(y)):
+        loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+        norms.append({n: float(g.norm()) for n, g in grads.items()})
+        clipped.append({n: min(1.0, bounds[n] / (norms[-1][n] + 1e-6)) * g for n, g in grads.items()})
+    return norms, clipped
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.double().norm())
+
+
+def test_the_opacus_list_in_parameter_order_is_the_patterns_per_tensor():
+    names = list(trainable_params(_net()))
+    assert clip_bounds(PATTERNS, "tensor", names) == _opacus_bounds(_net())
+    assert clip_bounds(PATTERNS, "group", names) == PATTERNS  # the default: today's meaning, unchanged
+    assert clip_bounds(0.5, "tensor", names) == {n: 0.5 for n in names}  # Opacus' [0.5] * 8
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_every_engine_clips_each_tensor_as_the_float64_loop_and_within_its_bound(engine_name):
+    model, batch = _net(), _batch()
+    bounds = _opacus_bounds(model)
+    norms, clipped = _float64_loop(model, batch, bounds)
+    pairs = [(i, n) for i in range(len(norms)) for n in bounds]
+    assert any(norms[i][n] > bounds[n] for i, n in pairs) and any(norms[i][n] < bounds[n] for i, n in pairs)
+    engine, notice = make_engine(engine_name, clip_bounds(PATTERNS, "tensor", list(bounds)), model)
+    assert notice is None and engine.name == ("bk" if engine_name == "auto" else engine_name)  # no fallback
+    params = trainable_params(model)
+    grad_sum, total = engine.per_example_clipped_sum(model, params, batch)
+    want_total = torch.tensor([math.sqrt(sum(v * v for v in e.values())) for e in norms], dtype=torch.float64)
+    torch.testing.assert_close(total, want_total, rtol=1e-7, atol=0.0)
+    for n in bounds:
+        torch.testing.assert_close(grad_sum[n], sum(c[n] for c in clipped), rtol=1e-7, atol=1e-12)
+    x, y = batch
+    for i in range(len(y)):  # each example alone: its release is its clipped gradient, tensor by tensor
+        alone, _ = engine.per_example_clipped_sum(model, params, (x[i : i + 1], y[i : i + 1]))
+        for n, bound in bounds.items():
+            torch.testing.assert_close(alone[n], clipped[i][n], rtol=1e-7, atol=1e-12)
+            assert _norm(alone[n]) <= bound, (engine_name, i, n, _norm(alone[n]) / bound)
+
+
+@pytest.mark.parametrize("engine_name", ["bk", "ghost"])  # the layer-split release (vmap's: the test above)
+def test_removing_one_example_moves_each_tensor_by_at_most_its_bound(engine_name):
+    model, (x, y) = _net(), _batch()
+    bounds = _opacus_bounds(model)
+    engine, _ = make_engine(engine_name, clip_bounds(PATTERNS, "tensor", list(bounds)), model)
+    params = trainable_params(model)
+    full, _ = engine.per_example_clipped_sum(model, params, (x, y))
+    sensitivity, reached = math.sqrt(sum(c * c for c in bounds.values())), 0.0
+    for i in range(len(y)):
+        keep = torch.arange(len(y)) != i
+        rest, _ = engine.per_example_clipped_sum(model, params, (x[keep], y[keep]))
+        moved = {n: _norm(full[n] - rest[n]) for n in bounds}
+        for n, bound in bounds.items():
+            assert moved[n] <= bound, (engine_name, i, n, moved[n] / bound)
+            reached = max(reached, moved[n] / bound)
+        assert math.sqrt(sum(m * m for m in moved.values())) <= sensitivity
+    assert reached > 0.99  # a clipped tensor's removal reaches its C_i
+
+
+@pytest.mark.parametrize("engine_name", ["bk", "ghost"])
+def test_an_overflowing_example_contributes_zero_to_every_tensor(engine_name):
+    """The adversarial input through the layer-split release: an example whose gradient is not
+    finite adds exactly nothing, as removing it would."""
+    model, (x, y) = _net(), _batch()
+    engine, _ = make_engine(engine_name, clip_bounds(PATTERNS, "tensor", list(trainable_params(model))), model)
+    x_bad = x.clone()
+    x_bad[4] = float("inf")
+    with_bad, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x_bad, y))
+    keep = torch.arange(len(y)) != 4
+    without, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x[keep], y[keep]))
+    assert not bool(torch.isfinite(norms[4]))
+    for n in without:
+        torch.testing.assert_close(with_bad[n], without[n], rtol=1e-12, atol=1e-15)
+
+
+class _ZeroInputNet(nn.Module):
+    """A 4000-input linear layer fed zeros (its weight's gradient is zero: its update is the noise
+    alone) before a second layer; 4 tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4000, 1), nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_make_private_adds_noise_of_std_sigma_times_the_root_sum_over_tensors():
+    """sqrt(sum_i C_i^2) over a.weight, a.bias, b.weight, b.bias = 0.707 (the same patterns per
+    group give sqrt(0.3^2 + 0.4^2) = 0.5, ~25 standard errors of this measurement away)."""
+    sensitivity = math.sqrt(2 * 0.3**2 + 2 * 0.4**2)  # computed here, not by the library
+    torch.manual_seed(0)
+    model = _ZeroInputNet()
+    sigma, batch = 3.0, 20
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), dataset_size=200, batch_size=batch,
+        max_grad_norm={"a.*": 0.3, "b.*": 0.4}, max_grad_norm_per="tensor", noise_multiplier=sigma, delta=1e-5,
+        steps=1, seed=5, check=False,  # the checks: test_every_engine_... (here the noise alone is measured)
+    )  # fmt: skip
+    assert mechanism.plan.sensitivity == pytest.approx(sensitivity, rel=1e-12)
+    assert mechanism.plan.noise_std == pytest.approx(sigma * sensitivity, rel=1e-12)
+    before = model.a.weight.detach().clone()
+    indices = mechanism.sample()
+    mechanism.step(torch.zeros(len(indices), 4000), torch.zeros(len(indices), dtype=torch.long))
+    measured = float((model.a.weight.detach() - before).std()) * batch / sigma
+    assert abs(measured - sensitivity) < 5 * sensitivity / math.sqrt(2 * 4000)
+    assert abs(measured - 0.5) > 20 * 0.5 / math.sqrt(2 * 4000)  # not the group form's noise
+
+
+def _plan(per: str | None):
+    model = _net()
+    options = {} if per is None else {"max_grad_norm_per": per}
+    return dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=1000, batch_size=10, max_grad_norm=PATTERNS,
+        noise_multiplier=2.0, delta=1e-5, steps=1, **options,
+    ).plan  # fmt: skip
+
+
+def test_the_reports_translation_differs_from_opacus_and_each_form_says_what_it_is():
+    group, default, tensor = _plan("group"), _plan(None), _plan("tensor")
+    assert default == group  # today's meaning stays the default
+    # today: each pattern's tensors clipped together, sqrt(0.5^2 + 1^2)
+    assert group.sensitivity == pytest.approx(math.sqrt(1.25))
+    assert group.noise_std == pytest.approx(2.0 * 1.118034, rel=1e-6)
+    assert "C per layer {conv*: 0.5, fc*: 1} (sensitivity 1.11803)" in group.describe()
+    # Opacus' per_layer: each of the 8 tensors on its own, sqrt(4 * 0.5^2 + 4 * 1^2)
+    assert tensor.sensitivity == pytest.approx(math.sqrt(5.0))
+    assert tensor.noise_std == pytest.approx(2.0 * 2.236068, rel=1e-6)
+    listed = ", ".join(f"{n}: {c:g}" for n, c in _opacus_bounds(_net()).items())
+    assert f"C per tensor {{{listed}}} (8 tensors, sensitivity 2.23607)" in tensor.describe()
+    # and they clip differently: the same batch gives other sums
+    model, batch = _net(), _batch()
+    names = list(trainable_params(model))
+    sums = [make_engine("vmap", clip_bounds(PATTERNS, per, names), model)[0].per_example_clipped_sum(
+        model, trainable_params(model), batch)[0] for per in ("group", "tensor")]  # fmt: skip
+    assert max(_norm(sums[0][n] - sums[1][n]) for n in names) > 1e-2
+
+
+def test_a_deep_models_header_counts_the_tensors_at_each_bound():
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(7)], nn.Linear(3, 2))  # 16 tensors
+    plan = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=1000, batch_size=10,
+        max_grad_norm={"7.*": 2.0, "*": 0.5}, max_grad_norm_per="tensor", noise_multiplier=1.0, delta=1e-5, steps=1,
+    ).plan  # fmt: skip
+    assert "C per tensor (16 tensors: 14 at 0.5, 2 at 2; sensitivity 3.39116)" in plan.describe()
+
+
+@pytest.mark.parametrize("per", [None, "tensor"])  # None: today's call (the default, "group")
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({"*": 1.0, "conv*": 0.5}, r"pattern 'conv\*' is shadowed by the earlier pattern '\*', which takes all 4 "
+                                   r"parameters it matches .*put specific ones first, a catch-all '\*' last"),
+        ({"conv*": 0.5, "conv1.*": 0.1, "*": 1.0}, r"pattern 'conv1\.\*' is shadowed by the earlier pattern 'conv\*'"),
+        ({"conv*": 0.5, "zz*": 1.0, "*": 1.0}, r"pattern 'zz\*' matches no trainable parameter"),
+    ],
+)  # fmt: skip
+def test_a_pattern_left_without_parameters_says_why_in_one_line(per, mapping, message):
+    model = _net()
+    options = {} if per is None else {"max_grad_norm_per": per}
+    with pytest.raises(ValueError, match=message) as caught:
+        dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=1000, batch_size=10,
+            max_grad_norm=mapping, noise_multiplier=1.0, delta=1e-5, steps=1, **options,
+        )  # fmt: skip
+    assert "\n" not in str(caught.value) and "match no trainable" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"max_grad_norm_per": "layer"}, r"max_grad_norm_per must be 'group' .* or 'tensor'"),
+     ({"max_grad_norm_per": "tensor", "max_grad_norm": None, "noise_multiplier": 0.0}, r"give max_grad_norm")],
+)  # fmt: skip
+def test_bad_max_grad_norm_per_is_one_line(options, message):
+    model = _net()
+    numbers = {"dataset_size": 1000, "batch_size": 10, "max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+    with pytest.raises(ValueError, match=message) as caught:
+        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, **{**numbers, **options})
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("dp.max_grad_norm_per=layer", r"dp\.max_grad_norm_per must be 'group'"),
+     ("dp.max_grad_norm_per=tensor", r"not available in config runs yet .*make_private")],
+)  # fmt: skip
+def test_the_config_key_is_validated_and_tensor_is_refused_not_ignored(override, message):
+    assert load_config(overrides=["dp.max_grad_norm_per=group"]).dp.max_grad_norm_per == "group"
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+# ------------------------------------------------------------------- the clip bound, float32
+
+
+@pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)
+@pytest.mark.parametrize("engine_name, precision", [("vmap", "fp32"), ("bk", "fp32"), ("ghost", "fp32"), ("bk", "bf16")])
+def test_each_tensor_releases_at_most_its_bound_in_float32(engine_name, precision):
+    model, (x, y) = _net(torch.float32), _batch(torch.float32)
+    bounds = {n: 1e-3 if n.startswith("conv") else 2e-3 for n in trainable_params(model)}
+    engine = make_engine(engine_name, bounds, model, precision=make_precision(precision))[0]
+    most = 0.0
+    for i in range(len(y)):
+        alone, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        for n, bound in bounds.items():
+            assert _norm(alone[n]) <= bound, (engine_name, precision, i, n, _norm(alone[n]) / bound)
+            most = max(most, _norm(alone[n]) / bound)
+    assert most > 0.99
+
+
+class _CancellingWithBias(nn.Module):
+    """Two positions whose weight gradients g a_0^T and -g a_1^T nearly cancel (as in
+    test_clip_bound.py), in a layer with a bias: per tensor, the weight is a group of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h[:, 0] - h[:, 1]
+
+
+@pytest.mark.parametrize("engine_name", ["bk", "ghost"])
+def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(monkeypatch, engine_name):
+    clip = 2.0**-16 * 100  # about 1/100 of these weight gradients' norms: each one is clipped
+
+    def worst(count: int) -> float:
+        most, generator = 0.0, torch.Generator().manual_seed(0)
+        for i in range(count):
+            torch.manual_seed(i)
+            model = _CancellingWithBias()
+            base = torch.randn(1, 16, generator=generator)
+            x = torch.stack([base, base.clone()], 1)
+            x[:, 1, :1] += base[:, :1] * 2.0**-16
+            y = torch.randint(0, 2, (1,), generator=generator)
+            engine = make_engine(engine_name, clip_bounds(clip, "tensor", ["lin.weight", "lin.bias"]), model)[0]
+            grad_sum, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x * 1e4, y))
+            most = max(most, _norm(grad_sum["lin.weight"]) / clip)
+            if most > 1.0:
+                break
+        return most
+
+    assert worst(40) <= 1.0  # the split weight keeps its slack: never above its C
+    no_slack = lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64)  # noqa: E731
+    monkeypatch.setattr(ghost, "release_slack", no_slack)
+    assert worst(40) > 1.0  # without it, a cancelling example lands above C
+
+
+# ------------------------------------------------------------------------------------- docs
+
+
+def test_the_opacus_table_and_clipping_doc_give_the_per_tensor_form():
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    row = next(line for line in (docs / "own-loop.md").read_text().splitlines() if "clipping=\"per_layer\"" in line)
+    assert 'max_grad_norm_per="tensor"' in row and "model.parameters()" in row
+    clipping = (docs / "clipping.md").read_text()
+    section = re.search(r"\n## Per-tensor norms.*?(?=\n## )", clipping, re.DOTALL)
+    assert section and "sqrt(sum_i C_i^2)" in section.group(0) and 'clipping="per_layer"' in section.group(0)
