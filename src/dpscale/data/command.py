@@ -29,7 +29,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     channels = 1 if listing.mode == "L" else 3
     print(
         f"wrote {len(listing.train_files)} training and {len(listing.test_files)} test images "
-        f"({channels}x{args.size}x{args.size} uint8, {len(listing.classes)} classes, test split: {listing.test_split}; "
+        f"({channels}x{args.size}x{args.size} {listing.dtype}, {len(listing.classes)} classes, test split: {listing.test_split}; "
         f"{len(listing.skipped)} skipped) to {manifest.parent} in {seconds:.1f} s ({total / seconds:.0f} images/s, "
         f"{workers} workers)"
     )
@@ -50,7 +50,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="prepare an image folder as memory-mapped shards, or verify prepared shards")
     commands = data.add_subparsers(dest="data_command", required=True)
     prepare = commands.add_parser(
-        "prepare", help="decode an image folder once into fixed-size uint8 shards (train with data.name=shards)"
+        "prepare", help="decode an image folder once into fixed-size shards (uint8; float32 for 16-bit images; train with data.name=shards)"
     )
     prepare.add_argument("src", help="image folder (root/train/<class>/*, optional root/test or root/val)")
     prepare.add_argument("dest", help="new directory for the shards and manifest.json")

@@ -67,6 +67,8 @@ class DatasetInfo:
         test_split: How the test set was obtained (``"official"`` or a description of the hold-out).
         skipped_files: Files that could not be read and were left out (``skip_corrupt``); N counts
             only the images trained on.
+        classes: Class names, label i is ``classes[i]`` (image folders and shards: the folder
+            names); empty when the source names none.
     """
 
     name: str
@@ -77,6 +79,7 @@ class DatasetInfo:
     source: str
     test_split: str
     skipped_files: tuple[str, ...] = ()  # unreadable files left out (data.skip_corrupt), with the reason
+    classes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,21 @@ def images_from_uint8(x_uint8: np.ndarray) -> torch.Tensor:
     """uint8 (N, C, H, W) -> contiguous float32 tensor in [0, 1]."""
     # astype copies into a fresh writable array, so torch.from_numpy neither warns nor aliases the file buffer.
     return torch.from_numpy(x_uint8.astype(np.float32)).div_(255.0).contiguous()
+
+
+def images_to_float(x: np.ndarray) -> torch.Tensor:
+    """Decoded (N, C, H, W) pixels (``folder.image_array``) -> contiguous float32 tensor in [0, 1].
+
+    Args:
+        x: uint8 pixels (divided by 255), or float32 ones already in [0, 1] (a set with samples
+            wider than 8 bits).
+
+    Returns:
+        A new tensor (never a view of ``x``, which may be a memory-mapped file).
+    """
+    if x.dtype == np.uint8:
+        return images_from_uint8(x)
+    return torch.from_numpy(np.array(x, dtype=np.float32)).contiguous()
 
 
 def _make(
@@ -251,11 +269,13 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
     return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt)
 
 
-def _decode_files(files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...]) -> torch.Tensor:
+def _decode_files(
+    files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...], dtype: str
+) -> torch.Tensor:
     """Decode image files (``folder.image_array``) into one float32 NCHW tensor in [0, 1]."""
     if not files:
         return torch.zeros((0, *shape))
-    return images_from_uint8(np.stack([image_array(p, mode, image_size) for p in files]))
+    return images_to_float(np.stack([image_array(p, mode, image_size, dtype) for p in files]))
 
 
 def load_image_folder(
@@ -281,13 +301,15 @@ def load_image_folder(
         workers: processes checking the files.
 
     Returns:
-        The dataset; 1 channel if every image is grayscale, else 3 (RGB, alpha dropped).
+        The dataset; 1 channel if every image is grayscale, else 3 (RGB, alpha dropped). Pixels
+        are value / 255 for 8-bit samples and value / the type's full scale for wider ones
+        (16-bit: 65535), computed in float (``folder.image_array``).
     """
     listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
-    x = _decode_files(listing.train_files, listing.mode, image_size, ())
-    xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]))
+    x = _decode_files(listing.train_files, listing.mode, image_size, (), listing.dtype)
+    xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]), listing.dtype)
     ds = _make("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt, listing.test_labels)
-    return replace(ds, info=replace(ds.info, skipped_files=listing.skipped))
+    return replace(ds, info=replace(ds.info, skipped_files=listing.skipped, classes=listing.classes))
 
 
 def load_npz(path: PathLike) -> ImageDataset:
@@ -325,11 +347,12 @@ def load_shards(path: PathLike) -> ImageDataset:
     manifest, train, test = open_shards(path)
 
     def decoded(split) -> torch.Tensor:
-        return images_from_uint8(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
+        return images_to_float(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
 
     ds = _make("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
                decoded(train), train.labels, decoded(test), test.labels)  # fmt: skip
-    return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ()))))
+    return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ())),
+                                    classes=tuple(manifest["classes"])))
 
 
 def _resize(ds: ImageDataset, size: int) -> ImageDataset:

@@ -1,7 +1,9 @@
 """Image folders: one listing (files, labels, split) shared by the in-memory and the streaming loader.
 
 Both loaders decode a file with :func:`image_array`, so an image streamed from disk is the same
-uint8 array, bit for bit, as the one the in-memory loader holds.
+array, bit for bit, as the one the in-memory loader holds: uint8 when every image has 8-bit
+samples, else float32 in [0, 1], each image scaled by the full scale of its own sample type
+(16-bit: value / 65535; ``formats.wide_samples`` has the rules).
 
 Layouts (classes are the sorted sub-folder names of the training split; label i is the i-th):
   * ``root/train/<class>/*`` with ``root/test/<class>/*`` or ``root/val/<class>/*`` (official split);
@@ -23,9 +25,19 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .formats import IMAGE_EXTENSIONS, MIN_CLASSES, DatasetError, read_image, require_two_classes
+from .formats import (
+    IMAGE_EXTENSIONS,
+    MIN_CLASSES,
+    DatasetError,
+    ImageFormatError,
+    WideSamples,
+    read_image_samples,
+    require_two_classes,
+    wide_pixels,
+    wide_samples,
+)
 
-GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
+GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
 
 
@@ -41,6 +53,8 @@ class FolderListing:
         test_split: "official" or how the test set was held out.
         mode: "L" when every image is grayscale, else "RGB" (alpha dropped).
         skipped: files left out because they could not be read (``skip_corrupt``), with the reason.
+        dtype: the decoded pixels' type: "uint8" when every image has 8-bit samples, else
+            "float32" (in [0, 1]; see :func:`image_array`).
     """
 
     root: Path
@@ -52,6 +66,7 @@ class FolderListing:
     test_split: str
     mode: str = "RGB"
     skipped: tuple[str, ...] = ()
+    dtype: str = "uint8"
 
 
 def _class_folders(split_dir: Path) -> list[str]:
@@ -132,22 +147,29 @@ def _test_split(root: Path, train_dir: Path, classes: list[str], val_labels: Pat
     return None
 
 
-def _header(path: Path) -> tuple[str, tuple[int, int]]:
-    """(mode, (width, height)) from the file's header alone (no pixel decoding)."""
+Header = tuple[str, tuple[int, int], bool]  # (mode, (width, height), samples wider than 8 bits)
+
+
+def _header(path: Path) -> Header:
+    """The file's :data:`Header` from its header alone (no pixel decoding)."""
     try:
         with Image.open(path) as img:
-            return img.mode, img.size
+            return img.mode, img.size, wide_samples(img, path) is not None
+    except DatasetError:
+        raise
     except (OSError, SyntaxError, ValueError) as e:
         raise DatasetError(f"could not read image {path}: {e}") from e
 
 
-def _check(path: Path, full: bool) -> tuple[str, tuple[int, int]] | str:
+def _check(path: Path, full: bool) -> Header | str:
     """The header of ``path`` (decoding every pixel when ``full``), or why it cannot be read."""
     try:
         if full:
-            img = read_image(path)
-            return img.mode, img.size
+            img, wide = read_image_samples(path)
+            return img.mode, img.size, wide is not None
         return _header(path)
+    except ImageFormatError:
+        raise  # not damaged: refused even with skip_corrupt
     except DatasetError as e:
         return str(e)
 
@@ -172,7 +194,7 @@ def decoder_pool(workers: int) -> ProcessPoolExecutor | _InProcess:
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
 
 
-def _check_all(files: list[Path], full: bool, workers: int) -> list[tuple[str, tuple[int, int]] | str]:
+def _check_all(files: list[Path], full: bool, workers: int) -> list[Header | str]:
     if workers <= 1 or len(files) < 512:
         return [_check(p, full) for p in files]
     with decoder_pool(workers) as pool:
@@ -189,8 +211,8 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
         raise DatasetError(f"{bad[0][1]} ({len(bad)} unreadable file(s) in {listing.root}; data.skip_corrupt=true leaves them out)")
     good = [(p, r) for p, r in zip(files, results) if not isinstance(r, str)]
     if image_size is None and good:
-        first, (_, size) = good[0]
-        for p, (_, other) in good:
+        first, (_, size, _) = good[0]
+        for p, (_, other, _) in good:
             if other != size:
                 raise DatasetError(
                     f"{p} is {other[0]}x{other[1]} but {first} is {size[0]}x{size[1]}; "
@@ -208,6 +230,7 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
         test_labels=listing.test_labels[test_keep],
         mode=mode,
         skipped=tuple(reason for _, reason in bad),
+        dtype="float32" if any(r[2] for _, r in good) else "uint8",
     )
 
 
@@ -289,13 +312,46 @@ def _hold_out(listing: FolderListing) -> FolderListing:
     )  # fmt: skip
 
 
-def image_array(path: Path, mode: str, image_size: int | None) -> np.ndarray:
-    """Decode one image file as a uint8 (C, H, W) array in ``mode``, resized (bilinear, aspect
-    ratio not kept) to ``image_size`` squared when given. Errors name the file."""
-    img = read_image(path).convert(mode)
+def image_array(path: Path, mode: str, image_size: int | None, dtype: str = "uint8") -> np.ndarray:
+    """Decode one image file as a (C, H, W) array in ``mode``, resized (bilinear, aspect ratio not
+    kept) to ``image_size`` squared when given. Errors name the file.
+
+    Args:
+        path: the image file.
+        mode: "L" (one channel) or "RGB" (three; a grayscale image's channel repeated).
+        image_size: the square side to resize to (None: as stored).
+        dtype: the listing's pixel type: "uint8" (0..255), or "float32" (in [0, 1]: an 8-bit image
+            as value / 255, a wider one as value / its type's full scale, resized in float).
+
+    Returns:
+        The C-contiguous array, of ``dtype``.
+    """
+    img, wide = read_image_samples(path)
+    if wide is None:
+        array = _eight_bit_array(img, mode, image_size)
+        return array if dtype == "uint8" else array.astype(np.float32) / np.float32(255)
+    if dtype != "float32":  # the listing read a header with 8-bit samples
+        raise ImageFormatError(f"{path} holds {wide.kind} samples but had 8-bit ones when its folder was listed: run again")
+    return _wide_array(img, wide, path, mode, image_size)
+
+
+def _eight_bit_array(img: Image.Image, mode: str, image_size: int | None) -> np.ndarray:
+    """An image of 8-bit samples as a uint8 (C, H, W) array (see :func:`image_array`)."""
+    img = img.convert(mode)
     if image_size is not None and img.size != (image_size, image_size):
         img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
     array = np.asarray(img, dtype=np.uint8)
     # C-contiguous: a stack of transposed views would keep the HWC memory order, and torch picks
     # other kernels (other rounding) for channels-last inputs
     return np.ascontiguousarray(array[None] if mode == "L" else array.transpose(2, 0, 1))
+
+
+def _wide_array(img: Image.Image, wide: WideSamples, path: Path, mode: str, image_size: int | None) -> np.ndarray:
+    """An image of samples wider than 8 bits as a float32 (C, H, W) array in [0, 1]: scaled
+    first, then resized in float (Pillow's mode F), so no precision is lost to 8 or 16 bits."""
+    x = wide_pixels(img, wide, path)
+    if image_size is not None and x.shape != (image_size, image_size):
+        resized = Image.fromarray(x).resize((image_size, image_size), Image.Resampling.BILINEAR)
+        # the filter's weights sum to 1 only up to rounding: keep the result inside [0, 1]
+        x = np.clip(np.asarray(resized, dtype=np.float32), 0, 1)
+    return np.ascontiguousarray(x[None] if mode == "L" else np.repeat(x[None], 3, axis=0))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import re
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,6 +29,11 @@ __all__ = [
     "read_idx_labels",
     "read_cifar_batch",
     "read_image",
+    "read_image_samples",
+    "wide_samples",
+    "wide_pixels",
+    "WideSamples",
+    "ImageFormatError",
     "read_npz",
     "images_to_nchw_float",
     "labels_to_int64",
@@ -209,6 +216,152 @@ def _check_label_range(y: np.ndarray, num_classes: int, path: Path) -> None:
         )
 
 
+class ImageFormatError(DatasetError):
+    """An image file that decodes but whose pixels dpscale cannot convert faithfully.
+
+    Refused even with ``skip_corrupt``: the file is not damaged, and leaving out every file of
+    its kind could drop whole classes unnoticed.
+    """
+
+
+@dataclass(frozen=True)
+class WideSamples:
+    """How to read an image whose samples are wider than 8 bits: ``value / full_scale``, in float.
+
+    Attributes:
+        kind: the stored sample type, for messages (e.g. "16-bit").
+        full_scale: the value read as 1.0: the type's maximum (a signed type's positive maximum).
+        unsigned32: Pillow holds unsigned 32-bit samples in a signed int32 (wrapped), so they are
+            read back as uint32.
+    """
+
+    kind: str
+    full_scale: float
+    unsigned32: bool = False
+
+
+# Integer samples Pillow widens to mode "I;16" or "I", by the decoder's raw mode. A signed type's
+# full scale is its positive maximum (scikit-image's img_as_float convention): 0 stays black.
+_WIDE_INTEGERS = {
+    **dict.fromkeys(("I;16", "I;16B", "I;16L", "I;16N", "I;16R"), WideSamples("16-bit", 65535.0)),
+    "I;12": WideSamples("12-bit", 4095.0),  # TIFF 12-bit: Pillow keeps the values 0..4095
+    **dict.fromkeys(("I;16S", "I;16BS"), WideSamples("signed 16-bit", 32767.0)),
+    **dict.fromkeys(("I;32", "I;32B", "I;32N"), WideSamples("unsigned 32-bit", 4294967295.0, unsigned32=True)),
+    **dict.fromkeys(("I;32S", "I;32BS"), WideSamples("signed 32-bit", 2147483647.0)),
+}
+FLOAT_SAMPLES = WideSamples("32-bit float", 1.0)  # float pixels are taken as they are: they must lie in [0, 1]
+# PGM with any maxval above 255: Pillow rescales the samples to 0..65535 (mode "I")
+_PGM_SAMPLES = WideSamples("16-bit", 65535.0)
+# Raw modes of colour (or grey + alpha) samples wider than 8 bits, which Pillow cuts to 8 bits
+# (BMP's "BGR;16" is 5-6-5 bits per pixel, not 16 per sample, and does not match)
+_WIDE_COLOUR = re.compile(r";16[BLN]$")
+
+
+def _decoder_args(img: Image.Image) -> tuple[str, int]:
+    """The raw mode the file's decoder was given and a PPM file's maxval (0 if none)."""
+    args = img.tile[0].args if img.tile else ""
+    if isinstance(args, str):
+        return args, 0
+    if not isinstance(args, tuple) or not args:
+        return "", 0
+    raw = args[0] if isinstance(args[0], str) else ""
+    # PPM's "ppm" decoder gets (raw mode, maxval) and rescales the samples to 8 bits (16 for grey)
+    maxval = args[1] if img.format == "PPM" and len(args) == 2 and isinstance(args[1], int) else 0
+    return raw, maxval
+
+
+def wide_samples(img: Image.Image, path: Path) -> WideSamples | None:
+    """How to read an opened image's samples; call before ``load()`` (it drops the raw mode).
+
+    Args:
+        img: the image, opened and not yet decoded.
+        path: its file (for error messages).
+
+    Returns:
+        None for samples of at most 8 bits (Pillow converts those to L or RGB); otherwise the
+        type and full scale the pixels are divided by.
+
+    Raises:
+        ImageFormatError: colour samples wider than 8 bits, or 32-bit integers of unknown range.
+    """
+    raw, maxval = _decoder_args(img)
+    if img.mode == "F":
+        return FLOAT_SAMPLES
+    if img.mode == "I" and img.format == "PPM":
+        return _PGM_SAMPLES
+    if img.mode == "I" or img.mode.startswith("I;16"):
+        if raw in _WIDE_INTEGERS:
+            return _WIDE_INTEGERS[raw]
+        if img.mode != "I":  # a 16-bit container: its type's range
+            return _WIDE_INTEGERS["I;16"]
+        raise ImageFormatError(
+            f"{path}: integer image (Pillow mode I, raw mode {raw or 'unknown'}) whose value range dpscale cannot tell; "
+            "save it as 8- or 16-bit grayscale PNG or TIFF"
+        )
+    if _WIDE_COLOUR.search(raw) or maxval > 255:
+        raise ImageFormatError(
+            f"{path}: {img.mode} image with more than 8 bits per sample (raw mode {raw}{f', maxval {maxval}' if maxval else ''}); "
+            f"Pillow reads {img.mode} at 8 bits and would drop the rest: save it as 16-bit grayscale (PNG or TIFF, no "
+            f"alpha) if it is grey, else as 8-bit {img.mode}"
+        )
+    return None
+
+
+def wide_pixels(img: Image.Image, wide: WideSamples, path: Path) -> np.ndarray:
+    """A wide-sample image's pixels as float32 in [0, 1]: value / full scale, computed in float64
+    (never through 8 bits).
+
+    Args:
+        img: the decoded single-channel image (mode I;16*, I or F).
+        wide: its sample type (:func:`wide_samples`).
+        path: its file (for error messages).
+
+    Returns:
+        A float32 (H, W) array.
+
+    Raises:
+        ImageFormatError: a pixel outside 0..full scale (a negative one of a signed type, a float
+            outside [0, 1]) or not finite.
+    """
+    raw = np.asarray(img)
+    if wide.unsigned32:
+        raw = raw.view(np.uint32)
+    values = raw.astype(np.float64) / wide.full_scale
+    finite = np.isfinite(values)
+    if finite.all() and (values.size == 0 or (values.min() >= 0 and values.max() <= 1)):
+        return values.astype(np.float32)
+    shown = raw[finite] if wide is FLOAT_SAMPLES else raw
+    span = f"{shown.min():g}..{shown.max():g}" if shown.size else "none finite"
+    odd = f" and {int((~finite).sum())} NaN or infinite" if not finite.all() else ""
+    if wide is FLOAT_SAMPLES:
+        rule = "float images must lie in [0, 1]: rescale it"
+    else:
+        scale = f"{wide.full_scale:.0f}"
+        rule = f"dpscale reads a {wide.kind} pixel as value / {scale}, so it must lie in 0..{scale}: shift or rescale it"
+    raise ImageFormatError(f"{path}: {wide.kind} image (mode {img.mode}) with pixels {span}{odd}; {rule}")
+
+
+def read_image_samples(path: Path) -> tuple[Image.Image, WideSamples | None]:
+    """Open and fully decode one image file.
+
+    Args:
+        path: The image file.
+
+    Returns:
+        The decoded PIL image, in its original mode (a palette image as RGBA), and how to read
+        its samples (:func:`wide_samples`).
+    """
+    try:
+        with Image.open(path) as img:
+            wide = wide_samples(img, path)
+            img.load()  # decode now, so a corrupt file fails here rather than later
+            return (img.copy() if img.mode != "P" else img.convert("RGBA")), wide
+    except DatasetError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise DatasetError(f"could not read image {path}: {e}") from e
+
+
 def read_image(path: Path) -> Image.Image:
     """Open and fully decode one image file.
 
@@ -218,12 +371,7 @@ def read_image(path: Path) -> Image.Image:
     Returns:
         The decoded PIL image, in its original mode.
     """
-    try:
-        with Image.open(path) as img:
-            img.load()  # decode now, so a corrupt file fails here rather than later
-            return img.copy() if img.mode != "P" else img.convert("RGBA")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise DatasetError(f"could not read image {path}: {e}") from e
+    return read_image_samples(path)[0]
 
 
 def read_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -284,8 +432,9 @@ def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
             raise DatasetError(f"{path}: integer {key} must hold pixels 0..255, found {x.min()}..{x.max()}")
         out = x.astype(np.float32) / np.float32(255)
     elif np.issubdtype(x.dtype, np.floating):
+        _require_finite(x, path, key)  # on the stored values: a huge float64 turns infinite in float32
         out = x.astype(np.float32)
-        if not np.isfinite(out).all() or out.min() < 0 or out.max() > 1:
+        if out.min() < 0 or out.max() > 1:
             raise DatasetError(
                 f"{path}: float {key} must lie in [0, 1], found {out.min()}..{out.max()} "
                 "(store uint8 0..255 or divide by 255 first)"
@@ -293,6 +442,30 @@ def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
     else:
         raise DatasetError(f"{path}: {key} has dtype {x.dtype}; expected uint8 or float")
     return np.ascontiguousarray(out)
+
+
+def _require_finite(x: np.ndarray, path: Path, key: str) -> None:
+    """Refuse NaN or infinite pixels, counting them and naming the first image holding one.
+
+    Args:
+        x: float images, one per index of the first axis.
+        path: File the array came from (for error messages).
+        key: Array name (for error messages).
+
+    Raises:
+        DatasetError: e.g. "d.npz: 1 NaN pixel in x_train[17]; ...".
+    """
+    finite = np.isfinite(x)
+    if finite.all():
+        return
+    nan = int(np.isnan(x).sum())
+    counts = [f"{n} {what} pixel{'s' if n > 1 else ''}" for n, what in ((nan, "NaN"), (int((~finite).sum()) - nan, "infinite")) if n]
+    images = np.flatnonzero(~finite.reshape(len(x), -1).all(axis=1))
+    where = f"{key}[{images[0]}]" if len(images) == 1 else f"{len(images)} images of {key}, the first {key}[{images[0]}]"
+    raise DatasetError(
+        f"{path}: {' and '.join(counts)} in {where}; pixels must be finite numbers in [0, 1]: "
+        f"fix or drop {'that image' if len(images) == 1 else 'those images'}"
+    )
 
 
 def labels_to_int64(y: np.ndarray, path: Path, key: str) -> np.ndarray:

@@ -14,6 +14,7 @@ import torch
 from dpscale.config import Config
 from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset, dataset_fingerprint, load_dataset
+from dpscale.data.labels import check_labels, labels_line
 from dpscale.data.stream import StreamedData, default_workers, materialize, open_stream
 from dpscale.data.subsets import random_classes, select as select_classes
 
@@ -58,7 +59,25 @@ def open_training_data(
     config: Config, device: torch.device, log: Callable[[str], Any] = print
 ) -> ImageDataset | StreamedData:
     """The run's data: in memory, or streamed from disk (data.loader; "auto" streams when the
-    decoded float32 training and test sets would take more than a quarter of physical memory)."""
+    decoded float32 training and test sets would take more than a quarter of physical memory).
+
+    Args:
+        config: the run's config.
+        device: where in-memory data goes.
+        log: prints a line of the run's report (here: the labels of each split).
+
+    Returns:
+        The data, its ``info.num_classes`` checked against its labels (``data.labels``).
+    """
+    data = _open_data(config, device, log)
+    y_train, y_test = data.y_train.cpu().numpy(), data.y_test.cpu().numpy()
+    classes = check_labels(y_train, y_test, data.info.num_classes, config.data.num_classes, data.info.source)
+    log(labels_line(y_train, y_test, classes))
+    return data if classes == data.info.num_classes else replace(data, info=replace(data.info, num_classes=classes))
+
+
+def _open_data(config: Config, device: torch.device, log: Callable[[str], Any]) -> ImageDataset | StreamedData:
+    """The run's data as ``data.loader`` says (:func:`open_training_data`), labels unchecked."""
     cfg = config.data
     if cfg.loader == "auto" and cfg.name in ("imagefolder", "shards") and cfg.root is not None:
         streamed = _open_stream(config)

@@ -1,9 +1,11 @@
-"""Prepared shards: decoded, fixed-size uint8 images in ``.npy`` files read by memory mapping.
+"""Prepared shards: decoded, fixed-size images in ``.npy`` files read by memory mapping.
 
 ``dpscale data prepare SRC DEST --size S`` decodes an image folder once (``folder.image_array``:
 the pixels the folder loaders would produce) into ``DEST/<split>-NNNNN.npy`` arrays of shape
 (count, C, S, S) plus ``<split>-labels.npy`` and a ``manifest.json`` holding the classes, the split,
-the counts and each file's SHA-256. Reading an example is then a slice of a memory map: no decoding.
+the counts, the pixel type and each file's SHA-256. Reading an example is then a slice of a memory
+map: no decoding. The pixels are uint8, or float32 in [0, 1] when the folder holds images with
+samples wider than 8 bits (16-bit PNGs); a manifest without ``dtype`` is uint8.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ FORMAT = "dpscale-shards"
 VERSION = 1
 SHARD_BYTES = 1 << 30  # about 1 GiB of pixels per shard file
 VERIFY_LIMIT_BYTES = 4 << 30  # opening checks every checksum of a set up to this size (else sizes only)
+DTYPES = ("uint8", "float32")  # the pixel types image_array produces
 
 
 def _sha256(path: Path) -> str:
@@ -35,26 +38,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _decode_chunk(args: tuple[list[Path], str, int]) -> np.ndarray:
-    files, mode, size = args
-    return np.stack([image_array(p, mode, size) for p in files])
+def _decode_chunk(args: tuple[list[Path], str, int, str]) -> np.ndarray:
+    files, mode, size, dtype = args
+    return np.stack([image_array(p, mode, size, dtype) for p in files])
 
 
 def _write_split(
-    dest: Path, split: str, files: tuple[Path, ...], labels: np.ndarray, mode: str, size: int, workers: int,
+    dest: Path, split: str, files: tuple[Path, ...], labels: np.ndarray, listing: FolderListing, size: int, workers: int,
     progress: Callable[[int], None],
 ) -> dict:
-    """Decode ``files`` into shard files of ``split``; returns its manifest entry."""
+    """Decode ``files`` (of ``listing``) into shard files of ``split``; returns its manifest entry."""
+    mode, dtype = listing.mode, listing.dtype
     channels = 1 if mode == "L" else 3
-    per_shard = max(1, SHARD_BYTES // (channels * size * size))
+    per_shard = max(1, SHARD_BYTES // (channels * size * size * np.dtype(dtype).itemsize))
     batch = 256
     shards = []
     with decoder_pool(workers) as pool:
         for first in range(0, max(len(files), 1), per_shard):
             part = files[first : first + per_shard]
             name = f"{split}-{len(shards):05d}.npy"
-            array = np.lib.format.open_memmap(dest / name, mode="w+", dtype=np.uint8, shape=(len(part), channels, size, size))
-            jobs = [(list(part[i : i + batch]), mode, size) for i in range(0, len(part), batch)]
+            array = np.lib.format.open_memmap(dest / name, mode="w+", dtype=dtype, shape=(len(part), channels, size, size))
+            jobs = [(list(part[i : i + batch]), mode, size, dtype) for i in range(0, len(part), batch)]
             for i, decoded in zip(range(0, len(part), batch), pool.map(_decode_chunk, jobs)):
                 array[i : i + len(decoded)] = decoded
                 progress(len(decoded))
@@ -88,13 +92,14 @@ def prepare_shards(
         raise DatasetError(f"--size must be positive, got {size}")
     dest.mkdir(parents=True, exist_ok=True)
     splits = {
-        split: _write_split(dest, split, files, labels, listing.mode, size, workers, progress)
+        split: _write_split(dest, split, files, labels, listing, size, workers, progress)
         for split, files, labels in (
             ("train", listing.train_files, listing.train_labels), ("test", listing.test_files, listing.test_labels)
         )
     }  # fmt: skip
     manifest = {
         "format": FORMAT, "version": VERSION, "image_shape": [1 if listing.mode == "L" else 3, size, size],
+        "dtype": listing.dtype,
         "classes": list(listing.classes), "source": str(listing.root), "test_split": listing.test_split,
         "skipped_files": list(listing.skipped), "splits": splits,
     }  # fmt: skip
@@ -117,7 +122,7 @@ class ShardSplit:
         return len(self.labels)
 
     def read(self, index: int) -> np.ndarray:
-        """Image ``index`` as a uint8 (C, H, W) array (a copy: the map stays read-only)."""
+        """Image ``index`` as a (C, H, W) array of the set's dtype (a copy: the map stays read-only)."""
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         return np.array(self.arrays[shard][index - self.starts[shard]])
 
@@ -141,10 +146,13 @@ def _read_manifest(dest: Path) -> dict:
     for key in ("image_shape", "classes", "splits"):
         if key not in manifest:
             raise _bad(dest, f"manifest has no {key!r}")
+    if manifest.setdefault("dtype", "uint8") not in DTYPES:  # written before float sets existed: uint8
+        raise _bad(dest, f"manifest dtype {manifest['dtype']!r} is none of {', '.join(DTYPES)}")
     return manifest
 
 
-def _open_split(dest: Path, split: str, entry: dict, shape: tuple[int, ...], classes: int, verify: bool) -> ShardSplit:
+def _open_split(dest: Path, split: str, entry: dict, manifest: dict, verify: bool) -> ShardSplit:
+    shape, classes, dtype = tuple(int(d) for d in manifest["image_shape"]), len(manifest["classes"]), manifest["dtype"]
     try:
         labels_path, shards = dest / entry["labels"], entry["shards"]
         names = [s["file"] for s in shards]
@@ -168,8 +176,8 @@ def _open_split(dest: Path, split: str, entry: dict, shape: tuple[int, ...], cla
             array = np.load(dest / name, mmap_mode="r")
         except ValueError as e:
             raise _bad(dest, f"{name} is not a readable .npy file ({e})") from e
-        if array.dtype != np.uint8 or array.shape != (count, *shape):
-            raise _bad(dest, f"{name} is {array.dtype} {array.shape}, the manifest says uint8 {(count, *shape)}")
+        if array.dtype != np.dtype(dtype) or array.shape != (count, *shape):
+            raise _bad(dest, f"{name} is {array.dtype} {array.shape}, the manifest says {dtype} {(count, *shape)}")
         arrays.append(array)
     return ShardSplit(labels.astype(np.int64), tuple(arrays), np.cumsum([0, *counts[:-1]], dtype=np.int64))
 
@@ -192,10 +200,9 @@ def open_shards(dest: str | os.PathLike, verify: bool | None = None) -> tuple[di
     if not isinstance(splits, dict) or set(splits) != {"train", "test"}:
         raise _bad(dest, "manifest splits must be exactly 'train' and 'test'")
     if verify is None:
-        total = sum(int(s.get("count", 0)) for s in splits.values()) * int(np.prod(shape))
+        total = sum(int(s.get("count", 0)) for s in splits.values()) * int(np.prod(shape)) * np.dtype(manifest["dtype"]).itemsize
         verify = total <= VERIFY_LIMIT_BYTES
-    classes = len(manifest["classes"])
-    train, test = (_open_split(dest, name, splits[name], shape, classes, verify) for name in ("train", "test"))
+    train, test = (_open_split(dest, name, splits[name], manifest, verify) for name in ("train", "test"))
     if len(train) == 0:
         raise _bad(dest, "no training images")
     # not _bad: preparing again cannot add a class

@@ -3,9 +3,10 @@
 The Poisson (or shuffle) sampler draws a logical batch's indices exactly as for an in-memory
 dataset; the indices are split into physical chunks, and a ``torch.utils.data.DataLoader`` with
 ``workers`` processes reads each chunk (decoding JPEGs, or slicing memory-mapped shards) while
-the device trains on earlier ones. Workers return uint8 pixels; the conversion to float (and any
-augmentation) happens in the training process, in training order, so a streamed run sees the
-same chunks, pixels and views as the in-memory run of the same seed.
+the device trains on earlier ones. Workers return the decoded pixels (uint8, or float32 for a set
+with samples wider than 8 bits); the conversion to float (and any augmentation) happens in the
+training process, in training order, so a streamed run sees the same chunks, pixels and views as
+the in-memory run of the same seed.
 
 The loader asks for chunks ahead of training, so the sampler draws logical batches ahead too;
 :class:`StreamFeed` remembers the sampler's state before each draw, and a checkpoint stores the
@@ -35,7 +36,7 @@ class ImageSource(Protocol):
     def __len__(self) -> int: ...
 
     def read(self, index: int) -> np.ndarray:
-        """Example ``index`` as a uint8 (C, H, W) array."""
+        """Example ``index`` as a (C, H, W) array (uint8, or float32 in [0, 1])."""
         ...
 
 
@@ -47,12 +48,13 @@ class FolderSource:
     labels: np.ndarray
     mode: str
     image_size: int | None
+    dtype: str = "uint8"
 
     def __len__(self) -> int:
         return len(self.files)
 
     def read(self, index: int) -> np.ndarray:
-        return image_array(self.files[index], self.mode, self.image_size)
+        return image_array(self.files[index], self.mode, self.image_size, self.dtype)
 
 
 def default_workers() -> int:
@@ -61,9 +63,10 @@ def default_workers() -> int:
 
 
 def to_model_input(x: torch.Tensor, normalize: bool) -> torch.Tensor:
-    """uint8 pixels -> float32 in [0, 1] (or [-1, 1] with ``normalize``), by the same operations
-    as the in-memory loaders, so both give the same floats bit for bit."""
-    x = x.float().div_(255.0)
+    """Decoded pixels -> float32 in [0, 1] (or [-1, 1] with ``normalize``), by the same operations
+    as the in-memory loaders, so both give the same floats bit for bit: uint8 divided by 255,
+    float32 (already in [0, 1]) as it is."""
+    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
     return (x - 0.5) / 0.5 if normalize else x
 
 
@@ -247,24 +250,24 @@ def open_stream(
         from .folder import list_image_folder
 
         listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
-        train = FolderSource(listing.train_files, listing.train_labels, listing.mode, image_size)
-        test = FolderSource(listing.test_files, listing.test_labels, listing.mode, image_size)
+        train = FolderSource(listing.train_files, listing.train_labels, listing.mode, image_size, listing.dtype)
+        test = FolderSource(listing.test_files, listing.test_labels, listing.mode, image_size, listing.dtype)
         classes, source, split, skipped = listing.classes, str(listing.root), listing.test_split, listing.skipped
     else:
         raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
     shape = tuple(int(d) for d in train.read(0).shape)
-    info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped)  # type: ignore[arg-type]
+    info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes))  # type: ignore[arg-type]
     return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape))
 
 
 def materialize(data: StreamedData) -> "ImageDataset":
     """The streamed dataset decoded into memory: the pixels, labels and info the in-memory loaders
     give for the same folder or shards (the same ``read`` per example, the same float conversion)."""
-    from .datasets import ImageDataset, images_from_uint8
+    from .datasets import ImageDataset, images_to_float
 
     def decode(source: ImageSource) -> torch.Tensor:
         if not len(source):
             return torch.zeros((0, *data.info.input_shape))
-        return images_from_uint8(np.stack([source.read(i) for i in range(len(source))]))
+        return images_to_float(np.stack([source.read(i) for i in range(len(source))]))
 
     return ImageDataset(decode(data.train), data.y_train.clone(), decode(data.test), data.y_test.clone(), data.info)

@@ -88,7 +88,10 @@ def select(
     else:
         require_two_classes(table[kept].numpy(), f"data.meta_classes={meta_classes}")
     out_classes = meta_classes if meta_classes is not None else len(chosen)
-    info = replace(data.info, num_train=len(train), num_test=len(test), num_classes=out_classes)
+    names = data.info.classes and tuple(  # a meta-class is named by its members
+        "+".join(data.info.classes[c] for c in chosen if relabel[c] == label) for label in range(out_classes)
+    )
+    info = replace(data.info, num_train=len(train), num_test=len(test), num_classes=out_classes, classes=names)
     return ImageDataset(
         data.x_train[train.to(data.x_train.device)], table[data.y_train.cpu()[train]].to(data.y_train.device),
         data.x_test[test.to(data.x_test.device)], table[data.y_test.cpu()[test]].to(data.y_test.device), info,
