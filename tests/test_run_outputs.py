@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dpscale.cli import main
+from dpscale.export import card_path
 from dpscale.runs import read_metrics
 
 STEPS = 20
@@ -142,7 +143,7 @@ def test_an_export_reproduces_the_run_test_accuracy_in_a_fresh_process(run_dir, 
     assert metadata["privacy"]["epsilon"] == summary["epsilon"] and metadata["privacy"]["delta"] == summary["delta"]
     assert metadata["test_accuracy"] == summary["test_accuracy"] and metadata["model"]["name"] == "papernot-cnn"
     assert metadata["privacy"]["accountant"] == summary["accountant"] and "guarantee_caveats" in metadata["privacy"]
-    card = (path.parent / "MODEL_CARD.md").read_text()
+    card = card_path(path).read_text()  # its own card, beside it
     assert f"{summary['epsilon']}" in card and "papernot-cnn" in card
 
 
@@ -248,7 +249,7 @@ def test_a_scatternet_run_exports_features_and_head_with_the_run_accuracy(tmp_pa
     assert accuracy == summary["test_accuracy"]
     assert metadata["features"]["normalize"] == normalize and metadata["input"]["shape"] == [1, 28, 28]
     assert metadata["features"]["center"] is center and ("feature-mean" in (summary["epsilon_parts"] or {})) is center
-    assert ("mean feature vector" in (tmp_path / "MODEL_CARD.md").read_text()) is center
+    assert ("mean feature vector" in card_path(tmp_path / "m.safetensors").read_text()) is center
     assert main(["export", str(run_dir), "--format", "torchscript", "--out", str(tmp_path / "m.pt")]) == 2
 
 

@@ -1,6 +1,6 @@
 """dpscale: fast DP-SGD training of image classifiers with honest privacy accounting."""
 
-__version__ = "0.1.0"
+from dpscale._version import __version__
 
 __all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private"]
 

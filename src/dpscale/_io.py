@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dpscale._version import __version__
 from dpscale.checkpoint_format import CHECKPOINT_FORMAT, MIGRATED_FORMATS, migrate
 from dpscale.errors import UserError
 
@@ -32,6 +33,9 @@ PRIVATE_DIR_MODE = 0o700
 CHECKSUM_MARK = b"\nDPSCALE-SHA256:"
 CHECKSUM_TRAILER_BYTES = len(CHECKSUM_MARK) + 64 + 1
 CHECKSUMMED_KEY = "sha256_trailer"  # in the payload: a file that has it but no intact trailer is damaged
+# The dpscale version that wrote a file (torch files, summary.json): a reader of an older version
+# can name the release that reads a newer format.
+VERSION_KEY = "dpscale_version"
 
 
 class DamagedFileError(UserError, ValueError):
@@ -123,7 +127,7 @@ def append_private_text(path: Path, text: str) -> None:
 
 def save_torch_file(path: Path, state: dict[str, Any], file_format: int, keep_previous: str | None = None) -> None:
     """Serialise ``state`` (tensors, dicts, numbers) with ``torch.save``, tagged with
-    ``file_format``, checksummed (a SHA-256 trailer), and write it atomically.
+    ``file_format`` and this dpscale's version, checksummed (a SHA-256 trailer), and write it atomically.
 
     Args:
         keep_previous: a file name in the same directory: the file being replaced is kept
@@ -131,7 +135,8 @@ def save_torch_file(path: Path, state: dict[str, Any], file_format: int, keep_pr
     """
     path = Path(path)
     buffer = io.BytesIO()
-    torch.save({"format": file_format, CHECKSUMMED_KEY: True, **state}, buffer)
+    # The version last: a state loaded from an older file and saved again is this version's file.
+    torch.save({"format": file_format, CHECKSUMMED_KEY: True, **state, VERSION_KEY: __version__}, buffer)
     # getbuffer(), not getvalue(): no second in-memory copy of what may be gigabytes.
     digest = hashlib.sha256(buffer.getbuffer()).hexdigest().encode()
     buffer.write(CHECKSUM_MARK + digest + b"\n")
@@ -183,10 +188,32 @@ def load_torch_file(path: Path, file_format: int, what: str, older: tuple[int, .
         except Exception as err:  # torch raises several types for corrupt files
             raise DamagedFileError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or state.get("format") not in (file_format, *older):
-        raise ForeignFileError(f"{path} is not a dpscale {what} (format {file_format})")
+        raise ForeignFileError(_unreadable_format(path, what, state, file_format))
     if state.pop(CHECKSUMMED_KEY, False) and checked is None:  # written with a trailer that is gone
         raise DamagedFileError(damaged)
     return state
+
+
+def _unreadable_format(path: Path, what: str, state: Any, file_format: int) -> str:
+    """Why a loaded file is refused: written by a newer dpscale (naming its version where it
+    was recorded), or not a dpscale ``what`` at all (another program's, or an unknown format).
+
+    Args:
+        path: the file.
+        what: the kind of file asked for ("checkpoint", "feature cache").
+        state: what ``torch.load`` returned.
+        file_format: the newest format of ``what`` this code reads.
+
+    Returns:
+        the one-line message.
+    """
+    found = state.get("format") if isinstance(state, dict) else None
+    if isinstance(found, int) and not isinstance(found, bool) and found > file_format:
+        version = state.get(VERSION_KEY)
+        writer = f"version {version}, format {found}" if isinstance(version, str) else f"format {found}"
+        return (f"{path}: {what} written by a newer dpscale ({writer}); this is dpscale {__version__} "
+                f"reading {what} format {file_format} or older: upgrade dpscale")  # fmt: skip
+    return f"{path} is not a dpscale {what} (format {file_format})"
 
 
 def _check_trailer(f: Any) -> bool | None:

@@ -12,6 +12,8 @@ Format 2 (this one)::
     window                               train-loss sum, examples, non-finite examples since the
                                          last evaluation
     augtest_seed, data_fingerprint, feature_norm, model_init, config, config_changes
+    dpscale_version                      the dpscale that wrote it (every torch file has it, from
+                                         0.1.0 on; a reader refuses a newer format naming it)
 
 Format 1 kept plan, accountant and noise generator at the top level (written by the Trainer
 itself, not by the mechanism); its oldest files had no ``rank_streams`` (one process: ``sampler``

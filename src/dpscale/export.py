@@ -2,23 +2,34 @@
 
 The file holds the weights only (no optimizer, RNG or accountant state), LoRA adapters merged,
 wrapped so that it takes float32 images in [0, 1] (the run's normalisation inside), and the
-metadata of ``dpscale.exported`` (model, input, classes, test accuracy, privacy statement).
-A ``MODEL_CARD.md`` beside it says the same for people. Load with ``dpscale.exported``.
+metadata of ``dpscale.exported`` (model, input, class names, test accuracy, privacy statement,
+the step exported and the dpscale version). A card beside it, ``<file name>.card.md``, says the
+same for people: one card per exported file. Nothing shipped names a local path (the run
+directory, the data root, the home directory): those stay in the run directory's config.yaml.
+
+A run still training (its lock held) or one that stopped before its planned steps is refused
+unless ``allow_partial``; its card then says which step of how many it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
+import logging
+import os
+import re
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+import dpscale
 from dpscale._io import atomic_write_bytes, atomic_write_text
 from dpscale.errors import ConfigError
 from dpscale.choices import EXPORT_FORMATS
@@ -31,48 +42,173 @@ from dpscale.exported import (
     ScatterNetFeatures,
 )
 from dpscale.models.peft import merge_lora
+from dpscale.runs import LOCK_NAME, NotARunDirectory, holds_checkpoint, is_run_dir, read_run
 from dpscale.train.metrics import json_safe
 
+try:  # POSIX; elsewhere a run directory is not locked (dpscale.train.rundir.RunLock)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 EXPORT_FOLDER = "export"  # default place inside the run directory
-CARD_NAME = "MODEL_CARD.md"
+CARD_SUFFIX = ".card.md"  # model.safetensors -> model.safetensors.card.md: one card per file, every format its own
 
 
 @dataclass(frozen=True)
 class Exported:
-    """Attributes: path: the model file; card: MODEL_CARD.md; metadata: what the file carries."""
+    """Attributes: path: the model file; card: its card (``<file name>.card.md``); metadata: what the file carries."""
 
     path: Path
     card: Path
     metadata: dict[str, Any]
 
 
-def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema: bool = False) -> Exported:
-    """Write the model of the run in ``run_dir`` as ``fmt`` (safetensors, torchscript, onnx).
+def card_path(path: str | Path) -> Path:
+    """The card of the exported file ``path``, beside it.
 
     Args:
+        path: the model file.
+
+    Returns:
+        ``<path>.card.md``.
+    """
+    path = Path(path)
+    return path.with_name(path.name + CARD_SUFFIX)
+
+
+def export_run(
+    run_dir: str | Path, fmt: str, out: str | Path | None = None, ema: bool = False, allow_partial: bool = False
+) -> Exported:
+    """Write the model of the run in ``run_dir`` as ``fmt`` (safetensors, torchscript, onnx), and its card.
+
+    Args:
+        run_dir: the run directory.
+        fmt: one of ``EXPORT_FORMATS``.
         out: the file to write (default: ``run_dir/export/model<suffix>``, EMA: ``model-ema<suffix>``).
         ema: the EMA weights instead of the raw model's (``train.ema_decay`` runs).
+        allow_partial: export a run that is still training or stopped before its planned steps
+            (its newest checkpoint; the card says "partial: step S of T").
+
+    Returns:
+        The file, its card and its metadata.
 
     Raises:
-        ConfigError: an unknown format, no EMA model with ``ema``, a feature-extractor run, a
-            missing package (safetensors, onnx).
+        ConfigError: an unknown format; no run, or no checkpoint, in ``run_dir``; a run still
+            training or unfinished without ``allow_partial``; no EMA model with ``ema``; a
+            feature-extractor run; a missing package (safetensors, onnx).
     """
     from dpscale.train.loop import Trainer
 
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
+    holder = check_exportable(Path(run_dir), allow_partial)  # before the data is loaded: a refusal is quick
     trainer = Trainer.load(run_dir, progress=False)
     model = _exportable_model(trainer, ema)
-    metadata = _metadata(trainer, model, fmt, ema)  # evaluated on the run's device, as the run did
+    metadata = _metadata(trainer, model, fmt, ema, training=holder is not None)  # evaluated on the run's device
     features = _feature_stage(trainer, metadata)
+    metadata = _without_local_paths(metadata, _local_paths(trainer))
     model = model.float().cpu()
     path = Path(out) if out is not None else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     wrapped = ImagesInUnitRange(model if features is None else nn.Sequential(features, model), trainer.config.data.normalize)
     _WRITERS[fmt](wrapped.eval(), metadata, path)
-    card = path.parent / CARD_NAME
+    card = card_path(path)
     atomic_write_text(card, model_card(metadata, path))
     return Exported(path, card, metadata)
+
+
+def check_exportable(run_dir: Path, allow_partial: bool) -> str | None:
+    """Refuse what is no finished run: no run, no checkpoint yet, a run still training, one that
+    stopped before its planned steps (the last two unless ``allow_partial``).
+
+    Args:
+        run_dir: the run directory.
+        allow_partial: let a run still training or unfinished through.
+
+    Returns:
+        The process training in ``run_dir`` as its lock names it, or None when none is.
+
+    Raises:
+        ConfigError (NotARunDirectory for no run): one line naming the run, its lock holder and its step.
+    """
+    if not is_run_dir(run_dir):
+        raise NotARunDirectory(f"{run_dir} is not a dpscale run directory (no config.yaml)")
+    holder = training_holder(run_dir)
+    training = f"{run_dir} is still training ({holder})" if holder else None
+    if not holds_checkpoint(run_dir):
+        raise ConfigError(
+            f"{training} and has no checkpoint yet: nothing to export; wait for its first checkpoint"
+            if training else
+            f"{run_dir} holds a run that stopped before its first checkpoint: nothing to export; continue it "
+            f"with `dpscale train --resume {run_dir}`"
+        )  # fmt: skip
+    if allow_partial:
+        return holder
+    step, planned = _progress(run_dir)
+    if training:
+        raise ConfigError(f"{training}: its newest checkpoint is step {step} of {planned}; wait for the run to "
+                          f"finish, or {_PARTIAL_HINT}")  # fmt: skip
+    if step < planned:
+        raise ConfigError(f"{run_dir} stopped at step {step} of {planned} (not finished); finish it with "
+                          f"`dpscale train --resume {run_dir}`, or {_PARTIAL_HINT}")  # fmt: skip
+    return None
+
+
+_PARTIAL_HINT = "export that checkpoint as it stands with --allow-partial (its card then says so)"
+
+
+def training_holder(run_dir: Path) -> str | None:
+    """The process training in ``run_dir`` now, as its lock file names it ("pid P on HOST since T"),
+    or None. The flock tells, not the file: a run killed mid-training leaves a lock file that no
+    process holds, and that does not count.
+
+    Args:
+        run_dir: the run directory.
+
+    Returns:
+        The holder's note, or None when no live process holds the lock.
+    """
+    from dpscale.train.rundir import _named_holder  # the one reader of the holder's note
+
+    if fcntl is None:  # pragma: no cover - Windows: runs are not locked there
+        return None
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        # Shared, non-blocking and at once released: a trainer that starts in these microseconds
+        # is the only one that could be refused because of it.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _named_holder(fd)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _progress(run_dir: Path) -> tuple[int, int]:
+    """(step of the newest checkpoint, planned steps S), read without loading the data."""
+    _, state = read_run(run_dir)
+    return int(state["step"]), int(state["mechanism"]["plan"]["steps"])
+
+
+def partial_note(metadata: dict[str, Any]) -> str | None:
+    """"partial: step S of T" for an export of a run short of its planned steps, else None.
+
+    Args:
+        metadata: an export's metadata.
+
+    Returns:
+        The note (the card's and the command's), or None for a finished run's export.
+    """
+    if not metadata.get("partial"):
+        return None
+    when = "while the run was still training" if metadata["exported_while_training"] else "after the run stopped"
+    return (f"partial: step {metadata['step']} of {metadata['planned_steps']} (exported with --allow-partial "
+            f"{when}; accuracy and epsilon are those of step {metadata['step']})")  # fmt: skip
 
 
 def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
@@ -96,16 +232,28 @@ def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
     return merge_lora(copy.deepcopy(source)).eval()
 
 
-def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool) -> dict[str, Any]:
-    """The metadata every format carries (``dpscale.exported``)."""
+def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool, training: bool) -> dict[str, Any]:
+    """The metadata every format carries (``dpscale.exported``).
+
+    Args:
+        trainer: the run, loaded at its newest checkpoint.
+        model: the weights exported (evaluated here, as the run evaluates).
+        fmt, ema: the format and which weights.
+        training: the run was still training (exported with allow_partial).
+
+    Returns:
+        The metadata, JSON-safe (local paths not yet removed: ``_without_local_paths``).
+    """
     from dpscale.train import report
 
     config, info = trainer.config, trainer.data.info
     accuracy, loss = trainer.evaluate_model(model)  # the run's own evaluation of these weights
     privacy = report.privacy_summary(trainer)
     privacy["privacy_status"] = trainer.plan.status(privacy["epsilon"], privacy["reference_epsilon"])
+    val_labels = config.data.val_labels
     return json_safe({
         "dpscale_export": 1,
+        "dpscale_version": dpscale.__version__,
         "format": fmt,
         "weights": "ema" if ema else "final",
         "model": {"name": config.model.name, "num_classes": info.num_classes, "input_shape": list(info.input_shape),
@@ -114,18 +262,58 @@ def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool) -> dict[str, 
         "input": {"dtype": "float32", "layout": "NCHW", "shape": list(info.input_shape), "range": [0.0, 1.0],
                   "normalize": config.data.normalize,
                   "normalization": "(x - 0.5) / 0.5, inside the model" if config.data.normalize else "none"},
-        "classes": [str(k) for k in range(info.num_classes)],
-        # the root as this process found it (a relative root means nothing from another directory)
-        "data": {"name": info.name, "root": str(Path(config.data.root).resolve()) if config.data.root else None,
-                 "image_size": config.data.image_size,
-                 "val_labels": config.data.val_labels, "selects_classes": config.data.selects_classes,
+        "classes": _class_names(info),
+        # no root: a local path means nothing elsewhere (the run directory's config.yaml keeps it)
+        "data": {"name": info.name, "image_size": config.data.image_size,
+                 "val_labels": Path(val_labels).name if val_labels else None,
+                 "selects_classes": config.data.selects_classes,
                  "test_split": info.test_split, "num_test": info.num_test},
         "test_accuracy": accuracy,
         "test_loss": loss,
         "step": trainer.step,
-        "run_dir": str(trainer.run_dir),
+        "planned_steps": trainer.total_steps,
+        "partial": trainer.step < trainer.total_steps,
+        "exported_while_training": training,
         "privacy": privacy,
     })  # fmt: skip
+
+
+def _class_names(info: Any) -> list[str]:
+    """Output i's name, for the run's ``DatasetInfo``: the data's own (image folders, shards), and
+    "i" where it names none (other datasets, or labels past its names that data.num_classes declares)."""
+    names = [str(name) for name in info.classes[: info.num_classes]]
+    return names + [str(k) for k in range(len(names), info.num_classes)]
+
+
+def _local_paths(trainer: Any) -> list[tuple[str, str]]:
+    """This machine's paths the run knows (absolute), each with what a shipped file says instead;
+    longest first, so a run directory under the home directory is named as the run directory."""
+    config = trainer.config
+    named = [(trainer.run_dir, "<run directory>"), (config.data.root, "<data root>"),
+             (config.data.val_labels, "<val labels>"), (config.model.init, "<model.init>"),
+             (config.model.init_seed_model, "<model.init_seed_model>"), (Path.home(), "~")]  # fmt: skip
+    found: dict[str, str] = {}
+    for value, stand_in in named:
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        for form in (path.absolute(), path.resolve()):
+            if len(form.parts) > 1:  # never "/" itself
+                found.setdefault(str(form), stand_in)
+    return sorted(found.items(), key=lambda item: -len(item[0]))
+
+
+def _without_local_paths(value: Any, paths: list[tuple[str, str]]) -> Any:
+    """``value`` (the metadata) with every path of ``paths`` in its strings replaced by its stand-in:
+    caveats, warnings and the config changes asked for on resume may quote them."""
+    if isinstance(value, dict):
+        return {k: _without_local_paths(v, paths) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_local_paths(v, paths) for v in value]
+    if isinstance(value, str):
+        for path, stand_in in paths:  # a whole path only: /root is not /rootfs
+            value = re.sub(re.escape(path) + r"(?![\w.-])", stand_in, value)
+    return value
 
 
 def _feature_stage(trainer: Any, metadata: dict[str, Any]) -> ScatterNetFeatures | None:
@@ -199,36 +387,113 @@ def _write_torchscript(model: ImagesInUnitRange, metadata: dict[str, Any], path:
         traced = torch.jit.trace(model, _example(metadata))
         buffer = io.BytesIO()
         torch.jit.save(traced, buffer, _extra_files=extra)
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write_bytes(path, _without_debug_records(buffer.getvalue()))
+
+
+def _without_debug_records(archive: bytes) -> bytes:
+    """A TorchScript archive without its ``*.debug_pkl`` records: they map the code to the
+    source files it was traced from, by this machine's absolute paths. ``torch.jit.load`` runs
+    the same code without them (its error messages then quote the saved code, not the sources)."""
+    source, out = zipfile.ZipFile(io.BytesIO(archive)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as kept:  # stored, as torch.jit.save writes
+        for record in source.infolist():
+            if not record.filename.endswith(".debug_pkl"):
+                kept.writestr(record, source.read(record))
+    return out.getvalue()
+
+
+# The ONNX exporter's noise, silenced by its exact text so that any other warning still shows:
+# a log record for each torchvision operator it skips when torchvision is not installed (the
+# model has none), and torch's own deprecation of LeafSpec, raised inside torch.export.
+_SKIPPED_TORCHVISION = ("torch.onnx._internal.exporter._registration", "torchvision is not installed. Skipping %s")
+_LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+class _DropMessage(logging.Filter):
+    """Drops the log records of one message template (``record.msg``, before its arguments)."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__()
+        self.template = template
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.template
+
+
+@contextlib.contextmanager
+def _quiet_onnx_exporter() -> Iterator[None]:
+    """The ONNX export without the exporter's known noise (``_SKIPPED_TORCHVISION``, ``_LEAFSPEC_DEPRECATION``)."""
+    logger, template = logging.getLogger(_SKIPPED_TORCHVISION[0]), _SKIPPED_TORCHVISION[1]
+    drop = _DropMessage(template)
+    logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LEAFSPEC_DEPRECATION, category=FutureWarning)
+            yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
     _needs("onnx", "onnx")
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations
+    with torch.no_grad(), _quiet_onnx_exporter():
         program = torch.onnx.export(
             model, (_example(metadata),), input_names=["images"], output_names=["logits"],
             dynamic_shapes={"images": {0: torch.export.Dim("batch")}}, verbose=False,
         )  # fmt: skip
     proto = program.model_proto
+    _drop_stack_traces(proto)
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(metadata))
     atomic_write_bytes(path, proto.SerializeToString())
+
+
+_ONNX_STACK_TRACE = "pkg.torch.onnx.stack_trace"  # per node: the Python stack, by this machine's absolute paths
+
+
+def _drop_stack_traces(proto: Any) -> None:
+    """Remove every node's ``_ONNX_STACK_TRACE`` entry (graph, functions, subgraphs) from the ONNX ``proto``."""
+    for node in _onnx_nodes([*proto.graph.node, *(n for f in proto.functions for n in f.node)]):
+        kept = [(p.key, p.value) for p in node.metadata_props if p.key != _ONNX_STACK_TRACE]
+        del node.metadata_props[:]
+        for key, value in kept:
+            node.metadata_props.add(key=key, value=value)
+
+
+def _onnx_nodes(nodes: Any) -> Iterator[Any]:
+    """``nodes`` and the nodes of their subgraphs (If, Loop, Scan bodies), depth first."""
+    for node in nodes:
+        yield node
+        for attribute in node.attribute:
+            for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _onnx_nodes(graph.node)
 
 
 _WRITERS = {"safetensors": _write_safetensors, "torchscript": _write_torchscript, "onnx": _write_onnx}
 
 
 def model_card(metadata: dict[str, Any], path: Path) -> str:
-    """MODEL_CARD.md: what the model is, how it was trained privately, and how to load it."""
+    """The card of one exported file: what the model is, how it was trained privately, how to load it.
+
+    Args:
+        metadata: the file's metadata.
+        path: the file (the card names it).
+
+    Returns:
+        Markdown.
+    """
     privacy, model, data = metadata["privacy"], metadata["model"], metadata["data"]
     caveats = "\n".join(f"- {c}" for c in privacy.get("guarantee_caveats") or []) or "- none"
+    partial = partial_note(metadata)
+    partial_block = f"\n**{partial}**\n" if partial else ""
     return f"""# {model['name']} on {data['name']} ({metadata['weights']} weights)
 
-File: `{path.name}` ({metadata['format']}), exported from `{metadata['run_dir']}` at step {metadata['step']}.
-
+File: `{path.name}` ({metadata['format']}), the {metadata['weights']} weights at step {metadata['step']} of {metadata['planned_steps']},
+exported by dpscale {metadata['dpscale_version']}. This card describes that file only.
+{partial_block}
 ## Model
 - {model['name']}, {model['parameters']:,} parameters, {model['num_classes']} classes, input {metadata['input']['shape']}
   (float32 images in [0, 1], NCHW; normalisation: {metadata['input']['normalization']}).{_features_line(metadata)}
+- Classes (output i is class i): {_classes_line(metadata['classes'])}
 - Test accuracy {100 * metadata['test_accuracy']:.2f}% on {data['name']}'s test split ({data['test_split']}, {data['num_test']} images).
 
 ## Privacy
@@ -244,6 +509,16 @@ File: `{path.name}` ({metadata['format']}), exported from `{metadata['run_dir']}
 ## Loading
 {_LOADING[metadata['format']].format(name=path.name)}
 """
+
+
+CARD_CLASSES = 20  # a card lists this many class names; the metadata holds them all
+
+
+def _classes_line(classes: list[str]) -> str:
+    """The card's class names: the first ``CARD_CLASSES``, then how many more the metadata holds."""
+    listed = ", ".join(f"`{c}`" for c in classes[:CARD_CLASSES])
+    more = len(classes) - CARD_CLASSES
+    return listed + (f", ... ({more} more in the metadata's `classes`)" if more > 0 else "")
 
 
 def _features_line(metadata: dict[str, Any]) -> str:

@@ -3,9 +3,10 @@
 An exported model takes float32 images in [0, 1], shape (B, C, H, W), and returns logits (B, K):
 the run's input normalisation is part of it, and for a ScatterNet run the ScatterNet and the
 feature normalisation too (``ScatterNetFeatures``). Every format carries the same metadata (JSON):
-the model (zoo name, classes, input shape, activation, kwargs), the input convention, the test
-accuracy the run measured, and the full privacy statement (epsilon, delta, accountant,
-sampling, caveats). Where it is stored:
+the model (zoo name, input shape, activation, kwargs), the class names (``classes[i]`` is output
+i), the input convention, the test accuracy the run measured, the step exported of the planned
+steps (``partial`` when short of them), the dpscale version, and the full privacy statement
+(epsilon, delta, accountant, sampling, caveats); no local path. Where it is stored:
 
 - safetensors: the header's ``__metadata__["dpscale"]``; ``load_exported`` rebuilds the zoo model;
 - TorchScript: the extra file ``dpscale.json`` (``torch.jit.load(path, _extra_files=...)``);
@@ -156,11 +157,21 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
     return correct / len(images)
 
 
-def evaluate_exported(path: str | Path, data_root: str | None = None) -> float:
+def evaluate_exported(path: str | Path, data_root: str | None = None, val_labels: str | None = None) -> float:
     """Test accuracy of an export on its run's test split (the dataset named in its metadata).
 
     Args:
-        data_root: where the dataset lies (default: the root the run used).
+        path: the exported file (safetensors or TorchScript).
+        data_root: where the dataset lies on this machine: an export names no local path (older
+            exports named the run's root, which is used when this is None). Not needed for mnist-5k.
+        val_labels: the label file of a flat ``val`` folder, when the run read one (the metadata
+            names its file name only).
+
+    Returns:
+        The top-1 accuracy (fraction).
+
+    Raises:
+        ValueError: the run kept a subset of the classes, or it read a label file and none is given.
     """
     from dpscale.data.datasets import load_dataset
 
@@ -168,5 +179,9 @@ def evaluate_exported(path: str | Path, data_root: str | None = None) -> float:
     data = metadata["data"]
     if data["selects_classes"]:
         raise ValueError(f"{path}: the run kept a subset of the classes (data.classes ...); evaluate it on that subset")
-    test = load_dataset(data["name"], data_root or data["root"], image_size=data["image_size"], val_labels=data["val_labels"])
+    if data["val_labels"] and val_labels is None and "root" not in data:
+        raise ValueError(f"{path}: the run read its test labels from {data['val_labels']}; pass val_labels (that file here)")
+    root = data_root or data.get("root")
+    labels = val_labels or (data["val_labels"] if "root" in data else None)
+    test = load_dataset(data["name"], root, image_size=data["image_size"], val_labels=labels)
     return accuracy(model, test.x_test, test.y_test)

@@ -7,15 +7,19 @@
   its checkpoint (the run's own delta marked).
 
 Several runs are overlaid, each labelled by its directory's name. Everything is read from the
-run directory (metrics.jsonl, checkpoint.pt): a plot can be redrawn while a run goes on.
+run directory (metrics.jsonl, checkpoint.pt): a plot can be redrawn while a run goes on. The
+PNGs are owner-only (0600, a folder created for them 0700), as every file of a run: the train
+loss they show is not covered by the guarantee.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from dpscale._io import atomic_write_bytes, make_private_dir
 from dpscale.errors import ConfigError
 from dpscale.privacy.accountant import PLD_MIN_DELTA, PrivacyAccountant
 from dpscale.runs import read_metrics, read_run
@@ -40,6 +44,14 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _save(fig: Any, path: Path) -> None:
+    """Write ``fig`` to ``path`` as a PNG, owner-only and atomically (a redraw replaces it whole)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    _pyplot().close(fig)
+    atomic_write_bytes(path, buffer.getbuffer())
+
+
 def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel: str, path: Path, percent: bool) -> None:
     """One figure of ``keys`` (metrics key -> legend suffix) against steps for every run."""
     plt = _pyplot()
@@ -57,8 +69,7 @@ def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _final_accountant(run_dir: Path) -> tuple[PrivacyAccountant, float] | None:
@@ -89,12 +100,18 @@ def _epsilon_delta(run_dirs: Sequence[Path], path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
-    """Draw ``PLOT_NAMES`` for ``run_dirs`` into ``out_dir`` (created if missing).
+def plot_runs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, on_written: Callable[[Path], None] | None = None
+) -> list[Path]:
+    """Draw ``PLOT_NAMES`` for ``run_dirs`` (overlaid) into ``out_dir``, created owner-only if missing.
+
+    Args:
+        run_dirs: the run directories, each with at least one evaluation.
+        out_dir: the folder for the PNGs.
+        on_written: called with each PNG's path once it is written (progress).
 
     Returns:
         the paths written.
@@ -110,13 +127,19 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
             raise ConfigError(f"{run_dir} has no evaluation in metrics.jsonl yet: nothing to plot")
         runs[_unique(run_dir.name, runs)] = records
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / name for name in PLOT_NAMES]
+    make_private_dir(out)
     accuracy_keys = {"test_accuracy": "", "test_accuracy_ema": " (EMA)", "test_accuracy_augtest": " (AugTest)"}
-    _curves(runs, accuracy_keys, "test accuracy (%)", paths[0], percent=True)
-    _curves(runs, {"train_loss": " train", "test_loss": " test"}, "loss", paths[1], percent=False)
-    _curves(runs, {"epsilon": ""}, "epsilon spent (at the run's delta)", paths[2], percent=False)
-    _epsilon_delta(dirs, paths[3])
+    drawings: list[Callable[[Path], None]] = [
+        lambda path: _curves(runs, accuracy_keys, "test accuracy (%)", path, percent=True),
+        lambda path: _curves(runs, {"train_loss": " train", "test_loss": " test"}, "loss", path, percent=False),
+        lambda path: _curves(runs, {"epsilon": ""}, "epsilon spent (at the run's delta)", path, percent=False),
+        lambda path: _epsilon_delta(dirs, path),
+    ]
+    paths = [out / name for name in PLOT_NAMES]
+    for draw, path in zip(drawings, paths):
+        draw(path)
+        if on_written is not None:
+            on_written(path)
     return paths
 
 

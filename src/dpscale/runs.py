@@ -44,8 +44,8 @@ __all__ = [
     "AUDIT_NAME", "CHECKPOINT_NAME", "CHECKPOINTED_RUN_FILES", "CONFIG_NAME", "DAMAGED_CHECKPOINT_NAME",
     "LOCK_NAME", "METRICS_NAME", "PREVIOUS_CHECKPOINT_NAME", "RUN_FILES", "SUMMARY_NAME", "TENSORBOARD_NAME",
     "UNSTARTED_RUN_FILES",
-    "LatestCheckpoint", "NotARunDirectory", "holds_checkpoint", "holds_run", "is_audit_run", "is_run_dir",
-    "latest_checkpoint", "read_metrics", "read_run", "read_run_config", "read_summary",
+    "LatestCheckpoint", "NotARunDirectory", "find_run_dirs", "holds_checkpoint", "holds_run", "is_audit_run",
+    "is_run_dir", "latest_checkpoint", "read_metrics", "read_run", "read_run_config", "read_summary",
 ]  # fmt: skip
 
 
@@ -56,6 +56,29 @@ class NotARunDirectory(ConfigError):
 def is_run_dir(path: str | Path) -> bool:
     """Whether ``path`` is a dpscale run directory (it holds a config.yaml)."""
     return (Path(path) / CONFIG_NAME).is_file()
+
+
+# How deep below a folder ``find_run_dirs`` looks: runs/NAME, or a sweep's SWEEP/runs/POINT.
+RUN_SEARCH_DEPTH = 2
+
+
+def find_run_dirs(path: str | Path, depth: int = RUN_SEARCH_DEPTH) -> list[Path]:
+    """The run directories ``path`` stands for: itself if it is one, else those in it (a runs/
+    folder, a sweep directory), down to ``depth`` levels, by name.
+
+    Args:
+        path: a run directory or a folder of them.
+        depth: how many folder levels below ``path`` to look in.
+
+    Returns:
+        the run directories found ([] when none: not a run directory, nor a folder of runs).
+    """
+    path = Path(path)
+    if is_run_dir(path):  # its own folders (plots/, tensorboard/) are not searched: runs do not nest
+        return [path]
+    if depth == 0 or not path.is_dir():
+        return []
+    return [run for child in sorted(path.iterdir()) if child.is_dir() for run in find_run_dirs(child, depth - 1)]
 
 
 def holds_run(run_dir: str | Path) -> bool:

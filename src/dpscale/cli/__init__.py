@@ -5,12 +5,15 @@ registers its own sub-commands (``cli/train.py``, ``cli/account.py``, ...); this
 the parser and decides what an error looks like: a user error (``dpscale.errors.UserError``, a file
 system error, running out of memory) is one line and exit code 2; anything else is a bug and
 keeps its traceback. ``DPSCALE_DEBUG=1`` shows the traceback of user errors too, causes included.
+A reader that closes stdout early (``dpscale models --json | head``) is no error: the command stops
+quietly with exit code 141, as a Unix tool killed by SIGPIPE does.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 from typing import Sequence
 
@@ -20,6 +23,9 @@ from dpscale.errors import UserError
 # (missing files, permissions, a full disk) and the machine's memory. Never ValueError or
 # RuntimeError as such: one raised by a mistake in our code must show where it happened.
 USER_ERRORS = (UserError, OSError, MemoryError)
+# Exit code when stdout's reader has gone: 128 + SIGPIPE, what the shell reports for `yes | head`'s
+# `yes` (Python ignores SIGPIPE and raises BrokenPipeError instead of dying of it).
+CLOSED_STDOUT_EXIT = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,16 +59,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: the command's (0 on success), 2 for a user error (one line on stderr),
-        130 when interrupted.
+        130 when interrupted, 141 (quietly) when stdout's reader has closed it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[2:]  # for `bench`: the flags, echoed in the report
     try:
         code = args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit (a traceback)
         _leave_process_group()
         return code
     except USER_ERRORS as err:
+        if isinstance(err, BrokenPipeError) and _stdout_reader_gone():
+            return _quiet_closed_stdout()
         # No goodbye to the other ranks here: a failure may be this rank's alone, and waiting for
         # ranks blocked in another collective would hang; torchrun stops them.
         if os.environ.get("DPSCALE_DEBUG"):
@@ -72,6 +81,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _leave_process_group()  # every rank stopped at the same step (see Trainer.run)
         return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone, so a broken pipe was the reader's choice
+    (``| head``) and not a failure elsewhere (a worker's pipe), which must still be reported."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object with no descriptor
+        return False
+    if not hasattr(select, "poll"):  # no way to ask (Windows): the usual cause is assumed
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    # The write end of a pipe with no reader left polls as an error (POLLERR; POLLHUP: sockets).
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _quiet_closed_stdout() -> int:
+    """Stop quietly after stdout's reader has gone; returns ``CLOSED_STDOUT_EXIT``.
+
+    Python's recommended pattern (the ``signal`` module's note on SIGPIPE): stdout is pointed at
+    devnull, so flushing what is still buffered at exit cannot fail a second time.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return CLOSED_STDOUT_EXIT
 
 
 def _one_line(err: BaseException) -> str:

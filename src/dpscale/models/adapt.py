@@ -37,21 +37,47 @@ def _group_count(channels: int, preferred: int) -> int:
     return 1
 
 
-def convert_batchnorm_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
-    """Replace every BatchNorm (which mixes examples) by a GroupNorm over the same channels.
+def _groupnorm_for(batchnorm: nn.modules.batchnorm._BatchNorm, num_groups: int) -> nn.GroupNorm:
+    """The GroupNorm that replaces ``batchnorm``, its affine parameters copied.
 
-    Affine parameters are copied (they play the same role); running statistics are dropped.
-    The number of groups is the largest divisor of the channel count up to ``num_groups``.
-    Returns the same model, modified in place.
+    Args:
+        batchnorm: the layer to replace (its running statistics are dropped).
+        num_groups: the most groups a BatchNorm2d/3d's channels are split into.
+
+    Returns:
+        a GroupNorm on the same device: one group for BatchNorm1d, whose (N, C) input has one
+        value per channel (a group of one channel has no variance: torch refuses it in
+        training), else the largest divisor of the channel count up to ``num_groups``.
+    """
+    channels = batchnorm.num_features
+    groups = 1 if isinstance(batchnorm, nn.BatchNorm1d) else _group_count(channels, num_groups)
+    norm = nn.GroupNorm(groups, channels, eps=batchnorm.eps, affine=batchnorm.affine)
+    if batchnorm.affine:
+        norm.weight.data.copy_(batchnorm.weight.data)
+        norm.bias.data.copy_(batchnorm.bias.data)
+    return norm.to(batchnorm.weight.device if batchnorm.affine else "cpu")
+
+
+def convert_batchnorm_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
+    """Replace every BatchNorm (which mixes examples) by a GroupNorm over the same channels,
+    which normalises each example by its own statistics.
+
+    BatchNorm1d becomes ``GroupNorm(1, C)``: each example's features (and positions, on
+    (N, C, L) input) normalised together, as LayerNorm does, so it trains on (N, C) input too.
+    BatchNorm2d/3d becomes ``GroupNorm(G, C)`` with G the largest divisor of C up to
+    ``num_groups``. Affine parameters are copied (they play the same role); running
+    statistics are dropped.
+
+    Args:
+        model: the model, changed in place.
+        num_groups: the most groups for a BatchNorm2d/3d (32, as in Wu & He 2018).
+
+    Returns:
+        ``model``.
     """
     for name, child in list(model.named_children()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            channels = child.num_features
-            norm = nn.GroupNorm(_group_count(channels, num_groups), channels, eps=child.eps, affine=child.affine)
-            if child.affine:
-                norm.weight.data.copy_(child.weight.data)
-                norm.bias.data.copy_(child.bias.data)
-            setattr(model, name, norm.to(child.weight.device if child.affine else "cpu"))
+            setattr(model, name, _groupnorm_for(child, num_groups))
         else:
             convert_batchnorm_to_groupnorm(child, num_groups)
     return model

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpscale._io import atomic_write_text
+from dpscale._io import VERSION_KEY, atomic_write_text
+from dpscale._version import __version__
 from dpscale.data.stream import eval_batches
 from dpscale.data.run_data import data_workers
 from dpscale.models import count_parameters
@@ -166,6 +167,7 @@ def write_summary(trainer: Trainer) -> dict[str, Any]:
         "world_size": built.dist.world_size,
         "noise_rank": NOISE_RANK if built.dist.enabled else None,
         "wall_time_s": trainer.wall_time_s,
+        VERSION_KEY: __version__,
     }
     summary["privacy_status"] = built.plan.status(summary["epsilon"], summary["reference_epsilon"])
     summary = json_safe(summary)
