@@ -264,6 +264,10 @@ def test_invalid_yaml_file(tmp_path):
         (["optim.name=adagrad"], r"optim\.name must be sgd, adam or adamw"),
         (["optim.schedule=linear"], r"optim\.schedule must be constant or cosine"),
         (["optim.min_lr_ratio=1.5"], r"optim\.min_lr_ratio in \[0, 1\]"),
+        (["dp.max_grad_norm_per=layer"], r"dp\.max_grad_norm_per must be 'group' .* or 'tensor'"),
+        (["dp.max_grad_norm_per=tensor", "dp.max_grad_norm=null", "dp.noise_multiplier=0", "dp.epsilon=null"],
+         r"dp\.max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm"),
+        (["dp.max_grad_norm_per=tensor", "dp.clipping=adaptive"], r"not with dp\.max_grad_norm_per=tensor"),
     ],
 )
 def test_bad_values(overrides, pattern):
@@ -282,6 +286,8 @@ def test_bad_values(overrides, pattern):
         ["train.epochs=0", "train.steps=10"],  # steps override epochs
         ["dp.sampling=shuffle", "dp.accountant=rdp", "optim.name=adamw", "optim.schedule=cosine"],
         ["dp.delta=0.00001"],
+        ["dp.max_grad_norm_per=tensor"],  # a bound per tensor: the plan spells it out once the model is built
+        ['dp.max_grad_norm={"features.*": 0.5, "*": 1.0}', "dp.max_grad_norm_per=tensor"],
     ],
 )
 def test_valid_edge_configs(overrides):

@@ -6,10 +6,14 @@ its own (2.236). Here: every engine's per-tensor clipping equals a float64 per-e
 in this file (Opacus' rule, each tensor on its own), each released tensor is <= its C_i with no
 tolerance, removing one example moves each tensor by at most C_i, the sensitivity and the noise
 through ``make_private`` are sqrt(sum_i C_i^2), the two forms differ, and a shadowed pattern says so.
+A config run (``dp.max_grad_norm_per=tensor``) plans sqrt(sum_i C_i^2) over the tensors that train
+after model.peft, its engine clips with that mapping, and a resume keeps the form.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import math
 import re
 from pathlib import Path
@@ -27,6 +31,7 @@ from dpscale.privacy.clipping import clip_bounds
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import make_precision
+from dpscale.train.loop import Trainer
 
 PATTERNS = {"conv*": 0.5, "fc*": 1.0}  # the report's translation
 OPACUS_LIST = [0.5] * 4 + [1.0] * 4  # Opacus' max_grad_norm, one per tensor in parameter order
@@ -257,15 +262,96 @@ def test_bad_max_grad_norm_per_is_one_line(options, message):
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [("dp.max_grad_norm_per=layer", r"dp\.max_grad_norm_per must be 'group'"),
-     ("dp.max_grad_norm_per=tensor", r"not available in config runs yet .*make_private")],
-)  # fmt: skip
-def test_the_config_key_is_validated_and_tensor_is_refused_not_ignored(override, message):
-    assert load_config(overrides=["dp.max_grad_norm_per=group"]).dp.max_grad_norm_per == "group"
+# ------------------------------------------------------------------------------ config runs
+
+# papernot-cnn with its last two block groups training (head.0, head.2): the frozen features.*
+# tensors get no bound, and would add 4 x 0.8^2 to the sum if they did
+CONFIG_BOUNDS = {"head.0.*": 0.3, "*": 0.8}
+CONFIG_SIGMA = 1.5
+
+
+def _config_run(run_dir: Path, per: str):
+    overrides = [f"run.out_dir={run_dir}", "run.seed=0", "model.name=papernot-cnn", "model.peft=last_groups",
+                 "model.train_last_groups=2", "dp.batch_size=16", "train.steps=2", "dp.epsilon=null",
+                 f"dp.noise_multiplier={CONFIG_SIGMA}", f"dp.max_grad_norm={CONFIG_BOUNDS}",
+                 f"dp.max_grad_norm_per={per}"]  # fmt: skip
+    trainer = Trainer.create(load_config(None, overrides), progress=False)
+    trainer.run(max_steps=1)  # a checkpoint at step 1 of 2
+    return trainer
+
+
+def _first_match(name: str) -> float:
+    return next(c for p, c in CONFIG_BOUNDS.items() if fnmatch.fnmatchcase(name, p))
+
+
+@pytest.mark.parametrize("per, other", [("tensor", "group"), ("group", "tensor")])
+def test_a_config_run_plans_the_sensitivity_of_the_clipping_it_runs_and_a_resume_keeps_its_form(tmp_path, per, other):
+    trainer = _config_run(tmp_path / "run", per)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable == ["head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"]  # after model.peft
+    plan, header = trainer.plan, trainer.plan.describe()
+    if per == "tensor":  # each trainable tensor on its own: sqrt(sum_i C_i^2), computed here
+        sensitivity = math.sqrt(sum(_first_match(n) ** 2 for n in trainable))
+        assert plan.max_grad_norm == {n: _first_match(n) for n in trainable}
+        listed = ", ".join(f"{n}: {_first_match(n):g}" for n in trainable)
+        assert f"C per tensor {{{listed}}} (4 tensors, sensitivity {sensitivity:.6g})" in header
+    else:  # the old meaning: each pattern's tensors together, sqrt(sum_g C_g^2) (0.854, not 1.208)
+        sensitivity = math.sqrt(sum(c**2 for c in CONFIG_BOUNDS.values()))
+        assert plan.max_grad_norm == CONFIG_BOUNDS
+        assert f"C per layer {{head.0.*: 0.3, *: 0.8}} (sensitivity {sensitivity:.6g})" in header
+    assert plan.noise_std == pytest.approx(CONFIG_SIGMA * sensitivity, rel=1e-12)
+    assert trainer.built.engine.max_grad_norm == plan.max_grad_norm  # what the engine clips with
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"the checkpoint's DP plan clips .*dp\.max_grad_norm_per=" + other) as caught:
+        Trainer.resume(run_dir, progress=False, overrides=[f"dp.max_grad_norm_per={other}"])
+    assert "\n" not in str(caught.value)
+    if per == "tensor":  # unchanged, the checkpoint's mapping and the config's spelled out compare equal
+        resumed = Trainer.resume(run_dir, progress=False)
+        assert resumed.plan.max_grad_norm == plan.max_grad_norm
+        resumed.run()
+        assert json.loads((run_dir / "summary.json").read_text())["max_grad_norm"] == plan.max_grad_norm
+
+
+def test_a_resume_compares_a_mappings_order_first_match_wins():
+    """{"head.*.bias": 1, "head.*": 2} gives the biases 1; reversed, 2: other clipping, equal dicts."""
+    from dpscale.config import DPConfig
+    from dpscale.train.plan_config import check_plan_against_config, plan_from_config
+
+    dp = DPConfig(epsilon=None, noise_multiplier=1.0, max_grad_norm={"head.*.bias": 1.0, "head.*": 2.0})
+    plan = plan_from_config(dp, 1000, 10)
+    check_plan_against_config(plan, dp, 1000, 10)
+    reordered = DPConfig(epsilon=None, noise_multiplier=1.0, max_grad_norm={"head.*": 2.0, "head.*.bias": 1.0})
+    with pytest.raises(ConfigError, match=r"the checkpoint's DP plan clips C per layer \{head\.\*\.bias: 1"):
+        check_plan_against_config(plan, reordered, 1000, 10)
+
+
+def test_a_plan_made_without_the_model_refuses_tensor_in_one_line(capsys, monkeypatch):
+    """``tan simulate --dry-run`` and ``tan privacy-search --config`` plan without building the
+    model: "tensor" is refused there (not planned as "group"), before the data is opened."""
+    from dpscale.cli import main
+    from dpscale.config import DPConfig
+    from dpscale.train import inputs
+    from dpscale.train.plan_config import plan_from_config
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was opened")
+
+    monkeypatch.setattr(inputs, "open_training_data", no_data)
+    message = r"dp\.max_grad_norm_per=tensor needs the model's trainable tensor names .* without building the model"
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides=[override])
+        inputs.plan_inputs(load_config(overrides=["dp.max_grad_norm_per=tensor"]))
+    with pytest.raises(ConfigError, match=message):
+        plan_from_config(DPConfig(max_grad_norm_per="tensor"), 1000, 10)
+    assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", "--set", "dp.max_grad_norm_per=tensor"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and "\n" not in err
+
+
+def test_the_config_key_is_validated_and_tensor_is_accepted():
+    assert load_config(overrides=["dp.max_grad_norm_per=group"]).dp.max_grad_norm_per == "group"
+    assert load_config(overrides=["dp.max_grad_norm_per=tensor"]).dp.max_grad_norm_per == "tensor"
+    with pytest.raises(ConfigError, match=r"dp\.max_grad_norm_per must be 'group'"):
+        load_config(overrides=["dp.max_grad_norm_per=layer"])
 
 
 # ------------------------------------------------------------------- the clip bound, float32

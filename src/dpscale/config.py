@@ -228,8 +228,8 @@ class DPConfig:
         then scaled to sqrt(sum_g C_g^2); null disables clipping (non-private only).
     max_grad_norm_per: "group" (each pattern's tensors clipped together; one C clips the whole
         gradient) or "tensor" (each trainable tensor clipped on its own, Opacus'
-        clipping="per_layer": ``make_private(max_grad_norm_per="tensor")``; config runs refuse it
-        until their plan is given the model's tensor names, docs/clipping.md).
+        clipping="per_layer"; the plan then gives each tensor, after model.peft, its own C_i and
+        the noise is scaled to sqrt(sum_i C_i^2), docs/clipping.md).
     batch_size: expected logical batch size B (q = B / N). With Poisson sampling B need not be an
         integer (``dpscale tan privacy-search`` gives such B to keep eta exact).
     simulated_batch_size: a TAN simulation (Sander et al. 2023, Section 3.4) of this run: train at
@@ -701,18 +701,16 @@ def plan_labels(config: Config) -> dict[str, bool]:
 
 
 def _check_max_grad_norm_per(dp: DPConfig) -> None:
-    """Refuse a dp.max_grad_norm_per that is not "group" or "tensor", and "tensor" itself: a
-    config run's plan (whose sensitivity would sum over the tensors) is not given the model's
-    tensor names yet, and the run must not fall back to "group" clipping silently."""
+    """Refuse a dp.max_grad_norm_per that is not "group" or "tensor", and "tensor" without a norm
+    or with adaptive clipping (the run's plan spells "tensor" out per tensor once the model is
+    built: train/plan_config.py)."""
     try:
         check_max_grad_norm_per(dp.max_grad_norm_per, dp.max_grad_norm)
     except ValueError as err:
         raise ConfigError(f"dp.{err}") from err
-    if dp.max_grad_norm_per == "tensor":
-        raise ConfigError(
-            "dp.max_grad_norm_per=tensor is not available in config runs yet (their plan is not given the model's "
-            "tensor names): use make_private(..., max_grad_norm_per='tensor'), or dp.max_grad_norm_per=group"
-        )
+    if dp.max_grad_norm_per == "tensor" and dp.clipping == "adaptive":
+        raise ConfigError("adaptive clipping (dp.clipping=adaptive) moves one norm C on the whole gradient; "
+                          "not with dp.max_grad_norm_per=tensor (a bound per tensor): use dp.max_grad_norm_per=group")
 
 
 def validate(config: Config) -> None:

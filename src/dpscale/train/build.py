@@ -105,7 +105,8 @@ def build_run(
             drawn again: a second draw would be a second release).
     """
     dist, device, seeds = open_process(config)
-    images = open_training_data(config, device, log)
+    data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
+    images = open_training_data(config, device, data_notes.append)
     fingerprint = data_fingerprint(images)
     if images.info.skipped_files:
         log(f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
@@ -129,7 +130,11 @@ def build_run(
     if config.model.freeze_groups:
         freeze_block_groups(model, config.model.freeze_groups)
     trainable = _peft(model, config, log)
-    plan = plan_for(config, inputs, saved_plan, parameters=trainable)
+    # dp.max_grad_norm_per=tensor: a bound for each tensor that trains (after PEFT and frozen groups)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    plan = plan_for(config, inputs, saved_plan, parameters=trainable, names=names)
+    for note in data_notes:
+        log(note)
     normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
     data = normalize_dataset(features, normalizer)
     dist.broadcast_module_(model)  # identical already (same seed); made certain

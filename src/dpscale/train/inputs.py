@@ -6,7 +6,7 @@ source runs and a Mean-Var seed run included)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,7 +20,9 @@ from dpscale.features.pipeline import extractor_privacy, feature_releases
 from dpscale.models.init import init_privacy
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, steps_for
-from dpscale.train.plan_config import bands_request, check_plan_against_config, plan_from_config
+from dpscale.train.plan_config import (
+    bands_request, check_plan_against_config, plan_from_config, refuse_per_tensor_without_model,
+)  # fmt: skip
 
 SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
 
@@ -107,7 +109,16 @@ def inputs_for(config: Config, dataset_size: int, sources: SourceRuns) -> PlanIn
 
 def plan_inputs(config: Config, *, log: Callable[[str], Any] = lambda _: None) -> PlanInputs:
     """The plan's inputs for ``config`` without training: its data opened as the Trainer opens
-    it (on the CPU), its source runs checked. (No audit canaries: ``dpscale audit`` adds them.)"""
+    it (on the CPU), its source runs checked. (No audit canaries: ``dpscale audit`` adds them.)
+    dp.max_grad_norm_per=tensor is refused before the data is opened: its plan needs the model.
+
+    Args:
+        config: the run's config; log: prints a notice from opening the data.
+
+    Returns:
+        N, S and the source runs, as the Trainer finds them.
+    """
+    refuse_per_tensor_without_model(config.dp)
     images = open_training_data(config, torch.device("cpu"), log)
 
     def fingerprint_as(normalize: bool) -> str:  # asked only when a source run must be matched
@@ -125,22 +136,34 @@ def data_fingerprint(images: ImageDataset | StreamedData) -> str:
 
 
 def plan_for(
-    config: Config, inputs: PlanInputs, saved: DPPlan | None = None, *, parameters: int | None = None
-) -> DPPlan:
+    config: Config, inputs: PlanInputs, saved: DPPlan | None = None, *, parameters: int | None = None,
+    names: Sequence[str] | None = None,
+) -> DPPlan:  # fmt: skip
     """The DP plan the Trainer runs under: a new one (calibrated), or a checkpoint's ``saved``
     plan checked against the config and inputs (a changed source run is refused: its releases
-    differ). Either way with the labels the config determines (a fixed seed, the source runs'
-    cases, checks off, secure noise): they are no privacy numbers, and older checkpoints lack them.
-    ``parameters``: the model's trainable parameters (BandMF's noise memory; None: not checked)."""
+    differ; so is other clipping). Either way with the labels the config determines (a fixed seed,
+    the source runs' cases, checks off, secure noise): they are no privacy numbers, and older
+    checkpoints lack them.
+
+    Args:
+        config: the run's config; inputs: N, S and the source runs (``inputs_for``).
+        saved: a checkpoint's plan (None: a new run).
+        parameters: the model's trainable parameters (BandMF's noise memory; None: not checked).
+        names: the model's trainable tensors' names after model.peft, in ``named_parameters()``
+            order: dp.max_grad_norm_per=tensor gives each its bound (None, without a model: refused).
+
+    Returns:
+        The plan, new or ``saved``.
+    """
     labels = plan_labels(config)
     n, steps, sources = inputs.dataset_size, inputs.steps, inputs.sources
     correlated = bands_request(config, steps, parameters)
     if saved is None:
         plan = plan_from_config(
             config.dp, n, steps, sources.releases, seeded=labels["seeded"], extractor=sources.extractor,
-            correlated=correlated,
+            correlated=correlated, names=names,
         )  # fmt: skip
     else:
-        check_plan_against_config(saved, config.dp, n, steps, sources.releases, correlated)
+        check_plan_against_config(saved, config.dp, n, steps, sources.releases, correlated, names)
         plan = saved
     return replace(plan, extractor=sources.extractor, init_run=sources.init_run, **labels)

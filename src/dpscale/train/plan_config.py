@@ -5,26 +5,71 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
+from dpscale.clip_norms import MaxGradNorm, describe_clip
 from dpscale.config import Config, DPConfig, OptimConfig
 from dpscale.errors import ConfigError
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_clipping
 from dpscale.privacy.bandmf import Workload
+from dpscale.privacy.clipping import clip_bounds
 from dpscale.privacy.correlated import BandsRequest
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, check_plan_matches, make_dp_plan
 from dpscale.train.optim import lr_multiplier
 
 
-def dp_numbers(dp: DPConfig) -> dict[str, Any]:
-    """The privacy numbers of a config's ``dp`` section, as ``make_dp_plan`` takes them."""
+def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The privacy numbers of a config's ``dp`` section, as ``make_dp_plan`` takes them.
+
+    Args:
+        dp: the config's ``dp`` section.
+        names: the model's trainable tensors' names, in ``named_parameters()`` order, after
+            model.peft and model.freeze_groups (None: planned without a model, which
+            dp.max_grad_norm_per=tensor refuses).
+
+    Returns:
+        ``make_dp_plan``'s keyword arguments but N, S and the releases; ``max_grad_norm`` as
+        ``config_clip_bounds`` spells it out.
+    """
     return {
-        "batch_size": dp.batch_size, "max_grad_norm": dp.max_grad_norm, "delta": dp.delta,
+        "batch_size": dp.batch_size, "max_grad_norm": config_clip_bounds(dp, names), "delta": dp.delta,
         "target_epsilon": dp.epsilon, "noise_multiplier": dp.noise_multiplier,
         "simulated_batch_size": dp.simulated_batch_size, "sampling": dp.sampling, "accountant": dp.accountant,
         "adaptive": adaptive_request(dp),
     }  # fmt: skip
+
+
+def refuse_per_tensor_without_model(dp: DPConfig) -> None:
+    """Refuse dp.max_grad_norm_per=tensor where a plan is made without building the model (``dpscale
+    tan simulate --dry-run``, ``tan privacy-search --config``): its bounds, and the noise's
+    sensitivity sqrt(sum_i C_i^2), need the model's tensor names. Falling back to the group form
+    would plan another mechanism."""
+    if dp.max_grad_norm_per == "tensor":
+        raise ConfigError(
+            "dp.max_grad_norm_per=tensor needs the model's trainable tensor names (the noise is scaled to "
+            "sqrt(sum_i C_i^2) over them), and this plan is made without building the model: sigma, S and epsilon "
+            "do not depend on the bounds, so plan here with dp.max_grad_norm_per=group and train with tensor"
+        )
+
+
+def config_clip_bounds(dp: DPConfig, names: Sequence[str] | None) -> MaxGradNorm:
+    """dp.max_grad_norm as the plan and its engine take it: as given (dp.max_grad_norm_per=group),
+    or one bound per trainable tensor, full name -> C_i (tensor; ``clip_bounds``).
+
+    Args:
+        dp: the config's ``dp`` section.
+        names: the trainable tensors' names (``dp_numbers``); None refuses "tensor".
+
+    Returns:
+        C, pattern -> C_g, or tensor name -> C_i; None without clipping.
+    """
+    if names is None:
+        refuse_per_tensor_without_model(dp)
+    try:
+        return clip_bounds(dp.max_grad_norm, dp.max_grad_norm_per, names or ())
+    except ValueError as err:
+        raise ConfigError(f"dp.max_grad_norm_per={dp.max_grad_norm_per}: {err}") from err
 
 
 def adaptive_request(dp: DPConfig) -> AdaptiveClipping | None:
@@ -83,20 +128,56 @@ def plan_from_config(
     seeded: bool = False,
     extractor: SourceRunPrivacy | None = None,
     correlated: BandsRequest | None = None,
+    names: Sequence[str] | None = None,
 ) -> DPPlan:
     """``make_dp_plan`` for a config's ``dp`` section (N, S and releases from the run; BandMF's
-    request from ``bands_request``)."""
+    request from ``bands_request``; ``names``: the trainable tensors', as ``dp_numbers``)."""
     return make_dp_plan(
         dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded, extractor=extractor,
-        correlated=correlated, **dp_numbers(dp),
+        correlated=correlated, **dp_numbers(dp, names),
     )  # fmt: skip
 
 
 def check_plan_against_config(
     plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = (),
-    correlated: BandsRequest | None = None,
+    correlated: BandsRequest | None = None, names: Sequence[str] | None = None,
 ) -> None:  # fmt: skip
-    """``check_plan_matches`` for a checkpoint's plan against a config's ``dp`` section."""
+    """``check_plan_matches`` for a checkpoint's plan against a config's ``dp`` section, the
+    clipping first (``check_same_clipping``).
+
+    Args:
+        plan: the checkpoint's plan; dp: the config's ``dp`` section now.
+        dataset_size, steps, releases, correlated: as ``plan_from_config``.
+        names: the trainable tensors' names now (as ``dp_numbers``).
+    """
+    numbers = dp_numbers(dp, names)
+    check_same_clipping(plan.max_grad_norm, numbers["max_grad_norm"], dp)
     check_plan_matches(
-        plan, dataset_size=dataset_size, steps=steps, releases=releases, correlated=correlated, **dp_numbers(dp)
+        plan, dataset_size=dataset_size, steps=steps, releases=releases, correlated=correlated, **numbers
+    )  # fmt: skip
+
+
+def check_same_clipping(saved: MaxGradNorm, now: MaxGradNorm, dp: DPConfig) -> None:
+    """Refuse to continue a run under other clipping than its checkpoint's plan: another C, another
+    mapping, its patterns in another order (first match wins), or another dp.max_grad_norm_per
+    (one bound per tensor is spelled out in the plan, so the two forms compare as mappings).
+
+    Args:
+        saved: the checkpoint plan's ``max_grad_norm``; now: the config's, spelled out the same way.
+        dp: the config's ``dp`` section (named in the message).
+    """
+    if _in_order(saved) == _in_order(now):
+        return
+    raise ConfigError(
+        f"the checkpoint's DP plan clips {describe_clip(saved)}, but dp.max_grad_norm={dp.max_grad_norm!r} with "
+        f"dp.max_grad_norm_per={dp.max_grad_norm_per} clips {describe_clip(now)}; the run's noise and accounting "
+        "are for the checkpoint's clipping: resume with its dp.max_grad_norm and dp.max_grad_norm_per, or start a "
+        "new run"
     )
+
+
+def _in_order(max_grad_norm: MaxGradNorm) -> Any:
+    """A bound to compare: a mapping as its (pattern, C) pairs in order (the first match wins)."""
+    if isinstance(max_grad_norm, Mapping):
+        return [(str(p), float(c)) for p, c in max_grad_norm.items()]
+    return None if max_grad_norm is None else float(max_grad_norm)
