@@ -49,7 +49,10 @@ def labels_line(y_train: np.ndarray, y_test: np.ndarray, num_classes: int) -> st
     )
 
 
-def check_labels(y_train: np.ndarray, y_test: np.ndarray, num_classes: int, declared: int | None, source: str) -> int:
+def check_labels(
+    y_train: np.ndarray, y_test: np.ndarray, num_classes: int, declared: int | None, source: str,
+    *, k_from_labels: bool = True,
+) -> int:  # fmt: skip
     """The number of classes K to train with, after checking the splits' labels agree.
 
     Args:
@@ -57,13 +60,16 @@ def check_labels(y_train: np.ndarray, y_test: np.ndarray, num_classes: int, decl
         num_classes: K as the loader read it (an npz file's: the largest label + 1).
         declared: ``data.num_classes`` (None: not set).
         source: the data's file or folder, first in every message.
+        k_from_labels: whether the loader took K from the largest label (npz), so that a stray
+            label makes the model larger; a format that fixes K (CIFAR-10's 10, one class per
+            folder) may train on a subset without some classes, which the labels line shows.
 
     Returns:
         ``declared`` when set, else ``num_classes``.
 
     Raises:
         DatasetError: a label not below ``declared``; without ``declared``, a test label no
-            training example has, or training labels that leave a gap below K.
+            training example has, or (``k_from_labels``) training labels that leave a gap below K.
     """
     train, test = np.unique(y_train), np.unique(y_test)
     if declared is not None:
@@ -82,7 +88,7 @@ def check_labels(y_train: np.ndarray, y_test: np.ndarray, num_classes: int, decl
             "trained on: fix the split, or set data.num_classes to evaluate on them anyway"
         )
     missing = np.setdiff1d(np.arange(num_classes), train)
-    if missing.size:
+    if missing.size and k_from_labels:
         raise DatasetError(
             f"{source}: the training labels {label_ranges(train)} leave out {label_ranges(missing)}, so the model "
             f"would have {num_classes} outputs of which {missing.size} are never trained (a stray label?): fix the "

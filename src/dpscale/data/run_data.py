@@ -71,7 +71,10 @@ def open_training_data(
     """
     data = _open_data(config, device, log)
     y_train, y_test = data.y_train.cpu().numpy(), data.y_test.cpu().numpy()
-    classes = check_labels(y_train, y_test, data.info.num_classes, config.data.num_classes, data.info.source)
+    classes = check_labels(
+        y_train, y_test, data.info.num_classes, config.data.num_classes, data.info.source,
+        k_from_labels=data.info.name == "npz",  # the one loader whose K is the largest label + 1
+    )  # fmt: skip
     log(labels_line(y_train, y_test, classes))
     return data if classes == data.info.num_classes else replace(data, info=replace(data.info, num_classes=classes))
 
