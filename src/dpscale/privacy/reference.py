@@ -17,7 +17,7 @@ import math
 from copy import deepcopy
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -60,10 +60,12 @@ def per_example_reference(
     names: list[str] | None = None,
     precision: Precision = FP32,
     release_dtype: torch.dtype | None = None,
+    unit_offsets: Sequence[int] | torch.Tensor | None = None,
 ) -> PerExampleReference:
     """Clipped sum and per-example norms of ``model`` on ``batch``, one batch-of-one backward
     pass per example, through the model as it is (dtype and train/eval mode unchanged; no
-    gradient is left in ``.grad``).
+    gradient is left in ``.grad``). With ``unit_offsets`` the privacy unit is a user: the
+    gradients of a user's examples are summed, and that sum is clipped as one vector.
 
     Args:
         model: the model; a trainable parameter that does not reach an example's loss has a zero
@@ -79,9 +81,11 @@ def per_example_reference(
             scale, undone on the gradients, so that a 16-bit engine is judged on its own arithmetic.
         release_dtype: the type the judged engine clips in, whose margin m applies (default: the
             gradients' type, float32 or wider).
+        unit_offsets: (m + 1,) unit j (a user) holds examples ``offsets[j]:offsets[j + 1]`` of the
+            batch (default: every example its own unit).
 
     Returns:
-        the ``PerExampleReference``.
+        the ``PerExampleReference``, its norms and layer norms per unit.
     """
     live = dict(model.named_parameters())
     names = [n for n, p in live.items() if p.requires_grad] if names is None else list(names)
@@ -91,8 +95,11 @@ def per_example_reference(
     norm_sums = {n: 0.0 for n in names}
     max_abs = {n: torch.zeros((), dtype=torch.float64, device=live[n].device) for n in names}
     norms, layer_sq = [], {}
+    bounds = range(count + 1) if unit_offsets is None else [int(o) for o in unit_offsets]
+    count = len(bounds) - 1
     for i in range(count):
-        grads = _example_gradients(model, live, names, (x[i : i + 1], y[i : i + 1]), loss_fn, views, precision)
+        grads = _unit_gradients(model, live, names, (x[bounds[i] : bounds[i + 1]], y[bounds[i] : bounds[i + 1]]),
+                                loss_fn, views, precision)  # fmt: skip
         for n, g in zip(names, grads):
             layer_sq.setdefault(n.rpartition(".")[0], [0.0] * count)[i] += g.double().square().sum()
         norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
@@ -143,6 +150,18 @@ def _example_gradients(
     else:  # no trainable parameter reaches the loss
         grads = [None] * len(names)
     return [torch.zeros_like(live[n]) if g is None else g.detach() for n, g in zip(names, grads)]
+
+
+def _unit_gradients(
+    model: nn.Module, live: Params, names: list[str], unit: Batch, loss_fn: LossFn, views: int, precision: Precision
+) -> list[torch.Tensor]:
+    """The sum of a unit's examples' gradients, each example's taken alone (a batch of one)."""
+    x, y = unit
+    total = [torch.zeros_like(at_least_fp32(live[n])) for n in names]
+    for j in range(x.shape[0]):
+        for t, g in zip(total, _example_gradients(model, live, names, (x[j : j + 1], y[j : j + 1]), loss_fn, views, precision)):
+            t += g
+    return total
 
 
 def float64_copy(model: nn.Module, batch: Batch) -> tuple[nn.Module, Batch]:

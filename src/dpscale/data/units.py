@@ -1,0 +1,150 @@
+"""Privacy units: which examples belong to one person (user-level DP, issue 43).
+
+With ``data.privacy_unit: user`` the guarantee is about everything one person contributed: the
+sampler draws *users* (each independently with probability q = expected users per step / U), a
+drawn user contributes at most k of its examples (a fresh uniformly random subset each step when it
+has more: chosen from the secret sampling stream, never from the data), and the engine clips the
+sum of a user's contributed gradients as one vector. This module holds the first two pieces: the
+grouping of examples by user (``UserIndex``) and the sampler (``UserPoissonSampler``), whose batches
+keep each user's examples consecutive (``UnitBatch.offsets``) so that a chunk never splits a user.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dpscale.rng import DPRandom, require_dprandom
+
+
+@dataclass(frozen=True)
+class UserIndex:
+    """The examples of each user, in compressed rows.
+
+    Attributes:
+        ids: (U,) the distinct user ids, sorted.
+        offsets: (U + 1,) int64: user u's examples are ``examples[offsets[u]:offsets[u + 1]]``.
+        examples: (N,) int64 example indices grouped by user, ascending within a user.
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    examples: np.ndarray
+
+    @classmethod
+    def from_ids(cls, user_ids: Sequence[Any] | np.ndarray | torch.Tensor) -> "UserIndex":
+        """Group examples by their user id.
+
+        Args:
+            user_ids: one id per example (integers or strings), in dataset order.
+
+        Returns:
+            the index.
+
+        Raises:
+            ValueError: no examples, or an id that is missing (None, NaN or an empty string).
+        """
+        ids = np.asarray(user_ids.cpu().numpy() if isinstance(user_ids, torch.Tensor) else user_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"user ids must be one id per example (a 1-d array), got shape {ids.shape}")
+        _check_present(ids)
+        distinct, inverse = np.unique(ids, return_inverse=True)
+        examples = np.argsort(inverse, kind="stable").astype(np.int64)  # grouped, ascending within a user
+        counts = np.bincount(inverse, minlength=len(distinct))
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return cls(ids=distinct, offsets=offsets, examples=examples)
+
+    @property
+    def num_users(self) -> int:
+        """U, the number of distinct users (the N of a user-level guarantee)."""
+        return len(self.ids)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """(U,) int64: each user's number of examples."""
+        return np.diff(self.offsets)
+
+
+def _check_present(ids: np.ndarray) -> None:
+    """Refuse a missing id: an example without a user cannot be attributed to anyone."""
+    if ids.dtype.kind == "f" and np.isnan(ids).any():
+        raise ValueError(f"user ids: example {int(np.flatnonzero(np.isnan(ids))[0])} has no user id (NaN)")
+    if ids.dtype.kind == "O" and any(i is None for i in ids):
+        raise ValueError(f"user ids: example {next(j for j, i in enumerate(ids) if i is None)} has no user id (None)")
+    if ids.dtype.kind in "UO" and (ids == "").any():
+        raise ValueError(f"user ids: example {int(np.flatnonzero(ids == '')[0])} has an empty user id")
+
+
+@dataclass(frozen=True)
+class UnitBatch:
+    """One step's examples, grouped by privacy unit.
+
+    Attributes:
+        indices: (n,) int64 example indices; each unit's examples consecutive.
+        offsets: (m + 1,) int64: unit j of this batch holds ``indices[offsets[j]:offsets[j + 1]]``.
+    """
+
+    indices: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def num_units(self) -> int:
+        """Units (users) drawn at this step."""
+        return len(self.offsets) - 1
+
+
+class UserPoissonSampler:
+    """Independent Bernoulli(q) inclusion of each of U users per step, at most k examples each.
+
+    A drawn user with more than k examples contributes a uniformly random subset of k, drawn anew at
+    every step from this sampler's (secret) generator: which of its examples are used depends on no
+    other user and on nothing in the data but the user's own count.
+
+    Args:
+        users: the grouping of the N examples by user.
+        sample_rate: q in (0, 1], per user.
+        max_examples_per_user: k >= 1.
+        generator: the sampling RNG; its state is the sampler's whole state.
+    """
+
+    def __init__(self, users: UserIndex, sample_rate: float, max_examples_per_user: int, generator: DPRandom) -> None:
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if isinstance(max_examples_per_user, bool) or int(max_examples_per_user) != max_examples_per_user or max_examples_per_user < 1:
+            raise ValueError(f"max_examples_per_user must be an integer >= 1, got {max_examples_per_user!r}")
+        self.users, self.sample_rate = users, sample_rate
+        self.max_examples_per_user = int(max_examples_per_user)
+        self.generator = require_dprandom(generator, "user-level Poisson sampling")
+
+    def sample_units(self) -> UnitBatch:
+        """The next step's drawn users and their contributed examples (possibly none)."""
+        # float64 uniforms, as for examples (PoissonSampler): no rounding of a small q upwards
+        drawn = np.flatnonzero(self.generator.uniform(self.users.num_users).numpy() < self.sample_rate)
+        starts, sizes = self.users.offsets[drawn], self.users.sizes[drawn]
+        keep = np.minimum(sizes, self.max_examples_per_user)
+        picked = [self._subset(int(s), int(n), int(k)) for s, n, k in zip(starts, sizes, keep)]
+        indices = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(keep)]).astype(np.int64)
+        return UnitBatch(torch.from_numpy(indices), torch.from_numpy(offsets))
+
+    def _subset(self, start: int, size: int, keep: int) -> np.ndarray:
+        """``keep`` of a user's ``size`` examples, uniformly without replacement when it must
+        choose (the k smallest of fresh uniforms), in ascending order."""
+        own = self.users.examples[start : start + size]
+        if keep == size:
+            return own
+        chosen = np.argsort(self.generator.uniform(size).numpy(), kind="stable")[:keep]
+        return np.sort(own[chosen])
+
+    def sample(self) -> torch.Tensor:
+        """Indices (int64, 1-D) of the next step's contributed examples, each user's consecutive."""
+        return self.sample_units().indices
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.load_state_dict(state["generator"])

@@ -1,0 +1,111 @@
+"""Privacy units (issue 43), first pieces: users' examples grouped, users Poisson-sampled with at
+most k examples each, and the per-user form of the float64 reference loop."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dpscale.data.units import UserIndex, UserPoissonSampler
+from dpscale.privacy.clipping import clip_margin
+from dpscale.privacy.reference import per_example_reference
+from dpscale.rng import DPRandom
+
+
+def test_examples_are_grouped_by_user_and_a_missing_id_is_refused():
+    users = UserIndex.from_ids(["b", "a", "b", "c", "a", "b"])
+    assert users.ids.tolist() == ["a", "b", "c"] and users.sizes.tolist() == [2, 3, 1]
+    groups = [users.examples[users.offsets[u] : users.offsets[u + 1]].tolist() for u in range(3)]
+    assert groups == [[1, 4], [0, 2, 5], [3]]
+    for bad, where in (([1.0, float("nan")], "example 1 has no user id"), (["a", None], "example 1"), (["a", ""], "empty")):
+        with pytest.raises(ValueError, match=where):
+            UserIndex.from_ids(np.array(bad, dtype=object if None in bad else None))
+
+
+def _sizes_index(sizes: list[int]) -> UserIndex:
+    return UserIndex.from_ids(np.repeat(np.arange(len(sizes)), sizes))
+
+
+def test_each_user_joins_a_step_with_probability_q_whatever_its_size():
+    sizes = [1, 2, 5, 20] * 25  # 100 users
+    users, q, steps = _sizes_index(sizes), 0.1, 3000
+    sampler = UserPoissonSampler(users, q, 4, DPRandom(7))
+    joined = np.zeros(users.num_users)
+    user_of = np.repeat(np.arange(users.num_users), sizes)
+    for _ in range(steps):
+        batch = sampler.sample_units()
+        first = batch.indices[batch.offsets[:-1]].numpy()  # one example names each drawn user
+        joined[user_of[first]] += 1
+    sd = math.sqrt(steps * q * (1 - q))
+    assert np.abs(joined - steps * q).max() < 5 * sd  # every user, 5 standard deviations
+    by_size = [joined[np.array(sizes) == s].mean() for s in (1, 2, 5, 20)]
+    assert max(by_size) - min(by_size) < 5 * sd / math.sqrt(25)  # no size is favoured
+
+
+def test_a_drawn_user_contributes_min_size_k_of_its_own_examples_chosen_uniformly():
+    users, k = _sizes_index([10, 3, 1]), 3
+    sampler = UserPoissonSampler(users, 1.0, k, DPRandom(3))
+    picked = np.zeros(10)
+    for _ in range(4000):
+        batch = sampler.sample_units()
+        assert batch.offsets.tolist() == [0, 3, 6, 7]  # min(size, k) each, users consecutive
+        units = [batch.indices[a:b].tolist() for a, b in zip(batch.offsets[:-1], batch.offsets[1:])]
+        assert set(units[0]) <= set(range(10)) and len(set(units[0])) == 3
+        assert units[1] == [10, 11, 12] and units[2] == [13]
+        picked[units[0]] += 1
+    sd = math.sqrt(4000 * 0.3 * 0.7)
+    assert np.abs(picked - 4000 * 0.3).max() < 5 * sd  # each of the 10 examples in 3/10 of the draws
+
+
+def test_the_sampler_resumes_where_it_stood():
+    users = _sizes_index([4, 1, 7, 2, 9])
+    a = UserPoissonSampler(users, 0.5, 2, DPRandom(11))
+    for _ in range(5):
+        a.sample()
+    b = UserPoissonSampler(users, 0.5, 2, DPRandom(99))
+    b.load_state_dict(a.state_dict())
+    for _ in range(5):
+        assert torch.equal(a.sample(), b.sample())
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True, -2])
+def test_a_bad_k_or_q_is_refused(bad):
+    users = _sizes_index([2, 2])
+    with pytest.raises(ValueError, match="max_examples_per_user"):
+        UserPoissonSampler(users, 0.5, bad, DPRandom(0))
+    with pytest.raises(ValueError, match="sample_rate"):
+        UserPoissonSampler(users, 0.0, 2, DPRandom(0))
+
+
+def _user_loop(model, x, y, offsets, clip):
+    """Independent float64 per-user clipped sum: one backward pass over each user's summed loss
+    (which is the sum of its examples' gradients), clipped as one vector to C (1 - m)."""
+    params = list(model.parameters())
+    total, norms = [torch.zeros_like(p) for p in params], []
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        loss = nn.functional.cross_entropy(model(x[a:b]), y[a:b], reduction="sum")
+        grads = torch.autograd.grad(loss, params)
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+        factor = min(1.0, clip * (1 - clip_margin(torch.float64)) / (norm + 1e-6))
+        for t, g in zip(total, grads):
+            t += factor * g
+        norms.append(norm)
+    return total, norms
+
+
+def test_the_reference_clips_each_users_summed_gradient_as_one_vector():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(9, 6, dtype=torch.float64) * 3, torch.randint(0, 3, (9,))
+    offsets = [0, 4, 5, 9]  # users of 4, 1 and 4 examples
+    want, want_norms = _user_loop(model, x, y, offsets, clip=1.0)
+    got = per_example_reference(model, (x, y), 1.0, unit_offsets=offsets)
+    assert got.norms.tolist() == pytest.approx(want_norms, rel=1e-12)
+    for (name, p), w in zip(model.named_parameters(), want):
+        torch.testing.assert_close(got.clipped_sum[name], w, rtol=1e-12, atol=1e-15)
+    # per example (the default unit) is a different mechanism on the same data: the test has teeth
+    per_example = per_example_reference(model, (x, y), 1.0)
+    assert len(per_example.norms) == 9
+    assert not torch.allclose(per_example.clipped_sum["0.weight"], got.clipped_sum["0.weight"])
