@@ -32,22 +32,27 @@ def test_groupnorm_gives_zero_mean_unit_variance_per_example_and_group():
 
 
 def _algorithm_2_reference(x, c1, c2, sigma, tau, seed):
-    """Tramer & Boneh Algorithm 2 written as loops over examples (the noise drawn in the same order)."""
+    """Tramer & Boneh Algorithm 2 written as loops over examples in Python floats (float64; the
+    noise drawn in the same order). An example whose K-vector (or its norm) is not finite
+    contributes nothing to that sum (issue 43, 6b)."""
     n, k = x.shape[:2]
     generator = DPRandom(seed)
+    rows = [[[float(v) for v in x[i, c].flatten()] for c in range(k)] for i in range(n)]
 
-    def channel_mean(data, clip):
+    def channel_mean(square, clip):
         total = [0.0] * k
-        for i in range(n):
-            mu = [float(data[i, c].double().mean()) for c in range(k)]
+        for example in rows:
+            mu = [sum(v * v if square else v for v in values) / len(values) for values in example]
             norm = math.sqrt(sum(v * v for v in mu))
+            if not math.isfinite(norm):
+                continue
             scale = min(1.0, clip / norm) if norm > 0 else 1.0
             total = [t + v * scale for t, v in zip(total, mu)]
         noise = generator.normal((k,), dtype=torch.float64).tolist()
         return [(t + sigma * clip * z) / n for t, z in zip(total, noise)]
 
-    mean = channel_mean(x, c1)
-    mean_sq = channel_mean(x * x, c2)
+    mean = channel_mean(False, c1)
+    mean_sq = channel_mean(True, c2)
     var = [max(s - m * m, tau) for s, m in zip(mean_sq, mean)]
     return torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64)
 
@@ -83,6 +88,100 @@ def test_one_example_moves_the_noiseless_sum_by_at_most_the_clip_norm():
     without = private_channel_mean(x, 0.2, 0.0, gen()) * 10
     with_outlier = private_channel_mean(torch.cat([x, outlier]), 0.2, 0.0, gen()) * 11
     assert float((with_outlier - without).norm()) <= 0.2 + 1e-9
+
+
+# One example holding inf, NaN, or a finite float32 value whose square overflows float32 (issue 43,
+# 6b): Data Normalization released NaN, so that example's presence was visible in the release.
+BAD_VALUES = pytest.mark.parametrize("bad", [float("inf"), float("nan"), 3e19], ids=["inf", "nan", "3e19"])
+
+
+def _normal_batch(n=10):
+    torch.manual_seed(4)
+    return torch.rand(n, 3, 2, 2) * 4  # per-channel variance about 1.3, well above the noise below
+
+
+def _with_bad_example(x, bad):
+    """x plus one more example: ordinary except for one coordinate set to ``bad``."""
+    example = x[:1].clone()
+    example[0, 1, 0, 1] = bad
+    return torch.cat([x, example])
+
+
+@BAD_VALUES
+def test_one_non_finite_or_overflowing_example_cannot_make_the_release_non_finite(bad):
+    x = _with_bad_example(_normal_batch(), bad)
+    stats = private_data_norm(x, 0.5, 2.0, 1.5, 1e-3, DPRandom(0))
+    assert stats.mean.isfinite().all() and stats.var.isfinite().all()
+    assert private_channel_mean(x, 0.5, 1.5, DPRandom(0)).isfinite().all()
+    assert private_channel_mean(x.square(), 0.5, 1.5, DPRandom(0)).isfinite().all()
+
+
+@pytest.mark.parametrize("fill", [float("inf"), float("-inf"), float("nan")])
+def test_an_all_non_finite_batch_releases_pure_noise(fill):
+    x = torch.full((4, 3, 2, 2), fill)
+    stats = private_data_norm(x, 0.5, 2.0, 1.5, 1e-3, DPRandom(1))
+    noise = DPRandom(1).normal((2, 3), dtype=torch.float64)  # mean's noise, then mean-square's
+    assert torch.allclose(stats.mean, noise[0] * 1.5 * 0.5 / 4, rtol=1e-12, atol=0)
+    expected_var = torch.clamp(noise[1] * 1.5 * 2.0 / 4 - stats.mean.square(), min=1e-3)
+    assert torch.allclose(stats.var, expected_var, rtol=1e-12, atol=0)
+
+
+def _noisy_sums(x, c1, c2, sigma, tau, seed):
+    """N * released mean and N * released mean-square (recovered from var; var must exceed tau)."""
+    stats = private_data_norm(x, c1, c2, sigma, tau, DPRandom(seed))
+    assert (stats.var > tau).all(), "var was floored: the mean-square cannot be recovered"
+    return stats.mean * len(x), (stats.var + stats.mean.square()) * len(x)
+
+
+@BAD_VALUES
+def test_adding_a_bad_example_moves_each_noisy_sum_by_at_most_its_clip(bad):
+    # Neighbouring datasets under add/remove, same noise: the noise cancels in the difference of
+    # the (un-normalised) sums, which is the added example's clipped contribution.
+    x, c1, c2 = _normal_batch(), 0.5, 2.0
+    mean_without, square_without = _noisy_sums(x, c1, c2, 0.1, 1e-3, 5)
+    mean_with, square_with = _noisy_sums(_with_bad_example(x, bad), c1, c2, 0.1, 1e-3, 5)
+    mean_shift, square_shift = (mean_with - mean_without).norm(), (square_with - square_without).norm()
+    if math.isfinite(bad):  # 3e19: clipped to exactly C1 and C2 (it needs clipping on both)
+        assert float(mean_shift) == pytest.approx(c1, rel=1e-9)
+        assert float(square_shift) == pytest.approx(c2, rel=1e-9)
+    else:  # a non-finite example contributes exactly nothing
+        assert float(mean_shift) < 1e-12 and float(square_shift) < 1e-12
+    without = private_channel_mean(x, c1, 3.0, DPRandom(6)) * len(x)
+    with_bad = private_channel_mean(_with_bad_example(x, bad), c1, 3.0, DPRandom(6)) * (len(x) + 1)
+    assert float((with_bad - without).norm()) <= c1 * (1 + 1e-9)
+
+
+def test_data_norm_with_bad_examples_matches_the_float64_loop():
+    x = _normal_batch()
+    for bad in (float("inf"), float("nan"), 3e19, -3e19):
+        x = _with_bad_example(x, bad)
+    stats = private_data_norm(x, 0.5, 2.0, 1.5, 1e-3, DPRandom(42))
+    mean, var = _algorithm_2_reference(x, 0.5, 2.0, 1.5, 1e-3, 42)
+    assert torch.allclose(stats.mean, mean, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(stats.var, var, rtol=1e-9, atol=1e-12)
+    # Batching the float64 casts does not change the release.
+    batched = private_data_norm(x, 0.5, 2.0, 1.5, 1e-3, DPRandom(42), batch_size=3)
+    assert torch.allclose(batched.mean, stats.mean, rtol=1e-12) and torch.allclose(batched.var, stats.var, rtol=1e-12)
+    # float64 input whose square overflows float64 (2e154^2 > 1.8e308): its channel means (norm
+    # about 5e153) still count, clipped to C1; its mean-squares contribute nothing.
+    x64 = _with_bad_example(_normal_batch().double(), 2e154)
+    stats = private_data_norm(x64, 0.5, 2.0, 1.5, 1e-3, DPRandom(42))
+    mean, var = _algorithm_2_reference(x64, 0.5, 2.0, 1.5, 1e-3, 42)
+    assert torch.allclose(stats.mean, mean, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(stats.var, var, rtol=1e-9, atol=1e-12)
+    shift = private_data_norm(x64[:-1], 0.5, 2.0, 1.5, 1e-3, DPRandom(42)).mean * 10 - stats.mean * 11
+    assert float(shift.norm()) == pytest.approx(0.5, rel=1e-9)
+
+
+def test_data_norm_refuses_parameters_that_make_the_release_non_finite():
+    x = _normal_batch()
+    for args in ((float("inf"), 1.0, 1.0, 1e-3), (1.0, 1.0, float("inf"), 1e-3), (1.0, 0.0, 1.0, 1e-3)):
+        with pytest.raises(ValueError, match="private_data_norm needs"):
+            private_data_norm(x, *args, DPRandom(0))
+    with pytest.raises(ValueError, match="private_channel_mean needs"):
+        private_channel_mean(x, float("inf"), 1.0, DPRandom(0))
+    with pytest.raises(ValueError, match="private_channel_mean needs"):
+        private_channel_mean(x[:0], 1.0, 1.0, DPRandom(0))
 
 
 def test_variance_floor_and_state_round_trip():

@@ -58,36 +58,85 @@ def group_normalize(x: torch.Tensor, groups: int, eps: float = GROUPNORM_EPS) ->
     return F.group_norm(x, groups, eps=eps)
 
 
-def _per_example_channel_means(x: torch.Tensor) -> torch.Tensor:
-    """[N, K, ...] -> [N, K] in float64: each example's mean over its spatial positions."""
-    return x.reshape(x.shape[0], x.shape[1], -1).to(torch.float64).mean(dim=2)
+def _per_example_channel_means(x: torch.Tensor, square: bool, batch_size: int) -> torch.Tensor:
+    """Each example's mean over its spatial positions of x (or of x^2), in float64.
+
+    Args:
+        x: [N, K, ...] features, any float dtype and device.
+        square: average x^2 instead of x.
+        batch_size: examples cast to float64 at a time (bounds the copy).
+
+    Returns:
+        [N, K] float64 on x's device; inf/NaN where an example's input is, or where its float64
+        square or sum overflows (only float64 inputs can: float32's maximum squared is 1.2e77).
+    """
+    parts = []
+    for start in range(0, len(x), batch_size):
+        batch = x[start : start + batch_size]
+        rows = batch.reshape(len(batch), x.shape[1], -1).to(torch.float64)
+        # Square after the cast: 3e19 squared overflows float32 (max 3.4e38) but not float64.
+        parts.append((rows.square() if square else rows).mean(dim=2))
+    return torch.cat(parts)
+
+
+def _clipped_sum(stats: torch.Tensor, clip: float) -> torch.Tensor:
+    """Sum over examples of each row of ``stats`` clipped to L2 norm ``clip``.
+
+    Args:
+        stats: [N, K] float64 per-example statistics.
+        clip: C, the L2 bound on each row (the sum's add/remove sensitivity).
+
+    Returns:
+        [K] float64 on CPU.
+    """
+    norms = stats.norm(dim=1, keepdim=True)
+    factors = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
+    # A row whose norm is not finite (inf/NaN input, or a float64 row beyond about 1e154 whose
+    # squares overflow) contributes exactly zero, as in private_feature_mean: inf * 0 would be
+    # NaN and make that one example's presence visible in the release. Zero is within C, so the
+    # sensitivity is unchanged, and each contribution still depends on its own example alone.
+    return torch.where(norms.isfinite(), stats * factors, 0.0).sum(dim=0).cpu()
+
+
+def _release_channel_mean(
+    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, square: bool, batch_size: int
+) -> torch.Tensor:  # fmt: skip
+    """PrivChannelMean on x (or x^2) without argument checks; see :func:`private_channel_mean`."""
+    total = _clipped_sum(_per_example_channel_means(x, square, batch_size), clip)
+    noise = require_dprandom(generator, "Data Normalization noise").normal(total.shape, dtype=torch.float64)
+    return (total + noise * (noise_multiplier * clip)) / len(x)
+
+
+def _finite_positive(*values: float) -> bool:
+    """True if every value is a finite number > 0 (an infinite clip or floor would make the release inf/NaN)."""
+    return all(math.isfinite(v) and v > 0 for v in values)
 
 
 def private_channel_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom
+    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096
 ) -> torch.Tensor:
     """PrivChannelMean of Algorithm 2: mean over examples of per-example channel means, each
     clipped to L2 norm ``clip``, plus N(0, (noise_multiplier * clip)^2) noise on the sum.
 
     One Gaussian mechanism with sensitivity ``clip`` (add/remove one example); the division by
     N treats the dataset size as public, as DP-SGD's division by the expected batch size does.
+    An example whose channel means' L2 norm is not finite (an inf/NaN feature) contributes zero,
+    so the estimate is finite for any input; how many did is not reported (it is not private).
 
     Args:
-        x: [N, K, ...] private features.
-        clip: C, L2 bound on each example's K-vector of channel means.
-        noise_multiplier: sigma_norm (0: no noise, not private).
+        x: [N, K, ...] private features; N >= 1.
+        clip: C, finite L2 bound on each example's K-vector of channel means.
+        noise_multiplier: sigma_norm, finite (0: no noise, not private).
         generator: the noise RNG (128-bit seeded: the released statistics must not reveal
             their noise); draws K standard normals (float64, on CPU), even when sigma_norm = 0.
+        batch_size: examples cast to float64 at a time.
 
     Returns:
         [K] float64 estimate.
     """
-    means = _per_example_channel_means(x)
-    norms = means.norm(dim=1, keepdim=True)
-    clipped = means * torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
-    total = clipped.sum(dim=0).cpu()
-    noise = require_dprandom(generator, "Data Normalization noise").normal(total.shape, dtype=torch.float64)
-    return (total + noise * (noise_multiplier * clip)) / x.shape[0]
+    if not (_finite_positive(clip) and math.isfinite(noise_multiplier) and noise_multiplier >= 0 and len(x) > 0):
+        raise ValueError("private_channel_mean needs a finite clip > 0, a finite noise_multiplier >= 0 and N >= 1")
+    return _release_channel_mean(x, clip, noise_multiplier, generator, False, batch_size)
 
 
 @dataclass(frozen=True)
@@ -116,6 +165,7 @@ def private_data_norm(
     noise_multiplier: float,
     floor: float,
     generator: DPRandom,
+    batch_size: int = 4096,
 ) -> DataNormStats:
     """PrivDataNorm (Tramer & Boneh, Algorithm 2): private per-channel mean and variance.
 
@@ -124,21 +174,32 @@ def private_data_norm(
     multiplier sigma_norm, i.e. (alpha, alpha / sigma_norm^2)-RDP (their Claim B.5); see
     :func:`data_norm_release` for the accounting event.
 
+    x^2 is taken in float64, so a float32 feature up to its maximum is clipped like any other.
+    In each sum, an example whose statistic's L2 norm is not finite in float64 (an inf/NaN
+    feature; for float64 input, values beyond about 1e154) contributes zero, so both statistics
+    are finite for any input and each sum's sensitivity stays C1 or C2 (issue 43, 6b). How many
+    examples that dropped is not reported (the count is not private).
+
     Args:
-        x: [N, K, ...] private training features.
-        clip_mean: C1, L2 bound on each example's channel means.
-        clip_square: C2, L2 bound on each example's channel mean-squares.
-        noise_multiplier: sigma_norm.
+        x: [N, K, ...] private training features; N >= 1.
+        clip_mean: C1, L2 bound on each example's channel means (finite).
+        clip_square: C2, L2 bound on each example's channel mean-squares (finite).
+        noise_multiplier: sigma_norm (finite).
         floor: tau, the smallest variance allowed (keeps noisy near-constant channels finite).
         generator: noise RNG.
+        batch_size: examples cast to float64 at a time.
 
     Returns:
         DataNormStats.
     """
-    if not (clip_mean > 0 and clip_square > 0 and floor > 0 and noise_multiplier >= 0):
-        raise ValueError("private_data_norm needs clip_mean, clip_square, floor > 0 and noise_multiplier >= 0")
-    mean = private_channel_mean(x, clip_mean, noise_multiplier, generator)
-    mean_square = private_channel_mean(x.square(), clip_square, noise_multiplier, generator)
+    finite_noise = math.isfinite(noise_multiplier) and noise_multiplier >= 0
+    if not (_finite_positive(clip_mean, clip_square, floor) and finite_noise and len(x) > 0):
+        raise ValueError(
+            "private_data_norm needs finite clip_mean, clip_square, floor > 0, "
+            "a finite noise_multiplier >= 0 and N >= 1"
+        )
+    mean = _release_channel_mean(x, clip_mean, noise_multiplier, generator, False, batch_size)
+    mean_square = _release_channel_mean(x, clip_square, noise_multiplier, generator, True, batch_size)
     var = torch.clamp(mean_square - mean.square(), min=floor)
     return DataNormStats(mean, var)
 
