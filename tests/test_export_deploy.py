@@ -227,6 +227,22 @@ def test_no_local_path_in_any_exported_file(finished_run, tmp_path, tmp_path_fac
     )
 
 
+def test_a_data_root_changed_on_resume_is_not_shipped_and_the_export_folder_is_owner_only(partial_run, folder, tmp_path):
+    """The privacy section quotes each --set of a resume, old and new value: a moved data root (a
+    review found the old one in the safetensors header) is named as a local path, not shipped."""
+    pytest.importorskip("safetensors")
+    run, moved = tmp_path / "run", tmp_path / "moved" / "pets2"
+    shutil.copytree(partial_run, run)
+    shutil.copytree(folder, moved)
+    assert main(["train", "--quiet", "--resume", str(run), "--set", f"data.root={moved}"]) == 0
+    assert main(["export", str(run)]) == 0
+    shipped = run / "export" / "model.safetensors"
+    assert (shipped.parent.stat().st_mode & 0o777) == 0o700
+    for path in (shipped, Path(f"{shipped}.card.md")):
+        data = path.read_bytes()
+        assert str(folder).encode() not in data and str(moved).encode() not in data, path.name
+
+
 def test_the_onnx_export_prints_no_warning(finished_run, tmp_path, recwarn, monkeypatch):
     """No Python warning and no log record from torch at WARNING or above (the exporter logged
     four, one for each torchvision operator it skips when torchvision is not installed)."""

@@ -63,6 +63,13 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+def test_a_batchnorm1d_of_one_feature_is_refused_naming_the_layer():
+    # GroupNorm(1, 1) on (N, 1) input would normalise each example's one value to 0 (a review found it)
+    model = nn.Sequential(nn.Linear(3, 1), nn.BatchNorm1d(1), nn.Linear(1, 2))
+    with pytest.raises(ValueError, match=r"layer '1': BatchNorm1d\(1\) has no per-example equivalent"):
+        convert_batchnorm_to_groupnorm(model)
+
+
 def test_plot_of_a_folder_of_runs_writes_owner_only_pngs_one_line_each(run_dir, tmp_path, capsys):
     sweep = tmp_path / "sweep"
     for name in ("b", "a"):

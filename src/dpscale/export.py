@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import dpscale
-from dpscale._io import atomic_write_bytes, atomic_write_text
+from dpscale._io import atomic_write_bytes, atomic_write_text, make_private_dir
 from dpscale.errors import ConfigError
 from dpscale.choices import EXPORT_FORMATS
 from dpscale.exported import (
@@ -109,7 +109,7 @@ def export_run(
     metadata = _without_local_paths(metadata, _local_paths(trainer))
     model = model.float().cpu()
     path = Path(out) if out is not None else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(path.parent)  # owner-only, like every output
     wrapped = ImagesInUnitRange(model if features is None else nn.Sequential(features, model), trainer.config.data.normalize)
     _WRITERS[fmt](wrapped.eval(), metadata, path)
     card = card_path(path)
@@ -292,6 +292,8 @@ def _local_paths(trainer: Any) -> list[tuple[str, str]]:
     named = [(trainer.run_dir, "<run directory>"), (config.data.root, "<data root>"),
              (config.data.val_labels, "<val labels>"), (config.model.init, "<model.init>"),
              (config.model.init_seed_model, "<model.init_seed_model>"), (Path.home(), "~")]  # fmt: skip
+    # a path changed on resume is quoted, old and new, in the privacy section's config_changes
+    named += [(value, "<local path>") for value in _strings(trainer.config_changes) if Path(value).expanduser().is_absolute()]
     found: dict[str, str] = {}
     for value, stand_in in named:
         if value is None:
@@ -301,6 +303,15 @@ def _local_paths(trainer: Any) -> list[tuple[str, str]]:
             if len(form.parts) > 1:  # never "/" itself
                 found.setdefault(str(form), stand_in)
     return sorted(found.items(), key=lambda item: -len(item[0]))
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a nest of dicts and lists."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
 
 
 def _without_local_paths(value: Any, paths: list[tuple[str, str]]) -> Any:

@@ -50,6 +50,12 @@ def _groupnorm_for(batchnorm: nn.modules.batchnorm._BatchNorm, num_groups: int) 
         training), else the largest divisor of the channel count up to ``num_groups``.
     """
     channels = batchnorm.num_features
+    if isinstance(batchnorm, nn.BatchNorm1d) and channels == 1:
+        # GroupNorm(1, 1) on (N, 1) input normalises each example's one value to 0: it erases its input
+        raise ValueError(
+            "BatchNorm1d(1) has no per-example equivalent (normalising one value per example erases it): "
+            "remove the layer or replace it by nn.Identity() before convert_batchnorm_to_groupnorm"
+        )
     groups = 1 if isinstance(batchnorm, nn.BatchNorm1d) else _group_count(channels, num_groups)
     norm = nn.GroupNorm(groups, channels, eps=batchnorm.eps, affine=batchnorm.affine)
     if batchnorm.affine:
@@ -74,10 +80,16 @@ def convert_batchnorm_to_groupnorm(model: nn.Module, num_groups: int = 32) -> nn
 
     Returns:
         ``model``.
+
+    Raises:
+        ValueError: a BatchNorm1d of one feature (no per-example form keeps its input).
     """
     for name, child in list(model.named_children()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            setattr(model, name, _groupnorm_for(child, num_groups))
+            try:
+                setattr(model, name, _groupnorm_for(child, num_groups))
+            except ValueError as err:
+                raise ValueError(f"convert_batchnorm_to_groupnorm: layer {name!r}: {err}") from err
         else:
             convert_batchnorm_to_groupnorm(child, num_groups)
     return model
