@@ -421,3 +421,19 @@ def test_the_opacus_table_and_clipping_doc_give_the_per_tensor_form():
     clipping = (docs / "clipping.md").read_text()
     section = re.search(r"\n## Per-tensor norms.*?(?=\n## )", clipping, re.DOTALL)
     assert section and "sqrt(sum_i C_i^2)" in section.group(0) and 'clipping="per_layer"' in section.group(0)
+
+
+def test_freezing_a_tensor_after_per_tensor_bounds_were_fixed_is_refused_saying_why():
+    # a review found the old refusal spoke of patterns the user never wrote ("add a last '*'")
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=40, batch_size=8, max_grad_norm=0.5,
+        max_grad_norm_per="tensor", noise_multiplier=1.0, delta=1e-5, steps=4, seed=0,
+    )  # fmt: skip
+    x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+    indices = mechanism.sample()
+    mechanism.step(x[indices], y[indices])
+    model[2].bias.requires_grad_(False)
+    indices = mechanism.sample()
+    with pytest.raises(ValueError, match=r"max_grad_norm_per='tensor' fixed one bound per trainable tensor .*now 3, planned 4"):
+        mechanism.step(x[indices], y[indices])
