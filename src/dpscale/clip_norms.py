@@ -43,6 +43,24 @@ def is_per_tensor(max_grad_norm: MaxGradNorm) -> bool:
     return is_per_layer(max_grad_norm) and all(_LITERAL.fullmatch(p) for p in max_grad_norm)  # type: ignore[union-attr]
 
 
+def check_same_tensors(max_grad_norm: MaxGradNorm, trainable: list[str]) -> None:
+    """Refuse per-tensor bounds whose tensors are no longer the trainable ones.
+
+    Args:
+        max_grad_norm: the plan's C (per tensor: a mapping of literal tensor names).
+        trainable: the names of the model's trainable tensors now.
+
+    Raises:
+        ValueError: a tensor frozen or unfrozen since the bounds were fixed.
+    """
+    if is_per_tensor(max_grad_norm) and set(trainable) != set(max_grad_norm):  # type: ignore[arg-type]
+        raise ValueError(
+            "max_grad_norm_per='tensor' fixed one bound per trainable tensor when the mechanism was made, and the "
+            f"trainable tensors have changed since (now {len(trainable)}, planned {len(max_grad_norm)}): freeze or "  # type: ignore[arg-type]
+            "unfreeze before make_private, or call it again"
+        )
+
+
 def clip_sensitivity(max_grad_norm: MaxGradNorm) -> float | None:
     """The L2 bound on one example's clipped gradient: C, or sqrt(sum_g C_g^2) per layer (per
     tensor: over the tensors); None without clipping."""

@@ -11,9 +11,13 @@ from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
 from dpscale.cli.args import number_arg, refusals_as_config_errors
 from dpscale.errors import ConfigError
 
+# The smallest delta' the --group-size search tries with the RDP accountant (the PLD one stops at its PLD_MIN_DELTA).
+RDP_MIN_DELTA = 1e-100
+
 
 def _cmd_account(args: argparse.Namespace) -> int:
     _check_account_args(args)
+    _check_unit_args(args)
     releases = _feature_releases(args.data_norm_noise, args.feature_mean_noise)
     if args.mechanism == "bandmf":
         result = _account_bandmf(args, releases)
@@ -58,6 +62,7 @@ def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]
         "compositions": plan.compositions(steps), "accountant": plan.accountant, "eps_tan": plan.eps_tan,
         "dataset_size": args.dataset_size, "batch_size": args.batch_size, "target_epsilon": args.target_epsilon,
         "data_norm_noise": args.data_norm_noise, "feature_mean_noise": args.feature_mean_noise, "header": plan.describe(),
+        "unit": "example",
     }  # fmt: skip
 
 
@@ -78,6 +83,26 @@ def _check_account_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
+
+
+def _check_unit_args(args: argparse.Namespace) -> None:
+    """Refuse --examples-per-user without --unit user, --group-size with it, and what a user-level
+    plan or the group reading cannot cover (BandMF, per-image releases)."""
+    per_user, group = args.examples_per_user, args.group_size
+    if per_user is not None and args.unit != "user":
+        raise ConfigError("--examples-per-user needs --unit user (for an example-level run, --group-size K says what "
+                          "it promises a person with K images)")  # fmt: skip
+    if group is not None and args.unit == "user":
+        raise ConfigError("--group-size is for example-level runs: a --unit user guarantee already covers all of a "
+                          "person's images")  # fmt: skip
+    for flag, k in (("--examples-per-user", per_user), ("--group-size", group)):
+        if k is not None and k < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {k}")
+    if args.mechanism == "bandmf" and (args.unit == "user" or group is not None):
+        raise ConfigError("--unit user and --group-size account DP-SGD (--mechanism dpsgd) only")
+    if args.unit == "user" and (args.data_norm_noise is not None or args.feature_mean_noise is not None):
+        raise ConfigError("--unit user accounts the DP-SGD steps alone: --data-norm-noise and --feature-mean-noise "
+                          "are releases with one image's sensitivity, not one person's")  # fmt: skip
 
 
 def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple:
@@ -151,17 +176,72 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
         "data_norm_noise": args.data_norm_noise,
         "feature_mean_noise": args.feature_mean_noise,
         "wall_warning": wall_warning,
+        **_unit_fields(args, epsilon),
+        "group_privacy": _group_fields(args, sigma, steps, releases, epsilon) if args.group_size else None,
     }
+
+
+def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
+    """Who the guarantee protects: the unit ("example": one image; "user": one person, N and B
+    counting people), its words, k images per person (recorded only) and what epsilon means."""
+    from dpscale.privacy.group_privacy import meaning, unit_text
+
+    words = unit_text(args.unit)
+    return {
+        "unit": args.unit,
+        "unit_text": words,
+        "examples_per_user": args.examples_per_user,
+        "meaning": meaning(epsilon=epsilon, delta=args.delta, unit_words=words),
+    }
+
+
+def _group_fields(
+    args: argparse.Namespace, sigma: float, steps: int, releases: tuple, epsilon: float
+) -> dict[str, Any]:
+    """What an example-level run promises a person with k = --group-size images (group privacy):
+    (k eps, delta_k) straight from (eps, delta), and the smallest k eps(delta') whose delta_k is --delta."""
+    from dpscale.privacy.accountant import PLD_MIN_DELTA, PrivacyAccountant
+    from dpscale.privacy.group_privacy import (
+        GROUP_PRIVACY_LABEL, GROUP_PRIVACY_SOURCE, best_group_bound, direct_group_bound, meaning, unit_text,
+    )  # fmt: skip
+
+    k = args.group_size
+    accountant = PrivacyAccountant(args.accountant)
+    for release in releases:
+        accountant.record(release)
+    accountant.step(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma, num_steps=steps)
+    floor = PLD_MIN_DELTA if args.accountant == "pld" else RDP_MIN_DELTA
+    with refusals_as_config_errors():
+        direct = direct_group_bound(epsilon=epsilon, delta=args.delta, group_size=k)
+        best = best_group_bound(
+            epsilons_at=accountant.epsilons, target_delta=args.delta, group_size=k, min_delta=floor,
+            extra_deltas=(args.delta,),
+        )  # fmt: skip
+    words = unit_text("example", group_size=k)
+    return {
+        "group_size": k, "bound": GROUP_PRIVACY_LABEL, "source": GROUP_PRIVACY_SOURCE,
+        "direct_epsilon": direct.epsilon, "direct_delta": direct.delta if math.isfinite(direct.delta) else None,
+        "epsilon": best.epsilon if best else None, "delta": args.delta,
+        "example_epsilon": best.example_epsilon if best else None,
+        "example_delta": best.example_delta if best else None,
+        "min_delta": floor, "unit_text": words,
+        "meaning": meaning(epsilon=best.epsilon, delta=args.delta, unit_words=words) if best else None,
+    }  # fmt: skip
 
 
 def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     from dpscale.privacy.tan import PRIVACY_WALL_SIGMA
 
     n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
+    people = result["unit"] == "user"
     print(
-        f"DP-SGD with Poisson sampling q = {b}/{n} = {q:.6g}, noise multiplier sigma = {sigma:.6g}, "
-        f"{steps} steps ({steps * q:.4g} epochs)"
+        f"DP-SGD with Poisson sampling{' of people' if people else ''} q = {b}/{n} = {q:.6g}, noise multiplier "
+        f"sigma = {sigma:.6g}, {steps} steps ({steps * q:.4g} {'passes over the people' if people else 'epochs'})"
     )
+    if people:
+        k = f"{result['examples_per_user']} images each; " if result["examples_per_user"] else ""
+        print(f"  privacy unit: one person ({k}each person's summed gradient is clipped to C, so epsilon does not "
+              "depend on their number of images)")  # fmt: skip
     parts = [f"private Data Normalization (sigma_norm = {result['data_norm_noise']:g})"] if result["data_norm_noise"] else []
     if result["feature_mean_noise"]:
         parts.append(f"private centring (sigma_center = {result['feature_mean_noise']:g})")
@@ -172,6 +252,35 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
     if result["wall_warning"]:
         print(f"WARNING: {result['wall_warning']}")
+    print(result["meaning"])
+    if people:
+        print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
+              "gradient; dpscale train samples and clips images (an example-level run: see --group-size)")  # fmt: skip
+    if result["group_privacy"]:
+        _print_group(result["group_privacy"], result["epsilon"], result["delta"])
+
+
+def _print_group(group: dict[str, Any], epsilon: float, delta: float) -> None:
+    """The group-privacy reading of the example-level guarantee for a person with k images."""
+    k = group["group_size"]
+    print(f"For a person with {k} images ({group['bound']}) [{group['source']}]:")
+    direct_delta = math.inf if group["direct_delta"] is None else group["direct_delta"]
+    vacuous = ": delta >= 1, no guarantee" if direct_delta >= 1 else ""
+    print(
+        f"  epsilon = {group['direct_epsilon']:.4f} at delta = {direct_delta:.3g}  "
+        f"({k} x {epsilon:.4f}, from the run's epsilon at delta = {delta:g}{vacuous})"
+    )
+    if group["epsilon"] is None:
+        print(
+            f"  no guarantee at delta = {delta:g}: no delta' of the run's epsilon curve (down to "
+            f"{group['min_delta']:g}, the smallest the accountant resolves) meets it"
+        )
+        return
+    print(
+        f"  epsilon = {group['epsilon']:.4f} at delta = {delta:g}  "
+        f"({k} x {group['example_epsilon']:.4f}, the run's epsilon at delta' = {group['example_delta']:.3g})"
+    )
+    print("  " + group["meaning"])
 
 
 def add_account_parser(sub: argparse._SubParsersAction) -> None:
@@ -199,5 +308,14 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--bands", default="auto", help="BandMF's b, or auto (least expected error x sigma)")
     acc.add_argument("--max-bands", type=int, default=DEFAULT_MAX_BANDS, help="the largest b that auto tries")
     acc.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of the workload BandMF optimises for")
+    acc.add_argument(
+        "--unit", choices=("example", "user"), default="example",
+        help="privacy unit: example (one image), or user (one person: --dataset-size and --batch-size count people)",
+    )
+    acc.add_argument("--examples-per-user", type=int, metavar="K", help="--unit user: images per person (recorded)")
+    acc.add_argument(
+        "--group-size", type=int, metavar="K",
+        help="also print what this example-level guarantee promises a person with K images (group privacy)",
+    )
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)

@@ -21,6 +21,7 @@ from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
 )  # fmt: skip
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
+from dpscale.privacy.group_privacy import meaning, unit_text
 
 if TYPE_CHECKING:  # the plan itself never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
@@ -405,13 +406,7 @@ class DPPlan:
         if self.simulation:
             return ("No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
                     f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}.")  # fmt: skip
-        factor = math.exp(min(self.epsilon, 700.0))  # beyond, a float overflows (and means nothing)
-        factor_text = f"{factor:.3g}" if factor < 1e6 else f"{factor:.1e}"
-        return (
-            f"What it means: adding or removing any one training image changes the probability of any outcome of "
-            f"training (the model's weights and all computed from them) by at most a factor e^epsilon = {factor_text}, "
-            f"except with probability delta = {self.delta:g}."
-        )
+        return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text("example"))
 
     def status(self, epsilon: float, reference_epsilon: float | None = None) -> str:
         """The privacy clause of every result line (train, eval, tan simulate, sweeps): what the

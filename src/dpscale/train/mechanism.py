@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from dpscale.clip_norms import is_per_tensor
+from dpscale.clip_norms import check_same_tensors
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
 from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
@@ -196,11 +196,9 @@ class DPMechanism:
             engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
             noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * self.clip
             gradient, stats = noisy_clipped_mean(
-                engine, self.model, chunks,
-                noise_std=noise_std, expected_batch_size=self.plan.batch_size,
+                engine, self.model, chunks, noise_std=noise_std, expected_batch_size=self.plan.batch_size,
                 noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
-                correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
-            )  # fmt: skip
+                correlate=self.correlated_noise.next if self.correlated_noise is not None else None)  # fmt: skip
         if check_drawn:  # chunks of unknown size: counted, refused before the release
             try:
                 self._check_size(stats.batch_size)
@@ -261,15 +259,8 @@ class DPMechanism:
         """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
         replaced, or layers unfrozen, after the optimizer was made): it would be clipped and
         noised but never updated, a silent no-op. (Freezing later is fine: a frozen parameter gets
-        no gradient, so the optimizer leaves it alone; but not under per-tensor bounds, fixed for
-        the tensors that trained when the plan was made.)"""
-        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        if is_per_tensor(self.plan.max_grad_norm) and set(trainable) != set(self.plan.max_grad_norm):  # type: ignore[arg-type]
-            raise ValueError(
-                "max_grad_norm_per='tensor' fixed one bound per trainable tensor when the mechanism was made, and "
-                f"the trainable tensors have changed since (now {len(trainable)}, planned "
-                f"{len(self.plan.max_grad_norm)}): freeze or unfreeze before make_private, or call it again"  # type: ignore[arg-type]
-            )
+        no gradient, so the optimizer leaves it alone; not under per-tensor bounds, though.)"""
+        check_same_tensors(self.plan.max_grad_norm, [n for n, p in self.model.named_parameters() if p.requires_grad])
         optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         missing = sorted(n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in optimized)
         if missing:
