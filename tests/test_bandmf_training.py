@@ -378,3 +378,19 @@ def test_a_refused_step_leaves_the_noise_recursion_untouched():
     after = mechanism.correlated_noise.snapshot()
     assert len(after) == 2 and all(a is b for a, b in zip(after, before))
     assert mechanism.steps_taken == 2 and mechanism.accountant.steps == 1
+
+
+def test_a_state_with_the_old_partition_is_refused_before_the_mechanism_loads_anything():
+    # issue 43: a state of the permutation partition is refused by the sampler; the mechanism must
+    # not have taken the saved plan's caveats or partition seed by then (a half-loaded mechanism)
+    model = _model()
+    saved = _mechanism(model, noise_mechanism="bandmf", bands=2, seed=5)
+    _train(saved, steps=2)
+    state = saved.state_dict()
+    del state["sampler"]["partition"]
+    fresh = _mechanism(_model(), noise_mechanism="bandmf", bands=2, seed=None)
+    fresh.model.load_state_dict(model.state_dict())
+    plan, partition_seed = fresh.plan, fresh.partition_seed
+    with pytest.raises(ValueError, match="start the run again"):
+        fresh.load_state_dict(state)
+    assert fresh.plan == plan and fresh.plan.seeded == plan.seeded and fresh.partition_seed == partition_seed

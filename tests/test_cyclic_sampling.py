@@ -2,9 +2,12 @@
 
 Statistical tests (seeded, so they are reproducible, but each can fail if the sampler is wrong):
 an example joins only the steps of its group, there with probability b*q; per-step batch sizes
-follow Binomial(group size, b*q); the seeded partition puts a fixed example in each group with
-probability 1/b. Exact tests: min separation, bands == 1 is PoissonSampler bit for bit, resuming
-from a state continues bit for bit, and the refusals.
+follow Binomial(group size, b*q); the seeded partition puts each example in each group with
+probability 1/b, independently of the others (group sizes Binomial(N, 1/b), a pair together with
+probability 1/b, neighbours' groups independent, two seeds agreeing on 1/b of the examples).
+Exact tests: adding or removing an example moves no other (issue 43), the partition is the
+specified draw (against a reference from the raw bit stream), min separation, bands == 1 is
+PoissonSampler bit for bit, resuming from a state continues bit for bit, and the refusals.
 """
 
 import io
@@ -15,7 +18,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dpscale.data.sampling import CyclicPoissonSampler, PoissonSampler, make_sampler
+from dpscale.data.sampling import PARTITION, CyclicPoissonSampler, PoissonSampler, make_sampler, partition_groups
 from dpscale.rng import DPRandom
 
 P_MIN = 1e-4  # p-value below which a goodness-of-fit test fails
@@ -66,9 +69,9 @@ def test_each_example_joins_only_its_groups_steps_with_probability_b_q():
     assert abs(float(z.mean())) < 4.0 / math.sqrt(n)
     chi2 = float((z**2).sum())  # ~ chi2(n) if the counts are independent Binomial(trials, p)
     assert stats.chi2.sf(chi2, n) > P_MIN and stats.chi2.cdf(chi2, n) > P_MIN
-    # batch sizes: step t's size ~ Binomial(|group t mod b|, p); groups here are 151/150/150/150
+    # batch sizes: step t's size ~ Binomial(|group t mod b|, p), whatever the (random) group sizes
     group_sizes = [g.numel() for g in sampler.groups]
-    assert sorted(group_sizes) == [150, 150, 150, 151]
+    assert sum(group_sizes) == n and len(set(group_sizes)) > 1
     k = np.arange(max(group_sizes) + 1)
     expected = sum(stats.binom.pmf(k, group_sizes[t % b], p) for t in range(steps))
     observed = np.bincount(np.array(sizes), minlength=k.size)
@@ -76,37 +79,86 @@ def test_each_example_joins_only_its_groups_steps_with_probability_b_q():
 
 
 # ------------------------------------------------------------------ 2. partition
-def test_partition_is_a_balanced_seeded_split():
-    n, b = 601, 4
-    sampler = CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=5)
-    sizes = [g.numel() for g in sampler.groups]
-    assert max(sizes) - min(sizes) <= 1 and len(sizes) == b
+@pytest.mark.parametrize("seed", range(5))
+def test_adding_or_removing_an_example_moves_no_other_example(seed):
+    # issue 43: the first partition cut a seeded permutation of 0..N-1, so another N moved about a
+    # quarter of the others (at N = 300, b = 5, means over seeds 0-19: 71.5 of 299 when the last one
+    # was removed, 86.5 of 300 when one was added), which amplified BandMF's argument does not cover
+    n, b = 300, 5
+    sizes = (n - 1, n, n + 1)
+    groups = {m: _group_ids(CyclicPoissonSampler(m, 0.01, b, DPRandom(0), partition_seed=seed)) for m in sizes}
+    removed = int((groups[n][: n - 1] != groups[n - 1]).sum())  # the last example removed
+    added = int((groups[n + 1][:n] != groups[n]).sum())  # one appended
+    moved = f"{removed} of {n - 1} moved when one was removed, {added} of {n} when one was added"
+    assert (removed, added) == (0, 0), moved
+
+
+def test_partition_is_one_independent_uniform_draw_per_example():
+    n, b, seed = 601, 4, 5
+    sampler = CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=seed)
+    assert len(sampler.groups) == b
     assert torch.equal(torch.cat(sampler.groups).sort().values, torch.arange(n))  # each example once
-    # exactly the specified construction: DPRandom(seed).permutation(N), array_split, sorted
-    perm = DPRandom(5).permutation(n).numpy()
-    for got, want in zip(sampler.groups, np.array_split(perm, b)):
-        assert got.dtype == torch.int64 and torch.equal(got, torch.from_numpy(np.sort(want)))
+    # the specified construction, from the raw PCG64DXSM stream and python integers: example i's
+    # group is floor(b * k_i / 2^53), k_i the top 53 bits of the stream's i-th 64-bit output
+    raw = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed))).bit_generator.random_raw(n)
+    want = [(int(word) >> 11) * b >> 53 for word in raw]
+    assert _group_ids(sampler).tolist() == want == partition_groups(seed, n, b).tolist()
+    for g, members in enumerate(sampler.groups):
+        assert members.dtype == torch.int64 and members.tolist() == [i for i in range(n) if want[i] == g]
+    # a group is a function of the seed and the index alone: a prefix of a larger dataset's groups
+    large = partition_groups(seed, 100_000, b)
+    assert all(torch.equal(large[:m], partition_groups(seed, m, b)) for m in (1, 600, 601, 99_999))
     # all ranks get the same partition
-    ranks = [CyclicPoissonSampler(n, 0.01, b, DPRandom(r), partition_seed=5, rank=r, world_size=3) for r in range(3)]
+    ranks = [CyclicPoissonSampler(n, 0.01, b, DPRandom(r), partition_seed=seed, rank=r, world_size=3) for r in range(3)]
     assert all(torch.equal(a, c) for s in ranks for a, c in zip(s.groups, sampler.groups))
 
 
-def test_a_fixed_example_is_in_each_group_with_probability_one_over_b():
+def test_large_band_counts_map_exactly():
+    # b above 2^10, where k * b would overflow int64 without the split product
+    seed, n = 3, 2000
+    raw = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed))).bit_generator.random_raw(n)
+    for b in (1, 2, 3, 1023, 1025, 2**20 + 7, 2**35 + 1):
+        assert partition_groups(seed, n, b).tolist() == [(int(word) >> 11) * b >> 53 for word in raw]
+
+
+def test_each_example_is_in_each_group_with_probability_one_over_b_independently():
     n, b, seeds = 50, 5, 2000
     watched = [0, 17, 49]
     hits = np.zeros((len(watched), b))
-    same_group = 0
+    same_group, sizes = 0, []
     for seed in range(seeds):
-        group = _group_ids(CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=seed))
+        sampler = CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=seed)
+        group = _group_ids(sampler)
         for row, i in enumerate(watched):
             hits[row, group[i]] += 1
         same_group += int(group[0] == group[1])
+        sizes += [g.numel() for g in sampler.groups]
     for row in hits:  # uniform over the b groups
         assert stats.chi2.sf(((row - seeds / b) ** 2 / (seeds / b)).sum(), b - 1) > P_MIN
-    # a pair shares a group with probability (N/b - 1) / (N - 1), not always and not never
-    pair = (n / b - 1) / (n - 1)
-    assert 0 < same_group < seeds
-    assert abs(same_group - seeds * pair) / math.sqrt(seeds * pair * (1 - pair)) < 5.0
+    # independent: a pair shares a group with probability 1/b, and each group's size is
+    # Binomial(N, 1/b) (an equal split would give every group N/b = 10, every time)
+    assert abs(same_group - seeds / b) / math.sqrt(seeds * (1 / b) * (1 - 1 / b)) < 5.0
+    k = np.arange(n + 1)
+    observed = np.bincount(np.array(sizes), minlength=k.size)
+    assert _chi2_pvalue(observed, len(sizes) * stats.binom.pmf(k, n, 1 / b)) > P_MIN
+
+
+def test_neighbouring_examples_groups_are_independent():
+    # one large partition: the pairs (g(i), g(i+1)) are uniform over the b * b cells
+    n, b = 100_000, 5
+    group = partition_groups(11, n, b).numpy()
+    cells = np.bincount(group[:-1] * b + group[1:], minlength=b * b)
+    assert stats.chi2.sf(((cells - (n - 1) / b**2) ** 2 / ((n - 1) / b**2)).sum(), b * b - 1) > P_MIN
+
+
+def test_another_seed_gives_an_unrelated_partition():
+    # without the seed the partition is not reconstructible: two seeds agree on 1/b of the
+    # examples, as two independent uniform draws do
+    n, b = 20_000, 4
+    first = _group_ids(CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=1))
+    second = _group_ids(CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=2))
+    agree = int((first == second).sum())
+    assert abs(agree - n / b) / math.sqrt(n * (1 / b) * (1 - 1 / b)) < 5.0
 
 
 # ------------------------------------------------------------------ 3. min separation
@@ -157,12 +209,26 @@ def test_resume_from_state_continues_bit_identically():
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     assert state["step"] == 13 and state["partition_seed"] == 12 and state["bands"] == b
+    assert state["partition"] == PARTITION
     after = [original.sample() for _ in range(20)]
     resumed = CyclicPoissonSampler(n, q, b, DPRandom(99), partition_seed=100)
     resumed.load_state_dict(state)
     assert resumed.step == 13 and resumed.partition_seed == 12
     assert all(torch.equal(a, resumed.sample()) for a in after)
     assert resumed.state_dict() == original.state_dict()
+
+
+def test_a_state_of_the_permutation_partition_is_refused():
+    # written before issue 43: the same seed gives other groups now, so continuing it would move
+    # examples between groups mid-run (steps fewer than b apart)
+    old = CyclicPoissonSampler(100, 0.05, 4, DPRandom(1), partition_seed=1).state_dict()
+    del old["partition"]
+    sampler = CyclicPoissonSampler(100, 0.05, 4, DPRandom(2), partition_seed=1)
+    with pytest.raises(ValueError, match="seeded permutation cut into b equal parts.*start the run again"):
+        sampler.load_state_dict(old)
+    with pytest.raises(ValueError, match="partition \\(other-v0\\)"):
+        sampler.load_state_dict({**old, "partition": "other-v0"})
+    assert sampler.step == 0 and sampler.generator.state_dict() == DPRandom(2).state_dict()  # nothing loaded
 
 
 def test_start_step_samples_its_group_first():

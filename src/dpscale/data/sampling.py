@@ -7,12 +7,14 @@ per-epoch permutation) is what many codebases run instead; the guarantee we repo
 then does *not* strictly apply, and every output says so.
 
 ``CyclicPoissonSampler`` is the sampling that amplified banded matrix factorization
-(Choquette-Choo et al. 2023, "b-min-separation") assumes: the N examples are split once,
-by a seeded random partition, into b groups of (almost) equal size; step t samples only
-group t mod b, each of its examples independently with probability b * q. The expected
-batch stays ~B, and an example can join two steps only when they are a multiple of b apart,
-which is what lets a b-banded correlated-noise mechanism be accounted with amplification.
-With b = 1 it is exactly Poisson sampling, and ``make_sampler`` then returns a
+(Choquette-Choo et al. 2023, "b-min-separation") assumes: each example is put once, for the
+whole run, into one of b groups, uniformly and independently of every other example (a seeded
+draw per example: ``partition_groups``); step t samples only group t mod b, each of its
+examples independently with probability b * q. The expected batch is B (over the partition's
+draw), and an example can join two steps only when they are a multiple of b apart, which is
+what lets a b-banded correlated-noise mechanism be accounted with amplification. Adding or
+removing one example changes no other example's group (docs/correlated_noise.md, "Why it is
+private"). With b = 1 it is exactly Poisson sampling, and ``make_sampler`` then returns a
 ``PoissonSampler``.
 
 All draw from a ``DPRandom`` (128-bit seed): which examples join a batch is as secret as the
@@ -24,11 +26,18 @@ from __future__ import annotations
 from numbers import Integral
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from dpscale.data.sampling_modes import RATE_TOLERANCE, SAMPLING_MODES, SHUFFLE_CAVEAT  # noqa: F401 (re-exported)
 from dpscale.rng import DPRandom, require_dprandom
 
+# Names the construction a cyclic sampler's state's partition_seed stands for. States without it
+# were written by the first cyclic sampler (issue 27), whose partition cut a seeded permutation of
+# 0..N-1 into b equal parts: the same seed gives other groups now (see load_state_dict).
+PARTITION = "uniform-per-example-v1"
+_FRACTION_BITS = 53  # DPRandom.uniform's float64 draws are k / 2^53, k an integer below 2^53
+_HALF_BITS = 27  # partition_groups multiplies k * b in two halves of k, so that int64 never overflows
 
 
 class BatchSampler(Protocol):
@@ -122,13 +131,18 @@ class ShuffleSampler:
 class CyclicPoissonSampler:
     """Cyclic Poisson sampling (b-min-separation) for amplified banded matrix factorization.
 
-    The N examples are split once into ``bands`` = b groups: a ``DPRandom(partition_seed)``
-    permutation of 0..N-1 cut into b consecutive parts whose sizes differ by at most one (as
-    ``numpy.array_split`` cuts), each part sorted. Step t (0-based, from the start of the run)
-    samples only group t mod b, each of its examples independently with probability
-    p = b * q, so the expected batch is ~q * N = B and an example joins steps t and t' only
-    when t = t' (mod b). The partition must stay the same for the whole run: another one would
-    break the min-separation the accounting assumes (``load_state_dict`` restores it).
+    The N examples are split once into ``bands`` = b groups: example i goes to group
+    floor(b * u_i), u_i the i-th uniform ``DPRandom(partition_seed)`` draws
+    (``partition_groups``). So each example's group is uniform over the b groups and independent
+    of every other example's, and it depends on the seed and i only, not on N: appending an
+    example or removing the last moves no other (what the accounting of add/remove neighbours
+    needs: docs/correlated_noise.md).
+    Group sizes are therefore random, Binomial(N, 1/b) each (possibly 0). Step t (0-based, from
+    the start of the run) samples only group t mod b, each of its examples independently with
+    probability p = b * q, so the expected batch is q * N = B over the partition's draw and an
+    example joins steps t and t' only when t = t' (mod b). The partition must stay the same for
+    the whole run: another one would break the min-separation the accounting assumes
+    (``load_state_dict`` restores it).
 
     In data-parallel training, rank r of P samples only the members of the step's group in its
     shard {i : i mod P = r}, with its own generator (as ``PoissonSampler`` does): the ranks'
@@ -147,7 +161,8 @@ class CyclicPoissonSampler:
     Attributes:
         participation_rate: p = b * q, each group member's inclusion probability at its steps.
         step: index of the step the next ``sample()`` draws.
-        groups: the whole partition, b sorted int64 tensors (the same on every rank).
+        groups: the whole partition, b sorted int64 tensors of random sizes (the same on every
+            rank).
     """
 
     def __init__(
@@ -173,9 +188,7 @@ class CyclicPoissonSampler:
 
     def _set_partition(self, partition_seed: int) -> None:
         """Build the partition from ``partition_seed`` and this rank's part of each group."""
-        perm = DPRandom(partition_seed).permutation(self.dataset_size)
-        # tensor_split cuts like numpy.array_split: the first N mod b parts get one more example
-        self.groups = tuple(part.sort().values for part in torch.tensor_split(perm, self.bands))
+        self.groups = _split_by_group(partition_groups(partition_seed, self.dataset_size, self.bands), self.bands)
         # precomputed once so that a step draws O(N / (bP)) uniforms and indexes, nothing more
         self._members = tuple(g[g % self.world_size == self.rank] for g in self.groups)
         self.partition_seed = int(partition_seed)
@@ -208,13 +221,14 @@ class CyclicPoissonSampler:
         """The sampler's state: generator, next step, and what fixes the partition.
 
         Returns:
-            ``{"generator": ..., "step": int, "partition_seed": int, "bands": int}``.
+            ``{"generator": ..., "step": int, "partition_seed": int, "bands": int, "partition": PARTITION}``.
         """
         return {
             "generator": self.generator.state_dict(),
             "step": self.step,
             "partition_seed": self.partition_seed,
             "bands": self.bands,
+            "partition": PARTITION,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -224,21 +238,83 @@ class CyclicPoissonSampler:
             state: from ``state_dict()``.
 
         Raises:
-            ValueError: if ``state`` is not a cyclic sampler's, or was written with another
-                number of bands (the run's min-separation and accounting assume that number).
+            ValueError: if ``state`` is not a cyclic sampler's, was written with another number
+                of bands (the run's min-separation and accounting assume that number), or with
+                another partition construction (its seed would give other groups here).
         """
-        if not {"generator", "step", "partition_seed", "bands"} <= set(state):
-            raise ValueError("not a CyclicPoissonSampler state (it needs generator, step, partition_seed and bands)")
-        if int(state["bands"]) != self.bands:
-            raise ValueError(
-                f"sampler state has bands={state['bands']}, this sampler bands={self.bands}: a run must keep "
-                "one number of bands (the min-separation its accounting assumes)"
-            )
+        _check_cyclic_state(state, self.bands)
         self.generator.load_state_dict(state["generator"])
         self.step = int(state["step"])
         if int(state["partition_seed"]) != self.partition_seed:
             # the run's partition wins: a new one would let an example join steps < b apart
             self._set_partition(int(state["partition_seed"]))
+
+
+def partition_groups(partition_seed: int, dataset_size: int, bands: int) -> torch.Tensor:
+    """Each example's group under the partition ``partition_seed`` seeds.
+
+    Example i goes to group floor(b * u_i), u_i the i-th of ``DPRandom(partition_seed)``'s
+    uniforms: one draw per example, so the groups are independent and each is uniform over the
+    b groups (to within 2^-53: u_i = k_i / 2^53 and the floor is taken exactly, in integers).
+    The stream draws u_0, u_1, ... in order whatever N, so example i's group is a function of
+    the seed and i alone: the first M entries for N examples are the entries for M examples.
+
+    Args:
+        partition_seed: the partition's seed (at least 128 bits of entropy for a run).
+        dataset_size: N.
+        bands: b >= 1, below 2^36 (the integer product k * b stays within int64).
+
+    Returns:
+        an int64 CPU tensor of shape [N], values in 0..b-1.
+    """
+    k = (DPRandom(partition_seed).uniform(dataset_size) * 2.0**_FRACTION_BITS).to(torch.int64)  # exact
+    high, low = k >> _HALF_BITS, k & ((1 << _HALF_BITS) - 1)
+    # floor(k * b / 2^53) = floor((high * b + floor(low * b / 2^27)) / 2^26): no int64 overflow for
+    # b < 2^36, where k * b itself would overflow for b >= 2^10
+    return (high * bands + ((low * bands) >> _HALF_BITS)) >> (_FRACTION_BITS - _HALF_BITS)
+
+
+def _split_by_group(group_of: torch.Tensor, bands: int) -> tuple[torch.Tensor, ...]:
+    """The members of each group, from each example's group.
+
+    Args:
+        group_of: int64 [N], example i's group (``partition_groups``).
+        bands: b.
+
+    Returns:
+        b sorted int64 tensors (some possibly empty) that together hold 0..N-1 once each.
+    """
+    # a stable sort by group keeps each group's indices ascending; on int16 keys numpy's stable
+    # sort is a radix sort, O(N) (0.3-0.7 s for N = 10^7 on a loaded 2-core machine)
+    keys = group_of.numpy().astype(np.int16 if bands <= np.iinfo(np.int16).max else np.int64)
+    order = torch.from_numpy(np.argsort(keys, kind="stable").astype(np.int64, copy=False))
+    return tuple(order.split(torch.bincount(group_of, minlength=bands).tolist()))
+
+
+def _check_cyclic_state(state: dict[str, Any], bands: int) -> None:
+    """Raise ValueError unless ``state`` is a cyclic sampler state this sampler can continue.
+
+    Args:
+        state: from ``CyclicPoissonSampler.state_dict()``.
+        bands: the loading sampler's b.
+    """
+    if not {"generator", "step", "partition_seed", "bands"} <= set(state):
+        raise ValueError("not a CyclicPoissonSampler state (it needs generator, step, partition_seed and bands)")
+    if state.get("partition") != PARTITION:
+        # rebuilding from the seed would give other groups mid-run (steps fewer than b apart), and
+        # the old partition is the one that add/remove neighbours shift (issue 43): not continued
+        written = state.get("partition", "a seeded permutation cut into b equal parts")
+        raise ValueError(
+            f"this cyclic sampler state's partition ({written}) is not the one this dpscale builds "
+            f"({PARTITION}: each example's group drawn independently of the others); "
+            "continuing it would move examples to other groups mid-run, which the accounting does not cover: "
+            "start the run again"
+        )
+    if int(state["bands"]) != bands:
+        raise ValueError(
+            f"sampler state has bands={state['bands']}, this sampler bands={bands}: a run must keep "
+            "one number of bands (the min-separation its accounting assumes)"
+        )
 
 
 def _check_cyclic_args(
@@ -257,8 +333,8 @@ def _check_cyclic_args(
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     _check_bands(bands)
-    if bands > dataset_size:  # an empty group would make every b-th step a batch of nothing
-        raise ValueError(f"bands={bands} exceeds dataset_size={dataset_size}: every group needs an example")
+    if bands > dataset_size:  # some group would surely be empty: every b-th step a batch of nothing
+        raise ValueError(f"bands={bands} exceeds dataset_size={dataset_size}: some group would have no example")
     rate = bands * sample_rate
     if rate > 1.0 + RATE_TOLERANCE:
         raise ValueError(

@@ -343,11 +343,11 @@ class DPMechanism:
                 "would not cover the steps that trained them): load the model's weights from the same checkpoint "
                 "first, then the mechanism's state"
             )
+        if state["sampler"] is not None:  # first: it refuses an old partition before anything is loaded
+            self.sampler.load_state_dict(state["sampler"])  # (None: a state whose sampler stream is not continued)
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
         self.plan = replace(self.plan, **{k: getattr(self.plan, k) or getattr(saved, k) for k in LASTING_CAVEATS})
         self.partition_seed = state.get("partition_seed", self.partition_seed)  # the run keeps its groups
-        if state["sampler"] is not None:  # None: a state whose sampler stream is not continued
-            self.sampler.load_state_dict(state["sampler"])
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
         if self._keeps_noise_history and self.rank == NOISE_RANK and state.get("correlated_noise") is not None:
