@@ -109,3 +109,69 @@ def test_the_reference_clips_each_users_summed_gradient_as_one_vector():
     per_example = per_example_reference(model, (x, y), 1.0)
     assert len(per_example.norms) == 9
     assert not torch.allclose(per_example.clipped_sum["0.weight"], got.clipped_sum["0.weight"])
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+
+
+def _user_batch(sizes: list[int], scale: float = 1.0):
+    g = torch.Generator().manual_seed(2)
+    n = sum(sizes)
+    x = torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64) * scale
+    offsets = torch.tensor([0, *np.cumsum(sizes).tolist()])
+    return x, torch.randint(0, 3, (n,), generator=g), offsets
+
+
+@pytest.mark.parametrize("clip", [0.5, {"0.*": 0.2, "*": 0.4}])
+def test_vmap_clips_each_users_summed_gradient_as_the_float64_per_user_loop(clip):
+    from dpscale.privacy import make_engine
+    from dpscale.privacy.per_example import trainable_params
+
+    model = _conv_net()
+    x, y, offsets = _user_batch([3, 1, 4, 2], scale=3.0)
+    engine, _ = make_engine("vmap", clip, model)
+    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y, offsets))
+    want = per_example_reference(model, (x, y), clip, unit_offsets=offsets)
+    assert norms.shape == (4,)  # one norm per user
+    torch.testing.assert_close(norms, want.norms, rtol=1e-10, atol=0)
+    for name, ref in want.clipped_sum.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-9, atol=1e-12)
+
+
+def _released(engine, model, x, y, offsets) -> dict:
+    from dpscale.privacy.per_example import trainable_params
+
+    batch = (x, y) if offsets is None else (x, y, offsets)
+    return engine.per_example_clipped_sum(model, trainable_params(model), batch)[0]
+
+
+def test_removing_all_of_one_users_images_moves_the_release_by_at_most_c():
+    """Leave-one-USER-out, the user's images replaced by outliers: at most C (no tolerance); the
+    same images as separate units move it by more (the test has teeth)."""
+    from dpscale.privacy import make_engine
+
+    model, clip, sizes = _conv_net(), 0.5, [4, 2, 3]
+    x, y, offsets = _user_batch(sizes)
+    x[:4], y[:4] = 1e3 * x[0], y[0]  # user 0: four copies of one outlier (aligned gradients)
+    engine, _ = make_engine("vmap", clip, model)
+    full = _released(engine, model, x, y, offsets)
+    rest = _released(engine, model, x[4:], y[4:], offsets[1:] - 4)
+    moved = math.sqrt(sum(float((full[k] - rest[k]).square().sum()) for k in full))
+    assert moved <= clip
+    per_image = _released(engine, model, x, y, None)
+    rest_images = _released(engine, model, x[4:], y[4:], None)
+    assert math.sqrt(sum(float((per_image[k] - rest_images[k]).square().sum()) for k in full)) > 3.9 * clip
+
+
+@pytest.mark.parametrize("name", ["bk", "ghost"])
+def test_engines_without_per_user_clipping_refuse_a_chunk_of_users_in_one_line(name):
+    from dpscale.privacy import make_engine
+    from dpscale.privacy.per_example import trainable_params
+
+    model = _conv_net()
+    x, y, offsets = _user_batch([2, 2])
+    engine, _ = make_engine(name, 1.0, model)
+    with pytest.raises(ValueError, match=f"engine {name} clips per example; per-user clipping .* needs engine=vmap"):
+        engine.per_example_clipped_sum(model, trainable_params(model), (x, y, offsets))

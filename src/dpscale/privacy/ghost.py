@@ -61,6 +61,7 @@ from dpscale.privacy.per_example import (
     clip_units,
     mean_over_views,
     per_example_cross_entropy,
+    refuse_units,
     tolerance_for,
 )
 from dpscale.privacy.precision import FP32, Precision, at_least_fp32, exact_float32, needs_zeroing, zero_rows
@@ -762,6 +763,7 @@ class GhostEngine(ClippedSumMixin):
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+        refuse_units(batch, self.mode)
         x, _ = batch
         if x.shape[0] == 0:
             return self.empty_result(params, x)
@@ -773,6 +775,7 @@ class GhostEngine(ClippedSumMixin):
     ) -> tuple[Params, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """As ``clipped_sum_and_losses`` plus each layer's per-example squared norms (B,) by
         layer name (for the start-up self-check, which names the layers that disagree)."""
+        refuse_units(batch, self.mode)
         state = self._models.setdefault(model, _ModelState())
         problems = state.static_problems(model)
         if problems:

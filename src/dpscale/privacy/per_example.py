@@ -39,8 +39,54 @@ from dpscale.privacy.precision import (
 
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+# A chunk whose privacy unit is a user (issue 43): (x, y, offsets), unit j = rows offsets[j]:offsets[j + 1].
+UnitChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # Per-example loss: (logits (B, ...), targets (B, ...)) -> losses (B,).
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def unit_rows(batch: Batch | UnitChunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A chunk's inputs, targets and privacy units.
+
+    Args:
+        batch: (x, y), every example its own unit; or (x, y, offsets), unit j (a user) holding rows
+            ``offsets[j]:offsets[j + 1]`` (int64, (m + 1,), from 0 to the number of rows).
+
+    Returns:
+        (x, y, offsets or None).
+
+    Raises:
+        ValueError: offsets that do not cover the rows in order.
+    """
+    if len(batch) == 2:
+        return batch[0], batch[1], None
+    x, y, offsets = batch
+    sizes = torch.diff(offsets)
+    if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != x.shape[0] or bool((sizes < 0).any()):
+        raise ValueError(f"unit offsets must rise from 0 to the chunk's {x.shape[0]} rows, got {offsets.tolist()}")
+    return x, y, offsets
+
+
+def unit_sums(grads: Params, offsets: torch.Tensor) -> Params:
+    """Each unit's summed per-example gradients: the gradient of a user's contribution.
+
+    Args:
+        grads: per-example gradients, (B, ...) by parameter name.
+        offsets: (m + 1,) unit offsets over the B rows (``unit_rows``).
+
+    Returns:
+        (m, ...) by parameter name.
+    """
+    sizes = torch.diff(offsets)
+    some = next(iter(grads.values()))
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=some.device), sizes.to(some.device))
+    return {k: g.new_zeros((len(sizes), *g.shape[1:])).index_add_(0, owner, g) for k, g in grads.items()}
+
+
+def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:
+    """Refuse a chunk of user units in an engine that clips per example only (one line)."""
+    if len(batch) != 2:
+        raise ValueError(f"engine {engine} clips per example; per-user clipping (data.privacy_unit=user) needs engine=vmap")
 
 
 def per_example_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -271,7 +317,7 @@ class VmapEngine(ClippedSumMixin):
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
-        x, y = batch
+        x, y, units = unit_rows(batch)
         if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train
             return self.empty_result(params, x)
         slots, constants = _functional_slots(model, params)
@@ -297,11 +343,13 @@ class VmapEngine(ClippedSumMixin):
         if precision.low:  # float32 gradients of the loss itself
             grads = {k: at_least_fp32(g) / scale for k, g in grads.items()}
             losses = losses / scale
+        if units is not None:  # a user's summed gradient is clipped as one vector (its norms: per user)
+            grads = unit_sums(grads, units)
         with exact_float32():  # the clip bound's arithmetic never in TF32
             # blocked: a float32 sum of millions of squares may underestimate (clip_margin covers blocks)
             sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
             group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
-            zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
+            zeros = next(iter(sq_norms.values())).new_zeros(next(iter(grads.values())).shape[0])  # examples or users
             factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; its rows are set to zero, since
