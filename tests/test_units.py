@@ -34,10 +34,16 @@ def test_each_user_joins_a_step_with_probability_q_whatever_its_size():
     sampler = UserPoissonSampler(users, q, 4, DPRandom(7))
     joined = np.zeros(users.num_users)
     user_of = np.repeat(np.arange(users.num_users), sizes)
-    for _ in range(steps):
+    for step in range(steps):
         batch = sampler.sample_units()
         first = batch.indices[batch.offsets[:-1]].numpy()  # one example names each drawn user
         joined[user_of[first]] += 1
+        if step < 50:  # each unit: min(size, k) distinct examples of one user, ascending
+            for a, b in zip(batch.offsets[:-1].tolist(), batch.offsets[1:].tolist()):
+                unit = batch.indices[a:b].numpy()
+                owner = user_of[unit[0]]
+                assert (user_of[unit] == owner).all() and len(unit) == min(sizes[owner], 4)
+                assert (np.diff(unit) > 0).all()
     sd = math.sqrt(steps * q * (1 - q))
     assert np.abs(joined - steps * q).max() < 5 * sd  # every user, 5 standard deviations
     by_size = [joined[np.array(sizes) == s].mean() for s in (1, 2, 5, 20)]

@@ -123,21 +123,30 @@ class UserPoissonSampler:
         """The next step's drawn users and their contributed examples (possibly none)."""
         # float64 uniforms, as for examples (PoissonSampler): no rounding of a small q upwards
         drawn = np.flatnonzero(self.generator.uniform(self.users.num_users).numpy() < self.sample_rate)
-        starts, sizes = self.users.offsets[drawn], self.users.sizes[drawn]
+        sizes = self.users.sizes[drawn]
         keep = np.minimum(sizes, self.max_examples_per_user)
-        picked = [self._subset(int(s), int(n), int(k)) for s, n, k in zip(starts, sizes, keep)]
-        indices = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+        # every example of every drawn user, with its user's rank in this batch
+        rank = np.repeat(np.arange(len(drawn)), sizes)
+        flat = np.repeat(self.users.offsets[drawn] - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
+        chosen = self._k_smallest_keys(rank, sizes, keep)
+        rank, examples = rank[chosen], self.users.examples[flat[chosen]]
+        order = np.lexsort((examples, rank))  # users in drawn order, each one's examples ascending
         offsets = np.concatenate([[0], np.cumsum(keep)]).astype(np.int64)
-        return UnitBatch(torch.from_numpy(indices), torch.from_numpy(offsets))
+        return UnitBatch(torch.from_numpy(examples[order]), torch.from_numpy(offsets))
 
-    def _subset(self, start: int, size: int, keep: int) -> np.ndarray:
-        """``keep`` of a user's ``size`` examples, uniformly without replacement when it must
-        choose (the k smallest of fresh uniforms), in ascending order."""
-        own = self.users.examples[start : start + size]
-        if keep == size:
-            return own
-        chosen = np.argsort(self.generator.uniform(size).numpy(), kind="stable")[:keep]
-        return np.sort(own[chosen])
+    def _k_smallest_keys(self, rank: np.ndarray, sizes: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """A boolean mask over the drawn users' examples: all of a user with at most k, else the k
+        whose fresh uniform keys are smallest (a uniform k-subset), keys drawn only for such users."""
+        mask = np.ones(len(rank), dtype=bool)
+        over = (sizes > keep)[rank]
+        if not over.any():
+            return mask
+        keys = self.generator.uniform(int(over.sum())).numpy()
+        position = np.flatnonzero(over)
+        order = position[np.lexsort((keys, rank[position]))]  # each user's examples by key
+        first = np.searchsorted(rank[order], rank[order], side="left")  # where each user's run starts
+        mask[order] = (np.arange(len(order)) - first) < keep[rank[order]]
+        return mask
 
     def sample(self) -> torch.Tensor:
         """Indices (int64, 1-D) of the next step's contributed examples, each user's consecutive."""
