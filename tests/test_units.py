@@ -181,3 +181,21 @@ def test_engines_without_per_user_clipping_refuse_a_chunk_of_users_in_one_line(n
     engine, _ = make_engine(name, 1.0, model)
     with pytest.raises(ValueError, match=f"engine {name} clips per example; per-user clipping .* needs engine=vmap"):
         engine.per_example_clipped_sum(model, trainable_params(model), (x, y, offsets))
+
+
+def test_a_held_out_split_by_users_never_puts_one_user_on_both_sides():
+    from dpscale.data.splits import user_holdout
+
+    rng = np.random.default_rng(0)
+    ids = np.repeat(np.arange(300), rng.integers(1, 12, 300))  # users of 1 to 11 images
+    rng.shuffle(ids)
+    train, test = user_holdout(ids, n_test=len(ids) // 6)
+    assert not set(ids[train]) & set(ids[test])  # no user on both sides
+    assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(len(ids)))
+    assert abs(len(test) - len(ids) // 6) < 11  # about n_test, off by less than the largest user
+    again, _ = user_holdout(ids, n_test=len(ids) // 6)
+    assert np.array_equal(train, again)  # seeded
+    other, _ = user_holdout(ids, n_test=len(ids) // 6, seed=1)
+    assert not np.array_equal(train, other)
+    with pytest.raises(ValueError, match="n_test"):
+        user_holdout(ids, n_test=len(ids) + 1)
