@@ -35,7 +35,9 @@ def _cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# SSE4.1 (no x86 machine of this decade is capped there) in the slow suite: the default suite is near
+# its 8-minute budget, and AVX2, the family that once failed a fresh clone, stays in it
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "sse41" else f for f in sorted(FAMILIES)])
 def test_bound_and_reference_tests_pass_under_capped_kernels(family):
     flags = _cpu_flags()
     if "avx2" not in flags:
