@@ -172,15 +172,64 @@ def test_removing_all_of_one_users_images_moves_the_release_by_at_most_c():
 
 
 @pytest.mark.parametrize("name", ["bk", "ghost"])
-def test_engines_without_per_user_clipping_refuse_a_chunk_of_users_in_one_line(name):
+def test_bk_and_ghost_refuse_an_unpadded_chunk_of_users_in_one_line(name):
     from dpscale.privacy import make_engine
     from dpscale.privacy.per_example import trainable_params
 
     model = _conv_net()
     x, y, offsets = _user_batch([2, 2])
     engine, _ = make_engine(name, 1.0, model)
-    with pytest.raises(ValueError, match=f"engine {name} clips per example; per-user clipping .* needs engine=vmap"):
+    with pytest.raises(ValueError, match=f"engine {name} takes a chunk of users as padded_units"):
         engine.per_example_clipped_sum(model, trainable_params(model), (x, y, offsets))
+
+
+class _UnitNorm(nn.Module):
+    """Divides each row by its norm: a zero padding row would make it NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.flatten(1).norm(dim=1).view(-1, *([1] * (x.dim() - 1)))
+
+
+def _grouped_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_UnitNorm(), nn.Conv2d(1, 3, 3), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(3 * 4 * 4, 3)).double()  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["vmap", "bk", "ghost"])
+@pytest.mark.parametrize("clip", [0.5, {"1.*": 0.2, "*": 0.4}])
+def test_every_engine_clips_users_padded_to_k_rows_as_the_float64_per_user_loop(name, clip):
+    """A user's examples as the rows of one AugMult example (views=k), padding rows labelled to
+    add nothing: the engines' own rules give per-user norms and clipped sums."""
+    from dpscale.privacy import make_engine
+    from dpscale.privacy.per_example import padded_units, trainable_params, user_sum_loss
+
+    model = _grouped_net()
+    x, y, offsets = _user_batch([3, 1, 4, 2], scale=3.0)
+    want = per_example_reference(model, (x, y), clip, unit_offsets=offsets)
+    engine, _ = make_engine(name, clip, model, views=4, loss_fn=user_sum_loss(4))
+    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), padded_units((x, y, offsets), 4))
+    assert bool(torch.isfinite(norms).all())  # padding copies the user's own first example, never zeros
+    torch.testing.assert_close(norms, want.norms, rtol=1e-9, atol=0)
+    for param, ref in want.clipped_sum.items():
+        torch.testing.assert_close(got[param], ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["bk", "ghost"])
+def test_leave_one_user_out_moves_a_padded_release_by_at_most_c(name):
+    from dpscale.privacy import make_engine
+    from dpscale.privacy.per_example import padded_units, trainable_params, user_sum_loss
+
+    model, clip = _conv_net(), 0.5
+    x, y, offsets = _user_batch([4, 2, 3])
+    x[:4], y[:4] = 1e3 * x[0], y[0]  # user 0: four copies of one outlier
+    engine, _ = make_engine(name, clip, model, views=4, loss_fn=user_sum_loss(4))
+    params = trainable_params(model)
+    full = engine.per_example_clipped_sum(model, params, padded_units((x, y, offsets), 4))[0]
+    rest = engine.per_example_clipped_sum(model, params, padded_units((x[4:], y[4:], offsets[1:] - 4), 4))[0]
+    assert math.sqrt(sum(float((full[k] - rest[k]).square().sum()) for k in full)) <= clip
+    with pytest.raises(ValueError, match="every user needs 1 to 3 examples"):
+        padded_units((x, y, offsets), 3)
 
 
 def test_a_held_out_split_by_users_never_puts_one_user_on_both_sides():

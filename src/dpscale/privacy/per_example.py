@@ -83,10 +83,51 @@ def unit_sums(grads: Params, offsets: torch.Tensor) -> Params:
     return {k: g.new_zeros((len(sizes), *g.shape[1:])).index_add_(0, owner, g) for k, g in grads.items()}
 
 
+PADDING_LABEL = -100  # cross-entropy's ignore_index: a padding row's loss is exactly 0
+
+
+def padded_units(batch: UnitChunk, rows: int) -> Batch:
+    """A chunk of users as (m, k, ...) inputs and (m, k) targets: user j's examples in its first
+    rows, the rest copies of its first example labelled ``PADDING_LABEL`` (its own data: a zero
+    input could make a layer divide by zero). With ``views=k`` and ``user_sum_loss`` every engine
+    then clips the sum of a user's examples' gradients as one vector (the rows of an AugMult example
+    are a user's examples here; a padding row's loss, hence its gradient, is exactly 0).
+
+    Args:
+        batch: (x, y, offsets) (``unit_rows``); every user at most ``rows`` examples.
+        rows: k, the rows per user.
+
+    Returns:
+        (x (m, k, ...), y (m, k)).
+    """
+    x, y, offsets = unit_rows(batch)
+    sizes = torch.diff(offsets)
+    if bool((sizes > rows).any()) or bool((sizes < 1).any()):
+        raise ValueError(f"every user needs 1 to {rows} examples here, got {int(sizes.min())} to {int(sizes.max())}")
+    slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(offsets[:-1], sizes).to(x.device)
+    user = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(x.device)
+    xs = x[offsets[:-1].to(x.device)].unsqueeze(1).repeat(1, rows, *([1] * (x.dim() - 1)))
+    ys = torch.full((len(sizes), rows), PADDING_LABEL, dtype=y.dtype, device=y.device)
+    xs[user, slot], ys[user, slot] = x, y
+    return xs, ys
+
+
+def user_sum_loss(rows: int) -> LossFn:
+    """Cross-entropy per row times k: ``mean_over_views`` then gives a user the sum of its examples'
+    losses (padding rows add 0)."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets, reduction="none", ignore_index=PADDING_LABEL) * rows
+
+    loss.per_row_targets = True  # type: ignore[attr-defined]  # (m, k) targets, one per row (mean_over_views)
+    return loss
+
+
 def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:
     """Refuse a chunk of user units in an engine that clips per example only (one line)."""
     if len(batch) != 2:
-        raise ValueError(f"engine {engine} clips per example; per-user clipping (data.privacy_unit=user) needs engine=vmap")
+        raise ValueError(
+            f"engine {engine} takes a chunk of users as padded_units(chunk, k) with views=k and loss_fn=user_sum_loss(k)"
+        )
 
 
 def per_example_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,7 +143,9 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
     if x.shape[1] != views:
         raise ValueError(f"expected {views} views per example, got input of shape {tuple(x.shape)}")
     logits = model(x.reshape(-1, *x.shape[2:]))
-    return loss_fn(logits, y.repeat_interleave(views)).reshape(-1, views).mean(1)
+    # a loss over users' rows (user_sum_loss) takes a target per row, (B, K); AugMult repeats one per example
+    rows = y.reshape(-1) if getattr(loss_fn, "per_row_targets", False) else y.repeat_interleave(views)
+    return loss_fn(logits, rows).reshape(-1, views).mean(1)
 
 def clip_units(
     unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None,
