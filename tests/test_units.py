@@ -248,3 +248,11 @@ def test_a_held_out_split_by_users_never_puts_one_user_on_both_sides():
     assert not np.array_equal(train, other)
     with pytest.raises(ValueError, match="n_test"):
         user_holdout(ids, n_test=len(ids) + 1)
+
+
+def test_users_of_one_example_are_the_chunk_as_it_is():
+    from dpscale.privacy.per_example import padded_units
+
+    x, y, _ = _user_batch([1, 1, 1])
+    xs, ys = padded_units((x, y, torch.arange(4)), 1)
+    assert xs is x and ys is y

@@ -104,6 +104,8 @@ def padded_units(batch: UnitChunk, rows: int) -> Batch:
     sizes = torch.diff(offsets)
     if bool((sizes > rows).any()) or bool((sizes < 1).any()):
         raise ValueError(f"every user needs 1 to {rows} examples here, got {int(sizes.min())} to {int(sizes.max())}")
+    if rows == 1:  # users of one example: the chunk as it is (views=1 takes (B, ...) inputs)
+        return x, y
     slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(offsets[:-1], sizes).to(x.device)
     user = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(x.device)
     xs = x[offsets[:-1].to(x.device)].unsqueeze(1).repeat(1, rows, *([1] * (x.dim() - 1)))
