@@ -28,6 +28,7 @@ from dpscale.data import DatasetError, load_dataset, load_npz
 from dpscale.data.run_data import open_training_data
 from dpscale.data.stream import open_stream, to_model_input
 from dpscale.errors import ConfigError
+from test_bad_input import _one_line_error
 
 CHEAP = ["model.name=linear", "dp.batch_size=4", "train.steps=2", "train.self_check=false"]
 
@@ -36,16 +37,6 @@ CHEAP = ["model.name=linear", "dp.batch_size=4", "train.steps=2", "train.self_ch
 def _no_debug_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
     """DPSCALE_DEBUG=1 would turn the one-line errors under test into tracebacks."""
     monkeypatch.delenv("DPSCALE_DEBUG", raising=False)
-
-
-def _one_line_error(capsys: pytest.CaptureFixture, argv: list[str], *patterns: str) -> str:
-    """Run the CLI; assert exit code 2 and one stderr line matching every pattern; return it."""
-    code = main(argv)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, (code, lines)
-    for pattern in patterns:
-        assert re.search(pattern, lines[0]), (pattern, lines[0])
-    return lines[0]
 
 
 def _scaled(a: np.ndarray, full_scale: float) -> np.ndarray:
