@@ -130,49 +130,8 @@ def _user_batch(sizes: list[int], scale: float = 1.0):
     return x, torch.randint(0, 3, (n,), generator=g), offsets
 
 
-@pytest.mark.parametrize("clip", [0.5, {"0.*": 0.2, "*": 0.4}])
-def test_vmap_clips_each_users_summed_gradient_as_the_float64_per_user_loop(clip):
-    from dpscale.privacy import make_engine
-    from dpscale.privacy.per_example import trainable_params
-
-    model = _conv_net()
-    x, y, offsets = _user_batch([3, 1, 4, 2], scale=3.0)
-    engine, _ = make_engine("vmap", clip, model)
-    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y, offsets))
-    want = per_example_reference(model, (x, y), clip, unit_offsets=offsets)
-    assert norms.shape == (4,)  # one norm per user
-    torch.testing.assert_close(norms, want.norms, rtol=1e-10, atol=0)
-    for name, ref in want.clipped_sum.items():
-        torch.testing.assert_close(got[name], ref, rtol=1e-9, atol=1e-12)
-
-
-def _released(engine, model, x, y, offsets) -> dict:
-    from dpscale.privacy.per_example import trainable_params
-
-    batch = (x, y) if offsets is None else (x, y, offsets)
-    return engine.per_example_clipped_sum(model, trainable_params(model), batch)[0]
-
-
-def test_removing_all_of_one_users_images_moves_the_release_by_at_most_c():
-    """Leave-one-USER-out, the user's images replaced by outliers: at most C (no tolerance); the
-    same images as separate units move it by more (the test has teeth)."""
-    from dpscale.privacy import make_engine
-
-    model, clip, sizes = _conv_net(), 0.5, [4, 2, 3]
-    x, y, offsets = _user_batch(sizes)
-    x[:4], y[:4] = 1e3 * x[0], y[0]  # user 0: four copies of one outlier (aligned gradients)
-    engine, _ = make_engine("vmap", clip, model)
-    full = _released(engine, model, x, y, offsets)
-    rest = _released(engine, model, x[4:], y[4:], offsets[1:] - 4)
-    moved = math.sqrt(sum(float((full[k] - rest[k]).square().sum()) for k in full))
-    assert moved <= clip
-    per_image = _released(engine, model, x, y, None)
-    rest_images = _released(engine, model, x[4:], y[4:], None)
-    assert math.sqrt(sum(float((per_image[k] - rest_images[k]).square().sum()) for k in full)) > 3.9 * clip
-
-
-@pytest.mark.parametrize("name", ["bk", "ghost"])
-def test_bk_and_ghost_refuse_an_unpadded_chunk_of_users_in_one_line(name):
+@pytest.mark.parametrize("name", ["vmap", "bk", "ghost"])
+def test_every_engine_refuses_an_unpadded_chunk_of_users_in_one_line(name):
     from dpscale.privacy import make_engine
     from dpscale.privacy.per_example import trainable_params
 
@@ -215,8 +174,10 @@ def test_every_engine_clips_users_padded_to_k_rows_as_the_float64_per_user_loop(
         torch.testing.assert_close(got[param], ref, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["bk", "ghost"])
+@pytest.mark.parametrize("name", ["vmap", "bk", "ghost"])
 def test_leave_one_user_out_moves_a_padded_release_by_at_most_c(name):
+    """All of one user's images removed (four copies of one outlier): at most C, no tolerance; the
+    same images as separate units move the release by 4C (the test has teeth)."""
     from dpscale.privacy import make_engine
     from dpscale.privacy.per_example import padded_units, trainable_params, user_sum_loss
 
@@ -228,6 +189,10 @@ def test_leave_one_user_out_moves_a_padded_release_by_at_most_c(name):
     full = engine.per_example_clipped_sum(model, params, padded_units((x, y, offsets), 4))[0]
     rest = engine.per_example_clipped_sum(model, params, padded_units((x[4:], y[4:], offsets[1:] - 4), 4))[0]
     assert math.sqrt(sum(float((full[k] - rest[k]).square().sum()) for k in full)) <= clip
+    per_image, _ = make_engine(name, clip, model)
+    images = per_image.per_example_clipped_sum(model, params, (x, y))[0]
+    rest_images = per_image.per_example_clipped_sum(model, params, (x[4:], y[4:]))[0]
+    assert math.sqrt(sum(float((images[k] - rest_images[k]).square().sum()) for k in full)) > 3.9 * clip
     with pytest.raises(ValueError, match="every user needs 1 to 3 examples"):
         padded_units((x, y, offsets), 3)
 
@@ -256,3 +221,5 @@ def test_users_of_one_example_are_the_chunk_as_it_is():
     x, y, _ = _user_batch([1, 1, 1])
     xs, ys = padded_units((x, y, torch.arange(4)), 1)
     assert xs is x and ys is y
+    with pytest.raises(ValueError, match="rise from 0 to the chunk's 3 rows"):
+        padded_units((x, y, torch.tensor([0, 1, 2])), 1)

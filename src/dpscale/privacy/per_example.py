@@ -45,44 +45,6 @@ UnitChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def unit_rows(batch: Batch | UnitChunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A chunk's inputs, targets and privacy units.
-
-    Args:
-        batch: (x, y), every example its own unit; or (x, y, offsets), unit j (a user) holding rows
-            ``offsets[j]:offsets[j + 1]`` (int64, (m + 1,), from 0 to the number of rows).
-
-    Returns:
-        (x, y, offsets or None).
-
-    Raises:
-        ValueError: offsets that do not cover the rows in order.
-    """
-    if len(batch) == 2:
-        return batch[0], batch[1], None
-    x, y, offsets = batch
-    sizes = torch.diff(offsets)
-    if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != x.shape[0] or bool((sizes < 0).any()):
-        raise ValueError(f"unit offsets must rise from 0 to the chunk's {x.shape[0]} rows, got {offsets.tolist()}")
-    return x, y, offsets
-
-
-def unit_sums(grads: Params, offsets: torch.Tensor) -> Params:
-    """Each unit's summed per-example gradients: the gradient of a user's contribution.
-
-    Args:
-        grads: per-example gradients, (B, ...) by parameter name.
-        offsets: (m + 1,) unit offsets over the B rows (``unit_rows``).
-
-    Returns:
-        (m, ...) by parameter name.
-    """
-    sizes = torch.diff(offsets)
-    some = next(iter(grads.values()))
-    owner = torch.repeat_interleave(torch.arange(len(sizes), device=some.device), sizes.to(some.device))
-    return {k: g.new_zeros((len(sizes), *g.shape[1:])).index_add_(0, owner, g) for k, g in grads.items()}
-
-
 PADDING_LABEL = -100  # cross-entropy's ignore_index: a padding row's loss is exactly 0
 
 
@@ -94,14 +56,20 @@ def padded_units(batch: UnitChunk, rows: int) -> Batch:
     are a user's examples here; a padding row's loss, hence its gradient, is exactly 0).
 
     Args:
-        batch: (x, y, offsets) (``unit_rows``); every user at most ``rows`` examples.
+        batch: (x, y, offsets): user j holds rows ``offsets[j]:offsets[j + 1]`` (int64, (m + 1,),
+            from 0 to the number of rows), 1 to ``rows`` examples each.
         rows: k, the rows per user.
 
     Returns:
         (x (m, k, ...), y (m, k)).
+
+    Raises:
+        ValueError: offsets that do not cover the rows, or a user of 0 or more than k examples.
     """
-    x, y, offsets = unit_rows(batch)
+    x, y, offsets = batch
     sizes = torch.diff(offsets)
+    if offsets.numel() < 2 or int(offsets[0]) != 0 or int(offsets[-1]) != x.shape[0]:
+        raise ValueError(f"unit offsets must rise from 0 to the chunk's {x.shape[0]} rows, got {offsets.tolist()}")
     if bool((sizes > rows).any()) or bool((sizes < 1).any()):
         raise ValueError(f"every user needs 1 to {rows} examples here, got {int(sizes.min())} to {int(sizes.max())}")
     if rows == 1:  # users of one example: the chunk as it is (views=1 takes (B, ...) inputs)
@@ -125,7 +93,8 @@ def user_sum_loss(rows: int) -> LossFn:
 
 
 def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:
-    """Refuse a chunk of user units in an engine that clips per example only (one line)."""
+    """Refuse an unpadded chunk of users (x, y, offsets), in one line: engines take users only as
+    ``padded_units`` rows, which their AugMult path sums per user."""
     if len(batch) != 2:
         raise ValueError(
             f"engine {engine} takes a chunk of users as padded_units(chunk, k) with views=k and loss_fn=user_sum_loss(k)"
@@ -362,7 +331,8 @@ class VmapEngine(ClippedSumMixin):
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
     ) -> tuple[Params, torch.Tensor, torch.Tensor]:
-        x, y, units = unit_rows(batch)
+        refuse_units(batch, self.name)
+        x, y = batch
         if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train
             return self.empty_result(params, x)
         slots, constants = _functional_slots(model, params)
@@ -388,13 +358,11 @@ class VmapEngine(ClippedSumMixin):
         if precision.low:  # float32 gradients of the loss itself
             grads = {k: at_least_fp32(g) / scale for k, g in grads.items()}
             losses = losses / scale
-        if units is not None:  # a user's summed gradient is clipped as one vector (its norms: per user)
-            grads = unit_sums(grads, units)
         with exact_float32():  # the clip bound's arithmetic never in TF32
             # blocked: a float32 sum of millions of squares may underestimate (clip_margin covers blocks)
             sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
             group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
-            zeros = next(iter(sq_norms.values())).new_zeros(next(iter(grads.values())).shape[0])  # examples or users
+            zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
             factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; its rows are set to zero, since
