@@ -11,6 +11,7 @@ keep each user's examples consecutive (``UnitBatch.offsets``) so that a chunk ne
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -103,26 +104,49 @@ class UserPoissonSampler:
     every step from this sampler's (secret) generator: which of its examples are used depends on no
     other user and on nothing in the data but the user's own count.
 
+    With ``bands`` = b > 1 (BandMF) users are sampled cyclically: each user's group is a keyed hash
+    of its id under ``partition_seed`` (``user_groups``: independent of every other user, so adding
+    or removing a person moves nobody else), and step t draws only group t mod b, each member with
+    probability p = b * q.
+
     Args:
         users: the grouping of the N examples by user.
-        sample_rate: q in (0, 1], per user.
+        sample_rate: q in (0, 1], per user (p = b * q must also be <= 1).
         max_examples_per_user: k >= 1.
-        generator: the sampling RNG; its state is the sampler's whole state.
+        generator: the sampling RNG; its state (with the step) is the sampler's whole state.
+        bands: b >= 1; partition_seed: the groups' key (needed when b > 1); start_step: the next step.
     """
 
-    def __init__(self, users: UserIndex, sample_rate: float, max_examples_per_user: int, generator: DPRandom) -> None:
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    def __init__(
+        self, users: UserIndex, sample_rate: float, max_examples_per_user: int, generator: DPRandom, *,
+        bands: int = 1, partition_seed: int | None = None, start_step: int = 0,
+    ) -> None:  # fmt: skip
+        if not 0.0 < sample_rate <= 1.0 or not sample_rate * bands <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1/bands], got {sample_rate} with bands={bands}")
         if isinstance(max_examples_per_user, bool) or int(max_examples_per_user) != max_examples_per_user or max_examples_per_user < 1:
             raise ValueError(f"max_examples_per_user must be an integer >= 1, got {max_examples_per_user!r}")
-        self.users, self.sample_rate = users, sample_rate
+        if bands > 1 and partition_seed is None:
+            raise ValueError(f"bands={bands} (cyclic Poisson sampling of users) needs a partition_seed")
+        self.users, self.sample_rate, self.bands = users, sample_rate, int(bands)
         self.max_examples_per_user = int(max_examples_per_user)
         self.generator = require_dprandom(generator, "user-level Poisson sampling")
+        self.step = int(start_step)
+        self._set_partition(partition_seed)
+
+    def _set_partition(self, partition_seed: int | None) -> None:
+        self.partition_seed = partition_seed
+        if self.bands == 1:
+            self._members: tuple[np.ndarray, ...] = (np.arange(self.users.num_users),)
+            return
+        group = user_groups(self.users.ids, self.bands, partition_seed)
+        self._members = tuple(np.flatnonzero(group == g) for g in range(self.bands))
 
     def sample_units(self) -> UnitBatch:
         """The next step's drawn users and their contributed examples (possibly none)."""
+        members = self._members[self.step % self.bands]
         # float64 uniforms, as for examples (PoissonSampler): no rounding of a small q upwards
-        drawn = np.flatnonzero(self.generator.uniform(self.users.num_users).numpy() < self.sample_rate)
+        drawn = members[self.generator.uniform(len(members)).numpy() < self.sample_rate * self.bands]
+        self.step += 1
         sizes = self.users.sizes[drawn]
         keep = np.minimum(sizes, self.max_examples_per_user)
         # every example of every drawn user, with its user's rank in this batch
@@ -153,7 +177,66 @@ class UserPoissonSampler:
         return self.sample_units().indices
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.state_dict()}
+        return {"unit": "user", "generator": self.generator.state_dict(), "step": self.step,
+                "bands": self.bands, "partition_seed": self.partition_seed}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where the sampler that wrote ``state`` stood, with its groups.
+
+        Raises:
+            ValueError: a state of an example-level sampler, or of another number of bands.
+        """
+        if state.get("unit") != "user":
+            raise ValueError("this sampler state samples examples, not users: it cannot continue a user-level run")
+        if int(state["bands"]) != self.bands:
+            raise ValueError(f"this sampler state was written with bands={state['bands']}, not {self.bands}")
         self.generator.load_state_dict(state["generator"])
+        self.step = int(state["step"])
+        if state["partition_seed"] != self.partition_seed:  # the run's groups win (b-separation)
+            self._set_partition(state["partition_seed"])
+
+
+def user_groups(ids: np.ndarray, bands: int, partition_seed: int | None) -> np.ndarray:
+    """Each user's BandMF group: a keyed BLAKE2b hash of its id under the secret ``partition_seed``,
+    scaled to 0..b-1. A function of the seed and the user's own id only: adding or removing a user
+    moves no other user to another group (docs/correlated_noise.md).
+
+    Args:
+        ids: (U,) user ids (integers or strings).
+        bands: b >= 1.
+        partition_seed: the key (an integer of up to 512 bits).
+
+    Returns:
+        (U,) int64 groups.
+    """
+    if partition_seed is None:
+        raise ValueError("user groups need a partition_seed")
+    seed = int(partition_seed)
+    key = seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
+    digests = (hashlib.blake2b(str(i).encode(), key=key, digest_size=8).digest() for i in ids.tolist())
+    values = np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(ids))
+    # floor(v * b / 2^64) exactly: (v >> 32) * b + ((v & (2^32 - 1)) * b >> 32), then >> 32 (b < 2^31)
+    high, low = values >> np.uint64(32), values & np.uint64(0xFFFFFFFF)
+    b = np.uint64(bands)
+    return ((high * b + ((low * b) >> np.uint64(32))) >> np.uint64(32)).astype(np.int64)
+
+
+def user_sampler(
+    plan: Any, users: UserIndex | None, generator: DPRandom, *, world_size: int, partition_seed: int | None,
+    start_step: int,
+) -> UserPoissonSampler:  # fmt: skip
+    """The sampler of a user-level plan (``DPPlan.make_sampler``).
+
+    Raises:
+        ValueError: no user index, one of another number of users than the plan's N, or several processes.
+    """
+    if users is None:
+        raise ValueError("a user-level plan samples users: give the user ids (data.privacy_unit=user needs them)")
+    if users.num_users != plan.dataset_size:
+        raise ValueError(f"the plan counts N={plan.dataset_size} users but the data holds {users.num_users}")
+    if world_size > 1:
+        raise ValueError("data.privacy_unit=user runs in one process (users are not sharded across ranks yet)")
+    return UserPoissonSampler(
+        users, plan.sample_rate, plan.max_examples_per_user, generator, bands=plan.bands,
+        partition_seed=partition_seed, start_step=start_step,
+    )  # fmt: skip

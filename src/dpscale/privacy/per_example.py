@@ -82,14 +82,53 @@ def padded_units(batch: UnitChunk, rows: int) -> Batch:
     return xs, ys
 
 
-def user_sum_loss(rows: int) -> LossFn:
-    """Cross-entropy per row times k: ``mean_over_views`` then gives a user the sum of its examples'
-    losses (padding rows add 0)."""
+def user_sum_loss(rows: int, base: LossFn | None = None) -> LossFn:
+    """A row's loss times k (``base``'s, default cross-entropy; 0 on a padding row): ``mean_over_views``
+    over a user's k (x K AugMult views) rows then gives the user the sum of its examples' losses
+    (each example's the mean over its views)."""
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, targets, reduction="none", ignore_index=PADDING_LABEL) * rows
+        if base is None:
+            return F.cross_entropy(logits, targets, reduction="none", ignore_index=PADDING_LABEL) * rows
+        padding = targets == PADDING_LABEL  # base never sees the marker; where() passes no gradient there
+        out = base(logits, torch.where(padding, torch.zeros_like(targets), targets))
+        return torch.where(padding, torch.zeros_like(out), out) * rows
 
     loss.per_row_targets = True  # type: ignore[attr-defined]  # (m, k) targets, one per row (mean_over_views)
     return loss
+
+
+def user_rows(batch: UnitChunk, rows: int, views: int = 1) -> Batch:
+    """A chunk of users as the engines take it at the user unit (with ``user_engine_options``):
+    ``padded_units`` rows, each example's K AugMult views (x of (n, K, ...)) kept together in
+    its rows. Users of at most one example (k = 1) are the chunk as it is.
+
+    Args:
+        batch: (x, y, offsets), x (n, ...) or with AugMult (n, K, ...), y (n,).
+        rows: k, the examples per user at most; views: K.
+
+    Returns:
+        (x, y): (m, k * K, ...) and (m, k * K), or the (x, y) of the chunk when k = 1.
+    """
+    if rows == 1:
+        return padded_units(batch, 1)
+    xs, ys = padded_units(batch, rows)  # (m, k, [K,] ...), (m, k)
+    if views == 1:
+        return xs, ys
+    return xs.reshape(xs.shape[0], rows * views, *xs.shape[3:]), ys.repeat_interleave(views, dim=1)
+
+
+def user_engine_options(rows: int, views: int, loss_fn: LossFn | None) -> tuple[int, LossFn]:
+    """The engine's views and loss at the user unit, for chunks from ``user_rows``.
+
+    Args:
+        rows: k; views: K; loss_fn: the per-example loss (None: cross-entropy).
+
+    Returns:
+        (views, loss): (k * K, ``user_sum_loss(k, loss_fn)``), or (K, loss_fn) when k = 1.
+    """
+    if rows == 1:
+        return views, loss_fn or per_example_cross_entropy
+    return rows * views, user_sum_loss(rows, loss_fn)
 
 
 def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:

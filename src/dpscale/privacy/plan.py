@@ -21,7 +21,7 @@ from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
 )  # fmt: skip
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
-from dpscale.privacy.group_privacy import meaning, unit_text
+from dpscale.privacy.group_privacy import UNITS, meaning, unit_text
 
 if TYPE_CHECKING:  # the plan itself never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
@@ -221,6 +221,10 @@ class DPPlan:
     adaptive: adaptive clipping (``dpscale.privacy.adaptive``): C starts at max_grad_norm and
         follows a quantile of the norms; noise_multiplier is then the accounted sigma of the
         joint release (gradient and count), the gradient's own is ``gradient_noise_multiplier``.
+    privacy_unit: "example" (N examples, B examples per step, one example clipped to C) or "user"
+        (N users, B expected users per step, each user's summed gradient clipped to C: the
+        guarantee protects a person, docs/privacy-units.md).
+    max_examples_per_user: k, the examples a drawn user contributes per step (user unit only).
     """
 
     dataset_size: int
@@ -247,6 +251,8 @@ class DPPlan:
     mechanism: str = "dpsgd"
     correlated: BandedNoisePlan | None = None
     adaptive: AdaptiveClipping | None = None
+    privacy_unit: str = "example"
+    max_examples_per_user: int | None = None
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -406,7 +412,22 @@ class DPPlan:
         if self.simulation:
             return ("No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
                     f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}.")  # fmt: skip
-        return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text("example"))
+        return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text(self.privacy_unit))
+
+    @property
+    def user_level(self) -> bool:
+        """Whether the guarantee's unit is a user (all of one person's examples)."""
+        return self.privacy_unit == "user"
+
+    def _units_text(self) -> str:
+        """N with its unit in the header: "N=60000" (examples, as always) or "N=15000 users (at most k
+        examples each per step; the guarantee covers any one person's images)"."""
+        if not self.user_level:
+            return f"N={self.dataset_size}"
+        return (
+            f"N={self.dataset_size} users (B and q count users; at most {self.max_examples_per_user} examples of a "
+            "drawn user per step, their summed gradient clipped as one: the guarantee covers any one person's images)"
+        )
 
     def status(self, epsilon: float, reference_epsilon: float | None = None) -> str:
         """The privacy clause of every result line (train, eval, tan simulate, sweeps): what the
@@ -422,16 +443,24 @@ class DPPlan:
         runs = [s.words.noun for s in self.sources if s.case == "composed"]
         composed = f" (composed with {' and '.join(runs)})" if runs else ""
         mechanism = f" {self.correlated.short()} sigma={self.noise_multiplier:.4g}" if self.correlated else ""
-        return f"epsilon={epsilon:.3f} delta={self.delta:g} ({self.accountant}){composed}{mechanism}"
+        unit = " per user" if self.user_level else ""
+        return f"epsilon={epsilon:.3f} delta={self.delta:g}{unit} ({self.accountant}){composed}{mechanism}"
 
     def make_sampler(
         self, generator: DPRandom, rank: int = 0, world_size: int = 1, *, partition_seed: int | None = None,
-        start_step: int = 0,
+        start_step: int = 0, users: Any = None,
     ):  # fmt: skip
         """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``:
         Poisson sampling, or for BandMF with b > 1 cyclic Poisson sampling over the b groups of the
-        partition ``partition_seed`` draws, at step ``start_step`` of the run."""
+        partition ``partition_seed`` draws, at step ``start_step`` of the run. At the user unit,
+        ``users`` (a ``dpscale.data.units.UserIndex`` of the plan's N users) is sampled instead."""
         from dpscale.data.sampling import make_sampler  # here: the plan itself never needs torch
+
+        if self.user_level:
+            from dpscale.data.units import user_sampler
+
+            return user_sampler(self, users, generator, world_size=world_size, partition_seed=partition_seed,
+                                start_step=start_step)  # fmt: skip
 
         return make_sampler(
             self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size, bands=self.bands,
@@ -454,7 +483,7 @@ class DPPlan:
                 f"(epsilon={sim.epsilon:.4g}) at {sim.compute_fraction:.3g}x its compute"
             )
         return (
-            f"{self._mechanism_text()}: N={self.dataset_size}, B={self.batch_size:g}, q={self.sample_rate:.5g}, "
+            f"{self._mechanism_text()}: {self._units_text()}, B={self.batch_size:g}, q={self.sample_rate:.5g}, "
             f"S={self.steps}, sigma={self.noise_multiplier:.5g}, {describe_clip(self.max_grad_norm)}, "
             f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}"
@@ -595,6 +624,8 @@ def make_dp_plan(
     extractor: SourceRunPrivacy | None = None,
     correlated: BandsRequest | None = None,
     adaptive: AdaptiveClipping | None = None,
+    privacy_unit: str = "example",
+    max_examples_per_user: int | None = None,
 ) -> DPPlan:
     """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
     ``noise_multiplier`` checked against it.
@@ -614,6 +645,8 @@ def make_dp_plan(
         correlated: BandMF (dp.mechanism=bandmf): its bands and workload; None for DP-SGD. The
             steps are then accounted as ceil(S/b) compositions at p = b*q, sigma calibrated for the b chosen.
         adaptive: adaptive clipping (C_0 = max_grad_norm); sigma is the joint release's, as calibrated.
+        privacy_unit: "example", or "user": then dataset_size and batch_size count users (q = B / U),
+            and ``max_examples_per_user`` (k >= 1) bounds a drawn user's examples per step.
 
     Returns:
         The plan (the TAN simulation's, with ``simulated_batch_size``).
@@ -628,8 +661,11 @@ def make_dp_plan(
     """
     check_max_grad_norm(max_grad_norm)
     _check_adaptive(adaptive, max_grad_norm, correlated, is_simulation(batch_size, simulated_batch_size))
+    _check_unit(privacy_unit, max_examples_per_user, simulated=is_simulation(batch_size, simulated_batch_size),
+                sampling=sampling)  # fmt: skip
     if batch_size > dataset_size:
-        raise ConfigError(f"dp.batch_size={batch_size} is larger than the training set (N={dataset_size})")
+        units = "users" if privacy_unit == "user" else "the training set"
+        raise ConfigError(f"dp.batch_size={batch_size} is larger than {units} (N={dataset_size})")
     q = batch_size / dataset_size
     releases = tuple(releases)
     noise_plan = None
@@ -652,7 +688,7 @@ def make_dp_plan(
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
         accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
         extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
-        adaptive=adaptive,
+        adaptive=adaptive, privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
     )  # fmt: skip
     if adaptive is not None:
         try:
@@ -660,6 +696,23 @@ def make_dp_plan(
         except ValueError as err:
             raise ConfigError(str(err)) from err
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
+
+
+def _check_unit(unit: str, max_examples_per_user: int | None, *, simulated: bool, sampling: str) -> None:
+    """Refuse a privacy unit the plan cannot describe, in one line."""
+    if unit not in UNITS:
+        raise ConfigError(f"data.privacy_unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    if unit == "example":
+        if max_examples_per_user is not None:
+            raise ConfigError("dp.max_examples_per_user bounds a user's examples: it needs data.privacy_unit=user")
+        return
+    k = max_examples_per_user
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
+    if sampling != "poisson":
+        raise ConfigError("data.privacy_unit=user samples users by Poisson sampling: use dp.sampling=poisson")
+    if simulated:
+        raise ConfigError("a TAN simulation (dp.simulated_batch_size) runs at the example unit only")
 
 
 def _planned_epsilon(

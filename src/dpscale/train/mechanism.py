@@ -18,7 +18,6 @@ The Trainer takes its steps through the same object.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from dataclasses import asdict, replace
@@ -30,13 +29,16 @@ from torch import nn
 from dpscale.clip_norms import check_same_tensors
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
-from dpscale.privacy.independence import MIN_EXAMPLES, check_batch_independence
+from dpscale.privacy.independence import MIN_EXAMPLES
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
 from dpscale.privacy.bandmf import BandedNoise
 from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
+from dpscale.train.guards import FirstChunkCheck, independence_check, model_digest, refuse_steps_outside_the_mechanism
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
+from dpscale.train.units import check_chunk_fits, cut_at_users, padded_user_chunks, user_slices, users_per_chunk
+from dpscale.data.units import UserIndex
 
 
 # spawn key of BandMF's partition seed when none is given (make_private: one process)
@@ -63,12 +65,16 @@ class DPMechanism:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, engine: PerExampleEngine, *,
         sampler_seed: int, noise_seed: int, scheduler: Any = None, max_physical_batch_size: int | None = None,
         rank: int = 0, world_size: int = 1, first_chunk_check: FirstChunkCheck | None = None,
-        partition_seed: int | None = None,
+        partition_seed: int | None = None, users: UserIndex | None = None, views: int = 1,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        _refuse_steps_outside_the_mechanism(optimizer)
+        refuse_steps_outside_the_mechanism(optimizer)
         self.plan, self.engine = plan, engine
         self.rank, self.world_size = rank, world_size
+        # the user unit: the users sampled, and the AugMult views of each example (for user_rows)
+        self.users, self.views = users, views
+        if plan.user_level:
+            check_chunk_fits(max_physical_batch_size, plan.max_examples_per_user)
         if plan.adaptive is not None and world_size > 1:
             raise ValueError("adaptive clipping runs in one process (its count's noise and C are not shared across ranks yet)")
         self.clip = plan.max_grad_norm  # C_t: fixed, or adaptive clipping's current norm
@@ -86,6 +92,7 @@ class DPMechanism:
         self.first_chunk_check = first_chunk_check
         self._checked_rows = 0
         self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
+        self._drawn_offsets: torch.Tensor | None = None  # its users' boundaries, at the user unit
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
 
@@ -97,7 +104,7 @@ class DPMechanism:
         stay those of ``partition_seed``, and its cyclic sampling continues at the step taken next."""
         self.sampler = self.plan.make_sampler(
             DPRandom(sampler_seed), self.rank, self.world_size, partition_seed=self.partition_seed,
-            start_step=self.steps_taken,
+            start_step=self.steps_taken, users=self.users,
         )  # fmt: skip
         self.noise_generator = noise_generator(noise_seed, self.plan.secure_noise)
 
@@ -107,14 +114,19 @@ class DPMechanism:
         return self.plan.steps - self.steps_taken
 
     def sample(self) -> torch.Tensor:
-        """The next logical batch's example indices (int64, sorted; possibly empty)."""
+        """The next logical batch's example indices (int64, possibly empty): sorted, or at the user
+        unit each drawn user's contributed examples consecutive."""
         self._check_budget()
         if self._drawn is not None:
             raise RuntimeError(
                 "a drawn batch is waiting for its step: take mechanism.step(...) on it before drawing again "
                 "(choosing among several draws would change the sampling the epsilon describes)"
             )
-        indices = self.sampler.sample()
+        if self.plan.user_level:
+            drawn = self.sampler.sample_units()
+            indices, self._drawn_offsets = drawn.indices, drawn.offsets
+        else:
+            indices = self.sampler.sample()
         self._drawn = int(indices.numel())
         return indices
 
@@ -133,7 +145,11 @@ class DPMechanism:
         (``loader_options`` such as num_workers are passed on)."""
         chunk = self.max_physical_batch_size or int(math.ceil(self.plan.batch_size * 2))
         for indices in self.batches():
-            parts = [p.tolist() for p in indices.split(chunk)]
+            if self.plan.user_level:  # whole users per chunk
+                per_chunk = users_per_chunk(chunk, self.plan.max_examples_per_user, 1, 0)
+                parts = [indices[a:b].tolist() for a, b, _ in user_slices(self._drawn_offsets, per_chunk)]
+            else:
+                parts = [p.tolist() for p in indices.split(chunk)]
             loader = torch.utils.data.DataLoader(dataset, batch_sampler=parts, **loader_options)
             yield list(loader)
 
@@ -158,11 +174,16 @@ class DPMechanism:
         if targets is not None:
             self._check_size(len(targets))  # before anything is computed
             size = self.max_physical_batch_size or max(1, len(targets))
+            if self.plan.user_level:  # whole users per chunk (no chunk at all when no user was drawn)
+                per_chunk = users_per_chunk(size, self.plan.max_examples_per_user, 1, 0)
+                size = [end - start for start, end, _ in user_slices(self._drawn_offsets, per_chunk)]
             chunks: Iterable[Batch] = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
         else:
             chunks = inputs
-        stats = self._step_chunks(chunks, check_drawn=True)
-        self._drawn = None
+        if self.plan.user_level:
+            chunks = padded_user_chunks(cut_at_users(chunks, self._drawn_offsets), self.plan.max_examples_per_user, self.views)
+        stats = self._step_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
+        self._drawn = self._drawn_offsets = None
         return stats
 
     def _check_size(self, examples: int) -> None:
@@ -357,44 +378,4 @@ class DPMechanism:
         self.clip = state.get("clip_norm", self.plan.max_grad_norm)
 
 
-def model_digest(model: nn.Module) -> str:
-    """SHA-256 of the model's trainable parameters (names, dtypes, shapes and values): ties a
-    mechanism state to the weights its accountant covers."""
-    digest = hashlib.sha256()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            value = p.detach().cpu().contiguous()
-            digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
-            digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-# A check of (engine, model, first chunk) that returns the engine to train with, or raises ValueError.
-FirstChunkCheck = Callable[[PerExampleEngine, nn.Module, Batch], PerExampleEngine]
-STEP_OUTSIDE_THE_MECHANISM = (
-    "optimizer.step() was called outside mechanism.step(...): that update would be neither clipped, noised nor "
-    "accounted. Take every step with mechanism.step(x, y) (it steps the optimizer itself)"
-)
-
-
-def _refuse_steps_outside_the_mechanism(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer.step()`` raise unless the mechanism is taking its step (once per optimizer)."""
-    if getattr(optimizer, "_dpscale_guarded", False):
-        return
-
-    def refuse(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not getattr(opt, "_dpscale_in_step", False):
-            raise RuntimeError(STEP_OUTSIDE_THE_MECHANISM)
-
-    optimizer.register_step_pre_hook(refuse)
-    optimizer._dpscale_guarded = True  # type: ignore[attr-defined]
-    optimizer._dpscale_in_step = False  # type: ignore[attr-defined]
-
-
-def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
-    """The first training chunk's batch-independence check (``FirstChunkCheck``): ``engine`` if
-    each example's loss and norm are its own, else ValueError naming what mixes examples."""
-    result = check_batch_independence(engine, model, chunk)
-    if result is not None and not result.ok:
-        raise ValueError(f"on the first training batch: {result.describe()}")
-    return engine
+__all__ = ["DPMechanism", "FirstChunkCheck", "PrivacyBudgetExhausted", "independence_check", "model_digest"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 import torch
 from torch import nn
@@ -20,7 +22,8 @@ from dpscale.privacy.adaptive import adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
 from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy
+from dpscale.data.units import UserIndex
+from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy, user_engine_options
 from dpscale.privacy.plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine
@@ -83,11 +86,11 @@ def make_private(
     check: bool = True, check_batch: Batch | None = None,
     noise_mechanism: str = "dpsgd",
     bands: int | str = "auto",
-    max_bands: int = DEFAULT_MAX_BANDS,
-    max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB,
+    max_bands: int = DEFAULT_MAX_BANDS, max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB,
     workload: Workload | None = None,
     clipping: str = "fixed", clip_quantile: float = 0.5, clip_learning_rate: float = 0.2,
     clip_count_noise: float | None = None,
+    user_ids: Sequence[Any] | np.ndarray | torch.Tensor | None = None, max_examples_per_user: int | None = None,
 ) -> DPMechanism:
     """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson
     sampling, or BandMF's correlated noise with cyclic Poisson sampling).
@@ -140,6 +143,15 @@ def make_private(
             ``max_grad_norm`` and follows the ``clip_quantile`` of the per-example norms, moved by
             ``clip_learning_rate`` each step through a count released with noise ``clip_count_noise``
             (sigma_b, examples; None: batch_size / 20); sigma (calibrated or given) covers both.
+        user_ids: one id per dataset index (ints or strings): the guarantee then protects a person
+            (user-level DP, docs/privacy-units.md). ``dataset_size`` stays the number of examples;
+            ``batch_size`` is the expected number of USERS per step (q = batch_size / users), epochs
+            count passes over the users, and ``batches()``/``sample()`` give the indices of the drawn
+            users' examples, each user's consecutive (chunks passed to ``step`` must end where a
+            user's examples end: ``data_loader`` cuts them so).
+        max_examples_per_user: k, required with ``user_ids``: a drawn user contributes at most k of
+            its examples per step (a fresh random k-subset when it has more); the sum of their
+            gradients (each example's the mean over its AugMult views) is clipped as one to C.
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
@@ -151,28 +163,53 @@ def make_private(
     """
     _check_one_of(epochs=epochs, steps=steps, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
     max_grad_norm = _clip_bounds(model, max_grad_norm, max_grad_norm_per)
-    total_steps = steps_for(epochs, steps, dataset_size, batch_size)
-    correlated = _bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
-                                max_noise_memory_mb=max_noise_memory_mb, workload=workload)  # fmt: skip
-    adaptive = adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
-                                 count_noise=clip_count_noise, batch_size=batch_size)  # fmt: skip
+    users, units = _user_index(user_ids, max_examples_per_user, dataset_size, check_batch)  # N: examples, or users
+    total_steps = steps_for(epochs, steps, units, batch_size)
     plan = make_dp_plan(
-        dataset_size=dataset_size, batch_size=batch_size, steps=total_steps, max_grad_norm=max_grad_norm, delta=delta,
+        dataset_size=units, batch_size=batch_size, steps=total_steps, max_grad_norm=max_grad_norm, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-        seeded=seed is not None, correlated=correlated, adaptive=adaptive,
+        seeded=seed is not None, privacy_unit="example" if users is None else "user",
+        max_examples_per_user=max_examples_per_user,
+        correlated=_bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
+                                  max_noise_memory_mb=max_noise_memory_mb, workload=workload),
+        adaptive=adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
+                                   count_noise=clip_count_noise, batch_size=batch_size),
     )  # fmt: skip
-    check = check and plan.is_private  # a non-private run claims no guarantee for the checks to protect
-    plan = replace(plan, secure_noise=secure_noise, engine_unchecked=not check and plan.is_private)
-    chosen, first_chunk_check = _chosen_engine(
-        engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=precision, check=check,
-        check_batch=check_batch,
+    plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
+    chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
+        engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=precision,
+        check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
     )  # fmt: skip
-    seeds = run_seeds(seed)
     return DPMechanism(
-        model, optimizer, plan, chosen, sampler_seed=seeds["sampler"], noise_seed=seeds["noise"],
-        partition_seed=seeds["partition"], scheduler=scheduler, max_physical_batch_size=max_physical_batch_size,
-        first_chunk_check=first_chunk_check,
+        model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler,
+        max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check, users=users,
+        views=augment_multiplicity,
     )  # fmt: skip
+
+
+def _seed_streams(seed: int | None) -> dict[str, int]:
+    """The mechanism's sampler, noise and BandMF partition seeds from ``seed`` (None: fresh entropy)."""
+    seeds = run_seeds(seed)
+    return {"sampler_seed": seeds["sampler"], "noise_seed": seeds["noise"], "partition_seed": seeds["partition"]}
+
+
+def _user_index(
+    user_ids: Any, max_examples_per_user: int | None, dataset_size: int, check_batch: Batch | None
+) -> tuple[UserIndex | None, int]:  # fmt: skip
+    """``make_private``'s users (None at the example unit), checked against the dataset, and the
+    plan's N (the users, or the examples)."""
+    if user_ids is None:
+        if max_examples_per_user is not None:
+            raise ValueError("max_examples_per_user bounds a user's examples: give user_ids (one per dataset index) too")
+        return None, dataset_size
+    if max_examples_per_user is None:
+        raise ValueError("user_ids need max_examples_per_user=k: the examples a drawn user contributes per step")
+    if check_batch is not None:
+        raise ValueError("check_batch is not taken with user_ids: the checks run on the first step's users instead")
+    users = UserIndex.from_ids(user_ids)
+    if len(users.examples) != dataset_size:
+        raise ValueError(f"user_ids holds {len(users.examples)} ids but dataset_size={dataset_size}: give one per dataset index")
+    return users, users.num_users
 
 
 def _clip_bounds(model: nn.Module, max_grad_norm: MaxGradNorm, per: str) -> MaxGradNorm:
@@ -221,12 +258,17 @@ def _bands_request(
 
 
 def _chosen_engine(
-    engine: str, max_grad_norm: MaxGradNorm, model: nn.Module, *, loss_fn: Callable | None, views: int, precision: str,
-    check: bool, check_batch: Batch | None,
+    engine: str, max_grad_norm: MaxGradNorm, model: nn.Module, *, loss_fn: Callable | None, views: int,
+    precision: str, check: bool, check_batch: Batch | None, rows: int | None,
 ) -> tuple[PerExampleEngine, FirstChunkCheck | None]:  # fmt: skip
-    """``make_private``'s engine, checked now on ``check_batch`` or at the first step's first chunk."""
-    options = {"views": views, "loss_fn": per_example_loss(loss_fn) if loss_fn else per_example_cross_entropy,
-               "precision": make_precision(precision)}  # fmt: skip
+    """``make_private``'s engine, checked now on ``check_batch`` or at the first step's first chunk;
+    at the user unit (``rows`` = k) one that clips each user's ``user_rows`` as one example."""
+    base = per_example_loss(loss_fn) if loss_fn else None  # user_sum_loss: None is cross-entropy with padding
+    if rows is not None:
+        views, unit_loss = user_engine_options(rows, views, base)
+    else:
+        unit_loss = base or per_example_cross_entropy
+    options = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision)}
     # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
     if check and check_batch is not None:
         with options["precision"].matmul_flags():  # as at every step (full float32 unless tf32)

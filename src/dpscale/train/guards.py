@@ -1,0 +1,56 @@
+"""What keeps a DP mechanism's steps its own: the model digest a state is tied to, the guard on
+``optimizer.step()`` outside the mechanism, and the first chunk's batch-independence check."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dpscale.privacy.independence import check_batch_independence
+from dpscale.privacy.per_example import Batch, PerExampleEngine
+
+
+def model_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's trainable parameters (names, dtypes, shapes and values): ties a
+    mechanism state to the weights its accountant covers."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            value = p.detach().cpu().contiguous()
+            digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# A check of (engine, model, first chunk) that returns the engine to train with, or raises ValueError.
+FirstChunkCheck = Callable[[PerExampleEngine, nn.Module, Batch], PerExampleEngine]
+STEP_OUTSIDE_THE_MECHANISM = (
+    "optimizer.step() was called outside mechanism.step(...): that update would be neither clipped, noised nor "
+    "accounted. Take every step with mechanism.step(x, y) (it steps the optimizer itself)"
+)
+
+
+def refuse_steps_outside_the_mechanism(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step()`` raise unless the mechanism is taking its step (once per optimizer)."""
+    if getattr(optimizer, "_dpscale_guarded", False):
+        return
+
+    def refuse(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not getattr(opt, "_dpscale_in_step", False):
+            raise RuntimeError(STEP_OUTSIDE_THE_MECHANISM)
+
+    optimizer.register_step_pre_hook(refuse)
+    optimizer._dpscale_guarded = True  # type: ignore[attr-defined]
+    optimizer._dpscale_in_step = False  # type: ignore[attr-defined]
+
+
+def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
+    """The first training chunk's batch-independence check (``FirstChunkCheck``): ``engine`` if
+    each example's loss and norm are its own, else ValueError naming what mixes examples."""
+    result = check_batch_independence(engine, model, chunk)
+    if result is not None and not result.ok:
+        raise ValueError(f"on the first training batch: {result.describe()}")
+    return engine

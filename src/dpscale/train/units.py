@@ -1,0 +1,84 @@
+"""Physical chunks of whole users (issue 43): a user's examples are clipped as one vector, so a
+chunk never splits a user. Every path that feeds a user-level step (``mechanism.step``, its
+``data_loader``, the Trainer) cuts the drawn batch here, then pads it with ``user_rows``."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from dpscale.privacy.per_example import Batch, UnitChunk, user_rows
+
+
+def users_per_chunk(max_physical_batch_size: int | None, rows: int, views: int, users: int) -> int:
+    """Users per physical chunk: as many as fit ``max_physical_batch_size`` examples once padded to
+    k rows of K views each (at least one), or all ``users`` without a limit."""
+    if max_physical_batch_size is None:
+        return max(1, users)
+    return max(1, max_physical_batch_size // (rows * views))
+
+
+def check_chunk_fits(max_physical_batch_size: int | None, rows: int) -> None:
+    """Refuse a physical batch smaller than one user's k examples (the rule for a user larger
+    than a chunk: it would have to be split, and its gradient is clipped as one)."""
+    if max_physical_batch_size is not None and max_physical_batch_size < rows:
+        raise ValueError(
+            f"max_physical_batch_size={max_physical_batch_size} is smaller than max_examples_per_user={rows}: a chunk "
+            "never splits a user; raise it to at least k"
+        )
+
+
+def user_slices(offsets: torch.Tensor, per_chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first row, end row, local offsets) of each chunk of ``per_chunk`` consecutive users."""
+    offsets = offsets.cpu()
+    users = len(offsets) - 1
+    for first in range(0, users, per_chunk):
+        local = offsets[first : min(users, first + per_chunk) + 1]
+        yield int(local[0]), int(local[-1]), local - local[0]
+
+
+def gathered_user_chunks(
+    x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, per_chunk: int
+) -> Iterator[UnitChunk]:  # fmt: skip
+    """A drawn batch of users, gathered from the whole training set chunk by chunk.
+
+    Args:
+        x, y: all training examples; indices: the batch's examples, each user's consecutive;
+        offsets: user j holds ``indices[offsets[j]:offsets[j + 1]]``; per_chunk: users per chunk.
+
+    Returns:
+        (x, y, offsets) chunks of whole users.
+    """
+    for start, end, local in user_slices(offsets, per_chunk):
+        rows = indices[start:end].to(x.device)
+        yield x[rows], y[rows], local
+
+
+def cut_at_users(chunks: Iterable[Batch], offsets: torch.Tensor) -> Iterator[UnitChunk]:
+    """The (x, y) chunks a user's loop passes, with each chunk's users: every chunk must end where
+    a drawn user's examples end, and all must add up to the drawn batch (else ValueError, raised
+    while the engine reads the chunks: before anything is released)."""
+    ends = offsets.cpu().tolist()
+    cursor = 0
+    for x, y in chunks:
+        end = cursor + len(y)
+        if end not in ends or len(y) == 0:
+            raise ValueError(
+                f"a physical chunk (rows {cursor}..{end} of the drawn batch) splits a user: chunks must end where a "
+                "user's examples end (mechanism.data_loader cuts them so); nothing was released"
+            )
+        first, last = ends.index(cursor), ends.index(end)
+        yield x, y, torch.tensor(ends[first : last + 1], dtype=torch.int64) - cursor
+        cursor = end
+    if cursor != ends[-1]:
+        raise ValueError(f"the chunks hold {cursor} examples but the drawn users hold {ends[-1]}; nothing was released")
+
+
+def padded_user_chunks(
+    chunks: Iterable[UnitChunk], rows: int, views: int, augment: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Iterator[Batch]:  # fmt: skip
+    """Each chunk of users as the engine takes it (``user_rows``), its images first made into K
+    views by ``augment`` (AugMult: (n, ...) -> (n, K, ...)) when given."""
+    for x, y, offsets in chunks:
+        yield user_rows((augment(x) if augment is not None else x, y, offsets), rows, views)
