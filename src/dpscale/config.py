@@ -20,6 +20,7 @@ import yaml
 
 from dpscale.choices import (
     ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, PEFT_METHODS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
+    PRIVACY_UNITS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
 from dpscale.clip_norms import check_max_grad_norm, check_max_grad_norm_per
@@ -59,6 +60,12 @@ class DataConfig:
     num_classes: the number of classes K (the model's outputs), declared instead of read from the
         labels; every label must be below it, and training labels with gaps or test labels absent
         from training are then allowed (null: K from the data, and those are refused).
+    privacy_unit: who the guarantee protects: "example" (any one training image, the default) or
+        "user" (any one person's images, all together: users are sampled, each contributes at most
+        dp.max_examples_per_user images per step, clipped as one; N, B and q count users). Needs
+        a user id per training image: a ``user_ids`` array in an npz file, or a side file
+        ``train-user-ids.txt`` (one id per line) / ``.npy`` beside IDX or CIFAR files
+        (docs/privacy-units.md).
     """
 
     name: str = "mnist-5k"
@@ -76,6 +83,7 @@ class DataConfig:
     max_per_class: int | None = None
     subset_seed: int = 0
     num_classes: int | None = None
+    privacy_unit: str = "example"
 
     @property
     def selects_classes(self) -> bool:
@@ -257,6 +265,8 @@ class DPConfig:
     clip_learning_rate: adaptive: eta, C_{t+1} = C_t exp(-eta (released share - gamma)).
     clip_count_noise: adaptive: sigma_b, the std of the noise on the unclipped count (examples);
         null: batch_size / 20 (Andrew et al.'s recommendation).
+    max_examples_per_user: k, with data.privacy_unit=user (required there): a drawn user
+        contributes at most k of its images per step (a fresh random k-subset when it has more).
     """
 
     epsilon: float | None = 3.0
@@ -277,6 +287,7 @@ class DPConfig:
     clip_quantile: float = 0.5
     clip_learning_rate: float = 0.2
     clip_count_noise: float | None = None
+    max_examples_per_user: int | None = None
 
 
 @dataclass(frozen=True)
@@ -866,6 +877,7 @@ def _validate_model(config: Config) -> None:
 
 def _validate_data(config: Config) -> None:
     data = config.data
+    _validate_privacy_unit(config)
     if data.loader not in DATA_LOADERS:
         raise ConfigError(f"data.loader must be one of {', '.join(DATA_LOADERS)}, got {data.loader!r}")
     if data.workers is not None and data.workers < 0:
@@ -893,6 +905,32 @@ def _validate_data(config: Config) -> None:
             )
         if config.eval.augtest:
             raise ConfigError("eval.augtest is not available with data.loader=stream yet; use data.loader=memory")
+
+
+def _validate_privacy_unit(config: Config) -> None:
+    """The unit's settings, and the features that do not follow the user unit yet (one line each)."""
+    unit, k = config.data.privacy_unit, config.dp.max_examples_per_user
+    if unit not in PRIVACY_UNITS:
+        raise ConfigError(f"data.privacy_unit must be {_either(PRIVACY_UNITS)}, got {unit!r}")
+    if unit == "example":
+        if k is not None:
+            raise ConfigError("dp.max_examples_per_user bounds a user's images: it needs data.privacy_unit=user")
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
+    not_yet = {
+        "data.loader=stream": config.data.loader == "stream",
+        "features.normalize=datanorm": config.features.normalize == "datanorm",
+        "features.center": config.features.center,
+        "dp.sampling=shuffle": config.dp.sampling != "poisson",
+        "dp.simulated_batch_size (a TAN simulation)": config.dp.simulated_batch_size is not None,
+    }
+    for setting, on in not_yet.items():
+        if on:
+            raise ConfigError(
+                f"{setting} does not follow data.privacy_unit=user yet (it would bound one image, not one person): "
+                "use it at the example unit"
+            )
 
 
 def _validate_features(features: FeaturesConfig, is_private: bool) -> None:

@@ -232,6 +232,13 @@ def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
     return merge_lora(copy.deepcopy(source)).eval()
 
 
+def _unit_words(privacy: dict[str, Any]) -> str:
+    """" users, at most k images each per step" when N counts users (the card's batch line)."""
+    if privacy.get("privacy_unit") != "user":
+        return ""
+    return f" users, at most {privacy['max_examples_per_user']} images each per step"
+
+
 def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool, training: bool) -> dict[str, Any]:
     """The metadata every format carries (``dpscale.exported``).
 
@@ -510,9 +517,10 @@ exported by dpscale {metadata['dpscale_version']}. This card describes that file
 ## Privacy
 - **{privacy['privacy_status']}**
 - (epsilon, delta) = ({privacy['epsilon']}, {privacy['delta']}), {privacy['accountant']} accountant, {privacy['sampling']} sampling
-  (q = {privacy['sample_rate']}, expected batch {privacy['batch_size']} of N = {privacy['dataset_size']}),
+  (q = {privacy['sample_rate']}, expected batch {privacy['batch_size']} of N = {privacy['dataset_size']}{_unit_words(privacy)}),
   noise multiplier {privacy['noise_multiplier']}, clipping norm {privacy['max_grad_norm']} ({privacy['clipping']}),
   {privacy['steps']} steps, mechanism {privacy['mechanism']}.
+- Who it protects: {privacy.get('protects', 'any one training image')} (privacy unit: {privacy.get('privacy_unit', 'example')}).
 - What the guarantee covers: {privacy.get('guarantee_scope') or 'nothing (not a private run)'}
 - Caveats of this run:
 {caveats}

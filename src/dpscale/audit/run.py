@@ -127,6 +127,8 @@ def audit_config_problems(config: Config) -> list[str]:
             "steps'; BandMF's noise is correlated across steps, so its scores would be wrong until the releases are "
             "decorrelated, which dpscale does not do yet: audit the run with dp.mechanism=dpsgd)"
         )
+    if config.data.privacy_unit != "example":
+        problems.append("data.privacy_unit=user (its canaries would have to be users; audit at the example unit)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         problems.append("torchrun (run the audit as one process)")
     return problems

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .splits import holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
+from .splits import SPLIT_SEED, holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
+from .splits import user_holdout
+from .units import checked_user_ids, side_user_ids
 from .folder import image_array, list_image_folder
 from .formats import (
     DatasetError,
@@ -84,13 +86,17 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class ImageDataset:
-    """Train and test images (float32 NCHW in [0, 1]) with int64 labels."""
+    """Train and test images (float32 NCHW in [0, 1]) with int64 labels, and, when the source
+    names them, each training example's user id (``user_ids``, (N,) integers or strings: the
+    privacy unit ``user``, issue 43). Anything that subsets or reorders the training set must do
+    the same to ``user_ids`` or drop them (None: then a user-level run is refused)."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
     info: DatasetInfo
+    user_ids: np.ndarray | None = None
 
 
 def images_from_uint8(x_uint8: np.ndarray) -> torch.Tensor:
@@ -123,6 +129,7 @@ def _make(
     y_train: np.ndarray,
     x_test: torch.Tensor,
     y_test: np.ndarray,
+    user_ids: np.ndarray | None = None,
 ) -> ImageDataset:
     """Assemble an :class:`ImageDataset`, deriving the counts in its :class:`DatasetInfo`."""
     if len(x_train) == 0:
@@ -143,15 +150,25 @@ def _make(
         x_test=x_test.contiguous(),
         y_test=torch.from_numpy(y_test.astype(np.int64)),
         info=info,
+        user_ids=user_ids,
     )
 
 
-def _split(name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, n_test: int) -> ImageDataset:
-    """Build a dataset from a single labelled pool by a stratified seeded hold-out."""
-    train, test = _stratified_holdout(y, n_test)
+def _split(
+    name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, n_test: int,
+    user_ids: np.ndarray | None = None,
+) -> ImageDataset:  # fmt: skip
+    """Build a dataset from a single labelled pool by a stratified seeded hold-out, or, when the
+    pool names its users, by whole users (no person on both sides)."""
+    if user_ids is None:
+        train, test = _stratified_holdout(y, n_test)
+        how = _holdout_description(n_test, len(y))
+    else:
+        train, test = user_holdout(user_ids, n_test)
+        how = f"held out {len(test)} of {len(y)} images by whole users (seed {SPLIT_SEED})"
     return _make(
-        name, source, _holdout_description(n_test, len(y)), num_classes,
-        x[torch.from_numpy(train)], y[train], x[torch.from_numpy(test)], y[test],
+        name, source, how, num_classes, x[torch.from_numpy(train)], y[train], x[torch.from_numpy(test)], y[test],
+        user_ids=None if user_ids is None else user_ids[train],
     )  # fmt: skip
 
 
@@ -227,13 +244,16 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
     if (test_img is None) != (test_lbl is None):
         absent = root / f"{stems[2] if test_img is None else stems[3]}[.gz]"
         raise DatasetError(f"{name}: found only one of the two t10k test files; {absent} is missing")
+    users = side_user_ids(root, len(y))
     if test_img is None:
-        return _split(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64), n_test=round(len(y) / 6))
+        return _split(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64), n_test=round(len(y) / 6),
+                      user_ids=users)  # fmt: skip
     assert test_lbl is not None
     xt, yt = _read_idx_pair(test_img, test_lbl)
     if xt.shape[1:] != x.shape[1:]:
         raise DatasetError(f"{test_img} holds {xt.shape[1]}x{xt.shape[2]} images but {train_img} holds {x.shape[1]}x{x.shape[2]}")
-    return _make(name, str(root), "official", 10, images_from_uint8(x[:, None]), y, images_from_uint8(xt[:, None]), yt)
+    return _make(name, str(root), "official", 10, images_from_uint8(x[:, None]), y, images_from_uint8(xt[:, None]), yt,
+                 user_ids=users)  # fmt: skip
 
 
 def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
@@ -266,7 +286,7 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
         return images_from_uint8(np.concatenate([p[0] for p in parts])), np.concatenate([p[1] for p in parts])
 
     (x, y), (xt, yt) = read(train_files), read(test_files)
-    return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt)
+    return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt, side_user_ids(base, len(y)))
 
 
 def _decode_files(
@@ -325,7 +345,7 @@ def load_npz(path: PathLike) -> ImageDataset:
         The dataset with the stored split.
     """
     path = Path(path)
-    arrays = read_npz(path, ("x_train", "y_train", "x_test", "y_test"))
+    arrays = read_npz(path, ("x_train", "y_train", "x_test", "y_test"), optional=("user_ids",))
     x = images_to_nchw_float(arrays["x_train"], path, "x_train")
     xt = images_to_nchw_float(arrays["x_test"], path, "x_test")
     y = labels_to_int64(arrays["y_train"], path, "y_train")
@@ -337,7 +357,10 @@ def load_npz(path: PathLike) -> ImageDataset:
         raise DatasetError(f"{path}: x_train images are {x.shape[1:]} (CHW) but x_test images are {xt.shape[1:]}")
     require_two_classes(y, f"{path}: y_train")
     num_classes = int(max(y.max(), yt.max(initial=0))) + 1
-    return _make("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt)
+    users = arrays.get("user_ids")
+    if users is not None:
+        users = checked_user_ids(users, len(y), f"{path}: user_ids")
+    return _make("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt, users)
 
 
 def load_shards(path: PathLike) -> ImageDataset:

@@ -374,15 +374,16 @@ def read_image(path: Path) -> Image.Image:
     return read_image_samples(path)[0]
 
 
-def read_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+def read_npz(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Load the named arrays from an ``.npz`` file without allowing pickled objects.
 
     Args:
         path: The ``.npz`` file.
         keys: Array names that must all be present.
+        optional: Array names read when present.
 
     Returns:
-        ``{key: array}`` for each requested key.
+        ``{key: array}`` for each requested key, and each optional one the file holds.
     """
     if not path.is_file():
         raise DatasetError(f"npz file {path} does not exist")
@@ -393,7 +394,7 @@ def read_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
                 raise DatasetError(
                     f"{path} is missing key {missing[0]!r} (needs {', '.join(keys)}; has {', '.join(npz.files) or 'nothing'})"
                 )
-            return {k: npz[k] for k in keys}
+            return {k: npz[k] for k in keys + tuple(k for k in optional if k in npz.files)}
     except DatasetError:
         raise
     except Exception as e:  # noqa: BLE001 - zipfile/numpy raise many types for a damaged file

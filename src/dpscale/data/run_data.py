@@ -44,7 +44,8 @@ def prepare_data(config: Config, device: torch.device, data: ImageDataset | None
     if config.data.normalize:  # data-independent constants: no privacy cost
         x_train, x_test = (x_train - 0.5) / 0.5, (x_test - 0.5) / 0.5
     return ImageDataset(
-        x_train.to(device), data.y_train.to(device), x_test.to(device), data.y_test.to(device), data.info
+        x_train.to(device), data.y_train.to(device), x_test.to(device), data.y_test.to(device), data.info,
+        user_ids=data.user_ids,
     )
 
 
@@ -88,7 +89,8 @@ def _open_data(config: Config, device: torch.device, log: Callable[[str], Any]) 
         decoded = 4 * (info.num_train + info.num_test) * int(np.prod(info.input_shape))
         memory = _physical_memory_bytes()
         features = config.features
-        in_memory_only = features.extractor is not None or features.normalize != "none" or config.eval.augtest
+        in_memory_only = (features.extractor is not None or features.normalize != "none" or config.eval.augtest
+                          or cfg.privacy_unit == "user")  # fmt: skip
         if memory and decoded > memory / 4 and not in_memory_only:
             log(f"data.loader=auto: streaming {cfg.root} from disk (decoded it would take {decoded / 2**30:.1f} GiB "
                 f"of {memory / 2**30:.1f} GiB)")  # fmt: skip

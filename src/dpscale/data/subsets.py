@@ -95,4 +95,5 @@ def select(
     return ImageDataset(
         data.x_train[train.to(data.x_train.device)], table[data.y_train.cpu()[train]].to(data.y_train.device),
         data.x_test[test.to(data.x_test.device)], table[data.y_test.cpu()[test]].to(data.y_test.device), info,
+        user_ids=None if data.user_ids is None else data.user_ids[train.numpy()],
     )  # fmt: skip

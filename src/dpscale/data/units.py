@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from dpscale.data.formats import DatasetError
 from dpscale.rng import DPRandom, require_dprandom
 
 
@@ -77,6 +79,51 @@ def _check_present(ids: np.ndarray) -> None:
         raise ValueError(f"user ids: example {next(j for j, i in enumerate(ids) if i is None)} has no user id (None)")
     if ids.dtype.kind in "UO" and (ids == "").any():
         raise ValueError(f"user ids: example {int(np.flatnonzero(ids == '')[0])} has an empty user id")
+
+
+# The side file naming each training example's user, for formats with no place for it (IDX, CIFAR):
+# one id per line in training-file order (.txt), or a 1-d array (.npy).
+USER_ID_FILES = ("train-user-ids.txt", "train-user-ids.npy")
+
+
+def side_user_ids(root: Path, examples: int) -> np.ndarray | None:
+    """The user ids in ``root``'s side file (``USER_ID_FILES``), or None when it has none.
+
+    Args:
+        root: the data directory; examples: N, the training examples the ids must match.
+
+    Raises:
+        DatasetError: both files, or a file that does not hold one id per training example.
+    """
+    found = [root / name for name in USER_ID_FILES if (root / name).is_file()]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise DatasetError(f"{root} holds both {USER_ID_FILES[0]} and {USER_ID_FILES[1]}: keep one")
+    path = found[0]
+    try:
+        ids = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.array(path.read_text().splitlines())
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{path} could not be read: {err}") from err
+    return checked_user_ids(ids, examples, str(path))
+
+
+def checked_user_ids(ids: np.ndarray, examples: int, what: str) -> np.ndarray:
+    """``ids`` as one present id per training example (integers or strings).
+
+    Raises:
+        DatasetError: another count, another shape or type, or a missing id.
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or len(ids) != examples:
+        raise DatasetError(f"{what} holds {ids.shape} ids but the training set has {examples} examples: give one per example")
+    if ids.dtype.kind not in "iuU":
+        raise DatasetError(f"{what} must hold integer or string ids, got {ids.dtype}")
+    try:
+        _check_present(ids)
+    except ValueError as err:
+        raise DatasetError(f"{what}: {err}") from err
+    return ids
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-UNITS = ("example", "user")
+from dpscale.choices import PRIVACY_UNITS
+
+UNITS = PRIVACY_UNITS  # the names live in dpscale.choices
 GROUP_PRIVACY_SOURCE = "Dwork & Roth 2014, Thm 2.2; Vadhan 2017, Lemma 2.2"
 GROUP_PRIVACY_LABEL = (
     "group privacy: an upper bound, what the example-level guarantee promises; the true guarantee may be better"

@@ -19,7 +19,9 @@ from dpscale.features.pipeline import extract_run_features, fit_normalizer, norm
 from dpscale.models import build_model, freeze_block_groups
 from dpscale.models.peft import apply_peft
 from dpscale.models.init import init_from, meanvar_init, read_weights
-from dpscale.privacy.per_example import PerExampleEngine, check_per_example_compatible
+from dpscale.privacy.per_example import (
+    PerExampleEngine, check_per_example_compatible, per_example_cross_entropy, user_engine_options,
+)  # fmt: skip
 from dpscale.privacy.plan import DPPlan
 from dpscale.privacy.precision import Precision, make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
@@ -27,11 +29,12 @@ from dpscale.rng import noise_generator
 from dpscale.train.distributed import Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA
 from dpscale.train.hooks import RunHooks
-from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, source_runs
+from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, privacy_units, source_runs
 from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, independence_check
 from dpscale.train.optim import build_optimizer, build_scheduler
-from dpscale.train.step import augmented_chunks
+from dpscale.train.step import AugmentViews
+from dpscale.train.units import first_users_chunk, run_users
 
 Log = Callable[[str], Any]
 
@@ -122,7 +125,7 @@ def build_run(
     del images
     if hooks.training_set is not None:  # an audit's canaries: before the plan, so N counts them
         features = hooks.training_set(features)
-    inputs = inputs_for(config, features.info.num_train, sources)
+    inputs = inputs_for(config, privacy_units(config, features), sources)
     # the model before the plan: BandMF's noise history is sized by its trainable parameters
     model, init_report = _model(config, features.info, seeds, log, initial_weights=saved_plan is None)
     model.to(device)
@@ -259,6 +262,7 @@ def _with_mechanism(
         rank=dist.rank, world_size=dist.world_size,
         # in train mode, on the first real training chunk (the set-up check saw a few examples)
         first_chunk_check=independence_check if config.train.self_check and plan.is_private else None,
+        users=run_users(plan, data), views=config.augment.multiplicity,
     )  # fmt: skip
     mechanism.observer = hooks.observe_gradient
     ema = WeightEMA(model, config.train.ema_decay) if config.train.ema_decay else None
@@ -276,19 +280,24 @@ def _checked_engine(
     """The clipping engine, verified before the first step on the first few training examples
     (their K views drawn from a fixed generator: the run's streams are untouched)."""
     train, augment = config.train, config.augment
-    k = min(SELF_CHECK_EXAMPLES, len(data.y_train))
-    chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])
-    if augment.multiplicity > 1:
-        value_range = (-1.0, 1.0) if config.data.normalize else (0.0, 1.0)
-        views = augmented_chunks([chunk], augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range)
-        chunk = next(iter(views))
+    value_range = (-1.0, 1.0) if config.data.normalize else (0.0, 1.0)
+    fixed = AugmentViews(augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range)
+    augment_views = fixed if augment.multiplicity > 1 else None
+    if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
+        chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, plan.max_examples_per_user, augment.multiplicity, augment_views)
+        views, loss_fn = user_engine_options(plan.max_examples_per_user, augment.multiplicity, None)
+    else:
+        k = min(SELF_CHECK_EXAMPLES, len(data.y_train))
+        chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])
+        chunk = (augment_views(chunk[0]), chunk[1]) if augment_views else chunk
+        views, loss_fn = augment.multiplicity, per_example_cross_entropy
     try:
         with precision.matmul_flags():  # as the steps will run (full float32 unless tf32)
             engine, notices, result = checked_engine(
-                train.engine, plan.max_grad_norm, model, chunk,
+                train.engine, plan.max_grad_norm, model, chunk, views=views, loss_fn=loss_fn,
                 # a non-private run claims no guarantee for the check to protect (and its unclipped,
                 # cancelling gradient sums are where float32 reorderings look largest)
-                views=augment.multiplicity, check=train.self_check and plan.is_private, precision=precision,
+                check=train.self_check and plan.is_private, precision=precision,
             )  # fmt: skip
     except ValueError as err:
         raise ConfigError(f"train.engine={train.engine}: {err}") from err

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from dpscale.config import Config, is_private_config, plan_labels
@@ -21,7 +22,7 @@ from dpscale.models.init import init_privacy
 from dpscale.privacy.accountant import AccountingSegment
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, steps_for
 from dpscale.train.plan_config import (
-    bands_request, check_plan_against_config, plan_from_config, refuse_per_tensor_without_model,
+    bands_request, check_plan_against_config, check_same_unit, plan_from_config, refuse_per_tensor_without_model,
 )  # fmt: skip
 
 SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
@@ -102,9 +103,30 @@ def seed_model_releases(config: Config) -> tuple[AccountingSegment, ...]:
 
 
 def inputs_for(config: Config, dataset_size: int, sources: SourceRuns) -> PlanInputs:
-    """The plan's inputs for ``dataset_size`` training examples (steps from train.epochs/steps)."""
+    """The plan's inputs for ``dataset_size`` privacy units (examples, or users: ``privacy_units``;
+    steps from train.epochs/steps, an epoch a pass over the units)."""
     steps = steps_for(config.train.epochs, config.train.steps, dataset_size, config.dp.batch_size)
     return PlanInputs(dataset_size=dataset_size, steps=steps, sources=sources)
+
+
+def privacy_units(config: Config, data: Any) -> int:
+    """N of the plan: the training examples, or at data.privacy_unit=user the distinct users.
+
+    Raises:
+        ConfigError: the user unit on data without user ids (or ids that do not match its examples).
+    """
+    if config.data.privacy_unit == "example":
+        return data.info.num_train
+    ids = getattr(data, "user_ids", None)
+    if ids is None:
+        raise ConfigError(
+            f"data.privacy_unit=user needs a user id per training image, and {config.data.name} at "
+            f"{config.data.root or 'its built-in source'} names none: add a user_ids array to the npz file, or a "
+            "train-user-ids.txt (one id per line) beside IDX/CIFAR files (docs/privacy-units.md)"
+        )  # fmt: skip
+    if len(ids) != data.info.num_train:
+        raise ConfigError(f"{len(ids)} user ids for {data.info.num_train} training images: the ids no longer match them")
+    return len(np.unique(ids))
 
 
 def plan_inputs(config: Config, *, log: Callable[[str], Any] = lambda _: None) -> PlanInputs:
@@ -126,13 +148,24 @@ def plan_inputs(config: Config, *, log: Callable[[str], Any] = lambda _: None) -
             return data_fingerprint(images)
         return training_fingerprint(config, normalize)
 
-    return inputs_for(config, images.info.num_train, source_runs(config, fingerprint_as))
+    return inputs_for(config, privacy_units(config, images), source_runs(config, fingerprint_as))
 
 
 def data_fingerprint(images: ImageDataset | StreamedData) -> str:
     """The fingerprint checkpoints store for a run's training images (of the images, not the
     extracted features: those may differ in the last bit between machines)."""
     return images.fingerprint if isinstance(images, StreamedData) else dataset_fingerprint(images)
+
+
+def _refuse_composed_sources_per_user(config: Config, sources: SourceRuns) -> None:
+    """A source run trained on this data (checkpoint extractor, model.init) spent an example-level
+    budget: composing it into a user-level epsilon would misstate it. Refused, in one line."""
+    runs = [run for run in (sources.extractor, sources.init_run) if run is not None]
+    if config.data.privacy_unit == "user" and any(run.case == "composed" for run in runs):
+        raise ConfigError(
+            "data.privacy_unit=user cannot compose a source run on the same data (its history is accounted per "
+            "image): train the source on public data, or declare it public (features.extractor_public)"
+        )
 
 
 def plan_for(
@@ -158,12 +191,14 @@ def plan_for(
     labels = plan_labels(config)
     n, steps, sources = inputs.dataset_size, inputs.steps, inputs.sources
     correlated = bands_request(config, steps, parameters)
+    _refuse_composed_sources_per_user(config, sources)
     if saved is None:
         plan = plan_from_config(
             config.dp, n, steps, sources.releases, seeded=labels["seeded"], extractor=sources.extractor,
-            correlated=correlated, names=names,
+            correlated=correlated, names=names, privacy_unit=config.data.privacy_unit,
         )  # fmt: skip
     else:
+        check_same_unit(saved, config.data.privacy_unit, config.dp.max_examples_per_user)
         check_plan_against_config(saved, config.dp, n, steps, sources.releases, correlated, names)
         plan = saved
     return replace(plan, extractor=sources.extractor, init_run=sources.init_run, **labels)

@@ -29,7 +29,8 @@ from dpscale.train.interrupt import DeferredInterrupt
 from dpscale.train.mechanism import DPMechanism
 from dpscale.train.metrics import MetricsLog
 from dpscale.train.rundir import RunLock
-from dpscale.train.step import augmented_chunks, physical_chunks
+from dpscale.train.step import physical_chunks
+from dpscale.train.units import AugmentViews, user_step_chunks
 from dpscale.train.tensorboard import RunBoard, open_board
 
 # How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
@@ -282,16 +283,9 @@ class Trainer:
 
     def train_step(self) -> None:
         """Sample a logical batch, take one private step, account for it."""
-        augment = self.config.augment
-        # With K views per example, a physical chunk holds max_physical_batch_size / K examples.
-        chunks = self._train_chunks(max(1, self.config.train.max_physical_batch_size // augment.multiplicity))
-        if augment.multiplicity > 1:
-            chunks = augmented_chunks(
-                chunks, augment.type, augment.multiplicity, self.augment_generator, self.built.value_range
-            )
-        stats = self.mechanism._step_chunks(  # clip, noise once, / B, optimizer and scheduler step, account
-            chunks, all_reduce_sum=self.dist.all_reduce_sum_ if self.dist.enabled else None, add_noise=self.dist.adds_noise
-        )
+        reduce = self.dist.all_reduce_sum_ if self.dist.enabled else None
+        # clip, noise once, / B, optimizer and scheduler step, account
+        stats = self.mechanism._step_chunks(self._train_chunks(), all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
         if self.built.ema is not None:
             self.built.ema.update(self.model)
         self.step += 1
@@ -299,20 +293,26 @@ class Trainer:
         self._window += stats.select("loss_sum", "examples", "nonfinite").to(self._window.device)
         self._last_stats = stats
 
-    def _train_chunks(self, chunk_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """This step's logical batch (drawn by the sampler) as physical chunks on the device."""
-        data, device = self.data, self.built.device
+    def _train_chunks(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """The sampler's next batch as physical chunks on the device (K views per example; whole users' rows)."""
+        data, device, augment = self.data, self.built.device, self.config.augment
+        views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, self.built.value_range)
+        if self.mechanism.plan.user_level:
+            drawn = self.mechanism.sampler.sample_units()
+            return user_step_chunks(drawn, data, self.mechanism.plan, self.config.train.max_physical_batch_size, views)
+        # With K views per example, a physical chunk holds max_physical_batch_size / K examples.
+        chunk_size = max(1, self.config.train.max_physical_batch_size // augment.multiplicity)
         if not self.built.streamed:
             indices = self.mechanism.sampler.sample()
             if device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
                 indices = indices.pin_memory().to(device, non_blocking=True)
-            return physical_chunks(data.x_train, data.y_train, indices, chunk_size)
+            return views.chunks(physical_chunks(data.x_train, data.y_train, indices, chunk_size))
         if self._feed is None:
             self._feed = StreamFeed(
                 data, self.mechanism.sampler, chunk_size=chunk_size, start_step=self.step, total_steps=self.total_steps,
                 device=device, workers=data_workers(self.config), prefetch=self.config.data.prefetch,
             )  # fmt: skip
-        return self._feed.chunks(self.step)
+        return views.chunks(self._feed.chunks(self.step))
 
     def _stop_feed(self) -> None:
         """Stop the stream's workers now (left to the garbage collector, each takes seconds to

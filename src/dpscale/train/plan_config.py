@@ -129,13 +129,26 @@ def plan_from_config(
     extractor: SourceRunPrivacy | None = None,
     correlated: BandsRequest | None = None,
     names: Sequence[str] | None = None,
+    privacy_unit: str = "example",
 ) -> DPPlan:
     """``make_dp_plan`` for a config's ``dp`` section (N, S and releases from the run; BandMF's
-    request from ``bands_request``; ``names``: the trainable tensors', as ``dp_numbers``)."""
+    request from ``bands_request``; ``names``: the trainable tensors', as ``dp_numbers``; at
+    ``privacy_unit`` user, N counts users and dp.max_examples_per_user bounds each)."""
     return make_dp_plan(
         dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded, extractor=extractor,
-        correlated=correlated, **dp_numbers(dp, names),
+        correlated=correlated, privacy_unit=privacy_unit, max_examples_per_user=dp.max_examples_per_user,
+        **dp_numbers(dp, names),
     )  # fmt: skip
+
+
+def check_same_unit(plan: DPPlan, privacy_unit: str, max_examples_per_user: int | None) -> None:
+    """Refuse to continue a run at another privacy unit, or another k, than its checkpoint's plan
+    (its accounting describes the unit it ran at)."""
+    if (plan.privacy_unit, plan.max_examples_per_user) != (privacy_unit, max_examples_per_user):
+        raise ConfigError(
+            f"the checkpoint's plan is at privacy unit {plan.privacy_unit} (k={plan.max_examples_per_user}) but the "
+            f"config asks for {privacy_unit} (k={max_examples_per_user}); refusing to continue it"
+        )
 
 
 def check_plan_against_config(

@@ -17,6 +17,7 @@ from dpscale.data.stream import eval_batches
 from dpscale.data.run_data import data_workers
 from dpscale.models import count_parameters
 from dpscale.config import Config
+from dpscale.privacy.group_privacy import unit_text
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
@@ -111,6 +112,10 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "max_grad_norm": plan.max_grad_norm,
         "clipping": "adaptive" if plan.adaptive is not None else "fixed",
         "clip_norm": built.mechanism.clip,  # the last step's C (adaptive clipping moves it)
+        # the unit the guarantee protects: at "user", N, B and q count users (each at most k examples a step)
+        "privacy_unit": plan.privacy_unit,
+        "max_examples_per_user": plan.max_examples_per_user,
+        "protects": unit_text(plan.privacy_unit),
         "batch_size": plan.batch_size,
         "sample_rate": plan.sample_rate,
         "dataset_size": plan.dataset_size,

@@ -113,6 +113,29 @@ def augmented_chunks(
         yield augment_views(x, kind, views, generator, value_range=value_range), y
 
 
+@dataclass(frozen=True)
+class AugmentViews:
+    """AugMult's K augmented views of each example (K = 1: the images as they are), drawn from
+    the run's augmentation generator in chunk order."""
+
+    kind: str
+    views: int
+    generator: torch.Generator
+    value_range: tuple[float, float]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, C, H, W) images -> (n, K, C, H, W) views."""
+        from dpscale.data.augment import augment_views
+
+        return augment_views(x, self.kind, self.views, self.generator, value_range=self.value_range)
+
+    def chunks(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
+        """Each (x, y) chunk with x as its K views (the chunks unchanged when K = 1)."""
+        if self.views == 1:
+            return chunks
+        return augmented_chunks(chunks, self.kind, self.views, self.generator, self.value_range)
+
+
 def noisy_clipped_mean(
     engine: PerExampleEngine,
     model: nn.Module,

@@ -4,11 +4,15 @@ chunk never splits a user. Every path that feeds a user-level step (``mechanism.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
+from dpscale.data.units import UnitBatch, UserIndex
 from dpscale.privacy.per_example import Batch, UnitChunk, user_rows
+from dpscale.privacy.plan import DPPlan
+from dpscale.train.step import AugmentViews
 
 
 def users_per_chunk(max_physical_batch_size: int | None, rows: int, views: int, users: int) -> int:
@@ -82,3 +86,39 @@ def padded_user_chunks(
     views by ``augment`` (AugMult: (n, ...) -> (n, K, ...)) when given."""
     for x, y, offsets in chunks:
         yield user_rows((augment(x) if augment is not None else x, y, offsets), rows, views)
+
+
+def run_users(plan: DPPlan, data: Any) -> UserIndex | None:
+    """The users a run's sampler draws (None at the example unit), from its training set's ids."""
+    return UserIndex.from_ids(data.user_ids) if plan.user_level else None
+
+
+def first_users_chunk(
+    data: Any, count: int, rows: int, views: int, augment: Callable[[torch.Tensor], torch.Tensor] | None
+) -> Batch:  # fmt: skip
+    """The set-up check's chunk at the user unit: the first ``count`` users (in id order), each
+    with its first k examples, their K views from ``augment``, padded as the steps pad them.
+
+    Args:
+        data: the training set (``user_ids`` set); count: users; rows: k; views: K.
+        augment: (n, ...) -> (n, K, ...) views, or None (K = 1).
+    """
+    users = UserIndex.from_ids(data.user_ids)
+    count = min(count, users.num_users)
+    sizes = torch.from_numpy(np.minimum(users.sizes[:count], rows))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    picks = np.concatenate([users.examples[a : a + int(n)] for a, n in zip(users.offsets[:count], sizes)])
+    index = torch.from_numpy(picks).to(data.x_train.device)
+    x = data.x_train[index]
+    return user_rows((augment(x) if augment is not None else x, data.y_train[index], offsets), rows, views)
+
+
+def user_step_chunks(
+    drawn: UnitBatch, data: Any, plan: DPPlan, max_physical_batch_size: int | None, augment: AugmentViews
+) -> Iterator[Batch]:  # fmt: skip
+    """The Trainer's step at the user unit: the drawn users gathered in chunks of whole users,
+    each example made into its K views, padded to k rows per user (``user_rows``)."""
+    k = plan.max_examples_per_user
+    per_chunk = users_per_chunk(max_physical_batch_size, k, augment.views, drawn.num_units)
+    raw = gathered_user_chunks(data.x_train, data.y_train, drawn.indices, drawn.offsets, per_chunk)
+    return padded_user_chunks(raw, k, augment.views, augment if augment.views > 1 else None)

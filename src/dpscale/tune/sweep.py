@@ -214,6 +214,10 @@ class Sweep:
         configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self._points)]
         if trials is not None and not all(is_private_config(c.dp) for c in configs):
             raise ConfigError("--private-tuning accounts for private runs; this config trains without noise (no finite cost)")
+        grid_units = {self._point_config(i, p, False).data.privacy_unit for i, p in enumerate(grid_points)}
+        if trials is not None and grid_units != {"example"}:  # every grid point: K may draw none of them
+            raise ConfigError("--private-tuning does not follow data.privacy_unit=user yet (its release names no unit): "
+                              "tune at the example unit, or tune without --private-tuning")  # fmt: skip
         manifest = {**self.spec.manifest(), "config_digests": [_config_digest(c) for c in configs]}
         if trials is not None:
             manifest["trials"] = trials

@@ -1,0 +1,158 @@
+"""User-level DP through ``dpscale train`` (issue 43): user ids from an npz file or an IDX side
+file, N = users in the plan and every output, whole users per chunk, and leave-one-USER-out within
+C for DP-SGD, per-layer clipping and BandMF (two runs of one seed: the noise cancels); the same
+images at the example unit move the release by more than C."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from dpscale.config import load_config
+from dpscale.data.units import user_groups
+from dpscale.errors import ConfigError
+from dpscale.train.hooks import RunHooks
+from dpscale.train.loop import Trainer
+from dpscale.train.seeds import run_seeds
+
+C = 1.0
+SIZES = [3, 1, 4, 2, 4, 3, 1, 2, 2, 3]  # images per user (k = 4 >= all: no subset draws)
+USERS = len(SIZES)
+
+
+def write_npz(path, drop: str | None = None, with_ids: bool = True):
+    g = np.random.default_rng(0)
+    n = sum(SIZES)
+    ids = np.repeat([f"u{i}" for i in range(USERS)], SIZES)
+    x = g.integers(0, 256, (n, 8, 8), dtype=np.uint8)
+    y = np.arange(n) % 3
+    keep = ids != drop
+    arrays = dict(x_train=x[keep], y_train=y[keep], x_test=x[:6], y_test=y[:6])
+    if with_ids:
+        arrays["user_ids"] = ids[keep]
+    np.savez(path, **arrays)
+    return path
+
+
+def first_release(tmp_path, name: str, data, *extra: str) -> dict[str, torch.Tensor]:
+    """The first step's released gradient times B (the noisy clipped sum) of a seeded run."""
+    released = []
+    settings = [f"run.out_dir={tmp_path / name}", "run.seed=0", "model.name=linear", "data.name=npz",
+                f"data.root={data}", "data.normalize=false", "dp.noise_multiplier=1.0", "dp.epsilon=null",
+                "train.steps=2", "dp.delta=1e-3", "train.eval_every_epochs=100", "optim.lr=0.1", *extra]  # fmt: skip
+    config = load_config(None, settings)
+    trainer = Trainer.create(config, progress=False, hooks=RunHooks(observe_gradient=lambda g: released.append(g)))
+    trainer.run(max_steps=1)
+    batch = trainer.built.plan.batch_size
+    return {k: v.double() * batch for k, v in released[0].items()}
+
+
+def change(a, b) -> float:
+    return float(sum((a[k] - b[k]).square().sum() for k in a).sqrt()) / C
+
+
+USER = ["data.privacy_unit=user", "dp.max_examples_per_user=4"]
+
+
+@pytest.mark.parametrize(
+    "extra, bands",
+    [([], 1), (["dp.max_grad_norm={'head.0.weight': 0.6, '*': 0.8}"], 1), (["dp.mechanism=bandmf", "dp.bands=2"], 2)],
+    ids=["dpsgd", "per-layer", "bandmf"],
+)  # fmt: skip
+def test_removing_one_users_images_moves_a_training_runs_release_by_at_most_c(tmp_path, extra, bands):
+    def batch(users: int) -> str:  # q = 1 (BandMF: p = b q = 1): every user of the step's group is drawn
+        return f"dp.batch_size={users / bands}"
+
+    full = first_release(tmp_path, "full", write_npz(tmp_path / "full.npz"), *USER, *extra, batch(USERS))
+    probes = ["u2", "u4", "u5"]
+    if bands > 1:  # the first step draws group 0
+        ids = np.array([f"u{i}" for i in range(USERS)])
+        group = dict(zip(ids, user_groups(ids, bands, run_seeds(0)["partition"])))
+        probes = [u for u in probes if group[u] == 0]
+        assert probes, "no probed user in the first step's group"
+    for user in probes:
+        data = write_npz(tmp_path / f"no-{user}.npz", drop=user)
+        without = first_release(tmp_path, f"no-{user}", data, *USER, *extra, batch(USERS - 1))
+        assert change(full, without) <= 1.0 + 1e-5
+
+
+def test_at_the_example_unit_the_same_removal_moves_the_release_by_more_than_c(tmp_path):
+    n = sum(SIZES)
+    full = first_release(tmp_path, "full", write_npz(tmp_path / "full.npz"), f"dp.batch_size={n}")
+    without = first_release(tmp_path, "no", write_npz(tmp_path / "no.npz", drop="u4"), f"dp.batch_size={n - 4}")
+    assert change(full, without) > 1.2  # 4 images, each clipped to C on its own (B differs: / B undone)
+
+
+def test_the_summary_and_header_name_the_unit(tmp_path, capsys):
+    data = write_npz(tmp_path / "d.npz")
+    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=npz",
+                f"data.root={data}", "dp.batch_size=4", "dp.epsilon=3", "dp.delta=1e-3", "train.epochs=2", *USER]
+    trainer = Trainer.create(load_config(None, settings), progress=False, report=True)
+    trainer.run()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["privacy_unit"], summary["max_examples_per_user"], summary["dataset_size"]) == ("user", 4, USERS)
+    assert summary["protects"].startswith("any one person's") and "per user" in summary["privacy_status"]
+    assert trainer.built.plan.steps == 5  # 2 epochs over 10 users at 4 users per step
+    err = capsys.readouterr().err
+    assert "N=10 users" in err and "any one person's training images" in err
+    from dpscale.cli import main
+
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "m.safetensors")]) == 0
+    card = (tmp_path / "m.safetensors.card.md").read_text()
+    assert "N = 10 users, at most 4 images each per step" in card and "privacy unit: user" in card
+
+
+def _idx(path, array: np.ndarray, kind: str) -> None:
+    header = struct.pack(">HBB", 0, 8, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_an_idx_side_file_names_the_users_and_the_held_out_split_keeps_users_whole(tmp_path):
+    from dpscale.data.datasets import load_idx
+
+    g = np.random.default_rng(1)
+    ids = np.repeat(np.arange(40), 3)
+    _idx(tmp_path / "train-images-idx3-ubyte.gz", g.integers(0, 256, (120, 8, 8)), "images")
+    _idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(120) % 10, "labels")
+    (tmp_path / "train-user-ids.txt").write_text("\n".join(f"person-{i}" for i in ids) + "\n")
+    data = load_idx(tmp_path, "mnist")
+    assert len(data.user_ids) == data.info.num_train == 120 - data.info.num_test
+    assert data.info.num_test % 3 == 0 and "by whole users" in data.info.test_split  # users of 3, none split
+    assert all(np.sum(data.user_ids == u) == 3 for u in np.unique(data.user_ids))
+    (tmp_path / "train-user-ids.txt").write_text("a\nb\n")
+    with pytest.raises(Exception, match="holds \\(2,\\) ids but the training set has 120 examples"):
+        load_idx(tmp_path, "mnist")
+
+
+def test_the_user_unit_without_ids_or_with_a_feature_it_does_not_cover_is_refused(tmp_path):
+    data = write_npz(tmp_path / "d.npz", with_ids=False)
+    base = [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "data.name=npz", f"data.root={data}"]
+    with pytest.raises(ConfigError, match="needs a user id per training image") as refused:
+        Trainer.create(load_config(None, base + USER), progress=False)
+    assert "\n" not in str(refused.value)
+    for setting, words in [(["data.privacy_unit=user"], "needs dp.max_examples_per_user"),
+                           (["dp.max_examples_per_user=2"], "needs data.privacy_unit=user"),
+                           (USER + ["features.normalize=datanorm"], "does not follow data.privacy_unit=user"),
+                           (["data.privacy_unit=person"], "data.privacy_unit must be")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, base + setting)
+
+
+def test_audit_and_private_tuning_refuse_the_user_unit_in_one_line(tmp_path, capsys):
+    from dpscale.audit.run import audit_config_problems
+
+    config = load_config(None, ["data.name=npz", "data.root=x.npz", *USER])
+    assert any("data.privacy_unit=user" in p for p in audit_config_problems(config))
+    from dpscale.cli import main
+
+    data = write_npz(tmp_path / "d.npz")
+    code = main(["sweep", "--set", "data.name=npz", "--set", f"data.root={data}", "--set", "data.privacy_unit=user",
+                 "--set", "dp.max_examples_per_user=4", "--set", "model.name=linear", "--grid", "optim.lr=0.1,0.2",
+                 "--private-tuning", "poisson:1", "--out", str(tmp_path / "sweep"), "--quiet"])  # fmt: skip
+    assert code == 2 and "--private-tuning does not follow data.privacy_unit=user" in capsys.readouterr().err
