@@ -98,7 +98,8 @@ def main() -> None:
         for seed in (int(s) for s in args.seeds.split(",")):
             by_unit["example"].append(train(args.preset, data, args.out / f"example-s{size}-seed{seed}", seed, common))
             user = common + ["data.privacy_unit=user", f"dp.max_examples_per_user={size}",
-                             f"dp.batch_size={users_per_step:g}", f"train.steps={by_unit['example'][-1]['steps']}"]
+                             f"dp.batch_size={users_per_step:g}", "train.epochs=null",
+                             f"train.steps={by_unit['example'][-1]['steps']}"]
             by_unit["user"].append(train(args.preset, data, args.out / f"user-s{size}-seed{seed}", seed, user))
         accuracy = {unit: [100 * s["test_accuracy"] for s in runs] for unit, runs in by_unit.items()}
         shown = {unit: f"{np.mean(a):.2f}" + (f" +- {np.std(a):.2f}" if len(a) > 1 else "") for unit, a in accuracy.items()}

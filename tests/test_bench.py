@@ -102,3 +102,17 @@ def test_every_opacus_mode_runs_when_opacus_is_installed(capsys):
     assert main(["bench", "step-time", "--models", "linear", "--engines", ",".join(["nonprivate", *modes]),
                  "--repeats", "1", "--warmup", "0", "--json"]) == 0
     assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", *modes]
+
+
+def test_step_time_user_twins_clip_per_user(capsys, monkeypatch):
+    """``--user-rows 4`` adds a -user4 twin after each dpscale row: the same images as B/4 users of 4,
+    through make_private's user unit (its plan counts B/4 users per step)."""
+    from dpscale.train import private
+
+    plans = []
+    real = private.make_private
+    monkeypatch.setattr(private, "make_private", lambda *a, **kw: plans.append(real(*a, **kw).plan) or real(*a, **kw))
+    assert main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk", "--user-rows", "4",
+                 "--batch-size", "8", "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-user4"]
+    assert [(p.privacy_unit, p.batch_size) for p in plans] == [("example", 8), ("user", 2)]

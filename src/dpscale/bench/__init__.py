@@ -35,6 +35,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="also time a parameter-efficient twin (-lora, -bitfit, -last_groups) of each dpscale engine "
                       "row: the same model with only the adapters (and the logits layer) trained")
     step.add_argument("--lora-rank", type=int, default=8, help="r of the LoRA rows (default 8)")
+    step.add_argument("--user-rows", type=int, default=None, metavar="K",
+                      help="also time a user-level twin (-userK) of each dpscale engine row: the same B images as B/K "
+                      "users of K images, each user's summed gradient clipped as one (data.privacy_unit=user)")
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
     step.set_defaults(func=_run_step_time)

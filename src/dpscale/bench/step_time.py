@@ -110,30 +110,40 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
 
 def _dpscale_step(
     name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32,
-    bands: int = 1, peft: str = "none", lora_rank: int = 8,
+    bands: int = 1, peft: str = "none", lora_rank: int = 8, user_rows: int = 0,
 ) -> TimedStep:  # fmt: skip
     """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
     noise from the 128-bit host generator and the accounting included), on the whole batch;
     with ``bands`` > 1, BandMF's correlated noise (its recursion over the last b-1 noise vectors);
-    with ``peft``, only that method's parameters train (``dpscale.models.peft``)."""
+    with ``peft``, only that method's parameters train (``dpscale.models.peft``); with
+    ``user_rows`` = k > 0, the same B images as B / k users of k images each, clipped per user
+    (privacy unit user: the chunk cut and padded by ``user_rows`` inside the timed step)."""
+    from dpscale.privacy.per_example import user_rows as padded_user_rows
     from dpscale.train.private import make_private
 
     model = _fresh_model(name, x.device)
     apply_peft(model, peft, rank=lora_rank)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch = x.shape[0]
+    if user_rows and batch % user_rows:
+        raise ValueError(f"-user{user_rows} rows need a batch size divisible by {user_rows}, got {batch}")
+    users = {"user_ids": torch.arange(100 * batch) // user_rows, "max_examples_per_user": user_rows} if user_rows else {}
     mechanism = make_private(
-        model, optimizer, dataset_size=100 * batch, batch_size=batch, max_grad_norm=CLIP, noise_multiplier=SIGMA,
-        delta=1e-5, steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp", engine=engine_name,
-        augment_multiplicity=views, precision=precision.name, seed=0,
-        noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands,
+        model, optimizer, dataset_size=100 * batch, batch_size=batch // max(1, user_rows), max_grad_norm=CLIP,
+        noise_multiplier=SIGMA, delta=1e-5, steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp",
+        engine=engine_name, augment_multiplicity=views, precision=precision.name, seed=0,
+        noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands, **users,
     )  # fmt: skip
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)
+    offsets = torch.arange(0, batch + 1, max(1, user_rows))
 
     def step() -> None:
         inputs = _views(x, views, augment) if views > 1 else x
-        mechanism._step_chunks(physical_chunks(inputs, y, indices, batch))
+        if user_rows:
+            mechanism._step_chunks([padded_user_rows((inputs, y, offsets), user_rows, views)])
+        else:
+            mechanism._step_chunks(physical_chunks(inputs, y, indices, batch))
 
     return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
 
@@ -144,12 +154,20 @@ def peft_of(engine: str) -> tuple[str, str]:
     return (head, last) if head and last in PEFT_METHODS and last != "none" else (engine, "none")
 
 
+def user_rows_of(engine: str) -> tuple[str, int]:
+    """"dpscale-bk-user4" -> ("dpscale-bk", 4): a "-userK" suffix times users of K images (0 without one)."""
+    head, _, last = engine.rpartition("-")
+    if head and last.startswith("user") and last[4:].isdigit() and int(last[4:]) >= 1:
+        return head, int(last[4:])
+    return engine, 0
+
+
 def _parse_engine(engine: str) -> tuple[str, str, int, int]:
     """"dpscale-auto-k4-bandmf8" -> ("dpscale", "auto", 4, 8): a "-kK" suffix asks for K augmented
     views, a "-bandmfB" suffix for BandMF's correlated noise with B bands (1: DP-SGD); a PEFT
-    suffix (``peft_of``) is read apart."""
+    suffix (``peft_of``) and a "-userK" suffix (``user_rows_of``) are read apart."""
     views, bands = 1, 1
-    engine = peft_of(engine)[0]
+    engine = peft_of(user_rows_of(engine)[0])[0]
     head, _, last = engine.rpartition("-")
     if head and last.startswith("bandmf") and last[6:].isdigit():
         engine, bands = head, int(last[6:])
@@ -285,7 +303,8 @@ def run_step_time(
                 if kind == "nonprivate" and bands == 1:
                     steps[engine] = _nonprivate_step(name, x, y, views, prec)
                 elif kind == "dpscale":
-                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(engine)[1], lora_rank)
+                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(user_rows_of(engine)[0])[1],
+                                                  lora_rank, user_rows_of(engine)[1])  # fmt: skip
                 elif kind == "opacus" and views == 1 and bands == 1:
                     steps[engine] = _opacus_step(name, mode, x, y, prec)
                 else:
@@ -370,6 +389,8 @@ def main(args) -> int:
         engines = with_bandmf_rows(engines, args.bands)
     if args.peft:
         engines = with_twin_rows(engines, args.peft)
+    if args.user_rows:
+        engines = with_twin_rows(engines, f"user{args.user_rows}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run_step_time(
