@@ -156,3 +156,49 @@ def test_audit_and_private_tuning_refuse_the_user_unit_in_one_line(tmp_path, cap
                  "--set", "dp.max_examples_per_user=4", "--set", "model.name=linear", "--grid", "optim.lr=0.1,0.2",
                  "--private-tuning", "poisson:1", "--out", str(tmp_path / "sweep"), "--quiet"])  # fmt: skip
     assert code == 2 and "--private-tuning does not follow data.privacy_unit=user" in capsys.readouterr().err
+
+
+def _folder(tmp_path, users_csv: str | None):
+    from PIL import Image
+
+    g = np.random.default_rng(2)
+    for c in ("cat", "dog"):
+        (tmp_path / "imgs" / c).mkdir(parents=True, exist_ok=True)
+        for i in range(12):
+            Image.fromarray(g.integers(0, 256, (8, 8), dtype=np.uint8)).save(tmp_path / "imgs" / c / f"{i}.png")
+    if users_csv is not None:
+        (tmp_path / "imgs" / "users.csv").write_text(users_csv)
+    return tmp_path / "imgs"
+
+
+def test_an_image_folders_users_csv_names_the_users_in_memory_and_through_auto(tmp_path):
+    from dpscale.data.datasets import load_image_folder
+    from dpscale.data.stream import materialize, open_stream
+
+    rows = ["path,label,user"] + [f"{c}/{i}.png,{c},p{i // 3}-{c}" for c in ("cat", "dog") for i in range(12)]
+    root = _folder(tmp_path, "\n".join(rows) + "\n")
+    data = load_image_folder(root)
+    assert len(data.user_ids) == data.info.num_train and "by whole users" in data.info.test_split
+    assert data.info.num_test % 3 == 0  # users of 3 images, none split
+    streamed = materialize(open_stream("imagefolder", root))
+    assert streamed.user_ids.tolist() == data.user_ids.tolist()
+    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=imagefolder",
+                f"data.root={root}", "dp.batch_size=2", "dp.noise_multiplier=1", "dp.epsilon=null", "train.steps=2", *USER]
+    trainer = Trainer.create(load_config(None, settings), progress=False)
+    trainer.run()
+    assert trainer.built.plan.dataset_size == len(set(data.user_ids.tolist()))
+
+
+@pytest.mark.parametrize(
+    "rows, words",
+    [(["path,who"], "needs a header with path and user"),
+     (["path,user", "cat/0.png,a"], "names no user for 23 training image"),
+     (["path,label,user", "cat/0.png,dog,a"], "label 'dog' but cat/0.png is in class folder 'cat'")],
+)  # fmt: skip
+def test_a_bad_users_csv_is_refused_in_one_line(tmp_path, rows, words):
+    from dpscale.data.datasets import load_image_folder
+    from dpscale.data.formats import DatasetError
+
+    with pytest.raises(DatasetError, match=words) as refused:
+        load_image_folder(_folder(tmp_path, "\n".join(rows) + "\n"))
+    assert "\n" not in str(refused.value)

@@ -63,9 +63,9 @@ class DataConfig:
     privacy_unit: who the guarantee protects: "example" (any one training image, the default) or
         "user" (any one person's images, all together: users are sampled, each contributes at most
         dp.max_examples_per_user images per step, clipped as one; N, B and q count users). Needs
-        a user id per training image: a ``user_ids`` array in an npz file, or a side file
-        ``train-user-ids.txt`` (one id per line) / ``.npy`` beside IDX or CIFAR files
-        (docs/privacy-units.md).
+        a user id per training image: a ``user_ids`` array in an npz file, a side file
+        ``train-user-ids.txt`` (one id per line) / ``.npy`` beside IDX or CIFAR files, or an image
+        folder's ``users.csv`` (path,user) (docs/privacy-units.md).
     """
 
     name: str = "mnist-5k"

@@ -328,7 +328,8 @@ def load_image_folder(
     listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
     x = _decode_files(listing.train_files, listing.mode, image_size, (), listing.dtype)
     xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]), listing.dtype)
-    ds = _make("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt, listing.test_labels)
+    ds = _make("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt,
+               listing.test_labels, user_ids=listing.train_users)  # fmt: skip
     return replace(ds, info=replace(ds.info, skipped_files=listing.skipped, classes=listing.classes))
 
 

@@ -11,6 +11,11 @@ Layouts (classes are the sorted sub-folder names of the training split; label i 
     (``val_labels``: one ``<file name> <class>`` per line, comma or whitespace separated, the class
     given by folder name or index; ImageNet's validation set);
   * ``root/<class>/*`` or ``root/train/<class>/*`` alone: a stratified 20% is held out as the test set.
+
+A ``users.csv`` manifest in ``root`` names each training image's user (the privacy unit ``user``):
+a header with ``path`` and ``user`` columns (and optionally ``label``, then checked against the
+image's class folder), one row per training image, paths relative to ``root``. With it, a held-out
+test split is made by whole users.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .formats import (
     wide_samples,
 )
 
+USERS_MANIFEST = "users.csv"
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
 
@@ -67,6 +73,7 @@ class FolderListing:
     mode: str = "RGB"
     skipped: tuple[str, ...] = ()
     dtype: str = "uint8"
+    train_users: np.ndarray | None = None  # each training file's user id (``USERS_MANIFEST``), or None
 
 
 def _class_folders(split_dir: Path) -> list[str]:
@@ -226,6 +233,7 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
         listing,
         train_files=tuple(p for p, k in zip(listing.train_files, train_keep) if k),
         train_labels=listing.train_labels[train_keep],
+        train_users=None if listing.train_users is None else listing.train_users[train_keep],
         test_files=tuple(p for p, k in zip(listing.test_files, test_keep) if k),
         test_labels=listing.test_labels[test_keep],
         mode=mode,
@@ -276,7 +284,8 @@ def list_image_folder(
     files, labels = _flatten(by_class, classes)
     test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
     empty = (), np.zeros(0, dtype=np.int64)
-    listing = FolderListing(root, tuple(classes), files, labels, *(test or empty), "official" if test else "")
+    listing = FolderListing(root, tuple(classes), files, labels, *(test or empty), "official" if test else "",
+                            train_users=read_users_manifest(root, files, labels, classes))  # fmt: skip
     listing = _scan(listing, image_size, skip_corrupt, workers)
     if test is None:
         listing = _hold_out(listing)
@@ -296,20 +305,67 @@ def _hold_out(listing: FolderListing) -> FolderListing:
     Returns:
         The listing with its test split made.
     """
-    from .splits import holdout_description, stratified_holdout
+    from .splits import SPLIT_SEED, holdout_description, stratified_holdout, user_holdout
 
     n = len(listing.train_files)
     if n < 2:
         raise DatasetError(f"image folder {listing.root} has {n} readable image(s); need at least 2 to hold out a test split")
     n_test = min(max(round(TEST_FRACTION * n), 1), n - 1)
-    train, held = stratified_holdout(listing.train_labels, n_test)
+    users = listing.train_users
+    if users is None:
+        train, held = stratified_holdout(listing.train_labels, n_test)
+        how = holdout_description(n_test, n)
+    else:  # no person on both sides
+        train, held = user_holdout(users, n_test)
+        how = f"held out {len(held)} of {n} images by whole users (seed {SPLIT_SEED})"
     pick = lambda idx: tuple(listing.train_files[i] for i in idx)  # noqa: E731
     return replace(
         listing,
         train_files=pick(train), train_labels=listing.train_labels[train],
-        test_files=pick(held), test_labels=listing.train_labels[held],
-        test_split=holdout_description(n_test, n),
+        test_files=pick(held), test_labels=listing.train_labels[held], test_split=how,
+        train_users=None if users is None else users[train],
     )  # fmt: skip
+
+
+def read_users_manifest(
+    root: Path, files: tuple[Path, ...], labels: np.ndarray, classes: list[str]
+) -> np.ndarray | None:  # fmt: skip
+    """Each training file's user from ``root/users.csv`` (None without the file).
+
+    Raises:
+        DatasetError: no ``path``/``user`` header, a training file the manifest does not name, a
+            path named twice, an empty user, or a ``label`` that is not the file's class folder.
+    """
+    import csv
+
+    manifest = root / USERS_MANIFEST
+    if not manifest.is_file():
+        return None
+    with manifest.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows or not {"path", "user"} <= set(rows[0]):
+        raise DatasetError(f"{manifest} needs a header with path and user columns (and optionally label)")
+    user_of: dict[Path, str] = {}
+    class_of = _label_of(files, labels, classes)
+    for line, row in enumerate(rows, start=2):
+        path = (root / row["path"]).resolve()
+        if path in user_of:
+            raise DatasetError(f"{manifest} line {line}: {row['path']} is named twice")
+        if not (row["user"] or "").strip():
+            raise DatasetError(f"{manifest} line {line}: {row['path']} has an empty user")
+        user_of[path] = row["user"].strip()
+        if row.get("label") not in (None, "") and path in class_of and row["label"] != class_of[path]:
+            raise DatasetError(f"{manifest} line {line}: label {row['label']!r} but {row['path']} is in class folder "
+                               f"{class_of[path]!r}")  # fmt: skip
+    missing = [f for f in files if f.resolve() not in user_of]
+    if missing:
+        raise DatasetError(f"{manifest} names no user for {len(missing)} training image(s), e.g. {missing[0]}")
+    return np.array([user_of[f.resolve()] for f in files])
+
+
+def _label_of(files: tuple[Path, ...], labels: np.ndarray, classes: list[str]) -> dict[Path, str]:
+    """Each training file's class folder name, by resolved path."""
+    return {f.resolve(): classes[int(y)] for f, y in zip(files, labels)}
 
 
 def image_array(path: Path, mode: str, image_size: int | None, dtype: str = "uint8") -> np.ndarray:

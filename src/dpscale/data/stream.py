@@ -79,6 +79,7 @@ class StreamedData:
     info: DatasetInfo
     normalize: bool
     fingerprint: str
+    user_ids: np.ndarray | None = None  # each training example's user (an image folder's users.csv)
 
     @property
     def y_train(self) -> torch.Tensor:
@@ -257,7 +258,8 @@ def open_stream(
         raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
     shape = tuple(int(d) for d in train.read(0).shape)
     info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes))  # type: ignore[arg-type]
-    return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape))
+    users = listing.train_users if name == "imagefolder" else None
+    return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape), user_ids=users)
 
 
 def materialize(data: StreamedData) -> "ImageDataset":
@@ -270,4 +272,5 @@ def materialize(data: StreamedData) -> "ImageDataset":
             return torch.zeros((0, *data.info.input_shape))
         return images_to_float(np.stack([source.read(i) for i in range(len(source))]))
 
-    return ImageDataset(decode(data.train), data.y_train.clone(), decode(data.test), data.y_test.clone(), data.info)
+    return ImageDataset(decode(data.train), data.y_train.clone(), decode(data.test), data.y_test.clone(), data.info,
+                        user_ids=data.user_ids)  # fmt: skip

@@ -121,8 +121,9 @@ def privacy_units(config: Config, data: Any) -> int:
     if ids is None:
         raise ConfigError(
             f"data.privacy_unit=user needs a user id per training image, and {config.data.name} at "
-            f"{config.data.root or 'its built-in source'} names none: add a user_ids array to the npz file, or a "
-            "train-user-ids.txt (one id per line) beside IDX/CIFAR files (docs/privacy-units.md)"
+            f"{config.data.root or 'its built-in source'} names none: add a user_ids array to the npz file, a "
+            "train-user-ids.txt (one id per line) beside IDX/CIFAR files, or a users.csv (path,user) in an image "
+            "folder (docs/privacy-units.md)"
         )  # fmt: skip
     if len(ids) != data.info.num_train:
         raise ConfigError(f"{len(ids)} user ids for {data.info.num_train} training images: the ids no longer match them")
