@@ -247,3 +247,39 @@ def test_adaptive_clipping_counts_users():
     indices = mechanism.sample()
     stats = mechanism.step(x[indices], y[indices])
     assert stats.batch_size == U  # one norm per user, q = 1
+
+
+# ------------------------------------------------------------------ Data Normalization and centring per user
+@pytest.mark.parametrize("release", ["channel_mean", "feature_mean"])
+def test_per_user_feature_statistics_move_by_at_most_the_clip_when_a_user_leaves(release):
+    from dpscale.data.units import UserIndex
+    from dpscale.features.normalize import private_channel_mean, private_feature_mean
+    from dpscale.rng import DPRandom
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [5, 1, 8, 3, 6]
+    ids = np.repeat(np.arange(5), sizes)
+    x = torch.randn(len(ids), 3, 2, 2, generator=g, dtype=torch.float64) * 10 + 5  # far beyond the clip
+    x[ids == 3] = float("inf")  # a user with a non-finite image contributes zero, not NaN
+    clip = 1.0
+
+    def released_sum(keep: np.ndarray, users: bool) -> torch.Tensor:
+        index = UserIndex.from_ids(ids[keep]) if users else None
+        units = index.num_users if users else int(keep.sum())
+        fn = private_channel_mean if release == "channel_mean" else private_feature_mean
+        return fn(x[torch.from_numpy(keep)], clip, 0.0, DPRandom(0), batch_size=4, users=index).reshape(-1) * units
+
+    full = released_sum(np.ones(len(ids), bool), True)
+    assert torch.isfinite(full).all()
+    # an independent reference: each user's mean (float64 loop), clipped, summed
+    per_row = (lambda v: v.reshape(len(v), 3, -1).mean(2)) if release == "channel_mean" else (lambda v: v.reshape(len(v), -1))
+    want = torch.zeros_like(full)
+    for user in range(5):
+        row = per_row(x[torch.from_numpy(ids == user)]).mean(0)
+        if torch.isfinite(row).all():
+            want += row * min(1.0, clip / float(row.norm()))
+    assert torch.allclose(full, want, rtol=1e-9, atol=1e-9)
+    worst_user = max(float((full - released_sum(ids != u, True)).norm()) for u in range(5))
+    assert worst_user <= clip * (1 + 1e-9)
+    example_level = float((released_sum(np.ones(len(ids), bool), False) - released_sum(ids != 2, False)).norm())
+    assert example_level > 2 * clip  # 8 images, each clipped to the clip on its own

@@ -138,7 +138,7 @@ def test_the_user_unit_without_ids_or_with_a_feature_it_does_not_cover_is_refuse
     assert "\n" not in str(refused.value)
     for setting, words in [(["data.privacy_unit=user"], "needs dp.max_examples_per_user"),
                            (["dp.max_examples_per_user=2"], "needs data.privacy_unit=user"),
-                           (USER + ["features.normalize=datanorm"], "does not follow data.privacy_unit=user"),
+                           (USER + ["dp.sampling=shuffle"], "does not follow data.privacy_unit=user"),
                            (["data.privacy_unit=person"], "data.privacy_unit must be")]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             load_config(None, base + setting)
@@ -202,3 +202,15 @@ def test_a_bad_users_csv_is_refused_in_one_line(tmp_path, rows, words):
     with pytest.raises(DatasetError, match=words) as refused:
         load_image_folder(_folder(tmp_path, "\n".join(rows) + "\n"))
     assert "\n" not in str(refused.value)
+
+
+def test_data_normalization_and_centring_run_per_user_and_are_composed(tmp_path):
+    data = write_npz(tmp_path / "d.npz")
+    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=npz", f"data.root={data}",
+                "dp.batch_size=4", "dp.epsilon=3", "dp.delta=1e-3", "train.steps=2", "features.normalize=datanorm",
+                "features.center=true", *USER]  # fmt: skip
+    trainer = Trainer.create(load_config(None, settings), progress=False)
+    trainer.run()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["epsilon"] == pytest.approx(3.0, abs=0.01) and set(summary["epsilon_parts"]) >= {"data-norm", "feature-mean"}
+    assert summary["privacy_unit"] == "user"

@@ -920,8 +920,6 @@ def _validate_privacy_unit(config: Config) -> None:
         raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
     not_yet = {
         "data.loader=stream": config.data.loader == "stream",
-        "features.normalize=datanorm": config.features.normalize == "datanorm",
-        "features.center": config.features.center,
         "dp.sampling=shuffle": config.dp.sampling != "poisson",
         "dp.simulated_batch_size (a TAN simulation)": config.dp.simulated_batch_size is not None,
     }

@@ -87,7 +87,8 @@ def _check_account_args(args: argparse.Namespace) -> None:
 
 def _check_unit_args(args: argparse.Namespace) -> None:
     """Refuse --examples-per-user without --unit user, --group-size with it, and what a user-level
-    plan or the group reading cannot cover (BandMF, per-image releases)."""
+    plan or the group reading cannot cover here (BandMF). (At the user unit Data Normalization and
+    centring clip one row per person: the same releases, so --data-norm-noise composes as it is.)"""
     per_user, group = args.examples_per_user, args.group_size
     if per_user is not None and args.unit != "user":
         raise ConfigError("--examples-per-user needs --unit user (for an example-level run, --group-size K says what "
@@ -100,9 +101,6 @@ def _check_unit_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be >= 1, got {k}")
     if args.mechanism == "bandmf" and (args.unit == "user" or group is not None):
         raise ConfigError("--unit user and --group-size account DP-SGD (--mechanism dpsgd) only")
-    if args.unit == "user" and (args.data_norm_noise is not None or args.feature_mean_noise is not None):
-        raise ConfigError("--unit user accounts the DP-SGD steps alone: --data-norm-noise and --feature-mean-noise "
-                          "are releases with one image's sensitivity, not one person's")  # fmt: skip
 
 
 def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple:
@@ -255,7 +253,7 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     print(result["meaning"])
     if people:
         print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
-              "gradient; dpscale train samples and clips images (an example-level run: see --group-size)")  # fmt: skip
+              "gradient: train it with data.privacy_unit=user and dp.max_examples_per_user (docs/privacy-units.md)")  # fmt: skip
     if result["group_privacy"]:
         _print_group(result["group_privacy"], result["epsilon"], result["delta"])
 

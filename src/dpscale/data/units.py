@@ -70,6 +70,13 @@ class UserIndex:
         """(U,) int64: each user's number of examples."""
         return np.diff(self.offsets)
 
+    @property
+    def codes(self) -> np.ndarray:
+        """(N,) int64: each example's user, as a row of ``ids`` (0..U-1), in dataset order."""
+        codes = np.empty(len(self.examples), dtype=np.int64)
+        codes[self.examples] = np.repeat(np.arange(self.num_users), self.sizes)
+        return codes
+
 
 def _check_present(ids: np.ndarray) -> None:
     """Refuse a missing id: an example without a user cannot be attributed to anyone."""

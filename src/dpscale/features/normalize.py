@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpscale.data.units import UserIndex
 from dpscale.privacy.accountant import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
 from dpscale.rng import DPRandom, require_dprandom
 
@@ -98,13 +100,27 @@ def _clipped_sum(stats: torch.Tensor, clip: float) -> torch.Tensor:
     return torch.where(norms.isfinite(), stats * factors, 0.0).sum(dim=0).cpu()
 
 
+def _per_user_means(stats: torch.Tensor, users: UserIndex | None) -> torch.Tensor:
+    """Each user's mean of its examples' rows of ``stats`` (the rows as they are without users):
+    at the user unit one clipped row per person, so a person's sensitivity is the clip however
+    many images they hold (a non-finite example makes its user's row non-finite: it then
+    contributes zero, as an example does)."""
+    if users is None:
+        return stats
+    codes = torch.from_numpy(users.codes).to(stats.device)
+    sums = torch.zeros(users.num_users, stats.shape[1], dtype=stats.dtype, device=stats.device).index_add_(0, codes, stats)
+    return sums / torch.from_numpy(users.sizes).to(stats.device, stats.dtype).unsqueeze(1)
+
+
 def _release_channel_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, square: bool, batch_size: int
+    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, square: bool, batch_size: int,
+    users: UserIndex | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """PrivChannelMean on x (or x^2) without argument checks; see :func:`private_channel_mean`."""
-    total = _clipped_sum(_per_example_channel_means(x, square, batch_size), clip)
+    rows = _per_user_means(_per_example_channel_means(x, square, batch_size), users)
+    total = _clipped_sum(rows, clip)
     noise = require_dprandom(generator, "Data Normalization noise").normal(total.shape, dtype=torch.float64)
-    return (total + noise * (noise_multiplier * clip)) / len(x)
+    return (total + noise * (noise_multiplier * clip)) / len(rows)
 
 
 def _finite_positive(*values: float) -> bool:
@@ -113,7 +129,8 @@ def _finite_positive(*values: float) -> bool:
 
 
 def private_channel_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096
+    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096,
+    users: UserIndex | None = None,
 ) -> torch.Tensor:
     """PrivChannelMean of Algorithm 2: mean over examples of per-example channel means, each
     clipped to L2 norm ``clip``, plus N(0, (noise_multiplier * clip)^2) noise on the sum.
@@ -130,13 +147,15 @@ def private_channel_mean(
         generator: the noise RNG (128-bit seeded: the released statistics must not reveal
             their noise); draws K standard normals (float64, on CPU), even when sigma_norm = 0.
         batch_size: examples cast to float64 at a time.
+        users: the examples' users (privacy unit user): each user's mean of its examples' channel
+            means is one clipped row (sensitivity C per person), and the sum is divided by U.
 
     Returns:
         [K] float64 estimate.
     """
     if not (_finite_positive(clip) and math.isfinite(noise_multiplier) and noise_multiplier >= 0 and len(x) > 0):
         raise ValueError("private_channel_mean needs a finite clip > 0, a finite noise_multiplier >= 0 and N >= 1")
-    return _release_channel_mean(x, clip, noise_multiplier, generator, False, batch_size)
+    return _release_channel_mean(x, clip, noise_multiplier, generator, False, batch_size, users)
 
 
 @dataclass(frozen=True)
@@ -166,6 +185,7 @@ def private_data_norm(
     floor: float,
     generator: DPRandom,
     batch_size: int = 4096,
+    users: UserIndex | None = None,
 ) -> DataNormStats:
     """PrivDataNorm (Tramer & Boneh, Algorithm 2): private per-channel mean and variance.
 
@@ -188,6 +208,8 @@ def private_data_norm(
         floor: tau, the smallest variance allowed (keeps noisy near-constant channels finite).
         generator: noise RNG.
         batch_size: examples cast to float64 at a time.
+        users: the examples' users (privacy unit user): both sums clip one row per person, its
+            mean over its images (``private_channel_mean``).
 
     Returns:
         DataNormStats.
@@ -198,15 +220,15 @@ def private_data_norm(
             "private_data_norm needs finite clip_mean, clip_square, floor > 0, "
             "a finite noise_multiplier >= 0 and N >= 1"
         )
-    mean = _release_channel_mean(x, clip_mean, noise_multiplier, generator, False, batch_size)
-    mean_square = _release_channel_mean(x, clip_square, noise_multiplier, generator, True, batch_size)
+    mean = _release_channel_mean(x, clip_mean, noise_multiplier, generator, False, batch_size, users)
+    mean_square = _release_channel_mean(x, clip_square, noise_multiplier, generator, True, batch_size, users)
     var = torch.clamp(mean_square - mean.square(), min=floor)
     return DataNormStats(mean, var)
 
 
 def private_feature_mean(
     x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096,
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None, users: UserIndex | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The training set's mean feature vector, privately: each example's flattened features are
     clipped to L2 norm ``clip``, summed in float64, and N(0, (noise_multiplier * clip)^2) noise is
@@ -225,6 +247,8 @@ def private_feature_mean(
         batch_size: examples clipped at a time (bounds the float64 copy).
         transform: applied to each batch first (the normalisation, so that the normalised
             training set is never held twice); shape-preserving.
+        users: the examples' users (privacy unit user): each user's mean feature vector is one
+            clipped row (sensitivity R per person), read in batches of whole users; / U.
 
     Returns:
         [...] float64 tensor of one example's feature shape.
@@ -232,16 +256,36 @@ def private_feature_mean(
     if not (clip > 0 and math.isfinite(clip) and noise_multiplier >= 0 and len(x) > 0):
         raise ValueError("private_feature_mean needs clip > 0, noise_multiplier >= 0 and at least one example")
     total = torch.zeros(x[0].numel(), dtype=torch.float64)
-    for start in range(0, len(x), batch_size):
-        batch = x[start : start + batch_size]
+    for batch, local in _batches(x, users, batch_size):
         rows = (transform(batch) if transform else batch).reshape(-1, total.numel()).to(torch.float64)
+        rows = _per_user_means(rows, local)
         norms = rows.norm(dim=1, keepdim=True)
         factors = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
         # An example with a non-finite feature contributes nothing (inf * 0 would be NaN): still
         # within the sensitivity R, and one bad input cannot turn the released mean into NaN.
         total += torch.where(norms.isfinite(), rows * factors, 0.0).sum(dim=0).cpu()
     noise = require_dprandom(generator, "feature centring noise").normal(total.shape, dtype=torch.float64)
-    return ((total + noise * (noise_multiplier * clip)) / len(x)).reshape(x.shape[1:])
+    units = len(x) if users is None else users.num_users
+    return ((total + noise * (noise_multiplier * clip)) / units).reshape(x.shape[1:])
+
+
+def _batches(
+    x: torch.Tensor, users: UserIndex | None, batch_size: int
+) -> Iterator[tuple[torch.Tensor, UserIndex | None]]:  # fmt: skip
+    """``x`` in batches of about ``batch_size`` examples: in order, or of whole users (each batch
+    with the index of its own users)."""
+    if users is None:
+        for start in range(0, len(x), batch_size):
+            yield x[start : start + batch_size], None
+        return
+    first = 0
+    while first < users.num_users:
+        last = max(first + 1, int(np.searchsorted(users.offsets, users.offsets[first] + batch_size, side="right")) - 1)
+        last = min(last, users.num_users)
+        rows = users.examples[users.offsets[first] : users.offsets[last]]
+        local = UserIndex.from_ids(np.repeat(np.arange(last - first), users.sizes[first:last]))
+        yield x[torch.from_numpy(rows).to(x.device)], local
+        first = last
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dpscale.data import ImageDataset
 from dpscale.errors import ConfigError
 from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
 from dpscale.features.normalize import FeatureNormalizer, private_data_norm, private_feature_mean
+from dpscale.data.units import UserIndex
 from dpscale.privacy.accountant import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases
 from dpscale.privacy.plan import DPPlan, SourceRunPrivacy
 from dpscale.rng import DPRandom
@@ -103,21 +104,22 @@ def extractor_privacy(
 
 
 def fit_normalizer(
-    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom
+    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom, users: UserIndex | None = None
 ) -> FeatureNormalizer:
     """The normaliser a new run uses; Data Normalization, then centring, draw their noise from
-    ``generator`` with the noise multipliers the DP plan accounts for."""
-    normalizer = _fit_base_normalizer(features, x_train, plan, generator)
+    ``generator`` with the noise multipliers the DP plan accounts for (at the user unit, ``users``:
+    each person's statistics clipped as one row)."""
+    normalizer = _fit_base_normalizer(features, x_train, plan, generator, users)
     if not features.center:
         return normalizer
     sigma = plan.release_noise(FEATURE_MEAN) if plan.is_private else features.center_noise
     clip = features.center_clip * x_train[0].numel() ** 0.5  # normalisation keeps the shape
-    center = private_feature_mean(x_train, clip, sigma, generator, transform=normalizer)
+    center = private_feature_mean(x_train, clip, sigma, generator, transform=normalizer, users=users)
     return replace(normalizer, center=center)
 
 
 def _fit_base_normalizer(
-    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom
+    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom, users: UserIndex | None
 ) -> FeatureNormalizer:
     """GroupNorm, Data Normalization or nothing (before any centring)."""
     if features.normalize == "groupnorm":
@@ -131,7 +133,7 @@ def _fit_base_normalizer(
     if features.normalize == "datanorm":
         sigma = plan.release_noise(DATA_NORM) if plan.is_private else features.norm_noise
         clip_mean, clip_square = features.norm_clip
-        stats = private_data_norm(x_train, clip_mean, clip_square, sigma, features.norm_floor, generator)
+        stats = private_data_norm(x_train, clip_mean, clip_square, sigma, features.norm_floor, generator, users=users)
         return FeatureNormalizer("datanorm", stats=stats)
     return FeatureNormalizer()
 

@@ -198,7 +198,8 @@ def _feature_normalizer(
     generator = noise_generator(seeds["features"], config.dp.secure_noise)
     # a stream has features.normalize=none (config validation): nothing to fit
     streamed = isinstance(features, StreamedData)
-    normalizer = FeatureNormalizer() if streamed else fit_normalizer(config.features, features.x_train, plan, generator)
+    users = run_users(plan, features) if not streamed else None  # at the user unit: one clipped row per person
+    normalizer = FeatureNormalizer() if streamed else fit_normalizer(config.features, features.x_train, plan, generator, users)
     if not dist.enabled:
         return normalizer
     # One release, whatever P: every rank uses rank 0's noisy statistics.
