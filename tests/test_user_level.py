@@ -283,3 +283,40 @@ def test_per_user_feature_statistics_move_by_at_most_the_clip_when_a_user_leaves
     assert worst_user <= clip * (1 + 1e-9)
     example_level = float((released_sum(np.ones(len(ids), bool), False) - released_sum(ids != 2, False)).norm())
     assert example_level > 2 * clip  # 8 images, each clipped to the clip on its own
+
+
+# ------------------------------------------------------------------ zoo models, LoRA, AugMult: per-user vs float64 loop
+@pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
+@pytest.mark.parametrize(
+    "name, shape, peft", [("papernot-cnn", (1, 16, 16), "none"), ("tramer-cifar-cnn-small", (3, 8, 8), "none"),
+                          pytest.param("vit-tiny", (3, 8, 8), "none", marks=pytest.mark.slow),
+                          ("papernot-cnn", (1, 16, 16), "lora")],
+)  # fmt: skip
+def test_zoo_models_clip_per_user_as_the_float64_per_user_loop(engine, name, shape, peft):
+    """Users of 1..3 images with K = 2 AugMult views each, through user_rows and the user-unit
+    engine options, against the float64 reference summing each user's per-image gradients."""
+    from dpscale.models import build_model
+    from dpscale.models.peft import apply_peft
+    from dpscale.privacy import make_engine
+    from dpscale.privacy.per_example import trainable_params, user_engine_options, user_rows
+    from dpscale.privacy.reference import per_example_reference
+
+    torch.manual_seed(0)
+    model = build_model(name, 4, shape).double()
+    apply_peft(model, peft, rank=2)
+    sizes, k, views = [3, 1, 2], 3, 2
+    offsets = torch.tensor([0, *np.cumsum(sizes).tolist()])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(sizes), views, *shape, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, 4, (sum(sizes),), generator=g)
+    clip = {"*": 0.3} if peft == "lora" else 0.3
+    want = per_example_reference(model, (x, y), clip, views=views, unit_offsets=offsets)
+    engine_views, loss = user_engine_options(k, views, None)
+    try:
+        chosen, _ = make_engine(engine, clip, model, views=engine_views, loss_fn=loss)
+    except ValueError as err:  # an engine that does not support a layer refuses it (auto takes vmap)
+        pytest.skip(f"{engine}: {err}")
+    got, norms = chosen.per_example_clipped_sum(model, trainable_params(model), user_rows((x, y, offsets), k, views))
+    torch.testing.assert_close(norms, want.norms, rtol=1e-8, atol=1e-12)
+    for param, ref in want.clipped_sum.items():
+        torch.testing.assert_close(got[param], ref, rtol=1e-8, atol=1e-12)
