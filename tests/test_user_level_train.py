@@ -214,3 +214,24 @@ def test_data_normalization_and_centring_run_per_user_and_are_composed(tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["epsilon"] == pytest.approx(3.0, abs=0.01) and set(summary["epsilon_parts"]) >= {"data-norm", "feature-mean"}
     assert summary["privacy_unit"] == "user"
+
+
+def test_a_user_level_run_resumes_bit_identically_with_augmult(tmp_path):
+    from dpscale._io import load_checkpoint
+
+    data = write_npz(tmp_path / "d.npz")
+
+    def settings(name: str) -> list[str]:
+        return [f"run.out_dir={tmp_path / name}", "run.seed=0", "model.name=linear", "data.name=npz", f"data.root={data}",
+                "dp.batch_size=3", "dp.noise_multiplier=1", "dp.epsilon=null", "train.steps=6", "augment.multiplicity=2",
+                "augment.type=crop-flip", "train.eval_every_epochs=100", *USER]  # fmt: skip
+
+    Trainer.create(load_config(None, settings("full")), progress=False).run()
+    Trainer.create(load_config(None, settings("cut")), progress=False).run(max_steps=3)
+    Trainer.resume(tmp_path / "cut", progress=False).run()
+    a, b = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    with pytest.raises(ConfigError, match="privacy unit user"):
+        Trainer.resume(tmp_path / "cut", progress=False, overrides=["data.privacy_unit=example",
+                                                                     "dp.max_examples_per_user=null"])
