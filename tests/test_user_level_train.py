@@ -97,6 +97,8 @@ def test_the_summary_and_header_name_the_unit(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["privacy_unit"], summary["max_examples_per_user"], summary["dataset_size"]) == ("user", 4, USERS)
     assert summary["protects"].startswith("any one person's") and "per user" in summary["privacy_status"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(r["privacy_unit"] == "user" for r in records)
     assert trainer.built.plan.steps == 5  # 2 epochs over 10 users at 4 users per step
     err = capsys.readouterr().err
     assert "N=10 users" in err and "any one person's training images" in err

@@ -303,6 +303,7 @@ def _checked_engine(
     except ValueError as err:
         raise ConfigError(f"train.engine={train.engine}: {err}") from err
     checks = [result, result.independence] if result else []
-    for note in notices + [check.describe() for check in checks if check is not None]:
+    unit = " (privacy unit user: each example above is one user's padded rows, its norm the user's)" if plan.user_level else ""
+    for note in notices + [check.describe() + unit for check in checks if check is not None]:
         log(note)
     return engine, result

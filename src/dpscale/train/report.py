@@ -70,6 +70,9 @@ def evaluation_record(trainer: Trainer, window: dict[str, Any]) -> dict[str, Any
         "delta": plan.delta,
         **({"reference_epsilon": plan.reference_epsilon(trainer.step)} if plan.simulation else {}),
         **({"clip_norm": built.mechanism.clip} if plan.adaptive is not None else {}),  # C_t, adaptive clipping
+        # epsilon's unit when it is a person (the example unit's records stay as they were);
+        # train_loss is then per user, the sum of its images' losses
+        **({"privacy_unit": "user"} if plan.user_level else {}),
         "lr": built.scheduler.get_last_lr()[0],
         "wall_time_s": trainer.wall_time_s,
     }
