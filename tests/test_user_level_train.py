@@ -237,3 +237,22 @@ def test_a_user_level_run_resumes_bit_identically_with_augmult(tmp_path):
     with pytest.raises(ConfigError, match="privacy unit user"):
         Trainer.resume(tmp_path / "cut", progress=False, overrides=["data.privacy_unit=example",
                                                                      "dp.max_examples_per_user=null"])
+
+
+def test_dpscale_data_prepare_stores_the_users_and_shards_give_them_back(tmp_path):
+    from dpscale.cli import main
+    from dpscale.data.datasets import load_image_folder, load_shards
+    from dpscale.data.stream import materialize, open_stream
+
+    rows = ["path,user"] + [f"{c}/{i}.png,p{i // 4}" for c in ("cat", "dog") for i in range(12)]
+    root = _folder(tmp_path, "\n".join(rows) + "\n")
+    assert main(["data", "prepare", str(root), str(tmp_path / "shards"), "--size", "8"]) == 0
+    want = load_image_folder(root).user_ids.tolist()
+    assert load_shards(tmp_path / "shards").user_ids.tolist() == want
+    assert materialize(open_stream("shards", tmp_path / "shards")).user_ids.tolist() == want
+    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=shards",
+                f"data.root={tmp_path / 'shards'}", "dp.batch_size=2", "dp.noise_multiplier=1", "dp.epsilon=null",
+                "train.steps=2", *USER]  # fmt: skip
+    trainer = Trainer.create(load_config(None, settings), progress=False)
+    trainer.run()
+    assert trainer.built.plan.dataset_size == len(set(want)) == 2  # of 3 people: one held out whole

@@ -65,7 +65,7 @@ class DataConfig:
         dp.max_examples_per_user images per step, clipped as one; N, B and q count users). Needs
         a user id per training image: a ``user_ids`` array in an npz file, a side file
         ``train-user-ids.txt`` (one id per line) / ``.npy`` beside IDX or CIFAR files, or an image
-        folder's ``users.csv`` (path,user) (docs/privacy-units.md).
+        folder's ``users.csv`` (path,user), kept by ``dpscale data prepare`` (docs/privacy-units.md).
     """
 
     name: str = "mnist-5k"

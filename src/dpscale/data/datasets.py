@@ -374,7 +374,7 @@ def load_shards(path: PathLike) -> ImageDataset:
         return images_to_float(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
 
     ds = _make("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
-               decoded(train), train.labels, decoded(test), test.labels)  # fmt: skip
+               decoded(train), train.labels, decoded(test), test.labels, user_ids=train.user_ids)  # fmt: skip
     return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ())),
                                     classes=tuple(manifest["classes"])))
 

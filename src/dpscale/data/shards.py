@@ -23,6 +23,7 @@ from .folder import FolderListing, decoder_pool, image_array
 from .formats import DatasetError, require_two_classes
 
 MANIFEST_NAME = "manifest.json"
+USER_IDS_NAME = "train-user-ids.npy"  # each training image's user, when the folder named them
 FORMAT = "dpscale-shards"
 VERSION = 1
 SHARD_BYTES = 1 << 30  # about 1 GiB of pixels per shard file
@@ -103,6 +104,9 @@ def prepare_shards(
         "classes": list(listing.classes), "source": str(listing.root), "test_split": listing.test_split,
         "skipped_files": list(listing.skipped), "splits": splits,
     }  # fmt: skip
+    if listing.train_users is not None:  # the image folder's users.csv: the privacy unit user
+        np.save(dest / USER_IDS_NAME, listing.train_users)
+        splits["train"].update(user_ids=USER_IDS_NAME, user_ids_sha256=_sha256(dest / USER_IDS_NAME))
     path = dest / MANIFEST_NAME
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
@@ -117,6 +121,7 @@ class ShardSplit:
     labels: np.ndarray
     arrays: tuple[np.ndarray, ...]
     starts: np.ndarray  # index of each shard's first image
+    user_ids: np.ndarray | None = None  # each image's user (train split of a folder with users.csv)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -160,6 +165,8 @@ def _open_split(dest: Path, split: str, entry: dict, manifest: dict, verify: boo
         if sum(counts) != int(entry["count"]):
             raise _bad(dest, f"{split}: shard counts add up to {sum(counts)}, manifest says {entry['count']}")
         checks = [(labels_path, entry["labels_sha256"])] + [(dest / s["file"], s["sha256"]) for s in shards]
+        if "user_ids" in entry:
+            checks.append((dest / entry["user_ids"], entry["user_ids_sha256"]))
     except (KeyError, TypeError, ValueError) as e:
         raise _bad(dest, f"{split} entry of the manifest is malformed ({e!r})") from e
     for path, digest in checks:
@@ -179,7 +186,10 @@ def _open_split(dest: Path, split: str, entry: dict, manifest: dict, verify: boo
         if array.dtype != np.dtype(dtype) or array.shape != (count, *shape):
             raise _bad(dest, f"{name} is {array.dtype} {array.shape}, the manifest says {dtype} {(count, *shape)}")
         arrays.append(array)
-    return ShardSplit(labels.astype(np.int64), tuple(arrays), np.cumsum([0, *counts[:-1]], dtype=np.int64))
+    users = np.load(dest / entry["user_ids"], allow_pickle=False) if "user_ids" in entry else None
+    if users is not None and users.shape != labels.shape:
+        raise _bad(dest, f"{entry['user_ids']} holds {users.shape} user ids for {len(labels)} images")
+    return ShardSplit(labels.astype(np.int64), tuple(arrays), np.cumsum([0, *counts[:-1]], dtype=np.int64), users)
 
 
 def open_shards(dest: str | os.PathLike, verify: bool | None = None) -> tuple[dict, ShardSplit, ShardSplit]:

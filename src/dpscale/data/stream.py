@@ -258,7 +258,7 @@ def open_stream(
         raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
     shape = tuple(int(d) for d in train.read(0).shape)
     info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes))  # type: ignore[arg-type]
-    users = listing.train_users if name == "imagefolder" else None
+    users = listing.train_users if name == "imagefolder" else train.user_ids
     return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape), user_ids=users)
 
 
