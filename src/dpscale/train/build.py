@@ -166,6 +166,8 @@ def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, i
     dist = init_distributed(config.run.device)
     if dist.enabled and config.dp.sampling != "poisson":
         raise ConfigError("distributed training needs dp.sampling=poisson (each rank samples its own shard)")
+    if dist.enabled and config.data.privacy_unit == "user":
+        raise ConfigError("data.privacy_unit=user runs in one process (users are not sharded across ranks yet)")
     if config.run.out_dir is None:
         raise ConfigError("run.out_dir must be set (the CLI picks runs/<model>-<data>-<time>)")
     if config.run.threads:
