@@ -70,7 +70,8 @@ def group_bound(summary: dict, size: int) -> str:
     else the direct (k eps, delta_k)."""
     command = [sys.executable, "-m", "dpscale", "account", "--dataset-size", str(summary["dataset_size"]),
                "--batch-size", f"{summary['batch_size']}", "--noise", f"{summary['noise_multiplier']!r}",
-               "--steps", str(summary["steps"]), "--delta", f"{summary['delta']}", "--group-size", str(size), "--json"]
+               "--steps", str(summary["steps"]), "--delta", f"{summary['delta']}", "--accountant", summary["accountant"],
+               "--group-size", str(size), "--json"]
     group = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)["group_privacy"]
     if group["epsilon"] is not None:
         return f"{group['epsilon']:.3g} at delta {group['delta']:.2g}"

@@ -320,3 +320,13 @@ def test_zoo_models_clip_per_user_as_the_float64_per_user_loop(engine, name, sha
     torch.testing.assert_close(norms, want.norms, rtol=1e-8, atol=1e-12)
     for param, ref in want.clipped_sum.items():
         torch.testing.assert_close(got[param], ref, rtol=1e-8, atol=1e-12)
+
+
+def test_engine_ghost_at_the_user_unit_warns_of_its_k_squared_cost():
+    x, y, ids = user_data()
+    model = mlp()
+    with pytest.warns(UserWarning, match=r"engine ghost at the user unit \(k=4\).*grow as k\^2"):
+        dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=len(y), batch_size=2, max_grad_norm=C,
+            noise_multiplier=1.0, delta=1e-5, steps=2, engine="ghost", user_ids=ids, max_examples_per_user=K_MAX,
+        )  # fmt: skip

@@ -131,6 +131,18 @@ def user_engine_options(rows: int, views: int, loss_fn: LossFn | None) -> tuple[
     return rows * views, user_sum_loss(rows, loss_fn)
 
 
+def ghost_per_user_notice(engine: str, rows: int) -> str | None:
+    """A notice when engine ghost clips users of k > 1 images: its norm of a user's gradient is
+    the Gram of the user's k x T positions, so its time and memory grow as k^2 (docs/privacy-units.md)."""
+    if engine != "ghost" or rows <= 1:
+        return None
+    return (
+        f"engine ghost at the user unit (k={rows}) computes each user's {rows}T x {rows}T Gram per layer: its time and "
+        "memory grow as k^2 (2.8x and 5.5x its per-image step at k = 4 and 8 on papernot-cnn, out of memory on "
+        "tramer-cifar-cnn at B=128); engine auto (bk) adds nothing measurable at the user unit"
+    )
+
+
 def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:
     """Refuse an unpadded chunk of users (x, y, offsets), in one line: engines take users only as
     ``padded_units`` rows, which their AugMult path sums per user."""

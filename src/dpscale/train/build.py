@@ -20,7 +20,7 @@ from dpscale.models import build_model, freeze_block_groups
 from dpscale.models.peft import apply_peft
 from dpscale.models.init import init_from, meanvar_init, read_weights
 from dpscale.privacy.per_example import (
-    PerExampleEngine, check_per_example_compatible, per_example_cross_entropy, user_engine_options,
+    PerExampleEngine, check_per_example_compatible, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
 from dpscale.privacy.plan import DPPlan
 from dpscale.privacy.precision import Precision, make_precision
@@ -289,6 +289,9 @@ def _checked_engine(
     if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
         chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, plan.max_examples_per_user, augment.multiplicity, augment_views)
         views, loss_fn = user_engine_options(plan.max_examples_per_user, augment.multiplicity, None)
+        notice = ghost_per_user_notice(train.engine, plan.max_examples_per_user)
+        if notice:
+            log(f"WARNING: {notice}")
     else:
         k = min(SELF_CHECK_EXAMPLES, len(data.y_train))
         chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])

@@ -23,7 +23,9 @@ from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
 from dpscale.privacy.engines import make_engine
 from dpscale.data.units import UserIndex
-from dpscale.privacy.per_example import Batch, PerExampleEngine, per_example_cross_entropy, user_engine_options
+from dpscale.privacy.per_example import (
+    Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
+)  # fmt: skip
 from dpscale.privacy.plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine
@@ -266,6 +268,7 @@ def _chosen_engine(
     base = per_example_loss(loss_fn) if loss_fn else None  # user_sum_loss: None is cross-entropy with padding
     if rows is not None:
         views, unit_loss = user_engine_options(rows, views, base)
+        _tell([n for n in [ghost_per_user_notice(engine, rows)] if n])
     else:
         unit_loss = base or per_example_cross_entropy
     options = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision)}
