@@ -159,7 +159,8 @@ class DPMechanism:
 
         Args:
             inputs, targets: the batch's examples, or ``inputs`` = an iterable of (x, y) physical
-                chunks (for a logical batch larger than memory) and no ``targets``.
+                chunks (for a logical batch larger than memory) and no ``targets``. At the user
+                unit every chunk must end where a drawn user's examples end (``data_loader``).
 
         Returns:
             the step's statistics (on the device; reading them waits for it).
