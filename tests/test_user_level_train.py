@@ -256,3 +256,24 @@ def test_dpscale_data_prepare_stores_the_users_and_shards_give_them_back(tmp_pat
     trainer = Trainer.create(load_config(None, settings), progress=False)
     trainer.run()
     assert trainer.built.plan.dataset_size == len(set(want)) == 2  # of 3 people: one held out whole
+
+
+def test_a_streamed_user_level_run_is_the_in_memory_run(tmp_path):
+    """data.loader=stream reads whole users' chunks from disk: the same steps, bit for bit."""
+    from dpscale._io import load_checkpoint
+
+    rows = ["path,user"] + [f"{c}/{i}.png,p{(i * 7) % 5}" for c in ("cat", "dog") for i in range(12)]
+    root = _folder(tmp_path, "\n".join(rows) + "\n")
+
+    def run(loader: str):
+        settings = [f"run.out_dir={tmp_path / loader}", "run.seed=0", "model.name=linear", "data.name=imagefolder",
+                    f"data.root={root}", f"data.loader={loader}", "data.workers=0", "dp.batch_size=2",
+                    "dp.noise_multiplier=1", "dp.epsilon=null", "train.steps=3", "train.max_physical_batch_size=8",
+                    "augment.multiplicity=2", "augment.type=crop-flip", *USER]  # fmt: skip
+        Trainer.create(load_config(None, settings), progress=False).run()
+        assert json.loads((tmp_path / loader / "summary.json").read_text())["data_loader"] == loader
+        return load_checkpoint(tmp_path / loader / "checkpoint.pt")["model"]
+
+    memory, stream = run("memory"), run("stream")
+    for name, tensor in memory.items():
+        assert torch.equal(tensor, stream[name]), name

@@ -919,7 +919,6 @@ def _validate_privacy_unit(config: Config) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
     not_yet = {
-        "data.loader=stream": config.data.loader == "stream",
         "dp.sampling=shuffle": config.dp.sampling != "poisson",
         "dp.simulated_batch_size (a TAN simulation)": config.dp.simulated_batch_size is not None,
     }

@@ -89,8 +89,7 @@ def _open_data(config: Config, device: torch.device, log: Callable[[str], Any]) 
         decoded = 4 * (info.num_train + info.num_test) * int(np.prod(info.input_shape))
         memory = _physical_memory_bytes()
         features = config.features
-        in_memory_only = (features.extractor is not None or features.normalize != "none" or config.eval.augtest
-                          or cfg.privacy_unit == "user")  # fmt: skip
+        in_memory_only = features.extractor is not None or features.normalize != "none" or config.eval.augtest
         if memory and decoded > memory / 4 and not in_memory_only:
             log(f"data.loader=auto: streaming {cfg.root} from disk (decoded it would take {decoded / 2**30:.1f} GiB "
                 f"of {memory / 2**30:.1f} GiB)")  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 
 from .datasets import DatasetInfo
 from .folder import image_array
+from .units import user_slices
 
 
 class ImageSource(Protocol):
@@ -125,15 +126,25 @@ class _BatchRequests:
     def __init__(self, feed: "StreamFeed") -> None:
         self.feed = feed
 
-    def __iter__(self) -> Iterator[tuple[tuple[int, bool], torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[tuple, torch.Tensor]]:
         feed = self.feed
         for step in range(feed.next_draw, feed.total_steps):
             feed.states[step] = feed.sampler.state_dict()
-            indices = feed.sampler.sample()
+            chunks = self._draw()
             feed.next_draw = step + 1
-            chunks = list(indices.split(feed.chunk_size)) or [indices]  # an empty batch: one empty chunk
-            for j, chunk in enumerate(chunks):
-                yield (step, j == len(chunks) - 1), chunk
+            for j, (chunk, *unit) in enumerate(chunks):
+                yield (step, j == len(chunks) - 1, *unit), chunk
+
+    def _draw(self) -> list[tuple[torch.Tensor, ...]]:
+        """One logical batch as chunk requests: (indices,) of at most ``chunk_size`` examples, or
+        at the user unit (indices, local offsets) of at most ``chunk_size`` whole users."""
+        feed = self.feed
+        if not hasattr(feed.sampler, "sample_units"):
+            indices = feed.sampler.sample()
+            return [(c,) for c in indices.split(feed.chunk_size)] or [(indices,)]  # an empty batch: one empty chunk
+        drawn = feed.sampler.sample_units()
+        parts = [(drawn.indices[a:b], local) for a, b, local in user_slices(drawn.offsets, feed.chunk_size)]
+        return parts or [(drawn.indices, torch.zeros(1, dtype=torch.int64))]
 
 
 class StreamFeed:
@@ -142,7 +153,7 @@ class StreamFeed:
     Args:
         data: the streamed dataset.
         sampler: the run's batch sampler (``sample()``, ``state_dict()``); the feed draws from it.
-        chunk_size: examples per physical chunk.
+        chunk_size: examples per physical chunk (users, for a user-level sampler: ``sample_units``).
         start_step: the first step to feed (the sampler stands just before its draw).
         total_steps: the last step + 1 (nothing is drawn beyond it).
         device: where chunks go (pinned host memory and non-blocking copies on a GPU).
@@ -166,8 +177,9 @@ class StreamFeed:
         """The sampler's state before step ``step``'s draw (what a checkpoint after ``step - 1`` holds)."""
         return self.states[step] if step in self.states else self.sampler.state_dict()
 
-    def chunks(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Step ``step``'s chunks, as model input on the device, in sampling order."""
+    def chunks(self, step: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Step ``step``'s chunks, as model input on the device, in sampling order: (x, y), or at the
+        user unit (x, y, offsets) of whole users."""
         if self._iterator is None:
             shape = tuple(self.data.info.input_shape)
             self._iterator = iter(_loader(_Chunks(self.data.train, shape), _BatchRequests(self), self.workers, self.prefetch, self.device.type == "cuda"))
@@ -176,7 +188,7 @@ class StreamFeed:
         while True:
             started = time.perf_counter()
             try:
-                (chunk_step, last), x, y = next(self._iterator)
+                (chunk_step, last, *unit), x, y = next(self._iterator)
             except BaseException:  # a worker failed: stop the workers now, not when collected
                 self._iterator = None
                 raise
@@ -186,7 +198,8 @@ class StreamFeed:
                 raise RuntimeError(f"stream out of order: got a chunk of step {chunk_step} while training step {step}")
             if len(y):
                 blocking = self.device.type != "cuda"
-                yield to_model_input(x.to(self.device, non_blocking=not blocking), self.data.normalize), y.to(self.device, non_blocking=not blocking)
+                yield (to_model_input(x.to(self.device, non_blocking=not blocking), self.data.normalize),
+                       y.to(self.device, non_blocking=not blocking), *unit)  # fmt: skip
             if last:
                 return
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -294,3 +294,12 @@ def user_sampler(
         users, plan.sample_rate, plan.max_examples_per_user, generator, bands=plan.bands,
         partition_seed=partition_seed, start_step=start_step,
     )  # fmt: skip
+
+
+def user_slices(offsets: torch.Tensor, per_chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first row, end row, local offsets) of each chunk of ``per_chunk`` consecutive users."""
+    offsets = offsets.cpu()
+    users = len(offsets) - 1
+    for first in range(0, users, per_chunk):
+        local = offsets[first : min(users, first + per_chunk) + 1]
+        yield int(local[0]), int(local[-1]), local - local[0]

@@ -288,6 +288,7 @@ def _checked_engine(
     augment_views = fixed if augment.multiplicity > 1 else None
     if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
         chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, plan.max_examples_per_user, augment.multiplicity, augment_views)
+        chunk = (chunk[0].to(device), chunk[1].to(device))  # a stream's examples are read on the host
         views, loss_fn = user_engine_options(plan.max_examples_per_user, augment.multiplicity, None)
         notice = ghost_per_user_notice(train.engine, plan.max_examples_per_user)
         if notice:

@@ -30,7 +30,7 @@ from dpscale.train.mechanism import DPMechanism
 from dpscale.train.metrics import MetricsLog
 from dpscale.train.rundir import RunLock
 from dpscale.train.step import physical_chunks
-from dpscale.train.units import AugmentViews, user_step_chunks
+from dpscale.train.units import AugmentViews, chunk_size_for, streamed_chunks, user_step_chunks
 from dpscale.train.tensorboard import RunBoard, open_board
 
 # How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
@@ -297,11 +297,10 @@ class Trainer:
         """The sampler's next batch as physical chunks on the device (K views per example; whole users' rows)."""
         data, device, augment = self.data, self.built.device, self.config.augment
         views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, self.built.value_range)
-        if self.mechanism.plan.user_level:
-            drawn = self.mechanism.sampler.sample_units()
-            return user_step_chunks(drawn, data, self.mechanism.plan, self.config.train.max_physical_batch_size, views)
-        # With K views per example, a physical chunk holds max_physical_batch_size / K examples.
-        chunk_size = max(1, self.config.train.max_physical_batch_size // augment.multiplicity)
+        plan, physical = self.mechanism.plan, self.config.train.max_physical_batch_size
+        if plan.user_level and not self.built.streamed:
+            return user_step_chunks(self.mechanism.sampler.sample_units(), data, plan, physical, views)
+        chunk_size = chunk_size_for(plan, physical, augment.multiplicity)  # examples (users) per chunk
         if not self.built.streamed:
             indices = self.mechanism.sampler.sample()
             if device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
@@ -312,7 +311,7 @@ class Trainer:
                 data, self.mechanism.sampler, chunk_size=chunk_size, start_step=self.step, total_steps=self.total_steps,
                 device=device, workers=data_workers(self.config), prefetch=self.config.data.prefetch,
             )  # fmt: skip
-        return views.chunks(self._feed.chunks(self.step))
+        return streamed_chunks(self._feed.chunks(self.step), plan, views)
 
     def _stop_feed(self) -> None:
         """Stop the stream's workers now (left to the garbage collector, each takes seconds to

@@ -37,8 +37,8 @@ from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.guards import FirstChunkCheck, independence_check, model_digest, refuse_steps_outside_the_mechanism
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
-from dpscale.train.units import check_chunk_fits, cut_at_users, padded_user_chunks, user_slices, users_per_chunk
-from dpscale.data.units import UserIndex
+from dpscale.train.units import check_chunk_fits, cut_at_users, padded_user_chunks, users_per_chunk
+from dpscale.data.units import UserIndex, user_slices
 
 
 # spawn key of BandMF's partition seed when none is given (make_private: one process)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from dpscale.data.units import UnitBatch, UserIndex
+from dpscale.data.units import UnitBatch, UserIndex, user_slices
 from dpscale.privacy.per_example import Batch, UnitChunk, user_rows
 from dpscale.privacy.plan import DPPlan
 from dpscale.train.step import AugmentViews
@@ -31,15 +31,6 @@ def check_chunk_fits(max_physical_batch_size: int | None, rows: int) -> None:
             f"max_physical_batch_size={max_physical_batch_size} is smaller than max_examples_per_user={rows}: a chunk "
             "never splits a user; raise it to at least k"
         )
-
-
-def user_slices(offsets: torch.Tensor, per_chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(first row, end row, local offsets) of each chunk of ``per_chunk`` consecutive users."""
-    offsets = offsets.cpu()
-    users = len(offsets) - 1
-    for first in range(0, users, per_chunk):
-        local = offsets[first : min(users, first + per_chunk) + 1]
-        yield int(local[0]), int(local[-1]), local - local[0]
 
 
 def gathered_user_chunks(
@@ -108,9 +99,19 @@ def first_users_chunk(
     sizes = torch.from_numpy(np.minimum(users.sizes[:count], rows))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
     picks = np.concatenate([users.examples[a : a + int(n)] for a, n in zip(users.offsets[:count], sizes)])
-    index = torch.from_numpy(picks).to(data.x_train.device)
-    x = data.x_train[index]
-    return user_rows((augment(x) if augment is not None else x, data.y_train[index], offsets), rows, views)
+    x, y = _examples(data, picks)
+    return user_rows((augment(x) if augment is not None else x, y, offsets), rows, views)
+
+
+def _examples(data: Any, picks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training examples ``picks`` as model input: from memory, or read from a stream's disk."""
+    if hasattr(data, "x_train"):
+        index = torch.from_numpy(picks).to(data.x_train.device)
+        return data.x_train[index], data.y_train[index.to(data.y_train.device)]
+    from dpscale.data.stream import to_model_input
+
+    x = torch.from_numpy(np.stack([data.train.read(int(i)) for i in picks]))
+    return to_model_input(x, data.normalize), data.y_train[torch.from_numpy(picks)]
 
 
 def user_step_chunks(
@@ -122,3 +123,19 @@ def user_step_chunks(
     per_chunk = users_per_chunk(max_physical_batch_size, k, augment.views, drawn.num_units)
     raw = gathered_user_chunks(data.x_train, data.y_train, drawn.indices, drawn.offsets, per_chunk)
     return padded_user_chunks(raw, k, augment.views, augment if augment.views > 1 else None)
+
+
+def chunk_size_for(plan: DPPlan, max_physical_batch_size: int, views: int) -> int:
+    """Per physical chunk: max_physical_batch_size / K examples, or at the user unit as many
+    whole users as fit once padded to k rows of K views (``users_per_chunk``)."""
+    if plan.user_level:
+        return users_per_chunk(max_physical_batch_size, plan.max_examples_per_user, views, 0)
+    return max(1, max_physical_batch_size // views)
+
+
+def streamed_chunks(chunks: Iterable[tuple[torch.Tensor, ...]], plan: DPPlan, augment: AugmentViews) -> Iterable[Batch]:
+    """A stream's chunks as the engine takes them: each example's K views, and at the user unit
+    ((x, y, offsets) chunks of whole users) padded to k rows per user."""
+    if plan.user_level:
+        return padded_user_chunks(chunks, plan.max_examples_per_user, augment.views, augment if augment.views > 1 else None)
+    return augment.chunks(chunks)
