@@ -280,3 +280,27 @@ def test_a_streamed_user_level_run_is_the_in_memory_run(tmp_path):
     memory, stream = run("memory"), run("stream")
     for name, tensor in memory.items():
         assert torch.equal(tensor, stream[name]), name
+
+
+def test_source_runs_across_units_are_refused_not_composed(tmp_path):
+    """A user-level run's history is no per-image event (removing one of a person's images can move
+    it by 2C), and an example-level seed run protects a person only by group privacy: neither is
+    composed into the other unit's epsilon (review findings, issue 43)."""
+    data = write_npz(tmp_path / "d.npz")
+    base = ["model.name=linear", "data.name=npz", f"data.root={data}", "run.seed=0", "dp.epsilon=null",
+            "dp.noise_multiplier=1.0", "dp.delta=1e-3", "train.eval_every_epochs=100"]  # fmt: skip
+    for unit, extra in (("user", USER + ["dp.batch_size=4"]), ("example", ["dp.batch_size=4"])):
+        Trainer.create(load_config(None, [*base, f"run.out_dir={tmp_path / unit}", "train.steps=2", *extra]),
+                       progress=False).run()  # fmt: skip
+    cases = [  # (this run's settings, the source, the words of the refusal)
+        (["dp.batch_size=2"], [f"model.init={tmp_path / 'user'}"], "accounted per person"),
+        (["dp.batch_size=2"], ["model.init_scaling=meanvar", f"model.init_seed_model={tmp_path / 'user'}"],
+         "accounted per person"),
+        (USER + ["dp.batch_size=2"], ["model.init_scaling=meanvar", f"model.init_seed_model={tmp_path / 'example'}"],
+         "cannot compose a source run on the same data"),
+        (USER + ["dp.batch_size=2"], [f"model.init={tmp_path / 'example'}"], "cannot compose a source run"),
+    ]  # fmt: skip
+    for i, (unit, source, words) in enumerate(cases):
+        with pytest.raises(ConfigError, match=words):
+            Trainer.create(load_config(None, [*base, f"run.out_dir={tmp_path / f'r{i}'}", "train.steps=1", *unit, *source]),
+                           progress=False)  # fmt: skip

@@ -203,6 +203,8 @@ class SourceRun:
         private: whether it trained with noise (noise multiplier > 0).
         history: its accountant's whole history: its DP-SGD segments and its own releases.
         caveats: what its own guarantee did not cover (``DPPlan.caveats`` of its plan).
+        privacy_unit: the unit its accounting is about ("example", or "user": then one image of a
+            person is not an add/remove-one event of its history, see ``refuse_user_level_history``).
     """
 
     run_dir: Path
@@ -211,6 +213,7 @@ class SourceRun:
     private: bool
     history: tuple[AccountingSegment, ...]
     caveats: tuple[str, ...] = ()
+    privacy_unit: str = "example"
 
 
 def read_source_run(where: str) -> SourceRun:
@@ -238,7 +241,25 @@ def read_source_run(where: str) -> SourceRun:
         private=float(plan["noise_multiplier"]) > 0,
         history=PrivacyAccountant.from_state_dict(accountant).history,
         caveats=_source_caveats(plan, config),
+        privacy_unit=plan.get("privacy_unit", "example"),  # plans before issue 43: per image
     )
+
+
+def refuse_user_level_history(run: SourceRun, key: str, source: str, public_key: str) -> None:
+    """Refuse to compose a user-level run's history into another run's epsilon: per image it is not
+    the add/remove-one event the accountant composes (removing one of a person's images moves a
+    user-level release by up to 2C: a replace-one event), and composing it into a per-person
+    epsilon would need the same grouping of people, which nothing checks.
+
+    Raises:
+        ConfigError: ``run`` is user-level.
+    """
+    if run.privacy_unit == "user":
+        raise ConfigError(
+            f"{key}={source!r}: the run in {run.run_dir} was accounted per person (data.privacy_unit=user), which "
+            f"dpscale cannot compose into this run's epsilon; set {public_key}=true if its data is public, or train "
+            "the source at the example unit"
+        )
 
 
 def source_run_privacy(
@@ -285,6 +306,7 @@ def source_run_privacy(
             f"neither would this run; set {words.public_key}=true to declare that run public (its cost is then "
             f"left out, and every output says so), or {words.alternative}"
         )
+    refuse_user_level_history(run, words.key, source, words.public_key)
     releases = tuple(replace(seg, label=f"{words.prefix}:{seg.label}") for seg in run.history)
     return SourceRunPrivacy(source, "composed", run.caveats, role=role), releases
 

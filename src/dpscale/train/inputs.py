@@ -16,7 +16,7 @@ from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset, dataset_fingerprint
 from dpscale.data.run_data import open_training_data, training_fingerprint
 from dpscale.data.stream import StreamedData
-from dpscale.features.extract import read_source_run
+from dpscale.features.extract import read_source_run, refuse_user_level_history
 from dpscale.features.pipeline import extractor_privacy, feature_releases
 from dpscale.models.init import init_privacy
 from dpscale.privacy.accountant import AccountingSegment
@@ -99,6 +99,7 @@ def seed_model_releases(config: Config) -> tuple[AccountingSegment, ...]:
             "release its training data without a guarantee; use a private seed run, or set "
             "model.init_seed_public=true if its training data is public"
         )
+    refuse_user_level_history(source, "model.init_seed_model", model.init_seed_model, "model.init_seed_public")
     return tuple(replace(seg, label=f"{SEED_MODEL_RUN}:{seg.label}") for seg in source.history)
 
 
@@ -162,10 +163,12 @@ def _refuse_composed_sources_per_user(config: Config, sources: SourceRuns) -> No
     """A source run trained on this data (checkpoint extractor, model.init) spent an example-level
     budget: composing it into a user-level epsilon would misstate it. Refused, in one line."""
     runs = [run for run in (sources.extractor, sources.init_run) if run is not None]
-    if config.data.privacy_unit == "user" and any(run.case == "composed" for run in runs):
+    seed_model = any(seg.label.startswith(f"{SEED_MODEL_RUN}:") for seg in sources.releases)
+    if config.data.privacy_unit == "user" and (seed_model or any(run.case == "composed" for run in runs)):
         raise ConfigError(
             "data.privacy_unit=user cannot compose a source run on the same data (its history is accounted per "
-            "image): train the source on public data, or declare it public (features.extractor_public)"
+            "image): train the source on public data, or declare it public (features.extractor_public, "
+            "model.init_public, model.init_seed_public)"
         )
 
 
