@@ -330,3 +330,23 @@ def test_engine_ghost_at_the_user_unit_warns_of_its_k_squared_cost():
             model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=len(y), batch_size=2, max_grad_norm=C,
             noise_multiplier=1.0, delta=1e-5, steps=2, engine="ghost", user_ids=ids, max_examples_per_user=K_MAX,
         )  # fmt: skip
+
+
+def test_a_state_is_refused_by_a_mechanism_with_other_user_ids():
+    """Another grouping of the same examples into people (review finding): each part of the run
+    would protect another person, so the state is refused before anything is loaded."""
+    mechanism, x, y, _ = _mechanism()
+    indices = mechanism.sample()
+    mechanism.step(x[indices], y[indices])
+    state = mechanism.state_dict()
+    _, _, ids = user_data()
+    model = mlp()
+    other = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=len(y), batch_size=U, max_grad_norm=C,
+        noise_multiplier=1.0, delta=1e-5, steps=3, seed=0, user_ids=np.roll(ids, 1), max_examples_per_user=K_MAX,
+    )  # fmt: skip
+    other.model.load_state_dict(mechanism.model.state_dict())
+    with pytest.raises(ValueError, match="another grouping of the examples into users"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="user ids are not the ones this run was sampled with"):
+        other.sampler.load_state_dict(state["sampler"])

@@ -304,3 +304,15 @@ def test_source_runs_across_units_are_refused_not_composed(tmp_path):
         with pytest.raises(ConfigError, match=words):
             Trainer.create(load_config(None, [*base, f"run.out_dir={tmp_path / f'r{i}'}", "train.steps=1", *unit, *source]),
                            progress=False)  # fmt: skip
+
+
+def test_resuming_after_the_user_ids_changed_is_refused(tmp_path):
+    data = write_npz(tmp_path / "d.npz")
+    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=npz", f"data.root={data}",
+                "dp.batch_size=3", "dp.noise_multiplier=1", "dp.epsilon=null", "train.steps=4", *USER]  # fmt: skip
+    Trainer.create(load_config(None, settings), progress=False).run(max_steps=2)
+    arrays = dict(np.load(data))
+    arrays["user_ids"] = np.roll(arrays["user_ids"], 1)  # the same images and people count, regrouped
+    np.savez(data, **arrays)
+    with pytest.raises(Exception, match="user ids are not the ones this run was sampled with"):
+        Trainer.resume(tmp_path / "run", progress=False).run()

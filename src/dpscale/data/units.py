@@ -70,6 +70,14 @@ class UserIndex:
         """(U,) int64: each user's number of examples."""
         return np.diff(self.offsets)
 
+    def digest(self) -> str:
+        """SHA-256 of the grouping (each example's user id, in dataset order): ties a sampler's
+        state to the people it sampled."""
+        digest = hashlib.sha256(f"{self.ids.dtype.kind}:{len(self.examples)}:{self.num_users}".encode())
+        digest.update("\x1f".join(map(str, self.ids.tolist())).encode())
+        digest.update(self.codes.tobytes())
+        return digest.hexdigest()
+
     @property
     def codes(self) -> np.ndarray:
         """(N,) int64: each example's user, as a row of ``ids`` (0..U-1), in dataset order."""
@@ -185,6 +193,7 @@ class UserPoissonSampler:
         self.max_examples_per_user = int(max_examples_per_user)
         self.generator = require_dprandom(generator, "user-level Poisson sampling")
         self.step = int(start_step)
+        self._digest = users.digest()
         self._set_partition(partition_seed)
 
     def _set_partition(self, partition_seed: int | None) -> None:
@@ -232,16 +241,22 @@ class UserPoissonSampler:
 
     def state_dict(self) -> dict[str, Any]:
         return {"unit": "user", "generator": self.generator.state_dict(), "step": self.step,
-                "bands": self.bands, "partition_seed": self.partition_seed}  # fmt: skip
+                "bands": self.bands, "partition_seed": self.partition_seed, "users": self._digest}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the sampler that wrote ``state`` stood, with its groups.
 
         Raises:
-            ValueError: a state of an example-level sampler, or of another number of bands.
+            ValueError: a state of an example-level sampler, of another number of bands, or of
+                another grouping of the examples into users.
         """
         if state.get("unit") != "user":
             raise ValueError("this sampler state samples examples, not users: it cannot continue a user-level run")
+        if state.get("users") != self._digest:
+            raise ValueError(
+                "the user ids are not the ones this run was sampled with (another grouping of the examples into "
+                "people): each part of the run would protect another person; continue with the same ids"
+            )
         if int(state["bands"]) != self.bands:
             raise ValueError(f"this sampler state was written with bands={state['bands']}, not {self.bands}")
         self.generator.load_state_dict(state["generator"])

@@ -326,6 +326,7 @@ class DPMechanism:
             # only, and never with dp.secure_noise (no file may reproduce that noise)
             "correlated_noise": self.correlated_noise.state_dict() if self._keeps_noise_history else None,
             "clip_norm": self.clip,  # adaptive clipping's C_t (a function of released counts)
+            "users": self.users.digest() if self.users is not None else None,  # the people it sampled
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -365,6 +366,9 @@ class DPMechanism:
                 "would not cover the steps that trained them): load the model's weights from the same checkpoint "
                 "first, then the mechanism's state"
             )
+        if state.get("users") != (self.users.digest() if self.users is not None else None):
+            raise ValueError("this mechanism state was sampled from another grouping of the examples into users "
+                             "(user ids); continue it with the same user_ids")  # fmt: skip
         if state["sampler"] is not None:  # first: it refuses an old partition before anything is loaded
             self.sampler.load_state_dict(state["sampler"])  # (None: a state whose sampler stream is not continued)
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
