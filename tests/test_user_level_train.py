@@ -314,5 +314,5 @@ def test_resuming_after_the_user_ids_changed_is_refused(tmp_path):
     arrays = dict(np.load(data))
     arrays["user_ids"] = np.roll(arrays["user_ids"], 1)  # the same images and people count, regrouped
     np.savez(data, **arrays)
-    with pytest.raises(Exception, match="user ids are not the ones this run was sampled with"):
+    with pytest.raises(Exception, match="another grouping of the examples into users"):
         Trainer.resume(tmp_path / "run", progress=False).run()
