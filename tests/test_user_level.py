@@ -46,7 +46,7 @@ def released_first_step(x, y, ids, **options) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     mechanism.observer = lambda gradient: out.update({k: v.double() * batch for k, v in gradient.items()})
     indices = mechanism.sample()
-    mechanism.step(x[indices], y[indices])
+    mechanism.step(x[indices], y[indices], indices=indices)
     return out
 
 
@@ -177,14 +177,37 @@ def test_chunks_that_split_a_user_are_refused_before_anything_is_released():
     indices = mechanism.sample()
     chunks = [(x[indices[:2]], y[indices[:2]]), (x[indices[2:]], y[indices[2:]])]  # user0 has 3 images
     with pytest.raises(ValueError, match="splits a user") as refused:
-        mechanism.step(chunks)
+        mechanism.step(chunks, indices=indices)
     assert "\n" not in str(refused.value) and mechanism.steps_taken == 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="the chunks hold 3 examples but the drawn users hold"):
-        mechanism.step(chunks[:1][:0] + [(x[indices[:3]], y[indices[:3]])])
-    assert mechanism.steps_taken == 0
-    mechanism.step(x[indices], y[indices])  # the drawn batch itself goes through
+        mechanism.step([(x[indices[:3]], y[indices[:3]])], indices=indices)
+    with pytest.raises(ValueError, match="other indices than the drawn ones in the drawn order"):
+        mechanism.step(chunks, indices=indices.flip(0))
+    with pytest.raises(ValueError, match="needs indices=") as refused:
+        mechanism.step(x[indices], y[indices])
+    assert "\n" not in str(refused.value) and mechanism.steps_taken == 0
+    mechanism.step(x[indices], y[indices], indices=indices)  # the drawn batch itself goes through
     assert mechanism.steps_taken == 1
+
+
+def test_examples_gathered_in_another_order_are_regrouped_by_user():
+    """A loop that sorts or shuffles the drawn indices (harmless at the example unit) gets the
+    same release: the step puts each user's examples back together (review finding: without
+    indices= the step clipped mixed pseudo-users, 1.8C for one user's removal)."""
+    released = []
+    for order in (lambda i: i, lambda i: i.sort().values, lambda i: i.flip(0)):
+        mechanism, x, y, _ = _mechanism()
+        mechanism.observer = lambda gradient: released.append(gradient)
+        indices = order(mechanism.sample())
+        mechanism.step(x[indices], y[indices], indices=indices)
+    for other in released[1:]:
+        assert all(torch.equal(released[0][k], other[k]) for k in released[0])
+    mechanism, x, y, _ = _mechanism()
+    indices = mechanism.sample()
+    with pytest.raises(ValueError, match="other indices than the drawn ones"):
+        other = torch.cat([indices[:-1], indices[:1]])  # one example twice, another missing
+        mechanism.step(x[other], y[other], indices=other)
 
 
 def test_the_data_loader_cuts_chunks_at_users():
@@ -192,7 +215,7 @@ def test_the_data_loader_cuts_chunks_at_users():
     dataset = torch.utils.data.TensorDataset(x, y)
     for chunks in mechanism.data_loader(dataset):
         assert all(len(c[1]) <= 5 for c in chunks)
-        mechanism.step(chunks)
+        mechanism.step(chunks)  # the loader's chunks carry their indices
     assert mechanism.steps_taken == 3
 
 
@@ -223,7 +246,7 @@ def test_a_user_level_mechanism_resumes_bit_identically_and_refuses_an_example_l
         if steps_before_save is not None:
             for _ in range(steps_before_save):
                 i = mechanism.sample()
-                mechanism.step(x[i], y[i])
+                mechanism.step(x[i], y[i], indices=i)
             state, weights = mechanism.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
             mechanism, x, y, model = _mechanism()
             model.load_state_dict(weights)
@@ -231,7 +254,7 @@ def test_a_user_level_mechanism_resumes_bit_identically_and_refuses_an_example_l
         drawn = []
         for indices in mechanism.batches():
             drawn.append(indices.tolist())
-            mechanism.step(x[indices], y[indices])
+            mechanism.step(x[indices], y[indices], indices=indices)
         return drawn, model.state_dict()
 
     straight, resumed = run(None), run(1)
@@ -245,7 +268,7 @@ def test_a_user_level_mechanism_resumes_bit_identically_and_refuses_an_example_l
 def test_adaptive_clipping_counts_users():
     mechanism, x, y, _ = _mechanism(clipping="adaptive", clip_count_noise=1.0)
     indices = mechanism.sample()
-    stats = mechanism.step(x[indices], y[indices])
+    stats = mechanism.step(x[indices], y[indices], indices=indices)
     assert stats.batch_size == U  # one norm per user, q = 1
 
 
@@ -337,7 +360,7 @@ def test_a_state_is_refused_by_a_mechanism_with_other_user_ids():
     would protect another person, so the state is refused before anything is loaded."""
     mechanism, x, y, _ = _mechanism()
     indices = mechanism.sample()
-    mechanism.step(x[indices], y[indices])
+    mechanism.step(x[indices], y[indices], indices=indices)
     state = mechanism.state_dict()
     _, _, ids = user_data()
     model = mlp()
@@ -350,3 +373,19 @@ def test_a_state_is_refused_by_a_mechanism_with_other_user_ids():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="user ids are not the ones this run was sampled with"):
         other.sampler.load_state_dict(state["sampler"])
+
+
+def test_at_the_example_unit_indices_are_optional_and_checked_when_given():
+    model = mlp()
+    x, y, _ = user_data()
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=len(y), batch_size=len(y), max_grad_norm=C,
+        noise_multiplier=1.0, delta=1e-5, steps=3, seed=0,
+    )  # fmt: skip
+    indices = mechanism.sample()
+    with pytest.raises(ValueError, match="other indices than the drawn ones"):
+        mechanism.step(x[indices], y[indices], indices=torch.cat([indices[:-1], indices[:1]]))
+    mechanism.step(x[indices.flip(0)], y[indices.flip(0)], indices=indices.flip(0))  # any order of the drawn ones
+    indices = mechanism.sample()
+    mechanism.step(x[indices], y[indices])  # without indices: as before
+    assert mechanism.steps_taken == 2

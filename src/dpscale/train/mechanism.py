@@ -37,8 +37,10 @@ from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.guards import FirstChunkCheck, independence_check, model_digest, refuse_steps_outside_the_mechanism
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
-from dpscale.train.units import check_chunk_fits, cut_at_users, padded_user_chunks, users_per_chunk
-from dpscale.data.units import UserIndex, user_slices
+from dpscale.train.units import (
+    DrawnChunks, check_chunk_fits, check_gathered, user_step_chunks_of, users_per_chunk,
+)  # fmt: skip
+from dpscale.data.units import UnitBatch, UserIndex, user_slices
 
 
 # spawn key of BandMF's partition seed when none is given (make_private: one process)
@@ -92,7 +94,7 @@ class DPMechanism:
         self.first_chunk_check = first_chunk_check
         self._checked_rows = 0
         self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
-        self._drawn_offsets: torch.Tensor | None = None  # its users' boundaries, at the user unit
+        self._drawn_batch: UnitBatch | None = None  # its indices (and users' boundaries at the user unit)
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
 
@@ -123,12 +125,12 @@ class DPMechanism:
                 "(choosing among several draws would change the sampling the epsilon describes)"
             )
         if self.plan.user_level:
-            drawn = self.sampler.sample_units()
-            indices, self._drawn_offsets = drawn.indices, drawn.offsets
+            self._drawn_batch = self.sampler.sample_units()
         else:
             indices = self.sampler.sample()
-        self._drawn = int(indices.numel())
-        return indices
+            self._drawn_batch = UnitBatch(indices, torch.arange(len(indices) + 1))
+        self._drawn = int(self._drawn_batch.indices.numel())
+        return self._drawn_batch.indices
 
     def batches(self) -> Iterator[torch.Tensor]:
         """The example indices of every remaining logical batch, one step at a time (draw a
@@ -147,20 +149,26 @@ class DPMechanism:
         for indices in self.batches():
             if self.plan.user_level:  # whole users per chunk
                 per_chunk = users_per_chunk(chunk, self.plan.max_examples_per_user, 1, 0)
-                parts = [indices[a:b].tolist() for a, b, _ in user_slices(self._drawn_offsets, per_chunk)]
+                parts = [indices[a:b].tolist() for a, b, _ in user_slices(self._drawn_batch.offsets, per_chunk)]
             else:
                 parts = [p.tolist() for p in indices.split(chunk)]
             loader = torch.utils.data.DataLoader(dataset, batch_sampler=parts, **loader_options)
-            yield list(loader)
+            yield DrawnChunks(loader, indices)
 
     # -------------------------------------------------------------------- step
-    def step(self, inputs: torch.Tensor | Iterable[Batch], targets: torch.Tensor | None = None) -> StepStats:
+    def step(
+        self, inputs: torch.Tensor | Iterable[Batch], targets: torch.Tensor | None = None, *,
+        indices: torch.Tensor | None = None,
+    ) -> StepStats:  # fmt: skip
         """One private step on the logical batch that ``batches()``/``sample()`` drew.
 
         Args:
             inputs, targets: the batch's examples, or ``inputs`` = an iterable of (x, y) physical
-                chunks (for a logical batch larger than memory) and no ``targets``. At the user
-                unit every chunk must end where a drawn user's examples end (``data_loader``).
+                chunks (for a logical batch larger than memory) and no ``targets``.
+            indices: the dataset indices the examples were gathered from, in their order (any
+                order of the drawn ones for tensors; the drawn order for chunks; ``data_loader``'s
+                chunks carry them). Required at the user unit, where a user's examples are clipped
+                together; checked against the draw when given.
 
         Returns:
             the step's statistics (on the device; reading them waits for it).
@@ -174,17 +182,20 @@ class DPMechanism:
             )
         if targets is not None:
             self._check_size(len(targets))  # before anything is computed
+        if indices is None and isinstance(inputs, DrawnChunks):  # data_loader's chunks carry their indices
+            indices = inputs.indices
+        if self.plan.user_level:  # whole users per chunk, each user's examples together
+            chunks = user_step_chunks_of(inputs, targets, indices, self._drawn_batch, self.plan.max_examples_per_user,
+                                         self.views, self.max_physical_batch_size)  # fmt: skip
+        elif targets is not None:
+            check_gathered(indices, self._drawn_batch.indices, chunks=False)
             size = self.max_physical_batch_size or max(1, len(targets))
-            if self.plan.user_level:  # whole users per chunk (no chunk at all when no user was drawn)
-                per_chunk = users_per_chunk(size, self.plan.max_examples_per_user, 1, 0)
-                size = [end - start for start, end, _ in user_slices(self._drawn_offsets, per_chunk)]
-            chunks: Iterable[Batch] = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
+            chunks = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
         else:
+            check_gathered(indices, self._drawn_batch.indices, chunks=True)
             chunks = inputs
-        if self.plan.user_level:
-            chunks = padded_user_chunks(cut_at_users(chunks, self._drawn_offsets), self.plan.max_examples_per_user, self.views)
         stats = self._step_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
-        self._drawn = self._drawn_offsets = None
+        self._drawn, self._drawn_batch = None, None
         return stats
 
     def _check_size(self, examples: int) -> None:

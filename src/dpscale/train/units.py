@@ -50,6 +50,69 @@ def gathered_user_chunks(
         yield x[rows], y[rows], local
 
 
+class DrawnChunks(list):
+    """``data_loader``'s physical chunks of one logical batch, with the dataset indices they hold,
+    in order (what ``mechanism.step`` checks them against)."""
+
+    def __init__(self, chunks: Iterable[Batch], indices: torch.Tensor) -> None:
+        super().__init__(chunks)
+        self.indices = indices
+
+
+def check_gathered(indices: Any, drawn: torch.Tensor, *, chunks: bool) -> None:
+    """Refuse examples gathered from other indices than the draw (nothing given: nothing to check).
+
+    Args:
+        indices: the dataset indices the step's examples came from, in their order, or None.
+        drawn: the drawn indices; chunks: the examples come as chunks (then in the drawn order).
+
+    Raises:
+        ValueError: other indices, or (chunks) another order; nothing was released.
+    """
+    if indices is None:
+        return
+    given = torch.as_tensor(indices).reshape(-1).cpu()
+    same = len(given) == len(drawn) and bool(
+        torch.equal(given, drawn) if chunks else torch.equal(given.sort().values, drawn.sort().values)
+    )  # fmt: skip
+    if not same:
+        order = " in the drawn order" if chunks else ""
+        raise ValueError(
+            f"the step's examples come from other indices than the drawn ones{order}: gather exactly the indices "
+            "that mechanism.batches()/sample() gave (or use mechanism.data_loader); nothing was released"
+        )
+
+
+def user_step_chunks_of(
+    inputs: Any, targets: torch.Tensor | None, indices: Any, drawn: UnitBatch, rows: int, views: int,
+    max_physical_batch_size: int | None,
+) -> Iterator[Batch]:  # fmt: skip
+    """``mechanism.step``'s examples at the user unit as padded chunks of whole users: tensors
+    gathered in any order of the drawn indices are put back in the drawn order (each user's
+    examples together); chunks must come in the drawn order and end where a user's examples end.
+
+    Raises:
+        ValueError: no ``indices``, other indices, or chunks in another order (before anything is
+            computed), or chunks that split a user (while the engine reads them).
+    """
+    if indices is None:
+        raise ValueError(
+            "at the user unit mechanism.step needs indices= (the dataset indices your examples were gathered from, "
+            "in their order): a user's examples are clipped together, so the step must know which are whose; "
+            "mechanism.data_loader's chunks carry them"
+        )
+    check_gathered(indices, drawn.indices, chunks=targets is None)
+    if targets is None:
+        return padded_user_chunks(cut_at_users(inputs, drawn.offsets), rows, views)
+    given = torch.as_tensor(indices).reshape(-1).cpu()
+    order = torch.empty_like(drawn.indices)
+    order[torch.argsort(drawn.indices)] = torch.argsort(given)  # given[order[j]] == drawn[j]
+    x, y = inputs[order.to(inputs.device)], targets[order.to(targets.device)]
+    per_chunk = users_per_chunk(max_physical_batch_size or max(1, len(y)), rows, 1, 0)
+    raw = ((x[a:b], y[a:b], local) for a, b, local in user_slices(drawn.offsets, per_chunk))
+    return padded_user_chunks(raw, rows, views)
+
+
 def cut_at_users(chunks: Iterable[Batch], offsets: torch.Tensor) -> Iterator[UnitChunk]:
     """The (x, y) chunks a user's loop passes, with each chunk's users: every chunk must end where
     a drawn user's examples end, and all must add up to the drawn batch (else ValueError, raised
