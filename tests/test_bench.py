@@ -116,3 +116,33 @@ def test_step_time_user_twins_clip_per_user(capsys, monkeypatch):
                  "--batch-size", "8", "--repeats", "1", "--warmup", "0", "--json"]) == 0
     assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-user4"]
     assert [(p.privacy_unit, p.batch_size) for p in plans] == [("example", 8), ("user", 2)]
+
+
+def test_step_time_on_the_thread_clock_states_clock_and_load(capsys, tmp_path):
+    """--clock thread: one torch thread, thread-CPU time, and the table says so with the load."""
+    import torch
+
+    out = tmp_path / "bench.md"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk,dpscale-auto",
+                     "--batch-size", "8", "--repeats", "2", "--warmup", "0", "--clock", "thread", "--write", str(out)]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    table = out.read_text()
+    assert "clock: thread-CPU time of the timing thread; load average" in table and "1 torch threads" in table
+    assert main(["bench", "step-time", "--models", "linear", "--clock", "thread", "--threads", "2"]) == 2
+    assert "--clock thread times one torch thread" in capsys.readouterr().err
+
+
+def test_bk_and_auto_rows_that_ran_one_engine_but_disagree_flag_the_table_noisy():
+    from dpscale.bench.step_time import Row, markdown_table, noisy_rows
+
+    rows = [Row("m", 8, "nonprivate", 10.0, 1.0, 1.0, 3), Row("m", 8, "dpscale-bk", 15.0, 1.5, 1.0, 3, "BKEngine"),
+            Row("m", 8, "dpscale-auto", 17.0, 1.7, 1.0, 3, "BKEngine"),
+            Row("m", 8, "dpscale-bk-user4", 15.0, 1.5, 1.0, 3, "BKEngine"),
+            Row("m", 8, "dpscale-auto-user4", 15.3, 1.53, 1.0, 3, "BKEngine")]  # fmt: skip
+    assert noisy_rows(rows) == ["m B=8: dpscale-bk and dpscale-auto both ran BKEngine but differ by 13% (> 5%)"]
+    assert "**NOISY**" in markdown_table(rows, "cmd", "cpu")
+    assert noisy_rows([*rows[:2], Row("m", 8, "dpscale-auto", 17.0, 1.7, 1.0, 3, "VmapEngine")]) == []  # other engines

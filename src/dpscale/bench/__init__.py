@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from dpscale.choices import MECHANISMS, PEFT_METHODS, PRECISIONS
+from dpscale.choices import BENCH_CLOCKS, MECHANISMS, PEFT_METHODS, PRECISIONS
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_argument("--batch-size", type=int, default=None,
                       help="for every model (default: a per-model size, larger on cuda)")
     step.add_argument("--threads", type=int, default=None)
+    step.add_argument("--clock", choices=BENCH_CLOCKS, default="wall",
+                      help="wall: synchronised wall clock; thread: this thread's CPU time with one torch thread "
+                      "(CPU only: what a loaded shared machine does not inflate)")
     step.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
                       help="bandmf: time a BandMF twin (-bandmfB) next to each dpscale engine (its extra cost)")
     step.add_argument("--bands", type=int, default=8, help="b of the BandMF rows (default 8)")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpscale.choices import PEFT_METHODS
+from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape
 from dpscale.models.peft import apply_peft
 from dpscale.privacy.precision import FP32, Precision, make_precision
@@ -61,6 +62,7 @@ class TimedStep:
 
     run: Step
     release: Step
+    engine: Callable[[], str] = lambda: ""  # the engine a dpscale row ended up with (auto's choice)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Row:
     ratio_to_nonprivate: float
     peak_mem_mb: float
     repeats: int
+    resolved: str = ""  # the engine class a dpscale row ran (auto: its choice), for the noise check
 
 
 def _input_shape(name: str, device: torch.device) -> tuple[int, int, int]:
@@ -145,7 +148,8 @@ def _dpscale_step(
         else:
             mechanism._step_chunks(physical_chunks(inputs, y, indices, batch))
 
-    return TimedStep(step, lambda: None)  # apply_gradient already drops the gradients
+    # apply_gradient already drops the gradients
+    return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__)
 
 
 def peft_of(engine: str) -> tuple[str, str]:
@@ -270,7 +274,7 @@ def _sync(device: torch.device) -> None:
 def run_step_time(
     models: list[str], engines: list[str], repeats: int = 10, warmup: int = 3, device: str = "cpu",
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-    precision: str = "fp32", batch_size: int | None = None, lora_rank: int = 8,
+    precision: str = "fp32", batch_size: int | None = None, lora_rank: int = 8, clock: str = "wall",
 ) -> list[Row]:
     """Measure every (model, engine); returns rows (engines that cannot run are skipped with a log line).
 
@@ -317,33 +321,79 @@ def run_step_time(
                 log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
                 steps.pop(engine, None)
         with prec.matmul_flags():
-            rows += _measure(label, batch, steps, repeats, warmup, dev, log)
+            rows += _measure(label, batch, steps, repeats, warmup, dev, log, clock)
     return rows
+
+
+NOISE_TOLERANCE = 0.05  # bk and auto running the same engine must agree within this, else the table is noisy
 
 
 def _measure(
     label: str, batch: int, steps: dict[str, TimedStep], repeats: int, warmup: int, dev: torch.device,
-    log: Callable[[str], None],
+    log: Callable[[str], None], clock: str = "wall",
 ) -> list[Row]:
-    """Warm up, time the steps interleaved, then measure each one's peak memory."""
+    """Warm up, time the steps interleaved, then measure each one's peak memory.
+
+    ``clock`` "thread" takes ``time.thread_time`` (CPU seconds of this thread, with one torch
+    thread: what other processes on a shared machine do not inflate, unlike the wall clock)."""
     rows = []
     for timed in steps.values():
         for _ in range(warmup):
             timed.run()
+    now = time.thread_time if clock == "thread" else time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeats):  # interleaved: machine noise hits every engine alike
         for engine, timed in steps.items():
             _sync(dev)
-            start = time.perf_counter()
+            start = now()
             timed.run()
             _sync(dev)
-            times[engine].append(time.perf_counter() - start)
+            times[engine].append(now() - start)
     base = statistics.median(times["nonprivate"])
     for engine, timed in steps.items():
         median = statistics.median(times[engine])
-        rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(timed, dev), repeats))
+        rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(timed, dev), repeats,
+                        timed.engine()))  # fmt: skip
         log(f"{label} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
     return rows
+
+
+def noisy_rows(rows: list[Row], tolerance: float = NOISE_TOLERANCE) -> list[str]:
+    """Where the table cannot be trusted: dpscale-bk and dpscale-auto rows of one model (and the
+    same suffixes) that ran the same engine but whose medians differ by more than ``tolerance``."""
+    found = []
+    by_key = {(r.model, r.batch_size, r.engine): r for r in rows}
+    for r in rows:
+        if not r.engine.startswith("dpscale-bk"):
+            continue
+        auto = by_key.get((r.model, r.batch_size, "dpscale-auto" + r.engine[len("dpscale-bk"):]))
+        if auto is None or auto.resolved != r.resolved or not r.resolved:
+            continue
+        gap = abs(auto.median_ms - r.median_ms) / min(auto.median_ms, r.median_ms)
+        if gap > tolerance:
+            found.append(f"{r.model} B={r.batch_size}: {r.engine} and {auto.engine} both ran {r.resolved} but differ "
+                         f"by {100 * gap:.0f}% (> {100 * tolerance:.0f}%)")  # fmt: skip
+    return found
+
+
+def _set_threads(args) -> None:
+    """--threads; --clock thread times one torch thread (the other threads' CPU time would not count)."""
+    if args.clock == "thread":
+        if args.device != "cpu":
+            raise ConfigError("--clock thread measures CPU time: use it with --device cpu")
+        if args.threads not in (None, 1):
+            raise ConfigError("--clock thread times one torch thread: leave --threads out or set it to 1")
+        torch.set_num_threads(1)
+    elif args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def _load_average() -> float:
+    """The 1-minute load average (nan where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("nan")
 
 
 def _cpu_name() -> str:
@@ -356,15 +406,22 @@ def _cpu_name() -> str:
     return f"{platform.machine()} CPU, {os.cpu_count()} logical cores"
 
 
-def markdown_table(rows: list[Row], command: str, device: str, precision: str = "fp32") -> str:
+def markdown_table(
+    rows: list[Row], command: str, device: str, precision: str = "fp32", clock: str = "wall",
+    load: tuple[float, float] | None = None,
+) -> str:  # fmt: skip
     threads = torch.get_num_threads()
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
+    clock_words = "thread-CPU time of the timing thread" if clock == "thread" else "wall clock"
+    load_words = f"; load average {load[0]:.2f} before, {load[1]:.2f} after" if load else ""
+    noisy = noisy_rows(rows)
     lines = [
         "# Step-time benchmark",
         "",
         f"- command: `{command}`",
         f"- machine: {machine}, {threads} torch threads, torch {torch.__version__}, Python {platform.python_version()}",
-        f"- date: {time.strftime('%Y-%m-%d')}; precision: {precision}",
+        f"- date: {time.strftime('%Y-%m-%d')}; precision: {precision}; clock: {clock_words}{load_words}",
+        *(f"- **NOISY**: {line}: rerun on an idle machine, or with --clock thread" for line in noisy),
         "- median ms per optimizer step over interleaved repeats after warm-up; ratio to the non-private",
         "  step of the same model and batch measured in the same process; peak = extra tensor memory",
         "  during one step (see `src/dpscale/bench/step_time.py`).",
@@ -391,16 +448,17 @@ def main(args) -> int:
         engines = with_twin_rows(engines, args.peft)
     if args.user_rows:
         engines = with_twin_rows(engines, f"user{args.user_rows}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args)
+    load_before = _load_average()
     rows = run_step_time(
         models, engines, repeats=args.repeats, warmup=args.warmup, device=args.device,
-        precision=args.precision, batch_size=args.batch_size, lora_rank=args.lora_rank,
+        precision=args.precision, batch_size=args.batch_size, lora_rank=args.lora_rank, clock=args.clock,
     )
+    load = (load_before, _load_average())
     if args.json:
-        print(json.dumps([{k: v for k, v in asdict(r).items() if k != "repeats"} for r in rows]))
+        print(json.dumps([{k: v for k, v in asdict(r).items() if k not in ("repeats", "resolved")} for r in rows]))
     command = "dpscale bench step-time " + " ".join(args.argv)
-    table = markdown_table(rows, command.strip(), args.device, args.precision)
+    table = markdown_table(rows, command.strip(), args.device, args.precision, args.clock, load)
     if not args.json:
         print(table)
     if args.write:
