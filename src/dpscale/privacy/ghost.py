@@ -281,6 +281,52 @@ def _conv_per_example(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Ten
     return _conv_per_example_grouped(r, a, g)
 
 
+def _pixel_gram_eligible(m: nn.Module) -> bool:
+    """Whether ``_pixel_gram_sq_norms`` applies: a plain 2-D convolution (one group, stride 1, no dilation)."""
+    return (
+        type(m) is nn.Conv2d and m.groups == 1 and tuple(m.stride) == (1, 1) and tuple(m.dilation) == (1, 1)
+        and isinstance(m.padding, tuple) and m.padding_mode == "zeros"
+    )  # fmt: skip
+
+
+def _pixel_gram_cost(m: nn.Module, a: torch.Tensor, length: int, views: int) -> float:
+    """Multiply-adds per example of ``_pixel_gram_sq_norms``: the padded pixels' Gram, the k x k
+    shifted block sums and the output gradients' Gram (float64: ``FLOAT64_GRAM_COST``)."""
+    (kh, kw), (ph, pw) = m.kernel_size, m.padding
+    pixels = views * (a.shape[-2] + 2 * ph) * (a.shape[-1] + 2 * pw)
+    return FLOAT64_GRAM_COST * (pixels * pixels * m.in_channels + length * length * m.out_channels) + kh * kw * length * length
+
+
+def _pixel_gram_sq_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_gram_sq_norms`` of a stride-1 convolution without im2col: the patch Gram <a_t, a_s> is
+    the sum over the k x k kernel offsets o of <x_{t+o}, x_{s+o}>, entries of the Gram of the
+    zero-padded input's pixels (C_in deep instead of C_in k^2), and ||a_t||^2 a k x k box sum of
+    the pixels' squared norms. The same float64 products, reordered: each patch-Gram entry is off
+    by at most gamma_{C_in + k^2 + 1} ||a_t|| ||a_s|| (Cauchy-Schwarz over the offsets), which the
+    bound covers with inner = max(d_in, C_in + k^2 + 1) + d_out. An example's K views are one
+    sequence of positions, as for the unfolded Gram.
+
+    Returns:
+        (upper bound of each example's squared norm (B,), W = sum_t ||a_t|| ||g_t|| (B,)), float64 W.
+    """
+    m, views = r.module, r.views
+    (kh, kw), (ph, pw) = m.kernel_size, m.padding
+    x = F.pad(a.double(), (pw, pw, ph, ph))  # (B*K, C, Hp, Wp)
+    rows, channels, hp, wp = x.shape
+    b, ho, wo = rows // views, hp - kh + 1, wp - kw + 1
+    pixels = x.reshape(b, views, channels, hp * wp).transpose(2, 3).reshape(b, views * hp * wp, channels)
+    full = torch.bmm(pixels, pixels.transpose(1, 2)).reshape(b, views, hp, wp, views, hp, wp)
+    patch = sum(
+        full[:, :, i : i + ho, j : j + wo, :, i : i + ho, j : j + wo] for i in range(kh) for j in range(kw)
+    ).reshape(b, views * ho * wo, views * ho * wo)  # fmt: skip
+    g64 = g.double().reshape(b, views, m.out_channels, ho * wo).transpose(2, 3).reshape(b, views * ho * wo, -1)
+    gram = (patch * torch.bmm(g64, g64.transpose(1, 2))).flatten(1).sum(1)
+    box = F.avg_pool2d(x.square().sum(1, keepdim=True), (kh, kw), stride=1) * (kh * kw)  # ||a_t||^2
+    weight = (box.clamp(min=0).sqrt().reshape(b, -1) * torch.linalg.vector_norm(g64, dim=-1)).sum(1)
+    inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
+    return _upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
+
+
 def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     b = a.shape[0] // r.views
     sq = a.new_zeros(b)
@@ -289,7 +335,13 @@ def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         length = g[0, 0].numel() * r.views  # an example's positions, over all its views
         d_in = m.in_channels // m.groups * m.weight[0, 0].numel()
         d_out = m.out_channels // m.groups
-        if r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
+        if _pixel_gram_eligible(m) and _pixel_gram_cost(m, a, length, r.views) < min(
+            length * d_in * d_out, FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
+        ):  # fmt: skip
+            gram, weight = _pixel_gram_sq_norms(r, a, g)
+            sq = sq + _part(r, "weight", gram)
+            r.slack = release_slack(length, weight, a.dtype)
+        elif r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
             patches, gg = _conv_unfold(r, a, g)
             patches, gg = _fold_views(r, patches), _fold_views(r, gg)
             gram, weight = _gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
