@@ -421,7 +421,8 @@ def markdown_table(
         f"- command: `{command}`",
         f"- machine: {machine}, {threads} torch threads, torch {torch.__version__}, Python {platform.python_version()}",
         f"- date: {time.strftime('%Y-%m-%d')}; precision: {precision}; clock: {clock_words}{load_words}",
-        *(f"- **NOISY**: {line}: rerun on an idle machine, or with --clock thread" for line in noisy),
+        *(f"- **NOISY**: {line}: rerun {'with more --repeats' if clock == 'thread' else 'on an idle machine, or with --clock thread'}"
+          for line in noisy),
         "- median ms per optimizer step over interleaved repeats after warm-up; ratio to the non-private",
         "  step of the same model and batch measured in the same process; peak = extra tensor memory",
         "  during one step (see `src/dpscale/bench/step_time.py`).",
