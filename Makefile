@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all clean
+.PHONY: install demo test test-all gpu-check clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ""
+
+# The device acceptance suite on a CUDA machine (offline): writes gpu-report.md, exits 1 on a FAIL row.
+gpu-check: $(STAMP)
+	$(BIN)/dpscale bench gpu-suite --device cuda --out gpu-report.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -53,6 +53,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
+    suite = kinds.add_parser("gpu-suite", help="the device acceptance suite: engines vs the float64 loop, 16-bit clip "
+                             "bounds, make_private on the device = on the CPU, step time; one markdown report")
+    suite.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    suite.add_argument("--models", default=None, help="comma list (default: every registered model; --quick: two)")
+    suite.add_argument("--batch", type=int, default=8, help="examples per model in the checks")
+    suite.add_argument("--quick", action="store_true", help="tiny sizes: the CPU form the test suite runs")
+    suite.add_argument("--out", default=None, metavar="PATH", help="also write the report here")
+    suite.set_defaults(func=_run_gpu_suite)
     data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
     add_data_arguments(data)
     data.set_defaults(func=_run_data)
@@ -70,6 +78,12 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed logical batches")
     parser.add_argument("--model", help="also run the DP engine on every chunk (e.g. resnet18-gn)")
     parser.add_argument("--device", default="cpu")
+
+
+def _run_gpu_suite(args: argparse.Namespace) -> int:
+    from dpscale.bench.gpu_suite import main
+
+    return main(args)
 
 
 def _run_step_time(args: argparse.Namespace) -> int:

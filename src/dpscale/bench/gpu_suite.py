@@ -1,0 +1,185 @@
+"""The device acceptance suite (issue 44): one markdown report of what must hold on a machine.
+
+``dpscale bench gpu-suite --device cuda --out report.md`` (``make gpu-check``) runs, offline:
+
+1. **engines**: every engine on every model (TF32 off) against the float64 per-example loop on
+   the CPU (same weights, same examples): the clipped sum's relative error (< 1e-3) and the norms';
+   and the clip bound on the device: each example's own released contribution, inputs scaled so
+   that every gradient is clipped, has a float64 norm <= C with no tolerance;
+2. **16-bit**: the same clip bound with bf16 and fp16 forward/backward (fp16 with its loss scale);
+3. **mechanism**: ``make_private`` steps on the device equal the same seed's steps on the CPU
+   (DP-SGD, BandMF's correlated noise, a LoRA model): the noise is drawn on the host, so the
+   released gradients differ only by the device's float32 arithmetic (relative 1e-3);
+4. **step time**: ``dpscale bench step-time`` rows (non-private, bk, auto) at the device's batch
+   sizes, wall clock.
+
+Each check row ends in ok or FAIL; the command exits 1 on any FAIL. ``--device cpu --quick``
+runs the same checks at tiny sizes (the default test suite does). Not in this version (issue 44):
+the sync-free loop's steps/s and idle fraction, Opacus rows, the Fashion-MNIST preset end to end.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dpscale.models import build_model, default_input_shape, list_models
+from dpscale.models.peft import apply_peft
+from dpscale.privacy import make_engine
+from dpscale.privacy.engines import supported_engines
+from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.precision import make_precision
+from dpscale.privacy.reference import float64_reference
+
+SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32),
+               "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}  # fmt: skip
+QUICK_MODELS = ("papernot-cnn",)
+CLIP, SUM_TOLERANCE, MECHANISM_TOLERANCE = 1.0, 1e-3, 1e-3
+ENGINE_HEADER = ["| model | engine | clipped sum rel. error | max norm rel. error | max one-example released norm | ms | |",
+                 "|---|---|---|---|---|---|---|"]  # fmt: skip
+
+
+def _relative(got: dict, ref: dict) -> float:
+    """||got - ref|| / ||ref|| over all parameters, in float64 on the CPU."""
+    num = sum(float((got[k].double().cpu() - ref[k].double().cpu()).square().sum()) for k in ref)
+    den = sum(float(ref[k].double().cpu().square().sum()) for k in ref)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def worst_single_example_norm(engine, model, params, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The largest float64 norm of one example's released (clipped) gradient, over the examples."""
+    worst = 0.0
+    for i in range(len(x)):
+        clipped, _ = engine.per_example_clipped_sum(model, params, (x[i : i + 1], y[i : i + 1]))
+        worst = max(worst, sum(float(g.double().square().sum()) for g in clipped.values()) ** 0.5)
+    return worst
+
+
+def _model_and_batch(name: str, batch: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    shape = SMALL_INPUT.get(name, default_input_shape(name))
+    return build_model(name, 10, shape), torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+
+
+def engine_rows(name: str, device: torch.device, batch: int) -> list[str]:
+    """Section 1 for one model: one row per engine."""
+    cpu_model, x, y = _model_and_batch(name, batch)
+    ref = float64_reference(cpu_model, (x, y), CLIP)
+    model = cpu_model.to(device)
+    params, xd, yd = trainable_params(model), x.to(device), y.to(device)
+    rows = []
+    for engine_name in supported_engines(model):
+        engine, _ = make_engine(engine_name, CLIP, model)
+        start = time.perf_counter()
+        clipped, norms = engine.per_example_clipped_sum(model, params, (xd, yd))
+        _sync(device)
+        ms = 1e3 * (time.perf_counter() - start)
+        sum_err = _relative(clipped, ref.clipped_sum)
+        norm_err = float(((norms.double().cpu() - ref.norms) / ref.norms).abs().max())
+        worst = worst_single_example_norm(engine, model, params, 50.0 * xd, yd)
+        verdict = "ok" if worst <= CLIP and sum_err < SUM_TOLERANCE else "FAIL"
+        rows.append(f"| {name} | {engine_name} | {sum_err:.2e} | {norm_err:.2e} | {worst:.9f} | {ms:.1f} | {verdict} |")
+    return rows
+
+
+def sixteen_bit_rows(name: str, device: torch.device, batch: int) -> list[str]:
+    """Section 2 for one model: the clip bound under bf16 and fp16 on every engine."""
+    model, x, y = _model_and_batch(name, batch)
+    model = model.to(device)
+    params, xd, yd = trainable_params(model), 50.0 * x.to(device), y.to(device)
+    rows = []
+    for precision in ("bf16", "fp16"):
+        for engine_name in supported_engines(model):
+            engine, _ = make_engine(engine_name, CLIP, model, precision=make_precision(precision))
+            worst = worst_single_example_norm(engine, model, params, xd, yd)
+            rows.append(f"| {name} | {precision} | {engine_name} | {worst:.9f} | {'ok' if worst <= CLIP else 'FAIL'} |")
+    return rows
+
+
+def _released_first_step(device: torch.device, **options) -> dict[str, torch.Tensor]:
+    """The first step's released gradient of a seeded make_private run of papernot-cnn."""
+    from dpscale.train.private import make_private
+
+    model, x, y = _model_and_batch("papernot-cnn", 32)
+    apply_peft(model, options.pop("peft", "none"), rank=2)
+    model = model.to(device)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    mechanism = make_private(model, optimizer, dataset_size=32, batch_size=16, max_grad_norm=CLIP, noise_multiplier=1.0,
+                             delta=1e-5, steps=8, seed=0, **options)  # fmt: skip
+    released: dict[str, torch.Tensor] = {}
+    mechanism.observer = lambda gradient: released.update({k: v.detach().double().cpu() for k, v in gradient.items()})
+    indices = mechanism.sample()
+    mechanism.step(x[indices].to(device), y[indices].to(device))
+    return released
+
+
+def mechanism_rows(device: torch.device) -> list[str]:
+    """Section 3: seeded steps on the device against the same steps on the CPU."""
+    cases: dict[str, dict] = {"dp-sgd": {}, "bandmf (b=2)": {"noise_mechanism": "bandmf", "bands": 2},
+                              "lora (r=2)": {"peft": "lora"}}  # fmt: skip
+    rows = []
+    for label, options in cases.items():
+        on_device = _released_first_step(device, **dict(options))
+        on_cpu = _released_first_step(torch.device("cpu"), **dict(options))
+        err = _relative(on_device, on_cpu)
+        rows.append(f"| {label} | {err:.2e} | {'ok' if err < MECHANISM_TOLERANCE else 'FAIL'} |")
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _section(title: str, header: list[str], make_rows: Callable[[], list[str]]) -> list[str]:
+    """A report section; an error becomes a FAIL row instead of hiding the other sections."""
+    try:
+        rows = make_rows()
+    except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
+        rows = [f"| error: {type(err).__name__}: {str(err).splitlines()[0][:160]} |" + " |" * (header[0].count("|") - 3) + " FAIL |"]
+    return ["", f"## {title}", "", *header, *rows]
+
+
+def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int = 8, quick: bool = False,
+              log: Callable[[str], None] = print) -> tuple[str, bool]:  # fmt: skip
+    """Run every section; returns (the markdown report, whether every check passed)."""
+    dev = torch.device(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32
+    models = models or (list(QUICK_MODELS) if quick else list_models())
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    lines = [f"# Device suite on {where}", "", f"torch {torch.__version__}, TF32 off, C = {CLIP}, {batch} examples "
+             f"per model, models: {', '.join(models)}; {time.strftime('%Y-%m-%d %H:%M')}"]  # fmt: skip
+    lines += _section("1. Engines against the float64 per-example loop (float32 on the device)", ENGINE_HEADER,
+                      lambda: [row for name in models for row in engine_rows(name, dev, batch)])  # fmt: skip
+    lines += _section("2. The clip bound in 16-bit", ["| model | precision | engine | max one-example released norm | |",
+                      "|---|---|---|---|---|"], lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)])
+    lines += _section("3. make_private on the device = the same seed on the CPU", ["| case | released gradient rel. difference | |",
+                      "|---|---|---|"], lambda: mechanism_rows(dev))  # fmt: skip
+    lines += _step_time_section(dev, models, quick)
+    report = "\n".join(lines) + "\n"
+    for line in lines:
+        log(line)
+    return report, "FAIL" not in report
+
+
+def _step_time_section(dev: torch.device, models: list[str], quick: bool) -> list[str]:
+    """Section 4: step time at the device's batch sizes (tiny batches with ``quick``)."""
+    from dpscale.bench.step_time import markdown_table, run_step_time
+
+    timed = [m for m in models if m in ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")] or models[:1]
+    rows = run_step_time(timed, ["nonprivate", "dpscale-bk", "dpscale-auto"], repeats=2 if quick else 10,
+                         warmup=1 if quick else 3, device=str(dev), batch_size=8 if quick else None,
+                         log=lambda _: None)  # fmt: skip
+    table = markdown_table(rows, "dpscale bench gpu-suite (section 4)", str(dev)).splitlines()
+    return ["", "## 4. Step time (wall clock)", "", *table[2:]]
+
+
+def main(args) -> int:
+    report, passed = run_suite(args.device, [m for m in (args.models or "").split(",") if m] or None, args.batch,
+                               args.quick)  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0 if passed else 1
