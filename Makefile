@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all gpu-check clean
+.PHONY: install demo test test-all gpu-check wheelhouse clean
 
 install: $(STAMP)
 
@@ -27,5 +27,10 @@ test-all: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/dpscale bench gpu-suite --device cuda --out gpu-report.md
 
+# Wheels of dpscale and every runtime dependency, for an offline install elsewhere (scripts/wheelhouse.py:
+# --python-version, --platform and --torch for another machine); then: pip install --no-index --find-links wheelhouse dpscale
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py --dest wheelhouse $(WHEELHOUSE_ARGS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis wheelhouse
