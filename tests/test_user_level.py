@@ -389,3 +389,41 @@ def test_at_the_example_unit_indices_are_optional_and_checked_when_given():
     indices = mechanism.sample()
     mechanism.step(x[indices], y[indices])  # without indices: as before
     assert mechanism.steps_taken == 2
+
+
+# ------------------------------------------------------------------ the adversarial doors at the user unit
+class _CentreInTraining(nn.Module):
+    """Centres its input over the batch (rows of every user) in training mode: mixes examples."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True) if self.training else x
+
+
+def test_the_adversarial_cases_through_make_private_at_the_user_unit():
+    x, y, ids = user_data()
+    # a layer that mixes examples: refused at the first step, nothing released
+    torch.manual_seed(0)
+    mixing = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), _CentreInTraining(), nn.Tanh(), nn.Linear(8, 3))
+    mechanism = dpscale.make_private(
+        mixing, torch.optim.SGD(mixing.parameters(), lr=0.1), dataset_size=len(y), batch_size=U, max_grad_norm=C,
+        noise_multiplier=1.0, delta=1e-5, steps=3, seed=0, user_ids=ids, max_examples_per_user=K_MAX, engine="bk",
+    )  # fmt: skip
+    indices = mechanism.sample()
+    with pytest.raises(ValueError, match="mixes examples"):
+        mechanism.step(x[indices], y[indices], indices=indices)
+    assert mechanism.steps_taken == 0
+    # a step the mechanism did not start, and a state loaded twice
+    mechanism, x, y, _ = _mechanism()
+    with pytest.raises(RuntimeError, match="none was drawn"):
+        mechanism.step(x, y, indices=torch.arange(len(y)))
+    indices = mechanism.sample()
+    mechanism.step(x[indices], y[indices], indices=indices)
+    with pytest.raises(RuntimeError, match="has taken 1 step"):
+        mechanism.load_state_dict(mechanism.state_dict())
+    # an image that overflows: its user contributes zero, so the release stays finite and within C
+    # of the clean data's
+    bad = x.clone()
+    bad[int(np.flatnonzero(ids == "user4")[0])] = float("inf")
+    released = [released_first_step(bad, y, ids, engine="bk"), released_first_step(x, y, ids, engine="bk")]
+    assert all(torch.isfinite(v).all() for v in released[0].values())
+    assert 0.0 < change(released[0], released[1]) <= 1.0 + 1e-5

@@ -143,7 +143,7 @@ def test_the_user_unit_without_ids_or_with_a_feature_it_does_not_cover_is_refuse
     assert "\n" not in str(refused.value)
     for setting, words in [(["data.privacy_unit=user"], "needs dp.max_examples_per_user"),
                            (["dp.max_examples_per_user=2"], "needs data.privacy_unit=user"),
-                           (USER + ["dp.sampling=shuffle"], "does not follow data.privacy_unit=user"),
+                           (USER + ["dp.sampling=shuffle"], "samples users by Poisson sampling"),
                            (["data.privacy_unit=person"], "data.privacy_unit must be")]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             load_config(None, base + setting)

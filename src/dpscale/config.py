@@ -20,7 +20,6 @@ import yaml
 
 from dpscale.choices import (
     ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, PEFT_METHODS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
-    PRIVACY_UNITS,
 )  # fmt: skip
 from dpscale.errors import ConfigError
 from dpscale.clip_norms import check_max_grad_norm, check_max_grad_norm_per
@@ -908,26 +907,11 @@ def _validate_data(config: Config) -> None:
 
 
 def _validate_privacy_unit(config: Config) -> None:
-    """The unit's settings, and the features that do not follow the user unit yet (one line each)."""
-    unit, k = config.data.privacy_unit, config.dp.max_examples_per_user
-    if unit not in PRIVACY_UNITS:
-        raise ConfigError(f"data.privacy_unit must be {_either(PRIVACY_UNITS)}, got {unit!r}")
-    if unit == "example":
-        if k is not None:
-            raise ConfigError("dp.max_examples_per_user bounds a user's images: it needs data.privacy_unit=user")
-        return
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
-    not_yet = {
-        "dp.sampling=shuffle": config.dp.sampling != "poisson",
-        "dp.simulated_batch_size (a TAN simulation)": config.dp.simulated_batch_size is not None,
-    }
-    for setting, on in not_yet.items():
-        if on:
-            raise ConfigError(
-                f"{setting} does not follow data.privacy_unit=user yet (it would bound one image, not one person): "
-                "use it at the example unit"
-            )
+    """The unit's settings, checked where a plan checks them (one place for the rule)."""
+    from dpscale.privacy.group_privacy import check_privacy_unit  # torch-free
+
+    check_privacy_unit(config.data.privacy_unit, config.dp.max_examples_per_user, sampling=config.dp.sampling,
+                       simulated=config.dp.simulated_batch_size is not None)  # fmt: skip
 
 
 def _validate_features(features: FeaturesConfig, is_private: bool) -> None:

@@ -227,6 +227,35 @@ def meaning(*, epsilon: float, delta: float, unit_words: str) -> str:
     )
 
 
+def check_privacy_unit(unit: str, max_examples_per_user: int | None, *, sampling: str, simulated: bool) -> None:
+    """Refuse a privacy unit a plan cannot describe, in one line (config validation and
+    ``make_dp_plan`` both ask here).
+
+    Args:
+        unit: data.privacy_unit; max_examples_per_user: dp.max_examples_per_user (k).
+        sampling: dp.sampling; simulated: the plan is a TAN simulation.
+
+    Raises:
+        ConfigError: an unknown unit, k without the user unit or missing with it, or a sampling
+            or TAN simulation the user unit does not cover.
+    """
+    from dpscale.errors import ConfigError  # torch-free, as this module
+
+    if unit not in UNITS:
+        raise ConfigError(f"data.privacy_unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    if unit == "example":
+        if max_examples_per_user is not None:
+            raise ConfigError("dp.max_examples_per_user bounds a user's examples: it needs data.privacy_unit=user")
+        return
+    k = max_examples_per_user
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
+    if sampling != "poisson":
+        raise ConfigError("data.privacy_unit=user samples users by Poisson sampling: use dp.sampling=poisson")
+    if simulated:
+        raise ConfigError("a TAN simulation (dp.simulated_batch_size) runs at the example unit only")
+
+
 def _check_group(*, epsilon: float, group_size: int) -> None:
     if int(group_size) != group_size or group_size < 1:
         raise ValueError(f"group_size must be an integer >= 1, got {group_size}")

@@ -21,7 +21,7 @@ from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
 )  # fmt: skip
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
-from dpscale.privacy.group_privacy import UNITS, meaning, unit_text
+from dpscale.privacy.group_privacy import check_privacy_unit, meaning, unit_text
 
 if TYPE_CHECKING:  # the plan itself never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
@@ -661,8 +661,8 @@ def make_dp_plan(
     """
     check_max_grad_norm(max_grad_norm)
     _check_adaptive(adaptive, max_grad_norm, correlated, is_simulation(batch_size, simulated_batch_size))
-    _check_unit(privacy_unit, max_examples_per_user, simulated=is_simulation(batch_size, simulated_batch_size),
-                sampling=sampling)  # fmt: skip
+    check_privacy_unit(privacy_unit, max_examples_per_user, simulated=is_simulation(batch_size, simulated_batch_size),
+                       sampling=sampling)  # fmt: skip
     if batch_size > dataset_size:
         units = "users" if privacy_unit == "user" else "the training set"
         raise ConfigError(f"dp.batch_size={batch_size} is larger than {units} (N={dataset_size})")
@@ -696,23 +696,6 @@ def make_dp_plan(
         except ValueError as err:
             raise ConfigError(str(err)) from err
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
-
-
-def _check_unit(unit: str, max_examples_per_user: int | None, *, simulated: bool, sampling: str) -> None:
-    """Refuse a privacy unit the plan cannot describe, in one line."""
-    if unit not in UNITS:
-        raise ConfigError(f"data.privacy_unit must be one of {', '.join(UNITS)}, got {unit!r}")
-    if unit == "example":
-        if max_examples_per_user is not None:
-            raise ConfigError("dp.max_examples_per_user bounds a user's examples: it needs data.privacy_unit=user")
-        return
-    k = max_examples_per_user
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
-    if sampling != "poisson":
-        raise ConfigError("data.privacy_unit=user samples users by Poisson sampling: use dp.sampling=poisson")
-    if simulated:
-        raise ConfigError("a TAN simulation (dp.simulated_batch_size) runs at the example unit only")
 
 
 def _planned_epsilon(
