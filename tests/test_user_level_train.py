@@ -316,3 +316,36 @@ def test_resuming_after_the_user_ids_changed_is_refused(tmp_path):
     np.savez(data, **arrays)
     with pytest.raises(Exception, match="another grouping of the examples into users"):
         Trainer.resume(tmp_path / "run", progress=False).run()
+
+
+def test_users_csv_changes_no_pixel_of_8_and_16_bit_png_jpeg_and_rgba_images(tmp_path):
+    """The manifest only names users (and the split): every training image's pixels are those the
+    folder loader gives without it, for each kind of file it reads, in memory and streamed."""
+    from PIL import Image
+
+    from dpscale.data.datasets import load_image_folder
+    from dpscale.data.folder import list_image_folder
+    from dpscale.data.stream import materialize, open_stream
+
+    g = np.random.default_rng(3)
+    root = tmp_path / "imgs"
+    kinds = {"png8": ("L", np.uint8, "png"), "png16": ("I;16", np.uint16, "png"), "jpeg": ("RGB", np.uint8, "jpg"),
+             "rgba": ("RGBA", np.uint8, "png")}  # fmt: skip
+    rows = ["path,user"]
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i, (kind, (mode, dtype, ext)) in enumerate(list(kinds.items()) * 2):
+            shape = (8, 8, 4) if mode == "RGBA" else (8, 8, 3) if mode == "RGB" else (8, 8)
+            pixels = g.integers(0, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
+            Image.fromarray(pixels, mode if mode != "I;16" else None).save(root / c / f"{kind}{i}.{ext}")
+            rows.append(f"{c}/{kind}{i}.{ext},p{i % 4}")
+    plain_listing = list_image_folder(root)
+    plain = dict(zip(plain_listing.train_files, load_image_folder(root).x_train))
+    (root / "users.csv").write_text("\n".join(rows) + "\n")
+    listing = list_image_folder(root)
+    assert listing.train_users is not None
+    for data in (load_image_folder(root), materialize(open_stream("imagefolder", root))):
+        common = [(f, x) for f, x in zip(listing.train_files, data.x_train) if f in plain]
+        assert common
+        for path, x in common:
+            assert torch.equal(x, plain[path]), path
