@@ -24,8 +24,10 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ""
 
 # The device acceptance suite on a CUDA machine (offline): writes gpu-report.md, exits 1 on a FAIL row.
+# Section 5 trains the whole Fashion-MNIST preset when GPU_DATA names the data (default: ../shared's, if present).
+GPU_DATA ?= $(wildcard ../shared/data/fashion-mnist)
 gpu-check: $(STAMP)
-	$(BIN)/dpscale bench gpu-suite --device cuda --out gpu-report.md
+	$(BIN)/dpscale bench gpu-suite --device cuda --out gpu-report.md $(if $(GPU_DATA),--data-root $(GPU_DATA))
 
 # Wheels of dpscale and every runtime dependency, for an offline install elsewhere (scripts/wheelhouse.py:
 # --python-version, --platform and --torch for another machine); then: pip install --no-index --find-links wheelhouse dpscale

@@ -11,10 +11,11 @@ def test_the_cpu_form_of_the_device_suite_passes_and_writes_its_report(tmp_path)
     assert main(["bench", "gpu-suite", "--device", "cpu", "--quick", "--batch", "4", "--out", str(out)]) == 0
     report = out.read_text()
     for section in ("## 1. Engines", "## 2. The clip bound in 16-bit", "## 3. make_private on the device",
-                    "## 4. Step time"):  # fmt: skip
+                    "## 4. Step time", "## 5. The training loop"):  # fmt: skip
         assert section in report
     checks = [line for line in report.splitlines() if line.startswith("| ") and line.rstrip().endswith(("ok |", "FAIL |"))]
-    assert len(checks) >= 4 + 8 + 3 and all(line.endswith("ok |") for line in checks)
+    assert len(checks) >= 4 + 8 + 3 + 1 and all(line.endswith("ok |") for line in checks)
+    assert "| mnist-5k (embedded), 6 steps | 6 |" in report
 
 
 def test_a_failing_check_fails_the_suite(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The im2col-free Gram of stride-1 convolutions (issue 44): each example's squared weight-gradient
+"""The im2col-free Gram of convolutions (any stride and dilation) (issue 44): each example's squared weight-gradient
 norm from the Gram of the padded input's pixels, k x k shifted blocks summed, against a float64
 per-example loop; never below the exact value (the rounding bound holds); and bk's step on a
 model whose small-output convolutions take it, against the float64 reference."""
@@ -20,19 +20,22 @@ class _Record:
 
 
 @pytest.mark.parametrize(
-    "cin, cout, kernel, padding, size, views",
-    [(8, 16, 3, 1, 8, 1), (3, 5, 3, 0, 10, 2), (4, 6, 5, 2, 6, 1), (2, 3, 1, 0, 7, 3), (5, 4, (3, 1), (1, 0), 9, 1)],
+    "cin, cout, kernel, padding, size, views, stride, dilation",
+    [(8, 16, 3, 1, 8, 1, 1, 1), (3, 5, 3, 0, 10, 2, 1, 1), (4, 6, 5, 2, 6, 1, 1, 1), (2, 3, 1, 0, 7, 3, 1, 1),
+     (5, 4, (3, 1), (1, 0), 9, 1, 1, 1), (6, 8, 3, 1, 9, 1, 2, 1), (4, 5, 3, 1, 8, 2, (2, 1), 1),
+     (3, 4, 1, 0, 8, 1, 2, 1), (3, 4, 3, 2, 9, 1, 1, 2), (3, 4, 3, 1, 11, 1, 3, 2)],
 )
-def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(cin, cout, kernel, padding, size, views):
+def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(cin, cout, kernel, padding, size, views, stride,
+                                                                    dilation):  # fmt: skip
     torch.manual_seed(0)
-    conv = nn.Conv2d(cin, cout, kernel, padding=padding).double()
+    conv = nn.Conv2d(cin, cout, kernel, padding=padding, stride=stride, dilation=dilation).double()
     batch = 4
     a = torch.randn(batch * views, cin, size, size, dtype=torch.float64) * 3
     g = torch.randn_like(conv(a))
     got, weight = ghost._pixel_gram_sq_norms(_Record(conv, views), a, g)
     exact = torch.stack([
         torch.nn.grad.conv2d_weight(a[i * views : (i + 1) * views], conv.weight.shape, g[i * views : (i + 1) * views],
-                                    padding=conv.padding).square().sum()
+                                    padding=conv.padding, stride=conv.stride, dilation=conv.dilation).square().sum()
         for i in range(batch)
     ])  # fmt: skip
     assert bool((got >= exact).all())  # an upper bound: a clipped contribution never exceeds C
@@ -40,11 +43,12 @@ def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(cin, cout, k
     assert bool((weight > 0).all())
 
 
-def test_only_plain_stride_one_convolutions_take_it():
+def test_only_plain_ungrouped_convolutions_take_it():
     assert ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding=1))
-    assert not ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, stride=2))
+    assert ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, stride=2))
+    assert ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, dilation=2))
     assert not ghost._pixel_gram_eligible(nn.Conv2d(4, 4, 3, groups=2))
-    assert not ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, dilation=2))
+    assert not ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding_mode="reflect"))
     assert not ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding="same"))
     assert not ghost._pixel_gram_eligible(nn.Conv1d(3, 4, 3))
 

@@ -54,12 +54,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
     suite = kinds.add_parser("gpu-suite", help="the device acceptance suite: engines vs the float64 loop, 16-bit clip "
-                             "bounds, make_private on the device = on the CPU, step time; one markdown report")
+                             "bounds, make_private on the device = on the CPU, step time, the training loop; one markdown report")
     suite.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     suite.add_argument("--models", default=None, help="comma list (default: every registered model; --quick: two)")
     suite.add_argument("--batch", type=int, default=8, help="examples per model in the checks")
     suite.add_argument("--quick", action="store_true", help="tiny sizes: the CPU form the test suite runs")
     suite.add_argument("--out", default=None, metavar="PATH", help="also write the report here")
+    suite.add_argument("--data-root", default=None, metavar="DIR",
+                       help="Fashion-MNIST: section 5 trains the whole dpscale-fmnist-cnn preset on it")
     suite.set_defaults(func=_run_gpu_suite)
     data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
     add_data_arguments(data)

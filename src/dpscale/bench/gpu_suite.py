@@ -10,12 +10,16 @@
 3. **mechanism**: ``make_private`` steps on the device equal the same seed's steps on the CPU
    (DP-SGD, BandMF's correlated noise, a LoRA model): the noise is drawn on the host, so the
    released gradients differ only by the device's float32 arithmetic (relative 1e-3);
-4. **step time**: ``dpscale bench step-time`` rows (non-private, bk, auto) at the device's batch
-   sizes, wall clock.
+4. **step time**: ``dpscale bench step-time`` rows (non-private, bk, auto, and opacus-ew where
+   Opacus is installed) at the device's batch sizes, wall clock;
+5. **training loop**: the ``dpscale-fmnist-cnn`` preset trained by ``dpscale train`` itself
+   (``Trainer``) on the device: steps/s, and on a GPU the idle fraction (1 - kernel time / wall
+   time over a profiled window of steps) and the host syncs per step (``torch.cuda`` sync debug
+   mode); with ``--data-root`` (Fashion-MNIST) the whole preset to its test accuracy and epsilon,
+   else (and with ``--quick``) a few steps on the embedded MNIST sample.
 
 Each check row ends in ok or FAIL; the command exits 1 on any FAIL. ``--device cpu --quick``
-runs the same checks at tiny sizes (the default test suite does). Not in this version (issue 44):
-the sync-free loop's steps/s and idle fraction, Opacus rows, the Fashion-MNIST preset end to end.
+runs the same checks at tiny sizes (the default test suite does).
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ def _section(title: str, header: list[str], make_rows: Callable[[], list[str]]) 
 
 
 def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int = 8, quick: bool = False,
-              log: Callable[[str], None] = print) -> tuple[str, bool]:  # fmt: skip
+              log: Callable[[str], None] = print, data_root: str | None = None) -> tuple[str, bool]:  # fmt: skip
     """Run every section; returns (the markdown report, whether every check passed)."""
     dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32
@@ -159,6 +163,8 @@ def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int 
     lines += _section("3. make_private on the device = the same seed on the CPU", ["| case | released gradient rel. difference | |",
                       "|---|---|---|"], lambda: mechanism_rows(dev))  # fmt: skip
     lines += _step_time_section(dev, models, quick)
+    lines += _section("5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)", TRAINING_HEADER,
+                      lambda: training_rows(dev, data_root, quick))  # fmt: skip
     report = "\n".join(lines) + "\n"
     for line in lines:
         log(line)
@@ -170,16 +176,83 @@ def _step_time_section(dev: torch.device, models: list[str], quick: bool) -> lis
     from dpscale.bench.step_time import markdown_table, run_step_time
 
     timed = [m for m in models if m in ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")] or models[:1]
-    rows = run_step_time(timed, ["nonprivate", "dpscale-bk", "dpscale-auto"], repeats=2 if quick else 10,
+    rows = run_step_time(timed, ["nonprivate", "dpscale-bk", "dpscale-auto", *_opacus_rows()], repeats=2 if quick else 10,
                          warmup=1 if quick else 3, device=str(dev), batch_size=8 if quick else None,
                          log=lambda _: None)  # fmt: skip
     table = markdown_table(rows, "dpscale bench gpu-suite (section 4)", str(dev)).splitlines()
     return ["", "## 4. Step time (wall clock)", "", *table[2:]]
 
 
+def _opacus_rows() -> list[str]:
+    """opacus-ew where Opacus is installed (its best mode on the zoo), else none."""
+    import importlib.util
+
+    return ["opacus-ew"] if importlib.util.find_spec("opacus") is not None else []
+
+
+TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs per step | test accuracy | epsilon | |",
+                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+PROFILED_STEPS = 20  # the window over which the idle fraction and the syncs are measured
+
+
+def training_rows(device: torch.device, data_root: str | None, quick: bool) -> list[str]:
+    """Section 5: the preset trained by the Trainer on ``device``; the row fails if the run does
+    not finish or its accuracy is not above chance."""
+    import tempfile
+
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer
+
+    full = data_root is not None and not quick
+    data = [f"data.root={data_root}"] if full else ["data.name=mnist-5k", "dp.batch_size=64", "train.steps=6",
+                                                   "train.max_physical_batch_size=64"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as out:
+        config = load_config("preset:dpscale-fmnist-cnn", [f"run.device={device.type}", f"run.out_dir={out}/run",
+                                                            "run.seed=0", *data])  # fmt: skip
+        trainer = Trainer.create(config, progress=False, report=False)
+        warm = min(3, trainer.total_steps - 1)
+        trainer.run(max_steps=warm)  # compiles kernels, tunes the clip methods
+        window = min(PROFILED_STEPS, trainer.total_steps - warm - 1) if device.type == "cuda" else 0
+        idle, syncs = _profiled_window(trainer, warm + window, device) if window > 0 else (None, None)
+        started, done = time.perf_counter(), trainer.step
+        summary = trainer.run()
+        rate = (trainer.step - done) / (time.perf_counter() - started)  # evaluations and checkpoints included
+    name = "fashion-mnist" if full else "mnist-5k (embedded), 6 steps"
+    accuracy, epsilon = summary["test_accuracy"], summary["epsilon"]
+    ok = summary["steps"] == trainer.total_steps and accuracy > 0.1
+    fmt = lambda v, spec: "n/a (CPU)" if v is None else format(v, spec)  # noqa: E731
+    return [f"| {name} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | "
+            f"{100 * accuracy:.2f}% | {epsilon:.2f} | {'ok' if ok else 'FAIL'} |"]  # fmt: skip
+
+
+def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, float]:
+    """(GPU idle fraction, host syncs per step) over the trainer's steps up to ``stop``: the
+    kernels' summed device time against the window's wall time, and the synchronising calls the
+    CUDA sync debug mode reports."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = stop - trainer.step
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught, profile(activities=[ProfilerActivity.CUDA]) as prof:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            started = time.perf_counter()
+            trainer.run(max_steps=stop)
+            torch.cuda.synchronize(device)
+            wall_us = (time.perf_counter() - started) * 1e6
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    busy_us = sum(event.self_device_time_total for event in prof.key_averages())
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return max(0.0, 1.0 - busy_us / wall_us), syncs / max(1, steps)
+
+
 def main(args) -> int:
     report, passed = run_suite(args.device, [m for m in (args.models or "").split(",") if m] or None, args.batch,
-                               args.quick)  # fmt: skip
+                               args.quick, data_root=args.data_root)  # fmt: skip
     if args.out:
         Path(args.out).write_text(report)
     return 0 if passed else 1

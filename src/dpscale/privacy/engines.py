@@ -8,6 +8,7 @@ from torch import nn
 
 from dpscale.choices import ENGINE_NAMES
 from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_groups
+from dpscale.privacy.autotune import MethodTuner, default_tuner
 from dpscale.privacy.ghost import GhostEngine, unsupported_modules
 from dpscale.privacy.per_example import (
     LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy, trainable_params,
@@ -22,6 +23,7 @@ def make_engine(
     loss_fn: LossFn = per_example_cross_entropy,
     views: int = 1,
     precision: Precision = FP32,
+    tuner: MethodTuner | None = None,
 ) -> tuple[PerExampleEngine, str | None]:
     """Engine by name, plus a one-line notice when "auto" had to fall back.
 
@@ -34,6 +36,8 @@ def make_engine(
         loss_fn: per-example loss.
         views: augmentation multiplicity K (each example arrives as K views).
         precision: how the model computes (fp32, tf32, bf16, fp16 with a fixed loss scale).
+        tuner: bk/ghost's per-layer method tuner (None: ``default_tuner()``, timing on this
+            device, cached on disk; ``MethodTuner(enabled=False)`` for the shape rule).
 
     Returns:
         (engine, notice or None).
@@ -55,7 +59,8 @@ def make_engine(
     if problems:
         raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
     mode = "bk" if name == "auto" else name
-    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision), None
+    tuner = default_tuner() if tuner is None else tuner
+    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision, tuner=tuner), None
 
 
 def _check_vmap_runs(model: nn.Module, notice: str | None) -> None:

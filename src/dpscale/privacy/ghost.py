@@ -49,6 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
+from dpscale.privacy.autotune import Candidate, MethodTuner
 from dpscale.privacy.clipping import (
     MaxGradNorm, blocked_sq_norms, clip_dtype, is_per_layer, release_slack, resolve_clip_groups,
 )
@@ -98,6 +99,9 @@ class _Record:
     # Each trainable parameter's per-example squared norms (B,) by local name, as the rule added
     # them into the layer's: per-tensor groups clip a layer's tensors on their own.
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Times the exact weight-norm methods of a layer the first time its shapes are seen (None: the
+    # shape rule decides; see ``dpscale.privacy.autotune``).
+    tuner: MethodTuner | None = None
 
 
 def _part(r: _Record, local: str, sq: torch.Tensor) -> torch.Tensor:
@@ -164,32 +168,91 @@ def _use_ghost(length: int, d_in: int, d_out: int, overhead: float = 0.0) -> boo
     return FLOAT64_GRAM_COST * length * length * (d_in + d_out) + overhead < length * d_in * d_out
 
 
+def _linear_weight_gram(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Weight norms from Gram matrices, a (B, T, d_in) and g (B, T, d_out); the release sums T products."""
+    gram, weight = _gram_sq_norms(a, g)
+    r.slack = release_slack(a.shape[1], weight, a.dtype)
+    return gram
+
+
+def _linear_weight_bmm(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Weight norms from each example's instantiated gradient (B, out, in), kept for the release."""
+    r.cache["weight"] = torch.bmm(g.transpose(1, 2), a)
+    return blocked_sq_norms(r.cache["weight"])
+
+
+LINEAR_WEIGHT_METHODS = {"gram": _linear_weight_gram, "bmm": _linear_weight_bmm}
+
+
+def _linear_weight_method(r: _Record, a: torch.Tensor, g: torch.Tensor, rows: tuple) -> str:
+    """The rule's choice for a sequence Linear (ghost: Gram only), or the tuner's among the exact
+    methods; ``rows`` = the record's (inputs, output grads) as the release takes them."""
+    t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    rule = "gram" if r.gram_only or _use_ghost(t, d_in, d_out) else "bmm"
+    costs = {"gram": (FLOAT64_GRAM_COST * t * t * (d_in + d_out), 2 * 8.0 * t * t * len(a))}
+    if not r.gram_only:
+        costs["bmm"] = (t * d_in * d_out, 0.0)
+        costs = _accurate_enough(costs, rule, t)
+    signature = f"Linear|t={t}|in={d_in}|out={d_out}|views={r.views}|{a.dtype}"
+    return _tuned(r, signature, rule, costs, LINEAR_WEIGHT_METHODS, (a, g), rows, _linear_sums, len(a))
+
+
 def _linear_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     b = a.shape[0] // r.views  # an example's K views are consecutive rows: fold them into its sequence
-    a = a.reshape(b, -1, a.shape[-1])
-    g = g.reshape(b, -1, g.shape[-1])
+    a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
     sq = a.new_zeros(b)
     if r.trainable.get("weight"):
-        t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-        if t == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+        if a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
             # each factor summed in float64 and taken back to the records' type, so that an input
             # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
-            sq_a, sq_g = (v.double().square().sum(1).to(a.dtype).double() for v in (a[:, 0], g[:, 0]))
+            sq_a, sq_g = (v.double().square().sum(1).to(a.dtype).double() for v in (a3[:, 0], g3[:, 0]))
             product = sq_a * sq_g
             sq = sq + _part(r, "weight", product.to(a.dtype))
             r.slack = release_slack(1, product.sqrt(), a.dtype)
-        elif r.gram_only or _use_ghost(t, d_in, d_out):
-            gram, weight = _gram_sq_norms(a, g)
-            sq = sq + _part(r, "weight", gram)
-            r.slack = release_slack(t, weight, a.dtype)  # the release sums t products per entry
         else:
-            per_example = torch.bmm(g.transpose(1, 2), a)  # (B, out, in)
-            r.cache["weight"] = per_example
-            sq = sq + _part(r, "weight", blocked_sq_norms(per_example))
+            method = _linear_weight_method(r, a3, g3, (a, g))
+            sq = sq + _part(r, "weight", LINEAR_WEIGHT_METHODS[method](r, a3, g3))
     if r.trainable.get("bias"):
-        r.cache["bias"] = g.sum(1)
+        r.cache["bias"] = g3.sum(1)
         sq = sq + _part(r, "bias", blocked_sq_norms(r.cache["bias"]))
     return sq
+
+
+# A Gram form's norm is inflated by its float32 release's worst-case rounding, gamma_{L+1} W
+# (``release_slack``): ~1e-5 W at 256 positions, 2e-4 W at an AugMult 3 x 32 x 32 (clipped sums 1e-3
+# off the float64 loop on wrn16-4). The tuner offers Gram forms only up to this many positions per
+# example (the rule's own choice stays), so that timing never trades accuracy for speed.
+TUNED_GRAM_MAX_POSITIONS = 256
+
+
+def _accurate_enough(costs: dict[str, tuple[float, float]], rule: str, length: int) -> dict[str, tuple[float, float]]:
+    """``costs`` without the Gram forms the tuner may not take at ``length`` positions (bk mode)."""
+    if length <= TUNED_GRAM_MAX_POSITIONS:
+        return costs
+    return {name: cost for name, cost in costs.items() if name == rule or name not in ("gram", "pixel-gram")}
+
+
+def _tuned(
+    r: _Record, signature: str, rule: str, costs: dict[str, tuple[float, float]], methods: dict[str, Callable],
+    args: tuple, rows: tuple, sums: Callable, examples: int,
+) -> str:  # fmt: skip
+    """The method for ``r``'s weight: ``rule`` without a tuner, else the tuner's choice among the
+    exact candidates (name -> (multiply-adds per example, Gram bytes for the chunk)), each timed as
+    its norms plus the clipped sum on a scratch copy of the record (the record itself untouched)."""
+    if r.tuner is None:
+        return rule
+    ones = args[0].new_ones(examples)
+
+    def runner(name: str) -> Callable[[], Any]:
+        def run() -> Any:
+            scratch = replace(r, trainable={"weight": True}, cache={}, parts={}, slack=None, tuner=None)
+            methods[name](scratch, *args)
+            return sums(scratch, *rows, ones)
+
+        return run
+
+    candidates = [Candidate(name, macs, gram, runner(name)) for name, (macs, gram) in costs.items()]
+    return r.tuner.choose(r.name, f"{signature}|{args[0].device.type}", args[0].device, rule, candidates, examples)
 
 
 def _linear_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:
@@ -263,30 +326,36 @@ def _fold_views(r: _Record, t: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _bmm_is_faster(d_in: int, d_out: int, length: int) -> bool:
+    """The shape rule between the two ways to per-example conv gradients. Measured (2-core AMD
+    EPYC, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32) and for short outputs of large
+    layers; grouped convolution wins elsewhere, by up to 10x. (The tuner times both where it pays.)"""
+    return d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER)
+
+
+def _conv_per_example_bmm(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each example's weight gradient by im2col + bmm, (B, G, out/G, in/G * k), summed over its views."""
+    patches, gg = _conv_unfold(r, a, g)
+    patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
+    if r.module.groups == 1:  # plain bmm takes the transposed operand without a copy
+        return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
+    return torch.matmul(gg, patches.transpose(2, 3))
+
+
 def _conv_per_example(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Each example's weight gradient, (B, G, out/G, in/G * k), summed over its K views."""
+    """Each example's weight gradient, (B, G, out/G, in/G * k), summed over its K views (by the shape rule)."""
     m = r.module
     length = g[0, 0].numel() * r.views
     d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
-    # Two exact ways to the same per-example gradients; which is faster on CPU depends on
-    # shapes. Measured (2-core CPU, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32)
-    # and for short outputs of large layers; grouped convolution wins elsewhere, by up to
-    # 10x. A fixed shape rule, never timing, so reruns and resumes do the same arithmetic.
-    if d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER):
-        patches, gg = _conv_unfold(r, a, g)
-        patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
-        if m.groups == 1:  # plain bmm takes the transposed operand without a copy
-            return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
-        return torch.matmul(gg, patches.transpose(2, 3))
+    if _bmm_is_faster(d_in, d_out, length):
+        return _conv_per_example_bmm(r, a, g)
     return _conv_per_example_grouped(r, a, g)
 
 
 def _pixel_gram_eligible(m: nn.Module) -> bool:
-    """Whether ``_pixel_gram_sq_norms`` applies: a plain 2-D convolution (one group, stride 1, no dilation)."""
-    return (
-        type(m) is nn.Conv2d and m.groups == 1 and tuple(m.stride) == (1, 1) and tuple(m.dilation) == (1, 1)
-        and isinstance(m.padding, tuple) and m.padding_mode == "zeros"
-    )  # fmt: skip
+    """Whether ``_pixel_gram_sq_norms`` applies: a plain 2-D convolution (one group, zero padding
+    given as numbers; any stride and dilation)."""
+    return type(m) is nn.Conv2d and m.groups == 1 and isinstance(m.padding, tuple) and m.padding_mode == "zeros"
 
 
 def _pixel_gram_cost(m: nn.Module, a: torch.Tensor, length: int, views: int) -> float:
@@ -298,60 +367,102 @@ def _pixel_gram_cost(m: nn.Module, a: torch.Tensor, length: int, views: int) -> 
 
 
 def _pixel_gram_sq_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_gram_sq_norms`` of a stride-1 convolution without im2col: the patch Gram <a_t, a_s> is
-    the sum over the k x k kernel offsets o of <x_{t+o}, x_{s+o}>, entries of the Gram of the
-    zero-padded input's pixels (C_in deep instead of C_in k^2), and ||a_t||^2 a k x k box sum of
-    the pixels' squared norms. The same float64 products, reordered: each patch-Gram entry is off
-    by at most gamma_{C_in + k^2 + 1} ||a_t|| ||a_s|| (Cauchy-Schwarz over the offsets), which the
-    bound covers with inner = max(d_in, C_in + k^2 + 1) + d_out. An example's K views are one
-    sequence of positions, as for the unfolded Gram.
+    """``_gram_sq_norms`` of a convolution without im2col: the patch Gram <a_t, a_s> is the sum
+    over the k x k kernel offsets o of <x_{st+do}, x_{ss+do}> (stride s, dilation d), entries of
+    the Gram of the zero-padded input's pixels (C_in deep instead of C_in k^2), and ||a_t||^2 the
+    same sum over the pixels' squared norms. The same float64 products, reordered: each
+    patch-Gram entry is off by at most gamma_{C_in + k^2 + 1} ||a_t|| ||a_s|| (Cauchy-Schwarz over
+    the offsets), which the bound covers with inner = max(d_in, C_in + k^2 + 1) + d_out. An
+    example's K views are one sequence of positions, as for the unfolded Gram.
 
     Returns:
         (upper bound of each example's squared norm (B,), W = sum_t ||a_t|| ||g_t|| (B,)), float64 W.
     """
     m, views = r.module, r.views
-    (kh, kw), (ph, pw) = m.kernel_size, m.padding
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _conv_geometry(m)
     x = F.pad(a.double(), (pw, pw, ph, ph))  # (B*K, C, Hp, Wp)
     rows, channels, hp, wp = x.shape
-    b, ho, wo = rows // views, hp - kh + 1, wp - kw + 1
+    b, ho, wo = rows // views, g.shape[-2], g.shape[-1]
     pixels = x.reshape(b, views, channels, hp * wp).transpose(2, 3).reshape(b, views * hp * wp, channels)
     full = torch.bmm(pixels, pixels.transpose(1, 2)).reshape(b, views, hp, wp, views, hp, wp)
-    patch = sum(
-        full[:, :, i : i + ho, j : j + wo, :, i : i + ho, j : j + wo] for i in range(kh) for j in range(kw)
-    ).reshape(b, views * ho * wo, views * ho * wo)  # fmt: skip
+    offsets = [  # the pixels under kernel tap (i, j) at every output position
+        (slice(i * dh, i * dh + sh * (ho - 1) + 1, sh), slice(j * dw, j * dw + sw * (wo - 1) + 1, sw))
+        for i in range(kh) for j in range(kw)
+    ]  # fmt: skip
+    patch = sum(full[:, :, hi, wi, :, hi, wi] for hi, wi in offsets).reshape(b, views * ho * wo, views * ho * wo)
     g64 = g.double().reshape(b, views, m.out_channels, ho * wo).transpose(2, 3).reshape(b, views * ho * wo, -1)
     gram = (patch * torch.bmm(g64, g64.transpose(1, 2))).flatten(1).sum(1)
-    box = F.avg_pool2d(x.square().sum(1, keepdim=True), (kh, kw), stride=1) * (kh * kw)  # ||a_t||^2
+    pixel_sq = x.square().sum(1)  # (B*K, Hp, Wp)
+    box = sum(pixel_sq[:, hi, wi] for hi, wi in offsets)  # ||a_t||^2 (B*K, Ho, Wo)
     weight = (box.clamp(min=0).sqrt().reshape(b, -1) * torch.linalg.vector_norm(g64, dim=-1)).sum(1)
     inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
     return _upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
+
+
+def _conv_weight_pixel_gram(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    gram, weight = _pixel_gram_sq_norms(r, a, g)
+    r.slack = release_slack(g[0, 0].numel() * r.views, weight, a.dtype)  # the release sums every position
+    return gram
+
+
+def _conv_weight_gram(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    patches, gg = _conv_unfold(r, a, g)
+    patches, gg = _fold_views(r, patches), _fold_views(r, gg)
+    gram, weight = _gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
+    # the release (a convolution weight gradient) sums an example's positions and views
+    r.slack = release_slack(g[0, 0].numel() * r.views, weight, a.dtype)
+    return gram
+
+
+def _conv_weight_bmm(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r.cache["weight"] = _conv_per_example_bmm(r, a, g)
+    return blocked_sq_norms(r.cache["weight"])
+
+
+def _conv_weight_grouped(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r.cache["weight"] = _conv_per_example_grouped(r, a, g)
+    return blocked_sq_norms(r.cache["weight"])
+
+
+# A conv weight's exact per-example-norm methods: Gram forms (an upper bound with the release's
+# slack) and instantiated gradients (kept for the release). Names appear in logs and checkpoints.
+CONV_WEIGHT_METHODS = {
+    "pixel-gram": _conv_weight_pixel_gram, "gram": _conv_weight_gram,
+    "bmm": _conv_weight_bmm, "grouped": _conv_weight_grouped,
+}  # fmt: skip
+
+
+def _conv_weight_method(r: _Record, a: torch.Tensor, g: torch.Tensor) -> str:
+    """The shape rule's method for a conv weight (ghost: Gram forms only), or the tuner's among
+    the exact candidates."""
+    m, b = r.module, a.shape[0] // r.views
+    length = g[0, 0].numel() * r.views  # an example's positions, over all its views
+    d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
+    explicit = length * d_in * d_out
+    gram_cost = FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
+    costs = {"gram": (gram_cost, 16.0 * b * m.groups * length * length)}
+    if _pixel_gram_eligible(m):
+        pixels = r.views * (a.shape[-2] + 2 * m.padding[0]) * (a.shape[-1] + 2 * m.padding[1])
+        costs["pixel-gram"] = (_pixel_gram_cost(m, a, length, r.views), 8.0 * b * (pixels * pixels + 2 * length * length))
+    if "pixel-gram" in costs and costs["pixel-gram"][0] < min(explicit, gram_cost):
+        rule = "pixel-gram"
+    elif r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
+        rule = "gram"
+    else:
+        rule = "bmm" if _bmm_is_faster(d_in, d_out, length) else "grouped"
+    if not r.gram_only:
+        costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0), grouped=(explicit, 0.0))
+        costs = _accurate_enough(costs, rule, length)
+    signature = f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}|groups={m.groups}|views={r.views}|{a.dtype}"
+    return _tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), _conv_sums, b)
 
 
 def _conv_norms(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     b = a.shape[0] // r.views
     sq = a.new_zeros(b)
     if r.trainable.get("weight"):
-        m = r.module
-        length = g[0, 0].numel() * r.views  # an example's positions, over all its views
-        d_in = m.in_channels // m.groups * m.weight[0, 0].numel()
-        d_out = m.out_channels // m.groups
-        if _pixel_gram_eligible(m) and _pixel_gram_cost(m, a, length, r.views) < min(
-            length * d_in * d_out, FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
-        ):  # fmt: skip
-            gram, weight = _pixel_gram_sq_norms(r, a, g)
-            sq = sq + _part(r, "weight", gram)
-            r.slack = release_slack(length, weight, a.dtype)
-        elif r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
-            patches, gg = _conv_unfold(r, a, g)
-            patches, gg = _fold_views(r, patches), _fold_views(r, gg)
-            gram, weight = _gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
-            sq = sq + _part(r, "weight", gram)
-            # the release (a convolution weight gradient) sums an example's positions and views
-            r.slack = release_slack(length, weight, a.dtype)
-        else:
-            per_example = _conv_per_example(r, a, g)
-            r.cache["weight"] = per_example
-            sq = sq + _part(r, "weight", blocked_sq_norms(per_example))
+        method = _conv_weight_method(r, a, g)
+        sq = sq + _part(r, "weight", CONV_WEIGHT_METHODS[method](r, a, g))
     if r.trainable.get("bias"):
         r.cache["bias"] = _per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
         sq = sq + _part(r, "bias", blocked_sq_norms(r.cache["bias"]))
@@ -625,6 +736,9 @@ class _ModelState:
     # set and their requires_grad flags stay the same.
     support_key: tuple = ()
     problems: list[str] = field(default_factory=list)
+    # the trainable layers (module, name, local parameter -> trainable), walked once per parameter set
+    layers: list[tuple] = field(default_factory=list)
+    layers_key: tuple | None = None
 
     def static_problems(self, model: nn.Module) -> list[str]:
         key = tuple((id(p), p.requires_grad) for p in model.parameters())
@@ -791,6 +905,8 @@ class GhostEngine(ClippedSumMixin):
             the mean of the views' gradients (cross terms between views included).
         precision: how the model computes (``dpscale.privacy.precision``): in 16 bits the forward
             pass runs under autocast and every record is taken to float32 before its norms.
+        tuner: times each layer shape's exact weight-norm methods on the device once and keeps
+            the fastest (``dpscale.privacy.autotune``); None: the shape rule.
 
     Raises (from the clipping call), ValueError naming the parameter: a layer or parameter
     ``unsupported_modules`` lists, a layer called more than once, or a trainable parameter used
@@ -802,6 +918,7 @@ class GhostEngine(ClippedSumMixin):
     mode: str = "bk"
     views: int = 1
     precision: Precision = FP32
+    tuner: MethodTuner | None = field(default=None, compare=False, repr=False)
     _models: Any = field(default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -934,7 +1051,7 @@ class GhostEngine(ClippedSumMixin):
         (the pass is redone once when first found)."""
         state = self._models[model]
         for _ in range(2):
-            records = self._records(model, params, self.views, self.mode == "ghost")
+            records = self._records(model, params, self.views, self.mode == "ghost", self.tuner, state)
             losses, outside = self._forward(model, records, batch, state, watch)
             if outside:
                 raise ValueError(
@@ -992,16 +1109,26 @@ class GhostEngine(ClippedSumMixin):
         return losses, list(monitor.outside) if monitor is not None else []
 
     @staticmethod
-    def _records(model: nn.Module, params: Params, views: int, gram_only: bool) -> list[_Record]:
-        records = []
-        for name, module in model.named_modules():
-            local = {
-                pname: (f"{name}.{pname}" if name else pname) in params
-                for pname, _ in module.named_parameters(recurse=False)
-            }
-            if any(local.values()):
-                records.append(_Record(module, name, local, views=views, gram_only=gram_only))
-        return records
+    def _records(
+        model: nn.Module, params: Params, views: int, gram_only: bool, tuner: MethodTuner | None,
+        state: _ModelState | None = None,
+    ) -> list[_Record]:
+        """A fresh record for each layer holding a parameter of ``params``; the walk over the
+        modules is kept in ``state`` while the parameter set and names stay the same."""
+        key = (state.support_key, tuple(params)) if state is not None else None
+        if state is None or state.layers_key != key:
+            layers = []
+            for name, module in model.named_modules():
+                local = {
+                    pname: (f"{name}.{pname}" if name else pname) in params
+                    for pname, _ in module.named_parameters(recurse=False)
+                }
+                if any(local.values()):
+                    layers.append((module, name, local))
+            if state is None:
+                return [_Record(m, n, dict(t), views=views, gram_only=gram_only, tuner=tuner) for m, n, t in layers]
+            state.layers, state.layers_key = layers, key
+        return [_Record(m, n, dict(t), views=views, gram_only=gram_only, tuner=tuner) for m, n, t in state.layers]
 
     @staticmethod
     def _capture(record: _Record, copy: bool, monitor: _OutsideUseMonitor | None) -> Callable:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dpscale.privacy.clipping import clip_dtype
+from dpscale.privacy.autotune import MethodTuner
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.independence import IndependenceResult, check_batch_independence
 from dpscale.privacy.per_example import (
@@ -226,6 +227,7 @@ def checked_engine(
     loss_fn: LossFn = per_example_cross_entropy,
     check: bool = True,
     precision: Precision = FP32,
+    tuner: MethodTuner | None = None,
 ) -> tuple[PerExampleEngine, list[str], SelfCheckResult | None]:
     """The engine a run trains with: ``make_engine``'s choice, verified on ``batch``.
 
@@ -234,7 +236,8 @@ def checked_engine(
     comparison with a per-example loop (``self_check``); without it, a ghost/bk engine still runs
     once on ``batch`` so that a parameter used outside its layer is found before training.
     ``auto`` falls back to vmap (checked in turn) with a notice when only the engine failed; an
-    explicitly named engine that fails, or a model or loss that mixes examples, raises.
+    explicitly named engine that fails, or a model or loss that mixes examples, raises. ``tuner``:
+    bk/ghost's per-layer method tuner (None: a fresh ``default_tuner()``).
 
     Returns:
         (engine, notices to print, the self-check of the returned engine or None if not checked).
@@ -243,7 +246,7 @@ def checked_engine(
         ValueError: the model or loss mixes examples, or the named engine (or vmap, after auto's
             fallback) failed, naming what differs.
     """
-    engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision)
+    engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision, tuner=tuner)
     notices = [notice] if notice else []
     failure, engine_only, result, independence = _verdict(engine, model, batch, check)
     if failure is not None and engine_only and name == "auto" and not isinstance(engine, VmapEngine):

@@ -251,6 +251,8 @@ def _with_mechanism(
     """The checked engine, optimizer, scheduler and DP mechanism around ``model``."""
     precision = make_precision(config.train.precision, config.train.fp16_loss_scale)
     engine, self_check = _checked_engine(config, plan, model, data, device, precision, log)
+    if dist.enabled and getattr(engine, "tuner", None) is not None:  # ranks timing apart could choose apart
+        engine.tuner.enabled = False  # (a resume pins rank 0's choices): the shape rule on every rank
     if hooks.engine is not None:
         engine = hooks.engine(engine, model)
     optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])

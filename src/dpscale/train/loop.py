@@ -257,6 +257,7 @@ class Trainer:
         """One step, then the evaluation and checkpoint that are due, then the progress bar."""
         started = time.perf_counter()
         self.train_step()
+        report.log_new_clip_methods(self)
         if self.board is not None:
             self.board.after_step(self, 1000 * (time.perf_counter() - started))
         evaluated = self._eval_due()

@@ -28,6 +28,7 @@ from torch import nn
 
 from dpscale.clip_norms import check_same_tensors
 from dpscale.privacy.accountant import PrivacyAccountant
+from dpscale.privacy.autotune import methods_state, pin_methods
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
 from dpscale.privacy.independence import MIN_EXAMPLES
 from dpscale.privacy.per_example import Batch, PerExampleEngine
@@ -338,6 +339,7 @@ class DPMechanism:
             "correlated_noise": self.correlated_noise.state_dict() if self._keeps_noise_history else None,
             "clip_norm": self.clip,  # adaptive clipping's C_t (a function of released counts)
             "users": self.users.digest() if self.users is not None else None,  # the people it sampled
+            "clip_methods": methods_state(self.engine),  # bk's per-layer methods: a resume computes as the run did
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -392,6 +394,7 @@ class DPMechanism:
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
         self.clip = state.get("clip_norm", self.plan.max_grad_norm)
+        pin_methods(self.engine, state.get("clip_methods"))
 
 
 __all__ = ["DPMechanism", "FirstChunkCheck", "PrivacyBudgetExhausted", "independence_check", "model_digest"]

@@ -38,7 +38,9 @@ def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
     (independence, then the self-check on its first examples; ``auto`` may fall back to vmap)."""
 
     def check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
-        chosen, notices, _ = checked_engine(name, engine.max_grad_norm, model, chunk, **engine_options)
+        # the same tuner: the choices it holds (pinned by a loaded state) carry over
+        tuner = getattr(engine, "tuner", None)
+        chosen, notices, _ = checked_engine(name, engine.max_grad_norm, model, chunk, tuner=tuner, **engine_options)
         _tell(notices)
         return chosen
 

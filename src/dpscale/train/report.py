@@ -17,6 +17,7 @@ from dpscale.data.stream import eval_batches
 from dpscale.data.run_data import data_workers
 from dpscale.models import count_parameters
 from dpscale.config import Config
+from dpscale.privacy.autotune import layer_methods
 from dpscale.privacy.group_privacy import unit_text
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
@@ -151,6 +152,15 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def log_new_clip_methods(trainer: Trainer) -> None:
+    """Log the per-layer norm methods the engine's tuner chose since last logged (after a
+    session's first step: the header is printed before the first chunk is timed)."""
+    tuner = getattr(trainer.built.engine, "tuner", None)
+    line = tuner.unreported() if tuner is not None else None
+    if line:
+        trainer.log(line)
+
+
 def write_summary(trainer: Trainer) -> dict[str, Any]:
     """summary.json of a finished run (rank 0), returned."""
     built, config = trainer.built, trainer.built.config
@@ -172,6 +182,7 @@ def write_summary(trainer: Trainer) -> dict[str, Any]:
         "engine": built.engine.name,
         "precision": built.precision.name,
         "engine_self_check": built.self_check.as_json() if built.self_check else None,
+        "clip_methods": layer_methods(built.engine),  # per layer (how chosen and the timings: the log)
         "world_size": built.dist.world_size,
         "noise_rank": NOISE_RANK if built.dist.enabled else None,
         "wall_time_s": trainer.wall_time_s,

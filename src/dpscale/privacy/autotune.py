@@ -1,0 +1,278 @@
+"""Per-layer method choice by timing on the machine that runs (issue 44).
+
+A layer's per-example weight-gradient norms (and its clipped sum) have several exact methods:
+Gram matrices with or without im2col, instantiated per-example gradients by im2col + bmm or by a
+grouped convolution. Which is fastest depends on the shapes *and* on the hardware (an AMD EPYC,
+an AVX-512 Xeon and a GPU rank them differently), so a shape rule tuned on one machine is wrong on
+another. ``MethodTuner`` times the candidates a cost estimate leaves in contention, once per layer
+signature (per-example shapes, geometry, dtype) and device, and keeps the fastest:
+
+* in the process, for every later chunk of any batch size (the signature leaves out the batch);
+* on disk (``autotune_cache_path``), so the next run on this machine does not time again;
+* in the run's checkpoint (``as_json`` / ``pin``), so a resumed run does exactly the same
+  arithmetic as an uninterrupted one, whatever the timings on the resuming machine say.
+
+Every candidate is exact and keeps its rounding bound (the Gram forms add a rigorous float64
+bound, the instantiated ones take the norm of the gradient itself), so the choice changes the
+speed and the last bits of the norms, never what the guarantee covers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dpscale._io import atomic_write_text
+
+# Candidates whose estimated multiply-adds exceed the cheapest estimate by more than this factor are
+# not timed (a wider spread mostly times hopeless Gram candidates: the 16x16 pixel Grams estimated at 2.4x
+# measured 38x on the AMD EPYC).
+TUNE_SPREAD = 3.0
+# A chunk whose cheapest candidate needs fewer multiply-adds than this is too small to time
+# reliably (and too cheap to matter): the shape rule decides, and nothing is recorded.
+TUNE_MIN_MACS = 2e7
+# Gram candidates whose float64 Gram matrices would exceed this many bytes are not timed.
+TUNE_MAX_GRAM_BYTES = 1 << 30
+TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the median is kept
+TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
+CACHE_ENV = "DPSCALE_CACHE_DIR"
+TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
+
+
+def autotune_cache_path() -> Path:
+    """``$DPSCALE_CACHE_DIR/autotune.json`` if set, else ``$XDG_CACHE_HOME/dpscale/autotune.json``
+    (``~/.cache`` if unset)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser() / "autotune.json"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dpscale" / "autotune.json"
+
+
+def device_descriptor(device: torch.device) -> str:
+    """What the timings depend on besides the shapes: the processor (or GPU) model, the torch
+    threads and version. E.g. ``cpu:AMD EPYC 9B14:threads=1:torch=2.13.0``."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_model() or platform.processor() or platform.machine()
+    return f"{device.type}:{name}:threads={torch.get_num_threads()}:torch={torch.__version__}"
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Candidate:
+    """One exact method for a layer: its name, estimated multiply-adds per example, the bytes of
+    the Gram matrices it would build for the chunk (0 if none), and a call that runs it (norms and
+    clipped sum) on the chunk without touching the record."""
+
+    name: str
+    macs: float
+    gram_bytes: float
+    run: Callable[[], Any]
+
+
+@dataclass
+class LayerChoice:
+    """The method one layer uses: how it was chosen ("timed", "cache", "pinned" from a checkpoint)
+    and, when timed, each candidate's median milliseconds on this chunk."""
+
+    method: str
+    source: str
+    ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class MethodTuner:
+    """Chooses each layer signature's method, by timing on this device, once.
+
+    Args:
+        enabled: time candidates (False: the shape rule, or a pinned choice, always).
+        cache_file: the on-disk cache shared by runs on this machine (None: in memory only).
+    """
+
+    enabled: bool = True
+    cache_file: Path | None = None
+    choices: dict[str, LayerChoice] = field(default_factory=dict)  # signature -> choice
+    layers: dict[str, str] = field(default_factory=dict)  # layer name -> signature (for the log)
+    tuning_s: float = 0.0
+    _device: str | None = None
+    _reported: int = 0  # layers already described by ``unreported``
+
+    def choose(self, layer: str, signature: str, device: torch.device, rule: str, candidates: list[Candidate],
+               rows: int) -> str:  # fmt: skip
+        """The method for ``layer`` (signature without the batch size): the remembered choice,
+        else the cached one, else the fastest of the contending candidates timed now on this
+        chunk of ``rows`` examples; the shape rule's ``rule`` when tuning is off or the chunk is too
+        small to time (then nothing is remembered)."""
+        known = self.choices.get(signature)
+        if known is not None:
+            self.layers[layer] = signature
+            return known.method
+        names = {c.name for c in candidates}
+        cached = self._cached(device).get(signature) if self.enabled else None
+        if cached in names:
+            return self._remember(layer, signature, LayerChoice(cached, "cache"))
+        contending = _contending(candidates, rule, rows)
+        if not self.enabled or len(contending) < 2:
+            if self.enabled and len(contending) == 1 and min(c.macs for c in candidates) * rows >= TUNE_MIN_MACS:
+                return self._remember(layer, signature, LayerChoice(rule, "estimate"))
+            return rule
+        started = time.perf_counter()
+        ms = _time_candidates(contending, device)
+        self.tuning_s += time.perf_counter() - started
+        best = min(ms, key=ms.__getitem__)
+        self._store(device, signature, best)
+        return self._remember(layer, signature, LayerChoice(best, "timed", ms))
+
+    def pin(self, saved: dict[str, Any]) -> None:
+        """Take a checkpoint's choices (``as_json``) as fixed: the resumed run computes exactly as
+        the run that saved them, whatever this machine's timings."""
+        for signature, method in saved.get("methods", {}).items():
+            self.choices[signature] = LayerChoice(method, "pinned")
+
+    def as_json(self) -> dict[str, Any]:
+        """The choices so far: {"device", "methods": signature -> method, "layers": name -> [method,
+        source, {candidate: ms}], "tuning_s"} (for the checkpoint, the summary and the log)."""
+        layers = {name: [self.choices[s].method, self.choices[s].source, self.choices[s].ms]
+                  for name, s in self.layers.items()}  # fmt: skip
+        return {
+            "device": self._device,
+            "methods": {s: c.method for s, c in self.choices.items()},
+            "layers": layers,
+            "tuning_s": round(self.tuning_s, 3),
+        }
+
+    def describe(self) -> str:
+        """One line for the run log: each layer's method and how it was chosen."""
+        if not self.layers:
+            return "clip methods: shape rule (no layer large enough to time)"
+        parts = []
+        for name, (method, source, ms) in self.as_json()["layers"].items():
+            timing = "/".join(f"{k} {v:.1f}" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
+            parts.append(f"{name or '<root>'} {method} ({source}{': ' + timing + ' ms' if timing else ''})")
+        where = f" on {self._device}" if self._device else ""
+        return f"clip methods{where}, tuned in {self.tuning_s:.1f} s: " + "; ".join(parts)
+
+    def unreported(self) -> str | None:
+        """``describe()`` if layers were chosen since the last call, else None (for a run's log)."""
+        if len(self.layers) == self._reported:
+            return None
+        self._reported = len(self.layers)
+        return self.describe()
+
+    def _remember(self, layer: str, signature: str, choice: LayerChoice) -> str:
+        self.choices[signature] = choice
+        self.layers[layer] = signature
+        return choice.method
+
+    def _cached(self, device: torch.device) -> dict[str, str]:
+        self._device = self._device or device_descriptor(device)
+        if self.cache_file is None or not self.cache_file.exists():
+            return {}
+        try:
+            table = json.loads(self.cache_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # an unreadable cache is re-timed and rewritten, never fatal
+            return {}
+        entry = table.get(self._device) if isinstance(table, dict) else None
+        return entry if isinstance(entry, dict) else {}
+
+    def _store(self, device: torch.device, signature: str, method: str) -> None:
+        if self.cache_file is None:
+            return
+        table: dict[str, Any] = {}
+        if self.cache_file.exists():
+            try:
+                table = json.loads(self.cache_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                table = {}
+        table.setdefault(device_descriptor(device), {})[signature] = method
+        try:
+            atomic_write_text(self.cache_file, json.dumps(table, indent=1, sort_keys=True) + "\n")
+        except OSError:  # a read-only home: the choice still holds for this run (and its checkpoint)
+            pass
+
+
+def default_tuner() -> MethodTuner:
+    """The tuner engines get: on (unless ``$DPSCALE_AUTOTUNE=0``), cached at ``autotune_cache_path``."""
+    return MethodTuner(enabled=os.environ.get(TUNE_OFF_ENV, "1") != "0", cache_file=autotune_cache_path())
+
+
+def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candidate]:
+    """The candidates worth timing: within ``TUNE_SPREAD`` of the cheapest estimate and within the
+    Gram memory cap (the rule's own choice always), none if the chunk is too small to time."""
+    cheapest = min(c.macs for c in candidates)
+    if cheapest * rows < TUNE_MIN_MACS:
+        return []
+    return [
+        c for c in candidates
+        if c.name == rule or (c.macs <= TUNE_SPREAD * cheapest and c.gram_bytes <= TUNE_MAX_GRAM_BYTES)
+    ]  # fmt: skip
+
+
+def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:
+    """Median milliseconds of each candidate: one untimed warm-up round (first calls allocate),
+    ``TUNE_REPEATS`` interleaved timed rounds (a load that comes and goes hits every candidate
+    alike), a candidate slower than ``TUNE_DROP`` times the fastest in the first timed round
+    dropped from the rest (its one time kept). The thread-CPU clock with one torch thread on a CPU
+    (other processes' load does not count), else the wall clock, synchronised on a GPU."""
+    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+    def timed(c: Candidate) -> float:
+        _sync(device)
+        start = clock()
+        c.run()
+        _sync(device)
+        return (clock() - start) * 1e3
+
+    with torch.no_grad():
+        for c in candidates:
+            c.run()
+        samples = {c.name: [timed(c)] for c in candidates}
+        fastest = min(v[0] for v in samples.values())
+        kept = [c for c in candidates if samples[c.name][0] <= TUNE_DROP * fastest]
+        for _ in range(TUNE_REPEATS - 1):
+            for c in kept:
+                samples[c.name].append(timed(c))
+    return {name: round(statistics.median(v), 3) for name, v in samples.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def methods_state(engine: Any) -> dict[str, Any] | None:
+    """An engine's per-layer method choices for a checkpoint (None: it has no tuner)."""
+    tuner = getattr(engine, "tuner", None)
+    return tuner.as_json() if isinstance(tuner, MethodTuner) else None
+
+
+def layer_methods(engine: Any) -> dict[str, str] | None:
+    """Each layer's method (name -> method) for a run's summary: the same for an uninterrupted run
+    and its resumed twin (how each was chosen, and the timings, are in the log and checkpoint)."""
+    tuner = getattr(engine, "tuner", None)
+    return {name: tuner.choices[s].method for name, s in tuner.layers.items()} if isinstance(tuner, MethodTuner) else None
+
+
+def pin_methods(engine: Any, saved: dict[str, Any] | None) -> None:
+    """Pin a checkpoint's choices (``methods_state``) on ``engine``'s tuner, if both exist."""
+    tuner = getattr(engine, "tuner", None)
+    if saved and isinstance(tuner, MethodTuner):
+        tuner.pin(saved)

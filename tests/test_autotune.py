@@ -1,0 +1,284 @@
+"""Per-layer method choice by timing (issue 44): every exact method a tuner may pick equals the
+float64 per-example loop (norms never below it, clipped sums within today's tolerance) on every
+layer kind it covers; the tuner keeps the fastest measured candidate, remembers it for any batch
+size, stores it on disk for the next run, and a checkpoint's choices are pinned on resume, so a
+resumed run computes bit-identically with tuning on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dpscale.privacy import autotune, make_engine
+from dpscale.privacy.autotune import Candidate, MethodTuner
+from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.reference import per_example_reference
+
+
+class _Forced(MethodTuner):
+    """Takes ``method`` wherever it is a candidate (the rule elsewhere), recording where."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(enabled=False)
+        self.method, self.used = method, []
+
+    def choose(self, layer, signature, device, rule, candidates, rows):  # noqa: D102
+        if self.method in {c.name for c in candidates}:
+            self.used.append(layer)
+            return self.method
+        return rule
+
+
+class _Sequence(nn.Module):
+    """A Linear over 5 positions (B, 5, 6) -> (B, 5, 4), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.head = nn.Linear(6, 4), nn.Linear(20, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(x.reshape(-1, 5, 6))).flatten(1))
+
+
+def _convs() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.Tanh(),
+        nn.Conv2d(8, 6, 3, padding=2, dilation=2), nn.Tanh(), nn.Conv2d(6, 6, 3, groups=3, padding=1), nn.Tanh(),
+        nn.Flatten(), nn.Linear(6 * 5 * 5, 10),
+    )  # fmt: skip
+
+
+def _conv1d() -> nn.Module:
+    return nn.Sequential(nn.Conv1d(3, 5, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 4, 10))
+
+
+CASES = {  # name -> (model, input shape per example, views)
+    "conv2d": (_convs, (3, 9, 9), 1),
+    "conv2d-views": (_convs, (3, 9, 9), 2),
+    "conv1d": (_conv1d, (3, 9), 1),
+    "linear-sequence": (_Sequence, (30,), 1),
+}
+
+
+@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "grouped"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_every_method_equals_the_float64_loop(case, method, mode):
+    build, shape, views = CASES[case]
+    torch.manual_seed(0)
+    model = build().double()
+    x = torch.randn(5, views, *shape, dtype=torch.float64) if views > 1 else torch.randn(5, *shape, dtype=torch.float64)
+    y = torch.randint(0, 10, (5,))
+    want = per_example_reference(model, (x, y), 0.3, views=views)
+    tuner = _Forced(method)
+    engine, _ = make_engine(mode, 0.3, model, views=views, tuner=tuner)
+    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    assert bool((norms >= want.norms * (1 - 1e-12)).all())  # Gram forms: an upper bound
+    torch.testing.assert_close(norms, want.norms, rtol=1e-7, atol=0)
+    for name, ref in want.clipped_sum.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-7, atol=1e-10)
+    gram_only = method in ("pixel-gram", "gram")
+    if mode == "bk" or gram_only:  # ghost never instantiates per-example gradients
+        # with 2 views the head is a 2-position Linear too
+        expected = {"conv2d": {"pixel-gram": 3, "gram": 4, "bmm": 4, "grouped": 4},
+                    "conv2d-views": {"pixel-gram": 3, "gram": 5, "bmm": 5, "grouped": 4},
+                    "conv1d": {"gram": 1, "bmm": 1, "grouped": 1}, "linear-sequence": {"gram": 1, "bmm": 1}}  # fmt: skip
+        expected = expected[case].get(method, 0)
+        assert len(tuner.used) == expected, tuner.used
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_real_tuning_pass_times_every_candidate_and_stays_exact(case, monkeypatch):
+    """Every chunk large enough to time: the candidates run on scratch records (the views folded
+    as the rule's would), and the step that timed them still equals the float64 loop."""
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    monkeypatch.setattr(autotune, "TUNE_SPREAD", float("inf"))
+    build, shape, views = CASES[case]
+    torch.manual_seed(0)
+    model = build().double()
+    x = torch.randn(4, views, *shape, dtype=torch.float64) if views > 1 else torch.randn(4, *shape, dtype=torch.float64)
+    y = torch.randint(0, 10, (4,))
+    tuner = MethodTuner(cache_file=None)
+    engine, _ = make_engine("bk", 0.3, model, views=views, tuner=tuner)
+    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    want = per_example_reference(model, (x, y), 0.3, views=views)
+    torch.testing.assert_close(norms, want.norms, rtol=1e-7, atol=0)
+    for name, ref in want.clipped_sum.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-7, atol=1e-10)
+    timed = [entry for entry in tuner.as_json()["layers"].values() if entry[1] == "timed"]
+    assert timed and all(len(ms) >= 2 for _, _, ms in timed)
+
+
+def _candidate(name: str, size: int, calls: list[str]) -> Candidate:
+    work = torch.randn(size, size)
+
+    def run() -> None:
+        calls.append(name)
+        for _ in range(3):
+            work @ work
+
+    return Candidate(name, float(size), 0.0, run)
+
+
+def test_the_fastest_measured_candidate_is_kept_and_remembered_for_any_batch(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    calls: list[str] = []
+    # the estimates say "slow" is cheaper: the measurement decides (and "slow" is still in contention)
+    slow, fast = _candidate("slow", 400, calls), _candidate("fast", 60, calls)
+    slow.macs, fast.macs = 1.0, 2.0
+    tuner = MethodTuner(cache_file=tmp_path / "autotune.json")
+    cpu = torch.device("cpu")
+    assert tuner.choose("layer.a", "sig", cpu, "slow", [slow, fast], rows=64) == "fast"
+    timed = len(calls)
+    assert tuner.choose("layer.b", "sig", cpu, "slow", [slow, fast], rows=3) == "fast"  # same shapes, other batch
+    assert len(calls) == timed  # not timed again
+    state = tuner.as_json()
+    assert state["methods"] == {"sig": "fast"} and state["layers"]["layer.a"][:2] == ["fast", "timed"]
+    assert set(state["layers"]["layer.a"][2]) == {"slow", "fast"}
+    assert "layer.a fast (timed" in tuner.describe() and tuner.unreported() and tuner.unreported() is None
+    # the next run on this machine reads the disk cache
+    cached = json.loads((tmp_path / "autotune.json").read_text())
+    assert list(cached.values()) == [{"sig": "fast"}] and autotune.device_descriptor(cpu) in cached
+    later = MethodTuner(cache_file=tmp_path / "autotune.json")
+    assert later.choose("layer.a", "sig", cpu, "slow", [slow, fast], rows=64) == "fast"
+    assert len(calls) == timed and later.as_json()["layers"]["layer.a"][1] == "cache"
+
+
+def test_a_pinned_choice_wins_and_small_or_untuned_chunks_take_the_rule(tmp_path, monkeypatch):
+    calls: list[str] = []
+    slow, fast = _candidate("slow", 200, calls), _candidate("fast", 20, calls)
+    cpu = torch.device("cpu")
+    pinned = MethodTuner(cache_file=tmp_path / "autotune.json")
+    pinned.pin({"methods": {"sig": "slow"}})
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    assert pinned.choose("l", "sig", cpu, "fast", [slow, fast], rows=64) == "slow" and not calls
+    assert pinned.as_json()["layers"]["l"][1] == "pinned"
+    off = MethodTuner(enabled=False, cache_file=tmp_path / "autotune.json")
+    assert off.choose("l", "sig", cpu, "slow", [slow, fast], rows=64) == "slow" and not calls and not off.choices
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 1e12)  # too small a chunk to time: the rule, nothing kept
+    small = MethodTuner(cache_file=tmp_path / "autotune.json")
+    assert small.choose("l", "sig", cpu, "slow", [slow, fast], rows=64) == "slow" and not calls and not small.choices
+    assert not (tmp_path / "autotune.json").exists()
+
+
+def test_an_unreadable_cache_is_timed_again_and_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    path = tmp_path / "autotune.json"
+    path.write_text("{not json")
+    calls: list[str] = []
+    tuner = MethodTuner(cache_file=path)
+    assert tuner.choose("l", "sig", torch.device("cpu"), "a", [_candidate("a", 100, calls), _candidate("b", 10, calls)], 8) == "b"
+    assert json.loads(path.read_text())[autotune.device_descriptor(torch.device("cpu"))] == {"sig": "b"}
+
+
+def test_the_cache_follows_dpscale_cache_dir_and_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path))
+    assert autotune.autotune_cache_path() == tmp_path / "autotune.json"
+    monkeypatch.setenv("DPSCALE_AUTOTUNE", "0")
+    assert not autotune.default_tuner().enabled
+    monkeypatch.delenv("DPSCALE_AUTOTUNE")
+    assert autotune.default_tuner().enabled  # on unless switched off
+
+
+def test_make_private_resumes_bit_identically_with_the_checkpoints_methods(tmp_path, monkeypatch):
+    """Tuning on (every chunk large enough): the resumed mechanism takes the saved choices, even
+    where its own tuner would have chosen otherwise, and the weights match step for step."""
+    from dpscale.train.private import make_private
+
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3, 9, 9), torch.randint(0, 10, (64,))
+
+    def run(steps_before_save: int | None, saved=None):
+        torch.manual_seed(1)
+        model = _convs()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        mechanism = make_private(model, optimizer, dataset_size=64, batch_size=16, max_grad_norm=1.0,
+                                 noise_multiplier=1.0, delta=1e-5, steps=6, engine="bk", seed=3)  # fmt: skip
+        if saved is not None:
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            mechanism.load_state_dict(saved[2])
+        state = None
+        for taken, indices in enumerate(mechanism.batches()):
+            mechanism.step(x[indices], y[indices])
+            if taken + 1 == steps_before_save:
+                state = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), mechanism.state_dict())
+        return model, mechanism, state
+
+    whole, mechanism, saved = run(3)
+    methods = saved[2]["clip_methods"]["methods"]
+    assert methods and set(methods.values()) <= {"pixel-gram", "gram", "bmm", "grouped"}
+    # a resuming machine whose cache says otherwise: the checkpoint's choices still hold
+    other = {"pixel-gram": "grouped", "gram": "bmm", "bmm": "gram", "grouped": "gram"}
+    cache = tmp_path / "autotune.json"
+    table = json.loads(cache.read_text())
+    for device in table:
+        table[device] = {s: other[m] for s, m in table[device].items()}
+    cache.write_text(json.dumps(table))
+    resumed, resumed_mechanism, _ = run(None, saved)
+    assert resumed_mechanism.engine.tuner.as_json()["methods"] == methods
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in whole.state_dict().items())
+    assert os.path.exists(cache)
+
+
+def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkeypatch, capsys):
+    """Through the trainer: the methods are logged after the first step and kept in the summary;
+    a run stopped and resumed (the cache rewritten to other methods in between) equals the
+    uninterrupted run."""
+    from dpscale.config import load_config
+    from dpscale._io import load_checkpoint
+    from dpscale.train.loop import Trainer
+
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
+
+    def config(out):
+        return load_config(None, [f"run.out_dir={out}", "run.seed=0", "dp.batch_size=32", "dp.epsilon=4",
+                                  "train.steps=4", "train.eval_every_epochs=1"])  # fmt: skip
+
+    full = Trainer.create(config(tmp_path / "full"), progress=False, report=True)
+    summary = full.run()
+    assert "clip methods on cpu:" in capsys.readouterr().err
+    layers = full.built.engine.tuner.as_json()["layers"]
+    assert layers and all(kind in ("timed", "estimate") for _, kind, _ in layers.values())
+    assert summary["clip_methods"] == {name: method for name, (method, _, _) in layers.items()}
+    assert Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=2) is None  # from the cache
+    cache = tmp_path / "cache" / "autotune.json"
+    other = {"pixel-gram": "gram", "gram": "bmm", "bmm": "gram", "grouped": "bmm"}
+    table = {d: {s: other[m] for s, m in t.items()} for d, t in json.loads(cache.read_text()).items()}
+    cache.write_text(json.dumps(table))  # the resuming machine would choose otherwise
+    resumed = Trainer.resume(tmp_path / "split", progress=False)
+    timings = ("wall_time_s", "engine_self_check")
+    assert {k: v for k, v in resumed.run().items() if k not in timings} == {k: v for k, v in summary.items() if k not in timings}
+    assert all(kind == "pinned" for _, kind, _ in resumed.built.engine.tuner.as_json()["layers"].values())
+    full, split = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    assert all(torch.equal(t, split["model"][k]) for k, t in full["model"].items())
+
+
+@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "grouped"])
+@pytest.mark.parametrize("name", ["papernot-cnn", "tramer-cifar-cnn", "resnet18-gn", "vit-tiny"])
+def test_every_method_on_the_zoo_equals_the_float64_loop(name, method):
+    """A zoo model with every layer its tuner could time forced onto ``method`` (bk): the norms and
+    clipped sums within the engines' float32 tolerance of the float64 loop, whichever the machine
+    picks (Gram forms where the tuner may offer them: up to ``TUNED_GRAM_MAX_POSITIONS``)."""
+    from test_augmult import assert_matches_float64
+    from test_engines import build_zoo_model
+
+    from dpscale.privacy.reference import float64_reference
+
+    torch.manual_seed(0)
+    model, shape = build_zoo_model(name)
+    x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
+    reference = float64_reference(model, (x, y), 0.5)
+    tuner = _Forced(method)
+    engine, _ = make_engine("bk", 0.5, model, tuner=tuner)
+    grad_sum, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    assert_matches_float64(grad_sum, norms, reference, f"bk-{method}")
