@@ -42,6 +42,9 @@ TUNE_MIN_MACS = 2e7
 # Gram candidates whose float64 Gram matrices would exceed this many bytes are not timed.
 TUNE_MAX_GRAM_BYTES = 1 << 30
 TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the median is kept
+# Fast candidates get more rounds, up to this many, so that each is timed for ~TUNE_WINDOW_MS in all
+# (a 5 ms layer's medians over 3 rounds differed by 10% between runs on a shared VM).
+TUNE_MAX_REPEATS, TUNE_WINDOW_MS = 11, 60.0
 TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
 CACHE_ENV = "DPSCALE_CACHE_DIR"
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
@@ -228,9 +231,9 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
 
 def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:
     """Median milliseconds of each candidate: one untimed warm-up round (first calls allocate),
-    ``TUNE_REPEATS`` interleaved timed rounds (a load that comes and goes hits every candidate
-    alike), a candidate slower than ``TUNE_DROP`` times the fastest in the first timed round
-    dropped from the rest (its one time kept). The thread-CPU clock with one torch thread on a CPU
+    ``TUNE_REPEATS`` or more interleaved timed rounds (up to ``TUNE_MAX_REPEATS`` for fast
+    candidates; a load that comes and goes hits every candidate alike), a candidate slower than
+    ``TUNE_DROP`` times the fastest in the first timed round dropped from the rest (its one time kept). The thread-CPU clock with one torch thread on a CPU
     (other processes' load does not count), else the wall clock, synchronised on a GPU."""
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
@@ -247,7 +250,8 @@ def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[
         samples = {c.name: [timed(c)] for c in candidates}
         fastest = min(v[0] for v in samples.values())
         kept = [c for c in candidates if samples[c.name][0] <= TUNE_DROP * fastest]
-        for _ in range(TUNE_REPEATS - 1):
+        rounds = int(min(TUNE_MAX_REPEATS, max(TUNE_REPEATS, TUNE_WINDOW_MS / max(fastest, 1e-3))))
+        for _ in range(rounds - 1):
             for c in kept:
                 samples[c.name].append(timed(c))
     return {name: round(statistics.median(v), 3) for name, v in samples.items()}

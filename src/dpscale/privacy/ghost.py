@@ -352,6 +352,12 @@ def _conv_per_example(r: _Record, a: torch.Tensor, g: torch.Tensor) -> torch.Ten
     return _conv_per_example_grouped(r, a, g)
 
 
+# The pixel Gram's k x k strided slices of a (B, L', L') float64 tensor cost about this many
+# multiply-adds per element summed (memory-bound; measured on a 16 x 16 layer of tramer-cifar-cnn,
+# 2-core AMD EPYC): added to its estimate when the tuner decides what to time.
+PIXEL_SLICE_COST = 16
+
+
 def _pixel_gram_eligible(m: nn.Module) -> bool:
     """Whether ``_pixel_gram_sq_norms`` applies: a plain 2-D convolution (one group, zero padding
     given as numbers; any stride and dilation)."""
@@ -443,8 +449,11 @@ def _conv_weight_method(r: _Record, a: torch.Tensor, g: torch.Tensor) -> str:
     costs = {"gram": (gram_cost, 16.0 * b * m.groups * length * length)}
     if _pixel_gram_eligible(m):
         pixels = r.views * (a.shape[-2] + 2 * m.padding[0]) * (a.shape[-1] + 2 * m.padding[1])
-        costs["pixel-gram"] = (_pixel_gram_cost(m, a, length, r.views), 8.0 * b * (pixels * pixels + 2 * length * length))
-    if "pixel-gram" in costs and costs["pixel-gram"][0] < min(explicit, gram_cost):
+        taps = m.kernel_size[0] * m.kernel_size[1]  # + the k^2 strided L x L slices the tuner has seen cost
+        pixel_cost = _pixel_gram_cost(m, a, length, r.views)
+        costs["pixel-gram"] = (pixel_cost + PIXEL_SLICE_COST * taps * length * length,
+                               8.0 * b * (pixels * pixels + 2 * length * length))  # fmt: skip
+    if "pixel-gram" in costs and pixel_cost < min(explicit, gram_cost):  # the rule: without the slices' cost
         rule = "pixel-gram"
     elif r.gram_only or _use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
         rule = "gram"
