@@ -176,7 +176,21 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
         "wall_warning": wall_warning,
         **_unit_fields(args, epsilon),
         "group_privacy": _group_fields(args, sigma, steps, releases, epsilon) if args.group_size else None,
+        **_odds_fields(args, sigma, steps, releases),
     }
+
+
+def _odds_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple) -> dict[str, Any]:
+    """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff.attacker_odds``) for the plan."""
+    from dpscale.privacy.accountant import PrivacyAccountant
+    from dpscale.privacy.tradeoff import attacker_odds
+
+    accountant = PrivacyAccountant(args.accountant)
+    for release in releases:
+        accountant.record(release)
+    accountant.step(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma, num_steps=steps)
+    with refusals_as_config_errors():
+        return attacker_odds(accountant, "person" if args.unit == "user" else "image")
 
 
 def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
@@ -229,6 +243,7 @@ def _group_fields(
 
 def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     from dpscale.privacy.tan import PRIVACY_WALL_SIGMA
+    from dpscale.privacy.tradeoff import format_odds
 
     n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
     people = result["unit"] == "user"
@@ -251,6 +266,8 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     if result["wall_warning"]:
         print(f"WARNING: {result['wall_warning']}")
     print(result["meaning"])
+    print(f"  {format_odds(result)} [from {result['odds_from']}]")
+    print(f"  {result['odds']}")
     if people:
         print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
               "gradient: train it with data.privacy_unit=user and dp.max_examples_per_user (docs/privacy-units.md)")  # fmt: skip

@@ -18,6 +18,7 @@ from dpscale.data.run_data import data_workers
 from dpscale.models import count_parameters
 from dpscale.config import Config
 from dpscale.privacy.autotune import layer_methods
+from dpscale.privacy.tradeoff import attacker_odds
 from dpscale.privacy.group_privacy import unit_text
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
@@ -149,7 +150,21 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
         "seeded": built.config.run.seed is not None,
         "config_changes": trainer.config_changes,  # asked for with --set on resume, by step
+        **odds_summary(trainer),
     }
+
+
+NO_ODDS = {"tpr_at_fpr": None, "gdp_mu": None, "odds_from": None, "odds": None}
+
+
+def odds_summary(trainer: Trainer) -> dict[str, Any]:
+    """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff``), from the run's own
+    accountant; none where the printed epsilon is not a guarantee of this run's sampling (a TAN
+    simulation, shuffled batches: their Poisson accounting does not describe what ran)."""
+    plan = trainer.built.plan
+    if not plan.is_private or plan.simulation is not None or plan.sampling != "poisson":
+        return dict(NO_ODDS)
+    return attacker_odds(trainer.mechanism.accountant, "person" if plan.privacy_unit == "user" else "image")
 
 
 def log_new_clip_methods(trainer: Trainer) -> None:

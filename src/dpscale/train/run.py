@@ -32,4 +32,5 @@ def result_line(summary: dict, run_dir: Path, warnings: bool = True) -> str:
     accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
     notes = summary["guarantee_caveats"] + summary.get("privacy_warnings", []) if warnings else []
     notes = "".join(f"\nWARNING: {n}" for n in notes)
-    return f"{accuracy} {summary['privacy_status']} steps={summary['steps']} run_dir={run_dir}{notes}"
+    odds = f"\n{summary['odds']} [from {summary['odds_from']}]" if summary.get("odds") else ""
+    return f"{accuracy} {summary['privacy_status']} steps={summary['steps']} run_dir={run_dir}{odds}{notes}"
