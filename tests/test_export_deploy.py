@@ -198,6 +198,13 @@ def test_the_export_records_the_dpscale_version(exported):
     assert f"exported by dpscale {dpscale.__version__}" in _card(exported)
 
 
+def test_the_metadata_and_card_give_the_guarantee_as_an_attackers_odds(exported):
+    privacy = read_metadata(exported)["privacy"]
+    assert set(privacy["tpr_at_fpr"]) == {"0.001", "0.01", "0.1"} and privacy["gdp_mu"] > 0
+    card = _card(exported)
+    assert privacy["odds"] in card and f"{100 * privacy['tpr_at_fpr']['0.01']:.2f}% at 1%" in card
+
+
 def test_plain_and_ema_exports_leave_one_card_each(finished_run):
     assert main(["export", str(finished_run)]) == 0
     assert main(["export", str(finished_run), "--ema"]) == 0

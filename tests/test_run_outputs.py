@@ -65,10 +65,24 @@ def test_dpscale_plot_writes_valid_pngs_of_overlaid_runs(run_dir, tmp_path):
     out = tmp_path / "plots"
     assert main(["plot", str(run_dir), str(run_dir), "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["accuracy.png", "epsilon.png", "epsilon_delta.png", "loss.png"]
+    assert names == ["accuracy.png", "epsilon.png", "epsilon_delta.png", "loss.png", "tradeoff.png"]
     for path in out.iterdir():
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 5000, path.name
+
+
+def test_the_tradeoff_curve_is_the_summarys_odds(run_dir, monkeypatch):
+    """tradeoff.png draws, at the reported false-positive rates, exactly summary.json's TPR bounds."""
+    from dpscale import plots
+    from dpscale.privacy import tradeoff
+
+    drawn = {}
+    real = tradeoff.tpr_at_fpr
+    monkeypatch.setattr(tradeoff, "tpr_at_fpr", lambda profile, fprs: drawn.update(real(profile, fprs)) or drawn)
+    monkeypatch.setattr(plots, "CURVE_FPRS", (0.001, 0.01, 0.1))
+    plots._tradeoff([run_dir], run_dir.parent / "tradeoff-check.png")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {f"{a:g}": t for a, t in drawn.items()} == pytest.approx(summary["tpr_at_fpr"], rel=1e-12)
 
 
 def test_the_epsilon_delta_curve_uses_the_accountant_numbers(run_dir):

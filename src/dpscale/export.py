@@ -520,7 +520,7 @@ exported by dpscale {metadata['dpscale_version']}. This card describes that file
   (q = {privacy['sample_rate']}, expected batch {privacy['batch_size']} of N = {privacy['dataset_size']}{_unit_words(privacy)}),
   noise multiplier {privacy['noise_multiplier']}, clipping norm {privacy['max_grad_norm']} ({privacy['clipping']}),
   {privacy['steps']} steps, mechanism {privacy['mechanism']}.
-- Who it protects: {privacy.get('protects', 'any one training image')} (privacy unit: {privacy.get('privacy_unit', 'example')}).
+- Who it protects: {privacy.get('protects', 'any one training image')} (privacy unit: {privacy.get('privacy_unit', 'example')}).{_odds_line(privacy)}
 - What the guarantee covers: {privacy.get('guarantee_scope') or 'nothing (not a private run)'}
 - Caveats of this run:
 {caveats}
@@ -528,6 +528,15 @@ exported by dpscale {metadata['dpscale_version']}. This card describes that file
 ## Loading
 {_LOADING[metadata['format']].format(name=path.name)}
 """
+
+
+def _odds_line(privacy: dict[str, Any]) -> str:
+    """The card's reading of the guarantee as an attacker's odds (absent where the run reports none)."""
+    if not privacy.get("odds"):
+        return ""
+    from dpscale.privacy.tradeoff import format_odds
+
+    return f"\n- As an attacker's odds: {privacy['odds']}; {format_odds(privacy)} [from {privacy['odds_from']}]."
 
 
 CARD_CLASSES = 20  # a card lists this many class names; the metadata holds them all

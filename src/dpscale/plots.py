@@ -4,7 +4,10 @@
 - ``loss.png``: train loss (since the previous evaluation) and test loss against steps;
 - ``epsilon.png``: epsilon spent (at the run's delta) against steps;
 - ``epsilon_delta.png``: the final model's epsilon against delta, from the accountant history in
-  its checkpoint (the run's own delta marked).
+  its checkpoint (the run's own delta marked);
+- ``tradeoff.png``: the guarantee as an attacker's odds: the largest true-positive rate of any
+  membership test against its false-positive rate, from the same accountant's privacy profile
+  (``dpscale.privacy.tradeoff``; runs whose accounting does not describe their sampling left out).
 
 Several runs are overlaid, each labelled by its directory's name. Everything is read from the
 run directory (metrics.jsonl, checkpoint.pt): a plot can be redrawn while a run goes on. The
@@ -26,7 +29,9 @@ from dpscale.runs import read_metrics, read_run
 
 # The epsilon-delta curve's deltas: 1e-12 (PLD_MIN_DELTA) to 1e-2, four per decade.
 CURVE_DELTAS = tuple(10.0 ** (-12 + k / 4) for k in range(41))
-PLOT_NAMES = ("accuracy.png", "loss.png", "epsilon.png", "epsilon_delta.png")
+PLOT_NAMES = ("accuracy.png", "loss.png", "epsilon.png", "epsilon_delta.png", "tradeoff.png")
+# The trade-off curve's false-positive rates: 1e-4 to 1, log-spaced.
+CURVE_FPRS = tuple(10.0 ** (-4 + k / 10) for k in range(41))
 
 
 def _pyplot() -> Any:
@@ -72,14 +77,43 @@ def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel:
     _save(fig, path)
 
 
-def _final_accountant(run_dir: Path) -> tuple[PrivacyAccountant, float] | None:
-    """The accountant of the run's newest checkpoint and the run's delta (None for a non-private run)."""
+def _final_accountant(run_dir: Path, poisson_only: bool = False) -> tuple[PrivacyAccountant, float] | None:
+    """The accountant of the run's newest checkpoint and the run's delta (None for a non-private run;
+    with ``poisson_only``, also for a run whose Poisson accounting does not describe its sampling:
+    shuffled batches, a TAN simulation)."""
     _, state = read_run(run_dir)
     mechanism = state.get("mechanism") or {}
     plan, accountant = mechanism.get("plan") or {}, mechanism.get("accountant")
     if not accountant or not float(plan.get("noise_multiplier") or 0) > 0:
         return None
+    if poisson_only and (plan.get("sampling", "poisson") != "poisson" or plan.get("simulation")):
+        return None
     return PrivacyAccountant.from_state_dict(accountant), float(plan["delta"])
+
+
+def _tradeoff(run_dirs: Sequence[Path], path: Path) -> None:
+    """TPR against FPR of the best membership test each run allows, and random guessing."""
+    from dpscale.privacy.tradeoff import tpr_at_fpr
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(CURVE_FPRS, CURVE_FPRS, ":", color="grey", label="random guessing")
+    for color, run_dir in enumerate(run_dirs):
+        final = _final_accountant(run_dir, poisson_only=True)
+        if final is None:
+            continue
+        accountant = final[0]
+        tpr = tpr_at_fpr(accountant.privacy_profile(), CURVE_FPRS)
+        ax.plot(list(tpr), list(tpr.values()), color=f"C{color % 10}",
+                label=f"{run_dir.name} ({accountant.kind}, {accountant.steps} steps)")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("false-positive rate of a membership test")
+    ax.set_ylabel("largest possible true-positive rate")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    _save(fig, path)
 
 
 def _epsilon_delta(run_dirs: Sequence[Path], path: Path) -> None:
@@ -134,6 +168,7 @@ def plot_runs(
         lambda path: _curves(runs, {"train_loss": " train", "test_loss": " test"}, "loss", path, percent=False),
         lambda path: _curves(runs, {"epsilon": ""}, "epsilon spent (at the run's delta)", path, percent=False),
         lambda path: _epsilon_delta(dirs, path),
+        lambda path: _tradeoff(dirs, path),
     ]
     paths = [out / name for name in PLOT_NAMES]
     for draw, path in zip(drawings, paths):
