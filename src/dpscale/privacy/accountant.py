@@ -240,8 +240,16 @@ def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VAL
 def _composed_pld(
     segments: list[AccountingSegment], discretization: float
 ) -> privacy_loss_distribution.PrivacyLossDistribution:
-    """PLD of the whole history on the grid ``pld_grid`` picks for it."""
-    grid = pld_grid(tuple(segments), discretization)
+    """PLD of the whole history on the grid ``pld_grid`` picks for it (the last few kept: a run's
+    summary asks for its epsilon, then its privacy profile, of the same history)."""
+    return _composed_pld_of(tuple(segments), discretization)
+
+
+@functools.lru_cache(maxsize=4)
+def _composed_pld_of(
+    segments: tuple[AccountingSegment, ...], discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    grid = pld_grid(segments, discretization)
     total = None
     for seg in segments:
         if seg.sample_rate == 1.0:
