@@ -18,12 +18,15 @@ RDP_MIN_DELTA = 1e-100
 def _cmd_account(args: argparse.Namespace) -> int:
     _check_account_args(args)
     _check_unit_args(args)
+    _check_cap_args(args)
     releases = _feature_releases(args.data_norm_noise, args.feature_mean_noise)
     if args.mechanism == "bandmf":
         result = _account_bandmf(args, releases)
     else:
         solved, sigma, steps = _solve(args, releases)
         result = _account(args, solved, sigma, steps, releases)
+        if args.max_batch_size is not None:
+            result.update(_cap_fields(args, sigma, steps, releases, result))
     if args.json:
         print(json.dumps(result))
     elif args.mechanism == "bandmf":
@@ -83,6 +86,45 @@ def _check_account_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
+
+
+def _check_cap_args(args: argparse.Namespace) -> None:
+    """Refuse what a batch cap (truncated Poisson) cannot be accounted with here."""
+    cap = args.max_batch_size
+    if cap is None:
+        return
+    if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
+        raise ConfigError(f"--max-batch-size must be a positive integer or auto, got {cap!r}")
+    refused = [(args.accountant == "rdp", "--accountant rdp (dp_accounting accounts truncated Poisson with PLD only)"),
+               (args.mechanism == "bandmf", "--mechanism bandmf"), (args.unit == "user", "--unit user"),
+               (args.group_size is not None, "--group-size"),
+               (args.target_epsilon is not None, "--target-epsilon (calibration under a cap is not built: give --noise)")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"--max-batch-size is not accounted with {what}")
+
+
+def _cap_fields(
+    args: argparse.Namespace, sigma: float, steps: int, releases: tuple, uncapped: dict[str, Any]
+) -> dict[str, Any]:
+    """A batch cap's accounting (``truncated_poisson_epsilon``; ``auto``: ``smallest_free_cap``):
+    the capped epsilon replaces the Poisson one, which is kept beside it, and the odds follow it."""
+    from dpscale.privacy.accountant import smallest_free_cap, truncated_poisson_epsilon
+    from dpscale.privacy.group_privacy import meaning
+    from dpscale.privacy.tradeoff import attacker_odds
+
+    plan = {"dataset_size": args.dataset_size, "batch_size": args.batch_size, "noise_multiplier": sigma,
+            "steps": steps, "delta": args.delta, "releases": releases}  # fmt: skip
+    with refusals_as_config_errors():
+        capped = smallest_free_cap(**plan) if args.max_batch_size == "auto" else truncated_poisson_epsilon(
+            **plan, max_batch_size=int(args.max_batch_size))
+    view = type("CappedAccountant", (), {"kind": "pld", "privacy_profile": lambda self: capped.profile})()
+    odds = attacker_odds(view) if capped.profile is not None else {"tpr_at_fpr": None, "gdp_mu": None, "odds": None}
+    return {
+        **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon, "max_batch_size": capped.max_batch_size,
+        "max_batch_size_auto": args.max_batch_size == "auto", "sampling": f"poisson, truncated at {capped.max_batch_size}",
+        "meaning": meaning(epsilon=capped.epsilon, delta=args.delta, unit_words=uncapped["unit_text"]),
+    }  # fmt: skip
 
 
 def _check_unit_args(args: argparse.Namespace) -> None:
@@ -260,6 +302,11 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
         parts.append(f"private centring (sigma_center = {result['feature_mean_noise']:g})")
     norm = f", composed with {' and '.join(parts)}" if with_releases else ""
     print(f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}")
+    if result.get("max_batch_size"):
+        how = "the smallest cap within 1% of uncapped Poisson" if result["max_batch_size_auto"] else "the cap given"
+        cost = 100 * (result["epsilon"] / result["poisson_epsilon"] - 1)
+        print(f"  batches capped at {result['max_batch_size']} ({how}; truncated Poisson, dp_accounting's "
+              f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs +{cost:.1f}%")
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
     alone = " (DP-SGD steps alone)" if with_releases else ""
     print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
@@ -332,5 +379,8 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         "--group-size", type=int, metavar="K",
         help="also print what this example-level guarantee promises a person with K images (group privacy)",
     )
+    acc.add_argument("--max-batch-size", default=None, metavar="M|auto",
+                     help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap within 1%% "
+                     "of the uncapped epsilon")
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)

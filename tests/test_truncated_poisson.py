@@ -1,0 +1,80 @@
+"""Poisson batches capped at a maximum size (issue 45, item 1's accounting): truncated-Poisson
+epsilon against dp_accounting's event built by hand and the issue's golden values, the smallest
+free cap's search, and ``dpscale account --max-batch-size``."""
+
+from __future__ import annotations
+
+import json
+
+import dp_accounting
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+
+from dpscale.cli import main
+from dpscale.privacy import accountant as accounting
+from dpscale.privacy.accountant import (
+    TruncatedPoissonResult, data_norm_release, smallest_free_cap, truncated_poisson_epsilon,
+)  # fmt: skip
+
+SMALL = {"dataset_size": 1000, "batch_size": 50, "noise_multiplier": 1.0, "steps": 20, "delta": 1e-5}
+
+
+def test_the_capped_epsilon_is_dp_accountings_event_built_by_hand():
+    """With a release composed first (a data-norm Gaussian), at a cap that truncates often."""
+    release = data_norm_release(6.0)
+    got = truncated_poisson_epsilon(**SMALL, max_batch_size=55, releases=(release,))
+    by_hand = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    by_hand.compose(dp_accounting.GaussianDpEvent(6.0), 2)  # Data Normalization: two Gaussian sums
+    by_hand.compose(dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 0.05, 55, 1.0), 20)
+    assert got.epsilon == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-12)
+    uncapped = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld",
+                                          releases=(release,))  # fmt: skip
+    assert got.poisson_epsilon == uncapped and got.epsilon > uncapped
+    assert float(got.profile([got.epsilon])[0]) == pytest.approx(1e-5, rel=0.05)  # the odds' profile is this PLD's
+
+
+def test_the_issues_golden_cap_costs_what_dp_accounting_says():
+    """N = 60000, B = 256, sigma = 1.1, 2000 steps: 0.847 uncapped, 2.08 capped at 300."""
+    got = truncated_poisson_epsilon(dataset_size=60000, batch_size=256, max_batch_size=300, noise_multiplier=1.1,
+                                    steps=2000, delta=1e-5)  # fmt: skip
+    assert got.poisson_epsilon == pytest.approx(0.8473, abs=1e-4)
+    assert got.epsilon == pytest.approx(2.0819, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_a_generous_cap_costs_nothing():
+    got = truncated_poisson_epsilon(dataset_size=60000, batch_size=256, max_batch_size=400, noise_multiplier=1.1,
+                                    steps=2000, delta=1e-5)  # fmt: skip
+    assert got.epsilon == pytest.approx(got.poisson_epsilon, rel=1e-6)
+
+
+def test_the_smallest_free_cap_is_found_exactly(monkeypatch):
+    """A synthetic epsilon falling with the cap: the search returns the smallest integer cap within 1%."""
+    calls = []
+
+    def fake(*, max_batch_size, **plan):
+        calls.append(max_batch_size)
+        epsilon = 1.0 + 3.0 / max(1, max_batch_size - 90)  # free (<= 1.01) from cap 390 on
+        return TruncatedPoissonResult(max_batch_size, epsilon, 1.0, None)
+
+    monkeypatch.setattr(accounting, "truncated_poisson_epsilon", fake)
+    assert smallest_free_cap(dataset_size=60000, batch_size=256).max_batch_size == 390
+    assert len(calls) <= 20
+    assert smallest_free_cap(dataset_size=300, batch_size=256).max_batch_size == 300  # nothing smaller: no cap at all
+
+
+def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys):
+    args = ["account", "--dataset-size", "1000", "--batch-size", "50", "--noise", "1.0", "--steps", "20",
+            "--data-norm-noise", "6"]  # (the hand-built test's run: its PLD is cached)
+    assert main(args + ["--max-batch-size", "55", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    want = truncated_poisson_epsilon(**SMALL, max_batch_size=55, releases=(data_norm_release(6.0),))
+    assert result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12) and result["poisson_epsilon"] == want.poisson_epsilon
+    assert result["max_batch_size"] == 55 and result["sampling"] == "poisson, truncated at 55"
+    assert set(result["tpr_at_fpr"]) == {"0.001", "0.01", "0.1"}
+    for extra, message in ((["--accountant", "rdp"], "PLD only"), (["--max-batch-size", "0"], "positive integer"),
+                           (["--target-epsilon", "3"], "give --noise")):  # fmt: skip
+        flags = [a for a in args if a not in ("--noise", "1.0")] if extra[0] == "--target-epsilon" else args
+        cap = [] if extra[0] == "--max-batch-size" else ["--max-batch-size", "55"]
+        assert main(flags + cap + extra) == 2
+        assert message in capsys.readouterr().err
