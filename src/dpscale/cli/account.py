@@ -121,7 +121,8 @@ def _cap_fields(
     view = type("CappedAccountant", (), {"kind": "pld", "privacy_profile": lambda self: capped.profile})()
     odds = attacker_odds(view) if capped.profile is not None else {"tpr_at_fpr": None, "gdp_mu": None, "odds": None}
     return {
-        **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon, "max_batch_size": capped.max_batch_size,
+        **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
+        "max_batch_size": capped.max_batch_size,
         "max_batch_size_auto": args.max_batch_size == "auto", "sampling": f"poisson, truncated at {capped.max_batch_size}",
         "meaning": meaning(epsilon=capped.epsilon, delta=args.delta, unit_words=uncapped["unit_text"]),
     }  # fmt: skip

@@ -231,10 +231,11 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
 
 def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:
     """Median milliseconds of each candidate: one untimed warm-up round (first calls allocate),
-    ``TUNE_REPEATS`` or more interleaved timed rounds (up to ``TUNE_MAX_REPEATS`` for fast
+    then ``TUNE_REPEATS`` or more interleaved timed rounds (up to ``TUNE_MAX_REPEATS`` for fast
     candidates; a load that comes and goes hits every candidate alike), a candidate slower than
-    ``TUNE_DROP`` times the fastest in the first timed round dropped from the rest (its one time kept). The thread-CPU clock with one torch thread on a CPU
-    (other processes' load does not count), else the wall clock, synchronised on a GPU."""
+    ``TUNE_DROP`` times the fastest in the first timed round dropped from the rest (its one time
+    kept). The thread-CPU clock with one torch thread on a CPU (other processes' load does not
+    count), else the wall clock, synchronised on a GPU."""
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
     def timed(c: Candidate) -> float:

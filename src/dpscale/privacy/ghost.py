@@ -462,7 +462,8 @@ def _conv_weight_method(r: _Record, a: torch.Tensor, g: torch.Tensor) -> str:
     if not r.gram_only:
         costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0), grouped=(explicit, 0.0))
         costs = _accurate_enough(costs, rule, length)
-    signature = f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}|groups={m.groups}|views={r.views}|{a.dtype}"
+    signature = (f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}"
+                 f"|groups={m.groups}|views={r.views}|{a.dtype}")
     return _tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), _conv_sums, b)
 
 
