@@ -110,3 +110,22 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     assert summary["tpr_at_fpr"] == attacker_odds(trainer.mechanism.accountant)["tpr_at_fpr"]
     assert 0.01 < summary["tpr_at_fpr"]["0.01"] < 1 and summary["gdp_mu"] > 0
     assert "no membership test can tell whether any one image was used" in line
+
+
+def test_each_evaluation_records_the_odds_so_far(tmp_path):
+    """metrics.jsonl: every evaluation's TPR bounds are those of the accountant at its step, and grow."""
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer
+
+    config = load_config(None, [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "dp.batch_size=64",
+                                "train.steps=6", "train.eval_every_epochs=0.032", "dp.epsilon=null",
+                                "dp.noise_multiplier=1.0", "dp.accountant=rdp"])  # fmt: skip
+    trainer = Trainer.create(config, progress=False)
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) >= 2
+    for record in records:
+        acc = PrivacyAccountant("rdp")
+        acc.step(sample_rate=trainer.plan.sample_rate, noise_multiplier=1.0, num_steps=record["step"])
+        assert record["tpr_at_fpr"] == pytest.approx(attacker_odds(acc)["tpr_at_fpr"], rel=1e-12)
+    assert records[-1]["tpr_at_fpr"]["0.01"] > records[0]["tpr_at_fpr"]["0.01"]

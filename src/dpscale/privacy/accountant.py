@@ -267,18 +267,24 @@ def _pld_epsilon(segments: list[AccountingSegment], delta: float, discretization
 RDP_PROFILE_POINTS = 256  # RDP's delta(eps) is evaluated at this many epsilons (0.2 ms each)
 
 
-def _rdp_profile(accountant: rdp.RdpAccountant) -> Callable[[np.ndarray], np.ndarray]:
+def _rdp_profile(segments: tuple[AccountingSegment, ...]) -> Callable[[np.ndarray], np.ndarray]:
     """RDP's delta(eps) on a grid of ``RDP_PROFILE_POINTS`` from 0 to the largest epsilon asked,
     each epsilon taking the delta of the grid point at or below it: delta is non-increasing in
     epsilon, so that is a valid (slightly larger) delta there."""
 
     def delta(eps: np.ndarray) -> np.ndarray:
         eps = np.asarray(eps, dtype=np.float64)
-        points = np.linspace(0.0, float(eps.max(initial=0.0)), RDP_PROFILE_POINTS)
-        values = np.array([min(1.0, float(accountant.get_delta(float(e)))) for e in points])
+        points, values = _rdp_deltas(segments, float(eps.max(initial=0.0)))
         return values[np.clip(np.searchsorted(points, eps, side="right") - 1, 0, None)]
 
     return delta
+
+
+@functools.lru_cache(maxsize=8)  # a run's evaluations and summary ask for the same history's profile
+def _rdp_deltas(segments: tuple[AccountingSegment, ...], largest: float) -> tuple[np.ndarray, np.ndarray]:
+    accountant = _rdp_accountant(list(segments))
+    points = np.linspace(0.0, largest, RDP_PROFILE_POINTS)
+    return points, np.array([min(1.0, float(accountant.get_delta(float(e)))) for e in points])
 
 
 def pld_profile(pld: privacy_loss_distribution.PrivacyLossDistribution) -> Callable[[np.ndarray], np.ndarray]:
@@ -526,7 +532,7 @@ class PrivacyAccountant:
         if not self._segments:
             return lambda eps: np.zeros_like(np.asarray(eps, dtype=np.float64))
         if self.kind == "rdp":
-            return _rdp_profile(_rdp_accountant(self._segments))
+            return _rdp_profile(tuple(self._segments))
         return pld_profile(_composed_pld(self._segments, self.pld_discretization))
 
     def epsilon_by_label(self, delta: float) -> dict[str, float]:

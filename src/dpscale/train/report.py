@@ -85,6 +85,9 @@ def evaluation_record(trainer: Trainer, window: dict[str, Any]) -> dict[str, Any
             "and contributed zero (fp16 overflow? lower train.fp16_loss_scale or use bf16)"
         )
     record.update(extra_evaluations(trainer))
+    odds = odds_summary(trainer)["tpr_at_fpr"] if trainer.step else None  # ms: the epsilon's PLD is cached
+    if odds is not None:
+        record["tpr_at_fpr"] = odds  # the best membership test's TPR at FPR 0.1/1/10% so far
     if plan.caveats():
         record["privacy_note"] = "; ".join(plan.caveats())
     return record
