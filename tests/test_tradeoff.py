@@ -91,9 +91,10 @@ def test_dpscale_account_prints_and_returns_the_odds(capsys):
 
 
 @pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
-def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling):
-    """The summary carries the run's odds (from its accountant's history) and the result line says
-    them; a shuffled run, whose Poisson accounting does not describe what ran, reports none."""
+def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling, capsys):
+    """The header states the planned odds, the summary carries the run's (from its accountant's
+    history) and the result line says them; a shuffled run, whose Poisson accounting does not
+    describe what ran, reports none."""
     from dpscale.config import load_config
     from dpscale.train.loop import Trainer
     from dpscale.train.run import result_line
@@ -101,12 +102,14 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     config = load_config(None, [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "dp.batch_size=64",
                                 "train.steps=3", f"dp.sampling={sampling}", "dp.epsilon=null",
                                 "dp.noise_multiplier=1.0"])  # fmt: skip
-    trainer = Trainer.create(config, progress=False)
+    trainer = Trainer.create(config, progress=False, report=True)
     summary = trainer.run()
-    line = result_line(summary, tmp_path / "run")
+    header, line = capsys.readouterr().err, result_line(summary, tmp_path / "run")
     if sampling == "shuffle":
-        assert summary["tpr_at_fpr"] is None and summary["odds"] is None and "membership" not in line
+        assert summary["tpr_at_fpr"] is None and summary["odds"] is None and "membership" not in line + header
+        assert trainer.plan.planned_odds() is None
         return
+    assert f"After all 3 steps, {summary['odds']}" in header  # planned = spent: the run took all its steps
     assert summary["tpr_at_fpr"] == attacker_odds(trainer.mechanism.accountant)["tpr_at_fpr"]
     assert 0.01 < summary["tpr_at_fpr"]["0.01"] < 1 and summary["gdp_mu"] > 0
     assert "no membership test can tell whether any one image was used" in line

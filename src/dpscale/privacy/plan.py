@@ -15,13 +15,14 @@ from dpscale.data.sampling_modes import SHUFFLE_CAVEAT
 from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
 from dpscale.clip_norms import check_max_grad_norm as check_clip_value
-from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
+from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant, compute_epsilon
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
 )  # fmt: skip
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning, simulated_noise_multiplier
 from dpscale.privacy.group_privacy import check_privacy_unit, meaning, unit_text
+from dpscale.privacy.tradeoff import attacker_odds, format_odds
 
 if TYPE_CHECKING:  # the plan itself never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
@@ -413,6 +414,20 @@ class DPPlan:
             return ("No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
                     f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}.")  # fmt: skip
         return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text(self.privacy_unit))
+
+    def planned_odds(self) -> str | None:
+        """The planned run's guarantee after all its steps as an attacker's odds, one line for the
+        run header (``dpscale.privacy.tradeoff``); None where the epsilon is no guarantee of the
+        sampling that runs (no noise, a TAN simulation, shuffled batches)."""
+        if not self.is_private or self.simulation is not None or self.sampling != "poisson":
+            return None
+        accountant = PrivacyAccountant(self.accountant)  # the history _planned_epsilon composed (cached)
+        for release in self.releases:
+            accountant.record(release)
+        accountant.step(sample_rate=self.participation_rate, noise_multiplier=self.noise_multiplier,
+                        num_steps=self.compositions(self.steps))  # fmt: skip
+        odds = attacker_odds(accountant, "person" if self.user_level else "image")
+        return f"After all {self.steps} steps, {odds['odds']} ({format_odds(odds)})."
 
     @property
     def user_level(self) -> bool:

@@ -248,7 +248,7 @@ class Trainer:
     def _print_plan(self) -> None:
         """The plan, what it means, and every caveat and warning (once per session)."""
         self.log(self.plan.describe())
-        self.log(self.plan.meaning())
+        self.log("\n".join(line for line in (self.plan.meaning(), self.plan.planned_odds()) if line))
         for note in self.plan.caveats() + self.privacy_warnings():
             self.log(f"WARNING: {note}")
         self.warnings_shown = self.report
