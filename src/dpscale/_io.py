@@ -47,6 +47,14 @@ class ForeignFileError(UserError, ValueError):
     another dpscale file kind or format)."""
 
 
+def cache_path(name: str) -> Path:
+    """Where dpscale caches ``name`` on this machine: ``$DPSCALE_CACHE_DIR/name`` if set, else
+    ``$XDG_CACHE_HOME/dpscale/name`` (``~/.cache`` if unset)."""
+    if os.environ.get("DPSCALE_CACHE_DIR"):
+        return Path(os.environ["DPSCALE_CACHE_DIR"]).expanduser() / name
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dpscale" / name
+
+
 def make_private_dir(path: Path) -> bool:
     """Create ``path`` (and its parents) if missing; the directory itself owner-only.
 

@@ -397,13 +397,9 @@ def _load_average() -> float:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores"
-    except OSError:
-        pass
-    return f"{platform.machine()} CPU, {os.cpu_count()} logical cores"
+    from dpscale.privacy.autotune import cpu_model
+
+    return f"{cpu_model() or platform.machine() + ' CPU'}, {os.cpu_count()} logical cores"
 
 
 def markdown_table(

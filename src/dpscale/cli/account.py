@@ -111,15 +111,14 @@ def _cap_fields(
     the capped epsilon replaces the Poisson one, which is kept beside it, and the odds follow it."""
     from dpscale.privacy.accountant import smallest_free_cap, truncated_poisson_epsilon
     from dpscale.privacy.group_privacy import meaning
-    from dpscale.privacy.tradeoff import attacker_odds
+    from dpscale.privacy.tradeoff import NO_ODDS, profile_odds
 
     plan = {"dataset_size": args.dataset_size, "batch_size": args.batch_size, "noise_multiplier": sigma,
             "steps": steps, "delta": args.delta, "releases": releases}  # fmt: skip
     with refusals_as_config_errors():
         capped = smallest_free_cap(**plan) if args.max_batch_size == "auto" else truncated_poisson_epsilon(
             **plan, max_batch_size=int(args.max_batch_size))
-    view = type("CappedAccountant", (), {"kind": "pld", "privacy_profile": lambda self: capped.profile})()
-    odds = attacker_odds(view) if capped.profile is not None else {"tpr_at_fpr": None, "gdp_mu": None, "odds": None}
+    odds = profile_odds(capped.profile, "pld") if capped.profile is not None else dict(NO_ODDS)
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
         "max_batch_size": capped.max_batch_size,
@@ -225,13 +224,11 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
 
 def _odds_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple) -> dict[str, Any]:
     """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff.attacker_odds``) for the plan."""
-    from dpscale.privacy.accountant import PrivacyAccountant
+    from dpscale.privacy.accountant import history_accountant
     from dpscale.privacy.tradeoff import attacker_odds
 
-    accountant = PrivacyAccountant(args.accountant)
-    for release in releases:
-        accountant.record(release)
-    accountant.step(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma, num_steps=steps)
+    accountant = history_accountant(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma,
+                                    steps=steps, kind=args.accountant, releases=releases)  # fmt: skip
     with refusals_as_config_errors():
         return attacker_odds(accountant, "person" if args.unit == "user" else "image")
 
@@ -255,16 +252,14 @@ def _group_fields(
 ) -> dict[str, Any]:
     """What an example-level run promises a person with k = --group-size images (group privacy):
     (k eps, delta_k) straight from (eps, delta), and the smallest k eps(delta') whose delta_k is --delta."""
-    from dpscale.privacy.accountant import PLD_MIN_DELTA, PrivacyAccountant
+    from dpscale.privacy.accountant import PLD_MIN_DELTA, history_accountant
     from dpscale.privacy.group_privacy import (
         GROUP_PRIVACY_LABEL, GROUP_PRIVACY_SOURCE, best_group_bound, direct_group_bound, meaning, unit_text,
     )  # fmt: skip
 
     k = args.group_size
-    accountant = PrivacyAccountant(args.accountant)
-    for release in releases:
-        accountant.record(release)
-    accountant.step(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma, num_steps=steps)
+    accountant = history_accountant(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma,
+                                    steps=steps, kind=args.accountant, releases=releases)  # fmt: skip
     floor = PLD_MIN_DELTA if args.accountant == "pld" else RDP_MIN_DELTA
     with refusals_as_config_errors():
         direct = direct_group_bound(epsilon=epsilon, delta=args.delta, group_size=k)
@@ -314,8 +309,9 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     if result["wall_warning"]:
         print(f"WARNING: {result['wall_warning']}")
     print(result["meaning"])
-    print(f"  {format_odds(result)} [from {result['odds_from']}]")
-    print(f"  {result['odds']}")
+    if result["tpr_at_fpr"]:
+        print(f"  {format_odds(result)} [from {result['odds_from']}]")
+        print(f"  {result['odds']}")
     if people:
         print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
               "gradient: train it with data.privacy_unit=user and dp.max_examples_per_user (docs/privacy-units.md)")  # fmt: skip

@@ -380,11 +380,21 @@ def compute_epsilon(
     Returns:
         epsilon (float, >= 0); 0.0 for zero steps and no releases.
     """
+    return history_accountant(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, kind=kind,
+                              releases=releases, pld_discretization=pld_discretization).epsilon(delta)  # fmt: skip
+
+
+def history_accountant(
+    *, sample_rate: float, noise_multiplier: float, steps: int, kind: str = "pld",
+    releases: Sequence[AccountingSegment] = (), pld_discretization: float = PLD_VALUE_DISCRETIZATION,
+) -> "PrivacyAccountant":  # fmt: skip
+    """An accountant holding ``releases`` then ``steps`` DP-SGD steps (q, sigma): a planned run's
+    history, for its epsilon, its group bound or its attacker's odds."""
     accountant = PrivacyAccountant(kind, pld_discretization)
     for release in releases:
         accountant.record(release)
     accountant.step(sample_rate=sample_rate, noise_multiplier=noise_multiplier, num_steps=steps)
-    return accountant.epsilon(delta)
+    return accountant
 
 
 def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> AccountingSegment:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from dpscale._io import atomic_write_text
+from dpscale._io import atomic_write_text, cache_path
 
 # Candidates whose estimated multiply-adds exceed the cheapest estimate by more than this factor are
 # not timed (a wider spread mostly times hopeless Gram candidates: the 16x16 pixel Grams estimated at 2.4x
@@ -46,16 +46,13 @@ TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the
 # (a 5 ms layer's medians over 3 rounds differed by 10% between runs on a shared VM).
 TUNE_MAX_REPEATS, TUNE_WINDOW_MS = 11, 60.0
 TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
-CACHE_ENV = "DPSCALE_CACHE_DIR"
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
 
 
 def autotune_cache_path() -> Path:
-    """``$DPSCALE_CACHE_DIR/autotune.json`` if set, else ``$XDG_CACHE_HOME/dpscale/autotune.json``
-    (``~/.cache`` if unset)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser() / "autotune.json"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dpscale" / "autotune.json"
+    """``cache_path("autotune.json")``: ``$DPSCALE_CACHE_DIR/autotune.json`` if set, else
+    ``$XDG_CACHE_HOME/dpscale/autotune.json`` (``~/.cache`` if unset)."""
+    return cache_path("autotune.json")
 
 
 def device_descriptor(device: torch.device) -> str:
@@ -64,11 +61,12 @@ def device_descriptor(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = _cpu_model() or platform.processor() or platform.machine()
+        name = cpu_model() or platform.processor() or platform.machine()
     return f"{device.type}:{name}:threads={torch.get_num_threads()}:torch={torch.__version__}"
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
+    """The processor's model name from /proc/cpuinfo (None where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -124,10 +122,9 @@ class MethodTuner:
         else the cached one, else the fastest of the contending candidates timed now on this
         chunk of ``rows`` examples; the shape rule's ``rule`` when tuning is off or the chunk is too
         small to time (then nothing is remembered)."""
-        known = self.choices.get(signature)
+        known = self.remembered(layer, signature)
         if known is not None:
-            self.layers[layer] = signature
-            return known.method
+            return known
         names = {c.name for c in candidates}
         cached = self._cached(device).get(signature) if self.enabled else None
         if cached in names:
@@ -143,6 +140,15 @@ class MethodTuner:
         best = min(ms, key=ms.__getitem__)
         self._store(device, signature, best)
         return self._remember(layer, signature, LayerChoice(best, "timed", ms))
+
+    def remembered(self, layer: str, signature: str) -> str | None:
+        """The method already chosen for ``signature`` (now also ``layer``'s), else None: every step
+        after the first asks only this, before any candidate is built."""
+        known = self.choices.get(signature)
+        if known is None:
+            return None
+        self.layers[layer] = signature
+        return known.method
 
     def pin(self, saved: dict[str, Any]) -> None:
         """Take a checkpoint's choices (``as_json``) as fixed: the resumed run computes exactly as

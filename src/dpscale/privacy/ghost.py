@@ -241,6 +241,10 @@ def _tuned(
     its norms plus the clipped sum on a scratch copy of the record (the record itself untouched)."""
     if r.tuner is None:
         return rule
+    signature = f"{signature}|{args[0].device.type}"
+    known = r.tuner.remembered(r.name, signature)
+    if known is not None:  # the steps after the first: no candidates built
+        return known
     ones = args[0].new_ones(examples)
 
     def runner(name: str) -> Callable[[], Any]:
@@ -252,7 +256,7 @@ def _tuned(
         return run
 
     candidates = [Candidate(name, macs, gram, runner(name)) for name, (macs, gram) in costs.items()]
-    return r.tuner.choose(r.name, f"{signature}|{args[0].device.type}", args[0].device, rule, candidates, examples)
+    return r.tuner.choose(r.name, signature, args[0].device, rule, candidates, examples)
 
 
 def _linear_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) -> Params:

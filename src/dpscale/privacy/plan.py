@@ -15,7 +15,7 @@ from dpscale.data.sampling_modes import SHUFFLE_CAVEAT
 from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
 from dpscale.clip_norms import check_max_grad_norm as check_clip_value
-from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant, compute_epsilon
+from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, history_accountant
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
@@ -421,11 +421,10 @@ class DPPlan:
         sampling that runs (no noise, a TAN simulation, shuffled batches)."""
         if not self.is_private or self.simulation is not None or self.sampling != "poisson":
             return None
-        accountant = PrivacyAccountant(self.accountant)  # the history _planned_epsilon composed (cached)
-        for release in self.releases:
-            accountant.record(release)
-        accountant.step(sample_rate=self.participation_rate, noise_multiplier=self.noise_multiplier,
-                        num_steps=self.compositions(self.steps))  # fmt: skip
+        accountant = history_accountant(  # the history _planned_epsilon composed (cached)
+            sample_rate=self.participation_rate, noise_multiplier=self.noise_multiplier,
+            steps=self.compositions(self.steps), kind=self.accountant, releases=self.releases,
+        )  # fmt: skip
         odds = attacker_odds(accountant, "person" if self.user_level else "image")
         return f"After all {self.steps} steps, {odds['odds']} ({format_odds(odds)})."
 

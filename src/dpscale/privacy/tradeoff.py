@@ -29,6 +29,9 @@ REPORTED_FPRS: tuple[float, ...] = (0.001, 0.01, 0.1)
 # Epsilon grid for the infimum: dense near 0 (small epsilons), up to 60 nats.
 EPSILON_GRID = np.unique(np.concatenate([np.linspace(0.0, 4.0, 801), np.linspace(4.0, 60.0, 561)]))
 
+# The odds fields where a guarantee has none to report (same keys as ``attacker_odds``).
+NO_ODDS: dict[str, Any] = {"tpr_at_fpr": None, "gdp_mu": None, "odds_from": None, "odds": None}
+
 Profile = Callable[[np.ndarray], np.ndarray]  # epsilons (nats) -> delta at each
 
 
@@ -104,10 +107,14 @@ def attacker_odds(accountant: Any, unit: str = "image") -> dict[str, Any]:
         maximal membership-test TPR at each reported FPR, the mu-GDP reading, where both come from
         (the PLD's profile is tight; the RDP curve's deltas are valid but looser), the sentence.
     """
-    profile = accountant.privacy_profile()
+    return profile_odds(accountant.privacy_profile(), accountant.kind, unit)
+
+
+def profile_odds(profile: Profile, kind: str, unit: str = "image") -> dict[str, Any]:
+    """``attacker_odds`` of a privacy profile computed by ``kind`` ("pld" or "rdp")."""
     deltas = np.asarray(profile(EPSILON_GRID), dtype=np.float64)  # evaluated once for both readings
     tpr = tpr_at_fpr(lambda eps: deltas)
-    source = "the composed PLD's privacy profile" if accountant.kind == "pld" else "the RDP curve (valid, looser than PLD)"
+    source = "the composed PLD's privacy profile" if kind == "pld" else "the RDP curve (valid, looser than PLD)"
     return {
         "tpr_at_fpr": {f"{a:g}": t for a, t in tpr.items()},
         "gdp_mu": gdp_mu(lambda eps: deltas),

@@ -3,10 +3,10 @@ keyword-only numbers (the plan itself, in ``dpscale.privacy.plan``, knows nothin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from dpscale._io import cache_path
 from dpscale.clip_norms import MaxGradNorm, describe_clip
 from dpscale.config import Config, DPConfig, OptimConfig
 from dpscale.errors import ConfigError
@@ -97,12 +97,9 @@ def workload_for(optim: OptimConfig, steps: int) -> Workload:
 
 
 def strategy_cache_dir() -> Path:
-    """Where optimised BandMF strategies are cached: ``$DPSCALE_CACHE_DIR/bandmf`` if set, else
-    ``$XDG_CACHE_HOME/dpscale/bandmf`` (``~/.cache`` if unset). Any cached strategy is safe to
-    use: the plan re-normalises it, and privacy needs only its bands and column norms."""
-    if os.environ.get("DPSCALE_CACHE_DIR"):
-        return Path(os.environ["DPSCALE_CACHE_DIR"]).expanduser() / "bandmf"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dpscale" / "bandmf"
+    """Where optimised BandMF strategies are cached: ``cache_path("bandmf")``. Any cached strategy
+    is safe to use: the plan re-normalises it, and privacy needs only its bands and column norms."""
+    return cache_path("bandmf")
 
 
 def bands_request(config: Config, steps: int, parameters: int | None = None) -> BandsRequest | None:

@@ -18,7 +18,7 @@ from dpscale.data.run_data import data_workers
 from dpscale.models import count_parameters
 from dpscale.config import Config
 from dpscale.privacy.autotune import layer_methods
-from dpscale.privacy.tradeoff import attacker_odds
+from dpscale.privacy.tradeoff import NO_ODDS, attacker_odds
 from dpscale.privacy.group_privacy import unit_text
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
@@ -155,9 +155,6 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "config_changes": trainer.config_changes,  # asked for with --set on resume, by step
         **odds_summary(trainer),
     }
-
-
-NO_ODDS = {"tpr_at_fpr": None, "gdp_mu": None, "odds_from": None, "odds": None}
 
 
 def odds_summary(trainer: Trainer) -> dict[str, Any]:
