@@ -287,3 +287,23 @@ def test_every_method_on_the_zoo_equals_the_float64_loop(name, method):
     engine, _ = make_engine("bk", 0.5, model, tuner=tuner)
     grad_sum, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
     assert_matches_float64(grad_sum, norms, reference, f"bk-{method}")
+
+
+@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "grouped"])
+def test_a_huge_example_stays_within_c_whatever_the_method(method):
+    """One example's pixels at 3e38 (their squares overflow float32; the first layer's outputs
+    overflow): under every method each example's norm and the clipped sum are the float64 loop's
+    within the engines' float32 tolerance."""
+    torch.manual_seed(0)
+    model = _convs()
+    x, y = torch.randn(4, 3, 9, 9), torch.randint(0, 10, (4,))
+    x[2] = 3e38
+    tuner = _Forced(method)
+    engine, _ = make_engine("bk", 0.3, model, tuner=tuner)
+    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+    from test_augmult import assert_matches_float64
+
+    from dpscale.privacy.reference import float64_reference
+
+    assert tuner.used and bool(torch.isfinite(norms).all())  # the overflow stays in the forward pass (tanh saturates)
+    assert_matches_float64(got, norms, float64_reference(model, (x, y), 0.3), f"bk-{method}")
