@@ -247,7 +247,7 @@ def test_invalid_yaml_file(tmp_path):
         (["dp.noise_multiplier=.inf"], r"dp\.noise_multiplier must be >= 0"),
         (["dp.batch_size=0"], r"dp\.batch_size must be >= 1, got 0"),
         (["dp.batch_size=-5"], r"dp\.batch_size must be >= 1"),
-        (["dp.sampling=random"], r"dp\.sampling must be poisson or shuffle, got 'random'"),
+        (["dp.sampling=random"], r"dp\.sampling must be poisson, fixed or shuffle, got 'random'"),
         (["dp.accountant=moments"], r"dp\.accountant must be pld or rdp, got 'moments'"),
         (["train.epochs=null"], r"set train\.epochs or train\.steps"),
         (["train.epochs=null", "train.steps=null"], r"set train\.epochs or train\.steps"),

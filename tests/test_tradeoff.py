@@ -90,11 +90,11 @@ def test_dpscale_account_prints_and_returns_the_odds(capsys):
     assert "at 1% false positives" in out
 
 
-@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+@pytest.mark.parametrize("sampling", ["poisson", "fixed", "shuffle"])
 def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling, capsys):
     """The header states the planned odds, the summary carries the run's (from its accountant's
-    history) and the result line says them; a shuffled run, whose Poisson accounting does not
-    describe what ran, reports none."""
+    history) and the result line says them; fixed-size and shuffled batches, accounted under
+    replace-one adjacency, say which of two images."""
     from dpscale.config import load_config
     from dpscale.train.loop import Trainer
     from dpscale.train.run import result_line
@@ -105,14 +105,12 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     trainer = Trainer.create(config, progress=False, report=True)
     summary = trainer.run()
     header, line = capsys.readouterr().err, result_line(summary, tmp_path / "run")
-    if sampling == "shuffle":
-        assert summary["tpr_at_fpr"] is None and summary["odds"] is None and "membership" not in line + header
-        assert trainer.plan.planned_odds() is None
-        return
     assert f"After all 3 steps, {summary['odds']}" in header  # planned = spent: the run took all its steps
     assert summary["tpr_at_fpr"] == attacker_odds(trainer.mechanism.accountant)["tpr_at_fpr"]
     assert 0.01 < summary["tpr_at_fpr"]["0.01"] < 1 and summary["gdp_mu"] > 0
-    assert "no membership test can tell whether any one image was used" in line
+    question = "whether any one image was used" if sampling == "poisson" else "which of two images was used"
+    assert f"no membership test can tell {question}" in line
+    assert summary["adjacency"] == ("add/remove" if sampling == "poisson" else "replace-one")
 
 
 def test_each_evaluation_records_the_odds_so_far(tmp_path):

@@ -26,7 +26,7 @@ def test_the_capped_epsilon_is_dp_accountings_event_built_by_hand():
     by_hand = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     by_hand.compose(dp_accounting.GaussianDpEvent(6.0), 2)  # Data Normalization: two Gaussian sums
     by_hand.compose(dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 0.05, 55, 1.0), 20)
-    assert got.epsilon == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-12)
+    assert got.epsilon == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-9)  # summed in another order
     uncapped = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld",
                                           releases=(release,))  # fmt: skip
     assert got.poisson_epsilon == uncapped and got.epsilon > uncapped

@@ -243,8 +243,15 @@ class DPConfig:
         this batch size with sigma scaled by simulated_batch_size / batch_size and the same steps,
         for about that fraction of the compute. The run then carries NO privacy guarantee at
         dp.epsilon; it reports the reference run's epsilon it stands for. Null: a normal run.
-    sampling: "poisson" (what the accountant assumes) or "shuffle" (labelled as not covered).
-    accountant: "pld" (tightest) or "rdp".
+    sampling: "poisson" (each example joins each step independently with probability B/N, the
+        default), "fixed" (exactly B distinct examples each step, independently; accounted with RDP
+        under replace-one adjacency) or "shuffle" (fixed-size batches from a per-epoch permutation,
+        accounted without amplification: a far larger epsilon). docs/sampling.md compares them.
+    max_batch_size: cap Poisson batches at this many examples (truncated Poisson, accounted with
+        the PLD accountant; a cap near B costs much), "auto" (the smallest cap whose epsilon is
+        within 1% of the uncapped one), or null (uncapped).
+    accountant: "pld" (tightest) or "rdp". Fixed-size batches are accounted with rdp and capped
+        Poisson batches with pld whatever this says (the only accountants dp_accounting has for them).
     secure_noise: draw the Gaussian noise (DP-SGD's and Data Normalization's) from the operating
         system's cryptographically secure generator (os.urandom) instead of the seeded 128-bit
         stream: nothing (not run.seed, not the
@@ -276,6 +283,7 @@ class DPConfig:
     batch_size: int | float = 256
     simulated_batch_size: int | float | None = None
     sampling: str = "poisson"
+    max_batch_size: int | str | None = None
     accountant: str = "pld"
     secure_noise: bool = False
     mechanism: str = "dpsgd"
@@ -753,8 +761,8 @@ def validate(config: Config) -> None:
 
     if dp.sampling not in SAMPLING_MODES:
         raise ConfigError(f"dp.sampling must be {_either(SAMPLING_MODES)}, got {dp.sampling!r}")
-    if dp.sampling == "shuffle" and not isinstance(dp.batch_size, int):
-        raise ConfigError(f"dp.sampling=shuffle needs an integer dp.batch_size, got {dp.batch_size}")
+    if dp.sampling in ("fixed", "shuffle") and not isinstance(dp.batch_size, int):
+        raise ConfigError(f"dp.sampling={dp.sampling} needs an integer dp.batch_size, got {dp.batch_size}")
     if dp.simulated_batch_size is not None:
         if not (1 <= dp.simulated_batch_size and math.isfinite(dp.simulated_batch_size)):
             raise ConfigError(f"dp.simulated_batch_size must be >= 1 or null, got {dp.simulated_batch_size}")

@@ -111,14 +111,14 @@ def _cap_fields(
     the capped epsilon replaces the Poisson one, which is kept beside it, and the odds follow it."""
     from dpscale.privacy.accountant import smallest_free_cap, truncated_poisson_epsilon
     from dpscale.privacy.group_privacy import meaning
-    from dpscale.privacy.tradeoff import NO_ODDS, profile_odds
+    from dpscale.privacy.tradeoff import profile_odds
 
     plan = {"dataset_size": args.dataset_size, "batch_size": args.batch_size, "noise_multiplier": sigma,
             "steps": steps, "delta": args.delta, "releases": releases}  # fmt: skip
     with refusals_as_config_errors():
         capped = smallest_free_cap(**plan) if args.max_batch_size == "auto" else truncated_poisson_epsilon(
             **plan, max_batch_size=int(args.max_batch_size))
-    odds = profile_odds(capped.profile, "pld") if capped.profile is not None else dict(NO_ODDS)
+    odds = profile_odds(capped.profile, "pld")
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
         "max_batch_size": capped.max_batch_size,

@@ -1,10 +1,13 @@
 """Batch samplers for DP-SGD.
 
-``PoissonSampler`` is what the privacy accountant assumes: every example joins each
+``PoissonSampler`` is what the privacy accountant assumes by default: every example joins each
 logical batch independently with probability q = B / N, so batch sizes vary
-(Binomial(N, q)) and can be empty. ``ShuffleSampler`` (fixed-size batches from a
-per-epoch permutation) is what many codebases run instead; the guarantee we report
-then does *not* strictly apply, and every output says so.
+(Binomial(N, q)) and can be empty; with ``max_batch_size`` a batch above the cap is cut to a
+uniformly random subset of that size (truncated Poisson, accounted as such).
+``FixedSizeSampler`` draws exactly B distinct examples each step, independently of other steps
+(sampling without replacement, accounted under replace-one adjacency). ``ShuffleSampler``
+(fixed-size batches from a per-epoch permutation) is what many codebases run; it is accounted
+without amplification (``dpscale.privacy.batch_sampling``).
 
 ``CyclicPoissonSampler`` is the sampling that amplified banded matrix factorization
 (Choquette-Choo et al. 2023, "b-min-separation") assumes: each example is put once, for the
@@ -62,11 +65,14 @@ class PoissonSampler:
         sample_rate: q in (0, 1].
         generator: the sampling RNG; its state is the sampler's whole state.
         rank, world_size: this process's shard (default: the whole dataset).
+        max_batch_size: cut a batch of more than this many examples to a uniformly random subset
+            of this size, drawn from the same generator (None: uncapped; one process only).
     """
 
     def __init__(
-        self, dataset_size: int, sample_rate: float, generator: DPRandom, rank: int = 0, world_size: int = 1
-    ) -> None:
+        self, dataset_size: int, sample_rate: float, generator: DPRandom, rank: int = 0, world_size: int = 1,
+        max_batch_size: int | None = None,
+    ) -> None:  # fmt: skip
         if dataset_size < 1:
             raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
         if not 0.0 < sample_rate <= 1.0:
@@ -78,13 +84,49 @@ class PoissonSampler:
         self.generator = require_dprandom(generator, "Poisson sampling")
         self.rank, self.world_size = rank, world_size
         self.shard_size = len(range(rank, dataset_size, world_size))
+        if max_batch_size is not None and (max_batch_size < 1 or world_size > 1):
+            raise ValueError(f"a batch cap must be >= 1 and needs one process, got {max_batch_size} over {world_size}")
+        self.max_batch_size = max_batch_size
 
     def sample(self) -> torch.Tensor:
         # One uniform per example keeps the draw exactly Bernoulli(q) per example; O(N/P) per
         # step is negligible next to a training step. float64: float32 uniforms are multiples
         # of 2^-24, which would round the inclusion probability *up* for small q.
         mask = self.generator.uniform(self.shard_size) < self.sample_rate
-        return mask.nonzero().flatten() * self.world_size + self.rank  # shard position j -> example jP + r
+        batch = mask.nonzero().flatten() * self.world_size + self.rank  # shard position j -> example jP + r
+        if self.max_batch_size is not None and batch.numel() > self.max_batch_size:
+            # a uniformly random subset of the cap's size: what the truncated event assumes
+            kept = self.generator.permutation(batch.numel())[: self.max_batch_size]
+            batch = batch[kept.sort().values]
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.load_state_dict(state["generator"])
+
+
+class FixedSizeSampler:
+    """Exactly B distinct examples each step, each B-subset of the N equally likely, independently of
+    every other step (sampling without replacement; an example may join consecutive steps).
+
+    Args:
+        dataset_size: N.
+        batch_size: B <= N.
+        generator: the sampling RNG; its state is the sampler's whole state.
+    """
+
+    def __init__(self, dataset_size: int, batch_size: int, generator: DPRandom) -> None:
+        if not 1 <= batch_size <= dataset_size:
+            raise ValueError(f"batch_size must be in [1, {dataset_size}], got {batch_size}")
+        self.dataset_size = dataset_size
+        self.batch_size = int(batch_size)
+        self.generator = require_dprandom(generator, "fixed-size sampling")
+
+    def sample(self) -> torch.Tensor:
+        # The first B of a uniform permutation are a uniform B-subset; O(N) per step like Poisson's draw.
+        return self.generator.permutation(self.dataset_size)[: self.batch_size].sort().values
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.state_dict()}
@@ -357,12 +399,12 @@ def _check_bands(bands: int) -> None:
 
 def make_sampler(
     mode: str, dataset_size: int, batch_size: float, generator: DPRandom, rank: int = 0, world_size: int = 1,
-    *, bands: int = 1, partition_seed: int | None = None, start_step: int = 0,
-) -> PoissonSampler | ShuffleSampler | CyclicPoissonSampler:
+    *, bands: int = 1, partition_seed: int | None = None, start_step: int = 0, max_batch_size: int | None = None,
+) -> PoissonSampler | FixedSizeSampler | ShuffleSampler | CyclicPoissonSampler:
     """The sampler for ``mode`` with expected batch size B = ``batch_size``.
 
     Args:
-        mode: "poisson" | "shuffle".
+        mode: "poisson" | "fixed" | "shuffle".
         dataset_size: N.
         batch_size: B, of the whole logical batch (with ``world_size`` > 1 each rank samples
             its own shard).
@@ -371,21 +413,23 @@ def make_sampler(
         bands: b; 1 (the default) is plain Poisson sampling, b > 1 cyclic Poisson sampling.
         partition_seed: the partition's seed, required when b > 1 (shared by all ranks).
         start_step: the first step's index (cyclic sampling only; Poisson has no step).
+        max_batch_size: cap Poisson batches (truncated Poisson; b = 1, one process).
 
     Returns:
         a ``PoissonSampler`` (poisson, b = 1: unchanged for every existing caller), a
-        ``CyclicPoissonSampler`` (poisson, b > 1) or a ``ShuffleSampler`` (shuffle).
+        ``CyclicPoissonSampler`` (poisson, b > 1), a ``FixedSizeSampler`` (fixed) or a
+        ``ShuffleSampler`` (shuffle).
 
     Raises:
-        ValueError: on an unknown mode, shuffle with b > 1 or with world_size > 1, or b > 1
+        ValueError: on an unknown mode, fixed or shuffle with b > 1 or with world_size > 1, or b > 1
             without partition_seed.
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"unknown sampling {mode!r}; choose one of {', '.join(SAMPLING_MODES)}")
     _check_bands(bands)
-    if mode == "shuffle" and bands > 1:
+    if mode != "poisson" and bands > 1:
         raise ValueError(
-            f"sampling=shuffle cannot run with bands={bands}: banded matrix factorization's accounting assumes "
+            f"sampling={mode} cannot run with bands={bands}: banded matrix factorization's accounting assumes "
             "cyclic Poisson sampling (b-min-separation), which shuffled batches do not give; use sampling=poisson"
         )
     if mode == "poisson" and bands > 1:
@@ -396,7 +440,9 @@ def make_sampler(
             partition_seed=partition_seed, rank=rank, world_size=world_size, start_step=start_step,
         )
     if mode == "poisson":
-        return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size)
+        return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size, max_batch_size)
     if world_size > 1:
-        raise ValueError("distributed training samples with sampling=poisson only (shuffle has no sharded form)")
-    return ShuffleSampler(dataset_size, batch_size, generator)
+        raise ValueError(f"distributed training samples with sampling=poisson only ({mode} has no sharded form yet)")
+    if mode == "fixed":
+        return FixedSizeSampler(dataset_size, int(batch_size), generator)
+    return ShuffleSampler(dataset_size, int(batch_size), generator)

@@ -22,7 +22,9 @@ from dpscale.privacy.accountant import (
     PLDRangeError,
     PrivacyAccountant,
     compute_epsilon,
+    releases_under,
 )
+from dpscale.privacy.batch_sampling import ACCOUNTANTS_OF, POISSON, BatchSampling
 
 # Upper end of the noise search; beyond this the run is pure noise.
 MAX_NOISE_MULTIPLIER = 1e4
@@ -59,6 +61,7 @@ def calibrate_noise_multiplier(
     kind: str = "pld",
     rel_tol: float = 1e-3,
     releases: tuple[AccountingSegment, ...] = (),
+    batches: BatchSampling = POISSON,
 ) -> float:
     """Noise multiplier sigma so that ``steps`` DP-SGD steps cost at most ``target_epsilon``,
     together with ``releases`` (e.g. private Data Normalization) when given. Keyword-only
@@ -72,6 +75,7 @@ def calibrate_noise_multiplier(
         kind: accountant, "pld" or "rdp".
         rel_tol: the returned sigma's epsilon lies in [target * (1 - rel_tol), target].
         releases: one-off mechanisms on the same data, composed with the steps.
+        batches: the batch sampler the steps use (``compute_epsilon``'s).
 
     Returns:
         noise multiplier sigma.
@@ -86,8 +90,9 @@ def calibrate_noise_multiplier(
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1 to calibrate noise, got {steps}")
+    releases = releases_under(releases, batches)
     _check_releases_fit(target_epsilon, delta, kind, releases)
-    run = {"sample_rate": sample_rate, "delta": delta, "kind": kind, "releases": releases}  # all but sigma, steps
+    run = {"sample_rate": sample_rate, "delta": delta, "kind": kind, "releases": releases, "batches": batches}
 
     def epsilon_fn(grid: float) -> Callable[[float], float]:
         return lambda sigma: compute_epsilon(**run, noise_multiplier=sigma, steps=steps, pld_discretization=grid)
@@ -327,6 +332,7 @@ def calibrate_steps(
     kind: str = "pld",
     max_steps: int = 10**8,
     releases: tuple[AccountingSegment, ...] = (),
+    batches: BatchSampling = POISSON,
 ) -> int:
     """Largest number of steps whose epsilon (with ``releases``) stays at most ``target_epsilon``
     (keyword-only arguments, like ``compute_epsilon``'s).
@@ -339,6 +345,7 @@ def calibrate_steps(
         kind: "pld" or "rdp".
         max_steps: search cap.
         releases: one-off mechanisms on the same data, composed with the steps.
+        batches: the batch sampler the steps use (``compute_epsilon``'s).
 
     Returns:
         steps (int, >= 0). 0 means not even one step fits in the budget.
@@ -346,7 +353,8 @@ def calibrate_steps(
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
     log_target = math.log(target_epsilon)
-    run = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases}
+    run = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases,
+           "batches": batches}  # fmt: skip
 
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget
@@ -362,7 +370,7 @@ def calibrate_steps(
     if f(1) > 0:
         return 0
     guess = min(max_steps, _tan_steps_guess(target_epsilon, delta, sample_rate, noise_multiplier))
-    if kind == "pld":
+    if kind == "pld" and "rdp" in ACCOUNTANTS_OF[batches.mode]:
         # RDP is a valid (looser) bound and ~50x cheaper than PLD at millions of steps: if it
         # already certifies max_steps we are done, else its answer is a lower bound to start from.
         rdp_steps = calibrate_steps(**run, target_epsilon=target_epsilon, kind="rdp", max_steps=max_steps)

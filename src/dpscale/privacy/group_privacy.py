@@ -205,7 +205,7 @@ def unit_text(unit: str, *, group_size: int | None = None) -> str:
     return f"any one person's {group_size} training images"
 
 
-def meaning(*, epsilon: float, delta: float, unit_words: str) -> str:
+def meaning(*, epsilon: float, delta: float, unit_words: str, replace_one: bool = False) -> str:
     """The guarantee in plain words, for the privacy unit ``unit_words`` (``unit_text``).
 
     With unit_words = unit_text("example") it is word for word ``DPPlan.meaning`` of a private run.
@@ -214,6 +214,8 @@ def meaning(*, epsilon: float, delta: float, unit_words: str) -> str:
         epsilon: the guarantee's epsilon.
         delta: its delta.
         unit_words: who it protects.
+        replace_one: the guarantee is under replace-one adjacency (fixed-size or shuffled batches):
+            "replacing ... by another" instead of "adding or removing".
 
     Returns:
         "What it means: adding or removing ... except with probability delta = ...".
@@ -221,7 +223,8 @@ def meaning(*, epsilon: float, delta: float, unit_words: str) -> str:
     factor = math.exp(min(epsilon, 700.0))  # beyond, a float overflows (and means nothing)
     factor_text = f"{factor:.3g}" if factor < 1e6 else f"{factor:.1e}"
     return (
-        f"What it means: adding or removing {unit_words} changes the probability of any outcome of "
+        f"What it means: {'replacing' if replace_one else 'adding or removing'} {unit_words}"
+        f"{' by another' if replace_one else ''} changes the probability of any outcome of "
         f"training (the model's weights and all computed from them) by at most a factor e^epsilon = {factor_text}, "
         f"except with probability delta = {delta:g}."
     )

@@ -6,16 +6,22 @@ Sampler, clipping norm, noise std and accounting event are read from the same
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dpscale.errors import ConfigError
-from dpscale.data.sampling_modes import SHUFFLE_CAVEAT
+from dpscale.data.sampling_modes import FIXED_CAVEAT, SHUFFLE_CAVEAT
 from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
 from dpscale.clip_norms import check_max_grad_norm as check_clip_value
-from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, history_accountant
+from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, history_accountant, releases_under
+from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling
+from dpscale.privacy.accountant import FREE_CAP_TOLERANCE
+from dpscale.privacy.sampling_plan import (
+    AUTO_CAP, accountant_for, check_sampling_settings, resolve_batch_cap, truncation_rate,
+)
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import (
     BandedNoisePlan, BandsRequest, check_bandmf_settings, choose_bands, compositions,
@@ -199,8 +205,8 @@ class DPPlan:
     delta: delta.
     target_epsilon: the budget (None if not set).
     epsilon: epsilon after all S steps as planned (inf when not private).
-    sampling: "poisson" | "shuffle".
-    accountant: "pld" | "rdp".
+    sampling: "poisson" | "fixed" | "shuffle" (``dpscale.privacy.batch_sampling``).
+    accountant: "pld" | "rdp" (the one that can compose ``sampling``: rdp for fixed, pld when capped).
     calibrated: whether sigma was calibrated to target_epsilon.
     releases: one-off Gaussian mechanisms on the training data made before training (e.g.
         private Data Normalization), composed with the DP-SGD steps in ``epsilon`` and in the
@@ -226,6 +232,7 @@ class DPPlan:
         (N users, B expected users per step, each user's summed gradient clipped to C: the
         guarantee protects a person, docs/privacy-units.md).
     max_examples_per_user: k, the examples a drawn user contributes per step (user unit only).
+    max_batch_size: the cap of truncated Poisson batches (None: uncapped; poisson sampling only).
     """
 
     dataset_size: int
@@ -254,6 +261,7 @@ class DPPlan:
     adaptive: AdaptiveClipping | None = None
     privacy_unit: str = "example"
     max_examples_per_user: int | None = None
+    max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -273,6 +281,20 @@ class DPPlan:
     def sources(self) -> tuple[SourceRunPrivacy, ...]:
         """The runs this run starts from whose privacy it checked (extractor, then model.init)."""
         return tuple(s for s in (self.extractor, self.init_run) if s is not None)
+
+    @property
+    def batch_sampling(self) -> BatchSampling:
+        """The sampler the accountant composes (a TAN simulation's own steps: Poisson)."""
+        if self.simulation is not None or (self.sampling == "poisson" and self.max_batch_size is None):
+            return POISSON
+        if self.sampling == "poisson":
+            return BatchSampling("truncated", self.dataset_size, self.max_batch_size)
+        return BatchSampling(self.sampling, self.dataset_size)
+
+    @property
+    def adjacency(self) -> str:
+        """"add/remove" or "replace-one": which neighbouring datasets the guarantee is about."""
+        return self.batch_sampling.adjacency
 
     @property
     def bands(self) -> int:
@@ -316,8 +338,9 @@ class DPPlan:
             epsilon = self.epsilon
         else:  # eps_TAN describes the DP-SGD steps alone
             epsilon = compute_epsilon(
-                sample_rate=q, noise_multiplier=sigma, steps=steps, delta=self.delta, kind=self.accountant
-            )
+                sample_rate=q, noise_multiplier=sigma, steps=steps, delta=self.delta, kind=self.accountant,
+                batches=self.batch_sampling,
+            )  # fmt: skip
         warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, steps, self.delta))
         return f"reference run: {warning}" if warning and sim else warning
 
@@ -368,8 +391,8 @@ class DPPlan:
             return notes
         if self.simulation is not None:
             notes.append(self._simulation_note())
-        if self.sampling == "shuffle":
-            notes.append(SHUFFLE_CAVEAT)
+        if self.sampling in ("fixed", "shuffle") and self.simulation is None:
+            notes.append(SHUFFLE_CAVEAT if self.sampling == "shuffle" else FIXED_CAVEAT)
         if self.delta >= 1.0 / self.dataset_size:
             notes.append(
                 f"delta={self.delta:g} >= 1/N={1.0 / self.dataset_size:.3g}: a weak guarantee "
@@ -385,8 +408,11 @@ class DPPlan:
 
     @property
     def sampling_text(self) -> str:
-        """The sampling that ran: "poisson", "shuffle", or "cyclic poisson" (BandMF, b > 1)."""
-        return "cyclic poisson" if self.bands > 1 else self.sampling
+        """The sampling that ran: "poisson", "fixed", "shuffle", "truncated poisson" (capped at
+        ``max_batch_size``), or "cyclic poisson" (BandMF, b > 1)."""
+        if self.bands > 1:
+            return "cyclic poisson"
+        return "truncated poisson" if self.max_batch_size is not None else self.sampling
 
     def _epsilon_text(self) -> str:
         if self.simulation:
@@ -394,7 +420,10 @@ class DPPlan:
                 f"own epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.run_accountant}, no useful guarantee; "
                 f"{self.sampling} sampling)"
             )
-        return f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling_text} sampling)"
+        detail = f", {REPLACE_ONE} adjacency" if self.adjacency == REPLACE_ONE else ""
+        detail += f" at most {self.max_batch_size}" if self.max_batch_size is not None else ""
+        return (f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling_text} "
+                f"sampling{detail})")  # fmt: skip
 
     def _simulation_note(self) -> str:
         sim = self.simulation
@@ -413,17 +442,19 @@ class DPPlan:
         if self.simulation:
             return ("No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
                     f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}.")  # fmt: skip
-        return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text(self.privacy_unit))
+        return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text(self.privacy_unit),
+                       replace_one=self.adjacency == REPLACE_ONE)  # fmt: skip
 
     def planned_odds(self) -> str | None:
         """The planned run's guarantee after all its steps as an attacker's odds, one line for the
         run header (``dpscale.privacy.tradeoff``); None where the epsilon is no guarantee of the
-        sampling that runs (no noise, a TAN simulation, shuffled batches)."""
-        if not self.is_private or self.simulation is not None or self.sampling != "poisson":
+        sampling that runs (no noise, a TAN simulation)."""
+        if not self.is_private or self.simulation is not None:
             return None
         accountant = history_accountant(  # the history _planned_epsilon composed (cached)
             sample_rate=self.participation_rate, noise_multiplier=self.noise_multiplier,
             steps=self.compositions(self.steps), kind=self.accountant, releases=self.releases,
+            batches=self.batch_sampling,
         )  # fmt: skip
         odds = attacker_odds(accountant, "person" if self.user_level else "image")
         return f"After all {self.steps} steps, {odds['odds']} ({format_odds(odds)})."
@@ -478,7 +509,7 @@ class DPPlan:
 
         return make_sampler(
             self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size, bands=self.bands,
-            partition_seed=partition_seed, start_step=start_step,
+            partition_seed=partition_seed, start_step=start_step, max_batch_size=self.max_batch_size,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -500,9 +531,19 @@ class DPPlan:
             f"{self._mechanism_text()}: {self._units_text()}, B={self.batch_size:g}, q={self.sample_rate:.5g}, "
             f"S={self.steps}, sigma={self.noise_multiplier:.5g}, {describe_clip(self.max_grad_norm)}, "
             f"{self._epsilon_text()}, "
-            f"eps_TAN={self.eps_tan:.4g}{tan_note}"
+            f"eps_TAN={self.eps_tan:.4g}{tan_note}{self._cap_text()}"
             + (f"; {self.adaptive.describe(self.noise_multiplier)}" if self.adaptive is not None else "")
         )
+
+    def _cap_text(self) -> str:
+        """What a batch cap costs: the uncapped Poisson epsilon at the same sigma, beside the plan's."""
+        if self.max_batch_size is None or self.simulation is not None:
+            return ""
+        uncapped = compute_epsilon(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier,
+                                   steps=self.steps, delta=self.delta, kind="pld", releases=self.releases)  # fmt: skip
+        return (f"; batches capped at {self.max_batch_size} examples (truncated Poisson, P(cut) per step "
+                f"{truncation_rate(self.dataset_size, self.sample_rate, self.max_batch_size):.2g}): the cap costs "
+                f"epsilon {self.epsilon - uncapped:+.3g} over uncapped Poisson's {uncapped:.4g}")  # fmt: skip
 
     def _mechanism_text(self) -> str:
         """The mechanism's name in the header; for BandMF its bands, sampling and accounting."""
@@ -553,6 +594,7 @@ def check_plan_matches(
     releases: tuple[AccountingSegment, ...] = (),
     correlated: BandsRequest | None = None,
     adaptive: AdaptiveClipping | None = None,
+    max_batch_size: int | str | None = None,
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
@@ -570,7 +612,9 @@ def check_plan_matches(
             strategy itself is kept, never re-optimised).
         adaptive: adaptive clipping's settings now (they must match; the current C is the
             mechanism state's).
+        max_batch_size: the batch cap now (a number must match; "auto" keeps the cap it chose).
     """
+    releases = releases_under(releases, plan.batch_sampling)  # as make_dp_plan labelled them
     _check_source_releases(plan, releases)
     simulated = is_simulation(batch_size, simulated_batch_size)
     expected = {
@@ -582,9 +626,11 @@ def check_plan_matches(
         "delta": delta,
         "target_epsilon": target_epsilon,
         "sampling": sampling,
-        "accountant": accountant,
+        "accountant": accountant_for(sampling, max_batch_size, accountant),
         "adaptive": adaptive,
     }
+    if max_batch_size != "auto":
+        expected["max_batch_size"] = max_batch_size
     expected["mechanism"] = "dpsgd" if correlated is None else "bandmf"
     if correlated is not None and correlated.bands != "auto":
         expected["bands"] = int(correlated.bands)
@@ -640,6 +686,7 @@ def make_dp_plan(
     adaptive: AdaptiveClipping | None = None,
     privacy_unit: str = "example",
     max_examples_per_user: int | None = None,
+    max_batch_size: int | str | None = None,
 ) -> DPPlan:
     """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
     ``noise_multiplier`` checked against it.
@@ -650,7 +697,9 @@ def make_dp_plan(
             sqrt(sum_g C_g^2)); None: no clipping, non-private runs only. delta: the guarantee's delta.
         target_epsilon: calibrate sigma to spend this; noise_multiplier: sigma, given (0: not private).
         simulated_batch_size: a TAN simulation of this run at that batch size (see below).
-        sampling: "poisson" (what the accountant assumes) or "shuffle"; accountant: "pld" or "rdp".
+        sampling: "poisson", "fixed" (B distinct examples each step, replace-one adjacency, RDP) or
+            "shuffle" (accounted without amplification); accountant: "pld" or "rdp" (replaced by the
+            one that composes the sampling, ``accountant_for``).
         releases: one-off Gaussian mechanisms on the data before training (see
             ``dpscale.privacy.gaussian_release``), and the history of a checkpoint extractor's or model.init run
             on the same data; sigma is calibrated for the composition.
@@ -661,6 +710,8 @@ def make_dp_plan(
         adaptive: adaptive clipping (C_0 = max_grad_norm); sigma is the joint release's, as calibrated.
         privacy_unit: "example", or "user": then dataset_size and batch_size count users (q = B / U),
             and ``max_examples_per_user`` (k >= 1) bounds a drawn user's examples per step.
+        max_batch_size: cap Poisson batches at this many examples (truncated Poisson, PLD), "auto"
+            for the smallest cap within 1% of the uncapped epsilon (``smallest_free_cap``), or None.
 
     Returns:
         The plan (the TAN simulation's, with ``simulated_batch_size``).
@@ -680,11 +731,22 @@ def make_dp_plan(
     if batch_size > dataset_size:
         units = "users" if privacy_unit == "user" else "the training set"
         raise ConfigError(f"dp.batch_size={batch_size} is larger than {units} (N={dataset_size})")
-    q = batch_size / dataset_size
     releases = tuple(releases)
+    check_sampling_settings(sampling, max_batch_size, batch_size=batch_size, adaptive=adaptive is not None,
+                            simulated=is_simulation(batch_size, simulated_batch_size), bandmf=correlated is not None)  # fmt: skip
+    q = batch_size / dataset_size
+    accountant = accountant_for(sampling, max_batch_size, accountant)
     noise_plan = None
+    cap = None
     if correlated is None:
-        sigma, calibrated = _noise_for(target_epsilon, noise_multiplier, delta, q, steps, accountant, releases)
+        noise_for = functools.partial(_noise_for, noise_multiplier=noise_multiplier, delta=delta, q=q, steps=steps,
+                                      accountant=accountant)  # fmt: skip
+        if sampling == "poisson":
+            sigma, calibrated, cap = _noise_and_cap(noise_for, target_epsilon, max_batch_size, dataset_size=dataset_size,
+                                                    batch_size=batch_size, steps=steps, delta=delta, releases=releases)  # fmt: skip
+        else:  # fixed-size or shuffled batches: the releases join their replace-one history
+            releases = _releases_for(releases, _batches_of(sampling, dataset_size, None))
+            sigma, calibrated = noise_for(target_epsilon, releases=releases, batches=_batches_of(sampling, dataset_size, None))
     else:
         check_bandmf_settings(
             sampling=sampling, simulated=is_simulation(batch_size, simulated_batch_size),
@@ -692,17 +754,20 @@ def make_dp_plan(
         )  # fmt: skip
         noise_plan, sigma, calibrated = choose_bands(
             correlated, steps=steps, sample_rate=q, sigma_for=lambda b: _noise_for(
-                target_epsilon, noise_multiplier, delta, min(1.0, b * q), compositions(steps, b), accountant, releases
+                target_epsilon, noise_multiplier=noise_multiplier, delta=delta, q=min(1.0, b * q),
+                steps=compositions(steps, b), accountant=accountant, releases=releases,
             ),
         )  # fmt: skip
     bands = noise_plan.bands if noise_plan is not None else 1
-    epsilon = _planned_epsilon(q, sigma, bands, steps, delta, accountant, releases, target_epsilon)
+    epsilon = _planned_epsilon(q, sigma, bands, steps, delta, accountant, releases, target_epsilon,
+                               _batches_of(sampling, dataset_size, cap))  # fmt: skip
     plan = DPPlan(
         dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
         accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
         extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
         adaptive=adaptive, privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
+        max_batch_size=cap,
     )  # fmt: skip
     if adaptive is not None:
         try:
@@ -712,9 +777,46 @@ def make_dp_plan(
     return simulate_plan(plan, simulated_batch_size) if is_simulation(batch_size, simulated_batch_size) else plan
 
 
+def _noise_and_cap(
+    noise_for: Callable[..., tuple[float, bool]], target_epsilon: float | None, max_batch_size: int | str | None, *,
+    dataset_size: int, batch_size: float, steps: int, delta: float, releases: tuple[AccountingSegment, ...],
+) -> tuple[float, bool, int | None]:  # fmt: skip
+    """(sigma, calibrated, cap) of a DP-SGD plan with Poisson batches, capped or not.
+
+    A given cap: sigma calibrated (or checked) for the truncated event. "auto": sigma calibrated for
+    uncapped Poisson batches at target / 1.01, then the smallest cap within 1% of that epsilon at that
+    sigma (``resolve_batch_cap``): the capped run spends at most the target without a second, ~10x dearer,
+    calibration on the truncated event (it forgoes < 1% of the budget)."""
+    if max_batch_size != AUTO_CAP:
+        cap = resolve_batch_cap(max_batch_size, dataset_size=dataset_size, batch_size=batch_size, steps=steps,
+                                delta=delta, releases=releases, noise_multiplier=None)  # fmt: skip
+        batches = POISSON if cap is None else BatchSampling("truncated", dataset_size, cap)
+        return (*noise_for(target_epsilon, releases=releases, batches=batches), cap)
+    aim = None if target_epsilon is None else target_epsilon / (1 + FREE_CAP_TOLERANCE)
+    sigma, calibrated = noise_for(aim, releases=releases, batches=POISSON)
+    cap = resolve_batch_cap(AUTO_CAP, dataset_size=dataset_size, batch_size=batch_size, steps=steps, delta=delta,
+                            releases=releases, noise_multiplier=sigma)  # fmt: skip
+    return sigma, calibrated, cap
+
+
+def _batches_of(sampling: str, dataset_size: int, cap: int | None) -> BatchSampling:
+    """The accountant's view of a plan's sampler (``DPPlan.batch_sampling``, before the plan exists)."""
+    if sampling == "poisson":
+        return POISSON if cap is None else BatchSampling("truncated", dataset_size, cap)
+    return BatchSampling(sampling, dataset_size)
+
+
+def _releases_for(releases: Sequence[AccountingSegment], batches: BatchSampling) -> tuple[AccountingSegment, ...]:
+    """``releases_under`` as a ConfigError (a source run's Poisson steps in a replace-one run)."""
+    try:
+        return releases_under(releases, batches)
+    except ValueError as err:
+        raise ConfigError(f"dp.sampling={batches.mode}: {err}") from err
+
+
 def _planned_epsilon(
     q: float, sigma: float, bands: int, steps: int, delta: float, accountant: str,
-    releases: tuple[AccountingSegment, ...], target_epsilon: float | None,
+    releases: tuple[AccountingSegment, ...], target_epsilon: float | None, batches: BatchSampling = POISSON,
 ) -> float:  # fmt: skip
     """Epsilon after all ``steps`` (ceil(S/b) compositions at p = b*q; inf without noise).
 
@@ -725,7 +827,7 @@ def _planned_epsilon(
         return math.inf
     epsilon = compute_epsilon(
         sample_rate=min(1.0, q * bands), noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
-        kind=accountant, releases=releases,
+        kind=accountant, releases=releases, batches=batches,
     )  # fmt: skip
     if target_epsilon is not None and epsilon > target_epsilon:
         what = " with " + ", ".join(r.label for r in releases) if releases else ""
@@ -769,16 +871,17 @@ def _check_adaptive(
 
 
 def _noise_for(
-    target_epsilon: float | None, noise_multiplier: float | None, delta: float, q: float, steps: int, accountant: str,
-    releases: tuple[AccountingSegment, ...],
+    target_epsilon: float | None, *, noise_multiplier: float | None, delta: float, q: float, steps: int,
+    accountant: str, releases: tuple[AccountingSegment, ...], batches: BatchSampling = POISSON,
 ) -> tuple[float, bool]:  # fmt: skip
     """(sigma, whether it was calibrated): the given noise, or the one that spends ``target_epsilon``."""
     if noise_multiplier is not None:
         return float(noise_multiplier), False
     try:
         sigma = calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps, kind=accountant, releases=releases
-        )
+            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps, kind=accountant, releases=releases,
+            batches=batches,
+        )  # fmt: skip
         return sigma, True
     except ValueError as err:
         raise ConfigError(f"{err}{_source_run_hint(releases)}") from err

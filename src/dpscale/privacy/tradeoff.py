@@ -86,12 +86,15 @@ def gaussian_tpr(mu: float, fpr: float) -> float:
     return float(norm.cdf(norm.ppf(fpr) + mu))
 
 
-def odds_sentence(tpr: dict[float, float], unit: str = "image") -> str:
-    """One plain sentence for reports: the 1% false-positive row."""
+def odds_sentence(tpr: dict[float, float], unit: str = "image", replace_one: bool = False) -> str:
+    """One plain sentence for reports: the 1% false-positive row (under replace-one adjacency the
+    test tells which of two images was used, the other in its place)."""
     at_one = tpr.get(0.01)
     if at_one is None:
         return ""
-    return (f"no membership test can tell whether any one {unit} was used with better than "
+    question = (f"which of two {unit}s was used (one in the other's place)" if replace_one
+                else f"whether any one {unit} was used")  # fmt: skip
+    return (f"no membership test can tell {question} with better than "
             f"{100 * at_one:.1f}% true positives at 1% false positives")  # fmt: skip
 
 
@@ -107,11 +110,12 @@ def attacker_odds(accountant: Any, unit: str = "image") -> dict[str, Any]:
         maximal membership-test TPR at each reported FPR, the mu-GDP reading, where both come from
         (the PLD's profile is tight; the RDP curve's deltas are valid but looser), the sentence.
     """
-    return profile_odds(accountant.privacy_profile(), accountant.kind, unit)
+    return profile_odds(accountant.privacy_profile(), accountant.kind, unit, accountant.adjacency == "replace-one")
 
 
-def profile_odds(profile: Profile, kind: str, unit: str = "image") -> dict[str, Any]:
-    """``attacker_odds`` of a privacy profile computed by ``kind`` ("pld" or "rdp")."""
+def profile_odds(profile: Profile, kind: str, unit: str = "image", replace_one: bool = False) -> dict[str, Any]:
+    """``attacker_odds`` of a privacy profile computed by ``kind`` ("pld" or "rdp"), under
+    replace-one adjacency when ``replace_one``."""
     deltas = np.asarray(profile(EPSILON_GRID), dtype=np.float64)  # evaluated once for both readings
     tpr = tpr_at_fpr(lambda eps: deltas)
     source = "the composed PLD's privacy profile" if kind == "pld" else "the RDP curve (valid, looser than PLD)"
@@ -119,7 +123,7 @@ def profile_odds(profile: Profile, kind: str, unit: str = "image") -> dict[str, 
         "tpr_at_fpr": {f"{a:g}": t for a, t in tpr.items()},
         "gdp_mu": gdp_mu(lambda eps: deltas),
         "odds_from": source,
-        "odds": odds_sentence(tpr, unit),
+        "odds": odds_sentence(tpr, unit, replace_one),
     }
 
 

@@ -254,9 +254,8 @@ class DPMechanism:
         if self.plan.is_private and self.steps_taken % self.plan.bands == 0:
             # DP-SGD: one composition per step. BandMF: one per b steps, at p = b*q, counted when
             # its first step runs (an example joins at most one step of each b).
-            self.accountant.step(
-                sample_rate=self.plan.participation_rate, noise_multiplier=self.plan.noise_multiplier
-            )  # fmt: skip
+            self.accountant.step(sample_rate=self.plan.participation_rate, noise_multiplier=self.plan.noise_multiplier,
+                                 batches=self.plan.batch_sampling)  # fmt: skip
         self.steps_taken += 1
         return stats
 

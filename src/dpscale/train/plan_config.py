@@ -36,7 +36,7 @@ def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> dict[str, An
         "batch_size": dp.batch_size, "max_grad_norm": config_clip_bounds(dp, names), "delta": dp.delta,
         "target_epsilon": dp.epsilon, "noise_multiplier": dp.noise_multiplier,
         "simulated_batch_size": dp.simulated_batch_size, "sampling": dp.sampling, "accountant": dp.accountant,
-        "adaptive": adaptive_request(dp),
+        "adaptive": adaptive_request(dp), "max_batch_size": dp.max_batch_size,
     }  # fmt: skip
 
 

@@ -130,6 +130,7 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "steps": trainer.step,
         "epochs": trainer.epochs_done(trainer.step),
         "sampling": plan.sampling_text,  # what ran: "cyclic poisson" for BandMF with b > 1
+        "adjacency": plan.adjacency,
         "accountant": plan.accountant,
         "mechanism": plan.mechanism,
         # BandMF: b, why, its strategy and amplified accounting (ceil(S/b) compositions at p = b*q)
@@ -160,9 +161,9 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
 def odds_summary(trainer: Trainer) -> dict[str, Any]:
     """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff``), from the run's own
     accountant; none where the printed epsilon is not a guarantee of this run's sampling (a TAN
-    simulation, shuffled batches: their Poisson accounting does not describe what ran)."""
+    simulation: its accounting is of another run)."""
     plan = trainer.built.plan
-    if not plan.is_private or plan.simulation is not None or plan.sampling != "poisson":
+    if not plan.is_private or plan.simulation is not None:
         return dict(NO_ODDS)
     return attacker_odds(trainer.mechanism.accountant, "person" if plan.privacy_unit == "user" else "image")
 

@@ -1,0 +1,99 @@
+"""A plan's batch sampler: which settings go together, which accountant composes it, and the
+batch cap ``dp.max_batch_size`` resolves to (torch-free; ``dpscale.privacy.batch_sampling`` has the
+samplers' accounting)."""
+
+from __future__ import annotations
+
+from dpscale.data.sampling_modes import SAMPLING_MODES
+from dpscale.errors import ConfigError
+from dpscale.privacy.accountant import AccountingSegment, smallest_free_cap
+from dpscale.privacy.batch_sampling import ACCOUNTANTS_OF
+
+AUTO_CAP = "auto"
+
+
+def accountant_for(sampling: str, max_batch_size: int | str | None, requested: str) -> str:
+    """The accountant a plan uses: ``requested``, unless dp_accounting composes the sampler with
+    another only (fixed-size batches: RDP; capped Poisson batches: PLD)."""
+    mode = "truncated" if sampling == "poisson" and max_batch_size is not None else sampling
+    kinds = ACCOUNTANTS_OF.get(mode, (requested,))
+    return requested if requested in kinds else kinds[0]
+
+
+def check_sampling_settings(
+    sampling: str, max_batch_size: int | str | None, *, batch_size: float, adaptive: bool, simulated: bool,
+    bandmf: bool,
+) -> None:  # fmt: skip
+    """Refuse a sampler the plan cannot account, in one line.
+
+    Raises:
+        ConfigError: an unknown sampling; a cap other than a positive integer, "auto" or null, or one
+            with fixed-size or shuffled batches, BandMF or a TAN simulation; fixed-size batches of a
+            fractional B; fixed-size or shuffled batches with adaptive clipping or a TAN simulation.
+    """
+    if sampling not in SAMPLING_MODES:
+        raise ConfigError(f"dp.sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}")
+    if max_batch_size is not None:
+        _check_cap(sampling, max_batch_size, bandmf=bandmf, simulated=simulated)
+    if sampling == "poisson":
+        return
+    if batch_size != int(batch_size):
+        raise ConfigError(f"dp.sampling={sampling} draws exactly B examples: dp.batch_size must be an integer, got {batch_size}")
+    clash = "dp.clipping=adaptive" if adaptive else "a TAN simulation (dp.simulated_batch_size)" if simulated else None
+    if clash:
+        raise ConfigError(
+            f"dp.sampling={sampling} is accounted under replace-one adjacency, which {clash} is not written for; "
+            "use dp.sampling=poisson"
+        )
+
+
+def _check_cap(sampling: str, cap: int | str, *, bandmf: bool, simulated: bool) -> None:
+    """Refuse a batch cap that is not a positive integer or "auto", or that caps no Poisson batch."""
+    if cap != AUTO_CAP and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ConfigError(f"dp.max_batch_size must be a positive integer, {AUTO_CAP} or null, got {cap!r}")
+    clash = (
+        f"dp.sampling={sampling} (its batches are exactly B already)" if sampling != "poisson"
+        else "dp.mechanism=bandmf (cyclic Poisson sampling)" if bandmf
+        else "a TAN simulation (dp.simulated_batch_size)" if simulated
+        else None
+    )  # fmt: skip
+    if clash:
+        raise ConfigError(f"dp.max_batch_size caps Poisson batches (truncated Poisson sampling); not with {clash}")
+
+
+def resolve_batch_cap(
+    max_batch_size: int | str | None, *, dataset_size: int, batch_size: float, steps: int, delta: float,
+    releases: tuple[AccountingSegment, ...], noise_multiplier: float | None,
+) -> int | None:  # fmt: skip
+    """The batch cap a plan runs with.
+
+    Args:
+        max_batch_size: a cap, "auto" or None (uncapped).
+        dataset_size, batch_size, steps, delta, releases: the plan's N, B, S, delta and releases.
+        noise_multiplier: sigma, at which "auto" compares caps (None for a given cap).
+
+    Returns:
+        the cap M, or None where nothing is cut (no cap asked, or one of N or more). "auto": the
+        smallest cap whose epsilon is within 1% of uncapped Poisson sampling's at ``noise_multiplier``.
+
+    Raises:
+        ConfigError: "auto" for a non-private run.
+    """
+    if max_batch_size is None:
+        return None
+    if max_batch_size == AUTO_CAP:
+        if not (noise_multiplier or 0) > 0:
+            raise ConfigError("dp.max_batch_size=auto chooses a cap for a private run; a non-private one needs none")
+        max_batch_size = smallest_free_cap(
+            dataset_size=dataset_size, batch_size=batch_size, noise_multiplier=noise_multiplier, steps=steps,
+            delta=delta, releases=releases,
+        ).max_batch_size  # fmt: skip
+    return None if max_batch_size >= dataset_size else int(max_batch_size)
+
+
+def truncation_rate(dataset_size: int, sample_rate: float, cap: int) -> float:
+    """P(a Poisson batch has more than ``cap`` examples) = P(Binomial(N, q) > cap): the share of
+    steps whose batch the cap cuts."""
+    from scipy.stats import binom  # scipy: dp_accounting's dependency already
+
+    return float(binom.sf(cap, dataset_size, sample_rate))
