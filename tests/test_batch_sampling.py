@@ -220,3 +220,28 @@ def test_bad_sampling_settings_are_refused_in_one_line(settings, pattern):
                "noise_multiplier": 1.0} | settings  # fmt: skip
     with pytest.raises(ConfigError, match=pattern):
         make_dp_plan(**numbers)
+
+
+# ------------------------------------------------------------------------------------------ dpscale account
+@pytest.mark.parametrize("sampling", ["fixed", "shuffle"])
+def test_dpscale_account_accounts_each_sampler_and_says_its_adjacency(sampling, capsys):
+    import json
+
+    from dpscale.cli import main
+
+    args = ["account", "--dataset-size", "60000", "--batch-size", "256", "--noise", "1.1", "--steps", "2000",
+            "--sampling", sampling, "--json"]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    batches = BatchSampling(sampling, N)
+    kind = "rdp" if sampling == "fixed" else "pld"
+    expected = compute_epsilon(sample_rate=B / N, noise_multiplier=SIGMA, steps=STEPS, delta=DELTA, kind=kind,
+                               batches=batches)  # fmt: skip
+    assert result["epsilon"] == expected and result["accountant"] == kind and result["adjacency"] == "replace-one"
+    assert set(result["tpr_at_fpr"]) >= {"0.001", "0.01", "0.1"} and result["gdp_mu"] > 0
+    assert result["wall_warning"] is None  # no Poisson eps_TAN reading of a replace-one epsilon
+    assert main(args[:-1]) == 0
+    out = capsys.readouterr().out
+    assert "replace-one" in out and "which of two images was used" in out and f"{expected:.4f}" in out
+    assert main(args + ["--max-batch-size", "300"]) == 2
+    assert "is not accounted with --max-batch-size" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
+from dpscale.data.sampling_modes import SAMPLING_MODES
 from dpscale.cli.args import number_arg, refusals_as_config_errors
 from dpscale.errors import ConfigError
 
@@ -19,6 +20,7 @@ def _cmd_account(args: argparse.Namespace) -> int:
     _check_account_args(args)
     _check_unit_args(args)
     _check_cap_args(args)
+    _check_sampling_args(args)
     releases = _feature_releases(args.data_norm_noise, args.feature_mean_noise)
     if args.mechanism == "bandmf":
         result = _account_bandmf(args, releases)
@@ -86,6 +88,31 @@ def _check_account_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
+
+
+def _check_sampling_args(args: argparse.Namespace) -> None:
+    """Refuse what fixed-size or shuffled batches are not accounted with here, and set the accountant
+    that composes them (fixed: RDP, the only one dp_accounting has for sampling without replacement)."""
+    if args.sampling == "poisson":
+        return
+    refused = [(args.mechanism == "bandmf", "--mechanism bandmf (cyclic Poisson sampling)"),
+               (args.unit == "user", "--unit user (people are Poisson-sampled)"),
+               (args.group_size is not None, "--group-size (the group reading is written for add/remove adjacency)"),
+               (args.max_batch_size is not None, "--max-batch-size (it caps Poisson batches)"),
+               (args.batch_size != int(args.batch_size), f"a fractional --batch-size {args.batch_size}")]  # fmt: skip
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"--sampling {args.sampling} is not accounted with {what}")
+    from dpscale.privacy.sampling_plan import accountant_for
+
+    args.accountant = accountant_for(args.sampling, None, args.accountant)
+
+
+def _batches(args: argparse.Namespace) -> Any:
+    """The accountant's view of --sampling (``dpscale.privacy.batch_sampling``)."""
+    from dpscale.privacy.batch_sampling import POISSON, BatchSampling
+
+    return POISSON if args.sampling == "poisson" else BatchSampling(args.sampling, args.dataset_size)
 
 
 def _check_cap_args(args: argparse.Namespace) -> None:
@@ -172,7 +199,8 @@ def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
         if have_length:
             raise ConfigError("give two of --noise, --target-epsilon and --epochs/--steps: the third is computed from them")
         with refusals_as_config_errors():  # e.g. a delta the PLD accountant cannot resolve
-            steps = calibrate_steps(**budget, noise_multiplier=args.noise, kind=args.accountant, releases=releases)
+            steps = calibrate_steps(**budget, noise_multiplier=args.noise, kind=args.accountant, releases=releases,
+                                    batches=_batches(args))  # fmt: skip
         if steps == 0:
             raise ConfigError(f"not even one step fits in epsilon={args.target_epsilon} with noise {args.noise}")
         return "steps", args.noise, steps
@@ -182,7 +210,8 @@ def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
     if args.noise is not None:
         return "epsilon", args.noise, steps
     with refusals_as_config_errors():  # e.g. a budget that no noise reaches
-        sigma = calibrate_noise_multiplier(**budget, steps=steps, kind=args.accountant, releases=releases)
+        sigma = calibrate_noise_multiplier(**budget, steps=steps, kind=args.accountant, releases=releases,
+                                           batches=_batches(args))  # fmt: skip
     return "noise_multiplier", sigma, steps
 
 
@@ -194,11 +223,12 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
     q = args.batch_size / args.dataset_size
     mechanism = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, "delta": args.delta, "kind": args.accountant}
     with refusals_as_config_errors():  # e.g. a delta the PLD accountant cannot resolve
-        epsilon = compute_epsilon(**mechanism, releases=releases)
-        alone = compute_epsilon(**mechanism) if releases and sigma < PRIVACY_WALL_SIGMA else epsilon
+        epsilon = compute_epsilon(**mechanism, releases=releases, batches=_batches(args))
+        alone = compute_epsilon(**mechanism, batches=_batches(args)) if releases and sigma < PRIVACY_WALL_SIGMA else epsilon
     tan = eps_tan(q, sigma, steps, args.delta)
     # eps_TAN describes the DP-SGD steps alone: compare it with their epsilon below the wall
-    wall_warning = privacy_wall_warning(alone, sigma, tan) if sigma < PRIVACY_WALL_SIGMA else None
+    # (for fixed-size or shuffled batches their replace-one epsilon is not eps_TAN's Poisson one: no wall reading)
+    wall_warning = privacy_wall_warning(alone, sigma, tan) if sigma < PRIVACY_WALL_SIGMA and args.sampling == "poisson" else None
     return {
         "epsilon": epsilon,
         "delta": args.delta,
@@ -212,7 +242,8 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
         "eps_tan": tan,
         "solved_for": solved,
         "target_epsilon": args.target_epsilon,
-        "sampling": "poisson",
+        "sampling": args.sampling,
+        "adjacency": _batches(args).adjacency,
         "data_norm_noise": args.data_norm_noise,
         "feature_mean_noise": args.feature_mean_noise,
         "wall_warning": wall_warning,
@@ -228,7 +259,8 @@ def _odds_fields(args: argparse.Namespace, sigma: float, steps: int, releases: t
     from dpscale.privacy.tradeoff import attacker_odds
 
     accountant = history_accountant(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma,
-                                    steps=steps, kind=args.accountant, releases=releases)  # fmt: skip
+                                    steps=steps, kind=args.accountant, releases=releases,
+                                    batches=_batches(args))  # fmt: skip
     with refusals_as_config_errors():
         return attacker_odds(accountant, "person" if args.unit == "user" else "image")
 
@@ -243,7 +275,7 @@ def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
         "unit": args.unit,
         "unit_text": words,
         "examples_per_user": args.examples_per_user,
-        "meaning": meaning(epsilon=epsilon, delta=args.delta, unit_words=words),
+        "meaning": meaning(epsilon=epsilon, delta=args.delta, unit_words=words, replace_one=args.sampling != "poisson"),
     }
 
 
@@ -286,9 +318,12 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
     people = result["unit"] == "user"
     print(
-        f"DP-SGD with Poisson sampling{' of people' if people else ''} q = {b}/{n} = {q:.6g}, noise multiplier "
-        f"sigma = {sigma:.6g}, {steps} steps ({steps * q:.4g} {'passes over the people' if people else 'epochs'})"
+        f"DP-SGD with {SAMPLING_WORDS[result['sampling']]}{' of people' if people else ''} q = {b}/{n} = {q:.6g}, "
+        f"noise multiplier sigma = {sigma:.6g}, {steps} steps ({steps * q:.4g} "
+        f"{'passes over the people' if people else 'epochs'})"
     )
+    if result["sampling"] != "poisson":
+        print(f"  {SAMPLING_NOTES[result['sampling']]}")
     if people:
         k = f"{result['examples_per_user']} images each; " if result["examples_per_user"] else ""
         print(f"  privacy unit: one person ({k}each person's summed gradient is clipped to C, so epsilon does not "
@@ -305,6 +340,7 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
               f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs +{cost:.1f}%")
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
     alone = " (DP-SGD steps alone)" if with_releases else ""
+    alone += "" if result["sampling"] == "poisson" else " (of Poisson sampling: no estimate of this sampling)"
     print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
     if result["wall_warning"]:
         print(f"WARNING: {result['wall_warning']}")
@@ -340,6 +376,17 @@ def _print_group(group: dict[str, Any], epsilon: float, delta: float) -> None:
         f"({k} x {group['example_epsilon']:.4f}, the run's epsilon at delta' = {group['example_delta']:.3g})"
     )
     print("  " + group["meaning"])
+
+
+SAMPLING_WORDS = {"poisson": "Poisson sampling", "fixed": "fixed-size batches (without replacement each step)",
+                  "shuffle": "shuffled fixed-size batches"}  # fmt: skip
+SAMPLING_NOTES = {
+    "fixed": "replace-one adjacency (one image replaced by another): dp_accounting's SampledWithoutReplacementDpEvent, "
+             "RDP, noise multiplier sigma/2 (the clipped sum moves by up to 2C)",
+    "shuffle": "no amplification by sampling: each image in at most one step per epoch, the epochs' Gaussians (noise "
+               "multiplier sigma/2, replace-one adjacency) composed; Chua et al. 2024 show the Poisson epsilon does "
+               "not cover shuffling. --sampling fixed keeps fixed-size batches with amplification",
+}  # fmt: skip
 
 
 def add_account_parser(sub: argparse._SubParsersAction) -> None:
@@ -379,5 +426,8 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--max-batch-size", default=None, metavar="M|auto",
                      help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap within 1%% "
                      "of the uncapped epsilon")
+    acc.add_argument("--sampling", choices=SAMPLING_MODES, default="poisson",
+                     help="poisson (default); fixed: B distinct examples each step (RDP, replace-one adjacency); "
+                     "shuffle: a permutation per epoch, accounted without amplification")
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)

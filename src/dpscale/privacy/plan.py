@@ -326,8 +326,10 @@ class DPPlan:
         )  # fmt: skip
 
     def wall_warning(self) -> str | None:
-        """The privacy-wall warning for the DP-SGD steps (of the reference run, for a simulation), or None."""
-        if not self.is_private:
+        """The privacy-wall warning for the DP-SGD steps (of the reference run, for a simulation), or None
+        (also for fixed-size or shuffled batches: their replace-one epsilon is no Poisson one to set
+        against eps_TAN)."""
+        if not self.is_private or self.adjacency == REPLACE_ONE:
             return None
         sim = self.simulation
         q, sigma = (sim.sample_rate, sim.noise_multiplier) if sim else (self.participation_rate, self.noise_multiplier)
@@ -518,6 +520,8 @@ class DPPlan:
         if not self.is_private:
             return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}{extractor}"
         tan_note = " (TAN's estimate, Sander et al. 2023)"  # the privacy-wall warning says when it is optimistic
+        if self.adjacency == REPLACE_ONE:
+            tan_note = " (TAN's estimate for Poisson sampling, Sander et al. 2023; not of this sampling)"
         if self.releases:  # eps_TAN describes the DP-SGD steps alone
             tan_note += "; composed with " + ", ".join(_release_text(r) for r in self.releases)
         tan_note += extractor
