@@ -245,3 +245,69 @@ def test_dpscale_account_accounts_each_sampler_and_says_its_adjacency(sampling, 
     assert "replace-one" in out and "which of two images was used" in out and f"{expected:.4f}" in out
     assert main(args + ["--max-batch-size", "300"]) == 2
     assert "is not accounted with --max-batch-size" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ make_private, dpscale train
+SAMPLERS = [("fixed", None), ("poisson", 40), ("shuffle", None)]
+
+
+def _own_run(sampling, cap, state=None, steps_to_take=None):
+    import dpscale
+
+    torch.manual_seed(0)
+    x, y = torch.randn(300, 5), torch.randint(0, 3, (300,))
+    model = torch.nn.Linear(5, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    mechanism = dpscale.make_private(model, optimizer, dataset_size=300, batch_size=30, max_grad_norm=1.0,
+                                     noise_multiplier=1.0, delta=1e-5, steps=5, seed=7, sampling=sampling,
+                                     max_batch_size=cap)  # fmt: skip
+    if state is not None:
+        mechanism.load_state_dict(state["mechanism"])
+    sizes = []
+    for taken, indices in enumerate(mechanism.batches()):
+        sizes.append(len(indices))
+        mechanism.step(x[indices], y[indices])
+        if steps_to_take is not None and taken + 1 == steps_to_take:
+            break
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "mechanism": mechanism.state_dict()}
+    return model, mechanism, sizes, saved
+
+
+@pytest.mark.parametrize("sampling, cap", SAMPLERS)
+def test_make_private_runs_each_sampler_accounts_it_and_resumes_bit_identically(sampling, cap):
+    model, mechanism, sizes, _ = _own_run(sampling, cap)
+    plan = mechanism.plan
+    batches = plan.batch_sampling
+    assert batches.mode == ("truncated" if cap else sampling) and len(sizes) == 5
+    assert all(s == 30 for s in sizes) if sampling != "poisson" else all(s <= cap for s in sizes)
+    expected = compute_epsilon(sample_rate=0.1, noise_multiplier=1.0, steps=5, delta=1e-5, kind=plan.accountant,
+                               batches=batches)  # fmt: skip
+    assert mechanism.epsilon() == expected == plan.epsilon
+    _, _, _, halfway = _own_run(sampling, cap, steps_to_take=2)
+    resumed, again, rest, _ = _own_run(sampling, cap, state=halfway)
+    assert len(rest) == 3 and again.epsilon() == expected
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+
+
+@pytest.mark.parametrize("sampling, cap", SAMPLERS)
+def test_dpscale_train_resumes_each_sampler_bit_identically(tmp_path, sampling, cap):
+    """A checkpoint after 1 of 3 steps, resumed, ends on the uninterrupted run's weights and epsilon."""
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer
+
+    finals = []
+    for name, stop in (("whole", None), ("resumed", 1)):
+        config = load_config(None, [f"run.out_dir={tmp_path / name}", "run.seed=3", "model.name=linear", "dp.batch_size=64",
+                                    "train.steps=3", f"dp.sampling={sampling}", f"dp.max_batch_size={cap or 'null'}",
+                                    "dp.epsilon=null", "dp.noise_multiplier=1.0", "train.eval_every_epochs=100"])  # fmt: skip
+        trainer = Trainer.create(config, progress=False)
+        summary = trainer.run(max_steps=stop)
+        if stop is not None:
+            trainer = Trainer.resume(tmp_path / name, progress=False)
+            summary = trainer.run()
+        finals.append((torch.cat([p.detach().flatten() for p in trainer.model.parameters()]), summary["epsilon"]))
+        assert trainer.mechanism.accountant.history[-1].batches == trainer.plan.batch_sampling
+    assert torch.equal(finals[0][0], finals[1][0]) and finals[0][1] == finals[1][1]

@@ -95,9 +95,11 @@ def make_private(
     clipping: str = "fixed", clip_quantile: float = 0.5, clip_learning_rate: float = 0.2,
     clip_count_noise: float | None = None,
     user_ids: Sequence[Any] | np.ndarray | torch.Tensor | None = None, max_examples_per_user: int | None = None,
+    sampling: str = "poisson", max_batch_size: int | str | None = None,
 ) -> DPMechanism:
-    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson
-    sampling, or BandMF's correlated noise with cyclic Poisson sampling).
+    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson,
+    capped Poisson, fixed-size or shuffled batches, or BandMF's correlated noise with cyclic Poisson
+    sampling).
 
     Args:
         model, optimizer: the user's; the optimizer must hold the trainable parameters.
@@ -156,6 +158,11 @@ def make_private(
         max_examples_per_user: k, required with ``user_ids``: a drawn user contributes at most k of
             its examples per step (a fresh random k-subset when it has more); the sum of their
             gradients (each example's the mean over its AugMult views) is clipped as one to C.
+        sampling: "poisson" (default); "fixed": exactly ``batch_size`` distinct examples each step
+            (accounted with RDP under replace-one adjacency); "shuffle": a permutation per epoch
+            (accounted without amplification). docs/sampling.md.
+        max_batch_size: cap Poisson batches at this many examples (truncated Poisson, PLD), "auto"
+            (the smallest cap within 1% of the uncapped epsilon) or None.
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
@@ -173,7 +180,7 @@ def make_private(
         dataset_size=units, batch_size=batch_size, steps=total_steps, max_grad_norm=max_grad_norm, delta=delta,
         target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
         seeded=seed is not None, privacy_unit="example" if users is None else "user",
-        max_examples_per_user=max_examples_per_user,
+        max_examples_per_user=max_examples_per_user, sampling=sampling, max_batch_size=max_batch_size,
         correlated=_bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
                                   max_noise_memory_mb=max_noise_memory_mb, workload=workload),
         adaptive=adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
