@@ -9,7 +9,7 @@ ACCOUNTANT_KINDS: tuple[str, ...] = ("pld", "rdp")  # dp.accountant, --accountan
 ENGINE_NAMES: tuple[str, ...] = ("auto", "bk", "ghost", "vmap")  # train.engine (make_engine)
 PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")  # train.precision, bench --precision
 PEFT_METHODS: tuple[str, ...] = ("none", "lora", "bitfit", "last_groups")  # model.peft
-CLIPPINGS: tuple[str, ...] = ("fixed", "adaptive")  # dp.clipping, make_private(clipping=)
+CLIPPINGS: tuple[str, ...] = ("fixed", "adaptive", "automatic")  # dp.clipping, make_private(clipping=)
 BENCH_CLOCKS: tuple[str, ...] = ("wall", "thread")  # dpscale bench step-time --clock
 PRIVACY_UNITS: tuple[str, ...] = ("example", "user")  # data.privacy_unit, dpscale account --unit
 MECHANISMS: tuple[str, ...] = ("dpsgd", "bandmf")  # dp.mechanism, make_private(noise_mechanism=), --mechanism

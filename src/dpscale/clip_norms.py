@@ -131,3 +131,14 @@ def check_max_grad_norm_per(per: Any, max_grad_norm: Any) -> None:
 
 def _positive(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def check_clip_gamma(gamma: float | None) -> None:
+    """Refuse an automatic-clipping gamma that is not a positive finite number (None: fixed clipping).
+
+    Raises:
+        ValueError: one line.
+    """
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))
+                              or not 0 < gamma < math.inf):  # fmt: skip
+        raise ValueError(f"automatic clipping's gamma must be a positive number, got {gamma!r}")

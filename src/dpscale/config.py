@@ -266,9 +266,13 @@ class DPConfig:
         a b that needs more is refused (auto skips it).
     clipping: "fixed" (C = max_grad_norm throughout) or "adaptive" (Andrew et al. 2021: C starts
         at max_grad_norm and follows the clip_quantile of the per-example norms through a noisy
-        count released each step, its cost included in sigma; docs/clipping.md).
+        count released each step, its cost included in sigma; docs/clipping.md) or "automatic" (Bu
+        et al. 2023: every per-example gradient scaled by C / (||g|| + clip_gamma), so its norm is
+        below C, the sensitivity; the learning rate absorbs C, which needs no search).
     clip_quantile: adaptive: the share of examples to leave unclipped (gamma, in (0, 1)).
     clip_learning_rate: adaptive: eta, C_{t+1} = C_t exp(-eta (released share - gamma)).
+    clip_gamma: automatic: gamma of the scale C / (||g|| + gamma) (Bu et al. 2023); small next to
+        the per-example norms, so every gradient is scaled to norm ~C.
     clip_count_noise: adaptive: sigma_b, the std of the noise on the unclipped count (examples);
         null: batch_size / 20 (Andrew et al.'s recommendation).
     max_examples_per_user: k, with data.privacy_unit=user (required there): a drawn user
@@ -294,6 +298,7 @@ class DPConfig:
     clip_quantile: float = 0.5
     clip_learning_rate: float = 0.2
     clip_count_noise: float | None = None
+    clip_gamma: float = 0.01
     max_examples_per_user: int | None = None
 
 

@@ -101,7 +101,7 @@ def adaptive_clipping(
     """
     if clipping not in CLIPPINGS:
         raise ValueError(f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r}")
-    if clipping == "fixed":
+    if clipping != "adaptive":  # fixed C, or automatic clipping (the engines' clip_gamma)
         return None
     sigma_b = float(count_noise) if count_noise is not None else batch_size / 20
     return AdaptiveClipping(quantile=float(quantile), learning_rate=float(learning_rate), count_noise=sigma_b)

@@ -141,16 +141,18 @@ def blocked_sq_norms(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_factors(
-    bounds: torch.Tensor, max_grad_norm: float | None, *, release_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Per-example scale min(1, C (1 - m) / (bound + CLIP_EPS)); all ones when
-    ``max_grad_norm`` is None (no clipping).
+    bounds: torch.Tensor, max_grad_norm: float | None, *, release_dtype: torch.dtype | None = None,
+    gamma: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Per-example scale min(1, C (1 - m) / (bound + CLIP_EPS)), or with automatic clipping
+    (``gamma``) C (1 - m) / (bound + gamma); all ones when ``max_grad_norm`` is None (no clipping).
 
     Args:
         bounds: per-example bounds on the release's norm (B,) (``clip_units``: float64).
         max_grad_norm: C, or None.
         release_dtype: the type the release is computed in, whose ``clip_margin`` m applies
             (default: the bounds' type).
+        gamma: automatic clipping's stabiliser (Bu et al. 2023), > 0; None: clip to C.
 
     Returns:
         (B,) factors in the bounds' type.
@@ -158,18 +160,27 @@ def clip_factors(
     if max_grad_norm is None:
         return torch.ones_like(bounds)
     margin = clip_margin(release_dtype or bounds.dtype)
-    return (max_grad_norm * (1 - margin) / (bounds + CLIP_EPS)).clamp(max=1.0)
+    return _scale(max_grad_norm * (1 - margin), bounds, gamma)
+
+
+def _scale(limit: float | torch.Tensor, bounds: torch.Tensor, gamma: float | None) -> torch.Tensor:
+    """limit / (bound + CLIP_EPS) capped at 1 (clip to the limit), or, automatic clipping, limit /
+    (bound + gamma) uncapped: every gradient is scaled to norm limit * bound / (bound + gamma) < limit."""
+    if gamma is None:
+        return (limit / (bounds + CLIP_EPS)).clamp(max=1.0)
+    return limit / (bounds + gamma)
 
 
 def group_clip_factors(
-    bounds: Sequence[float], group_bounds: torch.Tensor, *, release_dtype: torch.dtype | None = None
-) -> torch.Tensor:
+    bounds: Sequence[float], group_bounds: torch.Tensor, *, release_dtype: torch.dtype | None = None,
+    gamma: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Per-group, per-example factors min(1, C_g (1 - m) / (bound_g + CLIP_EPS)), (G, B), from
-    the groups' C_g and each group's per-example bound on its release's norm (G, B); m as in
-    ``clip_factors``."""
+    the groups' C_g and each group's per-example bound on its release's norm (G, B); m and
+    ``gamma`` (automatic clipping: C_g (1 - m) / (bound_g + gamma)) as in ``clip_factors``."""
     column = group_bounds.new_tensor([float(c) for c in bounds]).unsqueeze(1)
     margin = clip_margin(release_dtype or group_bounds.dtype)
-    return (column * (1 - margin) / (group_bounds + CLIP_EPS)).clamp(max=1.0)
+    return _scale(column * (1 - margin), group_bounds, gamma)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def make_engine(
     views: int = 1,
     precision: Precision = FP32,
     tuner: MethodTuner | None = None,
+    clip_gamma: float | None = None,
 ) -> tuple[PerExampleEngine, str | None]:
     """Engine by name, plus a one-line notice when "auto" had to fall back.
 
@@ -38,6 +39,8 @@ def make_engine(
         precision: how the model computes (fp32, tf32, bf16, fp16 with a fixed loss scale).
         tuner: bk/ghost's per-layer method tuner (None: ``default_tuner()``, timing on this
             device, cached on disk; ``MethodTuner(enabled=False)`` for the shape rule).
+        clip_gamma: automatic clipping's gamma (each gradient scaled by C / (||g|| + gamma), Bu et
+            al. 2023); None: clip to C.
 
     Returns:
         (engine, notice or None).
@@ -55,12 +58,13 @@ def make_engine(
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
         if model is not None:
             _check_vmap_runs(model, notice)
-        return VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision), notice
+        return VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision, clip_gamma=clip_gamma), notice
     if problems:
         raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
     mode = "bk" if name == "auto" else name
     tuner = default_tuner() if tuner is None else tuner
-    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision, tuner=tuner), None
+    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision, tuner=tuner,
+                       clip_gamma=clip_gamma), None  # fmt: skip
 
 
 def _check_vmap_runs(model: nn.Module, notice: str | None) -> None:

@@ -933,6 +933,7 @@ class GhostEngine(ClippedSumMixin):
     views: int = 1
     precision: Precision = FP32
     tuner: MethodTuner | None = field(default=None, compare=False, repr=False)
+    clip_gamma: float | None = None  # automatic clipping's gamma (None: clip to C)
     _models: Any = field(default_factory=weakref.WeakKeyDictionary, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -983,7 +984,7 @@ class GhostEngine(ClippedSumMixin):
             # the type the release is computed in (never the tokens' int type)
             zeros = batch[0].new_zeros(batch[0].shape[0], dtype=clip_dtype(params.values()))
             factors, norms = clip_units(
-                units.sq, self.max_grad_norm, units.group_of, zeros=zeros, unit_slack=units.slack
+                units.sq, self.max_grad_norm, units.group_of, zeros=zeros, unit_slack=units.slack, gamma=self.clip_gamma
             )
             finite = torch.isfinite(norms)
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell

@@ -171,7 +171,7 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
 
 def clip_units(
     unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None,
-    *, zeros: torch.Tensor, unit_slack: dict[str, torch.Tensor] | None = None,
+    *, zeros: torch.Tensor, unit_slack: dict[str, torch.Tensor] | None = None, gamma: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-example clip factors of each unit (a parameter, or a layer) and the total norms.
 
@@ -188,6 +188,8 @@ def clip_units(
         zeros: (B,) zeros in the type the release is computed in: the norms when no unit has a
             gradient (no trainable layer ran), and the factors' type.
         unit_slack: unit -> (B,) slack of its release (units absent: 0).
+        gamma: automatic clipping (factor C (1 - m) / (bound + gamma), every example scaled);
+            None: clip to C.
 
     Returns:
         (unit -> factors (B,), norms (B,) of the whole unclipped gradients as measured). An example
@@ -201,7 +203,7 @@ def clip_units(
     if not is_per_layer(max_grad_norm):
         bound = sum((r.square() for r in reach.values()), zeros.double()).sqrt()
         finite = torch.isfinite(norms) & torch.isfinite(bound)
-        factors = clip_factors(bound, max_grad_norm, release_dtype=release_dtype).to(release_dtype)  # type: ignore[arg-type]
+        factors = clip_factors(bound, max_grad_norm, release_dtype=release_dtype, gamma=gamma).to(release_dtype)  # type: ignore[arg-type]
         factors = torch.where(finite, factors, torch.zeros_like(factors))
         return {unit: factors for unit in unit_sq_norms}, norms
     if group_of is None:
@@ -212,7 +214,7 @@ def clip_units(
         group_sq[group_of[unit]] += r.square()  # type: ignore[index]
     group_bound = group_sq.sqrt()
     finite = torch.isfinite(norms) & torch.isfinite(group_bound).all(0)
-    group_factors = group_clip_factors(bounds, group_bound, release_dtype=release_dtype).to(release_dtype)
+    group_factors = group_clip_factors(bounds, group_bound, release_dtype=release_dtype, gamma=gamma).to(release_dtype)
     group_factors = torch.where(finite, group_factors, torch.zeros_like(group_factors))
     return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms  # type: ignore[index]
 
@@ -332,6 +334,7 @@ class PerExampleEngine(Protocol):
     name: str
     max_grad_norm: MaxGradNorm
     precision: Precision  # the forward/backward precision (its matmul flags hold for the whole step)
+    clip_gamma: float | None  # automatic clipping's gamma (None: clip to C)
 
     def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
         """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""
@@ -369,6 +372,7 @@ class VmapEngine(ClippedSumMixin):
         views: augmentation multiplicity K (chunks hold x of shape (B, K, ...); see mean_over_views).
         precision: how the model computes (``dpscale.privacy.precision``); per-example gradients
             are taken to float32 before their norms.
+        clip_gamma: automatic clipping (each gradient scaled by C / (||g|| + gamma)); None: clip to C.
 
     An example whose gradient is not finite contributes exactly zero, in every precision.
     """
@@ -378,6 +382,7 @@ class VmapEngine(ClippedSumMixin):
     name: str = "vmap"
     views: int = 1
     precision: Precision = FP32
+    clip_gamma: float | None = None
 
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch
@@ -414,7 +419,7 @@ class VmapEngine(ClippedSumMixin):
             sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
             group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
             zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
-            factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros)
+            factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros, gamma=self.clip_gamma)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; its rows are set to zero, since
             # 0 * inf = NaN would spread to the whole update and show that it was in the batch.

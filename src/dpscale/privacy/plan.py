@@ -15,6 +15,7 @@ from dpscale.errors import ConfigError
 from dpscale.data.sampling_modes import FIXED_CAVEAT, SHUFFLE_CAVEAT
 from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
+from dpscale.clip_norms import check_clip_gamma
 from dpscale.clip_norms import check_max_grad_norm as check_clip_value
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, history_accountant, releases_under
 from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling
@@ -233,6 +234,8 @@ class DPPlan:
         guarantee protects a person, docs/privacy-units.md).
     max_examples_per_user: k, the examples a drawn user contributes per step (user unit only).
     max_batch_size: the cap of truncated Poisson batches (None: uncapped; poisson sampling only).
+    clip_gamma: automatic clipping (Bu et al. 2023): each per-example gradient scaled by
+        C / (||g|| + gamma), its norm below C (the sensitivity, as for clipping); None: clip to C.
     """
 
     dataset_size: int
@@ -262,6 +265,7 @@ class DPPlan:
     privacy_unit: str = "example"
     max_examples_per_user: int | None = None
     max_batch_size: int | None = None
+    clip_gamma: float | None = None
 
     def __post_init__(self) -> None:
         # A plan read back from a checkpoint holds its parts as dicts (dataclasses.asdict).
@@ -535,9 +539,16 @@ class DPPlan:
             f"{self._mechanism_text()}: {self._units_text()}, B={self.batch_size:g}, q={self.sample_rate:.5g}, "
             f"S={self.steps}, sigma={self.noise_multiplier:.5g}, {describe_clip(self.max_grad_norm)}, "
             f"{self._epsilon_text()}, "
-            f"eps_TAN={self.eps_tan:.4g}{tan_note}{self._cap_text()}"
+            f"eps_TAN={self.eps_tan:.4g}{tan_note}{self._cap_text()}{self._automatic_text()}"
             + (f"; {self.adaptive.describe(self.noise_multiplier)}" if self.adaptive is not None else "")
         )
+
+    def _automatic_text(self) -> str:
+        """Automatic clipping in the header: its scale and why C is still the sensitivity."""
+        if self.clip_gamma is None:
+            return ""
+        return (f"; automatic clipping (Bu et al. 2023): each per-example gradient scaled by C/(||g|| + "
+                f"{self.clip_gamma:g}), norm < C, the sensitivity")  # fmt: skip
 
     def _cap_text(self) -> str:
         """What a batch cap costs: the uncapped Poisson epsilon at the same sigma, beside the plan's."""
@@ -599,6 +610,7 @@ def check_plan_matches(
     correlated: BandsRequest | None = None,
     adaptive: AdaptiveClipping | None = None,
     max_batch_size: int | str | None = None,
+    clip_gamma: float | None = None,
 ) -> None:
     """Raise ConfigError if a saved plan (from a checkpoint) does not describe these numbers.
 
@@ -632,6 +644,7 @@ def check_plan_matches(
         "sampling": sampling,
         "accountant": accountant_for(sampling, max_batch_size, accountant),
         "adaptive": adaptive,
+        "clip_gamma": clip_gamma,
     }
     if max_batch_size != "auto":
         expected["max_batch_size"] = max_batch_size
@@ -691,6 +704,7 @@ def make_dp_plan(
     privacy_unit: str = "example",
     max_examples_per_user: int | None = None,
     max_batch_size: int | str | None = None,
+    clip_gamma: float | None = None,
 ) -> DPPlan:
     """The frozen DP plan for these numbers: sigma calibrated to ``target_epsilon``, or the given
     ``noise_multiplier`` checked against it.
@@ -716,6 +730,8 @@ def make_dp_plan(
             and ``max_examples_per_user`` (k >= 1) bounds a drawn user's examples per step.
         max_batch_size: cap Poisson batches at this many examples (truncated Poisson, PLD), "auto"
             for the smallest cap within 1% of the uncapped epsilon (``smallest_free_cap``), or None.
+        clip_gamma: automatic clipping's gamma (> 0; needs one C or per-layer C_g, not adaptive
+            clipping); None: clip to C.
 
     Returns:
         The plan (the TAN simulation's, with ``simulated_batch_size``).
@@ -729,6 +745,7 @@ def make_dp_plan(
             given sigma that overspends target_epsilon.
     """
     check_max_grad_norm(max_grad_norm)
+    _check_automatic(clip_gamma, max_grad_norm, adaptive)
     _check_adaptive(adaptive, max_grad_norm, correlated, is_simulation(batch_size, simulated_batch_size))
     check_privacy_unit(privacy_unit, max_examples_per_user, simulated=is_simulation(batch_size, simulated_batch_size),
                        sampling=sampling)  # fmt: skip
@@ -771,7 +788,7 @@ def make_dp_plan(
         accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
         extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
         adaptive=adaptive, privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
-        max_batch_size=cap,
+        max_batch_size=cap, clip_gamma=clip_gamma,
     )  # fmt: skip
     if adaptive is not None:
         try:
@@ -854,6 +871,19 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
         check_clip_value(max_grad_norm)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+
+
+def _check_automatic(clip_gamma: float | None, max_grad_norm: MaxGradNorm, adaptive: AdaptiveClipping | None) -> None:
+    """Refuse automatic clipping without a C to scale to, beside adaptive clipping, or with a bad gamma."""
+    if clip_gamma is None:
+        return
+    try:
+        check_clip_gamma(clip_gamma)
+    except ValueError as err:
+        raise ConfigError(f"dp.clip_gamma: {err}") from err
+    if max_grad_norm is None or adaptive is not None:
+        raise ConfigError("automatic clipping (dp.clipping=automatic) scales each gradient to norm < C: it needs "
+                          "dp.max_grad_norm and is not adaptive clipping")  # fmt: skip
 
 
 def _check_adaptive(

@@ -61,6 +61,7 @@ def per_example_reference(
     precision: Precision = FP32,
     release_dtype: torch.dtype | None = None,
     unit_offsets: Sequence[int] | torch.Tensor | None = None,
+    clip_gamma: float | None = None,
 ) -> PerExampleReference:
     """Clipped sum and per-example norms of ``model`` on ``batch``, one batch-of-one backward
     pass per example, through the model as it is (dtype and train/eval mode unchanged; no
@@ -83,6 +84,8 @@ def per_example_reference(
             gradients' type, float32 or wider).
         unit_offsets: (m + 1,) unit j (a user) holds examples ``offsets[j]:offsets[j + 1]`` of the
             batch (default: every example its own unit).
+        clip_gamma: automatic clipping: the factor is C (1 - m) / (norm + gamma), uncapped (Bu et
+            al. 2023); None: clip to C.
 
     Returns:
         the ``PerExampleReference``, its norms and layer norms per unit.
@@ -104,7 +107,7 @@ def per_example_reference(
             layer_sq.setdefault(n.rpartition(".")[0], [0.0] * count)[i] += g.double().square().sum()
         norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
         margin = clip_margin(release_dtype or (grads[0].dtype if grads else torch.float32))
-        factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm, margin)
+        factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm, margin, clip_gamma)
         for n, g in zip(names, grads):
             factor = factors[n]
             total[n] += factor * g
@@ -118,22 +121,26 @@ def per_example_reference(
 
 
 def _reference_factors(
-    grads: dict[str, torch.Tensor], norm: float, max_grad_norm: MaxGradNorm, margin: float
+    grads: dict[str, torch.Tensor], norm: float, max_grad_norm: MaxGradNorm, margin: float, gamma: float | None = None
 ) -> dict[str, float]:
     """One example's clip factor for each parameter, written out in float64 Python arithmetic
     (independently of the engines' ``clip_units``): min(1, C (1 - m) / (||g|| + CLIP_EPS)), or per
     layer min(1, C_g (1 - m) / (||g restricted to group g|| + CLIP_EPS)), the group the first
-    matching pattern, m = ``margin``."""
+    matching pattern, m = ``margin``; with automatic clipping (``gamma``) C (1 - m) / (||g|| + gamma)."""
     if max_grad_norm is None:
         return {n: 1.0 for n in grads}
+
+    def scale(limit: float, size: float) -> float:
+        return limit / (size + gamma) if gamma is not None else min(1.0, limit / (size + CLIP_EPS))
+
     if not isinstance(max_grad_norm, Mapping):
-        return {n: min(1.0, float(max_grad_norm) * (1 - margin) / (norm + CLIP_EPS)) for n in grads}
+        return {n: scale(float(max_grad_norm) * (1 - margin), norm) for n in grads}
     group = {n: next(p for p in max_grad_norm if fnmatchcase(n, p)) for n in grads}
     group_sq = {p: 0.0 for p in max_grad_norm}
     for n, g in grads.items():
         group_sq[group[n]] += float(g.double().square().sum())
     bound = {p: float(c) * (1 - margin) for p, c in max_grad_norm.items()}
-    return {n: min(1.0, bound[group[n]] / (math.sqrt(group_sq[group[n]]) + CLIP_EPS)) for n in grads}
+    return {n: scale(bound[group[n]], math.sqrt(group_sq[group[n]])) for n in grads}
 
 
 def _example_gradients(

@@ -161,7 +161,7 @@ def _reference(
     views = getattr(engine, "views", 1)
     return per_example_reference(
         model, batch, engine.max_grad_norm, loss_fn=loss_fn, views=views, names=list(params), precision=precision,
-        release_dtype=release_dtype,
+        release_dtype=release_dtype, clip_gamma=getattr(engine, "clip_gamma", None),
     )
 
 
@@ -228,6 +228,7 @@ def checked_engine(
     check: bool = True,
     precision: Precision = FP32,
     tuner: MethodTuner | None = None,
+    clip_gamma: float | None = None,
 ) -> tuple[PerExampleEngine, list[str], SelfCheckResult | None]:
     """The engine a run trains with: ``make_engine``'s choice, verified on ``batch``.
 
@@ -237,7 +238,8 @@ def checked_engine(
     once on ``batch`` so that a parameter used outside its layer is found before training.
     ``auto`` falls back to vmap (checked in turn) with a notice when only the engine failed; an
     explicitly named engine that fails, or a model or loss that mixes examples, raises. ``tuner``:
-    bk/ghost's per-layer method tuner (None: a fresh ``default_tuner()``).
+    bk/ghost's per-layer method tuner (None: a fresh ``default_tuner()``). ``clip_gamma``:
+    automatic clipping's gamma (``make_engine``), for the engine and its reference loop alike.
 
     Returns:
         (engine, notices to print, the self-check of the returned engine or None if not checked).
@@ -246,12 +248,13 @@ def checked_engine(
         ValueError: the model or loss mixes examples, or the named engine (or vmap, after auto's
             fallback) failed, naming what differs.
     """
-    engine, notice = make_engine(name, max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision, tuner=tuner)
+    options = {"loss_fn": loss_fn, "views": views, "precision": precision, "clip_gamma": clip_gamma}
+    engine, notice = make_engine(name, max_grad_norm, model, tuner=tuner, **options)
     notices = [notice] if notice else []
     failure, engine_only, result, independence = _verdict(engine, model, batch, check)
     if failure is not None and engine_only and name == "auto" and not isinstance(engine, VmapEngine):
         notices.append(f"engine auto -> vmap: {failure}")
-        engine, _ = make_engine("vmap", max_grad_norm, model, loss_fn=loss_fn, views=views, precision=precision)
+        engine, _ = make_engine("vmap", max_grad_norm, model, **options)
         failure, _, result, independence = _verdict(engine, model, batch, check)
     if failure is not None:
         raise ValueError(f"{failure}; refusing to train with engine={engine.name}")

@@ -306,7 +306,7 @@ def _checked_engine(
                 train.engine, plan.max_grad_norm, model, chunk, views=views, loss_fn=loss_fn,
                 # a non-private run claims no guarantee for the check to protect (and its unclipped,
                 # cancelling gradient sums are where float32 reorderings look largest)
-                check=train.self_check and plan.is_private, precision=precision,
+                check=train.self_check and plan.is_private, precision=precision, clip_gamma=plan.clip_gamma,
             )  # fmt: skip
     except ValueError as err:
         raise ConfigError(f"train.engine={train.engine}: {err}") from err

@@ -37,6 +37,7 @@ def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> dict[str, An
         "target_epsilon": dp.epsilon, "noise_multiplier": dp.noise_multiplier,
         "simulated_batch_size": dp.simulated_batch_size, "sampling": dp.sampling, "accountant": dp.accountant,
         "adaptive": adaptive_request(dp), "max_batch_size": dp.max_batch_size,
+        "clip_gamma": dp.clip_gamma if dp.clipping == "automatic" else None,
     }  # fmt: skip
 
 

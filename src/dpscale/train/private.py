@@ -93,7 +93,7 @@ def make_private(
     max_bands: int = DEFAULT_MAX_BANDS, max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB,
     workload: Workload | None = None,
     clipping: str = "fixed", clip_quantile: float = 0.5, clip_learning_rate: float = 0.2,
-    clip_count_noise: float | None = None,
+    clip_count_noise: float | None = None, clip_gamma: float = 0.01,
     user_ids: Sequence[Any] | np.ndarray | torch.Tensor | None = None, max_examples_per_user: int | None = None,
     sampling: str = "poisson", max_batch_size: int | str | None = None,
 ) -> DPMechanism:
@@ -149,6 +149,8 @@ def make_private(
             ``max_grad_norm`` and follows the ``clip_quantile`` of the per-example norms, moved by
             ``clip_learning_rate`` each step through a count released with noise ``clip_count_noise``
             (sigma_b, examples; None: batch_size / 20); sigma (calibrated or given) covers both.
+            "automatic" (Bu et al. 2023): every per-example gradient scaled by C / (||g|| +
+            ``clip_gamma``), norm below C (the sensitivity), so the learning rate absorbs C.
         user_ids: one id per dataset index (ints or strings): the guarantee then protects a person
             (user-level DP, docs/privacy-units.md). ``dataset_size`` stays the number of examples;
             ``batch_size`` is the expected number of USERS per step (q = batch_size / users), epochs
@@ -185,11 +187,13 @@ def make_private(
                                   max_noise_memory_mb=max_noise_memory_mb, workload=workload),
         adaptive=adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
                                    count_noise=clip_count_noise, batch_size=batch_size),
+        clip_gamma=clip_gamma if clipping == "automatic" else None,
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
     chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
         engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=precision,
         check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
+        clip_gamma=plan.clip_gamma,
     )  # fmt: skip
     return DPMechanism(
         model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler,
@@ -270,7 +274,7 @@ def _bands_request(
 
 def _chosen_engine(
     engine: str, max_grad_norm: MaxGradNorm, model: nn.Module, *, loss_fn: Callable | None, views: int,
-    precision: str, check: bool, check_batch: Batch | None, rows: int | None,
+    precision: str, check: bool, check_batch: Batch | None, rows: int | None, clip_gamma: float | None = None,
 ) -> tuple[PerExampleEngine, FirstChunkCheck | None]:  # fmt: skip
     """``make_private``'s engine, checked now on ``check_batch`` or at the first step's first chunk;
     at the user unit (``rows`` = k) one that clips each user's ``user_rows`` as one example."""
@@ -280,7 +284,7 @@ def _chosen_engine(
         _tell([n for n in [ghost_per_user_notice(engine, rows)] if n])
     else:
         unit_loss = base or per_example_cross_entropy
-    options = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision)}
+    options = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision), "clip_gamma": clip_gamma}
     # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
     if check and check_batch is not None:
         with options["precision"].matmul_flags():  # as at every step (full float32 unless tf32)

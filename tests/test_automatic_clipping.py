@@ -1,0 +1,125 @@
+"""Automatic clipping (issue 45, item 4; Bu et al. 2023): each per-example gradient scaled by
+C / (||g|| + gamma), so its norm is below C, the sensitivity.
+
+Every engine against the float64 per-example loop (which writes the factor out on its own), per
+layer too; the leave-one-out change of the released sum <= C through ``make_private`` (every
+engine) and ``dpscale train``; the plan and config say it and refuse what it cannot be.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import dpscale
+from dpscale.errors import ConfigError
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.plan import make_dp_plan
+from dpscale.privacy.reference import float64_reference
+
+ENGINES = ["vmap", "bk", "ghost"]
+GAMMA = 0.01
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    x = torch.randn(9, 1, 8, 8, dtype=torch.float64)
+    x[3] *= 1e4  # an outlier
+    x[5] *= 1e-6  # a tiny gradient: scaled up towards C, not left alone as clipping would
+    return x, torch.randint(0, 3, (9,))
+
+
+def _engine_sum(name: str, model: nn.Module, clip, batch, gamma=GAMMA):
+    engine, _ = make_engine(name, clip, model, clip_gamma=gamma)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    grad_sum, norms, _ = engine.clipped_sum_and_losses(model, params, batch)
+    return grad_sum, norms
+
+
+@pytest.mark.parametrize("clip", [0.5, {"0.*": 0.05, "*": 0.1}], ids=["one-C", "per-layer"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_engine_equals_the_float64_per_example_loop(engine, clip):
+    model, batch = _net(), _batch()
+    reference = float64_reference(model, batch, clip, clip_gamma=GAMMA)
+    grad_sum, norms = _engine_sum(engine, model, clip, batch)
+    torch.testing.assert_close(norms, reference.norms, rtol=1e-9, atol=1e-12)
+    for name, value in reference.clipped_sum.items():
+        torch.testing.assert_close(grad_sum[name], value, rtol=1e-9, atol=1e-12)
+    clipped = float64_reference(model, batch, clip)  # plain clipping releases another sum
+    assert max(float((grad_sum[n] - clipped.clipped_sum[n]).abs().max()) for n in grad_sum) > 1e-6
+
+
+def test_the_loop_scales_every_example_to_just_below_c():
+    """The reference's own arithmetic: one example's released norm is C ||g|| / (||g|| + gamma)."""
+    model, (x, y) = _net(), _batch()
+    for i in (3, 5, 0):
+        alone = float64_reference(model, (x[i : i + 1], y[i : i + 1]), 0.5, clip_gamma=GAMMA)
+        released = math.sqrt(sum(float(v.square().sum()) for v in alone.clipped_sum.values()))
+        norm = float(alone.norms[0])
+        assert released == pytest.approx(0.5 * norm / (norm + GAMMA), rel=1e-9) and released < 0.5
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_removing_one_example_through_make_private_moves_the_release_by_at_most_c(engine):
+    """Two mechanisms of one seed take the same noisy step, one without example j: the released
+    sums differ by at most C (the outlier's removal comes within gamma of it)."""
+    torch.manual_seed(2)
+    x, y = torch.randn(12, 6) * 3, torch.randint(0, 3, (12,))
+    x[4] *= 1e3
+    c, batch = 0.7, 12
+
+    def released(keep: torch.Tensor) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100,
+                                         batch_size=batch, max_grad_norm=c, noise_multiplier=1.0, delta=1e-5, steps=2,
+                                         seed=3, engine=engine, clipping="automatic", clip_gamma=GAMMA)  # fmt: skip
+        out = []
+        mechanism.observer = lambda gradient: out.append({k: v.double() * batch for k, v in gradient.items()})
+        mechanism._step_chunks([(x[keep], y[keep])])
+        return out[0]
+
+    full = released(torch.arange(12))
+    changes = []
+    for j in range(12):
+        rest = released(torch.tensor([i for i in range(12) if i != j]))
+        changes.append(math.sqrt(sum(float((full[k] - rest[k]).square().sum()) for k in full)))
+    assert max(changes) <= c * (1 + 1e-5) and changes[4] > 0.99 * c
+
+
+def test_dpscale_train_runs_it_and_says_so(tmp_path, capsys):
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer
+
+    config = load_config(None, [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "dp.batch_size=64",
+                                "train.steps=2", "dp.clipping=automatic", "dp.clip_gamma=0.05",
+                                "dp.epsilon=null", "dp.noise_multiplier=1.0"])  # fmt: skip
+    trainer = Trainer.create(config, progress=False, report=True)
+    trainer.run()
+    header = capsys.readouterr().err
+    assert trainer.plan.clip_gamma == 0.05 and trainer.built.engine.clip_gamma == 0.05
+    assert "automatic clipping (Bu et al. 2023)" in header and "norm < C, the sensitivity" in header
+    assert trainer.plan.noise_std == trainer.plan.noise_multiplier * 1.0  # the sensitivity stays C
+
+
+@pytest.mark.parametrize(
+    "settings, pattern",
+    [
+        ({"clip_gamma": 0.0}, "gamma must be a positive number"),
+        ({"clip_gamma": -1.0}, "gamma must be a positive number"),
+        ({"clip_gamma": 0.01, "max_grad_norm": None, "noise_multiplier": 0.0}, "needs dp.max_grad_norm"),
+    ],
+)
+def test_bad_settings_are_refused(settings, pattern):
+    numbers = {"dataset_size": 1000, "batch_size": 50, "steps": 10, "max_grad_norm": 1.0, "delta": 1e-5,
+               "noise_multiplier": 1.0} | settings  # fmt: skip
+    with pytest.raises(ConfigError, match=pattern):
+        make_dp_plan(**numbers)
