@@ -185,9 +185,8 @@ def make_private(
         max_examples_per_user=max_examples_per_user, sampling=sampling, max_batch_size=max_batch_size,
         correlated=_bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
                                   max_noise_memory_mb=max_noise_memory_mb, workload=workload),
-        adaptive=adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
-                                   count_noise=clip_count_noise, batch_size=batch_size),
-        clip_gamma=clip_gamma if clipping == "automatic" else None,
+        **_clipping(clipping, batch_size, quantile=clip_quantile, learning_rate=clip_learning_rate,
+                    count_noise=clip_count_noise, gamma=clip_gamma),
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
     chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
@@ -195,11 +194,18 @@ def make_private(
         check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
         clip_gamma=plan.clip_gamma,
     )  # fmt: skip
-    return DPMechanism(
-        model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler,
-        max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check, users=users,
-        views=augment_multiplicity,
-    )  # fmt: skip
+    return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
+                       max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
+                       views=augment_multiplicity)  # fmt: skip
+
+
+def _clipping(clipping: str, batch_size: float, *, quantile: float, learning_rate: float, count_noise: float | None,
+              gamma: float) -> dict[str, Any]:  # fmt: skip
+    """``make_dp_plan``'s clipping arguments for ``make_private``'s: adaptive clipping's settings
+    and automatic clipping's gamma (each None unless asked for)."""
+    adaptive = adaptive_clipping(clipping, quantile=quantile, learning_rate=learning_rate, count_noise=count_noise,
+                                 batch_size=batch_size)  # fmt: skip
+    return {"adaptive": adaptive, "clip_gamma": gamma if clipping == "automatic" else None}
 
 
 def _seed_streams(seed: int | None) -> dict[str, int]:
