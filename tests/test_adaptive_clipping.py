@@ -110,19 +110,25 @@ def test_a_calibrated_run_spends_its_target_with_the_count_included():
 
 
 def test_the_gradient_noise_has_std_sigma_grad_times_the_current_c():
-    """Zero inputs give the weights a zero gradient: their update is noise alone, / B."""
+    """Zero inputs give the weights a zero gradient: the release is noise alone, std sigma_grad C_t / B;
+    the optimizer takes it in C_0's units (times C_0 / C_t), so the update's std is sigma_grad C_0 / B."""
     torch.manual_seed(0)
     model = nn.Linear(4000, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     mechanism = dpscale.make_private(
         model, optimizer, max_grad_norm=0.5, noise_multiplier=2.0, clip_count_noise=2.0, steps=2, **RECIPE
     )
+    released = []
+    mechanism.observer = lambda gradient: released.append(gradient["weight"].detach().clone())
+    tolerance = 5 / math.sqrt(2 * 4000)
     for _ in range(2):  # the second step runs at the C the first one's count moved to
         clip, before = mechanism.clip, model.weight.detach().clone()
         indices = mechanism.sample()
         mechanism.step(torch.zeros(len(indices), 4000), torch.zeros(len(indices), dtype=torch.long))
-        measured = float((model.weight.detach() - before).std()) * 200 / clip
-        assert abs(measured / (1 / 0.1875) ** 0.5 - 1) < 5 / math.sqrt(2 * 4000)  # sigma_grad 2.309, not 2
+        assert abs(float(released[-1].std()) * 200 / clip / (1 / 0.1875) ** 0.5 - 1) < tolerance  # sigma_grad 2.309
+        update = before - model.weight.detach()
+        torch.testing.assert_close(update, released[-1] * 0.5 / clip, rtol=1e-5, atol=1e-9)
+        assert abs(float(update.std()) * 200 / 0.5 / (1 / 0.1875) ** 0.5 - 1) < tolerance
     assert mechanism.clip != 0.5
 
 
@@ -172,7 +178,7 @@ def test_resume_restores_c_and_continues_bit_for_bit():
     "overrides, message",
     [
         (["dp.clip_quantile=1.5"], r"clip_quantile must be in \(0, 1\)"),
-        (["dp.clipping=sometimes"], r"dp.clipping must be fixed or adaptive"),
+        (["dp.clipping=sometimes"], r"dp.clipping must be fixed, adaptive or automatic"),
         (["dp.clip_count_noise=0.5", "dp.noise_multiplier=2", "dp.epsilon=null"], r"count noise sigma_b=0.5 is too small"),
         (['dp.max_grad_norm={"*": 1.0}'], "not with per-layer dp.max_grad_norm"),
         (["dp.mechanism=bandmf"], "not with dp.mechanism=bandmf"),

@@ -22,13 +22,21 @@ is that of one Gaussian mechanism with
 so the accountant records the plan's sigma as for DP-SGD, and the gradient gets the larger
 sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2): the count's cost is paid in gradient noise,
 and a calibrated sigma already includes it.
+
+The optimizer takes the released mean in C_0's units, times C_0 / C_t (``normalised_update``): a
+clipped gradient's norm and the noise (std sigma_grad C_t / B) both scale with C_t, so without it
+the update grows and shrinks with C (C climbing 60x made training diverge, C collapsing stalled
+it: docs/clipping.md). With it the step's scale is lr x C_0 whatever C_t does, as for fixed
+clipping at C_0 (the noise std sigma_grad C_0 / B throughout), and C_t decides only which
+examples are clipped. It multiplies released values by a released number: post-processing, the
+accounting is unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import CLIPPINGS
 
@@ -123,6 +131,21 @@ def noisy_unclipped_fraction(
 
     noise = float(generator.normal((1,), dtype=torch.float64)[0]) * count_noise
     return (unclipped - examples / 2 + noise) / expected_batch_size + 0.5
+
+
+def normalised_update(gradient: dict[str, Any], clip: float, initial_clip: float) -> dict[str, Any]:
+    """The released mean (noisy clipped sum / B, clipped to C_t) in C_0's units: times C_0 / C_t.
+
+    Args:
+        gradient: parameter name -> released mean gradient (tensors).
+        clip: C_t, this step's clipping norm.
+        initial_clip: C_0 (the plan's max_grad_norm).
+
+    Returns:
+        the same names, each tensor times C_0 / C_t.
+    """
+    ratio = initial_clip / clip
+    return {name: value * ratio for name, value in gradient.items()}
 
 
 def next_clip(clip: float, noisy_fraction: float, adaptive: AdaptiveClipping) -> float:

@@ -29,7 +29,7 @@ from torch import nn
 from dpscale.clip_norms import check_same_tensors
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.autotune import methods_state, pin_methods
-from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
+from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
 from dpscale.privacy.independence import MIN_EXAMPLES
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
@@ -242,7 +242,8 @@ class DPMechanism:
                 raise
         if self.observer is not None:
             self.observer(gradient)
-        if adaptive is not None:  # the count's release, then C for the next step (post-processing)
+        if adaptive is not None:  # the step in C_0's units (its scale lr x C_0), the count's release, C_{t+1}
+            gradient = normalised_update(gradient, self.clip, self.plan.max_grad_norm)  # type: ignore[arg-type]
             self._release_count_and_move_clip(stats, adaptive)
         self.optimizer._dpscale_in_step = True  # type: ignore[attr-defined]
         try:
