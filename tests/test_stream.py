@@ -64,8 +64,11 @@ def _train(config):
     return trainer, summary
 
 
-def test_streamed_run_equals_in_memory_run_with_augmult_views(folder, tmp_path):
-    views = ["augment.multiplicity=2", "augment.type=crop-flip"]
+@pytest.mark.parametrize("sampler", [(), ("dp.sampling=fixed",), ("dp.max_batch_size=10",)],
+                         ids=["poisson", "fixed", "capped"])  # fmt: skip
+def test_streamed_run_equals_in_memory_run_with_augmult_views(folder, tmp_path, sampler):
+    """Every sampler (issue 45): the stream reads whatever indices it draws."""
+    views = ["augment.multiplicity=2", "augment.type=crop-flip", *sampler]
     memory, summary_memory = _train(_config(tmp_path / "m", folder, "memory", *views))
     stream, summary_stream = _train(_config(tmp_path / "s", folder, "stream", *views))
     assert not memory.built.streamed and stream.built.streamed
@@ -83,7 +86,8 @@ def test_eval_command_re_evaluates_a_streamed_run(folder, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test_accuracy"] == summary["test_accuracy"]
 
 
-@pytest.mark.parametrize("mechanism", [(), ("dp.mechanism=bandmf", "dp.bands=2")], ids=["dpsgd", "bandmf"])
+@pytest.mark.parametrize("mechanism", [(), ("dp.mechanism=bandmf", "dp.bands=2"), ("dp.sampling=fixed",)],
+                         ids=["dpsgd", "bandmf", "fixed"])  # fmt: skip
 def test_stream_resumes_mid_epoch_bit_identically(folder, tmp_path, mechanism):
     whole, _ = _train(_config(tmp_path / "whole", folder, "stream", *mechanism))
     if mechanism:  # BandMF's cyclic sampler streams the batches the in-memory run draws
