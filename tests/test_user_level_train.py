@@ -64,8 +64,9 @@ USER = ["data.privacy_unit=user", "dp.max_examples_per_user=4"]
     [([], 1), (["dp.max_grad_norm={'head.0.weight': 0.6, '*': 0.8}"], 1), (["dp.mechanism=bandmf", "dp.bands=2"], 2),
      # AugMult's path (K views per image inside each user's rows) with views that draw nothing
      (["augment.multiplicity=2", "augment.type=identity"], 1),
-     (["train.engine=bk"], 1), (["train.engine=ghost"], 1), (["train.engine=vmap"], 1)],
-    ids=["dpsgd", "per-layer", "bandmf", "augmult", "bk", "ghost", "vmap"],
+     (["train.engine=bk"], 1), (["train.engine=ghost"], 1), (["train.engine=vmap"], 1),
+     (["dp.clipping=automatic"], 1), (["dp.clipping=automatic", "train.engine=vmap"], 1)],
+    ids=["dpsgd", "per-layer", "bandmf", "augmult", "bk", "ghost", "vmap", "automatic", "automatic-vmap"],
 )  # fmt: skip
 def test_removing_one_users_images_moves_a_training_runs_release_by_at_most_c(tmp_path, extra, bands):
     def batch(users: int) -> str:  # q = 1 (BandMF: p = b q = 1): every user of the step's group is drawn
