@@ -516,7 +516,7 @@ exported by dpscale {metadata['dpscale_version']}. This card describes that file
 
 ## Privacy
 - **{privacy['privacy_status']}**
-- (epsilon, delta) = ({privacy['epsilon']}, {privacy['delta']}), {privacy['accountant']} accountant, {privacy['sampling']} sampling
+- (epsilon, delta) = ({privacy['epsilon']}, {privacy['delta']}), {privacy['accountant']} accountant, {privacy['sampling']} sampling, {privacy.get('adjacency', 'add/remove')} adjacency
   (q = {privacy['sample_rate']}, expected batch {privacy['batch_size']} of N = {privacy['dataset_size']}{_unit_words(privacy)}),
   noise multiplier {privacy['noise_multiplier']}, clipping norm {privacy['max_grad_norm']} ({privacy['clipping']}),
   {privacy['steps']} steps, mechanism {privacy['mechanism']}.

@@ -77,16 +77,16 @@ def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel:
     _save(fig, path)
 
 
-def _final_accountant(run_dir: Path, poisson_only: bool = False) -> tuple[PrivacyAccountant, float] | None:
+def _final_accountant(run_dir: Path, guarantee_only: bool = False) -> tuple[PrivacyAccountant, float] | None:
     """The accountant of the run's newest checkpoint and the run's delta (None for a non-private run;
-    with ``poisson_only``, also for a run whose Poisson accounting does not describe its sampling:
-    shuffled batches, a TAN simulation)."""
+    with ``guarantee_only``, also for a TAN simulation, whose accounting is of another run; the
+    accountant of fixed-size, shuffled or capped batches is their own, its adjacency in its history)."""
     _, state = read_run(run_dir)
     mechanism = state.get("mechanism") or {}
     plan, accountant = mechanism.get("plan") or {}, mechanism.get("accountant")
     if not accountant or not float(plan.get("noise_multiplier") or 0) > 0:
         return None
-    if poisson_only and (plan.get("sampling", "poisson") != "poisson" or plan.get("simulation")):
+    if guarantee_only and plan.get("simulation"):
         return None
     return PrivacyAccountant.from_state_dict(accountant), float(plan["delta"])
 
@@ -99,7 +99,7 @@ def _tradeoff(run_dirs: Sequence[Path], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(CURVE_FPRS, CURVE_FPRS, ":", color="grey", label="random guessing")
     for color, run_dir in enumerate(run_dirs):
-        final = _final_accountant(run_dir, poisson_only=True)
+        final = _final_accountant(run_dir, guarantee_only=True)
         if final is None:
             continue
         accountant = final[0]

@@ -118,7 +118,8 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.calibrated,
         "max_grad_norm": plan.max_grad_norm,
-        "clipping": "adaptive" if plan.adaptive is not None else "fixed",
+        "clipping": "adaptive" if plan.adaptive is not None else "automatic" if plan.clip_gamma else "fixed",
+        "clip_gamma": plan.clip_gamma,
         "clip_norm": built.mechanism.clip,  # the last step's C (adaptive clipping moves it)
         # the unit the guarantee protects: at "user", N, B and q count users (each at most k examples a step)
         "privacy_unit": plan.privacy_unit,
