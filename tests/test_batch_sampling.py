@@ -173,11 +173,22 @@ def test_samplers_resume_from_their_state():
         assert all(torch.equal(a, again.sample()) for a in ahead)
 
 
-def test_make_sampler_refuses_what_it_cannot_account():
-    with pytest.raises(ValueError, match="no sharded form"):
-        make_sampler("fixed", 100, 10, DPRandom(0), rank=0, world_size=2)
-    with pytest.raises(ValueError, match="one process"):
-        make_sampler("poisson", 100, 10, DPRandom(0), rank=0, world_size=2, max_batch_size=20)
+@pytest.mark.parametrize("mode, cap", [("fixed", None), ("shuffle", None), ("poisson", 12)])
+def test_over_several_processes_the_ranks_parts_are_one_whole_draw(mode, cap):
+    """torchrun: every rank draws the whole batch from one shared stream and keeps its shard; the
+    parts are disjoint and add up to the one-process draw of that stream, step after step."""
+    ranks = [make_sampler(mode, 100, 10, DPRandom(r), rank=r, world_size=3, partition_seed=42, start_step=5,
+                          max_batch_size=cap) for r in range(3)]  # fmt: skip
+    from dpscale.data.sampling import SHARED_DRAW_KEY
+    from dpscale.rng import derive_seed
+
+    whole = make_sampler(mode, 100, 10, DPRandom(derive_seed(42, (SHARED_DRAW_KEY, 3, 5))), max_batch_size=cap)
+    for _ in range(4):
+        parts = [r.sample() for r in ranks]
+        assert all(bool((p % 3 == r).all()) for r, p in enumerate(parts))
+        assert torch.equal(torch.cat(parts).sort().values, whole.sample().sort().values)
+    with pytest.raises(ValueError, match="needs a partition_seed"):
+        make_sampler(mode, 100, 10, DPRandom(0), rank=0, world_size=2, max_batch_size=cap)
 
 
 # ------------------------------------------------------------------------------------------ plans

@@ -182,6 +182,27 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 24
 
 
+# ~25 s (three torchrun jobs): the default suite keeps test_batch_sampling's sharded-draw test,
+# which checks the ranks' parts against the one-process draw exactly.
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", [["dp.sampling=fixed"], ["dp.max_batch_size=300"]], ids=["fixed", "capped"])
+def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_path, sampler):
+    """Issue 45: every rank draws the whole batch from one shared stream and keeps its shard; a run
+    cut on 2 processes and resumed on 1 spends what the plan says, each step accounted once."""
+    extra = [arg for setting in sampler for arg in ("--set", setting)]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _job(1, "train", *TINY_JOB, *extra, "--set", f"run.out_dir={whole}")
+    _job(2, "train", *TINY_JOB, *extra, "--set", f"run.out_dir={cut}", "--max-steps", "10")
+    _assert_stopped_at(cut, 10, world=2)
+    _job(1, "train", "--resume", str(cut), "--quiet")
+    a = json.loads((whole / "summary.json").read_text())
+    b = json.loads((cut / "summary.json").read_text())
+    assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["sampling"] == a["sampling"]
+    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
+    assert sum(seg[2] for seg in history) == 24 and {seg[4] for seg in history} == {sampler[0].split("=")[1]
+                                                                                    .replace("300", "truncated")}
+
+
 # 36 s (an accuracy band on real MNIST): test_two_process_update_equals_one_process_update checks the
 # same equivalence exactly and cheaply in the default suite.
 @pytest.mark.slow

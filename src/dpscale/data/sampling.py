@@ -33,12 +33,13 @@ import numpy as np
 import torch
 
 from dpscale.data.sampling_modes import RATE_TOLERANCE, SAMPLING_MODES, SHUFFLE_CAVEAT  # noqa: F401 (re-exported)
-from dpscale.rng import DPRandom, require_dprandom
+from dpscale.rng import DPRandom, derive_seed, require_dprandom
 
 # Names the construction a cyclic sampler's state's partition_seed stands for. States without it
 # were written by the first cyclic sampler (issue 27), whose partition cut a seeded permutation of
 # 0..N-1 into b equal parts: the same seed gives other groups now (see load_state_dict).
 PARTITION = "uniform-per-example-v1"
+SHARED_DRAW_KEY = 0x5D  # spawn key of the stream all ranks share for a fixed-size, shuffled or capped draw
 _FRACTION_BITS = 53  # DPRandom.uniform's float64 draws are k / 2^53, k an integer below 2^53
 _HALF_BITS = 27  # partition_groups multiplies k * b in two halves of k, so that int64 never overflows
 
@@ -133,6 +134,34 @@ class FixedSizeSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.load_state_dict(state["generator"])
+
+
+class ShardedDraw:
+    """One rank's part of a logical batch that only the whole dataset can draw (fixed-size,
+    shuffled or capped Poisson batches): every rank runs ``inner`` on the same shared stream, so all
+    draw the same batch, and keeps the examples of its shard {i : i mod P = r}. The ranks' parts are
+    disjoint and their union is exactly ``inner``'s batch: the sampling is the one-process sampling
+    the accountant describes.
+
+    Args:
+        inner: the whole-dataset sampler, drawing from a generator every rank seeds alike.
+        rank, world_size: this process's shard.
+    """
+
+    def __init__(self, inner: "FixedSizeSampler | ShuffleSampler | PoissonSampler", rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got {rank} and {world_size}")
+        self.inner, self.rank, self.world_size = inner, rank, world_size
+
+    def sample(self) -> torch.Tensor:
+        batch = self.inner.sample()
+        return batch[batch % self.world_size == self.rank]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
 
 
 class ShuffleSampler:
@@ -411,7 +440,8 @@ def make_sampler(
         generator: the sampling RNG.
         rank, world_size: this process's shard.
         bands: b; 1 (the default) is plain Poisson sampling, b > 1 cyclic Poisson sampling.
-        partition_seed: the partition's seed, required when b > 1 (shared by all ranks).
+        partition_seed: the partition's seed, required when b > 1 (shared by all ranks); also
+            seeds the shared stream of a whole-dataset draw over several processes.
         start_step: the first step's index (cyclic sampling only; Poisson has no step).
         max_batch_size: cap Poisson batches (truncated Poisson; b = 1, one process).
 
@@ -421,8 +451,12 @@ def make_sampler(
         ``ShuffleSampler`` (shuffle).
 
     Raises:
-        ValueError: on an unknown mode, fixed or shuffle with b > 1 or with world_size > 1, or b > 1
-            without partition_seed.
+        ValueError: on an unknown mode, fixed or shuffle with b > 1, or b > 1 (or fixed-size,
+            shuffled or capped batches over several processes) without partition_seed.
+
+    Over several processes fixed-size, shuffled and capped batches are drawn whole by every rank
+    from one stream (seeded from ``partition_seed`` and ``start_step``), each rank keeping its shard
+    (``ShardedDraw``).
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"unknown sampling {mode!r}; choose one of {', '.join(SAMPLING_MODES)}")
@@ -439,10 +473,15 @@ def make_sampler(
             dataset_size, batch_size / dataset_size, bands, generator,
             partition_seed=partition_seed, rank=rank, world_size=world_size, start_step=start_step,
         )
+    whole_draw = mode != "poisson" or max_batch_size is not None
+    if whole_draw and world_size > 1:  # every rank draws the whole batch from one shared stream (ShardedDraw)
+        if partition_seed is None:
+            raise ValueError(f"sampling={mode} over {world_size} processes needs a partition_seed shared by all ranks")
+        shared = DPRandom(derive_seed(partition_seed, (SHARED_DRAW_KEY, world_size, start_step)))
+        inner = make_sampler(mode, dataset_size, batch_size, shared, max_batch_size=max_batch_size)
+        return ShardedDraw(inner, rank, world_size)  # type: ignore[arg-type]
     if mode == "poisson":
         return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size, max_batch_size)
-    if world_size > 1:
-        raise ValueError(f"distributed training samples with sampling=poisson only ({mode} has no sharded form yet)")
     if mode == "fixed":
         return FixedSizeSampler(dataset_size, int(batch_size), generator)
     return ShuffleSampler(dataset_size, int(batch_size), generator)

@@ -164,8 +164,6 @@ def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, i
     """The process group (data parallel under torchrun, else one process), this rank's device
     and the run's seeds (fresh entropy: rank 0's, for all)."""
     dist = init_distributed(config.run.device)
-    if dist.enabled and config.dp.sampling != "poisson":
-        raise ConfigError("distributed training needs dp.sampling=poisson (each rank samples its own shard)")
     if dist.enabled and config.data.privacy_unit == "user":
         raise ConfigError("data.privacy_unit=user runs in one process (users are not sharded across ranks yet)")
     if config.run.out_dir is None:
