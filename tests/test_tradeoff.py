@@ -111,6 +111,16 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     question = "whether any one image was used" if sampling == "poisson" else "which of two images was used"
     assert f"no membership test can tell {question}" in line
     assert summary["adjacency"] == ("add/remove" if sampling == "poisson" else "replace-one")
+    if sampling == "shuffle":  # its own bound (no amplification), never the Poisson figure, anywhere
+        from dpscale.privacy.accountant import compute_epsilon
+        from dpscale.privacy.batch_sampling import BatchSampling
+
+        plan = trainer.plan
+        poisson = compute_epsilon(sample_rate=plan.sample_rate, noise_multiplier=1.0, steps=3, delta=plan.delta)
+        own = compute_epsilon(sample_rate=plan.sample_rate, noise_multiplier=1.0, steps=3, delta=plan.delta,
+                              batches=BatchSampling("shuffle", plan.dataset_size))  # fmt: skip
+        assert summary["epsilon"] == own == plan.epsilon and own > 2 * poisson
+        assert f"{poisson:.4g}" not in header + line and f"{poisson:.3f}" not in header + line
 
 
 def test_each_evaluation_records_the_odds_so_far(tmp_path):
