@@ -64,8 +64,7 @@ def _train(config):
     return trainer, summary
 
 
-@pytest.mark.parametrize("sampler", [(), ("dp.sampling=fixed",), ("dp.max_batch_size=10",)],
-                         ids=["poisson", "fixed", "capped"])  # fmt: skip
+@pytest.mark.parametrize("sampler", [(), ("dp.sampling=fixed",)], ids=["poisson", "fixed"])
 def test_streamed_run_equals_in_memory_run_with_augmult_views(folder, tmp_path, sampler):
     """Every sampler (issue 45): the stream reads whatever indices it draws."""
     views = ["augment.multiplicity=2", "augment.type=crop-flip", *sampler]
