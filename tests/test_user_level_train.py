@@ -65,8 +65,10 @@ USER = ["data.privacy_unit=user", "dp.max_examples_per_user=4"]
      # AugMult's path (K views per image inside each user's rows) with views that draw nothing
      (["augment.multiplicity=2", "augment.type=identity"], 1),
      (["train.engine=bk"], 1), (["train.engine=ghost"], 1), (["train.engine=vmap"], 1),
-     (["dp.clipping=automatic"], 1), (["dp.clipping=automatic", "train.engine=vmap"], 1)],
-    ids=["dpsgd", "per-layer", "bandmf", "augmult", "bk", "ghost", "vmap", "automatic", "automatic-vmap"],
+     (["dp.clipping=automatic"], 1), (["dp.clipping=automatic", "train.engine=vmap"], 1),
+     (["dp.clipping=automatic", "train.engine=ghost"], 1)],
+    ids=["dpsgd", "per-layer", "bandmf", "augmult", "bk", "ghost", "vmap", "automatic", "automatic-vmap",
+         "automatic-ghost"],
 )  # fmt: skip
 def test_removing_one_users_images_moves_a_training_runs_release_by_at_most_c(tmp_path, extra, bands):
     def batch(users: int) -> str:  # q = 1 (BandMF: p = b q = 1): every user of the step's group is drawn
