@@ -111,6 +111,7 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     question = "whether any one image was used" if sampling == "poisson" else "which of two images was used"
     assert f"no membership test can tell {question}" in line
     assert summary["adjacency"] == ("add/remove" if sampling == "poisson" else "replace-one")
+    assert (f"{sampling} sampling, replace-one)" in line) == (sampling != "poisson")  # the result line names it
     if sampling == "shuffle":  # its own bound (no amplification), never the Poisson figure, anywhere
         from dpscale.privacy.accountant import compute_epsilon
         from dpscale.privacy.batch_sampling import BatchSampling

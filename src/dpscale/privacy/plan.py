@@ -495,7 +495,16 @@ class DPPlan:
         composed = f" (composed with {' and '.join(runs)})" if runs else ""
         mechanism = f" {self.correlated.short()} sigma={self.noise_multiplier:.4g}" if self.correlated else ""
         unit = " per user" if self.user_level else ""
-        return f"epsilon={epsilon:.3f} delta={self.delta:g}{unit} ({self.accountant}){composed}{mechanism}"
+        return f"epsilon={epsilon:.3f} delta={self.delta:g}{unit} ({self.accountant}{self._sampling_note()}){composed}{mechanism}"
+
+    def _sampling_note(self) -> str:
+        """The result line's word on a sampler other than Poisson: ", fixed sampling, replace-one" or
+        ", truncated poisson at most M" ("" for Poisson and BandMF's cyclic sampling, named elsewhere)."""
+        if self.sampling == "poisson" and self.max_batch_size is None:
+            return ""
+        cap = f" at most {self.max_batch_size}" if self.max_batch_size is not None else ""
+        adjacency = f", {REPLACE_ONE}" if self.adjacency == REPLACE_ONE else ""
+        return f", {self.sampling_text} sampling{cap}{adjacency}"
 
     def make_sampler(
         self, generator: DPRandom, rank: int = 0, world_size: int = 1, *, partition_seed: int | None = None,
