@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all gpu-check wheelhouse clean
+.PHONY: install demo lint test test-all gpu-check wheelhouse clean
 
 install: $(STAMP)
 
@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/dpscale train
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+test: lint
 	$(BIN)/python -m pytest
 
 test-all: $(STAMP)

@@ -122,8 +122,8 @@ def naive_crop_flip(x, top, left, flip, padding):
     out = torch.empty(n, top.shape[1], c, h, w)
     for i in range(n):
         for k in range(top.shape[1]):
-            t, l = int(top[i, k]), int(left[i, k])
-            window = torch.from_numpy(padded[i, :, t : t + h, l : l + w].copy())
+            t, lft = int(top[i, k]), int(left[i, k])
+            window = torch.from_numpy(padded[i, :, t : t + h, lft : lft + w].copy())
             out[i, k] = window.flip(-1) if flip[i, k] else window
     return out
 
@@ -189,8 +189,8 @@ def test_resized_crop_equals_crop_then_interpolate_per_view():
     out = augment._resized_crop(x, top, left, box_h, box_w, flip)
     for i in range(2):
         for k in range(6):
-            t, l, bh, bw = (int(v[i, k]) for v in (top, left, box_h, box_w))
-            crop = x[i : i + 1, :, t : t + bh, l : l + bw]
+            t, lft, bh, bw = (int(v[i, k]) for v in (top, left, box_h, box_w))
+            crop = x[i : i + 1, :, t : t + bh, lft : lft + bw]
             ref = F.interpolate(crop, size=(16, 16), mode="bilinear", align_corners=False, antialias=False)[0]
             ref = ref.flip(-1) if flip[i, k] else ref
             torch.testing.assert_close(out[i, k], ref, atol=1e-5, rtol=0)

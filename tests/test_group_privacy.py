@@ -57,7 +57,7 @@ def _gaussian_delta(eps: float, sigma: float) -> float:
 
 def _gaussian_epsilons(sigma: float):
     """Its epsilon(delta), by root finding, for several deltas at once."""
-    return lambda deltas: [brentq(lambda e: _gaussian_delta(e, sigma) - d, 0.0, 100.0, xtol=1e-13) for d in deltas]
+    return lambda deltas: [brentq(lambda e, d=d: _gaussian_delta(e, sigma) - d, 0.0, 100.0, xtol=1e-13) for d in deltas]
 
 
 def _json(capsys, argv):

@@ -344,7 +344,7 @@ def test_cli_models_json(capsys):
 def test_cli_models_table(capsys):
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    line = next(l for l in lines if l.startswith("papernot-cnn "))
+    line = next(row for row in lines if row.startswith("papernot-cnn "))
     assert "26,010 params" in line and "1x28x28" in line and "vmap" in line
 
 

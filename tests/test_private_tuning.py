@@ -86,7 +86,7 @@ def test_number_of_runs_has_the_stated_distribution(text):
     if tuning.kind == "negbin":  # Definition 1's pmf at k = 1, 2, 3
         gamma, eta = tuning.gamma(), tuning.eta
         for k in (1, 2, 3):
-            pmf = (1 - gamma) ** k / (gamma**-eta - 1) * math.prod((l + eta) / (l + 1) for l in range(k))
+            pmf = (1 - gamma) ** k / (gamma**-eta - 1) * math.prod((j + eta) / (j + 1) for j in range(k))
             assert abs((draws == k).mean() - pmf) < 5 * math.sqrt(pmf * (1 - pmf) / len(draws))
 
 

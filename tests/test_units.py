@@ -109,7 +109,7 @@ def test_the_reference_clips_each_users_summed_gradient_as_one_vector():
     want, want_norms = _user_loop(model, x, y, offsets, clip=1.0)
     got = per_example_reference(model, (x, y), 1.0, unit_offsets=offsets)
     assert got.norms.tolist() == pytest.approx(want_norms, rel=1e-12)
-    for (name, p), w in zip(model.named_parameters(), want):
+    for (name, _), w in zip(model.named_parameters(), want):
         torch.testing.assert_close(got.clipped_sum[name], w, rtol=1e-12, atol=1e-15)
     # per example (the default unit) is a different mechanism on the same data: the test has teeth
     per_example = per_example_reference(model, (x, y), 1.0)

@@ -1,6 +1,6 @@
 """dpscale: fast DP-SGD training of image classifiers with honest privacy accounting."""
 
-from dpscale._version import __version__
+from dpscale._version import __version__ as __version__  # re-exported
 
 __all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private"]
 

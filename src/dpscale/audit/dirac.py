@@ -113,8 +113,8 @@ def _entries(host: _Host, m: nn.Module, local: str, flat: int, value: float) -> 
         return [(host.w_start + _flat(host.out_shape, first), value)]
     index = np.unravel_index(flat, tuple(m.weight.shape))
     if type(m) is nn.Linear:
-        k, l = int(index[0]), int(index[1])
-        pixel = [(host.a_start + _flat(host.in_shape, (0, l)), value), (host.w_start + _flat(host.out_shape, (0, k)), 1.0)]
+        k, col = int(index[0]), int(index[1])
+        pixel = [(host.a_start + _flat(host.in_shape, (0, col)), value), (host.w_start + _flat(host.out_shape, (0, k)), 1.0)]
         cancel = [(host.w_start + _flat(host.out_shape, (1, k)), -1.0)] if host.out_shape[0] == 2 else []
         return pixel + cancel
     o, c_local, offsets = int(index[0]), int(index[1]), [int(i) for i in index[2:]]

@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ import torch
 from .datasets import DatasetInfo
 from .folder import image_array
 from .units import user_slices
+
+if TYPE_CHECKING:
+    from .datasets import ImageDataset
 
 
 class ImageSource(Protocol):

@@ -38,7 +38,6 @@ beyond these checks (see docs/engines.md).
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
