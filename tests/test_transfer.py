@@ -213,3 +213,16 @@ def test_timm_sources_say_clearly_when_timm_does_not_import():
             init_from(model, "timm:resnet18")
     else:
         pytest.skip("timm imports here: the error path is not reachable")
+
+
+@pytest.mark.parametrize("key", ["model.init_seed_model", "features.extractor"])
+def test_a_mistyped_source_run_is_a_one_line_user_error(tmp_path, key, capsys):
+    """Issue 46: a path that is no run directory exits 2 with one line naming the key, no traceback."""
+    missing = tmp_path / "no-such-run"
+    value = f"checkpoint:{missing}" if key == "features.extractor" else str(missing)
+    extra = ["--set", "model.init_scaling=meanvar"] if key == "model.init_seed_model" else []
+    code = main(["train", "--quiet", "--set", f"run.out_dir={tmp_path / 'run'}", "--set", f"{key}={value}",
+                 "--set", "train.steps=1", "--set", "train.epochs=null", *extra])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "not a dpscale run directory" in err
+    assert len(err.strip().splitlines()) == 1

@@ -169,14 +169,14 @@ def _read_run(
     run_dir, ckpt = (path, path / CHECKPOINT_NAME) if path.is_dir() else (path.parent, path)
     try:
         config = read_run_config(run_dir)
-    except NotARunDirectory as err:
-        raise ValueError(f"checkpoint:{where}: {err}") from err
+    except NotARunDirectory as err:  # a user error (ConfigError, a ValueError too): one line, no traceback
+        raise ConfigError(f"checkpoint:{where}: {err}") from err
     if check_config is not None:
         check_config(config, run_dir)
     try:
         state = load_checkpoint(ckpt)
-    except FileNotFoundError as err:  # a ValueError like every other bad-spec error
-        raise ValueError(str(err)) from err
+    except FileNotFoundError as err:  # a bad spec, like every other: ConfigError (a ValueError too)
+        raise ConfigError(str(err)) from err
     return run_dir, ckpt, config, state
 
 
@@ -233,7 +233,7 @@ def read_source_run(where: str) -> SourceRun:
     mechanism = state.get("mechanism") or {}  # load_checkpoint gives every format in the current layout
     plan, accountant = mechanism.get("plan"), mechanism.get("accountant")
     if not isinstance(plan, dict) or "noise_multiplier" not in plan or not isinstance(accountant, dict):
-        raise ValueError(f"{ckpt} holds no DP plan and accountant history: cannot tell what its training cost")
+        raise ConfigError(f"{ckpt} holds no DP plan and accountant history: cannot tell what its training cost")
     return SourceRun(
         run_dir=run_dir,
         data_fingerprint=state.get("data_fingerprint"),

@@ -92,7 +92,10 @@ def seed_model_releases(config: Config) -> tuple[AccountingSegment, ...]:
     model = config.model
     if model.init_scaling != "meanvar" or model.init_seed_public:
         return ()
-    source = read_source_run(model.init_seed_model)
+    try:
+        source = read_source_run(model.init_seed_model)
+    except ValueError as err:  # a mistyped path is the user's error: one line, naming the key
+        raise ConfigError(f"model.init_seed_model={model.init_seed_model!r}: {err}") from err
     if not source.private:
         raise ConfigError(
             f"model.init_seed_model={model.init_seed_model} trained without privacy: its Mean-Var statistics would "
