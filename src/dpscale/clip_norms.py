@@ -12,6 +12,8 @@ import math
 import re
 from typing import Any, Mapping, Union
 
+from dpscale.errors import ConfigError
+
 MaxGradNorm = Union[float, Mapping[str, float], None]
 
 # "group": each pattern's tensors clipped together (one C on a float: the whole gradient);
@@ -89,15 +91,20 @@ def describe_clip(max_grad_norm: MaxGradNorm) -> str:
 
 
 def check_max_grad_norm(max_grad_norm: Any) -> None:
-    """Raise ValueError unless ``max_grad_norm`` is None, one positive number, or a non-empty
-    mapping from name patterns (str) to positive numbers."""
+    """Refuse a clipping norm that is neither None (no clipping), one positive number C, nor a
+    non-empty mapping from name patterns (str) to positive numbers (per-layer C_g).
+
+    Raises:
+        ConfigError (a ValueError): a list (Opacus' per-layer form), a string, zero, a negative
+            number, an empty mapping, in one line.
+    """
     if max_grad_norm is None:
         return
     if is_per_layer(max_grad_norm):
         bad = {p: c for p, c in max_grad_norm.items() if not isinstance(p, str) or not _positive(c)}
         if max_grad_norm and not bad:
             return
-        raise ValueError(
+        raise ConfigError(
             "per-layer max_grad_norm maps parameter-name patterns to positive norms, e.g. "
             f"{{'conv*': 0.5, '*': 1.0}}; got {dict(max_grad_norm)!r}" + (f" (bad entries {bad!r})" if bad else "")
         )
@@ -105,7 +112,7 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
         listed = isinstance(max_grad_norm, (list, tuple))
         hint = (" (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C with "
                 "max_grad_norm_per='tensor', docs/clipping.md)") if listed else ""  # fmt: skip
-        raise ValueError(
+        raise ConfigError(
             f"max_grad_norm must be one positive number C, the L2 bound on each example's whole gradient, or a "
             f"mapping from parameter-name patterns to per-layer bounds, got {max_grad_norm!r}{hint}; "
             "e.g. max_grad_norm=1.0 or max_grad_norm={'conv*': 0.5, '*': 1.0}"

@@ -15,8 +15,7 @@ from dpscale.errors import ConfigError
 from dpscale.data.sampling_modes import FIXED_CAVEAT, SHUFFLE_CAVEAT
 from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
-from dpscale.clip_norms import check_clip_gamma
-from dpscale.clip_norms import check_max_grad_norm as check_clip_value
+from dpscale.clip_norms import check_clip_gamma, check_max_grad_norm
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, history_accountant, releases_under
 from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling
 from dpscale.privacy.accountant import FREE_CAP_TOLERANCE
@@ -867,19 +866,6 @@ def _planned_epsilon(
             f"to calibrate it{_source_run_hint(releases)}"
         )
     return epsilon
-
-
-def check_max_grad_norm(max_grad_norm: Any) -> None:
-    """Refuse a clipping norm that is neither one positive number C nor a per-layer mapping
-    pattern -> C_g (``dpscale.privacy.clipping``; None: no clipping).
-
-    Raises:
-        ConfigError: a list (Opacus' per-layer form), a string, zero, a negative number, an empty mapping.
-    """
-    try:
-        check_clip_value(max_grad_norm)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
 
 
 def _check_automatic(clip_gamma: float | None, max_grad_norm: MaxGradNorm, adaptive: AdaptiveClipping | None) -> None:
