@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from dpscale._io import atomic_write_text
+from dpscale.privacy.noise import Params
 
 __all__ = [
     "BandedNoise",
@@ -654,8 +655,6 @@ def optimize_strategy(workload: Workload, bands: int, *, cache_dir: str | Path |
 
 
 # --------------------------------------------------------------------------- online noise
-
-Params = dict[str, torch.Tensor]
 
 
 class BandedNoise:

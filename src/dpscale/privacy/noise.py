@@ -6,7 +6,7 @@ import torch
 
 from dpscale.rng import DPRandom, require_dprandom
 
-Params = dict[str, torch.Tensor]
+Params = dict[str, torch.Tensor]  # parameter name -> tensor: the one definition (per_example re-exports it)
 
 
 def draw_noise(like: Params, generator: DPRandom) -> Params:

@@ -27,6 +27,7 @@ from dpscale.privacy.clipping import (  # noqa: F401  (CLIP_EPS, clip_factors: r
     is_per_layer,
     resolve_clip_groups,
 )
+from dpscale.privacy.noise import Params  # noqa: F401  (re-exported: the engines' name for it)
 from dpscale.privacy.precision import (
     FP32,
     Precision,
@@ -37,7 +38,6 @@ from dpscale.privacy.precision import (
     zero_rows,
 )
 
-Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
 # A chunk whose privacy unit is a user (issue 43): (x, y, offsets), unit j = rows offsets[j]:offsets[j + 1].
 UnitChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
