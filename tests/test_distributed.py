@@ -125,7 +125,7 @@ def test_two_process_update_equals_one_process_update(two_process_result):
     for name, p in model.state_dict().items():
         torch.testing.assert_close(two_process_result["params"][name], p, rtol=1e-5, atol=1e-6)
     two = two_process_result["stats"]
-    assert two["batch_size"] == stats.batch_size == 20
+    assert two["examples"] == stats.examples == 20
     assert two["loss_sum"] == pytest.approx(stats.loss_sum, rel=1e-6)
     assert two["clipped_fraction"] == pytest.approx(stats.clipped_fraction)
 

@@ -134,7 +134,7 @@ def test_noise_added_once_per_logical_step_and_divided_by_expected_batch(chunk):
     # 7,850 noise coordinates: the std of the noise on the *sum* is sigma * C, whatever the chunking
     # (per-chunk noise would give sqrt(#chunks) times more).
     assert float(noise.std()) == pytest.approx(sigma * c, rel=0.05)
-    assert stats_.batch_size == 12
+    assert stats_.examples == 12
 
 
 def test_noise_drawn_during_the_step_is_the_same_noise():
@@ -180,7 +180,7 @@ def test_empty_logical_batch_gives_pure_noise():
         expected_batch_size=50, noise_generator=DPRandom(0),
     )
     flat = torch.cat([g.flatten() for g in grad.values()])
-    assert stats_.batch_size == 0 and stats_.loss_sum == 0.0
+    assert stats_.examples == 0 and stats_.loss_sum == 0.0
     assert float(flat.std()) == pytest.approx(3.0 / 50, rel=0.05)
 
 
@@ -267,7 +267,7 @@ def test_logical_batch_of_64k_in_bounded_chunks_matches_full_batch_backward():
         VmapEngine(None), model, counting_chunks(), noise_std=0.0, expected_batch_size=n,
         noise_generator=DPRandom(0),
     )
-    assert max(seen) == 4096 and sum(seen) == n and stats_.batch_size == n
+    assert max(seen) == 4096 and sum(seen) == n and stats_.examples == n
     model.zero_grad()
     F.cross_entropy(model(x), y, reduction="mean").backward()
     for name, p in model.named_parameters():

@@ -294,6 +294,6 @@ def test_a_non_finite_example_contributes_exactly_zero_in_float32_and_is_counted
         torch.testing.assert_close(grad_sum[name].double(), ref, rtol=1e-5, atol=1e-6, msg=name)
     update, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(7), 3), noise_std=0.0,
                                        expected_batch_size=7, noise_generator=DPRandom(0))  # fmt: skip
-    assert stats.nonfinite_examples == 1 and stats.batch_size == 7
+    assert stats.nonfinite_examples == 1 and stats.examples == 7
     for name, ref in want.items():
         torch.testing.assert_close(update[name].double() * 7, ref, rtol=1e-5, atol=1e-6, msg=name)

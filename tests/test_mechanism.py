@@ -131,7 +131,7 @@ def test_custom_per_example_loss_for_a_regression_model():
     for indices in mechanism.batches():
         stats = mechanism.step(x[indices], y[indices])
     assert mechanism.steps_taken == 4 and not torch.equal(before, model.weight)
-    assert stats.batch_size == len(indices)
+    assert stats.examples == len(indices)
 
 
 def test_make_private_argument_errors_are_clear():
@@ -217,7 +217,7 @@ def test_augment_multiplicity_takes_k_views_per_example():
     indices = mechanism.sample()
     views = torch.randn(len(indices), 3, 1, 3, 4)  # (B, K, C, H, W)
     stats = mechanism.step(views, torch.randint(0, 3, (len(indices),)))
-    assert stats.batch_size == len(indices)
+    assert stats.examples == len(indices)
 
 
 def test_changing_the_head_or_unfreezing_after_building_a_run_is_refused_not_ignored(tmp_path):

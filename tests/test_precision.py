@@ -262,7 +262,7 @@ def test_a_step_counts_the_examples_whose_gradients_were_not_finite():
     engine = make_engine("bk", 1.0, model, precision=make_precision("fp16"))[0]
     grad, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(6), 4), noise_std=0.0,
                                      expected_batch_size=6, noise_generator=DPRandom(0))  # fmt: skip
-    assert stats.nonfinite_examples == 1 and stats.batch_size == 6 and stats.as_dict()["nonfinite_examples"] == 1
+    assert stats.nonfinite_examples == 1 and stats.examples == 6 and stats.as_dict()["nonfinite_examples"] == 1
     assert all(torch.isfinite(g).all() for g in grad.values()) and stats.mean_grad_norm == stats.mean_grad_norm
 
 
@@ -331,7 +331,7 @@ def test_an_overflowing_example_contributes_zero_through_make_private_and_is_cou
     x[drawn[0]] = 3e38
     want, _ = naive_float64(model, x[drawn[1:]], y[drawn[1:]], 1.0)  # lr 0: the model has not moved
     stats = mechanism.step(x[drawn], y[drawn])
-    assert stats.nonfinite_examples == 1 and stats.batch_size == len(drawn)
+    assert stats.nonfinite_examples == 1 and stats.examples == len(drawn)
     got = {n: g.double() * 6 - 0.5 * noise[1][n].double() for n, g in released[1].items()}  # the clipped sum
     assert all(torch.isfinite(g).all() for g in got.values())
     error = torch.sqrt(sum((got[n] - want[n]).square().sum() for n in want))

@@ -279,7 +279,7 @@ class Trainer:
         bar_state = self._bar_state
         if self.progress and (evaluated or time.perf_counter() - bar_state["reported_at"] > EPSILON_REFRESH_S):
             bar_state["epsilon"], bar_state["reported_at"] = self.epsilon(), time.perf_counter()
-            loss = self._last_stats.loss_sum / max(1, self._last_stats.batch_size)
+            loss = self._last_stats.loss_sum / max(1, self._last_stats.examples)
             bar.set_postfix(loss=f"{loss:.3f}", eps=report.format_epsilon(bar_state["epsilon"]), refresh=False)
 
     def train_step(self) -> None:

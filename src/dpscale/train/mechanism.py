@@ -235,7 +235,7 @@ class DPMechanism:
                 correlate=self.correlated_noise.next if self.correlated_noise is not None else None)  # fmt: skip
         if check_drawn:  # chunks of unknown size: counted, refused before the release
             try:
-                self._check_size(stats.batch_size)
+                self._check_size(stats.examples)
             except ValueError:
                 if history is not None:  # BandMF: the refused step's noise leaves the recursion untouched
                     self.correlated_noise.rewind(history)
@@ -263,7 +263,7 @@ class DPMechanism:
     def _release_count_and_move_clip(self, stats: StepStats, adaptive: AdaptiveClipping) -> None:
         """Adaptive clipping: the noisy share of unclipped examples of this step (drawn from the
         noise generator after the gradient's noise), and C_{t+1} from it."""
-        share = noisy_unclipped_fraction(stats.batch_size - stats.clipped, stats.batch_size, generator=self.noise_generator,
+        share = noisy_unclipped_fraction(stats.examples - stats.clipped, stats.examples, generator=self.noise_generator,
                                          expected_batch_size=self.plan.batch_size, count_noise=adaptive.count_noise)
         self.clip = next_clip(self.clip, share, adaptive)
 

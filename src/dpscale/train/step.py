@@ -53,8 +53,8 @@ class StepStats:
         return float(self.counts[STEP_STATISTICS.index(name)])
 
     @property
-    def batch_size(self) -> int:
-        """Examples actually in this logical batch."""
+    def examples(self) -> int:
+        """Examples actually in this logical batch (the realised count; the plan's batch_size is the expected B)."""
         return int(self._value("examples"))
 
     @property
@@ -69,12 +69,12 @@ class StepStats:
     @property
     def clipped_fraction(self) -> float:
         """Share of examples whose gradient norm exceeded C."""
-        return self._value("clipped") / self.batch_size if self.batch_size else 0.0
+        return self._value("clipped") / self.examples if self.examples else 0.0
 
     @property
     def mean_grad_norm(self) -> float:
         """Mean per-example gradient norm before clipping."""
-        return self._value("grad_norm_sum") / self.batch_size if self.batch_size else 0.0
+        return self._value("grad_norm_sum") / self.examples if self.examples else 0.0
 
     @property
     def nonfinite_examples(self) -> int:
@@ -84,7 +84,7 @@ class StepStats:
 
     def as_dict(self) -> dict[str, float]:
         """All the statistics (one host sync)."""
-        names = ("batch_size", "loss_sum", "clipped_fraction", "mean_grad_norm", "nonfinite_examples")
+        names = ("examples", "loss_sum", "clipped_fraction", "mean_grad_norm", "nonfinite_examples")
         return {name: getattr(StepStats(self.counts.cpu()), name) for name in names}
 
 

@@ -93,8 +93,8 @@ class RunBoard:
         if step % STEP_SCALARS_EVERY:
             return
         values = trainer._last_stats.as_dict()
-        if values["batch_size"]:
-            self.writer.add_scalar("train/loss", values["loss_sum"] / values["batch_size"], step)
+        if values["examples"]:
+            self.writer.add_scalar("train/loss", values["loss_sum"] / values["examples"], step)
         self.writer.add_scalar("train/clipped_fraction", values["clipped_fraction"], step)
         self.writer.add_scalar("train/mean_grad_norm", values["mean_grad_norm"], step)
         self.writer.add_scalar("train/lr", trainer.built.scheduler.get_last_lr()[0], step)
