@@ -51,7 +51,7 @@ def _step(name: str, x: torch.Tensor, y: torch.Tensor, peft: str, rank: int, fus
         delta=1e-5, steps=10**5, accountant="rdp", engine="auto", seed=0,
     )  # fmt: skip
     indices = torch.arange(batch)
-    return lambda: mechanism._step_chunks(physical_chunks(x, y, indices, batch))
+    return lambda: mechanism.step_drawn_chunks(physical_chunks(x, y, indices, batch))
 
 
 def measure(name: str, rank: int, repeats: int) -> list[tuple[str, float, float]]:

@@ -84,7 +84,7 @@ def test_removing_one_example_through_make_private_moves_the_release_by_at_most_
                                          seed=3, engine=engine, clipping="automatic", clip_gamma=GAMMA)  # fmt: skip
         out = []
         mechanism.observer = lambda gradient: out.append({k: v.double() * batch for k, v in gradient.items()})
-        mechanism._step_chunks([(x[keep], y[keep])])
+        mechanism.step_drawn_chunks([(x[keep], y[keep])])
         return out[0]
 
     full = released(torch.arange(12))

@@ -68,7 +68,7 @@ def _noise_releases(mechanism, steps: int) -> torch.Tensor:
     seen = []
     mechanism.observer = lambda gradient: seen.append(torch.cat([gradient[k].flatten() for k in sorted(gradient)]))
     for _ in range(steps):
-        mechanism._step_chunks([])
+        mechanism.step_drawn_chunks([])
     return torch.stack(seen).double() * mechanism.plan.batch_size
 
 

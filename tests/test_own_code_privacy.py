@@ -84,7 +84,7 @@ def leave_one_out_change(make_model, x: torch.Tensor, y: torch.Tensor, leave: in
         model = make_model()
         mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": 3, **options})
         mechanism.observer = lambda gradient: released.append({k: v.double() for k, v in gradient.items()})
-        mechanism._step_chunks([(x[keep], y[keep])])
+        mechanism.step_drawn_chunks([(x[keep], y[keep])])
     difference = sum((released[0][k] - released[1][k]).square().sum() for k in released[0])
     return float(difference.sqrt()) * RECIPE["batch_size"] / C
 

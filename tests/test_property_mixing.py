@@ -123,7 +123,7 @@ def released_sum(blocks: list[str], seed: int, engine: str, loss: str, x: torch.
             model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, loss_fn=LOSSES[loss], seed=7, **RECIPE
         )
         mechanism.observer = lambda gradient: released.append(gradient)
-        mechanism._step_chunks([(x, y)])
+        mechanism.step_drawn_chunks([(x, y)])
     except ValueError as refusal:
         assert "\n" not in str(refusal)  # one line
         return None
@@ -170,6 +170,6 @@ def test_the_property_has_teeth_without_the_checks(blocks, loss):
                 check=False, **RECIPE,
             )  # fmt: skip
             mechanism.observer = lambda gradient, out=sums: out.append({k: v.double() * B for k, v in gradient.items()})
-            mechanism._step_chunks([(xs, ys)])
+            mechanism.step_drawn_chunks([(xs, ys)])
         worst = max(worst, float(sum((sums[0][k] - sums[1][k]).square().sum() for k in sums[0]).sqrt()) / C)
     assert worst > 1.01, worst

@@ -144,9 +144,9 @@ def _dpscale_step(
     def step() -> None:
         inputs = _views(x, views, augment) if views > 1 else x
         if user_rows:
-            mechanism._step_chunks([padded_user_rows((inputs, y, offsets), user_rows, views)])
+            mechanism.step_drawn_chunks([padded_user_rows((inputs, y, offsets), user_rows, views)])
         else:
-            mechanism._step_chunks(physical_chunks(inputs, y, indices, batch))
+            mechanism.step_drawn_chunks(physical_chunks(inputs, y, indices, batch))
 
     # apply_gradient already drops the gradients
     return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__)

@@ -286,7 +286,7 @@ class Trainer:
         """Sample a logical batch, take one private step, account for it."""
         reduce = self.dist.all_reduce_sum_ if self.dist.enabled else None
         # clip, noise once, / B, optimizer and scheduler step, account
-        stats = self.mechanism._step_chunks(self._train_chunks(), all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
+        stats = self.mechanism.step_drawn_chunks(self._train_chunks(), all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
         if self.built.ema is not None:
             self.built.ema.update(self.model)
         self.step += 1

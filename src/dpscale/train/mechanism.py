@@ -195,7 +195,7 @@ class DPMechanism:
         else:
             check_gathered(indices, self._drawn_batch.indices, chunks=True)
             chunks = inputs
-        stats = self._step_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
+        stats = self.step_drawn_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
         self._drawn, self._drawn_batch = None, None
         return stats
 
@@ -207,13 +207,13 @@ class DPMechanism:
                 "is not the Poisson sample the epsilon describes); nothing was released"
             )
 
-    def _step_chunks(
+    def step_drawn_chunks(
         self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True,
         check_drawn: bool = False,
     ) -> StepStats:  # fmt: skip
-        """``step`` for physical chunks, with the data-parallel hooks the Trainer uses. Package
-        internal: the caller vouches that ``chunks`` are the batch its sampler drew (the Trainer
-        draws from ``mechanism.sampler`` itself); users call ``step``.
+        """``step`` for physical chunks, with the data-parallel hooks: the seam to a loop that draws
+        from ``mechanism.sampler`` itself (the Trainer, the step-time bench), which vouches that
+        ``chunks`` are the batch the sampler drew; users call ``step``, which checks it.
 
         Args:
             chunks: the logical batch as physical (x, y) chunks.
