@@ -384,7 +384,7 @@ def test_a_logical_step_reads_no_tensor_on_the_host(tmp_path, engine, monkeypatc
         for _ in range(3):  # several chunks each (128 expected examples, chunks of 32)
             trainer.train_step()
     assert probe.reads == []
-    assert trainer._last_stats.examples > 0  # read afterwards, when reporting
+    assert trainer.last_stats.examples > 0  # read afterwards, when reporting
 
 
 def test_checkpoints_by_time_and_at_the_end(tmp_path, monkeypatch):

@@ -102,7 +102,7 @@ class Trainer:
                 sampler_seed=rank_stream_seed(seeds["sampler"], rank, world, start_step),
                 noise_seed=run_state.fresh_noise_seed(self, start_step),
             )  # fmt: skip
-        self._feed: StreamFeed | None = None  # streaming: started at the first step
+        self.feed: StreamFeed | None = None  # streaming: started at the first step
         augment_seed = rank_stream_seed(seeds["augment"], rank, world, start_step)
         self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)  # torch takes 64 bits
 
@@ -170,7 +170,7 @@ class Trainer:
 
     def sampler_state(self) -> dict[str, Any]:
         """The sampler's state before the next step's draw (a stream draws batches ahead)."""
-        return self._feed.sampler_state(self.step) if self._feed is not None else self.mechanism.sampler.state_dict()
+        return self.feed.sampler_state(self.step) if self.feed is not None else self.mechanism.sampler.state_dict()
 
     def save(self) -> None:
         """Write the checkpoint (rank 0; collective with P processes, so every rank calls it).
@@ -279,7 +279,7 @@ class Trainer:
         bar_state = self._bar_state
         if self.progress and (evaluated or time.perf_counter() - bar_state["reported_at"] > EPSILON_REFRESH_S):
             bar_state["epsilon"], bar_state["reported_at"] = self.epsilon(), time.perf_counter()
-            loss = self._last_stats.loss_sum / max(1, self._last_stats.examples)
+            loss = self.last_stats.loss_sum / max(1, self.last_stats.examples)
             bar.set_postfix(loss=f"{loss:.3f}", eps=report.format_epsilon(bar_state["epsilon"]), refresh=False)
 
     def train_step(self) -> None:
@@ -292,7 +292,7 @@ class Trainer:
         self.step += 1
         # the window's order: loss sum, examples, non-finite examples (on the device: no host sync)
         self._window += stats.select("loss_sum", "examples", "nonfinite").to(self._window.device)
-        self._last_stats = stats
+        self.last_stats = stats
 
     def _train_chunks(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         """The sampler's next batch as physical chunks on the device (K views per example; whole users' rows)."""
@@ -307,20 +307,20 @@ class Trainer:
             if device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
                 indices = indices.pin_memory().to(device, non_blocking=True)
             return views.chunks(physical_chunks(data.x_train, data.y_train, indices, chunk_size))
-        if self._feed is None:
-            self._feed = StreamFeed(
+        if self.feed is None:
+            self.feed = StreamFeed(
                 data, self.mechanism.sampler, chunk_size=chunk_size, start_step=self.step, total_steps=self.total_steps,
                 device=device, workers=data_workers(self.config), prefetch=self.config.data.prefetch,
             )  # fmt: skip
-        return streamed_chunks(self._feed.chunks(self.step), plan, views)
+        return streamed_chunks(self.feed.chunks(self.step), plan, views)
 
     def _stop_feed(self) -> None:
         """Stop the stream's workers now (left to the garbage collector, each takes seconds to
         shut down) and put the sampler back before the next step's draw."""
-        if self._feed is not None:
-            self.data_wait_s += self._feed.wait_s
-            self._feed.close(self.step)
-            self._feed = None
+        if self.feed is not None:
+            self.data_wait_s += self.feed.wait_s
+            self.feed.close(self.step)
+            self.feed = None
 
     def _eval_due(self) -> bool:
         """True at the last step and whenever another ``train.eval_every_epochs`` has passed

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.metrics import evaluate, evaluate_augtest, evaluate_batches, json_safe
 
-# ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
-Trainer = Any
+if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
+    from dpscale.train.loop import Trainer
 
 
 def format_epsilon(epsilon: float) -> str:

@@ -5,7 +5,7 @@ run's claim, the newest intact checkpoint, config edits checked (``Trainer.creat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from dpscale.config import Config, save_config
 from dpscale.errors import ConfigError
@@ -15,8 +15,8 @@ from dpscale.train.distributed import Distributed, init_distributed
 from dpscale.train.hooks import RunHooks
 from dpscale.train.rundir import RunLock, check_config_edits, open_new_run
 
-# ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
-Trainer = Any
+if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
+    from dpscale.train.loop import Trainer
 
 T = TypeVar("T")
 

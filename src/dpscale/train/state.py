@@ -4,15 +4,15 @@ noise, accountant, steps) through ``DPMechanism.state_dict``; this module adds t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dpscale.errors import ConfigError
 from dpscale.train.distributed import NOISE_RANK, rank_stream_seed
 
-# ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
-Trainer = Any
+if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
+    from dpscale.train.loop import Trainer
 
 FRESH_NOISE_ON_RESUME = (
     "run.seed is null: the noise continues from fresh OS entropy, so no two continuations of this checkpoint share "

@@ -21,15 +21,15 @@ A resumed run purges the events after the checkpoint's step, so a curve never sh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpscale._io import PRIVATE_FILE_MODE, make_private_dir
 from dpscale.config import config_yaml
 from dpscale.privacy.plan import GUARANTEE_SCOPE
 from dpscale.runs import TENSORBOARD_NAME
 
-# ``trainer`` below is a dpscale.train.loop.Trainer (not imported: the loop imports this module).
-Trainer = Any
+if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
+    from dpscale.train.loop import Trainer
 
 STEP_SCALARS_EVERY = 10
 
@@ -92,7 +92,7 @@ class RunBoard:
         step = trainer.step
         if step % STEP_SCALARS_EVERY:
             return
-        values = trainer._last_stats.as_dict()
+        values = trainer.last_stats.as_dict()
         if values["examples"]:
             self.writer.add_scalar("train/loss", values["loss_sum"] / values["examples"], step)
         self.writer.add_scalar("train/clipped_fraction", values["clipped_fraction"], step)
@@ -100,7 +100,7 @@ class RunBoard:
         self.writer.add_scalar("train/lr", trainer.built.scheduler.get_last_lr()[0], step)
         self.writer.add_scalar("time/step_ms", step_ms, step)
         if trainer.built.streamed:
-            feed = trainer._feed
+            feed = trainer.feed
             self.writer.add_scalar("time/data_wait_s", trainer.data_wait_s + (feed.wait_s if feed else 0.0), step)
 
     def evaluation(self, record: dict[str, Any]) -> None:

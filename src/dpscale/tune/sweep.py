@@ -189,7 +189,7 @@ class Sweep:
     progress: bool = True
     on_point: Callable[[PointResult], None] | None = None
     _configs: list[Config] = field(default_factory=list, init=False)
-    _points: list[dict[str, str]] = field(default_factory=list, init=False)
+    drawn_points: list[dict[str, str]] = field(default_factory=list, init=False)  # the points run (a draw, with private tuning)
     tuning: TuningDistribution | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -203,15 +203,15 @@ class Sweep:
         if saved is not None and any(saved.get(key) != value for key, value in self.spec.manifest().items()):
             raise ConfigError(self._different_sweep())
         grid_points = self.spec.points()
-        self._points, trials = grid_points, None
+        self.drawn_points, trials = grid_points, None
         if self.spec.private_tuning:
             self.tuning = tuning_from_text(self.spec.private_tuning, [k for k, _ in self.spec.grid])
             check_tuning_metric(self.spec.metric)
             trials = (saved or {}).get("trials")
             if trials is None or saved.get("private_tuning") != self.spec.private_tuning:
                 trials = draw_trials(self.tuning, len(grid_points))
-            self._points = [grid_points[i] for i in trials]
-        configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self._points)]
+            self.drawn_points = [grid_points[i] for i in trials]
+        configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self.drawn_points)]
         if trials is not None and not all(is_private_config(c.dp) for c in configs):
             raise ConfigError("--private-tuning accounts for private runs; this config trains without noise (no finite cost)")
         grid_units = {self._point_config(i, p, False).data.privacy_unit for i, p in enumerate(grid_points)}
@@ -249,7 +249,7 @@ class Sweep:
 
     def run(self) -> list[PointResult]:
         configs = self._configs or self.prepare()
-        points = self._points
+        points = self.drawn_points
         names = [point_name(i, p, bool(self.spec.private_tuning)) for i, p in enumerate(points)]
         shown = [{k: display_value(v) for k, v in p.items()} for p in points]
         # Points finished by an earlier invocation are results from the start, so an interrupted
@@ -306,8 +306,8 @@ class Sweep:
     def write_results(self, results: list[PointResult]) -> None:
         lines = "".join(json.dumps(r.record()) + "\n" for r in results)
         atomic_write_text(self.out_dir / RESULTS_NAME, lines)
-        release = self.release(results) if self.tuning is not None and len(results) == len(self._points) else None
-        atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec, len(self._points), release))
+        release = self.release(results) if self.tuning is not None and len(results) == len(self.drawn_points) else None
+        atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec, len(self.drawn_points), release))
 
     def release(self, results: list[PointResult]) -> dict[str, Any]:
         """Private tuning: the best run, its model copied to ``released/`` with its epsilon (the
