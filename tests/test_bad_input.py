@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.data import DatasetError, load_dataset
 from dpscale.data.folder import FolderListing, list_image_folder
 from dpscale.data.shards import open_shards, prepare_shards
 from dpscale.data.subsets import select
+from helpers import one_line_error
 
 # Cheap training settings: if a refusal regressed, the run would still end in seconds.
 CHEAP = ["model.name=linear", "dp.batch_size=4", "train.steps=2", "train.self_check=false"]
@@ -43,25 +43,6 @@ def _write_images(folder: Path, count: int, value: int = 0) -> None:
         Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(folder / f"{i:03d}.png")
 
 
-def _one_line_error(capsys: pytest.CaptureFixture, argv: list[str], *patterns: str) -> str:
-    """Run the CLI; assert exit code 2 and exactly one stderr line matching every pattern.
-
-    Args:
-        capsys: pytest's capture fixture.
-        argv: the command line after ``dpscale``.
-        patterns: regular expressions the line must contain.
-
-    Returns:
-        The error line.
-    """
-    code = main(argv)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, (code, lines)
-    for pattern in patterns:
-        assert re.search(pattern, lines[0]), (pattern, lines[0])
-    return lines[0]
-
-
 def _train(root: Path, tmp_path: Path, *extra: str) -> list[str]:
     sets = [f"run.out_dir={tmp_path / 'run'}", *CHEAP, *extra]
     return ["train", "--quiet", *(a for s in sets for a in ("--set", s)), "--set", f"data.root={root}"]
@@ -75,7 +56,7 @@ def test_an_image_folder_with_one_class_is_refused_naming_it(tmp_path, capsys, l
     root = tmp_path / "one-class"
     _write_images(root / "cats", 20)
     argv = _train(root, tmp_path, "data.name=imagefolder", f"data.loader={loader}", "data.workers=0")
-    _one_line_error(capsys, argv, re.escape(str(root)), "1 class", "'cats'", ONE_CLASS)
+    one_line_error(capsys, argv, re.escape(str(root)), "1 class", "'cats'", ONE_CLASS)
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
@@ -106,7 +87,7 @@ def test_skip_corrupt_that_leaves_one_class_with_images_is_refused(tmp_path):
 def test_data_prepare_refuses_one_class_and_shards_with_one_class_are_refused(tmp_path, capsys):
     root = tmp_path / "one-class"
     _write_images(root / "cats", 10)
-    _one_line_error(capsys, ["data", "prepare", str(root), str(tmp_path / "out"), "--size", "8", "--quiet"], ONE_CLASS)
+    one_line_error(capsys, ["data", "prepare", str(root), str(tmp_path / "out"), "--size", "8", "--quiet"], ONE_CLASS)
     # A set prepared before this check (or by hand): one class in its manifest.
     files = tuple(sorted((root / "cats").iterdir()))
     listing = FolderListing(root, ("cats",), files[:8], np.zeros(8, np.int64), files[8:], np.zeros(2, np.int64), "official", "L")
@@ -114,14 +95,14 @@ def test_data_prepare_refuses_one_class_and_shards_with_one_class_are_refused(tm
     with pytest.raises(DatasetError, match=f"{re.escape(str(tmp_path / 'shards'))}: the training set has only one class \\('cats'\\); {ONE_CLASS}"):
         open_shards(tmp_path / "shards")
     argv = _train(tmp_path / "shards", tmp_path, "data.name=shards", "data.loader=memory")
-    _one_line_error(capsys, argv, ONE_CLASS)
+    one_line_error(capsys, argv, ONE_CLASS)
 
 
 def test_an_npz_whose_training_labels_hold_one_class_is_refused(tmp_path, capsys):
     path = tmp_path / "d.npz"
     x = np.zeros((6, 8, 8), np.uint8)
     np.savez(path, x_train=x, y_train=np.zeros(6, np.int64), x_test=x[:2], y_test=np.array([0, 1]))
-    _one_line_error(capsys, _train(path, tmp_path, "data.name=npz"), re.escape(str(path)), "y_train", ONE_CLASS)
+    one_line_error(capsys, _train(path, tmp_path, "data.name=npz"), re.escape(str(path)), "y_train", ONE_CLASS)
 
 
 def test_idx_files_whose_labels_hold_one_class_are_refused(tmp_path):
@@ -144,7 +125,7 @@ def test_idx_files_whose_labels_hold_one_class_are_refused(tmp_path):
     ],
 )
 def test_a_class_subset_with_one_class_is_refused(tmp_path, capsys, selection, message):
-    _one_line_error(capsys, ["train", "--quiet", "--set", selection, *_sets(tmp_path)], message, ONE_CLASS)
+    one_line_error(capsys, ["train", "--quiet", "--set", selection, *_sets(tmp_path)], message, ONE_CLASS)
 
 
 def _sets(tmp_path: Path) -> list[str]:
@@ -178,7 +159,7 @@ def test_select_refuses_a_selection_whose_training_set_holds_one_class():
 def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path, capsys, text, where, problem):
     path = tmp_path / "cfg.yaml"
     path.write_text(text)
-    line = _one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}{where} not valid YAML: "), problem)
+    line = one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}{where} not valid YAML: "), problem)
     assert "<unicode string>" not in line and "^" not in line
     with pytest.raises(ConfigError) as err:
         load_config(path)
@@ -196,9 +177,9 @@ def test_yaml_merge_keys_may_override_what_they_merge(tmp_path):
 def test_a_config_file_that_is_not_text_is_one_line(tmp_path, capsys):
     path = tmp_path / "cfg.yaml"
     path.write_bytes(b"dp:\n  epsilon: \xff\xfe3\n")
-    _one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}"), "UTF-8")
+    one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}"), "UTF-8")
     path.write_bytes(b"dp:\n  epsilon: 3\x07\n")  # a control character PyYAML's reader refuses
-    _one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}:2:"), "special characters are not allowed")
+    one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}:2:"), "special characters are not allowed")
 
 
 @pytest.mark.parametrize(
@@ -211,7 +192,7 @@ def test_a_config_file_that_is_not_text_is_one_line(tmp_path, capsys):
     ],
 )
 def test_a_bad_set_value_is_one_line(capsys, override, problem):
-    line = _one_line_error(capsys, ["train", "--set", override], problem)
+    line = one_line_error(capsys, ["train", "--set", override], problem)
     assert "<unicode string>" not in line and "^" not in line and "  " not in line
 
 

@@ -28,7 +28,7 @@ from dpscale.data import (
     load_npz,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+from helpers import SHARED_DATA
 
 
 def check_contract(ds: ImageDataset) -> None:

@@ -23,8 +23,8 @@ from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command, rank_stream_seed
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_MNIST = REPO / ".." / "shared" / "data" / "mnist-10k"
+from helpers import REPO, SHARED_MNIST
+
 SIGMA, CLIP, EXPECTED_B = 1.3, 0.7, 32.0
 NOISE_DRAWS = 400
 

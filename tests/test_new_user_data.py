@@ -28,7 +28,7 @@ from dpscale.data import DatasetError, load_dataset, load_npz
 from dpscale.data.run_data import open_training_data
 from dpscale.data.stream import open_stream, to_model_input
 from dpscale.errors import ConfigError
-from test_bad_input import _one_line_error
+from helpers import one_line_error
 
 CHEAP = ["model.name=linear", "dp.batch_size=4", "train.steps=2", "train.self_check=false"]
 
@@ -150,14 +150,14 @@ def test_images_that_cannot_be_read_faithfully_are_refused_naming_file_and_mode(
     bad = tmp_path / "rgb16" / "train" / "b" / "01.png"
     _png16_rgb(bad, np.full((8, 8, 3), 40000, np.uint16))  # the old loader kept the high byte only
     argv = ["data", "prepare", str(tmp_path / "rgb16"), str(tmp_path / "out"), "--size", "8", "--quiet", "--workers", "1"]
-    _one_line_error(capsys, argv, re.escape(str(bad)), "RGB image with more than 8 bits per sample", "else as 8-bit RGB")
+    one_line_error(capsys, argv, re.escape(str(bad)), "RGB image with more than 8 bits per sample", "else as 8-bit RGB")
     # refused even with --skip-corrupt: the file is not damaged, and nothing is left out quietly
-    _one_line_error(capsys, [*argv, "--skip-corrupt"], re.escape(str(bad)), "more than 8 bits")
+    one_line_error(capsys, [*argv, "--skip-corrupt"], re.escape(str(bad)), "more than 8 bits")
     _folder(tmp_path / "float", grey)
     bad = tmp_path / "float" / "train" / "a" / "00.tif"
     Image.fromarray(np.linspace(-0.5, 2.0, 64, dtype=np.float32).reshape(8, 8)).save(bad)
     argv[2:4] = [str(tmp_path / "float"), str(tmp_path / "out2")]
-    _one_line_error(capsys, argv, re.escape(str(bad)), r"32-bit float image \(mode F\) with pixels -0\.5\.\.2", r"\[0, 1\]")
+    one_line_error(capsys, argv, re.escape(str(bad)), r"32-bit float image \(mode F\) with pixels -0\.5\.\.2", r"\[0, 1\]")
     negative = tmp_path / "float" / "train" / "a" / "00.tif"
     Image.fromarray(np.full((8, 8), -7, np.int32)).save(negative)
     with pytest.raises(DatasetError, match=f"{re.escape(str(negative))}: signed 32-bit image .* pixels -7\\.\\.-7"):
@@ -185,7 +185,7 @@ STRAY = [i % 10 for i in range(39)] + [12]  # labels 0-9 and one stray 12
 
 def test_a_stray_training_label_is_refused_naming_the_gap(tmp_path, capsys):
     path = _npz(tmp_path / "stray.npz", STRAY, list(range(10)))
-    _one_line_error(  # the old run trained a 13-class model without a word
+    one_line_error(  # the old run trained a 13-class model without a word
         capsys, _train(path, tmp_path), re.escape(str(path)), "training labels 0-9, 12 leave out 10-11",
         "13 outputs of which 2 are never trained", "data.num_classes=13",
     )  # fmt: skip
@@ -194,7 +194,7 @@ def test_a_stray_training_label_is_refused_naming_the_gap(tmp_path, capsys):
 
 def test_a_test_split_with_classes_never_trained_on_is_refused_naming_both_sets(tmp_path, capsys):
     path = _npz(tmp_path / "split.npz", [i % 5 for i in range(20)], list(range(10)))
-    _one_line_error(capsys, _train(path, tmp_path), re.escape(str(path)), r"label\(s\) 5-9 that no training example has",
+    one_line_error(capsys, _train(path, tmp_path), re.escape(str(path)), r"label\(s\) 5-9 that no training example has",
                     r"train 0-4, test 0-9")  # fmt: skip
 
 
@@ -225,7 +225,7 @@ def test_non_finite_pixels_are_counted_and_the_first_image_named(tmp_path, capsy
     x = np.random.default_rng(8).random((20, 8, 8))
     x[17, 3, 4] = np.nan
     np.savez(path, x_train=x, y_train=np.arange(20) % 2, x_test=x[:4], y_test=np.arange(4) % 2)
-    line = _one_line_error(capsys, _train(path, tmp_path), re.escape(str(path)))
+    line = one_line_error(capsys, _train(path, tmp_path), re.escape(str(path)))
     assert line.endswith(f"{path}: 1 NaN pixel in x_train[17]; pixels must be finite numbers in [0, 1]: fix or drop that image")
     xt = x[:6].copy()
     xt[3, 0, :2], xt[5, 1, 1] = np.nan, np.inf

@@ -24,7 +24,7 @@ from dpscale.rng import DPRandom, derive_seed, is_dprandom_state, words_to_int
 from dpscale.train.distributed import rank_stream_seed
 from dpscale.train.loop import Trainer
 from dpscale.train.seeds import run_seeds
-from test_train import small_config
+from helpers import small_config
 
 HIGH_BITS = [2**32, 2 * 2**32, 2**32 * 2**32]  # k * 2^32 for k = 1, 2, 2^32
 

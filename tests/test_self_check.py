@@ -183,7 +183,7 @@ def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
 def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, capsys):
     from dpscale.privacy.plan import ENGINE_UNCHECKED_CAVEAT
     from dpscale.train import Trainer
-    from test_train import small_config
+    from helpers import small_config
 
     checked = Trainer.create(small_config(tmp_path / "checked", "train.steps=2")).run()
     assert checked["engine"] == "bk" and checked["engine_self_check"]["passed"]
@@ -200,7 +200,7 @@ def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, cap
 def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeypatch):
     from dpscale.errors import ConfigError
     from dpscale.train import Trainer
-    from test_train import small_config
+    from helpers import small_config
 
     rule = ghost._RULES[nn.Conv2d]
 

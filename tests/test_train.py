@@ -16,29 +16,9 @@ from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.train.loop import Trainer
+from helpers import SHARED_MNIST, small_config
 
-SHARED_MNIST = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mnist-10k"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def small_config(out_dir, *extra):
-    """A short private run on the embedded MNIST sample (N = 4000)."""
-    return load_config(
-        None,
-        [
-            f"run.out_dir={out_dir}",
-            "run.seed=0",
-            "dp.batch_size=128",
-            "dp.epsilon=4",
-            "train.steps=24",
-            "train.eval_every_epochs=0.25",  # ~every 8 steps
-            "train.max_physical_batch_size=64",
-            "optim.momentum=0.9",
-            "optim.schedule=cosine",
-            "optim.warmup_steps=3",
-            *extra,
-        ],
-    )
 
 
 def _without_wall_time(records):

@@ -1,0 +1,60 @@
+"""What several test modules share (issue 46, item 5): the shared data's paths, the short run
+configuration, the one-line-error check. Import it as ``from helpers import ...`` (pytest puts
+``tests/`` on the path); a test module imports nothing from another test module."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dpscale.cli import main
+from dpscale.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+# Read from there, never copied into the repository; tests that need them skip cleanly without them.
+SHARED_DATA = REPO / ".." / "shared" / "data"
+SHARED_MNIST = SHARED_DATA / "mnist-10k"
+SHARED_FMNIST = SHARED_DATA / "fashion-mnist"
+
+
+def small_config(out_dir: Path | str, *extra: str) -> Config:
+    """A short private run on the embedded MNIST sample (N = 4000): 24 steps at B = 128, epsilon 4,
+    an evaluation about every 8 steps, chunks of 64, cosine schedule with warm-up; ``extra`` are
+    further ``--set`` overrides."""
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "run.seed=0",
+            "dp.batch_size=128",
+            "dp.epsilon=4",
+            "train.steps=24",
+            "train.eval_every_epochs=0.25",  # ~every 8 steps
+            "train.max_physical_batch_size=64",
+            "optim.momentum=0.9",
+            "optim.schedule=cosine",
+            "optim.warmup_steps=3",
+            *extra,
+        ],
+    )
+
+
+def one_line_error(capsys: pytest.CaptureFixture, argv: list[str], *patterns: str) -> str:
+    """Run the CLI; assert exit code 2 and exactly one stderr line matching every pattern.
+
+    Args:
+        capsys: pytest's capture fixture.
+        argv: the command line after ``dpscale``.
+        patterns: regular expressions the line must contain.
+
+    Returns:
+        The error line.
+    """
+    code = main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, lines)
+    for pattern in patterns:
+        assert re.search(pattern, lines[0]), (pattern, lines[0])
+    return lines[0]
