@@ -79,7 +79,7 @@ def test_a_source_run_that_cannot_be_read_keeps_the_cause(tmp_path):
     with pytest.raises(ConfigError, match="is not a dpscale run directory") as caught:
         source_run_privacy("init", str(tmp_path), str(tmp_path), False, lambda normalize: "")
     chain = [type(caught.value.__cause__), type(caught.value.__cause__.__cause__)]
-    assert chain == [ValueError, runs.NotARunDirectory]
+    assert chain == [ConfigError, runs.NotARunDirectory]  # the reader's one-line error, then its cause
 
 
 def test_no_other_module_spells_a_run_file_name():

@@ -269,7 +269,7 @@ def test_adaptive_clipping_counts_users():
     mechanism, x, y, _ = _mechanism(clipping="adaptive", clip_count_noise=1.0)
     indices = mechanism.sample()
     stats = mechanism.step(x[indices], y[indices], indices=indices)
-    assert stats.batch_size == U  # one norm per user, q = 1
+    assert stats.examples == U  # one norm per user, q = 1
 
 
 # ------------------------------------------------------------------ Data Normalization and centring per user
