@@ -5,12 +5,14 @@ configuration, the one-line-error check. Import it as ``from helpers import ...`
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from dpscale.cli import main
 from dpscale.config import Config, load_config
+from dpscale.train.distributed import launch_command
 
 REPO = Path(__file__).resolve().parents[1]
 # Read from there, never copied into the repository; tests that need them skip cleanly without them.
@@ -58,3 +60,16 @@ def one_line_error(capsys: pytest.CaptureFixture, argv: list[str], *patterns: st
     for pattern in patterns:
         assert re.search(pattern, lines[0]), (pattern, lines[0])
     return lines[0]
+
+
+def run_job(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``dpscale ARGS`` as a torchrun job of ``nproc`` processes (one plain process for 1), from the
+    repository root; asserts it exits 0 (the stderr tail in the message otherwise).
+
+    Returns:
+        the finished process (stdout and stderr captured, as text).
+    """
+    cmd, env = launch_command(nproc, list(args))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

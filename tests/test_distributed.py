@@ -23,7 +23,7 @@ from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command, rank_stream_seed
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
-from helpers import REPO, SHARED_MNIST
+from helpers import REPO, SHARED_MNIST, run_job
 
 SIGMA, CLIP, EXPECTED_B = 1.3, 0.7, 32.0
 NOISE_DRAWS = 400
@@ -142,13 +142,6 @@ def test_two_process_noise_has_std_sigma_c_in_total(two_process_result):
 
 
 # ------------------------------------------------------- torchrun jobs
-def _job(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd, env = launch_command(nproc, list(args))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
 TINY_JOB = ["--set", "model.name=linear", "--set", "dp.batch_size=256", "--set", "dp.accountant=rdp",
             "--set", "train.steps=24", "--set", "train.eval_every_epochs=0.5", "--set", "run.seed=0",
             "--set", "run.threads=1", "--quiet"]
@@ -165,13 +158,13 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
     """Both directions on one run (once two tests, [2-1] and [1-2], each with its own reference and
     cut jobs): 2 processes to step 10, resumed on 1 to step 17, resumed on 2 to the end."""
     whole = tmp_path / "whole"
-    _job(1, "train", *TINY_JOB, "--set", f"run.out_dir={whole}")
+    run_job(1, "train", *TINY_JOB, "--set", f"run.out_dir={whole}")
     cut = tmp_path / "cut"
-    _job(2, "train", *TINY_JOB, "--set", f"run.out_dir={cut}", "--max-steps", "10")
+    run_job(2, "train", *TINY_JOB, "--set", f"run.out_dir={cut}", "--max-steps", "10")
     _assert_stopped_at(cut, 10, world=2)
-    _job(1, "train", "--resume", str(cut), "--quiet", "--max-steps", "17")  # 2 -> 1
+    run_job(1, "train", "--resume", str(cut), "--quiet", "--max-steps", "17")  # 2 -> 1
     _assert_stopped_at(cut, 17, world=1)
-    out = _job(2, "train", "--resume", str(cut), "--quiet").stdout  # 1 -> 2
+    out = run_job(2, "train", "--resume", str(cut), "--quiet").stdout  # 1 -> 2
     assert "steps=24" in out
     a = json.loads((whole / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
@@ -191,10 +184,10 @@ def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_
     cut on 2 processes and resumed on 1 spends what the plan says, each step accounted once."""
     extra = [arg for setting in sampler for arg in ("--set", setting)]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    _job(1, "train", *TINY_JOB, *extra, "--set", f"run.out_dir={whole}")
-    _job(2, "train", *TINY_JOB, *extra, "--set", f"run.out_dir={cut}", "--max-steps", "10")
+    run_job(1, "train", *TINY_JOB, *extra, "--set", f"run.out_dir={whole}")
+    run_job(2, "train", *TINY_JOB, *extra, "--set", f"run.out_dir={cut}", "--max-steps", "10")
     _assert_stopped_at(cut, 10, world=2)
-    _job(1, "train", "--resume", str(cut), "--quiet")
+    run_job(1, "train", "--resume", str(cut), "--quiet")
     a = json.loads((whole / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
     assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["sampling"] == a["sampling"]
@@ -210,8 +203,8 @@ def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_
 def test_two_process_mnist_run_matches_one_process(tmp_path):
     args = ["train", "preset:papernot-mnist-tanh", "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=4",
             "--set", "optim.momentum=0.9", "--set", "run.seed=0", "--set", "run.threads=1", "--quiet"]
-    _job(1, *args, "--set", f"run.out_dir={tmp_path / 'one'}")
-    _job(2, *args, "--set", f"run.out_dir={tmp_path / 'two'}")
+    run_job(1, *args, "--set", f"run.out_dir={tmp_path / 'one'}")
+    run_job(2, *args, "--set", f"run.out_dir={tmp_path / 'two'}")
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["world_size"] == 2 and two["noise_rank"] == 0
@@ -247,7 +240,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
     assert 0 < stopped < 300 and state["world_size"] == 2
     assert sum(seg[2] for seg in state["mechanism"]["accountant"]["history"]) == stopped  # ranks stopped together
 
-    _job(1, "train", "--resume", str(run), "--quiet")
+    run_job(1, "train", "--resume", str(run), "--quiet")
     summary = json.loads((run / "summary.json").read_text())
     history = torch.load(run / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
     assert summary["steps"] == 300 and sum(seg[2] for seg in history) == 300

@@ -248,14 +248,14 @@ def test_flat_validation_folder_with_a_label_file(folder, tmp_path):
 @pytest.mark.slow
 def test_two_process_streamed_run_equals_two_process_in_memory_run(folder, tmp_path):
     """Each rank streams only its shard of every batch; the job's result is the in-memory job's."""
-    from test_distributed import _job
+    from helpers import run_job
 
     common = ["train", "--quiet", "--set", "data.name=imagefolder", "--set", f"data.root={folder}",
               "--set", "data.image_size=28", "--set", "data.workers=1", "--set", "dp.batch_size=12",
               "--set", "dp.noise_multiplier=1.0", "--set", "dp.epsilon=null", "--set", "train.steps=4",
               "--set", "train.max_physical_batch_size=4", "--set", "run.seed=5", "--set", "run.threads=1"]  # fmt: skip
     for loader in ("memory", "stream"):
-        _job(2, *common, "--set", f"data.loader={loader}", "--set", f"run.out_dir={tmp_path / loader}")
+        run_job(2, *common, "--set", f"data.loader={loader}", "--set", f"run.out_dir={tmp_path / loader}")
     memory, stream = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("memory", "stream"))
     assert stream["world_size"] == 2 and len(stream["rank_streams"]) == 2
     _assert_same_weights(memory["model"], stream["model"])
