@@ -9,7 +9,7 @@ from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.engines import make_engine, supported_engines
 from dpscale.privacy.per_example import tolerance_for, trainable_params
 from dpscale.privacy.reference import float64_reference
-from test_engines import SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
+from zoo import SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
 
 
 # Engines compute in float32 and are compared with a float64 reference. A float32 gradient entry

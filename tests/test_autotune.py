@@ -275,7 +275,7 @@ def test_every_method_on_the_zoo_equals_the_float64_loop(name, method):
     clipped sums within the engines' float32 tolerance of the float64 loop, whichever the machine
     picks (Gram forms where the tuner may offer them: up to ``TUNED_GRAM_MAX_POSITIONS``)."""
     from test_augmult import assert_matches_float64
-    from test_engines import build_zoo_model
+    from zoo import build_zoo_model
 
     from dpscale.privacy.reference import float64_reference
 

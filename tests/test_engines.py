@@ -8,13 +8,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dpscale.models import build_model, count_parameters, default_input_shape, list_models
+from dpscale.models import count_parameters
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
 from dpscale.privacy.engines import supported_engines
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.reference import float64_reference
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
+from zoo import build_zoo_model, engines_besides_auto, zoo_cases
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -138,65 +139,6 @@ def test_frozen_parameters(mask, seed):
 
 
 # ImageNet-size models are checked on 32x32 inputs (their CIFAR stem) to keep the suite fast.
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
-
-# The every-model tests (here, test_augmult, test_self_check) run these only in the slow suite:
-# they are the dearest cases. Their layer types are checked in the default suite on small models
-# (and each conv path of the engines' rule in test_conv_each_per_example_path): resnet50-gn's
-# (Conv2d 1x1 / 3x3 / strided, pre-activation GroupNorm, Linear) on resnet18-gn and wrn16-4;
-# vit-small's (Linear on tokens, LayerNorm, class token and position embedding, patch Conv2d) on
-# vit-tiny; nf-resnet50's (weight-standardised convs with bias, strided shortcut, SkipInit gains,
-# scaled activations) on nf-resnet-tiny below, built from its own blocks.
-HEAVY_MODELS = {"resnet50-gn", "nf-resnet50", "vit-small"}
-
-
-def tiny_nf_resnet(num_classes: int = 10) -> nn.Module:
-    """NF-ResNet-50's layers at a fraction of its cost: a weight-standardised stem, an identity
-    bottleneck and a strided transition bottleneck (WS shortcut), from ``dpscale.models.nfnet``'s
-    own blocks. Its skip gains are set non-zero: SkipInit starts them at 0, which would leave every
-    branch convolution without a gradient (as in a fresh nf-resnet50)."""
-    from dpscale.layers import ScaledStdConv2d
-    from dpscale.models.nfnet import NFBottleneck
-    from dpscale.models.resnet import ResidualNetwork
-
-    blocks = nn.Sequential(NFBottleneck(16, 4, 1, 0.2, 1.0, "relu"), NFBottleneck(16, 8, 2, 0.2, 1.0, "relu"))
-    with torch.no_grad():
-        for block in blocks:
-            block.skip_gain.gain.fill_(0.5)
-    return ResidualNetwork(nn.Sequential(ScaledStdConv2d(3, 16, 3, padding=1)), [blocks], nn.ReLU(), 32, num_classes)
-
-
-# Small models built in the tests, with their input shapes: stand-ins for a heavy model's layers.
-TEST_MODELS = {"nf-resnet-tiny": (tiny_nf_resnet, (3, 16, 16))}
-
-
-def zoo_cases() -> list:
-    """Every registered model (the heavy ones marked slow) and the small stand-ins."""
-    registered = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY_MODELS else n for n in list_models()]
-    return registered + sorted(TEST_MODELS)
-
-
-def build_zoo_model(name: str, num_classes: int = 10) -> tuple[nn.Module, tuple[int, ...]]:
-    """A ``zoo_cases`` model and the input shape it is checked on (a small one where it has two)."""
-    if name in TEST_MODELS:
-        make, shape = TEST_MODELS[name]
-        return make(num_classes), shape
-    shape = SMALL_INPUT.get(name, default_input_shape(name))
-    return build_model(name, num_classes, shape), shape
-
-
-def engines_besides_auto(model: nn.Module, max_grad_norm: float, **options) -> list[str]:
-    """``supported_engines(model)`` less "auto", once "auto" is checked to build exactly the engine
-    it picks (bk, or vmap when a layer is unsupported: the same class and settings). Running "auto"
-    as well would repeat that engine's computation, the dearest part of the zoo-wide tests."""
-    names = supported_engines(model)
-    if "auto" in names:
-        auto, _ = make_engine("auto", max_grad_norm, model, **options)
-        twin, _ = make_engine("vmap" if unsupported_modules(model) else "bk", max_grad_norm, model, **options)
-        assert type(auto) is type(twin) and vars(auto) == vars(twin), (vars(auto), vars(twin))
-    return [name for name in names if name != "auto"]
-
-
 @pytest.mark.parametrize("name", zoo_cases())  # the heavy models in the slow suite (HEAVY_MODELS)
 def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(name):
     # float64 (about 1.5x float32's time): see assert_engines_agree

@@ -16,7 +16,7 @@ from dpscale.privacy import GhostEngine, VmapEngine, ghost, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.self_check import checked_engine, self_check
 from test_engine_routes import naive_clipped_sum
-from test_engines import SMALL_INPUT, build_zoo_model, zoo_cases
+from zoo import SMALL_INPUT, build_zoo_model, zoo_cases
 
 
 def _mlp():

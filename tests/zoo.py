@@ -1,0 +1,71 @@
+"""The model zoo the every-model tests share (test_engines, test_augmult, test_self_check,
+test_autotune): every registered model, the heavy ones marked slow, small stand-ins for their
+layers, and the engines to run on each. Import it as ``from zoo import ...``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpscale.models import build_model, default_input_shape, list_models
+from dpscale.privacy import make_engine, unsupported_modules
+from dpscale.privacy.engines import supported_engines
+
+SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
+
+# The every-model tests (here, test_augmult, test_self_check) run these only in the slow suite:
+# they are the dearest cases. Their layer types are checked in the default suite on small models
+# (and each conv path of the engines' rule in test_conv_each_per_example_path): resnet50-gn's
+# (Conv2d 1x1 / 3x3 / strided, pre-activation GroupNorm, Linear) on resnet18-gn and wrn16-4;
+# vit-small's (Linear on tokens, LayerNorm, class token and position embedding, patch Conv2d) on
+# vit-tiny; nf-resnet50's (weight-standardised convs with bias, strided shortcut, SkipInit gains,
+# scaled activations) on nf-resnet-tiny below, built from its own blocks.
+HEAVY_MODELS = {"resnet50-gn", "nf-resnet50", "vit-small"}
+
+
+def tiny_nf_resnet(num_classes: int = 10) -> nn.Module:
+    """NF-ResNet-50's layers at a fraction of its cost: a weight-standardised stem, an identity
+    bottleneck and a strided transition bottleneck (WS shortcut), from ``dpscale.models.nfnet``'s
+    own blocks. Its skip gains are set non-zero: SkipInit starts them at 0, which would leave every
+    branch convolution without a gradient (as in a fresh nf-resnet50)."""
+    from dpscale.layers import ScaledStdConv2d
+    from dpscale.models.nfnet import NFBottleneck
+    from dpscale.models.resnet import ResidualNetwork
+
+    blocks = nn.Sequential(NFBottleneck(16, 4, 1, 0.2, 1.0, "relu"), NFBottleneck(16, 8, 2, 0.2, 1.0, "relu"))
+    with torch.no_grad():
+        for block in blocks:
+            block.skip_gain.gain.fill_(0.5)
+    return ResidualNetwork(nn.Sequential(ScaledStdConv2d(3, 16, 3, padding=1)), [blocks], nn.ReLU(), 32, num_classes)
+
+
+# Small models built in the tests, with their input shapes: stand-ins for a heavy model's layers.
+TEST_MODELS = {"nf-resnet-tiny": (tiny_nf_resnet, (3, 16, 16))}
+
+
+def zoo_cases() -> list:
+    """Every registered model (the heavy ones marked slow) and the small stand-ins."""
+    registered = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY_MODELS else n for n in list_models()]
+    return registered + sorted(TEST_MODELS)
+
+
+def build_zoo_model(name: str, num_classes: int = 10) -> tuple[nn.Module, tuple[int, ...]]:
+    """A ``zoo_cases`` model and the input shape it is checked on (a small one where it has two)."""
+    if name in TEST_MODELS:
+        make, shape = TEST_MODELS[name]
+        return make(num_classes), shape
+    shape = SMALL_INPUT.get(name, default_input_shape(name))
+    return build_model(name, num_classes, shape), shape
+
+
+def engines_besides_auto(model: nn.Module, max_grad_norm: float, **options) -> list[str]:
+    """``supported_engines(model)`` less "auto", once "auto" is checked to build exactly the engine
+    it picks (bk, or vmap when a layer is unsupported: the same class and settings). Running "auto"
+    as well would repeat that engine's computation, the dearest part of the zoo-wide tests."""
+    names = supported_engines(model)
+    if "auto" in names:
+        auto, _ = make_engine("auto", max_grad_norm, model, **options)
+        twin, _ = make_engine("vmap" if unsupported_modules(model) else "bk", max_grad_norm, model, **options)
+        assert type(auto) is type(twin) and vars(auto) == vars(twin), (vars(auto), vars(twin))
+    return [name for name in names if name != "auto"]
