@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import os
 import pickle
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +26,7 @@ from dpscale.data import (
     load_npz,
 )
 
+from datafiles import make_cifar10, write_batch, write_idx
 from helpers import SHARED_DATA
 
 
@@ -104,20 +103,6 @@ def test_load_dataset_image_size_resizes(mnist5k: ImageDataset) -> None:
 
 
 # --------------------------------------------------------------------------- IDX
-
-
-def write_idx(path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = False, cut: int = 0) -> Path:
-    arr = np.asarray(arr, dtype=np.uint8)
-    if magic is None:
-        magic = 0x803 if arr.ndim == 3 else 0x801
-    blob = struct.pack(">I" + "I" * arr.ndim, magic, *arr.shape) + arr.tobytes()
-    blob = blob[: len(blob) - cut]
-    if gz:
-        path = path.with_name(path.name + ".gz")
-        path.write_bytes(gzip.compress(blob))
-    else:
-        path.write_bytes(blob)
-    return path
 
 
 def make_idx_dir(root: Path, n_train: int = 60, n_test: int = 12, gz: bool = False, with_test: bool = True):
@@ -229,22 +214,6 @@ def test_real_fashion_mnist_holdout() -> None:
 
 
 # --------------------------------------------------------------------------- CIFAR
-
-
-def write_batch(path: Path, n: int, label_key: bytes, num_classes: int, seed: int, protocol: int = 2):
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-    labels = [int(v) for v in rng.integers(0, num_classes, n)]
-    with open(path, "wb") as f:
-        pickle.dump({b"batch_label": b"x", b"data": data, label_key: labels}, f, protocol=protocol)
-    return data, labels
-
-
-def make_cifar10(base: Path) -> tuple[np.ndarray, list[int]]:
-    base.mkdir(parents=True)
-    parts = [write_batch(base / f"data_batch_{i}", 3, b"labels", 10, i) for i in range(1, 6)]
-    write_batch(base / "test_batch", 4, b"labels", 10, 99, protocol=5)
-    return np.concatenate([p[0] for p in parts]), sum((p[1] for p in parts), [])
 
 
 @pytest.mark.parametrize("pass_parent", [False, True])

@@ -108,14 +108,14 @@ def _generated_root(kind, tmp_path):
     """A tiny dataset in the format the preset's data.name reads (images of the real shape)."""
     import numpy as np
 
-    from test_data import make_cifar10, write_idx
-    from test_stream import _write_folder
+    from datafiles import make_cifar10, write_idx
+    from datafiles import write_image_folder as _write_folder
 
     if kind == "cifar10":
         make_cifar10(tmp_path / "cifar-10-batches-py")  # 15 train, 4 test: 32x32x3
         return tmp_path
     if kind == "cifar100":
-        from test_data import write_batch
+        from datafiles import write_batch
 
         base = tmp_path / "cifar-100-python"
         base.mkdir(parents=True)

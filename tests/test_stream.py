@@ -7,10 +7,8 @@ as the in-memory run of the same seed, bit-identical resume, and clear errors na
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from dpscale.cli import main
 from dpscale.config import load_config
@@ -19,24 +17,12 @@ from dpscale.data import DatasetError, load_dataset
 from dpscale.data.shards import open_shards, prepare_shards
 from dpscale.data.folder import list_image_folder
 from dpscale.train.loop import Trainer
-
-
-def _write_folder(root, per_class=12, size=12, classes=3):
-    rng = np.random.default_rng(0)
-    for c in range(classes):
-        folder = root / f"class{c}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            base = np.zeros((size, size, 3), np.uint8)
-            base[..., c] = 150
-            pixels = np.clip(base + rng.integers(0, 100, (size, size, 3)), 0, 255).astype(np.uint8)
-            Image.fromarray(pixels).save(folder / f"{i:03d}.jpg", quality=90)
-    return root
+from datafiles import write_image_folder
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return _write_folder(tmp_path_factory.mktemp("jpegs"))
+    return write_image_folder(tmp_path_factory.mktemp("jpegs"))
 
 
 def _config(out_dir, root, loader, *extra, name="imagefolder"):
