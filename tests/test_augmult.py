@@ -7,9 +7,9 @@ from torch import nn
 
 from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.engines import make_engine, supported_engines
-from dpscale.privacy.per_example import tolerance_for, trainable_params
+from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.reference import float64_reference
-from zoo import SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
+from zoo import assert_matches_float64, SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
 
 
 # Engines compute in float32 and are compared with a float64 reference. A float32 gradient entry
@@ -19,7 +19,6 @@ from zoo import SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
 # on the CPU's summation order. The bound is the engines' own float32 tolerance (the self-check's):
 # measured errors on the zoo are <= 1e-5 of that scale; a missed route, a view summed instead of
 # averaged or a wrong clip factor errs by > 1e-2 of it.
-FLOAT32_RTOL = tolerance_for(torch.float32)
 
 
 def float64_augmult_reference(model, x, y, max_grad_norm):
@@ -31,21 +30,6 @@ def float64_augmult_reference(model, x, y, max_grad_norm):
         max_grad_norm: clipping norm C.
     """
     return float64_reference(model, (x, y), max_grad_norm, views=x.shape[1])
-
-
-def assert_matches_float64(grad_sum, norms, reference, what):
-    """A float32 engine's clipped sum and norms against the float64 loop: norms relative to
-    themselves (no cancellation), sums relative to their tensor's per-example scale (its largest
-    absolute entry over the examples' clipped gradients)."""
-    expected, expected_norms, scale = reference.clipped_sum, reference.norms, reference.clipped_max_abs
-    torch.testing.assert_close(norms.double(), expected_norms, rtol=FLOAT32_RTOL, atol=0.0, msg=f"{what} norms")
-    # ghost takes every weight's norm from Gram matrices, whose release adds its slack to the
-    # bound (gamma_{T K + 1} W, docs/precision.md): it clips up to 5e-3 lower than the loop on
-    # wrn16-4 with 3 views of 32x32 images (T K = 3072), so it is judged at 1.5e-2
-    rtol = FLOAT32_RTOL * (15 if what.startswith("ghost") else 1)
-    for p, ref in expected.items():
-        error = (grad_sum[p].double() - ref).abs().max().item()
-        assert error <= rtol * scale[p].item(), f"{what} {p}: error {error:.2e}, scale {scale[p].item():.2e}"
 
 
 # Small inputs keep the loop fast; every registered family is covered (conv, linear, GroupNorm,

@@ -274,7 +274,7 @@ def test_every_method_on_the_zoo_equals_the_float64_loop(name, method):
     """A zoo model with every layer its tuner could time forced onto ``method`` (bk): the norms and
     clipped sums within the engines' float32 tolerance of the float64 loop, whichever the machine
     picks (Gram forms where the tuner may offer them: up to ``TUNED_GRAM_MAX_POSITIONS``)."""
-    from test_augmult import assert_matches_float64
+    from zoo import assert_matches_float64
     from zoo import build_zoo_model
 
     from dpscale.privacy.reference import float64_reference
@@ -301,7 +301,7 @@ def test_a_huge_example_stays_within_c_whatever_the_method(method):
     tuner = _Forced(method)
     engine, _ = make_engine("bk", 0.3, model, tuner=tuner)
     got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
-    from test_augmult import assert_matches_float64
+    from zoo import assert_matches_float64
 
     from dpscale.privacy.reference import float64_reference
 

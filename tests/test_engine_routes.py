@@ -14,18 +14,10 @@ from dpscale.layers import ClassTokenPositionEmbedding
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import make_precision
-from dpscale.privacy.reference import per_example_reference
 from dpscale.privacy.self_check import checked_engine, self_check
-from test_precision import CancellingTokens
+from zoo import CancellingTokens, naive_clipped_sum
 
 ENGINES = ("auto", "bk", "ghost", "vmap")
-
-
-def naive_clipped_sum(model, x, y, clip):
-    """sum_i min(1, C / (||g_i|| + eps)) g_i, one backward per example (the definition), through
-    ``model`` itself: the models here are float64 already, and a copy would lose the user hooks
-    bound to the original (HookedOutput)."""
-    return per_example_reference(model, (x, y), clip).clipped_sum
 
 
 class WeightNormMLP(nn.Module):
@@ -463,7 +455,7 @@ def test_a_compiled_model_is_refused_by_bk_and_auto_falls_back():
 # ------------------------------------------------------------------ the route check in 16 bits
 
 
-# test_precision's CancellingTokens: logits = 1e3 (h_0 - h_1). With the two tokens one bf16 ulp
+# zoo's CancellingTokens (test_precision's case): logits = 1e3 (h_0 - h_1). With the two tokens one bf16 ulp
 # apart, each example's per-token gradients nearly cancel, so a bf16 autograd weight gradient keeps
 # few correct digits (7% off the records) while the records, multiplied in float32, stay exact.
 

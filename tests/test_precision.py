@@ -18,6 +18,7 @@ from dpscale.privacy.precision import Precision, make_precision
 from dpscale.privacy.reference import float64_reference
 from dpscale.privacy.self_check import checked_engine
 from dpscale.train import Trainer
+from zoo import CancellingTokens
 
 # Relative error against the float64 loop (documented in docs/precision.md; measured maxima on
 # the zoo CNNs and ViT, 8 examples on CPU: bf16 norms 6.8e-3 / sums 4.1e-2, fp16 3.4e-4 / 1.4e-2).
@@ -200,19 +201,6 @@ def test_make_private_steps_under_its_precision_not_the_users_tf32_flags(precisi
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (not tf32, not tf32)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-
-
-class CancellingTokens(nn.Module):
-    """logits = 1e3 (h_0 - h_1) of two nearly equal tokens: each example's per-token gradients
-    almost cancel, which a float32 Gram-matrix norm reads as ~0 (the review found 3455 C)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(256, 10, bias=False)
-
-    def forward(self, x):
-        h = self.lin(x)
-        return (h[:, 0] - h[:, 1]) * 1e3
 
 
 @pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)

@@ -15,8 +15,7 @@ from dpscale.models import build_model
 from dpscale.privacy import GhostEngine, VmapEngine, ghost, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.self_check import checked_engine, self_check
-from test_engine_routes import naive_clipped_sum
-from zoo import SMALL_INPUT, build_zoo_model, zoo_cases
+from zoo import naive_clipped_sum, SMALL_INPUT, build_zoo_model, zoo_cases
 
 
 def _mlp():
