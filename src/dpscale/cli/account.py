@@ -110,9 +110,9 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
 
 def _batches(args: argparse.Namespace) -> Any:
     """The accountant's view of --sampling (``dpscale.privacy.batch_sampling``)."""
-    from dpscale.privacy.batch_sampling import POISSON, BatchSampling
+    from dpscale.privacy.batch_sampling import batch_sampling_for
 
-    return POISSON if args.sampling == "poisson" else BatchSampling(args.sampling, args.dataset_size)
+    return batch_sampling_for(args.sampling, args.dataset_size)
 
 
 def _check_cap_args(args: argparse.Namespace) -> None:

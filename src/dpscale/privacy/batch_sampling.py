@@ -98,6 +98,14 @@ class BatchSampling:
 POISSON = BatchSampling()
 
 
+def batch_sampling_for(sampling: str, dataset_size: int, max_batch_size: int | None = None) -> BatchSampling:
+    """The accountant's view of ``dp.sampling`` (and a Poisson batch cap): the one mapping the plan
+    and ``dpscale account`` share."""
+    if sampling == "poisson":
+        return POISSON if max_batch_size is None else BatchSampling("truncated", dataset_size, max_batch_size)
+    return BatchSampling(sampling, dataset_size)
+
+
 def replace_one_noise(noise_multiplier: float) -> float:
     """dp_accounting's noise multiplier (std / sensitivity) of a Gaussian with std sigma*C on a sum
     clipped to C, under replace-one adjacency (sensitivity 2C): sigma / 2."""

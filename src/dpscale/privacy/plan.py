@@ -17,7 +17,7 @@ from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip, is_per_layer
 from dpscale.clip_norms import check_clip_gamma, check_max_grad_norm
 from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, history_accountant, releases_under
-from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling
+from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling, batch_sampling_for
 from dpscale.privacy.accountant import FREE_CAP_TOLERANCE
 from dpscale.privacy.sampling_plan import (
     AUTO_CAP, accountant_for, check_sampling_settings, resolve_batch_cap, truncation_rate,
@@ -288,11 +288,9 @@ class DPPlan:
     @property
     def batch_sampling(self) -> BatchSampling:
         """The sampler the accountant composes (a TAN simulation's own steps: Poisson)."""
-        if self.simulation is not None or (self.sampling == "poisson" and self.max_batch_size is None):
+        if self.simulation is not None:
             return POISSON
-        if self.sampling == "poisson":
-            return BatchSampling("truncated", self.dataset_size, self.max_batch_size)
-        return BatchSampling(self.sampling, self.dataset_size)
+        return batch_sampling_for(self.sampling, self.dataset_size, self.max_batch_size)
 
     @property
     def adjacency(self) -> str:
@@ -774,8 +772,9 @@ def make_dp_plan(
             sigma, calibrated, cap = _noise_and_cap(noise_for, target_epsilon, max_batch_size, dataset_size=dataset_size,
                                                     batch_size=batch_size, steps=steps, delta=delta, releases=releases)  # fmt: skip
         else:  # fixed-size or shuffled batches: the releases join their replace-one history
-            releases = _releases_for(releases, _batches_of(sampling, dataset_size, None))
-            sigma, calibrated = noise_for(target_epsilon, releases=releases, batches=_batches_of(sampling, dataset_size, None))
+            batches = batch_sampling_for(sampling, dataset_size)
+            releases = _releases_for(releases, batches)
+            sigma, calibrated = noise_for(target_epsilon, releases=releases, batches=batches)
     else:
         check_bandmf_settings(
             sampling=sampling, simulated=is_simulation(batch_size, simulated_batch_size),
@@ -789,7 +788,7 @@ def make_dp_plan(
         )  # fmt: skip
     bands = noise_plan.bands if noise_plan is not None else 1
     epsilon = _planned_epsilon(q, sigma, bands, steps, delta, accountant, releases, target_epsilon,
-                               _batches_of(sampling, dataset_size, cap))  # fmt: skip
+                               batch_sampling_for(sampling, dataset_size, cap))  # fmt: skip
     plan = DPPlan(
         dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
         max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
@@ -819,20 +818,13 @@ def _noise_and_cap(
     if max_batch_size != AUTO_CAP:
         cap = resolve_batch_cap(max_batch_size, dataset_size=dataset_size, batch_size=batch_size, steps=steps,
                                 delta=delta, releases=releases, noise_multiplier=None)  # fmt: skip
-        batches = POISSON if cap is None else BatchSampling("truncated", dataset_size, cap)
+        batches = batch_sampling_for("poisson", dataset_size, cap)
         return (*noise_for(target_epsilon, releases=releases, batches=batches), cap)
     aim = None if target_epsilon is None else target_epsilon / (1 + FREE_CAP_TOLERANCE)
     sigma, calibrated = noise_for(aim, releases=releases, batches=POISSON)
     cap = resolve_batch_cap(AUTO_CAP, dataset_size=dataset_size, batch_size=batch_size, steps=steps, delta=delta,
                             releases=releases, noise_multiplier=sigma)  # fmt: skip
     return sigma, calibrated, cap
-
-
-def _batches_of(sampling: str, dataset_size: int, cap: int | None) -> BatchSampling:
-    """The accountant's view of a plan's sampler (``DPPlan.batch_sampling``, before the plan exists)."""
-    if sampling == "poisson":
-        return POISSON if cap is None else BatchSampling("truncated", dataset_size, cap)
-    return BatchSampling(sampling, dataset_size)
 
 
 def _releases_for(releases: Sequence[AccountingSegment], batches: BatchSampling) -> tuple[AccountingSegment, ...]:
