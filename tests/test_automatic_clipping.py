@@ -123,3 +123,49 @@ def test_bad_settings_are_refused(settings, pattern):
                "noise_multiplier": 1.0} | settings  # fmt: skip
     with pytest.raises(ConfigError, match=pattern):
         make_dp_plan(**numbers)
+
+
+def test_the_adversarial_doors_hold_with_automatic_clipping_and_fixed_size_batches():
+    """Through make_private with clipping="automatic" and sampling="fixed" (a private run: the checks are
+    its): a loss that mixes the
+    batch is refused before anything is released; a batch the mechanism did not draw is refused; an
+    example that overflows float32 contributes exactly zero (its factor C / (inf + gamma) is not used)."""
+    import torch.nn.functional as F
+
+    def mechanism_for(loss_fn=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        options = {"loss_fn": loss_fn} if loss_fn else {}
+        mech = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=40, batch_size=8,
+                                    max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5, steps=3, seed=1,
+                                    clipping="automatic", sampling="fixed", **options)  # fmt: skip
+        return model, mech
+
+    x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
+    def mixing(logits, t):  # InfoNCE over the batch: each example's loss depends on every other one
+        return F.cross_entropy(logits @ logits.T, torch.arange(len(t)), reduction="none")
+
+    model, mech = mechanism_for(mixing)
+    indices = mech.sample()
+    with pytest.raises(ValueError, match="mixes examples"):
+        mech.step(x[indices], y[indices])
+    assert mech.steps_taken == 0 and mech.accountant.steps == 0
+    model, mech = mechanism_for()
+    indices = mech.sample()
+    others = torch.tensor([i for i in range(40) if i not in set(indices.tolist())][: len(indices)])
+    with pytest.raises(ValueError, match="drawn"):
+        mech.step(x[others], y[others], indices=others)
+    assert mech.steps_taken == 0
+    released = []
+    mech.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+    bad = x.clone()
+    bad[indices[0]] = 3e38
+    stats = mech.step(bad[indices], y[indices], indices=indices)
+    _, clean = mechanism_for()
+    clean.sample()
+    clean.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+    keep = indices[1:]
+    clean.step_drawn_chunks([(x[keep], y[keep])])
+    assert stats.nonfinite_examples == 1 and len(indices) == 8
+    for name in released[0]:
+        torch.testing.assert_close(released[0][name], released[1][name], rtol=1e-6, atol=1e-7)
