@@ -47,9 +47,9 @@ GOLDEN = {
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_rdp_matches_opacus(case):
     q, sigma, steps, delta, opacus_rdp, _, _ = GOLDEN[case]
-    assert compute_epsilon(
-        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
-    ) == pytest.approx(opacus_rdp, rel=1e-3)
+    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp") == pytest.approx(
+        opacus_rdp, rel=1e-3
+    )
 
 
 @pytest.mark.parametrize("case", list(GOLDEN))
@@ -57,9 +57,7 @@ def test_pld_within_prv_bounds(case):
     q, sigma, steps, delta, _, lower, upper = GOLDEN[case]
     eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld")
     assert lower <= eps <= upper
-    assert eps < compute_epsilon(
-        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
-    )  # PLD is the tighter one
+    assert eps < compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")  # PLD is the tighter one
 
 
 def test_gaussian_without_subsampling_matches_exact_formula():
@@ -70,12 +68,10 @@ def test_gaussian_without_subsampling_matches_exact_formula():
 
     exact = brentq(lambda e: exact_delta(e) - 1e-5, 0.01, 20)
     assert exact == pytest.approx(2.594383, abs=1e-5)
-    assert compute_epsilon(
-        sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld"
-    ) == pytest.approx(exact, rel=1e-3)
-    assert compute_epsilon(
-        sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld"
-    ) >= exact - 1e-9  # pessimistic, never below
+    assert compute_epsilon(sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld") == pytest.approx(exact, rel=1e-3)
+    assert (
+        compute_epsilon(sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld") >= exact - 1e-9
+    )  # pessimistic, never below
 
 
 def test_published_opacus_docs_figure_with_their_orders():
@@ -127,8 +123,13 @@ def test_epsilon_is_zero_before_any_step_and_grows():
 
 @pytest.mark.parametrize(
     "args, match",
-    [((0.0, 1.0, 10, 1e-5), "sample_rate"), ((1.5, 1.0, 10, 1e-5), "sample_rate"), ((0.1, 0.0, 10, 1e-5), "noise"),
-     ((0.1, 1.0, 10, 1.0), "delta"), ((0.1, 1.0, -1, 1e-5), "steps")],
+    [
+        ((0.0, 1.0, 10, 1e-5), "sample_rate"),
+        ((1.5, 1.0, 10, 1e-5), "sample_rate"),
+        ((0.1, 0.0, 10, 1e-5), "noise"),
+        ((0.1, 1.0, 10, 1.0), "delta"),
+        ((0.1, 1.0, -1, 1e-5), "steps"),
+    ],
 )
 def test_bad_mechanism_arguments_raise(args, match):
     q, sigma, steps, delta = args
@@ -181,8 +182,7 @@ def test_noise_calibration_is_monotone():
     assert all(a > b for a, b in zip(sigmas, sigmas[1:]))
     # More steps at the same budget need more noise.
     longer, shorter = (
-        calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=steps, kind="rdp")
-        for steps in (4000, 1000)
+        calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=steps, kind="rdp") for steps in (4000, 1000)
     )
     assert longer > shorter
 
@@ -190,24 +190,19 @@ def test_noise_calibration_is_monotone():
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_steps_calibration_round_trip(kind):
     steps = calibrate_steps(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, noise_multiplier=1.1, kind=kind)
-    fits, one_more = (
-        compute_epsilon(sample_rate=0.01, noise_multiplier=1.1, steps=s, delta=1e-5, kind=kind) for s in (steps, steps + 1)
-    )
+    fits, one_more = (compute_epsilon(sample_rate=0.01, noise_multiplier=1.1, steps=s, delta=1e-5, kind=kind) for s in (steps, steps + 1))
     assert fits <= 3.0 < one_more
 
 
 @settings(max_examples=10, deadline=None)
 @given(target=st.floats(0.5, 10.0), q=st.floats(0.001, 0.5), sigma=st.floats(0.6, 10.0))
 def test_steps_calibration_round_trip_rdp(target, q, sigma):
-    steps = calibrate_steps(
-        target_epsilon=target, delta=1e-5, sample_rate=q, noise_multiplier=sigma, kind="rdp", max_steps=10**6
-    )
+    steps = calibrate_steps(target_epsilon=target, delta=1e-5, sample_rate=q, noise_multiplier=sigma, kind="rdp", max_steps=10**6)
     if steps == 0:
         assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=1, delta=1e-5, kind="rdp") > target
     elif steps < 10**6:
         fits, one_more = (
-            compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=s, delta=1e-5, kind="rdp")
-            for s in (steps, steps + 1)
+            compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=s, delta=1e-5, kind="rdp") for s in (steps, steps + 1)
         )
         assert fits <= target < one_more
 
@@ -228,9 +223,9 @@ def test_eps_tan_closed_form_and_privacy_wall():
     rdp_eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")
     assert rdp_eps == pytest.approx(eps_tan(q, sigma, steps, delta), rel=0.25)
     # Same eta with sigma = 0.5 (q / 8, same steps): epsilon is far above eps_TAN.
-    assert compute_epsilon(
-        sample_rate=q / 8, noise_multiplier=0.5, steps=steps, delta=delta, kind="rdp"
-    ) > 1.5 * eps_tan(q / 8, 0.5, steps, delta)
+    assert compute_epsilon(sample_rate=q / 8, noise_multiplier=0.5, steps=steps, delta=delta, kind="rdp") > 1.5 * eps_tan(
+        q / 8, 0.5, steps, delta
+    )
 
 
 @pytest.mark.parametrize("segments", [[(0.032, 1.1, 300)], [(0.01, 0.9, 100), (0.05, 2.0, 40)], [(1.0, 4.0, 7)]])
@@ -266,9 +261,7 @@ def test_release_composition_matches_exact_gaussian_composition():
     sigma_eff = 1.0 / math.sqrt(steps / sigma**2 + 2 / sigma_norm**2)
     exact = _exact_gaussian_epsilon(sigma_eff, delta)
     release = gaussian_release("data-norm", sigma_norm, 2)
-    eps = compute_epsilon(
-        sample_rate=1.0, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld", releases=(release,)
-    )
+    eps = compute_epsilon(sample_rate=1.0, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld", releases=(release,))
     assert exact - 1e-9 <= eps == pytest.approx(exact, rel=1e-3)
     # The release alone is one Gaussian with sigma_norm / sqrt(2).
     alone = PrivacyAccountant("pld")
@@ -304,15 +297,11 @@ def test_calibration_with_a_release_meets_the_target(kind):
     q, steps, target, delta = 256 / 50000, 2000, 3.0, 1e-5
     releases = (gaussian_release("data-norm", 8.0, 2),)
     sigma_alone = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind)
-    sigma = calibrate_noise_multiplier(
-        target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind, releases=releases
-    )
+    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind, releases=releases)
     assert sigma > sigma_alone  # the release uses part of the budget
     eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind, releases=releases)
     assert target * (1 - 1e-3) <= eps <= target
-    assert compute_epsilon(
-        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind
-    ) < eps  # DP-SGD alone spends less
+    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind) < eps  # DP-SGD alone spends less
     steps_fit = calibrate_steps(
         target_epsilon=target,
         delta=delta,
@@ -323,9 +312,7 @@ def test_calibration_with_a_release_meets_the_target(kind):
         releases=releases,
     )
     assert steps_fit >= steps
-    assert compute_epsilon(
-        sample_rate=q, noise_multiplier=sigma, steps=steps_fit + 1, delta=delta, kind=kind, releases=releases
-    ) > target
+    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps_fit + 1, delta=delta, kind=kind, releases=releases) > target
 
 
 def test_release_that_spends_the_budget_is_refused():
@@ -381,7 +368,9 @@ def test_dp_plan_calibrates_for_the_composition_and_round_trips():
         plan_from_config(DPConfig(epsilon=0.5, batch_size=500, accountant="rdp"), 50000, 1000, (gaussian_release("data-norm", 2.0, 2),))
     # A given sigma is checked against the budget including the release.
     with pytest.raises(ConfigError, match="with data-norm"):
-        plan_from_config(DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases)
+        plan_from_config(
+            DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases
+        )
 
 
 def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(caplog):

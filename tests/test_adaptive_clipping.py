@@ -45,10 +45,7 @@ def test_the_update_tracks_the_quantile_of_synthetic_norms(quantile):
 
 def test_the_count_release_has_std_sigma_b_around_the_centred_count():
     generator = DPRandom(7)
-    shares = [
-        noisy_unclipped_fraction(30.0, 50.0, expected_batch_size=40.0, count_noise=3.0, generator=generator)
-        for _ in range(4000)
-    ]
+    shares = [noisy_unclipped_fraction(30.0, 50.0, expected_batch_size=40.0, count_noise=3.0, generator=generator) for _ in range(4000)]
     released = (np.array(shares) - 0.5) * 40.0  # sum_i (b_i - 1/2) + noise
     assert abs(released.mean() - (30.0 - 25.0)) < 5 * 3.0 / math.sqrt(4000)
     assert abs(released.std() / 3.0 - 1) < 5 / math.sqrt(2 * 4000)
@@ -115,9 +112,7 @@ def test_the_gradient_noise_has_std_sigma_grad_times_the_current_c():
     torch.manual_seed(0)
     model = nn.Linear(4000, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    mechanism = dpscale.make_private(
-        model, optimizer, max_grad_norm=0.5, noise_multiplier=2.0, clip_count_noise=2.0, steps=2, **RECIPE
-    )
+    mechanism = dpscale.make_private(model, optimizer, max_grad_norm=0.5, noise_multiplier=2.0, clip_count_noise=2.0, steps=2, **RECIPE)
     released = []
     mechanism.observer = lambda gradient: released.append(gradient["weight"].detach().clone())
     tolerance = 5 / math.sqrt(2 * 4000)

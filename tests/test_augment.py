@@ -298,13 +298,17 @@ def test_majority_vote_clear_majority_wins_over_confidence():
 def test_majority_vote_tie_goes_to_the_larger_summed_probability():
     # Views vote 0, 2, 1, 2, 0: classes 0 and 2 tie with two votes. Class 2's views are far more
     # confident, so it wins although argmax of the vote counts alone would pick class 0.
-    logits = torch.tensor([[
-        [0.2, 0.0, 0.0],
-        [0.0, 0.0, 8.0],
-        [0.0, 9.0, 0.0],  # class 1's big probability must not matter: it is not tied
-        [0.0, 0.0, 8.0],
-        [0.2, 0.0, 0.1],
-    ]])
+    logits = torch.tensor(
+        [
+            [
+                [0.2, 0.0, 0.0],
+                [0.0, 0.0, 8.0],
+                [0.0, 9.0, 0.0],  # class 1's big probability must not matter: it is not tied
+                [0.0, 0.0, 8.0],
+                [0.2, 0.0, 0.1],
+            ]
+        ]
+    )
     assert majority_vote(logits).tolist() == [2]
     flipped = logits[..., [2, 1, 0]]  # the same situation with the confident class at index 0
     assert majority_vote(flipped).tolist() == [0]

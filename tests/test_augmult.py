@@ -55,8 +55,16 @@ def test_every_engine_clips_the_mean_of_the_views_gradients(name):
 # gradients is the plain gradient, so their AugMult path is already checked, by every engine against
 # the same float64 reference, in test_every_engine_clips_the_mean_of_the_views_gradients[wrn16-4 /
 # vit-tiny] (3 distinct views), and their plain path in test_engines (every engine, every model).
-@pytest.mark.parametrize("name", ["papernot-cnn", "tramer-cifar-cnn-small", pytest.param("wrn16-4", marks=pytest.mark.slow),
-                                  pytest.param("vit-tiny", marks=pytest.mark.slow), "linear"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "papernot-cnn",
+        "tramer-cifar-cnn-small",
+        pytest.param("wrn16-4", marks=pytest.mark.slow),
+        pytest.param("vit-tiny", marks=pytest.mark.slow),
+        "linear",
+    ],
+)
 def test_identical_views_equal_plain_dp_sgd_for_every_engine(name):
     torch.manual_seed(1)
     shape = SMALL_INPUT.get(name, default_input_shape(name))

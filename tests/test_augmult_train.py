@@ -15,8 +15,18 @@ pytest.importorskip("dpscale.data.augment")
 
 
 def config(out_dir, *extra):
-    return load_config(None, [f"run.out_dir={out_dir}", "run.seed=0", "dp.batch_size=128", "train.steps=8",
-                              "train.eval_every_epochs=0.25", "train.max_physical_batch_size=4096", *extra])
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "run.seed=0",
+            "dp.batch_size=128",
+            "train.steps=8",
+            "train.eval_every_epochs=0.25",
+            "train.max_physical_batch_size=4096",
+            *extra,
+        ],
+    )
 
 
 # ghost and vmap only in the slow suite: what this checks through the trainer (the views reach the
@@ -77,5 +87,6 @@ def test_resumed_run_draws_the_same_augmentations(tmp_path, capsys):
 
 def test_augmentation_of_features_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="cannot be combined"):
-        Trainer.create(config(tmp_path / "r", "augment.multiplicity=2", "features.extractor=scatternet",
-                              "model.name=scatter-linear"), progress=False)
+        Trainer.create(
+            config(tmp_path / "r", "augment.multiplicity=2", "features.extractor=scatternet", "model.name=scatter-linear"), progress=False
+        )

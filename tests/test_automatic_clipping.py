@@ -142,6 +142,7 @@ def test_the_adversarial_doors_hold_with_automatic_clipping_and_fixed_size_batch
         return model, mech
 
     x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
+
     def mixing(logits, t):  # InfoNCE over the batch: each example's loss depends on every other one
         return F.cross_entropy(logits @ logits.T, torch.arange(len(t)), reduction="none")
 

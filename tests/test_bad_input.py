@@ -92,7 +92,9 @@ def test_data_prepare_refuses_one_class_and_shards_with_one_class_are_refused(tm
     files = tuple(sorted((root / "cats").iterdir()))
     listing = FolderListing(root, ("cats",), files[:8], np.zeros(8, np.int64), files[8:], np.zeros(2, np.int64), "official", "L")
     prepare_shards(listing, tmp_path / "shards", 8)
-    with pytest.raises(DatasetError, match=f"{re.escape(str(tmp_path / 'shards'))}: the training set has only one class \\('cats'\\); {ONE_CLASS}"):
+    with pytest.raises(
+        DatasetError, match=f"{re.escape(str(tmp_path / 'shards'))}: the training set has only one class \\('cats'\\); {ONE_CLASS}"
+    ):
         open_shards(tmp_path / "shards")
     argv = _train(tmp_path / "shards", tmp_path, "data.name=shards", "data.loader=memory")
     one_line_error(capsys, argv, ONE_CLASS)

@@ -28,8 +28,7 @@ F64 = torch.float64
 def warmup_cosine(steps: int, warmup: int) -> tuple[float, ...]:
     """Linear warmup over ``warmup`` steps, then cosine decay to 0 (the last step's rate is 0)."""
     return tuple(
-        (t + 1) / warmup if t < warmup else 0.5 * (1 + math.cos(math.pi * (t - warmup) / (steps - warmup - 1)))
-        for t in range(steps)
+        (t + 1) / warmup if t < warmup else 0.5 * (1 + math.cos(math.pi * (t - warmup) / (steps - warmup - 1))) for t in range(steps)
     )
 
 
@@ -185,12 +184,7 @@ def test_every_separated_participation_pattern_is_orthogonal(bands):
 def test_pattern_enumeration_is_complete():
     # Brute force over all subsets of 8 steps, for the enumeration used above.
     for bands in (2, 3):
-        expected = {
-            s
-            for r in range(9)
-            for s in itertools.combinations(range(8), r)
-            if all(b - a >= bands for a, b in zip(s, s[1:]))
-        }
+        expected = {s for r in range(9) for s in itertools.combinations(range(8), r) if all(b - a >= bands for a, b in zip(s, s[1:]))}
         assert set(separated_patterns(8, bands)) == expected
 
 
@@ -265,10 +259,7 @@ def test_workload_key_and_description():
     keys = {Workload(10).key(), Workload(11).key(), Workload(10, 0.9).key(), Workload(10, 0.0, (2.0,) * 10).key()}
     assert len(keys) == 4 and all(len(k) == 16 for k in keys)
     assert Workload(500).describe() == "prefix sums, S=500"
-    assert (
-        Workload(500, 0.9, warmup_cosine(500, 50)).describe()
-        == "prefix sums with momentum 0.9 and a learning-rate schedule, S=500"
-    )
+    assert Workload(500, 0.9, warmup_cosine(500, 50)).describe() == "prefix sums with momentum 0.9 and a learning-rate schedule, S=500"
 
 
 # ------------------------------------------------------------------ optimisation

@@ -123,9 +123,7 @@ def test_released_noise_has_the_strategys_covariance_across_steps(secure_noise):
 
 # ------------------------------------------------------------------ accounting
 def _dp_accounting_epsilon(p: float, sigma: float, compositions: int, delta: float, kind: str) -> float:
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(sigma)), compositions
-    )
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(sigma)), compositions)
     accountant = pld.PLDAccountant() if kind == "pld" else rdp.RdpAccountant()
     accountant.compose(event)
     return accountant.get_epsilon(delta)
@@ -160,9 +158,7 @@ def test_epsilon_mid_run_counts_a_started_band_as_a_whole_composition():
     x, y = _data()
     for t, indices in enumerate(mechanism.batches(), start=1):
         mechanism.step(x[indices], y[indices])
-        expected = compute_epsilon(
-            sample_rate=bands * B / N, noise_multiplier=SIGMA, steps=math.ceil(t / bands), delta=DELTA
-        )
+        expected = compute_epsilon(sample_rate=bands * B / N, noise_multiplier=SIGMA, steps=math.ceil(t / bands), delta=DELTA)
         assert mechanism.epsilon() == pytest.approx(expected, rel=1e-12), t
     assert mechanism.epsilon() == pytest.approx(mechanism.plan.epsilon, rel=1e-12)
 
@@ -229,9 +225,7 @@ def test_auto_plan_names_b_sigma_and_why_and_never_overspends():
     )  # fmt: skip
     assert plan.epsilon <= 3.0 and plan.calibrated
     assert f"b={plan.bands}" in plan.describe() and "dp.bands=auto" in plan.describe()
-    assert f"BandMF b={plan.bands}" in plan.status(plan.epsilon) and f"sigma={plan.noise_multiplier:.4g}" in plan.status(
-        plan.epsilon
-    )
+    assert f"BandMF b={plan.bands}" in plan.status(plan.epsilon) and f"sigma={plan.noise_multiplier:.4g}" in plan.status(plan.epsilon)
     direct = compute_epsilon(
         sample_rate=plan.participation_rate, noise_multiplier=plan.noise_multiplier,
         steps=plan.compositions(600), delta=DELTA, kind="rdp",
@@ -298,9 +292,7 @@ def test_bandmf_composes_with_data_normalization_releases():
         dataset_size=50000, batch_size=1000, steps=300, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0,
         releases=releases, correlated=BandsRequest(bands=4, workload=Workload(steps=300)),
     )  # fmt: skip
-    direct = compute_epsilon(
-        sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA, releases=releases
-    )
+    direct = compute_epsilon(sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA, releases=releases)
     assert plan.epsilon == pytest.approx(direct, rel=1e-12) and plan.epsilon <= 3.0
     alone = compute_epsilon(sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA)
     assert plan.epsilon > alone  # the release is counted

@@ -167,8 +167,11 @@ def test_samplers_resume_from_their_state():
         sampler.sample()
         state = sampler.state_dict()
         ahead = [sampler.sample() for _ in range(3)]
-        again = type(sampler)(100, 7, DPRandom(0)) if isinstance(sampler, FixedSizeSampler) else PoissonSampler(
-            100, 0.2, DPRandom(0), max_batch_size=12)
+        again = (
+            type(sampler)(100, 7, DPRandom(0))
+            if isinstance(sampler, FixedSizeSampler)
+            else PoissonSampler(100, 0.2, DPRandom(0), max_batch_size=12)
+        )
         again.load_state_dict(state)
         assert all(torch.equal(a, again.sample()) for a in ahead)
 

@@ -7,8 +7,23 @@ from dpscale.cli import main
 
 def test_step_time_benchmark_json_rows(capsys, tmp_path):
     out = tmp_path / "bench.md"
-    code = main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk,dpscale-vmap",
-                 "--repeats", "2", "--warmup", "1", "--json", "--write", str(out)])
+    code = main(
+        [
+            "bench",
+            "step-time",
+            "--models",
+            "papernot-cnn",
+            "--engines",
+            "nonprivate,dpscale-bk,dpscale-vmap",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            "--write",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["engine"] for r in rows] == ["nonprivate", "dpscale-bk", "dpscale-vmap"]
@@ -27,15 +42,53 @@ def test_step_time_peft_twins_train_fewer_parameters(capsys, monkeypatch):
     built = []
     real = step_time.apply_peft
     monkeypatch.setattr(step_time, "apply_peft", lambda model, method, **kw: built.append((method, real(model, method, **kw))))
-    assert main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk", "--peft", "lora",
-                 "--lora-rank", "2", "--batch-size", "8", "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step-time",
+                "--models",
+                "papernot-cnn",
+                "--engines",
+                "nonprivate,dpscale-bk",
+                "--peft",
+                "lora",
+                "--lora-rank",
+                "2",
+                "--batch-size",
+                "8",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-lora"]
     assert built[0] == ("none", 26_010) and built[1][0] == "lora" and built[1][1] < 26_010 / 5
 
 
 def test_unknown_engine_is_skipped_with_a_note(capsys):
-    assert main(["bench", "step-time", "--models", "linear", "--engines", "nonprivate,dpscale-warp",
-                 "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step-time",
+                "--models",
+                "linear",
+                "--engines",
+                "nonprivate,dpscale-warp",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert [r["engine"] for r in json.loads(captured.out)] == ["nonprivate"]
     assert "dpscale-warp" in captured.err
@@ -43,8 +96,26 @@ def test_unknown_engine_is_skipped_with_a_note(capsys):
 
 def test_step_time_in_bf16_at_a_given_batch_size(capsys, tmp_path):
     out = tmp_path / "bench.md"
-    code = main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-auto,dpscale-vmap",
-                 "--repeats", "1", "--warmup", "0", "--precision", "bf16", "--batch-size", "16", "--write", str(out)])
+    code = main(
+        [
+            "bench",
+            "step-time",
+            "--models",
+            "papernot-cnn",
+            "--engines",
+            "nonprivate,dpscale-auto,dpscale-vmap",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--precision",
+            "bf16",
+            "--batch-size",
+            "16",
+            "--write",
+            str(out),
+        ]
+    )
     assert code == 0
     table = out.read_text()
     assert "precision: bf16" in table and "| papernot-cnn | 16 | dpscale-auto |" in table
@@ -79,8 +150,21 @@ def test_end_to_end_benchmark_trains_both_recipes(capsys, tmp_path):
     plan: same steps, same epsilon target, an accuracy in the same range."""
     import importlib.util
 
-    code = main(["bench", "end-to-end", "--set", "train.steps=6", "--set", "run.seed=0",  # the embedded MNIST sample
-                 "--set", "dp.batch_size=256", "--out", str(tmp_path / "runs"), "--json"])
+    code = main(
+        [
+            "bench",
+            "end-to-end",
+            "--set",
+            "train.steps=6",
+            "--set",
+            "run.seed=0",  # the embedded MNIST sample
+            "--set",
+            "dp.batch_size=256",
+            "--out",
+            str(tmp_path / "runs"),
+            "--json",
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     rows = {r["library"]: r for r in json.loads(captured.out)}
@@ -99,8 +183,24 @@ def test_every_opacus_mode_runs_when_opacus_is_installed(capsys):
 
     pytest.importorskip("opacus")
     modes = ["opacus-hooks", "opacus-functorch", "opacus-ew", "opacus-ghost"]
-    assert main(["bench", "step-time", "--models", "linear", "--engines", ",".join(["nonprivate", *modes]),
-                 "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step-time",
+                "--models",
+                "linear",
+                "--engines",
+                ",".join(["nonprivate", *modes]),
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", *modes]
 
 
@@ -112,8 +212,28 @@ def test_step_time_user_twins_clip_per_user(capsys, monkeypatch):
     plans = []
     real = private.make_private
     monkeypatch.setattr(private, "make_private", lambda *a, **kw: plans.append(real(*a, **kw).plan) or real(*a, **kw))
-    assert main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk", "--user-rows", "4",
-                 "--batch-size", "8", "--repeats", "1", "--warmup", "0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step-time",
+                "--models",
+                "papernot-cnn",
+                "--engines",
+                "nonprivate,dpscale-bk",
+                "--user-rows",
+                "4",
+                "--batch-size",
+                "8",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-user4"]
     assert [(p.privacy_unit, p.batch_size) for p in plans] == [("example", 8), ("user", 2)]
 
@@ -125,8 +245,29 @@ def test_step_time_on_the_thread_clock_states_clock_and_load(capsys, tmp_path):
     out = tmp_path / "bench.md"
     threads = torch.get_num_threads()
     try:
-        assert main(["bench", "step-time", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-bk,dpscale-auto",
-                     "--batch-size", "8", "--repeats", "2", "--warmup", "0", "--clock", "thread", "--write", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "step-time",
+                    "--models",
+                    "papernot-cnn",
+                    "--engines",
+                    "nonprivate,dpscale-bk,dpscale-auto",
+                    "--batch-size",
+                    "8",
+                    "--repeats",
+                    "2",
+                    "--warmup",
+                    "0",
+                    "--clock",
+                    "thread",
+                    "--write",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)

@@ -265,8 +265,10 @@ def test_invalid_yaml_file(tmp_path):
         (["optim.schedule=linear"], r"optim\.schedule must be constant or cosine"),
         (["optim.min_lr_ratio=1.5"], r"optim\.min_lr_ratio in \[0, 1\]"),
         (["dp.max_grad_norm_per=layer"], r"dp\.max_grad_norm_per must be 'group' .* or 'tensor'"),
-        (["dp.max_grad_norm_per=tensor", "dp.max_grad_norm=null", "dp.noise_multiplier=0", "dp.epsilon=null"],
-         r"dp\.max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm"),
+        (
+            ["dp.max_grad_norm_per=tensor", "dp.max_grad_norm=null", "dp.noise_multiplier=0", "dp.epsilon=null"],
+            r"dp\.max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm",
+        ),
         (["dp.max_grad_norm_per=tensor", "dp.clipping=adaptive"], r"not with dp\.max_grad_norm_per=tensor"),
     ],
 )
@@ -424,9 +426,9 @@ def test_account_solves_for_steps(capsys):
     steps = result["steps"]
     assert steps > 14062  # 14062 steps cost only ~2.6
     assert compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=steps, delta=1e-5, kind="rdp") <= 3.0
-    assert compute_epsilon(
-        sample_rate=Q, noise_multiplier=1.1, steps=steps + 1, delta=1e-5, kind="rdp"
-    ) > 3.0  # the largest such step count
+    assert (
+        compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=steps + 1, delta=1e-5, kind="rdp") > 3.0
+    )  # the largest such step count
     assert result["epsilon"] <= 3.0
 
 
@@ -510,9 +512,7 @@ def test_bad_features_values(override, match):
 def test_datanorm_without_noise_is_refused_for_a_private_run_only():
     with pytest.raises(ConfigError, match="exact statistics"):
         load_config(overrides=["features.normalize=datanorm", "features.norm_noise=0"])
-    config = load_config(
-        overrides=["features.normalize=datanorm", "features.norm_noise=0", "dp.epsilon=null", "dp.noise_multiplier=0"]
-    )
+    config = load_config(overrides=["features.normalize=datanorm", "features.norm_noise=0", "dp.epsilon=null", "dp.noise_multiplier=0"])
     assert config.features.norm_noise == 0
 
 
@@ -534,14 +534,21 @@ def test_account_composes_private_data_normalization(capsys):
     centred = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8",
                             "--feature-mean-noise", "6")  # fmt: skip
     releases = (data_norm_release(8.0), feature_mean_release(6.0))
-    assert centred["epsilon"] == pytest.approx(
-        compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=both["steps"], delta=1e-5, kind="rdp", releases=releases)
-    ) and centred["epsilon"] > both["epsilon"]
+    assert (
+        centred["epsilon"]
+        == pytest.approx(
+            compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=both["steps"], delta=1e-5, kind="rdp", releases=releases)
+        )
+        and centred["epsilon"] > both["epsilon"]
+    )
     assert main([*MNIST, "--noise", "1.1", "--epochs", "15", "--feature-mean-noise", "0"]) == 2
     assert "--feature-mean-noise must be > 0" in capsys.readouterr().err
     calibrated = _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--data-norm-noise", "8", "--accountant", "rdp")
-    assert calibrated["epsilon"] <= 3.0 and calibrated["noise_multiplier"] > _account_json(
-        capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")["noise_multiplier"]
+    assert (
+        calibrated["epsilon"] <= 3.0
+        and calibrated["noise_multiplier"]
+        > _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")["noise_multiplier"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -246,10 +246,7 @@ def test_start_step_samples_its_group_first():
 # ------------------------------------------------------------------ 6. sharded
 def test_sharded_cyclic_sampler_is_a_cyclic_poisson_sample_of_the_whole_set():
     n, b, q, world, steps = 1001, 3, 0.1, 3, 3000
-    samplers = [
-        CyclicPoissonSampler(n, q, b, DPRandom(10 + r), partition_seed=77, rank=r, world_size=world)
-        for r in range(world)
-    ]
+    samplers = [CyclicPoissonSampler(n, q, b, DPRandom(10 + r), partition_seed=77, rank=r, world_size=world) for r in range(world)]
     group, p = _group_ids(samplers[0]), samplers[0].participation_rate
     counts = torch.zeros(n)
     for t in range(steps):

@@ -149,7 +149,9 @@ def test_idx_holdout_without_t10k(tmp_path: Path) -> None:
 def test_idx_truncated(tmp_path: Path) -> None:
     make_idx_dir(tmp_path)
     write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((60, 5, 4)), cut=7)
-    with pytest.raises(DatasetError, match=r"train-images-idx3-ubyte is truncated: header says 60 images of 5x4 = 1200 bytes, file has 1193"):
+    with pytest.raises(
+        DatasetError, match=r"train-images-idx3-ubyte is truncated: header says 60 images of 5x4 = 1200 bytes, file has 1193"
+    ):
         load_idx(tmp_path)
 
 

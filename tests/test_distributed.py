@@ -75,9 +75,14 @@ def _step(model, x, y, indices, reduce=None, add_noise=True):
     engine, _ = make_engine("auto", CLIP, model)
     generator = DPRandom(99)
     gradient, stats = noisy_clipped_mean(
-        engine, model, physical_chunks(x, y, indices, 6),
-        noise_std=SIGMA * CLIP, expected_batch_size=EXPECTED_B, noise_generator=generator,
-        all_reduce_sum=reduce, add_noise=add_noise,
+        engine,
+        model,
+        physical_chunks(x, y, indices, 6),
+        noise_std=SIGMA * CLIP,
+        expected_batch_size=EXPECTED_B,
+        noise_generator=generator,
+        all_reduce_sum=reduce,
+        add_noise=add_noise,
     )
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     apply_gradient(model, gradient, optimizer)
@@ -97,8 +102,14 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
     draws = []
     for _ in range(NOISE_DRAWS):
         noise, _ = noisy_clipped_mean(
-            engine, model, [], noise_std=SIGMA * CLIP, expected_batch_size=1.0, noise_generator=generator,
-            all_reduce_sum=ctx.all_reduce_sum_, add_noise=ctx.adds_noise,
+            engine,
+            model,
+            [],
+            noise_std=SIGMA * CLIP,
+            expected_batch_size=1.0,
+            noise_generator=generator,
+            all_reduce_sum=ctx.all_reduce_sum_,
+            add_noise=ctx.adds_noise,
         )
         draws.append(torch.cat([v.flatten() for v in noise.values()])[:200])
     if rank == 0:
@@ -142,9 +153,23 @@ def test_two_process_noise_has_std_sigma_c_in_total(two_process_result):
 
 
 # ------------------------------------------------------- torchrun jobs
-TINY_JOB = ["--set", "model.name=linear", "--set", "dp.batch_size=256", "--set", "dp.accountant=rdp",
-            "--set", "train.steps=24", "--set", "train.eval_every_epochs=0.5", "--set", "run.seed=0",
-            "--set", "run.threads=1", "--quiet"]
+TINY_JOB = [
+    "--set",
+    "model.name=linear",
+    "--set",
+    "dp.batch_size=256",
+    "--set",
+    "dp.accountant=rdp",
+    "--set",
+    "train.steps=24",
+    "--set",
+    "train.eval_every_epochs=0.5",
+    "--set",
+    "run.seed=0",
+    "--set",
+    "run.threads=1",
+    "--quiet",
+]
 
 
 def _assert_stopped_at(run_dir: Path, step: int, world: int) -> None:
@@ -192,8 +217,7 @@ def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_
     b = json.loads((cut / "summary.json").read_text())
     assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["sampling"] == a["sampling"]
     history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
-    assert sum(seg[2] for seg in history) == 24 and {seg[4] for seg in history} == {sampler[0].split("=")[1]
-                                                                                    .replace("300", "truncated")}
+    assert sum(seg[2] for seg in history) == 24 and {seg[4] for seg in history} == {sampler[0].split("=")[1].replace("300", "truncated")}
 
 
 # 36 s (an accuracy band on real MNIST): test_two_process_update_equals_one_process_update checks the
@@ -201,8 +225,21 @@ def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="needs ../shared/data/mnist-10k")
 def test_two_process_mnist_run_matches_one_process(tmp_path):
-    args = ["train", "preset:papernot-mnist-tanh", "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=4",
-            "--set", "optim.momentum=0.9", "--set", "run.seed=0", "--set", "run.threads=1", "--quiet"]
+    args = [
+        "train",
+        "preset:papernot-mnist-tanh",
+        "--set",
+        f"data.root={SHARED_MNIST}",
+        "--set",
+        "train.epochs=4",
+        "--set",
+        "optim.momentum=0.9",
+        "--set",
+        "run.seed=0",
+        "--set",
+        "run.threads=1",
+        "--quiet",
+    ]
     run_job(1, *args, "--set", f"run.out_dir={tmp_path / 'one'}")
     run_job(2, *args, "--set", f"run.out_dir={tmp_path / 'two'}")
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
@@ -224,9 +261,26 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
     from dpscale.privacy import compute_epsilon
 
     run = tmp_path / "run"
-    sets = ["--set", "model.name=papernot-cnn", "--set", "model.kwargs={filters: [4, 4]}", "--set", "dp.batch_size=128",
-            "--set", "dp.accountant=rdp", "--set", "train.steps=300", "--set", "train.eval_every_epochs=1000",
-            "--set", "train.checkpoint_every_steps=5", "--set", "run.seed=1", "--set", "run.threads=1"]
+    sets = [
+        "--set",
+        "model.name=papernot-cnn",
+        "--set",
+        "model.kwargs={filters: [4, 4]}",
+        "--set",
+        "dp.batch_size=128",
+        "--set",
+        "dp.accountant=rdp",
+        "--set",
+        "train.steps=300",
+        "--set",
+        "train.eval_every_epochs=1000",
+        "--set",
+        "train.checkpoint_every_steps=5",
+        "--set",
+        "run.seed=1",
+        "--set",
+        "run.threads=1",
+    ]
     cmd, env = launch_command(2, ["train", *sets, "--set", f"run.out_dir={run}", "--quiet"])
     job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

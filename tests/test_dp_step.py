@@ -123,11 +123,19 @@ def test_noise_added_once_per_logical_step_and_divided_by_expected_batch(chunk):
     idx = torch.arange(12)
     engine = VmapEngine(c)
     clean, _ = noisy_clipped_mean(
-        engine, model, physical_chunks(x, y, idx, chunk), noise_std=0.0, expected_batch_size=expected_b,
+        engine,
+        model,
+        physical_chunks(x, y, idx, chunk),
+        noise_std=0.0,
+        expected_batch_size=expected_b,
         noise_generator=DPRandom(0),
     )
     noisy, stats_ = noisy_clipped_mean(
-        engine, model, physical_chunks(x, y, idx, chunk), noise_std=sigma * c, expected_batch_size=expected_b,
+        engine,
+        model,
+        physical_chunks(x, y, idx, chunk),
+        noise_std=sigma * c,
+        expected_batch_size=expected_b,
         noise_generator=DPRandom(3),
     )
     noise = torch.cat([(noisy[k] - clean[k]).flatten() for k in clean]) * expected_b
@@ -146,8 +154,13 @@ def test_noise_drawn_during_the_step_is_the_same_noise():
     for prefetch in (False, True):
         generator = DPRandom(7)
         grad, _ = noisy_clipped_mean(
-            VmapEngine(0.5), model, physical_chunks(x, y, torch.arange(12), 5), noise_std=1.3,
-            expected_batch_size=12, noise_generator=generator, prefetch_noise=prefetch,
+            VmapEngine(0.5),
+            model,
+            physical_chunks(x, y, torch.arange(12), 5),
+            noise_std=1.3,
+            expected_batch_size=12,
+            noise_generator=generator,
+            prefetch_noise=prefetch,
         )
         results.append(grad)
         generators.append(generator)
@@ -161,8 +174,12 @@ def test_gradient_accumulation_is_invariant_to_chunk_size():
     x, y = _batch(10)
     results = [
         noisy_clipped_mean(
-            VmapEngine(1.0), model, physical_chunks(x, y, torch.arange(10), chunk), noise_std=0.0,
-            expected_batch_size=10, noise_generator=DPRandom(0),
+            VmapEngine(1.0),
+            model,
+            physical_chunks(x, y, torch.arange(10), chunk),
+            noise_std=0.0,
+            expected_batch_size=10,
+            noise_generator=DPRandom(0),
         )[0]
         for chunk in (1, 3, 10)
     ]
@@ -176,8 +193,12 @@ def test_empty_logical_batch_gives_pure_noise():
     x, y = _batch(20)
     empty = torch.zeros(0, dtype=torch.long)  # a Poisson draw can select nobody
     grad, stats_ = noisy_clipped_mean(
-        VmapEngine(1.0), model, physical_chunks(x, y, empty, 8), noise_std=3.0,
-        expected_batch_size=50, noise_generator=DPRandom(0),
+        VmapEngine(1.0),
+        model,
+        physical_chunks(x, y, empty, 8),
+        noise_std=3.0,
+        expected_batch_size=50,
+        noise_generator=DPRandom(0),
     )
     flat = torch.cat([g.flatten() for g in grad.values()])
     assert stats_.examples == 0 and stats_.loss_sum == 0.0
@@ -264,7 +285,11 @@ def test_logical_batch_of_64k_in_bounded_chunks_matches_full_batch_backward():
             yield chunk
 
     grad, stats_ = noisy_clipped_mean(
-        VmapEngine(None), model, counting_chunks(), noise_std=0.0, expected_batch_size=n,
+        VmapEngine(None),
+        model,
+        counting_chunks(),
+        noise_std=0.0,
+        expected_batch_size=n,
         noise_generator=DPRandom(0),
     )
     assert max(seen) == 4096 and sum(seen) == n and stats_.examples == n

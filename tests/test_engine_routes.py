@@ -199,12 +199,20 @@ CASES = {
     "relu_then_residual": (lambda: InPlace("residual"), _vectors, None),
     "shared_linear": (lambda: SharedLinear(False), _vectors, "fc2.weight"),
     "functional_tied_head": (lambda: SharedLinear(True), _vectors, "head.weight"),
-    "pos_embed_outside": (PosEmbedOutside, lambda: (torch.randn(5, 2, 3, dtype=torch.float64), torch.randint(0, 3, (5,))), "tokens.pos_embed"),
+    "pos_embed_outside": (
+        PosEmbedOutside,
+        lambda: (torch.randn(5, 2, 3, dtype=torch.float64), torch.randint(0, 3, (5,))),
+        "tokens.pos_embed",
+    ),
     "extra_parameter": (ExtraParameter, _vectors, "scale"),
     "user_forward_hook": (lambda: HookedOutput(False), _vectors, None),
     "user_forward_hook_with_a_parameter": (lambda: HookedOutput(True), _vectors, "gain.weight"),
     "layer_called_on_one_shared_row": (SharedRowLayer, _vectors, "offset"),
-    "weight_standardised_conv": (WeightStandardised, lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))), None),
+    "weight_standardised_conv": (
+        WeightStandardised,
+        lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))),
+        None,
+    ),
     "resnet_block": (TinyResNet, lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))), None),
 }
 
@@ -367,9 +375,7 @@ def test_a_global_forward_hook_changing_outputs_is_refused():
     torch.manual_seed(0)
     model = _plain_mlp().double()
     x, y = _vectors()
-    handle = nn.modules.module.register_module_forward_hook(
-        lambda m, i, o: o * 1.5 if isinstance(m, nn.Linear) else None
-    )
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 1.5 if isinstance(m, nn.Linear) else None)
     try:
         with pytest.raises(ValueError, match=r"0\.weight"):
             GhostEngine(0.1).per_example_clipped_sum(model, trainable_params(model), (x, y))

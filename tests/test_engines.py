@@ -53,8 +53,16 @@ def _labels(b, classes=3):
 
 
 @SETTINGS
-@given(b=st.integers(1, 5), t=st.integers(1, 6), d_in=st.integers(1, 9), d_out=st.integers(1, 9),
-       bias=st.booleans(), seq=st.booleans(), clip=st.sampled_from([1e-3, 0.3, 1e3]), seed=st.integers(0, 999))
+@given(
+    b=st.integers(1, 5),
+    t=st.integers(1, 6),
+    d_in=st.integers(1, 9),
+    d_out=st.integers(1, 9),
+    bias=st.booleans(),
+    seq=st.booleans(),
+    clip=st.sampled_from([1e-3, 0.3, 1e3]),
+    seed=st.integers(0, 999),
+)
 def test_linear(b, t, d_in, d_out, bias, seq, clip, seed):
     torch.manual_seed(seed)
     if seq:  # sequence input (B, T, d_in)
@@ -65,10 +73,21 @@ def test_linear(b, t, d_in, d_out, bias, seq, clip, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 4), groups=st.sampled_from([1, 2]), cin_per=st.integers(1, 3), cout_per=st.integers(1, 3),
-       k=st.integers(1, 4), stride=st.integers(1, 3), padding=st.integers(0, 2), dilation=st.integers(1, 2),
-       size=st.integers(6, 16), bias=st.booleans(), one_d=st.booleans(), clip=st.sampled_from([1e-3, 1.0, 1e3]),
-       seed=st.integers(0, 999))
+@given(
+    b=st.integers(1, 4),
+    groups=st.sampled_from([1, 2]),
+    cin_per=st.integers(1, 3),
+    cout_per=st.integers(1, 3),
+    k=st.integers(1, 4),
+    stride=st.integers(1, 3),
+    padding=st.integers(0, 2),
+    dilation=st.integers(1, 2),
+    size=st.integers(6, 16),
+    bias=st.booleans(),
+    one_d=st.booleans(),
+    clip=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 999),
+)
 def test_conv(b, groups, cin_per, cout_per, k, stride, padding, dilation, size, bias, one_d, clip, seed):
     torch.manual_seed(seed)
     cin, cout = groups * cin_per, groups * cout_per
@@ -90,8 +109,15 @@ def test_conv_each_per_example_path(size, cin, cout):
 
 
 @SETTINGS
-@given(b=st.integers(1, 4), groups=st.sampled_from([1, 2, 4]), per=st.integers(1, 3), size=st.integers(2, 6),
-       affine=st.booleans(), clip=st.sampled_from([1e-3, 1.0]), seed=st.integers(0, 999))
+@given(
+    b=st.integers(1, 4),
+    groups=st.sampled_from([1, 2, 4]),
+    per=st.integers(1, 3),
+    size=st.integers(2, 6),
+    affine=st.booleans(),
+    clip=st.sampled_from([1e-3, 1.0]),
+    seed=st.integers(0, 999),
+)
 def test_group_norm(b, groups, per, size, affine, clip, seed):
     torch.manual_seed(seed)
     c = groups * per
@@ -105,8 +131,7 @@ def test_group_norm(b, groups, per, size, affine, clip, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 4), t=st.integers(1, 5), d=st.integers(3, 8), two_dims=st.booleans(), bias=st.booleans(),
-       seed=st.integers(0, 999))
+@given(b=st.integers(1, 4), t=st.integers(1, 5), d=st.integers(3, 8), two_dims=st.booleans(), bias=st.booleans(), seed=st.integers(0, 999))
 def test_layer_norm(b, t, d, two_dims, bias, seed):
     # d >= 3: normalising 2 values always gives +-1, so the gradient through the layer is pure
     # float noise (eps-sized) and no two correct implementations agree on it.
@@ -121,8 +146,14 @@ def test_layer_norm(b, t, d, two_dims, bias, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 4), t=st.integers(1, 7), vocab=st.integers(2, 6), d=st.integers(1, 5),
-       padding_idx=st.sampled_from([None, 0]), seed=st.integers(0, 999))
+@given(
+    b=st.integers(1, 4),
+    t=st.integers(1, 7),
+    vocab=st.integers(2, 6),
+    d=st.integers(1, 5),
+    padding_idx=st.sampled_from([None, 0]),
+    seed=st.integers(0, 999),
+)
 def test_embedding(b, t, vocab, d, padding_idx, seed):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Embedding(vocab, d, padding_idx=padding_idx), nn.Tanh(), head(t * d))
@@ -153,8 +184,12 @@ def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(na
     for engine_name in engines_besides_auto(model, 1.0):
         engine, _ = make_engine(engine_name, 1.0, model)
         updates[engine_name], _ = noisy_clipped_mean(
-            engine, model, physical_chunks(x, y, torch.arange(n), 4), noise_std=1.3,
-            expected_batch_size=8, noise_generator=DPRandom(42),
+            engine,
+            model,
+            physical_chunks(x, y, torch.arange(n), 4),
+            noise_std=1.3,
+            expected_batch_size=8,
+            noise_generator=DPRandom(42),
         )
     if unsupported_modules(model):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
         assert set(updates) == {"vmap"}

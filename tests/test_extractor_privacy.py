@@ -22,10 +22,20 @@ N, PROBE_B, PROBE_STEPS, DELTA = 4000, 500, 4, 1e-5
 def _source_config(out_dir, *extra):
     """A 2-step private run on the embedded MNIST sample with private Data Normalization of its
     pixels, so that its history holds DP-SGD steps and a release of its own."""
-    return load_config(None, [
-        f"run.out_dir={out_dir}", "run.seed=0", "dp.epsilon=null", "dp.noise_multiplier=1.0", "dp.batch_size=32",
-        "train.steps=2", "features.normalize=datanorm", "features.norm_noise=8", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "run.seed=0",
+            "dp.epsilon=null",
+            "dp.noise_multiplier=1.0",
+            "dp.batch_size=32",
+            "train.steps=2",
+            "features.normalize=datanorm",
+            "features.norm_noise=8",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +47,20 @@ def source_run(tmp_path_factory):
 
 def probe_config(out_dir, source, *extra):
     """A linear probe, at a target epsilon of 3, on the penultimate features of ``source``."""
-    return load_config(None, [
-        f"run.out_dir={out_dir}", "dp.epsilon=3", f"dp.batch_size={PROBE_B}", f"train.steps={PROBE_STEPS}",
-        f"features.extractor=checkpoint:{source}", "features.normalize=groupnorm", "features.groups=8",
-        "model.name=linear", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "dp.epsilon=3",
+            f"dp.batch_size={PROBE_B}",
+            f"train.steps={PROBE_STEPS}",
+            f"features.extractor=checkpoint:{source}",
+            "features.normalize=groupnorm",
+            "features.groups=8",
+            "model.name=linear",
+            *extra,
+        ],
+    )
 
 
 def _source_history(source) -> list[AccountingSegment]:
@@ -82,9 +101,7 @@ def test_a_source_on_the_same_data_is_composed_into_every_epsilon(source_run, tm
 def test_a_declared_public_source_reports_the_single_run_epsilon_and_says_so(source_run, tmp_path):
     config = probe_config(tmp_path / "public", source_run, "features.extractor_public=true")
     summary = Trainer.create(config, progress=False).run()
-    alone = compute_epsilon(
-        sample_rate=PROBE_B / N, noise_multiplier=summary["noise_multiplier"], steps=PROBE_STEPS, delta=DELTA
-    )
+    alone = compute_epsilon(sample_rate=PROBE_B / N, noise_multiplier=summary["noise_multiplier"], steps=PROBE_STEPS, delta=DELTA)
     assert summary["epsilon"] == pytest.approx(alone, rel=1e-9) and summary["epsilon"] <= 3.0
     assert summary["extractor_privacy"] == "declared public" and summary["epsilon_parts"] is None
     [note] = summary["guarantee_caveats"]
@@ -121,10 +138,20 @@ def test_the_fingerprint_is_compared_under_the_source_s_data_normalize(source_ru
 
 def test_a_non_private_source_on_the_same_data_is_refused_unless_declared_public(tmp_path):
     source = tmp_path / "baseline"
-    Trainer.create(load_config(None, [
-        f"run.out_dir={source}", "dp.epsilon=null", "dp.noise_multiplier=0", "dp.max_grad_norm=null",
-        "dp.batch_size=32", "train.steps=2",
-    ]), progress=False).run()
+    Trainer.create(
+        load_config(
+            None,
+            [
+                f"run.out_dir={source}",
+                "dp.epsilon=null",
+                "dp.noise_multiplier=0",
+                "dp.max_grad_norm=null",
+                "dp.batch_size=32",
+                "train.steps=2",
+            ],
+        ),
+        progress=False,
+    ).run()
     with pytest.raises(ConfigError, match="without noise.*features.extractor_public"):
         Trainer.create(probe_config(tmp_path / "refused", source), progress=False)
     public = Trainer.create(probe_config(tmp_path / "public", source, "features.extractor_public=true"), progress=False)
@@ -150,10 +177,18 @@ def test_resume_refuses_a_source_that_changed_since(source_run, tmp_path):
 
 # --------------------------------------------------------------------- run.seed
 def _tiny(out_dir, *extra):
-    return load_config(None, [
-        f"run.out_dir={out_dir}", "model.name=linear", "dp.batch_size=256", "dp.accountant=rdp", "train.steps=3",
-        "train.eval_every_epochs=100", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "model.name=linear",
+            "dp.batch_size=256",
+            "dp.accountant=rdp",
+            "train.steps=3",
+            "train.eval_every_epochs=100",
+            *extra,
+        ],
+    )
 
 
 def test_a_seeded_run_says_so_with_every_epsilon(tmp_path, capsys):
@@ -185,12 +220,34 @@ def test_an_older_checkpoint_without_the_seeded_label_resumes(tmp_path):
 
 
 def test_sweeps_and_clip_lr_over_seeds_carry_the_caveat(tmp_path, capsys):
-    sets = [x for item in ("model.name=linear", "dp.batch_size=512", "dp.accountant=rdp", "train.steps=2",
-                           "train.eval_every_epochs=100") for x in ("--set", item)]
+    sets = [
+        x
+        for item in ("model.name=linear", "dp.batch_size=512", "dp.accountant=rdp", "train.steps=2", "train.eval_every_epochs=100")
+        for x in ("--set", item)
+    ]
     assert main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *sets, "--grid", "run.seed=0,1"]) == 0
     assert f"WARNING: {SEEDED_CAVEAT}" in (tmp_path / "s" / "sweep.md").read_text()
     capsys.readouterr()
-    assert main(["tune", "clip-lr", "--quiet", "--out", str(tmp_path / "t"), *sets, "--clip-norms", "1",
-                 "--lr-factors", "1", "--tolerance", "1", "--seeds", "0,1"]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "clip-lr",
+                "--quiet",
+                "--out",
+                str(tmp_path / "t"),
+                *sets,
+                "--clip-norms",
+                "1",
+                "--lr-factors",
+                "1",
+                "--tolerance",
+                "1",
+                "--seeds",
+                "0,1",
+            ]
+        )
+        == 0
+    )
     assert f"WARNING: {SEEDED_CAVEAT}" in capsys.readouterr().out
     assert f"WARNING: {SEEDED_CAVEAT}" in (tmp_path / "t" / "lr" / "sweep.md").read_text()

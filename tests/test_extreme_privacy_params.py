@@ -93,9 +93,7 @@ def test_an_unreachable_epsilon_names_the_least_reachable_one_and_that_one_calib
     with pytest.raises(ValueError) as err:
         calibrate_noise_multiplier(target_epsilon=1e-4, delta=DELTA, sample_rate=Q, steps=STEPS, kind=kind)
     message = str(err.value)
-    _assert_one_line(
-        message, r"cannot reach epsilon=0\.0001", "noise multiplier 10000", "at least", "fewer steps|at most"
-    )
+    _assert_one_line(message, r"cannot reach epsilon=0\.0001", "noise multiplier 10000", "at least", "fewer steps|at most")
     suggested = _number_after(message, "raise the target epsilon to at least")
     sigma = calibrate_noise_multiplier(target_epsilon=suggested, delta=DELTA, sample_rate=Q, steps=STEPS, kind=kind)
     assert compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind=kind) <= suggested
@@ -113,32 +111,24 @@ def test_the_suggested_number_of_steps_fits_the_budget():
 def test_an_epsilon_of_the_order_of_the_coarse_search_grid_still_calibrates():
     # 6e-4 is reachable (sigma = 1e4 spends 5.2e-4), but the coarse 1e-3 grid alone over-reports it.
     sigma = calibrate_noise_multiplier(target_epsilon=6e-4, delta=DELTA, sample_rate=Q, steps=STEPS, kind="pld")
-    assert 6e-4 * (1 - 1e-3) <= compute_epsilon(
-        sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind="pld"
-    ) <= 6e-4
+    assert 6e-4 * (1 - 1e-3) <= compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind="pld") <= 6e-4
 
 
 # ------------------------------------------------------------------ deltas the PLD cannot resolve
 def test_a_delta_below_what_the_pld_resolves_is_refused_in_one_line():
     for call in (
         lambda: calibrate_noise_multiplier(target_epsilon=3.0, delta=1e-300, sample_rate=Q, steps=STEPS, kind="pld"),
-        lambda: compute_epsilon(
-            sample_rate=Q, noise_multiplier=1.0, steps=STEPS, delta=1e-300, kind="pld"
-        ),  # used to return inf
+        lambda: compute_epsilon(sample_rate=Q, noise_multiplier=1.0, steps=STEPS, delta=1e-300, kind="pld"),  # used to return inf
     ):
         with pytest.raises(ValueError) as err:
             call()
         _assert_one_line(str(err.value), r"delta=1e-300", r"1e-12", r"1/N", r"1e-5 to 1e-10", "rdp")
-    assert math.isfinite(compute_epsilon(
-        sample_rate=Q, noise_multiplier=2.0, steps=20, delta=1e-12, kind="pld"
-    ))  # the floor itself works
+    assert math.isfinite(compute_epsilon(sample_rate=Q, noise_multiplier=2.0, steps=20, delta=1e-12, kind="pld"))  # the floor itself works
 
 
 def test_the_rdp_accountant_calibrates_a_tiny_delta():
     sigma = calibrate_noise_multiplier(target_epsilon=3.0, delta=1e-300, sample_rate=Q, steps=STEPS, kind="rdp")
-    assert 3.0 * (1 - 1e-3) <= compute_epsilon(
-        sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=1e-300, kind="rdp"
-    ) <= 3.0
+    assert 3.0 * (1 - 1e-3) <= compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=STEPS, delta=1e-300, kind="rdp") <= 3.0
 
 
 # ------------------------------------------------------------------ budgets too large for a fine PLD
@@ -208,9 +198,7 @@ def test_dpscale_account_calibrates_a_huge_epsilon_within_budget(capsys, kind):
     result = json.loads(capsys.readouterr().out)
     sigma = result["noise_multiplier"]
     assert 1e6 * (1 - 1e-3) <= result["epsilon"] <= 1e6 and sigma > 0
-    assert compute_epsilon(
-        sample_rate=0.1, noise_multiplier=sigma, steps=50, delta=DELTA, kind=kind
-    ) == result["epsilon"]
+    assert compute_epsilon(sample_rate=0.1, noise_multiplier=sigma, steps=50, delta=DELTA, kind=kind) == result["epsilon"]
     if kind == "pld":  # the 1e-4 grid would need ~2e10 points here (the sentinel allows 4e6)
         assert pld_grid((AccountingSegment(0.1, sigma, 50),)) > 1000 * PLD_VALUE_DISCRETIZATION
 

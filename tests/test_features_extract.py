@@ -58,9 +58,7 @@ def kymatio():
 
 
 # ------------------------------------------------------------------ ScatterNet
-@pytest.mark.parametrize(
-    "shape, expected", [((1, 28, 28), (81, 7, 7)), ((3, 32, 32), (243, 8, 8))]
-)
+@pytest.mark.parametrize("shape, expected", [((1, 28, 28), (81, 7, 7)), ((3, 32, 32), (243, 8, 8))])
 def test_scatternet_output_shape_matches_the_paper_and_the_formula(kymatio, shape, expected):
     net = ScatterNet(shape)
     out = net(torch.rand(2, *shape))

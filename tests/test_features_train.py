@@ -21,8 +21,18 @@ SCATTER = ("features.extractor=scatternet", "data.normalize=false", "model.name=
 def scatter_config(out_dir, *extra):
     return load_config(
         None,
-        [f"run.out_dir={out_dir}", "run.seed=0", "dp.batch_size=500", "dp.epsilon=3", "dp.accountant=rdp",
-         "train.steps=16", "optim.lr=4", "optim.momentum=0.9", *SCATTER, *extra],
+        [
+            f"run.out_dir={out_dir}",
+            "run.seed=0",
+            "dp.batch_size=500",
+            "dp.epsilon=3",
+            "dp.accountant=rdp",
+            "train.steps=16",
+            "optim.lr=4",
+            "optim.momentum=0.9",
+            *SCATTER,
+            *extra,
+        ],
     )
 
 
@@ -36,9 +46,7 @@ def test_datanorm_run_spends_its_budget_on_both_releases(tmp_path):
     summary = trainer.run()
     q, sigma = 500 / 4000, summary["noise_multiplier"]
     alone = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=16, delta=1e-5, kind="rdp")
-    composed = compute_epsilon(
-        sample_rate=q, noise_multiplier=sigma, steps=16, delta=1e-5, kind="rdp", releases=(release,)
-    )
+    composed = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=16, delta=1e-5, kind="rdp", releases=(release,))
     assert summary["epsilon"] == pytest.approx(composed) and alone < composed <= 3.0
     assert set(summary["epsilon_parts"]) == {"data-norm", "dp-sgd"}
     assert summary["feature_normalization"] == "datanorm" and summary["features"] == "scatternet"
@@ -88,8 +96,21 @@ def test_target_below_the_release_cost_is_a_clear_error(tmp_path):
 
 def test_preset_runs_through_the_cli(tmp_path):
     # The MNIST ScatterNet+linear preset on the embedded sample (no data.root needed), shortened.
-    code = main(["train", "preset:tramer-mnist-scatter-linear", "--quiet", "--set", "data.name=mnist-5k",
-                 "--set", "train.epochs=2", "--set", "dp.batch_size=1000", "--set", f"run.out_dir={tmp_path / 'p'}"])
+    code = main(
+        [
+            "train",
+            "preset:tramer-mnist-scatter-linear",
+            "--quiet",
+            "--set",
+            "data.name=mnist-5k",
+            "--set",
+            "train.epochs=2",
+            "--set",
+            "dp.batch_size=1000",
+            "--set",
+            f"run.out_dir={tmp_path / 'p'}",
+        ]
+    )
     assert code == 0
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["model"] == "scatter-linear" and summary["epsilon"] <= 3.0 and summary["accountant"] == "rdp"
@@ -101,9 +122,19 @@ def test_preset_runs_through_the_cli(tmp_path):
 def test_linear_probe_on_penultimate_features_of_a_model(tmp_path):
     # Tramer Section 5.2 style: a linear model on a (here randomly initialised, seeded) model's
     # penultimate features; the features are 1-D, normalised per example in 8 groups.
-    cfg = load_config(None, [f"run.out_dir={tmp_path / 'probe'}", "run.seed=0", "train.steps=4", "dp.batch_size=500",
-                             "features.extractor=model:papernot-cnn", "features.normalize=groupnorm",
-                             "features.groups=8", "model.name=linear"])
+    cfg = load_config(
+        None,
+        [
+            f"run.out_dir={tmp_path / 'probe'}",
+            "run.seed=0",
+            "train.steps=4",
+            "dp.batch_size=500",
+            "features.extractor=model:papernot-cnn",
+            "features.normalize=groupnorm",
+            "features.groups=8",
+            "model.name=linear",
+        ],
+    )
     trainer = Trainer.create(cfg, progress=False)
     assert trainer.data.info.input_shape == (512,) and trainer.data.x_train.shape == (4000, 512)
     summary = trainer.run()

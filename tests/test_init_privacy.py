@@ -85,9 +85,7 @@ def test_a_private_source_on_the_same_data_is_composed_into_epsilon(private_sour
     assert [s.label for s in history] == ["dp-sgd"] and history[0].steps == 2
     # the whole history of the source, then this run's steps, composed by the accountant from scratch
     sigma = summary["noise_multiplier"]
-    expected = compute_epsilon(
-        sample_rate=B / N, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind="pld", releases=tuple(history)
-    )
+    expected = compute_epsilon(sample_rate=B / N, noise_multiplier=sigma, steps=STEPS, delta=DELTA, kind="pld", releases=tuple(history))
     assert summary["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert summary["epsilon"] > compute_epsilon(
         sample_rate=B / N, noise_multiplier=sigma, steps=STEPS, delta=DELTA
@@ -109,9 +107,9 @@ def test_a_source_on_other_data_is_said_not_composed(tmp_path):
     [note] = summary["guarantee_caveats"]  # before: none (a privacy warning assumed the source public)
     assert note.startswith(f"the init run {source} trained on other data (its data fingerprint differs)")
     assert "overlapping subset is not detected" in note
-    assert summary["epsilon"] == pytest.approx(compute_epsilon(
-        sample_rate=B / N, noise_multiplier=summary["noise_multiplier"], steps=STEPS, delta=DELTA
-    ))
+    assert summary["epsilon"] == pytest.approx(
+        compute_epsilon(sample_rate=B / N, noise_multiplier=summary["noise_multiplier"], steps=STEPS, delta=DELTA)
+    )
     assert trainer.plan.init_run.case == "other data" and trainer.plan.releases == ()
 
 

@@ -109,9 +109,7 @@ def test_a_step_past_the_budget_is_refused(reference):
 def test_a_loss_that_is_not_per_example_is_refused():
     model = OwnNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=100, loss_fn=lambda logits, y: F.cross_entropy(logits, y), **RECIPE
-    )
+    mechanism = dpscale.make_private(model, optimizer, dataset_size=100, loss_fn=lambda logits, y: F.cross_entropy(logits, y), **RECIPE)
     n = len(mechanism.sample())
     with pytest.raises(ValueError, match=rf"one loss per example, shape \({n},\), got \(\).*reduction='none'"):
         mechanism.step(torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,)))

@@ -126,9 +126,7 @@ def test_a_loss_that_mixes_examples_is_refused(loss_fn, engine):
         worst = max(leave_one_out_change(mlp, x[:B], y[:B], j, engine="bk", check=False, loss_fn=loss_fn) for j in range(B))
         assert worst > 1.01  # more than C: a violation (float error is ~1e-6)
     model = mlp()
-    mechanism = dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, loss_fn=loss_fn, **RECIPE
-    )
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, loss_fn=loss_fn, **RECIPE)
     with pytest.raises(ValueError, match="the loss function mixes examples.*depend on that example alone"):
         first_step(mechanism, x, y)
     assert mechanism.accountant.steps == 0

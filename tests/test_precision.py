@@ -61,9 +61,7 @@ def test_every_engine_in_16_bits_matches_the_float64_loop(engine, precision, cli
     torch.manual_seed(0)
     model, (x, y) = SmallConvNet(), _data()
     want, want_norms = naive_float64(model, x, y, clip)
-    got, norms = make_engine(engine, clip, model, precision=precision)[0].per_example_clipped_sum(
-        model, trainable_params(model), (x, y)
-    )
+    got, norms = make_engine(engine, clip, model, precision=precision)[0].per_example_clipped_sum(model, trainable_params(model), (x, y))
     assert all(g.dtype == torch.float32 for g in got.values()) and norms.dtype == torch.float32
     assert float(((norms.double() - want_norms).abs() / want_norms).max()) < NORM_TOLERANCE[precision.name]
     error = torch.sqrt(sum((got[n].double() - want[n]).square().sum() for n in want))
@@ -279,9 +277,7 @@ def test_vmap_in_16_bits_handles_group_norm_and_layer_norm(precision, clip):
     torch.manual_seed(7)
     model, (x, y) = NormedNet(), _data(6, seed=7)
     want, want_norms = naive_float64(model, x, y, clip)
-    got, norms = make_engine("vmap", clip, model, precision=precision)[0].per_example_clipped_sum(
-        model, trainable_params(model), (x, y)
-    )
+    got, norms = make_engine("vmap", clip, model, precision=precision)[0].per_example_clipped_sum(model, trainable_params(model), (x, y))
     assert float(((norms.double() - want_norms).abs() / want_norms).max()) < NORM_TOLERANCE[precision.name]
     error = torch.sqrt(sum((got[n].double() - want[n]).square().sum() for n in want))
     size = torch.sqrt(sum(w.square().sum() for w in want.values()))

@@ -104,6 +104,7 @@ def test_presets_command_lists_and_prints_loadable_yaml(tmp_path, capsys):
 
 # ----- every new preset runs two steps on generated data of the right shape -----
 
+
 def _generated_root(kind, tmp_path):
     """A tiny dataset in the format the preset's data.name reads (images of the real shape)."""
     import numpy as np
@@ -180,14 +181,17 @@ def _source_run(name, tmp_path):
 # (K=16 views, 28 s for two steps): their model at K views is checked against the per-example loop in
 # test_augmult, and TAN simulations train in the default suite on small models (test_tune's
 # dp.simulated_batch_size runs and sweeps, test_tan_plan_inputs).
-HEAVY = {"kurakin-imagenet-resnet50-gn", "tan-imagenet-nf-resnet50", "tan-imagenet-nf-resnet50-sim256",
-         "tan-cifar10-wrn16-4-augmult-sim512", "tan-cifar10-wrn16-4-augmult",
-         "kurakin-imagenet-resnet18-gn"}
+HEAVY = {
+    "kurakin-imagenet-resnet50-gn",
+    "tan-imagenet-nf-resnet50",
+    "tan-imagenet-nf-resnet50-sim256",
+    "tan-cifar10-wrn16-4-augmult-sim512",
+    "tan-cifar10-wrn16-4-augmult",
+    "kurakin-imagenet-resnet18-gn",
+}
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in RUN_OVERRIDES]
-)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in RUN_OVERRIDES])
 def test_new_presets_run_two_steps_on_generated_data(name, tmp_path):
     preset = get_preset(name)
     root = _generated_root(preset.values["data"]["name"], tmp_path)

@@ -69,7 +69,10 @@ def test_tuned_epsilon_of_a_dp_sgd_run():
     alone = compute_epsilon(sample_rate=0.05, noise_multiplier=1.1, steps=500, delta=1e-5, kind="rdp")
     # one run for sure (mean 1): Theorem 2 still charges (1 + eta) min (1 - 1/lam) eps(lam), a few percent here
     assert alone < tuned_epsilon(history, 1e-5, TuningDistribution("geometric", 1.0)) < 1.05 * alone
-    costs = [tuned_epsilon(history, 1e-5, TuningDistribution(kind, mean)) for kind, mean in (("logarithmic", 10), ("geometric", 10), ("poisson", 10))]
+    costs = [
+        tuned_epsilon(history, 1e-5, TuningDistribution(kind, mean))
+        for kind, mean in (("logarithmic", 10), ("geometric", 10), ("poisson", 10))
+    ]
     assert alone < costs[0] < costs[1]  # more concentrated K costs less (Papernot & Steinke, Section 3)
     assert all(c > alone for c in costs)
     with pytest.raises(ValueError, match="not private"):

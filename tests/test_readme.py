@@ -33,9 +33,7 @@ PLACEHOLDER = re.compile(r"(?<![\w.-])[A-Z][A-Z0-9_]*(?![\w-])")  # CONFIG, RUN_
 
 def _blocks(language: str) -> list[tuple[int, str]]:
     """(line number, code) of every fenced block in ``language``."""
-    return [
-        (README.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(README) if m.group(1) == language
-    ]
+    return [(README.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(README) if m.group(1) == language]
 
 
 def _block_id(block: tuple[int, str]) -> str:
@@ -87,6 +85,7 @@ def _variants(tokens: list[str]) -> list[list[str]]:
                 shortest.append(word)
         depth -= closes
     assert depth == 0, f"unbalanced [ ] in {' '.join(tokens)}"
+
     def pick(word: str, k: int) -> str:  # the k-th of "a|b|c" (the last one past its end)
         options = word.split("|")
         return options[min(k, len(options) - 1)]

@@ -97,10 +97,13 @@ def test_state_round_trip_through_weights_only_load_continues_bit_identically():
     assert all(torch.equal(e, g) for e, g in zip(expected, got))
 
 
-@pytest.mark.parametrize("make", [
-    lambda: PoissonSampler(500, 0.05, DPRandom(9), rank=1, world_size=2),
-    lambda: ShuffleSampler(20, 6, DPRandom(9)),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: PoissonSampler(500, 0.05, DPRandom(9), rank=1, world_size=2),
+        lambda: ShuffleSampler(20, 6, DPRandom(9)),
+    ],
+)
 def test_sampler_state_survives_a_checkpoint(make):
     sampler = make()
     for _ in range(5):

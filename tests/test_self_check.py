@@ -96,8 +96,7 @@ def test_self_check_passes_every_registered_model_in_float32(name):
 
 # ------------------------------------------------------------------ randomly composed models
 
-OPS = ("linear", "linear_nobias", "weight_norm", "layernorm", "relu_", "tanh", "residual_inplace", "residual",
-       "reuse", "tie", "unused")
+OPS = ("linear", "linear_nobias", "weight_norm", "layernorm", "relu_", "tanh", "residual_inplace", "residual", "reuse", "tie", "unused")
 
 
 class Composed(nn.Module):
@@ -150,8 +149,12 @@ class Composed(nn.Module):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=5), seed=st.integers(0, 99),
-       frozen=st.lists(st.booleans(), min_size=12, max_size=12), clip=st.sampled_from([0.05, 0.5, 50.0]))
+@given(
+    ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=5),
+    seed=st.integers(0, 99),
+    frozen=st.lists(st.booleans(), min_size=12, max_size=12),
+    clip=st.sampled_from([0.05, 0.5, 50.0]),
+)
 def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
     torch.manual_seed(seed)
     model = Composed(ops).double()

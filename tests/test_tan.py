@@ -66,9 +66,7 @@ def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
     sim = plan_from_config(_dp(simulated_batch_size=simulated), n, steps)
     assert sim.steps == reference.steps == steps
     assert sim.batch_size == simulated and sim.sample_rate == simulated / n
-    assert sim.sample_rate / sim.noise_multiplier == pytest.approx(
-        reference.sample_rate / reference.noise_multiplier, rel=1e-13
-    )
+    assert sim.sample_rate / sim.noise_multiplier == pytest.approx(reference.sample_rate / reference.noise_multiplier, rel=1e-13)
     # the std of the noise on the averaged update is the reference's: sigma C / B
     assert sim.noise_std / sim.batch_size == pytest.approx(reference.noise_std / reference.batch_size, rel=1e-13)
     assert eta_step(sim.sample_rate, sim.noise_multiplier) == pytest.approx(
@@ -79,9 +77,9 @@ def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
     assert sim.simulation.epsilon == reference.epsilon
     assert sim.simulation.noise_multiplier == reference.noise_multiplier
     assert sim.simulation.batch_size == 4096
-    assert sim.epsilon == pytest.approx(compute_epsilon(
-        sample_rate=sim.sample_rate, noise_multiplier=sim.noise_multiplier, steps=steps, delta=1e-5, kind="rdp"
-    ))
+    assert sim.epsilon == pytest.approx(
+        compute_epsilon(sample_rate=sim.sample_rate, noise_multiplier=sim.noise_multiplier, steps=steps, delta=1e-5, kind="rdp")
+    )
     assert sim.epsilon > 2 * reference.epsilon
     assert sim.reference_epsilon(steps) == pytest.approx(reference.epsilon, rel=1e-9)
     notes = " ".join(sim.caveats())

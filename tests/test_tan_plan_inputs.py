@@ -91,8 +91,8 @@ def test_simulate_dry_run_reports_the_trainers_plan(cases, trainer_plans, case, 
     sets = cases[case]
     assert main(["tan", "simulate", "--batch-size", str(SIMULATED_BATCH), "--dry-run", *_sets(sets)]) == 0
     out = capsys.readouterr().out
-    (_, sigma_ref, steps, epsilon), = REFERENCE.findall(out)
-    (_, sigma, sim_steps, q_over_sigma), = SIMULATED.findall(out)
+    ((_, sigma_ref, steps, epsilon),) = REFERENCE.findall(out)
+    ((_, sigma, sim_steps, q_over_sigma),) = SIMULATED.findall(out)
     plan = trainer_plans[case]
     reference = plan.simulation
     assert int(steps) == int(sim_steps) == plan.steps

@@ -56,8 +56,12 @@ MODES = {
     "bandmf": ("dp.mechanism=bandmf", "dp.bands=3"),
     # Features + private Data Normalization: the released statistics must be reused on resume.
     "scatter-datanorm": (
-        "features.extractor=scatternet", "features.normalize=datanorm", "features.norm_clip=[0.2, 0.05]",
-        "data.normalize=false", "model.name=scatter-linear", "dp.max_grad_norm=0.1",
+        "features.extractor=scatternet",
+        "features.normalize=datanorm",
+        "features.norm_clip=[0.2, 0.05]",
+        "data.normalize=false",
+        "model.name=scatter-linear",
+        "dp.max_grad_norm=0.1",
     ),
 }
 
@@ -115,9 +119,7 @@ def test_run_outputs_and_epsilon_accounting(full_run):
         assert key in summary
     # The reported epsilon is what an independent recomputation of the same mechanism gives,
     # and never more than the target.
-    independent = compute_epsilon(
-        sample_rate=128 / 4000, noise_multiplier=summary["noise_multiplier"], steps=24, delta=1e-5, kind="pld"
-    )
+    independent = compute_epsilon(sample_rate=128 / 4000, noise_multiplier=summary["noise_multiplier"], steps=24, delta=1e-5, kind="pld")
     assert summary["epsilon"] == pytest.approx(independent, rel=1e-9)
     assert 4 * (1 - 1e-3) <= summary["epsilon"] <= 4.0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -140,8 +142,22 @@ def test_non_private_baseline_uses_same_path_and_says_so(tmp_path):
 
 
 def test_shuffle_sampling_is_labelled_in_every_output(tmp_path, capsys):
-    code = main(["train", "--quiet", "--set", f"run.out_dir={tmp_path / 'sh'}", "--set", "dp.sampling=shuffle",
-                 "--set", "train.steps=6", "--set", "dp.batch_size=100", "--set", "train.eval_every_epochs=0.1"])
+    code = main(
+        [
+            "train",
+            "--quiet",
+            "--set",
+            f"run.out_dir={tmp_path / 'sh'}",
+            "--set",
+            "dp.sampling=shuffle",
+            "--set",
+            "train.steps=6",
+            "--set",
+            "dp.batch_size=100",
+            "--set",
+            "train.eval_every_epochs=0.1",
+        ]
+    )
     assert code == 0
     out, err = capsys.readouterr()
     assert "Poisson" in out + err  # once: when the run starts (stderr), so not again with the result
@@ -155,8 +171,23 @@ def test_shuffle_sampling_is_labelled_in_every_output(tmp_path, capsys):
 
 def test_cli_train_then_eval_reproduces_the_accuracy(tmp_path, capsys):
     run_dir = tmp_path / "cli"
-    assert main(["train", "--quiet", "--set", f"run.out_dir={run_dir}", "--set", "train.steps=10",
-                 "--set", "dp.batch_size=200", "--set", "model.name=linear"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--quiet",
+                "--set",
+                f"run.out_dir={run_dir}",
+                "--set",
+                "train.steps=10",
+                "--set",
+                "dp.batch_size=200",
+                "--set",
+                "model.name=linear",
+            ]
+        )
+        == 0
+    )
     assert "test_accuracy=" in capsys.readouterr().out
     assert main(["eval", str(run_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -167,8 +198,18 @@ def test_cli_train_then_eval_reproduces_the_accuracy(tmp_path, capsys):
 
 def test_cli_max_steps_then_resume(tmp_path, capsys):
     run_dir = tmp_path / "stop"
-    args = ["train", "--quiet", "--set", f"run.out_dir={run_dir}", "--set", "train.steps=8",
-            "--set", "dp.batch_size=200", "--set", "model.name=linear"]
+    args = [
+        "train",
+        "--quiet",
+        "--set",
+        f"run.out_dir={run_dir}",
+        "--set",
+        "train.steps=8",
+        "--set",
+        "dp.batch_size=200",
+        "--set",
+        "model.name=linear",
+    ]
     assert main(args + ["--max-steps", "3"]) == 0
     assert "--resume" in capsys.readouterr().out
     assert not (run_dir / "summary.json").exists()
@@ -240,16 +281,28 @@ def test_papernot_preset_matches_paper_appendix_b():
 
 @pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist-10k not available")
 def test_papernot_preset_runs_on_shared_mnist(tmp_path):
-    code = main(["train", "preset:papernot-mnist-tanh", "--quiet",
-                 "--set", f"data.root={SHARED_MNIST}", "--set", "train.epochs=2", "--set", f"run.out_dir={tmp_path / 'p'}",
-                 "--set", "run.seed=0"])
+    code = main(
+        [
+            "train",
+            "preset:papernot-mnist-tanh",
+            "--quiet",
+            "--set",
+            f"data.root={SHARED_MNIST}",
+            "--set",
+            "train.epochs=2",
+            "--set",
+            f"run.out_dir={tmp_path / 'p'}",
+            "--set",
+            "run.seed=0",
+        ]
+    )
     assert code == 0
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["dataset_size"] == 8000 and summary["steps"] == round(2 * 8000 / 256)
     assert summary["test_accuracy"] > 0.3  # 62 steps at lr 0.15: well above chance (0.1), far from done
-    assert summary["epsilon"] == pytest.approx(compute_epsilon(
-        sample_rate=256 / 8000, noise_multiplier=1.1, steps=summary["steps"], delta=1e-5, kind="rdp"
-    ))
+    assert summary["epsilon"] == pytest.approx(
+        compute_epsilon(sample_rate=256 / 8000, noise_multiplier=1.1, steps=summary["steps"], delta=1e-5, kind="rdp")
+    )
 
 
 def test_unseeded_runs_draw_secret_noise(tmp_path):
@@ -302,8 +355,13 @@ def test_resume_refuses_changed_training_data(tmp_path):
 
     def write(path, seed):
         rng = np.random.default_rng(seed)
-        np.savez(path, x_train=rng.integers(0, 256, (300, 8, 8), dtype=np.uint8), y_train=rng.integers(0, 3, 300),
-                 x_test=rng.integers(0, 256, (50, 8, 8), dtype=np.uint8), y_test=rng.integers(0, 3, 50))
+        np.savez(
+            path,
+            x_train=rng.integers(0, 256, (300, 8, 8), dtype=np.uint8),
+            y_train=rng.integers(0, 3, 300),
+            x_test=rng.integers(0, 256, (50, 8, 8), dtype=np.uint8),
+            y_test=rng.integers(0, 3, 50),
+        )
 
     data = tmp_path / "d.npz"
     write(data, 0)
@@ -316,8 +374,12 @@ def test_resume_refuses_changed_training_data(tmp_path):
 
 @pytest.mark.parametrize(
     "override, match",
-    [("run.device=bogus", "run.device"), ("run.threads=0", "run.threads"), ("train.eval_batch_size=0", "eval_batch_size"),
-     ("train.checkpoint_every_steps=0", "checkpoint_every_steps")],
+    [
+        ("run.device=bogus", "run.device"),
+        ("run.threads=0", "run.threads"),
+        ("train.eval_batch_size=0", "eval_batch_size"),
+        ("train.checkpoint_every_steps=0", "checkpoint_every_steps"),
+    ],
 )
 def test_run_settings_are_validated(override, match):
     with pytest.raises(ConfigError, match=match):

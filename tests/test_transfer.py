@@ -103,6 +103,7 @@ def test_a_resumed_run_keeps_its_weights_and_its_init_record(pretrained, tmp_pat
 
 # ----- class subsets and meta-classes (source variants) -----
 
+
 def test_meta_classes_are_balanced_and_seeded():
     from dpscale.data.subsets import meta_class_map
 

@@ -64,8 +64,19 @@ def test_the_smallest_free_cap_is_found_exactly(monkeypatch):
 
 
 def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys):
-    args = ["account", "--dataset-size", "1000", "--batch-size", "50", "--noise", "1.0", "--steps", "20",
-            "--data-norm-noise", "6"]  # (the hand-built test's run: its PLD is cached)
+    args = [
+        "account",
+        "--dataset-size",
+        "1000",
+        "--batch-size",
+        "50",
+        "--noise",
+        "1.0",
+        "--steps",
+        "20",
+        "--data-norm-noise",
+        "6",
+    ]  # (the hand-built test's run: its PLD is cached)
     assert main(args + ["--max-batch-size", "55", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     want = truncated_poisson_epsilon(**SMALL, max_batch_size=55, releases=(data_norm_release(6.0),))

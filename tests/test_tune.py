@@ -63,9 +63,7 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
     summary = json.loads((out / "summary.json").read_text())
     sim = summary["simulation"]
     assert summary["batch_size"] == 128 and sim["batch_size"] == 512 and summary["steps"] == 12
-    assert summary["sample_rate"] / summary["noise_multiplier"] == pytest.approx(
-        sim["sample_rate"] / sim["noise_multiplier"], rel=1e-13
-    )
+    assert summary["sample_rate"] / summary["noise_multiplier"] == pytest.approx(sim["sample_rate"] / sim["noise_multiplier"], rel=1e-13)
     assert summary["reference_epsilon"] == pytest.approx(sim["epsilon"], rel=1e-9)
     assert summary["reference_epsilon"] <= 3.0 < summary["epsilon"]  # stands for 3, spends more
     assert summary["private"] is False  # not a private model, whatever sigma it ran at
@@ -136,8 +134,17 @@ def test_an_interrupted_rerun_keeps_every_finished_point(tmp_path, monkeypatch):
 
 def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
     sweep_dir = tmp_path / "sweep"
-    args = ["sweep", "--quiet", "--out", str(sweep_dir), *_sets(*TINY),
-            "--grid", "dp.simulated_batch_size=64,128,256", "--grid", "run.seed=0,1"]
+    args = [
+        "sweep",
+        "--quiet",
+        "--out",
+        str(sweep_dir),
+        *_sets(*TINY),
+        "--grid",
+        "dp.simulated_batch_size=64,128,256",
+        "--grid",
+        "run.seed=0,1",
+    ]
     assert main(args) == 0
     table = capsys.readouterr().out
     assert TUNING_CAVEAT in table and "reference_epsilon" in table
@@ -175,8 +182,22 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
 
 def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
     sweep_dir = tmp_path / "sweep"
-    assert main(["sweep", "--quiet", "--out", str(sweep_dir), *_sets(*TINY, "train.steps=4"),
-                 "--grid", "dp.simulated_batch_size=64,128", "--grid", "dp.max_grad_norm=0.5,1"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--quiet",
+                "--out",
+                str(sweep_dir),
+                *_sets(*TINY, "train.steps=4"),
+                "--grid",
+                "dp.simulated_batch_size=64,128",
+                "--grid",
+                "dp.max_grad_norm=0.5,1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["tan", "fit", str(sweep_dir), "--no-plot"]) == 2
     assert "also varies dp.max_grad_norm" in capsys.readouterr().err
@@ -185,8 +206,22 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
     code = main(["tan", "fit", str(sweep_dir), str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"])
     assert code == 2 and "counted twice" in capsys.readouterr().err
     lr_sweep = tmp_path / "lr"
-    assert main(["sweep", "--quiet", "--out", str(lr_sweep), *_sets(*TINY, "train.steps=4", "optim.lr=1"),
-                 "--grid", "dp.simulated_batch_size=256", "--grid", "dp.max_grad_norm=1"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--quiet",
+                "--out",
+                str(lr_sweep),
+                *_sets(*TINY, "train.steps=4", "optim.lr=1"),
+                "--grid",
+                "dp.simulated_batch_size=256",
+                "--grid",
+                "dp.max_grad_norm=1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     code = main(["tan", "fit", str(sweep_dir), str(lr_sweep), "--no-plot", "--where", "dp.max_grad_norm=1"])
     assert code == 2 and "configs differ" in capsys.readouterr().err
@@ -200,8 +235,7 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
 
 def test_sweep_records_failed_points_and_continues(tmp_path, capsys):
     # dp.batch_size=8000 > N=4000 fails when the trainer sees the data; the other point runs.
-    code = main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *_sets(*TINY, "train.steps=3"),
-                 "--grid", "dp.batch_size=256,8000"])
+    code = main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *_sets(*TINY, "train.steps=3"), "--grid", "dp.batch_size=256,8000"])
     assert code == 1
     records = [json.loads(x) for x in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
     assert [r["status"] for r in records] == ["done", "failed"]
@@ -223,8 +257,22 @@ def test_choose_clip_norm_takes_the_smallest_within_tolerance():
 
 def test_tune_clip_lr_end_to_end(tmp_path, capsys):
     out = tmp_path / "tune"
-    code = main(["tune", "clip-lr", "--quiet", "--out", str(out), *_sets(*TINY, "train.steps=6", "run.seed=0"),
-                 "--clip-norms", "0.01,1", "--lr-factors", "0.5,2", "--tolerance", "0.05"])
+    code = main(
+        [
+            "tune",
+            "clip-lr",
+            "--quiet",
+            "--out",
+            str(out),
+            *_sets(*TINY, "train.steps=6", "run.seed=0"),
+            "--clip-norms",
+            "0.01,1",
+            "--lr-factors",
+            "0.5,2",
+            "--tolerance",
+            "0.05",
+        ]
+    )
     assert code == 0
     report = capsys.readouterr().out
     assert TUNING_CAVEAT in report and "lr x C" in report
@@ -248,8 +296,20 @@ def test_tune_clip_lr_end_to_end(tmp_path, capsys):
 
 # ------------------------------------------------------ privacy commands
 def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
-    args = ["tan", "privacy-search", "--dataset-size", "50000", "--batch-size", "1000", "--noise", "3",
-            "--steps", "400", "--accountant", "rdp"]
+    args = [
+        "tan",
+        "privacy-search",
+        "--dataset-size",
+        "50000",
+        "--batch-size",
+        "1000",
+        "--noise",
+        "3",
+        "--steps",
+        "400",
+        "--accountant",
+        "rdp",
+    ]
     assert main([*args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["steps"] for r in rows] == [100, 200, 400, 800, 1600]
@@ -258,14 +318,28 @@ def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
     assert all(eta(r) == pytest.approx(eta(rows[2]), rel=1e-13) for r in rows)
     # ready configs: one per pair the trainer accepts (here: within the config's budget), for the
     # embedded MNIST sample (N = 4000)
-    args = ["tan", "privacy-search", "--dataset-size", "4000", "--batch-size", "200", "--noise", "3",
-            "--steps", "400", "--accountant", "rdp"]
+    args = [
+        "tan",
+        "privacy-search",
+        "--dataset-size",
+        "4000",
+        "--batch-size",
+        "200",
+        "--noise",
+        "3",
+        "--steps",
+        "400",
+        "--accountant",
+        "rdp",
+    ]
     assert main([*args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     budget = rows[2]["epsilon"] + 1e-9
     base_sets = ["--set", "dp.accountant=rdp", "--set", f"dp.epsilon={budget}", "--set", "optim.lr=0.5"]
-    assert main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k", *base_sets,
-                 "--out", str(tmp_path / "pairs")]) == 0
+    assert (
+        main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k", *base_sets, "--out", str(tmp_path / "pairs")])
+        == 0
+    )
     out = capsys.readouterr().out
     written = sorted((tmp_path / "pairs").glob("*.yaml"))
     within = [r for r in rows if r["epsilon"] <= budget]
@@ -276,21 +350,54 @@ def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
     assert config.train.steps == within[0]["steps"] and config.dp.noise_multiplier == 3
     assert config.optim.lr == pytest.approx(base.optim.lr * within[0]["lr_scale"])
     # a --config that describes another run is refused
-    assert main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k",
-                 "--set", "dp.delta=1e-6", "--out", str(tmp_path / "other")]) == 2
+    assert (
+        main(
+            [
+                *args,
+                "--config",
+                "preset:papernot-mnist-tanh",
+                "--set",
+                "data.name=mnist-5k",
+                "--set",
+                "dp.delta=1e-6",
+                "--out",
+                str(tmp_path / "other"),
+            ]
+        )
+        == 2
+    )
     assert "must describe the same run" in capsys.readouterr().err
 
 
 def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
-    assert main(["account", "--dataset-size", "50000", "--batch-size", "500", "--noise", "0.8", "--steps", "1000",
-                 "--accountant", "rdp"]) == 0
+    assert (
+        main(["account", "--dataset-size", "50000", "--batch-size", "500", "--noise", "0.8", "--steps", "1000", "--accountant", "rdp"]) == 0
+    )
     assert "WARNING: privacy wall" in capsys.readouterr().out
-    assert main(["account", "--dataset-size", "50000", "--batch-size", "2500", "--noise", "4", "--steps", "1000",
-                 "--accountant", "rdp", "--json"]) == 0
+    assert (
+        main(
+            [
+                "account",
+                "--dataset-size",
+                "50000",
+                "--batch-size",
+                "2500",
+                "--noise",
+                "4",
+                "--steps",
+                "1000",
+                "--accountant",
+                "rdp",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["wall_warning"] is None
     out = tmp_path / "run"
-    assert main(["train", "--quiet", *_sets(*TINY, "train.steps=3", "dp.epsilon=null", "dp.noise_multiplier=0.7",
-                                             f"run.out_dir={out}")]) == 0
+    assert (
+        main(["train", "--quiet", *_sets(*TINY, "train.steps=3", "dp.epsilon=null", "dp.noise_multiplier=0.7", f"run.out_dir={out}")]) == 0
+    )
     assert "WARNING: privacy wall" in capsys.readouterr().err  # once, when the run starts
     assert "privacy wall" in json.loads((out / "summary.json").read_text())["privacy_warnings"][0]
 
@@ -300,7 +407,29 @@ def test_wall_and_data_size_cli(tmp_path, capsys):
     assert main(["tan", "wall", "--epsilon-tan", "3", "--steps", "1000", "--sigmas", "0.7,4", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "<- wall" in out and png.stat().st_size > 1000
-    assert main(["tan", "data-size", "--dataset-size", "5000", "--batch-size", "4096", "--noise", "3",
-                 "--steps", "2500", "--delta", "1e-4", "--factors", "1,10", "--accountant", "rdp", "--json"]) == 0
+    assert (
+        main(
+            [
+                "tan",
+                "data-size",
+                "--dataset-size",
+                "5000",
+                "--batch-size",
+                "4096",
+                "--noise",
+                "3",
+                "--steps",
+                "2500",
+                "--delta",
+                "1e-4",
+                "--factors",
+                "1,10",
+                "--accountant",
+                "rdp",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert rows[1]["dataset_size"] == 50000 and rows[1]["epsilon"] == pytest.approx(7.1, abs=0.05)

@@ -96,8 +96,18 @@ def test_at_the_example_unit_the_same_removal_moves_the_release_by_more_than_c(t
 
 def test_the_summary_and_header_name_the_unit(tmp_path, capsys):
     data = write_npz(tmp_path / "d.npz")
-    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=npz",
-                f"data.root={data}", "dp.batch_size=4", "dp.epsilon=3", "dp.delta=1e-3", "train.epochs=2", *USER]
+    settings = [
+        f"run.out_dir={tmp_path / 'run'}",
+        "run.seed=0",
+        "model.name=linear",
+        "data.name=npz",
+        f"data.root={data}",
+        "dp.batch_size=4",
+        "dp.epsilon=3",
+        "dp.delta=1e-3",
+        "train.epochs=2",
+        *USER,
+    ]
     trainer = Trainer.create(load_config(None, settings), progress=False, report=True)
     trainer.run()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -190,8 +200,18 @@ def test_an_image_folders_users_csv_names_the_users_in_memory_and_through_auto(t
     assert data.info.num_test % 3 == 0  # users of 3 images, none split
     streamed = materialize(open_stream("imagefolder", root))
     assert streamed.user_ids.tolist() == data.user_ids.tolist()
-    settings = [f"run.out_dir={tmp_path / 'run'}", "run.seed=0", "model.name=linear", "data.name=imagefolder",
-                f"data.root={root}", "dp.batch_size=2", "dp.noise_multiplier=1", "dp.epsilon=null", "train.steps=2", *USER]
+    settings = [
+        f"run.out_dir={tmp_path / 'run'}",
+        "run.seed=0",
+        "model.name=linear",
+        "data.name=imagefolder",
+        f"data.root={root}",
+        "dp.batch_size=2",
+        "dp.noise_multiplier=1",
+        "dp.epsilon=null",
+        "train.steps=2",
+        *USER,
+    ]
     trainer = Trainer.create(load_config(None, settings), progress=False)
     trainer.run()
     assert trainer.built.plan.dataset_size == len(set(data.user_ids.tolist()))
@@ -241,8 +261,7 @@ def test_a_user_level_run_resumes_bit_identically_with_augmult(tmp_path):
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     with pytest.raises(ConfigError, match="privacy unit user"):
-        Trainer.resume(tmp_path / "cut", progress=False, overrides=["data.privacy_unit=example",
-                                                                     "dp.max_examples_per_user=null"])
+        Trainer.resume(tmp_path / "cut", progress=False, overrides=["data.privacy_unit=example", "dp.max_examples_per_user=null"])
 
 
 def test_dpscale_data_prepare_stores_the_users_and_shards_give_them_back(tmp_path):

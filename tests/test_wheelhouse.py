@@ -23,8 +23,10 @@ def test_dpscales_own_wheel_installs_with_no_index(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--find-links",
                     str(tmp_path / "wh"), "--target", str(target), "dpscale"], check=True)  # fmt: skip
-    code = "import dpscale, sys; print(dpscale.__file__); sys.exit(dpscale.cli.main(['account', '--dataset-size', " \
-           "'1000', '--batch-size', '10', '--noise', '1.0', '--steps', '10', '--delta', '1e-5']))"
+    code = (
+        "import dpscale, sys; print(dpscale.__file__); sys.exit(dpscale.cli.main(['account', '--dataset-size', "
+        "'1000', '--batch-size', '10', '--noise', '1.0', '--steps', '10', '--delta', '1e-5']))"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}  # the installed wheel before the editable checkout
     out = subprocess.run([sys.executable, "-c", "import dpscale.cli; " + code], env=env, capture_output=True, text=True,
                          check=True).stdout  # fmt: skip

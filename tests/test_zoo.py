@@ -69,8 +69,9 @@ def test_freezing_k_groups_leaves_exactly_the_rest_trainable():
 
 
 def test_training_with_frozen_groups_updates_and_noises_only_trainable_parameters(tmp_path):
-    cfg = load_config(None, [f"run.out_dir={tmp_path / 'f'}", "run.seed=0", "model.freeze_groups=2",
-                             "train.steps=3", "dp.batch_size=100", "dp.epsilon=2"])
+    cfg = load_config(
+        None, [f"run.out_dir={tmp_path / 'f'}", "run.seed=0", "model.freeze_groups=2", "train.steps=3", "dp.batch_size=100", "dp.epsilon=2"]
+    )
     trainer = Trainer.create(cfg, progress=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     summary = trainer.run()
@@ -172,7 +173,9 @@ def test_nf_resnet50_is_normaliser_free_and_trains_with_bk():
     with torch.no_grad():  # weight standardisation: each output filter has zero mean, unit scale
         conv = small.stem[0]
         w = conv.weight.double()  # the reference in float64: no dependence on the CPU's float32 kernels
-        standardized = (w - w.mean((1, 2, 3), keepdim=True)) / (w.var((1, 2, 3), keepdim=True, unbiased=False) * w[0].numel() + conv.eps).sqrt()
+        standardized = (w - w.mean((1, 2, 3), keepdim=True)) / (
+            w.var((1, 2, 3), keepdim=True, unbiased=False) * w[0].numel() + conv.eps
+        ).sqrt()
         x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
         weight, bias = standardized * conv.gain.double(), conv.bias.double()
         expected = torch.nn.functional.conv2d(x, weight, bias, padding=1)

@@ -16,7 +16,13 @@ from dpscale.privacy.reference import per_example_reference
 
 FLOAT32_RTOL = tolerance_for(torch.float32)
 
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32), "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}
+SMALL_INPUT = {
+    "resnet18-gn": (3, 32, 32),
+    "resnet50-gn": (3, 32, 32),
+    "nf-resnet50": (3, 32, 32),
+    "vit-tiny": (3, 32, 32),
+    "vit-small": (3, 32, 32),
+}
 
 # The every-model tests (here, test_augmult, test_self_check) run these only in the slow suite:
 # they are the dearest cases. Their layer types are checked in the default suite on small models

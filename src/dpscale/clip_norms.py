@@ -72,7 +72,7 @@ def clip_sensitivity(max_grad_norm: MaxGradNorm) -> float | None:
 
 
 def describe_clip(max_grad_norm: MaxGradNorm) -> str:
-    """"C=1", "C per layer {conv*: 0.5, fc*: 1} (sensitivity 1.118)" or, when every group is one
+    """ "C=1", "C per layer {conv*: 0.5, fc*: 1} (sensitivity 1.118)" or, when every group is one
     tensor, "C per tensor {conv1.weight: 0.5, ...} (8 tensors, sensitivity 2.236)" (beyond 12
     tensors, the count at each C), for plans and logs."""
     if not is_per_layer(max_grad_norm):

@@ -481,12 +481,7 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             return value
         raise ConfigError(f"{path} must be true or false, got {value!r}")
     if annotation is int:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or int(value) != value
-        ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return int(value)
     if annotation is float:
@@ -732,8 +727,10 @@ def _check_max_grad_norm_per(dp: DPConfig) -> None:
     except ValueError as err:
         raise ConfigError(f"dp.{err}") from err
     if dp.max_grad_norm_per == "tensor" and dp.clipping == "adaptive":
-        raise ConfigError("adaptive clipping (dp.clipping=adaptive) moves one norm C on the whole gradient; "
-                          "not with dp.max_grad_norm_per=tensor (a bound per tensor): use dp.max_grad_norm_per=group")
+        raise ConfigError(
+            "adaptive clipping (dp.clipping=adaptive) moves one norm C on the whole gradient; "
+            "not with dp.max_grad_norm_per=tensor (a bound per tensor): use dp.max_grad_norm_per=group"
+        )
 
 
 def validate(config: Config) -> None:
@@ -757,8 +754,7 @@ def validate(config: Config) -> None:
         raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")
     if dp.noise_multiplier == 0 and dp.epsilon is not None:
         raise ConfigError(
-            "dp.noise_multiplier=0 is a non-private run and cannot meet dp.epsilon; "
-            "set dp.epsilon=null to train without privacy"
+            "dp.noise_multiplier=0 is a non-private run and cannot meet dp.epsilon; set dp.epsilon=null to train without privacy"
         )
     if not (dp.batch_size >= 1 and math.isfinite(dp.batch_size)):
         raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
@@ -841,7 +837,6 @@ def validate(config: Config) -> None:
         raise ConfigError("eval.augtest votes over augment.multiplicity views: set augment.multiplicity >= 2")
 
 
-
 def _validate_mechanism(dp: DPConfig) -> None:
     """dp.mechanism and BandMF's settings (what needs the data, such as b*q <= 1, is checked with the plan)."""
     if dp.mechanism not in MECHANISMS:
@@ -903,13 +898,17 @@ def _validate_data(config: Config) -> None:
     if data.num_classes is not None and data.num_classes < 2:
         raise ConfigError(f"data.num_classes must be >= 2 (a classifier needs at least two classes), got {data.num_classes}")
     if data.num_classes is not None and (data.classes is not None or data.random_classes or data.meta_classes):
-        raise ConfigError("data.num_classes declares the stored labels; data.classes, random_classes and meta_classes "
-                          "choose classes and relabel them 0..k-1: set one or the other")
+        raise ConfigError(
+            "data.num_classes declares the stored labels; data.classes, random_classes and meta_classes "
+            "choose classes and relabel them 0..k-1: set one or the other"
+        )
     if data.loader == "stream" and data.selects_classes:
         raise ConfigError("class subsets (data.classes, random_classes, meta_classes, max_per_class) need data.loader=memory")
     if data.loader == "stream":
         if data.name not in ("imagefolder", "shards"):
-            raise ConfigError(f"data.loader=stream reads image folders and prepared shards (data.name imagefolder or shards), not {data.name!r}")
+            raise ConfigError(
+                f"data.loader=stream reads image folders and prepared shards (data.name imagefolder or shards), not {data.name!r}"
+            )
         if config.features.extractor is not None or config.features.normalize != "none" or config.features.center:
             raise ConfigError(
                 "data.loader=stream feeds pixels to the model; features.extractor, features.normalize and "
@@ -934,9 +933,7 @@ def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
         or (extractor.startswith("model:") and len(extractor) > 6)
         or (extractor.startswith("checkpoint:") and len(extractor) > 11)
     ):
-        raise ConfigError(
-            f"features.extractor must be null or one of {', '.join(FEATURE_EXTRACTORS)}, got {extractor!r}"
-        )
+        raise ConfigError(f"features.extractor must be null or one of {', '.join(FEATURE_EXTRACTORS)}, got {extractor!r}")
     if features.extractor_public and not (extractor or "").startswith("checkpoint:"):
         # Only a trained run can have spent privacy; anything else declared public is a mistake.
         raise ConfigError(

@@ -76,9 +76,7 @@ def card_path(path: str | Path) -> Path:
     return path.with_name(path.name + CARD_SUFFIX)
 
 
-def export_run(
-    run_dir: str | Path, fmt: str, out: str | Path | None = None, ema: bool = False, allow_partial: bool = False
-) -> Exported:
+def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema: bool = False, allow_partial: bool = False) -> Exported:
     """Write the model of the run in ``run_dir`` as ``fmt`` (safetensors, torchscript, onnx), and its card.
 
     Args:
@@ -196,7 +194,7 @@ def _progress(run_dir: Path) -> tuple[int, int]:
 
 
 def partial_note(metadata: dict[str, Any]) -> str | None:
-    """"partial: step S of T" for an export of a run short of its planned steps, else None.
+    """ "partial: step S of T" for an export of a run short of its planned steps, else None.
 
     Args:
         metadata: an export's metadata.
@@ -233,7 +231,7 @@ def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
 
 
 def _unit_words(privacy: dict[str, Any]) -> str:
-    """" users, at most k images each per step" when N counts users (the card's batch line)."""
+    """ " users, at most k images each per step" when N counts users (the card's batch line)."""
     if privacy.get("privacy_unit") != "user":
         return ""
     return f" users, at most {privacy['max_examples_per_user']} images each per step"
@@ -503,30 +501,30 @@ def model_card(metadata: dict[str, Any], path: Path) -> str:
     caveats = "\n".join(f"- {c}" for c in privacy.get("guarantee_caveats") or []) or "- none"
     partial = partial_note(metadata)
     partial_block = f"\n**{partial}**\n" if partial else ""
-    return f"""# {model['name']} on {data['name']} ({metadata['weights']} weights)
+    return f"""# {model["name"]} on {data["name"]} ({metadata["weights"]} weights)
 
-File: `{path.name}` ({metadata['format']}), the {metadata['weights']} weights at step {metadata['step']} of {metadata['planned_steps']},
-exported by dpscale {metadata['dpscale_version']}. This card describes that file only.
+File: `{path.name}` ({metadata["format"]}), the {metadata["weights"]} weights at step {metadata["step"]} of {metadata["planned_steps"]},
+exported by dpscale {metadata["dpscale_version"]}. This card describes that file only.
 {partial_block}
 ## Model
-- {model['name']}, {model['parameters']:,} parameters, {model['num_classes']} classes, input {metadata['input']['shape']}
-  (float32 images in [0, 1], NCHW; normalisation: {metadata['input']['normalization']}).{_features_line(metadata)}
-- Classes (output i is class i): {_classes_line(metadata['classes'])}
-- Test accuracy {100 * metadata['test_accuracy']:.2f}% on {data['name']}'s test split ({data['test_split']}, {data['num_test']} images).
+- {model["name"]}, {model["parameters"]:,} parameters, {model["num_classes"]} classes, input {metadata["input"]["shape"]}
+  (float32 images in [0, 1], NCHW; normalisation: {metadata["input"]["normalization"]}).{_features_line(metadata)}
+- Classes (output i is class i): {_classes_line(metadata["classes"])}
+- Test accuracy {100 * metadata["test_accuracy"]:.2f}% on {data["name"]}'s test split ({data["test_split"]}, {data["num_test"]} images).
 
 ## Privacy
-- **{privacy['privacy_status']}**
-- (epsilon, delta) = ({privacy['epsilon']}, {privacy['delta']}), {privacy['accountant']} accountant, {privacy['sampling']} sampling, {privacy.get('adjacency', 'add/remove')} adjacency
-  (q = {privacy['sample_rate']}, expected batch {privacy['batch_size']} of N = {privacy['dataset_size']}{_unit_words(privacy)}),
-  noise multiplier {privacy['noise_multiplier']}, clipping norm {privacy['max_grad_norm']} ({privacy['clipping']}),
-  {privacy['steps']} steps, mechanism {privacy['mechanism']}.
-- Who it protects: {privacy.get('protects', 'any one training image')} (privacy unit: {privacy.get('privacy_unit', 'example')}).{_odds_line(privacy)}
-- What the guarantee covers: {privacy.get('guarantee_scope') or 'nothing (not a private run)'}
+- **{privacy["privacy_status"]}**
+- (epsilon, delta) = ({privacy["epsilon"]}, {privacy["delta"]}), {privacy["accountant"]} accountant, {privacy["sampling"]} sampling, {privacy.get("adjacency", "add/remove")} adjacency
+  (q = {privacy["sample_rate"]}, expected batch {privacy["batch_size"]} of N = {privacy["dataset_size"]}{_unit_words(privacy)}),
+  noise multiplier {privacy["noise_multiplier"]}, clipping norm {privacy["max_grad_norm"]} ({privacy["clipping"]}),
+  {privacy["steps"]} steps, mechanism {privacy["mechanism"]}.
+- Who it protects: {privacy.get("protects", "any one training image")} (privacy unit: {privacy.get("privacy_unit", "example")}).{_odds_line(privacy)}
+- What the guarantee covers: {privacy.get("guarantee_scope") or "nothing (not a private run)"}
 - Caveats of this run:
 {caveats}
 
 ## Loading
-{_LOADING[metadata['format']].format(name=path.name)}
+{_LOADING[metadata["format"]].format(name=path.name)}
 """
 
 
@@ -562,10 +560,10 @@ def _features_line(metadata: dict[str, Any]) -> str:
 
 
 _LOADING = {
-    "safetensors": "`model, meta = dpscale.exported.load_exported(\"{name}\")` rebuilds the zoo model (needs dpscale's "
-    "models and safetensors); `dpscale.exported.evaluate_exported(\"{name}\")` gives its test accuracy.",
-    "torchscript": "`torch.jit.load(\"{name}\")` (torch alone); the metadata: "
-    "`torch.jit.load(\"{name}\", _extra_files={{\"dpscale.json\": \"\"}})` or `dpscale.exported.read_metadata`.",
-    "onnx": "`onnxruntime.InferenceSession(\"{name}\")`, input `images`, output `logits`; the metadata is the "
+    "safetensors": '`model, meta = dpscale.exported.load_exported("{name}")` rebuilds the zoo model (needs dpscale\'s '
+    'models and safetensors); `dpscale.exported.evaluate_exported("{name}")` gives its test accuracy.',
+    "torchscript": '`torch.jit.load("{name}")` (torch alone); the metadata: '
+    '`torch.jit.load("{name}", _extra_files={{"dpscale.json": ""}})` or `dpscale.exported.read_metadata`.',
+    "onnx": '`onnxruntime.InferenceSession("{name}")`, input `images`, output `logits`; the metadata is the '
     "model's `metadata_props` entry `dpscale` (`dpscale.exported.read_metadata`).",
 }

@@ -71,9 +71,7 @@ class ScatterNetFeatures(nn.Module):
         super().__init__()
         from dpscale.features.scatternet import ScatterNet
 
-        self.scatter = ScatterNet(
-            tuple(spec["image_shape"]), J=spec["J"], L=spec["L"], max_order=spec["max_order"], pad=spec["pad"]
-        )
+        self.scatter = ScatterNet(tuple(spec["image_shape"]), J=spec["J"], L=spec["L"], max_order=spec["max_order"], pad=spec["pad"])
         self.kind, self.groups = spec["normalize"], spec["groups"]
         if self.kind == "datanorm":  # kept in their own dtype: the same arithmetic as the run's
             self.register_buffer("norm_mean", mean.clone())
@@ -151,8 +149,7 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
 def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000) -> float:
     """Top-1 accuracy (fraction) of an exported model on images in [0, 1] (the run's evaluation batch size)."""
     correct = sum(
-        int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
-        for i in range(0, len(images), batch_size)
+        int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum()) for i in range(0, len(images), batch_size)
     )
     return correct / len(images)
 

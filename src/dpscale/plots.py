@@ -137,9 +137,7 @@ def _epsilon_delta(run_dirs: Sequence[Path], path: Path) -> None:
     _save(fig, path)
 
 
-def plot_runs(
-    run_dirs: Sequence[str | Path], out_dir: str | Path, on_written: Callable[[Path], None] | None = None
-) -> list[Path]:
+def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, on_written: Callable[[Path], None] | None = None) -> list[Path]:
     """Draw ``PLOT_NAMES`` for ``run_dirs`` (overlaid) into ``out_dir``, created owner-only if missing.
 
     Args:

@@ -148,9 +148,7 @@ class DPRandom:
         self._bit_generator = np.random.PCG64DXSM(np.random.SeedSequence(int(seed)))
         self._rng = np.random.Generator(self._bit_generator)
 
-    def normal(
-        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu"
-    ) -> torch.Tensor:
+    def normal(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.Tensor:
         """Independent standard normals.
 
         Drawn on the host in float32 (for float32, bfloat16, float16) or float64 (for float64),
@@ -216,7 +214,9 @@ class DPRandom:
             ValueError: if ``state`` is not a DPRandom state (e.g. a torch generator's ByteTensor).
         """
         if isinstance(state, dict) and state.get("bit_generator") == SECURE_SOURCE:
-            raise ValueError("this checkpoint's noise came from dp.secure_noise (it holds no state to continue); resume it with dp.secure_noise")
+            raise ValueError(
+                "this checkpoint's noise came from dp.secure_noise (it holds no state to continue); resume it with dp.secure_noise"
+            )
         if not is_dprandom_state(state):
             raise ValueError(f"not a {BIT_GENERATOR} DPRandom state: {type(state).__name__}")
         self._bit_generator.state = copy.deepcopy(state)
@@ -267,9 +267,7 @@ class SecureRandom(DPRandom):
     def __init__(self) -> None:  # no seed: nothing to record
         pass
 
-    def normal(
-        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu"
-    ) -> torch.Tensor:
+    def normal(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.Tensor:
         """Independent standard normals from the OS CSPRNG (see ``DPRandom.normal`` for the arguments)."""
         if dtype not in _HOST_DTYPE:
             raise TypeError(f"SecureRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}")

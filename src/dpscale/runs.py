@@ -135,8 +135,7 @@ def read_run(run_dir: str | Path) -> tuple[Config, dict[str, Any]]:
     except DamagedFileError as err:
         if (run_dir / PREVIOUS_CHECKPOINT_NAME).is_file():
             raise DamagedFileError(
-                f"{err}; the previous checkpoint {PREVIOUS_CHECKPOINT_NAME} is kept: "
-                f"`dpscale train --resume {run_dir}` continues from it"
+                f"{err}; the previous checkpoint {PREVIOUS_CHECKPOINT_NAME} is kept: `dpscale train --resume {run_dir}` continues from it"
             ) from err
         raise
 

@@ -102,7 +102,8 @@ def verdict_for(eps_lower_bound: float, epsilon: float, confidence: float, ceili
         )
     weak = (
         f"; this audit could show at most {ceiling:.3g} (its canaries and delta), so it cannot refute {epsilon:.3g}"
-        if ceiling <= epsilon else ""
+        if ceiling <= epsilon
+        else ""
     )
     return True, (
         f"PASS: no violation found (epsilon >= {eps_lower_bound:.3g} at {100 * confidence:g}% confidence, claimed "
@@ -186,9 +187,7 @@ def run_audit(
     return result
 
 
-def check_audit_request(
-    config: Config, *, canaries: int, confidence: float, rules: Sequence[tuple[int, int]] | None
-) -> None:
+def check_audit_request(config: Config, *, canaries: int, confidence: float, rules: Sequence[tuple[int, int]] | None) -> None:
     """Refuse, before anything trains, what an audit cannot do or measure."""
     problems = audit_config_problems(config)
     if not is_private_config(config.dp):

@@ -16,31 +16,47 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
     step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
     step.add_argument(
-        "--engines", default="",
+        "--engines",
+        default="",
         help="comma list; default: all (nonprivate, dpscale-*, opacus-*); a -kK suffix (dpscale-auto-k4, "
         "nonprivate-k4) trains on K crop-flip views per example (augmentation multiplicity)",
     )
     step.add_argument("--repeats", type=int, default=10)
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--device", default="cpu")
-    step.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                      help="forward/backward precision of every row (docs/precision.md)")
-    step.add_argument("--batch-size", type=int, default=None,
-                      help="for every model (default: a per-model size, larger on cuda)")
+    step.add_argument("--precision", default="fp32", choices=PRECISIONS, help="forward/backward precision of every row (docs/precision.md)")
+    step.add_argument("--batch-size", type=int, default=None, help="for every model (default: a per-model size, larger on cuda)")
     step.add_argument("--threads", type=int, default=None)
-    step.add_argument("--clock", choices=BENCH_CLOCKS, default="wall",
-                      help="wall: synchronised wall clock; thread: this thread's CPU time with one torch thread "
-                      "(CPU only: what a loaded shared machine does not inflate)")
-    step.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
-                      help="bandmf: time a BandMF twin (-bandmfB) next to each dpscale engine (its extra cost)")
+    step.add_argument(
+        "--clock",
+        choices=BENCH_CLOCKS,
+        default="wall",
+        help="wall: synchronised wall clock; thread: this thread's CPU time with one torch thread "
+        "(CPU only: what a loaded shared machine does not inflate)",
+    )
+    step.add_argument(
+        "--mechanism",
+        choices=MECHANISMS,
+        default="dpsgd",
+        help="bandmf: time a BandMF twin (-bandmfB) next to each dpscale engine (its extra cost)",
+    )
     step.add_argument("--bands", type=int, default=8, help="b of the BandMF rows (default 8)")
-    step.add_argument("--peft", choices=[m for m in PEFT_METHODS if m != "none"], default=None,
-                      help="also time a parameter-efficient twin (-lora, -bitfit, -last_groups) of each dpscale engine "
-                      "row: the same model with only the adapters (and the logits layer) trained")
+    step.add_argument(
+        "--peft",
+        choices=[m for m in PEFT_METHODS if m != "none"],
+        default=None,
+        help="also time a parameter-efficient twin (-lora, -bitfit, -last_groups) of each dpscale engine "
+        "row: the same model with only the adapters (and the logits layer) trained",
+    )
     step.add_argument("--lora-rank", type=int, default=8, help="r of the LoRA rows (default 8)")
-    step.add_argument("--user-rows", type=int, default=None, metavar="K",
-                      help="also time a user-level twin (-userK) of each dpscale engine row: the same B images as B/K "
-                      "users of K images, each user's summed gradient clipped as one (data.privacy_unit=user)")
+    step.add_argument(
+        "--user-rows",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also time a user-level twin (-userK) of each dpscale engine row: the same B images as B/K "
+        "users of K images, each user's summed gradient clipped as one (data.privacy_unit=user)",
+    )
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
     step.set_defaults(func=_run_step_time)
@@ -53,15 +69,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
-    suite = kinds.add_parser("gpu-suite", help="the device acceptance suite: engines vs the float64 loop, 16-bit clip "
-                             "bounds, make_private on the device = on the CPU, step time, the training loop; one markdown report")
+    suite = kinds.add_parser(
+        "gpu-suite",
+        help="the device acceptance suite: engines vs the float64 loop, 16-bit clip "
+        "bounds, make_private on the device = on the CPU, step time, the training loop; one markdown report",
+    )
     suite.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     suite.add_argument("--models", default=None, help="comma list (default: every registered model; --quick: two)")
     suite.add_argument("--batch", type=int, default=8, help="examples per model in the checks")
     suite.add_argument("--quick", action="store_true", help="tiny sizes: the CPU form the test suite runs")
     suite.add_argument("--out", default=None, metavar="PATH", help="also write the report here")
-    suite.add_argument("--data-root", default=None, metavar="DIR",
-                       help="Fashion-MNIST: section 5 trains the whole dpscale-fmnist-cnn preset on it")
+    suite.add_argument(
+        "--data-root", default=None, metavar="DIR", help="Fashion-MNIST: section 5 trains the whole dpscale-fmnist-cnn preset on it"
+    )
     suite.set_defaults(func=_run_gpu_suite)
     data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
     add_data_arguments(data)

@@ -82,5 +82,3 @@ def main(args: argparse.Namespace) -> int:
             print(f"| {kind} {root} | {workers} | {row['images_per_s']:.0f} | {100 * row['wait_fraction']:.1f}% | "
                   f"{row['seconds']:.1f} |", flush=True)  # fmt: skip
     return 0
-
-

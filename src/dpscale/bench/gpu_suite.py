@@ -158,8 +158,11 @@ def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int 
              f"per model, models: {', '.join(models)}; {time.strftime('%Y-%m-%d %H:%M')}"]  # fmt: skip
     lines += _section("1. Engines against the float64 per-example loop (float32 on the device)", ENGINE_HEADER,
                       lambda: [row for name in models for row in engine_rows(name, dev, batch)])  # fmt: skip
-    lines += _section("2. The clip bound in 16-bit", ["| model | precision | engine | max one-example released norm | |",
-                      "|---|---|---|---|---|"], lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)])
+    lines += _section(
+        "2. The clip bound in 16-bit",
+        ["| model | precision | engine | max one-example released norm | |", "|---|---|---|---|---|"],
+        lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)],
+    )
     lines += _section("3. make_private on the device = the same seed on the CPU", ["| case | released gradient rel. difference | |",
                       "|---|---|---|"], lambda: mechanism_rows(dev))  # fmt: skip
     lines += _step_time_section(dev, models, quick)

@@ -153,13 +153,13 @@ def _dpscale_step(
 
 
 def peft_of(engine: str) -> tuple[str, str]:
-    """"dpscale-auto-lora" -> ("dpscale-auto", "lora"): a PEFT suffix (``--peft``); "none" without one."""
+    """ "dpscale-auto-lora" -> ("dpscale-auto", "lora"): a PEFT suffix (``--peft``); "none" without one."""
     head, _, last = engine.rpartition("-")
     return (head, last) if head and last in PEFT_METHODS and last != "none" else (engine, "none")
 
 
 def user_rows_of(engine: str) -> tuple[str, int]:
-    """"dpscale-bk-user4" -> ("dpscale-bk", 4): a "-userK" suffix times users of K images (0 without one)."""
+    """ "dpscale-bk-user4" -> ("dpscale-bk", 4): a "-userK" suffix times users of K images (0 without one)."""
     head, _, last = engine.rpartition("-")
     if head and last.startswith("user") and last[4:].isdigit() and int(last[4:]) >= 1:
         return head, int(last[4:])
@@ -167,7 +167,7 @@ def user_rows_of(engine: str) -> tuple[str, int]:
 
 
 def _parse_engine(engine: str) -> tuple[str, str, int, int]:
-    """"dpscale-auto-k4-bandmf8" -> ("dpscale", "auto", 4, 8): a "-kK" suffix asks for K augmented
+    """ "dpscale-auto-k4-bandmf8" -> ("dpscale", "auto", 4, 8): a "-kK" suffix asks for K augmented
     views, a "-bandmfB" suffix for BandMF's correlated noise with B bands (1: DP-SGD); a PEFT
     suffix (``peft_of``) and a "-userK" suffix (``user_rows_of``) are read apart."""
     views, bands = 1, 1
@@ -216,8 +216,14 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precisi
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         made = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA,
-            max_grad_norm=CLIP, poisson_sampling=False, grad_sample_mode=mode, criterion=nn.CrossEntropyLoss(),
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=SIGMA,
+            max_grad_norm=CLIP,
+            poisson_sampling=False,
+            grad_sample_mode=mode,
+            criterion=nn.CrossEntropyLoss(),
         )
     if mode == "ghost":
         private_model, private_optimizer, criterion, _ = made
@@ -254,9 +260,7 @@ def _peak_memory_mb(timed: TimedStep, device: torch.device) -> float:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted(
-        (e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start
-    )
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start)
     live = peak = 0
     for event in events:
         if event.cpu_children:  # count each allocation once, at the innermost op
@@ -272,9 +276,16 @@ def _sync(device: torch.device) -> None:
 
 
 def run_step_time(
-    models: list[str], engines: list[str], repeats: int = 10, warmup: int = 3, device: str = "cpu",
+    models: list[str],
+    engines: list[str],
+    repeats: int = 10,
+    warmup: int = 3,
+    device: str = "cpu",
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-    precision: str = "fp32", batch_size: int | None = None, lora_rank: int = 8, clock: str = "wall",
+    precision: str = "fp32",
+    batch_size: int | None = None,
+    lora_rank: int = 8,
+    clock: str = "wall",
 ) -> list[Row]:
     """Measure every (model, engine); returns rows (engines that cannot run are skipped with a log line).
 
@@ -329,8 +340,14 @@ NOISE_TOLERANCE = 0.05  # bk and auto running the same engine must agree within 
 
 
 def _measure(
-    label: str, batch: int, steps: dict[str, TimedStep], repeats: int, warmup: int, dev: torch.device,
-    log: Callable[[str], None], clock: str = "wall",
+    label: str,
+    batch: int,
+    steps: dict[str, TimedStep],
+    repeats: int,
+    warmup: int,
+    dev: torch.device,
+    log: Callable[[str], None],
+    clock: str = "wall",
 ) -> list[Row]:
     """Warm up, time the steps interleaved, then measure each one's peak memory.
 
@@ -366,7 +383,7 @@ def noisy_rows(rows: list[Row], tolerance: float = NOISE_TOLERANCE) -> list[str]
     for r in rows:
         if not r.engine.startswith("dpscale-bk"):
             continue
-        auto = by_key.get((r.model, r.batch_size, "dpscale-auto" + r.engine[len("dpscale-bk"):]))
+        auto = by_key.get((r.model, r.batch_size, "dpscale-auto" + r.engine[len("dpscale-bk") :]))
         if auto is None or auto.resolved != r.resolved or not r.resolved:
             continue
         gap = abs(auto.median_ms - r.median_ms) / min(auto.median_ms, r.median_ms)
@@ -417,8 +434,10 @@ def markdown_table(
         f"- command: `{command}`",
         f"- machine: {machine}, {threads} torch threads, torch {torch.__version__}, Python {platform.python_version()}",
         f"- date: {time.strftime('%Y-%m-%d')}; precision: {precision}; clock: {clock_words}{load_words}",
-        *(f"- **NOISY**: {line}: rerun {'with more --repeats' if clock == 'thread' else 'on an idle machine, or with --clock thread'}"
-          for line in noisy),
+        *(
+            f"- **NOISY**: {line}: rerun {'with more --repeats' if clock == 'thread' else 'on an idle machine, or with --clock thread'}"
+            for line in noisy
+        ),
         "- median ms per optimizer step over interleaved repeats after warm-up; ratio to the non-private",
         "  step of the same model and batch measured in the same process; peak = extra tensor memory",
         "  during one step (see `src/dpscale/bench/step_time.py`).",
@@ -448,8 +467,15 @@ def main(args) -> int:
     _set_threads(args)
     load_before = _load_average()
     rows = run_step_time(
-        models, engines, repeats=args.repeats, warmup=args.warmup, device=args.device,
-        precision=args.precision, batch_size=args.batch_size, lora_rank=args.lora_rank, clock=args.clock,
+        models,
+        engines,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        device=args.device,
+        precision=args.precision,
+        batch_size=args.batch_size,
+        lora_rank=args.lora_rank,
+        clock=args.clock,
     )
     load = (load_before, _load_average())
     if args.json:

@@ -122,18 +122,19 @@ def _check_cap_args(args: argparse.Namespace) -> None:
         return
     if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
         raise ConfigError(f"--max-batch-size must be a positive integer or auto, got {cap!r}")
-    refused = [(args.accountant == "rdp", "--accountant rdp (dp_accounting accounts truncated Poisson with PLD only)"),
-               (args.mechanism == "bandmf", "--mechanism bandmf"), (args.unit == "user", "--unit user"),
-               (args.group_size is not None, "--group-size"),
-               (args.target_epsilon is not None, "--target-epsilon (calibration under a cap is not built: give --noise)")]
+    refused = [
+        (args.accountant == "rdp", "--accountant rdp (dp_accounting accounts truncated Poisson with PLD only)"),
+        (args.mechanism == "bandmf", "--mechanism bandmf"),
+        (args.unit == "user", "--unit user"),
+        (args.group_size is not None, "--group-size"),
+        (args.target_epsilon is not None, "--target-epsilon (calibration under a cap is not built: give --noise)"),
+    ]
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--max-batch-size is not accounted with {what}")
 
 
-def _cap_fields(
-    args: argparse.Namespace, sigma: float, steps: int, releases: tuple, uncapped: dict[str, Any]
-) -> dict[str, Any]:
+def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, uncapped: dict[str, Any]) -> dict[str, Any]:
     """A batch cap's accounting (``truncated_poisson_epsilon``; ``auto``: ``smallest_free_cap``):
     the capped epsilon replaces the Poisson one, which is kept beside it, and the odds follow it."""
     from dpscale.privacy.accountant import smallest_free_cap, truncated_poisson_epsilon
@@ -143,8 +144,11 @@ def _cap_fields(
     plan = {"dataset_size": args.dataset_size, "batch_size": args.batch_size, "noise_multiplier": sigma,
             "steps": steps, "delta": args.delta, "releases": releases}  # fmt: skip
     with refusals_as_config_errors():
-        capped = smallest_free_cap(**plan) if args.max_batch_size == "auto" else truncated_poisson_epsilon(
-            **plan, max_batch_size=int(args.max_batch_size))
+        capped = (
+            smallest_free_cap(**plan)
+            if args.max_batch_size == "auto"
+            else truncated_poisson_epsilon(**plan, max_batch_size=int(args.max_batch_size))
+        )
     odds = profile_odds(capped.profile, "pld")
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
@@ -279,9 +283,7 @@ def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
     }
 
 
-def _group_fields(
-    args: argparse.Namespace, sigma: float, steps: int, releases: tuple, epsilon: float
-) -> dict[str, Any]:
+def _group_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, epsilon: float) -> dict[str, Any]:
     """What an example-level run promises a person with k = --group-size images (group privacy):
     (k eps, delta_k) straight from (eps, delta), and the smallest k eps(delta') whose delta_k is --delta."""
     from dpscale.privacy.accountant import PLD_MIN_DELTA, history_accountant
@@ -336,8 +338,10 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     if result.get("max_batch_size"):
         how = "the smallest cap within 1% of uncapped Poisson" if result["max_batch_size_auto"] else "the cap given"
         cost = 100 * (result["epsilon"] / result["poisson_epsilon"] - 1)
-        print(f"  batches capped at {result['max_batch_size']} ({how}; truncated Poisson, dp_accounting's "
-              f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs +{cost:.1f}%")
+        print(
+            f"  batches capped at {result['max_batch_size']} ({how}; truncated Poisson, dp_accounting's "
+            f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs +{cost:.1f}%"
+        )
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
     alone = " (DP-SGD steps alone)" if with_releases else ""
     alone += "" if result["sampling"] == "poisson" else " (of Poisson sampling: no estimate of this sampling)"
@@ -402,32 +406,51 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="pld")
     acc.add_argument("--target-epsilon", type=float, help="calibrate sigma (or steps, given --noise) to this")
     acc.add_argument(
-        "--data-norm-noise", type=float, metavar="SIGMA_NORM",
+        "--data-norm-noise",
+        type=float,
+        metavar="SIGMA_NORM",
         help="compose with private Data Normalization (two Gaussian sums, Tramer Algorithm 2) at this noise",
     )
     acc.add_argument(
-        "--feature-mean-noise", type=float, metavar="SIGMA_CENTER",
+        "--feature-mean-noise",
+        type=float,
+        metavar="SIGMA_CENTER",
         help="compose with private centring (one Gaussian sum: features.center) at this noise",
     )
-    acc.add_argument("--mechanism", choices=MECHANISMS, default="dpsgd",
-                     help="dpsgd, or bandmf (banded matrix factorization, amplified: docs/correlated_noise.md)")
+    acc.add_argument(
+        "--mechanism",
+        choices=MECHANISMS,
+        default="dpsgd",
+        help="dpsgd, or bandmf (banded matrix factorization, amplified: docs/correlated_noise.md)",
+    )
     acc.add_argument("--bands", default="auto", help="BandMF's b, or auto (least expected error x sigma)")
     acc.add_argument("--max-bands", type=int, default=DEFAULT_MAX_BANDS, help="the largest b that auto tries")
     acc.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of the workload BandMF optimises for")
     acc.add_argument(
-        "--unit", choices=("example", "user"), default="example",
+        "--unit",
+        choices=("example", "user"),
+        default="example",
         help="privacy unit: example (one image), or user (one person: --dataset-size and --batch-size count people)",
     )
     acc.add_argument("--examples-per-user", type=int, metavar="K", help="--unit user: images per person (recorded)")
     acc.add_argument(
-        "--group-size", type=int, metavar="K",
+        "--group-size",
+        type=int,
+        metavar="K",
         help="also print what this example-level guarantee promises a person with K images (group privacy)",
     )
-    acc.add_argument("--max-batch-size", default=None, metavar="M|auto",
-                     help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap within 1%% "
-                     "of the uncapped epsilon")
-    acc.add_argument("--sampling", choices=SAMPLING_MODES, default="poisson",
-                     help="poisson (default); fixed: B distinct examples each step (RDP, replace-one adjacency); "
-                     "shuffle: a permutation per epoch, accounted without amplification")
+    acc.add_argument(
+        "--max-batch-size",
+        default=None,
+        metavar="M|auto",
+        help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap within 1%% of the uncapped epsilon",
+    )
+    acc.add_argument(
+        "--sampling",
+        choices=SAMPLING_MODES,
+        default="poisson",
+        help="poisson (default); fixed: B distinct examples each step (RDP, replace-one adjacency); "
+        "shuffle: a permutation per epoch, accounted without amplification",
+    )
     acc.add_argument("--json", action="store_true")
     acc.set_defaults(func=_cmd_account)

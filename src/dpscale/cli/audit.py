@@ -55,7 +55,9 @@ def add_audit_parser(sub: argparse._SubParsersAction) -> None:
     audit.add_argument("config", nargs="?", help="YAML config file, or preset:NAME (default: the embedded MNIST run)")
     audit.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, as for train")
     audit.add_argument("--canaries", type=int, default=DEFAULT_CANARIES, metavar="M", help="canaries, each included with probability 1/2")
-    audit.add_argument("--kind", choices=AUDIT_KINDS, default="gradient", help="gradient: white-box Dirac canaries; input: mislabelled images")
+    audit.add_argument(
+        "--kind", choices=AUDIT_KINDS, default="gradient", help="gradient: white-box Dirac canaries; input: mislabelled images"
+    )
     audit.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE, help="of the lower bound")
     audit.add_argument("--guesses", metavar="K_IN,K_OUT", help="one guessing rule (default: the best of several, union-bounded)")
     audit.add_argument("--audit-seed", type=int, help="seed of membership and canaries (default: run.seed, else fresh)")

@@ -38,9 +38,7 @@ def _cmd_tan_simulate(args: argparse.Namespace) -> int:
     overrides = [*args.set, f"dp.simulated_batch_size={args.batch_size}"]
     config = load_config(args.config, overrides)
     if not args.batch_size < config.dp.batch_size:
-        raise ConfigError(
-            f"--batch-size {args.batch_size} must be smaller than the reference run's dp.batch_size={config.dp.batch_size}"
-        )
+        raise ConfigError(f"--batch-size {args.batch_size} must be smaller than the reference run's dp.batch_size={config.dp.batch_size}")
     if args.dry_run:
         return _print_simulation_plan(config)
     if config.run.out_dir is None:
@@ -64,11 +62,15 @@ def _print_simulation_plan(config: Config) -> int:
     inputs = plan_inputs(config, log=_log)  # N, steps and releases exactly as the Trainer finds them
     plan, steps = plan_for(config, inputs), inputs.steps
     sim = plan.simulation
-    print(f"reference run:  B={sim.batch_size:g}, sigma={sim.noise_multiplier:.6g}, S={steps}, "
-          f"epsilon={sim.epsilon:.4f} at delta={plan.delta:g} ({plan.accountant})")
-    print(f"simulated run:  B={plan.batch_size:g}, sigma={plan.noise_multiplier:.6g}, S={steps} "
-          f"(q/sigma={plan.sample_rate / plan.noise_multiplier:.6g}, eps_TAN={plan.eps_tan:.4f}), "
-          f"{sim.compute_fraction:.3g}x the reference's compute")
+    print(
+        f"reference run:  B={sim.batch_size:g}, sigma={sim.noise_multiplier:.6g}, S={steps}, "
+        f"epsilon={sim.epsilon:.4f} at delta={plan.delta:g} ({plan.accountant})"
+    )
+    print(
+        f"simulated run:  B={plan.batch_size:g}, sigma={plan.noise_multiplier:.6g}, S={steps} "
+        f"(q/sigma={plan.sample_rate / plan.noise_multiplier:.6g}, eps_TAN={plan.eps_tan:.4f}), "
+        f"{sim.compute_fraction:.3g}x the reference's compute"
+    )
     for note in plan.caveats():
         print(f"WARNING: {note}")
     return 0
@@ -130,28 +132,34 @@ def _print_fit(result: Any, out_json: Path, plot_path: Path | None) -> None:
     fit, pred = result.fit, result.prediction
     pct = lambda v: f"{100 * v:.2f}" if "accuracy" in result.metric else f"{v:.4g}"  # noqa: E731
     unit = " points" if "accuracy" in result.metric else ""
-    print(f"TAN batch scaling law on {fit.points} runs at {fit.distinct_batch_sizes} batch sizes "
-          f"(S={result.steps}, eta_step=q/sigma={result.eta_step:.5g}):")
+    print(
+        f"TAN batch scaling law on {fit.points} runs at {fit.distinct_batch_sizes} batch sizes "
+        f"(S={result.steps}, eta_step=q/sigma={result.eta_step:.5g}):"
+    )
     print(f"  {result.metric} = {pct(fit.intercept)} + ({pct(fit.slope)}{unit}) x log2(B)")
     if math.isfinite(fit.residual_std):
         lo, hi = fit.slope_interval
-        print(f"  slope per doubling of B: {pct(fit.slope)}{unit}, {100 * fit.confidence:g}% CI [{pct(lo)}, {pct(hi)}], "
-              f"residual std {pct(fit.residual_std)}")
+        print(
+            f"  slope per doubling of B: {pct(fit.slope)}{unit}, {100 * fit.confidence:g}% CI [{pct(lo)}, {pct(hi)}], "
+            f"residual std {pct(fit.residual_std)}"
+        )
     else:
         print("  (two points: no residual degrees of freedom, no confidence interval)")
     ci, pi = pred.confidence_interval, pred.prediction_interval
     ref_eps = f", epsilon={result.reference_epsilon:.4g}" if result.reference_epsilon is not None else ""
-    print(f"  prediction at B_ref={result.reference_batch_size:g} (sigma={result.reference_noise_multiplier:.4g}"
-          f"{ref_eps}): {pct(pred.value)}")
+    print(
+        f"  prediction at B_ref={result.reference_batch_size:g} (sigma={result.reference_noise_multiplier:.4g}{ref_eps}): {pct(pred.value)}"
+    )
     if math.isfinite(fit.residual_std):
-        print(f"    {100 * fit.confidence:g}% CI for the mean [{pct(ci[0])}, {pct(ci[1])}]; "
-              f"for one run [{pct(pi[0])}, {pct(pi[1])}]")
+        print(f"    {100 * fit.confidence:g}% CI for the mean [{pct(ci[0])}, {pct(ci[1])}]; for one run [{pct(pi[0])}, {pct(pi[1])}]")
     if result.reference_points:
         measured = result.measured_reference
         inside = pi[0] <= measured <= pi[1] if math.isfinite(fit.residual_std) else None
         where = "" if inside is None else (" (inside the prediction interval)" if inside else " (OUTSIDE the prediction interval)")
-        print(f"  measured at B_ref ({len(result.reference_points)} run(s)): {pct(measured)}; "
-              f"error measured - predicted = {pct(result.error)}{unit}{where}")
+        print(
+            f"  measured at B_ref ({len(result.reference_points)} run(s)): {pct(measured)}; "
+            f"error measured - predicted = {pct(result.error)}{unit}{where}"
+        )
     print(f"wrote {out_json}" + (f" and {plot_path}" if plot_path else ""))
     print(f"NOTE: {TUNING_CAVEAT}. The simulated runs carry no privacy guarantee at the reference epsilon.")
 
@@ -167,33 +175,44 @@ def _cmd_tan_privacy_search(args: argparse.Namespace) -> int:
         )
     written, skipped = _write_pair_configs(args, rows) if args.config else ({}, {})
     if args.json:
-        print(json.dumps([
-            {
-                "batch_size": r.batch_size, "steps": r.steps, "noise_multiplier": r.noise_multiplier,
-                "epsilon": r.epsilon, "eps_tan": r.eps_tan, "lr_scale": r.lr_scale,
-                **({"config": written.get(r.steps)} if args.config else {}),
-            }
-            for r in rows
-        ]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "batch_size": r.batch_size,
+                        "steps": r.steps,
+                        "noise_multiplier": r.noise_multiplier,
+                        "epsilon": r.epsilon,
+                        "eps_tan": r.eps_tan,
+                        "lr_scale": r.lr_scale,
+                        **({"config": written.get(r.steps)} if args.config else {}),
+                    }
+                    for r in rows
+                ]
+            )
+        )
         return 0
     _print_pairs(args, rows, written, skipped)
     return 0
 
 
 def _print_pairs(args: argparse.Namespace, rows: list, written: dict[int, str], skipped: dict[int, str]) -> None:
-    print(f"(B, S) pairs at sigma={args.noise:g} and constant eta (TAN Section 4.3), N={args.dataset_size}, "
-          f"delta={args.delta:g}, {args.accountant} accountant:")
+    print(
+        f"(B, S) pairs at sigma={args.noise:g} and constant eta (TAN Section 4.3), N={args.dataset_size}, "
+        f"delta={args.delta:g}, {args.accountant} accountant:"
+    )
     print(f"{'S':>9} {'B':>11} {'epsilon':>9} {'eps_TAN':>9} {'lr scale':>9}" + ("  lr" if args.lr else ""))
     for r in rows:
         lr = f"  {args.lr * r.lr_scale:.4g}" if args.lr else ""
         print(f"{r.steps:>9} {r.batch_size:>11.2f} {r.epsilon:>9.4f} {r.eps_tan:>9.4f} {r.lr_scale:>9.4g}{lr}")
-    print("B is the expected batch size of Poisson sampling; a fractional B keeps eta exact. "
-          "TAN scales the learning rate inversely to S.")
+    print("B is the expected batch size of Poisson sampling; a fractional B keeps eta exact. TAN scales the learning rate inversely to S.")
     for r in rows:
         if not args.config:
             lr = f" --set optim.lr={args.lr * r.lr_scale:.6g}" if args.lr else ""
-            print(f"  S={r.steps}: --set dp.batch_size={r.batch_size:.10g} --set train.steps={r.steps} "
-                  f"--set dp.noise_multiplier={r.noise_multiplier:g}{lr}")
+            print(
+                f"  S={r.steps}: --set dp.batch_size={r.batch_size:.10g} --set train.steps={r.steps} "
+                f"--set dp.noise_multiplier={r.noise_multiplier:g}{lr}"
+            )
         elif r.steps in written:
             print(f"  S={r.steps}: {written[r.steps]}")
         else:
@@ -277,11 +296,21 @@ def _cmd_tan_wall(args: argparse.Namespace) -> int:
 
         plot_path = plot_wall(rows, args.plot)
     if args.json:
-        print(json.dumps([
-            {"noise_multiplier": r.noise_multiplier, "steps": r.steps, "sample_rate": r.sample_rate,
-             "epsilon": r.epsilon, "eps_tan": r.eps_tan, "ratio": r.ratio}
-            for r in rows
-        ]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "noise_multiplier": r.noise_multiplier,
+                        "steps": r.steps,
+                        "sample_rate": r.sample_rate,
+                        "epsilon": r.epsilon,
+                        "eps_tan": r.eps_tan,
+                        "ratio": r.ratio,
+                    }
+                    for r in rows
+                ]
+            )
+        )
         return 0
     _print_wall(args, eta, rows, plot_path)
     return 0
@@ -304,8 +333,10 @@ def _wall_eta(args: argparse.Namespace) -> float:
 def _print_wall(args: argparse.Namespace, eta: float, rows: list, plot_path: Path | None) -> None:
     from dpscale.privacy.tan import privacy_wall_warning
 
-    print(f"epsilon vs sigma at constant eta={eta:.5g} (eps_TAN={rows[0].eps_tan if rows else float('nan'):.4f}), "
-          f"delta={args.delta:g}, {args.accountant} accountant; q = sqrt(2) sigma eta / sqrt(S):")
+    print(
+        f"epsilon vs sigma at constant eta={eta:.5g} (eps_TAN={rows[0].eps_tan if rows else float('nan'):.4f}), "
+        f"delta={args.delta:g}, {args.accountant} accountant; q = sqrt(2) sigma eta / sqrt(S):"
+    )
     print(f"{'S':>8} {'sigma':>7} {'q':>10} {'epsilon':>10} {'eps/eps_TAN':>12}")
     for r in rows:
         flag = "  <- wall" if privacy_wall_warning(r.epsilon, r.noise_multiplier, r.eps_tan) else ""
@@ -321,21 +352,33 @@ def _cmd_tan_data_size(args: argparse.Namespace) -> int:
     _check_privacy_args(args.dataset_size, args.batch_size, args.noise, args.steps, args.delta)
     with refusals_as_config_errors():  # a factor <= 0, or a delta / factor outside (0, 1)
         rows = data_size_table(
-            args.dataset_size, args.batch_size, args.noise, args.steps, args.delta, args.factors,
-            args.accountant, scale_delta=not args.keep_delta,
+            args.dataset_size,
+            args.batch_size,
+            args.noise,
+            args.steps,
+            args.delta,
+            args.factors,
+            args.accountant,
+            scale_delta=not args.keep_delta,
         )
     if args.json:
         print(json.dumps([r.__dict__ for r in rows]))
         return 0
     how = "delta fixed" if args.keep_delta else "delta divided by the factor, as TAN does"
-    print(f"N multiplied by a factor at fixed B={args.batch_size:g}, sigma={args.noise:g}, S={args.steps} "
-          f"({how}; {args.accountant} accountant; TAN Table 5):")
+    print(
+        f"N multiplied by a factor at fixed B={args.batch_size:g}, sigma={args.noise:g}, S={args.steps} "
+        f"({how}; {args.accountant} accountant; TAN Table 5):"
+    )
     print(f"{'factor':>7} {'N':>10} {'q':>9} {'delta':>9} {'epsilon':>9} {'eps_TAN':>9} {'N*eta':>9}")
     for r in rows:
-        print(f"{r.factor:>7.3g} {r.dataset_size:>10} {r.sample_rate:>9.4g} {r.delta:>9.3g} {r.epsilon:>9.4f} "
-              f"{r.eps_tan:>9.4f} {r.global_snr:>9.4g}")
-    print("N*eta (the global signal-to-noise ratio) is constant: TAN expects the same information extracted, "
-          "richer with more data, at a smaller epsilon.")
+        print(
+            f"{r.factor:>7.3g} {r.dataset_size:>10} {r.sample_rate:>9.4g} {r.delta:>9.3g} {r.epsilon:>9.4f} "
+            f"{r.eps_tan:>9.4f} {r.global_snr:>9.4g}"
+        )
+    print(
+        "N*eta (the global signal-to-noise ratio) is constant: TAN expects the same information extracted, "
+        "richer with more data, at a smaller epsilon."
+    )
     return 0
 
 
@@ -377,8 +420,9 @@ def _add_fit_parser(tan_sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--metric", default="test_accuracy")
     fit.add_argument("--confidence", type=float, default=0.95)
     fit.add_argument("--where", action="append", default=[], metavar="KEY=VALUE", help="use only these sweep points")
-    fit.add_argument("--reference", action="append", default=[], metavar="RUN_DIR",
-                     help="a finished run at B_ref to compare the prediction with")
+    fit.add_argument(
+        "--reference", action="append", default=[], metavar="RUN_DIR", help="a finished run at B_ref to compare the prediction with"
+    )
     fit.add_argument("--reference-batch-size", type=float, help="B_ref (default: from the simulations)")
     fit.add_argument("--plot", metavar="PNG", help="default: SWEEP_DIR/tan_fit.png")
     fit.add_argument("--no-plot", action="store_true")
@@ -408,8 +452,7 @@ def _add_wall_parser(tan_sub: argparse._SubParsersAction) -> None:
     wall.add_argument("--steps", type=int_list, metavar="S1,S2,...", help="curves for these S (default 1000,10000,100000)")
     wall.add_argument("--sigmas", type=float_list, default=None, metavar="SIGMA1,...")
     wall.add_argument("--delta", type=float, default=1e-5)
-    wall.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="rdp",
-                      help="rdp (as TAN Figure 2; PLD is slow far below the wall)")
+    wall.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="rdp", help="rdp (as TAN Figure 2; PLD is slow far below the wall)")
     wall.add_argument("--plot", default="tan_wall.png", metavar="PNG")
     wall.add_argument("--no-plot", action="store_true")
     wall.add_argument("--json", action="store_true")

@@ -75,10 +75,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(json_safe(result)))
         return 0
     status = plan.status(result["epsilon"], result.get("reference_epsilon"))
-    print(
-        f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, "
-        f"test loss {loss:.4f}, {status}"
-    )
+    print(f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, test loss {loss:.4f}, {status}")
     if plan.extractor is not None and plan.extractor.caveat() is None:  # the other cases are caveats, below
         print(f"epsilon includes the extractor's run: {plan.extractor.describe()}")
     for note in result["guarantee_caveats"]:

@@ -26,11 +26,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if not args.grid:
         raise ConfigError("give at least one --grid KEY=V1,V2,...")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("run `dpscale sweep` as one process; to train each point on P processes, run the points "
-                          "with torchrun ... -m dpscale train")
+        raise ConfigError(
+            "run `dpscale sweep` as one process; to train each point on P processes, run the points with torchrun ... -m dpscale train"
+        )
     spec = SweepSpec(
-        args.config, tuple(args.set), tuple(parse_grid(g) for g in args.grid), args.metric,
-        True if args.minimize else None, args.private_tuning,
+        args.config,
+        tuple(args.set),
+        tuple(parse_grid(g) for g in args.grid),
+        args.metric,
+        True if args.minimize else None,
+        args.private_tuning,
     )
     out = Path(args.out) if args.out else _default_out("", args.config)
     sweep = Sweep(out, spec, progress=not args.quiet, on_point=_print_point)
@@ -91,8 +96,17 @@ def _cmd_tune_clip_lr(args: argparse.Namespace) -> int:
     # (no unclipped run, no clip norm within the tolerance, no lr run finished).
     with refusals_as_config_errors():
         result = run_clip_lr(
-            args.config, args.set, out, args.clip_norms, args.lrs, args.lr_factors, args.tolerance,
-            args.seeds or (), args.metric, progress=not args.quiet, on_point=_print_point,
+            args.config,
+            args.set,
+            out,
+            args.clip_norms,
+            args.lrs,
+            args.lr_factors,
+            args.tolerance,
+            args.seeds or (),
+            args.metric,
+            progress=not args.quiet,
+            on_point=_print_point,
         )
     if args.json:
         print(json.dumps(result.as_json()))
@@ -135,8 +149,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     clip.add_argument("--clip-norms", type=float_list, default=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0))
     lrs = clip.add_mutually_exclusive_group()
     lrs.add_argument("--lrs", type=float_list, help="learning rates for stage 3")
-    lrs.add_argument("--lr-factors", type=float_list, default=(0.5, 1.0, 2.0, 4.0, 8.0),
-                     help="stage 3 lrs as multiples of alpha_pub")
+    lrs.add_argument("--lr-factors", type=float_list, default=(0.5, 1.0, 2.0, 4.0, 8.0), help="stage 3 lrs as multiples of alpha_pub")
     clip.add_argument("--tolerance", type=float, default=0.01, help="accepted drop from the unclipped metric")
     clip.add_argument("--seeds", type=int_list, help="average each value over these run.seed values")
     clip.add_argument("--metric", default="test_accuracy")

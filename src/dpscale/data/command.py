@@ -7,7 +7,6 @@ import sys
 import time
 
 
-
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from .folder import list_image_folder  # imported here: registering the parser must not load torch
     from .shards import prepare_shards
@@ -17,9 +16,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     workers = args.workers if args.workers is not None else default_workers()
     start = time.perf_counter()
-    listing = list_image_folder(
-        args.src, image_size=args.size, val_labels=args.val_labels, skip_corrupt=args.skip_corrupt, workers=workers
-    )
+    listing = list_image_folder(args.src, image_size=args.size, val_labels=args.val_labels, skip_corrupt=args.skip_corrupt, workers=workers)
     for reason in listing.skipped:
         print(f"skipped: {reason}", file=sys.stderr)
     total = len(listing.train_files) + len(listing.test_files)

@@ -277,8 +277,7 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
     missing = [str(base / f) for f in train_files + test_files if not (base / f).is_file()]
     if missing:
         raise DatasetError(
-            f"cifar{num_classes}: missing batch file(s) {', '.join(missing)} "
-            f"(pass the extracted '{folder}' folder or its parent)"
+            f"cifar{num_classes}: missing batch file(s) {', '.join(missing)} (pass the extracted '{folder}' folder or its parent)"
         )
 
     def read(files: list[str]) -> tuple[torch.Tensor, np.ndarray]:
@@ -289,9 +288,7 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
     return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt, side_user_ids(base, len(y)))
 
 
-def _decode_files(
-    files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...], dtype: str
-) -> torch.Tensor:
+def _decode_files(files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """Decode image files (``folder.image_array``) into one float32 NCHW tensor in [0, 1]."""
     if not files:
         return torch.zeros((0, *shape))
@@ -371,12 +368,15 @@ def load_shards(path: PathLike) -> ImageDataset:
     manifest, train, test = open_shards(path)
 
     def decoded(split) -> torch.Tensor:
-        return images_to_float(np.concatenate([np.asarray(a) for a in split.arrays])) if len(split) else torch.zeros((0, *manifest["image_shape"]))
+        return (
+            images_to_float(np.concatenate([np.asarray(a) for a in split.arrays]))
+            if len(split)
+            else torch.zeros((0, *manifest["image_shape"]))
+        )
 
     ds = _make("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
                decoded(train), train.labels, decoded(test), test.labels, user_ids=train.user_ids)  # fmt: skip
-    return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ())),
-                                    classes=tuple(manifest["classes"])))
+    return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ())), classes=tuple(manifest["classes"])))
 
 
 def _resize(ds: ImageDataset, size: int) -> ImageDataset:

@@ -81,9 +81,7 @@ def _class_folders(split_dir: Path) -> list[str]:
 
 
 def _images_in(folder: Path) -> list[Path]:
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
-    )
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
 
 
 def _list_classes(split_dir: Path) -> dict[str, list[Path]]:
@@ -222,8 +220,7 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
         for p, (_, other, _) in good:
             if other != size:
                 raise DatasetError(
-                    f"{p} is {other[0]}x{other[1]} but {first} is {size[0]}x{size[1]}; "
-                    "pass image_size to resize all images to one size"
+                    f"{p} is {other[0]}x{other[1]} but {first} is {size[0]}x{size[1]}; pass image_size to resize all images to one size"
                 )
     mode = "L" if good and all(r[0] in GRAYSCALE_MODES for _, r in good) else "RGB"
     dropped = {p for p, _ in bad}

@@ -48,9 +48,7 @@ class DatasetError(UserError, ValueError):
     """
 
 
-IMAGE_EXTENSIONS = frozenset(
-    {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
-)
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"})
 
 MIN_CLASSES = 2  # fewer: every prediction is right, the accuracy is 100% and means nothing
 
@@ -94,17 +92,14 @@ def read_idx_images(path: Path) -> np.ndarray:
     magic, n, rows, cols = struct.unpack(">IIII", data[:16])
     if magic != _IDX_IMAGES_MAGIC:
         hint = " (it looks like a label file)" if magic == _IDX_LABELS_MAGIC else ""
-        raise DatasetError(
-            f"{path} is not an IDX image file: magic number 0x{magic:08x}, expected 0x{_IDX_IMAGES_MAGIC:08x}{hint}"
-        )
+        raise DatasetError(f"{path} is not an IDX image file: magic number 0x{magic:08x}, expected 0x{_IDX_IMAGES_MAGIC:08x}{hint}")
     if rows == 0 or cols == 0:
         raise DatasetError(f"{path} has a header claiming {rows}x{cols} images")
     expected, payload = n * rows * cols, len(data) - 16
     if payload != expected:
         what = "is truncated" if payload < expected else "has trailing bytes"
         raise DatasetError(
-            f"{path} {what}: header says {n} images of {rows}x{cols} = {expected} bytes, "
-            f"file has {payload} after the 16-byte header"
+            f"{path} {what}: header says {n} images of {rows}x{cols} = {expected} bytes, file has {payload} after the 16-byte header"
         )
     return np.frombuffer(data, dtype=np.uint8, offset=16).reshape(n, rows, cols)
 
@@ -124,15 +119,11 @@ def read_idx_labels(path: Path) -> np.ndarray:
     magic, n = struct.unpack(">II", data[:8])
     if magic != _IDX_LABELS_MAGIC:
         hint = " (it looks like an image file)" if magic == _IDX_IMAGES_MAGIC else ""
-        raise DatasetError(
-            f"{path} is not an IDX label file: magic number 0x{magic:08x}, expected 0x{_IDX_LABELS_MAGIC:08x}{hint}"
-        )
+        raise DatasetError(f"{path} is not an IDX label file: magic number 0x{magic:08x}, expected 0x{_IDX_LABELS_MAGIC:08x}{hint}")
     payload = len(data) - 8
     if payload != n:
         what = "is truncated" if payload < n else "has trailing bytes"
-        raise DatasetError(
-            f"{path} {what}: header says {n} labels = {n} bytes, file has {payload} after the 8-byte header"
-        )
+        raise DatasetError(f"{path} {what}: header says {n} labels = {n} bytes, file has {payload} after the 8-byte header")
     return np.frombuffer(data, dtype=np.uint8, offset=8)
 
 
@@ -211,8 +202,7 @@ def _check_label_range(y: np.ndarray, num_classes: int, path: Path) -> None:
     if bad.size:
         i = int(bad[0])
         raise DatasetError(
-            f"{path} is mislabeled: labels must be in 0..{num_classes - 1}, "
-            f"found {int(y[i])} at index {i} ({bad.size} bad in total)"
+            f"{path} is mislabeled: labels must be in 0..{num_classes - 1}, found {int(y[i])} at index {i} ({bad.size} bad in total)"
         )
 
 
@@ -420,9 +410,7 @@ def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
     elif x.ndim == 4:
         if x.shape[1] not in (1, 3):
             if x.shape[3] not in (1, 3):
-                raise DatasetError(
-                    f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW with 1 or 3 channels"
-                )
+                raise DatasetError(f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW with 1 or 3 channels")
             x = x.transpose(0, 3, 1, 2)
     else:
         raise DatasetError(f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW images")
@@ -437,8 +425,7 @@ def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
         out = x.astype(np.float32)
         if out.min() < 0 or out.max() > 1:
             raise DatasetError(
-                f"{path}: float {key} must lie in [0, 1], found {out.min()}..{out.max()} "
-                "(store uint8 0..255 or divide by 255 first)"
+                f"{path}: float {key} must lie in [0, 1], found {out.min()}..{out.max()} (store uint8 0..255 or divide by 255 first)"
             )
     else:
         raise DatasetError(f"{path}: {key} has dtype {x.dtype}; expected uint8 or float")

@@ -37,14 +37,16 @@ def prepare_data(config: Config, device: torch.device, data: ImageDataset | None
         classes = cfg.classes
         if cfg.random_classes:
             classes = random_classes(data.info.num_classes, cfg.random_classes, cfg.subset_seed)
-        data = select_classes(
-            data, classes=classes, meta_classes=cfg.meta_classes, max_per_class=cfg.max_per_class, seed=cfg.subset_seed
-        )
+        data = select_classes(data, classes=classes, meta_classes=cfg.meta_classes, max_per_class=cfg.max_per_class, seed=cfg.subset_seed)
     x_train, x_test = data.x_train, data.x_test
     if config.data.normalize:  # data-independent constants: no privacy cost
         x_train, x_test = (x_train - 0.5) / 0.5, (x_test - 0.5) / 0.5
     return ImageDataset(
-        x_train.to(device), data.y_train.to(device), x_test.to(device), data.y_test.to(device), data.info,
+        x_train.to(device),
+        data.y_train.to(device),
+        x_test.to(device),
+        data.y_test.to(device),
+        data.info,
         user_ids=data.user_ids,
     )
 
@@ -56,9 +58,7 @@ def _physical_memory_bytes() -> int:
         return 0
 
 
-def open_training_data(
-    config: Config, device: torch.device, log: Callable[[str], Any] = print
-) -> ImageDataset | StreamedData:
+def open_training_data(config: Config, device: torch.device, log: Callable[[str], Any] = print) -> ImageDataset | StreamedData:
     """The run's data: in memory, or streamed from disk (data.loader; "auto" streams when the
     decoded float32 training and test sets would take more than a quarter of physical memory).
 

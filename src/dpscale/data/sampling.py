@@ -388,9 +388,7 @@ def _check_cyclic_state(state: dict[str, Any], bands: int) -> None:
         )
 
 
-def _check_cyclic_args(
-    dataset_size: int, sample_rate: float, bands: int, rank: int, world_size: int, start_step: int
-) -> float:
+def _check_cyclic_args(dataset_size: int, sample_rate: float, bands: int, rank: int, world_size: int, start_step: int) -> float:
     """Validate ``CyclicPoissonSampler``'s arguments.
 
     Returns:
@@ -427,8 +425,17 @@ def _check_bands(bands: int) -> None:
 
 
 def make_sampler(
-    mode: str, dataset_size: int, batch_size: float, generator: DPRandom, rank: int = 0, world_size: int = 1,
-    *, bands: int = 1, partition_seed: int | None = None, start_step: int = 0, max_batch_size: int | None = None,
+    mode: str,
+    dataset_size: int,
+    batch_size: float,
+    generator: DPRandom,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    bands: int = 1,
+    partition_seed: int | None = None,
+    start_step: int = 0,
+    max_batch_size: int | None = None,
 ) -> PoissonSampler | FixedSizeSampler | ShuffleSampler | CyclicPoissonSampler:
     """The sampler for ``mode`` with expected batch size B = ``batch_size``.
 
@@ -470,8 +477,14 @@ def make_sampler(
         if partition_seed is None:
             raise ValueError(f"bands={bands} (cyclic Poisson sampling) needs a partition_seed shared by all ranks")
         return CyclicPoissonSampler(
-            dataset_size, batch_size / dataset_size, bands, generator,
-            partition_seed=partition_seed, rank=rank, world_size=world_size, start_step=start_step,
+            dataset_size,
+            batch_size / dataset_size,
+            bands,
+            generator,
+            partition_seed=partition_seed,
+            rank=rank,
+            world_size=world_size,
+            start_step=start_step,
         )
     whole_draw = mode != "poisson" or max_batch_size is not None
     if whole_draw and world_size > 1:  # every rank draws the whole batch from one shared stream (ShardedDraw)

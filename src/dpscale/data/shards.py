@@ -45,7 +45,13 @@ def _decode_chunk(args: tuple[list[Path], str, int, str]) -> np.ndarray:
 
 
 def _write_split(
-    dest: Path, split: str, files: tuple[Path, ...], labels: np.ndarray, listing: FolderListing, size: int, workers: int,
+    dest: Path,
+    split: str,
+    files: tuple[Path, ...],
+    labels: np.ndarray,
+    listing: FolderListing,
+    size: int,
+    workers: int,
     progress: Callable[[int], None],
 ) -> dict:
     """Decode ``files`` (of ``listing``) into shard files of ``split``; returns its manifest entry."""

@@ -65,4 +65,3 @@ def user_holdout(user_ids: np.ndarray, n_test: int, seed: int = SPLIT_SEED) -> t
             held[user], size = True, size + int(counts[user])
     is_test = held[codes]
     return np.flatnonzero(~is_test), np.flatnonzero(is_test)
-

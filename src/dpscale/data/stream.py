@@ -117,9 +117,7 @@ class _Chunks(torch.utils.data.Dataset):
 
 def _loader(dataset: _Chunks, requests: Any, workers: int, prefetch: int, pin: bool) -> torch.utils.data.DataLoader:
     extra = {"prefetch_factor": prefetch} if workers > 0 else {}
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=None, sampler=requests, num_workers=workers, pin_memory=pin, **extra
-    )
+    return torch.utils.data.DataLoader(dataset, batch_size=None, sampler=requests, num_workers=workers, pin_memory=pin, **extra)
 
 
 class _BatchRequests:
@@ -185,7 +183,9 @@ class StreamFeed:
         user unit (x, y, offsets) of whole users."""
         if self._iterator is None:
             shape = tuple(self.data.info.input_shape)
-            self._iterator = iter(_loader(_Chunks(self.data.train, shape), _BatchRequests(self), self.workers, self.prefetch, self.device.type == "cuda"))
+            self._iterator = iter(
+                _loader(_Chunks(self.data.train, shape), _BatchRequests(self), self.workers, self.prefetch, self.device.type == "cuda")
+            )
         for old in [s for s in self.states if s < step]:
             del self.states[old]
         while True:
@@ -221,7 +221,9 @@ def eval_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The test set in order, ``batch_size`` examples at a time, as model input on ``device``."""
     requests = [(None, chunk) for chunk in torch.arange(len(data.test)).split(batch_size)]
-    loader = _loader(_Chunks(data.test, tuple(data.info.input_shape)), requests, min(workers, len(requests)), prefetch, device.type == "cuda")
+    loader = _loader(
+        _Chunks(data.test, tuple(data.info.input_shape)), requests, min(workers, len(requests)), prefetch, device.type == "cuda"
+    )
     for _, x, y in loader:
         yield to_model_input(x.to(device), data.normalize), y.to(device)
 

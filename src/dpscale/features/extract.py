@@ -54,10 +54,7 @@ __all__ = [
 CACHE_FORMAT = 1  # bump when the cache file layout or the key's contents change
 MODEL_SEED = 0  # initialisation seed of "model:<name>" extractors
 MODEL_NUM_CLASSES = 10  # head size of "model:<name>" extractors (the head is never used)
-EXTRACTOR_FORMS = (
-    "'scatternet', 'model:<registry name>' (e.g. model:papernot-cnn), "
-    "'checkpoint:<run directory or its checkpoint.pt>'"
-)
+EXTRACTOR_FORMS = "'scatternet', 'model:<registry name>' (e.g. model:papernot-cnn), 'checkpoint:<run directory or its checkpoint.pt>'"
 # Shapes fixed by the dataset format, to catch a checkpoint used on images of another shape.
 _KNOWN_CHANNELS = {"mnist-5k": 1, "mnist": 1, "fashion-mnist": 1, "cifar10": 3, "cifar100": 3}
 _KNOWN_SIZE = {"mnist-5k": 28, "cifar10": 32, "cifar100": 32}
@@ -155,9 +152,7 @@ def _trained_input_shape(data_name: str, image_size: int | None) -> tuple[int | 
     return (_KNOWN_CHANNELS.get(key), size, size)
 
 
-def _read_run(
-    where: str, check_config: Callable[[Any, Path], None] | None = None
-) -> tuple[Path, Path, Any, dict[str, Any]]:
+def _read_run(where: str, check_config: Callable[[Any, Path], None] | None = None) -> tuple[Path, Path, Any, dict[str, Any]]:
     """The run directory, checkpoint path, config and checkpoint state of ``checkpoint:<where>``;
     ``check_config`` may refuse the run from its config before the checkpoint is read.
 
@@ -445,8 +440,7 @@ def extract_features(
             features = extractor.module(batch)
             if tuple(features.shape) != (len(batch), *extractor.output_shape):
                 raise ValueError(
-                    f"{extractor.name} returned features of shape {tuple(features.shape[1:])}, "
-                    f"expected {extractor.output_shape}"
+                    f"{extractor.name} returned features of shape {tuple(features.shape[1:])}, expected {extractor.output_shape}"
                 )
             out[start : start + len(batch)] = features  # copies to CPU float32
             bar.update(len(batch))
@@ -491,9 +485,7 @@ def default_cache_dir() -> Path:
     return base / "dpscale" / "features"
 
 
-def _read_cache(
-    path: Path, key: str, extractor: FeatureExtractor, dataset: ImageDataset
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_cache(path: Path, key: str, extractor: FeatureExtractor, dataset: ImageDataset) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached (x_train, x_test), or ValueError saying why the file cannot be used."""
     from dpscale._io import load_torch_file
 
@@ -511,9 +503,7 @@ def _read_cache(
     return features[0], features[1]
 
 
-def _write_cache(
-    path: Path, key: str, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor
-) -> None:
+def _write_cache(path: Path, key: str, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor) -> None:
     from dpscale._io import save_torch_file
 
     save_torch_file(path, {"key": key, "spec": extractor.spec, "x_train": x_train, "x_test": x_test}, CACHE_FORMAT)
@@ -576,8 +566,6 @@ def load_or_extract(
     return _with_features(dataset, extractor, x_train, x_test), False
 
 
-def _with_features(
-    dataset: ImageDataset, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor
-) -> ImageDataset:
+def _with_features(dataset: ImageDataset, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor) -> ImageDataset:
     info = replace(dataset.info, input_shape=extractor.output_shape)  # may be 1-D, see load_or_extract
     return replace(dataset, x_train=x_train, x_test=x_test, info=info)

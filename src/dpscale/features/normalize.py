@@ -129,7 +129,11 @@ def _finite_positive(*values: float) -> bool:
 
 
 def private_channel_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096,
+    x: torch.Tensor,
+    clip: float,
+    noise_multiplier: float,
+    generator: DPRandom,
+    batch_size: int = 4096,
     users: UserIndex | None = None,
 ) -> torch.Tensor:
     """PrivChannelMean of Algorithm 2: mean over examples of per-example channel means, each
@@ -216,10 +220,7 @@ def private_data_norm(
     """
     finite_noise = math.isfinite(noise_multiplier) and noise_multiplier >= 0
     if not (_finite_positive(clip_mean, clip_square, floor) and finite_noise and len(x) > 0):
-        raise ValueError(
-            "private_data_norm needs finite clip_mean, clip_square, floor > 0, "
-            "a finite noise_multiplier >= 0 and N >= 1"
-        )
+        raise ValueError("private_data_norm needs finite clip_mean, clip_square, floor > 0, a finite noise_multiplier >= 0 and N >= 1")
     mean = _release_channel_mean(x, clip_mean, noise_multiplier, generator, False, batch_size, users)
     mean_square = _release_channel_mean(x, clip_square, noise_multiplier, generator, True, batch_size, users)
     var = torch.clamp(mean_square - mean.square(), min=floor)

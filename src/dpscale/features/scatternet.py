@@ -109,9 +109,7 @@ class ScatterNet(nn.Module):
         ImportError: kymatio is not installed.
     """
 
-    def __init__(
-        self, input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2, pad: int = 0
-    ) -> None:
+    def __init__(self, input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2, pad: int = 0) -> None:
         super().__init__()
         # Validate first so a bad shape is reported as such even without kymatio.
         self.output_shape = scatter_output_shape(input_shape, J, L, max_order, pad)
@@ -126,10 +124,7 @@ class ScatterNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or tuple(x.shape[1:]) != self.input_shape:
-            raise ValueError(
-                f"ScatterNet built for images of shape {self.input_shape} (C, H, W) "
-                f"got a batch of shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"ScatterNet built for images of shape {self.input_shape} (C, H, W) got a batch of shape {tuple(x.shape)}")
         if self.pad:
             x = nn.functional.pad(x, (self.pad,) * 4)  # zeros: a fixed, data-independent border
         out = self.scattering(x.contiguous())  # [N, C, K, H/2^J, W/2^J]

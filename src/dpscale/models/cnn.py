@@ -113,9 +113,7 @@ def papernot_cnn(
     return Classifier(features, k2 * h * w, num_classes, head_hidden=(hidden,), activation=activation)
 
 
-def _vgg_features(
-    channels: int, widths: Sequence[int], pool_after: Sequence[int], activation: str
-) -> tuple[nn.Sequential, int]:
+def _vgg_features(channels: int, widths: Sequence[int], pool_after: Sequence[int], activation: str) -> tuple[nn.Sequential, int]:
     """3x3 'same' convs with 2x2/2 max-pooling after the listed (1-based) conv indices."""
     layers: list[nn.Module] = []
     for i, width in enumerate(widths, start=1):
@@ -185,8 +183,7 @@ def parse_simplevgg(spec: str) -> tuple[list[tuple[int, int]], int]:
         fc = int(parts[-1])
     except ValueError as err:
         raise ValueError(
-            f"bad simpleVGG spec {spec!r}; expected blocks width(convs) then the fc width, "
-            "e.g. simplevgg-32(2)-64(2)-128(2)-128"
+            f"bad simpleVGG spec {spec!r}; expected blocks width(convs) then the fc width, e.g. simplevgg-32(2)-64(2)-128(2)-128"
         ) from err
     if not blocks or any(w < 1 or n < 1 for w, n in blocks) or fc < 1:
         raise ValueError(f"bad simpleVGG spec {spec!r}: needs at least one block and positive sizes")
@@ -247,9 +244,7 @@ class AllConvNet(nn.Module):
 
 
 @register_model("papernot-allconv", input_shape=(3, 32, 32))
-def papernot_allconv(
-    num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 32, 32), activation: str = "tanh"
-) -> AllConvNet:
+def papernot_allconv(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 32, 32), activation: str = "tanh") -> AllConvNet:
     """Papernot Appendix A all-convolutional model (tanh, as in their Section 4.2 column)."""
     if input_shape[1] < 8 or input_shape[2] < 8:
         raise ValueError(f"input {input_shape} is too small for three 2x2 poolings")

@@ -61,8 +61,9 @@ def _skip_gain_as_a_layer(state_dict: dict, prefix: str, *args) -> None:
         state_dict[old + ".gain"] = state_dict.pop(old)
 
 
-def _nf_resnet(counts, num_classes: int, input_shape: tuple[int, int, int], activation: str,
-               alpha: float = 0.2, stem: str | None = None) -> ResidualNetwork:
+def _nf_resnet(
+    counts, num_classes: int, input_shape: tuple[int, int, int], activation: str, alpha: float = 0.2, stem: str | None = None
+) -> ResidualNetwork:
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     if stem == "imagenet":
         stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), MaxPool2d(3, 2, 1))
@@ -84,7 +85,12 @@ def _nf_resnet(counts, num_classes: int, input_shape: tuple[int, int, int], acti
 
 
 @register_model("nf-resnet50", input_shape=(3, 224, 224))
-def nf_resnet50(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
-                alpha: float = 0.2, stem: str | None = None) -> ResidualNetwork:
+def nf_resnet50(
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 224, 224),
+    activation: str = "relu",
+    alpha: float = 0.2,
+    stem: str | None = None,
+) -> ResidualNetwork:
     """NF-ResNet-50 (TAN's best ImageNet model): bottleneck layout 3-4-6-3, no normalisation."""
     return _nf_resnet((3, 4, 6, 3), num_classes, input_shape, activation, alpha, stem)

@@ -34,7 +34,6 @@ from dpscale.choices import PEFT_METHODS
 from dpscale.layers import LoRADownConv2d, LoRADownLinear
 
 
-
 class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` plus a trainable rank-r update (alpha / r) B A."""
 

@@ -46,9 +46,7 @@ def register_family(prefix: str, example: str, input_shape: tuple[int, int, int]
     return add
 
 
-def _timm_builder(
-    num_classes: int, input_shape: tuple[int, int, int], activation: str, spec: str, **options: Any
-) -> nn.Module:
+def _timm_builder(num_classes: int, input_shape: tuple[int, int, int], activation: str, spec: str, **options: Any) -> nn.Module:
     """``timm:<name>``: a timm model (optional; timm's CUDA wheels may not import on CPU torch).
     BatchNorm models are rejected at training time; convert them with
     ``dpscale.models.convert_batchnorm_to_groupnorm`` first. ``activation`` is timm's choice."""

@@ -83,9 +83,7 @@ class WideBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
         self.norm2 = _norm(cout, groups)
         self.act2 = make_activation(activation)
-        self.shortcut = (
-            nn.Identity() if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
-        )
+        self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.order == "conv-norm-act":  # CONV-GN-ReLU, CONV-GN, add, ReLU
@@ -123,8 +121,10 @@ def wrn16_4(
     stem = nn.Sequential(OrderedDict(stem_layers))
     stages, cin = [], 16
     for i, cout in enumerate(widths):
-        layers = [WideBlock(cin if j == 0 else cout, cout, (1 if i == 0 else 2) if j == 0 else 1, order, norm_groups, activation)
-                  for j in range(blocks)]
+        layers = [
+            WideBlock(cin if j == 0 else cout, cout, (1 if i == 0 else 2) if j == 0 else 1, order, norm_groups, activation)
+            for j in range(blocks)
+        ]
         stages.append(nn.Sequential(*layers))
         cin = cout
     return ResidualNetwork(stem, stages, nn.Identity(), cin, num_classes)
@@ -178,8 +178,9 @@ class PreActBottleneck(nn.Module):
         return self.conv3(self.act3(self.norm3(h))) + skip
 
 
-def _resnet_v2(block: type, counts: Sequence[int], num_classes: int, input_shape, activation: str,
-               norm_groups: int, stem: str) -> ResidualNetwork:
+def _resnet_v2(
+    block: type, counts: Sequence[int], num_classes: int, input_shape, activation: str, norm_groups: int, stem: str
+) -> ResidualNetwork:
     channels = input_shape[0]
     if stem == "imagenet":  # 7x7/2 conv + 3x3/2 max-pool (224x224 inputs)
         stem_module = nn.Sequential(nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), MaxPool2d(3, 2, 1))
@@ -199,16 +200,26 @@ def _resnet_v2(block: type, counts: Sequence[int], num_classes: int, input_shape
 
 
 @register_model("resnet18-gn", input_shape=(3, 224, 224))
-def resnet18_gn(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
-                norm_groups: int = 32, stem: str | None = None) -> ResidualNetwork:
+def resnet18_gn(
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 224, 224),
+    activation: str = "relu",
+    norm_groups: int = 32,
+    stem: str | None = None,
+) -> ResidualNetwork:
     """ResNet-v2-18 with GroupNorm (Kurakin et al.); ``stem`` defaults to cifar for inputs <= 64 px."""
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     return _resnet_v2(PreActBlock, (2, 2, 2, 2), num_classes, input_shape, activation, norm_groups, stem)
 
 
 @register_model("resnet50-gn", input_shape=(3, 224, 224))
-def resnet50_gn(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "relu",
-                norm_groups: int = 32, stem: str | None = None) -> ResidualNetwork:
+def resnet50_gn(
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 224, 224),
+    activation: str = "relu",
+    norm_groups: int = 32,
+    stem: str | None = None,
+) -> ResidualNetwork:
     """ResNet-v2-50 (bottleneck) with GroupNorm (Kurakin et al.)."""
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     return _resnet_v2(PreActBottleneck, (3, 4, 6, 3), num_classes, input_shape, activation, norm_groups, stem)

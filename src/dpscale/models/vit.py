@@ -39,8 +39,17 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, num_classes: int, input_shape: tuple[int, int, int], patch: int, dim: int, depth: int,
-                 heads: int, mlp_ratio: int = 4, activation: str = "gelu") -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        input_shape: tuple[int, int, int],
+        patch: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mlp_ratio: int = 4,
+        activation: str = "gelu",
+    ) -> None:
         super().__init__()
         channels, height, width = input_shape
         if height % patch or width % patch:
@@ -78,14 +87,24 @@ def _patch(input_shape: tuple[int, int, int], patch: int | None) -> int:
 
 
 @register_model("vit-tiny", input_shape=(3, 224, 224))
-def vit_tiny(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "gelu",
-             patch: int | None = None, depth: int = 12) -> VisionTransformer:
+def vit_tiny(
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 224, 224),
+    activation: str = "gelu",
+    patch: int | None = None,
+    depth: int = 12,
+) -> VisionTransformer:
     """ViT-Tiny: width 192, 12 blocks, 3 heads, MLP 768; patch 16 (224 px) or 4 (32 px)."""
     return VisionTransformer(num_classes, input_shape, _patch(input_shape, patch), 192, depth, 3, 4, activation)
 
 
 @register_model("vit-small", input_shape=(3, 224, 224))
-def vit_small(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 224, 224), activation: str = "gelu",
-              patch: int | None = None, depth: int = 12) -> VisionTransformer:
+def vit_small(
+    num_classes: int = 10,
+    input_shape: tuple[int, int, int] = (3, 224, 224),
+    activation: str = "gelu",
+    patch: int | None = None,
+    depth: int = 12,
+) -> VisionTransformer:
     """ViT-Small: width 384, 12 blocks, 6 heads, MLP 1536."""
     return VisionTransformer(num_classes, input_shape, _patch(input_shape, patch), 384, depth, 6, 4, activation)

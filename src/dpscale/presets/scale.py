@@ -42,10 +42,23 @@ KURAKIN_RESNET18 = Preset(
     "inside each example's clipped loss; dpscale applies it after the noise (no privacy effect). " + IMAGENET_GAPS,
     {
         "data": dict(_KURAKIN_DATA),
-        "model": {"name": "resnet18-gn", "activation": "relu", "kwargs": {"norm_groups": 32, "stem": "imagenet"},
-                  "freeze_groups": 3, "init": "RUN_DIR", "reset_head": True},  # fmt: skip
-        "dp": {"epsilon": 10.0, "delta": 1.0e-6, "noise_multiplier": None, "max_grad_norm": 1.0, "batch_size": 65536,
-               "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
+        "model": {
+            "name": "resnet18-gn",
+            "activation": "relu",
+            "kwargs": {"norm_groups": 32, "stem": "imagenet"},
+            "freeze_groups": 3,
+            "init": "RUN_DIR",
+            "reset_head": True,
+        },  # fmt: skip
+        "dp": {
+            "epsilon": 10.0,
+            "delta": 1.0e-6,
+            "noise_multiplier": None,
+            "max_grad_norm": 1.0,
+            "batch_size": 65536,
+            "sampling": "poisson",
+            "accountant": "rdp",
+        },  # fmt: skip
         "optim": {**_KURAKIN_OPTIM, "lr": 7.68, "warmup_steps": round(IMAGENET_TRAIN / 65536)},  # 1 epoch
         "train": {"epochs": 70, "max_physical_batch_size": 256},
     },
@@ -63,8 +76,15 @@ KURAKIN_RESNET50 = Preset(
     {
         "data": dict(_KURAKIN_DATA),
         "model": {"name": "resnet50-gn", "activation": "relu", "kwargs": {"norm_groups": 32, "stem": "imagenet"}},
-        "dp": {"epsilon": None, "delta": 1.0e-6, "noise_multiplier": 0.28, "max_grad_norm": 1.0, "batch_size": 1024,
-               "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
+        "dp": {
+            "epsilon": None,
+            "delta": 1.0e-6,
+            "noise_multiplier": 0.28,
+            "max_grad_norm": 1.0,
+            "batch_size": 1024,
+            "sampling": "poisson",
+            "accountant": "rdp",
+        },  # fmt: skip
         "optim": {**_KURAKIN_OPTIM, "lr": 16.0, "warmup_steps": round(IMAGENET_TRAIN / 1024)},
         "train": {"epochs": 10, "max_physical_batch_size": 128},
     },
@@ -74,8 +94,15 @@ _TAN_CIFAR = {
     "data": {"name": "cifar10", "root": None},
     "augment": {"multiplicity": 16, "type": "crop-flip"},
     "model": {"name": "wrn16-4", "activation": "relu", "kwargs": {"order": "conv-act-norm", "norm_groups": 16}},
-    "dp": {"epsilon": 7.1, "delta": 1.0e-5, "noise_multiplier": 3.0, "max_grad_norm": 1.0, "batch_size": 4096,
-           "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
+    "dp": {
+        "epsilon": 7.1,
+        "delta": 1.0e-5,
+        "noise_multiplier": 3.0,
+        "max_grad_norm": 1.0,
+        "batch_size": 4096,
+        "sampling": "poisson",
+        "accountant": "rdp",
+    },  # fmt: skip
     "optim": {"name": "sgd", "lr": 4.0, "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant"},
     "train": {"steps": 2500, "ema_decay": 0.9999, "eval_every_epochs": 8, "max_physical_batch_size": 1024},
 }
@@ -115,8 +142,15 @@ _TAN_IMAGENET = {
     "data": {"name": "imagefolder", "root": None, "image_size": 224, "loader": "auto"},
     "augment": {"multiplicity": 8, "type": "crop-flip"},
     "model": {"name": "nf-resnet50", "activation": "relu"},
-    "dp": {"epsilon": 8.0, "delta": 7.8e-7, "noise_multiplier": 2.5, "max_grad_norm": 1.0, "batch_size": 32768,
-           "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
+    "dp": {
+        "epsilon": 8.0,
+        "delta": 7.8e-7,
+        "noise_multiplier": 2.5,
+        "max_grad_norm": 1.0,
+        "batch_size": 32768,
+        "sampling": "poisson",
+        "accountant": "rdp",
+    },  # fmt: skip
     "optim": {"name": "sgd", "lr": 32.0, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "schedule": "constant"},
     "train": {"steps": 18000, "ema_decay": 0.999, "eval_every_epochs": 25, "max_physical_batch_size": 256},
 }

@@ -86,17 +86,12 @@ def _values(row: Row) -> dict:
 
 def _describe(row: Row) -> tuple[str, str]:
     model = {"scatter-linear": "ScatterNet + linear", "scatter-cnn": "ScatterNet + CNN", "cnn": "end-to-end CNN"}[row.model]
-    norm = (
-        f", GroupNorm G={row.groups}"
-        if row.groups
-        else (f", private Data Norm sigma_norm={row.norm_noise:g}" if row.norm_noise else "")
-    )
+    norm = f", GroupNorm G={row.groups}" if row.groups else (f", private Data Norm sigma_norm={row.norm_noise:g}" if row.norm_noise else "")
     description = f"{DATASETS[row.dataset][0]}, {model}{norm}, epsilon=3"
     source = (
         f"Tramer & Boneh 2021, Table 13: B={row.batch_size}, base lr {row.base_lr:g} (x B/512), "
         f"{row.epochs} epochs, C=0.1, momentum 0.9; paper accuracy at epsilon=3: {row.paper_accuracy}% "
-        "(shuffled batches)"
-        + (f", {row.poisson_accuracy}% with Poisson sampling (Table 19)" if row.poisson_accuracy else "")
+        "(shuffled batches)" + (f", {row.poisson_accuracy}% with Poisson sampling (Table 19)" if row.poisson_accuracy else "")
     )
     return description, source
 

@@ -57,10 +57,16 @@ PAPERNOT_TRANSFER = Preset(
     "run: --set model.init=RUN_DIR (a papernot-cifar100-source-* pretraining); the guarantee assumes its data public.",
     {
         "data": {"name": "cifar10", "root": None},
-        "model": {"name": "papernot-cifar-cnn", "activation": "relu", "init": RUN_DIR, "reset_head": True,
-                  "freeze_groups": 7},  # fmt: skip
-        "dp": {"epsilon": None, "delta": 1.0e-5, "noise_multiplier": 15.0, "max_grad_norm": 1.0, "batch_size": 5000,
-               "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
+        "model": {"name": "papernot-cifar-cnn", "activation": "relu", "init": RUN_DIR, "reset_head": True, "freeze_groups": 7},  # fmt: skip
+        "dp": {
+            "epsilon": None,
+            "delta": 1.0e-5,
+            "noise_multiplier": 15.0,
+            "max_grad_norm": 1.0,
+            "batch_size": 5000,
+            "sampling": "poisson",
+            "accountant": "rdp",
+        },  # fmt: skip
         "optim": {"name": "sgd", "lr": 0.8, "momentum": 0.0},
         "train": {"epochs": 400, "max_physical_batch_size": 1000, "eval_every_epochs": 10},
     },
@@ -78,8 +84,15 @@ TRAMER_LINEAR_PROBE = Preset(
         "data": {"name": "cifar10", "root": None, "normalize": True},
         "features": {"extractor": f"checkpoint:{RUN_DIR}", "normalize": "none"},
         "model": {"name": "linear", "activation": "tanh"},
-        "dp": {"epsilon": 2.0, "delta": 1.0e-5, "noise_multiplier": None, "max_grad_norm": 0.1, "batch_size": 1024,
-               "sampling": "poisson", "accountant": "rdp"},  # fmt: skip
+        "dp": {
+            "epsilon": 2.0,
+            "delta": 1.0e-5,
+            "noise_multiplier": None,
+            "max_grad_norm": 0.1,
+            "batch_size": 1024,
+            "sampling": "poisson",
+            "accountant": "rdp",
+        },  # fmt: skip
         "optim": {"name": "sgd", "lr": 4.0, "momentum": 0.9},
         "train": {"epochs": 40, "max_physical_batch_size": 2048},
     },

@@ -33,7 +33,12 @@ from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 from dpscale.choices import ACCOUNTANT_KINDS
 from dpscale.privacy.batch_sampling import (
-    ACCOUNTANTS_OF, POISSON, REPLACE_ONE, BatchSampling, history_adjacency, replace_one_noise,
+    ACCOUNTANTS_OF,
+    POISSON,
+    REPLACE_ONE,
+    BatchSampling,
+    history_adjacency,
+    replace_one_noise,
 )
 
 DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
@@ -107,9 +112,7 @@ def _check_mechanism(sample_rate: float, noise_multiplier: float, steps: int) ->
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate q must be in (0, 1], got {sample_rate}")
     if not noise_multiplier > 0.0 or not math.isfinite(noise_multiplier):
-        raise ValueError(
-            f"noise_multiplier must be a positive finite number for a private run, got {noise_multiplier}"
-        )
+        raise ValueError(f"noise_multiplier must be a positive finite number for a private run, got {noise_multiplier}")
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps}")
 
@@ -136,9 +139,7 @@ def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_
 
 
 @functools.lru_cache(maxsize=32)
-def _step_pld(
-    sample_rate: float, noise_multiplier: float, discretization: float
-) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _step_pld(sample_rate: float, noise_multiplier: float, discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of one Poisson-subsampled Gaussian step (add/remove adjacency, pessimistic).
 
     Building it dominates PLD accounting (~0.3 s); composing it over many steps is an FFT.
@@ -154,9 +155,7 @@ def _step_pld(
 
 
 @functools.lru_cache(maxsize=32)
-def _full_batch_pld(
-    noise_multiplier: float, steps: int, discretization: float
-) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _full_batch_pld(noise_multiplier: float, steps: int, discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of ``steps`` Gaussian mechanisms without subsampling: exactly one Gaussian with
     sigma / sqrt(steps) (cached: calibration evaluates the same releases many times)."""
     return privacy_loss_distribution.from_gaussian_mechanism(
@@ -194,9 +193,7 @@ def _composed_loss_width(sample_rate: float, noise_multiplier: float, steps: int
     width = 0.0
     try:  # private attributes of dp_accounting 0.4-0.6; the fallback is a valid (loose) width
         for pmf in (probe._pmf_remove, probe._pmf_add):
-            lower, upper = pld_common.compute_self_convolve_bounds(
-                pmf.to_dense_pmf()._probs, steps, PLD_TAIL_MASS_TRUNCATION
-            )
+            lower, upper = pld_common.compute_self_convolve_bounds(pmf.to_dense_pmf()._probs, steps, PLD_TAIL_MASS_TRUNCATION)
             width = max(width, (upper - lower) * grid)
     except AttributeError:
         return steps * step_range
@@ -261,18 +258,14 @@ def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VAL
     return requested * 2.0 ** math.ceil(math.log2(needed / requested))
 
 
-def _composed_pld(
-    segments: list[AccountingSegment], discretization: float
-) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _composed_pld(segments: list[AccountingSegment], discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of the whole history on the grid ``pld_grid`` picks for it (the last few kept: a run's
     summary asks for its epsilon, then its privacy profile, of the same history)."""
     return _composed_pld_of(tuple(segments), discretization)
 
 
 @functools.lru_cache(maxsize=4)
-def _composed_pld_of(
-    segments: tuple[AccountingSegment, ...], discretization: float
-) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _composed_pld_of(segments: tuple[AccountingSegment, ...], discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     grid = pld_grid(segments, discretization)
     replace_one = _adjacency(segments) == REPLACE_ONE
     total = None
@@ -287,9 +280,7 @@ def _adjacency(segments: Sequence[AccountingSegment]) -> str:
     return history_adjacency([s.batches for s in segments], [s.sample_rate < 1.0 for s in segments])
 
 
-def _segment_pld(
-    seg: AccountingSegment, grid: float, replace_one: bool
-) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _segment_pld(seg: AccountingSegment, grid: float, replace_one: bool) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of one segment on ``grid``: a Poisson or truncated-Poisson step self-composed, or Gaussians
     on every example it touches (releases; shuffled epochs), whose noise multiplier is halved in a
     replace-one history (``replace_one_noise``)."""
@@ -558,7 +549,7 @@ class PrivacyAccountant:
 
     @property
     def adjacency(self) -> str:
-        """"add/remove" or "replace-one": the neighbouring datasets the history's epsilon is about."""
+        """ "add/remove" or "replace-one": the neighbouring datasets the history's epsilon is about."""
         return _adjacency(self._segments)
 
     @property
@@ -566,9 +557,7 @@ class PrivacyAccountant:
         """The one-off releases recorded (everything that is not a DP-SGD step)."""
         return tuple(s for s in self._segments if s.label != DP_SGD)
 
-    def step(
-        self, *, sample_rate: float, noise_multiplier: float, num_steps: int = 1, batches: BatchSampling = POISSON
-    ) -> None:
+    def step(self, *, sample_rate: float, noise_multiplier: float, num_steps: int = 1, batches: BatchSampling = POISSON) -> None:
         """Record ``num_steps`` steps run with sampling rate q and noise multiplier sigma.
 
         Args:

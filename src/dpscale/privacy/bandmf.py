@@ -668,8 +668,8 @@ class BandedNoise:
 
     def __init__(self, coefficients: Sequence[float]) -> None:
         """Args:
-            coefficients: c_0..c_{b-1}, normalised (||c||_2 = 1 within 1e-9), c_0 > 0: the
-                normalisation is what makes the noise private, so it is checked, not applied.
+        coefficients: c_0..c_{b-1}, normalised (||c||_2 = 1 within 1e-9), c_0 > 0: the
+            normalisation is what makes the noise private, so it is checked, not applied.
         """
         values = _check_coefficients(coefficients)
         norm = math.sqrt(math.fsum(x * x for x in values))
@@ -726,9 +726,7 @@ class BandedNoise:
             return
         newest = self._history[0]
         if set(newest) != set(z):
-            raise ValueError(
-                f"BandedNoise: the parameter names changed (history has {sorted(newest)}, got {sorted(z)})"
-            )
+            raise ValueError(f"BandedNoise: the parameter names changed (history has {sorted(newest)}, got {sorted(z)})")
         for name, tensor in z.items():
             if newest[name].shape != tensor.shape:
                 before, now = tuple(newest[name].shape), tuple(tensor.shape)

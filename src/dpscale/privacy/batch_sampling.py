@@ -69,7 +69,7 @@ class BatchSampling:
 
     @property
     def adjacency(self) -> str:
-        """"add/remove" or "replace-one": what the accounted guarantee is about."""
+        """ "add/remove" or "replace-one": what the accounted guarantee is about."""
         return ADJACENCY_OF[self.mode]
 
     def batch_size(self, sample_rate: float) -> int:

@@ -111,9 +111,7 @@ def calibrate_noise_multiplier(
         raise ValueError(_no_sigma_message(err, target_epsilon, steps, run, coarse)) from err
 
 
-def _no_sigma_message(
-    err: ValueError, target_epsilon: float, steps: int, run: dict[str, Any], coarse: Callable[[float], float]
-) -> str:
+def _no_sigma_message(err: ValueError, target_epsilon: float, steps: int, run: dict[str, Any], coarse: Callable[[float], float]) -> str:
     """The one-line refusal of a noise search that found no sigma.
 
     Args:
@@ -132,9 +130,7 @@ def _no_sigma_message(
     return _unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)
 
 
-def _coarse_start(
-    epsilon: Callable[[float], float], target_epsilon: float, guess: float, rel_tol: float
-) -> tuple[float, float]:
+def _coarse_start(epsilon: Callable[[float], float], target_epsilon: float, guess: float, rel_tol: float) -> tuple[float, float]:
     """Where the fine-grid search starts.
 
     Args:
@@ -162,9 +158,7 @@ class _BeyondPLD(ValueError):
     """The budget needs less noise than the PLD accountant can represent (args: the least sigma it can)."""
 
 
-def _unreachable_message(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, at_cap: Callable[[int], float]
-) -> str:
+def _unreachable_message(target_epsilon: float, delta: float, sample_rate: float, steps: int, at_cap: Callable[[int], float]) -> str:
     """One line: which budget cannot be met, the least epsilon the noise cap reaches, and what would work.
 
     Args:
@@ -187,9 +181,7 @@ def _unreachable_message(
     )
 
 
-def _beyond_pld_message(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, sigma: float, spent: float
-) -> str:
+def _beyond_pld_message(target_epsilon: float, delta: float, sample_rate: float, steps: int, sigma: float, spent: float) -> str:
     """One line for a budget past what the PLD accountant represents: ``sigma`` is the least noise
     it can account for (found to within 1%), ``spent`` that sigma's epsilon."""
     return (
@@ -220,14 +212,11 @@ def _check_releases_fit(target_epsilon: float, delta: float, kind: str, releases
     if spent >= target_epsilon:
         names = ", ".join(dict.fromkeys(r.label for r in releases))
         raise ValueError(
-            f"{names} alone spends epsilon={spent:.4g} >= the target {target_epsilon} at delta={delta}; "
-            "raise its noise or the budget"
+            f"{names} alone spends epsilon={spent:.4g} >= the target {target_epsilon} at delta={delta}; raise its noise or the budget"
         )
 
 
-def _solve_sigma(
-    epsilon: Callable[[float], float], target: float, guess: float, initial_step: float, rel_tol: float
-) -> float:
+def _solve_sigma(epsilon: Callable[[float], float], target: float, guess: float, initial_step: float, rel_tol: float) -> float:
     """Sigma whose epsilon lies in [target (1 - rel_tol), target] (epsilon decreasing in sigma).
 
     Args:
@@ -291,9 +280,7 @@ def _log_excess(epsilon: Callable[[float], float], log_aim: float) -> Callable[[
     return f
 
 
-def _bracket(
-    f: Callable[[float], float], x: float, step: float, accept: float
-) -> tuple[float, float, float, float]:
+def _bracket(f: Callable[[float], float], x: float, step: float, accept: float) -> tuple[float, float, float, float]:
     """(lo, f(lo), hi, f(hi)) in log sigma with f(lo) > 0 >= f(hi), f decreasing, searched from x
     with steps doubling from ``step``; lo = hi = x when |f(x)| <= accept (already in the band), and
     lo = hi below sigma 1e-3 (any noise fits).
@@ -408,9 +395,7 @@ def _search_steps(f: Callable[[int], float], guess: int, max_steps: int, growth:
     return _bisect_steps(f, lo, hi, f_lo, f_hi)
 
 
-def _bisect_steps(
-    f: Callable[[int], float], lo: int, hi: int, f_lo: float | None = None, f_hi: float | None = None
-) -> int:
+def _bisect_steps(f: Callable[[int], float], lo: int, hi: int, f_lo: float | None = None, f_hi: float | None = None) -> int:
     """Largest integer in [lo, hi) with f <= 0, given f(lo) <= 0 < f(hi); interpolates in log steps."""
     f_lo = f(lo) if f_lo is None else f_lo
     f_hi = f(hi) if f_hi is None else f_hi

@@ -249,7 +249,7 @@ def _why_unused(unused: list[str], patterns: list[str], group_of: dict[str, int]
 
 
 def _count(n: int, noun: str) -> str:
-    """"the 1 parameter" or "all 4 parameters", for the messages."""
+    """ "the 1 parameter" or "all 4 parameters", for the messages."""
     return f"the 1 {noun}" if n == 1 else f"all {n} {noun}s"
 
 

@@ -159,9 +159,7 @@ def _refusal(request: BandsRequest, bands: int, *, steps: int, sample_rate: floa
 SigmaFor = Callable[[int], tuple[float, bool]]
 
 
-def choose_bands(
-    request: BandsRequest, *, steps: int, sample_rate: float, sigma_for: SigmaFor
-) -> tuple[BandedNoisePlan, float, bool]:
+def choose_bands(request: BandsRequest, *, steps: int, sample_rate: float, sigma_for: SigmaFor) -> tuple[BandedNoisePlan, float, bool]:
     """The strategy a run uses, with its sigma.
 
     A fixed b is checked and optimised. ``auto`` optimises a strategy for each candidate b and

@@ -11,7 +11,12 @@ from dpscale.privacy.clipping import MaxGradNorm, is_per_layer, resolve_clip_gro
 from dpscale.privacy.autotune import MethodTuner, default_tuner
 from dpscale.privacy.ghost import GhostEngine, unsupported_modules
 from dpscale.privacy.per_example import (
-    LossFn, PerExampleEngine, VmapEngine, check_per_example_compatible, per_example_cross_entropy, trainable_params,
+    LossFn,
+    PerExampleEngine,
+    VmapEngine,
+    check_per_example_compatible,
+    per_example_cross_entropy,
+    trainable_params,
 )
 from dpscale.privacy.precision import FP32, Precision
 

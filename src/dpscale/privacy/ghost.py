@@ -50,7 +50,12 @@ from torch.overrides import TorchFunctionMode
 from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
 from dpscale.privacy.autotune import Candidate, MethodTuner
 from dpscale.privacy.clipping import (
-    MaxGradNorm, blocked_sq_norms, clip_dtype, is_per_layer, release_slack, resolve_clip_groups,
+    MaxGradNorm,
+    blocked_sq_norms,
+    clip_dtype,
+    is_per_layer,
+    release_slack,
+    resolve_clip_groups,
 )
 from dpscale.privacy.per_example import (
     Batch,
@@ -324,8 +329,8 @@ def _fold_views(r: _Record, t: torch.Tensor) -> torch.Tensor:
     if r.views == 1:
         return t
     rows, groups, d, length = t.shape
-    return t.reshape(rows // r.views, r.views, groups, d, length).permute(0, 2, 3, 1, 4).reshape(
-        rows // r.views, groups, d, r.views * length
+    return (
+        t.reshape(rows // r.views, r.views, groups, d, length).permute(0, 2, 3, 1, 4).reshape(rows // r.views, groups, d, r.views * length)
     )
 
 
@@ -465,8 +470,10 @@ def _conv_weight_method(r: _Record, a: torch.Tensor, g: torch.Tensor) -> str:
     if not r.gram_only:
         costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0), grouped=(explicit, 0.0))
         costs = _accurate_enough(costs, rule, length)
-    signature = (f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}"
-                 f"|groups={m.groups}|views={r.views}|{a.dtype}")
+    signature = (
+        f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}"
+        f"|groups={m.groups}|views={r.views}|{a.dtype}"
+    )
     return _tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), _conv_sums, b)
 
 
@@ -495,8 +502,13 @@ def _conv_sums(r: _Record, a: torch.Tensor, g: torch.Tensor, c: torch.Tensor) ->
             if isinstance(m, nn.Conv1d):
                 a, scaled = a.unsqueeze(2), scaled.unsqueeze(2)
             weight = torch.nn.grad.conv2d_weight(
-                a, (m.out_channels, m.in_channels // m.groups, *kernel), scaled,
-                stride=stride, padding=padding, dilation=dilation, groups=m.groups,
+                a,
+                (m.out_channels, m.in_channels // m.groups, *kernel),
+                scaled,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                groups=m.groups,
             )
             out["weight"] = weight.reshape(m.weight.shape)
     if r.trainable.get("bias"):
@@ -658,9 +670,7 @@ def _why_unsupported(module: nn.Module, trainable: list[str], prefix: str) -> st
     unknown = [prefix + n for n in trainable if n not in rule.params]
     if unknown:  # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
         return f"{type(module).__name__} with parameter(s) {', '.join(unknown)} that its rule does not know"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (
-        isinstance(module.padding, str) or module.padding_mode != "zeros"
-    ):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (isinstance(module.padding, str) or module.padding_mode != "zeros"):
         return f"{type(module).__name__} with padding={module.padding!r}, padding_mode={module.padding_mode!r}"
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
         return "Embedding with max_norm or scale_grad_by_freq"
@@ -789,9 +799,7 @@ class _Units:
     split: frozenset[str]
 
 
-def _clip_units(
-    records: list[_Record], layer_sq: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, params: Params
-) -> _Units:
+def _clip_units(records: list[_Record], layer_sq: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, params: Params) -> _Units:
     """The units and groups of a pass; a split layer's entry in ``layer_sq`` is set to the sum
     of its tensors' norms (what is clipped is what the self-check compares).
 
@@ -943,9 +951,7 @@ class GhostEngine(ClippedSumMixin):
     def name(self) -> str:
         return self.mode
 
-    def clipped_sum_and_losses(
-        self, model: nn.Module, params: Params, batch: Batch
-    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
         refuse_units(batch, self.mode)
         x, _ = batch
         if x.shape[0] == 0:
@@ -1001,9 +1007,7 @@ class GhostEngine(ClippedSumMixin):
                     grad_sum[_full_name(r.name, local)] = s
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
-    def _layer_norms(
-        self, records: list[_Record], out_grads: list[torch.Tensor | None], x: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
+    def _layer_norms(self, records: list[_Record], out_grads: list[torch.Tensor | None], x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-example squared norms (B,) of the chunk ``x`` by layer, each layer's output freed
         once used. In 16-bit precision each record is first taken to float32 (its gradient
         unscaled)."""
@@ -1056,9 +1060,7 @@ class GhostEngine(ClippedSumMixin):
             )
         return True
 
-    def _recorded_forward(
-        self, model: nn.Module, params: Params, batch: Batch, watch: bool
-    ) -> tuple[list[_Record], torch.Tensor]:
+    def _recorded_forward(self, model: nn.Module, params: Params, batch: Batch, watch: bool) -> tuple[list[_Record], torch.Tensor]:
         """One forward pass with every trainable layer's (input, output) recorded, checked for
         routes the records would miss (under the outside-use monitor when ``watch``). A layer
         whose recorded tensor is changed in place later is recorded from a copy, from then on
@@ -1074,9 +1076,7 @@ class GhostEngine(ClippedSumMixin):
                 )
             for r in records:
                 if r.calls > 1:
-                    raise ValueError(
-                        f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
-                    )
+                    raise ValueError(f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap")
             records = [r for r in records if r.calls]  # a layer that did not run has zero gradient
             detached = [r.name for r in records if not r.output.requires_grad]
             if detached:  # run under no_grad, e.g. by reentrant activation checkpointing
@@ -1124,7 +1124,11 @@ class GhostEngine(ClippedSumMixin):
 
     @staticmethod
     def _records(
-        model: nn.Module, params: Params, views: int, gram_only: bool, tuner: MethodTuner | None,
+        model: nn.Module,
+        params: Params,
+        views: int,
+        gram_only: bool,
+        tuner: MethodTuner | None,
         state: _ModelState | None = None,
     ) -> list[_Record]:
         """A fresh record for each layer holding a parameter of ``params``; the walk over the
@@ -1133,10 +1137,7 @@ class GhostEngine(ClippedSumMixin):
         if state is None or state.layers_key != key:
             layers = []
             for name, module in model.named_modules():
-                local = {
-                    pname: (f"{name}.{pname}" if name else pname) in params
-                    for pname, _ in module.named_parameters(recurse=False)
-                }
+                local = {pname: (f"{name}.{pname}" if name else pname) in params for pname, _ in module.named_parameters(recurse=False)}
                 if any(local.values()):
                     layers.append((module, name, local))
             if state is None:

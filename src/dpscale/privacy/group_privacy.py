@@ -29,9 +29,7 @@ from dpscale.choices import PRIVACY_UNITS
 
 UNITS = PRIVACY_UNITS  # the names live in dpscale.choices
 GROUP_PRIVACY_SOURCE = "Dwork & Roth 2014, Thm 2.2; Vadhan 2017, Lemma 2.2"
-GROUP_PRIVACY_LABEL = (
-    "group privacy: an upper bound, what the example-level guarantee promises; the true guarantee may be better"
-)
+GROUP_PRIVACY_LABEL = "group privacy: an upper bound, what the example-level guarantee promises; the true guarantee may be better"
 
 
 def group_epsilon(*, epsilon: float, group_size: int) -> float:
@@ -173,9 +171,7 @@ def _log_grid(low: float, high: float, count: int) -> list[float]:
     return [low * math.exp(i * step) for i in range(count - 1)] + [high]
 
 
-def _best_feasible(
-    deltas: Sequence[float], epsilons: Sequence[float], target_delta: float, group_size: int
-) -> tuple[float, float] | None:
+def _best_feasible(deltas: Sequence[float], epsilons: Sequence[float], target_delta: float, group_size: int) -> tuple[float, float] | None:
     """(epsilon, delta') of the smallest epsilon among the deltas' whose group delta meets the target."""
     feasible = [
         (float(e), d) for d, e in zip(deltas, epsilons)

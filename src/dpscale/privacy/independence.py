@@ -44,14 +44,10 @@ from dpscale.privacy.precision import FP32
 MIN_EXAMPLES = 2  # fewer: nothing to compare (and nothing for one example to mix with)
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 # What a one-line refusal advises, by what mixed the examples (one place for each text).
-MODEL_MIXING_FIX = (
-    "use per-example layers (GroupNorm/LayerNorm instead of BatchNorm; dim 0 as the batch, batch_first=True)"
-)
+MODEL_MIXING_FIX = "use per-example layers (GroupNorm/LayerNorm instead of BatchNorm; dim 0 as the batch, batch_first=True)"
 LOSS_MIXING_FIX = "DP-SGD needs each example's loss to depend on that example alone (no in-batch contrastive/centred logits)"
 STATE_WRITE = "writes its"
-STATE_WRITE_FIX = (
-    "compute such values from public data before make_private/the run (or keep them out of the model's state)"
-)
+STATE_WRITE_FIX = "compute such values from public data before make_private/the run (or keep them out of the model's state)"
 RANDOM_DRAWS_FIX = (
     "its examples cannot be checked for independence: use nn.Dropout modules (switched off during the check) "
     "instead of functional dropout or added noise, or turn the checks off (train.self_check=false, "
@@ -177,9 +173,7 @@ def _comparisons(batch: Batch) -> list[Comparison]:
     return parts
 
 
-def _random_draws(
-    engine: PerExampleEngine, model: nn.Module, batch: Batch, full: torch.Tensor, tol: float
-) -> tuple[str | None, str]:
+def _random_draws(engine: PerExampleEngine, model: nn.Module, batch: Batch, full: torch.Tensor, tol: float) -> tuple[str | None, str]:
     """Whether the training-mode forward pass draws random numbers other than nn.Dropout's (a
     functional dropout, added noise): the same chunk under another seed gives other losses. Such
     a model cannot be checked by comparing passes (its draws follow batch positions)."""
@@ -282,6 +276,7 @@ def _mixing_layer(
             first = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(first, torch.Tensor):
                 outputs.setdefault(name, []).append(first.detach().double())
+
         return hook
 
     handles = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if name]

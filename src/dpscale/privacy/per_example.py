@@ -86,6 +86,7 @@ def user_sum_loss(rows: int, base: LossFn | None = None) -> LossFn:
     """A row's loss times k (``base``'s, default cross-entropy; 0 on a padding row): ``mean_over_views``
     over a user's k (x K AugMult views) rows then gives the user the sum of its examples' losses
     (each example's the mean over its views)."""
+
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if base is None:
             return F.cross_entropy(logits, targets, reduction="none", ignore_index=PADDING_LABEL) * rows
@@ -147,9 +148,7 @@ def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:
     """Refuse an unpadded chunk of users (x, y, offsets), in one line: engines take users only as
     ``padded_units`` rows, which their AugMult path sums per user."""
     if len(batch) != 2:
-        raise ValueError(
-            f"engine {engine} takes a chunk of users as padded_units(chunk, k) with views=k and loss_fn=user_sum_loss(k)"
-        )
+        raise ValueError(f"engine {engine} takes a chunk of users as padded_units(chunk, k) with views=k and loss_fn=user_sum_loss(k)")
 
 
 def per_example_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -169,9 +168,15 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
     rows = y.reshape(-1) if getattr(loss_fn, "per_row_targets", False) else y.repeat_interleave(views)
     return loss_fn(logits, rows).reshape(-1, views).mean(1)
 
+
 def clip_units(
-    unit_sq_norms: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, group_of: dict[str, int] | None = None,
-    *, zeros: torch.Tensor, unit_slack: dict[str, torch.Tensor] | None = None, gamma: float | None = None,
+    unit_sq_norms: dict[str, torch.Tensor],
+    max_grad_norm: MaxGradNorm,
+    group_of: dict[str, int] | None = None,
+    *,
+    zeros: torch.Tensor,
+    unit_slack: dict[str, torch.Tensor] | None = None,
+    gamma: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-example clip factors of each unit (a parameter, or a layer) and the total norms.
 
@@ -274,34 +279,43 @@ _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 # bk/ghost have no rule for their parameters, but run a frozen one as it is.
 REFUSED_LAYERS: tuple[LayerRefusal, ...] = (
     LayerRefusal(
-        (nn.modules.batchnorm._BatchNorm,), lambda m: True,
-        "mixes examples within a batch, so per-example gradients (and the DP guarantee) break", _NORM_FIX,
+        (nn.modules.batchnorm._BatchNorm,),
+        lambda m: True,
+        "mixes examples within a batch, so per-example gradients (and the DP guarantee) break",
+        _NORM_FIX,
     ),
     LayerRefusal(
-        (nn.modules.instancenorm._InstanceNorm,), lambda m: m.track_running_stats,
+        (nn.modules.instancenorm._InstanceNorm,),
+        lambda m: m.track_running_stats,
         "keeps running statistics of the private batch (updated without noise)",
         f"set track_running_stats=False, or {_NORM_FIX}",
     ),
     LayerRefusal(
-        _RECURRENT, _trainable,
+        _RECURRENT,
+        _trainable,
         "has no exact per-example gradient in any engine (torch's fused recurrent kernel)",
         "write the recurrence with nn.Linear layers applied at each time step and use engine=vmap, or freeze "
         "the layer (requires_grad_(False)) and use engine=bk",
     ),
     LayerRefusal(
-        _RECURRENT, lambda m: True,
+        _RECURRENT,
+        lambda m: True,
         "cannot run inside the vmap engine (torch's fused recurrent kernel writes its state in place)",
-        "use engine=bk or ghost, which run a frozen recurrent layer as it is", engines=("vmap",),
+        "use engine=bk or ghost, which run a frozen recurrent layer as it is",
+        engines=("vmap",),
     ),
     LayerRefusal(
-        _EMBEDDINGS, lambda m: m.max_norm is not None,
+        _EMBEDDINGS,
+        lambda m: m.max_norm is not None,
         "renormalises its weight in place during the forward pass (a write to the model that depends on "
         "the private batch and is never noised)",
         "set max_norm=None (renormalise the weight after each optimizer step instead, if it is needed)",
     ),
     LayerRefusal(
-        _EMBEDDINGS, lambda m: m.sparse and _trainable(m),
-        "has sparse gradients, which no engine can take per example", "set sparse=False",
+        _EMBEDDINGS,
+        lambda m: m.sparse and _trainable(m),
+        "has sparse gradients, which no engine can take per example",
+        "set sparse=False",
     ),
 )
 
@@ -323,9 +337,7 @@ def check_per_example_compatible(model: nn.Module, engine: str | None = None) ->
         for refusal in REFUSED_LAYERS:
             concerned = refusal.engines is None or engine in refusal.engines
             if concerned and isinstance(module, refusal.layers) and refusal.applies(module):
-                raise ValueError(
-                    f"layer {name or '<root>'!r} ({type(module).__name__}) {refusal.reason}; {refusal.fix}"
-                )
+                raise ValueError(f"layer {name or '<root>'!r} ({type(module).__name__}) {refusal.reason}; {refusal.fix}")
 
 
 class PerExampleEngine(Protocol):
@@ -340,9 +352,7 @@ class PerExampleEngine(Protocol):
         """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""
         ...
 
-    def clipped_sum_and_losses(
-        self, model: nn.Module, params: Params, batch: Batch
-    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
         """As ``per_example_clipped_sum`` plus the per-example losses (for logging)."""
         ...
 
@@ -384,9 +394,7 @@ class VmapEngine(ClippedSumMixin):
     precision: Precision = FP32
     clip_gamma: float | None = None
 
-    def clipped_sum_and_losses(
-        self, model: nn.Module, params: Params, batch: Batch
-    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
         refuse_units(batch, self.name)
         x, y = batch
         if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train

@@ -20,7 +20,11 @@ from dpscale.privacy.accountant import AccountingSegment, compute_epsilon, histo
 from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling, batch_sampling_for
 from dpscale.privacy.accountant import FREE_CAP_TOLERANCE
 from dpscale.privacy.sampling_plan import (
-    AUTO_CAP, accountant_for, check_sampling_settings, resolve_batch_cap, truncation_rate,
+    AUTO_CAP,
+    accountant_for,
+    check_sampling_settings,
+    resolve_batch_cap,
+    truncation_rate,
 )
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import (
@@ -294,7 +298,7 @@ class DPPlan:
 
     @property
     def adjacency(self) -> str:
-        """"add/remove" or "replace-one": which neighbouring datasets the guarantee is about."""
+        """ "add/remove" or "replace-one": which neighbouring datasets the guarantee is about."""
         return self.batch_sampling.adjacency
 
     @property
@@ -938,9 +942,7 @@ def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:
     if reference.simulation is not None:
         raise ConfigError("cannot simulate a simulation")
     if not 0 < batch_size <= reference.dataset_size:
-        raise ConfigError(
-            f"dp.simulated_batch_size={batch_size} must be in [1, N={reference.dataset_size}]"
-        )
+        raise ConfigError(f"dp.simulated_batch_size={batch_size} must be in [1, N={reference.dataset_size}]")
     sigma = simulated_noise_multiplier(reference.noise_multiplier, reference.batch_size, batch_size)
     q = batch_size / reference.dataset_size
     own = compute_epsilon(

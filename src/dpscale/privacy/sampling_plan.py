@@ -42,8 +42,7 @@ def check_sampling_settings(
     clash = "dp.clipping=adaptive" if adaptive else "a TAN simulation (dp.simulated_batch_size)" if simulated else None
     if clash:
         raise ConfigError(
-            f"dp.sampling={sampling} is accounted under replace-one adjacency, which {clash} is not written for; "
-            "use dp.sampling=poisson"
+            f"dp.sampling={sampling} is accounted under replace-one adjacency, which {clash} is not written for; use dp.sampling=poisson"
         )
 
 

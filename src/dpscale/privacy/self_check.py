@@ -40,6 +40,7 @@ from dpscale.privacy.reference import PerExampleReference, float64_copy, per_exa
 
 SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
 
+
 @dataclass(frozen=True)
 class SelfCheckResult:
     """Attributes:
@@ -152,7 +153,11 @@ def _judged_in_float64(engine: PerExampleEngine, copy: tuple, tol: float, starte
 
 
 def _reference(
-    engine: PerExampleEngine, model: nn.Module, params: Params, batch: Batch, precision: Precision = FP32,
+    engine: PerExampleEngine,
+    model: nn.Module,
+    params: Params,
+    batch: Batch,
+    precision: Precision = FP32,
     release_dtype: torch.dtype = torch.float32,
 ) -> PerExampleReference:
     """The per-example loop for ``engine``'s C, loss and views, through ``model`` as it is, with
@@ -160,8 +165,15 @@ def _reference(
     loss_fn = getattr(engine, "loss_fn", per_example_cross_entropy)
     views = getattr(engine, "views", 1)
     return per_example_reference(
-        model, batch, engine.max_grad_norm, loss_fn=loss_fn, views=views, names=list(params), precision=precision,
-        release_dtype=release_dtype, clip_gamma=getattr(engine, "clip_gamma", None),
+        model,
+        batch,
+        engine.max_grad_norm,
+        loss_fn=loss_fn,
+        views=views,
+        names=list(params),
+        precision=precision,
+        release_dtype=release_dtype,
+        clip_gamma=getattr(engine, "clip_gamma", None),
     )
 
 

@@ -171,9 +171,7 @@ def privacy_search_pairs(
     return pairs
 
 
-def wall_curve_points(
-    eta: float, steps: int, noise_multipliers: tuple[float, ...]
-) -> list[tuple[float, float]]:
+def wall_curve_points(eta: float, steps: int, noise_multipliers: tuple[float, ...]) -> list[tuple[float, float]]:
     """(sigma, q) along a constant-eta curve at ``steps`` steps: q = sqrt(2) sigma eta / sqrt(S).
 
     Points where q would exceed 1 are left out.

@@ -221,9 +221,7 @@ def _check_centring(configured: bool, saved: bool) -> None:
         )
 
 
-def _model(
-    config: Config, info: Any, seeds: dict[str, int], log: Log, initial_weights: bool
-) -> tuple[nn.Module, dict[str, Any] | None]:
+def _model(config: Config, info: Any, seeds: dict[str, int], log: Log, initial_weights: bool) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model, seeded, with model.init's weights and Mean-Var scaling applied for a new run."""
     cfg = config.model
     torch.manual_seed(seeds["init"])

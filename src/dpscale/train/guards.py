@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dpscale.clip_norms import MaxGradNorm, check_same_tensors
 from dpscale.privacy.independence import check_batch_independence
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 
@@ -54,3 +55,24 @@ def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch)
     if result is not None and not result.ok:
         raise ValueError(f"on the first training batch: {result.describe()}")
     return engine
+
+
+def check_optimizer_covers_trainable(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: MaxGradNorm) -> None:
+    """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
+    replaced, or layers unfrozen, after the optimizer was made): it would be clipped and
+    noised but never updated, a silent no-op. (Freezing later is fine: a frozen parameter gets
+    no gradient, so the optimizer leaves it alone; not under per-tensor bounds, though.)
+
+    Raises:
+        ValueError: such a parameter, or per-tensor bounds that no longer name the trainable tensors.
+    """
+    check_same_tensors(max_grad_norm, [n for n, p in model.named_parameters() if p.requires_grad])
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in optimized)
+    if missing:
+        raise ValueError(
+            f"trainable parameters not in the optimizer: {', '.join(missing)} (a head replaced or layers "
+            "unfrozen after the optimizer was made: they would never be updated). Replace the head or "
+            "unfreeze before the run is built (model.freeze_groups in the config; in your own loop, make the "
+            "optimizer and call make_private after the change)"
+        )

@@ -107,9 +107,7 @@ class Trainer:
         self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)  # torch takes 64 bits
 
     @classmethod
-    def create(
-        cls, config: Config, progress: bool = True, hooks: RunHooks | None = None, report: bool | None = None
-    ) -> "Trainer":
+    def create(cls, config: Config, progress: bool = True, hooks: RunHooks | None = None, report: bool | None = None) -> "Trainer":
         """Start a new run in ``config.run.out_dir`` (``hooks``: an audit's canaries, see ``RunHooks``).
 
         Refuses a directory that holds a checkpointed run or that another process trains in; what a
@@ -124,9 +122,7 @@ class Trainer:
         return session.load(cls, run_dir, progress)
 
     @classmethod
-    def resume(
-        cls, run_dir: str | Path, progress: bool = True, overrides: Sequence[str] = (), report: bool | None = None
-    ) -> "Trainer":
+    def resume(cls, run_dir: str | Path, progress: bool = True, overrides: Sequence[str] = (), report: bool | None = None) -> "Trainer":
         """Continue the run in ``run_dir`` from its newest intact checkpoint, exactly where it stopped.
 
         Args:
@@ -188,7 +184,11 @@ class Trainer:
             try:
                 save_checkpoint(path, saved)
             except OSError as err:
-                kept = "no earlier checkpoint" if self._checkpoint_step is None else f"the checkpoint of step {self._checkpoint_step} is intact"
+                kept = (
+                    "no earlier checkpoint"
+                    if self._checkpoint_step is None
+                    else f"the checkpoint of step {self._checkpoint_step} is intact"
+                )
                 raise OSError(f"cannot write {path} at step {self.step}: {err.strerror or err}; {kept}") from err
         self._checkpoint_step = self.step
         self._saved_at = time.perf_counter()

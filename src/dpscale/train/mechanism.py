@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from dpscale.clip_norms import check_same_tensors
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.autotune import methods_state, pin_methods
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
@@ -36,7 +35,13 @@ from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
 from dpscale.privacy.bandmf import BandedNoise
 from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
-from dpscale.train.guards import FirstChunkCheck, independence_check, model_digest, refuse_steps_outside_the_mechanism
+from dpscale.train.guards import (
+    FirstChunkCheck,
+    check_optimizer_covers_trainable,
+    independence_check,
+    model_digest,
+    refuse_steps_outside_the_mechanism,
+)
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 from dpscale.train.units import (
     DrawnChunks, check_chunk_fits, check_gathered, user_step_chunks_of, users_per_chunk,
@@ -222,7 +227,7 @@ class DPMechanism:
                 up to the batch ``sample()`` drew (``step``'s own check).
         """
         self._check_budget()
-        self._check_parameters()
+        check_optimizer_covers_trainable(self.model, self.optimizer, self.plan.max_grad_norm)
         history = self.correlated_noise.snapshot() if self.correlated_noise is not None else None
         with self.engine.precision.matmul_flags():  # the check and the step in the plan's precision
             chunks = self._run_first_chunk_check(chunks)
@@ -263,8 +268,13 @@ class DPMechanism:
     def _release_count_and_move_clip(self, stats: StepStats, adaptive: AdaptiveClipping) -> None:
         """Adaptive clipping: the noisy share of unclipped examples of this step (drawn from the
         noise generator after the gradient's noise), and C_{t+1} from it."""
-        share = noisy_unclipped_fraction(stats.examples - stats.clipped, stats.examples, generator=self.noise_generator,
-                                         expected_batch_size=self.plan.batch_size, count_noise=adaptive.count_noise)
+        share = noisy_unclipped_fraction(
+            stats.examples - stats.clipped,
+            stats.examples,
+            generator=self.noise_generator,
+            expected_batch_size=self.plan.batch_size,
+            count_noise=adaptive.count_noise,
+        )
         self.clip = next_clip(self.clip, share, adaptive)
 
     def _run_first_chunk_check(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
@@ -288,22 +298,6 @@ class DPMechanism:
     def _keeps_noise_history(self) -> bool:
         """Whether a checkpoint holds BandMF's past noise: a seeded run's, without dp.secure_noise."""
         return self.correlated_noise is not None and self.plan.seeded and not self.plan.secure_noise
-
-    def _check_parameters(self) -> None:
-        """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
-        replaced, or layers unfrozen, after the optimizer was made): it would be clipped and
-        noised but never updated, a silent no-op. (Freezing later is fine: a frozen parameter gets
-        no gradient, so the optimizer leaves it alone; not under per-tensor bounds, though.)"""
-        check_same_tensors(self.plan.max_grad_norm, [n for n, p in self.model.named_parameters() if p.requires_grad])
-        optimized = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        missing = sorted(n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in optimized)
-        if missing:
-            raise ValueError(
-                f"trainable parameters not in the optimizer: {', '.join(missing)} (a head replaced or layers "
-                "unfrozen after the optimizer was made: they would never be updated). Replace the head or "
-                "unfreeze before the run is built (model.freeze_groups in the config; in your own loop, make the "
-                "optimizer and call make_private after the change)"
-            )
 
     def _check_budget(self) -> None:
         if self.steps_taken >= self.plan.steps:

@@ -21,9 +21,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 
 @torch.no_grad()
-def evaluate_batches(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
-) -> tuple[float, float]:
+def evaluate_batches(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[float, float]:
     """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` over (x, y) batches on ``device``."""
     was_training = model.training
     model.eval()

@@ -54,9 +54,7 @@ def lr_multiplier(step: int, total_steps: int, schedule: str, warmup_steps: int 
     raise ValueError(f"unknown schedule {schedule!r}; choose constant or cosine")
 
 
-def build_scheduler(
-    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(step, total_steps, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio),

@@ -91,9 +91,7 @@ def workload_for(optim: OptimConfig, steps: int) -> Workload:
     momentum = optim.momentum if optim.name == "sgd" else 0.0
     multipliers = None
     if optim.schedule != "constant" or optim.warmup_steps:
-        multipliers = tuple(
-            lr_multiplier(t, steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio) for t in range(steps)
-        )
+        multipliers = tuple(lr_multiplier(t, steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio) for t in range(steps))
     return Workload(steps=steps, momentum=momentum, lr_multipliers=multipliers)
 
 

@@ -136,14 +136,13 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "mechanism": plan.mechanism,
         # BandMF: b, why, its strategy and amplified accounting (ceil(S/b) compositions at p = b*q)
         "bandmf": (
-            {**asdict(plan.correlated), "participation_rate": plan.participation_rate,
-             "compositions": plan.compositions(trainer.step)} if plan.correlated else None
+            {**asdict(plan.correlated), "participation_rate": plan.participation_rate, "compositions": plan.compositions(trainer.step)}
+            if plan.correlated
+            else None
         ),  # fmt: skip
         "eps_tan": plan.eps_tan,
         "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
-        "simulation": (
-            {**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None
-        ),
+        "simulation": ({**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None),
         "reference_epsilon": plan.reference_epsilon(trainer.step) if plan.simulation else None,
         "privacy_warnings": trainer.privacy_warnings(),
         "features": built.config.features.extractor,

@@ -21,9 +21,7 @@ if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no 
 T = TypeVar("T")
 
 
-def start(
-    cls: type, config: Config, progress: bool, hooks: RunHooks | None, report: bool | None
-) -> Trainer:
+def start(cls: type, config: Config, progress: bool, hooks: RunHooks | None, report: bool | None) -> Trainer:
     """``Trainer.create``: a new run in ``config.run.out_dir``, its directory locked until ``run`` returns."""
     dist = init_distributed(config.run.device)
     claim = on_main(dist, lambda: open_new_run(config.run.out_dir))
@@ -49,9 +47,7 @@ def load(cls: type, run_dir: str | Path, progress: bool) -> Trainer:
     return _from_checkpoint(cls, config, state, progress, None)
 
 
-def resume(
-    cls: type, run_dir: str | Path, progress: bool, overrides: Sequence[str], report: bool | None
-) -> Trainer:
+def resume(cls: type, run_dir: str | Path, progress: bool, overrides: Sequence[str], report: bool | None) -> Trainer:
     """``Trainer.resume``: the run in ``run_dir`` continued from its newest intact checkpoint."""
     run_dir = Path(run_dir)
     refuse_audit_run(run_dir)
@@ -68,9 +64,7 @@ def resume(
     return trainer
 
 
-def _from_checkpoint(
-    cls: type, config: Config, state: dict[str, Any], progress: bool, report: bool | None
-) -> Trainer:
+def _from_checkpoint(cls: type, config: Config, state: dict[str, Any], progress: bool, report: bool | None) -> Trainer:
     saved_plan = DPPlan(**state["mechanism"]["plan"])
     # a state without its released statistics is refused (drawing them again would be a second release)
     trainer = cls(config, progress, plan=saved_plan, feature_norm=state.get("feature_norm"), report=report)
@@ -78,9 +72,7 @@ def _from_checkpoint(
     return trainer
 
 
-def _continue(
-    cls: type, run_dir: Path, config: Config, progress: bool, overrides: Sequence[str], report: bool | None
-) -> Trainer:
+def _continue(cls: type, run_dir: Path, config: Config, progress: bool, overrides: Sequence[str], report: bool | None) -> Trainer:
     """``resume`` under the lock: the newest intact checkpoint loaded, config edits checked."""
     latest = latest_checkpoint(run_dir)
     if latest.state is None:  # stopped before its first checkpoint: starts again from step 0

@@ -26,9 +26,7 @@ FRESH_CORRELATED_NOISE_ON_RESUME = (
 def training_state(trainer: Trainer) -> dict[str, Any]:
     """The checkpoint. Collective with P processes: gathers every rank's sampling streams."""
     built = trainer.built
-    streams = built.dist.all_gather_object(
-        {"sampler": trainer.sampler_state(), "augment_generator": trainer.augment_generator.get_state()}
-    )
+    streams = built.dist.all_gather_object({"sampler": trainer.sampler_state(), "augment_generator": trainer.augment_generator.get_state()})
     mechanism = {**built.mechanism.state_dict(), "sampler": streams[0]["sampler"]}  # before the next draw
     return {
         "step": trainer.step,
@@ -56,8 +54,7 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
     built = trainer.built
     if state["data_fingerprint"] != built.data_fingerprint:
         raise ConfigError(
-            f"the training data at data.root={built.config.data.root!r} differs from the data this run "
-            "was trained on; refusing to resume"
+            f"the training data at data.root={built.config.data.root!r} differs from the data this run was trained on; refusing to resume"
         )
     built.model.load_state_dict(state["model"])  # first: the mechanism's state is tied to these weights
     try:

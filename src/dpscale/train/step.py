@@ -88,9 +88,7 @@ class StepStats:
         return {name: getattr(StepStats(self.counts.cpu()), name) for name in names}
 
 
-def physical_chunks(
-    x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max_physical_batch_size: int
-) -> Iterable[Batch]:
+def physical_chunks(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max_physical_batch_size: int) -> Iterable[Batch]:
     """Gather a logical batch chunk by chunk, so at most ``max_physical_batch_size``
     examples are materialised at once however large the logical batch (64k+) is."""
     for chunk in indices.split(max_physical_batch_size):

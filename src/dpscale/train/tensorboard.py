@@ -77,7 +77,8 @@ class RunBoard:
         """The config and the privacy statement as text, at the session's first step."""
         plan = trainer.plan
         statement = [plan.describe(), plan.meaning(), *filter(None, [plan.planned_odds()])] + [
-            f"WARNING: {n}" for n in plan.caveats() + trainer.privacy_warnings()]
+            f"WARNING: {n}" for n in plan.caveats() + trainer.privacy_warnings()
+        ]
         if plan.is_private:
             statement.append(GUARANTEE_SCOPE)
         self.writer.add_text("config", _code(config_yaml(trainer.config)), trainer.step)

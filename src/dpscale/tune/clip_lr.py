@@ -77,10 +77,7 @@ def choose_clip_norm(values: list[GridValue], tolerance: float, higher_is_better
     if unclipped is None or unclipped.metric is None:
         raise ValueError("the unclipped run (dp.max_grad_norm=null) did not finish; cannot choose a clipping norm")
     sign = 1.0 if higher_is_better else -1.0
-    ok = [
-        v.value for v in values
-        if v.value is not None and v.metric is not None and sign * (unclipped.metric - v.metric) <= tolerance
-    ]
+    ok = [v.value for v in values if v.value is not None and v.metric is not None and sign * (unclipped.metric - v.metric) <= tolerance]
     if not ok:
         raise ValueError(
             f"no clipping norm came within {tolerance:g} of the unclipped {unclipped.metric:.4g}; "
@@ -185,8 +182,7 @@ def clip_lr_report(result: ClipLrResult) -> str:
         f"{result.tolerance:g} of the unclipped {result.metric} ({result.unclipped:.4f}).",
         "",
     ]
-    lines += _value_table("C", result.clip_norms, result.chosen_clip_norm, result.metric,
-                          lambda v: "unclipped" if v is None else f"{v:g}")
+    lines += _value_table("C", result.clip_norms, result.chosen_clip_norm, result.metric, lambda v: "unclipped" if v is None else f"{v:g}")
     lines += ["", f"Stage 3: the target sigma, C = {result.chosen_clip_norm:g}.", ""]
     lines += _value_table("lr", result.learning_rates, result.chosen_lr, result.metric, lambda v: str(display_value(repr(v))))
     lines += [

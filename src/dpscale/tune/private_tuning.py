@@ -53,10 +53,7 @@ K_SECRET = (
     "K, the number of trials drawn, must stay secret, and so must every other trial (its run, result, "
     "index or seed): the tuned epsilon holds only while K is hidden"
 )
-TUNER_PRIVATE = (
-    f"PRIVATE TO THE TUNER: this reveals K and the other trials; never publish it. {K_SECRET}. "
-    f"Publish only {RELEASED_DIR}/"
-)
+TUNER_PRIVATE = f"PRIVATE TO THE TUNER: this reveals K and the other trials; never publish it. {K_SECRET}. Publish only {RELEASED_DIR}/"
 
 
 def tuning_from_text(text: str, grid_keys: list[str]) -> TuningDistribution:
@@ -86,8 +83,7 @@ def check_tuning_metric(metric: str) -> None:
     """Refuse a selection ``metric`` that is not measured on the test split (see TEST_METRICS)."""
     if metric not in TEST_METRICS:
         raise ConfigError(
-            f"--private-tuning selects on the test split only; --metric {metric} is not a test-split metric "
-            f"(use {', '.join(TEST_METRICS)})"
+            f"--private-tuning selects on the test split only; --metric {metric} is not a test-split metric (use {', '.join(TEST_METRICS)})"
         )
 
 

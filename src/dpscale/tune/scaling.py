@@ -229,9 +229,7 @@ def fit_sweep(
     keys = {k for r in chosen for k in r["point"]} - set(BATCH_KEYS) - set(REPEAT_KEYS) - set(where)
     varying = sorted(k for k in keys if len({json_key(r["point"].get(k)) for r in chosen}) > 1)
     if varying:
-        raise ValueError(
-            f"the sweep also varies {', '.join(varying)}; fit one setting at a time with --where KEY=VALUE"
-        )
+        raise ValueError(f"the sweep also varies {', '.join(varying)}; fit one setting at a time with --where KEY=VALUE")
     runs = [_law_point(r["summary"], r["run_dir"], metric) for r in chosen]
     runs += [_law_point(summary, run_dir, metric) for run_dir, summary in reference_summaries]
     infos = [info for _, info in runs]

@@ -350,9 +350,7 @@ def sorted_done(results: list[PointResult], metric: str, ascending: bool) -> lis
     return sorted(done, key=lambda r: r.summary[metric], reverse=not ascending)
 
 
-def results_table(
-    results: list[PointResult], spec: SweepSpec, total: int | None = None, release: dict[str, Any] | None = None
-) -> str:
+def results_table(results: list[PointResult], spec: SweepSpec, total: int | None = None, release: dict[str, Any] | None = None) -> str:
     """Markdown: the finished points sorted by the metric, then failures, then the caveat (or,
     for private tuning, what may be released)."""
     keys = [k for k, _ in spec.grid]
@@ -393,7 +391,6 @@ def results_table(
     return "\n".join(lines) + "\n"
 
 
-
 def tuning_text(spec: SweepSpec, release: dict[str, Any] | None) -> str:
     """The sweep's statement about tuning: the caveat, or the private tuning's release."""
     if not spec.private_tuning:
@@ -402,7 +399,4 @@ def tuning_text(spec: SweepSpec, release: dict[str, Any] | None) -> str:
         return "**Private tuning in progress: nothing may be released before every drawn trial has finished.**"
     if not release["released"]:
         return f"**{release_statement(release)}**"
-    return (
-        f"**{release_statement(release)} It is rank 1 above; the other rows are for the tuner alone: releasing "
-        "them is not covered.**"
-    )
+    return f"**{release_statement(release)} It is rank 1 above; the other rows are for the tuner alone: releasing them is not covered.**"

@@ -52,8 +52,11 @@ def privacy_search_table(
                 steps=pair.steps,
                 noise_multiplier=pair.noise_multiplier,
                 epsilon=compute_epsilon(
-                    sample_rate=pair.sample_rate, noise_multiplier=pair.noise_multiplier, steps=pair.steps,
-                    delta=delta, kind=accountant,
+                    sample_rate=pair.sample_rate,
+                    noise_multiplier=pair.noise_multiplier,
+                    steps=pair.steps,
+                    delta=delta,
+                    kind=accountant,
                 ),
                 eps_tan=eps_tan_from_eta(pair.eta, delta),
                 lr_scale=pair.lr_scale,
@@ -151,9 +154,7 @@ def data_size_table(
                 dataset_size=n,
                 sample_rate=q,
                 delta=row_delta,
-                epsilon=compute_epsilon(
-                    sample_rate=q, noise_multiplier=noise_multiplier, steps=steps, delta=row_delta, kind=accountant
-                ),
+                epsilon=compute_epsilon(sample_rate=q, noise_multiplier=noise_multiplier, steps=steps, delta=row_delta, kind=accountant),
                 eps_tan=eps_tan(q, noise_multiplier, steps, row_delta),
                 eta=eta,
                 global_snr=n * eta if math.isfinite(eta) else math.inf,
