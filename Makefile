@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test test-all gpu-check wheelhouse clean
+.PHONY: install demo lint typecheck test test-all gpu-check wheelhouse clean
 
 install: $(STAMP)
 
@@ -21,7 +21,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
-test: lint
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
 	$(BIN)/python -m pytest
 
 test-all: $(STAMP)

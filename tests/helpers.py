@@ -1,17 +1,23 @@
 """What several test modules share (issue 46, item 5): the shared data's paths, the short run
-configuration, the one-line-error check. Import it as ``from helpers import ...`` (pytest puts
-``tests/`` on the path); a test module imports nothing from another test module."""
+configurations (``short_config``, ``small_config``, ``tiny_config``), the one-line-error check.
+Import it as ``from helpers import ...`` (pytest puts ``tests/`` on the path); a test module
+imports nothing from another test module."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dpscale.cli import main
 from dpscale.config import Config, load_config
+from dpscale.privacy.make_plan import make_dp_plan
+from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan import DPPlan
 from dpscale.train.distributed import launch_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,23 +27,51 @@ SHARED_MNIST = SHARED_DATA / "mnist-10k"
 SHARED_FMNIST = SHARED_DATA / "fashion-mnist"
 
 
-def small_config(out_dir: Path | str, *extra: str) -> Config:
-    """A short private run on the embedded MNIST sample (N = 4000): 24 steps at B = 128, epsilon 4,
-    an evaluation about every 8 steps, chunks of 64, cosine schedule with warm-up; ``extra`` are
-    further ``--set`` overrides."""
+def short_config(out_dir: Path | str, steps: int, *extra: str) -> Config:
+    """The common short run: ``steps`` private steps of the default model (papernot-cnn) on the
+    embedded MNIST sample (N = 4000) at run.seed 0 and B = 128, an evaluation about every 8 steps,
+    the default target epsilon (3), chunks and optimiser; ``extra`` are further ``--set`` overrides."""
     return load_config(
         None,
         [
             f"run.out_dir={out_dir}",
             "run.seed=0",
             "dp.batch_size=128",
-            "dp.epsilon=4",
-            "train.steps=24",
+            f"train.steps={steps}",
             "train.eval_every_epochs=0.25",  # ~every 8 steps
-            "train.max_physical_batch_size=64",
-            "optim.momentum=0.9",
-            "optim.schedule=cosine",
-            "optim.warmup_steps=3",
+            *extra,
+        ],
+    )
+
+
+def small_config(out_dir: Path | str, *extra: str) -> Config:
+    """``short_config()`` of 24 steps at epsilon 4, chunks of 64, momentum 0.9 and a cosine schedule
+    with warm-up; ``extra`` are further ``--set`` overrides."""
+    return short_config(
+        out_dir,
+        24,
+        "dp.epsilon=4",
+        "train.max_physical_batch_size=64",
+        "optim.momentum=0.9",
+        "optim.schedule=cosine",
+        "optim.warmup_steps=3",
+        *extra,
+    )
+
+
+def tiny_config(out_dir: Path | str, *extra: str) -> Config:
+    """The cheapest private run: 3 steps of the linear model on the embedded MNIST sample at B = 64
+    and a fixed noise multiplier of 1 (no epsilon to calibrate), unseeded; ``extra`` are further
+    ``--set`` overrides."""
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out_dir}",
+            "model.name=linear",
+            "dp.batch_size=64",
+            "dp.epsilon=null",
+            "dp.noise_multiplier=1.0",
+            "train.steps=3",
             *extra,
         ],
     )
@@ -73,3 +107,11 @@ def run_job(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedP
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def plan_of(**settings: Any) -> DPPlan:
+    """``make_dp_plan`` from flat keywords: the privacy numbers among ``settings`` gathered into
+    ``PrivacyNumbers``, the rest (dataset_size, steps, releases, ...) passed as the run's facts."""
+    names = {f.name for f in dataclasses.fields(PrivacyNumbers)}
+    numbers = PrivacyNumbers(**{k: v for k, v in settings.items() if k in names})
+    return make_dp_plan(numbers, **{k: v for k, v in settings.items() if k not in names})

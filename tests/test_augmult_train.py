@@ -6,27 +6,16 @@ import json
 import pytest
 import torch
 
-from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
+from helpers import short_config
 
 pytest.importorskip("dpscale.data.augment")
 
 
 def config(out_dir, *extra):
-    return load_config(
-        None,
-        [
-            f"run.out_dir={out_dir}",
-            "run.seed=0",
-            "dp.batch_size=128",
-            "train.steps=8",
-            "train.eval_every_epochs=0.25",
-            "train.max_physical_batch_size=4096",
-            *extra,
-        ],
-    )
+    return short_config(out_dir, 8, "train.max_physical_batch_size=4096", *extra)
 
 
 # ghost and vmap only in the slow suite: what this checks through the trainer (the views reach the

@@ -17,8 +17,8 @@ from torch import nn
 import dpscale
 from dpscale.errors import ConfigError
 from dpscale.privacy.engines import make_engine
-from dpscale.privacy.plan import make_dp_plan
 from dpscale.privacy.reference import float64_reference
+from helpers import plan_of
 
 ENGINES = ["vmap", "bk", "ghost"]
 GAMMA = 0.01
@@ -96,12 +96,10 @@ def test_removing_one_example_through_make_private_moves_the_release_by_at_most_
 
 
 def test_dpscale_train_runs_it_and_says_so(tmp_path, capsys):
-    from dpscale.config import load_config
     from dpscale.train.loop import Trainer
+    from helpers import tiny_config
 
-    config = load_config(None, [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "dp.batch_size=64",
-                                "train.steps=2", "dp.clipping=automatic", "dp.clip_gamma=0.05",
-                                "dp.epsilon=null", "dp.noise_multiplier=1.0"])  # fmt: skip
+    config = tiny_config(tmp_path / "run", "train.steps=2", "dp.clipping=automatic", "dp.clip_gamma=0.05")
     trainer = Trainer.create(config, progress=False, report=True)
     trainer.run()
     header = capsys.readouterr().err
@@ -122,7 +120,7 @@ def test_bad_settings_are_refused(settings, pattern):
     numbers = {"dataset_size": 1000, "batch_size": 50, "steps": 10, "max_grad_norm": 1.0, "delta": 1e-5,
                "noise_multiplier": 1.0} | settings  # fmt: skip
     with pytest.raises(ConfigError, match=pattern):
-        make_dp_plan(**numbers)
+        plan_of(**numbers)
 
 
 def test_the_adversarial_doors_hold_with_automatic_clipping_and_fixed_size_batches():

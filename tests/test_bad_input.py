@@ -169,11 +169,11 @@ def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path, capsys, 
 
 
 def test_yaml_merge_keys_may_override_what_they_merge(tmp_path):
-    from dpscale.config import _read_config_file
+    from dpscale.config_load import read_config_file
 
     path = tmp_path / "merge.yaml"
     path.write_text("base: &b {epsilon: 2, delta: 1.0e-6}\ndp:\n  <<: *b\n  epsilon: 4\n")
-    assert _read_config_file(path)["dp"] == {"epsilon": 4, "delta": 1e-6}
+    assert read_config_file(path)["dp"] == {"epsilon": 4, "delta": 1e-6}
 
 
 def test_a_config_file_that_is_not_text_is_one_line(tmp_path, capsys):

@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from dpscale.privacy import bandmf
-from dpscale.privacy.bandmf import (
-    BandedNoise,
+from dpscale.privacy import bandmf, bandmf_math
+from dpscale.privacy.banded_noise import BandedNoise
+from dpscale.privacy.bandmf import optimize_strategy
+from dpscale.privacy.bandmf_math import (
     Workload,
     inverse_column,
     normalize,
-    optimize_strategy,
     relative_error,
     squared_error,
     strategy_matrix,
@@ -204,8 +204,8 @@ WORKLOADS = {
 def test_squared_error_equals_dense(kind, monkeypatch):
     # Small blocks and chunks so that the blocked recursion, the blocked momentum filter and
     # the chunked schedule sum all cross several boundaries (and b > block).
-    monkeypatch.setattr(bandmf, "_BLOCK", 16)
-    monkeypatch.setattr(bandmf, "_CHUNK_ELEMENTS", 1100)
+    monkeypatch.setattr(bandmf_math, "_BLOCK", 16)
+    monkeypatch.setattr(bandmf_math, "_CHUNK_ELEMENTS", 1100)
     steps = 103
     workload = WORKLOADS[kind](steps)
     for seed, bands in enumerate((1, 2, 5, 17, 40, steps)):
@@ -220,7 +220,7 @@ def test_squared_error_equals_dense(kind, monkeypatch):
 
 
 def test_inverse_column_equals_dense_inverse(monkeypatch):
-    monkeypatch.setattr(bandmf, "_BLOCK", 8)
+    monkeypatch.setattr(bandmf_math, "_BLOCK", 8)
     for bands in (1, 3, 9, 30):
         coefficients = (2.0, *random_band(bands, seed=bands)[1:])  # not normalised: used as given
         c = strategy_matrix(coefficients, 70)
@@ -232,12 +232,12 @@ def test_inverse_column_equals_dense_inverse(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["prefix", "momentum+schedule"])
 def test_error_gradient_equals_dense_autograd(kind, monkeypatch):
-    monkeypatch.setattr(bandmf, "_BLOCK", 8)
-    monkeypatch.setattr(bandmf, "_CHUNK_ELEMENTS", 300)
+    monkeypatch.setattr(bandmf_math, "_BLOCK", 8)
+    monkeypatch.setattr(bandmf_math, "_CHUNK_ELEMENTS", 300)
     steps = 45
     workload = WORKLOADS[kind](steps)
     band = torch.tensor(random_band(6, seed=1), dtype=F64, requires_grad=True)
-    bandmf._error_graph(band, workload).backward()
+    bandmf_math.error_graph(band, workload).backward()
     dense_band = band.detach().clone().requires_grad_(True)
     index = torch.arange(steps)
     lag = index[:, None] - index[None, :]

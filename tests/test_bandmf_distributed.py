@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dpscale.models import build_model
-from dpscale.privacy.bandmf import BandedNoise, Workload, optimize_strategy
+from dpscale.privacy.banded_noise import BandedNoise
+from dpscale.privacy.bandmf import Workload, optimize_strategy
 from dpscale.privacy.engines import make_engine
 from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command

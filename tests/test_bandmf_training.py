@@ -22,13 +22,14 @@ from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
-from dpscale.privacy.bandmf import Workload, strategy_matrix
+from dpscale.privacy.bandmf_math import Workload, strategy_matrix
 from dpscale.privacy.correlated import BandsRequest, choose_bands
 from dpscale.privacy.noise import draw_noise
-from dpscale.privacy.plan import make_dp_plan
+from dpscale.privacy.make_plan import make_dp_plan
 from dpscale.rng import DPRandom
 from dpscale.train.seeds import run_seeds
 from dpscale.train.private import make_private
+from dpscale.privacy.numbers import PrivacyNumbers
 
 SIGMA, CLIP, N, B, DELTA = 1.3, 0.5, 60, 10.0, 1e-5
 
@@ -141,10 +142,7 @@ GOLDEN = {
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_epsilon_is_dp_accountings_amplified_bandmf_event(case):
     n, batch, steps, sigma, bands, kind = case
-    plan = make_dp_plan(
-        dataset_size=n, batch_size=batch, steps=steps, max_grad_norm=1.0, delta=DELTA, noise_multiplier=sigma,
-        accountant=kind, correlated=BandsRequest(bands=bands, workload=Workload(steps=steps)),
-    )  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=batch, max_grad_norm=1.0, delta=DELTA, noise_multiplier=sigma, accountant=kind), dataset_size=n, steps=steps, correlated=BandsRequest(bands=bands, workload=Workload(steps=steps)))  # fmt: skip
     p, compositions = bands * batch / n, math.ceil(steps / bands)
     assert plan.participation_rate == pytest.approx(p) and plan.compositions(steps) == compositions
     reference = _dp_accounting_epsilon(p, sigma, compositions, DELTA, kind)
@@ -218,11 +216,7 @@ def test_auto_picks_dp_sgd_when_no_banded_strategy_beats_it_after_its_sigma():
 
 
 def test_auto_plan_names_b_sigma_and_why_and_never_overspends():
-    plan = make_dp_plan(
-        dataset_size=60000, batch_size=500, steps=600, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0,
-        accountant="rdp",  # PLD calibrates each b in seconds; the choice is the same code
-        correlated=BandsRequest(bands="auto", workload=Workload(steps=600, momentum=0.9), max_bands=16),
-    )  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=500, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0, accountant="rdp"), dataset_size=60000, steps=600, correlated=BandsRequest(bands="auto", workload=Workload(steps=600, momentum=0.9), max_bands=16))  # fmt: skip
     assert plan.epsilon <= 3.0 and plan.calibrated
     assert f"b={plan.bands}" in plan.describe() and "dp.bands=auto" in plan.describe()
     assert f"BandMF b={plan.bands}" in plan.status(plan.epsilon) and f"sigma={plan.noise_multiplier:.4g}" in plan.status(plan.epsilon)
@@ -251,19 +245,10 @@ def test_config_refuses_what_bandmf_does_not_cover(settings, words):
 
 def test_plan_refuses_more_groups_than_the_batch_allows_and_too_much_noise_memory():
     with pytest.raises(ConfigError, match=r"b\*q"):
-        make_dp_plan(
-            dataset_size=100, batch_size=30, steps=20, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0,
-            correlated=BandsRequest(bands=4, workload=Workload(steps=20)),
-        )  # fmt: skip
+        make_dp_plan(PrivacyNumbers(batch_size=30, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0), dataset_size=100, steps=20, correlated=BandsRequest(bands=4, workload=Workload(steps=20)))  # fmt: skip
     with pytest.raises(ConfigError, match="max_noise_memory_mb"):
-        make_dp_plan(
-            dataset_size=1000, batch_size=10, steps=20, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0,
-            correlated=BandsRequest(bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=5),
-        )  # fmt: skip
-    plan = make_dp_plan(
-        dataset_size=1000, batch_size=10, steps=20, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0,
-        correlated=BandsRequest(bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=12),
-    )  # fmt: skip
+        make_dp_plan(PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0), dataset_size=1000, steps=20, correlated=BandsRequest(bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=5))  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0), dataset_size=1000, steps=20, correlated=BandsRequest(bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=12))  # fmt: skip
     assert plan.correlated.noise_state_mb == pytest.approx(3 * 10**6 * 4 / 2**20)
     assert "noise history 11.4 MB" in plan.describe()
 
@@ -288,10 +273,7 @@ def test_bandmf_composes_with_data_normalization_releases():
     from dpscale.features.normalize import data_norm_release
 
     releases = (data_norm_release(8.0),)
-    plan = make_dp_plan(
-        dataset_size=50000, batch_size=1000, steps=300, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0,
-        releases=releases, correlated=BandsRequest(bands=4, workload=Workload(steps=300)),
-    )  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=1000, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0), dataset_size=50000, steps=300, releases=releases, correlated=BandsRequest(bands=4, workload=Workload(steps=300)))  # fmt: skip
     direct = compute_epsilon(sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA, releases=releases)
     assert plan.epsilon == pytest.approx(direct, rel=1e-12) and plan.epsilon <= 3.0
     alone = compute_epsilon(sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA)
@@ -322,12 +304,12 @@ def test_secure_noise_is_not_replayed_by_the_seed():
 
 def test_dpscale_train_with_one_band_is_the_dp_sgd_run(tmp_path):
     from dpscale.train.loop import Trainer
+    from helpers import tiny_config
 
     def run(name: str, *extra: str) -> Trainer:
-        settings = [f"run.out_dir={tmp_path / name}", "run.seed=0", "model.name=linear", "dp.batch_size=128",
-                    "dp.noise_multiplier=1.2", "dp.epsilon=null", "train.steps=6", "train.eval_every_epochs=1",
+        settings = ["run.seed=0", "dp.batch_size=128", "dp.noise_multiplier=1.2", "train.steps=6", "train.eval_every_epochs=1",
                     "optim.momentum=0.9", *extra]  # fmt: skip
-        trainer = Trainer.create(load_config(None, settings), progress=False)
+        trainer = Trainer.create(tiny_config(tmp_path / name, *settings), progress=False)
         trainer.run()
         return trainer
 

@@ -26,8 +26,10 @@ from dpscale.privacy.accountant import (
 )
 from dpscale.privacy.batch_sampling import BatchSampling
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
-from dpscale.privacy.plan import make_dp_plan
+from dpscale.privacy.make_plan import make_dp_plan
 from dpscale.rng import DPRandom
+from dpscale.privacy.numbers import PrivacyNumbers
+from helpers import plan_of
 
 N, B, SIGMA, STEPS, DELTA = 60000, 256, 1.1, 2000, 1e-5
 FIXED = BatchSampling("fixed", N)
@@ -196,13 +198,11 @@ def test_over_several_processes_the_ranks_parts_are_one_whole_draw(mode, cap):
 
 # ------------------------------------------------------------------------------------------ plans
 def test_plans_use_the_accountant_that_composes_their_sampler():
-    plan = make_dp_plan(dataset_size=N, batch_size=B, steps=500, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0,
-                        sampling="fixed")  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=B, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0, sampling="fixed"), dataset_size=N, steps=500)  # fmt: skip
     assert plan.accountant == "rdp" and plan.adjacency == "replace-one"
     assert plan.epsilon == pytest.approx(_wor_by_hand(N, B, plan.noise_multiplier, 500), rel=1e-12) and plan.epsilon <= 3
     assert "replace-one adjacency" in plan.describe() and "replacing any one training image by another" in plan.meaning()
-    capped = make_dp_plan(dataset_size=N, batch_size=B, steps=500, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.1,
-                          max_batch_size=300, accountant="rdp")  # fmt: skip
+    capped = make_dp_plan(PrivacyNumbers(batch_size=B, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.1, max_batch_size=300, accountant="rdp"), dataset_size=N, steps=500)  # fmt: skip
     assert capped.accountant == "pld" and capped.max_batch_size == 300
     assert "the cap costs epsilon" in capped.describe()
 
@@ -220,8 +220,7 @@ def test_auto_cap_searches_at_the_sigma_calibrated_for_one_percent_below_the_tar
         return TruncatedPoissonResult(2000, 0.0, 0.0, None)  # the cap N: nothing is ever cut
 
     monkeypatch.setattr(sampling_plan, "smallest_free_cap", fake)
-    plan = make_dp_plan(dataset_size=2000, batch_size=20, steps=100, max_grad_norm=1.0, delta=DELTA,
-                        target_epsilon=2.0, max_batch_size="auto")  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=20, max_grad_norm=1.0, delta=DELTA, target_epsilon=2.0, max_batch_size="auto"), dataset_size=2000, steps=100)  # fmt: skip
     aim = calibrate_noise_multiplier(target_epsilon=2.0 / 1.01, delta=DELTA, sample_rate=0.01, steps=100)
     assert asked[0]["noise_multiplier"] == aim and plan.noise_multiplier == aim
     assert plan.max_batch_size is None and plan.batch_sampling.mode == "poisson"  # a cap of N or more is no cap
@@ -231,8 +230,7 @@ def test_auto_cap_searches_at_the_sigma_calibrated_for_one_percent_below_the_tar
 @pytest.mark.slow  # ~8 s: every candidate cap's PLD is built
 def test_auto_cap_is_within_one_percent_and_the_budget_holds():
     n, b, steps = 2000, 20, 100  # small: each candidate cap's PLD is built afresh
-    plan = make_dp_plan(dataset_size=n, batch_size=b, steps=steps, max_grad_norm=1.0, delta=DELTA, target_epsilon=2.0,
-                        max_batch_size="auto")  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=b, max_grad_norm=1.0, delta=DELTA, target_epsilon=2.0, max_batch_size="auto"), dataset_size=n, steps=steps)  # fmt: skip
     uncapped_sigma = calibrate_noise_multiplier(target_epsilon=2.0, delta=DELTA, sample_rate=b / n, steps=steps)
     one_less = truncated_poisson_epsilon(dataset_size=n, batch_size=b, max_batch_size=plan.max_batch_size - 1,
                                          noise_multiplier=plan.noise_multiplier, steps=steps, delta=DELTA,
@@ -255,7 +253,7 @@ def test_bad_sampling_settings_are_refused_in_one_line(settings, pattern):
     numbers = {"dataset_size": 1000, "batch_size": 50, "steps": 10, "max_grad_norm": 1.0, "delta": 1e-5,
                "noise_multiplier": 1.0} | settings  # fmt: skip
     with pytest.raises(ConfigError, match=pattern):
-        make_dp_plan(**numbers)
+        plan_of(**numbers)
 
 
 # ------------------------------------------------------------------------------------------ dpscale account
@@ -331,14 +329,13 @@ def test_make_private_runs_each_sampler_accounts_it_and_resumes_bit_identically(
 @pytest.mark.parametrize("sampling, cap", SAMPLERS[:2])  # shuffled batches' resume: test_train's
 def test_dpscale_train_resumes_each_sampler_bit_identically(tmp_path, sampling, cap):
     """A checkpoint after 1 of 3 steps, resumed, ends on the uninterrupted run's weights and epsilon."""
-    from dpscale.config import load_config
     from dpscale.train.loop import Trainer
+    from helpers import tiny_config
 
     finals = []
     for name, stop in (("whole", None), ("resumed", 1)):
-        config = load_config(None, [f"run.out_dir={tmp_path / name}", "run.seed=3", "model.name=linear", "dp.batch_size=64",
-                                    "train.steps=3", f"dp.sampling={sampling}", f"dp.max_batch_size={cap or 'null'}",
-                                    "dp.epsilon=null", "dp.noise_multiplier=1.0", "train.eval_every_epochs=100"])  # fmt: skip
+        config = tiny_config(tmp_path / name, "run.seed=3", f"dp.sampling={sampling}", f"dp.max_batch_size={cap or 'null'}",
+                             "train.eval_every_epochs=100")  # fmt: skip
         trainer = Trainer.create(config, progress=False)
         summary = trainer.run(max_steps=stop)
         if stop is not None:

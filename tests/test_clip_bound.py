@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.privacy import clipping, ghost, make_engine, per_example
+from dpscale.privacy import clipping, ghost_conv, ghost_rules, make_engine, per_example
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.precision import make_precision
 
@@ -37,7 +37,8 @@ def _without_margin(monkeypatch) -> None:
 
 
 def _without_slack(monkeypatch) -> None:
-    monkeypatch.setattr(ghost, "release_slack", lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64))
+    for rules in (ghost_rules, ghost_conv):  # the rule modules whose releases accumulate positions
+        monkeypatch.setattr(rules, "release_slack", lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64))
 
 
 def _derived_margin(u: float) -> float:

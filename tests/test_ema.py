@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.config import load_config
 from dpscale._io import load_checkpoint
 from dpscale.train.ema import WeightEMA
 from dpscale.train.loop import Trainer
+from helpers import short_config
 
 
 def test_ema_follows_the_warmed_up_recursion():
@@ -39,17 +39,7 @@ def test_ema_follows_the_warmed_up_recursion():
 @pytest.mark.slow
 def test_run_reports_the_ema_model_and_resumes_it_bit_identically(tmp_path):
     def config(out):
-        return load_config(
-            None,
-            [
-                f"run.out_dir={out}",
-                "run.seed=0",
-                "dp.batch_size=128",
-                "train.steps=12",
-                "train.eval_every_epochs=0.25",
-                "train.ema_decay=0.99",
-            ],
-        )
+        return short_config(out, 12, "train.ema_decay=0.99")
 
     full = Trainer.create(config(tmp_path / "full"), progress=False).run()
     assert 0 < full["test_accuracy_ema"] <= 1

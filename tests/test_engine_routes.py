@@ -414,8 +414,8 @@ def test_the_route_check_runs_once_per_mode_and_parameter_set(monkeypatch):
     from dpscale.privacy import ghost
 
     calls = []
-    original = ghost._unseen_routes
-    monkeypatch.setattr(ghost, "_unseen_routes", lambda *a: calls.append(1) or original(*a))
+    original = ghost.unseen_routes
+    monkeypatch.setattr(ghost, "unseen_routes", lambda *a: calls.append(1) or original(*a))
     model, (x, y), engine = _plain_mlp().double(), _vectors(), GhostEngine(0.1)
     for mode in (True, True, False, False, True):
         engine.per_example_clipped_sum(model.train(mode), trainable_params(model), (x, y))

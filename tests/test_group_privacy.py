@@ -33,6 +33,7 @@ from dpscale.privacy.group_privacy import (
     meaning,
     unit_text,
 )
+from dpscale.privacy.numbers import PrivacyNumbers
 
 FMNIST = ["account", "--dataset-size", "50000", "--batch-size", "2048", "--steps", "977", "--noise", "1.9578"]
 FMNIST_Q, FMNIST_SIGMA, FMNIST_STEPS = 2048 / 50000, 1.9578, 977
@@ -150,10 +151,9 @@ def test_a_group_of_one_is_the_run_itself():
 
 
 def test_meaning_is_dpplans_sentence_word_for_word_for_one_image():
-    from dpscale.privacy.plan import make_dp_plan
+    from dpscale.privacy.make_plan import make_dp_plan
 
-    plan = make_dp_plan(dataset_size=10000, batch_size=100, steps=500, max_grad_norm=1.0, delta=1e-5,
-                        noise_multiplier=2.0, accountant="rdp")  # fmt: skip
+    plan = make_dp_plan(PrivacyNumbers(batch_size=100, max_grad_norm=1.0, delta=1e-5, noise_multiplier=2.0, accountant="rdp"), dataset_size=10000, steps=500)  # fmt: skip
     assert plan.meaning() == meaning(epsilon=plan.epsilon, delta=plan.delta, unit_words=unit_text("example"))
     assert unit_text("example", group_size=4) == "any one person's 4 training images"
     assert "person" in unit_text("user") and "all of them" in unit_text("user")

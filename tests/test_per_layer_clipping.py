@@ -21,8 +21,9 @@ from dpscale.cli import main
 from dpscale.errors import ConfigError
 from dpscale.privacy.clipping import clip_sensitivity, resolve_clip_groups
 from dpscale.privacy.engines import make_engine
-from dpscale.privacy.plan import check_plan_matches, make_dp_plan
+from dpscale.privacy.make_plan import check_plan_matches, make_dp_plan
 from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.numbers import PrivacyNumbers
 
 PER_LAYER = {"0.*": 0.05, "3.weight": 0.02, "*": 0.1}  # conv, last weight, the rest (the last bias)
 
@@ -101,7 +102,7 @@ def test_patterns_must_cover_every_parameter_and_each_must_match_one(clip, messa
 )  # fmt: skip
 def test_bad_per_layer_values_are_refused_by_the_plan(value, message):
     with pytest.raises(ConfigError, match=message):
-        make_dp_plan(dataset_size=100, batch_size=10, steps=3, max_grad_norm=value, delta=1e-5, noise_multiplier=1.0)
+        make_dp_plan(PrivacyNumbers(batch_size=10, max_grad_norm=value, delta=1e-5, noise_multiplier=1.0), dataset_size=100, steps=3)
 
 
 def test_first_matching_pattern_wins():
@@ -111,12 +112,13 @@ def test_first_matching_pattern_wins():
 
 def test_the_plan_scales_the_noise_to_the_root_sum_of_squares_and_a_resume_must_match():
     clip = {"a*": 0.3, "*": 0.4}
-    plan = make_dp_plan(dataset_size=1000, batch_size=100, steps=5, max_grad_norm=clip, delta=1e-5, noise_multiplier=2.0)
+    plan = make_dp_plan(PrivacyNumbers(batch_size=100, max_grad_norm=clip, delta=1e-5, noise_multiplier=2.0), dataset_size=1000, steps=5)
     assert plan.noise_std == pytest.approx(2.0 * 0.5) and "C per layer {a*: 0.3, *: 0.4} (sensitivity 0.5)" in plan.describe()
-    numbers = {"dataset_size": 1000, "batch_size": 100, "steps": 5, "delta": 1e-5, "noise_multiplier": 2.0}
-    check_plan_matches(plan, max_grad_norm=json.loads(json.dumps(clip)), **numbers)  # read back from a file
+    numbers = {"batch_size": 100, "delta": 1e-5, "noise_multiplier": 2.0}
+    read_back = PrivacyNumbers(max_grad_norm=json.loads(json.dumps(clip)), **numbers)  # read back from a file
+    check_plan_matches(plan, read_back, dataset_size=1000, steps=5)
     with pytest.raises(ConfigError, match="max_grad_norm"):
-        check_plan_matches(plan, max_grad_norm={"a*": 0.3, "*": 0.5}, **numbers)
+        check_plan_matches(plan, PrivacyNumbers(max_grad_norm={"a*": 0.3, "*": 0.5}, **numbers), dataset_size=1000, steps=5)
 
 
 def test_make_private_adds_noise_of_std_sigma_times_the_sensitivity():

@@ -26,7 +26,7 @@ from torch import nn
 import dpscale
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
-from dpscale.privacy import ghost
+from dpscale.privacy import ghost_rules
 from dpscale.privacy.clipping import clip_bounds
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.per_example import trainable_params
@@ -407,7 +407,7 @@ def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(monke
 
     assert worst(40) <= 1.0  # the split weight keeps its slack: never above its C
     no_slack = lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64)  # noqa: E731
-    monkeypatch.setattr(ghost, "release_slack", no_slack)
+    monkeypatch.setattr(ghost_rules, "release_slack", no_slack)  # the Linear rule
     assert worst(40) > 1.0  # without it, a cancelling example lands above C
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.privacy import ghost, make_engine
+from dpscale.privacy import ghost_conv, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.reference import per_example_reference
 
@@ -41,7 +41,7 @@ def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(cin, cout, k
     batch = 4
     a = torch.randn(batch * views, cin, size, size, dtype=torch.float64) * 3
     g = torch.randn_like(conv(a))
-    got, weight = ghost._pixel_gram_sq_norms(_Record(conv, views), a, g)
+    got, weight = ghost_conv._pixel_gram_sq_norms(_Record(conv, views), a, g)
     exact = torch.stack([
         torch.nn.grad.conv2d_weight(a[i * views : (i + 1) * views], conv.weight.shape, g[i * views : (i + 1) * views],
                                     padding=conv.padding, stride=conv.stride, dilation=conv.dilation).square().sum()
@@ -53,13 +53,13 @@ def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(cin, cout, k
 
 
 def test_only_plain_ungrouped_convolutions_take_it():
-    assert ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding=1))
-    assert ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, stride=2))
-    assert ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, dilation=2))
-    assert not ghost._pixel_gram_eligible(nn.Conv2d(4, 4, 3, groups=2))
-    assert not ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding_mode="reflect"))
-    assert not ghost._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding="same"))
-    assert not ghost._pixel_gram_eligible(nn.Conv1d(3, 4, 3))
+    assert ghost_conv._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding=1))
+    assert ghost_conv._pixel_gram_eligible(nn.Conv2d(3, 4, 3, stride=2))
+    assert ghost_conv._pixel_gram_eligible(nn.Conv2d(3, 4, 3, dilation=2))
+    assert not ghost_conv._pixel_gram_eligible(nn.Conv2d(4, 4, 3, groups=2))
+    assert not ghost_conv._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding_mode="reflect"))
+    assert not ghost_conv._pixel_gram_eligible(nn.Conv2d(3, 4, 3, padding="same"))
+    assert not ghost_conv._pixel_gram_eligible(nn.Conv1d(3, 4, 3))
 
 
 @pytest.mark.parametrize("engine", ["bk", "ghost"])
@@ -70,10 +70,10 @@ def test_bk_on_small_output_convolutions_matches_the_float64_reference(engine, m
                           nn.Flatten(), nn.Linear(64 * 8 * 8, 10)).double()  # fmt: skip
     conv = model[2]
     length = 64
-    assert ghost._pixel_gram_cost(conv, torch.zeros(1, 64, 8, 8), length, 1) < length * 64 * 9 * 64  # it is chosen
+    assert ghost_conv._pixel_gram_cost(conv, torch.zeros(1, 64, 8, 8), length, 1) < length * 64 * 9 * 64  # it is chosen
     calls = []
-    real = ghost._pixel_gram_sq_norms
-    monkeypatch.setattr(ghost, "_pixel_gram_sq_norms", lambda r, a, g: calls.append(r.module) or real(r, a, g))
+    real = ghost_conv._pixel_gram_sq_norms
+    monkeypatch.setattr(ghost_conv, "_pixel_gram_sq_norms", lambda r, a, g: calls.append(r.module) or real(r, a, g))
     x, y = torch.randn(6, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (6,))
     want = per_example_reference(model, (x, y), 0.5)
     chosen, _ = make_engine(engine, 0.5, model)

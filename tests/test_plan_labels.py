@@ -12,13 +12,13 @@ from dpscale.privacy.plan import (
     PLAN_LABELS,
     SEEDED_CAVEAT,
     SEEDED_SECURE_NOISE_CAVEAT,
-    make_dp_plan,
 )
+from helpers import plan_of
 
 
 def _plan(**overrides):
     numbers = dict(dataset_size=1000, batch_size=50, steps=40, max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.1)
-    return make_dp_plan(**{**numbers, **overrides})
+    return plan_of(**{**numbers, **overrides})
 
 
 def test_equal_plans_are_the_same_mechanism_whatever_their_labels():
@@ -46,3 +46,27 @@ def test_a_source_runs_caveats_take_every_label_from_its_config(secure):
     assert (SEEDED_SECURE_NOISE_CAVEAT if secure else SEEDED_CAVEAT) in caveats
     assert (SEEDED_CAVEAT if secure else SEEDED_SECURE_NOISE_CAVEAT) not in caveats
     assert ENGINE_UNCHECKED_CAVEAT in caveats
+
+
+def test_the_privacy_numbers_are_one_frozen_keyword_only_vocabulary_the_plan_shares():
+    """Issue 46: make_private, the config's dp section and a saved plan's check hand make_dp_plan one
+    PrivacyNumbers, under the plan's own names (the config's dp.epsilon is its target_epsilon)."""
+    import dataclasses
+
+    from dpscale.privacy.numbers import PrivacyNumbers
+    from dpscale.privacy.plan import DPPlan
+    from dpscale.train.plan_config import dp_numbers
+
+    with pytest.raises(TypeError):
+        PrivacyNumbers(50, 1.0, 1e-5)  # keyword-only: no number is passed by position
+    numbers = PrivacyNumbers(batch_size=50, max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        numbers.delta = 1e-6  # type: ignore[misc]
+    plan_fields = {f.name for f in dataclasses.fields(DPPlan)}
+    shared = {f.name for f in dataclasses.fields(PrivacyNumbers)} - {"simulated_batch_size"}  # a simulation's plan holds it as .simulation
+    assert shared <= plan_fields
+    config = load_config(None, ["dp.epsilon=2.5", "dp.batch_size=64", "dp.sampling=fixed"])
+    from_config = dp_numbers(config.dp)
+    assert (from_config.target_epsilon, from_config.batch_size, from_config.sampling) == (2.5, 64, "fixed")
+    plan = plan_of(dataset_size=1000, batch_size=50, steps=40, max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.1)
+    assert all(getattr(plan, name) == getattr(numbers, name) for name in shared - {"accountant", "max_batch_size"})

@@ -18,6 +18,7 @@ from dpscale.privacy.precision import Precision, make_precision
 from dpscale.privacy.reference import float64_reference
 from dpscale.privacy.self_check import checked_engine
 from dpscale.train import Trainer
+from helpers import short_config
 from zoo import CancellingTokens
 
 # Relative error against the float64 loop (documented in docs/precision.md; measured maxima on
@@ -138,12 +139,11 @@ def test_the_self_check_passes_in_bf16_and_still_catches_a_missed_route():
 
 
 def test_a_bf16_run_on_cpu_trains_with_the_same_privacy(tmp_path):
-    common = [f"run.out_dir={tmp_path}/{{}}", "run.seed=0", "dp.batch_size=128", "dp.epsilon=4", "train.steps=12",
-              "train.eval_every_epochs=1", "train.max_physical_batch_size=64"]  # fmt: skip
     summaries = {}
     for precision in ("fp32", "bf16"):
-        sets = [c.format(precision) for c in common] + [f"train.precision={precision}"]
-        summaries[precision] = Trainer.create(load_config(None, sets), progress=False).run()
+        config = short_config(tmp_path / precision, 12, "dp.epsilon=4", "train.eval_every_epochs=1",
+                              "train.max_physical_batch_size=64", f"train.precision={precision}")  # fmt: skip
+        summaries[precision] = Trainer.create(config, progress=False).run()
         on_disk = json.loads((tmp_path / precision / "summary.json").read_text())
         assert on_disk["precision"] == precision and on_disk["engine_self_check"]["passed"]
     fp32, bf16 = summaries["fp32"], summaries["bf16"]

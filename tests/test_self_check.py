@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dpscale.models import build_model
-from dpscale.privacy import GhostEngine, VmapEngine, ghost, make_engine
+from dpscale.privacy import GhostEngine, VmapEngine, ghost_rules, make_engine
 from dpscale.privacy.per_example import trainable_params
 from dpscale.privacy.self_check import checked_engine, self_check
 from zoo import naive_clipped_sum, SMALL_INPUT, build_zoo_model, zoo_cases
@@ -25,13 +25,13 @@ def _mlp():
 
 def _plant_norm_error(monkeypatch, layer):
     """A test-only engine error: layer ``layer``'s per-example norm scaled by 0.5."""
-    rule = ghost._RULES[nn.Linear]
+    rule = ghost_rules.RULES[nn.Linear]
 
     def halved(r, a, g):
         sq = rule.norms(r, a, g)
         return sq * 0.25 if r.name == layer else sq
 
-    monkeypatch.setitem(ghost._RULES, nn.Linear, ghost._Rule(halved, rule.sums, rule.params))
+    monkeypatch.setitem(ghost_rules.RULES, nn.Linear, ghost_rules.Rule(halved, rule.sums, rule.params))
 
 
 def test_self_check_catches_a_planted_norm_error_and_names_the_layer(monkeypatch):
@@ -49,7 +49,7 @@ def test_self_check_catches_a_planted_norm_error_and_names_the_layer(monkeypatch
 
 def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypatch):
     model, x, y = _mlp(), torch.randn(8, 4), torch.randint(0, 3, (8,))
-    rule = ghost._RULES[nn.Linear]
+    rule = ghost_rules.RULES[nn.Linear]
 
     def wrong_bias(r, a, g, c):
         out = rule.sums(r, a, g, c)
@@ -57,7 +57,7 @@ def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypa
 
     engine = GhostEngine(10.0)
     assert self_check(engine, model, (x, y)).ok  # the engine's own route check has passed for this model
-    monkeypatch.setitem(ghost._RULES, nn.Linear, ghost._Rule(rule.norms, wrong_bias, rule.params))
+    monkeypatch.setitem(ghost_rules.RULES, nn.Linear, ghost_rules.Rule(rule.norms, wrong_bias, rule.params))
     result = self_check(engine, model, (x, y))
     assert result.mismatched == ("parameter 0.bias (clipped sum)",)
     # a fresh engine's route check (records' unclipped sum vs autograd) already refuses, naming it
@@ -204,13 +204,13 @@ def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeyp
     from dpscale.train import Trainer
     from helpers import small_config
 
-    rule = ghost._RULES[nn.Conv2d]
+    rule = ghost_rules.RULES[nn.Conv2d]
 
     def halved(r, a, g):
         sq = rule.norms(r, a, g)
         return sq * 0.25 if r.name == "features.3" else sq
 
-    monkeypatch.setitem(ghost._RULES, nn.Conv2d, ghost._Rule(halved, rule.sums, rule.params))
+    monkeypatch.setitem(ghost_rules.RULES, nn.Conv2d, ghost_rules.Rule(halved, rule.sums, rule.params))
     with pytest.raises(ConfigError, match=r"layer features\.3 \(per-example norms\)"):
         Trainer.create(small_config(tmp_path / "bk", "train.steps=2", "train.engine=bk"))
     trainer = Trainer.create(small_config(tmp_path / "auto", "train.steps=2"))

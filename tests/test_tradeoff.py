@@ -95,13 +95,11 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     """The header states the planned odds, the summary carries the run's (from its accountant's
     history) and the result line says them; fixed-size and shuffled batches, accounted under
     replace-one adjacency, say which of two images."""
-    from dpscale.config import load_config
     from dpscale.train.loop import Trainer
     from dpscale.train.run import result_line
+    from helpers import tiny_config
 
-    config = load_config(None, [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "dp.batch_size=64",
-                                "train.steps=3", f"dp.sampling={sampling}", "dp.epsilon=null",
-                                "dp.noise_multiplier=1.0"])  # fmt: skip
+    config = tiny_config(tmp_path / "run", f"dp.sampling={sampling}")
     trainer = Trainer.create(config, progress=False, report=True)
     summary = trainer.run()
     header, line = capsys.readouterr().err, result_line(summary, tmp_path / "run")
@@ -126,12 +124,10 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
 
 def test_each_evaluation_records_the_odds_so_far(tmp_path):
     """metrics.jsonl: every evaluation's TPR bounds are those of the accountant at its step, and grow."""
-    from dpscale.config import load_config
     from dpscale.train.loop import Trainer
+    from helpers import tiny_config
 
-    config = load_config(None, [f"run.out_dir={tmp_path / 'run'}", "model.name=linear", "dp.batch_size=64",
-                                "train.steps=6", "train.eval_every_epochs=0.032", "dp.epsilon=null",
-                                "dp.noise_multiplier=1.0", "dp.accountant=rdp"])  # fmt: skip
+    config = tiny_config(tmp_path / "run", "train.steps=6", "train.eval_every_epochs=0.032", "dp.accountant=rdp")
     trainer = Trainer.create(config, progress=False)
     trainer.run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

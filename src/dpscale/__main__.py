@@ -1,3 +1,5 @@
+"""`python -m dpscale`: the command line (``dpscale.cli.main``)."""
+
 import sys
 
 from dpscale.cli import main

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, TypeGuard, Union
 
 from dpscale.errors import ConfigError
 
@@ -28,7 +28,7 @@ _LITERAL = re.compile(r"(?:[^*?\[]|\[[*?\[]\])*")
 _LISTED_TENSORS = 12
 
 
-def is_per_layer(max_grad_norm: MaxGradNorm) -> bool:
+def is_per_layer(max_grad_norm: MaxGradNorm) -> TypeGuard[Mapping[str, float]]:
     """Whether ``max_grad_norm`` gives per-layer (per-group) bounds."""
     return isinstance(max_grad_norm, Mapping)
 
@@ -39,10 +39,10 @@ def literal_pattern(name: str) -> str:
     return _SPECIAL.sub(r"[\1]", name)
 
 
-def is_per_tensor(max_grad_norm: MaxGradNorm) -> bool:
+def is_per_tensor(max_grad_norm: MaxGradNorm) -> TypeGuard[Mapping[str, float]]:
     """Whether every group of a per-layer ``max_grad_norm`` is one tensor: each pattern a literal
     name (``literal_pattern``), which matches that tensor alone."""
-    return is_per_layer(max_grad_norm) and all(_LITERAL.fullmatch(p) for p in max_grad_norm)  # type: ignore[union-attr]
+    return is_per_layer(max_grad_norm) and all(_LITERAL.fullmatch(p) for p in max_grad_norm)
 
 
 def check_same_tensors(max_grad_norm: MaxGradNorm, trainable: list[str]) -> None:
@@ -55,10 +55,10 @@ def check_same_tensors(max_grad_norm: MaxGradNorm, trainable: list[str]) -> None
     Raises:
         ValueError: a tensor frozen or unfrozen since the bounds were fixed.
     """
-    if is_per_tensor(max_grad_norm) and set(trainable) != set(max_grad_norm):  # type: ignore[arg-type]
+    if is_per_tensor(max_grad_norm) and set(trainable) != set(max_grad_norm):
         raise ValueError(
             "max_grad_norm_per='tensor' fixed one bound per trainable tensor when the mechanism was made, and the "
-            f"trainable tensors have changed since (now {len(trainable)}, planned {len(max_grad_norm)}): freeze or "  # type: ignore[arg-type]
+            f"trainable tensors have changed since (now {len(trainable)}, planned {len(max_grad_norm)}): freeze or "
             "unfreeze before make_private, or call it again"
         )
 
@@ -66,9 +66,9 @@ def check_same_tensors(max_grad_norm: MaxGradNorm, trainable: list[str]) -> None
 def clip_sensitivity(max_grad_norm: MaxGradNorm) -> float | None:
     """The L2 bound on one example's clipped gradient: C, or sqrt(sum_g C_g^2) per layer (per
     tensor: over the tensors); None without clipping."""
-    if is_per_layer(max_grad_norm):
-        return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm.values()))  # type: ignore[union-attr]
-    return None if max_grad_norm is None else float(max_grad_norm)  # type: ignore[arg-type]
+    if isinstance(max_grad_norm, Mapping):  # is_per_layer, spelled out so that the type narrows
+        return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm.values()))
+    return None if max_grad_norm is None else float(max_grad_norm)
 
 
 def describe_clip(max_grad_norm: MaxGradNorm) -> str:
@@ -78,7 +78,7 @@ def describe_clip(max_grad_norm: MaxGradNorm) -> str:
     if not is_per_layer(max_grad_norm):
         return f"C={max_grad_norm:g}" if max_grad_norm is not None else "C=none"
     sensitivity = f"sensitivity {clip_sensitivity(max_grad_norm):.6g}"
-    bounds = {p: float(c) for p, c in max_grad_norm.items()}  # type: ignore[union-attr]
+    bounds = {p: float(c) for p, c in max_grad_norm.items()}
     if not is_per_tensor(max_grad_norm):
         return f"C per layer {{{', '.join(f'{p}: {c:g}' for p, c in bounds.items())}}} ({sensitivity})"
     if len(bounds) <= _LISTED_TENSORS:

@@ -1,36 +1,32 @@
-"""Run configuration: frozen dataclasses loaded from YAML and ``--set key=value`` overrides.
+"""Run configuration: the frozen dataclass sections of a config, every key and its meaning, and ``load_config``.
 
 Everything a run does is decided here, once; the resolved config is written to the run
 directory so a run can be reproduced (and resumed) from it alone.
+
+This module is where the rest of dpscale and users import the config from; reading YAML, presets
+and ``--set key=value`` overrides is in ``dpscale.config_load``, the checks in
+``dpscale.config_validate`` (both imported here, neither importing this module at run time).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import re
-import types
-import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from dpscale.choices import (
-    ACCOUNTANT_KINDS, CLIPPINGS, DEFAULT_MAX_BANDS, PEFT_METHODS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, MECHANISMS, PRECISIONS,
-)  # fmt: skip
-from dpscale.errors import ConfigError
-from dpscale.clip_norms import check_max_grad_norm, check_max_grad_norm_per
+from dpscale.choices import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB
+from dpscale.config_load import build_dataclass, read_config_values
+from dpscale.config_validate import validate
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")  # optim.name
-LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # optim.schedule
-
-
-def _either(names: tuple[str, ...]) -> str:
-    """``("a", "b", "c")`` -> "a, b or c" (how a refusal lists the allowed values)."""
-    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+# Re-exported: defined beside the code that uses them, imported from here (``from dpscale.config import ...``).
+from dpscale.config_load import parse_override  # noqa: F401 (re-exported)
+from dpscale.config_validate import DATA_LOADERS, FEATURE_EXTRACTORS, LR_SCHEDULES, OPTIMIZERS  # noqa: F401 (re-exported)
+from dpscale.config_validate import is_private_config  # noqa: F401 (re-exported)
+from dpscale.errors import ConfigError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -419,261 +415,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
-class _Override:
-    """A ``--set`` value: the text as typed and its YAML reading. String fields take the text
-    itself, so paths like ``runs/a #2`` or ``2024`` are not mangled by YAML (comments, numbers)."""
-
-    raw: str
-    parsed: Any
-    error: str | None = None  # why the text is not valid YAML (fine for a string-typed key)
-
-    def resolve(self, path: str, annotation: Any) -> Any:
-        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        options = typing.get_args(annotation) if union else (annotation,)
-        if str not in options:
-            if self.error:
-                raise ConfigError(f"{path}: cannot parse value {self.raw!r}: {self.error}")
-            return self.parsed
-        text = self.raw.strip()
-        if text in ("", "null", "~", "Null", "NULL"):
-            return None
-        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-            return self.parsed
-        if int in options and isinstance(self.parsed, int) and not isinstance(self.parsed, bool):
-            return self.parsed  # a number or a word (dp.bands: 4 or auto): the number, as YAML reads it
-        return text
-
-
-def _unwrap(value: Any) -> Any:
-    """Free-form values (model.kwargs) take the YAML reading of any --set inside them."""
-    if isinstance(value, _Override):
-        return value.parsed
-    if isinstance(value, dict):
-        return {k: _unwrap(v) for k, v in value.items()}
-    return value
-
-
-def _coerce(path: str, value: Any, annotation: Any) -> Any:
-    """Check/convert ``value`` against a (simple) type annotation, with a clear error."""
-    if isinstance(value, _Override):
-        value = value.resolve(path, annotation)
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise ConfigError(f"{path} must not be null")
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(path, value, option)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0])
-    if value is None:
-        raise ConfigError(f"{path} must not be null")
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path} must be true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
-            raise ConfigError(f"{path} must be an integer, got {value!r}")
-        return int(value)
-    if annotation is float:
-        if isinstance(value, str):
-            # PyYAML follows YAML 1.1, which reads 1e-5 (no dot) as a string.
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path} must be a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path} must be a string, got {value!r}")
-        return value
-    if origin is tuple:
-        args = typing.get_args(annotation)
-        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
-            if not isinstance(value, (list, tuple)):
-                raise ConfigError(f"{path} must be a list, got {value!r}")
-            return tuple(_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value))
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{path} must be a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return _unwrap(value)
-    raise ConfigError(f"{path}: unsupported type {annotation}")  # pragma: no cover
-
-
-def _build(cls: type, path: str, values: dict[str, Any]) -> Any:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in values if k not in names]
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(key, names, n=1)
-        where = f"{path}.{key}" if path else key
-        hint = f" (did you mean {path + '.' if path else ''}{close[0]}?)" if close else ""
-        raise ConfigError(f"unknown config key {where!r}{hint}; valid keys: {', '.join(names)}")
-    kwargs = {}
-    for name in names:
-        if name not in values:
-            continue
-        sub_path = f"{path}.{name}" if path else name
-        if dataclasses.is_dataclass(hints[name]):
-            section = values[name]
-            if isinstance(section, _Override):  # --set dp={epsilon: 2, delta: 1e-6}
-                section = section.parsed
-            kwargs[name] = _build(hints[name], sub_path, section or {})
-        else:
-            kwargs[name] = _coerce(sub_path, values[name], hints[name])
-    return cls(**kwargs)
-
-
-def _yaml_problem(err: yaml.YAMLError, text: str, in_file: bool) -> tuple[str | None, str, str]:
-    """Where and what PyYAML found wrong, for a one-line message.
-
-    PyYAML's own ``str(err)`` spans 4-8 lines (an excerpt with a caret, "<unicode string>" as
-    the file name), which breaks the one-line error contract of the command line.
-
-    Args:
-        err: the error ``yaml.safe_load(text)`` raised.
-        text: the text it was reading.
-        in_file: positions as compilers write them after a file name (``line:column``); else, for
-            a one-line ``--set`` value, ``column C`` (``line L, column C`` past its first line).
-
-    Returns:
-        (position, problem, context): the position is None when PyYAML gives none; the context
-        says what PyYAML was parsing and where that started, in parentheses ("" if it does not).
-    """
-
-    def at(line: int, column: int) -> str:  # 0-based in, 1-based out
-        if in_file:
-            return f"{line + 1}:{column + 1}"
-        return f"column {column + 1}" if line == 0 else f"line {line + 1}, column {column + 1}"
-
-    if isinstance(err, yaml.reader.ReaderError):  # a character offset, no line/column mark
-        offset = min(err.position, len(text))
-        character = f" (#x{err.character:04x})" if isinstance(err.character, int) else ""
-        start = text.rfind("\n", 0, offset) + 1
-        return at(text.count("\n", 0, offset), offset - start), f"{err.reason}{character}", ""
-    mark = getattr(err, "problem_mark", None)
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    what, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
-    context = f" ({what} at {at(context_mark.line, context_mark.column)})" if what and context_mark else ""
-    return (at(mark.line, mark.column) if mark else None), problem, context
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``a.b.c=value``; the value is read as YAML (numbers, null, lists, mappings), except
-    that string-typed keys take the text as typed.
-
-    Args:
-        text: one ``--set`` argument.
-
-    Returns:
-        (keys, value): the dotted key split into its parts, and the value to merge (an
-        ``_Override`` keeping the text as typed, its YAML reading and, when the text is not
-        valid YAML, why, in one line).
-
-    Raises:
-        ConfigError: no ``=`` or an empty key.
-    """
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set expects key=value, got {text!r}")
-    try:
-        return key.strip().split("."), _Override(raw, yaml.safe_load(raw) if raw.strip() else None)
-    except yaml.YAMLError as err:  # only acceptable for a string-typed key; checked when built
-        position, problem, context = _yaml_problem(err, raw, in_file=False)
-        where = f" at {position}" if position else ""
-        return key.strip().split("."), _Override(raw, raw, f"{problem}{where}{context}")
-
-
-def _merge(base: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = base
-    for key in keys[:-1]:
-        child = node.get(key)
-        if isinstance(child, _Override) and isinstance(child.parsed, dict):
-            child = node[key] = dict(child.parsed)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
-    silently, so a second ``epsilon:`` further down a file would override the first unseen."""
-
-
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    first_line: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base" may override what it merges in
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            if key in first_line:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark,
-                    f"duplicate key {key!r} (first given on line {first_line[key] + 1})", key_node.start_mark,
-                )  # fmt: skip
-            first_line[key] = key_node.start_mark.line
-        except TypeError:  # an unhashable key: SafeLoader's own error follows
-            break
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-
-def _read_config_file(path: Path) -> dict[str, Any]:
-    """The sections of a YAML config file; every problem is one line naming the file (and, for
-    malformed YAML, ``file:line:column``, as compilers write it).
-
-    Args:
-        path: the YAML file.
-
-    Returns:
-        Its mapping of sections ({} for an empty file).
-
-    Raises:
-        ConfigError: missing, unreadable, not UTF-8, not valid YAML, or not a mapping.
-    """
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
-    except OSError as err:
-        raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from err
-    try:
-        values = yaml.load(text, Loader=_UniqueKeyLoader) or {}
-    except yaml.YAMLError as err:
-        position, problem, context = _yaml_problem(err, text, in_file=True)
-        where = f"{path}:{position}" if position else str(path)
-        raise ConfigError(f"config file {where}: not valid YAML: {problem}{context}") from err
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return values
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated.
 
     Args:
@@ -681,30 +423,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             eval (any may be omitted), or "preset:<name>" (``dpscale presets`` lists them).
         overrides: "section.key=value" strings, applied in order.
 
+    Returns:
+        The validated config.
+
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or out-of-range value.
     """
-    values: dict[str, Any] = {}
-    if isinstance(path, str) and path.startswith("preset:"):
-        from dpscale.presets import get_preset  # local: presets are plain data, loaded on demand
-
-        try:
-            values = get_preset(path).values
-        except KeyError as err:
-            raise ConfigError(err.args[0]) from err
-    elif path is not None:
-        values = _read_config_file(Path(path))
-    for text in overrides:
-        keys, value = parse_override(text)
-        _merge(values, keys, value)
-    config = _build(Config, "", values)
+    config: Config = build_dataclass(Config, "", read_config_values(path, overrides))
     validate(config)
     return config
-
-
-def is_private_config(dp: DPConfig) -> bool:
-    """Whether the DP section describes a private run (sigma calibrated, or given and > 0)."""
-    return dp.noise_multiplier is None or dp.noise_multiplier > 0
 
 
 def plan_labels(config: Config) -> dict[str, bool]:
@@ -716,266 +443,6 @@ def plan_labels(config: Config) -> dict[str, bool]:
         "engine_unchecked": not config.train.self_check,
         "secure_noise": config.dp.secure_noise,
     }
-
-
-def _check_max_grad_norm_per(dp: DPConfig) -> None:
-    """Refuse a dp.max_grad_norm_per that is not "group" or "tensor", and "tensor" without a norm
-    or with adaptive clipping (the run's plan spells "tensor" out per tensor once the model is
-    built: train/plan_config.py)."""
-    try:
-        check_max_grad_norm_per(dp.max_grad_norm_per, dp.max_grad_norm)
-    except ValueError as err:
-        raise ConfigError(f"dp.{err}") from err
-    if dp.max_grad_norm_per == "tensor" and dp.clipping == "adaptive":
-        raise ConfigError(
-            "adaptive clipping (dp.clipping=adaptive) moves one norm C on the whole gradient; "
-            "not with dp.max_grad_norm_per=tensor (a bound per tensor): use dp.max_grad_norm_per=group"
-        )
-
-
-def validate(config: Config) -> None:
-    """Range checks that need no data; dataset-dependent checks happen in the trainer."""
-    dp, train, optim = config.dp, config.train, config.optim
-    if dp.epsilon is not None and not (dp.epsilon > 0 and math.isfinite(dp.epsilon)):
-        raise ConfigError(f"dp.epsilon must be a positive finite number, got {dp.epsilon}")
-    if not 0 < dp.delta < 1:
-        raise ConfigError(f"dp.delta must be in (0, 1), got {dp.delta}")
-    if dp.noise_multiplier is not None and not (dp.noise_multiplier >= 0 and math.isfinite(dp.noise_multiplier)):
-        raise ConfigError(f"dp.noise_multiplier must be >= 0, got {dp.noise_multiplier}")
-    if dp.epsilon is None and dp.noise_multiplier is None:
-        raise ConfigError("set dp.epsilon (sigma is then calibrated) or dp.noise_multiplier (0 for a non-private run)")
-    try:
-        check_max_grad_norm(dp.max_grad_norm)
-    except ValueError as err:
-        raise ConfigError(f"dp.{err} (or null for no clipping)") from err
-    _check_max_grad_norm_per(dp)
-    is_private = is_private_config(dp)
-    if is_private and dp.max_grad_norm is None:
-        raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")
-    if dp.noise_multiplier == 0 and dp.epsilon is not None:
-        raise ConfigError(
-            "dp.noise_multiplier=0 is a non-private run and cannot meet dp.epsilon; set dp.epsilon=null to train without privacy"
-        )
-    if not (dp.batch_size >= 1 and math.isfinite(dp.batch_size)):
-        raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
-    from dpscale.data.sampling import SAMPLING_MODES  # local, as for AUGMENTATIONS: one list, where it is used
-
-    if dp.sampling not in SAMPLING_MODES:
-        raise ConfigError(f"dp.sampling must be {_either(SAMPLING_MODES)}, got {dp.sampling!r}")
-    if dp.sampling in ("fixed", "shuffle") and not isinstance(dp.batch_size, int):
-        raise ConfigError(f"dp.sampling={dp.sampling} needs an integer dp.batch_size, got {dp.batch_size}")
-    if dp.simulated_batch_size is not None:
-        if not (1 <= dp.simulated_batch_size and math.isfinite(dp.simulated_batch_size)):
-            raise ConfigError(f"dp.simulated_batch_size must be >= 1 or null, got {dp.simulated_batch_size}")
-        if not is_private_config(dp):
-            raise ConfigError("dp.simulated_batch_size simulates a private run: it needs dp.noise_multiplier > 0 or null")
-        if dp.sampling == "shuffle" and not isinstance(dp.simulated_batch_size, int):
-            raise ConfigError(f"dp.sampling=shuffle needs an integer dp.simulated_batch_size, got {dp.simulated_batch_size}")
-    if dp.accountant not in ACCOUNTANT_KINDS:
-        raise ConfigError(f"dp.accountant must be {_either(ACCOUNTANT_KINDS)}, got {dp.accountant!r}")
-    _validate_mechanism(dp)
-    if dp.clipping not in CLIPPINGS:
-        raise ConfigError(f"dp.clipping must be {_either(CLIPPINGS)}, got {dp.clipping!r}")
-    if train.steps is None and train.epochs is None:
-        raise ConfigError("set train.epochs or train.steps")
-    if train.steps is not None and train.steps < 1:
-        raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
-    if train.steps is None and not (train.epochs > 0 and math.isfinite(train.epochs)):
-        raise ConfigError(f"train.epochs must be a positive finite number, got {train.epochs}")
-    if train.max_physical_batch_size < 1:
-        raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
-    if not train.eval_every_epochs > 0:
-        raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
-    from dpscale.privacy.precision import Precision  # local: keep config import-light
-
-    if train.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {train.precision!r}")
-    try:
-        Precision("fp16", train.fp16_loss_scale)
-    except ValueError as err:
-        raise ConfigError(f"train.fp16_loss_scale: {err}") from err
-    if train.engine not in ENGINE_NAMES:
-        raise ConfigError(f"train.engine must be {_either(ENGINE_NAMES)}, got {train.engine!r}")
-    if train.eval_batch_size < 1:
-        raise ConfigError(f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
-    if train.checkpoint_every_minutes is not None and not train.checkpoint_every_minutes > 0:
-        raise ConfigError(f"train.checkpoint_every_minutes must be > 0 or null, got {train.checkpoint_every_minutes}")
-    if train.checkpoint_every_steps is not None and train.checkpoint_every_steps < 1:
-        raise ConfigError(f"train.checkpoint_every_steps must be >= 1 or null, got {train.checkpoint_every_steps}")
-    run = config.run
-    if run.threads is not None and run.threads < 1:
-        raise ConfigError(f"run.threads must be >= 1 or null, got {run.threads}")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", run.device):
-        raise ConfigError(f"run.device must be cpu, cuda, cuda:N or mps, got {run.device!r}")
-    if run.seed is not None and run.seed < 0:
-        raise ConfigError(f"run.seed must be >= 0 or null, got {run.seed}")
-    if optim.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name must be {_either(OPTIMIZERS)}, got {optim.name!r}")
-    if not optim.lr > 0:
-        raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
-    if optim.schedule not in LR_SCHEDULES:
-        raise ConfigError(f"optim.schedule must be {_either(LR_SCHEDULES)}, got {optim.schedule!r}")
-    if optim.nesterov and (optim.momentum <= 0 or optim.dampening != 0):
-        raise ConfigError("optim.nesterov needs optim.momentum > 0 and optim.dampening = 0")
-    if optim.warmup_steps < 0 or not 0 <= optim.min_lr_ratio <= 1:
-        raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
-    _validate_features(config.features, is_private)
-    _validate_data(config)
-    _validate_model(config)
-    if train.ema_decay is not None and not 0 < train.ema_decay < 1:
-        raise ConfigError(f"train.ema_decay must be in (0, 1) or null, got {train.ema_decay}")
-    augment = config.augment
-    from dpscale.data.augment import AUGMENTATIONS  # local: keep config import-light; one list of names
-
-    if augment.multiplicity < 1:
-        raise ConfigError(f"augment.multiplicity must be >= 1, got {augment.multiplicity}")
-    if augment.type not in AUGMENTATIONS:
-        raise ConfigError(f"augment.type must be one of {', '.join(AUGMENTATIONS)}, got {augment.type!r}")
-    if augment.multiplicity > 1 and config.features.extractor is not None:
-        raise ConfigError("augment.multiplicity > 1 augments images; it cannot be combined with features.extractor")
-    if config.eval.augtest and augment.multiplicity < 2:
-        raise ConfigError("eval.augtest votes over augment.multiplicity views: set augment.multiplicity >= 2")
-
-
-def _validate_mechanism(dp: DPConfig) -> None:
-    """dp.mechanism and BandMF's settings (what needs the data, such as b*q <= 1, is checked with the plan)."""
-    if dp.mechanism not in MECHANISMS:
-        raise ConfigError(f"dp.mechanism must be {_either(MECHANISMS)}, got {dp.mechanism!r}")
-    if dp.bands != "auto" and (not isinstance(dp.bands, int) or dp.bands < 1):
-        raise ConfigError(f"dp.bands must be auto or an integer >= 1, got {dp.bands!r}")
-    if dp.max_bands < 1 or not dp.max_noise_memory_mb > 0:
-        raise ConfigError("dp.max_bands must be >= 1 and dp.max_noise_memory_mb > 0")
-    if dp.mechanism == "bandmf":
-        from dpscale.privacy.correlated import check_bandmf_settings  # local: keep config import-light; one text
-
-        check_bandmf_settings(
-            sampling=dp.sampling, simulated=dp.simulated_batch_size is not None,
-            noise_multiplier=dp.noise_multiplier, bands=dp.bands,
-        )  # fmt: skip
-
-
-FEATURE_EXTRACTORS = ("scatternet", "model:<registry name>", "checkpoint:<run dir>")
-
-
-DATA_LOADERS = ("auto", "memory", "stream")
-
-
-def _validate_model(config: Config) -> None:
-    model = config.model
-    if model.reset_head and model.init is None:
-        raise ConfigError("model.reset_head re-initialises the head of weights loaded with model.init; set model.init")
-    if model.init_public and model.init is None:
-        raise ConfigError("model.init_public declares the run behind model.init public; set model.init")
-    if model.init_scaling not in ("none", "meanvar"):
-        raise ConfigError(f"model.init_scaling must be none or meanvar, got {model.init_scaling!r}")
-    if model.init_scaling == "meanvar" and (model.init_seed_model is None or model.init is not None):
-        raise ConfigError("model.init_scaling=meanvar needs model.init_seed_model (a run directory) and no model.init")
-    if model.init_scaling == "none" and (model.init_seed_model is not None or model.init_seed_public):
-        raise ConfigError("model.init_seed_model / init_seed_public are for model.init_scaling=meanvar")
-    if model.freeze_groups < 0:
-        raise ConfigError(f"model.freeze_groups must be >= 0, got {model.freeze_groups}")
-    if model.peft not in PEFT_METHODS:
-        raise ConfigError(f"model.peft must be {_either(PEFT_METHODS)}, got {model.peft!r}")
-    if model.peft != "none" and model.freeze_groups:
-        raise ConfigError("model.peft chooses what trains; do not set model.freeze_groups with it")
-    if model.lora_rank < 1 or model.train_last_groups < 1:
-        raise ConfigError("model.lora_rank and model.train_last_groups must be >= 1")
-
-
-def _validate_data(config: Config) -> None:
-    data = config.data
-    _validate_privacy_unit(config)
-    if data.loader not in DATA_LOADERS:
-        raise ConfigError(f"data.loader must be one of {', '.join(DATA_LOADERS)}, got {data.loader!r}")
-    if data.workers is not None and data.workers < 0:
-        raise ConfigError(f"data.workers must be >= 0 (0: read in the training process), got {data.workers}")
-    if data.prefetch < 1:
-        raise ConfigError(f"data.prefetch must be >= 1, got {data.prefetch}")
-    if data.classes is not None and data.random_classes:
-        raise ConfigError("set data.classes or data.random_classes, not both")
-    if data.max_per_class is not None and data.max_per_class < 1:
-        raise ConfigError(f"data.max_per_class must be >= 1, got {data.max_per_class}")
-    if data.num_classes is not None and data.num_classes < 2:
-        raise ConfigError(f"data.num_classes must be >= 2 (a classifier needs at least two classes), got {data.num_classes}")
-    if data.num_classes is not None and (data.classes is not None or data.random_classes or data.meta_classes):
-        raise ConfigError(
-            "data.num_classes declares the stored labels; data.classes, random_classes and meta_classes "
-            "choose classes and relabel them 0..k-1: set one or the other"
-        )
-    if data.loader == "stream" and data.selects_classes:
-        raise ConfigError("class subsets (data.classes, random_classes, meta_classes, max_per_class) need data.loader=memory")
-    if data.loader == "stream":
-        if data.name not in ("imagefolder", "shards"):
-            raise ConfigError(
-                f"data.loader=stream reads image folders and prepared shards (data.name imagefolder or shards), not {data.name!r}"
-            )
-        if config.features.extractor is not None or config.features.normalize != "none" or config.features.center:
-            raise ConfigError(
-                "data.loader=stream feeds pixels to the model; features.extractor, features.normalize and "
-                "features.center need data.loader=memory"
-            )
-        if config.eval.augtest:
-            raise ConfigError("eval.augtest is not available with data.loader=stream yet; use data.loader=memory")
-
-
-def _validate_privacy_unit(config: Config) -> None:
-    """The unit's settings, checked where a plan checks them (one place for the rule)."""
-    from dpscale.privacy.group_privacy import check_privacy_unit  # torch-free
-
-    check_privacy_unit(config.data.privacy_unit, config.dp.max_examples_per_user, sampling=config.dp.sampling,
-                       simulated=config.dp.simulated_batch_size is not None)  # fmt: skip
-
-
-def _validate_features(features: FeaturesConfig, is_private: bool) -> None:
-    extractor = features.extractor
-    if extractor is not None and not (
-        extractor == "scatternet"
-        or (extractor.startswith("model:") and len(extractor) > 6)
-        or (extractor.startswith("checkpoint:") and len(extractor) > 11)
-    ):
-        raise ConfigError(f"features.extractor must be null or one of {', '.join(FEATURE_EXTRACTORS)}, got {extractor!r}")
-    if features.extractor_public and not (extractor or "").startswith("checkpoint:"):
-        # Only a trained run can have spent privacy; anything else declared public is a mistake.
-        raise ConfigError(
-            f"features.extractor_public declares the run behind a checkpoint:<run dir> extractor public; "
-            f"features.extractor is {extractor!r}"
-        )
-    if features.scatter_j < 1 or features.scatter_angles < 1 or features.scatter_order not in (1, 2):
-        raise ConfigError("features.scatter_j and scatter_angles must be >= 1 and scatter_order 1 or 2")
-    if features.scatter_pad < 0:
-        raise ConfigError(f"features.scatter_pad must be >= 0 (pixels per side), got {features.scatter_pad}")
-    from dpscale.features.normalize import NORMALIZATIONS  # local, as for AUGMENTATIONS
-
-    if features.normalize not in NORMALIZATIONS:
-        raise ConfigError(f"features.normalize must be one of {', '.join(NORMALIZATIONS)}, got {features.normalize!r}")
-    if features.groups < 1:
-        raise ConfigError(f"features.groups must be >= 1, got {features.groups}")
-    if not all(c > 0 and math.isfinite(c) for c in features.norm_clip):
-        raise ConfigError(f"features.norm_clip must be two positive numbers [C1, C2], got {list(features.norm_clip)}")
-    if not (features.norm_noise >= 0 and math.isfinite(features.norm_noise)):
-        raise ConfigError(f"features.norm_noise must be >= 0, got {features.norm_noise}")
-    if not features.norm_floor > 0:
-        raise ConfigError(f"features.norm_floor must be > 0, got {features.norm_floor}")
-    if features.batch_size < 1:
-        raise ConfigError(f"features.batch_size must be >= 1, got {features.batch_size}")
-    if is_private and features.normalize == "datanorm" and features.norm_noise == 0:
-        raise ConfigError(
-            "features.normalize=datanorm with features.norm_noise=0 releases exact statistics of the private "
-            "data; set norm_noise > 0 (the paper uses 6 or 8) or use normalize=groupnorm"
-        )
-    _validate_centring(features, is_private)
-
-
-def _validate_centring(features: FeaturesConfig, is_private: bool) -> None:
-    if not (features.center_clip > 0 and math.isfinite(features.center_clip)):
-        raise ConfigError(f"features.center_clip must be a positive number, got {features.center_clip}")
-    if not (features.center_noise >= 0 and math.isfinite(features.center_noise)):
-        raise ConfigError(f"features.center_noise must be >= 0, got {features.center_noise}")
-    if is_private and features.center and features.center_noise == 0:
-        raise ConfigError(
-            "features.center with features.center_noise=0 subtracts the exact mean of the private data; "
-            "set center_noise > 0 (dpscale's presets use 8)"
-        )
 
 
 def config_yaml(config: Config) -> str:

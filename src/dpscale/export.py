@@ -24,7 +24,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from dpscale.exported import (
 from dpscale.models.peft import merge_lora
 from dpscale.runs import LOCK_NAME, NotARunDirectory, holds_checkpoint, is_run_dir, read_run
 from dpscale.train.metrics import json_safe
+
+if TYPE_CHECKING:  # loaded on demand (export imports no training code at import time)
+    from dpscale.train.loop import Trainer
 
 try:  # POSIX; elsewhere a run directory is not locked (dpscale.train.rundir.RunLock)
     import fcntl
@@ -209,7 +212,7 @@ def partial_note(metadata: dict[str, Any]) -> str | None:
             f"{when}; accuracy and epsilon are those of step {metadata['step']})")  # fmt: skip
 
 
-def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
+def _exportable_model(trainer: Trainer, ema: bool) -> nn.Module:
     """A copy of the run's model (or EMA model) on the run's device, LoRA merged, in eval mode."""
     config = trainer.config
     if config.features.extractor not in (None, "scatternet"):
@@ -224,9 +227,10 @@ def _exportable_model(trainer: Any, ema: bool) -> nn.Module:
             "export takes runs on images without features.normalize or features.center "
             "(their normalisation of the images is not part of an export yet)"
         )
-    if ema and trainer.built.ema is None:
+    average = trainer.built.ema
+    if ema and average is None:
         raise ConfigError("--ema: this run has no EMA model (train.ema_decay was not set)")
-    source = trainer.built.ema.model if ema else trainer.model
+    source = average.model if ema and average is not None else trainer.model
     return merge_lora(copy.deepcopy(source)).eval()
 
 
@@ -237,7 +241,7 @@ def _unit_words(privacy: dict[str, Any]) -> str:
     return f" users, at most {privacy['max_examples_per_user']} images each per step"
 
 
-def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool, training: bool) -> dict[str, Any]:
+def _metadata(trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training: bool) -> dict[str, Any]:
     """The metadata every format carries (``dpscale.exported``).
 
     Args:
@@ -253,7 +257,7 @@ def _metadata(trainer: Any, model: nn.Module, fmt: str, ema: bool, training: boo
 
     config, info = trainer.config, trainer.data.info
     accuracy, loss = trainer.evaluate_model(model)  # the run's own evaluation of these weights
-    privacy = report.privacy_summary(trainer)
+    privacy = report.privacy_summary(trainer.built, trainer.progress, trainer.privacy_warnings())
     privacy["privacy_status"] = trainer.plan.status(privacy["epsilon"], privacy["reference_epsilon"])
     val_labels = config.data.val_labels
     return json_safe({
@@ -290,7 +294,7 @@ def _class_names(info: Any) -> list[str]:
     return names + [str(k) for k in range(len(names), info.num_classes)]
 
 
-def _local_paths(trainer: Any) -> list[tuple[str, str]]:
+def _local_paths(trainer: Trainer) -> list[tuple[str, str]]:
     """This machine's paths the run knows (absolute), each with what a shipped file says instead;
     longest first, so a run directory under the home directory is named as the run directory."""
     config = trainer.config
@@ -298,7 +302,7 @@ def _local_paths(trainer: Any) -> list[tuple[str, str]]:
              (config.data.val_labels, "<val labels>"), (config.model.init, "<model.init>"),
              (config.model.init_seed_model, "<model.init_seed_model>"), (Path.home(), "~")]  # fmt: skip
     # a path changed on resume is quoted, old and new, in the privacy section's config_changes
-    named += [(value, "<local path>") for value in _strings(trainer.config_changes) if Path(value).expanduser().is_absolute()]
+    named += [(value, "<local path>") for value in _strings(trainer.progress.config_changes) if Path(value).expanduser().is_absolute()]
     found: dict[str, str] = {}
     for value, stand_in in named:
         if value is None:
@@ -332,7 +336,7 @@ def _without_local_paths(value: Any, paths: list[tuple[str, str]]) -> Any:
     return value
 
 
-def _feature_stage(trainer: Any, metadata: dict[str, Any]) -> ScatterNetFeatures | None:
+def _feature_stage(trainer: Trainer, metadata: dict[str, Any]) -> ScatterNetFeatures | None:
     """A ScatterNet run's feature map and normalisation as a module (None for a run on images);
     its spec goes into ``metadata["features"]`` and the input shape becomes the images'."""
     features = trainer.config.features
@@ -352,7 +356,7 @@ def _feature_stage(trainer: Any, metadata: dict[str, Any]) -> ScatterNetFeatures
     return stage
 
 
-def _image_shape(trainer: Any) -> tuple[int, int, int]:
+def _image_shape(trainer: Trainer) -> tuple[int, int, int]:
     """The images' (C, H, W), from the features' shape: the ScatterNet's shape rule run backwards
     (and checked forwards)."""
     from dpscale.features.scatternet import scatter_channels, scatter_output_shape
@@ -379,7 +383,9 @@ def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     from safetensors.torch import save
 
     inner = model.classifier
-    classifier, features = (inner[1], inner[0]) if isinstance(inner, nn.Sequential) else (inner, None)
+    classifier, features = inner, None
+    if isinstance(inner, nn.Sequential):  # export_run's (features, classifier)
+        classifier, features = inner[1], cast(ScatterNetFeatures, inner[0])
     weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
     if features is not None and features.kind == "datanorm":  # the released statistics, as the run used them
         weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
@@ -457,6 +463,7 @@ def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) 
             model, (_example(metadata),), input_names=["images"], output_names=["logits"],
             dynamic_shapes={"images": {0: torch.export.Dim("batch")}}, verbose=False,
         )  # fmt: skip
+    assert program is not None  # the dynamo exporter (torch's default) returns its program
     proto = program.model_proto
     _drop_stack_traces(proto)
     proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(metadata))

@@ -64,6 +64,11 @@ class ScatterNetFeatures(nn.Module):
         center: the released mean feature vector (None when the run did not centre).
     """
 
+    # buffers (registered in __init__): the type checker's view of them
+    norm_mean: torch.Tensor  # with kind "datanorm" only
+    norm_var: torch.Tensor
+    feature_center: torch.Tensor | None
+
     def __init__(
         self, spec: dict[str, Any], mean: torch.Tensor | None = None, var: torch.Tensor | None = None,
         center: torch.Tensor | None = None,
@@ -74,12 +79,14 @@ class ScatterNetFeatures(nn.Module):
         self.scatter = ScatterNet(tuple(spec["image_shape"]), J=spec["J"], L=spec["L"], max_order=spec["max_order"], pad=spec["pad"])
         self.kind, self.groups = spec["normalize"], spec["groups"]
         if self.kind == "datanorm":  # kept in their own dtype: the same arithmetic as the run's
+            if mean is None or var is None:  # (what .clone() would raise: no statistics to keep)
+                raise AttributeError("'NoneType' object has no attribute 'clone'")
             self.register_buffer("norm_mean", mean.clone())
             self.register_buffer("norm_var", var.clone())
         if spec.get("center") and center is None:
             raise ValueError("the export's metadata says the run centred its features, but the released mean is missing")
         # kept in float64: the same arithmetic as the run's
-        self.register_buffer("feature_center", center.clone() if spec.get("center") else None)
+        self.register_buffer("feature_center", center.clone() if spec.get("center") and center is not None else None)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         from dpscale.features.normalize import group_normalize

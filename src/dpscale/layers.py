@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,7 @@ class ScaledStdConv2d(nn.Conv2d):
     W' = gain * (W - mean) / sqrt(fan_in * var + eps), per output filter.
 
     The engines' exact rule for it maps each example's gradient with respect to W' through the
-    standardisation's Jacobian (``dpscale.privacy.ghost``)."""
+    standardisation's Jacobian (``dpscale.privacy.ghost_conv``)."""
 
     def __init__(self, *args, eps: float = 1e-4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -71,8 +73,13 @@ class _WithFrozenLayer:
     on small models (docs/transfer.md: a private step 0.92x that of two calls on papernot-cnn and
     resnet18-gn, with less memory)."""
 
-    _frozen: tuple[nn.Module, ...]  # a tuple, so that the adapter alone owns W as a submodule
+    _frozen: tuple[nn.Linear | nn.Conv2d, ...]  # a tuple, so that the adapter alone owns W as a submodule
     _frozen_output: torch.Tensor | None
+    weight: torch.Tensor  # A's, from the layer class it is mixed into (nn.Linear or nn.Conv2d)
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's own operation with ``weight`` and ``bias`` (each subclass defines it)."""
+        raise NotImplementedError
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[A; W] and [0; b] (None without a bias)."""
@@ -120,10 +127,11 @@ class LoRADownConv2d(_WithFrozenLayer, nn.Conv2d):
     dilation and r output channels, computed together with W (``_WithFrozenLayer``)."""
 
     def __init__(self, frozen: nn.Conv2d, rank: int) -> None:
-        kwargs = {"device": frozen.weight.device, "dtype": frozen.weight.dtype}
+        # torch types a Conv2d's geometry as tuples of any length; a Conv2d's are pairs
+        kernel_size, stride, dilation = (cast("tuple[int, int]", v) for v in (frozen.kernel_size, frozen.stride, frozen.dilation))
         super().__init__(
-            frozen.in_channels, rank, frozen.kernel_size, stride=frozen.stride, padding=frozen.padding,
-            dilation=frozen.dilation, bias=False, **kwargs,
+            frozen.in_channels, rank, kernel_size, stride=stride, padding=cast("str | tuple[int, int]", frozen.padding),
+            dilation=dilation, bias=False, device=frozen.weight.device, dtype=frozen.weight.dtype,
         )  # fmt: skip
         self._frozen, self._frozen_output = (frozen,), None
 
@@ -143,7 +151,7 @@ class _ChannelsLastMaxPool(torch.autograd.Function):
     values, indices and gradients are those of ``F.max_pool2d``, bit for bit."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool) -> torch.Tensor:
         out, indices = F.max_pool2d(
             x.contiguous(memory_format=torch.channels_last), kernel, stride, padding, dilation, ceil_mode,
             return_indices=True,
@@ -154,7 +162,7 @@ class _ChannelsLastMaxPool(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple:
         x, indices = ctx.saved_tensors
         kernel, stride, padding, dilation, ceil_mode = (_pair(v) if not isinstance(v, bool) else v for v in ctx.geometry)
         grad_x = torch.ops.aten.max_pool2d_with_indices_backward(

@@ -152,7 +152,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, on_written: C
         ConfigError: a run directory with no evaluation yet (empty metrics.jsonl).
     """
     dirs = [Path(d) for d in run_dirs]
-    runs = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     for run_dir in dirs:
         records = read_metrics(run_dir)
         if not records:

@@ -29,10 +29,13 @@ import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from numpy.random._pcg64 import _PCG64State  # numpy's type of a PCG64(DXSM) state (stubs only)
 
 BIT_GENERATOR = "PCG64DXSM"
 # Normals per chunk of a parallel draw (4 MB of float32): large enough that creating a child
@@ -40,7 +43,8 @@ BIT_GENERATOR = "PCG64DXSM"
 PARALLEL_CHUNK = 1 << 20
 SEED_BITS = 128  # bits of the seeds derive_seed gives (the run's stream seeds are as wide)
 # float32 draws serve the half-precision dtypes too (then cast): numpy has no bf16/fp16 normals.
-_HOST_DTYPE = {
+_HostDtype = Union[type[np.float32], type[np.float64]]
+_HOST_DTYPE: dict[torch.dtype, _HostDtype] = {
     torch.float32: np.float32,
     torch.bfloat16: np.float32,
     torch.float16: np.float32,
@@ -115,10 +119,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dprandom")
 
 
-def _parallel_normals(key: int, count: int, host_dtype: type) -> np.ndarray:
+def _parallel_normals(key: int, count: int, host_dtype: _HostDtype) -> np.ndarray:
     """``count`` standard normals: chunk j of ``PARALLEL_CHUNK`` comes from the child generator
     ``SeedSequence(key, spawn_key=(j,))`` (numpy releases the GIL while it fills a chunk)."""
-    out = np.empty(count, dtype=host_dtype)
+    out: np.ndarray = np.empty(count, dtype=host_dtype)
 
     def fill(j: int) -> None:
         child = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(key, spawn_key=(j,))))
@@ -202,7 +206,7 @@ class DPRandom:
         Returns:
             a copy of numpy's ``bit_generator.state``.
         """
-        return copy.deepcopy(self._bit_generator.state)
+        return dict(copy.deepcopy(self._bit_generator.state))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where the generator that wrote ``state`` stood.
@@ -219,7 +223,7 @@ class DPRandom:
             )
         if not is_dprandom_state(state):
             raise ValueError(f"not a {BIT_GENERATOR} DPRandom state: {type(state).__name__}")
-        self._bit_generator.state = copy.deepcopy(state)
+        self._bit_generator.state = cast("_PCG64State", copy.deepcopy(state))  # checked by is_dprandom_state
 
     def __repr__(self) -> str:  # never the state: it is as secret as the noise
         return f"DPRandom({BIT_GENERATOR})"

@@ -16,7 +16,7 @@ from dpscale.audit import AUDIT_KINDS
 from dpscale.audit.dirac import DiracProbe, host_sizes
 from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset
-from dpscale.privacy.clipping import is_per_layer
+from dpscale.privacy.clipping import MaxGradNorm, is_per_layer
 from dpscale.privacy.per_example import (
     ClippedSumMixin,
     Params,
@@ -101,8 +101,13 @@ class CanaryEngine(ClippedSumMixin):
         return self.inner.name
 
     @property
-    def max_grad_norm(self) -> float | None:
+    def max_grad_norm(self) -> MaxGradNorm:
         return self.inner.max_grad_norm
+
+    @property
+    def clip_gamma(self) -> float | None:
+        """The inner engine's automatic-clipping gamma (None: it clips to C)."""
+        return self.inner.clip_gamma
 
     def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Any) -> tuple[Params, torch.Tensor, torch.Tensor]:
         x, y = batch

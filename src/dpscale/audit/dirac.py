@@ -25,7 +25,7 @@ and cross-entropy against the other class at logits (0, 0) has gradient exactly 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ HOST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)  # exact types: a subclass may c
 PREFIX = "net."  # the training model's parameter names inside the probe
 CANARY_LABEL = 1  # cross-entropy against logit 1 (always 0): d loss / d logit 0 = 1/2
 LOGIT_GAIN = 2.0  # 1 / (1/2)
+_Conv = Union[nn.Conv1d, nn.Conv2d]  # the host layers but Linear
 
 
 def can_host(module: nn.Module, local: str) -> bool:
@@ -92,10 +93,15 @@ def _linear_host(path: str, m: nn.Linear) -> _Host:
     return _Host(path, (positions, m.in_features), (positions, m.out_features))
 
 
-def _conv_host(path: str, m: nn.Module) -> _Host:
+def _padding(m: _Conv) -> tuple[int, ...]:
+    """A host conv's padding (torch's type admits a string such as "same", which ``can_host`` refuses)."""
+    return cast(tuple[int, ...], m.padding)
+
+
+def _conv_host(path: str, m: _Conv) -> _Host:
     sizes, outs = [], []
     for axis, k in enumerate(m.kernel_size):
-        s, pad, d = m.stride[axis], m.padding[axis], m.dilation[axis]
+        s, pad, d = m.stride[axis], _padding(m)[axis], m.dilation[axis]
         n = max(_axis(k, s, pad, d, offset)[3] for offset in range(k))
         sizes.append(n)
         outs.append((n + 2 * pad - d * (k - 1) - 1) // s + 1)
@@ -111,15 +117,21 @@ def _entries(host: _Host, m: nn.Module, local: str, flat: int, value: float) -> 
     if local == "bias":  # zero input, the whole magnitude on one output position
         first = (flat,) + (0,) * (len(host.out_shape) - 1) if type(m) is not nn.Linear else (0, flat)
         return [(host.w_start + _flat(host.out_shape, first), value)]
-    index = np.unravel_index(flat, tuple(m.weight.shape))
     if type(m) is nn.Linear:
+        index = np.unravel_index(flat, tuple(m.weight.shape))
         k, col = int(index[0]), int(index[1])
         pixel = [(host.a_start + _flat(host.in_shape, (0, col)), value), (host.w_start + _flat(host.out_shape, (0, k)), 1.0)]
         cancel = [(host.w_start + _flat(host.out_shape, (1, k)), -1.0)] if host.out_shape[0] == 2 else []
         return pixel + cancel
+    return _conv_entries(host, cast(_Conv, m), flat, value)  # the other host layers are convs (HOST_LAYERS)
+
+
+def _conv_entries(host: _Host, m: _Conv, flat: int, value: float) -> list[tuple[int, float]]:
+    """``_entries`` for weight[flat] of a Conv1d/Conv2d: the pixel, and the output positions that see and miss it."""
+    index = np.unravel_index(flat, tuple(m.weight.shape))
     o, c_local, offsets = int(index[0]), int(index[1]), [int(i) for i in index[2:]]
     channel = o // (m.out_channels // m.groups) * (m.in_channels // m.groups) + c_local
-    axes = [_axis(k, m.stride[a], m.padding[a], m.dilation[a], offsets[a]) for a, k in enumerate(m.kernel_size)]
+    axes = [_axis(k, m.stride[a], _padding(m)[a], m.dilation[a], offsets[a]) for a, k in enumerate(m.kernel_size)]
     pixel = tuple(r for _, r, _, _ in axes)
     seen = tuple(i0 for i0, _, _, _ in axes)
     missed = (axes[0][2], *seen[1:])  # further along the first axis: its receptive field misses the pixel
@@ -149,7 +161,7 @@ class DiracProbe(nn.Module):
             path = name.rpartition(".")[0]
             if path not in hosts:
                 m = model.get_submodule(path)
-                host = _linear_host(path, m) if type(m) is nn.Linear else _conv_host(path, m)
+                host = _linear_host(path, m) if type(m) is nn.Linear else _conv_host(path, cast(_Conv, m))  # a host (HOST_LAYERS)
                 host.a_start = width
                 host.w_start = width + int(np.prod(host.in_shape))
                 width = host.w_start + int(np.prod(host.out_shape))

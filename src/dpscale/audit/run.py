@@ -10,7 +10,7 @@ import secrets
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class _LooseClipping(ClippedSumMixin):
     def __init__(self, inner: PerExampleEngine, scale: float) -> None:  # wraps ``inner``, a dataclass engine
         self.loose = replace(inner, max_grad_norm=inner.max_grad_norm * scale)  # type: ignore[type-var,operator]
         self.name, self.max_grad_norm = inner.name, inner.max_grad_norm
-        self.views, self.precision = getattr(inner, "views", 1), getattr(inner, "precision", None)
+        self.views, self.precision, self.clip_gamma = getattr(inner, "views", 1), inner.precision, inner.clip_gamma
         self.loss_fn = getattr(inner, "loss_fn", per_example_cross_entropy)
 
     def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Any) -> tuple[Params, torch.Tensor, torch.Tensor]:
@@ -246,7 +246,8 @@ def plot_scores(scores: np.ndarray, included: np.ndarray, path: Path, outcome: A
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     finite = np.isfinite(scores)
-    bins = np.histogram_bin_edges(scores[finite], bins=40) if finite.any() else 10
+    # cast: matplotlib's annotation of bins leaves out the arrays it takes
+    bins = cast("Sequence[float]", np.histogram_bin_edges(scores[finite], bins=40)) if finite.any() else 10
     ax.hist(scores[included & finite], bins=bins, alpha=0.6, label=f"included ({int(included.sum())})")
     ax.hist(scores[~included & finite], bins=bins, alpha=0.6, label=f"excluded ({int((~included).sum())})")
     order = np.sort(scores)[::-1]

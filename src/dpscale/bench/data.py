@@ -28,7 +28,7 @@ def _worker_counts(text: str | None) -> list[int]:
     return sorted({0, 1, default_workers()})
 
 
-def _engine_step(name: str | None, input_shape: tuple[int, ...], classes: int, device: torch.device):
+def _engine_step(name: str | None, input_shape: tuple[int, int, int], classes: int, device: torch.device):
     """A function(chunk) doing the engine's clipped sum on ``name``'s model (None: no model)."""
     if name is None:
         return None
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|")
     for kind, root in sources:
         data = open_stream(kind, root, image_size=args.image_size if kind == "imagefolder" else None, normalize=True)
-        step_fn = _engine_step(args.model, tuple(data.info.input_shape), data.info.num_classes, device)
+        step_fn = _engine_step(args.model, data.info.input_shape, data.info.num_classes, device)
         for workers in _worker_counts(args.workers):
             row = measure(data, workers, args, device, step_fn)
             print(f"| {kind} {root} | {workers} | {row['images_per_s']:.0f} | {100 * row['wait_fraction']:.1f}% | "

@@ -49,8 +49,9 @@ def run_dpscale(config, log: Callable[[str], None]) -> EndToEndRow:
     trainer = Trainer.create(config, progress=False)
     summary = trainer.run()
     whole = time.perf_counter() - started
+    assert summary is not None  # run() without max_steps trains to the end, then gives the summary
     log(f"dpscale: {whole:.1f} s, test accuracy {summary['test_accuracy']:.4f}")
-    return EndToEndRow("dpscale", whole, trainer.wall_time_s, trainer.step, summary["test_accuracy"],
+    return EndToEndRow("dpscale", whole, trainer.progress.wall_time_s, trainer.step, summary["test_accuracy"],
                        summary["epsilon"], trainer.plan.run_accountant)  # fmt: skip
 
 

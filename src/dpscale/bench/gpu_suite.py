@@ -220,6 +220,7 @@ def training_rows(device: torch.device, data_root: str | None, quick: bool) -> l
         started, done = time.perf_counter(), trainer.step
         summary = trainer.run()
         rate = (trainer.step - done) / (time.perf_counter() - started)  # evaluations and checkpoints included
+    assert summary is not None  # run() without max_steps trains to the end, then gives the summary
     name = "fashion-mnist" if full else "mnist-5k (embedded), 6 steps"
     accuracy, epsilon = summary["test_accuracy"], summary["epsilon"]
     ok = summary["steps"] == trainer.total_steps and accuracy > 0.1

@@ -130,12 +130,12 @@ def _dpscale_step(
     batch = x.shape[0]
     if user_rows and batch % user_rows:
         raise ValueError(f"-user{user_rows} rows need a batch size divisible by {user_rows}, got {batch}")
-    users = {"user_ids": torch.arange(100 * batch) // user_rows, "max_examples_per_user": user_rows} if user_rows else {}
     mechanism = make_private(
         model, optimizer, dataset_size=100 * batch, batch_size=batch // max(1, user_rows), max_grad_norm=CLIP,
         noise_multiplier=SIGMA, delta=1e-5, steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp",
         engine=engine_name, augment_multiplicity=views, precision=precision.name, seed=0,
-        noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands, **users,
+        noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands,
+        user_ids=torch.arange(100 * batch) // user_rows if user_rows else None, max_examples_per_user=user_rows or None,
     )  # fmt: skip
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)

@@ -11,6 +11,7 @@ from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
 from dpscale.data.sampling_modes import SAMPLING_MODES
 from dpscale.cli.args import number_arg, refusals_as_config_errors
 from dpscale.errors import ConfigError
+from dpscale.privacy.numbers import PrivacyNumbers
 
 # The smallest delta' the --group-size search tries with the RDP accountant (the PLD one stops at its PLD_MIN_DELTA).
 RDP_MIN_DELTA = 1e-100
@@ -43,7 +44,7 @@ def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]
     the amplified accounting (ceil(S/b) compositions at p = b*q)."""
     from dpscale.privacy.bandmf import Workload
     from dpscale.privacy.correlated import BandsRequest
-    from dpscale.privacy.plan import make_dp_plan, steps_for
+    from dpscale.privacy.make_plan import make_dp_plan, steps_for
 
     if args.steps is None and args.epochs is None:
         raise ConfigError("--mechanism bandmf needs --epochs or --steps (solving for the length is DP-SGD only)")
@@ -53,12 +54,9 @@ def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]
     bands = "auto" if args.bands == "auto" else int(args.bands)
     request = BandsRequest(bands=bands, workload=Workload(steps=steps, momentum=args.momentum), max_bands=args.max_bands)
     with refusals_as_config_errors():
-        plan = make_dp_plan(
-            dataset_size=args.dataset_size, batch_size=args.batch_size, steps=steps, max_grad_norm=1.0,
-            delta=args.delta, target_epsilon=args.target_epsilon, noise_multiplier=args.noise,
-            accountant=args.accountant, releases=releases, correlated=request,
-        )  # fmt: skip
+        plan = make_dp_plan(PrivacyNumbers(batch_size=args.batch_size, max_grad_norm=1.0, delta=args.delta, target_epsilon=args.target_epsilon, noise_multiplier=args.noise, accountant=args.accountant), dataset_size=args.dataset_size, steps=steps, releases=releases, correlated=request)  # fmt: skip
     noise = plan.correlated
+    assert noise is not None  # make_dp_plan plans the banded noise of every BandsRequest (choose_bands)
     return {
         "mechanism": "bandmf", "bands": noise.bands, "reason": noise.reason, "candidates": noise.candidates,
         "coefficients": list(noise.coefficients), "relative_error": noise.relative_error, "workload": noise.workload,
@@ -194,7 +192,7 @@ def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
         (what was solved for: "steps", "epsilon" or "noise_multiplier", sigma, steps).
     """
     from dpscale.privacy import calibrate_noise_multiplier, calibrate_steps
-    from dpscale.privacy.plan import steps_for
+    from dpscale.privacy.make_plan import steps_for
 
     have_length = args.steps is not None or args.epochs is not None
     q = args.batch_size / args.dataset_size

@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from typing import TypedDict
 
 from dpscale.errors import ConfigError
+
+
+class _ModelRow(TypedDict):
+    """One model of ``dpscale models`` (an object of its ``--json`` list)."""
+
+    name: str
+    params: int
+    input_shape: list[int]
+    engines: list[str]
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -49,7 +59,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from dpscale.models import build_model, count_parameters, default_input_shape, list_models
     from dpscale.privacy.engines import supported_engines
 
-    rows = []
+    rows: list[_ModelRow] = []
     for name in list_models():
         shape = default_input_shape(name)
         model = build_model(name, 10, shape)
@@ -58,8 +68,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
         print(json.dumps(rows))
         return 0
     for row in rows:
-        shape = "x".join(map(str, row["input_shape"]))
-        print(f"{row['name']:<26} {row['params']:>10,} params  input {shape:<8} engines: {', '.join(row['engines'])}")
+        shown = "x".join(map(str, row["input_shape"]))
+        print(f"{row['name']:<26} {row['params']:>10,} params  input {shown:<8} engines: {', '.join(row['engines'])}")
     return 0
 
 

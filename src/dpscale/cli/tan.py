@@ -62,6 +62,8 @@ def _print_simulation_plan(config: Config) -> int:
     inputs = plan_inputs(config, log=_log)  # N, steps and releases exactly as the Trainer finds them
     plan, steps = plan_for(config, inputs), inputs.steps
     sim = plan.simulation
+    # _cmd_tan_simulate set dp.simulated_batch_size below dp.batch_size: the plan is a TAN simulation's
+    assert sim is not None
     print(
         f"reference run:  B={sim.batch_size:g}, sigma={sim.noise_multiplier:.6g}, S={steps}, "
         f"epsilon={sim.epsilon:.4f} at delta={plan.delta:g} ({plan.accountant})"

@@ -41,6 +41,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     sweep = Sweep(out, spec, progress=not args.quiet, on_point=_print_point)
     sweep.prepare()
     if spec.private_tuning:
+        assert sweep.tuning is not None  # prepare() reads it from spec.private_tuning
         print(f"sweep: private tuning, {sweep.tuning.describe()}: {len(sweep.drawn_points)} trials drawn from {len(spec.points())} "
               f"points, in {out} (rerun the same command to resume). {TUNER_PRIVATE}", file=sys.stderr)  # fmt: skip
     else:

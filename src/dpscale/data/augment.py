@@ -25,6 +25,7 @@ Kinds (``AUGMENTATIONS``):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -259,9 +260,9 @@ def _resized_crop(x: Tensor, top: Tensor, left: Tensor, box_h: Tensor, box_w: Te
     low = torch.stack([(2 * left + 1) / w - 1, (2 * top + 1) / h - 1], -1)
     high = torch.stack([(2 * (left + box_w) - 1) / w - 1, (2 * (top + box_h) - 1) / h - 1], -1)
 
-    to_x = {"device": x.device, "dtype": x.dtype}
-    grid = F.affine_grid(theta.to(**to_x), [n * k, c, h, w], align_corners=False)  # [N*K, H, W, 2]
-    grid = torch.maximum(torch.minimum(grid, high.to(**to_x).view(-1, 1, 1, 2)), low.to(**to_x).view(-1, 1, 1, 2))
+    # Tensor.to(x): x's device and dtype
+    grid = F.affine_grid(theta.to(x), [n * k, c, h, w], align_corners=False)  # [N*K, H, W, 2]
+    grid = torch.maximum(torch.minimum(grid, high.to(x).view(-1, 1, 1, 2)), low.to(x).view(-1, 1, 1, 2))
     # The K grids of an image are stacked along the output height, so grid_sample reads each image
     # once instead of needing K repeated copies of it.
     out = F.grid_sample(x, grid.view(n, k * h, w, 2), mode="bilinear", padding_mode="border", align_corners=False)
@@ -375,5 +376,14 @@ def _gaussian_blur(img: Tensor, sigma: Tensor, kernel_size: int) -> Tensor:
     kernel = torch.exp(-0.5 * (taps / sigma.view(-1, 1)) ** 2)
     kernel = kernel / kernel.sum(-1, keepdim=True)  # [V, taps]; normalised, so the range is kept
     padded = F.pad(img, (half, half, half, half), mode="reflect")
-    rows = sum(kernel[:, i].view(-1, 1, 1, 1) * padded[:, :, i : i + h, :] for i in range(kernel_size))
-    return sum(kernel[:, i].view(-1, 1, 1, 1) * rows[:, :, :, i : i + w] for i in range(kernel_size))
+    rows = _sum_taps(kernel[:, i].view(-1, 1, 1, 1) * padded[:, :, i : i + h, :] for i in range(kernel_size))
+    return _sum_taps(kernel[:, i].view(-1, 1, 1, 1) * rows[:, :, :, i : i + w] for i in range(kernel_size))
+
+
+def _sum_taps(terms: Iterator[Tensor]) -> Tensor:
+    """The sum of a non-empty run of tensors, added in order (``sum`` without its int 0 start, which
+    types as ``Tensor | int``). A kernel has at least one tap: :func:`_blur_kernel_size` >= 1."""
+    total = next(terms)
+    for term in terms:
+        total = total + term
+    return total

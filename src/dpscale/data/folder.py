@@ -196,13 +196,18 @@ def decoder_pool(workers: int) -> ProcessPoolExecutor | _InProcess:
     threads hold locks can hang in the child."""
     if workers <= 1:
         return _InProcess()
+    return _forkserver_pool(workers)
+
+
+def _forkserver_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` decoding processes (:func:`decoder_pool` with workers > 1)."""
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
 
 
 def _check_all(files: list[Path], full: bool, workers: int) -> list[Header | str]:
     if workers <= 1 or len(files) < 512:
         return [_check(p, full) for p in files]
-    with decoder_pool(workers) as pool:
+    with _forkserver_pool(workers) as pool:  # a process pool: the in-process map takes no chunksize
         return list(pool.map(_check, files, [full] * len(files), chunksize=256))
 
 
@@ -280,8 +285,8 @@ def list_image_folder(
         )
     files, labels = _flatten(by_class, classes)
     test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
-    empty = (), np.zeros(0, dtype=np.int64)
-    listing = FolderListing(root, tuple(classes), files, labels, *(test or empty), "official" if test else "",
+    test_files, test_labels = test or ((), np.zeros(0, dtype=np.int64))
+    listing = FolderListing(root, tuple(classes), files, labels, test_files, test_labels, "official" if test else "",
                             train_users=read_users_manifest(root, files, labels, classes))  # fmt: skip
     listing = _scan(listing, image_size, skip_corrupt, workers)
     if test is None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from dpscale.errors import UserError
 
@@ -247,7 +247,7 @@ _PGM_SAMPLES = WideSamples("16-bit", 65535.0)
 _WIDE_COLOUR = re.compile(r";16[BLN]$")
 
 
-def _decoder_args(img: Image.Image) -> tuple[str, int]:
+def _decoder_args(img: ImageFile.ImageFile) -> tuple[str, int]:
     """The raw mode the file's decoder was given and a PPM file's maxval (0 if none)."""
     args = img.tile[0].args if img.tile else ""
     if isinstance(args, str):
@@ -260,7 +260,7 @@ def _decoder_args(img: Image.Image) -> tuple[str, int]:
     return raw, maxval
 
 
-def wide_samples(img: Image.Image, path: Path) -> WideSamples | None:
+def wide_samples(img: ImageFile.ImageFile, path: Path) -> WideSamples | None:
     """How to read an opened image's samples; call before ``load()`` (it drops the raw mode).
 
     Args:

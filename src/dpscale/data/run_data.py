@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ def prepare_data(config: Config, device: torch.device, data: ImageDataset | None
             workers=data_workers(config),
         )  # fmt: skip
     if cfg.selects_classes:
-        classes = cfg.classes
+        classes: Sequence[int] | None = cfg.classes
         if cfg.random_classes:
             classes = random_classes(data.info.num_classes, cfg.random_classes, cfg.subset_seed)
         data = select_classes(data, classes=classes, meta_classes=cfg.meta_classes, max_per_class=cfg.max_per_class, seed=cfg.subset_seed)

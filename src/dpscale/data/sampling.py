@@ -148,7 +148,7 @@ class ShardedDraw:
         rank, world_size: this process's shard.
     """
 
-    def __init__(self, inner: "FixedSizeSampler | ShuffleSampler | PoissonSampler", rank: int, world_size: int) -> None:
+    def __init__(self, inner: BatchSampler, rank: int, world_size: int) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got {rank} and {world_size}")
         self.inner, self.rank, self.world_size = inner, rank, world_size
@@ -436,7 +436,7 @@ def make_sampler(
     partition_seed: int | None = None,
     start_step: int = 0,
     max_batch_size: int | None = None,
-) -> PoissonSampler | FixedSizeSampler | ShuffleSampler | CyclicPoissonSampler:
+) -> PoissonSampler | FixedSizeSampler | ShuffleSampler | CyclicPoissonSampler | ShardedDraw:
     """The sampler for ``mode`` with expected batch size B = ``batch_size``.
 
     Args:
@@ -455,7 +455,8 @@ def make_sampler(
     Returns:
         a ``PoissonSampler`` (poisson, b = 1: unchanged for every existing caller), a
         ``CyclicPoissonSampler`` (poisson, b > 1), a ``FixedSizeSampler`` (fixed) or a
-        ``ShuffleSampler`` (shuffle).
+        ``ShuffleSampler`` (shuffle); over several processes, fixed-size, shuffled and capped
+        batches come as a ``ShardedDraw``.
 
     Raises:
         ValueError: on an unknown mode, fixed or shuffle with b > 1, or b > 1 (or fixed-size,
@@ -492,7 +493,7 @@ def make_sampler(
             raise ValueError(f"sampling={mode} over {world_size} processes needs a partition_seed shared by all ranks")
         shared = DPRandom(derive_seed(partition_seed, (SHARED_DRAW_KEY, world_size, start_step)))
         inner = make_sampler(mode, dataset_size, batch_size, shared, max_batch_size=max_batch_size)
-        return ShardedDraw(inner, rank, world_size)  # type: ignore[arg-type]
+        return ShardedDraw(inner, rank, world_size)
     if mode == "poisson":
         return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size, max_batch_size)
     if mode == "fixed":

@@ -59,7 +59,7 @@ def _write_split(
     channels = 1 if mode == "L" else 3
     per_shard = max(1, SHARD_BYTES // (channels * size * size * np.dtype(dtype).itemsize))
     batch = 256
-    shards = []
+    shards: list[dict[str, str | int]] = []  # the manifest's entry of each shard file
     with decoder_pool(workers) as pool:
         for first in range(0, max(len(files), 1), per_shard):
             part = files[first : first + per_shard]

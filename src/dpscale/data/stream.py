@@ -35,7 +35,10 @@ if TYPE_CHECKING:
 class ImageSource(Protocol):
     """One split of a dataset, read one example at a time (in a loader worker)."""
 
-    labels: np.ndarray
+    @property
+    def labels(self) -> np.ndarray:  # read-only: the sources are frozen dataclasses
+        """Every example's label (int64)."""
+        ...
 
     def __len__(self) -> int: ...
 
@@ -116,8 +119,14 @@ class _Chunks(torch.utils.data.Dataset):
 
 
 def _loader(dataset: _Chunks, requests: Any, workers: int, prefetch: int, pin: bool) -> torch.utils.data.DataLoader:
-    extra = {"prefetch_factor": prefetch} if workers > 0 else {}
-    return torch.utils.data.DataLoader(dataset, batch_size=None, sampler=requests, num_workers=workers, pin_memory=pin, **extra)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        sampler=requests,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=prefetch if workers > 0 else None,  # None: torch's default, and all it takes without workers
+    )
 
 
 class _BatchRequests:
@@ -144,7 +153,7 @@ class _BatchRequests:
             indices = feed.sampler.sample()
             return [(c,) for c in indices.split(feed.chunk_size)] or [(indices,)]  # an empty batch: one empty chunk
         drawn = feed.sampler.sample_units()
-        parts = [(drawn.indices[a:b], local) for a, b, local in user_slices(drawn.offsets, feed.chunk_size)]
+        parts: list[tuple[torch.Tensor, ...]] = [(drawn.indices[a:b], local) for a, b, local in user_slices(drawn.offsets, feed.chunk_size)]
         return parts or [(drawn.indices, torch.zeros(1, dtype=torch.int64))]
 
 
@@ -259,10 +268,13 @@ def open_stream(
     from .formats import DatasetError
     from .shards import open_shards
 
+    train: ImageSource
+    test: ImageSource
     if name == "shards":
         if image_size is not None:
             raise DatasetError("data.image_size does not apply to prepared shards (their size was fixed by `dpscale data prepare --size`)")
-        manifest, train, test = open_shards(root)
+        manifest, shard_train, test = open_shards(root)
+        train, users = shard_train, shard_train.user_ids
         classes, source, split = manifest["classes"], str(root), manifest.get("test_split", "official")
         skipped = tuple(manifest.get("skipped_files", ()))
     elif name == "imagefolder":
@@ -272,11 +284,11 @@ def open_stream(
         train = FolderSource(listing.train_files, listing.train_labels, listing.mode, image_size, listing.dtype)
         test = FolderSource(listing.test_files, listing.test_labels, listing.mode, image_size, listing.dtype)
         classes, source, split, skipped = listing.classes, str(listing.root), listing.test_split, listing.skipped
+        users = listing.train_users
     else:
         raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
     shape = tuple(int(d) for d in train.read(0).shape)
     info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes))  # type: ignore[arg-type]
-    users = listing.train_users if name == "imagefolder" else train.user_ids
     return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape), user_ids=users)
 
 

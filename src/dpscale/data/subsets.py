@@ -7,6 +7,7 @@ and test splits alike; the training set that remains is the N the accountant see
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -55,7 +56,7 @@ def _keep(y: torch.Tensor, classes: list[int], cap: int | None, seed: int) -> to
 def select(
     data: ImageDataset,
     *,
-    classes: list[int] | None = None,
+    classes: Sequence[int] | None = None,
     meta_classes: int | None = None,
     max_per_class: int | None = None,
     seed: int = 0,

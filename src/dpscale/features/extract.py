@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ from dpscale.config import plan_labels
 from dpscale.errors import ConfigError
 from dpscale.models import build_model
 from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
-from dpscale.privacy.plan import SOURCE_ROLES, DPPlan, SourceRunPrivacy
+from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.source_runs import SOURCE_ROLES, SourceRunPrivacy
 from dpscale.runs import CHECKPOINT_NAME, NotARunDirectory, read_run_config
 
 from .scatternet import ScatterNet, import_kymatio
@@ -107,7 +108,9 @@ class _ForwardFeatures(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_features(x)
+        # a method of the model's class: torch's stubs type a Module's attributes as Tensor | Module
+        forward_features = cast(Callable[[torch.Tensor], torch.Tensor], self.model.forward_features)
+        return forward_features(x)
 
 
 def _weights_sha256(module: nn.Module) -> str:
@@ -308,7 +311,7 @@ def source_run_privacy(
 
 def _source_caveats(plan: dict[str, Any], config: Any) -> tuple[str, ...]:
     """The source plan's caveats, its labels taken from its config (older checkpoints lack them)."""
-    return tuple(replace(DPPlan(**plan), **plan_labels(config)).caveats())
+    return tuple(DPPlan(**{**plan, **plan_labels(config)}).caveats())  # the labels replace the plan's own
 
 
 def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device: torch.device) -> FeatureExtractor:
@@ -453,7 +456,7 @@ def _split_hash(x: torch.Tensor, y: torch.Tensor) -> str:
     digest = hashlib.sha256()
     digest.update(repr((tuple(x.shape), tuple(y.shape), str(x.dtype))).encode())
     digest.update(y.detach().cpu().contiguous().numpy().tobytes())
-    digest.update(memoryview(x.detach().cpu().contiguous().numpy()).cast("B"))
+    digest.update(x.detach().cpu().contiguous().numpy().data.cast("B"))  # ndarray.data: the array's memoryview
     return digest.hexdigest()
 
 

@@ -309,8 +309,12 @@ class FeatureNormalizer:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "groupnorm":
+            if self.groups is None:
+                raise ValueError("a groupnorm FeatureNormalizer needs groups")
             x = group_normalize(x, self.groups)
         elif self.kind == "datanorm":
+            if self.stats is None:
+                raise ValueError("a datanorm FeatureNormalizer needs stats")
             x = self.stats.apply(x)
         if self.center is not None:
             x = x - self.center.to(device=x.device, dtype=x.dtype)

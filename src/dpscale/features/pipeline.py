@@ -21,7 +21,8 @@ from dpscale.features.extract import load_or_extract, make_extractor, source_run
 from dpscale.features.normalize import FeatureNormalizer, private_data_norm, private_feature_mean
 from dpscale.data.units import UserIndex
 from dpscale.privacy.accountant import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases
-from dpscale.privacy.plan import DPPlan, SourceRunPrivacy
+from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.source_runs import SourceRunPrivacy
 from dpscale.rng import DPRandom
 
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 
+def block_groups_of(model: nn.Module) -> list[list[nn.Parameter]] | None:
+    """``model.block_groups()`` (input stem first, logits layer last), or None for a model without
+    one. A getattr: ``nn.Module.__getattr__`` types a missing method as a Tensor or a Module."""
+    block_groups = getattr(model, "block_groups", None)
+    return None if block_groups is None else block_groups()
+
+
 def freeze_block_groups(model: nn.Module, k: int) -> int:
     """Freeze the first ``k`` of ``model.block_groups()`` (Kurakin Appendix G fine-tuning).
 
@@ -18,9 +25,9 @@ def freeze_block_groups(model: nn.Module, k: int) -> int:
     Raises:
         ValueError: if the model has no ``block_groups`` or ``k`` would freeze everything.
     """
-    if not hasattr(model, "block_groups"):
+    groups = block_groups_of(model)
+    if groups is None:
         raise ValueError(f"{type(model).__name__} has no block_groups(); cannot freeze groups")
-    groups = model.block_groups()
     if not 0 <= k < len(groups):
         raise ValueError(f"can freeze 0..{len(groups) - 1} block groups of this model (it has {len(groups)}), got {k}")
     for group in groups[:k]:

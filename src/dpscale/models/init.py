@@ -23,8 +23,9 @@ from torch import nn
 from dpscale._io import load_checkpoint
 from dpscale.errors import ConfigError
 from dpscale.features.extract import source_run_privacy
+from dpscale.models.adapt import block_groups_of
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.plan import SourceRunPrivacy
+from dpscale.privacy.source_runs import SourceRunPrivacy
 from dpscale.runs import CHECKPOINT_NAME, is_run_dir
 
 
@@ -112,9 +113,10 @@ def init_privacy(
 
 def _head_names(model: nn.Module) -> set[str]:
     """Names of the logits layer's parameters (the last of ``block_groups()``)."""
-    if not hasattr(model, "block_groups"):
+    groups = block_groups_of(model)
+    if groups is None:
         raise ConfigError(f"model.reset_head: {type(model).__name__} has no block_groups(), so no known head")
-    head = {id(p) for p in model.block_groups()[-1]}
+    head = {id(p) for p in groups[-1]}
     return {name for name, p in model.named_parameters() if id(p) in head}
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from fnmatch import fnmatchcase
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from torch import nn
 
 from dpscale.choices import PEFT_METHODS
 from dpscale.layers import LoRADownConv2d, LoRADownLinear
+from dpscale.models.adapt import block_groups_of
+
+_Layer = TypeVar("_Layer", bound=nn.Module)
 
 
 class LoRALinear(nn.Module):
@@ -75,9 +78,8 @@ class LoRAConv2d(nn.Module):
             raise ValueError(f"LoRA takes Conv2d layers with groups=1 and numeric zero padding, got {base}")
         self.base, self.scale = base, alpha / rank
         base.requires_grad_(False)
-        kwargs = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_a = LoRADownConv2d(base, rank)
-        self.lora_b = nn.Conv2d(rank, base.out_channels, 1, bias=False, **kwargs)
+        self.lora_b = nn.Conv2d(rank, base.out_channels, 1, bias=False, device=base.weight.device, dtype=base.weight.dtype)
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
 
@@ -100,7 +102,7 @@ class LoRAConv2d(nn.Module):
         return layer
 
 
-def _copy(layer: nn.Module) -> nn.Module:
+def _copy(layer: _Layer) -> _Layer:
     """A trainable deep copy of ``layer`` (the merged layer is the model's own again)."""
     import copy
 
@@ -111,8 +113,9 @@ def _copy(layer: nn.Module) -> nn.Module:
 
 def logits_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The logits layer's parameters: the last of ``block_groups()``, else the last Linear's."""
-    if hasattr(model, "block_groups"):
-        return list(model.block_groups()[-1])
+    groups = block_groups_of(model)
+    if groups is not None:
+        return list(groups[-1])
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(model).__name__} has no block_groups() and no Linear layer: cannot find its logits layer")
@@ -170,9 +173,9 @@ def train_last_groups(model: nn.Module, k: int) -> int:
     Returns:
         the number of trainable parameters left.
     """
-    if not hasattr(model, "block_groups"):
+    groups = block_groups_of(model)
+    if groups is None:
         raise ValueError(f"{type(model).__name__} has no block_groups(); cannot train its last groups")
-    groups = model.block_groups()
     if not 1 <= k <= len(groups):
         raise ValueError(f"model.train_last_groups must be in 1..{len(groups)} for this model, got {k}")
     model.requires_grad_(False)

@@ -8,28 +8,35 @@ plus its own keyword options, and returns an ``nn.Module`` exposing
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from torch import nn
 
 from dpscale.errors import ConfigError
 
 ModelBuilder = Callable[..., nn.Module]
+_Builder = TypeVar("_Builder", bound=ModelBuilder)  # a decorated builder keeps its own signature
 _REGISTRY: dict[str, ModelBuilder] = {}
 _DEFAULT_INPUT: dict[str, tuple[int, int, int]] = {}
 
 
-def register_model(name: str, input_shape: tuple[int, int, int] = (1, 28, 28)) -> Callable[[ModelBuilder], ModelBuilder]:
+def register_model(name: str, input_shape: tuple[int, int, int] = (1, 28, 28)) -> Callable[[_Builder], _Builder]:
     """Decorator adding a builder under ``name``; ``input_shape`` is its usual (C, H, W)."""
 
-    def add(builder: ModelBuilder) -> ModelBuilder:
+    def add(builder: _Builder) -> _Builder:
         if name in _REGISTRY:
             raise ValueError(f"model {name!r} is already registered")
         _REGISTRY[name] = builder
-        _DEFAULT_INPUT[name] = tuple(input_shape)
+        _DEFAULT_INPUT[name] = _chw(input_shape)
         return builder
 
     return add
+
+
+def _chw(shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A fresh (C, H, W) tuple of ``shape`` (which a caller may pass as a list)."""
+    c, h, w = shape
+    return (c, h, w)
 
 
 # Families named by a spec after a prefix, e.g. simplevgg-32(2)-64(2)-128(2)-128.
@@ -40,7 +47,7 @@ def register_family(prefix: str, example: str, input_shape: tuple[int, int, int]
     """Decorator for a builder taking ``spec`` (the name after ``prefix-``); ``example`` is listed."""
 
     def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        _FAMILIES[prefix] = (builder, tuple(input_shape), example)
+        _FAMILIES[prefix] = (builder, _chw(input_shape), example)
         return builder
 
     return add

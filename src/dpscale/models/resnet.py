@@ -114,7 +114,7 @@ def wrn16_4(
         raise ValueError(f"WideResNet depth must be 6n + 4, got {depth}")
     blocks = (depth - 4) // 6
     widths = [16 * width, 32 * width, 64 * width]
-    stem_layers = {"conv": nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False)}
+    stem_layers: dict[str, nn.Module] = {"conv": nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False)}
     pair = {"norm": _norm(16, norm_groups), "act": make_activation(activation)}
     for key in ("norm", "act") if order == "conv-norm-act" else ("act", "norm"):
         stem_layers[key] = pair[key]  # named, so both orders share one state-dict layout
@@ -179,7 +179,13 @@ class PreActBottleneck(nn.Module):
 
 
 def _resnet_v2(
-    block: type, counts: Sequence[int], num_classes: int, input_shape, activation: str, norm_groups: int, stem: str
+    block: type[PreActBlock | PreActBottleneck],
+    counts: Sequence[int],
+    num_classes: int,
+    input_shape,
+    activation: str,
+    norm_groups: int,
+    stem: str,
 ) -> ResidualNetwork:
     channels = input_shape[0]
     if stem == "imagenet":  # 7x7/2 conv + 3x3/2 max-pool (224x224 inputs)

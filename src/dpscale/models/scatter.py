@@ -77,6 +77,7 @@ def scatter_cnn(
     channels, height, width = input_shape
     variant = variant or ("mnist" if channels <= SCATTER_GRAY_SHAPE[0] else "cifar")
     act = lambda: make_activation(activation)  # noqa: E731
+    hidden: tuple[int, ...]  # the head's hidden FC widths
     if variant == "mnist":
         if len(widths) != 3 or min(widths) < 1:
             raise ValueError(f"scatter-cnn widths are (conv1, conv2, fc) >= 1, got {list(widths)}")
@@ -103,11 +104,12 @@ def scatter_cnn(
         raise ValueError(f"scatter-cnn variant must be 'mnist' or 'cifar', got {variant!r}")
     if size_h < 1 or size_w < 1:
         raise ValueError(f"scatter-cnn ({variant}) needs larger features than {input_shape}")
-    features = nn.Sequential(*layers, nn.Flatten())
+    convs = nn.Sequential(*layers, nn.Flatten())
+    features: nn.Module = convs
     feature_dim = out_channels * size_h * size_w
     if linear_skip:
         for hidden_width in hidden:
-            features.extend([nn.Linear(feature_dim, hidden_width), act()])
+            convs.extend([nn.Linear(feature_dim, hidden_width), act()])
             feature_dim = hidden_width
-        features, feature_dim, hidden = WithLinearSkip(features), feature_dim + channels * height * width, ()
+        features, feature_dim, hidden = WithLinearSkip(convs), feature_dim + channels * height * width, ()
     return Classifier(features, feature_dim, num_classes, hidden, activation)

@@ -649,7 +649,8 @@ class PrivacyAccountant:
         self._segments = []
         for entry in state["history"]:  # [q, sigma, steps], [..., label] or [..., label, mode, N, cap]
             batches = BatchSampling(entry[4], int(entry[5]), int(entry[6])) if len(entry) > 4 else POISSON
-            self.record(AccountingSegment(float(entry[0]), float(entry[1]), int(entry[2]), *entry[3:4], batches=batches))
+            label = entry[3] if len(entry) > 3 else DP_SGD  # [q, sigma, steps]: the oldest form, DP-SGD steps
+            self.record(AccountingSegment(float(entry[0]), float(entry[1]), int(entry[2]), label, batches=batches))
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "PrivacyAccountant":
@@ -720,10 +721,10 @@ def _truncated_poisson(
     dataset_size: int, batch_size: float, max_batch_size: int, noise_multiplier: float, steps: int, delta: float,
     releases: tuple[AccountingSegment, ...], discretization: float,
 ) -> TruncatedPoissonResult:  # fmt: skip
-    run = {"sample_rate": batch_size / dataset_size, "noise_multiplier": noise_multiplier, "steps": steps,
-           "kind": "pld", "releases": releases, "pld_discretization": discretization}  # fmt: skip
-    capped = history_accountant(**run, batches=BatchSampling("truncated", dataset_size, max_batch_size))
-    poisson = history_accountant(**run).epsilon(delta)
+    run = functools.partial(history_accountant, sample_rate=batch_size / dataset_size, noise_multiplier=noise_multiplier,
+                            steps=steps, kind="pld", releases=releases, pld_discretization=discretization)  # fmt: skip
+    capped = run(batches=BatchSampling("truncated", dataset_size, max_batch_size))
+    poisson = run().epsilon(delta)
     return TruncatedPoissonResult(max_batch_size, capped.epsilon(delta), poisson, capped.privacy_profile())
 
 

@@ -13,7 +13,7 @@ exceed the target. A run configured from these never overspends its budget.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 from dpscale.privacy.accountant import (
     PLD_COARSE_DISCRETIZATION,
@@ -31,6 +31,26 @@ MAX_NOISE_MULTIPLIER = 1e4
 # How closely (in log sigma) the search locates the smallest sigma the PLD accountant represents
 # before giving up on a budget beyond it (epsilon ~1e6 and more: bisecting further buys nothing).
 _WALL_RESOLUTION = math.log1p(0.01)
+
+
+class _NoiseRun(TypedDict):
+    """A noise search's run: ``compute_epsilon``'s arguments but noise_multiplier, steps and the grid."""
+
+    sample_rate: float
+    delta: float
+    kind: str
+    releases: tuple[AccountingSegment, ...]
+    batches: BatchSampling
+
+
+class _StepsRun(TypedDict):
+    """A step search's run: the arguments ``compute_epsilon`` and ``calibrate_steps`` share with it."""
+
+    sample_rate: float
+    noise_multiplier: float
+    delta: float
+    releases: tuple[AccountingSegment, ...]
+    batches: BatchSampling
 
 
 def _tan_sigma_guess(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
@@ -92,7 +112,7 @@ def calibrate_noise_multiplier(
         raise ValueError(f"steps must be >= 1 to calibrate noise, got {steps}")
     releases = releases_under(releases, batches)
     _check_releases_fit(target_epsilon, delta, kind, releases)
-    run = {"sample_rate": sample_rate, "delta": delta, "kind": kind, "releases": releases, "batches": batches}
+    run: _NoiseRun = {"sample_rate": sample_rate, "delta": delta, "kind": kind, "releases": releases, "batches": batches}
 
     def epsilon_fn(grid: float) -> Callable[[float], float]:
         return lambda sigma: compute_epsilon(**run, noise_multiplier=sigma, steps=steps, pld_discretization=grid)
@@ -111,7 +131,7 @@ def calibrate_noise_multiplier(
         raise ValueError(_no_sigma_message(err, target_epsilon, steps, run, coarse)) from err
 
 
-def _no_sigma_message(err: ValueError, target_epsilon: float, steps: int, run: dict[str, Any], coarse: Callable[[float], float]) -> str:
+def _no_sigma_message(err: ValueError, target_epsilon: float, steps: int, run: _NoiseRun, coarse: Callable[[float], float]) -> str:
     """The one-line refusal of a noise search that found no sigma.
 
     Args:
@@ -340,8 +360,8 @@ def calibrate_steps(
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
     log_target = math.log(target_epsilon)
-    run = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases,
-           "batches": batches}  # fmt: skip
+    run: _StepsRun = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases,
+                      "batches": batches}  # fmt: skip
 
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget

@@ -267,7 +267,7 @@ def per_tensor_bounds(max_grad_norm: float | Mapping[str, float], names: Sequenc
     """
     if not is_per_layer(max_grad_norm):
         return {literal_pattern(n): float(max_grad_norm) for n in names}  # type: ignore[arg-type]
-    groups = resolve_clip_groups(max_grad_norm, names)  # type: ignore[arg-type]
+    groups = resolve_clip_groups(max_grad_norm, names)
     return {literal_pattern(n): groups.norms[groups.group_of[n]] for n in names}
 
 

@@ -58,7 +58,7 @@ def make_engine(
         check_per_example_compatible(model)
     problems = unsupported_modules(model) if model is not None else []
     if model is not None and is_per_layer(max_grad_norm):  # every parameter in a group, each group used
-        resolve_clip_groups(max_grad_norm, list(trainable_params(model)))  # type: ignore[arg-type]
+        resolve_clip_groups(max_grad_norm, list(trainable_params(model)))
     if name == "vmap" or (name == "auto" and problems):
         notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
         if model is not None:

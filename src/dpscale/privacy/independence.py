@@ -91,7 +91,7 @@ class IndependenceResult:
         return self.culprit is not None and self.culprit.startswith("engine ")
 
     def describe(self) -> str:
-        if self.ok:
+        if self.culprit is None:  # self.ok, spelled out so that the type narrows
             return (
                 f"batch independence: per-example losses and norms unchanged when the chunk of {self.examples} "
                 f"is permuted or halved (train mode; largest relative change {max(self.loss_error, self.norm_error):.2g}, "

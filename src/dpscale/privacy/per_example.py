@@ -11,7 +11,7 @@ built on ``torch.func`` and works for any model without batch-mixing layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -213,15 +213,15 @@ def clip_units(
         return {unit: factors for unit in unit_sq_norms}, norms
     if group_of is None:
         raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
-    bounds = list(max_grad_norm.values())  # type: ignore[union-attr]
+    bounds = list(max_grad_norm.values())
     group_sq = zeros.double().new_zeros(len(bounds), norms.shape[0])
     for unit, r in reach.items():
-        group_sq[group_of[unit]] += r.square()  # type: ignore[index]
+        group_sq[group_of[unit]] += r.square()
     group_bound = group_sq.sqrt()
     finite = torch.isfinite(norms) & torch.isfinite(group_bound).all(0)
     group_factors = group_clip_factors(bounds, group_bound, release_dtype=release_dtype, gamma=gamma).to(release_dtype)
     group_factors = torch.where(finite, group_factors, torch.zeros_like(group_factors))
-    return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms  # type: ignore[index]
+    return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms
 
 
 # Exact engines are compared with independent references (the start-up self-check, the ghost
@@ -286,7 +286,7 @@ REFUSED_LAYERS: tuple[LayerRefusal, ...] = (
     ),
     LayerRefusal(
         (nn.modules.instancenorm._InstanceNorm,),
-        lambda m: m.track_running_stats,
+        lambda m: bool(m.track_running_stats),
         "keeps running statistics of the private batch (updated without noise)",
         f"set track_running_stats=False, or {_NORM_FIX}",
     ),
@@ -313,7 +313,7 @@ REFUSED_LAYERS: tuple[LayerRefusal, ...] = (
     ),
     LayerRefusal(
         _EMBEDDINGS,
-        lambda m: m.sparse and _trainable(m),
+        lambda m: bool(m.sparse) and _trainable(m),
         "has sparse gradients, which no engine can take per example",
         "set sparse=False",
     ),
@@ -341,12 +341,28 @@ def check_per_example_compatible(model: nn.Module, engine: str | None = None) ->
 
 
 class PerExampleEngine(Protocol):
-    """Computes the clipped-gradient sum of one physical chunk."""
+    """Computes the clipped-gradient sum of one physical chunk. Its attributes are read-only (the
+    engines are frozen dataclasses or wrappers that forward them)."""
 
-    name: str
-    max_grad_norm: MaxGradNorm
-    precision: Precision  # the forward/backward precision (its matmul flags hold for the whole step)
-    clip_gamma: float | None  # automatic clipping's gamma (None: clip to C)
+    @property
+    def name(self) -> str:
+        """The engine's name ("vmap", "bk", "ghost")."""
+        ...
+
+    @property
+    def max_grad_norm(self) -> MaxGradNorm:
+        """C, per-layer bounds pattern -> C_g, or None (no clipping)."""
+        ...
+
+    @property
+    def precision(self) -> Precision:
+        """The forward/backward precision (its matmul flags hold for the whole step)."""
+        ...
+
+    @property
+    def clip_gamma(self) -> float | None:
+        """Automatic clipping's gamma (None: clip to C)."""
+        ...
 
     def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
         """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""
@@ -425,7 +441,9 @@ class VmapEngine(ClippedSumMixin):
         with exact_float32():  # the clip bound's arithmetic never in TF32
             # blocked: a float32 sum of millions of squares may underestimate (clip_margin covers blocks)
             sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
-            group_of = resolve_clip_groups(self.max_grad_norm, list(grads)).group_of if is_per_layer(self.max_grad_norm) else None
+            # per layer: each unit's group (is_per_layer, spelled out so that the type narrows)
+            bounds = self.max_grad_norm
+            group_of = resolve_clip_groups(bounds, list(grads)).group_of if isinstance(bounds, Mapping) else None
             zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
             factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros, gamma=self.clip_gamma)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes

@@ -183,7 +183,7 @@ class _Float32Normalization(TorchFunctionMode):
             func in _NORMALIZATIONS and isinstance(x, torch.Tensor) and x.dtype in _SIXTEEN_BITS
             and _wider_operand(args[1:], kwargs)
         )  # fmt: skip
-        if not mixed:
+        if not mixed or not isinstance(x, torch.Tensor):  # (x is one when mixed: this tells the type checker)
             return func(*args, **kwargs)
         out = func(x.float(), *args[1:], **kwargs)
         # CUDA's autocast runs normalisations in float32 and returns float32; elsewhere the mixed

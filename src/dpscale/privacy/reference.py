@@ -17,7 +17,7 @@ import math
 from copy import deepcopy
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -90,14 +90,15 @@ def per_example_reference(
     Returns:
         the ``PerExampleReference``, its norms and layer norms per unit.
     """
-    live = dict(model.named_parameters())
+    live: Params = dict(model.named_parameters())
     names = [n for n, p in live.items() if p.requires_grad] if names is None else list(names)
     x, y = batch
     count = x.shape[0]
     total = {n: torch.zeros_like(live[n]) for n in names}
     norm_sums = {n: 0.0 for n in names}
     max_abs = {n: torch.zeros((), dtype=torch.float64, device=live[n].device) for n in names}
-    norms, layer_sq = [], {}
+    norms: list[torch.Tensor] = []
+    layer_sq: dict[str, list[float | torch.Tensor]] = {}  # per layer, each unit's squared norm
     bounds = range(count + 1) if unit_offsets is None else [int(o) for o in unit_offsets]
     count = len(bounds) - 1
     for i in range(count):
@@ -105,7 +106,8 @@ def per_example_reference(
                                 loss_fn, views, precision)  # fmt: skip
         for n, g in zip(names, grads):
             layer_sq.setdefault(n.rpartition(".")[0], [0.0] * count)[i] += g.double().square().sum()
-        norm = torch.sqrt(sum(g.double().square().sum() for g in grads))
+        # a sum of tensors (cast: without parameters it is the int 0, which torch.sqrt refuses)
+        norm = torch.sqrt(cast(torch.Tensor, sum(g.double().square().sum() for g in grads)))
         margin = clip_margin(release_dtype or (grads[0].dtype if grads else torch.float32))
         factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm, margin, clip_gamma)
         for n, g in zip(names, grads):
@@ -152,8 +154,8 @@ def _example_gradients(
     with precision.forward(x.device):
         loss = at_least_fp32(mean_over_views(loss_fn, model, x, y, views)[0])
     if loss.requires_grad:  # scaled by fp16's fixed loss scale, undone on the gradients
-        grads = torch.autograd.grad(loss * precision.loss_scale, [live[n] for n in names], allow_unused=True)
-        grads = [None if g is None else at_least_fp32(g) / precision.loss_scale for g in grads]
+        raw = torch.autograd.grad(loss * precision.loss_scale, [live[n] for n in names], allow_unused=True)
+        grads: list[torch.Tensor | None] = [None if g is None else at_least_fp32(g) / precision.loss_scale for g in raw]
     else:  # no trainable parameter reaches the loss
         grads = [None] * len(names)
     return [torch.zeros_like(live[n]) if g is None else g.detach() for n, g in zip(names, grads)]

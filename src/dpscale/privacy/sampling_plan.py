@@ -87,6 +87,8 @@ def resolve_batch_cap(
             dataset_size=dataset_size, batch_size=batch_size, noise_multiplier=noise_multiplier, steps=steps,
             delta=delta, releases=releases,
         ).max_batch_size  # fmt: skip
+    if isinstance(max_batch_size, str):  # a string but "auto" (_check_cap refuses it): no cap to compare with N
+        raise TypeError(f"dp.max_batch_size must be a positive integer, {AUTO_CAP} or null, got {max_batch_size!r}")
     return None if max_batch_size >= dataset_size else int(max_batch_size)
 
 

@@ -14,13 +14,14 @@ differ by ~1e-6 and a missed route differs by percents; 3e-2 in 16-bit types.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from dpscale.privacy.clipping import clip_dtype
+from dpscale.privacy.clipping import MaxGradNorm, clip_dtype
 from dpscale.privacy.autotune import MethodTuner
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.independence import IndependenceResult, check_batch_independence
@@ -231,7 +232,7 @@ def _compare(name: str, tol: float, got: tuple, want: PerExampleReference, start
 
 def checked_engine(
     name: str,
-    max_grad_norm: float | None,
+    max_grad_norm: MaxGradNorm,
     model: nn.Module,
     batch: Batch,
     *,
@@ -260,13 +261,13 @@ def checked_engine(
         ValueError: the model or loss mixes examples, or the named engine (or vmap, after auto's
             fallback) failed, naming what differs.
     """
-    options = {"loss_fn": loss_fn, "views": views, "precision": precision, "clip_gamma": clip_gamma}
-    engine, notice = make_engine(name, max_grad_norm, model, tuner=tuner, **options)
+    make = functools.partial(make_engine, model=model, loss_fn=loss_fn, views=views, precision=precision, clip_gamma=clip_gamma)
+    engine, notice = make(name, max_grad_norm, tuner=tuner)
     notices = [notice] if notice else []
     failure, engine_only, result, independence = _verdict(engine, model, batch, check)
     if failure is not None and engine_only and name == "auto" and not isinstance(engine, VmapEngine):
         notices.append(f"engine auto -> vmap: {failure}")
-        engine, _ = make_engine("vmap", max_grad_norm, model, **options)
+        engine, _ = make("vmap", max_grad_norm)
         failure, _, result, independence = _verdict(engine, model, batch, check)
     if failure is not None:
         raise ValueError(f"{failure}; refusing to train with engine={engine.name}")

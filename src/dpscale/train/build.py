@@ -34,7 +34,7 @@ from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, independence_check
 from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.step import AugmentViews
-from dpscale.train.units import first_users_chunk, run_users
+from dpscale.train.units import first_users_chunk, rows_per_user, run_users
 
 Log = Callable[[str], Any]
 
@@ -232,6 +232,7 @@ def _model(config: Config, info: Any, seeds: dict[str, int], log: Log, initial_w
         report = asdict(loaded)
         log(loaded.describe())
     if cfg.init_scaling == "meanvar" and initial_weights:
+        assert cfg.init_seed_model is not None  # validate() requires it with meanvar
         counts = meanvar_init(model, read_weights(cfg.init_seed_model), torch.Generator().manual_seed(seeds["init"]))
         report = {"source": cfg.init_seed_model, "scaling": "meanvar", **counts}
         log(f"model.init_scaling=meanvar: {counts['scaled']} tensors drawn with the statistics of "
@@ -247,8 +248,9 @@ def _with_mechanism(
     """The checked engine, optimizer, scheduler and DP mechanism around ``model``."""
     precision = make_precision(config.train.precision, config.train.fp16_loss_scale)
     engine, self_check = _checked_engine(config, plan, model, data, device, precision, log)
-    if dist.enabled and getattr(engine, "tuner", None) is not None:  # ranks timing apart could choose apart
-        engine.tuner.enabled = False  # (a resume pins rank 0's choices): the shape rule on every rank
+    tuner = getattr(engine, "tuner", None)
+    if dist.enabled and tuner is not None:  # ranks timing apart could choose apart
+        tuner.enabled = False  # (a resume pins rank 0's choices): the shape rule on every rank
     if hooks.engine is not None:
         engine = hooks.engine(engine, model)
     optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])
@@ -285,10 +287,11 @@ def _checked_engine(
     fixed = AugmentViews(augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range)
     augment_views = fixed if augment.multiplicity > 1 else None
     if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
-        chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, plan.max_examples_per_user, augment.multiplicity, augment_views)
+        rows = rows_per_user(plan)
+        chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, rows, augment.multiplicity, augment_views)
         chunk = (chunk[0].to(device), chunk[1].to(device))  # a stream's examples are read on the host
-        views, loss_fn = user_engine_options(plan.max_examples_per_user, augment.multiplicity, None)
-        notice = ghost_per_user_notice(train.engine, plan.max_examples_per_user)
+        views, loss_fn = user_engine_options(rows, augment.multiplicity, None)
+        notice = ghost_per_user_notice(train.engine, rows)
         if notice:
             log(f"WARNING: {notice}")
     else:

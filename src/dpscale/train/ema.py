@@ -37,8 +37,8 @@ class WeightEMA:
         d = self.current_decay()
         for average, live in zip(self.model.parameters(), model.parameters()):
             average.lerp_(live.detach(), 1.0 - d)
-        for average, live in zip(self.model.buffers(), model.buffers()):
-            average.copy_(live)
+        for average_buffer, live_buffer in zip(self.model.buffers(), model.buffers()):
+            average_buffer.copy_(live_buffer)
         self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:

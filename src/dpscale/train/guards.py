@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from dpscale.clip_norms import MaxGradNorm, check_same_tensors
+from dpscale.data.units import UserIndex
+from dpscale.privacy.plan import DPPlan
 from dpscale.privacy.independence import check_batch_independence
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 
@@ -76,3 +78,31 @@ def check_optimizer_covers_trainable(model: nn.Module, optimizer: torch.optim.Op
             "unfreeze before the run is built (model.freeze_groups in the config; in your own loop, make the "
             "optimizer and call make_private after the change)"
         )
+
+
+def check_state_fits(state: dict[str, Any], plan: DPPlan, model: nn.Module, users: UserIndex | None) -> DPPlan:
+    """Check that a mechanism state (``DPMechanism.state_dict``) continues this mechanism's run:
+    the same DP plan's numbers, the model's trainable weights it was saved with, the same users.
+
+    Returns:
+        the state's own plan (its caveats stay with the steps taken under it).
+
+    Raises:
+        ValueError: another plan, other weights (the accountant would not cover the steps that
+            trained them), or another grouping of the examples into users.
+    """
+    saved = DPPlan(**state["plan"])
+    if saved != plan:  # the numbers (labels are left out of ==)
+        raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
+    if state.get("model_digest", model_digest(model)) != model_digest(model):
+        raise ValueError(
+            "the model's trainable weights are not the ones saved with this mechanism state (its accountant "
+            "would not cover the steps that trained them): load the model's weights from the same checkpoint "
+            "first, then the mechanism's state"
+        )
+    if state.get("users") != (users.digest() if users is not None else None):
+        raise ValueError(
+            "this mechanism state was sampled from another grouping of the examples into users "
+            "(user ids); continue it with the same user_ids"
+        )
+    return saved

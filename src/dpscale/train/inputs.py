@@ -20,7 +20,9 @@ from dpscale.features.extract import read_source_run, refuse_user_level_history
 from dpscale.features.pipeline import extractor_privacy, feature_releases
 from dpscale.models.init import init_privacy
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, steps_for
+from dpscale.privacy.make_plan import steps_for
+from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.source_runs import SourceRunPrivacy
 from dpscale.train.plan_config import (
     bands_request, check_plan_against_config, check_same_unit, plan_from_config, refuse_per_tensor_without_model,
 )  # fmt: skip
@@ -92,6 +94,7 @@ def seed_model_releases(config: Config) -> tuple[AccountingSegment, ...]:
     model = config.model
     if model.init_scaling != "meanvar" or model.init_seed_public:
         return ()
+    assert model.init_seed_model is not None  # validate() requires it with meanvar
     try:
         source = read_source_run(model.init_seed_model)
     except ValueError as err:  # a mistyped path is the user's error: one line, naming the key
@@ -208,4 +211,11 @@ def plan_for(
         check_same_unit(saved, config.data.privacy_unit, config.dp.max_examples_per_user)
         check_plan_against_config(saved, config.dp, n, steps, sources.releases, correlated, names)
         plan = saved
-    return replace(plan, extractor=sources.extractor, init_run=sources.init_run, **labels)
+    return replace(
+        plan,
+        extractor=sources.extractor,
+        init_run=sources.init_run,
+        seeded=labels["seeded"],
+        engine_unchecked=labels["engine_unchecked"],
+        secure_noise=labels["secure_noise"],
+    )

@@ -3,34 +3,31 @@ checkpoints that are due, and Ctrl-C. Read ``Trainer.run`` top to bottom."""
 
 from __future__ import annotations
 
-import math
-import os
+import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm import tqdm
 
-from dpscale.config import Config
-from dpscale.data.run_data import data_workers
-from dpscale.data.stream import StreamFeed
+from dpscale.config import Config, save_config
 from dpscale.privacy.plan import DPPlan
-from dpscale.runs import DAMAGED_CHECKPOINT_NAME, METRICS_NAME
-from dpscale._io import CHECKPOINT_NAME, save_checkpoint
+from dpscale.runs import CONFIG_NAME, METRICS_NAME
 import dpscale.train.report as report
 import dpscale.train.session as session
 import dpscale.train.state as run_state
+from dpscale.train.batches import TrainBatches, restarted_streams
 from dpscale.train.build import Run, build_run
-from dpscale.train.distributed import Distributed, init_distributed, rank_stream_seed
+from dpscale.train.distributed import Distributed, init_distributed
 from dpscale.train.hooks import RunHooks
 from dpscale.train.interrupt import DeferredInterrupt
 from dpscale.train.mechanism import DPMechanism
 from dpscale.train.metrics import MetricsLog
+from dpscale.train.progress import Progress, epochs_done, evaluation_due
 from dpscale.train.rundir import RunLock
-from dpscale.train.step import physical_chunks
-from dpscale.train.units import AugmentViews, chunk_size_for, streamed_chunks, user_step_chunks
+from dpscale.train.step import StepStats
 from dpscale.train.tensorboard import RunBoard, open_board
 
 # How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
@@ -50,7 +47,9 @@ class Trainer:
 
     Attributes:
         built: everything the run trains with (``build_run``): data, plan, model, mechanism, ...
-        step: logical steps taken; run_dir: the run directory.
+        progress: where the run stands (steps taken, wall time, ...); run_dir: the run directory.
+        batches: this rank's training batches (``TrainBatches``); last_stats: the last step's statistics.
+        lock: the run directory's lock, held from ``create``/``resume`` until ``run`` returns.
     """
 
     def __init__(
@@ -62,49 +61,41 @@ class Trainer:
         hooks: RunHooks | None = None,
         report: bool | None = None,
     ) -> None:
-        self._lock: RunLock | None = None  # the run directory's, held by create/resume until run returns
-        self.config = config
-        self.run_dir = Path(config.run.out_dir) if config.run.out_dir is not None else None
+        self.lock: RunLock | None = None  # the run directory's, held by create/resume until run returns
+        self.config, self.run_dir = config, session.run_dir_of(config)
         is_main = init_distributed(config.run.device).is_main  # only rank 0 prints and writes
-        self.progress, self.report = progress and is_main, (progress if report is None else report) and is_main
+        self.show_progress, self.report = progress and is_main, (progress if report is None else report) and is_main
         self.built: Run = build_run(
-            config, hooks or RunHooks(), log=self.log, progress=self.progress, saved_plan=plan, feature_norm=feature_norm
+            config, hooks or RunHooks(), log=self.log, progress=self.show_progress, saved_plan=plan, feature_norm=feature_norm
         )
-        self.start_rank_streams(0)
-        self.augtest_seed = self.built.seeds["augtest"]  # test views: the same at every evaluation
+        self.batches = TrainBatches(self.built, 0)
+        self.progress = Progress(augtest_seed=self.built.seeds["augtest"])  # test views: the same at every evaluation
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
-        self.step, self.wall_time_s = 0, 0.0
+        self.last_stats: StepStats | None = None
         self.load_window({"loss_sum": 0.0, "examples": 0, "nonfinite_examples": 0})
         self._saved_at = time.perf_counter()  # when the checkpoint was last written (perf_counter s)
         self._privacy_warnings: list[str] | None = None  # computed on first use
         self.warnings_shown = False  # printed at the start of this session's run (so not again at its end)
-        self.config_changes: list[dict[str, Any]] = []  # asked for with --set on resume
         self.damaged_checkpoint: Path | None = None  # a damaged newest checkpoint, set aside at the next save
         self._checkpoint_step: int | None = None  # the step of the last checkpoint this process wrote or read
-        self.data_wait_s = 0.0  # streaming: time this process waited for chunks (s), this session
         self.board: RunBoard | None = None  # TensorBoard events (run.tensorboard), while ``run`` runs
 
     # The parts the loop and its callers read most.
     plan = property(lambda self: self.built.plan, doc="The frozen DP plan.")
     model = property(lambda self: self.built.model, doc="The model being trained.")
-    mechanism: DPMechanism = property(lambda self: self.built.mechanism, doc="Sampler, noise, accountant.")  # type: ignore[assignment]
-    dist: Distributed = property(lambda self: self.built.dist, doc="The process group.")  # type: ignore[assignment]
     data = property(lambda self: self.built.data, doc="Training and test data.")
     total_steps = property(lambda self: self.built.total_steps, doc="S, the planned steps.")
+    step = property(lambda self: self.progress.step, doc="Logical steps taken.")
 
-    def start_rank_streams(self, start_step: int) -> None:
-        """Fresh sampling and augmentation streams for this rank, for a job of P processes that
-        starts (or restarts with a different P) at ``start_step``; at a restart, fresh noise too
-        (see ``run_state.restore``). Augmentation's is a CPU torch generator (not privacy-relevant)."""
-        rank, world, seeds = self.dist.rank, self.dist.world_size, self.built.seeds
-        if start_step:
-            self.mechanism.restart_streams(
-                sampler_seed=rank_stream_seed(seeds["sampler"], rank, world, start_step),
-                noise_seed=run_state.fresh_noise_seed(self, start_step),
-            )  # fmt: skip
-        self.feed: StreamFeed | None = None  # streaming: started at the first step
-        augment_seed = rank_stream_seed(seeds["augment"], rank, world, start_step)
-        self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)  # torch takes 64 bits
+    @property
+    def mechanism(self) -> DPMechanism:
+        """Sampler, noise, accountant."""
+        return self.built.mechanism
+
+    @property
+    def dist(self) -> Distributed:
+        """The process group."""
+        return self.built.dist
 
     @classmethod
     def create(cls, config: Config, progress: bool = True, hooks: RunHooks | None = None, report: bool | None = None) -> "Trainer":
@@ -114,12 +105,26 @@ class Trainer:
         run that stopped before its first checkpoint left there is cleared. The directory stays
         locked until ``run`` returns; a start that fails leaves nothing behind.
         """
-        return session.start(cls, config, progress, hooks, report)
+        claim = session.claim_new_run(config)
+        try:
+            trainer = cls(config, progress, hooks=hooks, report=report)
+            if note := session.cleared_note(claim):
+                trainer.log(note)
+            session.write_claim(claim, config, trainer.dist)
+        except BaseException:
+            if claim is not None:
+                claim.abandon()
+            raise
+        trainer.lock = claim.lock if claim is not None else None
+        return trainer
 
     @classmethod
     def load(cls, run_dir: str | Path, progress: bool = False) -> "Trainer":
         """The run in ``run_dir`` at its checkpoint, read-only (nothing in the directory changes)."""
-        return session.load(cls, run_dir, progress)
+        config, state = session.read_saved_run(run_dir)
+        trainer = cls(config, progress, plan=session.saved_plan(state), feature_norm=state.get("feature_norm"))
+        trainer.load_state(state)
+        return trainer
 
     @classmethod
     def resume(cls, run_dir: str | Path, progress: bool = True, overrides: Sequence[str] = (), report: bool | None = None) -> "Trainer":
@@ -133,40 +138,78 @@ class Trainer:
         A run that stopped before its first checkpoint starts again from step 0; a damaged newest
         checkpoint is set aside for the previous one when that is intact.
         """
-        return session.resume(cls, run_dir, progress, overrides, report)
+        opened = session.open_to_resume(Path(run_dir), overrides)
+        try:
+            state = opened.latest.state
+            if state is None:  # stopped before its first checkpoint: starts again from step 0
+                trainer = cls(opened.config, progress, report=report)
+            else:
+                plan, feature_norm = session.saved_plan(state), state.get("feature_norm")
+                trainer = cls(opened.config, progress, plan=plan, feature_norm=feature_norm, report=report)
+            trainer.continue_from(opened, bool(overrides))
+        except BaseException:
+            opened.lock.release()
+            raise
+        trainer.lock = opened.lock if opened.held else None  # rank 0 holds it for the job
+        return trainer
 
-    def hold(self, lock: RunLock | None) -> None:
-        """Keep the run directory's ``lock`` until ``run`` returns (``close``)."""
-        self._lock = lock
+    def continue_from(self, opened: session.Resumption, overridden: bool) -> None:
+        """``resume`` on the built Trainer: the checkpoint's state loaded, metrics.jsonl cut back
+        to its step, the changes asked for recorded (in the checkpoint, config.yaml, the summary)."""
+        latest, is_main = opened.latest, self.dist.is_main
+        if latest.state is None:  # its note says it starts from step 0
+            self.log(latest.note or "")
+            if is_main:
+                self.metrics.truncate_after(0)
+                if overridden:
+                    save_config(self.config, self.run_dir / CONFIG_NAME)
+            return
+        self.load_state(latest.state)
+        if latest.note:
+            self.announce(latest.note)
+        self.damaged_checkpoint = latest.damaged
+        if is_main:
+            self.metrics.truncate_after(self.step)
+        if opened.changes:  # saved now, so the next resume compares against the new values
+            record, line = session.change_record(self.step, opened.changes)
+            self.progress.config_changes.append(record)
+            self.announce(line)
+            self.save()
+            if is_main:
+                save_config(self.config, self.run_dir / CONFIG_NAME)
 
     def close(self) -> None:
         """Close the TensorBoard events, release the run directory's lock (``run`` does; safe twice)."""
         if self.board is not None:
-            self.board, board = None, self.board
+            board, self.board = self.board, None
             board.close()
-        if self._lock is not None:
-            self._lock.release()
+        if self.lock is not None:
+            self.lock.release()
 
     def __del__(self) -> None:
-        lock = getattr(self, "_lock", None)
-        if lock is not None:
-            try:
+        lock = getattr(self, "lock", None)
+        with contextlib.suppress(Exception):  # at interpreter exit; the OS drops the lock with the process anyway
+            if lock is not None:
                 lock.release()
-            except Exception:  # at interpreter exit; the OS drops the lock with the process anyway
-                pass
 
     def state(self) -> dict[str, Any]:
         """The checkpoint (``dpscale.checkpoint_format``); collective with P processes."""
-        return run_state.training_state(self)
+        streams = self.batches.state(self.step)
+        return run_state.training_state(self.built, self.progress, rank_streams=streams, window=self.window_as_dict())
 
     def load_state(self, saved: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (current layout: ``load_checkpoint`` migrates)."""
-        run_state.restore(self, saved)
+        self.progress, notes = run_state.restore(self.built, saved)
+        self.load_window(saved["window"])
+        for note in notes:
+            self.log(note)
+        mine, restart_note = run_state.saved_rank_streams(saved, self.dist)
+        if mine is None:  # fresh sampling, noise and augmentation streams, never the ones used before
+            self.batches = restarted_streams(self.built, self.step)
+            self.log(restart_note or "")
+        else:
+            self.batches.load_state(mine)
         self._checkpoint_step = self.step
-
-    def sampler_state(self) -> dict[str, Any]:
-        """The sampler's state before the next step's draw (a stream draws batches ahead)."""
-        return self.feed.sampler_state(self.step) if self.feed is not None else self.mechanism.sampler.state_dict()
 
     def save(self) -> None:
         """Write the checkpoint (rank 0; collective with P processes, so every rank calls it).
@@ -177,19 +220,8 @@ class Trainer:
         """
         saved = self.state()
         if self.dist.is_main:
-            path = self.run_dir / CHECKPOINT_NAME
-            if self.damaged_checkpoint is not None:  # never keep a damaged file as the previous checkpoint
-                os.replace(self.damaged_checkpoint, self.run_dir / DAMAGED_CHECKPOINT_NAME)
-                self.damaged_checkpoint = None
-            try:
-                save_checkpoint(path, saved)
-            except OSError as err:
-                kept = (
-                    "no earlier checkpoint"
-                    if self._checkpoint_step is None
-                    else f"the checkpoint of step {self._checkpoint_step} is intact"
-                )
-                raise OSError(f"cannot write {path} at step {self.step}: {err.strerror or err}; {kept}") from err
+            run_state.write_checkpoint(self.run_dir, saved, damaged=self.damaged_checkpoint, intact_step=self._checkpoint_step)
+            self.damaged_checkpoint = None
         self._checkpoint_step = self.step
         self._saved_at = time.perf_counter()
 
@@ -204,8 +236,8 @@ class Trainer:
             the summary dict when training is complete, else None.
         """
         stop = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
-        if self._lock is not None:
-            self._lock.acquire()  # again, for a second call of run (the first released it)
+        if self.lock is not None:
+            self.lock.acquire()  # again, for a second call of run (the first released it)
         try:
             return self._run_locked(stop)
         finally:
@@ -214,9 +246,9 @@ class Trainer:
     def _run_locked(self, stop: int) -> dict[str, Any] | None:
         """``run`` while holding the run directory's lock."""
         self._print_plan()
-        self.board = self.board or open_board(self)
+        self.board = self.board or open_board(self.built, self.run_dir, self.step, self.privacy_warnings(), self.log)
         bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not self.progress, file=sys.stderr, desc="train",
+            total=self.total_steps, initial=self.step, disable=not self.show_progress, file=sys.stderr, desc="train",
             unit="step", dynamic_ncols=True,
         )  # fmt: skip
         self._bar_state = {"epsilon": self.epsilon() if self.step else 0.0, "reported_at": time.perf_counter()}
@@ -233,7 +265,7 @@ class Trainer:
                     self._step_evaluate_save(bar)
         finally:
             bar.close()
-            self._stop_feed()
+            self.progress.data_wait_s += self.batches.stop(self.step)
         if interrupted or (not self.dist.enabled and interrupt.requested):
             self.save()
             # Always printed (also with progress off): this is how the user gets their run back.
@@ -247,22 +279,23 @@ class Trainer:
 
     def _print_plan(self) -> None:
         """The plan, what it means, and every caveat and warning (once per session)."""
-        self.log(self.plan.describe())
-        self.log("\n".join(line for line in (self.plan.meaning(), self.plan.planned_odds()) if line))
-        for note in self.plan.caveats() + self.privacy_warnings():
-            self.log(f"WARNING: {note}")
+        for line in report.privacy_statement(self.plan, self.privacy_warnings()):
+            self.log(line)
         self.warnings_shown = self.report
 
     def _step_evaluate_save(self, bar: Any) -> None:
         """One step, then the evaluation and checkpoint that are due, then the progress bar."""
         started = time.perf_counter()
-        self.train_step()
-        report.log_new_clip_methods(self)
+        stats = self.train_step()
+        if line := report.new_clip_methods(self.built):
+            self.log(line)
         if self.board is not None:
-            self.board.after_step(self, 1000 * (time.perf_counter() - started))
-        evaluated = self._eval_due()
+            waited = self.progress.data_wait_s + self.batches.waited_s() if self.built.streamed else None
+            lr = self.built.scheduler.get_last_lr()[0]
+            self.board.after_step(self.step, stats, lr, 1000 * (time.perf_counter() - started), waited)
+        evaluated = evaluation_due(self.plan, self.config.train.eval_every_epochs, self.step, self.total_steps)
         if evaluated:
-            self.wall_time_s += time.perf_counter() - started
+            self.progress.wall_time_s += time.perf_counter() - started
             started = time.perf_counter()
             record = self.evaluate_and_log()
             if record is not None:
@@ -273,64 +306,28 @@ class Trainer:
                 )
         if self.step == self.total_steps or self._checkpoint_due():
             self.save()
-        self.wall_time_s += time.perf_counter() - started
+        self.progress.wall_time_s += time.perf_counter() - started
         bar.update(1)
         # Reading the step's loss waits for the device: only when the bar is redrawn.
         bar_state = self._bar_state
-        if self.progress and (evaluated or time.perf_counter() - bar_state["reported_at"] > EPSILON_REFRESH_S):
+        if self.show_progress and (evaluated or time.perf_counter() - bar_state["reported_at"] > EPSILON_REFRESH_S):
             bar_state["epsilon"], bar_state["reported_at"] = self.epsilon(), time.perf_counter()
-            loss = self.last_stats.loss_sum / max(1, self.last_stats.examples)
+            loss = stats.loss_sum / max(1, stats.examples)
             bar.set_postfix(loss=f"{loss:.3f}", eps=report.format_epsilon(bar_state["epsilon"]), refresh=False)
 
-    def train_step(self) -> None:
-        """Sample a logical batch, take one private step, account for it."""
+    def train_step(self) -> StepStats:
+        """Draw a logical batch, take one private step, account for it; its statistics returned."""
         reduce = self.dist.all_reduce_sum_ if self.dist.enabled else None
+        chunks = self.batches.chunks(self.step)  # drawn through the mechanism, or read ahead by a stream
         # clip, noise once, / B, optimizer and scheduler step, account
-        stats = self.mechanism.step_drawn_chunks(self._train_chunks(), all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
+        stats = self.mechanism.step_drawn_chunks(chunks, all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
         if self.built.ema is not None:
             self.built.ema.update(self.model)
-        self.step += 1
+        self.progress.step += 1
         # the window's order: loss sum, examples, non-finite examples (on the device: no host sync)
         self._window += stats.select("loss_sum", "examples", "nonfinite").to(self._window.device)
         self.last_stats = stats
-
-    def _train_chunks(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """The sampler's next batch as physical chunks on the device (K views per example; whole users' rows)."""
-        data, device, augment = self.data, self.built.device, self.config.augment
-        views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, self.built.value_range)
-        plan, physical = self.mechanism.plan, self.config.train.max_physical_batch_size
-        if plan.user_level and not self.built.streamed:
-            return user_step_chunks(self.mechanism.sampler.sample_units(), data, plan, physical, views)
-        chunk_size = chunk_size_for(plan, physical, augment.multiplicity)  # examples (users) per chunk
-        if not self.built.streamed:
-            indices = self.mechanism.sampler.sample()
-            if device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
-                indices = indices.pin_memory().to(device, non_blocking=True)
-            return views.chunks(physical_chunks(data.x_train, data.y_train, indices, chunk_size))
-        if self.feed is None:
-            self.feed = StreamFeed(
-                data, self.mechanism.sampler, chunk_size=chunk_size, start_step=self.step, total_steps=self.total_steps,
-                device=device, workers=data_workers(self.config), prefetch=self.config.data.prefetch,
-            )  # fmt: skip
-        return streamed_chunks(self.feed.chunks(self.step), plan, views)
-
-    def _stop_feed(self) -> None:
-        """Stop the stream's workers now (left to the garbage collector, each takes seconds to
-        shut down) and put the sampler back before the next step's draw."""
-        if self.feed is not None:
-            self.data_wait_s += self.feed.wait_s
-            self.feed.close(self.step)
-            self.feed = None
-
-    def _eval_due(self) -> bool:
-        """True at the last step and whenever another ``train.eval_every_epochs`` has passed
-        (epochs of the reference run for a TAN simulation, so both evaluate at the same steps)."""
-        if self.step == self.total_steps:
-            return True
-        every = self.config.train.eval_every_epochs
-        batch = self.plan.simulation.batch_size if self.plan.simulation else self.plan.batch_size
-        period = lambda step: math.floor(step * batch / self.plan.dataset_size / every + 1e-9)  # noqa: E731
-        return period(self.step) > period(self.step - 1)
+        return stats
 
     def _checkpoint_due(self) -> bool:
         """Every ``train.checkpoint_every_steps`` steps, and once ``train.checkpoint_every_minutes``
@@ -354,7 +351,7 @@ class Trainer:
 
     def evaluate_and_log(self) -> dict[str, Any] | None:
         """Evaluate and append to metrics.jsonl (rank 0; other ranks only reset the window)."""
-        record = report.evaluation_record(self, self.window_as_dict()) if self.dist.is_main else None
+        record = report.evaluation_record(self.built, self.progress, self.window_as_dict(), self.log) if self.dist.is_main else None
         self.load_window({"loss_sum": 0.0, "examples": 0, "nonfinite_examples": 0})
         if record is not None:
             self.metrics.append(record)
@@ -364,15 +361,15 @@ class Trainer:
 
     def evaluate_model(self, model: torch.nn.Module) -> tuple[float, float]:
         """Accuracy and mean loss of ``model`` on the test set."""
-        return report.evaluate_model(self, model)
+        return report.evaluate_model(self.built, model)
 
     def extra_evaluations(self) -> dict[str, float]:
         """EMA-model and AugTest accuracies, when configured."""
-        return report.extra_evaluations(self)
+        return report.extra_evaluations(self.built, self.progress.augtest_seed)
 
     def epochs_done(self, step: int) -> float:
         """Epochs after ``step`` steps: step * B / N (an epoch is N / B expected-size batches)."""
-        return step * self.plan.batch_size / self.plan.dataset_size
+        return epochs_done(self.plan, step)
 
     def epsilon(self) -> float:
         """Epsilon spent so far (inf for a non-private run)."""
@@ -386,7 +383,10 @@ class Trainer:
 
     def finish(self) -> dict[str, Any]:
         """Write ``summary.json`` for a completed run (rank 0) and return it (on every rank)."""
-        summary = report.write_summary(self) if self.dist.is_main else None
+        summary = None
+        if self.dist.is_main:
+            last = self.metrics.read()[-1]
+            summary = report.write_summary(self.built, self.progress, self.run_dir, last, self.privacy_warnings())
         return self.dist.broadcast_object(summary)
 
     def log(self, message: str) -> None:

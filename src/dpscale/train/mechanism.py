@@ -21,30 +21,32 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, replace
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 from torch import nn
 
+from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.autotune import methods_state, pin_methods
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
 from dpscale.privacy.independence import MIN_EXAMPLES
 from dpscale.privacy.per_example import Batch, PerExampleEngine
 from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
-from dpscale.privacy.bandmf import BandedNoise
+from dpscale.privacy.banded_noise import BandedNoise
 from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.guards import (
     FirstChunkCheck,
     check_optimizer_covers_trainable,
+    check_state_fits,
     independence_check,
     model_digest,
     refuse_steps_outside_the_mechanism,
 )
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
 from dpscale.train.units import (
-    DrawnChunks, check_chunk_fits, check_gathered, user_step_chunks_of, users_per_chunk,
+    DrawnChunks, check_chunk_fits, check_gathered, rows_per_user, user_step_chunks_of, users_per_chunk,
 )  # fmt: skip
 from dpscale.data.units import UnitBatch, UserIndex, user_slices
 
@@ -82,10 +84,10 @@ class DPMechanism:
         # the user unit: the users sampled, and the AugMult views of each example (for user_rows)
         self.users, self.views = users, views
         if plan.user_level:
-            check_chunk_fits(max_physical_batch_size, plan.max_examples_per_user)
+            check_chunk_fits(max_physical_batch_size, rows_per_user(plan))
         if plan.adaptive is not None and world_size > 1:
             raise ValueError("adaptive clipping runs in one process (its count's noise and C are not shared across ranks yet)")
-        self.clip = plan.max_grad_norm  # C_t: fixed, or adaptive clipping's current norm
+        self.clip: MaxGradNorm = plan.max_grad_norm  # C_t: fixed, or adaptive clipping's current norm
         self.steps_taken = 0
         # BandMF's b groups, fixed for the whole run (every rank must pass the same seed)
         self.partition_seed = derive_seed(sampler_seed, PARTITION_KEY) if partition_seed is None else partition_seed
@@ -130,13 +132,19 @@ class DPMechanism:
                 "a drawn batch is waiting for its step: take mechanism.step(...) on it before drawing again "
                 "(choosing among several draws would change the sampling the epsilon describes)"
             )
-        if self.plan.user_level:
-            self._drawn_batch = self.sampler.sample_units()
-        else:
-            indices = self.sampler.sample()
-            self._drawn_batch = UnitBatch(indices, torch.arange(len(indices) + 1))
+        self._drawn_batch = self.draw_batch()
         self._drawn = int(self._drawn_batch.indices.numel())
         return self._drawn_batch.indices
+
+    def draw_batch(self) -> UnitBatch:
+        """The next logical batch's indices and units (at the user unit, each drawn user's
+        boundaries) for a loop that steps it with ``step_drawn_chunks``; ``sample()`` draws
+        through this and records the draw for ``step`` to check."""
+        self._check_budget()
+        if self.plan.user_level:
+            return self.sampler.sample_units()
+        indices = self.sampler.sample()
+        return UnitBatch(indices, torch.arange(len(indices) + 1))
 
     def batches(self) -> Iterator[torch.Tensor]:
         """The example indices of every remaining logical batch, one step at a time (draw a
@@ -154,8 +162,8 @@ class DPMechanism:
         chunk = self.max_physical_batch_size or int(math.ceil(self.plan.batch_size * 2))
         for indices in self.batches():
             if self.plan.user_level:  # whole users per chunk
-                per_chunk = users_per_chunk(chunk, self.plan.max_examples_per_user, 1, 0)
-                parts = [indices[a:b].tolist() for a, b, _ in user_slices(self._drawn_batch.offsets, per_chunk)]
+                per_chunk = users_per_chunk(chunk, rows_per_user(self.plan), 1, 0)
+                parts = [indices[a:b].tolist() for a, b, _ in user_slices(self._drawn_units().offsets, per_chunk)]
             else:
                 parts = [p.tolist() for p in indices.split(chunk)]
             loader = torch.utils.data.DataLoader(dataset, batch_sampler=parts, **loader_options)
@@ -180,29 +188,35 @@ class DPMechanism:
             the step's statistics (on the device; reading them waits for it).
         """
         self._check_budget()
-        if self._drawn is None:
+        drawn = self._drawn_units()
+        if targets is not None:
+            self._check_size(len(targets))  # before anything is computed
+        if indices is None and isinstance(inputs, DrawnChunks):  # data_loader's chunks carry their indices
+            indices = inputs.indices
+        chunks: Iterable[Batch]
+        if self.plan.user_level:  # whole users per chunk, each user's examples together
+            chunks = user_step_chunks_of(inputs, targets, indices, drawn, rows_per_user(self.plan),
+                                         self.views, self.max_physical_batch_size)  # fmt: skip
+        elif targets is not None:  # then inputs is the batch's tensor
+            check_gathered(indices, drawn.indices, chunks=False)
+            size = self.max_physical_batch_size or max(1, len(targets))
+            chunks = zip(cast(torch.Tensor, inputs).split(size), targets.split(size))  # views: no copy of the batch
+        else:
+            check_gathered(indices, drawn.indices, chunks=True)
+            chunks = cast(Iterable[Batch], inputs)
+        stats = self.step_drawn_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
+        self._drawn, self._drawn_batch = None, None
+        return stats
+
+    def _drawn_units(self) -> UnitBatch:
+        """The batch ``sample()`` drew for the coming ``step``; refused when none was drawn."""
+        if self._drawn_batch is None:
             raise RuntimeError(
                 "mechanism.step(...) takes the logical batch that mechanism.batches()/sample() drew (Poisson "
                 "sampling, which the epsilon describes), and none was drawn: iterate `for indices in "
                 "mechanism.batches()` and pass those examples, or use mechanism.data_loader(dataset)"
             )
-        if targets is not None:
-            self._check_size(len(targets))  # before anything is computed
-        if indices is None and isinstance(inputs, DrawnChunks):  # data_loader's chunks carry their indices
-            indices = inputs.indices
-        if self.plan.user_level:  # whole users per chunk, each user's examples together
-            chunks = user_step_chunks_of(inputs, targets, indices, self._drawn_batch, self.plan.max_examples_per_user,
-                                         self.views, self.max_physical_batch_size)  # fmt: skip
-        elif targets is not None:
-            check_gathered(indices, self._drawn_batch.indices, chunks=False)
-            size = self.max_physical_batch_size or max(1, len(targets))
-            chunks = zip(inputs.split(size), targets.split(size))  # views: no copy of the batch
-        else:
-            check_gathered(indices, self._drawn_batch.indices, chunks=True)
-            chunks = inputs
-        stats = self.step_drawn_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
-        self._drawn, self._drawn_batch = None, None
-        return stats
+        return self._drawn_batch
 
     def _check_size(self, examples: int) -> None:
         if examples != self._drawn:
@@ -217,8 +231,8 @@ class DPMechanism:
         check_drawn: bool = False,
     ) -> StepStats:  # fmt: skip
         """``step`` for physical chunks, with the data-parallel hooks: the seam to a loop that draws
-        from ``mechanism.sampler`` itself (the Trainer, the step-time bench), which vouches that
-        ``chunks`` are the batch the sampler drew; users call ``step``, which checks it.
+        with ``draw_batch`` (or a stream's read-ahead from ``sampler``) itself (the Trainer, the
+        step-time bench) and so vouches for ``chunks``; users call ``step``, which checks them.
 
         Args:
             chunks: the logical batch as physical (x, y) chunks.
@@ -233,7 +247,8 @@ class DPMechanism:
             chunks = self._run_first_chunk_check(chunks)
             adaptive = self.plan.adaptive
             engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
-            noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * self.clip
+            # adaptive clipping's C is a number (make_dp_plan refuses per-layer bounds with it)
+            noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * cast(float, self.clip)
             gradient, stats = noisy_clipped_mean(
                 engine, self.model, chunks, noise_std=noise_std, expected_batch_size=self.plan.batch_size,
                 noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
@@ -242,7 +257,7 @@ class DPMechanism:
             try:
                 self._check_size(stats.examples)
             except ValueError:
-                if history is not None:  # BandMF: the refused step's noise leaves the recursion untouched
+                if self.correlated_noise is not None and history is not None:  # BandMF: the recursion untouched
                     self.correlated_noise.rewind(history)
                 raise
         if self.observer is not None:
@@ -275,7 +290,7 @@ class DPMechanism:
             expected_batch_size=self.plan.batch_size,
             count_noise=adaptive.count_noise,
         )
-        self.clip = next_clip(self.clip, share, adaptive)
+        self.clip = next_clip(cast(float, self.clip), share, adaptive)
 
     def _run_first_chunk_check(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
         """The first-chunk check on this step's first chunk, if it holds ``MIN_EXAMPLES`` or more
@@ -330,7 +345,7 @@ class DPMechanism:
             "partition_seed": self.partition_seed,
             # BandMF's last b-1 noise vectors: past noise, kept (like the generator) for a seeded run
             # only, and never with dp.secure_noise (no file may reproduce that noise)
-            "correlated_noise": self.correlated_noise.state_dict() if self._keeps_noise_history else None,
+            "correlated_noise": self.correlated_noise.state_dict() if self.correlated_noise and self._keeps_noise_history else None,
             "clip_norm": self.clip,  # adaptive clipping's C_t (a function of released counts)
             "users": self.users.digest() if self.users is not None else None,  # the people it sampled
             "clip_methods": methods_state(self.engine),  # bk's per-layer methods: a resume computes as the run did
@@ -364,18 +379,7 @@ class DPMechanism:
                 "saved run's (for BandMF another partition, breaking the b-step separation the epsilon assumes). "
                 "Load the state first, then draw"
             )
-        saved = DPPlan(**state["plan"])
-        if saved != self.plan:  # the numbers (labels are left out of ==)
-            raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
-        if state.get("model_digest", model_digest(self.model)) != model_digest(self.model):
-            raise ValueError(
-                "the model's trainable weights are not the ones saved with this mechanism state (its accountant "
-                "would not cover the steps that trained them): load the model's weights from the same checkpoint "
-                "first, then the mechanism's state"
-            )
-        if state.get("users") != (self.users.digest() if self.users is not None else None):
-            raise ValueError("this mechanism state was sampled from another grouping of the examples into users "
-                             "(user ids); continue it with the same user_ids")  # fmt: skip
+        saved = check_state_fits(state, self.plan, self.model, self.users)
         if state["sampler"] is not None:  # first: it refuses an old partition before anything is loaded
             self.sampler.load_state_dict(state["sampler"])  # (None: a state whose sampler stream is not continued)
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
@@ -383,8 +387,9 @@ class DPMechanism:
         self.partition_seed = state.get("partition_seed", self.partition_seed)  # the run keeps its groups
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
-        if self._keeps_noise_history and self.rank == NOISE_RANK and state.get("correlated_noise") is not None:
-            self.correlated_noise.load_state_dict(state["correlated_noise"])  # the noise rank's alone
+        history = state.get("correlated_noise") if self._keeps_noise_history and self.rank == NOISE_RANK else None
+        if self.correlated_noise is not None and history is not None:
+            self.correlated_noise.load_state_dict(history)  # the noise rank's alone
         self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
         self.clip = state.get("clip_norm", self.plan.max_grad_norm)

@@ -15,12 +15,15 @@ from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.clipping import clip_bounds
 from dpscale.privacy.correlated import BandsRequest
-from dpscale.privacy.plan import DPPlan, SourceRunPrivacy, check_plan_matches, make_dp_plan
+from dpscale.privacy.make_plan import check_plan_matches, make_dp_plan
+from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.source_runs import SourceRunPrivacy
 from dpscale.train.optim import lr_multiplier
 
 
-def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> dict[str, Any]:
-    """The privacy numbers of a config's ``dp`` section, as ``make_dp_plan`` takes them.
+def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> PrivacyNumbers:
+    """The privacy numbers of a config's ``dp`` section (dp.epsilon is their target_epsilon).
 
     Args:
         dp: the config's ``dp`` section.
@@ -29,16 +32,15 @@ def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> dict[str, An
             dp.max_grad_norm_per=tensor refuses).
 
     Returns:
-        ``make_dp_plan``'s keyword arguments but N, S and the releases; ``max_grad_norm`` as
-        ``config_clip_bounds`` spells it out.
+        the numbers ``make_dp_plan`` takes; ``max_grad_norm`` as ``config_clip_bounds`` spells it out.
     """
-    return {
-        "batch_size": dp.batch_size, "max_grad_norm": config_clip_bounds(dp, names), "delta": dp.delta,
-        "target_epsilon": dp.epsilon, "noise_multiplier": dp.noise_multiplier,
-        "simulated_batch_size": dp.simulated_batch_size, "sampling": dp.sampling, "accountant": dp.accountant,
-        "adaptive": adaptive_request(dp), "max_batch_size": dp.max_batch_size,
-        "clip_gamma": dp.clip_gamma if dp.clipping == "automatic" else None,
-    }  # fmt: skip
+    return PrivacyNumbers(
+        batch_size=dp.batch_size, max_grad_norm=config_clip_bounds(dp, names), delta=dp.delta,
+        target_epsilon=dp.epsilon, noise_multiplier=dp.noise_multiplier,
+        simulated_batch_size=dp.simulated_batch_size, sampling=dp.sampling, accountant=dp.accountant,
+        adaptive=adaptive_request(dp), max_batch_size=dp.max_batch_size,
+        clip_gamma=dp.clip_gamma if dp.clipping == "automatic" else None,
+    )  # fmt: skip
 
 
 def refuse_per_tensor_without_model(dp: DPConfig) -> None:
@@ -131,9 +133,9 @@ def plan_from_config(
     request from ``bands_request``; ``names``: the trainable tensors', as ``dp_numbers``; at
     ``privacy_unit`` user, N counts users and dp.max_examples_per_user bounds each)."""
     return make_dp_plan(
-        dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded, extractor=extractor,
-        correlated=correlated, privacy_unit=privacy_unit, max_examples_per_user=dp.max_examples_per_user,
-        **dp_numbers(dp, names),
+        dp_numbers(dp, names), dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded,
+        extractor=extractor, correlated=correlated, privacy_unit=privacy_unit,
+        max_examples_per_user=dp.max_examples_per_user,
     )  # fmt: skip
 
 
@@ -160,10 +162,8 @@ def check_plan_against_config(
         names: the trainable tensors' names now (as ``dp_numbers``).
     """
     numbers = dp_numbers(dp, names)
-    check_same_clipping(plan.max_grad_norm, numbers["max_grad_norm"], dp)
-    check_plan_matches(
-        plan, dataset_size=dataset_size, steps=steps, releases=releases, correlated=correlated, **numbers
-    )  # fmt: skip
+    check_same_clipping(plan.max_grad_norm, numbers.max_grad_norm, dp)
+    check_plan_matches(plan, numbers, dataset_size=dataset_size, steps=steps, releases=releases, correlated=correlated)
 
 
 def check_same_clipping(saved: MaxGradNorm, now: MaxGradNorm, dp: DPConfig) -> None:

@@ -26,7 +26,8 @@ from dpscale.data.units import UserIndex
 from dpscale.privacy.per_example import (
     Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
-from dpscale.privacy.plan import make_dp_plan, steps_for
+from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.make_plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine
 from dpscale.train.seeds import run_seeds
@@ -190,15 +191,18 @@ def make_private(
     max_grad_norm = _clip_bounds(model, max_grad_norm, max_grad_norm_per)
     users, units = _user_index(user_ids, max_examples_per_user, dataset_size, check_batch)  # N: examples, or users
     total_steps = steps_for(epochs, steps, units, batch_size)
+    adaptive = adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
+                                 count_noise=clip_count_noise, batch_size=batch_size)  # fmt: skip
+    numbers = PrivacyNumbers(
+        batch_size=batch_size, max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier, sampling=sampling, max_batch_size=max_batch_size, accountant=accountant,
+        adaptive=adaptive, clip_gamma=clip_gamma if clipping == "automatic" else None,
+    )  # fmt: skip
     plan = make_dp_plan(
-        dataset_size=units, batch_size=batch_size, steps=total_steps, max_grad_norm=max_grad_norm, delta=delta,
-        target_epsilon=target_epsilon, noise_multiplier=noise_multiplier, accountant=accountant,
-        seeded=seed is not None, privacy_unit="example" if users is None else "user",
-        max_examples_per_user=max_examples_per_user, sampling=sampling, max_batch_size=max_batch_size,
+        numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
+        privacy_unit="example" if users is None else "user", max_examples_per_user=max_examples_per_user,
         correlated=_bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
                                   max_noise_memory_mb=max_noise_memory_mb, workload=workload),
-        **_clipping(clipping, batch_size, quantile=clip_quantile, learning_rate=clip_learning_rate,
-                    count_noise=clip_count_noise, gamma=clip_gamma),
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
     chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
@@ -209,15 +213,6 @@ def make_private(
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
                        max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
                        views=augment_multiplicity)  # fmt: skip
-
-
-def _clipping(clipping: str, batch_size: float, *, quantile: float, learning_rate: float, count_noise: float | None,
-              gamma: float) -> dict[str, Any]:  # fmt: skip
-    """``make_dp_plan``'s clipping arguments for ``make_private``'s: adaptive clipping's settings
-    and automatic clipping's gamma (each None unless asked for)."""
-    adaptive = adaptive_clipping(clipping, quantile=quantile, learning_rate=learning_rate, count_noise=count_noise,
-                                 batch_size=batch_size)  # fmt: skip
-    return {"adaptive": adaptive, "clip_gamma": gamma if clipping == "automatic" else None}
 
 
 def _seed_streams(seed: int | None) -> dict[str, int]:
@@ -302,7 +297,7 @@ def _chosen_engine(
         _tell([n for n in [ghost_per_user_notice(engine, rows)] if n])
     else:
         unit_loss = base or per_example_cross_entropy
-    options = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision), "clip_gamma": clip_gamma}
+    options: dict[str, Any] = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision), "clip_gamma": clip_gamma}
     # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
     if check and check_batch is not None:
         with options["precision"].matmul_flags():  # as at every step (full float32 unless tf32)

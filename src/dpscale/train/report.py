@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,19 +24,18 @@ from dpscale.privacy.group_privacy import unit_text
 from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
+from dpscale.train.build import Log, Run
 from dpscale.train.metrics import evaluate, evaluate_augtest, evaluate_batches, json_safe
-
-if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
-    from dpscale.train.loop import Trainer
+from dpscale.train.progress import Progress, epochs_done
 
 
 def format_epsilon(epsilon: float) -> str:
     return "inf" if not math.isfinite(epsilon) else f"{epsilon:.3f}"
 
 
-def evaluate_model(trainer: Trainer, model: nn.Module) -> tuple[float, float]:
+def evaluate_model(built: Run, model: nn.Module) -> tuple[float, float]:
     """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is)."""
-    built, config = trainer.built, trainer.built.config
+    config = built.config
     batch = config.train.eval_batch_size
     if built.streamed:  # host memory bounded by the training chunk, whatever eval_batch_size says
         batch = min(batch, config.train.max_physical_batch_size)
@@ -43,14 +43,15 @@ def evaluate_model(trainer: Trainer, model: nn.Module) -> tuple[float, float]:
     return evaluate(model, built.data.x_test, built.data.y_test, batch)
 
 
-def extra_evaluations(trainer: Trainer) -> dict[str, float]:
-    """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy)."""
-    built, out = trainer.built, {}
+def extra_evaluations(built: Run, augtest_seed: int) -> dict[str, float]:
+    """EMA-model and AugTest accuracies, when configured (not the headline test_accuracy);
+    ``augtest_seed`` seeds AugTest's views."""
+    out: dict[str, float] = {}
     if built.ema is not None:
-        out["test_accuracy_ema"], out["test_loss_ema"] = evaluate_model(trainer, built.ema.model)
+        out["test_accuracy_ema"], out["test_loss_ema"] = evaluate_model(built, built.ema.model)
     augment = built.config.augment
     if built.config.eval.augtest:  # in memory only (config validation)
-        generator = torch.Generator().manual_seed(trainer.augtest_seed)
+        generator = torch.Generator().manual_seed(augtest_seed)
         out["test_accuracy_augtest"] = evaluate_augtest(
             built.model, built.data.x_test, built.data.y_test, augment.type, augment.multiplicity, generator,
             built.value_range, built.config.train.eval_batch_size,
@@ -58,39 +59,48 @@ def extra_evaluations(trainer: Trainer) -> dict[str, float]:
     return out
 
 
-def evaluation_record(trainer: Trainer, window: dict[str, Any]) -> dict[str, Any]:
-    """One line of metrics.jsonl: test accuracy and loss, epsilon so far, the train-loss window."""
-    built, plan = trainer.built, trainer.built.plan
-    accuracy, test_loss = evaluate_model(trainer, built.model)
+def evaluation_record(built: Run, progress: Progress, window: dict[str, Any], log: Log) -> dict[str, Any]:
+    """One line of metrics.jsonl: test accuracy and loss, epsilon so far, the train-loss window
+    (``window``: loss sum, examples, non-finite examples since the last evaluation); ``log``
+    prints the warning about non-finite examples."""
+    plan, step = built.plan, progress.step
+    accuracy, test_loss = evaluate_model(built, built.model)
     record = {
-        "epoch": trainer.epochs_done(trainer.step),
-        "step": trainer.step,
+        "epoch": epochs_done(plan, step),
+        "step": step,
         "train_loss": window["loss_sum"] / window["examples"] if window["examples"] else None,
         "test_accuracy": accuracy,
         "test_loss": test_loss,
-        "epsilon": trainer.epsilon(),
+        "epsilon": built.mechanism.epsilon(),
         "delta": plan.delta,
-        **({"reference_epsilon": plan.reference_epsilon(trainer.step)} if plan.simulation else {}),
+        **({"reference_epsilon": plan.reference_epsilon(step)} if plan.simulation else {}),
         **({"clip_norm": built.mechanism.clip} if plan.adaptive is not None else {}),  # C_t, adaptive clipping
         # epsilon's unit when it is a person (the example unit's records stay as they were);
         # train_loss is then per user, the sum of its images' losses
         **({"privacy_unit": "user"} if plan.user_level else {}),
         "lr": built.scheduler.get_last_lr()[0],
-        "wall_time_s": trainer.wall_time_s,
+        "wall_time_s": progress.wall_time_s,
     }
     if window["nonfinite_examples"]:  # they contributed zero; say so, it is a utility loss
         record["nonfinite_examples"] = window["nonfinite_examples"]
-        trainer.log(
+        log(
             f"WARNING: {window['nonfinite_examples']} examples since the last evaluation had non-finite gradients "
             "and contributed zero (fp16 overflow? lower train.fp16_loss_scale or use bf16)"
         )
-    record.update(extra_evaluations(trainer))
-    odds = odds_summary(trainer)["tpr_at_fpr"] if trainer.step else None  # ms: the epsilon's PLD is cached
+    record.update(extra_evaluations(built, progress.augtest_seed))
+    odds = odds_summary(built)["tpr_at_fpr"] if step else None  # ms: the epsilon's PLD is cached
     if odds is not None:
         record["tpr_at_fpr"] = odds  # the best membership test's TPR at FPR 0.1/1/10% so far
     if plan.caveats():
         record["privacy_note"] = "; ".join(plan.caveats())
     return record
+
+
+def privacy_statement(plan: DPPlan, privacy_warnings: list[str]) -> list[str]:
+    """The lines a run prints before training (and TensorBoard keeps): the plan, what it means,
+    the planned attacker's odds, and every caveat and warning (``privacy_advice``'s)."""
+    lines = [plan.describe(), *filter(None, [plan.meaning(), plan.planned_odds()])]
+    return lines + [f"WARNING: {note}" for note in plan.caveats() + privacy_warnings]
 
 
 def privacy_advice(plan: DPPlan, config: Config) -> list[str]:
@@ -106,11 +116,12 @@ def privacy_advice(plan: DPPlan, config: Config) -> list[str]:
     return advice
 
 
-def privacy_summary(trainer: Trainer) -> dict[str, Any]:
-    """The summary's privacy fields: what was spent, by which plan, and what it does not cover."""
-    built, plan = trainer.built, trainer.built.plan
+def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str]) -> dict[str, Any]:
+    """The summary's privacy fields: what was spent, by which plan, and what it does not cover
+    (``privacy_warnings``: the run's advice, ``privacy_advice``)."""
+    plan, step = built.plan, progress.step
     return {
-        "epsilon": trainer.epsilon(),
+        "epsilon": built.mechanism.epsilon(),
         "delta": plan.delta,
         "target_epsilon": plan.target_epsilon,
         # a TAN simulation is no private model: its guarantee is not the one it reports
@@ -128,23 +139,23 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "batch_size": plan.batch_size,
         "sample_rate": plan.sample_rate,
         "dataset_size": plan.dataset_size,
-        "steps": trainer.step,
-        "epochs": trainer.epochs_done(trainer.step),
+        "steps": step,
+        "epochs": epochs_done(plan, step),
         "sampling": plan.sampling_text,  # what ran: "cyclic poisson" for BandMF with b > 1
         "adjacency": plan.adjacency,
         "accountant": plan.accountant,
         "mechanism": plan.mechanism,
         # BandMF: b, why, its strategy and amplified accounting (ceil(S/b) compositions at p = b*q)
         "bandmf": (
-            {**asdict(plan.correlated), "participation_rate": plan.participation_rate, "compositions": plan.compositions(trainer.step)}
+            {**asdict(plan.correlated), "participation_rate": plan.participation_rate, "compositions": plan.compositions(step)}
             if plan.correlated
             else None
         ),  # fmt: skip
         "eps_tan": plan.eps_tan,
         "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
         "simulation": ({**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None),
-        "reference_epsilon": plan.reference_epsilon(trainer.step) if plan.simulation else None,
-        "privacy_warnings": trainer.privacy_warnings(),
+        "reference_epsilon": plan.reference_epsilon(step) if plan.simulation else None,
+        "privacy_warnings": privacy_warnings,
         "features": built.config.features.extractor,
         "feature_normalization": built.feature_normalizer.kind,
         "feature_centering": built.feature_normalizer.center is not None,  # a released mean subtracted
@@ -153,45 +164,49 @@ def privacy_summary(trainer: Trainer) -> dict[str, Any]:
         "guarantee_caveats": plan.caveats(),
         "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
         "seeded": built.config.run.seed is not None,
-        "config_changes": trainer.config_changes,  # asked for with --set on resume, by step
-        **odds_summary(trainer),
+        "config_changes": progress.config_changes,  # asked for with --set on resume, by step
+        **odds_summary(built),
     }
 
 
-def odds_summary(trainer: Trainer) -> dict[str, Any]:
+def odds_summary(built: Run) -> dict[str, Any]:
     """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff``), from the run's own
     accountant; none where the printed epsilon is not a guarantee of this run's sampling (a TAN
     simulation: its accounting is of another run)."""
-    plan = trainer.built.plan
+    plan = built.plan
     if not plan.is_private or plan.simulation is not None:
         return dict(NO_ODDS)
-    return attacker_odds(trainer.mechanism.accountant, "person" if plan.privacy_unit == "user" else "image")
+    return attacker_odds(built.mechanism.accountant, "person" if plan.privacy_unit == "user" else "image")
 
 
-def log_new_clip_methods(trainer: Trainer) -> None:
-    """Log the per-layer norm methods the engine's tuner chose since last logged (after a
-    session's first step: the header is printed before the first chunk is timed)."""
-    tuner = getattr(trainer.built.engine, "tuner", None)
-    line = tuner.unreported() if tuner is not None else None
-    if line:
-        trainer.log(line)
+def new_clip_methods(built: Run) -> str | None:
+    """The per-layer norm methods the engine's tuner chose since last asked, as a report line
+    (None: nothing new; after a session's first step, as the header is printed before the first
+    chunk is timed)."""
+    tuner = getattr(built.engine, "tuner", None)
+    return tuner.unreported() if tuner is not None else None
 
 
-def write_summary(trainer: Trainer) -> dict[str, Any]:
-    """summary.json of a finished run (rank 0), returned."""
-    built, config = trainer.built, trainer.built.config
-    last = trainer.metrics.read()[-1]
-    summary = {
+def write_summary(built: Run, progress: Progress, run_dir: Path, last: dict[str, Any], privacy_warnings: list[str]) -> dict[str, Any]:
+    """summary.json of a finished run in ``run_dir`` (rank 0), returned.
+
+    Args:
+        built, progress: the run and where it stands (its last step taken).
+        last: the last evaluation record (metrics.jsonl's last line).
+        privacy_warnings: the run's advice (``privacy_advice``).
+    """
+    config = built.config
+    summary: dict[str, Any] = {
         "test_accuracy": last["test_accuracy"],
         "test_loss": last["test_loss"],
         **{k: last[k] for k in ("test_accuracy_ema", "test_accuracy_augtest") if k in last},
         "augment_multiplicity": config.augment.multiplicity,
-        **privacy_summary(trainer),
+        **privacy_summary(built, progress, privacy_warnings),
         "dataset": built.data.info.name,
         "data_loader": "stream" if built.streamed else "memory",
         "skipped_files": len(built.data.info.skipped_files),
         # streaming, this session: time the step waited for the loader's chunks (s)
-        "data_wait_s": trainer.data_wait_s if built.streamed else None,
+        "data_wait_s": progress.data_wait_s if built.streamed else None,
         "model": config.model.name,
         "model_init": built.init_report,
         "trainable_params": count_parameters(built.model, trainable_only=True),
@@ -201,10 +216,10 @@ def write_summary(trainer: Trainer) -> dict[str, Any]:
         "clip_methods": layer_methods(built.engine),  # per layer (how chosen and the timings: the log)
         "world_size": built.dist.world_size,
         "noise_rank": NOISE_RANK if built.dist.enabled else None,
-        "wall_time_s": trainer.wall_time_s,
+        "wall_time_s": progress.wall_time_s,
         VERSION_KEY: __version__,
     }
     summary["privacy_status"] = built.plan.status(summary["epsilon"], summary["reference_epsilon"])
     summary = json_safe(summary)
-    atomic_write_text(trainer.run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(run_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
     return summary

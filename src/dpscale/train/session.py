@@ -1,111 +1,122 @@
-"""Starting, continuing and reading a Trainer's run directory: the directory's lock, a new
-run's claim, the newest intact checkpoint, config edits checked (``Trainer.create``,
-``Trainer.resume`` and ``Trainer.load`` are these)."""
+"""Opening a run directory for a Trainer: a new run's claim, the run read at its checkpoint, the
+run to resume (locked, its newest intact checkpoint chosen, config edits checked). Each takes the
+directory and returns what ``Trainer.create``, ``resume`` and ``load`` build the Trainer from."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
-from dpscale.config import Config, save_config
+from dpscale.config import Config
 from dpscale.errors import ConfigError
 from dpscale.privacy.plan import DPPlan
-from dpscale.runs import CONFIG_NAME, is_audit_run, latest_checkpoint, read_run, read_run_config
+from dpscale.runs import LatestCheckpoint, is_audit_run, latest_checkpoint, read_run, read_run_config
 from dpscale.train.distributed import Distributed, init_distributed
-from dpscale.train.hooks import RunHooks
-from dpscale.train.rundir import RunLock, check_config_edits, open_new_run
-
-if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
-    from dpscale.train.loop import Trainer
+from dpscale.train.rundir import NewRun, RunLock, check_config_edits, open_new_run
 
 T = TypeVar("T")
 
 
-def start(cls: type, config: Config, progress: bool, hooks: RunHooks | None, report: bool | None) -> Trainer:
-    """``Trainer.create``: a new run in ``config.run.out_dir``, its directory locked until ``run`` returns."""
-    dist = init_distributed(config.run.device)
-    claim = on_main(dist, lambda: open_new_run(config.run.out_dir))
-    try:
-        trainer = cls(config, progress, hooks=hooks, report=report)
-        if claim is not None and claim.cleared:
-            trainer.log(f"{trainer.run_dir} held a run that stopped before its first checkpoint: cleared its "
-                        f"{', '.join(claim.cleared)} and started again")  # fmt: skip
-        on_main(dist, lambda: claim.claim(config))
-    except BaseException:
-        if claim is not None:
-            claim.abandon()
-        raise
-    trainer.hold(claim.lock if claim is not None else None)
-    return trainer
+def run_dir_of(config: Config) -> Path:
+    """The run directory of a resolved config (``run.out_dir``; ``default_out_dir`` names one).
+
+    Raises:
+        ValueError: ``run.out_dir`` is not set.
+    """
+    if config.run.out_dir is None:
+        raise ValueError("a Trainer needs config.run.out_dir (set it, or name one with dpscale.train.rundir.default_out_dir)")
+    return Path(config.run.out_dir)
 
 
-def load(cls: type, run_dir: str | Path, progress: bool) -> Trainer:
-    """``Trainer.load``: the run at its checkpoint, read-only (nothing in the directory changes)."""
+def claim_new_run(config: Config) -> NewRun | None:
+    """Create and lock ``config.run.out_dir`` for a new run (rank 0; other ranks get None).
+
+    Raises:
+        ConfigError: the directory holds a checkpointed run, or another process trains in it.
+    """
+    run_dir = run_dir_of(config)
+    return on_main(init_distributed(config.run.device), lambda: open_new_run(run_dir))
+
+
+def write_claim(claim: NewRun | None, config: Config, dist: Distributed) -> None:
+    """Write a new run's config.yaml into its claimed directory (rank 0, which holds the claim;
+    a failure raised on every rank)."""
+    on_main(dist, lambda: claim.claim(config) if claim is not None else None)
+
+
+def cleared_note(claim: NewRun | None) -> str | None:
+    """The report line for files a run that stopped before its first checkpoint left, or None."""
+    if claim is None or not claim.cleared:
+        return None
+    return f"{claim.run_dir} held a run that stopped before its first checkpoint: cleared its {', '.join(claim.cleared)} and started again"
+
+
+def read_saved_run(run_dir: str | Path) -> tuple[Config, dict[str, Any]]:
+    """The run in ``run_dir`` at its checkpoint, read-only: its config and checkpoint state.
+
+    Raises:
+        ConfigError: an audit run, or config.yaml edited since the checkpoint.
+    """
     refuse_audit_run(run_dir)
     config, state = read_run(run_dir)
     check_config_edits(Path(run_dir), state["config"], config, (), int(state["step"]))
-    return _from_checkpoint(cls, config, state, progress, None)
+    return config, state
 
 
-def resume(cls: type, run_dir: str | Path, progress: bool, overrides: Sequence[str], report: bool | None) -> Trainer:
-    """``Trainer.resume``: the run in ``run_dir`` continued from its newest intact checkpoint."""
-    run_dir = Path(run_dir)
+def saved_plan(state: dict[str, Any]) -> DPPlan:
+    """A checkpoint's DP plan (a state without its released statistics is refused later: drawing
+    them again would be a second release)."""
+    return DPPlan(**state["mechanism"]["plan"])
+
+
+@dataclass
+class Resumption:
+    """A run directory opened to continue its run.
+
+    Attributes:
+        config: the run's config with the ``--set`` overrides applied.
+        lock, held: the directory's lock, held (``held``) by rank 0 until the run returns.
+        latest: the newest intact checkpoint (its state None when the run stopped before one).
+        changes: setting -> (old, new) for the overrides that change the checkpoint's config.
+    """
+
+    config: Config
+    lock: RunLock
+    held: bool
+    latest: LatestCheckpoint
+    changes: dict[str, tuple[Any, Any]]
+
+
+def open_to_resume(run_dir: Path, overrides: Sequence[str]) -> Resumption:
+    """Lock ``run_dir`` (rank 0), choose its newest intact checkpoint and check config.yaml's
+    edits against it (refused unless asked for with ``overrides``); the lock is released again
+    when anything here fails.
+
+    Raises:
+        ConfigError: an audit run, another process training in it, a refused edit.
+    """
     refuse_audit_run(run_dir)
     config = read_run_config(run_dir, overrides)
     dist = init_distributed(config.run.device)
     lock = RunLock(run_dir)
     on_main(dist, lock.acquire)
     try:
-        trainer = _continue(cls, run_dir, config, progress, overrides, report)
+        latest = latest_checkpoint(run_dir)
+        changes = {}
+        if latest.state is not None:
+            changes = check_config_edits(run_dir, latest.state["config"], config, overrides, int(latest.state["step"]))
     except BaseException:
         lock.release()
         raise
-    trainer.hold(lock if dist.is_main else None)  # rank 0 holds it for the job
-    return trainer
+    return Resumption(config, lock, dist.is_main, latest, changes)
 
 
-def _from_checkpoint(cls: type, config: Config, state: dict[str, Any], progress: bool, report: bool | None) -> Trainer:
-    saved_plan = DPPlan(**state["mechanism"]["plan"])
-    # a state without its released statistics is refused (drawing them again would be a second release)
-    trainer = cls(config, progress, plan=saved_plan, feature_norm=state.get("feature_norm"), report=report)
-    trainer.load_state(state)
-    return trainer
-
-
-def _continue(cls: type, run_dir: Path, config: Config, progress: bool, overrides: Sequence[str], report: bool | None) -> Trainer:
-    """``resume`` under the lock: the newest intact checkpoint loaded, config edits checked."""
-    latest = latest_checkpoint(run_dir)
-    if latest.state is None:  # stopped before its first checkpoint: starts again from step 0
-        trainer = cls(config, progress, report=report)
-        trainer.log(latest.note)
-        if trainer.dist.is_main:
-            trainer.metrics.truncate_after(0)
-            if overrides:
-                save_config(config, run_dir / CONFIG_NAME)
-        return trainer
-    state = latest.state
-    changes = check_config_edits(run_dir, state["config"], config, overrides, int(state["step"]))
-    trainer = _from_checkpoint(cls, config, state, progress, report)
-    if latest.note:
-        trainer.announce(latest.note)
-    trainer.damaged_checkpoint = latest.damaged
-    if trainer.dist.is_main:
-        trainer.metrics.truncate_after(trainer.step)
-    if changes:
-        record_config_changes(trainer, changes)
-    return trainer
-
-
-def record_config_changes(trainer: Trainer, changes: dict[str, tuple[Any, Any]]) -> None:
-    """Keep the changes asked for on resume in the run: in the checkpoint (written now, so
-    the next resume compares against the new values), config.yaml and the summary."""
-    record = {"step": trainer.step, "changes": {k: {"from": old, "to": new} for k, (old, new) in changes.items()}}
-    trainer.config_changes.append(record)
+def change_record(step: int, changes: dict[str, tuple[Any, Any]]) -> tuple[dict[str, Any], str]:
+    """The run's record of the changes asked for on resume at ``step``, and the line announcing them."""
+    record = {"step": step, "changes": {k: {"from": old, "to": new} for k, (old, new) in changes.items()}}
     listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
-    trainer.announce(f"changed on resume at step {trainer.step} (recorded in the run): {listed}")
-    trainer.save()
-    if trainer.dist.is_main:
-        save_config(trainer.config, trainer.run_dir / CONFIG_NAME)
+    return record, f"changed on resume at step {step} (recorded in the run): {listed}"
 
 
 def on_main(dist: Distributed, action: Callable[[], T]) -> T | None:
@@ -126,6 +137,7 @@ def on_main(dist: Distributed, action: Callable[[], T]) -> T | None:
 
 
 def refuse_audit_run(run_dir: str | Path) -> None:
+    """Refuse a ``dpscale audit`` run (its training set holds canaries its config does not describe)."""
     if is_audit_run(run_dir):
         raise ConfigError(
             f"{run_dir} is a `dpscale audit` run: its training set holds canaries its config does not describe, "

@@ -4,15 +4,19 @@ noise, accountant, steps) through ``DPMechanism.state_dict``; this module adds t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from dpscale.errors import ConfigError
-from dpscale.train.distributed import NOISE_RANK, rank_stream_seed
+from dpscale._io import CHECKPOINT_NAME, save_checkpoint
 
-if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
-    from dpscale.train.loop import Trainer
+from dpscale.errors import ConfigError
+from dpscale.train.build import Run
+from dpscale.train.distributed import NOISE_RANK, Distributed, rank_stream_seed
+from dpscale.runs import DAMAGED_CHECKPOINT_NAME
+from dpscale.train.progress import Progress
 
 FRESH_NOISE_ON_RESUME = (
     "run.seed is null: the noise continues from fresh OS entropy, so no two continuations of this checkpoint share "
@@ -23,14 +27,20 @@ FRESH_CORRELATED_NOISE_ON_RESUME = (
 )
 
 
-def training_state(trainer: Trainer) -> dict[str, Any]:
-    """The checkpoint. Collective with P processes: gathers every rank's sampling streams."""
-    built = trainer.built
-    streams = built.dist.all_gather_object({"sampler": trainer.sampler_state(), "augment_generator": trainer.augment_generator.get_state()})
+def training_state(built: Run, progress: Progress, *, rank_streams: dict[str, Any], window: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint. Collective with P processes: gathers every rank's sampling streams.
+
+    Args:
+        built, progress: the run and where it stands.
+        rank_streams: this rank's streams before the next step's draw ("sampler": the sampler's
+            state, "augment_generator": the augmentation generator's).
+        window: the train-loss window since the last evaluation (loss sum, examples, non-finite examples).
+    """
+    streams = built.dist.all_gather_object(rank_streams)
     mechanism = {**built.mechanism.state_dict(), "sampler": streams[0]["sampler"]}  # before the next draw
     return {
-        "step": trainer.step,
-        "wall_time_s": trainer.wall_time_s,
+        "step": progress.step,
+        "wall_time_s": progress.wall_time_s,
         "world_size": built.dist.world_size,
         "mechanism": mechanism,
         "rank_streams": streams,  # [rank 0's, rank 1's, ...]
@@ -39,19 +49,26 @@ def training_state(trainer: Trainer) -> dict[str, Any]:
         "optimizer": built.optimizer.state_dict(),
         "scheduler": built.scheduler.state_dict(),
         "ema": built.ema.state_dict() if built.ema else None,
-        "window": trainer.window_as_dict(),
-        "augtest_seed": trainer.augtest_seed,
+        "window": window,
+        "augtest_seed": progress.augtest_seed,
         "data_fingerprint": built.data_fingerprint,
         "feature_norm": built.feature_normalizer.state_dict(),
         "model_init": built.init_report,
         "config": built.config.to_dict(),  # a resume refuses config.yaml edited since (unless --set)
-        "config_changes": trainer.config_changes,
+        "config_changes": progress.config_changes,
     }
 
 
-def restore(trainer: Trainer, state: dict[str, Any]) -> None:
-    """Continue ``trainer`` (new, not stepped) from a checkpoint's ``state`` (current layout)."""
-    built = trainer.built
+def restore(built: Run, state: dict[str, Any]) -> tuple[Progress, list[str]]:
+    """Continue ``built`` (new, not stepped) from a checkpoint's ``state`` (current layout): the
+    model, mechanism, optimizer, scheduler and EMA take the saved states.
+
+    Returns:
+        where the run stands, and the notes to report (fresh noise on resume).
+
+    Raises:
+        ConfigError: other training data, a checkpoint that does not fit the run or is inconsistent.
+    """
     if state["data_fingerprint"] != built.data_fingerprint:
         raise ConfigError(
             f"the training data at data.root={built.config.data.root!r} differs from the data this run was trained on; refusing to resume"
@@ -69,63 +86,81 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
         if state["ema"] is None:
             raise ConfigError("train.ema_decay is set but the checkpoint has no EMA of the weights")
         built.ema.load_state_dict(state["ema"])
-    trainer.step = int(state["step"])
-    trainer.wall_time_s = float(state["wall_time_s"])
-    trainer.config_changes = list(state["config_changes"])
-    trainer.load_window(state["window"])
-    if state["augtest_seed"] is not None:  # absent in checkpoints from before augmentation existed
-        trainer.augtest_seed = int(state["augtest_seed"])
-    _check_accounting(trainer)
+    progress = Progress(
+        step=int(state["step"]),
+        wall_time_s=float(state["wall_time_s"]),
+        # absent in checkpoints from before augmentation existed
+        augtest_seed=int(state["augtest_seed"]) if state["augtest_seed"] is not None else built.seeds["augtest"],
+        config_changes=list(state["config_changes"]),
+    )
+    _check_accounting(built, progress.step)
+    notes = []
     if not built.plan.seeded and built.plan.is_private:
-        trainer.log(FRESH_NOISE_ON_RESUME + (FRESH_CORRELATED_NOISE_ON_RESUME if built.plan.bands > 1 else ""))
-    _continue_rank_streams(trainer, state)
+        notes.append(FRESH_NOISE_ON_RESUME + (FRESH_CORRELATED_NOISE_ON_RESUME if built.plan.bands > 1 else ""))
+    return progress, notes
 
 
-def _check_accounting(trainer: Trainer) -> None:
-    plan, accountant = trainer.built.plan, trainer.built.mechanism.accountant
-    if plan.is_private and accountant.steps != plan.compositions(trainer.step):
+def _check_accounting(built: Run, step: int) -> None:
+    plan, accountant = built.plan, built.mechanism.accountant
+    if plan.is_private and accountant.steps != plan.compositions(step):
         raise ConfigError(
-            f"checkpoint is inconsistent: step {trainer.step} needs {plan.compositions(trainer.step)} accounted "
-            f"composition(s), it holds {accountant.steps}"
+            f"checkpoint is inconsistent: step {step} needs {plan.compositions(step)} accounted composition(s), it holds {accountant.steps}"
         )
     if accountant.releases != plan.releases:
         raise ConfigError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
 
 
-def _continue_rank_streams(trainer: Trainer, state: dict[str, Any]) -> None:
-    """Continue this rank's sampling streams; with a different number of processes than the
-    checkpoint's, or generator states it cannot continue (32-bit torch states, from before
-    the 128-bit DP RNG), start fresh sampling and noise streams at the checkpoint's step (never
-    replaying used ones: had a run resumed from this checkpoint been abandoned, the same noise
-    on other batches would otherwise cancel out between the two)."""
-    dist, step = trainer.built.dist, int(state["step"])
-    saved_world = int(state["world_size"])
-    if state["fresh_streams"] or saved_world != dist.world_size:
-        trainer.start_rank_streams(step)
-        if state["fresh_streams"]:  # seeds: fresh OS entropy without run.seed, else derived from it and the step
-            trainer.log(
-                f"the checkpoint's noise and sampling generators are 32-bit-seeded torch states (written "
-                f"before the 128-bit DP RNG): continuing with fresh 128-bit streams from step {step} on"
-            )
-        else:
-            trainer.log(
-                f"resuming a {saved_world}-process run with {dist.world_size} process(es): each rank "
-                f"samples its shard from a fresh stream from step {step} on"
-            )
-        return
-    mine = state["rank_streams"][dist.rank]
-    trainer.built.mechanism.sampler.load_state_dict(mine["sampler"])
-    if mine.get("augment_generator") is not None:
-        trainer.augment_generator.set_state(mine["augment_generator"])
+def saved_rank_streams(state: dict[str, Any], dist: Distributed) -> tuple[dict[str, Any] | None, str | None]:
+    """This rank's sampling streams to continue from a checkpoint's ``state``, or why fresh ones
+    start at its step: with a different number of processes than the checkpoint's, or generator
+    states it cannot continue (32-bit torch states, from before the 128-bit DP RNG). Fresh streams
+    never replay used ones: had a run resumed from this checkpoint been abandoned, the same noise
+    on other batches would otherwise cancel out between the two.
+
+    Returns:
+        (this rank's saved streams, None), or (None, the note to report) when fresh ones start.
+    """
+    step, saved_world = int(state["step"]), int(state["world_size"])
+    if state["fresh_streams"]:  # seeds: fresh OS entropy without run.seed, else derived from it and the step
+        return None, (
+            f"the checkpoint's noise and sampling generators are 32-bit-seeded torch states (written "
+            f"before the 128-bit DP RNG): continuing with fresh 128-bit streams from step {step} on"
+        )
+    if saved_world != dist.world_size:
+        return None, (
+            f"resuming a {saved_world}-process run with {dist.world_size} process(es): each rank "
+            f"samples its shard from a fresh stream from step {step} on"
+        )
+    return state["rank_streams"][dist.rank], None
 
 
-def fresh_noise_seed(trainer: Trainer, step: int) -> int:
-    """The noise rank's seed for streams restarted at ``step`` (see ``_continue_rank_streams``)."""
-    dist = trainer.built.dist
-    return rank_stream_seed(trainer.built.seeds["noise"], NOISE_RANK, dist.world_size, step)
+def fresh_noise_seed(seeds: dict[str, int], world_size: int, step: int) -> int:
+    """The noise rank's seed for streams restarted at ``step`` (see ``saved_rank_streams``)."""
+    return rank_stream_seed(seeds["noise"], NOISE_RANK, world_size, step)
 
 
 def window_tensor(window: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The train-loss window (loss sum, examples, non-finite examples) as a float64 tensor."""
     values = [float(window["loss_sum"]), float(window["examples"]), float(window["nonfinite_examples"])]
     return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def write_checkpoint(run_dir: Path, saved: dict[str, Any], *, damaged: Path | None, intact_step: int | None) -> None:
+    """Write ``saved`` as ``run_dir``'s checkpoint (atomic; the one before kept as the previous).
+
+    Args:
+        damaged: a damaged newest checkpoint a resume set aside: moved out of the way first, so a
+            damaged file is never kept as the previous checkpoint.
+        intact_step: the step of the last checkpoint written or read (None: none), for the error.
+
+    Raises:
+        OSError: the checkpoint could not be written (e.g. a full disk), saying which one is intact.
+    """
+    path = run_dir / CHECKPOINT_NAME
+    if damaged is not None:
+        os.replace(damaged, run_dir / DAMAGED_CHECKPOINT_NAME)
+    try:
+        save_checkpoint(path, saved)
+    except OSError as err:
+        kept = "no earlier checkpoint" if intact_step is None else f"the checkpoint of step {intact_step} is intact"
+        raise OSError(f"cannot write {path} at step {saved['step']}: {err.strerror or err}; {kept}") from err

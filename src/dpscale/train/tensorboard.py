@@ -21,15 +21,15 @@ A resumed run purges the events after the checkpoint's step, so a curve never sh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dpscale._io import PRIVATE_FILE_MODE, make_private_dir
 from dpscale.config import config_yaml
 from dpscale.privacy.plan import GUARANTEE_SCOPE
 from dpscale.runs import TENSORBOARD_NAME
-
-if TYPE_CHECKING:  # the loop imports this module: a type for checkers only, no import circle at run time
-    from dpscale.train.loop import Trainer
+from dpscale.train.build import Log, Run
+from dpscale.train.report import privacy_statement
+from dpscale.train.step import StepStats
 
 STEP_SCALARS_EVERY = 10
 
@@ -73,36 +73,35 @@ class RunBoard:
             if path.is_file():
                 path.chmod(PRIVATE_FILE_MODE)
 
-    def start(self, trainer: Trainer) -> None:
-        """The config and the privacy statement as text, at the session's first step."""
-        plan = trainer.plan
-        statement = [plan.describe(), plan.meaning(), *filter(None, [plan.planned_odds()])] + [
-            f"WARNING: {n}" for n in plan.caveats() + trainer.privacy_warnings()
-        ]
+    def start(self, built: Run, step: int, privacy_warnings: list[str]) -> None:
+        """The config and the privacy statement (with the run's ``privacy_warnings``) as text, at
+        the session's first step ``step``."""
+        plan = built.plan
+        statement = privacy_statement(plan, privacy_warnings)
         if plan.is_private:
             statement.append(GUARANTEE_SCOPE)
-        self.writer.add_text("config", _code(config_yaml(trainer.config)), trainer.step)
-        self.writer.add_text("privacy", _code("\n".join(statement)), trainer.step)
+        self.writer.add_text("config", _code(config_yaml(built.config)), step)
+        self.writer.add_text("privacy", _code("\n".join(statement)), step)
 
-    def after_step(self, trainer: Trainer, step_ms: float) -> None:
-        """The step scalars of ``trainer``'s last step, every ``STEP_SCALARS_EVERY`` steps (else nothing).
+    def after_step(self, step: int, stats: StepStats, lr: float, step_ms: float, data_wait_s: float | None) -> None:
+        """The step scalars of step ``step``, every ``STEP_SCALARS_EVERY`` steps (else nothing).
 
         Args:
+            step: the steps taken; stats: the last step's statistics; lr: its learning rate.
             step_ms: the step's wall time (ms; on a GPU, the time to enqueue it).
+            data_wait_s: streaming: time this session waited for data so far (s); None in memory.
         """
-        step = trainer.step
         if step % STEP_SCALARS_EVERY:
             return
-        values = trainer.last_stats.as_dict()
+        values = stats.as_dict()
         if values["examples"]:
             self.writer.add_scalar("train/loss", values["loss_sum"] / values["examples"], step)
         self.writer.add_scalar("train/clipped_fraction", values["clipped_fraction"], step)
         self.writer.add_scalar("train/mean_grad_norm", values["mean_grad_norm"], step)
-        self.writer.add_scalar("train/lr", trainer.built.scheduler.get_last_lr()[0], step)
+        self.writer.add_scalar("train/lr", lr, step)
         self.writer.add_scalar("time/step_ms", step_ms, step)
-        if trainer.built.streamed:
-            feed = trainer.feed
-            self.writer.add_scalar("time/data_wait_s", trainer.data_wait_s + (feed.wait_s if feed else 0.0), step)
+        if data_wait_s is not None:
+            self.writer.add_scalar("time/data_wait_s", data_wait_s, step)
 
     def evaluation(self, record: dict[str, Any]) -> None:
         """An evaluation record's scalars (a metrics.jsonl line)."""
@@ -121,14 +120,15 @@ def _code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def open_board(trainer: Trainer) -> RunBoard | None:
-    """The session's writer: None when ``run.tensorboard`` is off, on ranks other than 0, or
-    when tensorboard is not installed (said once in the report)."""
-    if not trainer.config.run.tensorboard or trainer.run_dir is None or not trainer.dist.is_main:
+def open_board(built: Run, run_dir: Path | None, step: int, privacy_warnings: list[str], log: Log) -> RunBoard | None:
+    """The writer of a session starting at ``step`` in ``run_dir``, its text written: None when
+    ``run.tensorboard`` is off, on ranks other than 0, or when tensorboard is not installed
+    (said once with ``log``)."""
+    if not built.config.run.tensorboard or run_dir is None or not built.dist.is_main:
         return None
     if not tensorboard_available():
-        trainer.log("note: no TensorBoard events (pip install tensorboard, or set run.tensorboard=false)")
+        log("note: no TensorBoard events (pip install tensorboard, or set run.tensorboard=false)")
         return None
-    board = RunBoard(trainer.run_dir, trainer.step)
-    board.start(trainer)
+    board = RunBoard(run_dir, step)
+    board.start(built, step, privacy_warnings)
     return board

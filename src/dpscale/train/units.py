@@ -4,7 +4,7 @@ chunk never splits a user. Every path that feeds a user-level step (``mechanism.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import numpy as np
 import torch
@@ -13,6 +13,17 @@ from dpscale.data.units import UnitBatch, UserIndex, user_slices
 from dpscale.privacy.per_example import Batch, UnitChunk, user_rows
 from dpscale.privacy.plan import DPPlan
 from dpscale.train.step import AugmentViews
+
+
+def rows_per_user(plan: DPPlan) -> int:
+    """k, the examples a drawn user contributes per step, of a plan at the user unit.
+
+    Raises:
+        ValueError: the plan is at the example unit (it has no k).
+    """
+    if plan.max_examples_per_user is None:
+        raise ValueError("the DP plan is at the example unit: it has no max_examples_per_user")
+    return plan.max_examples_per_user
 
 
 def users_per_chunk(max_physical_batch_size: int | None, rows: int, views: int, users: int) -> int:
@@ -182,7 +193,7 @@ def user_step_chunks(
 ) -> Iterator[Batch]:  # fmt: skip
     """The Trainer's step at the user unit: the drawn users gathered in chunks of whole users,
     each example made into its K views, padded to k rows per user (``user_rows``)."""
-    k = plan.max_examples_per_user
+    k = rows_per_user(plan)
     per_chunk = users_per_chunk(max_physical_batch_size, k, augment.views, drawn.num_units)
     raw = gathered_user_chunks(data.x_train, data.y_train, drawn.indices, drawn.offsets, per_chunk)
     return padded_user_chunks(raw, k, augment.views, augment if augment.views > 1 else None)
@@ -192,13 +203,14 @@ def chunk_size_for(plan: DPPlan, max_physical_batch_size: int, views: int) -> in
     """Per physical chunk: max_physical_batch_size / K examples, or at the user unit as many
     whole users as fit once padded to k rows of K views (``users_per_chunk``)."""
     if plan.user_level:
-        return users_per_chunk(max_physical_batch_size, plan.max_examples_per_user, views, 0)
+        return users_per_chunk(max_physical_batch_size, rows_per_user(plan), views, 0)
     return max(1, max_physical_batch_size // views)
 
 
 def streamed_chunks(chunks: Iterable[tuple[torch.Tensor, ...]], plan: DPPlan, augment: AugmentViews) -> Iterable[Batch]:
     """A stream's chunks as the engine takes them: each example's K views, and at the user unit
     ((x, y, offsets) chunks of whole users) padded to k rows per user."""
-    if plan.user_level:
-        return padded_user_chunks(chunks, plan.max_examples_per_user, augment.views, augment if augment.views > 1 else None)
-    return augment.chunks(chunks)
+    if plan.user_level:  # the stream cuts (x, y, offsets) chunks at the user unit, else (x, y)
+        users = cast(Iterable[UnitChunk], chunks)
+        return padded_user_chunks(users, rows_per_user(plan), augment.views, augment if augment.views > 1 else None)
+    return augment.chunks(cast(Iterable[Batch], chunks))

@@ -65,7 +65,8 @@ def _by_value(results: list[PointResult], key: str, metric: str) -> list[GridVal
         groups.setdefault(json.dumps(r.point[key]), []).append(r)
     out = []
     for runs in groups.values():
-        values = [r.summary[metric] for r in runs if r.status == "done" and isinstance(r.summary.get(metric), (int, float))]
+        summaries = [r.summary_or_empty for r in runs if r.status == "done"]
+        values = [s[metric] for s in summaries if isinstance(s.get(metric), (int, float))]
         mean = sum(values) / len(values) if values else None
         out.append(GridValue(runs[0].point[key], mean, len(values)))
     return out
@@ -148,15 +149,15 @@ def _result(
 ) -> ClipLrResult:  # fmt: skip
     """The tuning's result: the best learning rate of stage 3 (every caveat of its runs kept)."""
     learning_rates = _by_value(lr_results, "optim.lr", metric)
-    finished = [v for v in learning_rates if v.metric is not None]
+    finished = [(v, v.metric) for v in learning_rates if v.metric is not None]
     if not finished:
         raise ValueError(f"no learning-rate run finished; see {out_dir / 'lr' / 'sweep.md'}")
-    best = (max if higher else min)(finished, key=lambda v: v.metric)
+    best, best_metric = (max if higher else min)(finished, key=lambda pair: pair[1])
     caveats = {n for r in lr_results for n in ((r.summary or {}).get("guarantee_caveats") or [])}
     return ClipLrResult(
         metric=metric, tolerance=tolerance, public_lr=public_lr, unclipped=unclipped, clip_norms=tuple(clip_values),
         chosen_clip_norm=chosen_clip, learning_rates=tuple(learning_rates), chosen_lr=float(best.value),
-        best_metric=best.metric, guarantee_caveats=tuple(sorted(caveats)),
+        best_metric=best_metric, guarantee_caveats=tuple(sorted(caveats)),
     )  # fmt: skip
 
 

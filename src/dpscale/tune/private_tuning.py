@@ -118,6 +118,8 @@ def tuning_release(
     }  # fmt: skip
     if not released:
         return record
+    if delta is None:  # a finished private run's summary always holds its delta
+        raise ValueError(f"the summary of {best_run_dir} holds no delta: cannot account for the tuning")
     histories = {read_source_run(d).history for d in run_dirs}
     if len(histories) != 1:
         raise ConfigError("the tuning runs differ in their privacy accounting; the tuning bound needs one cost for all")

@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -209,7 +209,7 @@ def fit_sweep(
     metric: str = "test_accuracy",
     confidence: float = 0.95,
     where: dict[str, Any] | None = None,
-    reference_summaries: list[tuple[str, dict]] = (),
+    reference_summaries: Sequence[tuple[str, dict]] = (),
     reference_batch_size: float | None = None,
 ) -> SweepFit:
     """Fit the law on a sweep's finished runs (``sweep.jsonl`` records) and predict B_ref.

@@ -51,7 +51,9 @@ TRIAL_FAILED_NAME = "trial_failed.json"  # private tuning: a trial that failed, 
 
 def split_values(text: str) -> list[str]:
     """Split ``v1,v2,...`` on commas outside brackets, braces and quotes ("[16, 16]" stays whole)."""
-    values, depth, quote, current = [], 0, None, []
+    values: list[str] = []
+    current: list[str] = []  # the characters of the value being read
+    depth, quote = 0, None
     for char in text:
         if quote:
             quote = None if char == quote else quote
@@ -152,6 +154,11 @@ class PointResult:
     summary: dict[str, Any] | None = None
     error: str | None = None
 
+    @property
+    def summary_or_empty(self) -> dict[str, Any]:
+        """``summary``, or {} for a point without one (a failed point; a finished point has its summary)."""
+        return self.summary or {}
+
     def record(self) -> dict[str, Any]:
         return json_safe(
             {
@@ -165,6 +172,13 @@ class PointResult:
                 "tuning_caveat": TUNING_CAVEAT,
             }
         )
+
+
+def _run_dir(config: Config) -> Path:
+    """A point's run directory: ``Sweep._point_config`` sets every point's run.out_dir."""
+    if config.run.out_dir is None:
+        raise ValueError("a sweep point's config has no run.out_dir")
+    return Path(config.run.out_dir)
 
 
 def _config_digest(config: Config) -> str:
@@ -207,8 +221,9 @@ class Sweep:
         if self.spec.private_tuning:
             self.tuning = tuning_from_text(self.spec.private_tuning, [k for k, _ in self.spec.grid])
             check_tuning_metric(self.spec.metric)
-            trials = (saved or {}).get("trials")
-            if trials is None or saved.get("private_tuning") != self.spec.private_tuning:
+            earlier = saved or {}
+            trials = earlier.get("trials")
+            if trials is None or earlier.get("private_tuning") != self.spec.private_tuning:
                 trials = draw_trials(self.tuning, len(grid_points))
             self.drawn_points = [grid_points[i] for i in trials]
         configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self.drawn_points)]
@@ -254,17 +269,18 @@ class Sweep:
         shown = [{k: display_value(v) for k, v in p.items()} for p in points]
         # Points finished by an earlier invocation are results from the start, so an interrupted
         # rerun never drops them from sweep.jsonl.
-        results = [self._earlier_result(i, names[i], shown[i], Path(c.run.out_dir)) for i, c in enumerate(configs)]
+        results = [self._earlier_result(i, names[i], shown[i], _run_dir(c)) for i, c in enumerate(configs)]
         for index, (point, config) in enumerate(zip(points, configs)):
             if self.progress:
                 label = " ".join(f"{k}={v}" for k, v in point.items()) or "(base config)"
                 done = " (finished earlier)" if results[index] is not None else ""
                 print(f"[sweep {index + 1}/{len(points)}] {label}{done}", file=sys.stderr)
-            if results[index] is None:
-                results[index] = self._run_point(index, names[index], shown[index], config)
+            result = results[index]
+            if result is None:
+                result = results[index] = self._run_point(index, names[index], shown[index], config)
                 self.write_results([r for r in results if r is not None])
             if self.on_point:
-                self.on_point(results[index])
+                self.on_point(result)
         final = [r for r in results if r is not None]
         self.write_results(final)
         return final
@@ -281,7 +297,7 @@ class Sweep:
         return None
 
     def _run_point(self, index: int, name: str, point: dict[str, Any], config: Config) -> PointResult:
-        run_dir = Path(config.run.out_dir)
+        run_dir = _run_dir(config)
         result = PointResult(index, name, point, str(run_dir), "done")
         try:
             result.summary = read_summary(run_dir)
@@ -316,16 +332,18 @@ class Sweep:
         path = self.out_dir / RELEASED_DIR / RELEASE_NAME
         if path.exists():
             return json.loads(path.read_text())
+        if self.tuning is None:
+            raise ValueError("Sweep.release is for private tuning (SweepSpec.private_tuning), after prepare()")
         done = sorted_done(results, self.spec.metric, self.spec.ascending)
         best = done[0] if done else None
         selection = {
             "metric": self.spec.metric,
-            "value": best.summary[self.spec.metric] if best else None,
+            "value": best.summary_or_empty[self.spec.metric] if best else None,
             "hyperparameters": best.point if best else None,
-            "guarantee_caveats": best.summary.get("guarantee_caveats") if best else None,  # e.g. a fixed seed
+            "guarantee_caveats": best.summary_or_empty.get("guarantee_caveats") if best else None,  # e.g. a fixed seed
         }
         best_dir = best.run_dir if best else None
-        delta = best.summary.get("delta") if best else None
+        delta = best.summary_or_empty.get("delta") if best else None
         record = tuning_release(self.tuning, best_dir, [r.run_dir for r in done], delta, selection)
         write_release(path.parent, record, best_dir)
         return record
@@ -346,8 +364,8 @@ def _fmt(value: Any) -> str:
 
 
 def sorted_done(results: list[PointResult], metric: str, ascending: bool) -> list[PointResult]:
-    done = [r for r in results if r.status == "done" and isinstance((r.summary or {}).get(metric), (int, float))]
-    return sorted(done, key=lambda r: r.summary[metric], reverse=not ascending)
+    done = [r for r in results if r.status == "done" and isinstance(r.summary_or_empty.get(metric), (int, float))]
+    return sorted(done, key=lambda r: r.summary_or_empty[metric], reverse=not ascending)
 
 
 def results_table(results: list[PointResult], spec: SweepSpec, total: int | None = None, release: dict[str, Any] | None = None) -> str:
@@ -371,8 +389,8 @@ def results_table(results: list[PointResult], spec: SweepSpec, total: int | None
         "|" + "---|" * len(header),
     ]
     for rank, r in enumerate(done, 1):
-        cells = [str(rank), *(_fmt(r.point.get(k)) for k in keys), _fmt(r.summary[metric])]
-        cells += [_fmt(r.summary.get(c)) for c in extra]
+        cells = [str(rank), *(_fmt(r.point.get(k)) for k in keys), _fmt(r.summary_or_empty[metric])]
+        cells += [_fmt(r.summary_or_empty.get(c)) for c in extra]
         cells.append(Path(r.run_dir).name)
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in results if r.status != "done"]
@@ -385,7 +403,7 @@ def results_table(results: list[PointResult], spec: SweepSpec, total: int | None
             "Runs with a reference_epsilon are TAN simulations: they carry NO privacy guarantee at that "
             "epsilon; it is what the reference run they stand for would spend.",
         ]
-    notes = {n for r in done for n in (r.summary.get("guarantee_caveats") or []) if not n.startswith("TAN SIMULATION")}
+    notes = {n for r in done for n in (r.summary_or_empty.get("guarantee_caveats") or []) if not n.startswith("TAN SIMULATION")}
     lines += ["", tuning_text(spec, release)]
     lines += [f"\nWARNING: {n}" for n in sorted(notes)]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,331 @@
+"""The ghost engines' convolution rules: per-example weight norms (Gram, pixel Gram, bmm, grouped) and clipped sums.
+
+Conv1d and Conv2d (stride, padding, dilation, groups; zero padding given as numbers) and the
+scaled weight-standardised Conv2d of NF-ResNets; the rule table is ``dpscale.privacy.ghost_rules``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, TypeGuard, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.grad import conv2d_weight
+
+from dpscale.layers import ScaledStdConv2d
+from dpscale.privacy.clipping import blocked_sq_norms, release_slack
+from dpscale.privacy.ghost_record import (
+    FLOAT64_GRAM_COST,
+    Record,
+    accurate_enough,
+    gram_sq_norms,
+    part,
+    per_example,
+    row_factors,
+    tuned,
+    upper_bound,
+    use_ghost,
+)
+from dpscale.privacy.per_example import Params
+
+# Convolutions need im2col patches for Gram matrices; on CPU materialising them costs about as
+# much as this many multiply-adds per patch element (measured on the paper CNNs).
+IM2COL_COST = 32
+# Explicit conv per-example gradients take im2col + bmm (not grouped convolution) for layers
+# with at most SHORT_OUTPUT output positions and at least LARGE_LAYER weights per group.
+SHORT_OUTPUT = 64
+LARGE_LAYER = 32768
+
+Pair = tuple[int, int]
+
+
+def _conv(r: Record) -> nn.Conv1d | nn.Conv2d:
+    """The record's convolution (the rule table gives these rules convolutions only)."""
+    m = r.module
+    assert isinstance(m, (nn.Conv1d, nn.Conv2d)), f"{type(m).__name__} is not a convolution"
+    return m
+
+
+def _conv_geometry(m: nn.Conv1d | nn.Conv2d) -> tuple[Pair, Pair, Pair, Pair]:
+    """(kernel, stride, padding, dilation) as 2-D pairs; Conv1d is a 1 x k Conv2d."""
+    padding = m.padding
+    assert not isinstance(padding, str), "padding given as a string (unsupported_modules refuses it)"
+    if isinstance(m, nn.Conv1d):
+        (k,), (s,), (p,), (d,) = m.kernel_size, m.stride, padding, m.dilation
+        return (1, k), (1, s), (0, p), (1, d)
+    # a Conv2d's are pairs (torch types them as tuples of any length)
+    return cast(tuple[Pair, Pair, Pair, Pair], (m.kernel_size, m.stride, padding, m.dilation))
+
+
+def _summed(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(terms)`` over a kernel's taps (at least one): a tensor, never the empty sum's 0."""
+    total = sum(terms)
+    assert isinstance(total, torch.Tensor), "a kernel without taps"
+    return total
+
+
+def _conv_unfold(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs as (B, groups, C_in/groups * k, L) patches and output grads as (B, groups, C_out/groups, L)."""
+    m = _conv(r)
+    kernel, stride, padding, dilation = _conv_geometry(m)
+    if isinstance(m, nn.Conv1d):
+        a = a.unsqueeze(2)
+    b, groups = a.shape[0], m.groups
+    patches = F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    patches = patches.reshape(b, groups, -1, patches.shape[-1])
+    g = g.reshape(b, groups, m.out_channels // groups, -1)
+    return patches, g
+
+
+def _conv_per_example_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients as one grouped-convolution weight gradient with the examples
+    folded into the groups (uses the fast convolution kernels instead of im2col + bmm). An
+    example's K views go in the batch dimension, over which the weight gradient already sums."""
+    m = _conv(r)
+    kernel, stride, padding, dilation = _conv_geometry(m)
+    if isinstance(m, nn.Conv1d):
+        a, g = a.unsqueeze(2), g.unsqueeze(2)
+    views, groups = r.views, m.groups
+    b = a.shape[0] // views
+
+    def views_first(t: torch.Tensor) -> torch.Tensor:  # (B*K, C, H, W) -> (K, B*C, H, W)
+        return t.reshape(b, views, *t.shape[1:]).transpose(0, 1).reshape(views, -1, *t.shape[2:])
+
+    weight = conv2d_weight(
+        views_first(a),
+        (b * m.out_channels, m.in_channels // groups, *kernel),
+        views_first(g),
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=b * groups,
+    )
+    return weight.reshape(b, groups, m.out_channels // groups, -1)
+
+
+def _fold_views(r: Record, t: torch.Tensor) -> torch.Tensor:
+    """(B*K, G, d, L) -> (B, G, d, K*L): an example's views side by side along the positions."""
+    if r.views == 1:
+        return t
+    rows, groups, d, length = t.shape
+    return (
+        t.reshape(rows // r.views, r.views, groups, d, length).permute(0, 2, 3, 1, 4).reshape(rows // r.views, groups, d, r.views * length)
+    )
+
+
+def _bmm_is_faster(d_in: int, d_out: int, length: int) -> bool:
+    """The shape rule between the two ways to per-example conv gradients. Measured (2-core AMD
+    EPYC, torch 2.13): im2col + bmm wins for thin inputs (d_in < 32) and for short outputs of large
+    layers; grouped convolution wins elsewhere, by up to 10x. (The tuner times both where it pays.)"""
+    return d_in < 32 or (length <= SHORT_OUTPUT and d_in * d_out >= LARGE_LAYER)
+
+
+def _conv_per_example_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each example's weight gradient by im2col + bmm, (B, G, out/G, in/G * k), summed over its views."""
+    patches, gg = _conv_unfold(r, a, g)
+    patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
+    if _conv(r).groups == 1:  # plain bmm takes the transposed operand without a copy
+        return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
+    return torch.matmul(gg, patches.transpose(2, 3))
+
+
+def _conv_per_example(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each example's weight gradient, (B, G, out/G, in/G * k), summed over its K views (by the shape rule)."""
+    m = _conv(r)
+    length = g[0, 0].numel() * r.views
+    d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
+    if _bmm_is_faster(d_in, d_out, length):
+        return _conv_per_example_bmm(r, a, g)
+    return _conv_per_example_grouped(r, a, g)
+
+
+# The pixel Gram's k x k strided slices of a (B, L', L') float64 tensor cost about this many
+# multiply-adds per element summed (memory-bound; measured on a 16 x 16 layer of tramer-cifar-cnn,
+# 2-core AMD EPYC): added to its estimate when the tuner decides what to time.
+PIXEL_SLICE_COST = 16
+
+
+def _pixel_gram_eligible(m: nn.Module) -> TypeGuard[nn.Conv2d]:
+    """Whether ``_pixel_gram_sq_norms`` applies: a plain 2-D convolution (one group, zero padding
+    given as numbers; any stride and dilation)."""
+    return type(m) is nn.Conv2d and m.groups == 1 and isinstance(m.padding, tuple) and m.padding_mode == "zeros"
+
+
+def _pixel_gram_cost(m: nn.Conv2d, a: torch.Tensor, length: int, views: int) -> float:
+    """Multiply-adds per example of ``_pixel_gram_sq_norms``: the padded pixels' Gram, the k x k
+    shifted block sums and the output gradients' Gram (float64: ``FLOAT64_GRAM_COST``)."""
+    (kh, kw), _, (ph, pw), _ = _conv_geometry(m)
+    pixels = views * (a.shape[-2] + 2 * ph) * (a.shape[-1] + 2 * pw)
+    return FLOAT64_GRAM_COST * (pixels * pixels * m.in_channels + length * length * m.out_channels) + kh * kw * length * length
+
+
+def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gram_sq_norms`` of a convolution without im2col: the patch Gram <a_t, a_s> is the sum
+    over the k x k kernel offsets o of <x_{st+do}, x_{ss+do}> (stride s, dilation d), entries of
+    the Gram of the zero-padded input's pixels (C_in deep instead of C_in k^2), and ||a_t||^2 the
+    same sum over the pixels' squared norms. The same float64 products, reordered: each
+    patch-Gram entry is off by at most gamma_{C_in + k^2 + 1} ||a_t|| ||a_s|| (Cauchy-Schwarz over
+    the offsets), which the bound covers with inner = max(d_in, C_in + k^2 + 1) + d_out. An
+    example's K views are one sequence of positions, as for the unfolded Gram.
+
+    Returns:
+        (upper bound of each example's squared norm (B,), W = sum_t ||a_t|| ||g_t|| (B,)), float64 W.
+    """
+    m, views = _conv(r), r.views
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _conv_geometry(m)
+    x = F.pad(a.double(), (pw, pw, ph, ph))  # (B*K, C, Hp, Wp)
+    rows, channels, hp, wp = x.shape
+    b, ho, wo = rows // views, g.shape[-2], g.shape[-1]
+    pixels = x.reshape(b, views, channels, hp * wp).transpose(2, 3).reshape(b, views * hp * wp, channels)
+    full = torch.bmm(pixels, pixels.transpose(1, 2)).reshape(b, views, hp, wp, views, hp, wp)
+    offsets = [  # the pixels under kernel tap (i, j) at every output position
+        (slice(i * dh, i * dh + sh * (ho - 1) + 1, sh), slice(j * dw, j * dw + sw * (wo - 1) + 1, sw))
+        for i in range(kh) for j in range(kw)
+    ]  # fmt: skip
+    patch = _summed(full[:, :, hi, wi, :, hi, wi] for hi, wi in offsets).reshape(b, views * ho * wo, views * ho * wo)
+    g64 = g.double().reshape(b, views, m.out_channels, ho * wo).transpose(2, 3).reshape(b, views * ho * wo, -1)
+    gram = (patch * torch.bmm(g64, g64.transpose(1, 2))).flatten(1).sum(1)
+    pixel_sq = x.square().sum(1)  # (B*K, Hp, Wp)
+    box = _summed(pixel_sq[:, hi, wi] for hi, wi in offsets)  # ||a_t||^2 (B*K, Ho, Wo)
+    weight = (box.clamp(min=0).sqrt().reshape(b, -1) * torch.linalg.vector_norm(g64, dim=-1)).sum(1)
+    inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
+    return upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
+
+
+def _conv_weight_pixel_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    gram, weight = _pixel_gram_sq_norms(r, a, g)
+    r.slack = release_slack(g[0, 0].numel() * r.views, weight, a.dtype)  # the release sums every position
+    return gram
+
+
+def _conv_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    patches, gg = _conv_unfold(r, a, g)
+    patches, gg = _fold_views(r, patches), _fold_views(r, gg)
+    gram, weight = gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
+    # the release (a convolution weight gradient) sums an example's positions and views
+    r.slack = release_slack(g[0, 0].numel() * r.views, weight, a.dtype)
+    return gram
+
+
+def _conv_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r.cache["weight"] = _conv_per_example_bmm(r, a, g)
+    return blocked_sq_norms(r.cache["weight"])
+
+
+def _conv_weight_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r.cache["weight"] = _conv_per_example_grouped(r, a, g)
+    return blocked_sq_norms(r.cache["weight"])
+
+
+# A conv weight's exact per-example-norm methods: Gram forms (an upper bound with the release's
+# slack) and instantiated gradients (kept for the release). Names appear in logs and checkpoints.
+CONV_WEIGHT_METHODS = {
+    "pixel-gram": _conv_weight_pixel_gram, "gram": _conv_weight_gram,
+    "bmm": _conv_weight_bmm, "grouped": _conv_weight_grouped,
+}  # fmt: skip
+
+
+def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
+    """The shape rule's method for a conv weight (ghost: Gram forms only), or the tuner's among
+    the exact candidates."""
+    m, b = _conv(r), a.shape[0] // r.views
+    length = g[0, 0].numel() * r.views  # an example's positions, over all its views
+    d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
+    explicit = length * d_in * d_out
+    gram_cost = FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
+    costs: dict[str, tuple[float, float]] = {"gram": (gram_cost, 16.0 * b * m.groups * length * length)}
+    if _pixel_gram_eligible(m):
+        (kh, kw), _, (ph, pw), _ = _conv_geometry(m)
+        pixels = r.views * (a.shape[-2] + 2 * ph) * (a.shape[-1] + 2 * pw)
+        taps = kh * kw  # + the k^2 strided L x L slices the tuner has seen cost
+        pixel_cost = _pixel_gram_cost(m, a, length, r.views)
+        costs["pixel-gram"] = (pixel_cost + PIXEL_SLICE_COST * taps * length * length,
+                               8.0 * b * (pixels * pixels + 2 * length * length))  # fmt: skip
+    if "pixel-gram" in costs and pixel_cost < min(explicit, gram_cost):  # the rule: without the slices' cost
+        rule = "pixel-gram"
+    elif r.gram_only or use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
+        rule = "gram"
+    else:
+        rule = "bmm" if _bmm_is_faster(d_in, d_out, length) else "grouped"
+    if not r.gram_only:
+        costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0), grouped=(explicit, 0.0))
+        costs = accurate_enough(costs, rule, length)
+    signature = (
+        f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}"
+        f"|groups={m.groups}|views={r.views}|{a.dtype}"
+    )
+    return tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), conv_sums, b)
+
+
+def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A convolution's per-example squared norms (B,), from its input ``a`` (B*K, C_in, ...) and
+    output gradient ``g`` (B*K, C_out, ...): the weight's by the rule's or the tuner's method."""
+    b = a.shape[0] // r.views
+    sq = a.new_zeros(b)
+    if r.trainable.get("weight"):
+        method = _conv_weight_method(r, a, g)
+        sq = sq + part(r, "weight", CONV_WEIGHT_METHODS[method](r, a, g))
+    if r.trainable.get("bias"):
+        r.cache["bias"] = per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
+        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
+    return sq
+
+
+def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+    """A convolution's clipped sums by local name for the clip factors ``c`` (B,): the cached
+    per-example weight gradients scaled, or one weight gradient of ``a`` with ``g`` scaled."""
+    m, out = _conv(r), {}
+    if r.trainable.get("weight"):
+        if "weight" in r.cache:
+            out["weight"] = torch.tensordot(c, r.cache["weight"], dims=1).reshape(m.weight.shape)
+        else:
+            assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
+            # sum_i c_i g_i^T a_i is the ordinary weight gradient with g scaled per example:
+            # the library's convolution kernel, no im2col.
+            kernel, stride, padding, dilation = _conv_geometry(m)
+            scaled = g * row_factors(r, c).view(-1, *([1] * (g.dim() - 1)))
+            if isinstance(m, nn.Conv1d):
+                a, scaled = a.unsqueeze(2), scaled.unsqueeze(2)
+            weight = conv2d_weight(
+                a,
+                (m.out_channels, m.in_channels // m.groups, *kernel),
+                scaled,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                groups=m.groups,
+            )
+            out["weight"] = weight.reshape(m.weight.shape)
+    if r.trainable.get("bias"):
+        out["bias"] = c @ r.cache["bias"]
+    return out
+
+
+def ws_conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output filter,
+    s = sqrt(n var + eps): from each example's gradient G with respect to W' (an ordinary conv
+    per-example gradient), d/d gain = <u, G> and d/d W = gain / s * (G - mean(G) - u <u, G>)
+    (the Jacobian of u is (P - u u^T) / s, P the centring projection). Needs the explicit
+    per-example G in both modes."""
+    m, b = r.module, a.shape[0] // r.views
+    assert isinstance(m, ScaledStdConv2d), f"{type(m).__name__} is not a ScaledStdConv2d"
+    sq = a.new_zeros(b)
+    if r.trainable.get("weight") or r.trainable.get("gain"):
+        grad_w = _conv_per_example(r, a, g).reshape(b, m.out_channels, -1)  # (B, out, n)
+        with torch.no_grad():
+            u = m.standardized_weight().reshape(m.out_channels, -1).to(grad_w.dtype)
+            w = m.weight.reshape(m.out_channels, -1)
+            s = torch.sqrt(w.var(1, unbiased=False, keepdim=True) * w.shape[1] + m.eps).to(grad_w.dtype)
+        along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
+        if r.trainable.get("gain"):
+            r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
+            sq = sq + part(r, "gain", blocked_sq_norms(r.cache["gain"]))
+        if r.trainable.get("weight"):
+            scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
+            r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
+            sq = sq + part(r, "weight", blocked_sq_norms(r.cache["weight"]))
+    if r.trainable.get("bias"):
+        r.cache["bias"] = per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
+        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
+    return sq

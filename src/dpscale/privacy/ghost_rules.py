@@ -1,0 +1,234 @@
+"""The ghost engines' layer rules: each supported layer type's per-example norms and clipped sums (``RULES``).
+
+A rule reads one layer's ``Record`` (``dpscale.privacy.ghost_record``): its ``norms`` give the
+per-example squared norms (B,) of the layer's trainable parameters, and its ``sums`` the clipped
+sum of their per-example gradients for given clip factors. The convolution rules are in
+``dpscale.privacy.ghost_conv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
+from dpscale.privacy.clipping import blocked_sq_norms, release_slack
+from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms
+from dpscale.privacy.ghost_record import (
+    FLOAT64_GRAM_COST,
+    Record,
+    accurate_enough,
+    cached_sums,
+    gram_sq_norms,
+    part,
+    per_example,
+    row_factors,
+    tuned,
+    upper_bound,
+    use_ghost,
+)
+from dpscale.privacy.per_example import Params
+
+
+def _linear_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Weight norms from Gram matrices, a (B, T, d_in) and g (B, T, d_out); the release sums T products."""
+    gram, weight = gram_sq_norms(a, g)
+    r.slack = release_slack(a.shape[1], weight, a.dtype)
+    return gram
+
+
+def _linear_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Weight norms from each example's instantiated gradient (B, out, in), kept for the release."""
+    r.cache["weight"] = torch.bmm(g.transpose(1, 2), a)
+    return blocked_sq_norms(r.cache["weight"])
+
+
+LINEAR_WEIGHT_METHODS = {"gram": _linear_weight_gram, "bmm": _linear_weight_bmm}
+
+
+def _linear_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor, rows: tuple) -> str:
+    """The rule's choice for a sequence Linear (ghost: Gram only), or the tuner's among the exact
+    methods; ``rows`` = the record's (inputs, output grads) as the release takes them."""
+    t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    rule = "gram" if r.gram_only or use_ghost(t, d_in, d_out) else "bmm"
+    costs: dict[str, tuple[float, float]] = {"gram": (FLOAT64_GRAM_COST * t * t * (d_in + d_out), 2 * 8.0 * t * t * len(a))}
+    if not r.gram_only:
+        costs["bmm"] = (t * d_in * d_out, 0.0)
+        costs = accurate_enough(costs, rule, t)
+    signature = f"Linear|t={t}|in={d_in}|out={d_out}|views={r.views}|{a.dtype}"
+    return tuned(r, signature, rule, costs, LINEAR_WEIGHT_METHODS, (a, g), rows, _linear_sums, len(a))
+
+
+def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    b = a.shape[0] // r.views  # an example's K views are consecutive rows: fold them into its sequence
+    a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
+    sq = a.new_zeros(b)
+    if r.trainable.get("weight"):
+        if a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+            # each factor summed in float64 and taken back to the records' type, so that an input
+            # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
+            sq_a, sq_g = (v.double().square().sum(1).to(a.dtype).double() for v in (a3[:, 0], g3[:, 0]))
+            product = sq_a * sq_g
+            sq = sq + part(r, "weight", product.to(a.dtype))
+            r.slack = release_slack(1, product.sqrt(), a.dtype)
+        else:
+            method = _linear_weight_method(r, a3, g3, (a, g))
+            sq = sq + part(r, "weight", LINEAR_WEIGHT_METHODS[method](r, a3, g3))
+    if r.trainable.get("bias"):
+        r.cache["bias"] = g3.sum(1)
+        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
+    return sq
+
+
+def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+    out: Params = {}
+    if r.trainable.get("weight"):
+        if "weight" in r.cache:
+            out["weight"] = torch.tensordot(c, r.cache["weight"], dims=1)
+        else:
+            assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
+            rows = row_factors(r, c)
+            gc = (g * rows.view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
+            out["weight"] = gc.t() @ a.reshape(-1, a.shape[-1])
+    if r.trainable.get("bias"):
+        out["bias"] = c @ r.cache["bias"]
+    return out
+
+
+def _scalar_gain_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """y = scale * gain * x: the per-example gradient of the gain is scale * <x_i, g_i>."""
+    m = r.module
+    assert isinstance(m, ScalarGain), f"{type(m).__name__} is not a ScalarGain"
+    if not r.trainable.get("gain"):
+        return a.new_zeros(a.shape[0] // r.views)
+    per_row = (a * g).reshape(a.shape[0], -1).sum(1) * m.scale
+    r.cache["gain"] = per_example(r, per_row)
+    return part(r, "gain", r.cache["gain"].square())
+
+
+def _norm_layer(r: Record) -> nn.GroupNorm | nn.LayerNorm:
+    """The record's norm layer (the rule table gives these rules GroupNorm and LayerNorm only)."""
+    m = r.module
+    assert isinstance(m, (nn.GroupNorm, nn.LayerNorm)), f"{type(m).__name__} is not a GroupNorm or LayerNorm"
+    return m
+
+
+def _normalized(r: Record, a: torch.Tensor) -> torch.Tensor:
+    m = _norm_layer(r)
+    if isinstance(m, nn.GroupNorm):
+        return F.group_norm(a, m.num_groups, None, None, m.eps)
+    return F.layer_norm(a, m.normalized_shape, None, None, m.eps)
+
+
+def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-example gradients of a norm layer's affine weight and bias, shaped (B, *param)."""
+    m, b = _norm_layer(r), a.shape[0]
+    parts = {}
+    if isinstance(m, nn.GroupNorm):  # params per channel (dim 1)
+        reduce = lambda t: t.reshape(b, m.num_channels, -1).sum(2)  # noqa: E731
+    else:  # LayerNorm: params over the trailing normalized_shape
+        n = len(m.normalized_shape)
+        reduce = lambda t: t.reshape(b, -1, *t.shape[t.dim() - n :]).sum(1)  # noqa: E731
+    if r.trainable.get("weight"):
+        parts["weight"] = reduce(g * _normalized(r, a))
+    if r.trainable.get("bias"):
+        parts["bias"] = reduce(g)
+    return parts
+
+
+def _norm_layer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    parts = {name: per_example(r, t) for name, t in _affine_parts(r, a, g).items()}
+    r.cache.update(parts)
+    return sum((part(r, n, blocked_sq_norms(t)) for n, t in parts.items()), a.new_zeros(a.shape[0] // r.views))
+
+
+def _norm_layer_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+    return {name: torch.tensordot(c, r.cache[name], dims=1)
+            for name in ("weight", "bias") if name in r.cache and r.trainable.get(name)}  # fmt: skip
+
+
+def _embedding_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    m = r.module
+    assert isinstance(m, nn.Embedding), f"{type(m).__name__} is not an Embedding"
+    b = a.shape[0] // r.views  # views folded into the sequence, as for Linear
+    idx = a.reshape(b, -1)
+    g = g.reshape(b, idx.shape[1], -1)
+    if m.padding_idx is not None:  # torch gives the padding row no gradient
+        g = g * (idx != m.padding_idx).unsqueeze(-1)
+    r.cache["idx"], r.cache["g"] = idx, g
+    # rows hit by both positions; in float64 with a rounding bound, as gram_sq_norms and for its reason
+    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(torch.float64)
+    g64 = g.double()
+    gram = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2))
+    # a one-hot row of unit norm stands for a_t: W = sum_t ||g_t||, inner dimension d (the one-hot products are exact)
+    weight = torch.linalg.vector_norm(g64, dim=-1).sum(1)
+    # the release index_adds c g_t of an example's positions into the rows they hit
+    r.slack = release_slack(idx.shape[1], weight, g.dtype)
+    return part(r, "weight", upper_bound(gram, g.shape[-1], idx.shape[1], weight).to(g.dtype))
+
+
+def _embedding_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+    m = r.module
+    assert isinstance(m, nn.Embedding), f"{type(m).__name__} is not an Embedding"
+    idx, gg = r.cache["idx"], r.cache["g"]
+    weight = torch.zeros_like(m.weight)
+    weight.index_add_(0, idx.reshape(-1), (gg * c.view(-1, 1, 1)).reshape(-1, gg.shape[-1]))
+    return {"weight": weight}
+
+
+def _tokens_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    # out = [cls; tokens] + pos: d out / d pos = g (per example), d out / d cls = g[:, 0].
+    g = r.cache["g"] = per_example(r, g)
+    sq = a.new_zeros(g.shape[0])
+    if r.trainable.get("pos_embed"):
+        sq = sq + part(r, "pos_embed", blocked_sq_norms(g))
+    if r.trainable.get("cls_token"):
+        sq = sq + part(r, "cls_token", blocked_sq_norms(g[:, 0]))
+    return sq
+
+
+def _tokens_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+    g, out = r.cache["g"], {}
+    if r.trainable.get("pos_embed"):
+        out["pos_embed"] = torch.tensordot(c, g, dims=1).unsqueeze(0)
+    if r.trainable.get("cls_token"):
+        out["cls_token"] = (c @ g[:, 0]).view(1, 1, -1)
+    return out
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How the ghost engines differentiate one layer type.
+
+    Attributes:
+        norms: (record, input a, output gradient g) -> per-example squared norms (B,), keeping on the
+            record what ``sums`` needs.
+        sums: (record, a, g, clip factors (B,)) -> clipped sums by local parameter name; a and g are
+            None once the engine has dropped them (the sums then come from the record's cache).
+        params: the only parameter names the rule knows how to differentiate.
+    """
+
+    norms: Callable[[Record, torch.Tensor, torch.Tensor], torch.Tensor]
+    sums: Callable[[Record, torch.Tensor | None, torch.Tensor | None, torch.Tensor], Params]
+    params: frozenset[str]
+
+
+_WEIGHT_BIAS = frozenset({"weight", "bias"})
+# The rule of each supported layer type, looked up by exact type (a subclass needs its own entry).
+RULES: dict[type, Rule] = {
+    nn.Linear: Rule(_linear_norms, _linear_sums, _WEIGHT_BIAS),
+    LoRADownLinear: Rule(_linear_norms, _linear_sums, frozenset({"weight"})),  # its output: A x alone
+    nn.Conv1d: Rule(conv_norms, conv_sums, _WEIGHT_BIAS),
+    nn.Conv2d: Rule(conv_norms, conv_sums, _WEIGHT_BIAS),
+    LoRADownConv2d: Rule(conv_norms, conv_sums, frozenset({"weight"})),
+    nn.GroupNorm: Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
+    nn.LayerNorm: Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
+    nn.Embedding: Rule(_embedding_norms, _embedding_sums, frozenset({"weight"})),
+    ClassTokenPositionEmbedding: Rule(_tokens_norms, _tokens_sums, frozenset({"pos_embed", "cls_token"})),
+    ScaledStdConv2d: Rule(ws_conv_norms, cached_sums, frozenset({"weight", "gain", "bias"})),
+    ScalarGain: Rule(_scalar_gain_norms, cached_sums, frozenset({"gain"})),
+}
