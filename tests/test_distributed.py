@@ -179,6 +179,32 @@ def _assert_stopped_at(run_dir: Path, step: int, world: int) -> None:
     assert not (run_dir / "summary.json").exists()
 
 
+def test_a_checkpoint_of_another_process_count_resumes_on_fresh_streams_in_one_process(tmp_path, capsys):
+    """The default stand-in for the torchrun test below (three jobs, ~25 s): a checkpoint that says it
+    was written by 2 processes, resumed in one, continues no saved stream (fresh ones, derived from the
+    run's seeds and the step: never a replay), says so, and accounts every step once."""
+    from dpscale._io import load_checkpoint, save_checkpoint
+    from dpscale.train.loop import Trainer
+
+    from helpers import tiny_config
+
+    run_dir = tmp_path / "run"
+    Trainer.create(tiny_config(run_dir, "train.steps=6", "run.seed=3"), progress=False).run(max_steps=3)
+    state = load_checkpoint(run_dir / "checkpoint.pt")
+    saved_sampler = state["rank_streams"][0]["sampler"]
+    state["world_size"], state["rank_streams"] = 2, state["rank_streams"] * 2  # as 2 ranks would write it
+    save_checkpoint(run_dir / "checkpoint.pt", state)
+    resumed = Trainer.resume(run_dir, progress=False, report=True)
+    assert "resuming a 2-process run with 1 process(es)" in capsys.readouterr().err
+    assert resumed.mechanism.sampler.state_dict() != saved_sampler  # a fresh stream, not the saved one
+    summary = resumed.run()
+    assert summary["steps"] == 6 and summary["world_size"] == 1
+    history = load_checkpoint(run_dir / "checkpoint.pt")["mechanism"]["accountant"]["history"]
+    assert sum(seg[2] for seg in history) == 6  # every step accounted once, none twice
+
+
+# ~25 s (three torchrun jobs); the default suite keeps the one-process stand-in above.
+@pytest.mark.slow
 def test_resume_with_a_different_number_of_processes(tmp_path):
     """Both directions on one run (once two tests, [2-1] and [1-2], each with its own reference and
     cut jobs): 2 processes to step 10, resumed on 1 to step 17, resumed on 2 to the end."""
