@@ -61,7 +61,7 @@ def test_identity_gives_exact_copies():
 
 def test_bad_arguments():
     x = images(1, 1, 8)
-    with pytest.raises(ValueError, match="unknown augmentation.*identity, crop-flip, rrc, simclr"):
+    with pytest.raises(ValueError, match="unknown augmentation.*identity, crop-flip, crop, rrc, simclr"):
         augment_views(x, "mixup", 2, gen())
     with pytest.raises(ValueError, match=">= 1"):
         augment_views(x, "identity", 0, gen())
@@ -76,7 +76,7 @@ def test_bad_arguments():
 # --------------------------------------------------------------------------- randomness
 
 
-@pytest.mark.parametrize("kind, min_distinct", [("crop-flip", 10), ("rrc", 60), ("simclr", 60)])
+@pytest.mark.parametrize("kind, min_distinct", [("crop-flip", 10), ("crop", 10), ("rrc", 60), ("simclr", 60)])
 def test_parameters_are_drawn_per_view(kind, min_distinct):
     """16 identical images x 4 views: one draw per batch (torchvision) would give 1 distinct view."""
     x = images(1, 3, 32).expand(16, 3, 32, 32)
@@ -156,6 +156,22 @@ def test_crop_flip_parameters_cover_every_offset_and_flip_half_the_time():
     assert 0.45 < flip.double().mean() < 0.55
     edge = torch.tensor([[[0.0, 1 - 2**-53, 0.0]]], dtype=torch.float64)  # largest uniform below 1
     assert augment._crop_flip_params(edge, 4)[1].item() == 8
+
+
+def test_crop_views_are_unmirrored_windows_at_every_offset():
+    """``crop`` (issue 47): translations only. Every view is, bit for bit, one window of the
+    reflect-padded image, none a mirrored one (random pixels: no window equals a mirror image), and
+    across many views every offset in [0, 2 * padding]^2 occurs."""
+    x, padding = images(2, 1, 10), 2
+    out = augment_views(x, "crop", 200, gen(11), padding=padding)
+    padded = F.pad(x, (padding,) * 4, mode="reflect")
+    windows = padded.unfold(2, 10, 1).unfold(3, 10, 1).permute(0, 2, 3, 1, 4, 5).reshape(2, 25, 1, 10, 10)
+    match = (out.unsqueeze(2) == windows.unsqueeze(1)).flatten(3).all(-1)  # [N, K, 25]
+    mirrored = (out.unsqueeze(2) == windows.flip(-1).unsqueeze(1)).flatten(3).all(-1)
+    assert match.any(-1).all() and not mirrored.any()
+    assert match.any(1).all()  # each of the 25 offsets drawn for each image
+    top, left, flip = augment._crop_flip_params(torch.rand(50, 3, 2, generator=gen(1), dtype=torch.float64), padding)
+    assert not flip.any() and top.shape == flip.shape == (50, 3)
 
 
 # --------------------------------------------------------------------------- random resized crop

@@ -17,6 +17,8 @@ Kinds (``AUGMENTATIONS``):
 
 - ``identity``: K exact copies; AugMult with identity views is plain DP-SGD (used in tests).
 - ``crop-flip`` (TAN's "Ours"): reflect-pad, random integer crop back to H x W, flip p=1/2.
+- ``crop``: ``crop-flip`` without the flip: random translations only, for data whose mirror
+  image is another distribution (Fashion-MNIST's shoes all point left; digits, text).
 - ``rrc``: torchvision's RandomResizedCrop (area 8-100 %, aspect ratio 3/4-4/3 log-uniform,
   bilinear resize without antialiasing), then flip p=1/2.
 - ``simclr``: ``rrc``, then colour jitter (p=0.8), grayscale (p=0.2), Gaussian blur (p=0.5).
@@ -33,7 +35,7 @@ from torch import Tensor
 
 __all__ = ["AUGMENTATIONS", "augment_views", "majority_vote"]
 
-AUGMENTATIONS: tuple[str, ...] = ("identity", "crop-flip", "rrc", "simclr")
+AUGMENTATIONS: tuple[str, ...] = ("identity", "crop-flip", "crop", "rrc", "simclr")
 
 FLIP_PROB = 0.5
 
@@ -52,11 +54,12 @@ GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_
 
 # Uniforms drawn per view, by kind. Column layouts:
 #   crop-flip: [top, left, flip]
+#   crop:      [top, left]
 #   rrc:       [area x RRC_ATTEMPTS, log-ratio x RRC_ATTEMPTS, top, left, flip]
 #   simclr:    rrc's columns, then [jitter?, brightness, contrast, saturation, hue, gray?, blur?, sigma]
 _RRC_COLUMNS = 2 * RRC_ATTEMPTS + 3
 _COLOUR_COLUMNS = 8
-_COLUMNS = {"identity": 0, "crop-flip": 3, "rrc": _RRC_COLUMNS, "simclr": _RRC_COLUMNS + _COLOUR_COLUMNS}
+_COLUMNS = {"identity": 0, "crop-flip": 3, "crop": 2, "rrc": _RRC_COLUMNS, "simclr": _RRC_COLUMNS + _COLOUR_COLUMNS}
 
 
 def augment_views(
@@ -77,7 +80,7 @@ def augment_views(
             ``N * K * P`` uniforms (P fixed per kind), whatever the image content or device.
         value_range: (low, high) of the pixel values; colour operations map it to [0, 1],
             work there and map back, and their output is clipped to this range.
-        padding: reflect padding of ``crop-flip``, in pixels; offsets are uniform in
+        padding: reflect padding of ``crop-flip`` and ``crop``, in pixels; offsets are uniform in
             [0, 2 * padding]. Must be smaller than H and W.
 
     Returns:
@@ -101,7 +104,7 @@ def augment_views(
     if not high > low:
         raise ValueError(f"value_range must be (low, high) with low < high, got {value_range}")
     n, c, h, w = x.shape
-    if kind == "crop-flip" and not 0 <= padding < min(h, w):
+    if kind in ("crop-flip", "crop") and not 0 <= padding < min(h, w):
         raise ValueError(f"padding must be in [0, {min(h, w) - 1}] for {h}x{w} images, got {padding}")
     if kind in ("rrc", "simclr") and not x.is_floating_point():
         raise ValueError(f"{kind} interpolates and needs floating-point images, got {x.dtype}")
@@ -109,7 +112,7 @@ def augment_views(
     uniforms = _draw_uniforms(generator, n, multiplicity, _COLUMNS[kind])
     if kind == "identity" or n == 0:  # (affine_grid refuses empty batches)
         return x.unsqueeze(1).expand(n, multiplicity, c, h, w).clone()
-    if kind == "crop-flip":
+    if kind in ("crop-flip", "crop"):
         top, left, flip = _crop_flip_params(uniforms, padding)
         return _crop_flip(x, top, left, flip, padding)
     top, left, box_h, box_w = _rrc_boxes(uniforms[..., :_RRC_COLUMNS], h, w)
@@ -160,8 +163,10 @@ def _uniform_int(u: Tensor, count: Tensor | int) -> Tensor:
 
 
 def _crop_flip_params(u: Tensor, padding: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Crop offsets in [0, 2 * padding] and flip flags, each [N, K], from uniforms [N, K, 3]."""
-    return _uniform_int(u[..., 0], 2 * padding + 1), _uniform_int(u[..., 1], 2 * padding + 1), u[..., 2] < FLIP_PROB
+    """Crop offsets in [0, 2 * padding] and flip flags, each [N, K], from uniforms [N, K, 3]
+    (crop-flip) or [N, K, 2] (crop: no flip column, never flipped)."""
+    flip = u[..., 2] < FLIP_PROB if u.shape[-1] > 2 else torch.zeros(u.shape[:-1], dtype=torch.bool)
+    return _uniform_int(u[..., 0], 2 * padding + 1), _uniform_int(u[..., 1], 2 * padding + 1), flip
 
 
 def _rrc_boxes(
