@@ -346,3 +346,19 @@ def test_batched_timing_report():
         elapsed = time.perf_counter() - start
         print(f"augment_views {kind}: 256x3x32x32, K=8 -> {tuple(out.shape)} in {elapsed * 1000:.0f} ms")
     assert math.isfinite(elapsed)
+
+
+def test_the_runs_padding_reaches_every_view_and_a_negative_one_is_refused():
+    """augment.padding (issue 47): the trainer's views (``AugmentViews``) shift by at most that many
+    pixels, and the config refuses a negative padding in one line."""
+    from dpscale.config import ConfigError, load_config
+    from dpscale.train.step import AugmentViews
+
+    x = images(3, 1, 10)
+    out = AugmentViews("crop", 64, gen(2), (-1.0, 1.0), padding=1)(x)
+    padded = F.pad(x, (1,) * 4, mode="reflect")
+    windows = padded.unfold(2, 10, 1).unfold(3, 10, 1).permute(0, 2, 3, 1, 4, 5).reshape(3, 9, 1, 10, 10)
+    assert (out.unsqueeze(2) == windows.unsqueeze(1)).flatten(3).all(-1).any(-1).all()  # offsets within +-1
+    assert load_config(None, ["augment.padding=2"]).augment.padding == 2
+    with pytest.raises(ConfigError, match="augment.padding must be >= 0"):
+        load_config(None, ["augment.padding=-1"])

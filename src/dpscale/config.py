@@ -148,15 +148,18 @@ class AugmentConfig:
         multiplicity: K views per training example; an example's loss (hence gradient) is the
             mean over its views, taken before clipping, so the sensitivity stays C and the
             accounting is unchanged. 1 (default): no augmentation.
-        type: identity, crop-flip (reflect-pad 4, random crop, horizontal flip), crop (the same
-            without the flip: translations of up to 4 px only), rrc (random
+        type: identity, crop-flip (reflect-pad ``padding``, random crop, horizontal flip), crop
+            (the same without the flip: translations of up to ``padding`` px only), rrc (random
             resized crop, area 8-100%, aspect 3/4-4/3, flip) or simclr (colour jitter, grayscale,
             blur, rrc, flip). Parameters are drawn per view, on the training device, from a
             generator seeded by the run seed and saved in checkpoints.
+        padding: crop-flip's and crop's reflect padding, px (the largest shift; 4: TAN's for
+            32 x 32 CIFAR-10).
     """
 
     multiplicity: int = 1
     type: str = "crop-flip"
+    padding: int = 4
 
 
 @dataclass(frozen=True)

@@ -334,6 +334,8 @@ def _validate_augment(config: Config) -> None:
         raise ConfigError(f"augment.multiplicity must be >= 1, got {augment.multiplicity}")
     if augment.type not in AUGMENTATIONS:
         raise ConfigError(f"augment.type must be one of {', '.join(AUGMENTATIONS)}, got {augment.type!r}")
+    if augment.padding < 0:  # the image size bounds it too: augment_views refuses padding >= H or W
+        raise ConfigError(f"augment.padding must be >= 0 pixels, got {augment.padding}")
     if augment.multiplicity > 1 and config.features.extractor is not None:
         raise ConfigError("augment.multiplicity > 1 augments images; it cannot be combined with features.extractor")
     if config.eval.augtest and augment.multiplicity < 2:

@@ -41,7 +41,7 @@ class TrainBatches:
         mechanism (in memory), or the stream's read-ahead (its sampler is the mechanism's)."""
         built, config = self.built, self.built.config
         mechanism, data, device, augment = built.mechanism, built.data, built.device, config.augment
-        views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, built.value_range)
+        views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, built.value_range, augment.padding)
         plan, physical = mechanism.plan, config.train.max_physical_batch_size
         if not built.streamed:
             drawn = mechanism.draw_batch()

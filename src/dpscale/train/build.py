@@ -284,7 +284,7 @@ def _checked_engine(
     (their K views drawn from a fixed generator: the run's streams are untouched)."""
     train, augment = config.train, config.augment
     value_range = (-1.0, 1.0) if config.data.normalize else (0.0, 1.0)
-    fixed = AugmentViews(augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range)
+    fixed = AugmentViews(augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range, augment.padding)
     augment_views = fixed if augment.multiplicity > 1 else None
     if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
         rows = rows_per_user(plan)

@@ -85,9 +85,11 @@ def evaluate_augtest(
     generator: torch.Generator,
     value_range: tuple[float, float],
     batch_size: int = 1000,
+    padding: int = 4,
 ) -> float:
     """AugTest accuracy: each test image is classified by a majority vote over ``views``
-    augmented copies of it (TAN Appendix C); a fraction in [0, 1]."""
+    augmented copies of it (TAN Appendix C; ``padding``: crop-flip's and crop's largest shift,
+    px); a fraction in [0, 1]."""
     from dpscale.data.augment import augment_views, majority_vote
 
     was_training = model.training
@@ -95,7 +97,7 @@ def evaluate_augtest(
     correct = 0
     step = max(1, batch_size // views)
     for start in range(0, x.shape[0], step):
-        batch = augment_views(x[start : start + step], kind, views, generator, value_range=value_range)
+        batch = augment_views(x[start : start + step], kind, views, generator, value_range=value_range, padding=padding)
         logits = model(batch.reshape(-1, *batch.shape[2:])).reshape(batch.shape[0], views, -1)
         correct += int((majority_vote(logits) == y[start : start + step]).sum())
     model.train(was_training)

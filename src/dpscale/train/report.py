@@ -54,7 +54,7 @@ def extra_evaluations(built: Run, augtest_seed: int) -> dict[str, float]:
         generator = torch.Generator().manual_seed(augtest_seed)
         out["test_accuracy_augtest"] = evaluate_augtest(
             built.model, built.data.x_test, built.data.y_test, augment.type, augment.multiplicity, generator,
-            built.value_range, built.config.train.eval_batch_size,
+            built.value_range, built.config.train.eval_batch_size, augment.padding,
         )  # fmt: skip
     return out
 

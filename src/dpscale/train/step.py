@@ -101,14 +101,15 @@ def augmented_chunks(
     views: int,
     generator: torch.Generator,
     value_range: tuple[float, float],
+    padding: int = 4,
 ) -> Iterable[Batch]:
     """Each chunk's images as K augmented views (B, K, C, H, W), with per-view random
     parameters drawn from ``generator`` (checkpointed with the run, so a resumed run draws the
-    same views)."""
+    same views); ``padding``: crop-flip's and crop's largest shift, px."""
     from dpscale.data.augment import augment_views
 
     for x, y in chunks:
-        yield augment_views(x, kind, views, generator, value_range=value_range), y
+        yield augment_views(x, kind, views, generator, value_range=value_range, padding=padding), y
 
 
 @dataclass(frozen=True)
@@ -120,18 +121,19 @@ class AugmentViews:
     views: int
     generator: torch.Generator
     value_range: tuple[float, float]
+    padding: int = 4  # crop-flip's and crop's largest shift, px (augment.padding)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """(n, C, H, W) images -> (n, K, C, H, W) views."""
         from dpscale.data.augment import augment_views
 
-        return augment_views(x, self.kind, self.views, self.generator, value_range=self.value_range)
+        return augment_views(x, self.kind, self.views, self.generator, value_range=self.value_range, padding=self.padding)
 
     def chunks(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
         """Each (x, y) chunk with x as its K views (the chunks unchanged when K = 1)."""
         if self.views == 1:
             return chunks
-        return augmented_chunks(chunks, self.kind, self.views, self.generator, self.value_range)
+        return augmented_chunks(chunks, self.kind, self.views, self.generator, self.value_range, self.padding)
 
 
 def noisy_clipped_mean(
