@@ -26,8 +26,9 @@ Kinds (``AUGMENTATIONS``):
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -381,14 +382,6 @@ def _gaussian_blur(img: Tensor, sigma: Tensor, kernel_size: int) -> Tensor:
     kernel = torch.exp(-0.5 * (taps / sigma.view(-1, 1)) ** 2)
     kernel = kernel / kernel.sum(-1, keepdim=True)  # [V, taps]; normalised, so the range is kept
     padded = F.pad(img, (half, half, half, half), mode="reflect")
-    rows = _sum_taps(kernel[:, i].view(-1, 1, 1, 1) * padded[:, :, i : i + h, :] for i in range(kernel_size))
-    return _sum_taps(kernel[:, i].view(-1, 1, 1, 1) * rows[:, :, :, i : i + w] for i in range(kernel_size))
-
-
-def _sum_taps(terms: Iterator[Tensor]) -> Tensor:
-    """The sum of a non-empty run of tensors, added in order (``sum`` without its int 0 start, which
-    types as ``Tensor | int``). A kernel has at least one tap: :func:`_blur_kernel_size` >= 1."""
-    total = next(terms)
-    for term in terms:
-        total = total + term
-    return total
+    # the taps added in order (sum() would start from the int 0); a kernel has at least one tap
+    rows = functools.reduce(operator.add, (kernel[:, i].view(-1, 1, 1, 1) * padded[:, :, i : i + h, :] for i in range(kernel_size)))
+    return functools.reduce(operator.add, (kernel[:, i].view(-1, 1, 1, 1) * rows[:, :, :, i : i + w] for i in range(kernel_size)))

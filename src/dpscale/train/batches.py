@@ -43,6 +43,7 @@ class TrainBatches:
         mechanism, data, device, augment = built.mechanism, built.data, built.device, config.augment
         views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, built.value_range, augment.padding)
         plan, physical = mechanism.plan, config.train.max_physical_batch_size
+        chunk_size = chunk_size_for(plan, physical, augment.multiplicity)  # examples (users) per chunk
         if not built.streamed:
             drawn = mechanism.draw_batch()
             if plan.user_level:
@@ -50,11 +51,10 @@ class TrainBatches:
             indices = drawn.indices
             if device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
                 indices = indices.pin_memory().to(device, non_blocking=True)
-            chunk_size = chunk_size_for(plan, physical, augment.multiplicity)  # examples per chunk
             return views.chunks(physical_chunks(data.x_train, data.y_train, indices, chunk_size))
         if self.feed is None:
             self.feed = StreamFeed(
-                data, mechanism.sampler, chunk_size=chunk_size_for(plan, physical, augment.multiplicity), start_step=step,
+                data, mechanism.sampler, chunk_size=chunk_size, start_step=step,
                 total_steps=built.total_steps, device=device, workers=data_workers(config), prefetch=config.data.prefetch,
             )  # fmt: skip
         return streamed_chunks(self.feed.chunks(step), plan, views)
