@@ -9,7 +9,6 @@ the epsilon of the uninterrupted 1-process run (the partition and the accounting
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,8 @@ from dpscale.privacy.engines import make_engine
 from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
+
+from helpers import leave_spawned_worker
 
 REPO = Path(__file__).resolve().parents[1]
 SIGMA, CLIP, EXPECTED_B, STEPS, BANDS = 1.3, 0.7, 16.0, 5, 3
@@ -64,10 +65,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         torch.save(params, Path(out) / "rank0.pt")
     dist.barrier()
     dist.destroy_process_group()
-    # Leave without the interpreter's teardown: after some earlier tests in the same pytest
-    # session, gloo's threads were sometimes destroyed joinable at exit ("terminate called without
-    # an active exception", SIGABRT) although the work above had finished.
-    os._exit(0)
+    leave_spawned_worker()
 
 
 def test_two_ranks_take_the_one_process_bandmf_steps(tmp_path):

@@ -23,7 +23,7 @@ from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command, rank_stream_seed
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks
 
-from helpers import REPO, SHARED_MNIST, run_job
+from helpers import REPO, SHARED_MNIST, leave_spawned_worker, run_job
 
 SIGMA, CLIP, EXPECTED_B = 1.3, 0.7, 32.0
 NOISE_DRAWS = 400
@@ -119,6 +119,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+    leave_spawned_worker()
 
 
 @pytest.fixture(scope="module")
