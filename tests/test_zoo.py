@@ -12,6 +12,8 @@ from dpscale.privacy.per_example import check_per_example_compatible
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 
+from helpers import tiny_config
+
 
 def conv(cin, cout, k=3):
     return cin * cout * k * k + cout
@@ -46,6 +48,33 @@ def test_simplevgg_specs():
     for bad in ("simplevgg-32-64", "simplevgg-32(x)-128", "simplevgg-128", "simplevgg-0(2)-10"):
         with pytest.raises(ValueError, match="simpleVGG spec"):
             build_model(bad, 10, (3, 32, 32))
+
+
+def test_simplevgg_group_norm_and_weight_standardisation_options():
+    plain = build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28))
+    normed = build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), norm_groups=8, weight_standardization=True)
+    # each conv gains a per-filter gain (WS) and GroupNorm's weight and bias per channel
+    assert count_parameters(normed) == count_parameters(plain) + 3 * 16 + 3 * 32
+    kinds = [type(m).__name__ for m in normed.features]
+    assert kinds[:4] == ["ScaledStdConv2d", "GroupNorm", "Tanh", "MaxPool2d"]
+    assert [m.num_groups for m in normed.features if isinstance(m, nn.GroupNorm)] == [8, 8]
+    # groups that do not divide the width fall to the largest divisor below them (as in the ResNets)
+    odd = build_model("simplevgg-12(1)-10", 10, (1, 8, 8), norm_groups=8)
+    assert [m.num_groups for m in odd.features if isinstance(m, nn.GroupNorm)] == [6]
+    # without the options the network and its state dict keys are the paper's (checkpoints load)
+    assert [type(m).__name__ for m in plain.features][:3] == ["Conv2d", "Tanh", "MaxPool2d"]
+    assert "features.3.weight" in plain.state_dict()
+    with pytest.raises(ValueError, match="norm_groups must be >= 0"):
+        build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), norm_groups=-1)
+
+
+def test_simplevgg_options_train_through_the_config(tmp_path):
+    config = tiny_config(tmp_path, "model.name=simplevgg-8(1)-16", "model.kwargs={norm_groups: 4, weight_standardization: true}")
+    trainer = Trainer.create(config, progress=False)
+    trainer.run()
+    assert [type(m).__name__ for m in trainer.model.features][:2] == ["ScaledStdConv2d", "GroupNorm"]
+    saved = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    assert {"features.0.gain", "features.1.weight", "features.1.bias"} <= set(saved)
 
 
 @pytest.mark.parametrize("name", list_models())

@@ -50,8 +50,17 @@ def tiny_nf_resnet(num_classes: int = 10) -> nn.Module:
     return ResidualNetwork(nn.Sequential(ScaledStdConv2d(3, 16, 3, padding=1)), [blocks], nn.ReLU(), 32, num_classes)
 
 
-# Small models built in the tests, with their input shapes: stand-ins for a heavy model's layers.
-TEST_MODELS = {"nf-resnet-tiny": (tiny_nf_resnet, (3, 16, 16))}
+def tiny_normalised_simplevgg(num_classes: int = 10) -> nn.Module:
+    """simpleVGG with its options on: weight-standardised convs, each followed by GroupNorm."""
+    return build_model("simplevgg-8(1)-8(1)-16", num_classes, (1, 12, 12), norm_groups=4, weight_standardization=True)
+
+
+# Small models built in the tests, with their input shapes: stand-ins for a heavy model's layers
+# and registered families with options that change their layers.
+TEST_MODELS = {
+    "nf-resnet-tiny": (tiny_nf_resnet, (3, 16, 16)),
+    "simplevgg-ws-gn-tiny": (tiny_normalised_simplevgg, (1, 12, 12)),
+}
 
 
 def zoo_cases() -> list:

@@ -51,6 +51,16 @@ class ScaledStdConv2d(nn.Conv2d):
         return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
+def group_norm(channels: int, groups: int) -> nn.Module:
+    """GroupNorm with ``groups`` groups (or the largest divisor of channels below it); 0: none."""
+    if groups <= 0:
+        return nn.Identity()
+    g = min(groups, channels)
+    while channels % g:
+        g -= 1
+    return nn.GroupNorm(g, channels)
+
+
 class ScalarGain(nn.Module):
     """x * (scale * gain) with one trainable scalar ``gain`` (SkipInit's zero-initialised
     residual gain). Its own module, so that the engines record it: the per-example gradient of

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.layers import MaxPool2d
+from dpscale.layers import MaxPool2d, ScaledStdConv2d, group_norm
 from dpscale.models.registry import register_family, register_model
 
 
@@ -113,21 +113,33 @@ def papernot_cnn(
     return Classifier(features, k2 * h * w, num_classes, head_hidden=(hidden,), activation=activation)
 
 
-def _vgg_features(channels: int, widths: Sequence[int], pool_after: Sequence[int], activation: str) -> tuple[nn.Sequential, int]:
-    """3x3 'same' convs with 2x2/2 max-pooling after the listed (1-based) conv indices."""
+def _vgg_features(
+    channels: int,
+    widths: Sequence[int],
+    pool_after: Sequence[int],
+    activation: str,
+    norm_groups: int = 0,
+    weight_standardization: bool = False,
+) -> tuple[nn.Sequential, int]:
+    """3x3 'same' convs with 2x2/2 max-pooling after the listed (1-based) conv indices; each conv
+    optionally weight-standardised (ScaledStdConv2d) and followed by GroupNorm before its activation."""
+    conv = ScaledStdConv2d if weight_standardization else nn.Conv2d
     layers: list[nn.Module] = []
     for i, width in enumerate(widths, start=1):
-        layers += [nn.Conv2d(channels, width, 3, padding=1), make_activation(activation)]
+        layers += [conv(channels, width, 3, padding=1), group_norm(width, norm_groups), make_activation(activation)]
         channels = width
         if i in pool_after:
             layers.append(MaxPool2d(2, stride=2))
     layers.append(nn.Flatten())
-    return nn.Sequential(*layers), len(pool_after)
+    # nn.Identity (no norm) has no parameters: the layer groups and state dict are unchanged
+    return nn.Sequential(*[layer for layer in layers if not isinstance(layer, nn.Identity)]), len(pool_after)
 
 
-def _tramer_cnn(widths, pool_after, num_classes, input_shape, activation, hidden) -> Classifier:
+def _tramer_cnn(
+    widths, pool_after, num_classes, input_shape, activation, hidden, norm_groups=0, weight_standardization=False
+) -> Classifier:
     channels, height, width = input_shape
-    features, num_pools = _vgg_features(channels, widths, pool_after, activation)
+    features, num_pools = _vgg_features(channels, widths, pool_after, activation, norm_groups, weight_standardization)
     h, w = height >> num_pools, width >> num_pools
     if h < 1 or w < 1:
         raise ValueError(f"input {input_shape} is too small for {len(widths)} convs with {num_pools} poolings")
@@ -196,17 +208,27 @@ def simplevgg(
     num_classes: int = 10,
     input_shape: tuple[int, int, int] = (3, 32, 32),
     activation: str = "tanh",
+    norm_groups: int = 0,
+    weight_standardization: bool = False,
 ) -> Classifier:
     """Kurakin et al. Appendix H simpleVGG: blocks of equal-width 3x3 convs with 2x2 max-pooling
     after each block, then fc (128 in the paper) and the logits; tanh by default.
-    simplevgg-32(2)-64(2)-128(2)-128 is the Tramer Table 7 network."""
+    simplevgg-32(2)-64(2)-128(2)-128 is the Tramer Table 7 network.
+
+    Args:
+        norm_groups: GroupNorm after every conv with this many groups (the largest divisor of the
+            width below it); 0: none (the paper's network). Per-example, so DP-SGD's clipping holds.
+        weight_standardization: scaled weight standardisation of every conv (Brock et al. 2021,
+            as in NF-ResNets and De et al.'s WRNs)."""
+    if norm_groups < 0:
+        raise ValueError(f"simplevgg: norm_groups must be >= 0 (0: no GroupNorm), got {norm_groups}")
     blocks, fc = parse_simplevgg(spec)
     widths, pools, count = [], [], 0
     for width, convs in blocks:
         widths += [width] * convs
         count += convs
         pools.append(count)
-    return _tramer_cnn(tuple(widths), tuple(pools), num_classes, input_shape, activation, fc)
+    return _tramer_cnn(tuple(widths), tuple(pools), num_classes, input_shape, activation, fc, norm_groups, weight_standardization)
 
 
 class AllConvNet(nn.Module):

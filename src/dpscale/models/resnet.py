@@ -19,20 +19,10 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.layers import MaxPool2d
+from dpscale.layers import MaxPool2d, group_norm
 from dpscale.models.registry import register_model
 
 ORDERS = ("conv-norm-act", "conv-act-norm")
-
-
-def _norm(channels: int, groups: int) -> nn.Module:
-    """GroupNorm with ``groups`` groups (or the largest divisor of channels below it); 0: none."""
-    if groups <= 0:
-        return nn.Identity()
-    g = min(groups, channels)
-    while channels % g:
-        g -= 1
-    return nn.GroupNorm(g, channels)
 
 
 class ResidualNetwork(nn.Module):
@@ -78,10 +68,10 @@ class WideBlock(nn.Module):
         super().__init__()
         self.order = order
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.norm1 = _norm(cout, groups)
+        self.norm1 = group_norm(cout, groups)
         self.act1 = make_activation(activation)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
-        self.norm2 = _norm(cout, groups)
+        self.norm2 = group_norm(cout, groups)
         self.act2 = make_activation(activation)
         self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
 
@@ -115,7 +105,7 @@ def wrn16_4(
     blocks = (depth - 4) // 6
     widths = [16 * width, 32 * width, 64 * width]
     stem_layers: dict[str, nn.Module] = {"conv": nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False)}
-    pair = {"norm": _norm(16, norm_groups), "act": make_activation(activation)}
+    pair = {"norm": group_norm(16, norm_groups), "act": make_activation(activation)}
     for key in ("norm", "act") if order == "conv-norm-act" else ("act", "norm"):
         stem_layers[key] = pair[key]  # named, so both orders share one state-dict layout
     stem = nn.Sequential(OrderedDict(stem_layers))
@@ -141,9 +131,9 @@ class PreActBlock(nn.Module):
     def __init__(self, cin: int, planes: int, stride: int, groups: int, activation: str) -> None:
         super().__init__()
         cout = planes * self.expansion
-        self.norm1, self.act1 = _norm(cin, groups), make_activation(activation)
+        self.norm1, self.act1 = group_norm(cin, groups), make_activation(activation)
         self.conv1 = nn.Conv2d(cin, planes, 3, stride=stride, padding=1, bias=False)
-        self.norm2, self.act2 = _norm(planes, groups), make_activation(activation)
+        self.norm2, self.act2 = group_norm(planes, groups), make_activation(activation)
         self.conv2 = nn.Conv2d(planes, cout, 3, padding=1, bias=False)
         self.shortcut = None if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
 
@@ -162,11 +152,11 @@ class PreActBottleneck(nn.Module):
     def __init__(self, cin: int, planes: int, stride: int, groups: int, activation: str) -> None:
         super().__init__()
         cout = planes * self.expansion
-        self.norm1, self.act1 = _norm(cin, groups), make_activation(activation)
+        self.norm1, self.act1 = group_norm(cin, groups), make_activation(activation)
         self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
-        self.norm2, self.act2 = _norm(planes, groups), make_activation(activation)
+        self.norm2, self.act2 = group_norm(planes, groups), make_activation(activation)
         self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.norm3, self.act3 = _norm(planes, groups), make_activation(activation)
+        self.norm3, self.act3 = group_norm(planes, groups), make_activation(activation)
         self.conv3 = nn.Conv2d(planes, cout, 1, bias=False)
         self.shortcut = None if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
 
@@ -201,7 +191,7 @@ def _resnet_v2(
             blocks.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm_groups, activation))
             cin = planes * block.expansion
         stages.append(nn.Sequential(*blocks))
-    final = nn.Sequential(_norm(cin, norm_groups), make_activation(activation))
+    final = nn.Sequential(group_norm(cin, norm_groups), make_activation(activation))
     return ResidualNetwork(stem_module, stages, final, cin, num_classes)
 
 
