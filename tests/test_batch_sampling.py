@@ -75,6 +75,7 @@ def test_truncated_epsilon_is_dp_accountings_truncated_event():
     account = truncated_poisson_epsilon(dataset_size=N, batch_size=B, max_batch_size=300, noise_multiplier=SIGMA,
                                         steps=STEPS, delta=DELTA)  # fmt: skip
     assert account.epsilon == pytest.approx(ours, rel=1e-9)  # dpscale account's figure is the training accountant's
+    assert account.poisson_epsilon == pytest.approx(0.8473, abs=1e-4)  # golden: the same run uncapped
 
 
 def _gaussian_epsilon(std: float, delta: float) -> float:
