@@ -76,6 +76,24 @@ def test_dpscale_fmnist_recipes_spend_epsilon_3_and_name_their_model_size(name):
     assert f"({count:,} parameters)" in get_preset(name).description
 
 
+OTHER_EPSILONS = [f"{name}-eps{eps}" for name in DPSCALE_FMNIST for eps in (1, 8)]
+
+
+@pytest.mark.parametrize("name", OTHER_EPSILONS)
+def test_epsilon_variants_change_only_epsilon_and_epochs(name):
+    """Issue 47's presets at epsilon 1 and 8: the epsilon-3 recipe with only the budget and the number
+    of epochs changed (so the recipe's two-step run below covers their code path)."""
+    recipe, _, eps = name.rpartition("-eps")
+    variant, base = load_config(f"preset:{name}").to_dict(), load_config(f"preset:{recipe}").to_dict()
+    assert variant["dp"]["epsilon"] == float(eps) and variant["train"]["epochs"] in (20, 40, 80, 160)
+    for section in (variant["dp"], base["dp"]):
+        del section["epsilon"]
+    for section in (variant["train"], base["train"]):
+        del section["epochs"]
+    assert variant == base
+    assert f"epsilon={eps}, " in get_preset(name).description and "validation accuracy" in get_preset(name).source
+
+
 def test_overrides_apply_on_top_of_a_preset_and_presets_are_not_shared():
     c = load_config("preset:tramer-fmnist-cnn", ["dp.epsilon=1", "data.root=/data/fmnist"])
     assert (c.dp.epsilon, c.data.root, c.dp.batch_size) == (1.0, "/data/fmnist", 2048)
@@ -211,4 +229,4 @@ def test_new_presets_run_two_steps_on_generated_data(name, tmp_path):
 def test_every_preset_is_covered_by_a_run_test_or_an_older_one():
     older = {p for p in (r[0] for r in TABLE_13)} | {"papernot-mnist-tanh"}
     assert all(name in RUN_OVERRIDES for name in SOURCES)
-    assert {p.name for p in list_presets()} == older | set(RUN_OVERRIDES)
+    assert {p.name for p in list_presets()} == older | set(RUN_OVERRIDES) | set(OTHER_EPSILONS)
