@@ -126,13 +126,14 @@ def _vgg_features(
     conv = ScaledStdConv2d if weight_standardization else nn.Conv2d
     layers: list[nn.Module] = []
     for i, width in enumerate(widths, start=1):
-        layers += [conv(channels, width, 3, padding=1), group_norm(width, norm_groups), make_activation(activation)]
+        # no norm layer at all without groups: the paper's network keeps its state-dict keys
+        norm = [group_norm(width, norm_groups)] if norm_groups > 0 else []
+        layers += [conv(channels, width, 3, padding=1), *norm, make_activation(activation)]
         channels = width
         if i in pool_after:
             layers.append(MaxPool2d(2, stride=2))
     layers.append(nn.Flatten())
-    # nn.Identity (no norm) has no parameters: the layer groups and state dict are unchanged
-    return nn.Sequential(*[layer for layer in layers if not isinstance(layer, nn.Identity)]), len(pool_after)
+    return nn.Sequential(*layers), len(pool_after)
 
 
 def _tramer_cnn(
