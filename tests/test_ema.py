@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dpscale._io import load_checkpoint
-from dpscale.train.ema import WeightEMA
+from dpscale.train.ema import WeightEMA, decay_not_reached_note, warmup_reaches_decay_at
 from dpscale.train.loop import Trainer
 from helpers import short_config
 
@@ -31,6 +31,25 @@ def test_ema_follows_the_warmed_up_recursion():
     assert all(not p.requires_grad for p in ema.model.parameters())
     with pytest.raises(ValueError):
         WeightEMA(model, 1.0)
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.9, 0.99, 0.995, 0.999, 0.9999])
+def test_warmup_reaches_the_decay_where_a_step_by_step_search_finds_it(decay):
+    first = next(t for t in range(200_000) if (1 + t) / (10 + t) >= decay)
+    assert warmup_reaches_decay_at(decay) == first
+    ema = WeightEMA(nn.Linear(1, 1), decay)
+    ema.updates = first
+    assert ema.current_decay() == decay
+    ema.updates = first - 1 if first else 0
+    assert ema.current_decay() < decay or first == 0
+
+
+def test_a_decay_the_run_never_reaches_is_reported(tmp_path, capsys):
+    note = decay_not_reached_note(0.999, 977)  # the dpscale-fmnist-cnn preset's EMA
+    assert note is not None and "8,990" in note and "977 steps" in note and "0.9909" in note
+    assert decay_not_reached_note(0.99, 891) is None and decay_not_reached_note(0.99, 890) is not None
+    Trainer.create(short_config(tmp_path / "run", 12, "train.ema_decay=0.99"), progress=False, report=True)
+    assert "train.ema_decay=0.99 is never reached" in capsys.readouterr().err
 
 
 # Slow: the same run-level checks (every record reports the EMA's accuracy, the average resumes

@@ -353,7 +353,9 @@ class TrainConfig:
     checkpoint_every_steps: also checkpoint every this many steps (null: off).
     ema_decay: keep an exponential moving average of the parameters, updated after every
         logical step (e.g. 0.999); evaluations then also report the EMA model (null: off). It is
-        computed from the released (noisy) updates only, so it costs no privacy.
+        computed from the released (noisy) updates only, so it costs no privacy. Its warm-up
+        min(d, (1 + t) / (10 + t)) sets the decay until step (10 d - 1) / (1 - d) (8,990 for
+        0.999): a shorter run averages about its last tenth of steps whatever d is (the run says so).
     """
 
     epochs: float | None = 15.0

@@ -27,7 +27,7 @@ from dpscale.privacy.precision import Precision, make_precision
 from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.rng import noise_generator
 from dpscale.train.distributed import Distributed, init_distributed, rank_stream_seed
-from dpscale.train.ema import WeightEMA
+from dpscale.train.ema import WeightEMA, decay_not_reached_note
 from dpscale.train.hooks import RunHooks
 from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, privacy_units, source_runs
 from dpscale.train.seeds import run_seeds
@@ -269,6 +269,9 @@ def _with_mechanism(
     )  # fmt: skip
     mechanism.observer = hooks.observe_gradient
     ema = WeightEMA(model, config.train.ema_decay) if config.train.ema_decay else None
+    ema_note = decay_not_reached_note(ema.decay, total_steps) if ema else None
+    if ema_note:
+        log(f"note: {ema_note}")
     return Run(
         config=config, dist=dist, device=device, seeds=seeds, data=data, data_fingerprint=fingerprint, plan=plan,
         total_steps=total_steps, feature_normalizer=normalizer, model=model, init_report=init_report,

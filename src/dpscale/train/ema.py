@@ -6,10 +6,39 @@ It is a function of the released (noisy) updates only, so it costs no privacy.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
 from torch import nn
+
+
+def warmup_reaches_decay_at(decay: float) -> int:
+    """The first update t at which the warm-up (1 + t) / (10 + t) is >= ``decay`` (d): before it
+    the warm-up sets the decay, so any two decays above it average the same weights."""
+    if not 0 < decay < 1:
+        raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+    t = max(0, math.ceil((10 * decay - 1) / (1 - decay)))
+    # the closed form, then the float comparison current_decay makes (it can differ by one)
+    while t > 0 and (1 + t - 1) / (10 + t - 1) >= decay:
+        t -= 1
+    while (1 + t) / (10 + t) < decay:
+        t += 1
+    return t
+
+
+def decay_not_reached_note(decay: float, steps: int) -> str | None:
+    """A note when a run of ``steps`` logical steps ends before the warm-up reaches ``decay``
+    (e.g. 0.999 in a 977-step run): the configured decay then changes nothing."""
+    reached_at = warmup_reaches_decay_at(decay)
+    if steps > reached_at:
+        return None
+    last = (1 + steps - 1) / (10 + steps - 1)
+    return (
+        f"train.ema_decay={decay:g} is never reached: the EMA's warm-up min(d, (1 + t) / (10 + t)) sets the "
+        f"decay until step {reached_at:,} and this run has {steps:,} steps (the last update uses {last:.4f}), "
+        f"so any decay >= {last:.4f} averages the same weights"
+    )
 
 
 class WeightEMA:
