@@ -13,27 +13,46 @@ import torch
 from torch import nn
 
 
+def warmup_decay(updates: int) -> float:
+    """The warm-up's bound on the decay after ``updates`` updates: (1 + t) / (10 + t)."""
+    return (1 + updates) / (10 + updates)
+
+
 def warmup_reaches_decay_at(decay: float) -> int:
-    """The first update t at which the warm-up (1 + t) / (10 + t) is >= ``decay`` (d): before it
-    the warm-up sets the decay, so any two decays above it average the same weights."""
+    """The first update at which the warm-up no longer sets the decay.
+
+    Args:
+        decay: the long-run decay d, in (0, 1).
+
+    Returns:
+        the smallest t with warmup_decay(t) >= d (8,990 for 0.999): before it, any two decays
+        above the warm-up average the same weights.
+    """
     if not 0 < decay < 1:
         raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
     t = max(0, math.ceil((10 * decay - 1) / (1 - decay)))
     # the closed form, then the float comparison current_decay makes (it can differ by one)
-    while t > 0 and (1 + t - 1) / (10 + t - 1) >= decay:
+    while t > 0 and warmup_decay(t - 1) >= decay:
         t -= 1
-    while (1 + t) / (10 + t) < decay:
+    while warmup_decay(t) < decay:
         t += 1
     return t
 
 
 def decay_not_reached_note(decay: float, steps: int) -> str | None:
-    """A note when a run of ``steps`` logical steps ends before the warm-up reaches ``decay``
-    (e.g. 0.999 in a 977-step run): the configured decay then changes nothing."""
+    """A note for a run that ends before the warm-up reaches its decay (the decay then changes nothing).
+
+    Args:
+        decay: the configured long-run decay d.
+        steps: the run's logical steps (one EMA update each).
+
+    Returns:
+        the note, or None when the run reaches d.
+    """
     reached_at = warmup_reaches_decay_at(decay)
     if steps > reached_at:
         return None
-    last = (1 + steps - 1) / (10 + steps - 1)
+    last = warmup_decay(steps - 1)
     return (
         f"train.ema_decay={decay:g} is never reached: the EMA's warm-up min(d, (1 + t) / (10 + t)) sets the "
         f"decay until step {reached_at:,} and this run has {steps:,} steps (the last update uses {last:.4f}), "
@@ -59,7 +78,7 @@ class WeightEMA:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
 
     def current_decay(self) -> float:
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+        return min(self.decay, warmup_decay(self.updates))
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
