@@ -25,3 +25,25 @@ def test_a_failing_check_fails_the_suite(tmp_path, monkeypatch):
     out = tmp_path / "report.md"
     assert main(["bench", "gpu-suite", "--device", "cpu", "--quick", "--batch", "2", "--out", str(out)]) == 1
     assert "| 1.500000000 | " in out.read_text() and "FAIL" in out.read_text()
+
+
+def test_each_section_is_written_when_it_ends_and_an_error_in_one_is_a_fail_row(monkeypatch):
+    """A device run stopped by its time limit keeps the sections it finished; an exception in the
+    step-time table (which brings its own header) becomes a FAIL row, not a crash."""
+    from dpscale.bench import gpu_suite
+
+    monkeypatch.setattr(gpu_suite, "engine_rows", lambda *args: ["| m | bk | 0 | 0 | 1 | 1 | ok |"])
+    monkeypatch.setattr(gpu_suite, "sixteen_bit_rows", lambda *args: ["| m | bf16 | bk | 1 | ok |"])
+    monkeypatch.setattr(gpu_suite, "mechanism_rows", lambda *args: ["| dp-sgd | 0 | ok |"])
+
+    def broken(*args):
+        raise RuntimeError("CUDA out of memory\nsecond line")
+
+    monkeypatch.setattr(gpu_suite, "_step_time_rows", broken)
+    monkeypatch.setattr(gpu_suite, "training_rows", lambda *args: ["| d | 1 | 1 | n/a | n/a | 50% | 1 | ok |"])
+    partial: list[str] = []
+    report, passed = gpu_suite.run_suite("cpu", ["papernot-cnn"], log=lambda _: None, progress=partial.append)
+    assert not passed and len(partial) == 5 and partial[-1] == report
+    assert "## 1. Engines" in partial[0] and "## 2." not in partial[0]
+    assert "| error: RuntimeError: CUDA out of memory | FAIL |" in report and "second line" not in report
+    assert report.index("## 4. Step time") < report.index("## 5. The training loop")

@@ -140,42 +140,56 @@ def _sync(device: torch.device) -> None:
 
 def _section(title: str, header: list[str], make_rows: Callable[[], list[str]]) -> list[str]:
     """A report section; an error becomes a FAIL row instead of hiding the other sections."""
+    started = time.perf_counter()
     try:
         rows = make_rows()
     except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
-        rows = [f"| error: {type(err).__name__}: {str(err).splitlines()[0][:160]} |" + " |" * (header[0].count("|") - 3) + " FAIL |"]
-    return ["", f"## {title}", "", *header, *rows]
+        empty_cells = header[0].count("|") - 3 if header else 0
+        rows = [f"| error: {type(err).__name__}: {str(err).splitlines()[0][:160]} |" + " |" * empty_cells + " FAIL |"]
+    return ["", f"## {title}", "", *header, *rows, "", f"({time.perf_counter() - started:.0f} s)"]
 
 
 def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int = 8, quick: bool = False,
-              log: Callable[[str], None] = print, data_root: str | None = None) -> tuple[str, bool]:  # fmt: skip
-    """Run every section; returns (the markdown report, whether every check passed)."""
+              log: Callable[[str], None] = print, data_root: str | None = None,
+              progress: Callable[[str], None] | None = None) -> tuple[str, bool]:  # fmt: skip
+    """Run every section; returns (the markdown report, whether every check passed).
+
+    Each section is logged as soon as it ends and ``progress`` receives the report so far, so a
+    run stopped by a time limit (a lent device's) still leaves the sections it finished.
+    """
     dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32
     models = models or (list(QUICK_MODELS) if quick else list_models())
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     lines = [f"# Device suite on {where}", "", f"torch {torch.__version__}, TF32 off, C = {CLIP}, {batch} examples "
              f"per model, models: {', '.join(models)}; {time.strftime('%Y-%m-%d %H:%M')}"]  # fmt: skip
-    lines += _section("1. Engines against the float64 per-example loop (float32 on the device)", ENGINE_HEADER,
-                      lambda: [row for name in models for row in engine_rows(name, dev, batch)])  # fmt: skip
-    lines += _section(
-        "2. The clip bound in 16-bit",
-        ["| model | precision | engine | max one-example released norm | |", "|---|---|---|---|---|"],
-        lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)],
-    )
-    lines += _section("3. make_private on the device = the same seed on the CPU", ["| case | released gradient rel. difference | |",
-                      "|---|---|---|"], lambda: mechanism_rows(dev))  # fmt: skip
-    lines += _step_time_section(dev, models, quick)
-    lines += _section("5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)", TRAINING_HEADER,
-                      lambda: training_rows(dev, data_root, quick))  # fmt: skip
-    report = "\n".join(lines) + "\n"
+    sections: list[Callable[[], list[str]]] = [
+        lambda: _section("1. Engines against the float64 per-example loop (float32 on the device)", ENGINE_HEADER,
+                         lambda: [row for name in models for row in engine_rows(name, dev, batch)]),
+        lambda: _section("2. The clip bound in 16-bit",
+                         ["| model | precision | engine | max one-example released norm | |", "|---|---|---|---|---|"],
+                         lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)]),
+        lambda: _section("3. make_private on the device = the same seed on the CPU",
+                         ["| case | released gradient rel. difference | |", "|---|---|---|"], lambda: mechanism_rows(dev)),
+        lambda: _section("4. Step time (wall clock)", [], lambda: _step_time_rows(dev, models, quick)),
+        lambda: _section("5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)",
+                         TRAINING_HEADER, lambda: training_rows(dev, data_root, quick)),
+    ]  # fmt: skip
     for line in lines:
         log(line)
+    for make_section in sections:
+        section = make_section()
+        for line in section:
+            log(line)
+        lines += section
+        if progress is not None:
+            progress("\n".join(lines) + "\n")
+    report = "\n".join(lines) + "\n"
     return report, "FAIL" not in report
 
 
-def _step_time_section(dev: torch.device, models: list[str], quick: bool) -> list[str]:
-    """Section 4: step time at the device's batch sizes (tiny batches with ``quick``)."""
+def _step_time_rows(dev: torch.device, models: list[str], quick: bool) -> list[str]:
+    """Section 4: the step-time table (its own header) at the device's batch sizes (tiny with ``quick``)."""
     from dpscale.bench.step_time import markdown_table, run_step_time
 
     timed = [m for m in models if m in ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")] or models[:1]
@@ -183,7 +197,7 @@ def _step_time_section(dev: torch.device, models: list[str], quick: bool) -> lis
                          warmup=1 if quick else 3, device=str(dev), batch_size=8 if quick else None,
                          log=lambda _: None)  # fmt: skip
     table = markdown_table(rows, "dpscale bench gpu-suite (section 4)", str(dev)).splitlines()
-    return ["", "## 4. Step time (wall clock)", "", *table[2:]]
+    return table[2:]
 
 
 def _opacus_rows() -> list[str]:
@@ -255,8 +269,7 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
 
 
 def main(args) -> int:
-    report, passed = run_suite(args.device, [m for m in (args.models or "").split(",") if m] or None, args.batch,
-                               args.quick, data_root=args.data_root)  # fmt: skip
-    if args.out:
-        Path(args.out).write_text(report)
+    write = Path(args.out).write_text if args.out else None  # after each section: a partial report survives a kill
+    _, passed = run_suite(args.device, [m for m in (args.models or "").split(",") if m] or None, args.batch,
+                          args.quick, data_root=args.data_root, progress=write)  # fmt: skip
     return 0 if passed else 1
