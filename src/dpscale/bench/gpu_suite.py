@@ -269,7 +269,9 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
 
 
 def main(args) -> int:
-    write = Path(args.out).write_text if args.out else None  # after each section: a partial report survives a kill
+    def write(report: str) -> None:  # after each section, so a partial report survives a kill
+        Path(args.out).write_text(report)
+
     _, passed = run_suite(args.device, [m for m in (args.models or "").split(",") if m] or None, args.batch,
-                          args.quick, data_root=args.data_root, progress=write)  # fmt: skip
+                          args.quick, data_root=args.data_root, progress=write if args.out else None)  # fmt: skip
     return 0 if passed else 1
