@@ -47,3 +47,16 @@ def test_each_section_is_written_when_it_ends_and_an_error_in_one_is_a_fail_row(
     assert "## 1. Engines" in partial[0] and "## 2." not in partial[0]
     assert "| error: RuntimeError: CUDA out of memory | FAIL |" in report and "second line" not in report
     assert report.index("## 4. Step time") < report.index("## 5. The training loop")
+
+
+def test_sync_sites_name_the_lines_that_synchronised_most_often_per_step():
+    import warnings
+
+    from dpscale.bench.gpu_suite import sync_sites
+
+    def warning_at(filename: str, lineno: int) -> warnings.WarningMessage:
+        return warnings.WarningMessage("called a synchronizing CUDA operation", UserWarning, filename, lineno)
+
+    caught = [warning_at("/x/dpscale/train/step.py", 185)] * 6 + [warning_at("/y/torch/optim/sgd.py", 40)] * 2
+    assert sync_sites(caught, steps=2) == "step.py:185 x3.0, sgd.py:40 x1.0"
+    assert sync_sites([], steps=20) == "none"

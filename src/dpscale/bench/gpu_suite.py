@@ -207,8 +207,8 @@ def _opacus_rows() -> list[str]:
     return ["opacus-ew"] if importlib.util.find_spec("opacus") is not None else []
 
 
-TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs per step | test accuracy | epsilon | |",
-                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs per step | syncs' source lines (per step) "
+                   "| test accuracy | epsilon | |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 PROFILED_STEPS = 20  # the window over which the idle fraction and the syncs are measured
 
 
@@ -230,7 +230,7 @@ def training_rows(device: torch.device, data_root: str | None, quick: bool) -> l
         warm = min(3, trainer.total_steps - 1)
         trainer.run(max_steps=warm)  # compiles kernels, tunes the clip methods
         window = min(PROFILED_STEPS, trainer.total_steps - warm - 1) if device.type == "cuda" else 0
-        idle, syncs = _profiled_window(trainer, warm + window, device) if window > 0 else (None, None)
+        idle, syncs, sites = _profiled_window(trainer, warm + window, device) if window > 0 else (None, None, "n/a (CPU)")
         started, done = time.perf_counter(), trainer.step
         summary = trainer.run()
         rate = (trainer.step - done) / (time.perf_counter() - started)  # evaluations and checkpoints included
@@ -239,14 +239,14 @@ def training_rows(device: torch.device, data_root: str | None, quick: bool) -> l
     accuracy, epsilon = summary["test_accuracy"], summary["epsilon"]
     ok = summary["steps"] == trainer.total_steps and accuracy > 0.1
     fmt = lambda v, spec: "n/a (CPU)" if v is None else format(v, spec)  # noqa: E731
-    return [f"| {name} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | "
+    return [f"| {name} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | {sites} | "
             f"{100 * accuracy:.2f}% | {epsilon:.2f} | {'ok' if ok else 'FAIL'} |"]  # fmt: skip
 
 
-def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, float]:
-    """(GPU idle fraction, host syncs per step) over the trainer's steps up to ``stop``: the
-    kernels' summed device time against the window's wall time, and the synchronising calls the
-    CUDA sync debug mode reports."""
+def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, float, str]:
+    """(GPU idle fraction, host syncs per step, where they come from) over the trainer's steps up
+    to ``stop``: the kernels' summed device time against the window's wall time, and the
+    synchronising calls the CUDA sync debug mode reports (``sync_sites``)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -264,8 +264,17 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
         finally:
             torch.cuda.set_sync_debug_mode("default")
     busy_us = sum(event.self_device_time_total for event in prof.key_averages())
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return max(0.0, 1.0 - busy_us / wall_us), syncs / max(1, steps)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return max(0.0, 1.0 - busy_us / wall_us), len(syncs) / max(1, steps), sync_sites(syncs, steps)
+
+
+def sync_sites(caught: list, steps: int, top: int = 4) -> str:
+    """The source lines that synchronised the host most often (per step), from the sync debug
+    mode's warnings: e.g. ``step.py:185 x2.0, rng.py:80 x1.0`` ("none" when there were none)."""
+    from collections import Counter
+
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
+    return ", ".join(f"{site} x{count / max(1, steps):.1f}" for site, count in sites.most_common(top)) or "none"
 
 
 def main(args) -> int:
