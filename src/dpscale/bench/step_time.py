@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpscale.cpu_memory import keep_freed_memory
 from dpscale.choices import PEFT_METHODS
 from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape
@@ -299,6 +300,8 @@ def run_step_time(
     # Opacus' hooks warn on every step that the input needs no gradient; not news here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     dev = torch.device(device)
+    if dev.type == "cpu":  # before any step is built: every row, non-private included, allocates alike
+        keep_freed_memory()
     prec = make_precision(precision)
     defaults = GPU_BATCH if dev.type == "cuda" else DEFAULT_BATCH
     rows: list[Row] = []
@@ -434,6 +437,7 @@ def markdown_table(
         f"- command: `{command}`",
         f"- machine: {machine}, {threads} torch threads, torch {torch.__version__}, Python {platform.python_version()}",
         f"- date: {time.strftime('%Y-%m-%d')}; precision: {precision}; clock: {clock_words}{load_words}",
+        *([f"- cpu memory: {keep_freed_memory()}"] if not device.startswith("cuda") else []),
         *(
             f"- **NOISY**: {line}: rerun {'with more --repeats' if clock == 'thread' else 'on an idle machine, or with --clock thread'}"
             for line in noisy

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from dpscale.cpu_memory import memory_mode
 from dpscale._io import atomic_write_text, cache_path
 
 # Candidates whose estimated multiply-adds exceed the cheapest estimate by more than this factor are
@@ -57,12 +58,13 @@ def autotune_cache_path() -> Path:
 
 def device_descriptor(device: torch.device) -> str:
     """What the timings depend on besides the shapes: the processor (or GPU) model, the torch
-    threads and version. E.g. ``cpu:AMD EPYC 9B14:threads=1:torch=2.13.0``."""
+    threads and version, and on a CPU whether freed memory is kept (``dpscale.cpu_memory``: page
+    faults made the instantiating methods several times slower). E.g.
+    ``cpu:AMD EPYC 9B14:threads=1:torch=2.13.0:memory=kept``."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = cpu_model() or platform.processor() or platform.machine()
-    return f"{device.type}:{name}:threads={torch.get_num_threads()}:torch={torch.__version__}"
+        return f"cuda:{torch.cuda.get_device_name(device)}:threads={torch.get_num_threads()}:torch={torch.__version__}"
+    name = cpu_model() or platform.processor() or platform.machine()
+    return f"cpu:{name}:threads={torch.get_num_threads()}:torch={torch.__version__}:memory={memory_mode()}"
 
 
 def cpu_model() -> str | None:

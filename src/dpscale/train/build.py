@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpscale.cpu_memory import keep_freed_memory
 from dpscale.config import Config
 from dpscale.errors import ConfigError
 from dpscale.data.run_data import open_training_data, training_fingerprint
@@ -108,6 +109,8 @@ def build_run(
             drawn again: a second draw would be a second release).
     """
     dist, device, seeds = open_process(config)
+    if device.type == "cpu":  # the DP step's large per-step tensors reuse freed pages (dpscale.cpu_memory)
+        log(f"cpu memory: {keep_freed_memory()}")
     data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
     fingerprint = data_fingerprint(images)

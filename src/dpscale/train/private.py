@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpscale.cpu_memory import keep_freed_memory
 from dpscale.choices import MECHANISMS
 from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
 from dpscale.privacy.adaptive import adaptive_clipping
@@ -188,6 +189,8 @@ def make_private(
             at the first step, a model or loss that mixes examples.
     """
     _check_one_of(epochs=epochs, steps=steps, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        keep_freed_memory()  # fresh per-step tensors without page faults (dpscale.cpu_memory; opt out by env)
     max_grad_norm = _clip_bounds(model, max_grad_norm, max_grad_norm_per)
     users, units = _user_index(user_ids, max_examples_per_user, dataset_size, check_batch)  # N: examples, or users
     total_steps = steps_for(epochs, steps, units, batch_size)

@@ -1,0 +1,72 @@
+"""Freed CPU memory kept in the process, so that a step's fresh tensors cost no page faults.
+
+A DP step on the CPU allocates large short-lived tensors every step (per-example gradients,
+Grams, a grouped convolution's workspace: 8-75 MB on the paper CNNs). glibc's malloc serves
+blocks above its mmap threshold (128 kB, rising to at most 32 MB as blocks are freed) with a
+fresh ``mmap`` and gives them back with ``munmap`` on ``free``, and trims the heap's top above
+its trim threshold, so each step touches new pages: the kernel zero-fills every 4 kB page on its
+first write. On the 2-core AMD EPYC VM that was 5,700 page faults per papernot-cnn step pair
+(non-private + DP at B = 256) and 12 ms of system time in the grouped convolution alone (16 ms
+where 3.5 ms is arithmetic; docs/benchmarks.md, session 15). Raising both thresholds to
+``THRESHOLD_BYTES`` makes glibc keep freed blocks for reuse, like a caching allocator: after
+the first steps the same pages serve every step.
+
+The cost: the process keeps its peak heap instead of returning it to the system between steps
+(its resident size stays at the step's high-water mark; tensor memory is unchanged). Set
+``DPSCALE_CPU_MEMORY=release`` to leave malloc as it is. Only glibc has ``mallopt``; elsewhere
+(musl, macOS, Windows) nothing changes and the status says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+MEMORY_ENV = "DPSCALE_CPU_MEMORY"
+MEMORY_CHOICES = ("keep", "release")
+THRESHOLD_BYTES = 1 << 30  # blocks up to 1 GiB come from (and return to) the heap; larger ones are mmap'ed
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+
+KEPT = "freed CPU memory kept for reuse"
+_status: str | None = None  # what this process's first call did (mallopt's effect is process-wide)
+
+
+def keep_freed_memory() -> str:
+    """Make glibc's malloc keep freed blocks up to ``THRESHOLD_BYTES`` in the process (once per
+    process; later calls return the first call's status).
+
+    Returns:
+        one line for a run's header: what was set, or why malloc was left as it is.
+
+    Raises:
+        ValueError: ``$DPSCALE_CPU_MEMORY`` is neither ``keep`` nor ``release``.
+    """
+    global _status
+    choice = os.environ.get(MEMORY_ENV, "keep")
+    if choice not in MEMORY_CHOICES:
+        raise ValueError(f"{MEMORY_ENV}={choice!r}: expected one of {', '.join(MEMORY_CHOICES)}")
+    if _status is None:
+        _status = _set_thresholds() if choice == "keep" else f"malloc left as it is ({MEMORY_ENV}=release)"
+    return _status
+
+
+def _set_thresholds() -> str:
+    """glibc's mmap and trim thresholds raised to ``THRESHOLD_BYTES``, or why not."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return f"malloc left as it is (not glibc: {platform.system()} {platform.libc_ver()[0] or ''})".rstrip()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1
+    trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES) == 1
+    if not (mmap_ok and trim_ok):
+        return "malloc left as it is (glibc refused the thresholds)"
+    gib = THRESHOLD_BYTES / 2**30
+    return (f"{KEPT}: glibc's mmap and trim thresholds at {gib:g} GiB, so a step's fresh "
+            f"tensors cost no page faults ({MEMORY_ENV}=release to leave malloc as it is)")  # fmt: skip
+
+
+def memory_mode() -> str:
+    """``kept`` once this process keeps freed memory (``keep_freed_memory`` succeeded), else
+    ``system``: what CPU timings (the clip-method tuner's) depend on."""
+    return "kept" if _status is not None and _status.startswith(KEPT) else "system"
