@@ -64,7 +64,7 @@ CASES = {  # name -> (model, input shape per example, views)
 }
 
 
-@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "grouped"])
+@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "bmm-positions", "grouped"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_every_method_equals_the_float64_loop(case, method, mode):
@@ -84,9 +84,10 @@ def test_every_method_equals_the_float64_loop(case, method, mode):
     gram_only = method in ("pixel-gram", "gram")
     if mode == "bk" or gram_only:  # ghost never instantiates per-example gradients
         # with 2 views the head is a 2-position Linear too
-        expected = {"conv2d": {"pixel-gram": 3, "gram": 4, "bmm": 4, "grouped": 4},
-                    "conv2d-views": {"pixel-gram": 3, "gram": 5, "bmm": 5, "grouped": 4},
-                    "conv1d": {"gram": 1, "bmm": 1, "grouped": 1}, "linear-sequence": {"gram": 1, "bmm": 1}}  # fmt: skip
+        expected = {"conv2d": {"pixel-gram": 3, "gram": 4, "bmm": 4, "bmm-positions": 3, "grouped": 4},
+                    "conv2d-views": {"pixel-gram": 3, "gram": 5, "bmm": 5, "bmm-positions": 3, "grouped": 4},
+                    "conv1d": {"gram": 1, "bmm": 1, "bmm-positions": 1, "grouped": 1},
+                    "linear-sequence": {"gram": 1, "bmm": 1}}  # fmt: skip
         expected = expected[case].get(method, 0)
         assert len(tuner.used) == expected, tuner.used
 
@@ -252,7 +253,7 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
     assert summary["clip_methods"] == {name: method for name, (method, _, _) in layers.items()}
     assert Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=2) is None  # from the cache
     cache = tmp_path / "cache" / "autotune.json"
-    other = {"pixel-gram": "gram", "gram": "bmm", "bmm": "gram", "grouped": "bmm"}
+    other = {"pixel-gram": "gram", "gram": "bmm", "bmm": "gram", "bmm-positions": "gram", "grouped": "bmm"}
     table = {d: {s: other[m] for s, m in t.items()} for d, t in json.loads(cache.read_text()).items()}
     cache.write_text(json.dumps(table))  # the resuming machine would choose otherwise
     resumed = Trainer.resume(tmp_path / "split", progress=False)
@@ -291,7 +292,7 @@ def test_every_method_on_the_zoo_equals_the_float64_loop(name, method):
     assert_matches_float64(grad_sum, norms, reference, f"bk-{method}")
 
 
-@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "grouped"])
+@pytest.mark.parametrize("method", ["pixel-gram", "gram", "bmm", "bmm-positions", "grouped"])
 def test_a_huge_example_stays_within_c_whatever_the_method(method):
     """One example's pixels at 3e38 (their squares overflow float32; the first layer's outputs
     overflow): under every method each example's norm and the clipped sum are the float64 loop's

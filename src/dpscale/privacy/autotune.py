@@ -240,9 +240,9 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
 def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:
     """Median milliseconds of each candidate: one untimed warm-up round (first calls allocate),
     then ``TUNE_REPEATS`` or more interleaved timed rounds (up to ``TUNE_MAX_REPEATS`` for fast
-    candidates; a load that comes and goes hits every candidate alike), a candidate slower than
-    ``TUNE_DROP`` times the fastest in the first timed round dropped from the rest (its one time
-    kept). The thread-CPU clock with one torch thread on a CPU (other processes' load does not
+    candidates; a load that comes and goes hits every candidate alike), a candidate whose better
+    time in the first two timed rounds is over ``TUNE_DROP`` times the fastest's dropped from the
+    rest (its two times kept: one sample, preempted on a loaded machine, once dropped the fastest). The thread-CPU clock with one torch thread on a CPU (other processes' load does not
     count), else the wall clock, synchronised on a GPU."""
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
@@ -256,11 +256,15 @@ def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[
     with torch.no_grad():
         for c in candidates:
             c.run()
-        samples = {c.name: [timed(c)] for c in candidates}
-        fastest = min(v[0] for v in samples.values())
-        kept = [c for c in candidates if samples[c.name][0] <= TUNE_DROP * fastest]
+        samples: dict[str, list[float]] = {c.name: [] for c in candidates}
+        for _ in range(2):  # two looks before dropping: one preempted sample must not drop the fastest
+            for c in candidates:
+                samples[c.name].append(timed(c))
+        best = {name: min(v) for name, v in samples.items()}
+        fastest = min(best.values())
+        kept = [c for c in candidates if best[c.name] <= TUNE_DROP * fastest]
         rounds = int(min(TUNE_MAX_REPEATS, max(TUNE_REPEATS, TUNE_WINDOW_MS / max(fastest, 1e-3))))
-        for _ in range(rounds - 1):
+        for _ in range(rounds - 2):
             for c in kept:
                 samples[c.name].append(timed(c))
     return {name: round(statistics.median(v), 3) for name, v in samples.items()}

@@ -72,10 +72,28 @@ def _conv_unfold(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     if isinstance(m, nn.Conv1d):
         a = a.unsqueeze(2)
     b, groups = a.shape[0], m.groups
-    patches = F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    patches = unfold_patches(a, kernel, dilation=dilation, padding=padding, stride=stride)
     patches = patches.reshape(b, groups, -1, patches.shape[-1])
     g = g.reshape(b, groups, m.out_channels // groups, -1)
     return patches, g
+
+
+def unfold_patches(
+    a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pair, stride: Pair, positions_first: bool = False
+) -> torch.Tensor:
+    """``F.unfold(a, ...)``'s (B, C * kh * kw, L) patches, bit for bit, gathered by one copy of a
+    strided view of the padded input: 1.5-4.4x faster than ``F.unfold`` on the paper CNNs' layers
+    (2-core AMD EPYC, one thread). ``positions_first``: the same patches as (B, L, C * kh * kw)."""
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel, dilation, padding, stride
+    if ph or pw:
+        a = F.pad(a, (pw, pw, ph, ph))
+    b, c, h, w = a.shape
+    out_h, out_w = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    sb, sc, sy, sx = a.stride()
+    view = a.as_strided((b, c, kh, kw, out_h, out_w), (sb, sc, sy * dh, sx * dw, sy * sh, sx * sw), a.storage_offset())
+    if positions_first:
+        return view.permute(0, 4, 5, 1, 2, 3).reshape(b, out_h * out_w, c * kh * kw)
+    return view.reshape(b, c * kh * kw, out_h * out_w)
 
 
 def _conv_per_example_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -128,6 +146,22 @@ def _conv_per_example_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.
     if _conv(r).groups == 1:  # plain bmm takes the transposed operand without a copy
         return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
     return torch.matmul(gg, patches.transpose(2, 3))
+
+
+def _conv_per_example_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each example's weight gradient (B, 1, out, in * k) of an ungrouped convolution, summed over
+    its views, by im2col with the positions first + one bmm without a transposed operand (faster
+    than ``bmm`` on thin inputs on the AMD EPYC: papernot-cnn's first layer 3.8-4.2 against 5.2 ms)."""
+    m = _conv(r)
+    kernel, stride, padding, dilation = _conv_geometry(m)
+    if isinstance(m, nn.Conv1d):
+        a = a.unsqueeze(2)
+    b = a.shape[0] // r.views
+    patches = unfold_patches(a, kernel, dilation=dilation, padding=padding, stride=stride, positions_first=True)
+    patches = patches.reshape(b, -1, patches.shape[-1])  # an example's views one after another: (B, K*L, d)
+    gg = g.reshape(b, r.views, m.out_channels, -1).transpose(1, 2).reshape(b, m.out_channels, -1)  # (B, out, K*L)
+    assert gg.shape[-1] == patches.shape[1], "output positions and patches disagree"
+    return torch.bmm(gg, patches).unsqueeze(1)
 
 
 def _conv_per_example(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -213,6 +247,11 @@ def _conv_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tenso
     return blocked_sq_norms(r.cache["weight"])
 
 
+def _conv_weight_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r.cache["weight"] = _conv_per_example_bmm_positions(r, a, g)
+    return blocked_sq_norms(r.cache["weight"])
+
+
 def _conv_weight_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     r.cache["weight"] = _conv_per_example_grouped(r, a, g)
     return blocked_sq_norms(r.cache["weight"])
@@ -222,7 +261,7 @@ def _conv_weight_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.T
 # slack) and instantiated gradients (kept for the release). Names appear in logs and checkpoints.
 CONV_WEIGHT_METHODS = {
     "pixel-gram": _conv_weight_pixel_gram, "gram": _conv_weight_gram,
-    "bmm": _conv_weight_bmm, "grouped": _conv_weight_grouped,
+    "bmm": _conv_weight_bmm, "bmm-positions": _conv_weight_bmm_positions, "grouped": _conv_weight_grouped,
 }  # fmt: skip
 
 
@@ -250,6 +289,8 @@ def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
         rule = "bmm" if _bmm_is_faster(d_in, d_out, length) else "grouped"
     if not r.gram_only:
         costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0), grouped=(explicit, 0.0))
+        if m.groups == 1:  # a tuner's candidate only, never the shape rule's
+            costs["bmm-positions"] = costs["bmm"]
         costs = accurate_enough(costs, rule, length)
     signature = (
         f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}"
