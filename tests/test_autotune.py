@@ -310,3 +310,23 @@ def test_a_huge_example_stays_within_c_whatever_the_method(method):
 
     assert tuner.used and bool(torch.isfinite(norms).all())  # the overflow stays in the forward pass (tanh saturates)
     assert_matches_float64(got, norms, float64_reference(model, (x, y), 0.3), f"bk-{method}")
+
+
+@pytest.mark.parametrize("positions_first", [False, True])
+def test_strided_patches_equal_f_unfold_bit_for_bit(positions_first):
+    """The im2col that gram, bmm and bmm-positions use: a gather, so equal to F.unfold exactly, on
+    padded, strided, dilated and rectangular geometries and on non-contiguous inputs."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from dpscale.privacy.ghost_conv import unfold_patches
+
+    torch.manual_seed(0)
+    base = torch.randn(3, 5, 11, 9)
+    inputs = (base, base.contiguous(memory_format=torch.channels_last), base[:, 1:4], base[..., 1:])
+    geometries = itertools.product([(1, 1), (3, 3), (4, 2)], [(1, 1), (2, 1)], [(0, 0), (1, 2)], [(1, 1), (2, 2), (2, 1)])
+    for (kernel, dilation, padding, stride), x in itertools.product(geometries, inputs):
+        want = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        got = unfold_patches(x, kernel, dilation=dilation, padding=padding, stride=stride, positions_first=positions_first)
+        assert torch.equal(got.transpose(1, 2) if positions_first else got, want), (kernel, dilation, padding, stride)
