@@ -110,7 +110,7 @@ def build_run(
     """
     dist, device, seeds = open_process(config)
     if device.type == "cpu":  # the DP step's large per-step tensors reuse freed pages (dpscale.cpu_memory)
-        log(f"cpu memory: {keep_freed_memory()}")
+        keep_freed_memory()  # logged with the engine's checks: a refused set-up stays one line
     data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
     fingerprint = data_fingerprint(images)
@@ -317,6 +317,7 @@ def _checked_engine(
         raise ConfigError(f"train.engine={train.engine}: {err}") from err
     checks = [result, result.independence] if result else []
     unit = " (privacy unit user: each example above is one user's padded rows, its norm the user's)" if plan.user_level else ""
-    for note in notices + [check.describe() + unit for check in checks if check is not None]:
+    memory = [f"cpu memory: {keep_freed_memory()}"] if torch.device(device).type == "cpu" else []
+    for note in notices + [check.describe() + unit for check in checks if check is not None] + memory:
         log(note)
     return engine, result
