@@ -190,7 +190,9 @@ def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, cap
     checked = Trainer.create(small_config(tmp_path / "checked", "train.steps=2")).run()
     assert checked["engine"] == "bk" and checked["engine_self_check"]["passed"]
     assert ENGINE_UNCHECKED_CAVEAT not in checked["guarantee_caveats"]
-    assert "self-check: bk matches a per-example loop on 8 examples" in capsys.readouterr().err
+    header = capsys.readouterr().err
+    assert "self-check: bk matches a per-example loop on 8 examples" in header
+    assert "\ncpu memory: " in header  # with the checks: what the run did with freed memory (dpscale.cpu_memory)
 
     unchecked = Trainer.create(small_config(tmp_path / "unchecked", "train.steps=2", "train.self_check=false")).run()
     assert unchecked["engine_self_check"] is None and ENGINE_UNCHECKED_CAVEAT in unchecked["guarantee_caveats"]
