@@ -266,9 +266,13 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
 
 # resnet18-gn's layers are those of the others (3x3 stride 1 and 2, 1x1 shortcuts): the slow suite only
 ZOO_METHODS = (
-    [(name, method) for name in ("papernot-cnn", "tramer-cifar-cnn") for method in ("pixel-gram", "gram", "bmm", "grouped")]
+    [
+        (name, method)
+        for name in ("papernot-cnn", "tramer-cifar-cnn")
+        for method in ("pixel-gram", "gram", "bmm", "bmm-positions", "grouped")
+    ]
     + [("vit-tiny", "gram"), ("vit-tiny", "bmm")]
-    + [pytest.param("resnet18-gn", method, marks=pytest.mark.slow) for method in ("pixel-gram", "gram", "bmm", "grouped")]
+    + [pytest.param("resnet18-gn", method, marks=pytest.mark.slow) for method in ("pixel-gram", "gram", "bmm", "bmm-positions", "grouped")]
 )
 
 
