@@ -242,7 +242,8 @@ def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[
     then ``TUNE_REPEATS`` or more interleaved timed rounds (up to ``TUNE_MAX_REPEATS`` for fast
     candidates; a load that comes and goes hits every candidate alike), a candidate whose better
     time in the first two timed rounds is over ``TUNE_DROP`` times the fastest's dropped from the
-    rest (its two times kept: one sample, preempted on a loaded machine, once dropped the fastest). The thread-CPU clock with one torch thread on a CPU (other processes' load does not
+    rest (its two times kept: one sample, preempted on a loaded machine, once dropped the
+    fastest). The thread-CPU clock with one torch thread on a CPU (other processes' load does not
     count), else the wall clock, synchronised on a GPU."""
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
