@@ -50,13 +50,18 @@ def test_each_section_is_written_when_it_ends_and_an_error_in_one_is_a_fail_row(
 
 
 def test_sync_sites_name_the_lines_that_synchronised_most_often_per_step():
-    import warnings
+    import traceback
 
-    from dpscale.bench.gpu_suite import sync_sites
+    from dpscale.bench.gpu_suite import sync_site, sync_sites
 
-    def warning_at(filename: str, lineno: int) -> warnings.WarningMessage:
-        return warnings.WarningMessage("called a synchronizing CUDA operation", UserWarning, filename, lineno)
+    def frame(filename: str, lineno: int) -> traceback.FrameSummary:
+        return traceback.FrameSummary(filename, lineno, "f")
 
-    caught = [warning_at("/x/dpscale/train/step.py", 185)] * 6 + [warning_at("/y/torch/optim/sgd.py", 40)] * 2
-    assert sync_sites(caught, steps=2) == "step.py:185 x3.0, sgd.py:40 x1.0"
+    stack = [frame("/r/src/dpscale/bench/gpu_suite.py", 9), frame("/r/src/dpscale/train/step.py", 201),
+             frame("/r/torch/optim/sgd.py", 40)]  # fmt: skip
+    ours = sync_site("/r/src/dpscale/train/step.py", 185, stack)
+    theirs = sync_site("/r/torch/optim/sgd.py", 40, stack)
+    assert (ours, theirs) == ("step.py:185", "sgd.py:40 via step.py:201")
+    assert sync_site("/r/torch/cuda/__init__.py", 7, stack[:1]) == "__init__.py:7"  # the suite's own frames skipped
+    assert sync_sites([ours] * 6 + [theirs] * 2, steps=2) == "step.py:185 x3.0, sgd.py:40 via step.py:201 x1.0"
     assert sync_sites([], steps=20) == "none"

@@ -25,6 +25,8 @@ runs the same checks at tiny sizes (the default test suite does).
 from __future__ import annotations
 
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -247,15 +249,23 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
     """(GPU idle fraction, host syncs per step, where they come from) over the trainer's steps up
     to ``stop``: the kernels' summed device time against the window's wall time, and the
     synchronising calls the CUDA sync debug mode reports (``sync_sites``)."""
-    import warnings
-
     from torch.profiler import ProfilerActivity, profile
 
     steps = stop - trainer.step
     torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as caught, profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        stack = traceback.extract_stack()[:-1]
+        # the window ends in a checkpoint (run() saves when it stops early): a save's syncs are
+        # once per ten minutes in a real run, not per step
+        if "synchroniz" in str(message) and not any(f.name == "save" and f.filename.endswith("loop.py") for f in stack):
+            sites.append(sync_site(filename, lineno, stack))
+
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = record  # called at the sync itself, so the Python stack is the caller's
         try:
             started = time.perf_counter()
             trainer.run(max_steps=stop)
@@ -264,17 +274,27 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
         finally:
             torch.cuda.set_sync_debug_mode("default")
     busy_us = sum(event.self_device_time_total for event in prof.key_averages())
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    return max(0.0, 1.0 - busy_us / wall_us), len(syncs) / max(1, steps), sync_sites(syncs, steps)
+    return max(0.0, 1.0 - busy_us / wall_us), len(sites) / max(1, steps), sync_sites(sites, steps)
 
 
-def sync_sites(caught: list, steps: int, top: int = 4) -> str:
-    """The source lines that synchronised the host most often (per step), from the sync debug
-    mode's warnings: e.g. ``step.py:185 x2.0, rng.py:80 x1.0`` ("none" when there were none)."""
+def sync_site(filename: str, lineno: int, stack: list[traceback.FrameSummary]) -> str:
+    """Where one synchronisation came from: ``step.py:185``, or, when the line that synchronised
+    is outside dpscale (torch's optimizer, say), that line and the innermost dpscale line that
+    called it: ``sgd.py:40 via step.py:185``."""
+    site = f"{Path(filename).name}:{lineno}"
+    if "dpscale" in Path(filename).parts:
+        return site
+    ours = [f for f in stack if "dpscale" in Path(f.filename).parts and "bench" not in Path(f.filename).parts]
+    return f"{site} via {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else site
+
+
+def sync_sites(sites: list[str], steps: int, top: int = 6) -> str:
+    """The sites (``sync_site``) that synchronised the host most often, per step: e.g.
+    ``step.py:185 x2.0, sgd.py:40 via step.py:201 x1.0`` ("none" when there were none)."""
     from collections import Counter
 
-    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
-    return ", ".join(f"{site} x{count / max(1, steps):.1f}" for site, count in sites.most_common(top)) or "none"
+    counts = Counter(sites)
+    return ", ".join(f"{site} x{count / max(1, steps):.1f}" for site, count in counts.most_common(top)) or "none"
 
 
 def main(args) -> int:

@@ -46,8 +46,9 @@ class StepStats:
     counts: torch.Tensor
 
     def select(self, *names: str) -> torch.Tensor:
-        """The named statistics as a tensor on the device, in the order given (no host sync)."""
-        return self.counts[[STEP_STATISTICS.index(name) for name in names]]
+        """The named statistics as a tensor on the device, in the order given (no host sync: an
+        index list would be copied to the device first, which waits for it)."""
+        return torch.stack([self.counts[STEP_STATISTICS.index(name)] for name in names])
 
     def _value(self, name: str) -> float:
         return float(self.counts[STEP_STATISTICS.index(name)])
@@ -85,7 +86,8 @@ class StepStats:
     def as_dict(self) -> dict[str, float]:
         """All the statistics (one host sync)."""
         names = ("examples", "loss_sum", "clipped_fraction", "mean_grad_norm", "nonfinite_examples")
-        return {name: getattr(StepStats(self.counts.cpu()), name) for name in names}
+        on_host = StepStats(self.counts.cpu())
+        return {name: getattr(on_host, name) for name in names}
 
 
 def physical_chunks(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max_physical_batch_size: int) -> Iterable[Batch]:
