@@ -171,3 +171,37 @@ def test_lora_releases_at_most_c(engine_name, precision):
     for i in range(len(x)):
         norm = released(engine, model, x[i : i + 1], y[i : i + 1])
         assert 0.9e-3 < norm <= 1e-3, (engine_name, precision, i, norm / 1e-3)
+
+
+def _standardised_cancelling_cases(count: int):
+    """A weight-standardised Linear (gain frozen) whose two rows standardise to nearly the same u,
+    and one input nearly along u: each row's gradient k g (a_c - u <u, a_c>) is ~1e-4 of W =
+    |k g| |a_c|, so the closed form's norm (|a_c|^2 - (2 - |u|^2) t^2) cancels."""
+    from dpscale.layers import ScaledStdLinear
+
+    generator = torch.Generator().manual_seed(1)
+    for i in range(count):
+        torch.manual_seed(i)
+        model = ScaledStdLinear(16, 2, bias=False)
+        model.gain.requires_grad_(False)
+        with torch.no_grad():
+            model.weight[1] = 2 * model.weight[0] + 1e-3 * torch.randn(16, generator=generator)
+            u = model.standardized_weight()[0]
+        x = (u + 1e-4 * torch.randn(16, generator=generator)).unsqueeze(0) * 100
+        yield model, x, torch.randint(0, 2, (1,), generator=generator)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_weight_standardised_linear_releases_at_most_c_when_its_norm_cancels(engine_name, precision):
+    def norm_and_release(model, x, y, clip: float) -> tuple[float, float]:
+        engine = make_engine(engine_name, clip, model, precision=make_precision(precision))[0]
+        grad_sum, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
+        return float(norms[0]), math.sqrt(sum(float(g.double().square().sum()) for g in grad_sum.values()))
+
+    for model, x, y in _standardised_cancelling_cases(20):
+        norm, _ = norm_and_release(model, x, y, clip=1e6)  # unclipped: the gradient's own norm
+        assert norm > 0
+        clip = norm / 100  # every example clipped, the gradient a 1e-4 remnant of W
+        _, release = norm_and_release(model, x, y, clip)
+        assert release <= clip

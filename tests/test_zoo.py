@@ -68,6 +68,29 @@ def test_simplevgg_group_norm_and_weight_standardisation_options():
         build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), norm_groups=-1)
 
 
+def test_head_weight_standardisation_standardises_each_hidden_row_in_float64():
+    from dpscale.layers import ScaledStdLinear
+    from dpscale.privacy.engines import supported_engines
+
+    model = build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), weight_standardization=True, head_weight_standardization=True)
+    hidden, logits = model.head[0], model.head[2]
+    assert isinstance(hidden, ScaledStdLinear) and type(logits) is nn.Linear  # the logits layer stays plain
+    assert count_parameters(model) == 105_914 + 64  # one gain per hidden row
+    assert "bk" in supported_engines(model)  # an exact rule, so auto does not fall back to vmap
+    layer = ScaledStdLinear(7, 3).double()
+    with torch.no_grad():
+        layer.gain.copy_(torch.tensor([[0.5], [2.0], [-1.0]], dtype=torch.float64))
+    x = torch.randn(4, 7, dtype=torch.float64)
+    w = layer.weight
+    u = (w - w.mean(1, keepdim=True)) / torch.sqrt(7 * w.var(1, unbiased=False, keepdim=True) + layer.eps)
+    torch.testing.assert_close(layer(x), x @ (layer.gain * u).T + layer.bias, rtol=1e-12, atol=1e-12)
+    # each row of the standardised weight has mean 0 and norm ~1 whatever the weight's scale
+    layer.weight.data *= 1000
+    rows = layer.standardized_weight()
+    torch.testing.assert_close(rows.mean(1), torch.zeros(3, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(rows.norm(dim=1), torch.ones(3, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
 def test_simplevgg_options_train_through_the_config(tmp_path):
     config = tiny_config(tmp_path, "model.name=simplevgg-8(1)-16", "model.kwargs={norm_groups: 4, weight_standardization: true}")
     trainer = Trainer.create(config, progress=False)

@@ -51,8 +51,10 @@ def tiny_nf_resnet(num_classes: int = 10) -> nn.Module:
 
 
 def tiny_normalised_simplevgg(num_classes: int = 10) -> nn.Module:
-    """simpleVGG with its options on: weight-standardised convs, each followed by GroupNorm."""
-    return build_model("simplevgg-8(1)-8(1)-16", num_classes, (1, 12, 12), norm_groups=4, weight_standardization=True)
+    """simpleVGG with its options on: weight-standardised convs, each followed by GroupNorm, and a
+    weight-standardised hidden fc layer."""
+    options = {"norm_groups": 4, "weight_standardization": True, "head_weight_standardization": True}
+    return build_model("simplevgg-8(1)-8(1)-16", num_classes, (1, 12, 12), **options)
 
 
 # Small models built in the tests, with their input shapes: stand-ins for a heavy model's layers

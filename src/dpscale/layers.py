@@ -27,6 +27,14 @@ class ClassTokenPositionEmbedding(nn.Module):
         return torch.cat([cls, tokens], dim=1) + self.pos_embed
 
 
+def standardized(weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(W - mean) / sqrt(fan_in * var + eps) per output row (dim 0) of a conv or linear weight."""
+    dims = tuple(range(1, weight.dim()))
+    mean = weight.mean(dim=dims, keepdim=True)
+    var = weight.var(dim=dims, keepdim=True, unbiased=False)
+    return (weight - mean) * torch.rsqrt(var * weight[0].numel() + eps)
+
+
 class ScaledStdConv2d(nn.Conv2d):
     """Conv2d with scaled weight standardisation (Brock et al. 2021):
     W' = gain * (W - mean) / sqrt(fan_in * var + eps), per output filter.
@@ -41,14 +49,32 @@ class ScaledStdConv2d(nn.Conv2d):
 
     def standardized_weight(self) -> torch.Tensor:
         """(W - mean) / sqrt(fan_in * var + eps), without the gain."""
-        w = self.weight
-        mean = w.mean(dim=(1, 2, 3), keepdim=True)
-        var = w.var(dim=(1, 2, 3), keepdim=True, unbiased=False)
-        return (w - mean) * torch.rsqrt(var * w[0].numel() + self.eps)
+        return standardized(self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.standardized_weight() * self.gain
         return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class ScaledStdLinear(nn.Linear):
+    """Linear with the same scaled weight standardisation per output row:
+    W' = gain * (W - mean) / sqrt(in_features * var + eps).
+
+    Why for DP-SGD: the noise added to a row changes its norm as well as its direction, and a
+    tanh after the layer saturates as the norms grow; standardising gives the scale to one
+    trainable gain per row. The engines' exact rule is ``dpscale.privacy.ghost_rules``."""
+
+    def __init__(self, *args, eps: float = 1e-4, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.ones(self.out_features, 1))
+        self.eps = eps
+
+    def standardized_weight(self) -> torch.Tensor:
+        """(W - mean) / sqrt(in_features * var + eps), without the gain."""
+        return standardized(self.weight, self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.standardized_weight() * self.gain, self.bias)
 
 
 def group_norm(channels: int, groups: int) -> nn.Module:

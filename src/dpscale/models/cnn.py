@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dpscale.models.activations import make_activation
-from dpscale.layers import MaxPool2d, ScaledStdConv2d, group_norm
+from dpscale.layers import MaxPool2d, ScaledStdConv2d, ScaledStdLinear, group_norm
 from dpscale.models.registry import register_family, register_model
 
 
@@ -25,6 +25,8 @@ class Classifier(nn.Module):
         num_classes: logits size.
         head_hidden: widths of hidden fully connected layers in the head.
         activation: activation name for hidden head layers.
+        head_weight_standardization: the hidden head layers weight-standardised
+            (``ScaledStdLinear``); the logits layer stays plain.
     """
 
     def __init__(
@@ -34,19 +36,21 @@ class Classifier(nn.Module):
         num_classes: int,
         head_hidden: Sequence[int] = (),
         activation: str = "tanh",
+        head_weight_standardization: bool = False,
     ) -> None:
         super().__init__()
         self.features = features
         self.feature_dim = feature_dim
         self.head_hidden = tuple(head_hidden)
         self.activation = activation
+        self.hidden_linear = ScaledStdLinear if head_weight_standardization else nn.Linear
         self.head = self._make_head(num_classes)
 
     def _make_head(self, num_classes: int) -> nn.Sequential:
         layers: list[nn.Module] = []
         width = self.feature_dim
         for hidden in self.head_hidden:
-            layers += [nn.Linear(width, hidden), make_activation(self.activation)]
+            layers += [self.hidden_linear(width, hidden), make_activation(self.activation)]
             width = hidden
         layers.append(nn.Linear(width, num_classes))
         return nn.Sequential(*layers)
@@ -137,14 +141,29 @@ def _vgg_features(
 
 
 def _tramer_cnn(
-    widths, pool_after, num_classes, input_shape, activation, hidden, norm_groups=0, weight_standardization=False
+    widths,
+    pool_after,
+    num_classes,
+    input_shape,
+    activation,
+    hidden,
+    norm_groups=0,
+    weight_standardization=False,
+    head_weight_standardization=False,
 ) -> Classifier:
     channels, height, width = input_shape
     features, num_pools = _vgg_features(channels, widths, pool_after, activation, norm_groups, weight_standardization)
     h, w = height >> num_pools, width >> num_pools
     if h < 1 or w < 1:
         raise ValueError(f"input {input_shape} is too small for {len(widths)} convs with {num_pools} poolings")
-    return Classifier(features, widths[-1] * h * w, num_classes, head_hidden=(hidden,), activation=activation)
+    return Classifier(
+        features,
+        widths[-1] * h * w,
+        num_classes,
+        head_hidden=(hidden,),
+        activation=activation,
+        head_weight_standardization=head_weight_standardization,
+    )
 
 
 @register_model("tramer-cifar-cnn", input_shape=(3, 32, 32))
@@ -211,6 +230,7 @@ def simplevgg(
     activation: str = "tanh",
     norm_groups: int = 0,
     weight_standardization: bool = False,
+    head_weight_standardization: bool = False,
 ) -> Classifier:
     """Kurakin et al. Appendix H simpleVGG: blocks of equal-width 3x3 convs with 2x2 max-pooling
     after each block, then fc (128 in the paper) and the logits; tanh by default.
@@ -220,7 +240,9 @@ def simplevgg(
         norm_groups: GroupNorm after every conv with this many groups (the largest divisor of the
             width below it); 0: none (the paper's network). Per-example, so DP-SGD's clipping holds.
         weight_standardization: scaled weight standardisation of every conv (Brock et al. 2021,
-            as in NF-ResNets and De et al.'s WRNs)."""
+            as in NF-ResNets and De et al.'s WRNs).
+        head_weight_standardization: the same for the hidden fc layer (``ScaledStdLinear``; the
+            logits layer stays plain)."""
     if norm_groups < 0:
         raise ValueError(f"simplevgg: norm_groups must be >= 0 (0: no GroupNorm), got {norm_groups}")
     blocks, fc = parse_simplevgg(spec)
@@ -229,7 +251,10 @@ def simplevgg(
         widths += [width] * convs
         count += convs
         pools.append(count)
-    return _tramer_cnn(tuple(widths), tuple(pools), num_classes, input_shape, activation, fc, norm_groups, weight_standardization)
+    return _tramer_cnn(
+        tuple(widths), tuple(pools), num_classes, input_shape, activation, fc, norm_groups, weight_standardization,
+        head_weight_standardization,
+    )  # fmt: skip
 
 
 class AllConvNet(nn.Module):

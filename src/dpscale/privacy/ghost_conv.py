@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.grad import conv2d_weight
 
-from dpscale.layers import ScaledStdConv2d
+from dpscale.layers import ScaledStdConv2d, ScaledStdLinear
 from dpscale.privacy.clipping import blocked_sq_norms, release_slack
 from dpscale.privacy.ghost_record import (
     FLOAT64_GRAM_COST,
@@ -343,29 +343,38 @@ def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torc
     return out
 
 
+def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output row,
+    s = sqrt(n var + eps): from each example's gradient G (B, out, n) with respect to W',
+    d/d gain = <u, G> and d/d W = gain / s * (G - mean(G) - u <u, G>) (the Jacobian of u is
+    (P - u u^T) / s, P the centring projection). Caches both for the release; returns ``sq``
+    plus their squared norms (B,)."""
+    m, b = r.module, grad_w.shape[0]
+    assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), f"{type(m).__name__} is not weight-standardised"
+    rows = m.weight.shape[0]
+    with torch.no_grad():
+        u = m.standardized_weight().reshape(rows, -1).to(grad_w.dtype)
+        w = m.weight.reshape(rows, -1)
+        s = torch.sqrt(w.var(1, unbiased=False, keepdim=True) * w.shape[1] + m.eps).to(grad_w.dtype)
+    along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
+    if r.trainable.get("gain"):
+        r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
+        sq = sq + part(r, "gain", blocked_sq_norms(r.cache["gain"]))
+    if r.trainable.get("weight"):
+        scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
+        r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
+        sq = sq + part(r, "weight", blocked_sq_norms(r.cache["weight"]))
+    return sq
+
+
 def ws_conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output filter,
-    s = sqrt(n var + eps): from each example's gradient G with respect to W' (an ordinary conv
-    per-example gradient), d/d gain = <u, G> and d/d W = gain / s * (G - mean(G) - u <u, G>)
-    (the Jacobian of u is (P - u u^T) / s, P the centring projection). Needs the explicit
-    per-example G in both modes."""
+    """A ScaledStdConv2d's norms: the ordinary conv per-example gradient mapped by
+    ``ws_weight_norms``. Needs the explicit per-example gradient in both modes."""
     m, b = r.module, a.shape[0] // r.views
     assert isinstance(m, ScaledStdConv2d), f"{type(m).__name__} is not a ScaledStdConv2d"
     sq = a.new_zeros(b)
     if r.trainable.get("weight") or r.trainable.get("gain"):
-        grad_w = _conv_per_example(r, a, g).reshape(b, m.out_channels, -1)  # (B, out, n)
-        with torch.no_grad():
-            u = m.standardized_weight().reshape(m.out_channels, -1).to(grad_w.dtype)
-            w = m.weight.reshape(m.out_channels, -1)
-            s = torch.sqrt(w.var(1, unbiased=False, keepdim=True) * w.shape[1] + m.eps).to(grad_w.dtype)
-        along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
-        if r.trainable.get("gain"):
-            r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
-            sq = sq + part(r, "gain", blocked_sq_norms(r.cache["gain"]))
-        if r.trainable.get("weight"):
-            scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
-            r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
-            sq = sq + part(r, "weight", blocked_sq_norms(r.cache["weight"]))
+        sq = ws_weight_norms(r, _conv_per_example(r, a, g).reshape(b, m.out_channels, -1), sq)
     if r.trainable.get("bias"):
         r.cache["bias"] = per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
         sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))

@@ -15,9 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpscale.layers import ClassTokenPositionEmbedding, LoRADownConv2d, LoRADownLinear, ScalarGain, ScaledStdConv2d
-from dpscale.privacy.clipping import blocked_sq_norms, release_slack
-from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms
+from dpscale.layers import (
+    ClassTokenPositionEmbedding,
+    LoRADownConv2d,
+    LoRADownLinear,
+    ScalarGain,
+    ScaledStdConv2d,
+    ScaledStdLinear,
+    standardized,
+)
+from dpscale.privacy.clipping import blocked_sq_norms, gamma, release_slack
+from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms, ws_weight_norms
 from dpscale.privacy.ghost_record import (
     FLOAT64_GRAM_COST,
     Record,
@@ -96,6 +104,85 @@ def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: t
             out["weight"] = gc.t() @ a.reshape(-1, a.shape[-1])
     if r.trainable.get("bias"):
         out["bias"] = c @ r.cache["bias"]
+    return out
+
+
+def _ws_linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A ScaledStdLinear's norms: each example's gradient with respect to W' (its output
+    gradients times its inputs, summed over a sequence and an example's views), mapped through
+    the standardisation by ``ws_weight_norms``; one input row per example takes the closed form
+    (``_ws_outer_norms``) and never forms the (B, out, in) gradients."""
+    b = a.shape[0] // r.views
+    a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
+    sq = a.new_zeros(b)
+    if a3.shape[1] == 1:
+        sq = _ws_outer_norms(r, a3[:, 0], g3[:, 0])
+    elif r.trainable.get("weight") or r.trainable.get("gain"):
+        sq = ws_weight_norms(r, torch.bmm(g3.transpose(1, 2), a3), sq)
+    if r.trainable.get("bias"):
+        r.cache["bias"] = g3.sum(1)
+        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
+    return sq
+
+
+def _ws_rows(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ScaledStdLinear's standardised rows u (out, n) and k = gain / s (out,), in float64."""
+    assert isinstance(m, ScaledStdLinear), f"{type(m).__name__} is not a ScaledStdLinear"
+    with torch.no_grad():
+        w = m.weight.double()
+        k = m.gain.double().reshape(-1) * torch.rsqrt(w.var(1, unbiased=False) * w.shape[1] + m.eps)
+        return standardized(w, m.eps), k
+
+
+def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Weight and gain norms of a ScaledStdLinear whose examples have one input row a (B, n) and
+    output gradient g (B, out), in float64 without the (B, out, n) gradients.
+
+    Row r of an example's weight gradient is k_r g_r (a_c - u_r t_r), with a_c = a - mean(a),
+    t_r = <u_r, a_c>, k_r = gain_r / s_r; its squared norm is k_r^2 g_r^2 (|a_c|^2 - (2 - |u_r|^2)
+    t_r^2), and the gain's gradient is g_r t_r. The release (``_ws_linear_sums``) uses the same
+    a_c and t in float64, so the norm is that of what is released, up to the rounding bounded
+    here (added to the squared norm) and the release's (``Record.slack``)."""
+    u, k = _ws_rows(r.module)
+    a64 = a.double()
+    a_c = a64 - a64.mean(1, keepdim=True)
+    g64, t = g.double(), a_c @ u.t()  # (B, out) each
+    # per-example rows only in the cache: the engine zeroes a non-finite example's rows there
+    r.cache["ws_a"], r.cache["ws_g"], r.cache["ws_t"] = a_c, g64, t
+    sq = a.new_zeros(a.shape[0])
+    if r.trainable.get("gain"):
+        sq = sq + part(r, "gain", (g64 * t).square().sum(1).to(a.dtype))
+    if r.trainable.get("weight"):
+        kg2, sq_a, kappa = (k * g64).square(), a_c.square().sum(1, keepdim=True), u.square().sum(1)
+        exact = (kg2 * (sq_a - (2 - kappa) * t.square())).sum(1)
+        # float64 rounding of t (n terms) and of the expression: far below float32's, yet bounded
+        rounding = gamma(a.shape[1] + g.shape[1] + 8, torch.float64) * (
+            kg2 * (sq_a + 4 * t.square() + 2 * t.abs() * (kappa * sq_a).sqrt())
+        ).sum(1)
+        sq = sq + part(r, "weight", (exact + rounding).to(a.dtype))
+        along = (kg2 * t.square() * kappa).sum(1).sqrt()
+        r.slack = release_slack(4, (k * g64).norm(dim=1) * sq_a.squeeze(1).sqrt() + along, torch.float64)
+    return sq
+
+
+def _ws_linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+    """The clipped sums of a ScaledStdLinear: from the cached per-example gradients, or, after
+    ``_ws_outer_norms``, as k (cg^T a_c - diag(sum_i cg_i t_i) u) in float64, cg = c g."""
+    if "ws_t" not in r.cache:
+        return cached_sums(r, a, g, c)
+    m, cache = r.module, r.cache
+    assert isinstance(m, ScaledStdLinear), f"{type(m).__name__} is not a ScaledStdLinear"
+    cg = cache["ws_g"] * c.double().unsqueeze(1)  # (B, out)
+    along = (cg * cache["ws_t"]).sum(0)  # (out,)
+    out: Params = {}
+    if r.trainable.get("weight"):
+        u, k = _ws_rows(m)
+        weight = k.unsqueeze(1) * (cg.t() @ cache["ws_a"] - along.unsqueeze(1) * u)
+        out["weight"] = weight.to(m.weight.dtype)
+    if r.trainable.get("gain"):
+        out["gain"] = along.reshape(m.gain.shape).to(m.gain.dtype)
+    if r.trainable.get("bias"):
+        out["bias"] = c @ cache["bias"]
     return out
 
 
@@ -230,5 +317,6 @@ RULES: dict[type, Rule] = {
     nn.Embedding: Rule(_embedding_norms, _embedding_sums, frozenset({"weight"})),
     ClassTokenPositionEmbedding: Rule(_tokens_norms, _tokens_sums, frozenset({"pos_embed", "cls_token"})),
     ScaledStdConv2d: Rule(ws_conv_norms, cached_sums, frozenset({"weight", "gain", "bias"})),
+    ScaledStdLinear: Rule(_ws_linear_norms, _ws_linear_sums, frozenset({"weight", "gain", "bias"})),
     ScalarGain: Rule(_scalar_gain_norms, cached_sums, frozenset({"gain"})),
 }
