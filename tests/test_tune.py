@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,19 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
     )
     capsys.readouterr()
     code = main(["tan", "fit", str(sweep_dir), str(lr_sweep), "--no-plot", "--where", "dp.max_grad_norm=1"])
-    assert code == 2 and "configs differ" in capsys.readouterr().err
+    assert code == 2 and "configs differ in more than the batch size and seed: optim.lr (" in capsys.readouterr().err
+    # how often a run is scored is not part of the setting: a copy scored every epoch pools
+    from dpscale.tune.scaling import _check_one_setting
+
+    run = sorted((sweep_dir / "runs").iterdir())[0]
+    scored = tmp_path / "scored"
+    shutil.copytree(run, scored)
+    config = scored / "config.yaml"
+    config.write_text(config.read_text().replace("  eval_every_epochs:", "  eval_every_epochs: 1.0 #"))
+    _check_one_setting([str(run), str(scored)])
+    config.write_text(config.read_text().replace("  max_grad_norm:", "  max_grad_norm: 7.0 #"))
+    with pytest.raises(ValueError, match=r"differ in more than the batch size and seed: dp.max_grad_norm \("):
+        _check_one_setting([str(run), str(scored)])
     # a non-simulated run at another B has another eta_step: refused
     other = tmp_path / "other"
     assert main(["train", "--quiet", *_sets(*TINY, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}")]) == 0

@@ -260,9 +260,14 @@ def fit_sweep(
     )
 
 
-def _setting(run_dir: str) -> str | None:
+# Settings that decide only when the model is scored, not how it trains: runs of one law may
+# differ in them (a full-batch reference run scored every epoch, its simulations every ten).
+SCORING_ONLY = (("train", "eval_every_epochs"),)
+
+
+def _setting(run_dir: str) -> dict[str, Any] | None:
     """The run's config apart from what a law's runs may differ in (simulated B, the run section:
-    seed, directory, threads, device); None when the directory has no config.yaml."""
+    seed, directory, threads, device; ``SCORING_ONLY``); None when the directory has no config.yaml."""
     from dpscale.runs import is_run_dir, read_run_config  # local: fitting a law needs no torch
 
     if not is_run_dir(run_dir):
@@ -270,20 +275,32 @@ def _setting(run_dir: str) -> str | None:
     values = read_run_config(run_dir).to_dict()  # one-line errors for a malformed file, defaults filled in
     values["dp"].pop("simulated_batch_size", None)
     values.pop("run", None)
-    return json_key(values)
+    for section, key in SCORING_ONLY:
+        values.get(section, {}).pop(key, None)
+    return values
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"dp.max_grad_norm": "1.0", ...}: nested sections as dotted keys, values as JSON."""
+    out: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, f"{name}.") if isinstance(value, dict) and value else {name: json_key(value)})
+    return out
 
 
 def _check_one_setting(run_dirs: list[str]) -> None:
     """Refuse a run counted twice, or runs whose configs differ beyond batch size and seed
-    (e.g. two pooled sweeps with different --set values)."""
+    (e.g. two pooled sweeps with different --set values), naming the keys that differ."""
     resolved = [str(Path(d).resolve()) for d in run_dirs]
     if len(set(resolved)) != len(resolved):
         raise ValueError("a run is counted twice (the same sweep or --reference given twice?)")
-    settings = {s for s in (_setting(d) for d in run_dirs) if s is not None}
-    if len(settings) > 1:
+    settings = [_flat(s) for s in (_setting(d) for d in run_dirs) if s is not None]
+    keys = sorted({k for s in settings for k in s if len({x.get(k) for x in settings}) > 1})
+    if keys:
         raise ValueError(
-            "the runs' configs differ in more than the batch size and seed (compare their config.yaml); "
-            "the law compares one setting at several batch sizes"
+            f"the runs' configs differ in more than the batch size and seed: {', '.join(keys)} "
+            "(compare their config.yaml); the law compares one setting at several batch sizes"
         )
 
 
