@@ -1,12 +1,12 @@
 """Thread-CPU ms per DP step (bk, B=256 in chunks of 256) of simplevgg-16(1)-32(1)-64 plain vs with
-weight standardisation / GroupNorm, 1 torch thread, interleaved."""
+weight standardisation (convs; convs and the hidden fc layer) / GroupNorm, 1 torch thread, interleaved."""
 import time, torch
 from dpscale.models import build_model
 from dpscale.privacy.engines import make_engine
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean
 torch.set_num_threads(1)
-variants = {"plain": {}, "ws": {"weight_standardization": True}, "gn8": {"norm_groups": 8}}
+variants = {"plain": {}, "ws": {"weight_standardization": True}, "ws+fc": {"weight_standardization": True, "head_weight_standardization": True}, "gn8": {"norm_groups": 8}}
 x = torch.rand(256, 1, 28, 28); y = torch.randint(0, 10, (256,))
 setups = {}
 for name, kw in variants.items():
