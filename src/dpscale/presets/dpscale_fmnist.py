@@ -80,8 +80,8 @@ DPSCALE_FMNIST_PRESETS = [
         "dpscale issues 28 and 47: Tramer & Boneh Table 13's CNN schedule (B=2048, lr 4, 40 epochs, C=0.1, "
         "momentum 0.9) on a simpleVGG chosen by TAN simulations at B=256, its convolutions (issue 47's "
         "simulations: +0.93) and its hidden fc layer (+0.30 at full batch, 5 paired seeds) weight-standardised, "
-        "PLD calibration; validation accuracy 90.09% +- 0.19, EMA 90.03% (8 seeds; seeds 0-2: 90.16% +- 0.14; "
-        "with plain fc 89.80% +- 0.24, 5 seeds; Tramer Table 1: 86.0%); docs/results.md",
+        "PLD calibration; validation accuracy 90.18% +- 0.14, EMA 90.07% (3 seeds; 8 seeds on an H200: 90.09% "
+        "+- 0.19; with plain fc 89.80% +- 0.24, 5 seeds; Tramer Table 1: 86.0%); docs/results.md",
     ),
 ]
 
