@@ -15,7 +15,8 @@ def test_the_cpu_form_of_the_device_suite_passes_and_writes_its_report(tmp_path)
         assert section in report
     checks = [line for line in report.splitlines() if line.startswith("| ") and line.rstrip().endswith(("ok |", "FAIL |"))]
     assert len(checks) >= 4 + 8 + 3 + 1 and all(line.endswith("ok |") for line in checks)
-    assert "| mnist-5k (embedded), 6 steps | 6 |" in report
+    assert "| mnist-5k (embedded), 6 steps, chunks of 16 | 6 |" in report
+    assert "| mnist-5k (embedded), 6 steps, chunks of 64 | 6 |" in report
 
 
 def test_a_failing_check_fails_the_suite(tmp_path, monkeypatch):

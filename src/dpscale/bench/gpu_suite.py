@@ -13,9 +13,9 @@
 4. **step time**: ``dpscale bench step-time`` rows (non-private, bk, auto, and opacus-ew where
    Opacus is installed) at the device's batch sizes, wall clock;
 5. **training loop**: the ``dpscale-fmnist-cnn`` preset trained by ``dpscale train`` itself
-   (``Trainer``) on the device: steps/s, and on a GPU the idle fraction (1 - kernel time / wall
-   time over a profiled window of steps) and the host syncs per step (``torch.cuda`` sync debug
-   mode); with ``--data-root`` (Fashion-MNIST) the whole preset to its test accuracy and epsilon,
+   (``Trainer``) on the device, in the preset's physical chunks and in one chunk per step:
+   steps/s, and on a GPU the idle fraction (1 - kernel time / wall time over a profiled window
+   of steps) and the host syncs per step (``torch.cuda`` sync debug mode); with ``--data-root`` (Fashion-MNIST) the whole preset to its test accuracy and epsilon,
    else (and with ``--quick``) a few steps on the embedded MNIST sample.
 
 Each check row ends in ok or FAIL; the command exits 1 on any FAIL. ``--device cpu --quick``
@@ -214,20 +214,32 @@ TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs pe
 PROFILED_STEPS = 20  # the window over which the idle fraction and the syncs are measured
 
 
+# Section 5's physical chunk sizes: the preset's (sized for a CPU's caches) and one chunk per
+# logical step (B = 2048 at most ~2,200 under Poisson sampling), since on a GPU each chunk costs
+# the host its Python per layer whatever its size; quick: the same two at B = 64.
+CHUNKS, QUICK_CHUNKS = (512, 4096), (16, 64)
+
+
 def training_rows(device: torch.device, data_root: str | None, quick: bool) -> list[str]:
-    """Section 5: the preset trained by the Trainer on ``device``; the row fails if the run does
-    not finish or its accuracy is not above chance."""
+    """Section 5: the preset trained by the Trainer on ``device``, once per physical chunk size
+    (``CHUNKS``); a row fails if its run does not finish or its accuracy is not above chance."""
+    full = data_root is not None and not quick
+    data = [f"data.root={data_root}"] if full else ["data.name=mnist-5k", "dp.batch_size=64", "train.steps=6"]
+    name = "fashion-mnist" if full else "mnist-5k (embedded), 6 steps"
+    return [_training_row(device, name, [*data, f"train.max_physical_batch_size={chunk}"], f"chunks of {chunk}")
+            for chunk in (CHUNKS if full else QUICK_CHUNKS)]  # fmt: skip
+
+
+def _training_row(device: torch.device, name: str, overrides: list[str], chunks: str) -> str:
+    """One section-5 row: the preset with ``overrides`` trained to its end on ``device``."""
     import tempfile
 
     from dpscale.config import load_config
     from dpscale.train.loop import Trainer
 
-    full = data_root is not None and not quick
-    data = [f"data.root={data_root}"] if full else ["data.name=mnist-5k", "dp.batch_size=64", "train.steps=6",
-                                                   "train.max_physical_batch_size=64"]  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         config = load_config("preset:dpscale-fmnist-cnn", [f"run.device={device.type}", f"run.out_dir={out}/run",
-                                                            "run.seed=0", *data])  # fmt: skip
+                                                            "run.seed=0", *overrides])  # fmt: skip
         trainer = Trainer.create(config, progress=False, report=False)
         warm = min(3, trainer.total_steps - 1)
         trainer.run(max_steps=warm)  # compiles kernels, tunes the clip methods
@@ -237,12 +249,11 @@ def training_rows(device: torch.device, data_root: str | None, quick: bool) -> l
         summary = trainer.run()
         rate = (trainer.step - done) / (time.perf_counter() - started)  # evaluations and checkpoints included
     assert summary is not None  # run() without max_steps trains to the end, then gives the summary
-    name = "fashion-mnist" if full else "mnist-5k (embedded), 6 steps"
     accuracy, epsilon = summary["test_accuracy"], summary["epsilon"]
     ok = summary["steps"] == trainer.total_steps and accuracy > 0.1
     fmt = lambda v, spec: "n/a (CPU)" if v is None else format(v, spec)  # noqa: E731
-    return [f"| {name} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | {sites} | "
-            f"{100 * accuracy:.2f}% | {epsilon:.2f} | {'ok' if ok else 'FAIL'} |"]  # fmt: skip
+    return (f"| {name}, {chunks} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | {sites} | "
+            f"{100 * accuracy:.2f}% | {epsilon:.2f} | {'ok' if ok else 'FAIL'} |")  # fmt: skip
 
 
 def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, float, str]:
