@@ -461,3 +461,14 @@ def save_config(config: Config, path: Path) -> None:
     from dpscale._io import atomic_write_text
 
     atomic_write_text(path, config_yaml(config))
+
+
+def flat_config(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim.lr": 0.5, ...}: a config dict's leaves under dotted keys."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dpscale._io import atomic_create_bytes, make_private_dir
-from dpscale.config import Config, config_yaml, parse_override
+from dpscale.config import Config, config_yaml, flat_config, parse_override
 from dpscale.errors import ConfigError
 from dpscale.runs import (
     CONFIG_NAME,
@@ -207,17 +207,6 @@ def open_new_run(run_dir: str | Path) -> NewRun:
         start.abandon()
         raise
     return start
-
-
-def flat_config(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"optim.lr": 0.5, ...}: a config dict's leaves under dotted keys."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and value:
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def config_changes(saved: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dpscale.config import flat_config
+
 
 @dataclass(frozen=True)
 class ScalingFit:
@@ -280,23 +282,14 @@ def _setting(run_dir: str) -> dict[str, Any] | None:
     return values
 
 
-def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """{"dp.max_grad_norm": "1.0", ...}: nested sections as dotted keys, values as JSON."""
-    out: dict[str, str] = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        out.update(_flat(value, f"{name}.") if isinstance(value, dict) and value else {name: json_key(value)})
-    return out
-
-
 def _check_one_setting(run_dirs: list[str]) -> None:
     """Refuse a run counted twice, or runs whose configs differ beyond batch size and seed
     (e.g. two pooled sweeps with different --set values), naming the keys that differ."""
     resolved = [str(Path(d).resolve()) for d in run_dirs]
     if len(set(resolved)) != len(resolved):
         raise ValueError("a run is counted twice (the same sweep or --reference given twice?)")
-    settings = [_flat(s) for s in (_setting(d) for d in run_dirs) if s is not None]
-    keys = sorted({k for s in settings for k in s if len({x.get(k) for x in settings}) > 1})
+    settings = [flat_config(s) for s in (_setting(d) for d in run_dirs) if s is not None]
+    keys = sorted({k for s in settings for k in s if len({json_key(x.get(k)) for x in settings}) > 1})
     if keys:
         raise ValueError(
             f"the runs' configs differ in more than the batch size and seed: {', '.join(keys)} "
