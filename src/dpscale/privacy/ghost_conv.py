@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.grad import conv2d_weight
 
-from dpscale.layers import ScaledStdConv2d, ScaledStdLinear
+from dpscale.layers import ScaledStdConv2d, ScaledStdLinear, standardized
 from dpscale.privacy.clipping import blocked_sq_norms, release_slack
 from dpscale.privacy.ghost_record import (
     FLOAT64_GRAM_COST,
@@ -343,6 +343,16 @@ def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torc
     return out
 
 
+def ws_rows(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight-standardised layer's standardised rows u (out, n) and k = gain / s (out,), s =
+    sqrt(n var + eps), computed in ``dtype`` (float64 for the closed forms)."""
+    assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), f"{type(m).__name__} is not weight-standardised"
+    with torch.no_grad():
+        w = m.weight.reshape(m.weight.shape[0], -1).to(dtype)
+        k = m.gain.to(dtype).reshape(-1) * torch.rsqrt(w.var(1, unbiased=False) * w.shape[1] + m.eps)
+        return standardized(w, m.eps), k
+
+
 def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
     """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output row,
     s = sqrt(n var + eps): from each example's gradient G (B, out, n) with respect to W',
@@ -351,18 +361,13 @@ def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor) -> torch.
     plus their squared norms (B,)."""
     m, b = r.module, grad_w.shape[0]
     assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), f"{type(m).__name__} is not weight-standardised"
-    rows = m.weight.shape[0]
-    with torch.no_grad():
-        u = m.standardized_weight().reshape(rows, -1).to(grad_w.dtype)
-        w = m.weight.reshape(rows, -1)
-        s = torch.sqrt(w.var(1, unbiased=False, keepdim=True) * w.shape[1] + m.eps).to(grad_w.dtype)
+    u, k = ws_rows(m, grad_w.dtype)
     along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
     if r.trainable.get("gain"):
         r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
         sq = sq + part(r, "gain", blocked_sq_norms(r.cache["gain"]))
     if r.trainable.get("weight"):
-        scale = (m.gain.detach().reshape(-1, 1) / s).to(grad_w.dtype)
-        r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * scale
+        r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * k.unsqueeze(1)
         sq = sq + part(r, "weight", blocked_sq_norms(r.cache["weight"]))
     return sq
 

@@ -22,10 +22,9 @@ from dpscale.layers import (
     ScalarGain,
     ScaledStdConv2d,
     ScaledStdLinear,
-    standardized,
 )
 from dpscale.privacy.clipping import blocked_sq_norms, gamma, release_slack
-from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms, ws_weight_norms
+from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms, ws_rows, ws_weight_norms
 from dpscale.privacy.ghost_record import (
     FLOAT64_GRAM_COST,
     Record,
@@ -125,15 +124,6 @@ def _ws_linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tenso
     return sq
 
 
-def _ws_rows(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ScaledStdLinear's standardised rows u (out, n) and k = gain / s (out,), in float64."""
-    assert isinstance(m, ScaledStdLinear), f"{type(m).__name__} is not a ScaledStdLinear"
-    with torch.no_grad():
-        w = m.weight.double()
-        k = m.gain.double().reshape(-1) * torch.rsqrt(w.var(1, unbiased=False) * w.shape[1] + m.eps)
-        return standardized(w, m.eps), k
-
-
 def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Weight and gain norms of a ScaledStdLinear whose examples have one input row a (B, n) and
     output gradient g (B, out), in float64 without the (B, out, n) gradients.
@@ -143,7 +133,7 @@ def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
     t_r^2), and the gain's gradient is g_r t_r. The release (``_ws_linear_sums``) uses the same
     a_c and t in float64, so the norm is that of what is released, up to the rounding bounded
     here (added to the squared norm) and the release's (``Record.slack``)."""
-    u, k = _ws_rows(r.module)
+    u, k = ws_rows(r.module, torch.float64)
     a64 = a.double()
     a_c = a64 - a64.mean(1, keepdim=True)
     g64, t = g.double(), a_c @ u.t()  # (B, out) each
@@ -176,7 +166,7 @@ def _ws_linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c
     along = (cg * cache["ws_t"]).sum(0)  # (out,)
     out: Params = {}
     if r.trainable.get("weight"):
-        u, k = _ws_rows(m)
+        u, k = ws_rows(m, torch.float64)
         weight = k.unsqueeze(1) * (cg.t() @ cache["ws_a"] - along.unsqueeze(1) * u)
         out["weight"] = weight.to(m.weight.dtype)
     if r.trainable.get("gain"):
