@@ -205,3 +205,23 @@ def test_weight_standardised_linear_releases_at_most_c_when_its_norm_cancels(eng
         clip = norm / 100  # every example clipped, the gradient a 1e-4 remnant of W
         _, release = norm_and_release(model, x, y, clip)
         assert release <= clip
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_weight_standardised_linear_drops_an_overflowing_example_exactly(engine_name):
+    """An example whose input overflows adds exactly nothing through the closed form's float64
+    cache (the engine zeroes its cached rows), as removing it would."""
+    from dpscale.layers import ScaledStdLinear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledStdLinear(12, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = torch.randn(6, 12), torch.randint(0, 3, (6,))
+    engine = make_engine(engine_name, 0.5, model)[0]
+    keep = torch.arange(6) != 2
+    without, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x[keep], y[keep]))
+    x_bad = x.clone()
+    x_bad[2, :4] = float("inf")
+    with_bad, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x_bad, y))
+    assert not bool(torch.isfinite(norms[2])) and bool(torch.isfinite(norms[keep]).all())
+    for n in without:
+        torch.testing.assert_close(with_bad[n], without[n], rtol=1e-6, atol=1e-9)

@@ -92,12 +92,14 @@ def test_head_weight_standardisation_standardises_each_hidden_row_in_float64():
 
 
 def test_simplevgg_options_train_through_the_config(tmp_path):
-    config = tiny_config(tmp_path, "model.name=simplevgg-8(1)-16", "model.kwargs={norm_groups: 4, weight_standardization: true}")
+    options = "model.kwargs={norm_groups: 4, weight_standardization: true, head_weight_standardization: true}"
+    config = tiny_config(tmp_path, "model.name=simplevgg-8(1)-16", options)
     trainer = Trainer.create(config, progress=False)
     trainer.run()
     assert [type(m).__name__ for m in trainer.model.features][:2] == ["ScaledStdConv2d", "GroupNorm"]
+    assert type(trainer.model.head[0]).__name__ == "ScaledStdLinear" and trainer.built.engine.name == "bk"  # no fallback
     saved = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
-    assert {"features.0.gain", "features.1.weight", "features.1.bias"} <= set(saved)
+    assert {"features.0.gain", "features.1.weight", "features.1.bias", "head.0.gain"} <= set(saved)
 
 
 @pytest.mark.parametrize("name", list_models())
