@@ -15,8 +15,9 @@
 5. **training loop**: the ``dpscale-fmnist-cnn`` preset trained by ``dpscale train`` itself
    (``Trainer``) on the device, in the preset's physical chunks and in one chunk per step:
    steps/s, and on a GPU the idle fraction (1 - kernel time / wall time over a profiled window
-   of steps) and the host syncs per step (``torch.cuda`` sync debug mode); with ``--data-root`` (Fashion-MNIST) the whole preset to its test accuracy and epsilon,
-   else (and with ``--quick``) a few steps on the embedded MNIST sample.
+   of steps) and the host syncs per step (``torch.cuda`` sync debug mode); with ``--data-root``
+   (Fashion-MNIST) the whole preset to its test accuracy and epsilon, else (and with
+   ``--quick``) a few steps on the embedded MNIST sample.
 
 Each check row ends in ok or FAIL; the command exits 1 on any FAIL. ``--device cpu --quick``
 runs the same checks at tiny sizes (the default test suite does).
