@@ -334,3 +334,23 @@ def test_strided_patches_equal_f_unfold_bit_for_bit(positions_first):
         want = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
         got = unfold_patches(x, kernel, dilation=dilation, padding=padding, stride=stride, positions_first=positions_first)
         assert torch.equal(got.transpose(1, 2) if positions_first else got, want), (kernel, dilation, padding, stride)
+
+
+def test_a_cache_written_under_one_instruction_set_is_not_read_under_another(tmp_path, monkeypatch):
+    """VMs name an AVX-512 and an AVX2-only EPYC alike ("AMD EPYC") and the two rank methods
+    differently: a cache shared between them (a home directory on a cluster) keeps them apart."""
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    monkeypatch.setattr(autotune, "cpu_model", lambda: "AMD EPYC")
+    path, cpu = tmp_path / "autotune.json", torch.device("cpu")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert "isa=AVX512" in autotune.device_descriptor(cpu)
+    calls: list[str] = []
+    wide = MethodTuner(cache_file=path)
+    assert wide.choose("l", "sig", cpu, "a", [_candidate("a", 100, calls), _candidate("b", 10, calls)], 8) == "b"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    calls.clear()
+    narrow, small, large = MethodTuner(cache_file=path), _candidate("a", 10, calls), _candidate("b", 100, calls)
+    small.macs = large.macs = 1.0  # both in contention: only a timing can pick "a"
+    assert narrow.choose("l", "sig", cpu, "b", [small, large], 8) == "a"
+    assert calls and narrow.as_json()["layers"]["l"][1] == "timed"  # timed here, not taken from the AVX-512 entry
+    assert {key.split(":")[2] for key in json.loads(path.read_text())} == {"isa=AVX512", "isa=AVX2"}

@@ -417,9 +417,9 @@ def _load_average() -> float:
 
 
 def _cpu_name() -> str:
-    from dpscale.privacy.autotune import cpu_model
+    from dpscale.privacy.autotune import cpu_isa, cpu_model
 
-    return f"{cpu_model() or platform.machine() + ' CPU'}, {os.cpu_count()} logical cores"
+    return f"{cpu_model() or platform.machine() + ' CPU'} ({cpu_isa()} kernels), {os.cpu_count()} logical cores"
 
 
 def markdown_table(

@@ -57,14 +57,25 @@ def autotune_cache_path() -> Path:
 
 
 def device_descriptor(device: torch.device) -> str:
-    """What the timings depend on besides the shapes: the processor (or GPU) model, the torch
-    threads and version, and on a CPU whether freed memory is kept (``dpscale.cpu_memory``: page
-    faults made the instantiating methods several times slower). E.g.
-    ``cpu:AMD EPYC 9B14:threads=1:torch=2.13.0:memory=kept``."""
+    """What the timings depend on besides the shapes: the processor (or GPU) model, on a CPU the
+    vector instruction set torch's kernels run with, the torch threads and version, and on a CPU
+    whether freed memory is kept (``dpscale.cpu_memory``: page faults made the instantiating
+    methods several times slower). E.g. ``cpu:AMD EPYC:isa=AVX2:threads=1:torch=2.13.0:memory=kept``.
+
+    The instruction set is there because virtual machines name very different processors alike:
+    two "AMD EPYC" VMs, one with AVX-512 and one with AVX2 only, ranked papernot-cnn's two layers'
+    methods in opposite orders, and a cache in a home directory shared by both would carry one's
+    choices to the other."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}:threads={torch.get_num_threads()}:torch={torch.__version__}"
     name = cpu_model() or platform.processor() or platform.machine()
-    return f"cpu:{name}:threads={torch.get_num_threads()}:torch={torch.__version__}:memory={memory_mode()}"
+    return f"cpu:{name}:isa={cpu_isa()}:threads={torch.get_num_threads()}:torch={torch.__version__}:memory={memory_mode()}"
+
+
+def cpu_isa() -> str:
+    """The vector instruction set torch's CPU kernels run with in this process ("AVX512", "AVX2",
+    "DEFAULT"; lower than the processor's where ``ATEN_CPU_CAPABILITY`` caps it)."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def cpu_model() -> str | None:
