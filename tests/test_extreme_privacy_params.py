@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from dp_accounting.pld import common as pld_common
 from scipy import fft as scipy_fft
-from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
+from dp_accounting.pld import privacy_loss_mechanism
 
 from dpscale.cli import main
 from dpscale.privacy import accountant as accountant_module
@@ -51,7 +51,7 @@ def _no_debug_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _array_size_sentinel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail at once, before allocating, on a step PLD or a composition larger than the caps (x2 slack)."""
-    build = privacy_loss_distribution.from_gaussian_mechanism
+    build = accountant_module.gaussian_pld  # every Gaussian PLD the accountant builds
 
     def checked_build(standard_deviation: float, *args: Any, **kwargs: Any) -> Any:
         grid, q = kwargs.get("value_discretization_interval", 1e-4), kwargs.get("sampling_prob", 1.0)
@@ -69,7 +69,7 @@ def _array_size_sentinel(monkeypatch: pytest.MonkeyPatch) -> None:
             assert target <= 2 * PLD_MAX_COMPOSED_POINTS, f"composed PLD of {target:.3g} points"
             return scipy_fft.next_fast_len(target, *args, **kwargs)
 
-    monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", checked_build)
+    monkeypatch.setattr(accountant_module, "gaussian_pld", checked_build)
     monkeypatch.setattr(pld_common, "fft", CheckedFft())
 
 

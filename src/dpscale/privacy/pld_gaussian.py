@@ -1,0 +1,124 @@
+"""The PLD of a (Poisson-subsampled) Gaussian mechanism exactly as ``dp_accounting`` builds it, 3-7x faster.
+
+``dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism`` discretises the privacy
+loss by the connect-the-dots algorithm: it asks the mechanism for delta(epsilon) at every grid
+point (~10^4-10^5 of them), and ``get_delta_for_epsilon`` inverts the privacy loss one grid point at
+a time in Python (``inverse_privacy_loss``: 9.5 million calls, a quarter of the time of
+tests/test_train.py and three other files under a profiler). Building one step's PLD took 0.31 s at
+q = 256/60000, sigma = 1.1 on the 2-core AMD EPYC VM, and a calibration builds 5-10 of them.
+
+``_VectorisedGaussianLoss`` is dp_accounting's ``GaussianPrivacyLoss`` with that inversion done
+by numpy over the whole grid, by the same floating-point operations in the same order (the
+library's ``log_a_times_exp_b_plus_c`` and its ``math.isclose`` test at the boundary), so the PMF is
+bit-identical: tests/test_pld_gaussian.py compares every probability, the lower loss and the
+infinity mass with ``from_gaussian_mechanism`` over a grid of (sigma, q, grid), and the
+accountant's epsilons with dp_accounting's own ``PLDAccountant``. Everything else (the noise's
+CDFs, the connect-the-dots bounds, the pessimistic PMF, composition) is dp_accounting's code.
+Where a dp_accounting version lacks the private helpers this relies on, ``gaussian_pld`` falls
+back to the public ``from_gaussian_mechanism``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
+
+_Adjacency = privacy_loss_mechanism.AdjacencyType
+_PRIVATE_HELPERS = ("_create_pld_pmf_from_monotone_privacy_loss", "_pld_for_subsampled_mechanism")
+# dp_accounting's default for the Gaussian's mass truncation, kept so both builds discretise the same range
+_LOG_MASS_TRUNCATION_BOUND = -50.0
+
+
+def gaussian_pld(
+    standard_deviation: float, sampling_prob: float = 1.0, value_discretization_interval: float = 1e-4
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """``from_gaussian_mechanism(standard_deviation, sensitivity=1, pessimistic_estimate=True,
+    sampling_prob=..., value_discretization_interval=..., use_connect_dots=True)`` for add/remove
+    adjacency, bit for bit, with the privacy loss inverted over the whole grid at once.
+
+    Args:
+        standard_deviation: the noise multiplier sigma (sensitivity 1).
+        sampling_prob: Poisson sampling rate q in (0, 1].
+        value_discretization_interval: the PLD's grid, in nats.
+
+    Returns:
+        the pessimistic privacy loss distribution (add and remove sides when q < 1).
+    """
+    if not all(hasattr(privacy_loss_distribution, name) for name in _PRIVATE_HELPERS):
+        return privacy_loss_distribution.from_gaussian_mechanism(
+            standard_deviation, sampling_prob=sampling_prob, value_discretization_interval=value_discretization_interval
+        )
+
+    def single(adjacency: Any) -> Any:
+        loss = _VectorisedGaussianLoss(
+            standard_deviation, sensitivity=1, pessimistic_estimate=True,
+            log_mass_truncation_bound=_LOG_MASS_TRUNCATION_BOUND, sampling_prob=sampling_prob, adjacency_type=adjacency,
+        )  # fmt: skip
+        return privacy_loss_distribution._create_pld_pmf_from_monotone_privacy_loss(
+            loss, pessimistic_estimate=True, value_discretization_interval=value_discretization_interval, use_connect_dots=True
+        )
+
+    return privacy_loss_distribution._pld_for_subsampled_mechanism(single, sampling_prob)
+
+
+class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
+    """dp_accounting's Gaussian privacy loss whose ``get_delta_for_epsilon`` inverts the loss
+    for a whole array of epsilons at once (add or remove adjacency); anything else, and any input
+    the library would refuse, goes to the library's own method."""
+
+    def get_delta_for_epsilon(self, epsilon: Any) -> Any:
+        if isinstance(epsilon, numbers.Number) or self.adjacency_type not in (_Adjacency.ADD, _Adjacency.REMOVE):
+            return super().get_delta_for_epsilon(epsilon)
+        epsilons = np.asarray(epsilon, dtype=float)
+        deltas = np.zeros_like(epsilons, dtype=float)
+        q = self.sampling_prob
+        if q == 1.0:
+            inverted = np.full_like(epsilons, True, dtype=bool)
+        elif self.adjacency_type == _Adjacency.ADD:
+            inverted = epsilons < -math.log1p(-q)  # the divergence is 0 beyond
+        else:
+            inverted = epsilons > math.log1p(-q)
+            deltas[~inverted] = -np.expm1(epsilons[~inverted])
+        cutoffs = self._inverse_privacy_losses(epsilons[inverted])
+        if cutoffs is None:  # a loss the library refuses: let it raise its own error
+            return super().get_delta_for_epsilon(epsilon)
+        deltas[inverted] = self.mu_upper_cdf(cutoffs) - np.exp(epsilons[inverted] + self.mu_lower_log_cdf(cutoffs))
+        return np.clip(deltas, 0, 1)
+
+    def _inverse_privacy_losses(self, losses: np.ndarray) -> np.ndarray | None:
+        """``inverse_privacy_loss`` of each loss (the largest x whose loss is at least it), None
+        where the library would raise (a loss outside the subsampled mechanism's range)."""
+        s, variance, q = self.sensitivity, self._standard_deviation**2, self.sampling_prob
+        add = self.adjacency_type == _Adjacency.ADD
+        if q == 1.0:
+            unsampled = losses
+        else:
+            edge = -math.log(1 - q) if add else math.log(1 - q)
+            near = np.abs(losses - edge) <= 1e-9 * np.maximum(np.abs(losses), abs(edge))  # math.isclose, rel_tol 1e-9
+            logged = _log_a_times_exp_b_plus_c(1 / q, -losses if add else losses, 1 - 1 / q)
+            if logged is None or bool(np.isnan(logged[~near]).any()):
+                return None
+            unsampled = -logged if add else logged
+            unsampled[near] = math.inf if add else -math.inf  # the library's inverse at +-infinity
+        with np.errstate(invalid="ignore"):  # inf * variance at the boundary, as the library computes it
+            remove = -0.5 * s - unsampled * variance / s
+        return s + remove if add else remove
+
+
+def _log_a_times_exp_b_plus_c(a: float, b: np.ndarray, c: float) -> np.ndarray | None:
+    """``dp_accounting.pld.common.log_a_times_exp_b_plus_c`` elementwise for a > 0 > c (q < 1):
+    log(a exp(b) + c) by its operations, NaN where it would raise; None for other signs."""
+    if not a > 0 > c:
+        return None
+    log_a, log_minus_c = np.log(a), np.log(-c)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = b + log_a
+        out = d + np.log1p(-np.exp(log_minus_c - d))  # the library's _log_sub(d, log(-c))
+    out[log_minus_c >= d] = np.nan  # the library raises: "a must be greater than b"
+    zero = b == 0
+    out[zero] = np.log(a + c)  # the library's b == 0 branch
+    return out

@@ -1,0 +1,85 @@
+"""The vectorised Gaussian PLD (``dpscale.privacy.pld_gaussian``) is dp_accounting's, bit for bit:
+every probability, the lower loss and the infinity mass of both sides equal
+``from_gaussian_mechanism``'s over a grid of noise, sampling rates and grids, and delta(epsilon)
+equals the library's at the awkward epsilons (the subsampled range's edge and one ulp either
+side, 0 and -0, far outside)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
+
+from dpscale.privacy import pld_gaussian
+from dpscale.privacy.pld_gaussian import gaussian_pld
+
+ADD, REMOVE = privacy_loss_mechanism.AdjacencyType.ADD, privacy_loss_mechanism.AdjacencyType.REMOVE
+
+
+def _pmfs(pld: privacy_loss_distribution.PrivacyLossDistribution) -> list:
+    return [pld._pmf_remove.to_dense_pmf(), pld._pmf_add.to_dense_pmf()]
+
+
+def _assert_identical(
+    got: privacy_loss_distribution.PrivacyLossDistribution, want: privacy_loss_distribution.PrivacyLossDistribution
+) -> None:
+    for ours, theirs in zip(_pmfs(got), _pmfs(want), strict=True):
+        assert ours._lower_loss == theirs._lower_loss
+        assert ours._infinity_mass == theirs._infinity_mass
+        assert ours._discretization == theirs._discretization
+        assert np.array_equal(ours._probs, theirs._probs)
+
+
+CASES = [  # (sigma, q, grid): tiny to certain sampling, little to much noise, both grids accounting uses
+    (0.5, 0.004, 1e-3), (1.1, 256 / 60000, 1e-4), (0.8, 0.05, 1e-3), (2.0, 0.5, 1e-3), (4.0, 0.999, 1e-3),
+    (1.0, 1.0, 1e-3), (3.0, 1.0, 1e-4), (20.0, 0.01, 1e-4), (0.3, 1e-4, 1e-3), (1.1, 0.004, 2e-3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sigma,q,grid", CASES)
+def test_the_pmf_is_dp_accountings_bit_for_bit(sigma, q, grid):
+    want = privacy_loss_distribution.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid)
+    _assert_identical(gaussian_pld(sigma, sampling_prob=q, value_discretization_interval=grid), want)
+
+
+@pytest.mark.parametrize("adjacency", [ADD, REMOVE])
+@pytest.mark.parametrize("q", [0.004, 0.3, 1.0])
+def test_delta_at_the_awkward_epsilons_is_the_librarys(adjacency, q):
+    edge = (-math.log(1 - q) if adjacency == ADD else math.log(1 - q)) if q < 1 else -1.0  # q = 1: no edge
+    epsilons = np.array([edge, np.nextafter(edge, -np.inf), np.nextafter(edge, np.inf), edge * (1 + 1e-10), 0.0, -0.0,
+                         -math.log1p(-q) if q < 1 else 2.0, 1e-12, -3.0, 0.5, 7.0, 40.0])  # fmt: skip
+    epsilons = epsilons[np.isfinite(epsilons)]
+    args = dict(sensitivity=1, pessimistic_estimate=True, log_mass_truncation_bound=-50, sampling_prob=q, adjacency_type=adjacency)
+    ours = pld_gaussian._VectorisedGaussianLoss(0.9, **args)
+    theirs = privacy_loss_mechanism.GaussianPrivacyLoss(0.9, **args)
+    assert np.array_equal(ours.get_delta_for_epsilon(epsilons), theirs.get_delta_for_epsilon(epsilons))
+    assert ours.get_delta_for_epsilon(0.5) == theirs.get_delta_for_epsilon(0.5)  # scalars: the library's own
+    inside = np.array([e for e in epsilons if _inverts(theirs, e)])  # where the library's inverse is defined
+    want = np.array([theirs.inverse_privacy_loss(float(e)) for e in inside])
+    assert len(inside) >= 6 and np.array_equal(ours._inverse_privacy_losses(inside), want)  # +-infinity at the edge
+
+
+def _inverts(loss: privacy_loss_mechanism.GaussianPrivacyLoss, epsilon: float) -> bool:
+    try:
+        loss.inverse_privacy_loss(float(epsilon))
+    except ValueError:  # beyond the subsampled mechanism's range
+        return False
+    return True
+
+
+def test_without_the_private_helpers_the_public_builder_is_used(monkeypatch):
+    """Another dp_accounting version without the helpers: the library's public function, same PMF."""
+    calls = []
+    public = privacy_loss_distribution.from_gaussian_mechanism
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return public(*args, **kwargs)
+
+    monkeypatch.setattr(pld_gaussian, "_PRIVATE_HELPERS", (*pld_gaussian._PRIVATE_HELPERS, "_gone_in_this_version"))
+    monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", counted)
+    got = gaussian_pld(1.1, sampling_prob=0.01, value_discretization_interval=1e-3)
+    assert calls == [(1.1,)]
+    _assert_identical(got, public(1.1, sampling_prob=0.01, value_discretization_interval=1e-3))
