@@ -230,6 +230,8 @@ _PRIVATE_BY_DESIGN = {
     "torch._dynamo",
     "onnx._internal",
     "exporter._registration",
+    "privacy_loss_distribution._create_pld_pmf_from_monotone_privacy_loss",  # pld_gaussian, with a fallback
+    "privacy_loss_distribution._pld_for_subsampled_mechanism",
     "pld._pmf_remove",
     "pld._pmf_add",
     "pld._symmetric",
