@@ -110,7 +110,7 @@ def test_a_real_tuning_pass_times_every_candidate_and_stays_exact(case, monkeypa
     torch.testing.assert_close(norms, want.norms, rtol=1e-7, atol=0)
     for name, ref in want.clipped_sum.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-7, atol=1e-10)
-    timed = [entry for entry in tuner.as_json()["layers"].values() if entry[1].startswith("timed")]
+    timed = [entry for entry in tuner.as_json()["layers"].values() if entry[1] == "timed"]
     assert timed and all(len(ms) >= 2 for _, _, ms in timed)
 
 
@@ -147,49 +147,6 @@ def test_the_fastest_measured_candidate_is_kept_and_remembered_for_any_batch(tmp
     later = MethodTuner(cache_file=tmp_path / "autotune.json")
     assert later.choose("layer.a", "sig", cpu, "slow", [slow, fast], rows=64) == "fast"
     assert len(calls) == timed and later.as_json()["layers"]["layer.a"][1] == "cache"
-
-
-def test_of_candidates_within_the_timing_noise_the_one_allocating_least_is_kept(tmp_path, monkeypatch):
-    """Medians within TUNE_TIE of the fastest: the fewest estimated bytes wins, and the log says
-    why; a slower candidate beyond it is not kept however lean."""
-    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
-    timings = {"patches": 5.96, "grouped": 6.27, "gram": 9.0}
-    monkeypatch.setattr(autotune, "_time_candidates", lambda candidates, device: {c.name: timings[c.name] for c in candidates})
-    calls: list[str] = []
-    made = {name: _candidate(name, 10, calls) for name in timings}
-    made["patches"].memory_bytes, made["grouped"].memory_bytes, made["gram"].memory_bytes = 47e6, 37e6, 1e6
-    cpu, path = torch.device("cpu"), tmp_path / "autotune.json"
-    tuner = MethodTuner(cache_file=path)
-    assert tuner.choose("conv1", "sig", cpu, "patches", list(made.values()), rows=256) == "grouped"
-    assert tuner.as_json()["layers"]["conv1"][:2] == ["grouped", "timed, least memory"]
-    assert "conv1 grouped (timed, least memory: patches 6.0/grouped 6.3/gram 9.0 ms)" in tuner.describe()
-    assert json.loads(path.read_text())[autotune.device_descriptor(cpu)] == {"sig": "grouped"}
-    timings["grouped"] = 5.96 * (1 + autotune.TUNE_TIE) * 1.01  # just beyond the noise: the fastest
-    fresh = MethodTuner(cache_file=None)
-    assert fresh.choose("conv1", "sig", cpu, "grouped", list(made.values()), rows=256) == "patches"
-    assert fresh.as_json()["layers"]["conv1"][1] == "timed"
-
-
-def test_the_memory_estimates_rank_a_thin_strided_convs_methods():
-    """papernot-cnn's first layer (1 -> 16 channels, 8 x 8 / 2 on 28 x 28) at B = 256: the grouped
-    convolution builds no patches (11.1 MB of them for the im2col methods), and the Gram form's
-    float64 Grams of 169 positions cost more than either."""
-    from dpscale.models import build_model
-
-    seen: dict[str, dict[str, float]] = {}
-
-    class _Recording(MethodTuner):
-        def choose(self, layer, signature, device, rule, candidates, rows):  # noqa: D102
-            seen[layer] = {c.name: c.memory_bytes for c in candidates}
-            return rule
-
-    model = build_model("papernot-cnn", 10, (1, 28, 28))
-    engine, _ = make_engine("bk", 1.0, model, tuner=_Recording(enabled=False))
-    engine.per_example_clipped_sum(model, trainable_params(model), (torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,))))
-    first = seen["features.0"]
-    patches = 4 * 256 * 169 * 64
-    assert first["bmm"] == first["bmm-positions"] == first["grouped"] + patches - 4 * 256 * (28 * 28 + 16 * 169)
-    assert first["grouped"] < first["bmm"] < first["gram"] and first["pixel-gram"] > first["bmm"]
 
 
 def test_a_pinned_choice_wins_and_small_or_untuned_chunks_take_the_rule(tmp_path, monkeypatch):
@@ -292,7 +249,7 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
     summary = full.run()
     assert "clip methods on cpu:" in capsys.readouterr().err
     layers = full.built.engine.tuner.as_json()["layers"]
-    assert layers and all(kind in ("timed", "timed, least memory", "estimate") for _, kind, _ in layers.values())
+    assert layers and all(kind in ("timed", "estimate") for _, kind, _ in layers.values())
     assert summary["clip_methods"] == {name: method for name, (method, _, _) in layers.items()}
     assert Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=2) is None  # from the cache
     cache = tmp_path / "cache" / "autotune.json"

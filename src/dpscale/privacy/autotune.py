@@ -47,12 +47,6 @@ TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the
 # (a 5 ms layer's medians over 3 rounds differed by 10% between runs on a shared VM).
 TUNE_MAX_REPEATS, TUNE_WINDOW_MS = 11, 60.0
 TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
-# Candidates whose medians are within this fraction of the fastest are as fast as timing on a shared VM
-# can tell (a 5 ms layer's medians differed by 10% between runs): of those the one allocating the fewest
-# bytes is kept, so that the choice, and the step's peak memory, do not flip with the timing noise (papernot-cnn's
-# first layer: grouped 5.96 ms and bmm-positions 6.27 on the AVX2 VM, the latter 10 MB of patches more;
-# a tuning pass under load kept it and the step's peak rose from 37.1 to 46.8 MB).
-TUNE_TIE = 0.10
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
 
 
@@ -99,24 +93,19 @@ def cpu_model() -> str | None:
 @dataclass
 class Candidate:
     """One exact method for a layer: its name, estimated multiply-adds per example, the bytes of
-    the Gram matrices it would build for the chunk (0 if none), a call that runs it (norms and
-    clipped sum) on the chunk without touching the record, and the estimated bytes it allocates
-    for the chunk (what it keeps until the clipped sum plus its temporaries: patches, float64
-    copies, Grams), which decides between candidates within ``TUNE_TIE`` of the fastest."""
+    the Gram matrices it would build for the chunk (0 if none), and a call that runs it (norms and
+    clipped sum) on the chunk without touching the record."""
 
     name: str
     macs: float
     gram_bytes: float
     run: Callable[[], Any]
-    memory_bytes: float = 0.0
 
 
 @dataclass
 class LayerChoice:
-    """The method one layer uses: how it was chosen ("timed"; "timed, least memory" when it is not
-    the fastest but within ``TUNE_TIE`` of it and allocates the fewest bytes of those; "estimate",
-    "cache", "pinned" from a checkpoint) and, when timed, each candidate's median milliseconds on
-    this chunk."""
+    """The method one layer uses: how it was chosen ("timed", "cache", "pinned" from a checkpoint)
+    and, when timed, each candidate's median milliseconds on this chunk."""
 
     method: str
     source: str
@@ -144,9 +133,8 @@ class MethodTuner:
                rows: int) -> str:  # fmt: skip
         """The method for ``layer`` (signature without the batch size): the remembered choice,
         else the cached one, else the fastest of the contending candidates timed now on this
-        chunk of ``rows`` examples (of those within ``TUNE_TIE`` of it, the one allocating the
-        fewest bytes); the shape rule's ``rule`` when tuning is off or the chunk is too small to
-        time (then nothing is remembered)."""
+        chunk of ``rows`` examples; the shape rule's ``rule`` when tuning is off or the chunk is too
+        small to time (then nothing is remembered)."""
         known = self.remembered(layer, signature)
         if known is not None:
             return known
@@ -162,10 +150,9 @@ class MethodTuner:
         started = time.perf_counter()
         ms = _time_candidates(contending, device)
         self.tuning_s += time.perf_counter() - started
-        best = _fastest_leanest(ms, {c.name: c.memory_bytes for c in contending})
+        best = min(ms, key=ms.__getitem__)
         self._store(device, signature, best)
-        source = "timed" if ms[best] == min(ms.values()) else "timed, least memory"
-        return self._remember(layer, signature, LayerChoice(best, source, ms))
+        return self._remember(layer, signature, LayerChoice(best, "timed", ms))
 
     def remembered(self, layer: str, signature: str) -> str | None:
         """The method already chosen for ``signature`` (now also ``layer``'s), else None: every step
@@ -259,14 +246,6 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
         c for c in candidates
         if c.name == rule or (c.macs <= TUNE_SPREAD * cheapest and c.gram_bytes <= TUNE_MAX_GRAM_BYTES)
     ]  # fmt: skip
-
-
-def _fastest_leanest(ms: dict[str, float], memory_bytes: dict[str, float]) -> str:
-    """Of the candidates whose median ``ms`` is within ``TUNE_TIE`` of the fastest, the one with
-    the fewest estimated ``memory_bytes`` (equal bytes: the faster)."""
-    fastest = min(ms.values())
-    near = [name for name, t in ms.items() if t <= (1.0 + TUNE_TIE) * fastest]
-    return min(near, key=lambda name: (memory_bytes.get(name, 0.0), ms[name]))
 
 
 def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:

@@ -17,7 +17,6 @@ from dpscale.layers import ScaledStdConv2d, ScaledStdLinear, standardized
 from dpscale.privacy.clipping import blocked_sq_norms, release_slack
 from dpscale.privacy.ghost_record import (
     FLOAT64_GRAM_COST,
-    MethodCost,
     Record,
     accurate_enough,
     gram_sq_norms,
@@ -266,25 +265,22 @@ CONV_WEIGHT_METHODS = {
 }  # fmt: skip
 
 
-def _conv_weight_costs(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[str, dict[str, MethodCost]]:
-    """The shape rule's method for a conv weight (ghost: Gram forms only) and the exact candidates'
-    ``MethodCost``: multiply-adds per example, Gram bytes, bytes allocated for the chunk."""
+def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
+    """The shape rule's method for a conv weight (ghost: Gram forms only), or the tuner's among
+    the exact candidates."""
     m, b = _conv(r), a.shape[0] // r.views
     length = g[0, 0].numel() * r.views  # an example's positions, over all its views
     d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
     explicit = length * d_in * d_out
-    size, blocks = a.element_size(), b * m.groups  # per-example, per-group blocks in the chunk
-    patches, grads = size * blocks * length * d_in, size * blocks * d_out * d_in  # im2col; kept gradients
     gram_cost = FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
-    gram_bytes = 16.0 * blocks * length * length
-    costs: dict[str, MethodCost] = {"gram": (gram_cost, gram_bytes, patches + 8.0 * blocks * length * (d_in + d_out) + gram_bytes)}
+    costs: dict[str, tuple[float, float]] = {"gram": (gram_cost, 16.0 * b * m.groups * length * length)}
     if _pixel_gram_eligible(m):
         (kh, kw), _, (ph, pw), _ = _conv_geometry(m)
         pixels = r.views * (a.shape[-2] + 2 * ph) * (a.shape[-1] + 2 * pw)
+        taps = kh * kw  # + the k^2 strided L x L slices the tuner has seen cost
         pixel_cost = _pixel_gram_cost(m, a, length, r.views)
-        pixel_grams = 8.0 * b * (pixels * pixels + 2 * length * length)
-        costs["pixel-gram"] = (pixel_cost + PIXEL_SLICE_COST * kh * kw * length * length,  # + the k^2 L x L slices
-                               pixel_grams, pixel_grams + 8.0 * (b * pixels * m.in_channels + g.numel()))  # fmt: skip
+        costs["pixel-gram"] = (pixel_cost + PIXEL_SLICE_COST * taps * length * length,
+                               8.0 * b * (pixels * pixels + 2 * length * length))  # fmt: skip
     if "pixel-gram" in costs and pixel_cost < min(explicit, gram_cost):  # the rule: without the slices' cost
         rule = "pixel-gram"
     elif r.gram_only or use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
@@ -292,25 +288,15 @@ def _conv_weight_costs(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[str
     else:
         rule = "bmm" if _bmm_is_faster(d_in, d_out, length) else "grouped"
     if not r.gram_only:
-        # grouped: the kernel's own copies of the input and output gradient, an estimate
-        costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0, patches + grads),
-                     grouped=(explicit, 0.0, grads + size * (a.numel() + g.numel())))  # fmt: skip
+        costs.update(bmm=(explicit + IM2COL_COST * length * d_in, 0.0), grouped=(explicit, 0.0))
         if m.groups == 1:  # a tuner's candidate only, never the shape rule's
             costs["bmm-positions"] = costs["bmm"]
         costs = accurate_enough(costs, rule, length)
-    return rule, costs
-
-
-def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
-    """The shape rule's method for a conv weight (ghost: Gram forms only), or the tuner's among
-    the exact candidates."""
-    m = _conv(r)
-    rule, costs = _conv_weight_costs(r, a, g)
     signature = (
         f"{type(m).__name__}|in={tuple(a.shape[1:])}|out={tuple(g.shape[1:])}|{_conv_geometry(m)}"
         f"|groups={m.groups}|views={r.views}|{a.dtype}"
     )
-    return tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), conv_sums, a.shape[0] // r.views)
+    return tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), conv_sums, b)
 
 
 def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -113,12 +113,7 @@ def use_ghost(length: int, d_in: int, d_out: int, overhead: float = 0.0) -> bool
 TUNED_GRAM_MAX_POSITIONS = 256
 
 
-# A method's estimates for the tuner: (multiply-adds per example, Gram bytes for the chunk, bytes it
-# allocates for the chunk: kept per-example gradients + temporaries; see ``autotune.Candidate``).
-MethodCost = tuple[float, float, float]
-
-
-def accurate_enough(costs: dict[str, MethodCost], rule: str, length: int) -> dict[str, MethodCost]:
+def accurate_enough(costs: dict[str, tuple[float, float]], rule: str, length: int) -> dict[str, tuple[float, float]]:
     """``costs`` without the Gram forms the tuner may not take at ``length`` positions (bk mode)."""
     if length <= TUNED_GRAM_MAX_POSITIONS:
         return costs
@@ -126,12 +121,12 @@ def accurate_enough(costs: dict[str, MethodCost], rule: str, length: int) -> dic
 
 
 def tuned(
-    r: Record, signature: str, rule: str, costs: dict[str, MethodCost], methods: dict[str, Callable],
+    r: Record, signature: str, rule: str, costs: dict[str, tuple[float, float]], methods: dict[str, Callable],
     args: tuple, rows: tuple, sums: Callable, examples: int,
 ) -> str:  # fmt: skip
     """The method for ``r``'s weight: ``rule`` without a tuner, else the tuner's choice among the
-    exact candidates (name -> ``MethodCost``), each timed as its norms plus the clipped sum on a
-    scratch copy of the record (the record itself untouched)."""
+    exact candidates (name -> (multiply-adds per example, Gram bytes for the chunk)), each timed as
+    its norms plus the clipped sum on a scratch copy of the record (the record itself untouched)."""
     if r.tuner is None:
         return rule
     signature = f"{signature}|{args[0].device.type}"
@@ -148,7 +143,7 @@ def tuned(
 
         return run
 
-    candidates = [Candidate(name, macs, gram, runner(name), memory) for name, (macs, gram, memory) in costs.items()]
+    candidates = [Candidate(name, macs, gram, runner(name)) for name, (macs, gram) in costs.items()]
     return r.tuner.choose(r.name, signature, args[0].device, rule, candidates, examples)
 
 

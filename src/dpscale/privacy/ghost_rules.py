@@ -27,7 +27,6 @@ from dpscale.privacy.clipping import blocked_sq_norms, gamma, release_slack
 from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms, ws_rows, ws_weight_norms
 from dpscale.privacy.ghost_record import (
     FLOAT64_GRAM_COST,
-    MethodCost,
     Record,
     accurate_enough,
     cached_sums,
@@ -63,10 +62,9 @@ def _linear_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor, rows: tup
     methods; ``rows`` = the record's (inputs, output grads) as the release takes them."""
     t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
     rule = "gram" if r.gram_only or use_ghost(t, d_in, d_out) else "bmm"
-    grams = 2 * 8.0 * t * t * len(a)  # bytes: the float64 Grams, after the float64 copies of a and g
-    costs: dict[str, MethodCost] = {"gram": (FLOAT64_GRAM_COST * t * t * (d_in + d_out), grams, grams + 8.0 * (a.numel() + g.numel()))}
+    costs: dict[str, tuple[float, float]] = {"gram": (FLOAT64_GRAM_COST * t * t * (d_in + d_out), 2 * 8.0 * t * t * len(a))}
     if not r.gram_only:
-        costs["bmm"] = (t * d_in * d_out, 0.0, float(a.element_size() * len(a) * d_in * d_out))
+        costs["bmm"] = (t * d_in * d_out, 0.0)
         costs = accurate_enough(costs, rule, t)
     signature = f"Linear|t={t}|in={d_in}|out={d_out}|views={r.views}|{a.dtype}"
     return tuned(r, signature, rule, costs, LINEAR_WEIGHT_METHODS, (a, g), rows, _linear_sums, len(a))
