@@ -247,28 +247,13 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precisi
 
 def _peak_memory_mb(timed: TimedStep, device: torch.device) -> float:
     """Extra tensor memory at the peak of one step over model + optimizer + data (see module docstring)."""
+    from dpscale.privacy.autotune import peak_bytes
+
     timed.release()
-    step = timed.run
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start)
-    live = peak = 0
-    for event in events:
-        if event.cpu_children:  # count each allocation once, at the innermost op
-            continue
-        live += event.cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 2**20
+    return peak_bytes(timed.run, device) / 2**20
 
 
 def _sync(device: torch.device) -> None:

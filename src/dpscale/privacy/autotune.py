@@ -47,6 +47,13 @@ TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the
 # (a 5 ms layer's medians over 3 rounds differed by 10% between runs on a shared VM).
 TUNE_MAX_REPEATS, TUNE_WINDOW_MS = 11, 60.0
 TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
+# Candidates whose medians are within this fraction of the fastest are as fast as timing on a shared VM can
+# tell: of those, the one whose measured peak tensor memory (``peak_bytes``) is lowest is kept, so that
+# neither the choice nor the step's peak follows the timing noise. papernot-cnn's second layer on the 2-core
+# AVX2 VM, two tuning passes a second apart: bmm 8.5 / grouped 9.7 ms, then grouped 10.8 / bmm 12.6 ms
+# (a neighbour on the host slows the thread clock too, and not every method alike); peaks bmm 6.2 MB,
+# grouped 16.0 MB (its kernel's buffers). A pass that kept grouped raised the step's peak 37.1 -> 46.8 MB.
+TUNE_TIE = 0.20
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
 
 
@@ -104,8 +111,10 @@ class Candidate:
 
 @dataclass
 class LayerChoice:
-    """The method one layer uses: how it was chosen ("timed", "cache", "pinned" from a checkpoint)
-    and, when timed, each candidate's median milliseconds on this chunk."""
+    """The method one layer uses: how it was chosen ("timed"; "timed, least memory (...)" when
+    candidates within ``TUNE_TIE`` of the fastest were told apart by their measured peaks, given
+    in MB; "estimate", "cache", "pinned" from a checkpoint) and, when timed, each candidate's
+    median milliseconds on this chunk."""
 
     method: str
     source: str
@@ -133,7 +142,8 @@ class MethodTuner:
                rows: int) -> str:  # fmt: skip
         """The method for ``layer`` (signature without the batch size): the remembered choice,
         else the cached one, else the fastest of the contending candidates timed now on this
-        chunk of ``rows`` examples; the shape rule's ``rule`` when tuning is off or the chunk is too
+        chunk of ``rows`` examples (of those within ``TUNE_TIE`` of it, the one with the lowest
+        measured peak memory); the shape rule's ``rule`` when tuning is off or the chunk is too
         small to time (then nothing is remembered)."""
         known = self.remembered(layer, signature)
         if known is not None:
@@ -149,10 +159,10 @@ class MethodTuner:
             return rule
         started = time.perf_counter()
         ms = _time_candidates(contending, device)
+        best, source = _leanest_near_fastest(ms, contending, device)
         self.tuning_s += time.perf_counter() - started
-        best = min(ms, key=ms.__getitem__)
         self._store(device, signature, best)
-        return self._remember(layer, signature, LayerChoice(best, "timed", ms))
+        return self._remember(layer, signature, LayerChoice(best, source, ms))
 
     def remembered(self, layer: str, signature: str) -> str | None:
         """The method already chosen for ``signature`` (now also ``layer``'s), else None: every step
@@ -246,6 +256,50 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
         c for c in candidates
         if c.name == rule or (c.macs <= TUNE_SPREAD * cheapest and c.gram_bytes <= TUNE_MAX_GRAM_BYTES)
     ]  # fmt: skip
+
+
+def _leanest_near_fastest(ms: dict[str, float], candidates: list[Candidate], device: torch.device) -> tuple[str, str]:
+    """(method, how it was chosen): the fastest median in ``ms``, unless others are within
+    ``TUNE_TIE`` of it; then, of those, the one with the lowest ``peak_bytes`` (equal peaks: the
+    faster)."""
+    fastest = min(ms, key=ms.__getitem__)
+    near = [c for c in candidates if c.name in ms and ms[c.name] <= (1.0 + TUNE_TIE) * ms[fastest]]
+    if len(near) < 2:
+        return fastest, "timed"
+    with torch.no_grad():
+        peaks = {c.name: peak_bytes(c.run, device) for c in near}
+    best = min(peaks, key=lambda name: (peaks[name], ms[name]))
+    if best == fastest:
+        return fastest, "timed"
+    return best, "timed, least memory (peak MB: " + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in peaks.items()) + ")"
+
+
+def peak_bytes(run: Callable[[], Any], device: torch.device) -> float:
+    """Tensor memory at the peak of one call of ``run`` above what was allocated before it, in
+    bytes: on CUDA the allocator's peak; on a CPU from the torch profiler's allocation events
+    (each allocation counted once, at the innermost op), which is how ``dpscale bench step-time``
+    reports a step's peak too. The CPU figure misses what an op with child ops allocates itself
+    (``x + 1``'s output: its scalar conversion is a child), so it compares methods and engines on
+    one footing but is not a process's whole tensor memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for event in events:
+        if event.cpu_children:
+            continue
+        live += event.cpu_memory_usage
+        peak = max(peak, live)
+    return float(peak)
 
 
 def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:
