@@ -1,12 +1,12 @@
-"""The PLD of a (Poisson-subsampled) Gaussian mechanism exactly as ``dp_accounting`` builds it, up to 7x faster.
+"""The PLD of a (Poisson-subsampled) Gaussian mechanism exactly as ``dp_accounting`` builds it, up to 9x faster.
 
 ``dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism`` discretises the privacy
 loss by the connect-the-dots algorithm: it asks the mechanism for delta(epsilon) at every grid
 point (~10^4-10^5 of them), and ``get_delta_for_epsilon`` inverts the privacy loss one grid point at
 a time in Python (``inverse_privacy_loss``: 9.5 million calls, a quarter of the time of
-tests/test_train.py and three other files under a profiler). Building one step's PLD took 0.31 s at
-q = 256/60000, sigma = 1.1 on the 2-core AVX2 AMD EPYC VM (0.05 s here), and a calibration builds
-5-10 of them.
+tests/test_train.py and three other files under a profiler). Building one step's PLD took 448 ms
+at q = 256/60000, sigma = 1.1 on the 2-core AVX2 AMD EPYC VM (51 ms here; thread clock,
+``benchmarks/pld_build_time.py``), and a calibration builds 5-10 of them.
 
 ``_VectorisedGaussianLoss`` is dp_accounting's ``GaussianPrivacyLoss`` with that inversion done
 by numpy over the whole grid, by the same floating-point operations in the same order (the
