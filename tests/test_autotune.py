@@ -178,6 +178,21 @@ def test_of_candidates_within_the_timing_noise_the_one_with_the_lowest_measured_
     assert fresh.as_json()["layers"]["conv"][1] == "timed"
 
 
+def test_under_a_users_profiler_the_fastest_is_kept_and_the_profile_survives(monkeypatch):
+    """The CPU measurement is a profiler: nested in the user's, it would end theirs with no events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    monkeypatch.setattr(autotune, "_time_candidates", lambda candidates, device: {"heavy": 5.96, "light": 6.27})
+    calls: list[str] = []
+    made = [_allocating("heavy", 2**21, calls), _allocating("light", 2**18, calls)]
+    with profile(activities=[ProfilerActivity.CPU]) as users:
+        chosen = MethodTuner(cache_file=None).choose("conv", "sig", torch.device("cpu"), "heavy", made, rows=256)
+        torch.ones(8).sum()
+    assert chosen == "heavy" and not calls
+    assert any(e.name == "aten::sum" for e in users.events())
+
+
 def test_peak_bytes_counts_the_tensors_live_at_once():
     one = 4 * 2**20  # bytes of 2**20 float32
     cpu = torch.device("cpu")

@@ -261,10 +261,11 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
 def _leanest_near_fastest(ms: dict[str, float], candidates: list[Candidate], device: torch.device) -> tuple[str, str]:
     """(method, how it was chosen): the fastest median in ``ms``, unless others are within
     ``TUNE_TIE`` of it; then, of those, the one with the lowest ``peak_bytes`` (equal peaks: the
-    faster)."""
+    faster). Under a user's own torch profiler the fastest, unmeasured: on a CPU the measurement
+    is a profiler, and a nested one ends the user's session with no events."""
     fastest = min(ms, key=ms.__getitem__)
     near = [c for c in candidates if c.name in ms and ms[c.name] <= (1.0 + TUNE_TIE) * ms[fastest]]
-    if len(near) < 2:
+    if len(near) < 2 or (device.type == "cpu" and torch._C._autograd._profiler_enabled()):
         return fastest, "timed"
     with torch.no_grad():
         peaks = {c.name: peak_bytes(c.run, device) for c in near}
