@@ -83,3 +83,15 @@ def test_without_the_private_helpers_the_public_builder_is_used(monkeypatch):
     got = gaussian_pld(1.1, sampling_prob=0.01, value_discretization_interval=1e-3)
     assert calls == [(1.1,)]
     _assert_identical(got, public(1.1, sampling_prob=0.01, value_discretization_interval=1e-3))
+
+
+def test_a_version_whose_loss_lacks_an_attribute_falls_back_to_the_public_builder(monkeypatch):
+    """A dp_accounting whose Gaussian loss keeps its sigma under another name (or whose helpers take
+    other arguments): the library's own build, not a crash in the accountant."""
+    want = privacy_loss_distribution.from_gaussian_mechanism(1.1, sampling_prob=0.01, value_discretization_interval=1e-3)
+
+    def renamed(self, losses):
+        raise AttributeError("'GaussianPrivacyLoss' object has no attribute '_standard_deviation'")
+
+    monkeypatch.setattr(pld_gaussian._VectorisedGaussianLoss, "_inverse_privacy_losses", renamed)
+    _assert_identical(gaussian_pld(1.1, sampling_prob=0.01, value_discretization_interval=1e-3), want)

@@ -15,8 +15,8 @@ bit-identical: tests/test_pld_gaussian.py compares every probability, the lower 
 infinity mass with ``from_gaussian_mechanism`` over a grid of (sigma, q, grid), and the
 accountant's epsilons with dp_accounting's own ``PLDAccountant``. Everything else (the noise's
 CDFs, the connect-the-dots bounds, the pessimistic PMF, composition) is dp_accounting's code.
-Where a dp_accounting version lacks the private helpers this relies on, ``gaussian_pld`` falls
-back to the public ``from_gaussian_mechanism``.
+Where a dp_accounting version lacks the private helpers or attributes this relies on (or takes
+other arguments), ``gaussian_pld`` falls back to the public ``from_gaussian_mechanism``.
 """
 
 from __future__ import annotations
@@ -49,10 +49,14 @@ def gaussian_pld(
     Returns:
         the pessimistic privacy loss distribution (add and remove sides when q < 1).
     """
-    if not all(hasattr(privacy_loss_distribution, name) for name in _PRIVATE_HELPERS):
+
+    def public() -> privacy_loss_distribution.PrivacyLossDistribution:
         return privacy_loss_distribution.from_gaussian_mechanism(
             standard_deviation, sampling_prob=sampling_prob, value_discretization_interval=value_discretization_interval
         )
+
+    if not all(hasattr(privacy_loss_distribution, name) for name in _PRIVATE_HELPERS):
+        return public()
 
     def single(adjacency: Any) -> Any:
         loss = _VectorisedGaussianLoss(
@@ -63,7 +67,10 @@ def gaussian_pld(
             loss, pessimistic_estimate=True, value_discretization_interval=value_discretization_interval, use_connect_dots=True
         )
 
-    return privacy_loss_distribution._pld_for_subsampled_mechanism(single, sampling_prob)
+    try:
+        return privacy_loss_distribution._pld_for_subsampled_mechanism(single, sampling_prob)
+    except (AttributeError, TypeError):  # another version's helpers or attributes differ: the library's own build
+        return public()
 
 
 class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
