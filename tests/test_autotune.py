@@ -191,6 +191,9 @@ def test_under_a_users_profiler_the_fastest_is_kept_and_the_profile_survives(mon
         torch.ones(8).sum()
     assert chosen == "heavy" and not calls
     assert any(e.name == "aten::sum" for e in users.events())
+    # on CUDA the measurement would reset the user's peak statistics: not taken (no CUDA call made)
+    assert autotune._leanest_near_fastest({"heavy": 5.96, "light": 6.27}, made, torch.device("cuda")) == ("heavy", "timed")
+    assert not calls
 
 
 def test_peak_bytes_counts_the_tensors_live_at_once():

@@ -48,7 +48,7 @@ TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the
 TUNE_MAX_REPEATS, TUNE_WINDOW_MS = 11, 60.0
 TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
 # Candidates whose medians are within this fraction of the fastest are as fast as timing on a shared VM can
-# tell: of those, the one whose measured peak tensor memory (``peak_bytes``) is lowest is kept, so that
+# tell: of those (on a CPU), the one whose measured peak tensor memory (``peak_bytes``) is lowest is kept, so that
 # neither the choice nor the step's peak follows the timing noise. papernot-cnn's second layer on the 2-core
 # AVX2 VM, two tuning passes a second apart: bmm 8.5 / grouped 9.7 ms, then grouped 10.8 / bmm 12.6 ms
 # (a neighbour on the host slows the thread clock too, and not every method alike); peaks bmm 6.2 MB,
@@ -261,11 +261,12 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
 def _leanest_near_fastest(ms: dict[str, float], candidates: list[Candidate], device: torch.device) -> tuple[str, str]:
     """(method, how it was chosen): the fastest median in ``ms``, unless others are within
     ``TUNE_TIE`` of it; then, of those, the one with the lowest ``peak_bytes`` (equal peaks: the
-    faster). Under a user's own torch profiler the fastest, unmeasured: on a CPU the measurement
-    is a profiler, and a nested one ends the user's session with no events."""
+    faster). On a CPU only, and not under a user's own torch profiler: the measurement is a
+    profiler there, and a nested one ends the user's session with no events; on CUDA it would reset
+    the user's peak-memory statistics (and the noise it settles is a shared CPU VM's)."""
     fastest = min(ms, key=ms.__getitem__)
     near = [c for c in candidates if c.name in ms and ms[c.name] <= (1.0 + TUNE_TIE) * ms[fastest]]
-    if len(near) < 2 or (device.type == "cpu" and torch._C._autograd._profiler_enabled()):
+    if len(near) < 2 or device.type != "cpu" or torch._C._autograd._profiler_enabled():
         return fastest, "timed"
     with torch.no_grad():
         peaks = {c.name: peak_bytes(c.run, device) for c in near}
