@@ -8,8 +8,9 @@ same model and batch measured alongside. Opacus rows need the optional ``opacus`
 Peak memory is measured against the memory held by the model, optimizer state and data alone:
 before the measured step, whatever the previous step left behind (``.grad``, Opacus'
 ``grad_sample``) is released. On CPU it is the largest amount of tensor memory live during one
-step beyond that, from the torch profiler's allocation events; on CUDA
-``torch.cuda.max_memory_allocated`` over the same baseline.
+step beyond that: the running sum of every allocation and free the torch profiler records
+(``autotune.cpu_allocation_peak``; before session 19 innermost ops only, a smaller figure); on
+CUDA ``torch.cuda.max_memory_allocated`` over the same baseline.
 
 ``--precision bf16|fp16|tf32`` runs every row's forward/backward in that precision (the
 non-private and Opacus rows under the same autocast; fp16 with the same fixed loss scale).

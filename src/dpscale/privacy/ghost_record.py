@@ -49,6 +49,9 @@ class Record:
     # Times the exact weight-norm methods of a layer the first time its shapes are seen (None: the
     # shape rule decides; see ``dpscale.privacy.autotune``).
     tuner: MethodTuner | None = None
+    # The cached conv weight gradients' columns run (kh, kw, C_in) (channels-last patches), not the
+    # weight's (C_in, kh, kw): the clipped sum is reordered.
+    kernel_major: bool = False
 
 
 def part(r: Record, local: str, sq: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,7 @@ def tuned(
 
     def runner(name: str) -> Callable[[], Any]:
         def run() -> Any:
-            scratch = replace(r, trainable={"weight": True}, cache={}, parts={}, slack=None, tuner=None)
+            scratch = replace(r, trainable={"weight": True}, cache={}, parts={}, slack=None, tuner=None, kernel_major=False)
             methods[name](scratch, *args)
             return sums(scratch, *rows, ones)
 
