@@ -9,7 +9,7 @@ Peak memory is measured against the memory held by the model, optimizer state an
 before the measured step, whatever the previous step left behind (``.grad``, Opacus'
 ``grad_sample``) is released. On CPU it is the largest amount of tensor memory live during one
 step beyond that: the running sum of every allocation and free the torch profiler records
-(``autotune.cpu_allocation_peak``; before session 19 innermost ops only, a smaller figure); on
+(``autotune.cpu_allocation_peak``; before session 19 innermost ops only, another figure); on
 CUDA ``torch.cuda.max_memory_allocated`` over the same baseline.
 
 ``--precision bf16|fp16|tf32`` runs every row's forward/backward in that precision (the

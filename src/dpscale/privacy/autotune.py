@@ -310,10 +310,11 @@ def cpu_allocation_peak(prof: Any) -> float:
     an op's output once, by the op that allocated it; a buffer an op frees before returning is
     not seen).
 
-    Until session 19 the CPU figure counted the innermost ops' allocations only, and so missed
-    every tensor an op with child ops allocates itself (``x * 2`` and ``torch.bmm``'s outputs:
-    their scalar conversion and ``resolve_conj`` are children); the peaks in docs/benchmarks.md
-    before then are that smaller measure."""
+    Until session 19 the CPU figure summed the innermost ops' memory only, and so missed every
+    tensor an op with child ops allocates itself (``x * 2`` and ``torch.bmm``'s outputs: their
+    scalar conversion and ``resolve_conj`` are children) and every free such an op makes; on whole
+    steps it read high (papernot-cnn's DP step at f97f17a: 46.8 MB, 29.5 by this sum), on single
+    layers low. The peaks in docs/benchmarks.md before then are that other measure."""
     try:
         from torch._C._profiler import _EventType
 
