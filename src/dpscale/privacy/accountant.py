@@ -33,6 +33,7 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 from dpscale.choices import ACCOUNTANT_KINDS
+from dpscale.privacy.pld_epsilon import pld_epsilons
 from dpscale.privacy.pld_gaussian import gaussian_pld
 from dpscale.privacy.batch_sampling import (
     ACCOUNTANTS_OF,
@@ -303,7 +304,7 @@ def _truncated_step_pld(
 
 
 def _pld_epsilon(segments: list[AccountingSegment], delta: float, discretization: float) -> float:
-    return float(_composed_pld(segments, discretization).get_epsilon_for_delta(delta))
+    return pld_epsilons(_composed_pld(segments, discretization), [delta])[0]
 
 
 RDP_PROFILE_POINTS = 256  # RDP's delta(eps) is evaluated at this many epsilons (0.2 ms each)
@@ -599,8 +600,7 @@ class PrivacyAccountant:
         if self.kind == "rdp":
             accountant = _rdp_accountant(self._segments)
             return [float(accountant.get_epsilon(d)) for d in deltas]
-        pld = _composed_pld(self._segments, self.pld_discretization)
-        return [float(pld.get_epsilon_for_delta(d)) for d in deltas]
+        return pld_epsilons(_composed_pld(self._segments, self.pld_discretization), deltas)
 
     def delta(self, epsilon: float) -> float:
         """Smallest delta achieved at the given epsilon."""
