@@ -319,9 +319,9 @@ def test_make_private_resumes_bit_identically_with_the_checkpoints_methods(tmp_p
 
     whole, mechanism, saved = run(3)
     methods = saved[2]["clip_methods"]["methods"]
-    assert methods and set(methods.values()) <= {"pixel-gram", "gram", "bmm", "grouped"}
+    assert methods and set(methods.values()) <= {"pixel-gram", "gram", "bmm", "bmm-positions", "grouped"}
     # a resuming machine whose cache says otherwise: the checkpoint's choices still hold
-    other = {"pixel-gram": "grouped", "gram": "bmm", "bmm": "gram", "grouped": "gram"}
+    other = {"pixel-gram": "grouped", "gram": "bmm", "bmm": "gram", "bmm-positions": "grouped", "grouped": "gram"}
     cache = tmp_path / "autotune.json"
     table = json.loads(cache.read_text())
     for device in table:
@@ -366,6 +366,38 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
     assert all(kind == "pinned" for _, kind, _ in resumed.built.engine.tuner.as_json()["layers"].values())
     full, split = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "split" / "checkpoint.pt")
     assert all(torch.equal(t, split["model"][k]) for k, t in full["model"].items())
+
+
+def test_dpscale_train_with_every_conv_on_bmm_positions_trains_as_bmm_does(tmp_path, monkeypatch):
+    """Through `dpscale train`: a cache that puts papernot-cnn's convolutions on bmm-positions (its
+    kernel-major per-example gradients, the clipped sum reordered) passes the run's self-check
+    against the per-example loop and trains the weights that bmm gives, up to float32 rounding (the
+    same seed draws the same noise)."""
+    from dpscale._io import load_checkpoint
+    from dpscale.cli import main
+
+    monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)  # every layer timed once, so the cache lists them
+    sets = ["model.name=papernot-cnn", "run.seed=0", "dp.batch_size=32", "train.steps=2", "run.tensorboard=false"]
+
+    def train(out: str) -> dict:
+        args = [a for v in [*sets, f"run.out_dir={tmp_path / out}"] for a in ("--set", v)]
+        assert main(["train", "--quiet", *args]) == 0
+        return json.loads((tmp_path / out / "summary.json").read_text())
+
+    train("timed")
+    cache = tmp_path / "cache" / "autotune.json"
+    runs = {}
+    for method in ("bmm-positions", "bmm"):
+        table = json.loads(cache.read_text())
+        cache.write_text(json.dumps({d: {s: method if s.startswith("Conv2d") else m for s, m in t.items()} for d, t in table.items()}))
+        summary = train(method)
+        methods = summary["clip_methods"] or {}  # None: auto fell back to vmap (the route check refused the records)
+        assert [m for name, m in methods.items() if name.startswith("features")] == [method, method], summary["engine"]
+        runs[method] = load_checkpoint(tmp_path / method / "checkpoint.pt")["model"]
+    for name, weight in runs["bmm"].items():
+        torch.testing.assert_close(runs["bmm-positions"][name], weight, rtol=1e-4, atol=1e-6)
 
 
 # resnet18-gn's layers are those of the others (3x3 stride 1 and 2, 1x1 shortcuts): the slow suite only
