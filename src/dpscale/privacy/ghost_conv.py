@@ -78,6 +78,11 @@ def _conv_unfold(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     return patches, g
 
 
+def _output_size(size: Pair, kernel: Pair, dilation: Pair, stride: Pair) -> Pair:
+    """A convolution's output (height, width) on an already padded (height, width) input."""
+    return cast(Pair, tuple((n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(size, kernel, dilation, stride)))
+
+
 def unfold_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pair, stride: Pair) -> torch.Tensor:
     """``F.unfold(a, ...)``'s (B, C * kh * kw, L) patches, bit for bit, gathered by one copy of a
     strided view of the padded input: 1.5-4.4x faster than ``F.unfold`` on the paper CNNs' layers
@@ -86,7 +91,7 @@ def unfold_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pa
     if ph or pw:
         a = F.pad(a, (pw, pw, ph, ph))
     b, c, h, w = a.shape
-    out_h, out_w = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    out_h, out_w = _output_size((h, w), kernel, dilation, stride)
     sb, sc, sy, sx = a.stride()
     view = a.as_strided((b, c, kh, kw, out_h, out_w), (sb, sc, sy * dh, sx * dw, sy * sh, sx * sw), a.storage_offset())
     return view.reshape(b, c * kh * kw, out_h * out_w)
@@ -104,7 +109,7 @@ def channels_last_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padd
     x = a.permute(0, 2, 3, 1)  # (B, H, W, C)
     x = (F.pad(x, (0, 0, pw, pw, ph, ph)) if ph or pw else x).contiguous()
     b, h, w, c = x.shape
-    out_h, out_w = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    out_h, out_w = _output_size((h, w), kernel, dilation, stride)
     sb, sy, sx, sc = x.stride()
     view = x.as_strided((b, out_h, out_w, kh, kw, c), (sb, sy * sh, sx * sw, sy * dh, sx * dw, sc), x.storage_offset())
     return view.reshape(b, out_h * out_w, kh * kw * c)
