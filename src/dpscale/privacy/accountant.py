@@ -28,13 +28,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import dp_accounting
 import numpy as np
-from dp_accounting import rdp
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 from dpscale.choices import ACCOUNTANT_KINDS
 from dpscale.privacy.pld_epsilon import pld_epsilons
 from dpscale.privacy.pld_gaussian import gaussian_pld
+from dpscale.privacy.rdp_composed import ComposedRdp, composed_rdp
 from dpscale.privacy.batch_sampling import (
     ACCOUNTANTS_OF,
     POISSON,
@@ -382,21 +382,20 @@ def quiet_order_notices() -> Iterator[None]:
         absl_logger.removeFilter(quiet)
 
 
-def _rdp_accountant(segments: list[AccountingSegment]) -> rdp.RdpAccountant:
-    """An RDP accountant of the history, under its one adjacency (``_adjacency``)."""
+def _rdp_accountant(segments: list[AccountingSegment]) -> ComposedRdp:
+    """The history's RDP under its one adjacency (``_adjacency``): the library accountant's numbers,
+    each distinct step's RDP computed once (``rdp_composed``)."""
     for seg in segments:
         if "rdp" not in ACCOUNTANTS_OF[seg.batches.mode]:
             raise ValueError(f"{seg.batches.mode} sampling is accounted with the pld accountant only")
     if _adjacency(segments) != REPLACE_ONE:
-        accountant = rdp.RdpAccountant()
+        relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
         events = [dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps) for seg in segments]
     else:
-        accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        relation = dp_accounting.NeighboringRelation.REPLACE_ONE
         events = [_replace_one_event(seg) for seg in segments]
     with quiet_order_notices():
-        for event in events:
-            accountant.compose(event)
-    return accountant
+        return composed_rdp(events, relation)
 
 
 def _replace_one_event(seg: AccountingSegment) -> dp_accounting.DpEvent:
