@@ -81,7 +81,9 @@ def test_groupnorm_features_and_bad_groups(tmp_path):
 
 
 def test_padded_scatternet_features_feed_a_model_of_their_shape(tmp_path):
-    trainer = Trainer.create(scatter_config(tmp_path / "p", "features.normalize=groupnorm", "features.scatter_pad=2"), progress=False)
+    # 100 training images a class: this test's padded features are extracted for no other test
+    cfg = scatter_config(tmp_path / "p", "features.normalize=groupnorm", "features.scatter_pad=2", "data.max_per_class=100")
+    trainer = Trainer.create(cfg, progress=False)
     assert trainer.data.info.input_shape == trainer.data.x_train.shape[1:] == (81, 8, 8)
     summary = trainer.run()
     assert summary["steps"] == 16 and 0 < summary["epsilon"] <= 3
