@@ -79,6 +79,10 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
     assert result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12) and result["poisson_epsilon"] == want.poisson_epsilon
     assert result["max_batch_size"] == 55 and result["sampling"] == "poisson, truncated at 55"
     assert set(result["tpr_at_fpr"]) == {"0.001", "0.01", "0.1"}
+    assert main(args + ["--max-batch-size", "55"]) == 0  # the text form (it raised a KeyError on the sampling's name)
+    text = capsys.readouterr().out
+    assert text.startswith("DP-SGD with capped Poisson sampling q = 50/1000") and "batches capped at 55 (the cap given;" in text
+    assert f"epsilon = {want.epsilon:.4f}" in text and f"uncapped Poisson {want.poisson_epsilon:.4f}" in text
     for extra, message in ((["--accountant", "rdp"], "PLD only"), (["--max-batch-size", "0"], "positive integer"),
                            (["--target-epsilon", "3"], "give --noise")):  # fmt: skip
         flags = [a for a in args if a not in ("--noise", "1.0")] if extra[0] == "--target-epsilon" else args

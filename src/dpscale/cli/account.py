@@ -317,13 +317,14 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
 
     n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
     people = result["unit"] == "user"
+    mode = "truncated" if result.get("max_batch_size") else result["sampling"]  # a cap's own line follows
     print(
-        f"DP-SGD with {SAMPLING_WORDS[result['sampling']]}{' of people' if people else ''} q = {b}/{n} = {q:.6g}, "
+        f"DP-SGD with {SAMPLING_WORDS[mode]}{' of people' if people else ''} q = {b}/{n} = {q:.6g}, "
         f"noise multiplier sigma = {sigma:.6g}, {steps} steps ({steps * q:.4g} "
         f"{'passes over the people' if people else 'epochs'})"
     )
-    if result["sampling"] != "poisson":
-        print(f"  {SAMPLING_NOTES[result['sampling']]}")
+    if mode in SAMPLING_NOTES:
+        print(f"  {SAMPLING_NOTES[mode]}")
     if people:
         k = f"{result['examples_per_user']} images each; " if result["examples_per_user"] else ""
         print(f"  privacy unit: one person ({k}each person's summed gradient is clipped to C, so epsilon does not "
@@ -381,7 +382,7 @@ def _print_group(group: dict[str, Any], epsilon: float, delta: float) -> None:
 
 
 SAMPLING_WORDS = {"poisson": "Poisson sampling", "fixed": "fixed-size batches (without replacement each step)",
-                  "shuffle": "shuffled fixed-size batches"}  # fmt: skip
+                  "shuffle": "shuffled fixed-size batches", "truncated": "capped Poisson sampling"}  # fmt: skip
 SAMPLING_NOTES = {
     "fixed": "replace-one adjacency (one image replaced by another): dp_accounting's SampledWithoutReplacementDpEvent, "
              "RDP, noise multiplier sigma/2 (the clipped sum moves by up to 2C)",
