@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import math
 
+import dp_accounting
 import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 from dpscale.privacy import pld_gaussian
-from dpscale.privacy.pld_gaussian import gaussian_pld
+from dpscale.privacy.pld_gaussian import gaussian_pld, truncated_gaussian_pld
 
 ADD, REMOVE = privacy_loss_mechanism.AdjacencyType.ADD, privacy_loss_mechanism.AdjacencyType.REMOVE
+REPLACE = privacy_loss_mechanism.AdjacencyType.REPLACE
 
 
 def _pmfs(pld: privacy_loss_distribution.PrivacyLossDistribution) -> list:
-    return [pld._pmf_remove.to_dense_pmf(), pld._pmf_add.to_dense_pmf()]
+    return [pld._pmf_remove.to_dense_pmf()] + ([] if pld._symmetric else [pld._pmf_add.to_dense_pmf()])
 
 
 def _assert_identical(
     got: privacy_loss_distribution.PrivacyLossDistribution, want: privacy_loss_distribution.PrivacyLossDistribution
 ) -> None:
+    assert got._symmetric == want._symmetric
     for ours, theirs in zip(_pmfs(got), _pmfs(want), strict=True):
         assert ours._lower_loss == theirs._lower_loss
         assert ours._infinity_mass == theirs._infinity_mass
@@ -44,10 +47,31 @@ def test_the_pmf_is_dp_accountings_bit_for_bit(sigma, q, grid):
     _assert_identical(gaussian_pld(sigma, sampling_prob=q, value_discretization_interval=grid), want)
 
 
-@pytest.mark.parametrize("adjacency", [ADD, REMOVE])
+REPLACE_CASES = [(0.55, 0.3, 1e-3), (0.5, 0.02, 1e-3), (2.0, 1.0, 1e-3), (1.5, 0.9, 1e-4), (5.0, 1e-4, 1e-3)]
+
+
+@pytest.mark.parametrize("sigma,q,grid", REPLACE_CASES)
+def test_the_replace_one_pmf_is_dp_accountings_bit_for_bit(sigma, q, grid):
+    want = privacy_loss_distribution.from_gaussian_mechanism(
+        sigma, sampling_prob=q, value_discretization_interval=grid, neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    _assert_identical(gaussian_pld(sigma, sampling_prob=q, value_discretization_interval=grid, replace_one=True), want)
+
+
+# (N, q, cap, sigma, grid): capped often, rarely, at the expected size, and never (cap >= N: the plain step)
+TRUNCATED_CASES = [(1000, 0.05, 55, 1.0, 1e-3), (2000, 0.02, 60, 0.8, 1e-3), (500, 0.1, 50, 2.0, 1e-3), (300, 0.2, 300, 1.0, 1e-3)]
+
+
+@pytest.mark.parametrize("n,q,cap,sigma,grid", TRUNCATED_CASES)
+def test_the_truncated_step_is_dp_accountings_bit_for_bit(n, q, cap, sigma, grid):
+    want = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(n, q, cap, sigma, value_discretization_interval=grid)
+    _assert_identical(truncated_gaussian_pld(n, q, cap, sigma, grid), want)
+
+
+@pytest.mark.parametrize("adjacency", [ADD, REMOVE, REPLACE])
 @pytest.mark.parametrize("q", [0.004, 0.3, 1.0])
 def test_delta_at_the_awkward_epsilons_is_the_librarys(adjacency, q):
-    edge = (-math.log(1 - q) if adjacency == ADD else math.log(1 - q)) if q < 1 else -1.0  # q = 1: no edge
+    edge = (-math.log(1 - q) if adjacency == ADD else math.log(1 - q)) if q < 1 else -1.0  # q = 1 (or replace): no edge
     epsilons = np.array([edge, np.nextafter(edge, -np.inf), np.nextafter(edge, np.inf), edge * (1 + 1e-10), 0.0, -0.0,
                          -math.log1p(-q) if q < 1 else 2.0, 1e-12, -3.0, 0.5, 7.0, 40.0])  # fmt: skip
     epsilons = epsilons[np.isfinite(epsilons)]
@@ -58,7 +82,8 @@ def test_delta_at_the_awkward_epsilons_is_the_librarys(adjacency, q):
     assert ours.get_delta_for_epsilon(0.5) == theirs.get_delta_for_epsilon(0.5)  # scalars: the library's own
     inside = np.array([e for e in epsilons if _inverts(theirs, e)])  # where the library's inverse is defined
     want = np.array([theirs.inverse_privacy_loss(float(e)) for e in inside])
-    assert len(inside) >= 6 and np.array_equal(ours._inverse_privacy_losses(inside), want)  # +-infinity at the edge
+    inverse = ours._inverse_replace_losses if adjacency == REPLACE else ours._inverse_privacy_losses
+    assert len(inside) >= 6 and np.array_equal(inverse(inside), want)  # +-infinity at the edge
 
 
 def _inverts(loss: privacy_loss_mechanism.GaussianPrivacyLoss, epsilon: float) -> bool:
