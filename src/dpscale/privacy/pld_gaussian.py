@@ -123,10 +123,7 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
         if isinstance(epsilon, numbers.Number) or self.adjacency_type not in (_Adjacency.ADD, _Adjacency.REMOVE, _Adjacency.REPLACE):
             return super().get_delta_for_epsilon(epsilon)
         if self.adjacency_type == _Adjacency.REPLACE:
-            epsilons = np.asarray(epsilon, dtype=float)
-            cutoffs = self._inverse_replace_losses(epsilons)
-            deltas = self.mu_upper_cdf(cutoffs) - np.exp(epsilons + self.mu_lower_log_cdf(cutoffs))
-            return np.clip(deltas, 0, 1)
+            return self._replace_deltas(np.asarray(epsilon, dtype=float))
         epsilons = np.asarray(epsilon, dtype=float)
         deltas = np.zeros_like(epsilons, dtype=float)
         q = self.sampling_prob
@@ -161,6 +158,11 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
         with np.errstate(invalid="ignore"):  # inf * variance at the boundary, as the library computes it
             remove = -0.5 * s - unsampled * variance / s
         return s + remove if add else remove
+
+    def _replace_deltas(self, epsilons: np.ndarray) -> np.ndarray:
+        """The library's delta(epsilon) under replace-one adjacency: every epsilon inverted."""
+        cutoffs = self._inverse_replace_losses(epsilons)
+        return np.clip(self.mu_upper_cdf(cutoffs) - np.exp(epsilons + self.mu_lower_log_cdf(cutoffs)), 0, 1)
 
     def _inverse_replace_losses(self, losses: np.ndarray) -> np.ndarray:
         """The library's ``_inverse_privacy_loss_replace`` of each loss, by its operations: its
