@@ -109,3 +109,28 @@ def test_a_bad_model_in_the_config_is_one_line(tmp_path, capsys, override, messa
     code = main(["train", "--set", f"run.out_dir={tmp_path / 'r'}", "--set", override, "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0]
+
+
+SMALL_ACCOUNT = ["account", "--dataset-size", "1000", "--batch-size", "50", "--steps", "20"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*SMALL_ACCOUNT, "--noise", "1", "--mechanism", "bandmf", "--bands", "four"], "--bands: expected an integer >= 1"),
+        ([*SMALL_ACCOUNT, "--target-epsilon", "3", "--mechanism", "bandmf", "--max-bands", "0"], "--max-bands: expected an integer >= 1"),
+        ([*SMALL_ACCOUNT, "--noise", "1", "--mechanism", "bandmf", "--bands", "4", "--momentum", "1.5"], "momentum must be in [0, 1)"),
+        (["tan", "wall", "--no-plot", "--steps", "0", "--sigmas", "1"], "--steps: expected integers >= 1"),
+        (["tan", "wall", "--no-plot", "--steps", "100", "--sigmas", "0"], "--sigmas: expected numbers > 0"),
+        # solving for the steps: the release is what spends the budget (it said "not even one step fits")
+        ([*SMALL_ACCOUNT[:5], "--target-epsilon", "1", "--noise", "2", "--data-norm-noise", "0.5"], "data-norm alone spends epsilon=15.46"),
+    ],
+)
+def test_typed_numbers_out_of_range_are_refused_clearly(capsys, argv, message):
+    """Each of these raised a traceback (ValueError, ZeroDivisionError) or a message naming nothing the user typed."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusal of a flag's value
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err

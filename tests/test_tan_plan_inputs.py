@@ -136,3 +136,13 @@ def test_privacy_search_counts_the_seed_runs_releases_in_the_budget(cases, defau
 
 def _json_rows(capsys: pytest.CaptureFixture) -> list[dict]:
     return json.loads(capsys.readouterr().out)
+
+
+def test_a_fit_at_another_reference_batch_names_that_runs_sigma_and_no_unaccounted_epsilon():
+    """--reference-batch-size 512 on runs whose reference is B = 256 printed the B = 256 run's sigma and
+    epsilon; at the same eta_step sigma doubles with B, and that run's epsilon is not accounted here."""
+    from dpscale.tune.scaling import _reference_noise
+
+    info = {"reference_batch_size": 256, "reference_noise_multiplier": 0.7314, "reference_epsilon": 2.999}
+    assert _reference_noise(info, 256) == (0.7314, 2.999)
+    assert _reference_noise(info, 512) == (pytest.approx(1.4628), None)

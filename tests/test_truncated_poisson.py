@@ -59,6 +59,21 @@ def test_the_smallest_free_cap_is_found_exactly(monkeypatch):
     assert smallest_free_cap(dataset_size=300, batch_size=256).max_batch_size == 300  # nothing smaller: no cap at all
 
 
+def test_the_search_never_offers_a_cap_below_the_expected_batch(monkeypatch):
+    """Caps below B cut most batches and can have a lower epsilon than Poisson (B = N, cap 1 came out
+    'free'): with every cap free the answer is ceil(B), and no cap below it is tried."""
+    tried = []
+
+    def every_cap_free(*, max_batch_size, **plan):
+        tried.append(max_batch_size)
+        return TruncatedPoissonResult(max_batch_size, 1.0, 1.0, None)
+
+    monkeypatch.setattr(accounting, "truncated_poisson_epsilon", every_cap_free)
+    assert smallest_free_cap(dataset_size=1000, batch_size=1000).max_batch_size == 1000
+    assert smallest_free_cap(dataset_size=60000, batch_size=255.5).max_batch_size == 256
+    assert min(tried) == 256
+
+
 def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys):
     args = [
         "account",
@@ -83,6 +98,11 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
     text = capsys.readouterr().out
     assert text.startswith("DP-SGD with capped Poisson sampling q = 50/1000") and "batches capped at 55 (the cap given;" in text
     assert f"epsilon = {want.epsilon:.4f}" in text and f"uncapped Poisson {want.poisson_epsilon:.4f}" in text
+    # the wall warning reads the capped steps' epsilon (releases apart, as eps_TAN), not the uncapped one
+    steps_alone = truncated_poisson_epsilon(**SMALL, max_batch_size=55)
+    assert f"WARNING: privacy wall: sigma=1 < 2 makes epsilon={steps_alone.epsilon:.4g} " in text
+    assert main(args + ["--max-batch-size", "1"]) == 0  # one example a step is cheaper, and says so with its sign
+    assert "the cap costs -" in capsys.readouterr().out
     for extra, message in ((["--accountant", "rdp"], "PLD only"), (["--max-batch-size", "0"], "positive integer"),
                            (["--target-epsilon", "3"], "give --noise")):  # fmt: skip
         flags = [a for a in args if a not in ("--noise", "1.0")] if extra[0] == "--target-epsilon" else args

@@ -446,3 +446,16 @@ def test_wall_and_data_size_cli(tmp_path, capsys):
     )
     rows = json.loads(capsys.readouterr().out)
     assert rows[1]["dataset_size"] == 50000 and rows[1]["epsilon"] == pytest.approx(7.1, abs=0.05)
+
+
+def test_privacy_search_writes_configs_for_fixed_size_batches_at_whole_batch_sizes(tmp_path, capsys):
+    """A fixed-size run's pairs at B = 400, 200, 100: configs with integer batch sizes (the search's
+    float B was refused as 'needs an integer dp.batch_size, got 200.0')."""
+    args = ["tan", "privacy-search", "--dataset-size", "4000", "--batch-size", "200", "--noise", "3", "--steps", "400",
+            "--steps-factors", "0.25,1,4", "--accountant", "rdp"]  # fmt: skip
+    sets = ["--set", "data.name=mnist-5k", "--set", "dp.sampling=fixed", "--set", "dp.accountant=rdp", "--set", "dp.epsilon=1000"]
+    assert main([*args, "--config", "preset:papernot-mnist-tanh", *sets, "--out", str(tmp_path / "pairs")]) == 0
+    assert "no config written" not in capsys.readouterr().out
+    configs = [load_config(path) for path in sorted((tmp_path / "pairs").glob("*.yaml"))]
+    assert sorted(c.dp.batch_size for c in configs) == [100, 200, 400]
+    assert all(isinstance(c.dp.batch_size, int) and c.dp.sampling == "fixed" for c in configs)

@@ -9,7 +9,7 @@ from typing import Any
 
 from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
 from dpscale.data.sampling_modes import SAMPLING_MODES
-from dpscale.cli.args import number_arg, refusals_as_config_errors
+from dpscale.cli.args import bands_arg, number_arg, positive_int, refusals_as_config_errors
 from dpscale.errors import ConfigError
 from dpscale.privacy.numbers import PrivacyNumbers
 
@@ -51,9 +51,8 @@ def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]
     if args.noise is not None and args.target_epsilon is not None:
         raise ConfigError("--mechanism bandmf: give --noise (epsilon is computed) or --target-epsilon, not both")
     steps = steps_for(args.epochs, args.steps, args.dataset_size, args.batch_size)
-    bands = "auto" if args.bands == "auto" else int(args.bands)
-    request = BandsRequest(bands=bands, workload=Workload(steps=steps, momentum=args.momentum), max_bands=args.max_bands)
-    with refusals_as_config_errors():
+    with refusals_as_config_errors():  # e.g. a momentum outside [0, 1)
+        request = BandsRequest(bands=args.bands, workload=Workload(steps=steps, momentum=args.momentum), max_bands=args.max_bands)
         plan = make_dp_plan(PrivacyNumbers(batch_size=args.batch_size, max_grad_norm=1.0, delta=args.delta, target_epsilon=args.target_epsilon, noise_multiplier=args.noise, accountant=args.accountant), dataset_size=args.dataset_size, steps=steps, releases=releases, correlated=request)  # fmt: skip
     noise = plan.correlated
     assert noise is not None  # make_dp_plan plans the banded noise of every BandsRequest (choose_bands)
@@ -150,10 +149,26 @@ def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tu
     odds = profile_odds(capped.profile, "pld")
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
+        "wall_warning": _capped_wall_warning(plan, capped, uncapped["eps_tan"]),
         "max_batch_size": capped.max_batch_size,
         "max_batch_size_auto": args.max_batch_size == "auto", "sampling": f"poisson, truncated at {capped.max_batch_size}",
         "meaning": meaning(epsilon=capped.epsilon, delta=args.delta, unit_words=uncapped["unit_text"]),
     }  # fmt: skip
+
+
+def _capped_wall_warning(plan: dict[str, Any], capped: Any, tan: float) -> str | None:
+    """The privacy-wall warning read off the capped DP-SGD steps' epsilon (as a run's plan reads it),
+    not the uncapped one; releases left out, since eps_TAN describes the steps alone."""
+    from dpscale.privacy.accountant import truncated_poisson_epsilon
+    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, privacy_wall_warning
+
+    sigma = plan["noise_multiplier"]
+    if sigma >= PRIVACY_WALL_SIGMA:
+        return None
+    steps_alone = (
+        capped if not plan["releases"] else truncated_poisson_epsilon(**{**plan, "releases": ()}, max_batch_size=capped.max_batch_size)
+    )
+    return privacy_wall_warning(steps_alone.epsilon, sigma, tan)
 
 
 def _check_unit_args(args: argparse.Namespace) -> None:
@@ -339,7 +354,7 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
         cost = 100 * (result["epsilon"] / result["poisson_epsilon"] - 1)
         print(
             f"  batches capped at {result['max_batch_size']} ({how}; truncated Poisson, dp_accounting's "
-            f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs +{cost:.1f}%"
+            f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs {cost:+.1f}%"
         )
     wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
     alone = " (DP-SGD steps alone)" if with_releases else ""
@@ -422,8 +437,8 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         default="dpsgd",
         help="dpsgd, or bandmf (banded matrix factorization, amplified: docs/correlated_noise.md)",
     )
-    acc.add_argument("--bands", default="auto", help="BandMF's b, or auto (least expected error x sigma)")
-    acc.add_argument("--max-bands", type=int, default=DEFAULT_MAX_BANDS, help="the largest b that auto tries")
+    acc.add_argument("--bands", type=bands_arg, default="auto", help="BandMF's b, or auto (least expected error x sigma)")
+    acc.add_argument("--max-bands", type=positive_int, default=DEFAULT_MAX_BANDS, help="the largest b that auto tries")
     acc.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of the workload BandMF optimises for")
     acc.add_argument(
         "--unit",

@@ -29,6 +29,38 @@ def int_list(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated integers >= 1 (numbers of steps, say)."""
+    values = int_list(text)
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def positive_float_list(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated numbers > 0 (noise multipliers, factors)."""
+    values = float_list(text)
+    if not all(v > 0 for v in values):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected numbers > 0, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def bands_arg(text: str) -> int | str:
+    """argparse type of BandMF's b: ``auto`` or an integer >= 1."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def number_arg(text: str) -> int | float:
     """argparse type: an int when the text is one (batch sizes print as 256, not 256.0), else a float."""
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import ACCOUNTANT_KINDS
-from dpscale.cli.args import float_list, int_list, number_arg, refusals_as_config_errors, time_stamp
+from dpscale.cli.args import float_list, number_arg, positive_float_list, positive_int_list, refusals_as_config_errors, time_stamp
 from dpscale.errors import ConfigError
 from dpscale.tune import TUNING_CAVEAT
 
@@ -275,11 +275,16 @@ def _pair_config(base: Config, row: Any) -> Config:
     """``base`` at one (B, S) pair: its sigma, steps and scaled learning rate, a fresh out_dir."""
     return replace(
         base,
-        dp=replace(base.dp, batch_size=row.batch_size, noise_multiplier=row.noise_multiplier, simulated_batch_size=None),
+        dp=replace(base.dp, batch_size=_whole(row.batch_size), noise_multiplier=row.noise_multiplier, simulated_batch_size=None),
         train=replace(base.train, steps=row.steps, epochs=None),
         optim=replace(base.optim, lr=base.optim.lr * row.lr_scale),
         run=replace(base.run, out_dir=None),
     )
+
+
+def _whole(batch_size: float) -> int | float:
+    """A batch size as the config spells it: an int when whole (fixed-size and shuffled batches need one)."""
+    return int(batch_size) if float(batch_size).is_integer() else batch_size
 
 
 # ------------------------------------------------------------------------ wall
@@ -451,8 +456,8 @@ def _add_wall_parser(tan_sub: argparse._SubParsersAction) -> None:
     wall.add_argument("--dataset-size", type=int, help="or take eta from a reference run: N")
     wall.add_argument("--batch-size", type=number_arg, help="reference B")
     wall.add_argument("--noise", type=float, help="reference sigma")
-    wall.add_argument("--steps", type=int_list, metavar="S1,S2,...", help="curves for these S (default 1000,10000,100000)")
-    wall.add_argument("--sigmas", type=float_list, default=None, metavar="SIGMA1,...")
+    wall.add_argument("--steps", type=positive_int_list, metavar="S1,S2,...", help="curves for these S (default 1000,10000,100000)")
+    wall.add_argument("--sigmas", type=positive_float_list, default=None, metavar="SIGMA1,...")
     wall.add_argument("--delta", type=float, default=1e-5)
     wall.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="rdp", help="rdp (as TAN Figure 2; PLD is slow far below the wall)")
     wall.add_argument("--plot", default="tan_wall.png", metavar="PNG")

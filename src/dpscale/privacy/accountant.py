@@ -722,9 +722,11 @@ FREE_CAP_TOLERANCE = 0.01  # ``smallest_free_cap``: epsilon within 1% of uncappe
 
 
 def smallest_free_cap(**plan: Any) -> TruncatedPoissonResult:
-    """The smallest batch cap whose truncated-Poisson epsilon is within ``FREE_CAP_TOLERANCE`` of
-    the uncapped one (``truncated_poisson_epsilon``'s arguments but the cap): caps grown by 1.25x from
-    B until one is free, then bisected (epsilon falls as the cap grows), ~10 PLD evaluations on the
+    """The smallest batch cap of at least B whose truncated-Poisson epsilon is within ``FREE_CAP_TOLERANCE``
+    of the uncapped one (``truncated_poisson_epsilon``'s arguments but the cap). Caps below the expected
+    batch size B are not searched: they cut most batches (a smaller-batch training, whose epsilon can
+    be lower, not a free cap). Caps grown by 1.25x from B until one is free, then bisected above B
+    (epsilon falls as the cap grows there), ~10 PLD evaluations on the
     coarse grid (~10x cheaper); the cap found is then confirmed on the requested grid (grown by 5%
     steps in the rare case it is not free there).
 
@@ -740,7 +742,8 @@ def smallest_free_cap(**plan: Any) -> TruncatedPoissonResult:
     def free(result: TruncatedPoissonResult) -> bool:
         return result.epsilon <= (1 + FREE_CAP_TOLERANCE) * result.poisson_epsilon
 
-    low, cap = 0, max(1, math.ceil(batch))  # low: the largest cap known not to be free
+    cap = max(1, math.ceil(batch))
+    low = cap - 1  # the largest cap known not to be free, or not searched
     result = at(cap)
     while not free(result) and cap < size:
         low, cap = cap, min(size, math.ceil(cap * 1.25))

@@ -359,6 +359,7 @@ def calibrate_steps(
     """
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
+    _check_releases_fit(target_epsilon, delta, kind, releases)  # else "no step fits" would blame the steps
     log_target = math.log(target_epsilon)
     run: _StepsRun = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases,
                       "batches": batches}  # fmt: skip

@@ -247,7 +247,7 @@ def fit_sweep(
     if not points:
         raise ValueError("no runs below the reference batch size to fit (only runs at B_ref)")
     fit = fit_log_batch_law([p.batch_size for p in points], [p.value for p in points], confidence)
-    ref_info = next((i for (p, i) in runs), {})
+    sigma_ref, epsilon_ref = _reference_noise(next((i for (p, i) in runs), {}), b_ref)
     return SweepFit(
         metric=metric,
         fit=fit,
@@ -255,11 +255,21 @@ def fit_sweep(
         prediction=fit.predict(b_ref),
         steps=steps,
         eta_step=eta,
-        reference_noise_multiplier=ref_info.get("reference_noise_multiplier"),
-        reference_epsilon=ref_info.get("reference_epsilon"),
+        reference_noise_multiplier=sigma_ref,
+        reference_epsilon=epsilon_ref,
         points=points,
         reference_points=measured,
     )
+
+
+def _reference_noise(info: dict[str, Any], batch_size: float) -> tuple[float | None, float | None]:
+    """(sigma, epsilon) of the reference run at ``batch_size``: the runs' own when it is their
+    reference B; at another B (``--reference-batch-size``) the same eta_step = q / sigma puts sigma in
+    proportion to B, and its epsilon is not accounted here (None)."""
+    sigma, epsilon, runs_b = (info.get(k) for k in ("reference_noise_multiplier", "reference_epsilon", "reference_batch_size"))
+    if sigma is None or runs_b is None or abs(batch_size - runs_b) <= 1e-9 * runs_b:
+        return sigma, epsilon
+    return sigma * batch_size / runs_b, None
 
 
 # Settings that decide only when the model is scored, not how it trains: runs of one law may
