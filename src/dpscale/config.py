@@ -249,7 +249,7 @@ class DPConfig:
         accounted without amplification: a far larger epsilon). docs/sampling.md compares them.
     max_batch_size: cap Poisson batches at this many examples (truncated Poisson, accounted with
         the PLD accountant; a cap near B costs much), "auto" (the smallest cap whose epsilon is
-        within 1% of the uncapped one), or null (uncapped).
+        within 1% of the uncapped one, at least B), or null (uncapped).
     accountant: "pld" (tightest) or "rdp". Fixed-size batches are accounted with rdp and capped
         Poisson batches with pld whatever this says (the only accountants dp_accounting has for them).
     secure_noise: draw the Gaussian noise (DP-SGD's and Data Normalization's) from the operating

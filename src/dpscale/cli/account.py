@@ -457,7 +457,7 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batch-size",
         default=None,
         metavar="M|auto",
-        help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap within 1%% of the uncapped epsilon",
+        help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap >= B within 1%% of the uncapped epsilon",
     )
     acc.add_argument(
         "--sampling",
