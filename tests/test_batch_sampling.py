@@ -345,3 +345,13 @@ def test_dpscale_train_resumes_each_sampler_bit_identically(tmp_path, sampling, 
         finals.append((torch.cat([p.detach().flatten() for p in trainer.model.parameters()]), summary["epsilon"]))
         assert trainer.mechanism.accountant.history[-1].batches == trainer.plan.batch_sampling
     assert torch.equal(finals[0][0], finals[1][0]) and finals[0][1] == finals[1][1]
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "shuffle"])
+def test_dpscale_account_reads_no_privacy_wall_off_eps_tan_for_other_samplers(sampling, capsys):
+    """eps_TAN is a Poisson estimate: beside 'no estimate of this sampling' the wall note contradicted it."""
+    from dpscale.cli import main
+
+    assert main(["account", "--dataset-size", "1000", "--batch-size", "50", "--noise", "1", "--steps", "20", "--sampling", sampling]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "eps_TAN =" in line)
+    assert "no estimate of this sampling" in line and "privacy wall" not in line

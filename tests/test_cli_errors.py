@@ -122,6 +122,7 @@ SMALL_ACCOUNT = ["account", "--dataset-size", "1000", "--batch-size", "50", "--s
         ([*SMALL_ACCOUNT, "--noise", "1", "--mechanism", "bandmf", "--bands", "4", "--momentum", "1.5"], "momentum must be in [0, 1)"),
         (["tan", "wall", "--no-plot", "--steps", "0", "--sigmas", "1"], "--steps: expected integers >= 1"),
         (["tan", "wall", "--no-plot", "--steps", "100", "--sigmas", "0"], "--sigmas: expected numbers > 0"),
+        (["data", "prepare", "src", "dest", "--size", "28", "--workers", "-3"], "--workers: expected an integer >= 0"),
         # solving for the steps: the release is what spends the budget (it said "not even one step fits")
         ([*SMALL_ACCOUNT[:5], "--target-epsilon", "1", "--noise", "2", "--data-norm-noise", "0.5"], "data-norm alone spends epsilon=15.46"),
     ],

@@ -356,7 +356,8 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
             f"  batches capped at {result['max_batch_size']} ({how}; truncated Poisson, dp_accounting's "
             f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs {cost:+.1f}%"
         )
-    wall = "" if sigma >= PRIVACY_WALL_SIGMA else "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)"
+    poisson_wall = sigma < PRIVACY_WALL_SIGMA and result["sampling"] == "poisson"  # no eps_TAN reading of other samplers
+    wall = "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)" if poisson_wall else ""
     alone = " (DP-SGD steps alone)" if with_releases else ""
     alone += "" if result["sampling"] == "poisson" else " (of Poisson sampling: no estimate of this sampling)"
     print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")

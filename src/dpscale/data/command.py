@@ -7,6 +7,17 @@ import sys
 import time
 
 
+def _worker_count(text: str) -> int:
+    """argparse type of --workers: an integer >= 0 (-3 was accepted and reported as '-3 workers')."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from .folder import list_image_folder  # imported here: registering the parser must not load torch
     from .shards import prepare_shards
@@ -52,7 +63,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     prepare.add_argument("src", help="image folder (root/train/<class>/*, optional root/test or root/val)")
     prepare.add_argument("dest", help="new directory for the shards and manifest.json")
     prepare.add_argument("--size", type=int, required=True, help="square side in pixels (bilinear resize)")
-    prepare.add_argument("--workers", type=int, help="decoding processes (default: all cores but one)")
+    prepare.add_argument("--workers", type=_worker_count, help="decoding processes (default: all cores but one)")
     prepare.add_argument("--val-labels", metavar="FILE", help="label file of a flat root/val folder")
     prepare.add_argument("--skip-corrupt", action="store_true", help="leave out unreadable images (listed) instead of failing")
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
