@@ -103,3 +103,13 @@ def test_the_cached_curve_cannot_be_changed_through_a_result():
         ours.orders[0] = 0.0
     ours.rdp[0] = 123.0  # the composed total is the caller's own array
     assert composed_rdp([_poisson(0.05, 1.0, 10)]).rdp[0] != 123.0
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_a_count_below_one_is_refused_as_the_library_refuses_it(count):
+    """A negative count would take privacy loss away from the history (a review's find; no caller builds one)."""
+    step = dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0))
+    with pytest.raises(ValueError, match="must be positive"):
+        composed_rdp([_poisson(0.01, 1.0, 1000), dp_accounting.SelfComposedDpEvent(step, count)])
+    with pytest.raises(ValueError, match="must be positive"):
+        _library([dp_accounting.SelfComposedDpEvent(step, count)])

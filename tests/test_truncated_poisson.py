@@ -98,9 +98,9 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
     text = capsys.readouterr().out
     assert text.startswith("DP-SGD with capped Poisson sampling q = 50/1000") and "batches capped at 55 (the cap given;" in text
     assert f"epsilon = {want.epsilon:.4f}" in text and f"uncapped Poisson {want.poisson_epsilon:.4f}" in text
-    # the wall warning reads the capped steps' epsilon (releases apart, as eps_TAN), not the uncapped one
-    steps_alone = truncated_poisson_epsilon(**SMALL, max_batch_size=55)
-    assert f"WARNING: privacy wall: sigma=1 < 2 makes epsilon={steps_alone.epsilon:.4g} " in text
+    # the wall warning says whose epsilon it reads: the uncapped Poisson steps' (releases apart), as eps_TAN's
+    steps_alone = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld")
+    assert f"WARNING: of the uncapped Poisson steps: privacy wall: sigma=1 < 2 makes epsilon={steps_alone:.4g} " in text
     assert main(args + ["--max-batch-size", "1"]) == 0  # one example a step is cheaper, and says so with its sign
     assert "the cap costs -" in capsys.readouterr().out
     for extra, message in ((["--accountant", "rdp"], "PLD only"), (["--max-batch-size", "0"], "positive integer"),
@@ -109,3 +109,33 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
         cap = [] if extra[0] == "--max-batch-size" else ["--max-batch-size", "55"]
         assert main(flags + cap + extra) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_cap_below_n_at_q_one_is_accounted_as_the_truncated_event():
+    """B = N with a cap M < N: every batch is a random M-subset. It was accounted as the uncapped
+    full-batch Gaussian (7.51 where dp_accounting's truncated event gives 16.0: a review found it)."""
+    from dpscale.privacy.batch_sampling import BatchSampling
+
+    mechanism = {"sample_rate": 1.0, "noise_multiplier": 2.0, "steps": 10, "delta": 1e-5, "kind": "pld"}
+    ours = accounting.compute_epsilon(**mechanism, batches=BatchSampling("truncated", 1000, 500))
+    by_hand = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    by_hand.compose(dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 1.0, 500, 2.0), 10)
+    assert ours == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-9)  # composed in another order
+    full_batch = accounting.compute_epsilon(**mechanism)
+    assert ours > 2 * full_batch
+    assert accounting.compute_epsilon(**mechanism, batches=BatchSampling("truncated", 1000, 1000)) == full_batch  # never cut
+
+
+def test_a_run_with_the_whole_dataset_per_step_and_a_cap_plans_the_truncated_epsilon(tmp_path):
+    """The same through a run's plan (dp.batch_size = N = 4000, dp.max_batch_size = 2000)."""
+    from dpscale.config import load_config
+    from dpscale.privacy.batch_sampling import BatchSampling
+    from dpscale.train.loop import Trainer
+
+    sets = ["dp.batch_size=4000", "dp.max_batch_size=2000", "dp.noise_multiplier=2", "dp.epsilon=null", "train.steps=10",
+            "model.name=linear", f"run.out_dir={tmp_path / 'r'}"]  # fmt: skip
+    plan = Trainer.create(load_config(None, sets), progress=False).plan
+    want = accounting.compute_epsilon(sample_rate=1.0, noise_multiplier=2.0, steps=10, delta=plan.delta, kind="pld",
+                                      batches=BatchSampling("truncated", 4000, 2000))  # fmt: skip
+    assert plan.sample_rate == 1.0 and plan.epsilon == want
+    assert plan.epsilon > 2 * accounting.compute_epsilon(sample_rate=1.0, noise_multiplier=2.0, steps=10, delta=plan.delta, kind="pld")

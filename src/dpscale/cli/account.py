@@ -149,26 +149,12 @@ def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tu
     odds = profile_odds(capped.profile, "pld")
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
-        "wall_warning": _capped_wall_warning(plan, capped, uncapped["eps_tan"]),
+        # the wall is read off the uncapped Poisson steps (eps_TAN estimates those); the cap's cost is its own line
+        "wall_warning": f"of the uncapped Poisson steps: {uncapped['wall_warning']}" if uncapped["wall_warning"] else None,
         "max_batch_size": capped.max_batch_size,
         "max_batch_size_auto": args.max_batch_size == "auto", "sampling": f"poisson, truncated at {capped.max_batch_size}",
         "meaning": meaning(epsilon=capped.epsilon, delta=args.delta, unit_words=uncapped["unit_text"]),
     }  # fmt: skip
-
-
-def _capped_wall_warning(plan: dict[str, Any], capped: Any, tan: float) -> str | None:
-    """The privacy-wall warning read off the capped DP-SGD steps' epsilon (as a run's plan reads it),
-    not the uncapped one; releases left out, since eps_TAN describes the steps alone."""
-    from dpscale.privacy.accountant import truncated_poisson_epsilon
-    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, privacy_wall_warning
-
-    sigma = plan["noise_multiplier"]
-    if sigma >= PRIVACY_WALL_SIGMA:
-        return None
-    steps_alone = (
-        capped if not plan["releases"] else truncated_poisson_epsilon(**{**plan, "releases": ()}, max_batch_size=capped.max_batch_size)
-    )
-    return privacy_wall_warning(steps_alone.epsilon, sigma, tan)
 
 
 def _check_unit_args(args: argparse.Namespace) -> None:

@@ -213,7 +213,15 @@ def _widths_of(seg: AccountingSegment, replace_one: bool) -> tuple[float, float]
     sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
     if seg.batches.mode == "shuffle":
         return _segment_widths(1.0, sigma, seg.compositions)
+    if _cuts_every_batch(seg):  # the replace-one Gaussian at sigma/2 on the M/N kept dominates each step
+        return _segment_widths(seg.batches.max_batch_size / seg.batches.dataset_size, sigma / 2, seg.steps)
     return _segment_widths(seg.sample_rate, sigma, seg.steps)
+
+
+def _cuts_every_batch(seg: AccountingSegment) -> bool:
+    """A capped segment at q = 1 with a cap below N: every batch is a random M-subset of the data,
+    so its steps are truncated steps, not the full-batch Gaussian a q = 1 segment otherwise is."""
+    return seg.batches.mode == "truncated" and seg.sample_rate == 1.0 and seg.batches.max_batch_size < seg.batches.dataset_size
 
 
 def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VALUE_DISCRETIZATION) -> float:
@@ -283,7 +291,7 @@ def _segment_pld(seg: AccountingSegment, grid: float, replace_one: bool) -> priv
     if "pld" not in ACCOUNTANTS_OF[mode]:
         raise ValueError(f"{mode} sampling is accounted with the {'/'.join(ACCOUNTANTS_OF[mode])} accountant only")
     sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
-    if seg.sample_rate == 1.0 or mode == "shuffle":
+    if (seg.sample_rate == 1.0 and not _cuts_every_batch(seg)) or mode == "shuffle":
         return _full_batch_pld(sigma, seg.compositions, grid)
     if mode == "truncated":
         return _truncated_step_pld(seg.batches, seg.sample_rate, sigma, grid).self_compose(seg.steps)

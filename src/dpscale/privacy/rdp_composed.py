@@ -72,6 +72,8 @@ def composed_rdp(
     total = np.zeros_like(orders, dtype=np.float64)  # the library's start, whatever is composed
     for event in events:
         inner, count = _peeled(event)
+        if count < 1:  # the library refuses it; a negative count would subtract privacy loss
+            raise ValueError(f"`count` must be positive, got {count} in {event}")
         orders, curve = _event_rdp(inner, relation)
         total += count * curve
     return ComposedRdp(orders, total)
