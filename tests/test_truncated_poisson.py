@@ -139,3 +139,16 @@ def test_a_run_with_the_whole_dataset_per_step_and_a_cap_plans_the_truncated_eps
                                       batches=BatchSampling("truncated", 4000, 2000))  # fmt: skip
     assert plan.sample_rate == 1.0 and plan.epsilon == want
     assert plan.epsilon > 2 * accounting.compute_epsilon(sample_rate=1.0, noise_multiplier=2.0, steps=10, delta=plan.delta, kind="pld")
+
+
+def test_a_capped_runs_wall_warning_reads_the_uncapped_poisson_steps(tmp_path):
+    """eps_TAN estimates Poisson steps: a cap's own cost must not be read as the privacy wall."""
+    from dpscale.config import load_config
+    from dpscale.train.loop import Trainer
+
+    sets = ["dp.batch_size=200", "dp.max_batch_size=205", "dp.noise_multiplier=0.8", "dp.epsilon=null", "train.steps=20",
+            "model.name=linear", f"run.out_dir={tmp_path / 'r'}"]  # fmt: skip
+    plan = Trainer.create(load_config(None, sets), progress=False).plan
+    poisson = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=0.8, steps=20, delta=plan.delta, kind="pld")
+    assert plan.epsilon > poisson  # the cap costs something here
+    assert plan.wall_warning().startswith(f"of the uncapped Poisson steps: privacy wall: sigma=0.8 < 2 makes epsilon={poisson:.4g} ")

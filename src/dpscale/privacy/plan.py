@@ -217,14 +217,17 @@ class DPPlan:
         if sigma >= PRIVACY_WALL_SIGMA:
             return None  # cannot fire: skip the accountant call
         steps = self.compositions(self.steps)  # per participation for BandMF
-        if sim is None and not self.releases:
+        capped = self.batch_sampling.mode == "truncated"  # eps_TAN estimates the uncapped Poisson steps
+        if sim is None and not self.releases and not capped:
             epsilon = self.epsilon
-        else:  # eps_TAN describes the DP-SGD steps alone
+        else:  # eps_TAN describes the DP-SGD steps alone, uncapped (a cap's cost is reported on its own)
             epsilon = compute_epsilon(
                 sample_rate=q, noise_multiplier=sigma, steps=steps, delta=self.delta, kind=self.accountant,
-                batches=self.batch_sampling,
+                batches=POISSON if capped else self.batch_sampling,
             )  # fmt: skip
         warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, steps, self.delta))
+        if warning and capped:
+            warning = f"of the uncapped Poisson steps: {warning}"
         return f"reference run: {warning}" if warning and sim else warning
 
     def release_noise(self, label: str) -> float:
