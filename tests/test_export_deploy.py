@@ -268,3 +268,19 @@ def test_the_onnx_export_prints_no_warning(finished_run, tmp_path, recwarn, monk
     assert main(["export", str(finished_run), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 0
     assert records == []
     assert [f"{w.category.__name__}: {w.message}" for w in recwarn] == []
+
+
+def test_the_cards_evaluation_call_runs_for_an_image_folder_once_its_root_is_filled_in(exported, folder, finished_run):
+    """Issue 62, point 11: the card gave ``evaluate_exported("pets.safetensors")``, which fails for
+    an image folder (an export names no local path); it now names the data root as a placeholder."""
+    import json
+    import re
+
+    from dpscale import exported as exported_module
+
+    call = re.search(r"`dpscale\.exported\.(evaluate_exported\([^`]*\))`", _card(exported)).group(1)
+    assert 'data_root="<where imagefolder lies on this machine>"' in call
+    filled = call.replace('"<where imagefolder lies on this machine>"', repr(str(folder)))
+    filled = filled.replace(f'"{exported.name}"', repr(str(exported)))
+    accuracy = eval(filled, {"evaluate_exported": exported_module.evaluate_exported})  # noqa: S307
+    assert accuracy == json.loads((finished_run / "summary.json").read_text())["test_accuracy"]

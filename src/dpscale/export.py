@@ -526,13 +526,18 @@ exported by dpscale {metadata["dpscale_version"]}. This card describes that file
   noise multiplier {privacy["noise_multiplier"]}, clipping norm {privacy["max_grad_norm"]} ({privacy["clipping"]}),
   {privacy["steps"]} steps, mechanism {privacy["mechanism"]}.
 - Who it protects: {privacy.get("protects", "any one training image")} (privacy unit: {privacy.get("privacy_unit", "example")}).{_odds_line(privacy)}
-- What the guarantee covers: {privacy.get("guarantee_scope") or "nothing (not a private run)"}
+- What the guarantee covers: {privacy.get("guarantee_scope") or "nothing (not a private run)"}{_training_set_line(privacy)}
 - Caveats of this run:
 {caveats}
 
 ## Loading
-{_LOADING[metadata["format"]].format(name=path.name)}
+{_loading_line(metadata, path.name)}
 """
+
+
+def _training_set_line(privacy: dict[str, Any]) -> str:
+    """The card's line when rules of the whole collection chose the training set (report.training_set_note)."""
+    return f"\n- **Training set: {privacy['training_set']}.**" if privacy.get("training_set") else ""
 
 
 def _odds_line(privacy: dict[str, Any]) -> str:
@@ -566,9 +571,20 @@ def _features_line(metadata: dict[str, Any]) -> str:
                if spec.get("center") else "."))  # fmt: skip
 
 
+def _loading_line(metadata: dict[str, Any], name: str) -> str:
+    """The card's loading line; its evaluation call names the data root wherever the dataset needs one
+    (an export names no local path: the card once gave a call that failed for an image folder)."""
+    data, where = metadata["data"], ""
+    if data["name"] != "mnist-5k":
+        where += f', data_root="<where {data["name"]} lies on this machine>"'
+    if data.get("val_labels"):
+        where += f', val_labels="<your copy of {data["val_labels"]}>"'
+    return _LOADING[metadata["format"]].format(name=name, where=where)
+
+
 _LOADING = {
     "safetensors": '`model, meta = dpscale.exported.load_exported("{name}")` rebuilds the zoo model (needs dpscale\'s '
-    'models and safetensors); `dpscale.exported.evaluate_exported("{name}")` gives its test accuracy.',
+    'models and safetensors); `dpscale.exported.evaluate_exported("{name}"{where})` gives its test accuracy.',
     "torchscript": '`torch.jit.load("{name}")` (torch alone); the metadata: '
     '`torch.jit.load("{name}", _extra_files={{"dpscale.json": ""}})` or `dpscale.exported.read_metadata`.',
     "onnx": '`onnxruntime.InferenceSession("{name}")`, input `images`, output `logits`; the metadata is the '
