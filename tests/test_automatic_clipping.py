@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 import dpscale
+from dpscale.clip_norms import MIN_CLIP_GAMMA
 from dpscale.errors import ConfigError
 from dpscale.privacy.engines import make_engine
 from dpscale.privacy.reference import float64_reference
-from helpers import plan_of
+from helpers import one_line_error, plan_of
 
 ENGINES = ["vmap", "bk", "ghost"]
 GAMMA = 0.01
@@ -113,6 +114,9 @@ def test_dpscale_train_runs_it_and_says_so(tmp_path, capsys):
     [
         ({"clip_gamma": 0.0}, "gamma must be a positive number"),
         ({"clip_gamma": -1.0}, "gamma must be a positive number"),
+        ({"clip_gamma": 1e-40}, "at least 1e-12"),
+        ({"clip_gamma": MIN_CLIP_GAMMA / 2}, "at least 1e-12"),
+        ({"clip_gamma": math.nan}, "gamma must be a positive number"),
         ({"clip_gamma": 0.01, "max_grad_norm": None, "noise_multiplier": 0.0}, "needs dp.max_grad_norm"),
     ],
 )
@@ -168,3 +172,87 @@ def test_the_adversarial_doors_hold_with_automatic_clipping_and_fixed_size_batch
     assert stats.nonfinite_examples == 1 and len(indices) == 8
     for name in released[0]:
         torch.testing.assert_close(released[0][name], released[1][name], rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------ issue 62, item 4: tiny gammas and zero gradients
+#
+# gamma = 1e-40 released NaN (C / gamma is inf in float32, times a zero gradient) and gamma = 1e-30
+# released 1.5e6 C for an example whose gradient entries (1e-24) square to 0 in float32.
+
+
+def _bias_free_net() -> nn.Module:
+    """float32, no bias: an input of zeros has an exactly zero gradient."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3, bias=False), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 6 * 6, 3, bias=False))
+
+
+def _zero_and_tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero input, inputs whose gradients square to subnormals or 0 in float32, and ordinary ones."""
+    torch.manual_seed(1)
+    x = torch.randn(8, 1, 8, 8)
+    x[0] = 0.0
+    for i, scale in ((1, 1e-20), (2, 1e-24), (3, 1e-40), (4, 1e3)):
+        x[i] *= scale
+    return x, torch.randint(0, 3, (8,))
+
+
+def _released_norm(grad_sum: dict) -> float:
+    return math.sqrt(sum(float(v.double().square().sum()) for v in grad_sum.values()))
+
+
+@pytest.mark.parametrize("clip", [0.5, {"0.*": 0.3, "*": 0.4}], ids=["one-C", "per-layer"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_zero_and_tiny_gradients_at_the_smallest_gamma_release_no_nan_and_at_most_c(engine, clip):
+    """At gamma = MIN_CLIP_GAMMA each engine's float32 release equals the float64 loop's (whose
+    norms do not underflow), and each example alone releases at most its sensitivity."""
+    model, batch = _bias_free_net(), _zero_and_tiny_batch()
+    grad_sum, _ = _engine_sum(engine, model, clip, batch, gamma=MIN_CLIP_GAMMA)
+    x64 = (batch[0].double(), batch[1])
+    reference = float64_reference(_bias_free_net().double(), x64, clip, release_dtype=torch.float32,
+                                  clip_gamma=MIN_CLIP_GAMMA)  # fmt: skip
+    for name, value in reference.clipped_sum.items():
+        assert torch.isfinite(grad_sum[name]).all()
+        torch.testing.assert_close(grad_sum[name].double(), value, rtol=1e-4, atol=1e-6)
+    sensitivity = 0.5 if clip == 0.5 else math.hypot(0.3, 0.4)
+    for i in range(len(batch[0])):
+        alone, _ = _engine_sum(engine, model, clip, (batch[0][i : i + 1], batch[1][i : i + 1]), gamma=MIN_CLIP_GAMMA)
+        assert _released_norm(alone) <= sensitivity, i
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_factor_past_float32_is_capped_so_a_zero_gradient_releases_no_nan(engine):
+    """C / gamma = 1e42 is inf in float32: through make_private a drawn zero-gradient example
+    released NaN; capped at float32's largest value it contributes 0, the engine's sum equals the
+    float64 loop's, and the noisy step stays finite."""
+    c = 1e30
+    model, (x, y) = _bias_free_net(), _zero_and_tiny_batch()
+    batch = (x[[0, 5, 6, 7]], y[[0, 5, 6, 7]])
+    grad_sum, _ = _engine_sum(engine, model, c, batch, gamma=MIN_CLIP_GAMMA)
+    reference = float64_reference(_bias_free_net().double(), (batch[0].double(), batch[1]), c,
+                                  release_dtype=torch.float32, clip_gamma=MIN_CLIP_GAMMA)  # fmt: skip
+    for name, value in reference.clipped_sum.items():
+        torch.testing.assert_close(grad_sum[name].double(), value, rtol=1e-4, atol=0.0)
+    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=1e-30), dataset_size=100,
+                                     batch_size=4, max_grad_norm=c, noise_multiplier=1.0, delta=1e-5, steps=2, seed=3,
+                                     engine=engine, clipping="automatic", clip_gamma=MIN_CLIP_GAMMA)  # fmt: skip
+    released = []
+    mechanism.observer = lambda gradient: released.append(gradient)
+    mechanism.step_drawn_chunks([batch])
+    assert all(torch.isfinite(v).all() for v in released[0].values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_gamma_below_the_floor_is_refused_at_every_door(tmp_path, capsys):
+    """make_private, ``dpscale train`` (whose run at 1e-40 trained NaN weights from a zero image) and an
+    engine made without a plan refuse it before anything is released."""
+    model = _bias_free_net()
+    with pytest.raises(ConfigError, match="at least 1e-12"):
+        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100, batch_size=4,
+                             max_grad_norm=1.0, noise_multiplier=1.0, delta=1e-5, steps=2,
+                             clipping="automatic", clip_gamma=1e-40)  # fmt: skip
+    argv = ["train", "--set", f"run.out_dir={tmp_path / 'r'}", "--set", "model.name=linear", "--set", "dp.clipping=automatic",
+            "--set", "dp.clip_gamma=1e-40", "--quiet"]  # fmt: skip
+    one_line_error(capsys, argv, "dp.clip_gamma", "at least 1e-12", "1e-40")
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match="at least 1e-12"):
+        _engine_sum("vmap", model, 1.0, _zero_and_tiny_batch(), gamma=1e-40)

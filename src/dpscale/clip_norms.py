@@ -140,12 +140,26 @@ def _positive(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+# Automatic clipping scales a gradient g by C / (||g|| + gamma), up to C / gamma for a tiny one, so
+# its release stays below C only if ||g|| is measured to within gamma. float32 does not measure it
+# below its normal range: a square (or a ghost engine's Gram product) under 2^-126 rounds to a
+# subnormal or 0, an absolute error up to 2^-150 each, so over P terms ||g|| can read up to
+# sqrt(P 2^-150) short (8e-19 at P = 1e9; a gradient of entries 1e-24 reads 0). gamma = 1e-30 let
+# such an example release 1.5e6 C, and below ~1e-38 C / gamma is inf in float32 and a zero gradient
+# released NaN (issue 62). At the floor that error is a million times below gamma.
+MIN_CLIP_GAMMA = 1e-12
+
+
 def check_clip_gamma(gamma: float | None) -> None:
-    """Refuse an automatic-clipping gamma that is not a positive finite number (None: fixed clipping).
+    """Refuse an automatic-clipping gamma that is not a finite number >= ``MIN_CLIP_GAMMA``
+    (None: fixed clipping).
 
     Raises:
         ValueError: one line.
     """
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))
-                              or not 0 < gamma < math.inf):  # fmt: skip
-        raise ValueError(f"automatic clipping's gamma must be a positive number, got {gamma!r}")
+                              or not MIN_CLIP_GAMMA <= gamma < math.inf):  # fmt: skip
+        raise ValueError(
+            f"automatic clipping's gamma must be a positive number of at least {MIN_CLIP_GAMMA:g} (below it "
+            f"float32 cannot measure a tiny gradient's norm to within gamma, docs/clipping.md), got {gamma!r}"
+        )

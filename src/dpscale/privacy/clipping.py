@@ -26,6 +26,7 @@ import torch
 from dpscale.clip_norms import (  # noqa: F401  (re-exported: the privacy core's names for them)
     MAX_GRAD_NORM_PER,
     MaxGradNorm,
+    check_clip_gamma,
     check_max_grad_norm,
     check_max_grad_norm_per,
     clip_sensitivity,
@@ -160,15 +161,20 @@ def clip_factors(
     if max_grad_norm is None:
         return torch.ones_like(bounds)
     margin = clip_margin(release_dtype or bounds.dtype)
-    return _scale(max_grad_norm * (1 - margin), bounds, gamma)
+    return _scale(max_grad_norm * (1 - margin), bounds, gamma, release_dtype or bounds.dtype)
 
 
-def _scale(limit: float | torch.Tensor, bounds: torch.Tensor, gamma: float | None) -> torch.Tensor:
+def _scale(limit: float | torch.Tensor, bounds: torch.Tensor, gamma: float | None, release_dtype: torch.dtype) -> torch.Tensor:
     """limit / (bound + CLIP_EPS) capped at 1 (clip to the limit), or, automatic clipping, limit /
-    (bound + gamma) uncapped: every gradient is scaled to norm limit * bound / (bound + gamma) < limit."""
+    (bound + gamma): every gradient is scaled to norm limit * bound / (bound + gamma) < limit.
+
+    The automatic factor is capped at the largest finite value of ``release_dtype``: C / gamma
+    can overflow it (C = 1e30, gamma = 1e-12), and inf times a zero gradient would release NaN. A
+    smaller factor only shrinks the release, so the cap never raises a norm past the limit."""
     if gamma is None:
         return (limit / (bounds + CLIP_EPS)).clamp(max=1.0)
-    return limit / (bounds + gamma)
+    check_clip_gamma(gamma)  # an engine made without a plan: the floor that keeps norms within gamma
+    return (limit / (bounds + gamma)).clamp(max=torch.finfo(release_dtype).max)
 
 
 def group_clip_factors(
@@ -180,7 +186,7 @@ def group_clip_factors(
     ``gamma`` (automatic clipping: C_g (1 - m) / (bound_g + gamma)) as in ``clip_factors``."""
     column = group_bounds.new_tensor([float(c) for c in bounds]).unsqueeze(1)
     margin = clip_margin(release_dtype or group_bounds.dtype)
-    return _scale(column * (1 - margin), group_bounds, gamma)
+    return _scale(column * (1 - margin), group_bounds, gamma, release_dtype or group_bounds.dtype)
 
 
 @dataclass(frozen=True)
