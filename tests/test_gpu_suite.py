@@ -66,3 +66,21 @@ def test_sync_sites_name_the_lines_that_synchronised_most_often_per_step():
     assert sync_site("/r/torch/cuda/__init__.py", 7, stack[:1]) == "__init__.py:7"  # the suite's own frames skipped
     assert sync_sites([ours] * 6 + [theirs] * 2, steps=2) == "step.py:185 x3.0, sgd.py:40 via step.py:201 x1.0"
     assert sync_sites([], steps=20) == "none"
+
+
+def test_cuda_on_a_torch_without_it_is_one_line(tmp_path, capsys, monkeypatch):
+    """``make gpu-check`` on a CPU-only torch printed CUDA's traceback (issue 62, item 11): now one
+    line, exit 2, and no report; a CUDA build that sees no GPU, and a device torch does not know, too."""
+    import torch
+
+    from helpers import one_line_error
+
+    out = tmp_path / "report.md"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    one_line_error(capsys, ["bench", "gpu-suite", "--device", "cuda", "--out", str(out)],
+                   "no CUDA in this torch build", "install a CUDA torch, or use --device cpu")  # fmt: skip
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    one_line_error(capsys, ["bench", "gpu-suite", "--device", "cuda:1"], "has CUDA 12.8 but sees no CUDA device")
+    one_line_error(capsys, ["bench", "gpu-suite", "--device", "gpu"], "--device must be cuda, cuda:<index> or cpu")
+    assert not out.exists()

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape, list_models
 from dpscale.models.peft import apply_peft
 from dpscale.privacy import make_engine
@@ -152,6 +153,26 @@ def _section(title: str, header: list[str], make_rows: Callable[[], list[str]]) 
     return ["", f"## {title}", "", *header, *rows, "", f"({time.perf_counter() - started:.0f} s)"]
 
 
+def suite_device(device: str) -> torch.device:
+    """``device`` as a torch device the suite can run on.
+
+    Raises:
+        ConfigError: one line for a name torch does not know, or a CUDA device that this torch
+            build lacks (a CPU-only wheel: ``make gpu-check`` printed CUDA's traceback) or cannot see.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device must be cuda, cuda:<index> or cpu, got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise ConfigError(f"--device {device}: no CUDA in this torch build ({torch.__version__}): install a "
+                              "CUDA torch, or use --device cpu")  # fmt: skip
+        raise ConfigError(f"--device {device}: this torch build has CUDA {torch.version.cuda} but sees no CUDA "
+                          "device (no GPU, or its driver is missing): use --device cpu")  # fmt: skip
+    return dev
+
+
 def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int = 8, quick: bool = False,
               log: Callable[[str], None] = print, data_root: str | None = None,
               progress: Callable[[str], None] | None = None) -> tuple[str, bool]:  # fmt: skip
@@ -160,7 +181,7 @@ def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int 
     Each section is logged as soon as it ends and ``progress`` receives the report so far, so a
     run stopped by a time limit (a lent device's) still leaves the sections it finished.
     """
-    dev = torch.device(device)
+    dev = suite_device(device)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32
     models = models or (list(QUICK_MODELS) if quick else list_models())
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
