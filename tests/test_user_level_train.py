@@ -219,7 +219,7 @@ def test_an_image_folders_users_csv_names_the_users_in_memory_and_through_auto(t
 
 @pytest.mark.parametrize(
     "rows, words",
-    [(["path,who"], "needs a header with path and user"),
+    [(["path,who"], "found columns .path., .who.; expected a path column"),
      (["path,user", "cat/0.png,a"], "names no user for 23 training image"),
      (["path,label,user", "cat/0.png,dog,a"], "label 'dog' but cat/0.png is in class folder 'cat'")],
 )  # fmt: skip

@@ -30,6 +30,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     listing = list_image_folder(args.src, image_size=args.size, val_labels=args.val_labels, skip_corrupt=args.skip_corrupt, workers=workers)
     for reason in listing.skipped:
         print(f"skipped: {reason}", file=sys.stderr)
+    for note in listing.notes:  # files left out, colour files, the manifest's people: as `dpscale train` says them
+        print(note, file=sys.stderr)
     total = len(listing.train_files) + len(listing.test_files)
     with tqdm(total=total, unit="img", file=sys.stderr, disable=args.quiet, desc="prepare") as bar:
         manifest = prepare_shards(listing, args.dest, args.size, workers=workers, progress=bar.update)

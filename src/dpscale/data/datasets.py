@@ -82,6 +82,7 @@ class DatasetInfo:
     test_split: str
     skipped_files: tuple[str, ...] = ()  # unreadable files left out (data.skip_corrupt), with the reason
     classes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what the loader left out or changed without a refusal (folder.FolderListing.notes)
 
 
 @dataclass(frozen=True)
@@ -327,7 +328,7 @@ def load_image_folder(
     xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]), listing.dtype)
     ds = _make("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt,
                listing.test_labels, user_ids=listing.train_users)  # fmt: skip
-    return replace(ds, info=replace(ds.info, skipped_files=listing.skipped, classes=listing.classes))
+    return replace(ds, info=replace(ds.info, skipped_files=listing.skipped, classes=listing.classes, notes=listing.notes))
 
 
 def load_npz(path: PathLike) -> ImageDataset:

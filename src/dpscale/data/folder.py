@@ -15,7 +15,16 @@ Layouts (classes are the sorted sub-folder names of the training split; label i 
 A ``users.csv`` manifest in ``root`` names each training image's user (the privacy unit ``user``):
 a header with ``path`` and ``user`` columns (and optionally ``label``, then checked against the
 image's class folder), one row per training image, paths relative to ``root``. With it, a held-out
-test split is made by whole users.
+test split is made by whole users. As spreadsheets write it: a UTF-8 byte-order mark, ``,``, ``;``
+or tab between fields, spaces around names and values and any case are accepted, and the user
+column may be named by one alias (``USER_COLUMNS``: ``patient_id``, ``subject`` ...) when exactly
+one such column is present. A row naming no image of the listing (a missing file, a ``.dcm``) is
+refused with its line number.
+
+The listing names what it leaves out or changes without a refusal (``FolderListing.notes``, printed
+by ``dpscale train`` and ``dpscale data prepare``): files in class folders that are not images it
+reads, a minority of colour images that makes every image 3-channel, and a manifest's people on
+each side of the split.
 """
 
 from __future__ import annotations
@@ -45,6 +54,11 @@ from .formats import (
 USERS_MANIFEST = "users.csv"
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
+# users.csv's columns: the canonical name, then aliases accepted when exactly one is present
+# (compared lower-cased, with spaces, '-' and '_' removed)
+PATH_COLUMNS = ("path", "file", "filename", "filepath", "image", "imagepath")
+USER_COLUMNS = ("user", "userid", "patient", "patientid", "person", "personid", "subject", "subjectid")
+NAMED_FILES = 3  # a note names this many files, then counts the rest
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,12 @@ class FolderListing:
         skipped: files left out because they could not be read (``skip_corrupt``), with the reason.
         dtype: the decoded pixels' type: "uint8" when every image has 8-bit samples, else
             "float32" (in [0, 1]; see :func:`image_array`).
+        train_users: each training file's user (``USERS_MANIFEST``), or None without the manifest.
+        left_out: what the class folders hold besides images it reads (other files, hidden
+            files, sub-folders), relative to ``root``: named in ``notes``, never refused.
+        colour_files: the colour images of a set whose other images (most) are grey, relative to
+            ``root``: why ``mode`` is "RGB" (empty when there are none, or when most are colour).
+        notes: lines for the run's report: what was left out or changed, and the manifest's people.
     """
 
     root: Path
@@ -74,14 +94,39 @@ class FolderListing:
     skipped: tuple[str, ...] = ()
     dtype: str = "uint8"
     train_users: np.ndarray | None = None  # each training file's user id (``USERS_MANIFEST``), or None
+    left_out: tuple[str, ...] = ()
+    colour_files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 def _class_folders(split_dir: Path) -> list[str]:
     return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
+def _is_image(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
 def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+    return sorted(p for p in folder.iterdir() if _is_image(p))
+
+
+def _not_images(root: Path, split_dirs: list[Path]) -> tuple[str, ...]:
+    """What the class folders of ``split_dirs`` hold besides images dpscale reads (other files,
+    hidden files, sub-folders as ``name/``), relative to ``root``, sorted."""
+    found = []
+    for split_dir in split_dirs:
+        for c in _class_folders(split_dir):
+            for p in (split_dir / c).iterdir():
+                if not _is_image(p):
+                    found.append(p.relative_to(root).as_posix() + ("/" if p.is_dir() else ""))
+    return tuple(sorted(found))
+
+
+def _named(files: tuple[str, ...] | list[str]) -> str:
+    """The first ``NAMED_FILES`` of ``files``, then how many more."""
+    more = f" and {len(files) - NAMED_FILES:,} more" if len(files) > NAMED_FILES else ""
+    return ", ".join(files[:NAMED_FILES]) + more
 
 
 def _list_classes(split_dir: Path) -> dict[str, list[Path]]:
@@ -228,6 +273,7 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
                     f"{p} is {other[0]}x{other[1]} but {first} is {size[0]}x{size[1]}; pass image_size to resize all images to one size"
                 )
     mode = "L" if good and all(r[0] in GRAYSCALE_MODES for _, r in good) else "RGB"
+    colour = [p.relative_to(listing.root).as_posix() for p, r in good if r[0] not in GRAYSCALE_MODES]
     dropped = {p for p, _ in bad}
     train_keep = np.array([p not in dropped for p in listing.train_files], dtype=bool)
     test_keep = np.array([p not in dropped for p in listing.test_files], dtype=bool)
@@ -241,6 +287,8 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
         mode=mode,
         skipped=tuple(reason for _, reason in bad),
         dtype="float32" if any(r[2] for _, r in good) else "uint8",
+        # a few colour files among grey ones: named, since they make every image (and the model) 3-channel
+        colour_files=tuple(colour) if 0 < len(colour) < len(good) - len(colour) else (),
     )
 
 
@@ -286,15 +334,55 @@ def list_image_folder(
     files, labels = _flatten(by_class, classes)
     test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
     test_files, test_labels = test or ((), np.zeros(0, dtype=np.int64))
+    users = read_users_manifest(root, files, labels, classes, test_files=test_files)
     listing = FolderListing(root, tuple(classes), files, labels, test_files, test_labels, "official" if test else "",
-                            train_users=read_users_manifest(root, files, labels, classes))  # fmt: skip
+                            train_users=users, left_out=_not_images(root, _split_dirs(root, train_dir)))  # fmt: skip
     listing = _scan(listing, image_size, skip_corrupt, workers)
+    people = None if listing.train_users is None else len(np.unique(listing.train_users))
     if test is None:
         listing = _hold_out(listing)
+    listing = replace(listing, notes=_listing_notes(listing, people))
     # Unreadable files left out, or a class's only image held out, can leave one class.
     note = f" ({len(listing.skipped)} unreadable file(s) left out)" if listing.skipped else ""
     require_two_classes(listing.train_labels, f"image folder {root}", listing.classes, note)
     return listing
+
+
+def _split_dirs(root: Path, train_dir: Path) -> list[Path]:
+    """The folders whose class sub-folders hold the listing's images: the training one, and an
+    official test split's (``root/test`` or ``root/val``) when it has class sub-folders."""
+    if train_dir == root:
+        return [root]
+    return [train_dir, *(root / name for name in ("test", "val") if (root / name).is_dir() and _class_folders(root / name))]
+
+
+def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...]:
+    """The lines a run prints about the listing (``FolderListing.notes``).
+
+    Args:
+        listing: the split listing; people: the manifest's people before the split (None: no manifest).
+    """
+    notes = []
+    if listing.left_out:
+        notes.append(
+            f"data: left out {len(listing.left_out):,} file(s) in the class folders that are not images dpscale reads "
+            f"({', '.join(sorted(IMAGE_EXTENSIONS))}): {_named(listing.left_out)}"
+        )  # fmt: skip
+    if listing.colour_files:
+        total = len(listing.train_files) + len(listing.test_files)
+        notes.append(
+            f"data: {len(listing.colour_files):,} of {total:,} images {'is' if len(listing.colour_files) == 1 else 'are'} "
+            f"colour ({_named(listing.colour_files)}), the "
+            "others greyscale: every image is read as 3 channels (a grey image's one repeated) and the model takes 3 "
+            "channels; convert the colour ones to greyscale, or remove them, for 1-channel input"
+        )  # fmt: skip
+    if listing.train_users is not None and people is not None:
+        train_people = len(np.unique(listing.train_users))
+        side = f"training: {len(listing.train_files):,} images of {train_people:,} people"
+        if listing.test_split != "official":  # held out by whole people: the others are the test set's
+            side += f"; test: {len(listing.test_files):,} images of {people - train_people:,} people"
+        notes.append(f"{USERS_MANIFEST}: {people:,} people; {side}")
+    return tuple(notes)
 
 
 def _hold_out(listing: FolderListing) -> FolderListing:
@@ -330,39 +418,97 @@ def _hold_out(listing: FolderListing) -> FolderListing:
 
 
 def read_users_manifest(
-    root: Path, files: tuple[Path, ...], labels: np.ndarray, classes: list[str]
+    root: Path, files: tuple[Path, ...], labels: np.ndarray, classes: list[str], *, test_files: tuple[Path, ...] = ()
 ) -> np.ndarray | None:  # fmt: skip
     """Each training file's user from ``root/users.csv`` (None without the file).
 
-    Raises:
-        DatasetError: no ``path``/``user`` header, a training file the manifest does not name, a
-            path named twice, an empty user, or a ``label`` that is not the file's class folder.
-    """
-    import csv
+    Args:
+        root: the folder; files, labels, classes: its training images as listed.
+        test_files: the official test split's images: a row may name one (it trains on nothing).
 
+    Raises:
+        DatasetError: a file that is not UTF-8 text, no path or user column (or two candidates for
+            one), a row naming no listed image (with its line number), a training file the
+            manifest does not name, a path named twice, an empty user, or a ``label`` that is not
+            the file's class folder.
+    """
     manifest = root / USERS_MANIFEST
     if not manifest.is_file():
         return None
-    with manifest.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    if not rows or not {"path", "user"} <= set(rows[0]):
-        raise DatasetError(f"{manifest} needs a header with path and user columns (and optionally label)")
+    header, rows = _manifest_rows(manifest)
+    path_col, user_col, label_col = _manifest_columns(manifest, header)
     user_of: dict[Path, str] = {}
     class_of = _label_of(files, labels, classes)
-    for line, row in enumerate(rows, start=2):
-        path = (root / row["path"]).resolve()
+    others = {f.resolve() for f in test_files}
+    for line, row in rows:
+        name, user, label = (row[c].strip() if c is not None and c < len(row) else "" for c in (path_col, user_col, label_col))
+        path = (root / name).resolve()
+        if path not in class_of and path not in others:
+            raise DatasetError(f"{manifest} line {line}: {_not_listed(root, name)}")
         if path in user_of:
-            raise DatasetError(f"{manifest} line {line}: {row['path']} is named twice")
-        if not (row["user"] or "").strip():
-            raise DatasetError(f"{manifest} line {line}: {row['path']} has an empty user")
-        user_of[path] = row["user"].strip()
-        if row.get("label") not in (None, "") and path in class_of and row["label"] != class_of[path]:
-            raise DatasetError(f"{manifest} line {line}: label {row['label']!r} but {row['path']} is in class folder "
-                               f"{class_of[path]!r}")  # fmt: skip
+            raise DatasetError(f"{manifest} line {line}: {name} is named twice")
+        if not user:
+            raise DatasetError(f"{manifest} line {line}: {name} has an empty user")
+        user_of[path] = user
+        if label and path in class_of and label != class_of[path]:
+            raise DatasetError(f"{manifest} line {line}: label {label!r} but {name} is in class folder {class_of[path]!r}")
     missing = [f for f in files if f.resolve() not in user_of]
     if missing:
         raise DatasetError(f"{manifest} names no user for {len(missing)} training image(s), e.g. {missing[0]}")
     return np.array([user_of[f.resolve()] for f in files])
+
+
+def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """users.csv's header and its non-blank rows with their line numbers: UTF-8 with or without a
+    byte-order mark, fields separated by whichever of ``,``, ``;`` or tab the header uses most."""
+    import csv
+    import io
+
+    try:
+        text = manifest.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{manifest} is not UTF-8 text ({e.reason} at byte {e.start}): save it as CSV UTF-8") from e
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    delimiter = max((",", ";", "\t"), key=first.count)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    records = [(reader.line_num, row) for row in reader if any(field.strip() for field in row)]
+    if not records:
+        raise DatasetError(f"{manifest} is empty: it needs a header with path and user columns, then one row per image")
+    return records[0][1], records[1:]
+
+
+def _column_key(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name.lower())
+
+
+def _manifest_columns(manifest: Path, header: list[str]) -> tuple[int, int, int | None]:
+    """The indices of users.csv's path, user and (optional) label columns: names compared without
+    case, spaces, '-' or '_', each of path and user found by exactly one of its accepted names."""
+    keys = [_column_key(name) for name in header]
+    expected = (f"expected a path column ({', '.join(PATH_COLUMNS)}), a user column ({', '.join(USER_COLUMNS)}) and "
+                "optionally label; case, spaces and '_' do not matter")  # fmt: skip
+    found = []
+    for aliases in (PATH_COLUMNS, USER_COLUMNS):
+        hits = [i for i, key in enumerate(keys) if key in aliases]
+        if len(hits) > 1:
+            both = " and ".join(repr(header[i].strip()) for i in hits)
+            raise DatasetError(f"{manifest}: both {both} could name the {aliases[0]}: keep one ({expected})")
+        if not hits:
+            columns = ", ".join(repr(name.strip()) for name in header)
+            raise DatasetError(f"{manifest}: found columns {columns}; {expected}")
+        found.append(hits[0])
+    label = keys.index("label") if "label" in keys else None
+    return found[0], found[1], label
+
+
+def _not_listed(root: Path, name: str) -> str:
+    """Why a users.csv row's path names no listed image."""
+    path = root / name
+    if not name or not path.exists():
+        return f"{name or '(an empty path)'} does not exist in {root}"
+    if not _is_image(path):
+        return f"{name} is not an image dpscale reads ({', '.join(sorted(IMAGE_EXTENSIONS))}): convert it, or remove the row"
+    return f"{name} is not in a class folder of the training images ({root}/<class>/ or {root}/train/<class>/)"
 
 
 def _label_of(files: tuple[Path, ...], labels: np.ndarray, classes: list[str]) -> dict[Path, str]:

@@ -277,6 +277,7 @@ def open_stream(
         train, users = shard_train, shard_train.user_ids
         classes, source, split = manifest["classes"], str(root), manifest.get("test_split", "official")
         skipped = tuple(manifest.get("skipped_files", ()))
+        notes: tuple[str, ...] = ()  # printed by `dpscale data prepare`
     elif name == "imagefolder":
         from .folder import list_image_folder
 
@@ -284,11 +285,11 @@ def open_stream(
         train = FolderSource(listing.train_files, listing.train_labels, listing.mode, image_size, listing.dtype)
         test = FolderSource(listing.test_files, listing.test_labels, listing.mode, image_size, listing.dtype)
         classes, source, split, skipped = listing.classes, str(listing.root), listing.test_split, listing.skipped
-        users = listing.train_users
+        users, notes = listing.train_users, listing.notes
     else:
         raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
     shape = tuple(int(d) for d in train.read(0).shape)
-    info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes))  # type: ignore[arg-type]
+    info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes), notes=notes)  # type: ignore[arg-type]
     return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape), user_ids=users)
 
 

@@ -113,6 +113,7 @@ def build_run(
         keep_freed_memory()  # logged with the engine's checks: a refused set-up stays one line
     data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
+    data_notes.extend(images.info.notes)  # files left out, colour files, people on each side of the split
     fingerprint = data_fingerprint(images)
     if images.info.skipped_files:
         log(f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
