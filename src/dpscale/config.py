@@ -247,7 +247,8 @@ class DPConfig:
         default), "fixed" (exactly B distinct examples each step, independently; accounted with RDP
         under replace-one adjacency) or "shuffle" (fixed-size batches from a per-epoch permutation,
         accounted without amplification: a far larger epsilon). docs/sampling.md compares them.
-    max_batch_size: cap Poisson batches at this many examples (truncated Poisson, accounted with
+    max_batch_size: cap Poisson batches at this many examples (users at data.privacy_unit=user;
+        a larger draw keeps a uniformly random subset of that size; truncated Poisson, accounted with
         the PLD accountant; a cap near B costs much), "auto" (the smallest cap whose epsilon is
         within 1% of the uncapped one, at least B), or null (uncapped).
     accountant: "pld" (tightest) or "rdp". Fixed-size batches are accounted with rdp and capped

@@ -113,7 +113,8 @@ def _batches(args: argparse.Namespace) -> Any:
 
 
 def _check_cap_args(args: argparse.Namespace) -> None:
-    """Refuse what a batch cap (truncated Poisson) cannot be accounted with here."""
+    """Refuse what a batch cap (truncated Poisson) cannot be accounted with here. With --unit user the
+    cap counts people, as a user-level run's sampler does (``UserPoissonSampler``)."""
     cap = args.max_batch_size
     if cap is None:
         return
@@ -122,7 +123,6 @@ def _check_cap_args(args: argparse.Namespace) -> None:
     refused = [
         (args.accountant == "rdp", "--accountant rdp (dp_accounting accounts truncated Poisson with PLD only)"),
         (args.mechanism == "bandmf", "--mechanism bandmf"),
-        (args.unit == "user", "--unit user"),
         (args.group_size is not None, "--group-size"),
         (args.target_epsilon is not None, "--target-epsilon (calibration under a cap is not built: give --noise)"),
     ]
@@ -146,7 +146,7 @@ def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tu
             if args.max_batch_size == "auto"
             else truncated_poisson_epsilon(**plan, max_batch_size=int(args.max_batch_size))
         )
-    odds = profile_odds(capped.profile, "pld")
+    odds = profile_odds(capped.profile, "pld", _odds_unit(args))
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
         # the wall is read off the uncapped Poisson steps (eps_TAN estimates those); the cap's cost is its own line
@@ -265,7 +265,12 @@ def _odds_fields(args: argparse.Namespace, sigma: float, steps: int, releases: t
                                     steps=steps, kind=args.accountant, releases=releases,
                                     batches=_batches(args))  # fmt: skip
     with refusals_as_config_errors():
-        return attacker_odds(accountant, "person" if args.unit == "user" else "image")
+        return attacker_odds(accountant, _odds_unit(args))
+
+
+def _odds_unit(args: argparse.Namespace) -> str:
+    """Who the attacker's odds are about: "person" (--unit user) or "image"."""
+    return "person" if args.unit == "user" else "image"
 
 
 def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
@@ -339,7 +344,7 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
         how = "the smallest cap within 1% of uncapped Poisson" if result["max_batch_size_auto"] else "the cap given"
         cost = 100 * (result["epsilon"] / result["poisson_epsilon"] - 1)
         print(
-            f"  batches capped at {result['max_batch_size']} ({how}; truncated Poisson, dp_accounting's "
+            f"  batches capped at {result['max_batch_size']}{' people' if people else ''} ({how}; truncated Poisson, dp_accounting's "
             f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs {cost:+.1f}%"
         )
     poisson_wall = sigma < PRIVACY_WALL_SIGMA and result["sampling"] == "poisson"  # no eps_TAN reading of other samplers
@@ -354,8 +359,9 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
         print(f"  {format_odds(result)} [from {result['odds_from']}]")
         print(f"  {result['odds']}")
     if people:
+        cap = f" and dp.max_batch_size={result['max_batch_size']}" if result.get("max_batch_size") else ""
         print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
-              "gradient: train it with data.privacy_unit=user and dp.max_examples_per_user (docs/privacy-units.md)")  # fmt: skip
+              f"gradient: train it with data.privacy_unit=user and dp.max_examples_per_user{cap} (docs/privacy-units.md)")  # fmt: skip
     if result["group_privacy"]:
         _print_group(result["group_privacy"], result["epsilon"], result["delta"])
 
@@ -444,7 +450,8 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batch-size",
         default=None,
         metavar="M|auto",
-        help="cap Poisson batches at M examples (truncated Poisson, PLD); auto: the smallest cap >= B within 1%% of the uncapped epsilon",
+        help="cap Poisson batches at M examples (people with --unit user; truncated Poisson, PLD); auto: the smallest cap >= B "
+        "within 1%% of the uncapped epsilon",
     )
     acc.add_argument(
         "--sampling",

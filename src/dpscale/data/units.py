@@ -171,17 +171,23 @@ class UserPoissonSampler:
     or removing a person moves nobody else), and step t draws only group t mod b, each member with
     probability p = b * q.
 
+    With ``max_batch_size`` = M (truncated Poisson sampling of users, b = 1 only) a step that draws
+    more than M users keeps a uniformly random M of them, chosen from the same secret generator:
+    what dp_accounting's ``TruncatedSubsampledGaussianDpEvent(U, q, M, sigma)`` assumes, with the
+    users as its units (as ``dpscale.data.sampling.PoissonSampler`` caps examples).
+
     Args:
         users: the grouping of the N examples by user.
         sample_rate: q in (0, 1], per user (p = b * q must also be <= 1).
         max_examples_per_user: k >= 1.
         generator: the sampling RNG; its state (with the step) is the sampler's whole state.
         bands: b >= 1; partition_seed: the groups' key (needed when b > 1); start_step: the next step.
+        max_batch_size: M >= 1, the most users a step trains on (None: uncapped).
     """
 
     def __init__(
         self, users: UserIndex, sample_rate: float, max_examples_per_user: int, generator: DPRandom, *,
-        bands: int = 1, partition_seed: int | None = None, start_step: int = 0,
+        bands: int = 1, partition_seed: int | None = None, start_step: int = 0, max_batch_size: int | None = None,
     ) -> None:  # fmt: skip
         if not 0.0 < sample_rate <= 1.0 or not sample_rate * bands <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1/bands], got {sample_rate} with bands={bands}")
@@ -189,6 +195,8 @@ class UserPoissonSampler:
             raise ValueError(f"max_examples_per_user must be an integer >= 1, got {max_examples_per_user!r}")
         if bands > 1 and partition_seed is None:
             raise ValueError(f"bands={bands} (cyclic Poisson sampling of users) needs a partition_seed")
+        _check_user_cap(max_batch_size, bands)
+        self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
         self.users, self.sample_rate, self.bands = users, sample_rate, int(bands)
         self.max_examples_per_user = int(max_examples_per_user)
         self.generator = require_dprandom(generator, "user-level Poisson sampling")
@@ -208,7 +216,7 @@ class UserPoissonSampler:
         """The next step's drawn users and their contributed examples (possibly none)."""
         members = self._members[self.step % self.bands]
         # float64 uniforms, as for examples (PoissonSampler): no rounding of a small q upwards
-        drawn = members[self.generator.uniform(len(members)).numpy() < self.sample_rate * self.bands]
+        drawn = self._capped(members[self.generator.uniform(len(members)).numpy() < self.sample_rate * self.bands])
         self.step += 1
         sizes = self.users.sizes[drawn]
         keep = np.minimum(sizes, self.max_examples_per_user)
@@ -220,6 +228,15 @@ class UserPoissonSampler:
         order = np.lexsort((examples, rank))  # users in drawn order, each one's examples ascending
         offsets = np.concatenate([[0], np.cumsum(keep)]).astype(np.int64)
         return UnitBatch(torch.from_numpy(examples[order]), torch.from_numpy(offsets))
+
+    def _capped(self, drawn: np.ndarray) -> np.ndarray:
+        """``drawn`` (ascending users), or with more than M of them a uniformly random M-subset, still
+        ascending: the first M of a permutation from the secret generator (drawn only when cut, so an
+        uncapped run's stream is unchanged)."""
+        if self.max_batch_size is None or len(drawn) <= self.max_batch_size:
+            return drawn
+        kept = self.generator.permutation(len(drawn))[: self.max_batch_size].numpy()
+        return drawn[np.sort(kept)]
 
     def _k_smallest_keys(self, rank: np.ndarray, sizes: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """A boolean mask over the drawn users' examples: all of a user with at most k, else the k
@@ -241,14 +258,16 @@ class UserPoissonSampler:
 
     def state_dict(self) -> dict[str, Any]:
         return {"unit": "user", "generator": self.generator.state_dict(), "step": self.step,
-                "bands": self.bands, "partition_seed": self.partition_seed, "users": self._digest}  # fmt: skip
+                "bands": self.bands, "partition_seed": self.partition_seed, "users": self._digest,
+                "max_batch_size": self.max_batch_size}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the sampler that wrote ``state`` stood, with its groups.
 
         Raises:
-            ValueError: a state of an example-level sampler, of another number of bands, or of
-                another grouping of the examples into users.
+            ValueError: a state of an example-level sampler, of another number of bands or batch cap
+                (a state without a cap was written uncapped), or of another grouping of the examples
+                into users.
         """
         if state.get("unit") != "user":
             raise ValueError("this sampler state samples examples, not users: it cannot continue a user-level run")
@@ -259,10 +278,26 @@ class UserPoissonSampler:
             )
         if int(state["bands"]) != self.bands:
             raise ValueError(f"this sampler state was written with bands={state['bands']}, not {self.bands}")
+        if state.get("max_batch_size") != self.max_batch_size:
+            raise ValueError(
+                f"this sampler state was written with a cap of {state.get('max_batch_size')} users a step, not "
+                f"{self.max_batch_size}: the run's steps would be sampled two ways that one epsilon does not describe"
+            )
         self.generator.load_state_dict(state["generator"])
         self.step = int(state["step"])
         if state["partition_seed"] != self.partition_seed:  # the run's groups win (b-separation)
             self._set_partition(state["partition_seed"])
+
+
+def _check_user_cap(max_batch_size: int | None, bands: int) -> None:
+    """Refuse a cap that is not an integer >= 1, or one with cyclic sampling (b > 1), which no
+    accountant composes with a cap (the plan refuses it too: ``sampling_plan._check_cap``)."""
+    if max_batch_size is None:
+        return
+    if isinstance(max_batch_size, bool) or int(max_batch_size) != max_batch_size or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1 (users a step), got {max_batch_size!r}")
+    if bands > 1:
+        raise ValueError(f"a batch cap truncates Poisson batches of users; cyclic sampling (bands={bands}) takes none")
 
 
 def user_groups(ids: np.ndarray, bands: int, partition_seed: int | None) -> np.ndarray:
@@ -307,7 +342,7 @@ def user_sampler(
         raise ValueError("data.privacy_unit=user runs in one process (users are not sharded across ranks yet)")
     return UserPoissonSampler(
         users, plan.sample_rate, plan.max_examples_per_user, generator, bands=plan.bands,
-        partition_seed=partition_seed, start_step=start_step,
+        partition_seed=partition_seed, start_step=start_step, max_batch_size=plan.max_batch_size,
     )  # fmt: skip
 
 

@@ -449,7 +449,8 @@ class DPPlan:
             return ""
         uncapped = compute_epsilon(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier,
                                    steps=self.steps, delta=self.delta, kind="pld", releases=self.releases)  # fmt: skip
-        return (f"; batches capped at {self.max_batch_size} examples (truncated Poisson, P(cut) per step "
+        units = "users" if self.user_level else "examples"  # the sampler caps the units it draws
+        return (f"; batches capped at {self.max_batch_size} {units} (truncated Poisson, P(cut) per step "
                 f"{truncation_rate(self.dataset_size, self.sample_rate, self.max_batch_size):.2g}): the cap costs "
                 f"epsilon {self.epsilon - uncapped:+.3g} over uncapped Poisson's {uncapped:.4g}")  # fmt: skip
 

@@ -177,8 +177,9 @@ def make_private(
         sampling: "poisson" (default); "fixed": exactly ``batch_size`` distinct examples each step
             (accounted with RDP under replace-one adjacency); "shuffle": a permutation per epoch
             (accounted without amplification). docs/sampling.md.
-        max_batch_size: cap Poisson batches at this many examples (truncated Poisson, PLD), "auto"
-            (the smallest cap within 1% of the uncapped epsilon) or None.
+        max_batch_size: cap Poisson batches at this many examples, or with ``user_ids`` users (a
+            larger draw keeps a uniformly random subset; truncated Poisson, PLD), "auto" (the smallest
+            cap within 1% of the uncapped epsilon) or None.
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.

@@ -216,6 +216,7 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
             {**asdict(plan.correlated), "participation_rate": plan.participation_rate, "compositions": plan.compositions(step)}
             if plan.correlated
             else None
+        "max_batch_size": plan.max_batch_size,  # the cap that ran (units a step: users at the user unit), or null
         ),  # fmt: skip
         "eps_tan": plan.eps_tan,
         "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
