@@ -496,3 +496,37 @@ def test_a_cache_written_under_one_instruction_set_is_not_read_under_another(tmp
     assert narrow.choose("l", "sig", cpu, "b", [small, large], 8) == "a"
     assert calls and narrow.as_json()["layers"]["l"][1] == "timed"  # timed here, not taken from the AVX-512 entry
     assert {key.split(":")[2] for key in json.loads(path.read_text())} == {"isa=AVX512", "isa=AVX2"}
+
+
+def test_peak_bytes_drops_the_profilers_start_and_stop_lines_and_keeps_the_rest(capfd):
+    """torch's profiler prints 'USDT: ... profiler_start' and '... profiler_stop' on fd 2 each time
+    (issue 62: in every first run's stderr); what else reaches fd 2 meanwhile, from C or Python,
+    is written back after the measurement, and the peak is still measured."""
+    import sys
+
+    def run():
+        os.write(2, b"a real error from C++\n")
+        print("a Python warning", file=sys.stderr)
+        return torch.ones(2**20)
+
+    peak = autotune.peak_bytes(run, torch.device("cpu"))
+    err = capfd.readouterr().err
+    assert peak == pytest.approx(4 * 2**20, rel=1e-3)
+    assert "USDT" not in err and "profiler_st" not in err
+    assert "a real error from C++\n" in err and "a Python warning\n" in err
+
+
+def test_a_first_dpscale_train_run_prints_no_profiler_lines(tmp_path, monkeypatch, capfd):
+    """A fresh cache: the tuner times each layer's methods and, for those within the noise (every
+    one here), measures their peaks under the profiler; stderr has the tuner's line, no 'USDT'."""
+    from dpscale.train.loop import Trainer
+    from helpers import tiny_config
+
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    monkeypatch.setattr(autotune, "TUNE_TIE", 1e9)  # every timed candidate is a tie: peaks decide
+    monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
+    config = tiny_config(tmp_path / "run", "model.name=papernot-cnn", "train.steps=1", "train.engine=bk")
+    Trainer.create(config, progress=False, report=True).run()
+    err = capfd.readouterr().err
+    assert "least memory (peak MB" in err and "USDT" not in err

@@ -19,10 +19,14 @@ speed and the last bits of the norms, never what the guarantee covers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import re
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +64,10 @@ TUNE_TIE = 0.20
 # each), and a few bytes of bookkeeping must not decide between them.
 PEAK_TIE = 0.05
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
+# What torch's profiler (kineto) writes to fd 2, at any KINETO_LOG_LEVEL, each time it starts and
+# stops: "USDT:2026-11-29 03:46:12 10456:10456 SyncActivityProfilerHandler.cpp:52] profiler_start".
+# peak_bytes drops these lines (they filled every first run's stderr, issue 62) and nothing else.
+PROFILER_MARKER = re.compile(rb"^USDT:[^\n]*\] profiler_(?:start|stop)\r?(?:\n|\Z)", re.MULTILINE)
 
 
 def autotune_cache_path() -> Path:
@@ -296,9 +304,35 @@ def peak_bytes(run: Callable[[], Any], device: torch.device) -> float:
         return float(torch.cuda.max_memory_allocated(device) - base)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profiler_markers_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     return cpu_allocation_peak(prof)
+
+
+@contextlib.contextmanager
+def profiler_markers_dropped() -> Iterator[None]:
+    """Run the block with file descriptor 2 (the C++ profiler's stderr) sent to a temporary file,
+    then write back to it everything but the profiler's start/stop lines (``PROFILER_MARKER``):
+    a warning or an error printed meanwhile, by C++ or by Python, still reaches stderr (after the
+    block). Where fd 2 cannot be duplicated, the block runs as it is."""
+    sys.stderr.flush()  # what Python printed before goes out first, in order
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = memoryview(PROFILER_MARKER.sub(b"", capture.read()))
+            while kept:
+                kept = kept[os.write(2, kept) :]
 
 
 def cpu_allocation_peak(prof: Any) -> float:
