@@ -208,6 +208,7 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
         "steps": step,
         "epochs": epochs_done(plan, step),
         "sampling": plan.sampling_text,  # what ran: "cyclic poisson" for BandMF with b > 1
+        "max_batch_size": plan.max_batch_size,  # the cap that ran (units a step: users at the user unit), or null
         "adjacency": plan.adjacency,
         "accountant": plan.accountant,
         "mechanism": plan.mechanism,
@@ -216,7 +217,6 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
             {**asdict(plan.correlated), "participation_rate": plan.participation_rate, "compositions": plan.compositions(step)}
             if plan.correlated
             else None
-        "max_batch_size": plan.max_batch_size,  # the cap that ran (units a step: users at the user unit), or null
         ),  # fmt: skip
         "eps_tan": plan.eps_tan,
         "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
