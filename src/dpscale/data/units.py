@@ -42,18 +42,16 @@ class UserIndex:
         """Group examples by their user id.
 
         Args:
-            user_ids: one id per example (integers or strings), in dataset order.
+            user_ids: one id per example (all integers or all strings), in dataset order.
 
         Returns:
             the index.
 
         Raises:
-            ValueError: no examples, or an id that is missing (None, NaN or an empty string).
+            ValueError: no examples, an id that is missing (None, NaN or an empty string), or ids that
+                could merge two people (``user_id_array``).
         """
-        ids = np.asarray(user_ids.cpu().numpy() if isinstance(user_ids, torch.Tensor) else user_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"user ids must be one id per example (a 1-d array), got shape {ids.shape}")
-        _check_present(ids)
+        ids = user_id_array(user_ids)
         distinct, inverse = np.unique(ids, return_inverse=True)
         examples = np.argsort(inverse, kind="stable").astype(np.int64)  # grouped, ascending within a user
         counts = np.bincount(inverse, minlength=len(distinct))
@@ -86,14 +84,123 @@ class UserIndex:
         return codes
 
 
-def _check_present(ids: np.ndarray) -> None:
+def user_id_array(user_ids: Sequence[Any] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """``user_ids`` as a 1-d array in which two ids are equal only when the person is the same.
+
+    numpy's coercion merges people silently: [1, "1"] becomes two strings "1", floats make one of
+    2**53 and 2**53 + 1, a 'U' array drops the trailing NUL of "a\\x00", and True is 1. Each is refused:
+    ids must be all integers (int64, or uint64 above 2**63) or all strings, with no NUL character,
+    and a list's ids must come out of the array as they went in. Strings are kept as given (a side
+    file's lines are stripped by ``side_user_ids``).
+
+    Args:
+        user_ids: one id per example: a list (or object array) of ints or strs, an integer or
+            string array, or an integer tensor.
+
+    Returns:
+        an int64, uint64 or str ('U') array.
+
+    Raises:
+        ValueError: not one id per example, a missing id (None, NaN, ""), or ids that could merge
+            (named with their example indices).
+    """
+    raw = user_ids.cpu().numpy() if isinstance(user_ids, torch.Tensor) else user_ids
+    if isinstance(raw, np.ndarray) and raw.dtype.kind != "O":
+        ids = raw
+        _check_shape(ids)
+        _check_present(ids)
+        if ids.dtype.kind not in "iuU":
+            raise ValueError(f"user ids must be integers or strings, got a {ids.dtype} array: {_WHY_TYPED}")
+        if ids.dtype.kind == "U":
+            _check_no_nul(ids)
+        return ids
+    values = raw.tolist() if isinstance(raw, np.ndarray) else list(raw)
+    _check_shape(raw if isinstance(raw, np.ndarray) else np.empty(len(values)))  # an object array's own shape
+    return _id_array_of(values)
+
+
+_WHY_TYPED = "a float, a bool or ids of two types can merge two people (2**53 + 1 == 2**53 as floats, True == 1, 1 and '1')"
+
+
+def _check_shape(ids: np.ndarray) -> None:
+    """Refuse anything but one id per example (a non-empty 1-d array)."""
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"user ids must be one id per example (a 1-d array), got shape {ids.shape}")
+
+
+def _id_kind(value: Any) -> str | None:
+    """ "int" or "str" for an id numpy keeps apart from every other of its kind; None otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return "int"
+    return "str" if isinstance(value, str) else None
+
+
+def _id_array_of(values: list[Any]) -> np.ndarray:
+    """A list of ids as an array, refused where an id is missing, of another type than the first,
+    not an int or a str, a string with a NUL, or an integer beyond 64 bits."""
+    _check_present(np.array(values, dtype=object))  # a missing id first: None, NaN, ""
+    first = values[0]
+    kind = _id_kind(first)
+    for i, value in enumerate(values):
+        this = _id_kind(value)
+        if this is None:
+            raise ValueError(
+                f"user ids: example {i} is the {type(value).__name__} {value!r}: ids must be integers or strings ({_WHY_TYPED})"
+            )
+        if this != kind:
+            raise ValueError(
+                f"user ids: example {i} is the {this} {value!r} but example 0 is the {kind} {first!r}: ids of two types can "
+                "merge two people (numpy makes 1 and '1' one string); give all as integers or all as strings"
+            )
+        if this == "str" and "\x00" in value:
+            raise _nul_error(i, value)
+    return _round_tripped(values, kind)
+
+
+def _round_tripped(values: list[Any], kind: str | None) -> np.ndarray:
+    """``values`` as an int64 (uint64 above 2**63) or str array, each id checked to come back as it went in."""
+    if kind == "str":
+        ids = np.array(values, dtype=str)
+    else:
+        low, high = min(values), max(values)
+        fits = (-(2**63), 2**63) if low < 0 else (0, 2**64)  # int64 with a negative id, else uint64
+        if not (fits[0] <= low and high < fits[1]):
+            i = next(j for j, v in enumerate(values) if not fits[0] <= v < fits[1])
+            raise ValueError(f"user ids: example {i}'s id {values[i]!r} does not fit 64 bits beside the others: give the ids as strings")
+        ids = np.array(values, dtype=np.uint64 if high >= 2**63 else np.int64)
+    back = ids.tolist()
+    if back != values:  # what numpy changed would merge people or rename one
+        i = next(j for j, (a, b) in enumerate(zip(back, values)) if a != b)
+        raise ValueError(f"user ids: example {i}'s id {values[i]!r} becomes {back[i]!r} in an array: give ids that survive it")
+    return ids
+
+
+def _nul_error(index: int, value: str) -> ValueError:
+    """The refusal of a string id with a NUL character (example ``index``'s ``value``)."""
+    return ValueError(
+        f"user ids: example {index}'s id {value!r} holds a NUL character: numpy drops trailing NULs ('a\\x00' would be "
+        "the person 'a'), so ids with NULs are refused"
+    )
+
+
+def _check_no_nul(ids: np.ndarray) -> None:
+    """Refuse a string id with a NUL (an array holds the ones numpy did not already strip)."""
+    for i, value in enumerate(ids.tolist()):  # (np.char.find cannot look for a NUL: it strips it too)
+        if "\x00" in value:
+            raise _nul_error(i, value)
+
+
+def _check_present(ids: np.ndarray, offset: int = 0) -> None:
     """Refuse a missing id: an example without a user cannot be attributed to anyone."""
     if ids.dtype.kind == "f" and np.isnan(ids).any():
-        raise ValueError(f"user ids: example {int(np.flatnonzero(np.isnan(ids))[0])} has no user id (NaN)")
-    if ids.dtype.kind == "O" and any(i is None for i in ids):
-        raise ValueError(f"user ids: example {next(j for j, i in enumerate(ids) if i is None)} has no user id (None)")
+        raise ValueError(f"user ids: example {offset + int(np.flatnonzero(np.isnan(ids))[0])} has no user id (NaN)")
+    if ids.dtype.kind == "O" and any(i is None or (isinstance(i, float) and i != i) for i in ids):
+        j, value = next((j, i) for j, i in enumerate(ids) if i is None or i != i)
+        raise ValueError(f"user ids: example {offset + j} has no user id ({'None' if value is None else 'NaN'})")
     if ids.dtype.kind in "UO" and (ids == "").any():
-        raise ValueError(f"user ids: example {int(np.flatnonzero(ids == '')[0])} has an empty user id")
+        raise ValueError(f"user ids: example {offset + int(np.flatnonzero(ids == '')[0])} has an empty user id")
 
 
 # The side file naming each training example's user, for formats with no place for it (IDX, CIFAR):
@@ -102,7 +209,9 @@ USER_ID_FILES = ("train-user-ids.txt", "train-user-ids.npy")
 
 
 def side_user_ids(root: Path, examples: int) -> np.ndarray | None:
-    """The user ids in ``root``'s side file (``USER_ID_FILES``), or None when it has none.
+    """The user ids in ``root``'s side file (``USER_ID_FILES``), or None when it has none. A .txt
+    file's lines are stripped of surrounding whitespace, as users.csv's cells are: "17" and "17 " are
+    one person, and a line of only whitespace is a missing id (refused).
 
     Args:
         root: the data directory; examples: N, the training examples the ids must match.
@@ -117,28 +226,31 @@ def side_user_ids(root: Path, examples: int) -> np.ndarray | None:
         raise DatasetError(f"{root} holds both {USER_ID_FILES[0]} and {USER_ID_FILES[1]}: keep one")
     path = found[0]
     try:
-        ids = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.array(path.read_text().splitlines())
+        ids = np.load(path, allow_pickle=False) if path.suffix == ".npy" else _stripped_lines(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise DatasetError(f"{path} could not be read: {err}") from err
     return checked_user_ids(ids, examples, str(path))
 
 
+def _stripped_lines(text: str) -> np.ndarray:
+    """A side file's ids: one a line, surrounding whitespace stripped."""
+    return np.array([line.strip() for line in text.splitlines()], dtype=str)
+
+
 def checked_user_ids(ids: np.ndarray, examples: int, what: str) -> np.ndarray:
-    """``ids`` as one present id per training example (integers or strings).
+    """``ids`` as one present id per training example (integers or strings that keep people apart:
+    ``user_id_array``).
 
     Raises:
-        DatasetError: another count, another shape or type, or a missing id.
+        DatasetError: another count, another shape or type, a missing id, or ids that could merge.
     """
     ids = np.asarray(ids)
     if ids.ndim != 1 or len(ids) != examples:
         raise DatasetError(f"{what} holds {ids.shape} ids but the training set has {examples} examples: give one per example")
-    if ids.dtype.kind not in "iuU":
-        raise DatasetError(f"{what} must hold integer or string ids, got {ids.dtype}")
     try:
-        _check_present(ids)
+        return user_id_array(ids)
     except ValueError as err:
         raise DatasetError(f"{what}: {err}") from err
-    return ids
 
 
 @dataclass(frozen=True)

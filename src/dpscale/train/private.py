@@ -165,7 +165,8 @@ def make_private(
             (sigma_b, examples; None: batch_size / 20); sigma (calibrated or given) covers both.
             "automatic" (Bu et al. 2023): every per-example gradient scaled by C / (||g|| +
             ``clip_gamma``), norm below C (the sensitivity), so the learning rate absorbs C.
-        user_ids: one id per dataset index (ints or strings): the guarantee then protects a person
+        user_ids: one id per dataset index, all ints or all strings (floats, bools, both types or a
+            NUL character are refused: numpy's coercion would merge people): the guarantee protects a person
             (user-level DP, docs/privacy-units.md). ``dataset_size`` stays the number of examples;
             ``batch_size`` is the expected number of USERS per step (q = batch_size / users), epochs
             count passes over the users, and ``batches()``/``sample()`` give the indices of the drawn
