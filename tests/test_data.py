@@ -327,9 +327,13 @@ def test_image_folder_flat_layout_grayscale_holdout(tmp_path: Path) -> None:
     ds = load_image_folder(tmp_path)
     check_contract(ds)
     assert ds.info.input_shape == (1, 4, 6)
-    assert (ds.info.num_train, ds.info.num_test) == (16, 4)
-    assert "held out 4 of 20" in ds.info.test_split
-    assert sorted(ds.y_test.tolist()) == [0, 0, 1, 1]
+    # an image is held out iff BLAKE2b(its path relative to the root, the split's key) / 2^64 < 0.2 (issue 62)
+    digest = lambda p: hashlib.blake2b(p.encode(), key=b"dpscale held-out split 0", digest_size=8).digest()  # noqa: E731
+    held = [(c, i) for c in ("a_zero", "b_one") for i in range(10) if int.from_bytes(digest(f"{c}/{i}.png"), "little") < 0.2 * 2**64]
+    assert (ds.info.num_train, ds.info.num_test) == (20 - len(held), len(held)) == (14, 6)
+    assert "held out 6 of 20 images (each held out iff a keyed hash of its path < 0.2" in ds.info.test_split
+    assert ds.y_test.tolist() == [0 if c == "a_zero" else 1 for c, _ in held]
+    assert (ds.x_test[:, 0, 0, 0] * 255).round().tolist() == [i + (100 if c == "b_one" else 0) for c, i in held]
     # Class 0 is "a_zero" (sorted names): its images have small first pixels.
     assert (ds.x_train[ds.y_train == 0][:, 0, 0, 0] * 255 < 10).all()
     assert torch.equal(load_image_folder(tmp_path).x_test, ds.x_test)

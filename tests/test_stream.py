@@ -107,7 +107,7 @@ def test_prepared_shards_hold_the_folder_loaders_pixels_and_train_the_same(folde
 
 def test_data_prepare_and_verify_commands(folder, tmp_path, capsys):
     assert main(["data", "prepare", str(folder), str(tmp_path / "out"), "--size", "16", "--workers", "1", "--quiet"]) == 0
-    assert "wrote 29 training and 7 test images (3x16x16" in capsys.readouterr().out
+    assert "wrote 31 training and 5 test images (3x16x16" in capsys.readouterr().out
     assert main(["data", "verify", str(tmp_path / "out")]) == 0
     assert "every SHA-256 matches" in capsys.readouterr().out
     assert main(["data", "prepare", str(folder), str(tmp_path / "out"), "--size", "16", "--quiet"]) == 2  # not empty
@@ -133,7 +133,7 @@ def _edit_manifest(path, edit):
         (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
         (lambda p: _edit_manifest(p, lambda m: m.update(version=99)), "manifest version 99"),
         (lambda p: _edit_manifest(p, lambda m: m.pop("classes")), "manifest has no 'classes'"),
-        (lambda p: _edit_manifest(p, lambda m: m["splits"]["train"].update(count=5)), "shard counts add up to 29"),
+        (lambda p: _edit_manifest(p, lambda m: m["splits"]["train"].update(count=5)), "shard counts add up to 31"),
         (lambda p: _edit_manifest(p, lambda m: m["splits"]["train"]["shards"][0].update(count=30)), "add up to 30"),
         (lambda p: (p / "train-00000.npy").unlink(), "train-00000.npy is missing"),
         (lambda p: _flip_last_byte(p / "train-00000.npy"), "train-00000.npy does not match its SHA-256"),

@@ -198,21 +198,19 @@ def test_leave_one_user_out_moves_a_padded_release_by_at_most_c(name):
 
 
 def test_a_held_out_split_by_users_never_puts_one_user_on_both_sides():
-    from dpscale.data.splits import user_holdout
+    from dpscale.data.splits import hashed_holdout
 
     rng = np.random.default_rng(0)
     ids = np.repeat(np.arange(300), rng.integers(1, 12, 300))  # users of 1 to 11 images
     rng.shuffle(ids)
-    train, test = user_holdout(ids, n_test=len(ids) // 6)
+    train, test = hashed_holdout(ids, 1 / 6, "ids")
     assert not set(ids[train]) & set(ids[test])  # no user on both sides
     assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(len(ids)))
-    assert abs(len(test) - len(ids) // 6) < 11  # about n_test, off by less than the largest user
-    again, _ = user_holdout(ids, n_test=len(ids) // 6)
-    assert np.array_equal(train, again)  # seeded
-    other, _ = user_holdout(ids, n_test=len(ids) // 6, seed=1)
-    assert not np.array_equal(train, other)
-    with pytest.raises(ValueError, match="n_test"):
-        user_holdout(ids, n_test=len(ids) + 1)
+    assert abs(len(np.unique(ids[test])) - 50) < 20  # about a sixth of the users (binomial sd 6.5)
+    again, _ = hashed_holdout(ids[::-1], 1 / 6, "ids")  # each user decides alone: order does not matter
+    assert np.array_equal(np.unique(ids[train]), np.unique(ids[::-1][again]))
+    with pytest.raises(ValueError, match="fraction"):
+        hashed_holdout(ids, 1.0, "ids")
 
 
 def test_users_of_one_example_are_the_chunk_as_it_is():

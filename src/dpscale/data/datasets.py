@@ -2,9 +2,10 @@
 
 DP-SGD accounting needs the exact size N of the private training set (sampling rate q = B/N), so
 every loader returns the whole dataset in memory together with a :class:`DatasetInfo` recording N,
-where the data came from and how the test split was made. Every held-out split is stratified by
-class and drawn from ``torch.Generator().manual_seed(0)``, so it is identical across calls,
-processes and machines.
+where the data came from and how the test split was made. A held-out split is made unit by unit
+from the data's ids where it names them (``splits.hashed_holdout``), else stratified by class and
+drawn from ``torch.Generator().manual_seed(0)``; either is identical across calls, processes and
+machines.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .splits import SPLIT_SEED, holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
-from .splits import user_holdout
+from .splits import HELD_OUT_BY_INDEX, hashed_holdout, hashed_holdout_description
+from .splits import holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
 from .units import checked_user_ids, side_user_ids
 from .folder import image_array, list_image_folder
 from .formats import (
@@ -71,6 +72,10 @@ class DatasetInfo:
             only the images trained on.
         classes: Class names, label i is ``classes[i]`` (image folders and shards: the folder
             names); empty when the source names none.
+        selected_by: the rules of the whole collection (not of each unit alone) that chose the
+            training set, e.g. ``splits.HELD_OUT_BY_INDEX``; a run then says that its guarantee
+            covers the selected training set (``splits.selection_note``). Empty: each unit's
+            membership is a function of that unit alone.
     """
 
     name: str
@@ -83,6 +88,7 @@ class DatasetInfo:
     skipped_files: tuple[str, ...] = ()  # unreadable files left out (data.skip_corrupt), with the reason
     classes: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # what the loader left out or changed without a refusal (folder.FolderListing.notes)
+    selected_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ def _make(
     x_test: torch.Tensor,
     y_test: np.ndarray,
     user_ids: np.ndarray | None = None,
+    selected_by: tuple[str, ...] = (),
 ) -> ImageDataset:
     """Assemble an :class:`ImageDataset`, deriving the counts in its :class:`DatasetInfo`."""
     if len(x_train) == 0:
@@ -144,6 +151,7 @@ def _make(
         input_shape=tuple(int(d) for d in x_train.shape[1:]),  # type: ignore[arg-type]
         source=source,
         test_split=test_split,
+        selected_by=selected_by,
     )
     return ImageDataset(
         x_train=x_train.contiguous(),
@@ -159,17 +167,19 @@ def _split(
     name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, n_test: int,
     user_ids: np.ndarray | None = None,
 ) -> ImageDataset:  # fmt: skip
-    """Build a dataset from a single labelled pool by a stratified seeded hold-out, or, when the
-    pool names its users, by whole users (no person on both sides)."""
+    """Build a dataset from a single labelled pool by holding out about ``n_test`` examples: by a
+    keyed hash of each user's id when the pool names users (whole users, each deciding alone), else
+    by index, stratified by class (then the run says its guarantee covers the selected training set)."""
+    selected_by: tuple[str, ...] = ()
     if user_ids is None:
         train, test = _stratified_holdout(y, n_test)
-        how = _holdout_description(n_test, len(y))
+        how, selected_by = _holdout_description(n_test, len(y)), (HELD_OUT_BY_INDEX,)
     else:
-        train, test = user_holdout(user_ids, n_test)
-        how = f"held out {len(test)} of {len(y)} images by whole users (seed {SPLIT_SEED})"
+        train, test = hashed_holdout(user_ids, n_test / len(y), source)
+        how = hashed_holdout_description(user_ids, test, n_test / len(y), by_user=True)
     return _make(
         name, source, how, num_classes, x[torch.from_numpy(train)], y[train], x[torch.from_numpy(test)], y[test],
-        user_ids=None if user_ids is None else user_ids[train],
+        user_ids=None if user_ids is None else user_ids[train], selected_by=selected_by,
     )  # fmt: skip
 
 
@@ -223,7 +233,9 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
 
     Expects ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte`` (raw or ``.gz``). The
     ``t10k-*`` files are used as the official test set when present; otherwise a stratified 1/6 of
-    the training files is held out (60,000 -> 50,000 train / 10,000 test).
+    the training files is held out (60,000 -> 50,000 train / 10,000 test), or, when a
+    ``train-user-ids`` side file names the users, each user whose id's keyed hash falls in the
+    lowest sixth (about 10,000 images; ``splits.hashed_holdout``).
 
     Args:
         root: Directory holding the IDX files.
@@ -307,7 +319,8 @@ def load_image_folder(
     """Load an image tree with one sub-folder per class into memory.
 
     Layouts and splits are those of :func:`dpscale.data.folder.list_image_folder` (official
-    ``test``/``val`` folders, a flat ``val`` folder with a label file, or a stratified 20% held out).
+    ``test``/``val`` folders, a flat ``val`` folder with a label file, or about 20% held out, each
+    image, or each person of ``users.csv``, by a keyed hash of its path or id).
 
     Args:
         root: Root directory of the tree.

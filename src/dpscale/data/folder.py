@@ -386,8 +386,10 @@ def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...
 
 
 def _hold_out(listing: FolderListing) -> FolderListing:
-    """Split a folder without an official test split: a stratified ``TEST_FRACTION`` of the
-    (readable) images becomes the test set, exactly as the in-memory loaders do.
+    """Split a folder without an official test split, unit by unit: an image (or, with
+    ``users.csv``, a person with all their images) is held out iff a keyed hash of its path
+    relative to the root (the person's id) is below ``TEST_FRACTION`` (``splits.hashed_holdout``):
+    adding or removing one moves no other between the training and the test set.
 
     Args:
         listing: the scanned listing, every image in its training split.
@@ -395,19 +397,12 @@ def _hold_out(listing: FolderListing) -> FolderListing:
     Returns:
         The listing with its test split made.
     """
-    from .splits import SPLIT_SEED, holdout_description, stratified_holdout, user_holdout
+    from .splits import hashed_holdout, hashed_holdout_description
 
-    n = len(listing.train_files)
-    if n < 2:
-        raise DatasetError(f"image folder {listing.root} has {n} readable image(s); need at least 2 to hold out a test split")
-    n_test = min(max(round(TEST_FRACTION * n), 1), n - 1)
     users = listing.train_users
-    if users is None:
-        train, held = stratified_holdout(listing.train_labels, n_test)
-        how = holdout_description(n_test, n)
-    else:  # no person on both sides
-        train, held = user_holdout(users, n_test)
-        how = f"held out {len(held)} of {n} images by whole users (seed {SPLIT_SEED})"
+    ids = users if users is not None else np.array([p.relative_to(listing.root).as_posix() for p in listing.train_files])
+    train, held = hashed_holdout(ids, TEST_FRACTION, f"image folder {listing.root}")
+    how = hashed_holdout_description(ids, held, TEST_FRACTION, by_user=users is not None)
     pick = lambda idx: tuple(listing.train_files[i] for i in idx)  # noqa: E731
     return replace(
         listing,

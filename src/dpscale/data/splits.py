@@ -1,11 +1,55 @@
-"""The seeded, stratified hold-out every loader uses when a dataset has no official test split."""
+"""The held-out test split a loader makes when a dataset has no official test split.
+
+Where the data names a stable id for each unit (a person's id, or an image's path in a folder),
+a unit is held out iff a keyed hash of that id falls below the test fraction (:func:`hashed_holdout`):
+a function of the unit alone, so adding or removing one person or image moves no other between
+the training and the test set, and the training set of two neighbouring collections differs by
+that unit at most, as the DP guarantee assumes. Arrays that name no id (IDX, mnist-5k) keep an
+exact seeded split stratified by class (:func:`stratified_holdout`): a function of the whole
+collection, which their runs say (:func:`selection_note`).
+"""
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from .formats import DatasetError
+
 SPLIT_SEED = 0  # seed of every held-out test split; changing it changes N-independent results
+# The hash's key: public and fixed (a split any reader can recompute from the ids), distinct
+# from BandMF's secret partition key (units.user_groups).
+_SPLIT_KEY = f"dpscale held-out split {SPLIT_SEED}".encode()
+
+# The rules of the whole collection that can choose a training set (DatasetInfo.selected_by), each
+# with how to choose by unit instead; :func:`selection_note` makes them the run's one sentence.
+HELD_OUT_BY_INDEX = (
+    "the held-out test split, made by index (the data names no ids; to hold out by id give user ids: an npz "
+    "user_ids array, a train-user-ids.txt/.npy side file, or an official test split: t10k files, x_test/y_test)"
+)
+MAX_PER_CLASS_CHOICE = (
+    "data.max_per_class's seeded choice within each class (to choose by unit, subset the data by a rule of "
+    "each image alone, e.g. a keyed hash of its id, before dpscale reads it)"
+)
+
+
+def selection_note(selected_by: Sequence[str]) -> str | None:
+    """What a run says (header, summary.json, model card) when rules of the whole collection chose
+    its training set: the guarantee covers that set, not the collection (None: no such rule).
+
+    Args:
+        selected_by: the rules (``DatasetInfo.selected_by``, e.g. :data:`HELD_OUT_BY_INDEX`).
+    """
+    if not selected_by:
+        return None
+    return (
+        f"the guarantee covers the selected training set only: {' and '.join(selected_by)} chose it from the "
+        "whole collection, so adding or removing one image (or person) can change which others train, which no "
+        "epsilon here accounts for"
+    )
 
 
 def stratified_holdout(y: np.ndarray, n_test: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
@@ -13,7 +57,8 @@ def stratified_holdout(y: np.ndarray, n_test: int, seed: int = SPLIT_SEED) -> tu
 
     Each class contributes ``floor(count * n_test / N)`` items, and the leftover slots go to the
     classes with the largest fractional parts, so class proportions are kept as closely as possible.
-    Both index arrays are sorted, keeping the original file order within each part.
+    Both index arrays are sorted, keeping the original file order within each part. A function of
+    the whole collection (indices are no stable ids): only for data without ids, whose runs say so.
     """
     n = len(y)
     classes, counts = np.unique(y, return_counts=True)
@@ -37,31 +82,61 @@ def holdout_description(n_test: int, n_total: int) -> str:
     return f"held out {n_test} of {n_total} images, stratified by class (seed {SPLIT_SEED})"
 
 
-def user_holdout(user_ids: np.ndarray, n_test: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
-    """Split indices into (train, test) by whole users: no user has examples on both sides.
-
-    Users are taken in a seeded random order into the test side while that brings its size closer
-    to ``n_test`` examples, so the test side holds about ``n_test`` examples (off by less than the
-    largest user's count). With a user-level guarantee (issue 43) a person on both sides would be
-    evaluated on images of themselves that the model trained on.
+def unit_hashes(ids: Sequence[object] | np.ndarray) -> np.ndarray:
+    """Each id's keyed BLAKE2b hash under the split's public key, as uint64 (of ``str(id)``: the
+    same for the integer 17 in an npz and the string "17" in a users.csv; not Python's ``hash``,
+    which changes from process to process).
 
     Args:
-        user_ids: one id per example (any comparable type).
-        n_test: the examples wanted on the test side, 0 <= n_test <= N.
-        seed: the split's seed.
+        ids: (N,) ids (integers or strings).
 
     Returns:
-        (train, test) sorted index arrays, disjoint, covering 0..N-1.
+        (N,) uint64 hashes.
     """
-    ids = np.asarray(user_ids)
-    if not 0 <= n_test <= len(ids):
-        raise ValueError(f"n_test must be in [0, {len(ids)}], got {n_test}")
-    _, codes, counts = np.unique(ids, return_inverse=True, return_counts=True)
-    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed)).numpy()
-    held = np.zeros(len(counts), dtype=bool)
-    size = 0
-    for user in order:  # a user joins the test side while that moves its size towards n_test
-        if abs(size + counts[user] - n_test) < abs(size - n_test):
-            held[user], size = True, size + int(counts[user])
-    is_test = held[codes]
+    ids = np.asarray(ids)
+    distinct, inverse = np.unique(ids, return_inverse=True)  # hash each id once
+    digests = (hashlib.blake2b(str(i).encode(), key=_SPLIT_KEY, digest_size=8).digest() for i in distinct.tolist())
+    values = np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(distinct))
+    return values[inverse.reshape(-1)]
+
+
+def hashed_holdout(ids: Sequence[object] | np.ndarray, fraction: float, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices into (train, test) by each example's stable id alone: an example is held out
+    iff its id's keyed hash (:func:`unit_hashes`) / 2^64 < ``fraction``. Examples sharing an id (a
+    person's images) land on one side; adding or removing a unit moves no other unit.
+
+    Args:
+        ids: (N,) one stable id per example: a user id, or an image's path relative to its root.
+        fraction: the expected share of units held out, in (0, 1).
+        what: the data, for errors (e.g. "image folder DIR").
+
+    Returns:
+        (train, test) sorted index arrays, disjoint, covering 0..N-1 (the test side about
+        ``fraction`` of the units, not exactly: each unit decides alone).
+
+    Raises:
+        DatasetError: a side left empty (too few units for a hold-out by id).
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"the held-out fraction must be in (0, 1), got {fraction}")
+    if len(ids) == 0:
+        raise DatasetError(f"{what} holds no example to split into training and test sets")
+    is_test = unit_hashes(ids) < np.uint64(int(fraction * 2.0**64))
+    if is_test.all() or not is_test.any():
+        side = "training" if is_test.all() else "test"
+        raise DatasetError(
+            f"{what}: holding out {fraction:.0%} of its {len(np.unique(np.asarray(ids)))} units by a hash of each one's id "
+            f"left the {side} set empty (too few units); give an official test split"
+        )
     return np.flatnonzero(~is_test), np.flatnonzero(is_test)
+
+
+def hashed_holdout_description(ids: np.ndarray, test: np.ndarray, fraction: float, by_user: bool) -> str:
+    """How :func:`hashed_holdout` split ``ids`` (the test split's description, in DatasetInfo)."""
+    n = len(ids)
+    if by_user:
+        people = f"{len(np.unique(ids[test]))} of {len(np.unique(ids))} people"
+        return (f"held out {len(test)} of {n} images by whole users ({people}: each person held out iff a keyed hash "
+                f"of their id < {fraction:.3g}, seed {SPLIT_SEED}; adding or removing one moves no other)")  # fmt: skip
+    return (f"held out {len(test)} of {n} images (each held out iff a keyed hash of its path < {fraction:.3g}, "
+            f"seed {SPLIT_SEED}; adding or removing one moves no other)")  # fmt: skip

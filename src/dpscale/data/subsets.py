@@ -2,7 +2,10 @@
 CIFAR-100 sources restricted to some classes or grouped into meta-classes).
 
 Every selection is a deterministic function of the labels and a seed, applied to the training
-and test splits alike; the training set that remains is the N the accountant sees.
+and test splits alike; the training set that remains is the N the accountant sees. Keeping the
+classes chosen decides each example by its own label; ``max_per_class`` does not (which images of
+a class it keeps depends on the others), so a run with it says that its guarantee covers the
+selected training set (``splits.MAX_PER_CLASS_CHOICE``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from .datasets import DatasetError, ImageDataset
 from .formats import MIN_CLASSES, require_two_classes
+from .splits import MAX_PER_CLASS_CHOICE
 
 
 def random_classes(num_classes: int, count: int, seed: int) -> list[int]:
@@ -63,7 +67,8 @@ def select(
 ) -> ImageDataset:
     """The dataset restricted to ``classes`` (relabelled 0..k-1 in the order given), optionally
     grouped into ``meta_classes`` evenly sized groups (seeded) and capped at ``max_per_class``
-    training examples per (original) class (seeded; the test split is not capped).
+    training examples per (original) class (seeded; the test split is not capped; recorded in
+    ``info.selected_by``: a choice among the class's examples, not of each one alone).
 
     Raises:
         DatasetError: a class out of range, repeated, or a selection with no training example or
@@ -92,7 +97,10 @@ def select(
     names = data.info.classes and tuple(  # a meta-class is named by its members
         "+".join(data.info.classes[c] for c in chosen if relabel[c] == label) for label in range(out_classes)
     )
-    info = replace(data.info, num_train=len(train), num_test=len(test), num_classes=out_classes, classes=names)
+    # an exact count per class is a rule of the whole class: one image more or less changes which others stay
+    selected_by = data.info.selected_by + ((MAX_PER_CLASS_CHOICE,) if max_per_class is not None else ())
+    info = replace(data.info, num_train=len(train), num_test=len(test), num_classes=out_classes, classes=names,
+                   selected_by=selected_by)  # fmt: skip
     return ImageDataset(
         data.x_train[train.to(data.x_train.device)], table[data.y_train.cpu()[train]].to(data.y_train.device),
         data.x_test[test.to(data.x_test.device)], table[data.y_test.cpu()[test]].to(data.y_test.device), info,

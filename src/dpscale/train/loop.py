@@ -279,7 +279,7 @@ class Trainer:
 
     def _print_plan(self) -> None:
         """The plan, what it means, and every caveat and warning (once per session)."""
-        for line in report.privacy_statement(self.plan, self.privacy_warnings()):
+        for line in report.privacy_statement(self.plan, self.privacy_warnings(), report.training_set_note(self.built)):
             self.log(line)
         if people := report.people_line(self.plan, getattr(self.built.data, "user_ids", None)):
             self.log(people)

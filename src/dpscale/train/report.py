@@ -17,6 +17,7 @@ from dpscale._io import VERSION_KEY, atomic_write_text
 from dpscale._version import __version__
 from dpscale.data.stream import eval_batches
 from dpscale.data.run_data import data_workers
+from dpscale.data.splits import selection_note
 from dpscale.models import count_parameters
 from dpscale.config import Config
 from dpscale.privacy.autotune import layer_methods
@@ -97,11 +98,18 @@ def evaluation_record(built: Run, progress: Progress, window: dict[str, Any], lo
     return record
 
 
-def privacy_statement(plan: DPPlan, privacy_warnings: list[str]) -> list[str]:
+def privacy_statement(plan: DPPlan, privacy_warnings: list[str], training_set: str | None = None) -> list[str]:
     """The lines a run prints before training (and TensorBoard keeps): the plan, what it means,
-    the planned attacker's odds, and every caveat and warning (``privacy_advice``'s)."""
+    the planned attacker's odds, and every caveat and warning (``privacy_advice``'s; and
+    ``training_set``, :func:`training_set_note`'s)."""
     lines = [plan.describe(), *filter(None, [plan.meaning(), plan.planned_odds()])]
-    return lines + [f"WARNING: {note}" for note in plan.caveats() + privacy_warnings]
+    return lines + [f"WARNING: {note}" for note in plan.caveats() + privacy_warnings + [training_set] if note]
+
+
+def training_set_note(built: Run) -> str | None:
+    """What a private run says when rules of the whole collection chose its training set (a split
+    by index, data.max_per_class): its guarantee covers the selected set (None: nothing to say)."""
+    return selection_note(built.data.info.selected_by) if built.plan.is_private else None
 
 
 def people_line(plan: DPPlan, user_ids: np.ndarray | None) -> str | None:
@@ -230,6 +238,7 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
         "extractor_privacy": plan.extractor.case if plan.extractor else None,
         "guarantee_caveats": plan.caveats(),
         "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
+        "training_set": training_set_note(built),  # chosen from the whole collection: what the guarantee covers
         "seeded": built.config.run.seed is not None,
         "config_changes": progress.config_changes,  # asked for with --set on resume, by step
         **odds_summary(built),

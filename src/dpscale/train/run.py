@@ -35,7 +35,7 @@ def train_and_report(trainer: Trainer, max_steps: int | None) -> int:
 def result_line(summary: dict[str, Any], run_dir: Path, warnings: bool = True) -> str:
     """The one-line result of a finished run, followed (``warnings``) by every caveat of its guarantee."""
     accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
-    notes = summary["guarantee_caveats"] + summary.get("privacy_warnings", []) if warnings else []
-    notes = "".join(f"\nWARNING: {n}" for n in notes)
+    notes = summary["guarantee_caveats"] + summary.get("privacy_warnings", []) + [summary.get("training_set")] if warnings else []
+    notes = "".join(f"\nWARNING: {n}" for n in notes if n)
     odds = f"\n{summary['odds']} [from {summary['odds_from']}]" if summary.get("odds") else ""
     return f"{accuracy} {summary['privacy_status']} steps={summary['steps']} run_dir={run_dir}{odds}{notes}"

@@ -28,7 +28,7 @@ from dpscale.config import config_yaml
 from dpscale.privacy.plan import GUARANTEE_SCOPE
 from dpscale.runs import TENSORBOARD_NAME
 from dpscale.train.build import Log, Run
-from dpscale.train.report import privacy_statement
+from dpscale.train.report import privacy_statement, training_set_note
 from dpscale.train.step import StepStats
 
 STEP_SCALARS_EVERY = 10
@@ -77,7 +77,7 @@ class RunBoard:
         """The config and the privacy statement (with the run's ``privacy_warnings``) as text, at
         the session's first step ``step``."""
         plan = built.plan
-        statement = privacy_statement(plan, privacy_warnings)
+        statement = privacy_statement(plan, privacy_warnings, training_set_note(built))
         if plan.is_private:
             statement.append(GUARANTEE_SCOPE)
         self.writer.add_text("config", _code(config_yaml(built.config)), step)
