@@ -9,7 +9,7 @@ grouping: each user holds s unrelated images), for s in ``--sizes``. For each s 
 - at the USER unit (``data.privacy_unit=user``, ``dp.max_examples_per_user=s``), with the same
   expected number of images per step (B = 8192 / s users) and the same number of steps.
 
-Both see the same held-out split (10,000 images by whole users: the side file names the users) and
+Both see the same held-out split (about 10,000 images by whole users: the side file names the users) and
 the same seed. It prints a Markdown table: test accuracy, the run's epsilon, and the group-privacy
 (epsilon, delta) of the example-level run for a person with s images.
 

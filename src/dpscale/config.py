@@ -50,7 +50,10 @@ class DataConfig:
     classes: keep only these labels (relabelled 0..k-1 in this order), in training and test.
     random_classes: keep this many labels drawn with ``subset_seed`` (instead of ``classes``).
     meta_classes: group the kept classes into this many evenly sized meta-classes (seeded).
-    max_per_class: at most this many training examples per class (a seeded choice).
+    max_per_class: at most this many training examples per class (a seeded choice). Which
+        images of a class stay depends on the others, so a private run with it says that its
+        guarantee covers the selected training set (header, summary.json, model card); to choose
+        unit by unit, subset the data by a rule of each image alone before dpscale reads it.
     subset_seed: the seed of random_classes, meta_classes and max_per_class.
     num_classes: the number of classes K (the model's outputs), declared instead of read from the
         labels; every label must be below it, and training labels with gaps or test labels absent

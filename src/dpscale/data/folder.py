@@ -10,7 +10,8 @@ Layouts (classes are the sorted sub-folder names of the training split; label i 
   * ``root/train/<class>/*`` with a flat ``root/val/*`` folder and a label file
     (``val_labels``: one ``<file name> <class>`` per line, comma or whitespace separated, the class
     given by folder name or index; ImageNet's validation set);
-  * ``root/<class>/*`` or ``root/train/<class>/*`` alone: a stratified 20% is held out as the test set.
+  * ``root/<class>/*`` or ``root/train/<class>/*`` alone: about 20% is held out as the test set,
+    each image by a keyed hash of its path (each person by their id with ``users.csv``).
 
 A ``users.csv`` manifest in ``root`` names each training image's user (the privacy unit ``user``):
 a header with ``path`` and ``user`` columns (and optionally ``label``, then checked against the
@@ -311,8 +312,8 @@ def list_image_folder(
         workers: processes for the check.
 
     Returns:
-        The listing; with no official test split, a stratified 20% of the (readable) images is
-        held out, exactly as the in-memory loaders do.
+        The listing; with no official test split, about 20% of the (readable) images is held
+        out unit by unit (:func:`_hold_out`), as the in-memory loaders do.
 
     Raises:
         DatasetError: a missing folder, an unreadable image (without ``skip_corrupt``), images of
