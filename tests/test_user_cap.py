@@ -203,3 +203,10 @@ def test_a_capped_user_level_run_resumes_bit_identically(tmp_path):
     assert all(torch.equal(tensor, b["model"][name]) for name, tensor in a["model"].items())
     with pytest.raises(ConfigError, match="max_batch_size: checkpoint 3 vs now 4"):
         Trainer.resume(tmp_path / "cut", progress=False, overrides=["dp.max_batch_size=4", "train.steps=12"])
+
+
+@pytest.mark.parametrize(("k", "words"), [(1, "at most 1 example of a drawn user"), (2, "at most 2 examples of a drawn user")])
+def test_the_header_counts_examples_per_user_in_english(k, words):
+    """The header read "at most 1 examples" (issue 62's review)."""
+    mechanism, *_ = capped_mechanism(steps=3, max_examples_per_user=k)
+    assert words in mechanism.plan.describe()

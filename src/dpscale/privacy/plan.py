@@ -360,7 +360,7 @@ class DPPlan:
         if not self.user_level:
             return f"N={self.dataset_size}"
         return (
-            f"N={self.dataset_size} users (B and q count users; at most {self.max_examples_per_user} examples of a "
+            f"N={self.dataset_size} users (B and q count users; at most {_count(self.max_examples_per_user, 'example')} of a "
             "drawn user per step, their summed gradient clipped as one: the guarantee covers any one person's images)"
         )
 
@@ -478,3 +478,8 @@ def _release_text(release: AccountingSegment) -> str:
         return f"{release.label} ({release.steps} steps at q={release.sample_rate:.5g}, sigma={release.noise_multiplier:.5g})"
     plural = "s" if release.steps > 1 else ""
     return f"{release.label} ({release.steps} Gaussian sum{plural}, sigma={release.noise_multiplier:g})"
+
+
+def _count(number: int | None, noun: str) -> str:
+    """ "1 example", "4 examples": the header's counts read as English."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
