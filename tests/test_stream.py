@@ -7,6 +7,7 @@ as the in-memory run of the same seed, bit-identical resume, and clear errors na
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -262,3 +263,33 @@ def test_auto_loader_on_a_small_folder_holds_what_the_memory_loader_holds(folder
     for key in ("x_train", "y_train", "x_test", "y_test"):
         assert torch.equal(getattr(auto, key), getattr(memory, key)), key
     assert auto.info == memory.info and dataset_fingerprint(auto) == dataset_fingerprint(memory)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_truncated_png_read_by_a_loader_worker_is_one_line_naming_it(tmp_path, capsys, split):
+    """Issue 62: a worker's DatasetError reached the CLI as torch's wrapped traceback (~3,000
+    characters, flattened); it is the error's own sentence, as with the in-memory loader."""
+    from PIL import Image
+
+    from dpscale.data.stream import open_stream
+
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (tmp_path / "pngs" / f"class{c}").mkdir(parents=True)
+        for i in range(30):
+            Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(tmp_path / "pngs" / f"class{c}" / f"{i:03d}.png")
+    data = open_stream("imagefolder", tmp_path / "pngs")
+    files = getattr(data, split).files
+    # a file start-up never decodes (the set-up check's first 8, the fingerprint's 16 evenly spaced
+    # training images): a loader worker finds it truncated
+    read_at_start = {*range(8), *np.linspace(0, len(files) - 1, num=16).astype(int)} if split == "train" else set()
+    victim = files[min(set(range(len(files))) - read_at_start)]
+    victim.write_bytes(victim.read_bytes()[:-40])  # B = N below: every training image in every step
+    argv = ["train", "--quiet"] + [a for kv in [
+        "data.name=imagefolder", f"data.root={tmp_path / 'pngs'}", "data.loader=stream", "data.workers=1",
+        "model.name=linear", f"dp.batch_size={len(data.train)}", "dp.noise_multiplier=1.0", "dp.epsilon=null", "train.steps=2",
+        f"run.out_dir={tmp_path / 'run'}"] for a in ("--set", kv)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "\nDP-SGD:" in err and "Traceback" not in err  # past start-up: a worker read it
+    assert err.splitlines()[-1] == f"dpscale train: error: could not read image {victim}: image file is truncated"

@@ -26,6 +26,7 @@ import torch
 
 from .datasets import DatasetInfo
 from .folder import image_array
+from .formats import DatasetError
 from .units import user_slices
 
 if TYPE_CHECKING:
@@ -102,8 +103,26 @@ class StreamedData:
         return to_model_input(x.to(device), self.normalize), self.y_train[:count].to(device)
 
 
+@dataclass(frozen=True)
+class _ReadFailure:
+    """A worker's ``DatasetError``, sent to the training process as its class and sentence: torch
+    re-raises a worker's exception with the worker's whole traceback as its message (a
+    3,000-character "one line" for a truncated PNG, issue 62)."""
+
+    kind: type[DatasetError]
+    message: str
+
+
+def _unless_failed(item: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """A loader's item, or the worker's ``DatasetError`` raised again here in its own words."""
+    if isinstance(item[1], _ReadFailure):
+        raise item[1].kind(item[1].message)
+    return item
+
+
 class _Chunks(torch.utils.data.Dataset):
-    """Map-style dataset whose items are whole chunks: a worker reads all of a chunk's examples."""
+    """Map-style dataset whose items are whole chunks: a worker reads all of a chunk's examples
+    (or, when a file cannot be read, returns the ``DatasetError`` as a ``_ReadFailure``)."""
 
     def __init__(self, source: ImageSource, shape: tuple[int, ...]) -> None:
         self.source, self.shape = source, shape
@@ -111,10 +130,13 @@ class _Chunks(torch.utils.data.Dataset):
     def __len__(self) -> int:  # items are requests, not examples
         return 0
 
-    def __getitem__(self, request: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, request: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor | _ReadFailure, torch.Tensor | None]:
         tag, indices = request
         rows = indices.tolist()
-        x = np.stack([self.source.read(i) for i in rows]) if rows else np.zeros((0, *self.shape), np.uint8)
+        try:
+            x = np.stack([self.source.read(i) for i in rows]) if rows else np.zeros((0, *self.shape), np.uint8)
+        except DatasetError as err:
+            return tag, _ReadFailure(type(err), str(err)), None
         return tag, torch.from_numpy(x), torch.from_numpy(self.source.labels[rows])
 
 
@@ -200,7 +222,7 @@ class StreamFeed:
         while True:
             started = time.perf_counter()
             try:
-                (chunk_step, last, *unit), x, y = next(self._iterator)
+                (chunk_step, last, *unit), x, y = _unless_failed(next(self._iterator))
             except BaseException:  # a worker failed: stop the workers now, not when collected
                 self._iterator = None
                 raise
@@ -233,7 +255,8 @@ def eval_batches(
     loader = _loader(
         _Chunks(data.test, tuple(data.info.input_shape)), requests, min(workers, len(requests)), prefetch, device.type == "cuda"
     )
-    for _, x, y in loader:
+    for item in loader:
+        _, x, y = _unless_failed(item)
         yield to_model_input(x.to(device), data.normalize), y.to(device)
 
 
@@ -265,7 +288,6 @@ def open_stream(
     Returns:
         The streamed dataset (N = the readable training images).
     """
-    from .formats import DatasetError
     from .shards import open_shards
 
     train: ImageSource
