@@ -225,3 +225,19 @@ def test_weight_standardised_linear_drops_an_overflowing_example_exactly(engine_
     assert not bool(torch.isfinite(norms[2])) and bool(torch.isfinite(norms[keep]).all())
     for n in without:
         torch.testing.assert_close(with_bad[n], without[n], rtol=1e-6, atol=1e-9)
+
+
+def test_a_single_row_linear_s_float64_sums_of_squares_are_taken_in_a_bounded_buffer():
+    """Issue 62: a T = 1 Linear's input norms squared a float64 copy of the whole (B, n) input (2 x
+    315 MB for a linear model's 512-image chunk at 160 px, a streamed run's peak); block by block in
+    one reused buffer they are the whole copy's sums bit for bit (every block of 2 rows or more)."""
+    from dpscale.privacy.autotune import cpu_allocation_peak
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, n in [(40, 76_800), (41, 76_800), (3, 200_000), (1000, 300), (2, 5), (1, 9), (0, 4)]:
+        v = torch.randn(rows, 1, 2 * n, generator=gen)[:, 0, ::2] * 10  # a strided view, as a3[:, 0] may be
+        assert torch.equal(ghost_rules.float64_row_sq_sums(v), v.double().square().sum(1)), (rows, n)
+    v = torch.randn(64, 76_800, generator=gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        ghost_rules.float64_row_sq_sums(v)
+    assert cpu_allocation_peak(prof) < 4 * 2**20  # measured 1.2 MB; the whole float64 copy and its square: 75 MB

@@ -41,6 +41,36 @@ from dpscale.privacy.ghost_record import (
 from dpscale.privacy.per_example import Params
 
 
+SQ_SUM_BLOCK_BYTES = 1 << 20  # float64 rows squared at once: 1 MB, not a copy of the whole input
+
+
+def float64_row_sq_sums(v: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of squares of a (B, n) tensor, squared and summed in float64 (a float32
+    square is exact there), a block of rows at a time in one reused buffer.
+
+    A linear model on 160 px images has n = 76,800: the whole chunk's float64 copy and its
+    square took 2 x 315 MB at B = 512 and set a streamed run's peak memory (issue 62). A fresh
+    block per row instead left glibc's heap 300 MB larger in some processes (freed blocks not
+    reused); one buffer of at most ``SQ_SUM_BLOCK_BYTES`` (or one row) allocates once.
+
+    Args:
+        v: (B, n) values of any floating type.
+
+    Returns:
+        (B,) float64 sums of squares.
+    """
+    rows = max(2, SQ_SUM_BLOCK_BYTES // max(1, 8 * v.shape[1]))
+    if len(v) <= rows:
+        return v.double().square().sum(1)
+    sums = v.new_empty(len(v), dtype=torch.float64)
+    block = v.new_empty((rows, v.shape[1]), dtype=torch.float64)
+    # every block full (the last one overlaps its predecessor): torch sums a row in the same
+    # order in any block of 2 rows or more (one row alone is reduced in another order)
+    for start in [*range(0, len(v) - rows, rows), len(v) - rows]:
+        torch.sum(block.copy_(v[start : start + rows]).square_(), 1, out=sums[start : start + rows])
+    return sums
+
+
 def _linear_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Weight norms from Gram matrices, a (B, T, d_in) and g (B, T, d_out); the release sums T products."""
     gram, weight = gram_sq_norms(a, g)
@@ -78,7 +108,7 @@ def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
             # each factor summed in float64 and taken back to the records' type, so that an input
             # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
-            sq_a, sq_g = (v.double().square().sum(1).to(a.dtype).double() for v in (a3[:, 0], g3[:, 0]))
+            sq_a, sq_g = (float64_row_sq_sums(v).to(a.dtype).double() for v in (a3[:, 0], g3[:, 0]))
             product = sq_a * sq_g
             sq = sq + part(r, "weight", product.to(a.dtype))
             r.slack = release_slack(1, product.sqrt(), a.dtype)
