@@ -73,9 +73,13 @@ def default_workers() -> int:
 def to_model_input(x: torch.Tensor, normalize: bool) -> torch.Tensor:
     """Decoded pixels -> float32 in [0, 1] (or [-1, 1] with ``normalize``), by the same operations
     as the in-memory loaders, so both give the same floats bit for bit: uint8 divided by 255,
-    float32 (already in [0, 1]) as it is."""
-    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
-    return (x - 0.5) / 0.5 if normalize else x
+    float32 (already in [0, 1]) as it is. One float tensor at a time: a 512-image chunk at 160 px
+    is 157 MB as float32, and ``(x - 0.5) / 0.5`` held three of them at once (issue 62)."""
+    if x.dtype == torch.uint8:
+        pixels = x.float().div_(255.0)  # a new tensor: normalised in place, by the same operations
+        return pixels.sub_(0.5).div_(0.5) if normalize else pixels
+    pixels = x.float()  # may be ``x`` itself: never written in place
+    return (pixels - 0.5).div_(0.5) if normalize else pixels
 
 
 @dataclass(frozen=True)
