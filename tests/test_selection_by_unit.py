@@ -169,3 +169,40 @@ def test_max_per_class_is_said_and_a_folder_split_by_path_says_nothing(tmp_path,
     summary, _ = _train(tmp_path, "capped", *folder, "data.max_per_class=20")
     assert summary["training_set"] == selection_note((MAX_PER_CLASS_CHOICE,))
     assert "data.max_per_class's seeded choice" in capsys.readouterr().err
+
+
+def test_the_idx_side_file_split_uses_a_constant_fraction_not_one_computed_from_the_collection(tmp_path):
+    """The review's case: 600 people of one image each; the cut-off was round(N/6)/N, so removing one
+    person moved from 100/600 to 100/599 and took in a person whose hash lies between (now 0 moved)."""
+    from datafiles import write_idx
+
+    people = np.array([f"p{i}" for i in range(20000)])
+    share = unit_hashes(people).astype(np.float64) / 2.0**64
+    between = people[(share >= 100 / 600) & (share < 100 / 599)][0]  # moved by the old cut-off
+    others = people[(share < 100 / 600 - 1e-3) | (share > 100 / 599 + 1e-3)][:599]
+    ids = np.concatenate([[between], others])
+
+    def training_people(chosen: np.ndarray, folder: Path) -> set[str]:
+        folder.mkdir()
+        write_idx(folder / "train-images-idx3-ubyte", np.zeros((len(chosen), 4, 4), dtype=np.uint8))
+        write_idx(folder / "train-labels-idx1-ubyte", np.arange(len(chosen)) % 10)
+        (folder / "train-user-ids.txt").write_text("\n".join(chosen) + "\n")
+        return set(load_idx(folder).user_ids.tolist())
+
+    before = training_people(ids, tmp_path / "all")
+    after = training_people(ids[:-1], tmp_path / "without")
+    assert (between in before) == (between in after)
+    assert before - {ids[-1]} == after
+
+
+def test_a_file_name_that_is_not_utf8_is_held_out_by_its_bytes(tmp_path):
+    """A Latin-1 file name (os.listdir's surrogates) raised UnicodeEncodeError in the hash."""
+    if sys.platform != "linux":
+        pytest.skip("file names as raw bytes: Linux")
+    root = _write_folder(tmp_path / "data", _people(40), users_csv=False)
+    odd = os.fsdecode(b"a/caf\xe9.png")  # not UTF-8
+    Image.fromarray(np.zeros((4, 4), dtype=np.uint8)).save(root / odd)
+    data = load_image_folder(root)
+    assert data.info.num_train + data.info.num_test == sum(1 for _ in root.rglob("*.png"))
+    hashed = unit_hashes([odd])[0]
+    assert hashed == unit_hashes([odd])[0]  # the same in every process: blake2b of the bytes on disk

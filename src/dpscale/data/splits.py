@@ -95,7 +95,9 @@ def unit_hashes(ids: Sequence[object] | np.ndarray) -> np.ndarray:
     """
     ids = np.asarray(ids)
     distinct, inverse = np.unique(ids, return_inverse=True)  # hash each id once
-    digests = (hashlib.blake2b(str(i).encode(), key=_SPLIT_KEY, digest_size=8).digest() for i in distinct.tolist())
+    # surrogateescape: a file name that is not UTF-8 (os.listdir's surrogates) hashes as its bytes on disk
+    digests = (hashlib.blake2b(str(i).encode("utf-8", "surrogateescape"), key=_SPLIT_KEY, digest_size=8).digest()
+               for i in distinct.tolist())  # fmt: skip
     values = np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(distinct))
     return values[inverse.reshape(-1)]
 

@@ -112,7 +112,8 @@ def user_id_array(user_ids: Sequence[Any] | np.ndarray | torch.Tensor) -> np.nda
         if ids.dtype.kind not in "iuU":
             raise ValueError(f"user ids must be integers or strings, got a {ids.dtype} array: {_WHY_TYPED}")
         if ids.dtype.kind == "U":
-            _check_no_nul(ids)
+            for i, value in enumerate(ids.tolist()):  # (np.char.find cannot look for a NUL: it strips it too)
+                _check_string_id(i, value)
         return ids
     values = raw.tolist() if isinstance(raw, np.ndarray) else list(raw)
     _check_shape(raw if isinstance(raw, np.ndarray) else np.empty(len(values)))  # an object array's own shape
@@ -154,8 +155,8 @@ def _id_array_of(values: list[Any]) -> np.ndarray:
                 f"user ids: example {i} is the {this} {value!r} but example 0 is the {kind} {first!r}: ids of two types can "
                 "merge two people (numpy makes 1 and '1' one string); give all as integers or all as strings"
             )
-        if this == "str" and "\x00" in value:
-            raise _nul_error(i, value)
+        if this == "str":
+            _check_string_id(i, value)
     return _round_tripped(values, kind)
 
 
@@ -177,19 +178,22 @@ def _round_tripped(values: list[Any], kind: str | None) -> np.ndarray:
     return ids
 
 
-def _nul_error(index: int, value: str) -> ValueError:
-    """The refusal of a string id with a NUL character (example ``index``'s ``value``)."""
-    return ValueError(
-        f"user ids: example {index}'s id {value!r} holds a NUL character: numpy drops trailing NULs ('a\\x00' would be "
-        "the person 'a'), so ids with NULs are refused"
-    )
-
-
-def _check_no_nul(ids: np.ndarray) -> None:
-    """Refuse a string id with a NUL (an array holds the ones numpy did not already strip)."""
-    for i, value in enumerate(ids.tolist()):  # (np.char.find cannot look for a NUL: it strips it too)
-        if "\x00" in value:
-            raise _nul_error(i, value)
+def _check_string_id(index: int, value: str) -> None:
+    """Refuse example ``index``'s string id with a NUL character (numpy drops trailing NULs: 'a\\x00'
+    would be the person 'a'; an array holds only the NULs numpy did not already strip) or with
+    whitespace around it ("17 " and "17" are one person in a users.csv, whose cells are stripped,
+    and would be two here: every door now agrees by refusing what they would read differently)."""
+    value = str(value)  # np.str_'s repr hides the NUL
+    if "\x00" in value:
+        raise ValueError(
+            f"user ids: example {index}'s id {value!r} holds a NUL character: numpy drops trailing NULs ('a\\x00' would be "
+            "the person 'a'), so ids with NULs are refused"
+        )
+    if value != value.strip():
+        raise ValueError(
+            f"user ids: example {index}'s id {value!r} has whitespace around it: a users.csv or side file strips it "
+            f"(reading {value.strip()!r}), so strip the ids first"
+        )
 
 
 def _check_present(ids: np.ndarray, offset: int = 0) -> None:
