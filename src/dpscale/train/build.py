@@ -109,10 +109,10 @@ def build_run(
             drawn again: a second draw would be a second release).
     """
     dist, device, seeds = open_process(config)
-    if device.type == "cpu":  # the DP step's large per-step tensors reuse freed pages (dpscale.cpu_memory)
-        keep_freed_memory()  # logged with the engine's checks: a refused set-up stays one line
     data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
+    if device.type == "cpu":  # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
+        keep_freed_memory(streamed=isinstance(images, StreamedData))  # logged with the engine's checks
     data_notes.extend(images.info.notes)  # files left out, colour files, people on each side of the split
     fingerprint = data_fingerprint(images)
     if images.info.skipped_files:
