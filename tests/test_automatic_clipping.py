@@ -256,3 +256,28 @@ def test_a_gamma_below_the_floor_is_refused_at_every_door(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="at least 1e-12"):
         _engine_sum("vmap", model, 1.0, _zero_and_tiny_batch(), gamma=1e-40)
+
+
+def _tiny_input_large_backprop_net(scale: float) -> nn.Module:
+    """Two bias-free linear layers, the second's weights times ``scale`` (1e15): an input of 1e-24 has
+    ||a||^2 ~ 1e-48 (0 in float32) while its gradient ||g|| ||a|| ~ 1e-9 is an ordinary number."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4, bias=False), nn.Linear(4, 3, bias=False))
+    with torch.no_grad():
+        model[1].weight.mul_(scale)
+    return model
+
+
+@pytest.mark.parametrize(("clip", "gamma", "scale"), [(1.0, MIN_CLIP_GAMMA, 1e15), (1e-8, None, 1e18)], ids=["automatic", "fixed"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_factor_below_float32s_range_does_not_zero_the_norm(engine, clip, gamma, scale):
+    """Issue 62's review: bk and ghost rounded each factor's sum of squares to float32 before
+    multiplying, read the norm as 0 and released 1287 C (automatic, gamma 1e-12) or 1.28 C (fixed,
+    C = 1e-8) for one example; the float64 loop releases 0.999 C and 0.56 C."""
+    torch.manual_seed(1)
+    batch = (torch.randn(1, 16) * 1e-24, torch.tensor([0]))
+    grad_sum, _ = _engine_sum(engine, _tiny_input_large_backprop_net(scale), clip, batch, gamma=gamma)
+    reference = float64_reference(_tiny_input_large_backprop_net(scale).double(), (batch[0].double(), batch[1]), clip,
+                                  release_dtype=torch.float32, clip_gamma=gamma)  # fmt: skip
+    assert _released_norm(grad_sum) <= clip
+    assert _released_norm(grad_sum) == pytest.approx(_released_norm(reference.clipped_sum), rel=1e-3)

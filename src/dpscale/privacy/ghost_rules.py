@@ -106,10 +106,13 @@ def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     sq = a.new_zeros(b)
     if r.trainable.get("weight"):
         if a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
-            # each factor summed in float64 and taken back to the records' type, so that an input
-            # whose square overflows it (3e38 in float32) still makes the example non-finite (zeroed)
-            sq_a, sq_g = (float64_row_sq_sums(v).to(a.dtype).double() for v in (a3[:, 0], g3[:, 0]))
-            product = sq_a * sq_g
+            # each factor summed and multiplied in float64: a factor rounded to float32 alone read 0
+            # below float32's range (||a||^2 = 1e-48) although the gradient ||g|| ||a|| was ordinary,
+            # and automatic clipping released 1287 C (issue 62's review). A factor whose square
+            # overflows the records' type (3e38 in float32) still makes the example non-finite (zeroed).
+            sq_a, sq_g = (float64_row_sq_sums(v) for v in (a3[:, 0], g3[:, 0]))
+            top = torch.finfo(a.dtype).max
+            product = torch.where((sq_a > top) | (sq_g > top), torch.inf, sq_a * sq_g)
             sq = sq + part(r, "weight", product.to(a.dtype))
             r.slack = release_slack(1, product.sqrt(), a.dtype)
         else:
