@@ -183,3 +183,40 @@ def test_an_all_grey_or_all_colour_folder_says_nothing_about_colour(tmp_path, ca
     assert list_image_folder(root).colour_files == ()
     code, err = train(tmp_path, root, capsys)
     assert code == 0 and not lines_with(err, "colour")
+
+
+def test_the_hospital_scenario_runs_from_the_docs_as_written(tmp_path, capsys, monkeypatch):
+    """docs/privacy-units.md's hospital commands, word for word, on a tiny collection: the
+    generator's command line, then the train command with its length, B and output shortened."""
+    import runpy
+    import shlex
+    import sys
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "privacy-units.md").read_text()
+    section = docs.split("## A hospital's scans")[1].split("\n## ")[0]
+    block = section.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+    generate, train_line = (line for line in block.splitlines() if line.strip())
+    monkeypatch.chdir(tmp_path)
+    script = shlex.split(generate)
+    assert script[:2] == ["python", "scripts/hospital_scans.py"]
+    args = [a if a != "1500" else "60" for a in script[2:]]
+    monkeypatch.setattr(sys, "argv", ["hospital_scans.py", *args])
+    runpy.run_path(str(Path(__file__).resolve().parent.parent / script[1]), run_name="__main__")
+    command = shlex.split(train_line)
+    assert command[:2] == ["dpscale", "train"]
+    short = [
+        "--set",
+        "train.steps=2",
+        "--set",
+        "dp.batch_size=8",
+        "--set",
+        "train.ema_decay=null",
+        "--set",
+        f"run.out_dir={tmp_path / 'run'}",
+    ]
+    assert main([*command[1:], "--quiet", *short]) == 0
+    err = capsys.readouterr().err
+    assert lines_with(err, "privacy unit user:") and lines_with(err, "users.csv: 60 people")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["privacy_unit"] == "user" and summary["max_examples_per_user"] == 4
