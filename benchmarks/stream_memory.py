@@ -1,12 +1,19 @@
-"""Peak host memory of a streamed run on a folder larger than that bound (issue 15's check):
+"""Peak host memory of a streamed run on a folder larger than that bound (issues 15 and 62):
 
-    python benchmarks/stream_memory.py --folder /tmp/jpeg30k [--images 30000] [--size 160] [--set KEY=VALUE ...]
+    python benchmarks/stream_memory.py --folder /tmp/jpeg30k [--images 30000] [--size 160]
+        [--model linear --batch-size 1024 --chunk 512] [--source REV ...] [--memory default,keep,release]
+        [--set KEY=VALUE ...]
 
 Writes ``--images`` JPEGs (``--size`` px, 10 classes, smooth content + texture, quality 90) into
 ``--folder`` unless it already holds them, then runs ``dpscale train`` on it with
-``data.loader=stream`` for one epoch in a subprocess, sampling the memory of the whole process tree (trainer +
-loader workers) every 0.2 s. Prints the decoded size of the set, the peak PSS of the tree (shared
-pages counted once), the peak of the RSS summed over it, and the trainer's own peak RSS.
+``data.loader=stream`` for one epoch in a subprocess, once per source and memory setting:
+``--source`` is ``worktree`` (this checkout's src/) or a git revision (its src/ exported with
+``git archive`` and put first on PYTHONPATH), ``--memory`` the ``DPSCALE_CPU_MEMORY`` value
+(``default``: unset). Each run's memory is sampled every 0.2 s over the whole process tree
+(trainer + loader workers). Prints a table: the largest RSS of any one process as the kernel
+counted it (what ``/usr/bin/time -v`` prints as "Maximum resident set size"), the trainer's own
+sampled peak RSS, the peak PSS of the tree (shared pages counted once), the training time and
+the time spent waiting for data. MB are 2^20 bytes (``/usr/bin/time``'s kB / 1024).
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -82,11 +91,47 @@ def _tree_rss(pid: int) -> tuple[int, int, int]:
     return pss, total, rss.get(pid, 0)
 
 
+def _source_path(source: str, scratch: Path) -> str:
+    """The src/ directory to run: this checkout's, or a revision's exported into ``scratch``."""
+    repo = Path(__file__).resolve().parent.parent
+    if source == "worktree":
+        return str(repo / "src")
+    target = scratch / source
+    target.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", source, "src"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return str(target / "src")
+
+
+def _measure(command: list[str], env: dict[str, str]) -> tuple[int, int, int, int, int]:
+    """Run ``command``; (exit code, its largest single-process max RSS as the kernel counted it,
+    the trainer's sampled peak RSS, the tree's sampled peak PSS, peak RSS summed), bytes."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak_pss = peak_tree = peak_main = 0
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)  # its own rusage: one run's, not the session's
+        if pid:
+            break
+        pss, tree, own = _tree_rss(process.pid)
+        peak_pss, peak_tree, peak_main = max(peak_pss, pss), max(peak_tree, tree), max(peak_main, own)
+        time.sleep(0.2)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    output = process.stdout.read() if process.stdout else ""
+    if process.returncode:
+        print(output[-1500:])
+    return process.returncode, usage.ru_maxrss * 1024, peak_main, peak_pss, peak_tree
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, required=True)
     parser.add_argument("--images", type=int, default=30000)
     parser.add_argument("--size", type=int, default=160)
+    parser.add_argument("--model", default="papernot-cnn")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=128, help="train.max_physical_batch_size")
+    parser.add_argument("--source", action="append", default=[], help="worktree (default) or a git revision; repeatable")
+    parser.add_argument("--memory", default="default", help="DPSCALE_CPU_MEMORY values, comma-separated (default: unset)")
     parser.add_argument("--out", default="/tmp/stream-memory-run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
@@ -95,24 +140,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"folder ready in {time.perf_counter() - started:.0f} s; decoded uint8 size "
           f"{args.images * 3 * args.size**2 / 2**30:.2f} GiB (float32: {4 * args.images * 3 * args.size**2 / 2**30:.2f} GiB)")  # fmt: skip
     overrides = [
-        "data.name=imagefolder", f"data.root={args.folder}", "data.loader=stream", "model.name=papernot-cnn",
-        "dp.epsilon=null", "dp.noise_multiplier=1.0", "dp.max_grad_norm=1.0", "dp.batch_size=256",
-        "train.epochs=1", "train.max_physical_batch_size=128", f"run.out_dir={args.out}", *args.set,
+        "data.name=imagefolder", f"data.root={args.folder}", "data.loader=stream", f"model.name={args.model}",
+        "dp.epsilon=null", "dp.noise_multiplier=1.0", "dp.max_grad_norm=1.0", f"dp.batch_size={args.batch_size}",
+        "train.epochs=1", f"train.max_physical_batch_size={args.chunk}", *args.set,
     ]  # fmt: skip
-    command = [sys.executable, "-m", "dpscale", "train", "--quiet", *sum((["--set", o] for o in overrides), [])]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak_pss = peak_tree = peak_main = 0
-    while process.poll() is None:
-        pss, tree, own = _tree_rss(process.pid)
-        peak_pss, peak_tree, peak_main = max(peak_pss, pss), max(peak_tree, tree), max(peak_main, own)
-        time.sleep(0.2)
-    output = process.stdout.read()
-    print(output[-1500:])
-    summary = json.loads((Path(args.out) / "summary.json").read_text()) if process.returncode == 0 else {}
-    print(f"peak memory: process tree PSS {peak_pss / 2**30:.2f} GiB (RSS summed {peak_tree / 2**30:.2f} GiB, "
-          f"counting shared pages once per process), trainer alone RSS {peak_main / 2**30:.2f} GiB; "
-          f"wall {summary.get('wall_time_s', float('nan')):.0f} s training, data wait {summary.get('data_wait_s')} s")  # fmt: skip
-    return process.returncode
+    print(
+        f"command: DPSCALE_CPU_MEMORY=... PYTHONPATH=SOURCE/src python -m dpscale train --quiet {' '.join('--set ' + o for o in overrides)} --set run.out_dir=..."
+    )
+    print(f"machine: {os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start\n")
+    print(
+        "| source | DPSCALE_CPU_MEMORY | max RSS, one process (time -v) | trainer's peak RSS | tree's peak PSS | training s | data wait s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    failed = 0
+    with tempfile.TemporaryDirectory() as scratch:
+        for source in args.source or ["worktree"]:
+            path = _source_path(source, Path(scratch))
+            for memory in args.memory.split(","):
+                env = {k: v for k, v in os.environ.items() if k != "DPSCALE_CPU_MEMORY"} | {"PYTHONPATH": path}
+                env |= {} if memory == "default" else {"DPSCALE_CPU_MEMORY": memory}
+                out = Path(args.out) / f"{source}-{memory}"
+                shutil.rmtree(out, ignore_errors=True)  # dpscale refuses a directory holding a run
+                sets = sum((["--set", o] for o in [*overrides, f"run.out_dir={out}"]), [])
+                code, maxrss, trainer, pss, _ = _measure([sys.executable, "-m", "dpscale", "train", "--quiet", *sets], env)
+                summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
+                failed += code != 0
+                print(f"| {source} | {memory} | {maxrss / 2**20:.0f} MB | {trainer / 2**20:.0f} MB | {pss / 2**20:.0f} MB | "
+                      f"{summary.get('wall_time_s', float('nan')):.0f} | {summary.get('data_wait_s', float('nan')):.1f} |", flush=True)  # fmt: skip
+    print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
