@@ -407,7 +407,7 @@ class UserPoissonSampler:
 
 def _check_user_cap(max_batch_size: int | None, bands: int) -> None:
     """Refuse a cap that is not an integer >= 1, or one with cyclic sampling (b > 1), which no
-    accountant composes with a cap (the plan refuses it too: ``sampling_plan._check_cap``)."""
+    accountant composes with a cap (the plan refuses it too: ``sampling_plan.check_sampling_settings``)."""
     if max_batch_size is None:
         return
     if isinstance(max_batch_size, bool) or int(max_batch_size) != max_batch_size or max_batch_size < 1:

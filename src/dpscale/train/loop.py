@@ -279,10 +279,8 @@ class Trainer:
 
     def _print_plan(self) -> None:
         """The plan, what it means, and every caveat and warning (once per session)."""
-        for line in report.privacy_statement(self.plan, self.privacy_warnings(), report.training_set_note(self.built)):
+        for line in report.header_lines(self.plan, self.built, self.privacy_warnings()):
             self.log(line)
-        if people := report.people_line(self.plan, getattr(self.built.data, "user_ids", None)):
-            self.log(people)
         self.warnings_shown = self.report
 
     def _step_evaluate_save(self, bar: Any) -> None:

@@ -112,6 +112,13 @@ def training_set_note(built: Run) -> str | None:
     return selection_note(built.data.info.selected_by) if built.plan.is_private else None
 
 
+def header_lines(plan: DPPlan, built: Run, privacy_warnings: list[str]) -> list[str]:
+    """Every line of a session's run header: the privacy statement (with how the training set was
+    chosen) and, where the data names people, the people line."""
+    people = people_line(plan, getattr(built.data, "user_ids", None))
+    return privacy_statement(plan, privacy_warnings, training_set_note(built)) + ([people] if people else [])
+
+
 def people_line(plan: DPPlan, user_ids: np.ndarray | None) -> str | None:
     """The run header's line about the people in data that names them (issue 62, points 5 and 10).
 
