@@ -398,7 +398,9 @@ class UserPoissonSampler:
             raise ValueError(
                 f"this sampler state was written with a cap of {state.get('max_batch_size')} users a step, not "
                 f"{self.max_batch_size}: the run's steps would be sampled two ways that one epsilon does not describe"
-            )
+                + (" (a run begun before dpscale applied the user-level cap drew every user its plan capped: start it anew)"
+                   if "max_batch_size" not in state else "")
+            )  # fmt: skip
         self.generator.load_state_dict(state["generator"])
         self.step = int(state["step"])
         if state["partition_seed"] != self.partition_seed:  # the run's groups win (b-separation)
