@@ -103,12 +103,14 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
     assert f"WARNING: of the uncapped Poisson steps: privacy wall: sigma=1 < 2 makes epsilon={steps_alone:.4g} " in text
     assert main(args + ["--max-batch-size", "1"]) == 0  # one example a step is cheaper, and says so with its sign
     assert "the cap costs -" in capsys.readouterr().out
-    for extra, message in ((["--accountant", "rdp"], "PLD only"), (["--max-batch-size", "0"], "positive integer"),
-                           (["--target-epsilon", "3"], "give --noise")):  # fmt: skip
-        flags = [a for a in args if a not in ("--noise", "1.0")] if extra[0] == "--target-epsilon" else args
-        cap = [] if extra[0] == "--max-batch-size" else ["--max-batch-size", "55"]
-        assert main(flags + cap + extra) == 2
+    for extra, message in ((["--max-batch-size", "0"], "positive integer"),
+                           (["--max-batch-size", "55", "--target-epsilon", "3", "--steps", "20"], "solving the length")):  # fmt: skip
+        flags = [a for a in args if a not in ("--steps", "20")] if "--target-epsilon" in extra else args
+        assert main(flags + extra) == 2
         assert message in capsys.readouterr().err
+    # --accountant rdp under a cap: PLD, as a run's plan does (issue 62's review: account refused what train switched)
+    assert main(args + ["--max-batch-size", "55", "--accountant", "rdp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == result["epsilon"]
 
 
 def test_a_cap_below_n_at_q_one_is_accounted_as_the_truncated_event():
@@ -152,3 +154,25 @@ def test_a_capped_runs_wall_warning_reads_the_uncapped_poisson_steps(tmp_path):
     poisson = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=0.8, steps=20, delta=plan.delta, kind="pld")
     assert plan.epsilon > poisson  # the cap costs something here
     assert plan.wall_warning().startswith(f"of the uncapped Poisson steps: privacy wall: sigma=0.8 < 2 makes epsilon={poisson:.4g} ")
+
+
+@pytest.mark.parametrize("cap", ["55", "auto"])
+def test_account_calibrates_under_a_cap_as_a_runs_plan_does(cap, capsys):
+    """dpscale account refused --target-epsilon with --max-batch-size while make_private and dpscale
+    train calibrated it (the doors disagreed): both now ask make_dp_plan, and the capped epsilon of the
+    sigma found is at most the target."""
+    from dpscale.privacy.make_plan import make_dp_plan
+    from dpscale.privacy.numbers import PrivacyNumbers
+
+    args = ["account", "--dataset-size", "1000", "--batch-size", "50", "--steps", "20", "--target-epsilon", "3",
+            "--max-batch-size", cap, "--json"]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    numbers = PrivacyNumbers(batch_size=50, max_grad_norm=1.0, delta=1e-5, target_epsilon=3.0,
+                             max_batch_size=cap if cap == "auto" else int(cap))  # fmt: skip
+    plan = make_dp_plan(numbers, dataset_size=1000, steps=20)
+    assert result["noise_multiplier"] == plan.noise_multiplier and result["max_batch_size"] == plan.max_batch_size
+    assert result["epsilon"] == pytest.approx(plan.epsilon, rel=1e-9) and result["epsilon"] <= 3.0
+    want = truncated_poisson_epsilon(dataset_size=1000, batch_size=50, noise_multiplier=plan.noise_multiplier, steps=20,
+                                     delta=1e-5, max_batch_size=plan.max_batch_size)  # fmt: skip
+    assert result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12)

@@ -121,14 +121,18 @@ def _check_cap_args(args: argparse.Namespace) -> None:
     if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
         raise ConfigError(f"--max-batch-size must be a positive integer or auto, got {cap!r}")
     refused = [
-        (args.accountant == "rdp", "--accountant rdp (dp_accounting accounts truncated Poisson with PLD only)"),
         (args.mechanism == "bandmf", "--mechanism bandmf"),
         (args.group_size is not None, "--group-size"),
-        (args.target_epsilon is not None, "--target-epsilon (calibration under a cap is not built: give --noise)"),
-    ]
+        (args.target_epsilon is not None and args.noise is not None,
+         "--target-epsilon and --noise (solving the length under a cap is not built: give --epochs or --steps)"),
+    ]  # fmt: skip
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--max-batch-size is not accounted with {what}")
+    from dpscale.privacy.sampling_plan import accountant_for
+
+    # the run's rule (PLD: dp_accounting composes truncated Poisson with it alone), as train and make_private do
+    args.accountant = accountant_for("poisson", cap, args.accountant)
 
 
 def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, uncapped: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +190,18 @@ def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float |
     return feature_releases(data_norm_noise, feature_mean_noise)
 
 
+def _capped_noise(args: argparse.Namespace, steps: int, releases: tuple) -> float:
+    """sigma for --target-epsilon under --max-batch-size, from the plan a run would make (one rule for
+    every door: ``make_dp_plan`` calibrates on the truncated event, or for "auto" at target / 1.01)."""
+    from dpscale.privacy.make_plan import make_dp_plan
+
+    cap = args.max_batch_size if args.max_batch_size == "auto" else int(args.max_batch_size)
+    numbers = PrivacyNumbers(batch_size=args.batch_size, max_grad_norm=1.0, delta=args.delta,
+                             target_epsilon=args.target_epsilon, max_batch_size=cap, accountant=args.accountant)  # fmt: skip
+    with refusals_as_config_errors():
+        return make_dp_plan(numbers, dataset_size=args.dataset_size, steps=steps, releases=releases).noise_multiplier
+
+
 def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
     """The third of (noise, target epsilon, length) from the two given.
 
@@ -212,6 +228,8 @@ def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
     steps = steps_for(args.epochs, args.steps, args.dataset_size, args.batch_size)
     if args.noise is not None:
         return "epsilon", args.noise, steps
+    if args.max_batch_size is not None:
+        return "noise_multiplier", _capped_noise(args, steps, releases), steps
     with refusals_as_config_errors():  # e.g. a budget that no noise reaches
         sigma = calibrate_noise_multiplier(**budget, steps=steps, kind=args.accountant, releases=releases,
                                            batches=_batches(args))  # fmt: skip
