@@ -60,6 +60,10 @@ def test_an_example_level_run_on_a_folder_with_users_says_what_it_means_for_a_pe
     people, most = len(set(listing.train_users.tolist())), max(np.unique(listing.train_users, return_counts=True)[1])
     assert f"{people} people" in line and f"up to {most} images" in line and f"--group-size {most}" in line
     assert "group privacy" in line and "--set data.privacy_unit=user" in line
+    counts = np.unique(listing.train_users, return_counts=True)[1]
+    k = int(np.ceil(np.quantile(counts, 0.9)))  # a concrete starting k (the line said K), covering 9 in 10 people
+    assert f"dp.max_examples_per_user={k} (9 in 10 people have at most {k} images" in line
+    assert (counts <= k).mean() >= 0.9 and line.startswith(f"the training set names {people} people")
 
 
 def test_the_person_reading_is_the_group_bound_dpscale_account_gives(tmp_path, capsys):
@@ -220,3 +224,61 @@ def test_the_hospital_scenario_runs_from_the_docs_as_written(tmp_path, capsys, m
     assert lines_with(err, "privacy unit user:") and lines_with(err, "users.csv: 60 people")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["privacy_unit"] == "user" and summary["max_examples_per_user"] == 4
+
+
+# issue 62's second review (a hospital engineer on a fresh clone): spreadsheet exports' other habits
+def test_windows_backslashes_in_users_csv_name_the_image(tmp_path):
+    root, rows = scans(tmp_path)
+    (root / "users.csv").write_text("path,user\n" + "".join(f"{a.replace('/', chr(92))},{b}\n" for a, b in rows))
+    assert set(read_users_manifest(root, *_listed(root)).tolist()) == {b for _, b in rows}
+
+
+def test_a_path_that_differs_only_in_case_is_refused_naming_the_listed_one(tmp_path):
+    root, rows = scans(tmp_path)
+    rows[0] = (rows[0][0].upper(), rows[0][1])
+    (root / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    with pytest.raises(DatasetError, match=r"line 2: FINDING/P00-0.PNG does not exist .*did you mean finding/p00-0.png"):
+        list_image_folder(root)
+
+
+def test_an_image_named_twice_is_refused_naming_both_lines_and_both_users(tmp_path):
+    root, rows = scans(tmp_path)
+    (root / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in [*rows, (rows[0][0], "patient-77")]))
+    with pytest.raises(DatasetError) as error:
+        list_image_folder(root)
+    message = str(error.value)
+    assert f"line {len(rows) + 2}: {rows[0][0]} is named twice (line 2 names the same image" in message
+    assert "'patient-00'" in message and "'patient-77'" in message
+
+
+def test_ids_that_differ_only_in_case_or_leading_zeros_are_said(tmp_path, capsys):
+    """'PATIENT-02' beside 'patient-02' and '7' beside '007' were separate people without a word."""
+    root, rows = scans(tmp_path)
+    rows = [(a, b.upper() if i == 5 else b) for i, (a, b) in enumerate(rows)]  # one of patient-02's three scans
+    (root / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    notes = [n for n in list_image_folder(root).notes if "differ from another only in case" in n]
+    assert len(notes) == 1 and "'patient-02' and 'PATIENT-02'" in notes[0] and "1 id(s)" in notes[0], notes
+    _, err = train(tmp_path, root, capsys)
+    assert notes[0] in err
+    from dpscale.data.users_csv import look_alike_ids
+
+    assert look_alike_ids(["7", "007", "p-07", "P-7", "p-70", "8"]) == (("7", "007"), ("p-07", "P-7"))
+
+
+def test_an_official_split_says_its_people_and_those_who_also_train(tmp_path, capsys):
+    """Patients with scans in both train/ and test/ (test accuracy measured on people the model saw)
+    passed without a word."""
+    root, rows = scans(tmp_path)
+    official = tmp_path / "official"
+    for split in ("train", "test"):
+        for name, _ in rows:
+            (official / split / name).parent.mkdir(parents=True, exist_ok=True)
+            (official / split / name).write_bytes((root / name).read_bytes())
+    named = [(f"{split}/{a}", b) for split in ("train", "test") for a, b in rows]
+    (official / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in named))
+    people = len({b for _, b in rows})
+    note = next(n for n in list_image_folder(official).notes if "official test split" in n)
+    assert f"{len(rows)} images: {len(rows)} named, of {people} people, {people} of whom also train" in note
+    (official / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in named[: len(rows) + 3]))
+    note = next(n for n in list_image_folder(official).notes if "official test split" in n)
+    assert "3 named" in note and f"it names nobody for the other {len(rows) - 3}" in note

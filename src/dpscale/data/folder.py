@@ -13,14 +13,9 @@ Layouts (classes are the sorted sub-folder names of the training split; label i 
   * ``root/<class>/*`` or ``root/train/<class>/*`` alone: about 20% is held out as the test set,
     each image by a keyed hash of its path (each person by their id with ``users.csv``).
 
-A ``users.csv`` manifest in ``root`` names each training image's user (the privacy unit ``user``):
-a header with ``path`` and ``user`` columns (and optionally ``label``, then checked against the
-image's class folder), one row per training image, paths relative to ``root``. With it, a held-out
-test split is made by whole users. As spreadsheets write it: a UTF-8 byte-order mark, ``,``, ``;``
-or tab between fields, spaces around names and values and any case are accepted, and the user
-column may be named by one alias (``USER_COLUMNS``: ``patient_id``, ``subject`` ...) when exactly
-one such column is present. A row naming no image of the listing (a missing file, a ``.dcm``) is
-refused with its line number.
+A ``users.csv`` manifest in ``root`` names each training image's user (the privacy unit ``user``;
+its format and what it accepts: :mod:`dpscale.data.users_csv`). With it, a held-out test split is
+made by whole users.
 
 The listing names what it leaves out or changes without a refusal (``FolderListing.notes``, printed
 by ``dpscale train`` and ``dpscale data prepare``): files in class folders that are not images it
@@ -50,15 +45,14 @@ from .formats import (
     require_two_classes,
     wide_pixels,
     wide_samples,
+    is_image_file,
 )
+from .users_csv import USERS_MANIFEST, UsersManifest, look_alikes_note, read_manifest, read_users_manifest
 
-USERS_MANIFEST = "users.csv"
+__all__ = ["USERS_MANIFEST", "FolderListing", "decoder_pool", "image_array", "list_image_folder", "read_users_manifest"]
+
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
-# users.csv's columns: the canonical name, then aliases accepted when exactly one is present
-# (compared lower-cased, with spaces, '-' and '_' removed)
-PATH_COLUMNS = ("path", "file", "filename", "filepath", "image", "imagepath")
-USER_COLUMNS = ("user", "userid", "patient", "patientid", "person", "personid", "subject", "subjectid")
 NAMED_FILES = 3  # a note names this many files, then counts the rest
 
 
@@ -104,12 +98,8 @@ def _class_folders(split_dir: Path) -> list[str]:
     return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
-def _is_image(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
-
-
 def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if _is_image(p))
+    return sorted(p for p in folder.iterdir() if is_image_file(p))
 
 
 def _not_images(root: Path, split_dirs: list[Path]) -> tuple[str, ...]:
@@ -119,7 +109,7 @@ def _not_images(root: Path, split_dirs: list[Path]) -> tuple[str, ...]:
     for split_dir in split_dirs:
         for c in _class_folders(split_dir):
             for p in (split_dir / c).iterdir():
-                if not _is_image(p):
+                if not is_image_file(p):
                     found.append(p.relative_to(root).as_posix() + ("/" if p.is_dir() else ""))
     return tuple(sorted(found))
 
@@ -335,14 +325,15 @@ def list_image_folder(
     files, labels = _flatten(by_class, classes)
     test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
     test_files, test_labels = test or ((), np.zeros(0, dtype=np.int64))
-    users = read_users_manifest(root, files, labels, classes, test_files=test_files)
+    manifest = read_manifest(root, files, labels, classes, test_files=test_files)
     listing = FolderListing(root, tuple(classes), files, labels, test_files, test_labels, "official" if test else "",
-                            train_users=users, left_out=_not_images(root, _split_dirs(root, train_dir)))  # fmt: skip
+                            train_users=None if manifest is None else manifest.train,
+                            left_out=_not_images(root, _split_dirs(root, train_dir)))  # fmt: skip
     listing = _scan(listing, image_size, skip_corrupt, workers)
     people = None if listing.train_users is None else len(np.unique(listing.train_users))
     if test is None:
         listing = _hold_out(listing)
-    listing = replace(listing, notes=_listing_notes(listing, people))
+    listing = replace(listing, notes=_listing_notes(listing, people) + _manifest_notes(listing, manifest))
     # Unreadable files left out, or a class's only image held out, can leave one class.
     note = f" ({len(listing.skipped)} unreadable file(s) left out)" if listing.skipped else ""
     require_two_classes(listing.train_labels, f"image folder {root}", listing.classes, note)
@@ -386,6 +377,27 @@ def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...
     return tuple(notes)
 
 
+def _manifest_notes(listing: FolderListing, manifest: UsersManifest | None) -> tuple[str, ...]:
+    """The listing's lines about what users.csv says beyond the split: an official test split's
+    people (those also in training: the test accuracy is then partly on people the model saw), and
+    ids that look alike (``users_csv.look_alike_ids``)."""
+    if manifest is None or listing.train_users is None:
+        return ()
+    notes = []
+    if listing.test_split == "official":
+        named = [manifest.test[p] for p in (f.resolve() for f in listing.test_files) if p in manifest.test]
+        people, trained = set(named), set(listing.train_users.tolist())
+        both = len(people & trained)
+        notes.append(
+            f"{USERS_MANIFEST}: the official test split's {len(listing.test_files):,} images: {len(named):,} named, of "
+            f"{len(people):,} people"
+            + (f", {both:,} of whom also train (their test images measure the model on people it saw)" if both else "")
+            + ("" if len(named) == len(listing.test_files) else f"; it names nobody for the other {len(listing.test_files) - len(named):,}")
+        )  # fmt: skip
+    look_alikes = look_alikes_note(manifest.look_alikes)
+    return tuple(notes) + ((look_alikes,) if look_alikes else ())
+
+
 def _hold_out(listing: FolderListing) -> FolderListing:
     """Split a folder without an official test split, unit by unit: an image (or, with
     ``users.csv``, a person with all their images) is held out iff a keyed hash of its path
@@ -411,105 +423,6 @@ def _hold_out(listing: FolderListing) -> FolderListing:
         test_files=pick(held), test_labels=listing.train_labels[held], test_split=how,
         train_users=None if users is None else users[train],
     )  # fmt: skip
-
-
-def read_users_manifest(
-    root: Path, files: tuple[Path, ...], labels: np.ndarray, classes: list[str], *, test_files: tuple[Path, ...] = ()
-) -> np.ndarray | None:  # fmt: skip
-    """Each training file's user from ``root/users.csv`` (None without the file).
-
-    Args:
-        root: the folder; files, labels, classes: its training images as listed.
-        test_files: the official test split's images: a row may name one (it trains on nothing).
-
-    Raises:
-        DatasetError: a file that is not UTF-8 text, no path or user column (or two candidates for
-            one), a row naming no listed image (with its line number), a training file the
-            manifest does not name, a path named twice, an empty user, or a ``label`` that is not
-            the file's class folder.
-    """
-    manifest = root / USERS_MANIFEST
-    if not manifest.is_file():
-        return None
-    header, rows = _manifest_rows(manifest)
-    path_col, user_col, label_col = _manifest_columns(manifest, header)
-    user_of: dict[Path, str] = {}
-    class_of = _label_of(files, labels, classes)
-    others = {f.resolve() for f in test_files}
-    for line, row in rows:
-        name, user, label = (row[c].strip() if c is not None and c < len(row) else "" for c in (path_col, user_col, label_col))
-        path = (root / name).resolve()
-        if path not in class_of and path not in others:
-            raise DatasetError(f"{manifest} line {line}: {_not_listed(root, name)}")
-        if path in user_of:
-            raise DatasetError(f"{manifest} line {line}: {name} is named twice")
-        if not user:
-            raise DatasetError(f"{manifest} line {line}: {name} has an empty user")
-        user_of[path] = user
-        if label and path in class_of and label != class_of[path]:
-            raise DatasetError(f"{manifest} line {line}: label {label!r} but {name} is in class folder {class_of[path]!r}")
-    missing = [f for f in files if f.resolve() not in user_of]
-    if missing:
-        raise DatasetError(f"{manifest} names no user for {len(missing)} training image(s), e.g. {missing[0]}")
-    return np.array([user_of[f.resolve()] for f in files])
-
-
-def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]]]]:
-    """users.csv's header and its non-blank rows with their line numbers: UTF-8 with or without a
-    byte-order mark, fields separated by whichever of ``,``, ``;`` or tab the header uses most."""
-    import csv
-    import io
-
-    try:
-        text = manifest.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{manifest} is not UTF-8 text ({e.reason} at byte {e.start}): save it as CSV UTF-8") from e
-    first = next((line for line in text.splitlines() if line.strip()), "")
-    delimiter = max((",", ";", "\t"), key=first.count)
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    records = [(reader.line_num, row) for row in reader if any(field.strip() for field in row)]
-    if not records:
-        raise DatasetError(f"{manifest} is empty: it needs a header with path and user columns, then one row per image")
-    return records[0][1], records[1:]
-
-
-def _column_key(name: str) -> str:
-    return re.sub(r"[\s_\-]", "", name.lower())
-
-
-def _manifest_columns(manifest: Path, header: list[str]) -> tuple[int, int, int | None]:
-    """The indices of users.csv's path, user and (optional) label columns: names compared without
-    case, spaces, '-' or '_', each of path and user found by exactly one of its accepted names."""
-    keys = [_column_key(name) for name in header]
-    expected = (f"expected a path column ({', '.join(PATH_COLUMNS)}), a user column ({', '.join(USER_COLUMNS)}) and "
-                "optionally label; case, spaces and '_' do not matter")  # fmt: skip
-    found = []
-    for aliases in (PATH_COLUMNS, USER_COLUMNS):
-        hits = [i for i, key in enumerate(keys) if key in aliases]
-        if len(hits) > 1:
-            both = " and ".join(repr(header[i].strip()) for i in hits)
-            raise DatasetError(f"{manifest}: both {both} could name the {aliases[0]}: keep one ({expected})")
-        if not hits:
-            columns = ", ".join(repr(name.strip()) for name in header)
-            raise DatasetError(f"{manifest}: found columns {columns}; {expected}")
-        found.append(hits[0])
-    label = keys.index("label") if "label" in keys else None
-    return found[0], found[1], label
-
-
-def _not_listed(root: Path, name: str) -> str:
-    """Why a users.csv row's path names no listed image."""
-    path = root / name
-    if not name or not path.exists():
-        return f"{name or '(an empty path)'} does not exist in {root}"
-    if not _is_image(path):
-        return f"{name} is not an image dpscale reads ({', '.join(sorted(IMAGE_EXTENSIONS))}): convert it, or remove the row"
-    return f"{name} is not in a class folder of the training images ({root}/<class>/ or {root}/train/<class>/)"
-
-
-def _label_of(files: tuple[Path, ...], labels: np.ndarray, classes: list[str]) -> dict[Path, str]:
-    """Each training file's class folder name, by resolved path."""
-    return {f.resolve(): classes[int(y)] for f, y in zip(files, labels)}
 
 
 def image_array(path: Path, mode: str, image_size: int | None, dtype: str = "uint8") -> np.ndarray:

@@ -50,6 +50,12 @@ class DatasetError(UserError, ValueError):
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"})
 
+
+def is_image_file(path: Path) -> bool:
+    """A file an image folder reads: an ``IMAGE_EXTENSIONS`` suffix (any case), not hidden."""
+    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
 MIN_CLASSES = 2  # fewer: every prediction is right, the accuracy is 100% and means nothing
 
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dimensions
