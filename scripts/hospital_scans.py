@@ -4,8 +4,8 @@ scans"):
 
     python scripts/hospital_scans.py --out /tmp/scans --patients 1500
 
-Each patient has one diagnosis (``normal`` or ``finding``, half each) and 1 + a geometric number
-of scans (mean ``--mean-scans``; a long tail: some patients have 10 or more). A scan is the patient's
+Each patient has one diagnosis (``normal`` or ``finding``, half each) and a geometric number of
+scans on 1, 2, ... (mean ``--mean-scans``; a long tail: some patients have 10 or more). A scan is the patient's
 own smooth "anatomy" (so one patient's scans are alike, as a real person's are), a per-scan gain and
 noise, and for ``finding`` patients a faint opacity in a lower zone of the left or right half. Pixel
 values span about 2,000..50,000 of 65,535 (12-bit detectors stored in 16-bit PNGs look like this).
@@ -25,7 +25,7 @@ CLASSES = ("finding", "normal")
 
 
 def patient_scans(mean_scans: float, patients: int, rng: np.random.Generator) -> np.ndarray:
-    """How many scans each patient has: 1 + Geometric, mean ``mean_scans`` (>= 1)."""
+    """How many scans each patient has: geometric on 1, 2, ... (numpy's), mean ``mean_scans`` (>= 1)."""
     if mean_scans <= 1:
         return np.ones(patients, dtype=np.int64)
     return rng.geometric(1.0 / mean_scans, patients).astype(np.int64)

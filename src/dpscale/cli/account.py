@@ -13,9 +13,6 @@ from dpscale.cli.args import bands_arg, number_arg, positive_int, refusals_as_co
 from dpscale.errors import ConfigError
 from dpscale.privacy.numbers import PrivacyNumbers
 
-# The smallest delta' the --group-size search tries with the RDP accountant (the PLD one stops at its PLD_MIN_DELTA).
-RDP_MIN_DELTA = 1e-100
-
 
 def _cmd_account(args: argparse.Namespace) -> int:
     _check_account_args(args)
@@ -308,15 +305,15 @@ def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
 def _group_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, epsilon: float) -> dict[str, Any]:
     """What an example-level run promises a person with k = --group-size images (group privacy):
     (k eps, delta_k) straight from (eps, delta), and the smallest k eps(delta') whose delta_k is --delta."""
-    from dpscale.privacy.accountant import PLD_MIN_DELTA, history_accountant
+    from dpscale.privacy.accountant import history_accountant
     from dpscale.privacy.group_privacy import (
-        GROUP_PRIVACY_LABEL, GROUP_PRIVACY_SOURCE, best_group_bound, direct_group_bound, meaning, unit_text,
+        GROUP_PRIVACY_LABEL, GROUP_PRIVACY_SOURCE, best_group_bound, direct_group_bound, meaning, search_floor, unit_text,
     )  # fmt: skip
 
     k = args.group_size
     accountant = history_accountant(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma,
                                     steps=steps, kind=args.accountant, releases=releases)  # fmt: skip
-    floor = PLD_MIN_DELTA if args.accountant == "pld" else RDP_MIN_DELTA
+    floor = search_floor(args.accountant)
     with refusals_as_config_errors():
         direct = direct_group_bound(epsilon=epsilon, delta=args.delta, group_size=k)
         best = best_group_bound(

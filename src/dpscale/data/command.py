@@ -41,7 +41,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         f"wrote {len(listing.train_files)} training and {len(listing.test_files)} test images "
         f"({channels}x{args.size}x{args.size} {listing.dtype}, {len(listing.classes)} classes, test split: {listing.test_split}; "
         f"{len(listing.skipped)} skipped) to {manifest.parent} in {seconds:.1f} s ({total / seconds:.0f} images/s, "
-        f"{workers} workers)"
+        f"{workers} worker{'' if workers == 1 else 's'})"
     )
     return 0
 

@@ -29,6 +29,18 @@ from dpscale.choices import PRIVACY_UNITS
 
 UNITS = PRIVACY_UNITS  # the names live in dpscale.choices
 GROUP_PRIVACY_SOURCE = "Dwork & Roth 2014, Thm 2.2; Vadhan 2017, Lemma 2.2"
+# The smallest delta' a group-bound search tries with the RDP accountant (the PLD one stops at its
+# PLD_MIN_DELTA, the smallest it resolves): RDP's epsilon(delta) is a closed form down to any delta.
+RDP_MIN_DELTA = 1e-100
+
+
+def search_floor(accountant: str) -> float:
+    """The smallest delta' ``best_group_bound`` may try for a history composed by ``accountant``."""
+    from dpscale.privacy.accountant import PLD_MIN_DELTA
+
+    return PLD_MIN_DELTA if accountant == "pld" else RDP_MIN_DELTA
+
+
 GROUP_PRIVACY_LABEL = "group privacy: an upper bound, what the example-level guarantee promises; the true guarantee may be better"
 
 

@@ -146,10 +146,12 @@ def people_line(plan: DPPlan, user_ids: np.ndarray | None) -> str | None:
                 f"theirs train each step they are drawn in; the most: {most})")  # fmt: skip
     if most == 1:
         return None
+    k = int(np.ceil(np.quantile(counts, 0.9)))  # a starting k: 9 in 10 people contribute every image
     return (
-        f"the data names {people:,} people (up to {most} images each) but the privacy unit is one image "
+        f"the training set names {people:,} people (up to {most} images each) but the privacy unit is one image "
         f"(data.privacy_unit=example, the default): {_person_reading(plan, most)}; to protect each person, "
-        "--set data.privacy_unit=user --set dp.max_examples_per_user=K (docs/privacy-units.md)"
+        f"--set data.privacy_unit=user --set dp.max_examples_per_user={k} (9 in 10 people have at most {k} images; "
+        "docs/privacy-units.md)"
     )
 
 
@@ -157,10 +159,9 @@ def _person_reading(plan: DPPlan, k: int) -> str:
     """What the run's epsilon promises a person with ``k`` images: the group-privacy bound over
     the run's epsilon curve, as ``dpscale account --group-size`` finds it (and that command for a
     plain Poisson DP-SGD plan, whose flags reproduce it)."""
-    from dpscale.cli.account import RDP_MIN_DELTA
-    from dpscale.privacy.accountant import PLD_MIN_DELTA, history_accountant
+    from dpscale.privacy.accountant import history_accountant
     from dpscale.privacy.batch_sampling import REPLACE_ONE
-    from dpscale.privacy.group_privacy import best_group_bound
+    from dpscale.privacy.group_privacy import best_group_bound, search_floor
 
     if not plan.is_private:
         return "no guarantee for anyone"
@@ -170,8 +171,7 @@ def _person_reading(plan: DPPlan, k: int) -> str:
         sample_rate=plan.participation_rate, noise_multiplier=plan.noise_multiplier,
         steps=plan.compositions(plan.steps), kind=plan.accountant, releases=plan.releases, batches=plan.batch_sampling,
     )  # fmt: skip
-    floor = PLD_MIN_DELTA if plan.accountant == "pld" else RDP_MIN_DELTA
-    bound = best_group_bound(epsilons_at=accountant.epsilons, target_delta=plan.delta, group_size=k, min_delta=floor,
+    bound = best_group_bound(epsilons_at=accountant.epsilons, target_delta=plan.delta, group_size=k, min_delta=search_floor(plan.accountant),
                              extra_deltas=(plan.delta,))  # fmt: skip
     promise = f"epsilon {bound.epsilon:.3g}" if bound else "nothing"
     reading = f"group privacy promises the person with {k} images {promise} at delta={plan.delta:g}"
