@@ -282,3 +282,21 @@ def test_an_official_split_says_its_people_and_those_who_also_train(tmp_path, ca
     (official / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in named[: len(rows) + 3]))
     note = next(n for n in list_image_folder(official).notes if "official test split" in n)
     assert "3 named" in note and f"it names nobody for the other {len(rows) - 3}" in note
+
+
+def test_excels_unicode_text_users_csv_is_read(tmp_path):
+    """Excel's "Unicode text" export (UTF-16 with a byte-order mark, tab-separated) was refused."""
+    root, rows = scans(tmp_path)
+    (root / "users.csv").write_text("Path\tPatient ID\n" + "".join(f"{a}\t{b}\n" for a, b in rows), encoding="utf-16")
+    assert set(read_users_manifest(root, *_listed(root)).tolist()) == {b for _, b in rows}
+
+
+def test_an_image_damaged_past_its_header_names_the_setting_that_leaves_it_out(tmp_path, capsys):
+    root, _ = scans(tmp_path)
+    victim = root / "normal" / "p30-0.png"
+    victim.write_bytes(victim.read_bytes()[:-40])  # the header intact: the listing's check passes it
+    code, err = train(tmp_path, root, capsys)
+    assert code == 2 and err.splitlines()[-1].endswith("leaves unreadable ones out)"), err[-400:]
+    assert "data.skip_corrupt=true" in err.splitlines()[-1]
+    code, err = train(tmp_path / "skip", root, capsys, "data.skip_corrupt=true")
+    assert code == 0

@@ -16,7 +16,7 @@ from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.data import DatasetError, load_dataset
 from dpscale.data.shards import open_shards, prepare_shards
-from dpscale.data.folder import list_image_folder
+from dpscale.data.folder import SKIP_CORRUPT_HINT, list_image_folder
 from dpscale.train.loop import Trainer
 from datafiles import write_image_folder
 
@@ -292,4 +292,4 @@ def test_a_truncated_png_read_by_a_loader_worker_is_one_line_naming_it(tmp_path,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "\nDP-SGD:" in err and "Traceback" not in err  # past start-up: a worker read it
-    assert err.splitlines()[-1] == f"dpscale train: error: could not read image {victim}: image file is truncated"
+    assert err.splitlines()[-1] == (f"dpscale train: error: could not read image {victim}: image file is truncated ({SKIP_CORRUPT_HINT})")

@@ -505,7 +505,7 @@ def model_card(metadata: dict[str, Any], path: Path) -> str:
         Markdown.
     """
     privacy, model, data = metadata["privacy"], metadata["model"], metadata["data"]
-    caveats = "\n".join(f"- {c}" for c in privacy.get("guarantee_caveats") or []) or "- none"
+    caveats = "\n".join(f"  - {c}" for c in privacy.get("guarantee_caveats") or []) or "  - none"  # nested under their bullet
     partial = partial_note(metadata)
     partial_block = f"\n**{partial}**\n" if partial else ""
     return f"""# {model["name"]} on {data["name"]} ({metadata["weights"]} weights)

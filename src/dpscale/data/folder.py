@@ -49,10 +49,19 @@ from .formats import (
 )
 from .users_csv import USERS_MANIFEST, UsersManifest, look_alikes_note, read_manifest, read_users_manifest
 
-__all__ = ["USERS_MANIFEST", "FolderListing", "decoder_pool", "image_array", "list_image_folder", "read_users_manifest"]
+__all__ = [
+    "SKIP_CORRUPT_HINT",
+    "USERS_MANIFEST",
+    "FolderListing",
+    "decoder_pool",
+    "image_array",
+    "list_image_folder",
+    "read_users_manifest",
+]
 
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
+SKIP_CORRUPT_HINT = "data.skip_corrupt=true decodes every image first and leaves unreadable ones out"
 NAMED_FILES = 3  # a note names this many files, then counts the rest
 
 
@@ -254,7 +263,7 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
     results = _check_all(files, skip_corrupt, workers)
     bad = [(p, r) for p, r in zip(files, results) if isinstance(r, str)]
     if bad and not skip_corrupt:
-        raise DatasetError(f"{bad[0][1]} ({len(bad)} unreadable file(s) in {listing.root}; data.skip_corrupt=true leaves them out)")
+        raise DatasetError(f"{bad[0][1]} ({len(bad)} unreadable file(s) in {listing.root}; {SKIP_CORRUPT_HINT})")
     good = [(p, r) for p, r in zip(files, results) if not isinstance(r, str)]
     if image_size is None and good:
         first, (_, size, _) = good[0]
@@ -439,7 +448,12 @@ def image_array(path: Path, mode: str, image_size: int | None, dtype: str = "uin
     Returns:
         The C-contiguous array, of ``dtype``.
     """
-    img, wide = read_image_samples(path)
+    try:
+        img, wide = read_image_samples(path)
+    except ImageFormatError:
+        raise  # readable but refused: skip_corrupt would not leave it out
+    except DatasetError as err:  # damaged past its header: the listing's check read only that
+        raise DatasetError(f"{err} ({SKIP_CORRUPT_HINT})") from err
     if wide is None:
         array = _eight_bit_array(img, mode, image_size)
         return array if dtype == "uint8" else array.astype(np.float32) / np.float32(255)

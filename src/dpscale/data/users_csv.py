@@ -2,7 +2,7 @@
 
 A header with a path and a user column (and optionally ``label``, then checked against the image's
 class folder), one row per training image, paths relative to the folder. Accepted: a UTF-8
-byte-order mark, ``,``, ``;`` or tab between fields, spaces around names and values, any case, one
+byte-order mark (and UTF-16 with one, Excel's "Unicode text"), ``,``, ``;`` or tab between fields, spaces around names and values, any case, one
 alias of a column (``USER_COLUMNS``: ``patient_id``, ``subject`` ...) when exactly one is present,
 and Windows' ``\\`` between folders. Refused, each with its line: a row naming no image of the
 listing (a missing file, a ``.dcm``; a path that differs from a listed one only in case names it),
@@ -160,8 +160,11 @@ def look_alikes_note(pairs: tuple[tuple[str, str], ...]) -> str | None:
 def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]]]]:
     """users.csv's header and its non-blank rows with their line numbers: UTF-8 with or without a
     byte-order mark, fields separated by whichever of ``,``, ``;`` or tab the header uses most."""
+    raw = manifest.read_bytes()
+    # Excel's "Unicode text" is UTF-16 with its byte-order mark: read it too
+    encoding = "utf-16" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf-8-sig"
     try:
-        text = manifest.read_text(encoding="utf-8-sig")
+        text = raw.decode(encoding)
     except UnicodeDecodeError as e:
         raise DatasetError(f"{manifest} is not UTF-8 text ({e.reason} at byte {e.start}): save it as CSV UTF-8") from e
     first = next((line for line in text.splitlines() if line.strip()), "")
