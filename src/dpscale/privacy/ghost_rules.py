@@ -51,7 +51,8 @@ def float64_row_sq_sums(v: torch.Tensor) -> torch.Tensor:
     A linear model on 160 px images has n = 76,800: the whole chunk's float64 copy and its
     square took 2 x 315 MB at B = 512 and set a streamed run's peak memory (issue 62). A fresh
     block per row instead left glibc's heap 300 MB larger in some processes (freed blocks not
-    reused); one buffer of at most ``SQ_SUM_BLOCK_BYTES`` (or one row) allocates once.
+    reused); one buffer of at most ``SQ_SUM_BLOCK_BYTES`` (or two rows) allocates once. On the CPU
+    only (see the body).
 
     Args:
         v: (B, n) values of any floating type.
@@ -60,7 +61,9 @@ def float64_row_sq_sums(v: torch.Tensor) -> torch.Tensor:
         (B,) float64 sums of squares.
     """
     rows = max(2, SQ_SUM_BLOCK_BYTES // max(1, 8 * v.shape[1]))
-    if len(v) <= rows:
+    # off the CPU the whole copy: one kernel chain, not three launches a block (each costs host time
+    # on a GPU, where the DP step is host-bound), and device memory is not the streamed run's RSS
+    if len(v) <= rows or v.device.type != "cpu":
         return v.double().square().sum(1)
     sums = v.new_empty(len(v), dtype=torch.float64)
     block = v.new_empty((rows, v.shape[1]), dtype=torch.float64)
