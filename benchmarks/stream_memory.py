@@ -2,11 +2,12 @@
 
     python benchmarks/stream_memory.py --folder /tmp/jpeg30k [--images 30000] [--size 160]
         [--model linear --batch-size 1024 --chunk 512] [--source REV ...] [--memory default,keep,release]
-        [--set KEY=VALUE ...]
+        [--loader stream|memory] [--set KEY=VALUE ...]
 
 Writes ``--images`` JPEGs (``--size`` px, 10 classes, smooth content + texture, quality 90) into
 ``--folder`` unless it already holds them, then runs ``dpscale train`` on it with
-``data.loader=stream`` for one epoch in a subprocess, once per source and memory setting:
+``data.loader=stream`` (``--loader memory``: decoded into one tensor first, for comparison) for
+one epoch in a subprocess, once per source and memory setting (a setting named twice runs twice):
 ``--source`` is ``worktree`` (this checkout's src/) or a git revision (its src/ exported with
 ``git archive`` and put first on PYTHONPATH), ``--memory`` the ``DPSCALE_CPU_MEMORY`` value
 (``default``: unset). Each run's memory is sampled every 0.2 s over the whole process tree
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", action="append", default=[], help="worktree (default) or a git revision; repeatable")
     parser.add_argument("--memory", default="default", help="DPSCALE_CPU_MEMORY values, comma-separated (default: unset)")
     parser.add_argument("--out", default="/tmp/stream-memory-run")
+    parser.add_argument("--loader", choices=("stream", "memory"), default="stream", help="data.loader")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"folder ready in {time.perf_counter() - started:.0f} s; decoded uint8 size "
           f"{args.images * 3 * args.size**2 / 2**30:.2f} GiB (float32: {4 * args.images * 3 * args.size**2 / 2**30:.2f} GiB)")  # fmt: skip
     overrides = [
-        "data.name=imagefolder", f"data.root={args.folder}", "data.loader=stream", f"model.name={args.model}",
+        "data.name=imagefolder", f"data.root={args.folder}", f"data.loader={args.loader}", f"model.name={args.model}",
         "dp.epsilon=null", "dp.noise_multiplier=1.0", "dp.max_grad_norm=1.0", f"dp.batch_size={args.batch_size}",
         "train.epochs=1", f"train.max_physical_batch_size={args.chunk}", *args.set,
     ]  # fmt: skip
@@ -165,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                 code, maxrss, trainer, pss, _ = _measure([sys.executable, "-m", "dpscale", "train", "--quiet", *sets], env)
                 summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
                 failed += code != 0
+                wait = summary.get("data_wait_s")  # None in memory: nothing streamed
                 print(f"| {source} | {memory} | {maxrss / 2**20:.0f} MB | {trainer / 2**20:.0f} MB | {pss / 2**20:.0f} MB | "
-                      f"{summary.get('wall_time_s', float('nan')):.0f} | {summary.get('data_wait_s', float('nan')):.1f} |", flush=True)  # fmt: skip
+                      f"{summary.get('wall_time_s', float('nan')):.0f} | {'-' if wait is None else f'{wait:.1f}'} |", flush=True)  # fmt: skip
     print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     return 1 if failed else 0
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dpscale.clip_norms import MaxGradNorm
+from dpscale.cpu_memory import bound_kept_memory
 from dpscale.privacy.accountant import PrivacyAccountant
 from dpscale.privacy.autotune import methods_state, pin_methods
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
@@ -49,7 +50,6 @@ from dpscale.train.units import (
     DrawnChunks, check_chunk_fits, check_gathered, rows_per_user, user_step_chunks_of, users_per_chunk,
 )  # fmt: skip
 from dpscale.data.units import UnitBatch, UserIndex, user_slices
-
 
 # spawn key of BandMF's partition seed when none is given (make_private: one process)
 PARTITION_KEY = (0x62616E64,)
@@ -278,6 +278,7 @@ class DPMechanism:
             self.accountant.step(sample_rate=self.plan.participation_rate, noise_multiplier=self.plan.noise_multiplier,
                                  batches=self.plan.batch_sampling)  # fmt: skip
         self.steps_taken += 1
+        bound_kept_memory()  # a fragmenting kept heap trimmed (dpscale.cpu_memory: at most 256 MiB over its level)
         return stats
 
     def _release_count_and_move_clip(self, stats: StepStats, adaptive: AdaptiveClipping) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from dpscale._io import VERSION_KEY, atomic_write_text
 from dpscale._version import __version__
+from dpscale.cpu_memory import trim_kept_memory
 from dpscale.data.stream import eval_batches
 from dpscale.data.run_data import data_workers
 from dpscale.data.splits import selection_note
@@ -36,7 +37,18 @@ def format_epsilon(epsilon: float) -> str:
 
 
 def evaluate_model(built: Run, model: nn.Module) -> tuple[float, float]:
-    """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is)."""
+    """Accuracy and mean loss of ``model`` on the test set (streamed from disk when training is),
+    on a trimmed kept heap: its batches, sized unlike a step's, would not fit the step's freed
+    blocks and would stay on top of them (``dpscale.cpu_memory``)."""
+    trim_kept_memory()
+    try:
+        return _evaluate_model(built, model)
+    finally:
+        trim_kept_memory()
+
+
+def _evaluate_model(built: Run, model: nn.Module) -> tuple[float, float]:
+    """``evaluate_model``'s evaluation itself."""
     config = built.config
     batch = config.train.eval_batch_size
     if built.streamed:  # host memory bounded by the training chunk, whatever eval_batch_size says
