@@ -300,3 +300,45 @@ def test_an_image_damaged_past_its_header_names_the_setting_that_leaves_it_out(t
     assert "data.skip_corrupt=true" in err.splitlines()[-1]
     code, err = train(tmp_path / "skip", root, capsys, "data.skip_corrupt=true")
     assert code == 0
+
+
+# issue 62's second adversarial review
+def _with_rows(root, rows) -> None:
+    (root / "users.csv").write_text("path,user\n" + "".join(f"{a},{b}\n" for a, b in rows), encoding="utf-8")
+
+
+def test_a_user_with_a_nul_is_refused_not_merged_with_the_one_without(tmp_path):
+    """'patient-00\\x00' became 'patient-00' in numpy's array: two people made one, without a word."""
+    root, rows = scans(tmp_path)
+    rows[1] = (rows[1][0], "patient-00\x00")  # patient-01's first scan, now a NUL-padded 'patient-00'
+    _with_rows(root, rows)
+    with pytest.raises(DatasetError, match=r"line 3: the user 'patient-00\\x00' holds a control character"):
+        list_image_folder(root)
+
+
+def test_ids_that_differ_only_in_unicode_form_are_said():
+    from dpscale.data.users_csv import look_alike_ids
+
+    composed, decomposed = "jos\u00e9", "jose\u0301"
+    assert look_alike_ids([composed, decomposed, "ana"]) == ((composed, decomposed),)
+
+
+@pytest.mark.parametrize("bad", ["nul", "loop", "huge"])
+def test_paths_that_name_no_file_and_oversized_fields_are_refused_in_one_line(tmp_path, capsys, bad):
+    """A NUL in a path, a link loop and a field past the csv module's limit ended in tracebacks."""
+    root, rows = scans(tmp_path)
+    if bad == "loop":
+        (root / "normal" / "loop.png").symlink_to(root / "normal" / "loop.png")
+    name = {"nul": "normal/a\x00b.png", "loop": "normal/loop.png", "huge": "x" * 200_000}[bad]
+    _with_rows(root, [*rows, (name, "patient-99")])
+    code, err = train(tmp_path, root, capsys)
+    assert code == 2 and "Traceback" not in err and f"line {len(rows) + 2}" in err.splitlines()[-1], err[-300:]
+
+
+def test_a_link_to_a_listed_image_is_refused(tmp_path):
+    """A row naming b/x.png gave its user to a link a/y.png -> b/x.png too: one image trained twice."""
+    root, rows = scans(tmp_path)
+    (root / "finding" / "link.png").symlink_to(root / "normal" / rows[-1][0].split("/")[1])
+    _with_rows(root, rows)
+    with pytest.raises(DatasetError, match="are one file"):
+        list_image_folder(root)

@@ -102,7 +102,7 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
     steps_alone = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld")
     assert f"WARNING: of the uncapped Poisson steps: privacy wall: sigma=1 < 2 makes epsilon={steps_alone:.4g} " in text
     assert main(args + ["--max-batch-size", "1"]) == 0  # one example a step is cheaper, and says so with its sign
-    assert "the cap costs -" in capsys.readouterr().out
+    assert "the cap saves " in capsys.readouterr().out
     for extra, message in ((["--max-batch-size", "0"], "positive integer"),
                            (["--max-batch-size", "55", "--target-epsilon", "3", "--steps", "20"], "solving the length")):  # fmt: skip
         flags = [a for a in args if a not in ("--steps", "20")] if "--target-epsilon" in extra else args
@@ -176,3 +176,17 @@ def test_account_calibrates_under_a_cap_as_a_runs_plan_does(cap, capsys):
     want = truncated_poisson_epsilon(dataset_size=1000, batch_size=50, noise_multiplier=plan.noise_multiplier, steps=20,
                                      delta=1e-5, max_batch_size=plan.max_batch_size)  # fmt: skip
     assert result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12)
+
+
+@pytest.mark.parametrize("cap", ["20", "14"])
+def test_account_with_a_cap_of_n_or_more_says_uncapped_as_a_run_does(cap, capsys):
+    """A cap of N or more cuts nothing: a run's plan drops it (max_batch_size null, poisson), and
+    dpscale account said 'batches capped at 20' (review 2; the epsilons were already equal)."""
+    base = ["account", "--dataset-size", "14", "--batch-size", "3", "--noise", "1", "--steps", "5", "--json"]
+    assert main(base) == 0
+    uncapped = json.loads(capsys.readouterr().out)
+    assert main([*base, "--max-batch-size", cap]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert capped["max_batch_size"] is None and capped["epsilon"] == uncapped["epsilon"]
+    assert main([*base[:-1], "--max-batch-size", cap]) == 0
+    assert "batches capped" not in capsys.readouterr().out

@@ -127,7 +127,10 @@ def bound_kept_memory() -> bool:
     global _floor
     if _libc is None:
         return False
-    resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # bytes
+    try:
+        resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # bytes
+    except (OSError, ValueError, IndexError):  # glibc without /proc mounted (a chroot, a sandbox): no bound to read
+        return False
     if _floor is None:
         _floor = resident
         return False

@@ -147,6 +147,8 @@ def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tu
             if args.max_batch_size == "auto"
             else truncated_poisson_epsilon(**plan, max_batch_size=int(args.max_batch_size))
         )
+    if capped.max_batch_size >= args.dataset_size:  # cuts nothing: uncapped, as a run's plan resolves it
+        return {"max_batch_size": None, "max_batch_size_auto": args.max_batch_size == "auto"}
     odds = profile_odds(capped.profile, "pld", _odds_unit(args))
     return {
         **odds, "epsilon": capped.epsilon, "poisson_epsilon": capped.poisson_epsilon,
@@ -333,6 +335,7 @@ def _group_fields(args: argparse.Namespace, sigma: float, steps: int, releases: 
 
 
 def _print_account(result: dict[str, Any], with_releases: bool) -> None:
+    from dpscale.privacy.sampling_plan import cap_cost_text
     from dpscale.privacy.tan import PRIVACY_WALL_SIGMA
     from dpscale.privacy.tradeoff import format_odds
 
@@ -357,10 +360,10 @@ def _print_account(result: dict[str, Any], with_releases: bool) -> None:
     print(f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}")
     if result.get("max_batch_size"):
         how = "the smallest cap within 1% of uncapped Poisson" if result["max_batch_size_auto"] else "the cap given"
-        cost = 100 * (result["epsilon"] / result["poisson_epsilon"] - 1)
+        cost = cap_cost_text(result["epsilon"], result["poisson_epsilon"], percent=True)
         print(
             f"  batches capped at {result['max_batch_size']}{' people' if people else ''} ({how}; truncated Poisson, dp_accounting's "
-            f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, the cap costs {cost:+.1f}%"
+            f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, {cost}"
         )
     poisson_wall = sigma < PRIVACY_WALL_SIGMA and result["sampling"] == "poisson"  # no eps_TAN reading of other samplers
     wall = "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)" if poisson_wall else ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def read_manifest(
     manifest = root / USERS_MANIFEST
     if not manifest.is_file():
         return None
+    _refuse_one_file_listed_twice(manifest, files)
     header, rows = _manifest_rows(manifest)
     columns = _manifest_columns(manifest, header)
     class_of = {f.resolve(): classes[int(y)] for f, y in zip(files, labels)}
@@ -86,6 +88,9 @@ def read_manifest(
                                f"{listed[path]}, with user {first_user!r}; this line with {user!r}): one row per image")  # fmt: skip
         if not user:
             raise DatasetError(f"{manifest} line {line}: {name} has an empty user")
+        if any(ord(c) < 32 or ord(c) == 127 for c in user):  # numpy drops a trailing NUL: 'p1\x00' would be 'p1'
+            raise DatasetError(f"{manifest} line {line}: the user {user!r} holds a control character (a NUL pads some "
+                               "database exports): remove it")  # fmt: skip
         user_of[path] = (line, user)
         if label and path in class_of and label != class_of[path]:
             raise DatasetError(f"{manifest} line {line}: label {label!r} but {name} is in class folder {class_of[path]!r}")
@@ -97,6 +102,16 @@ def read_manifest(
     return UsersManifest(train, test, look_alike_ids(user for _, user in user_of.values()))
 
 
+def _refuse_one_file_listed_twice(manifest: Path, files: tuple[Path, ...]) -> None:
+    """Refuse two training images that are one file (a link to another listed image): a row naming
+    one would give both its user, and the image would train twice (under two labels, perhaps)."""
+    seen: dict[Path, Path] = {}
+    for f in files:
+        first = seen.setdefault(f.resolve(), f)
+        if first != f:
+            raise DatasetError(f"{manifest}: {f} and {first} are one file (a link): remove one of them")
+
+
 def _listed_path(manifest: Path, line: int, root: Path, name: str, listed: dict[Path, Path]) -> Path:
     """The resolved path of the listed image a row names (``\\`` read as ``/`` when that names one).
 
@@ -104,9 +119,12 @@ def _listed_path(manifest: Path, line: int, root: Path, name: str, listed: dict[
         DatasetError: the row names no listed image, with why (and the listed path it differs
             from only in case, if any).
     """
-    path = (root / name).resolve()
-    if path not in listed and "\\" in name:  # a Windows export: folders separated by '\'
-        path = (root / name.replace("\\", "/")).resolve()
+    try:
+        path = (root / name).resolve()
+        if path not in listed and "\\" in name:  # a Windows export: folders separated by '\'
+            path = (root / name.replace("\\", "/")).resolve()
+    except (OSError, RuntimeError, ValueError) as err:  # a NUL in the path, a link loop, a name too long
+        raise DatasetError(f"{manifest} line {line}: {name!r} names no file ({err})") from err
     if path in listed:
         return path
     raise DatasetError(f"{manifest} line {line}: {_not_listed(root, name, listed)}")
@@ -126,8 +144,9 @@ def _not_listed(root: Path, name: str, listed: dict[Path, Path]) -> str:
 
 
 def look_alike_ids(ids: object) -> tuple[tuple[str, str], ...]:
-    """Pairs of distinct ids equal once case, surrounding spaces and leading zeros of each number
-    are dropped ("PATIENT-003" and "patient-3"): spreadsheets merged from two exports write one
+    """Pairs of distinct ids equal once Unicode's compatibility form is taken (an 'é' composed or
+    decomposed) and case, surrounding spaces and leading zeros of each number are dropped
+    ("PATIENT-003" and "patient-3"): spreadsheets merged from two exports write one
     person so, and each spelling counts as its own person. Each pair: the first two spellings met.
 
     Args:
@@ -140,7 +159,7 @@ def look_alike_ids(ids: object) -> tuple[tuple[str, str], ...]:
     pairs: dict[str, tuple[str, str]] = {}
     for raw in ids:  # type: ignore[attr-defined]
         user = str(raw)
-        key = re.sub(r"(?<!\d)0+(?=\d)", "", user.strip().casefold())
+        key = re.sub(r"(?<!\d)0+(?=\d)", "", unicodedata.normalize("NFKC", user).strip().casefold())
         first = seen.setdefault(key, user)
         if first != user and key not in pairs:
             pairs[key] = (first, user)
@@ -170,7 +189,10 @@ def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]
     first = next((line for line in text.splitlines() if line.strip()), "")
     delimiter = max((",", ";", "\t"), key=first.count)
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    records = [(reader.line_num, row) for row in reader if any(field.strip() for field in row)]
+    try:
+        records = [(reader.line_num, row) for row in reader if any(field.strip() for field in row)]
+    except csv.Error as err:  # e.g. a field over the csv module's limit (128 kB)
+        raise DatasetError(f"{manifest} line {reader.line_num}: {err}") from err
     if not records:
         raise DatasetError(f"{manifest} is empty: it needs a header with path and user columns, then one row per image")
     return records[0][1], records[1:]

@@ -17,7 +17,7 @@ from dpscale.privacy.adaptive import AdaptiveClipping
 from dpscale.privacy.batch_sampling import POISSON, REPLACE_ONE, BatchSampling, batch_sampling_for
 from dpscale.privacy.correlated import BandedNoisePlan, compositions
 from dpscale.privacy.group_privacy import meaning, unit_text
-from dpscale.privacy.sampling_plan import truncation_rate
+from dpscale.privacy.sampling_plan import cap_cost_text, truncation_rate
 from dpscale.privacy.source_runs import SourceRunPrivacy
 from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning
 from dpscale.privacy.tradeoff import attacker_odds, format_odds
@@ -451,8 +451,8 @@ class DPPlan:
                                    steps=self.steps, delta=self.delta, kind="pld", releases=self.releases)  # fmt: skip
         units = "users" if self.user_level else "examples"  # the sampler caps the units it draws
         return (f"; batches capped at {self.max_batch_size} {units} (truncated Poisson, P(cut) per step "
-                f"{truncation_rate(self.dataset_size, self.sample_rate, self.max_batch_size):.2g}): the cap costs "
-                f"epsilon {self.epsilon - uncapped:+.3g} over uncapped Poisson's {uncapped:.4g}")  # fmt: skip
+                f"{truncation_rate(self.dataset_size, self.sample_rate, self.max_batch_size):.2g}): "
+                f"{cap_cost_text(self.epsilon, uncapped, percent=False)} against uncapped Poisson's {uncapped:.4g}")  # fmt: skip
 
     def _mechanism_text(self) -> str:
         """The mechanism's name in the header; for BandMF its bands, sampling and accounting."""

@@ -98,3 +98,16 @@ def truncation_rate(dataset_size: int, sample_rate: float, cap: int) -> float:
     from scipy.stats import binom  # scipy: dp_accounting's dependency already
 
     return float(binom.sf(cap, dataset_size, sample_rate))
+
+
+def cap_cost_text(capped: float, uncapped: float, *, percent: bool) -> str:
+    """What a batch cap does to epsilon, in words: "the cap costs epsilon 0.012" or, for a cap
+    below B (a smaller-batch training, cheaper), "the cap saves 48.7%" (it read "costs -48.7%").
+
+    Args:
+        capped, uncapped: the capped and the uncapped Poisson epsilon.
+        percent: the change relative to ``uncapped`` in percent (else epsilon's difference).
+    """
+    change = capped / uncapped - 1 if percent else capped - uncapped
+    amount = f"{100 * abs(change):.1f}%" if percent else f"epsilon {abs(change):.3g}"
+    return f"the cap {'costs' if change >= 0 else 'saves'} {amount}"
