@@ -93,13 +93,25 @@ def unit_hashes(ids: Sequence[object] | np.ndarray) -> np.ndarray:
     Returns:
         (N,) uint64 hashes.
     """
-    ids = np.asarray(ids)
-    distinct, inverse = np.unique(ids, return_inverse=True)  # hash each id once
-    # surrogateescape: a file name that is not UTF-8 (os.listdir's surrogates) hashes as its bytes on disk
-    digests = (hashlib.blake2b(str(i).encode("utf-8", "surrogateescape"), key=_SPLIT_KEY, digest_size=8).digest()
-               for i in distinct.tolist())  # fmt: skip
-    values = np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(distinct))
-    return values[inverse.reshape(-1)]
+    distinct, inverse = np.unique(np.asarray(ids), return_inverse=True)  # hash each id once
+    return keyed_hashes(distinct, _SPLIT_KEY)[inverse.reshape(-1)]
+
+
+def keyed_hashes(ids: np.ndarray, key: bytes) -> np.ndarray:
+    """Each id's keyed BLAKE2b hash of ``str(id)`` as a little-endian uint64: a function of the id
+    and the key alone (the held-out split's public key here; BandMF's secret partition key in
+    ``units.user_groups``). Surrogateescape: a file name that is not UTF-8 (os.listdir's
+    surrogates) hashes as its bytes on disk; every other string as its UTF-8.
+
+    Args:
+        ids: (N,) ids; key: up to 64 bytes.
+
+    Returns:
+        (N,) uint64.
+    """
+    digests = (hashlib.blake2b(str(i).encode("utf-8", "surrogateescape"), key=key, digest_size=8).digest()
+               for i in ids.tolist())  # fmt: skip
+    return np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(ids))
 
 
 def hashed_holdout(ids: Sequence[object] | np.ndarray, fraction: float, what: str) -> tuple[np.ndarray, np.ndarray]:

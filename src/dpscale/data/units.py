@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dpscale.data.formats import DatasetError
+from dpscale.data.splits import keyed_hashes
 from dpscale.rng import DPRandom, require_dprandom
 
 
@@ -435,8 +436,7 @@ def user_groups(ids: np.ndarray, bands: int, partition_seed: int | None) -> np.n
         raise ValueError("user groups need a partition_seed")
     seed = int(partition_seed)
     key = seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
-    digests = (hashlib.blake2b(str(i).encode(), key=key, digest_size=8).digest() for i in ids.tolist())
-    values = np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(ids))
+    values = keyed_hashes(np.asarray(ids), key)
     # floor(v * b / 2^64) exactly: (v >> 32) * b + ((v & (2^32 - 1)) * b >> 32), then >> 32 (b < 2^31)
     high, low = values >> np.uint64(32), values & np.uint64(0xFFFFFFFF)
     b = np.uint64(bands)
