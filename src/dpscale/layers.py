@@ -214,10 +214,13 @@ def _pair(v: int | tuple[int, ...]) -> list[int]:
 class MaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` (same arguments, values and gradients) that pools in channels-last
     memory on CPU, where that kernel is several times faster (see ``_ChannelsLastMaxPool``).
-    Anywhere else (GPUs, inside ``torch.func`` transforms, unbatched 3-D inputs) it is the
-    plain layer."""
+    Anywhere else (GPUs, inside ``torch.func`` transforms or ``torch.compile``, unbatched 3-D
+    inputs) it is the plain layer (the compiler cannot trace the functorch test, and fuses the
+    plain pooling itself)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # first: the functorch test below cannot be traced
+            return super().forward(x)
         if x.device.type != "cpu" or x.dim() != 4 or self.return_indices or torch._C._functorch.is_functorch_wrapped_tensor(x):
             return super().forward(x)
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
