@@ -337,7 +337,13 @@ class TrainConfig:
     """Attributes:
     epochs: training length in epochs (steps = round(epochs * N / B)); or give steps.
     steps: training length in logical steps (overrides epochs).
-    max_physical_batch_size: most examples processed at once (gradient accumulation).
+    max_physical_batch_size: most examples processed at once (gradient accumulation; with
+        AugMult's K views, rows: examples x K), or "auto": the largest chunk whose measured peak
+        fits memory_budget_mb, measured once per machine and model and cached (a multiple of 8,
+        or the largest logical batch; dpscale.train.chunk_size, docs/performance.md). The run's
+        config.yaml records the number chosen, so a resumed run chunks (and adds up) as before.
+    memory_budget_mb: the memory max_physical_batch_size=auto may fill, MB (null: 90% of the
+        GPU's free memory on CUDA, half the available RAM on a CPU); unused with a number.
     engine: per-example clipping engine: auto (bk when every trainable parameter's route is
         supported, else vmap), bk (book-keeping), ghost (Gram-matrix norms + book-keeping sums)
         or vmap.
@@ -364,7 +370,8 @@ class TrainConfig:
 
     epochs: float | None = 15.0
     steps: int | None = None
-    max_physical_batch_size: int = 512
+    max_physical_batch_size: int | str = 512
+    memory_budget_mb: float | None = None
     engine: str = "auto"
     self_check: bool = True
     precision: str = "fp32"

@@ -152,8 +152,11 @@ def _validate_train(train: TrainConfig) -> None:
             raise ConfigError(f"train.epochs must be a positive finite number, got {train.epochs}")
     elif train.steps < 1:
         raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
-    if train.max_physical_batch_size < 1:
-        raise ConfigError(f"train.max_physical_batch_size must be >= 1, got {train.max_physical_batch_size}")
+    size = train.max_physical_batch_size
+    if size != "auto" and (not isinstance(size, int) or size < 1):
+        raise ConfigError(f"train.max_physical_batch_size must be auto or an integer >= 1, got {size!r}")
+    if train.memory_budget_mb is not None and not 0 < train.memory_budget_mb < math.inf:
+        raise ConfigError(f"train.memory_budget_mb must be a positive number of MB or null, got {train.memory_budget_mb}")
     if not train.eval_every_epochs > 0:
         raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
     from dpscale.privacy.precision import Precision  # local: keep config import-light

@@ -42,7 +42,7 @@ class TrainBatches:
         built, config = self.built, self.built.config
         mechanism, data, device, augment = built.mechanism, built.data, built.device, config.augment
         views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, built.value_range, augment.padding)
-        plan, physical = mechanism.plan, config.train.max_physical_batch_size
+        plan, physical = mechanism.plan, built.physical_batch_size
         chunk_size = chunk_size_for(plan, physical, augment.multiplicity)  # examples (users) per chunk
         if not built.streamed:
             drawn = mechanism.draw_batch()

@@ -4,7 +4,7 @@ part in data-flow order; the Trainer (train/loop.py) only runs what it built."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -35,6 +35,7 @@ from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, independence_check
 from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.step import AugmentViews
+from dpscale.train.chunk_size import AUTO, run_chunk
 from dpscale.train.units import first_users_chunk, rows_per_user, run_users
 
 Log = Callable[[str], Any]
@@ -85,6 +86,14 @@ class Run:
     def value_range(self) -> tuple[float, float]:
         """Range of the input pixels (for colour augmentations)."""
         return (-1.0, 1.0) if self.config.data.normalize else (0.0, 1.0)
+
+    @property
+    def physical_batch_size(self) -> int:
+        """train.max_physical_batch_size as the run uses it (``build_run`` resolves auto to its number)."""
+        size = self.config.train.max_physical_batch_size
+        if not isinstance(size, int):
+            raise RuntimeError(f"train.max_physical_batch_size={size!r} was not resolved to a number")
+        return size
 
 
 def build_run(
@@ -145,8 +154,23 @@ def build_run(
     normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
     data = normalize_dataset(features, normalizer)
     dist.broadcast_module_(model)  # identical already (same seed); made certain
-    return _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
-                           model, init_report, log)  # fmt: skip
+    built = _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
+                            model, init_report, log)  # fmt: skip
+    return _resolved_chunk(built, log)
+
+
+def _resolved_chunk(built: Run, log: Log) -> Run:
+    """train.max_physical_batch_size=auto as the number it chose (the smallest of the ranks'), in the
+    run's config: config.yaml and the checkpoint record it, so a resumed run takes the same chunks."""
+    train = built.config.train
+    if train.max_physical_batch_size != AUTO:
+        return built
+    views = built.config.augment.multiplicity
+    choice = run_chunk(built.engine, built.model, built.plan, built.data, views, built.device, train.memory_budget_mb)
+    rows = min(built.dist.all_gather_object(choice.rows))
+    log(choice.describe() + (f"; {rows} rows on every rank (the smallest rank's)" if rows != choice.rows else ""))
+    built.config = replace(built.config, train=replace(train, max_physical_batch_size=rows))
+    return built
 
 
 def _peft(model: nn.Module, config: Config, log: Log) -> int:

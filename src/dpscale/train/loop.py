@@ -68,7 +68,7 @@ class Trainer:
         self.built: Run = build_run(
             config, hooks or RunHooks(), log=self.log, progress=self.show_progress, saved_plan=plan, feature_norm=feature_norm
         )
-        self.batches = TrainBatches(self.built, 0)
+        self.config, self.batches = self.built.config, TrainBatches(self.built, 0)  # an auto chunk size: its number
         self.progress = Progress(augtest_seed=self.built.seeds["augtest"])  # test views: the same at every evaluation
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
         self.last_stats: StepStats | None = None
@@ -110,7 +110,7 @@ class Trainer:
             trainer = cls(config, progress, hooks=hooks, report=report)
             if note := session.cleared_note(claim):
                 trainer.log(note)
-            session.write_claim(claim, config, trainer.dist)
+            session.write_claim(claim, trainer.config, trainer.dist)  # as built: an auto chunk size as its number
         except BaseException:
             if claim is not None:
                 claim.abandon()

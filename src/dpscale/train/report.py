@@ -52,7 +52,7 @@ def _evaluate_model(built: Run, model: nn.Module) -> tuple[float, float]:
     config = built.config
     batch = config.train.eval_batch_size
     if built.streamed:  # host memory bounded by the training chunk, whatever eval_batch_size says
-        batch = min(batch, config.train.max_physical_batch_size)
+        batch = min(batch, built.physical_batch_size)
         return evaluate_batches(model, eval_batches(built.data, batch, built.device, data_workers(config)), built.device)
     return evaluate(model, built.data.x_test, built.data.y_test, batch)
 

@@ -1,0 +1,374 @@
+"""``train.max_physical_batch_size: auto``: the largest physical chunk whose step fits the memory given.
+
+A chunk's peak memory is, to a good approximation, a fixed part (workspaces, the model's float64
+blocks, the clipped sum) plus a part per example (activations, output gradients, per-example
+gradients or Grams). ``choose_units`` measures the engine's clipped sum at two small probe sizes
+(``PROBE_UNITS``), fits the line through them, takes the largest size (up to the largest logical
+batch; a multiple of 8 below it) whose predicted peak fits the budget, then runs that size once to
+check it (backing off through the line refitted on what it measured, or by half after a CUDA
+out-of-memory error). The peak is ``dpscale.privacy.autotune.peak_bytes``'s: the CUDA allocator's
+peak, or on a CPU the tensor memory the torch profiler records, above what was allocated before.
+
+The budget (``memory_budget``): ``train.memory_budget_mb`` when set; else ``CUDA_FREE_FRACTION`` of
+the GPU's free memory, or ``CPU_BUDGET_FRACTION`` of the RAM the kernel reports available.
+
+The probe reads no training example: its inputs are drawn from a fixed seed in the examples'
+shape and dtype, and it runs inside ``torch.random.fork_rng``, with the clip-method tuner off
+but for the checking run (which times at the size the run will use). The choice is cached in
+``cache_path("chunk_size.json")``, keyed by what changes it (``cache_key``), so the next run on
+this machine measures nothing; a cached choice whose peak exceeds today's budget is measured anew.
+Delete the file (or set ``$DPSCALE_CACHE_DIR``) to measure again.
+
+The chunk size changes how a step's clipped sum is added up (and so its last bits): a run records the
+number chosen in its config.yaml (``build_run``), so a resumed run uses that number and continues
+bit for bit, on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from dpscale._io import atomic_write_text, cache_path
+from dpscale._version import __version__
+from dpscale.cpu_memory import trim_kept_memory
+from dpscale.errors import ConfigError
+from dpscale.privacy.autotune import device_descriptor, peak_bytes
+from dpscale.privacy.per_example import Batch, PerExampleEngine, trainable_params
+from dpscale.privacy.plan import DPPlan
+from dpscale.train.units import rows_per_user
+
+AUTO = "auto"
+CACHE_NAME = "chunk_size.json"
+PROBE_UNITS = (2, 16)  # examples (users) per probe chunk: small, so a probe itself fits any device
+CUDA_FREE_FRACTION = 0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
+CPU_BUDGET_FRACTION = 0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
+ROUND_TO = 8  # a chunk below the largest batch is a multiple of 8 examples (users), from 8 up
+CHECK_TRIES = 4  # checking runs before giving up
+# Parameter-sized float32 tensors a step holds beside the clipped sum: the running sum, the noise,
+# the noisy sum, the gradient, and an optimizer's state (Adam's two moments).
+STEP_PARAMETER_COPIES = 6
+# A Poisson batch above B + 4 sqrt(B) examples is rarer than 1 step in 30,000: such a step takes a second chunk.
+POISSON_SPREAD = 4.0
+BUCKETS_PER_OCTAVE = 4  # budgets within a quarter octave (19%) share a cache entry
+
+Measure = Callable[[int], "float | None"]  # units -> peak bytes, or None for out of memory
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """The chunk ``train.max_physical_batch_size: auto`` chose.
+
+    Attributes:
+        units: examples per chunk (users at the user unit); rows: ``units`` x the rows each unit
+            takes (AugMult views, a user's k examples): the number ``max_physical_batch_size`` counts.
+        peak_bytes: the measured peak of a chunk of ``units`` (plus the step's parameter copies).
+        budget_bytes: the memory it had to fit; budget_source: where that budget came from.
+        source: "measured" or "cached"; capped: ``units`` is the largest logical batch (not the budget's).
+    """
+
+    units: int
+    rows: int
+    peak_bytes: float
+    budget_bytes: float
+    budget_source: str
+    source: str
+    capped: bool
+
+    def describe(self) -> str:
+        """One line for a run's log."""
+        per = self.rows // self.units
+        what = f"{self.rows} examples" if per == 1 else f"{self.rows} rows ({self.units} units of {per})"
+        bound = ", the largest logical batch" if self.capped else ""
+        return (f"chunk size auto: {what}{bound} (peak {_gb(self.peak_bytes)} of a {_gb(self.budget_bytes)} budget, "
+                f"{self.budget_source}; {self.source})")  # fmt: skip
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def available_cpu_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none: not Linux, no /proc)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_budget(device: torch.device, budget_mb: float | None, setting: str) -> tuple[float, str]:
+    """The bytes a chunk's step may use, and where that figure came from.
+
+    Args:
+        device: where the step runs.
+        budget_mb: the budget given (``train.memory_budget_mb``), MB; None: the device's.
+        setting: how the user sets it, for the error.
+
+    Raises:
+        ConfigError: no budget given and none known for ``device`` (a CPU without /proc/meminfo, mps).
+    """
+    if budget_mb is not None:
+        return budget_mb * 1e6, f"{setting}={budget_mb:g}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the allocator's cached blocks count as free for the run
+        free, _ = torch.cuda.mem_get_info(device)
+        return CUDA_FREE_FRACTION * free, f"{CUDA_FREE_FRACTION:.0%} of the GPU's free memory"
+    available = available_cpu_bytes() if device.type == "cpu" else None
+    if available is None:
+        raise ConfigError(f"max_physical_batch_size=auto does not know how much memory {device.type} has here: set {setting}")
+    return CPU_BUDGET_FRACTION * available, f"{CPU_BUDGET_FRACTION:.0%} of the available RAM"
+
+
+def largest_batch_units(plan: DPPlan) -> int:
+    """The most examples (users) a logical batch of ``plan`` holds, but for rare Poisson draws:
+    the cap (``dp.max_batch_size``), B for fixed-size batches, B + 4 sqrt(B) for Poisson ones."""
+    if plan.max_batch_size is not None:
+        return int(plan.max_batch_size)
+    spread = POISSON_SPREAD * math.sqrt(plan.batch_size) if plan.sampling == "poisson" else 0.0
+    return max(1, min(plan.dataset_size, math.ceil(plan.batch_size + spread)))
+
+
+def _rounded(units: int) -> int:
+    return units if units < ROUND_TO else units - units % ROUND_TO
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed bytes, bytes per unit) of the line through the first and last measured points
+    (one point: all of it per unit, the conservative reading)."""
+    (n1, p1), (n2, p2) = points[0], points[-1]
+    if n2 == n1:
+        return 0.0, p1 / n1
+    per_unit = max((p2 - p1) / (n2 - n1), 1.0)  # a flat or falling pair (timing noise in the allocator): barely rising
+    return max(p1 - per_unit * n1, 0.0), per_unit
+
+
+def _too_small(fixed: float, per_unit: float, budget: float) -> ConfigError:
+    return ConfigError(
+        f"max_physical_batch_size=auto: one example needs about {_gb(fixed + per_unit)} ({_gb(fixed)} fixed + "
+        f"{_gb(per_unit)} per example) but the memory budget is {_gb(budget)}"
+    )
+
+
+def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, extra: float = 0.0) -> tuple[int, float]:
+    """The largest chunk (examples, or users) whose step fits ``budget``.
+
+    Args:
+        probe: measures the peak bytes of a chunk of n units (None: out of memory), at the probe sizes.
+        check: the same, for the checking runs at the chosen size.
+        budget: bytes; max_units: the largest logical batch (no chunk is larger).
+        extra: bytes the step holds beside the chunk's peak (``STEP_PARAMETER_COPIES``).
+
+    Returns:
+        (units, peak bytes measured at that size, ``extra`` included).
+
+    Raises:
+        ConfigError: one example does not fit the budget (saying how much it needs), or no checked size fits.
+    """
+    points: list[tuple[int, float]] = []
+    for n in sorted({min(size, max_units) for size in PROBE_UNITS}):
+        peak = probe(n)
+        if peak is None:  # out of memory (CUDA): fit on what was measured
+            break
+        points.append((n, peak + extra))
+    if not points:
+        raise ConfigError(f"max_physical_batch_size=auto: a chunk of {min(PROBE_UNITS[0], max_units)} examples ran out of memory")
+    fixed, per_unit = _fit(points)
+    if fixed + per_unit > budget:
+        raise _too_small(fixed, per_unit, budget)
+    units = min(max_units, int((budget - fixed) // per_unit))
+    units = units if units == max_units else _rounded(units)
+    for _ in range(CHECK_TRIES):
+        peak = check(units)
+        if peak is not None and peak + extra <= budget:
+            return units, peak + extra
+        units = _smaller(units, None if peak is None else peak + extra, points[0], budget)
+        if units < 1:
+            break
+    raise ConfigError(
+        f"max_physical_batch_size=auto: no chunk size it checked fit the memory budget of {_gb(budget)} "
+        f"(the line through {points[0][0]} examples predicted {_gb(fixed + per_unit)} for one); give a number"
+    )
+
+
+def _smaller(units: int, peak: float | None, first: tuple[int, float], budget: float) -> int:
+    """The next size to check after ``units`` peaked at ``peak`` (None: out of memory) above ``budget``:
+    half after an out-of-memory error, else the largest the line through the first probe and this
+    measurement allows; always below ``units``, a multiple of 8 from 8 up (0: none left)."""
+    if peak is None:
+        smaller = units // 2
+    else:
+        fixed, per_unit = _fit([first, (units, peak)]) if units != first[0] else (0.0, peak / units)
+        smaller = int((budget - fixed) // per_unit) if fixed + per_unit <= budget else 0
+    return _rounded(max(0, min(smaller, units - 1)))
+
+
+def synthetic_unit(input_shape: tuple[int, ...], rows: int, per_row_targets: bool, dtype: torch.dtype,
+                   device: torch.device) -> Batch:  # fmt: skip
+    """One unit as the engine takes it, drawn from a fixed seed (no training example is read):
+    x (1, [rows,] *input_shape), y (1,) or, at the user unit, (1, rows), every label 0.
+
+    Args:
+        input_shape: one example's; rows: the rows a unit takes (AugMult views x a user's k);
+        per_row_targets: a label per row (the user unit with k > 1); dtype, device: the inputs'.
+    """
+    shape = (1, *((rows,) if rows > 1 else ()), *input_shape)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+    y = torch.zeros((1, rows) if per_row_targets else (1,), dtype=torch.long, device=device)
+    return x, y
+
+
+def engine_peak(engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device) -> Measure:
+    """``Measure`` of the engine's clipped sum over ``unit`` repeated n times: one warm-up call (first
+    calls allocate workspaces; the tuner, when on, times there), then the peak of a second."""
+    params = trainable_params(model)
+
+    def measure(units: int) -> float | None:
+        def run() -> None:
+            pick = torch.arange(units, device=unit[1].device) % unit[1].shape[0]
+            engine.clipped_sum_and_losses(model, params, (unit[0][pick], unit[1][pick]))
+
+        try:
+            run()
+            return peak_bytes(run, device)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return None
+
+    return measure
+
+
+@contextlib.contextmanager
+def _tuner(engine: PerExampleEngine, enabled: bool) -> Iterator[None]:
+    """The engine's clip-method tuner (if it has one) on or off for the block, as it was after it."""
+    tuner = getattr(engine, "tuner", None)
+    before = getattr(tuner, "enabled", None)
+    if tuner is not None and before is not None:
+        tuner.enabled = before and enabled
+    try:
+        yield
+    finally:
+        if tuner is not None and before is not None:
+            tuner.enabled = before
+
+
+def cache_key(engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device, budget: float) -> str:
+    """What the chosen chunk depends on: the device (``device_descriptor``), the model (class,
+    parameters, trainable shapes), one unit's input shape and dtype, the engine and its
+    precision, the clipping's form, the dpscale version and the budget to a quarter octave."""
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+    total = sum(p.numel() for p in model.parameters())
+    bound = engine.max_grad_norm
+    clip = f"groups={len(bound)}" if isinstance(bound, dict) else "one" if bound is not None else "none"
+    bucket = 2 ** (math.floor(math.log2(max(budget, 1.0) / 1e6) * BUCKETS_PER_OCTAVE) / BUCKETS_PER_OCTAVE)
+    return (f"{device_descriptor(device)}|model={type(model).__name__}:{total}:{digest}|unit={tuple(unit[0].shape[1:])}:"
+            f"{unit[0].dtype}:{tuple(unit[1].shape[1:])}|engine={engine.name}:{engine.precision.name}:clip={clip}:"
+            f"gamma={engine.clip_gamma is not None}|dpscale={__version__}|budget~{bucket:.0f}MB")  # fmt: skip
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing or unreadable: measured again and rewritten, never fatal
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _cached(path: Path, key: str, budget: float, max_units: int) -> tuple[int, float, bool] | None:
+    """(units, peak, capped) of a cached choice that still holds: its peak within ``budget``, and
+    not capped by a smaller largest batch than ``max_units`` (then a larger chunk may fit)."""
+    entry = _read_cache(path).get(key)
+    try:
+        units, peak, capped = int(entry["units"]), float(entry["peak_bytes"]), bool(entry["capped"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return None
+    if peak > budget or units < 1 or (capped and units < max_units):
+        return None
+    return min(units, max_units), peak, capped or units >= max_units
+
+
+def _store(path: Path, key: str, choice: ChunkChoice) -> None:
+    table = _read_cache(path)
+    table[key] = {k: v for k, v in asdict(choice).items() if k in ("units", "rows", "peak_bytes", "budget_bytes", "capped")}
+    with contextlib.suppress(OSError):  # a read-only home: the choice still holds for this run (in its config)
+        atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+def auto_chunk(
+    engine: PerExampleEngine, model: nn.Module, unit: Batch, *, rows_per_unit: int, max_units: int,
+    device: torch.device, budget_mb: float | None, setting: str, cache_file: Path | None = None,
+) -> ChunkChoice:  # fmt: skip
+    """The largest chunk of ``unit``s whose step fits the memory budget: cached, else measured
+    (``choose_units``) and cached.
+
+    Args:
+        engine, model: what the steps run (the model on ``device``).
+        unit: one unit (an example with its views, or a user's rows) as the engine takes it.
+        rows_per_unit: the rows it holds (what ``max_physical_batch_size`` counts).
+        max_units: the largest logical batch, in units (``largest_batch_units``).
+        budget_mb, setting: the budget given (MB; None: the device's) and how it is set (errors).
+        cache_file: default ``cache_path("chunk_size.json")``.
+
+    Raises:
+        ConfigError: no budget known, one example over it (with what it needs), or nothing checked fit.
+    """
+    budget, where = memory_budget(device, budget_mb, setting)
+    key, path = cache_key(engine, model, unit, device, budget), cache_file or cache_path(CACHE_NAME)
+    hit = _cached(path, key, budget, max_units)
+    if hit is not None:
+        units, peak, capped = hit
+        return ChunkChoice(units, units * rows_per_unit, peak, budget, where, "cached", capped)
+    extra = STEP_PARAMETER_COPIES * sum(p.numel() * p.element_size() for p in trainable_params(model).values())
+    measure = engine_peak(engine, model, unit, device)
+
+    def probe(units: int) -> float | None:  # the shape rule's methods: nothing timed at a size the run never takes
+        with _tuner(engine, False):
+            return measure(units)
+
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked), engine.precision.matmul_flags():  # the run's streams untouched
+        units, peak = choose_units(probe, measure, budget, max_units, extra)
+    if device.type == "cpu":
+        trim_kept_memory()  # the probes' larger blocks back to the system
+    choice = ChunkChoice(units, units * rows_per_unit, peak, budget, where, "measured", units >= max_units)
+    _store(path, key, choice)
+    return choice
+
+
+def run_chunk(engine: PerExampleEngine, model: nn.Module, plan: DPPlan, data: Any, views: int, device: torch.device,
+              budget_mb: float | None) -> ChunkChoice:  # fmt: skip
+    """``auto_chunk`` for a ``dpscale train`` run: a unit shaped like its training examples (``data.info``,
+    in ``views`` AugMult views; at the user unit k x K rows, a label each)."""
+    k = rows_per_user(plan) if plan.user_level else 1
+    x_train = getattr(data, "x_train", None)  # a stream's examples reach the model as float32
+    dtype = x_train.dtype if isinstance(x_train, torch.Tensor) and x_train.is_floating_point() else torch.float32
+    unit = synthetic_unit(tuple(data.info.input_shape), k * views, k > 1, dtype, device)
+    return auto_chunk(engine, model, unit, rows_per_unit=k * views, max_units=largest_batch_units(plan), device=device,
+                      budget_mb=budget_mb, setting="train.memory_budget_mb")  # fmt: skip
+
+
+def batch_chunk(engine: PerExampleEngine, model: nn.Module, plan: DPPlan, batch: Batch | None, views: int) -> int:
+    """``make_private(max_physical_batch_size="auto")``: the rows of the chunk ``auto_chunk`` chose for
+    examples shaped like ``batch``'s first (its ``views`` AugMult views), on the model's device.
+
+    Raises:
+        ValueError: no ``batch`` (``check_batch``) to take the examples' shape from; see ``auto_chunk``.
+    """
+    if batch is None:
+        raise ValueError('max_physical_batch_size="auto" needs check_batch=(x, y): the examples\' shape it measures with')
+    device = next(iter(trainable_params(model).values())).device
+    unit = (batch[0][:1].to(device), batch[1][:1].to(device))
+    return auto_chunk(engine, model, unit, rows_per_unit=views, max_units=largest_batch_units(plan), device=device,
+                      budget_mb=None, setting="a number for max_physical_batch_size").rows  # fmt: skip
