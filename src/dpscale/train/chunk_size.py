@@ -359,15 +359,19 @@ def run_chunk(engine: PerExampleEngine, model: nn.Module, plan: DPPlan, data: An
                       budget_mb=budget_mb, setting="train.memory_budget_mb")  # fmt: skip
 
 
-def batch_chunk(engine: PerExampleEngine, model: nn.Module, plan: DPPlan, batch: Batch | None, views: int) -> int:
+def batch_chunk(size: str, engine: PerExampleEngine, model: nn.Module, plan: DPPlan, batch: Batch | None, views: int) -> int:
     """``make_private(max_physical_batch_size="auto")``: the rows of the chunk ``auto_chunk`` chose for
     examples shaped like ``batch``'s first (its ``views`` AugMult views), on the model's device.
 
     Raises:
-        ValueError: no ``batch`` (``check_batch``) to take the examples' shape from; see ``auto_chunk``.
+        ValueError: a ``size`` other than "auto"; no ``batch`` (``check_batch``) to take the examples'
+            shape from; see ``auto_chunk``.
     """
+    if size != AUTO:
+        raise ValueError(f'max_physical_batch_size must be an integer >= 1, "auto" or None, got {size!r}')
     if batch is None:
-        raise ValueError('max_physical_batch_size="auto" needs check_batch=(x, y): the examples\' shape it measures with')
+        raise ValueError('max_physical_batch_size="auto" needs check_batch=(x, y), the examples\' shape it measures with '
+                         "(so not with user_ids); or give a number")  # fmt: skip
     device = next(iter(trainable_params(model).values())).device
     unit = (batch[0][:1].to(device), batch[1][:1].to(device))
     return auto_chunk(engine, model, unit, rows_per_unit=views, max_units=largest_batch_units(plan), device=device,

@@ -31,6 +31,7 @@ from dpscale.privacy.numbers import PrivacyNumbers
 from dpscale.privacy.make_plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine
+from dpscale.train.chunk_size import batch_chunk
 from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
 
@@ -90,7 +91,7 @@ def make_private(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     augment_multiplicity: int = 1,
     precision: str = "fp32",
-    max_physical_batch_size: int | None = None,
+    max_physical_batch_size: int | str | None = None,
     scheduler: Any = None,
     seed: int | None = None,
     secure_noise: bool = False,
@@ -138,7 +139,10 @@ def make_private(
         augment_multiplicity: K views per example: inputs shaped (B, K, ...); an example's loss is the
             mean over its views, clipped once (TAN's AugMult).
         precision: "fp32", "tf32", "bf16" or "fp16" (docs/precision.md).
-        max_physical_batch_size: examples per chunk in ``step(x, y)`` and ``data_loader``.
+        max_physical_batch_size: examples per chunk in ``step(x, y)`` and ``data_loader``; "auto": the
+            largest whose step fits 90% of the GPU's free memory or half the available RAM, measured
+            on ``check_batch``'s shape (required) and cached (``dpscale.train.chunk_size``). The
+            mechanism's ``max_physical_batch_size`` holds the number: pass it when resuming.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
         seed: fixes the sampling and noise streams (research only: anyone who knows it can replay
             them); None draws fresh 128-bit OS entropy.
@@ -215,8 +219,11 @@ def make_private(
         check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
         clip_gamma=plan.clip_gamma,
     )  # fmt: skip
+    chunk = max_physical_batch_size  # "auto": measured with the engine chosen, on check_batch's shape
+    if isinstance(chunk, str):
+        chunk = batch_chunk(chunk, chosen, model, plan, check_batch, augment_multiplicity)
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
-                       max_physical_batch_size=max_physical_batch_size, first_chunk_check=first_chunk_check,
+                       max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
                        views=augment_multiplicity)  # fmt: skip
 
 
