@@ -225,6 +225,7 @@ _PRIVATE_BY_DESIGN = {
     "torch._foreach_add_",
     "torch._foreach_sub_",
     "torch._foreach_mul",
+    "torch._foreach_mul_",
     "torch._foreach_div",
     "torch._foreach_div_",
     "torch._dynamo",

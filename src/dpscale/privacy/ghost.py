@@ -206,10 +206,10 @@ class GhostEngine(ClippedSumMixin):
             # to the whole update and show that the example was in the batch.
             if needs_zeroing(finite):
                 _zero_examples(records, finite, self.views)
-            grad_sum = {name: torch.zeros_like(p) for name, p in params.items()}
-            for r in records:
-                for local, s in released(r, factors, units).items():
-                    grad_sum[full_name(r.name, local)] = s
+            sums = {full_name(r.name, local): s for r in records for local, s in released(r, factors, units).items()}
+            # a zero tensor only for a parameter whose layer did not run (one per parameter was an
+            # operator each, issue 63)
+            grad_sum = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in params.items()}
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
     def _layer_norms(self, records: list[Record], out_grads: list[torch.Tensor | None], x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -6,7 +6,9 @@ scaled weight-standardised Conv2d of NF-ResNets; the rule table is ``dpscale.pri
 
 from __future__ import annotations
 
-from typing import Iterable, TypeGuard, cast
+import math
+
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +22,10 @@ from dpscale.privacy.ghost_record import (
     Record,
     accurate_enough,
     gram_sq_norms,
+    or_zeros,
     part,
     per_example,
+    plus,
     row_factors,
     tuned,
     upper_bound,
@@ -56,13 +60,6 @@ def _conv_geometry(m: nn.Conv1d | nn.Conv2d) -> tuple[Pair, Pair, Pair, Pair]:
         return (1, k), (1, s), (0, p), (1, d)
     # a Conv2d's are pairs (torch types them as tuples of any length)
     return cast(tuple[Pair, Pair, Pair, Pair], (m.kernel_size, m.stride, padding, m.dilation))
-
-
-def _summed(terms: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``sum(terms)`` over a kernel's taps (at least one): a tensor, never the empty sum's 0."""
-    total = sum(terms)
-    assert isinstance(total, torch.Tensor), "a kernel without taps"
-    return total
 
 
 def _conv_unfold(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,8 +186,8 @@ def _conv_per_example_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor)
 def _conv_per_example(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Each example's weight gradient, (B, G, out/G, in/G * k), summed over its K views (by the shape rule)."""
     m = _conv(r)
-    length = g[0, 0].numel() * r.views
-    d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
+    length = math.prod(g.shape[2:]) * r.views
+    d_in, d_out = m.in_channels // m.groups * math.prod(m.weight.shape[2:]), m.out_channels // m.groups
     if _bmm_is_faster(d_in, d_out, length):
         return _conv_per_example_bmm(r, a, g)
     return _conv_per_example_grouped(r, a, g)
@@ -235,15 +232,23 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
     b, ho, wo = rows // views, g.shape[-2], g.shape[-1]
     pixels = x.reshape(b, views, channels, hp * wp).transpose(2, 3).reshape(b, views * hp * wp, channels)
     full = torch.bmm(pixels, pixels.transpose(1, 2)).reshape(b, views, hp, wp, views, hp, wp)
-    offsets = [  # the pixels under kernel tap (i, j) at every output position
-        (slice(i * dh, i * dh + sh * (ho - 1) + 1, sh), slice(j * dw, j * dw + sw * (wo - 1) + 1, sw))
-        for i in range(kh) for j in range(kw)
-    ]  # fmt: skip
-    patch = _summed(full[:, :, hi, wi, :, hi, wi] for hi, wi in offsets).reshape(b, views * ho * wo, views * ho * wo)
+    # the pixels under kernel tap (i, j) at every output position, as two trailing tap dimensions of
+    # one strided view (a tap moves both pixels of a Gram entry), summed in one operator: a slice
+    # and an add per tap were 2 k^2 operators a layer (issue 63)
+    s = full.stride()
+    taps = full.as_strided(
+        (b, views, ho, wo, views, ho, wo, kh, kw),
+        (s[0], s[1], s[2] * sh, s[3] * sw, s[4], s[5] * sh, s[6] * sw, (s[2] + s[5]) * dh, (s[3] + s[6]) * dw),
+        full.storage_offset(),
+    )
+    patch = taps.sum((-2, -1)).reshape(b, views * ho * wo, views * ho * wo)
     g64 = g.double().reshape(b, views, m.out_channels, ho * wo).transpose(2, 3).reshape(b, views * ho * wo, -1)
     gram = (patch * torch.bmm(g64, g64.transpose(1, 2))).flatten(1).sum(1)
     pixel_sq = x.square().sum(1)  # (B*K, Hp, Wp)
-    box = _summed(pixel_sq[:, hi, wi] for hi, wi in offsets)  # ||a_t||^2 (B*K, Ho, Wo)
+    p = pixel_sq.stride()
+    box = pixel_sq.as_strided(  # ||a_t||^2 (B*K, Ho, Wo): each output position's k x k pixels, summed
+        (rows, ho, wo, kh, kw), (p[0], p[1] * sh, p[2] * sw, p[1] * dh, p[2] * dw), pixel_sq.storage_offset()
+    ).sum((-2, -1))
     weight = (box.clamp(min=0).sqrt().reshape(b, -1) * torch.linalg.vector_norm(g64, dim=-1)).sum(1)
     inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
     return upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
@@ -251,7 +256,7 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
 
 def _conv_weight_pixel_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     gram, weight = _pixel_gram_sq_norms(r, a, g)
-    r.slack = release_slack(g[0, 0].numel() * r.views, weight, a.dtype)  # the release sums every position
+    r.slack = release_slack(math.prod(g.shape[2:]) * r.views, weight, a.dtype)  # the release sums every position
     return gram
 
 
@@ -260,7 +265,7 @@ def _conv_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     patches, gg = _fold_views(r, patches), _fold_views(r, gg)
     gram, weight = gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
     # the release (a convolution weight gradient) sums an example's positions and views
-    r.slack = release_slack(g[0, 0].numel() * r.views, weight, a.dtype)
+    r.slack = release_slack(math.prod(g.shape[2:]) * r.views, weight, a.dtype)
     return gram
 
 
@@ -291,8 +296,8 @@ def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
     """The shape rule's method for a conv weight (ghost: Gram forms only), or the tuner's among
     the exact candidates."""
     m, b = _conv(r), a.shape[0] // r.views
-    length = g[0, 0].numel() * r.views  # an example's positions, over all its views
-    d_in, d_out = m.in_channels // m.groups * m.weight[0, 0].numel(), m.out_channels // m.groups
+    length = math.prod(g.shape[2:]) * r.views  # an example's positions, over all its views
+    d_in, d_out = m.in_channels // m.groups * math.prod(m.weight.shape[2:]), m.out_channels // m.groups
     explicit = length * d_in * d_out
     gram_cost = FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
     costs: dict[str, tuple[float, float]] = {"gram": (gram_cost, 16.0 * b * m.groups * length * length)}
@@ -324,15 +329,14 @@ def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
 def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """A convolution's per-example squared norms (B,), from its input ``a`` (B*K, C_in, ...) and
     output gradient ``g`` (B*K, C_out, ...): the weight's by the rule's or the tuner's method."""
-    b = a.shape[0] // r.views
-    sq = a.new_zeros(b)
+    sq = None
     if r.trainable.get("weight"):
         method = _conv_weight_method(r, a, g)
-        sq = sq + part(r, "weight", CONV_WEIGHT_METHODS[method](r, a, g))
+        sq = plus(sq, part(r, "weight", CONV_WEIGHT_METHODS[method](r, a, g)))
     if r.trainable.get("bias"):
-        r.cache["bias"] = per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
-        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
-    return sq
+        r.cache["bias"] = per_example(r, g.sum(tuple(range(2, g.dim()))))
+        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
+    return or_zeros(sq, a, a.shape[0] // r.views)
 
 
 def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -378,7 +382,7 @@ def ws_rows(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
         return standardized(w, m.eps), k
 
 
-def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor | None) -> torch.Tensor | None:
     """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output row,
     s = sqrt(n var + eps): from each example's gradient G (B, out, n) with respect to W',
     d/d gain = <u, G> and d/d W = gain / s * (G - mean(G) - u <u, G>) (the Jacobian of u is
@@ -390,10 +394,10 @@ def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor) -> torch.
     along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
     if r.trainable.get("gain"):
         r.cache["gain"] = along_u.reshape(b, *m.gain.shape)
-        sq = sq + part(r, "gain", blocked_sq_norms(r.cache["gain"]))
+        sq = plus(sq, part(r, "gain", blocked_sq_norms(r.cache["gain"])))
     if r.trainable.get("weight"):
         r.cache["weight"] = (grad_w - grad_w.mean(-1, keepdim=True) - u * along_u) * k.unsqueeze(1)
-        sq = sq + part(r, "weight", blocked_sq_norms(r.cache["weight"]))
+        sq = plus(sq, part(r, "weight", blocked_sq_norms(r.cache["weight"])))
     return sq
 
 
@@ -402,10 +406,10 @@ def ws_conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     ``ws_weight_norms``. Needs the explicit per-example gradient in both modes."""
     m, b = r.module, a.shape[0] // r.views
     assert isinstance(m, ScaledStdConv2d), f"{type(m).__name__} is not a ScaledStdConv2d"
-    sq = a.new_zeros(b)
+    sq = None
     if r.trainable.get("weight") or r.trainable.get("gain"):
         sq = ws_weight_norms(r, _conv_per_example(r, a, g).reshape(b, m.out_channels, -1), sq)
     if r.trainable.get("bias"):
-        r.cache["bias"] = per_example(r, g.reshape(g.shape[0], g.shape[1], -1).sum(2))
-        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
-    return sq
+        r.cache["bias"] = per_example(r, g.sum(tuple(range(2, g.dim()))))
+        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
+    return or_zeros(sq, a, b)

@@ -61,6 +61,17 @@ def part(r: Record, local: str, sq: torch.Tensor) -> torch.Tensor:
     return sq
 
 
+def plus(total: torch.Tensor | None, sq: torch.Tensor) -> torch.Tensor:
+    """``total + sq``, or ``sq`` itself before the first term (0 + sq is sq: one operator fewer
+    per layer than starting from zeros, issue 63)."""
+    return sq if total is None else total + sq
+
+
+def or_zeros(total: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+    """A rule's squared norms ``total``, or (rows,) zeros of ``like``'s type when it had no term."""
+    return like.new_zeros(rows) if total is None else total
+
+
 def per_example(r: Record, t: torch.Tensor) -> torch.Tensor:
     """Sum a per-row tensor (B*K, ...) over each example's K view rows -> (B, ...)."""
     return t if r.views == 1 else t.reshape(-1, r.views, *t.shape[1:]).sum(1)

@@ -31,8 +31,10 @@ from dpscale.privacy.ghost_record import (
     accurate_enough,
     cached_sums,
     gram_sq_norms,
+    or_zeros,
     part,
     per_example,
+    plus,
     row_factors,
     tuned,
     upper_bound,
@@ -64,7 +66,8 @@ def float64_row_sq_sums(v: torch.Tensor) -> torch.Tensor:
     # off the CPU the whole copy: one kernel chain, not three launches a block (each costs host time
     # on a GPU, where the DP step is host-bound), and device memory is not the streamed run's RSS
     if len(v) <= rows or v.device.type != "cpu":
-        return v.double().square().sum(1)
+        v64 = v.double()  # its products are exact: a float32 square fits float64's mantissa
+        return torch.linalg.vecdot(v64, v64)
     sums = v.new_empty(len(v), dtype=torch.float64)
     block = v.new_empty((rows, v.shape[1]), dtype=torch.float64)
     # every block full (the last one overlaps its predecessor): torch sums a row in the same
@@ -105,26 +108,27 @@ def _linear_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor, rows: tup
 
 def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     b = a.shape[0] // r.views  # an example's K views are consecutive rows: fold them into its sequence
-    a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
-    sq = a.new_zeros(b)
+    # one row per example (the 2-d input of a classifier head): the rows themselves, no reshape
+    one_row = a.dim() == 2 and r.views == 1
+    a3, g3 = (a, g) if one_row else (a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1]))
+    sq = None
     if r.trainable.get("weight"):
-        if a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+        if one_row or a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
             # each factor summed and multiplied in float64: a factor rounded to float32 alone read 0
             # below float32's range (||a||^2 = 1e-48) although the gradient ||g|| ||a|| was ordinary,
             # and automatic clipping released 1287 C (issue 62's review). A factor whose square
             # overflows the records' type (3e38 in float32) still makes the example non-finite (zeroed).
-            sq_a, sq_g = (float64_row_sq_sums(v) for v in (a3[:, 0], g3[:, 0]))
-            top = torch.finfo(a.dtype).max
-            product = torch.where((sq_a > top) | (sq_g > top), torch.inf, sq_a * sq_g)
-            sq = sq + part(r, "weight", product.to(a.dtype))
+            sq_a, sq_g = (float64_row_sq_sums(v if one_row else v[:, 0]) for v in (a3, g3))
+            product = torch.where(torch.maximum(sq_a, sq_g) > torch.finfo(a.dtype).max, torch.inf, sq_a * sq_g)
+            sq = plus(sq, part(r, "weight", product.to(a.dtype)))
             r.slack = release_slack(1, product.sqrt(), a.dtype)
         else:
             method = _linear_weight_method(r, a3, g3, (a, g))
-            sq = sq + part(r, "weight", LINEAR_WEIGHT_METHODS[method](r, a3, g3))
+            sq = plus(sq, part(r, "weight", LINEAR_WEIGHT_METHODS[method](r, a3, g3)))
     if r.trainable.get("bias"):
-        r.cache["bias"] = g3.sum(1)
-        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
-    return sq
+        r.cache["bias"] = g if one_row else g3.sum(1)
+        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
+    return or_zeros(sq, a, b)
 
 
 def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -135,8 +139,11 @@ def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: t
         else:
             assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
             rows = row_factors(r, c)
-            gc = (g * rows.view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
-            out["weight"] = gc.t() @ a.reshape(-1, a.shape[-1])
+            if a.dim() == 2:  # one row per example: no reshapes (each an operator)
+                out["weight"] = (g * rows.unsqueeze(1)).t() @ a
+            else:
+                gc = (g * rows.view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
+                out["weight"] = gc.t() @ a.reshape(-1, a.shape[-1])
     if r.trainable.get("bias"):
         out["bias"] = c @ r.cache["bias"]
     return out
@@ -149,15 +156,15 @@ def _ws_linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tenso
     (``_ws_outer_norms``) and never forms the (B, out, in) gradients."""
     b = a.shape[0] // r.views
     a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
-    sq = a.new_zeros(b)
+    sq: torch.Tensor | None = None
     if a3.shape[1] == 1:
         sq = _ws_outer_norms(r, a3[:, 0], g3[:, 0])
     elif r.trainable.get("weight") or r.trainable.get("gain"):
         sq = ws_weight_norms(r, torch.bmm(g3.transpose(1, 2), a3), sq)
     if r.trainable.get("bias"):
         r.cache["bias"] = g3.sum(1)
-        sq = sq + part(r, "bias", blocked_sq_norms(r.cache["bias"]))
-    return sq
+        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
+    return or_zeros(sq, a, b)
 
 
 def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -175,9 +182,9 @@ def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
     g64, t = g.double(), a_c @ u.t()  # (B, out) each
     # per-example rows only in the cache: the engine zeroes a non-finite example's rows there
     r.cache["ws_a"], r.cache["ws_g"], r.cache["ws_t"] = a_c, g64, t
-    sq = a.new_zeros(a.shape[0])
+    sq = None
     if r.trainable.get("gain"):
-        sq = sq + part(r, "gain", (g64 * t).square().sum(1).to(a.dtype))
+        sq = plus(sq, part(r, "gain", (g64 * t).square().sum(1).to(a.dtype)))
     if r.trainable.get("weight"):
         kg2, sq_a, kappa = (k * g64).square(), a_c.square().sum(1, keepdim=True), u.square().sum(1)
         exact = (kg2 * (sq_a - (2 - kappa) * t.square())).sum(1)
@@ -185,10 +192,10 @@ def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
         rounding = gamma(a.shape[1] + g.shape[1] + 8, torch.float64) * (
             kg2 * (sq_a + 4 * t.square() + 2 * t.abs() * (kappa * sq_a).sqrt())
         ).sum(1)
-        sq = sq + part(r, "weight", (exact + rounding).to(a.dtype))
+        sq = plus(sq, part(r, "weight", (exact + rounding).to(a.dtype)))
         along = (kg2 * t.square() * kappa).sum(1).sqrt()
         r.slack = release_slack(4, (k * g64).norm(dim=1) * sq_a.squeeze(1).sqrt() + along, torch.float64)
-    return sq
+    return or_zeros(sq, a, a.shape[0])
 
 
 def _ws_linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -256,7 +263,10 @@ def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torc
 def _norm_layer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     parts = {name: per_example(r, t) for name, t in _affine_parts(r, a, g).items()}
     r.cache.update(parts)
-    return sum((part(r, n, blocked_sq_norms(t)) for n, t in parts.items()), a.new_zeros(a.shape[0] // r.views))
+    sq = None
+    for name, t in parts.items():
+        sq = plus(sq, part(r, name, blocked_sq_norms(t)))
+    return or_zeros(sq, a, a.shape[0] // r.views)
 
 
 def _norm_layer_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -296,12 +306,12 @@ def _embedding_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c
 def _tokens_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # out = [cls; tokens] + pos: d out / d pos = g (per example), d out / d cls = g[:, 0].
     g = r.cache["g"] = per_example(r, g)
-    sq = a.new_zeros(g.shape[0])
+    sq = None
     if r.trainable.get("pos_embed"):
-        sq = sq + part(r, "pos_embed", blocked_sq_norms(g))
+        sq = plus(sq, part(r, "pos_embed", blocked_sq_norms(g)))
     if r.trainable.get("cls_token"):
-        sq = sq + part(r, "cls_token", blocked_sq_norms(g[:, 0]))
-    return sq
+        sq = plus(sq, part(r, "cls_token", blocked_sq_norms(g[:, 0])))
+    return or_zeros(sq, a, g.shape[0])
 
 
 def _tokens_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:

@@ -27,9 +27,10 @@ def draw_noise(like: Params, generator: DPRandom) -> Params:
     tensors = [like[name] for name in names]
     if len({(t.dtype, t.device) for t in tensors}) == 1:
         # One draw for the whole step, cut in parameter order: the host generator draws a large
-        # block in parallel (see dpscale.rng.PARALLEL_CHUNK) and copies it to the device once.
+        # block in parallel (see dpscale.rng.PARALLEL_CHUNK) and copies it to the device once;
+        # one operator cuts it into the tensors' shapes (a view each by hand was one per tensor).
         flat = generator.normal((sum(t.numel() for t in tensors),), dtype=tensors[0].dtype, device=tensors[0].device)
-        noises = [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        noises = list(torch._C._nn.unflatten_dense_tensors(flat, tensors))
     else:
         noises = [generator.normal(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     return dict(zip(names, noises))
@@ -54,4 +55,22 @@ def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom, noise:
     if std == 0:
         return dict(grad_sum)
     noise = draw_noise(grad_sum, generator) if noise is None else noise
-    return {name: grad_sum[name] + std * noise[name] for name in sorted(grad_sum)}
+    names = sorted(grad_sum)
+    return dict(zip(names, add_scaled_noise_([grad_sum[n].clone() for n in names], std, [noise[n].clone() for n in names])))
+
+
+def add_scaled_noise_(totals: list[torch.Tensor], std: float, noise: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``totals[i] += std * noise[i]`` in place, in two multi-tensor operators (the arithmetic of
+    ``t + std * z`` tensor by tensor: the product rounded, then the sum); ``noise`` is scaled in place.
+
+    Args:
+        totals: clipped sums (owned by the caller, overwritten).
+        std: noise standard deviation sigma * C (> 0).
+        noise: standard normals shaped like ``totals`` (overwritten by std * noise).
+
+    Returns:
+        ``totals``.
+    """
+    torch._foreach_mul_(noise, std)
+    torch._foreach_add_(totals, noise)
+    return totals

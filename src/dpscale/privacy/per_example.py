@@ -10,6 +10,8 @@ built on ``torch.func`` and works for any model without batch-mixing layers.
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
@@ -200,28 +202,34 @@ def clip_units(
         (unit -> factors (B,), norms (B,) of the whole unclipped gradients as measured). An example
         whose norm is not finite gets factor 0 everywhere: it contributes exactly zero.
     """
-    norms = sum(unit_sq_norms.values(), zeros).sqrt()
+    if not unit_sq_norms:  # no trainable layer ran: every gradient is zero
+        return {}, zeros
     slack = unit_slack or {}
+    # the units with a slack first, so that their slacks add to one slice: a few operators for all
+    # units, however many (one per unit per operation before issue 63)
+    units = sorted(unit_sq_norms, key=lambda unit: unit not in slack)
+    sq = torch.stack([unit_sq_norms[unit] for unit in units])  # (U, B)
+    norms = sq.sum(0).sqrt()
     # what each unit's release can reach, in float64: Minkowski adds the slack to the unit's norm
-    reach = {unit: sq.double().clamp(min=0).sqrt() + slack.get(unit, 0.0) for unit, sq in unit_sq_norms.items()}
+    reach = sq.double().clamp(min=0).sqrt()
+    slacked = [slack[unit] for unit in units if unit in slack]
+    if slacked:
+        reach[: len(slacked)] += torch.stack(slacked)
     release_dtype = zeros.dtype
     if not is_per_layer(max_grad_norm):
-        bound = sum((r.square() for r in reach.values()), zeros.double()).sqrt()
-        finite = torch.isfinite(norms) & torch.isfinite(bound)
+        bound = reach.square().sum(0).sqrt()
         factors = clip_factors(bound, max_grad_norm, release_dtype=release_dtype, gamma=gamma).to(release_dtype)  # type: ignore[arg-type]
-        factors = torch.where(finite, factors, torch.zeros_like(factors))
-        return {unit: factors for unit in unit_sq_norms}, norms
+        factors = torch.where(torch.isfinite(norms) & torch.isfinite(bound), factors, 0.0)
+        return dict.fromkeys(unit_sq_norms, factors), norms
     if group_of is None:
         raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
     bounds = list(max_grad_norm.values())
-    group_sq = zeros.double().new_zeros(len(bounds), norms.shape[0])
-    for unit, r in reach.items():
-        group_sq[group_of[unit]] += r.square()
-    group_bound = group_sq.sqrt()
+    index = torch.tensor([group_of[unit] for unit in units], device=reach.device)
+    group_bound = reach.new_zeros(len(bounds), norms.shape[0]).index_add_(0, index, reach.square()).sqrt()
     finite = torch.isfinite(norms) & torch.isfinite(group_bound).all(0)
     group_factors = group_clip_factors(bounds, group_bound, release_dtype=release_dtype, gamma=gamma).to(release_dtype)
-    group_factors = torch.where(finite, group_factors, torch.zeros_like(group_factors))
-    return {unit: group_factors[group_of[unit]] for unit in unit_sq_norms}, norms
+    rows = torch.where(finite, group_factors, 0.0).unbind(0)
+    return {unit: rows[group_of[unit]] for unit in unit_sq_norms}, norms
 
 
 # Exact engines are compared with independent references (the start-up self-check, the ghost
@@ -239,9 +247,22 @@ def tolerance_for(dtype: torch.dtype) -> float:
     return _TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE)
 
 
+# Each model's detached trainable tensors, kept while its parameters stay the same objects with the
+# same storage, flags, types and shapes: detaching every tensor launched one operator per parameter
+# per step (62 of resnet18-gn's, issue 63). A detached tensor shares its parameter's storage and
+# version counter, so in-place updates (the optimizer's) show through it.
+_TRAINABLE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Params]] = weakref.WeakKeyDictionary()
+
+
 def trainable_params(model: nn.Module) -> Params:
-    """The parameters DP-SGD updates (requires_grad=True), detached, by name."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    """The parameters DP-SGD updates (requires_grad=True), detached, by name (a new dict each call)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    key = tuple((name, id(p), p.data_ptr(), p.dtype, p.device, p.shape, p.stride()) for name, p in named)
+    kept = _TRAINABLE.get(model)
+    if kept is None or kept[0] != key:
+        kept = (key, {name: p.detach() for name, p in named})
+        _TRAINABLE[model] = kept
+    return dict(kept[1])
 
 
 def _trainable(module: nn.Module) -> bool:

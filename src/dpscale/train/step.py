@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from dpscale.privacy.noise import add_gaussian_noise, draw_noise
+from dpscale.privacy.noise import add_scaled_noise_, draw_noise
 from dpscale.privacy.clipping import clip_sensitivity
 from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, trainable_params
 from dpscale.rng import DPRandom
@@ -175,56 +175,75 @@ def noisy_clipped_mean(
         (gradient by parameter name, step statistics of the whole logical batch).
     """
     params = trainable_params(model)
-    total = {name: torch.zeros_like(p) for name, p in params.items()}
+    names = sorted(params)
     # the StepStats counts, accumulated on the device: no host sync
-    device = next(iter(total.values())).device if total else torch.device("cpu")  # nccl reduces on the GPU
+    device = next(iter(params.values())).device if params else torch.device("cpu")  # nccl reduces on the GPU
     counts = torch.zeros(len(STEP_STATISTICS), dtype=torch.float64, device=device)
     std = noise_std if add_noise else 0.0
     if prefetch_noise is None:
         prefetch_noise = device.type == "cuda"
-    pending = _NOISE_THREAD.submit(draw_noise, total, noise_generator) if std > 0 and prefetch_noise else None
+    pending = _NOISE_THREAD.submit(draw_noise, params, noise_generator) if std > 0 and prefetch_noise else None
+    total: list[torch.Tensor] | None = None  # the clipped sums in sorted-name order, in the parameters' types
     for chunk in chunks:
-        counts += _add_chunk(engine, model, params, chunk, total).to(device)
+        total, chunk_counts = _add_chunk(engine, model, params, chunk, total, names)
+        counts += chunk_counts if chunk_counts.device == device else chunk_counts.to(device)
+    if total is None:  # an empty logical batch: the noise alone
+        total = [torch.zeros_like(params[name]) for name in names]
     # once per logical step: on one rank, before the ranks' sums are added up
     noise = pending.result() if pending else None
     if std > 0 and correlate is not None:
-        noise = correlate(noise if noise is not None else draw_noise(total, noise_generator))
-    noisy = add_gaussian_noise(total, std, noise_generator, noise)
+        noise = correlate(noise if noise is not None else draw_noise(params, noise_generator))
+    if std > 0:
+        noise = noise if noise is not None else draw_noise(params, noise_generator)
+        add_scaled_noise_(total, std, [noise[name] for name in names])
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
-        all_reduce_sum([noisy[name] for name in sorted(noisy)])
+        all_reduce_sum(total)
         all_reduce_sum([counts])
-    gradient = {name: g / expected_batch_size for name, g in noisy.items()}
-    return gradient, StepStats(counts)
+    torch._foreach_div_(total, expected_batch_size)
+    return dict(zip(names, total)), StepStats(counts)
 
 
-def _add_chunk(engine: PerExampleEngine, model: nn.Module, params: Params, chunk: Batch, total: Params) -> torch.Tensor:
-    """Add one physical chunk's clipped per-example gradient sum into ``total`` (in place).
+def _add_chunk(
+    engine: PerExampleEngine, model: nn.Module, params: Params, chunk: Batch, total: list[torch.Tensor] | None,
+    names: list[str],
+) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """Add one physical chunk's clipped per-example gradient sum into ``total``.
+
+    Args:
+        total: the sums so far in ``names`` order (added to in place), or None before the first
+            chunk, whose sums (the engine's own tensors) become the total.
 
     Returns:
-        the chunk's ``STEP_STATISTICS`` (float64, on the chunk's device).
+        (the total, the chunk's ``STEP_STATISTICS`` (float64, on the chunk's device)).
     """
     grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
-    for name in total:
-        total[name] += grad_sum[name]
+    sums = [grad_sum[name] for name in names]
+    if total is None:  # 0 + s is s: the first chunk's sums, taken to the parameters' types
+        total = [s if s.dtype == params[n].dtype else s.to(params[n].dtype) for n, s in zip(names, sums)]
+    else:
+        torch._foreach_add_(total, sums)
+    return total, _chunk_statistics(engine, norms, losses)
+
+
+def _chunk_statistics(engine: PerExampleEngine, norms: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+    """A chunk's ``STEP_STATISTICS`` (float64, on the chunk's device), in a few operators."""
     # per layer: examples whose whole norm exceeds sqrt(sum_g C_g^2), which were clipped in some
     # group (a lower bound on those clipped anywhere)
     clip = clip_sensitivity(engine.max_grad_norm)
-    # a non-finite norm counts as clipped (it contributed zero): adaptive clipping's count needs
-    # every example's indicator in {0, 1}
-    clipped = (~(norms <= clip)).sum() if clip is not None else norms.new_zeros(())
-    examples = torch.full((), float(norms.numel()), dtype=torch.float64, device=norms.device)  # a fill, no copy
     finite = torch.isfinite(norms)
-    # a non-finite example contributed zero: its loss stays out of the logged train loss too
-    return torch.stack([
-        examples, torch.where(finite, losses, 0.0).sum().double(), clipped.double(),
-        torch.where(finite, norms, 0.0).sum().double(), (~finite).sum().double(),
-    ])  # fmt: skip
+    # a non-finite norm counts as clipped (it contributed zero): adaptive clipping's count needs
+    # every example's indicator in {0, 1}; a non-finite example's loss stays out of the train loss
+    clipped = torch.where(norms <= clip, 0.0, 1.0) if clip is not None else torch.zeros_like(norms)
+    rows = torch.stack([torch.ones_like(norms), torch.where(finite, losses, 0.0), clipped,
+                        torch.where(finite, norms, 0.0), torch.where(finite, 0.0, 1.0)])  # fmt: skip
+    return rows.sum(1, dtype=torch.float64)
 
 
 def apply_gradient(model: nn.Module, gradient: Params, optimizer: torch.optim.Optimizer) -> None:
     """Write the private gradient into ``.grad`` and take one optimizer step."""
     for name, p in model.named_parameters():
         if p.requires_grad:
-            p.grad = gradient[name].to(p.dtype)
+            g = gradient[name]
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
