@@ -253,7 +253,7 @@ def test_invalid_yaml_file(tmp_path):
         (["train.epochs=null", "train.steps=null"], r"set train\.epochs or train\.steps"),
         (["train.steps=0"], r"train\.steps must be >= 1"),
         (["train.epochs=0"], r"train\.epochs must be a positive finite number"),
-        (["train.max_physical_batch_size=0"], r"train\.max_physical_batch_size must be >= 1"),
+        (["train.max_physical_batch_size=0"], r"train\.max_physical_batch_size must be auto or an integer >= 1, got 0"),
         (["optim.nesterov=true"], r"optim\.nesterov needs optim\.momentum > 0"),
         (["optim.nesterov=true", "optim.momentum=0.9", "optim.dampening=0.1"], r"optim\.dampening = 0"),
         (["dp.max_grad_norm=null"], r"a private run needs clipping"),

@@ -5,9 +5,10 @@ blocks, the clipped sum) plus a part per example (activations, output gradients,
 gradients or Grams). ``choose_units`` measures the engine's clipped sum at two small probe sizes
 (``PROBE_UNITS``), fits the line through them, takes the largest size (up to the largest logical
 batch; a multiple of 8 below it) whose predicted peak fits the budget, then runs that size once to
-check it (backing off through the line refitted on what it measured, or by half after a CUDA
-out-of-memory error). The peak is ``dpscale.privacy.autotune.peak_bytes``'s: the CUDA allocator's
-peak, or on a CPU the tensor memory the torch profiler records, above what was allocated before.
+check it. Where that size does not fit (memory that grows faster than the line, a CUDA
+out-of-memory error), a few more checking runs search between the largest size seen to fit and
+it. The peak is ``dpscale.privacy.autotune.peak_bytes``'s: the CUDA allocator's peak, or on a CPU
+the tensor memory the torch profiler records, above what was allocated before.
 
 The budget (``memory_budget``): ``train.memory_budget_mb`` when set; else ``CUDA_FREE_FRACTION`` of
 the GPU's free memory, or ``CPU_BUDGET_FRACTION`` of the RAM the kernel reports available.
@@ -52,7 +53,7 @@ PROBE_UNITS = (2, 16)  # examples (users) per probe chunk: small, so a probe its
 CUDA_FREE_FRACTION = 0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
 CPU_BUDGET_FRACTION = 0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
 ROUND_TO = 8  # a chunk below the largest batch is a multiple of 8 examples (users), from 8 up
-CHECK_TRIES = 4  # checking runs before giving up
+CHECK_TRIES = 5  # checking runs at most (one where the fitted line holds)
 # Parameter-sized float32 tensors a step holds beside the clipped sum: the running sum, the noise,
 # the noisy sum, the gradient, and an optimizer's state (Adam's two moments).
 STEP_PARAMETER_COPIES = 6
@@ -93,7 +94,9 @@ class ChunkChoice:
 
 
 def _gb(size: float) -> str:
-    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    if size >= 1e8:
+        return f"{size / 1e9:.2f} GB"
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
 
 
 def available_cpu_bytes() -> int | None:
@@ -150,7 +153,7 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     (n1, p1), (n2, p2) = points[0], points[-1]
     if n2 == n1:
         return 0.0, p1 / n1
-    per_unit = max((p2 - p1) / (n2 - n1), 1.0)  # a flat or falling pair (timing noise in the allocator): barely rising
+    per_unit = max((p2 - p1) / (n2 - n1), 1.0)  # a flat or falling pair (methods that change with the size): barely rising
     return max(p1 - per_unit * n1, 0.0), per_unit
 
 
@@ -189,29 +192,33 @@ def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, 
         raise _too_small(fixed, per_unit, budget)
     units = min(max_units, int((budget - fixed) // per_unit))
     units = units if units == max_units else _rounded(units)
-    for _ in range(CHECK_TRIES):
+    peak = check(units)
+    if peak is not None and peak + extra <= budget:  # the line held (the usual case): one checking run
+        return units, peak + extra
+    fits = [p for p in points if p[1] <= budget]
+    if not fits:
+        raise ConfigError(f"max_physical_batch_size=auto: a chunk of {points[0][0]} examples peaked at {_gb(points[0][1])}, "
+                          f"above the memory budget of {_gb(budget)}")  # fmt: skip
+    return _search(check, budget, extra, fits[-1], (units, None if peak is None else peak + extra))
+
+
+def _search(check: Measure, budget: float, extra: float, low: tuple[int, float], high: tuple[int, float | None]) -> tuple[int, float]:
+    """Between ``low`` (a size that fits, and its peak) and ``high`` (one that did not; its peak, or
+    None for out of memory), ``CHECK_TRIES`` - 1 more checking runs: each at the larger of the
+    midpoint and where the line through both ends meets the budget (near ``high`` when it missed by
+    little), in multiples of 8. Returns the largest size seen to fit and its peak."""
+    for _ in range(CHECK_TRIES - 1):
+        (n_low, p_low), (n_high, p_high) = low, high
+        guess = n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
+        units = _rounded(max(int(guess), (n_low + n_high) // 2))
+        if not n_low < units < n_high:
+            break
         peak = check(units)
         if peak is not None and peak + extra <= budget:
-            return units, peak + extra
-        units = _smaller(units, None if peak is None else peak + extra, points[0], budget)
-        if units < 1:
-            break
-    raise ConfigError(
-        f"max_physical_batch_size=auto: no chunk size it checked fit the memory budget of {_gb(budget)} "
-        f"(the line through {points[0][0]} examples predicted {_gb(fixed + per_unit)} for one); give a number"
-    )
-
-
-def _smaller(units: int, peak: float | None, first: tuple[int, float], budget: float) -> int:
-    """The next size to check after ``units`` peaked at ``peak`` (None: out of memory) above ``budget``:
-    half after an out-of-memory error, else the largest the line through the first probe and this
-    measurement allows; always below ``units``, a multiple of 8 from 8 up (0: none left)."""
-    if peak is None:
-        smaller = units // 2
-    else:
-        fixed, per_unit = _fit([first, (units, peak)]) if units != first[0] else (0.0, peak / units)
-        smaller = int((budget - fixed) // per_unit) if fixed + per_unit <= budget else 0
-    return _rounded(max(0, min(smaller, units - 1)))
+            low = (units, peak + extra)
+        else:
+            high = (units, None if peak is None else peak + extra)
+    return low
 
 
 def synthetic_unit(input_shape: tuple[int, ...], rows: int, per_row_targets: bool, dtype: torch.dtype,
@@ -339,7 +346,10 @@ def auto_chunk(
 
     forked = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked), engine.precision.matmul_flags():  # the run's streams untouched
-        units, peak = choose_units(probe, measure, budget, max_units, extra)
+        try:
+            units, peak = choose_units(probe, measure, budget, max_units, extra)
+        except ConfigError as err:
+            raise ConfigError(f"{err} ({where})") from err
     if device.type == "cpu":
         trim_kept_memory()  # the probes' larger blocks back to the system
     choice = ChunkChoice(units, units * rows_per_unit, peak, budget, where, "measured", units >= max_units)
