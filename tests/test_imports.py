@@ -229,6 +229,7 @@ _PRIVATE_BY_DESIGN = {
     "torch._foreach_div",
     "torch._foreach_div_",
     "torch._dynamo",
+    "torch._inductor",  # bench/ops: inductor's cpp kernels recorded by the profiler (cpp.enable_kernel_profile)
     "onnx._internal",
     "exporter._registration",
     "privacy_loss_distribution._create_pld_pmf_from_monotone_privacy_loss",  # pld_gaussian, with a fallback

@@ -11,6 +11,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")  # train.precisio
 PEFT_METHODS: tuple[str, ...] = ("none", "lora", "bitfit", "last_groups")  # model.peft
 CLIPPINGS: tuple[str, ...] = ("fixed", "adaptive", "automatic")  # dp.clipping, make_private(clipping=)
 BENCH_CLOCKS: tuple[str, ...] = ("wall", "thread")  # dpscale bench step-time --clock
+BENCH_METHODS: tuple[str, ...] = ("shape-rule", "tuned")  # dpscale bench ops --methods: per-layer methods
 PRIVACY_UNITS: tuple[str, ...] = ("example", "user")  # data.privacy_unit, dpscale account --unit
 MECHANISMS: tuple[str, ...] = ("dpsgd", "bandmf")  # dp.mechanism, make_private(noise_mechanism=), --mechanism
 DEFAULT_MAX_BANDS = 64  # dp.max_bands, make_private(max_bands=), --max-bands: the largest b that bands=auto tries

@@ -6,12 +6,12 @@ import argparse
 import sys
 from typing import Sequence
 
-from dpscale.choices import BENCH_CLOCKS, MECHANISMS, PEFT_METHODS, PRECISIONS
+from dpscale.choices import BENCH_CLOCKS, BENCH_METHODS, MECHANISMS, PEFT_METHODS, PRECISIONS
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on a subparsers object."""
-    bench = sub.add_parser("bench", help="benchmarks (step-time, end-to-end, data)")
+    bench = sub.add_parser("bench", help="benchmarks (step-time, ops, end-to-end, data)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
     step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
@@ -69,6 +69,23 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
+    ops = kinds.add_parser("ops", help="ATen operators one optimizer step launches per engine vs non-private, and Opacus")
+    ops.add_argument("--models", default=None, help="comma list (default: papernot-cnn, tramer-cifar-cnn, wrn16-4, resnet18-gn)")
+    ops.add_argument("--engines", default=None, help="comma list, step-time's names (default: nonprivate, dpscale-auto, opacus-ew)")
+    ops.add_argument("--batch-size", type=int, default=4, help="for every model (default 4)")
+    ops.add_argument("--warmup", type=int, default=2, help="steps run before the counted one")
+    ops.add_argument("--device", default="cpu", help="cpu (one torch thread) or cuda: host launches either way")
+    ops.add_argument(
+        "--methods",
+        choices=BENCH_METHODS,
+        default="shape-rule",
+        help="per-layer methods: the shape rule (deterministic, default) or this machine's tuner and its cache",
+    )
+    ops.add_argument("--top", type=int, default=0, metavar="N", help="also list each row's N most launched operators")
+    ops.add_argument("--by-function", type=int, default=0, metavar="N", help="also list the N dpscale functions that launched most")
+    ops.add_argument("--json", action="store_true", help="print rows as JSON (every operator's count) instead of the table")
+    ops.add_argument("--write", metavar="PATH", help="also write the markdown table here")
+    ops.set_defaults(func=_run_ops)
     suite = kinds.add_parser(
         "gpu-suite",
         help="the device acceptance suite: engines vs the float64 loop, 16-bit clip "
@@ -116,6 +133,12 @@ def _run_step_time(args: argparse.Namespace) -> int:
 
 def _run_data(args: argparse.Namespace) -> int:
     from dpscale.bench.data import main
+
+    return main(args)
+
+
+def _run_ops(args: argparse.Namespace) -> int:
+    from dpscale.bench.ops import main
 
     return main(args)
 
