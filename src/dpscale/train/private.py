@@ -21,6 +21,7 @@ from dpscale.choices import MECHANISMS
 from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
 from dpscale.privacy.adaptive import adaptive_clipping
 from dpscale.privacy.bandmf import Workload
+from dpscale.privacy.compiled import compiled_choice, compiled_engine_name
 from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
 from dpscale.privacy.engines import make_engine
 from dpscale.data.units import UserIndex
@@ -111,6 +112,7 @@ def make_private(
     max_examples_per_user: int | None = None,
     sampling: str = "poisson",
     max_batch_size: int | str | None = None,
+    compile: bool = False,
 ) -> DPMechanism:
     """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson,
     capped Poisson, fixed-size or shuffled batches, or BandMF's correlated noise with cyclic Poisson
@@ -185,6 +187,10 @@ def make_private(
         max_batch_size: cap Poisson batches at this many examples, or with ``user_ids`` users (a
             larger draw keeps a uniformly random subset; truncated Poisson, PLD), "auto" (the smallest
             cap within 1% of the uncapped epsilon) or None.
+        compile: capture each chunk's forward, backward, norms, clipping and clipped sum with
+            ``torch.compile`` (the vmap engine's arithmetic, built and checked eagerly first; noise
+            and accounting outside): engine auto or vmap, precision fp32; each new chunk shape
+            compiles again, so give chunks one size (docs/engines.md, "The compiled step").
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
@@ -214,6 +220,8 @@ def make_private(
                                   max_noise_memory_mb=max_noise_memory_mb, workload=workload),
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
+    if compile:  # its refusals in one line, before anything is built
+        engine = compiled_engine_name(engine, make_precision(precision), model)
     chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
         engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=precision,
         check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
@@ -222,6 +230,8 @@ def make_private(
     chunk = max_physical_batch_size  # "auto": measured with the engine chosen, on check_batch's shape
     if isinstance(chunk, str):
         chunk = batch_chunk(chunk, chosen, model, plan, check_batch, augment_multiplicity)
+    if compile:  # after the eager engine's checks (and chunk measurement): one shape compiled per chunk size
+        chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
                        max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
                        views=augment_multiplicity)  # fmt: skip
