@@ -347,6 +347,9 @@ class TrainConfig:
     engine: per-example clipping engine: auto (bk when every trainable parameter's route is
         supported, else vmap), bk (book-keeping), ghost (Gram-matrix norms + book-keeping sums)
         or vmap.
+    compile: capture each chunk's clipped sum (forward, backward, norms, clipping, the sum) with
+        torch.compile: the vmap engine's arithmetic, checked eagerly first; engine auto or vmap,
+        precision fp32; each new chunk size compiles again (docs/engines.md, "The compiled step").
     self_check: before the first step, compare the engine's per-example norms and clipped sum
         with a per-example loop on a few training examples; refuse on a mismatch (auto falls
         back to vmap). false: skip it, and every output says the engine went unchecked.
@@ -373,6 +376,7 @@ class TrainConfig:
     max_physical_batch_size: int | str = 512
     memory_budget_mb: float | None = None
     engine: str = "auto"
+    compile: bool = False
     self_check: bool = True
     precision: str = "fp32"
     fp16_loss_scale: float = 1024.0
