@@ -124,7 +124,7 @@ def release_slack(terms: int, weight: torch.Tensor, dtype: torch.dtype) -> torch
     Returns:
         (B,) float64 slack s, added to the unit's measured norm before clipping.
     """
-    return gamma(terms + 1, dtype) * weight.double()
+    return gamma(terms + 1, dtype) * (weight if weight.dtype == torch.float64 else weight.double())
 
 
 def blocked_sq_norms(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def blocked_sq_norms(t: torch.Tensor) -> torch.Tensor:
     of the exact value, whatever the kernel's order of summation (``clip_margin`` covers it)."""
     size = math.prod(t.shape[1:])  # from the shape: ``t[0].numel()`` would launch an operator
     if size <= NORM_BLOCK:  # one block (at most NORM_BLOCK values, within clip_margin's rounding): its square
-        return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
+        return torch.linalg.vector_norm(t if t.dim() == 2 else t.reshape(t.shape[0], -1), dim=1).square()
     block = math.gcd(size, NORM_BLOCK)
     blocks = torch.linalg.vector_norm(t.reshape(t.shape[0], -1, block), dim=2)
     return blocks.square().sum(1, dtype=torch.float64).to(t.dtype)

@@ -124,6 +124,8 @@ def _conv_per_example_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> to
     b = a.shape[0] // views
 
     def views_first(t: torch.Tensor) -> torch.Tensor:  # (B*K, C, H, W) -> (K, B*C, H, W)
+        if views == 1:  # one reshape (three operators otherwise)
+            return t.reshape(1, -1, *t.shape[2:])
         return t.reshape(b, views, *t.shape[1:]).transpose(0, 1).reshape(views, -1, *t.shape[2:])
 
     weight = conv2d_weight(

@@ -100,14 +100,15 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
     gram = (torch.matmul(a64, a64.transpose(-1, -2)) * torch.matmul(g64, g64.transpose(-1, -2))).flatten(1).sum(1)
     weight = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum(-1)  # (B, ...)
     upper = upper_bound(gram, a.shape[-1] + g.shape[-1], a.shape[-2], weight).to(a.dtype)
-    return upper, weight.square().reshape(len(gram), -1).sum(1).sqrt()
+    return upper, weight if weight.dim() == 1 else weight.square().reshape(len(gram), -1).sum(1).sqrt()
 
 
 def upper_bound(gram: torch.Tensor, inner: int, length: int, weight: torch.Tensor) -> torch.Tensor:
     """A float64 Gram squared norm (B,) plus the rigorous bound on its rounding error,
     2 (inner + L^2 + 4) u W^2 (W = ``weight``, summed over any group dims): never below the exact value."""
     unit = torch.finfo(torch.float64).eps / 2
-    return gram.clamp(min=0) + 2.0 * (inner + length * length + 4) * unit * weight.square().reshape(len(gram), -1).sum(1)
+    sq_weight = weight.square() if weight.dim() == 1 else weight.square().reshape(len(gram), -1).sum(1)
+    return gram.clamp(min=0) + 2.0 * (inner + length * length + 4) * unit * sq_weight
 
 
 # Gram matrices are multiplied in float64 (see gram_sq_norms): on CPU about twice float32's cost.

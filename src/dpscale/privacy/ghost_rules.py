@@ -249,7 +249,7 @@ def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torc
     m, b = _norm_layer(r), a.shape[0]
     parts = {}
     if isinstance(m, nn.GroupNorm):  # params per channel (dim 1)
-        reduce = lambda t: t.reshape(b, m.num_channels, -1).sum(2)  # noqa: E731
+        reduce = lambda t: t.sum(tuple(range(2, t.dim()))) if t.dim() > 2 else t  # noqa: E731
     else:  # LayerNorm: params over the trailing normalized_shape
         n = len(m.normalized_shape)
         reduce = lambda t: t.reshape(b, -1, *t.shape[t.dim() - n :]).sum(1)  # noqa: E731
