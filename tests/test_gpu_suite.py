@@ -11,7 +11,7 @@ def test_the_cpu_form_of_the_device_suite_passes_and_writes_its_report(tmp_path)
     assert main(["bench", "gpu-suite", "--device", "cpu", "--quick", "--batch", "4", "--out", str(out)]) == 0
     report = out.read_text()
     for section in ("## 1. Engines", "## 2. The clip bound in 16-bit", "## 3. make_private on the device",
-                    "## 4. Step time", "## 5. The training loop"):  # fmt: skip
+                    "## 4. Step time", "## 5. The training loop", "## 6. Operators per step"):  # fmt: skip
         assert section in report
     checks = [line for line in report.splitlines() if line.startswith("| ") and line.rstrip().endswith(("ok |", "FAIL |"))]
     assert len(checks) >= 4 + 8 + 3 + 1 and all(line.endswith("ok |") for line in checks)
@@ -42,9 +42,10 @@ def test_each_section_is_written_when_it_ends_and_an_error_in_one_is_a_fail_row(
 
     monkeypatch.setattr(gpu_suite, "_step_time_rows", broken)
     monkeypatch.setattr(gpu_suite, "training_rows", lambda *args: ["| d | 1 | 1 | n/a | n/a | 50% | 1 | ok |"])
+    monkeypatch.setattr(gpu_suite, "_ops_rows", lambda *args: ["| m | 4 | nonprivate | 63 | 1.00 |"])
     partial: list[str] = []
     report, passed = gpu_suite.run_suite("cpu", ["papernot-cnn"], log=lambda _: None, progress=partial.append)
-    assert not passed and len(partial) == 5 and partial[-1] == report
+    assert not passed and len(partial) == 6 and partial[-1] == report
     assert "## 1. Engines" in partial[0] and "## 2." not in partial[0]
     assert "| error: RuntimeError: CUDA out of memory | FAIL |" in report and "second line" not in report
     assert report.index("## 4. Step time") < report.index("## 5. The training loop")

@@ -17,7 +17,10 @@
    steps/s, and on a GPU the idle fraction (1 - kernel time / wall time over a profiled window
    of steps) and the host syncs per step (``torch.cuda`` sync debug mode); with ``--data-root``
    (Fashion-MNIST) the whole preset to its test accuracy and epsilon, else (and with
-   ``--quick``) a few steps on the embedded MNIST sample.
+   ``--quick``) a few steps on the embedded MNIST sample;
+6. **operators per step**: ``dpscale bench ops`` rows (non-private, auto, opacus-ew where installed)
+   at B = 4: the ATen operators one step launches from the host (CPU-activity profile, the
+   per-layer methods this machine's tuner picks, as section 4's steps ran).
 
 Each check row ends in ok or FAIL; the command exits 1 on any FAIL. ``--device cpu --quick``
 runs the same checks at tiny sizes (the default test suite does).
@@ -198,6 +201,7 @@ def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int 
         lambda: _section("4. Step time (wall clock)", [], lambda: _step_time_rows(dev, models, quick)),
         lambda: _section("5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)",
                          TRAINING_HEADER, lambda: training_rows(dev, data_root, quick)),
+        lambda: _section("6. Operators per step (host launches, B = 4)", [], lambda: _ops_rows(dev, models)),
     ]  # fmt: skip
     for line in lines:
         log(line)
@@ -222,6 +226,15 @@ def _step_time_rows(dev: torch.device, models: list[str], quick: bool) -> list[s
                          log=lambda _: None)  # fmt: skip
     table = markdown_table(rows, "dpscale bench gpu-suite (section 4)", str(dev)).splitlines()
     return table[2:]
+
+
+def _ops_rows(dev: torch.device, models: list[str]) -> list[str]:
+    """Section 6: the ``dpscale bench ops`` table (its own header) for section 4's models."""
+    from dpscale.bench.ops import OPS_MODELS, markdown_table, run_ops
+
+    counted = [m for m in models if m in OPS_MODELS] or models[:1]
+    rows = run_ops(counted, ["nonprivate", "dpscale-auto", *_opacus_rows()], device=str(dev), methods="tuned", log=lambda _: None)
+    return markdown_table(rows, "dpscale bench gpu-suite (section 6)", str(dev), "tuned").splitlines()[2:]
 
 
 def _opacus_rows() -> list[str]:

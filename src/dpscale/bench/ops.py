@@ -234,7 +234,10 @@ def markdown_table(rows: list[OpsRow], command: str, device: str, methods: str =
     """The rows as markdown, with the machine, torch and method lines of the step-time table's header;
     ``top`` > 0 adds each row's most launched operators, ``by_function`` > 0 its top sources."""
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
-    chosen = "the shape rule" if methods == "shape-rule" else f"this machine's tuner (cache {autotune_cache_path()})"
+    if methods == "shape-rule" or os.environ.get(TUNE_OFF_ENV) == "0":
+        chosen = "the shape rule" + ("" if methods == "shape-rule" else f" (${TUNE_OFF_ENV}=0)")
+    else:
+        chosen = f"this machine's tuner (cache {autotune_cache_path()})"
     lines = [
         "# Operators per step",
         "",
