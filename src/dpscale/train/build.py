@@ -20,6 +20,7 @@ from dpscale.features.pipeline import extract_run_features, fit_normalizer, norm
 from dpscale.models import build_model, freeze_block_groups
 from dpscale.models.peft import apply_peft
 from dpscale.models.init import init_from, meanvar_init, read_weights
+from dpscale.privacy.compiled import COMPILED_NOTE, compiled_choice, compiled_engine_name
 from dpscale.privacy.per_example import (
     PerExampleEngine, check_per_example_compatible, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
@@ -32,7 +33,7 @@ from dpscale.train.ema import WeightEMA, decay_not_reached_note
 from dpscale.train.hooks import RunHooks
 from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, privacy_units, source_runs
 from dpscale.train.seeds import run_seeds
-from dpscale.train.mechanism import DPMechanism, independence_check
+from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
 from dpscale.train.optim import build_optimizer, build_scheduler
 from dpscale.train.step import AugmentViews
 from dpscale.train.chunk_size import AUTO, run_chunk
@@ -279,6 +280,10 @@ def _with_mechanism(
     tuner = getattr(engine, "tuner", None)
     if dist.enabled and tuner is not None:  # ranks timing apart could choose apart
         tuner.enabled = False  # (a resume pins rank 0's choices): the shape rule on every rank
+    first_chunk_check: FirstChunkCheck | None = independence_check if config.train.self_check and plan.is_private else None
+    if config.train.compile:  # the eager engine built and checked above, compiled (its checks run eagerly)
+        engine, first_chunk_check = compiled_choice(engine, first_chunk_check)
+        log(COMPILED_NOTE)
     if hooks.engine is not None:
         engine = hooks.engine(engine, model)
     optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])
@@ -292,7 +297,7 @@ def _with_mechanism(
         partition_seed=seeds["partition"],  # one partition for every rank (BandMF's b groups)
         rank=dist.rank, world_size=dist.world_size,
         # in train mode, on the first real training chunk (the set-up check saw a few examples)
-        first_chunk_check=independence_check if config.train.self_check and plan.is_private else None,
+        first_chunk_check=first_chunk_check,
         users=run_users(plan, data), views=config.augment.multiplicity,
     )  # fmt: skip
     mechanism.observer = hooks.observe_gradient
@@ -330,10 +335,11 @@ def _checked_engine(
         chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])
         chunk = (augment_views(chunk[0]), chunk[1]) if augment_views else chunk
         views, loss_fn = augment.multiplicity, per_example_cross_entropy
+    name = _engine_name(config, precision, model)
     try:
         with precision.matmul_flags():  # as the steps will run (full float32 unless tf32)
             engine, notices, result = checked_engine(
-                train.engine, plan.max_grad_norm, model, chunk, views=views, loss_fn=loss_fn,
+                name, plan.max_grad_norm, model, chunk, views=views, loss_fn=loss_fn,
                 # a non-private run claims no guarantee for the check to protect (and its unclipped,
                 # cancelling gradient sums are where float32 reorderings look largest)
                 check=train.self_check and plan.is_private, precision=precision, clip_gamma=plan.clip_gamma,
@@ -346,3 +352,13 @@ def _checked_engine(
     for note in notices + [check.describe() + unit for check in checks if check is not None] + memory:
         log(note)
     return engine, result
+
+
+def _engine_name(config: Config, precision: Precision, model: nn.Module) -> str:
+    """train.engine, or with train.compile the engine it compiles (vmap), refused in one line where it does not apply."""
+    if not config.train.compile:
+        return config.train.engine
+    try:
+        return compiled_engine_name(config.train.engine, precision, model)
+    except ValueError as err:
+        raise ConfigError(f"train.compile=true: {err}") from err
