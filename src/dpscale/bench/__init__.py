@@ -57,6 +57,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="also time a user-level twin (-userK) of each dpscale engine row: the same B images as B/K "
         "users of K images, each user's summed gradient clipped as one (data.privacy_unit=user)",
     )
+    step.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time a compiled twin (-compiled) of each dpscale engine row: make_private(compile=True), the vmap "
+        "engine's clipped step as one torch.compile graph, compiled before the warm-up (engines it refuses are skipped)",
+    )
     step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
     step.set_defaults(func=_run_step_time)

@@ -14,6 +14,10 @@ CUDA ``torch.cuda.max_memory_allocated`` over the same baseline.
 
 ``--precision bf16|fp16|tf32`` runs every row's forward/backward in that precision (the
 non-private and Opacus rows under the same autocast; fp16 with the same fixed loss scale).
+
+``--compile`` adds a "-compiled" twin after each dpscale row: ``make_private(compile=True)``, the
+vmap engine's clipped step as one ``torch.compile`` graph (``dpscale.privacy.compiled``), compiled
+in the step's first run (before the warm-up, never timed); the engines it refuses are skipped.
 """
 
 from __future__ import annotations
@@ -115,14 +119,15 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
 
 def _dpscale_step(
     name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32,
-    bands: int = 1, peft: str = "none", lora_rank: int = 8, user_rows: int = 0,
+    bands: int = 1, peft: str = "none", lora_rank: int = 8, user_rows: int = 0, compile: bool = False,
 ) -> TimedStep:  # fmt: skip
     """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
     noise from the 128-bit host generator and the accounting included), on the whole batch;
     with ``bands`` > 1, BandMF's correlated noise (its recursion over the last b-1 noise vectors);
     with ``peft``, only that method's parameters train (``dpscale.models.peft``); with
     ``user_rows`` = k > 0, the same B images as B / k users of k images each, clipped per user
-    (privacy unit user: the chunk cut and padded by ``user_rows`` inside the timed step)."""
+    (privacy unit user: the chunk cut and padded by ``user_rows`` inside the timed step); with
+    ``compile``, the compiled step (``make_private(compile=True)``)."""
     from dpscale.privacy.per_example import user_rows as padded_user_rows
     from dpscale.train.private import make_private
 
@@ -138,6 +143,7 @@ def _dpscale_step(
         engine=engine_name, augment_multiplicity=views, precision=precision.name, seed=0,
         noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands,
         user_ids=torch.arange(100 * batch) // user_rows if user_rows else None, max_examples_per_user=user_rows or None,
+        compile=compile,
     )  # fmt: skip
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)
@@ -168,12 +174,19 @@ def user_rows_of(engine: str) -> tuple[str, int]:
     return engine, 0
 
 
+def compiled_of(engine: str) -> tuple[str, bool]:
+    """ "dpscale-auto-compiled" -> ("dpscale-auto", True): a "-compiled" suffix (``--compile``) asks
+    for the compiled step; it is the last suffix of a name."""
+    head, _, last = engine.rpartition("-")
+    return (head, True) if head and last == "compiled" else (engine, False)
+
+
 def _parse_engine(engine: str) -> tuple[str, str, int, int]:
     """ "dpscale-auto-k4-bandmf8" -> ("dpscale", "auto", 4, 8): a "-kK" suffix asks for K augmented
     views, a "-bandmfB" suffix for BandMF's correlated noise with B bands (1: DP-SGD); a PEFT
-    suffix (``peft_of``) and a "-userK" suffix (``user_rows_of``) are read apart."""
+    suffix (``peft_of``), a "-userK" suffix (``user_rows_of``) and "-compiled" (``compiled_of``) are read apart."""
     views, bands = 1, 1
-    engine = peft_of(user_rows_of(engine)[0])[0]
+    engine = peft_of(user_rows_of(compiled_of(engine)[0])[0])[0]
     head, _, last = engine.rpartition("-")
     if head and last.startswith("bandmf") and last[6:].isdigit():
         engine, bands = head, int(last[6:])
@@ -307,8 +320,9 @@ def run_step_time(
                 if kind == "nonprivate" and bands == 1:
                     steps[engine] = _nonprivate_step(name, x, y, views, prec)
                 elif kind == "dpscale":
-                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(user_rows_of(engine)[0])[1],
-                                                  lora_rank, user_rows_of(engine)[1])  # fmt: skip
+                    base, compiled = compiled_of(engine)
+                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(user_rows_of(base)[0])[1],
+                                                  lora_rank, user_rows_of(base)[1], compiled)  # fmt: skip
                 elif kind == "opacus" and views == 1 and bands == 1:
                     steps[engine] = _opacus_step(name, mode, x, y, prec)
                 else:
@@ -454,6 +468,8 @@ def main(args) -> int:
         engines = with_twin_rows(engines, args.peft)
     if args.user_rows:
         engines = with_twin_rows(engines, f"user{args.user_rows}")
+    if getattr(args, "compile", False):  # last: "-compiled" ends a name (compiled_of)
+        engines = with_twin_rows(engines, "compiled")
     _set_threads(args)
     load_before = _load_average()
     rows = run_step_time(
