@@ -71,6 +71,7 @@ from dpscale.privacy.per_example import (
     clip_units,
     mean_over_views,
     per_example_cross_entropy,
+    real_rows,
     refuse_units,
 )
 from dpscale.privacy.precision import FP32, Precision, at_least_fp32, exact_float32, needs_zeroing, zero_rows
@@ -161,7 +162,8 @@ class GhostEngine(ClippedSumMixin):
         if x.shape[0] == 0:
             return self.empty_result(params, x)
         grad_sum, norms, losses, _ = self.clip_with_layer_norms(model, params, batch)
-        return grad_sum, norms, losses
+        rows = real_rows(batch)  # padding rows: zero loss weight, so zero gradient, norm and sum
+        return (grad_sum, norms, losses) if rows is None else (grad_sum, norms[:rows], losses[:rows])
 
     def clip_with_layer_norms(
         self, model: nn.Module, params: Params, batch: Batch
@@ -184,7 +186,9 @@ class GhostEngine(ClippedSumMixin):
         # the list of outputs is not kept, so that each output can be freed once its layer is done.
         checked_params = _true_gradients(model, params) if check and losses.requires_grad else {}
         targets = [_taken(r)[1] for r in records] + list(checked_params.values())
-        grads: list[torch.Tensor | None] = list(torch.autograd.grad(losses.sum() * scale, targets, allow_unused=True)) if targets else []
+        rows = real_rows(batch)
+        loss = (losses if rows is None else losses[:rows]).sum() * scale  # padding rows weigh exactly 0
+        grads: list[torch.Tensor | None] = list(torch.autograd.grad(loss, targets, allow_unused=True)) if targets else []
         out_grads = grads[: len(records)]
         true = {n: None if t is None else _unscaled(t, scale) for n, t in zip(checked_params, grads[len(records) :])}
         del targets, grads

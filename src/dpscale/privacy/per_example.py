@@ -43,6 +43,43 @@ from dpscale.privacy.precision import (
 Batch = tuple[torch.Tensor, torch.Tensor]
 # A chunk whose privacy unit is a user (issue 43): (x, y, offsets), unit j = rows offsets[j]:offsets[j + 1].
 UnitChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class PaddedChunk(tuple):
+    """A chunk (x, y) of a fixed number of rows whose rows from ``rows`` on are padding (zeros):
+    every engine gives them exactly zero loss weight, gradient, norm and count, and returns the
+    norms and losses of the first ``rows`` rows only (``pad_chunk``)."""
+
+    rows: int
+
+    def __new__(cls, x: torch.Tensor, y: torch.Tensor, rows: int) -> "PaddedChunk":
+        chunk = super().__new__(cls, (x, y))
+        chunk.rows = rows
+        return chunk
+
+
+def pad_chunk(batch: Batch, size: int) -> Batch:
+    """``batch`` with zero rows appended up to ``size`` rows (a ``PaddedChunk``), so that every
+    chunk of a step has one shape (a compiled step, CUDA graphs); a chunk of ``size`` rows or more
+    as it is.
+
+    Args:
+        batch: (x, y), rows first (y may hold a target per row of a unit, (B, k)).
+        size: the rows every chunk is padded to.
+    """
+    x, y = batch
+    missing = size - x.shape[0]
+    if missing <= 0:
+        return batch
+    return PaddedChunk(torch.cat([x, x.new_zeros(missing, *x.shape[1:])]), torch.cat([y, y.new_zeros(missing, *y.shape[1:])]),
+                       x.shape[0])  # fmt: skip
+
+
+def real_rows(batch: Batch) -> int | None:
+    """The rows of ``batch`` that hold examples when it is a ``PaddedChunk`` (None: every row)."""
+    return batch.rows if isinstance(batch, PaddedChunk) else None
+
+
 # Per-example loss: (logits (B, ...), targets (B, ...)) -> losses (B,).
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -433,7 +470,8 @@ class VmapEngine(ClippedSumMixin):
 
     def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
         refuse_units(batch, self.name)
-        x, y = batch
+        rows = real_rows(batch)
+        x, y = batch if rows is None else (batch[0][:rows], batch[1][:rows])  # vmap: each row apart, padding dropped
         if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train
             return self.empty_result(params, x)
         slots, constants = _functional_slots(model, params)

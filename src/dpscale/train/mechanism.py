@@ -45,7 +45,7 @@ from dpscale.train.guards import (
     model_digest,
     refuse_steps_outside_the_mechanism,
 )
-from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean
+from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean, padded_chunks
 from dpscale.train.units import (
     DrawnChunks, check_chunk_fits, check_gathered, rows_per_user, user_step_chunks_of, users_per_chunk,
 )  # fmt: skip
@@ -75,7 +75,7 @@ class DPMechanism:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, engine: PerExampleEngine, *,
         sampler_seed: int, noise_seed: int, scheduler: Any = None, max_physical_batch_size: int | None = None,
         rank: int = 0, world_size: int = 1, first_chunk_check: FirstChunkCheck | None = None,
-        partition_seed: int | None = None, users: UserIndex | None = None, views: int = 1,
+        partition_seed: int | None = None, users: UserIndex | None = None, views: int = 1, pad_rows: int | None = None,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         refuse_steps_outside_the_mechanism(optimizer)
@@ -96,7 +96,7 @@ class DPMechanism:
         self.accountant = PrivacyAccountant(plan.run_accountant)
         for release in plan.releases:  # one-off releases made before the first step
             self.accountant.record(release)
-        self.max_physical_batch_size = max_physical_batch_size
+        self.max_physical_batch_size, self.pad_rows = max_physical_batch_size, pad_rows  # pad_rows: step.pad_rows_for
         # run, in train mode and before anything is released, on the first chunk of >= MIN_EXAMPLES
         # and again on every first chunk larger than any checked before
         self.first_chunk_check = first_chunk_check
@@ -244,7 +244,7 @@ class DPMechanism:
         check_optimizer_covers_trainable(self.model, self.optimizer, self.plan.max_grad_norm)
         history = self.correlated_noise.snapshot() if self.correlated_noise is not None else None
         with self.engine.precision.matmul_flags():  # the check and the step in the plan's precision
-            chunks = self._run_first_chunk_check(chunks)
+            chunks = padded_chunks(self._run_first_chunk_check(chunks), self.pad_rows)  # checked as drawn, then padded
             adaptive = self.plan.adaptive
             engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
             # adaptive clipping's C is a number (make_dp_plan refuses per-layer bounds with it)

@@ -35,6 +35,7 @@ from dpscale.privacy.self_check import checked_engine
 from dpscale.train.chunk_size import batch_chunk
 from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
+from dpscale.train.step import fixed_rows
 
 
 def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
@@ -113,6 +114,7 @@ def make_private(
     sampling: str = "poisson",
     max_batch_size: int | str | None = None,
     compile: bool = False,
+    fixed_shapes: bool | None = None,
 ) -> DPMechanism:
     """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson,
     capped Poisson, fixed-size or shuffled batches, or BandMF's correlated noise with cyclic Poisson
@@ -191,6 +193,10 @@ def make_private(
             ``torch.compile`` (the vmap engine's arithmetic, built and checked eagerly first; noise
             and accounting outside): engine auto or vmap, precision fp32; each new chunk shape
             compiles again, so give chunks one size (docs/engines.md, "The compiled step").
+        fixed_shapes: pad every chunk with zero rows, which weigh exactly nothing, to one size
+            (``step.pad_rows_for``: the chunk size, or the cap or fixed batch size when smaller),
+            so that every step has one shape; None: with ``compile`` where the sampling has a
+            largest batch. The release and the epsilon are those of the unpadded run.
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
@@ -234,7 +240,7 @@ def make_private(
         chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
                        max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
-                       views=augment_multiplicity)  # fmt: skip
+                       views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, fixed_shapes, compile))  # fmt: skip
 
 
 def _seed_streams(seed: int | None) -> dict[str, int]:

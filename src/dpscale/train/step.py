@@ -19,7 +19,8 @@ from torch import nn
 
 from dpscale.privacy.noise import add_scaled_noise_, draw_noise
 from dpscale.privacy.clipping import clip_sensitivity
-from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, trainable_params
+from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, pad_chunk, trainable_params
+from dpscale.privacy.plan import DPPlan
 from dpscale.rng import DPRandom
 
 
@@ -95,6 +96,47 @@ def physical_chunks(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max
     examples are materialised at once however large the logical batch (64k+) is."""
     for chunk in indices.split(max_physical_batch_size):
         yield x[chunk], y[chunk]
+
+
+def padded_chunks(chunks: Iterable[Batch], rows: int | None) -> Iterable[Batch]:
+    """Each chunk padded with zero rows to ``rows`` (``pad_chunk``: the padding weighs exactly
+    nothing), so that every chunk of every step has one shape; ``chunks`` as they are for None."""
+    return chunks if rows is None else (pad_chunk(chunk, rows) for chunk in chunks)
+
+
+def pad_rows_for(plan: DPPlan, max_physical_batch_size: int | None) -> int:
+    """The rows every chunk is padded to for fixed shapes: the chunk size, or a logical batch's
+    largest size when smaller (the cap of truncated Poisson, a fixed-size batch).
+
+    Raises:
+        ValueError: uncapped Poisson without a chunk size (its batches have no largest size), or
+            the user unit (its chunks hold whole users; not padded yet), in one line.
+    """
+    if plan.user_level:
+        raise ValueError("fixed_shapes pads chunks of examples; at privacy_unit='user' chunks hold whole users: not yet")
+    bounds = [n for n in (max_physical_batch_size, plan.max_batch_size) if n is not None]
+    if plan.sampling in ("fixed", "shuffle"):
+        bounds.append(round(plan.batch_size))
+    if not bounds:
+        raise ValueError(
+            "fixed_shapes pads every chunk to one size, and uncapped Poisson batches have no largest size: give "
+            "max_physical_batch_size (the chunk) or max_batch_size (the cap of truncated Poisson)"
+        )
+    return int(min(bounds))
+
+
+def fixed_rows(plan: DPPlan, max_physical_batch_size: int | None, fixed_shapes: bool | None, compiled: bool) -> int | None:
+    """The rows chunks are padded to (``pad_rows_for``), or None when they are not: ``fixed_shapes``
+    True pads (or refuses why it cannot), False does not, None pads a compiled step's chunks where
+    the sampling has a largest batch."""
+    if fixed_shapes is False or (fixed_shapes is None and not compiled):
+        return None
+    try:
+        return pad_rows_for(plan, max_physical_batch_size)
+    except ValueError:
+        if fixed_shapes:
+            raise
+        return None
 
 
 def augmented_chunks(

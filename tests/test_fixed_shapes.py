@@ -1,0 +1,101 @@
+"""Fixed shapes (issue 63, point 3): every chunk padded with zero rows to one size, which weigh
+exactly nothing (loss, gradient, norm, count), through ``make_private(fixed_shapes=True)``.
+
+The reference is the same seeded run unpadded, in float64: the same releases (to float64's
+reordering of the sums), the same counts and the same epsilon.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dpscale
+from dpscale.privacy.engines import make_engine
+from dpscale.privacy.per_example import PaddedChunk, pad_chunk, trainable_params
+from dpscale.train import step as step_module
+from dpscale.train.step import pad_rows_for
+
+N, CAP = 120, 7
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)).double()
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (N,), generator=g)
+
+
+def _run(engine: str, fixed_shapes: bool, steps: int = 6, **options) -> tuple[list[dict], list[int], float, list[int]]:
+    """(released gradients, examples counted, epsilon, rows of every chunk the engine saw)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mechanism = dpscale.make_private(
+        model, optimizer, dataset_size=N, batch_size=6, max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5,
+        steps=steps, engine=engine, seed=3, fixed_shapes=fixed_shapes, **options,
+    )  # fmt: skip
+    released, counts, seen = [], [], []
+    mechanism.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+    add_chunk = step_module._add_chunk
+
+    def watched(engine, model, params, chunk, *rest):  # the rows of every chunk an engine is given
+        seen.append(chunk[0].shape[0])
+        return add_chunk(engine, model, params, chunk, *rest)
+
+    x, y = _data()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_module, "_add_chunk", watched)
+        for indices in mechanism.batches():
+            counts.append(mechanism.step(x[indices], y[indices]).examples)
+    return released, counts, mechanism.epsilon(), seen
+
+
+@pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
+def test_a_capped_run_padded_to_the_cap_releases_what_the_unpadded_run_does(engine):
+    plain, plain_counts, plain_eps, plain_seen = _run(engine, False, max_batch_size=CAP)
+    padded, padded_counts, padded_eps, padded_seen = _run(engine, True, max_batch_size=CAP)
+    assert set(padded_seen) == {CAP} and len(set(plain_seen)) > 1  # padded: one shape; unpadded: several
+    assert padded_counts == plain_counts and max(plain_counts) <= CAP
+    assert padded_eps == plain_eps
+    for want, got in zip(plain, padded, strict=True):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-15)
+
+
+def test_padding_rows_weigh_nothing_with_automatic_clipping_too():
+    """C / (0 + gamma) is large: a padding row must still add exactly zero, its norm uncounted."""
+    model = _model()
+    x, y = _data()
+    engine, _ = make_engine("bk", 0.5, model, clip_gamma=0.01)
+    params = trainable_params(model)
+    want, want_norms, want_losses = engine.clipped_sum_and_losses(model, params, (x[:5], y[:5]))
+    padded = pad_chunk((x[:5], y[:5]), 9)
+    assert isinstance(padded, PaddedChunk) and padded[0].shape[0] == 9 and padded.rows == 5
+    got, norms, losses = engine.clipped_sum_and_losses(model, params, padded)
+    assert norms.shape == (5,) and losses.shape == (5,)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-12, atol=0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-15)
+
+
+def test_a_chunk_as_large_as_the_size_is_not_padded():
+    x, y = _data()
+    assert not isinstance(pad_chunk((x[:4], y[:4]), 4), PaddedChunk)
+
+
+def test_fixed_shapes_refuse_uncapped_poisson_without_a_chunk_size_in_one_line():
+    with pytest.raises(ValueError, match="uncapped Poisson batches have no largest size") as err:
+        _run("bk", True, steps=1)
+    assert "\n" not in str(err.value)
+
+
+def test_the_padded_size_is_the_smallest_bound():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = dpscale.make_private(model, optimizer, dataset_size=N, batch_size=10, max_grad_norm=0.5, noise_multiplier=1.0,
+                                delta=1e-5, steps=2, max_batch_size=CAP).plan  # fmt: skip
+    assert pad_rows_for(plan, None) == CAP and pad_rows_for(plan, 5) == 5 and pad_rows_for(plan, 64) == CAP
