@@ -83,6 +83,19 @@ def test_a_peak_above_the_fitted_line_backs_off_to_a_size_that_fits():
     assert units >= 0.75 * _largest(peak, 500 * MB, 10_000)
 
 
+def test_memory_growing_slower_than_the_probes_line_is_used():
+    """Methods that change with the size (papernot-cnn: the probes' line promised 22 MB at 240 examples under
+    a 30 MB budget, which 603 examples peak at 54 MB): a checked size with room to spare is grown once more."""
+
+    def peak(n: int) -> float:
+        return 10 * MB + 2 * MB * n if n <= 16 else 42 * MB + MB * (n - 16)
+
+    checked: list[int] = []
+    units, measured = choose_units(peak, lambda n: checked.append(n) or peak(n), 300 * MB, max_units=10_000)
+    assert measured == peak(units) <= 300 * MB and checked[0] < units and units % 8 == 0
+    assert units >= 0.9 * _largest(peak, 300 * MB, 10_000)
+
+
 def test_out_of_memory_at_the_checked_size_halves_it():
     def check(n: int) -> float | None:
         return None if n > 100 else 10 * MB + MB * n  # a CUDA OOM above 100
@@ -130,7 +143,7 @@ def test_a_cached_choice_is_not_measured_again_and_the_probe_leaves_the_rng_alon
     rng = torch.get_rng_state()
     first = auto_chunk(engine, model, unit, **options)
     assert torch.equal(torch.get_rng_state(), rng)  # the run's streams untouched
-    assert first.source == "measured" and probes and first.peak_bytes <= 1.0 * MB and 8 <= first.units < 4096
+    assert first.source.startswith("measured in ") and probes and first.peak_bytes <= 1.0 * MB and 8 <= first.units < 4096
     probes.clear()
     second = auto_chunk(engine, model, unit, **options)
     assert second.source == "cached" and not probes and second.units == first.units
@@ -139,7 +152,7 @@ def test_a_cached_choice_is_not_measured_again_and_the_probe_leaves_the_rng_alon
     (entry,) = table.values()
     entry["peak_bytes"] = 2 * MB
     (tmp_path / CACHE_NAME).write_text(json.dumps(table))
-    assert auto_chunk(engine, model, unit, **options).source == "measured" and probes
+    assert auto_chunk(engine, model, unit, **options).source.startswith("measured") and probes
 
 
 def test_config_takes_auto_and_refuses_other_words_in_one_line(tmp_path):

@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -73,7 +74,7 @@ class ChunkChoice:
             takes (AugMult views, a user's k examples): the number ``max_physical_batch_size`` counts.
         peak_bytes: the measured peak of a chunk of ``units`` (plus the step's parameter copies).
         budget_bytes: the memory it had to fit; budget_source: where that budget came from.
-        source: "measured" or "cached"; capped: ``units`` is the largest logical batch (not the budget's).
+        source: "measured in S s" or "cached"; capped: ``units`` is the largest logical batch (not the budget's).
     """
 
     units: int
@@ -94,7 +95,7 @@ class ChunkChoice:
 
 
 def _gb(size: float) -> str:
-    if size >= 1e8:
+    if size >= 1e9:
         return f"{size / 1e9:.2f} GB"
     return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
 
@@ -190,35 +191,48 @@ def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, 
     fixed, per_unit = _fit(points)
     if fixed + per_unit > budget:
         raise _too_small(fixed, per_unit, budget)
-    units = min(max_units, int((budget - fixed) // per_unit))
-    units = units if units == max_units else _rounded(units)
-    peak = check(units)
-    if peak is not None and peak + extra <= budget:  # the line held (the usual case): one checking run
-        return units, peak + extra
     fits = [p for p in points if p[1] <= budget]
     if not fits:
         raise ConfigError(f"max_physical_batch_size=auto: a chunk of {points[0][0]} examples peaked at {_gb(points[0][1])}, "
                           f"above the memory budget of {_gb(budget)}")  # fmt: skip
-    return _search(check, budget, extra, fits[-1], (units, None if peak is None else peak + extra))
-
-
-def _search(check: Measure, budget: float, extra: float, low: tuple[int, float], high: tuple[int, float | None]) -> tuple[int, float]:
-    """Between ``low`` (a size that fits, and its peak) and ``high`` (one that did not; its peak, or
-    None for out of memory), ``CHECK_TRIES`` - 1 more checking runs: each at the larger of the
-    midpoint and where the line through both ends meets the budget (near ``high`` when it missed by
-    little), in multiples of 8. Returns the largest size seen to fit and its peak."""
-    for _ in range(CHECK_TRIES - 1):
-        (n_low, p_low), (n_high, p_high) = low, high
-        guess = n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
-        units = _rounded(max(int(guess), (n_low + n_high) // 2))
-        if not n_low < units < n_high:
-            break
+    low, high = fits[-1], None
+    units: int | None = _within(int((budget - fixed) // per_unit), max_units)
+    for _ in range(CHECK_TRIES):
+        assert units is not None
         peak = check(units)
         if peak is not None and peak + extra <= budget:
             low = (units, peak + extra)
         else:
             high = (units, None if peak is None else peak + extra)
+        units = _next_size(points[0], low, high, budget, max_units)
+        if units is None:
+            break
     return low
+
+
+def _within(units: int, max_units: int) -> int:
+    return max_units if units >= max_units else _rounded(units)
+
+
+def _next_size(first: tuple[int, float], low: tuple[int, float], high: tuple[int, float | None] | None, budget: float,
+               max_units: int) -> int | None:  # fmt: skip
+    """The next size to check, or None when done. Nothing known too large yet: where the line through
+    the first probe and ``low`` (the largest size seen to fit, and its peak) meets the budget, if that
+    is over a tenth larger (memory that grows slower than the probes' line). Else between ``low`` and
+    ``high`` (the smallest size that did not fit; its peak, None for out of memory): the larger of
+    the midpoint and where the line through both meets the budget (near ``high`` when it missed by
+    little). Sizes in multiples of 8, or the largest logical batch."""
+    (n_low, p_low) = low
+    if high is None:
+        if n_low >= max_units or n_low == first[0]:
+            return None
+        fixed, per_unit = _fit([first, low])
+        units = _within(int((budget - fixed) // per_unit), max_units)
+        return units if units > 1.1 * n_low else None
+    n_high, p_high = high
+    guess = n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
+    units = _rounded(max(int(guess), (n_low + n_high) // 2))
+    return units if n_low < units < n_high else None
 
 
 def synthetic_unit(input_shape: tuple[int, ...], rows: int, per_row_targets: bool, dtype: torch.dtype,
@@ -344,7 +358,7 @@ def auto_chunk(
         with _tuner(engine, False):
             return measure(units)
 
-    forked = [device] if device.type == "cuda" else []
+    forked, started = [device] if device.type == "cuda" else [], time.perf_counter()
     with torch.random.fork_rng(devices=forked), engine.precision.matmul_flags():  # the run's streams untouched
         try:
             units, peak = choose_units(probe, measure, budget, max_units, extra)
@@ -352,7 +366,8 @@ def auto_chunk(
             raise ConfigError(f"{err} ({where})") from err
     if device.type == "cpu":
         trim_kept_memory()  # the probes' larger blocks back to the system
-    choice = ChunkChoice(units, units * rows_per_unit, peak, budget, where, "measured", units >= max_units)
+    measured = f"measured in {time.perf_counter() - started:.1f} s"
+    choice = ChunkChoice(units, units * rows_per_unit, peak, budget, where, measured, units >= max_units)
     _store(path, key, choice)
     return choice
 
