@@ -49,6 +49,7 @@ def validate(config: Config) -> None:
     # was (hence train.ema_decay after the model).
     _validate_dp(config.dp)
     _validate_train(config.train)
+    _validate_compile(config.train)
     _validate_run(config.run)
     _validate_optim(config.optim)
     _validate_features(config.features, is_private_config(config.dp))
@@ -175,6 +176,19 @@ def _validate_train(train: TrainConfig) -> None:
         raise ConfigError(f"train.checkpoint_every_minutes must be > 0 or null, got {train.checkpoint_every_minutes}")
     if train.checkpoint_every_steps is not None and train.checkpoint_every_steps < 1:
         raise ConfigError(f"train.checkpoint_every_steps must be >= 1 or null, got {train.checkpoint_every_steps}")
+
+
+def _validate_compile(train: TrainConfig) -> None:
+    """train.compile with an engine and precision it takes (the model's own refusals come when the run is built)."""
+    if not train.compile:
+        return
+    from dpscale.privacy.compiled import check_compilable  # local: keep config import-light
+    from dpscale.privacy.precision import make_precision
+
+    try:
+        check_compilable(train.engine, make_precision(train.precision))
+    except ValueError as err:
+        raise ConfigError(f"train.compile=true: {err}") from err
 
 
 def _validate_ema(train: TrainConfig) -> None:
