@@ -45,6 +45,7 @@ from dpscale.bench.step_time import (
     _nonprivate_step,
     _opacus_step,
     _parse_engine,
+    compiled_of,
     peft_of,
     user_rows_of,
 )
@@ -151,7 +152,8 @@ def step_operators(timed: TimedStep, warmup: int = OPS_WARMUP, with_stack: bool 
 
 def build_step(name: str, engine: str, x: torch.Tensor, y: torch.Tensor) -> TimedStep:
     """``engine``'s step on ``model``, built by the step-time bench's own builders (same names:
-    nonprivate, dpscale-ENGINE, opacus-MODE, and their -kK, -bandmfB, PEFT and -userK suffixes).
+    nonprivate, dpscale-ENGINE, opacus-MODE, and their -kK, -bandmfB, PEFT, -userK and -compiled
+    suffixes; a compiled step compiles in ``step_operators``' warm-up).
 
     Raises:
         ImportError: an opacus row without Opacus installed.
@@ -161,8 +163,9 @@ def build_step(name: str, engine: str, x: torch.Tensor, y: torch.Tensor) -> Time
     if kind == "nonprivate" and bands == 1:
         return _nonprivate_step(name, x, y, views)
     if kind == "dpscale":
-        user_rows = user_rows_of(engine)[1]
-        return _dpscale_step(name, mode, x, y, views, bands=bands, peft=peft_of(user_rows_of(engine)[0])[1], user_rows=user_rows)
+        base, compiled = compiled_of(engine)
+        peft, user_rows = peft_of(user_rows_of(base)[0])[1], user_rows_of(base)[1]
+        return _dpscale_step(name, mode, x, y, views, bands=bands, peft=peft, user_rows=user_rows, compile=compiled)
     if kind == "opacus" and views == 1 and bands == 1:
         return _opacus_step(name, mode, x, y)
     raise ValueError(f"unknown engine {engine!r}; e.g. {', '.join(OPS_ENGINES)}")
