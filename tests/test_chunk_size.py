@@ -105,6 +105,12 @@ def test_out_of_memory_at_the_checked_size_halves_it():
     assert checked[0] == 384 and measured == check(units) and units in checked and units % 8 == 0 and 64 <= units <= 96
 
 
+def test_a_budget_between_one_and_two_examples_gives_chunks_of_one():
+    assert choose_units(_linear(50 * MB, 10 * MB), _linear(50 * MB, 10 * MB), 65 * MB, max_units=256) == (1, 60 * MB)
+    with pytest.raises(ConfigError, match="one example peaked at 60.0 MB, above the memory budget of 59.0 MB"):
+        choose_units(_linear(50 * MB, 5 * MB), _linear(50 * MB, 10 * MB), 59 * MB, max_units=256)  # the tuned methods need more
+
+
 def test_a_budget_smaller_than_one_example_is_refused_saying_what_one_needs():
     with pytest.raises(ConfigError) as err:
         choose_units(_linear(50 * MB, 10 * MB), _linear(50 * MB, 10 * MB), 40 * MB, max_units=256)

@@ -1,24 +1,21 @@
 """``train.max_physical_batch_size: auto``: the largest physical chunk whose step fits the memory given.
 
-A chunk's peak memory is, to a good approximation, a fixed part (workspaces, the model's float64
-blocks, the clipped sum) plus a part per example (activations, output gradients, per-example
-gradients or Grams). ``choose_units`` measures the engine's clipped sum at two small probe sizes
-(``PROBE_UNITS``), fits the line through them, takes the largest size (up to the largest logical
-batch; a multiple of 8 below it) whose predicted peak fits the budget, then runs that size once to
-check it. Where that size does not fit (memory that grows faster than the line, a CUDA
-out-of-memory error), a few more checking runs search between the largest size seen to fit and
-it. The peak is ``dpscale.privacy.autotune.peak_bytes``'s: the CUDA allocator's peak, or on a CPU
-the tensor memory the torch profiler records, above what was allocated before.
+A chunk's peak memory is about a fixed part (workspaces, the clipped sum) plus a part per example
+(activations, per-example gradients or Grams). ``choose_units`` measures the engine's clipped sum at
+two small sizes (``PROBE_UNITS``), takes the largest size (up to the largest logical batch; a
+multiple of 8 below it) the line through them fits in the budget, and runs it once to check it
+(``_next_size``: a size that does not fit, or runs out of CUDA memory, is searched for below it; one
+with room to spare grown). The peak is ``dpscale.privacy.autotune.peak_bytes``'s: the CUDA
+allocator's, or the CPU tensor memory the torch profiler records, above what was allocated before.
 
 The budget (``memory_budget``): ``train.memory_budget_mb`` when set; else ``CUDA_FREE_FRACTION`` of
 the GPU's free memory, or ``CPU_BUDGET_FRACTION`` of the RAM the kernel reports available.
 
-The probe reads no training example: its inputs are drawn from a fixed seed in the examples'
-shape and dtype, and it runs inside ``torch.random.fork_rng``, with the clip-method tuner off
-but for the checking run (which times at the size the run will use). The choice is cached in
-``cache_path("chunk_size.json")``, keyed by what changes it (``cache_key``), so the next run on
-this machine measures nothing; a cached choice whose peak exceeds today's budget is measured anew.
-Delete the file (or set ``$DPSCALE_CACHE_DIR``) to measure again.
+The probe reads no training example (inputs drawn from a fixed seed in their shape and dtype), runs
+inside ``torch.random.fork_rng``, and has the clip-method tuner off but in the checking runs (which
+time at the size the run will use). The choice is cached in ``cache_path("chunk_size.json")``, keyed
+by what changes it (``cache_key``); a cached peak over today's budget is measured anew. Delete the
+file to measure again.
 
 The chunk size changes how a step's clipped sum is added up (and so its last bits): a run records the
 number chosen in its config.yaml (``build_run``), so a resumed run uses that number and continues
@@ -31,6 +28,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -88,7 +86,7 @@ class ChunkChoice:
     def describe(self) -> str:
         """One line for a run's log."""
         per = self.rows // self.units
-        what = f"{self.rows} examples" if per == 1 else f"{self.rows} rows ({self.units} units of {per})"
+        what = f"{self.rows} example{'s' * (self.rows > 1)}" if per == 1 else f"{self.rows} rows ({self.units} units of {per})"
         bound = ", the largest logical batch" if self.capped else ""
         return (f"chunk size auto: {what}{bound} (peak {_gb(self.peak_bytes)} of a {_gb(self.budget_bytes)} budget, "
                 f"{self.budget_source}; {self.source})")  # fmt: skip
@@ -103,13 +101,10 @@ def _gb(size: float) -> str:
 def available_cpu_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo in bytes (None where there is none: not Linux, no /proc)."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
+        found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(encoding="ascii"), re.MULTILINE)
+    except (OSError, ValueError):
         return None
-    return None
+    return int(found.group(1)) * 1024 if found else None
 
 
 def memory_budget(device: torch.device, budget_mb: float | None, setting: str) -> tuple[float, str]:
@@ -142,10 +137,6 @@ def largest_batch_units(plan: DPPlan) -> int:
         return int(plan.max_batch_size)
     spread = POISSON_SPREAD * math.sqrt(plan.batch_size) if plan.sampling == "poisson" else 0.0
     return max(1, min(plan.dataset_size, math.ceil(plan.batch_size + spread)))
-
-
-def _rounded(units: int) -> int:
-    return units if units < ROUND_TO else units - units % ROUND_TO
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -192,9 +183,12 @@ def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, 
     if fixed + per_unit > budget:
         raise _too_small(fixed, per_unit, budget)
     fits = [p for p in points if p[1] <= budget]
-    if not fits:
-        raise ConfigError(f"max_physical_batch_size=auto: a chunk of {points[0][0]} examples peaked at {_gb(points[0][1])}, "
-                          f"above the memory budget of {_gb(budget)}")  # fmt: skip
+    if not fits:  # the line allows one example, the smallest probe did not fit: one example, measured
+        one = check(1)
+        if one is None or one + extra > budget:
+            needs = f"peaked at {_gb(one + extra)}" if one is not None else "ran out of memory"
+            raise ConfigError(f"max_physical_batch_size=auto: one example {needs}, above the memory budget of {_gb(budget)}")
+        fits = [(1, one + extra)]
     low, high = fits[-1], None
     units: int | None = _within(int((budget - fixed) // per_unit), max_units)
     for _ in range(CHECK_TRIES):
@@ -211,7 +205,10 @@ def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, 
 
 
 def _within(units: int, max_units: int) -> int:
-    return max_units if units >= max_units else _rounded(units)
+    """``units`` as a chunk size: the largest logical batch, or below it a multiple of 8 from 8 up."""
+    if units >= max_units:
+        return max_units
+    return units if units < ROUND_TO else units - units % ROUND_TO
 
 
 def _next_size(first: tuple[int, float], low: tuple[int, float], high: tuple[int, float | None] | None, budget: float,
@@ -231,7 +228,7 @@ def _next_size(first: tuple[int, float], low: tuple[int, float], high: tuple[int
         return units if units > 1.1 * n_low else None
     n_high, p_high = high
     guess = n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
-    units = _rounded(max(int(guess), (n_low + n_high) // 2))
+    units = _within(max(int(guess), (n_low + n_high) // 2), max_units)
     return units if n_low < units < n_high else None
 
 
@@ -273,14 +270,14 @@ def engine_peak(engine: PerExampleEngine, model: nn.Module, unit: Batch, device:
 @contextlib.contextmanager
 def _tuner(engine: PerExampleEngine, enabled: bool) -> Iterator[None]:
     """The engine's clip-method tuner (if it has one) on or off for the block, as it was after it."""
-    tuner = getattr(engine, "tuner", None)
+    tuner: Any = getattr(engine, "tuner", None)
     before = getattr(tuner, "enabled", None)
-    if tuner is not None and before is not None:
+    if before is not None:
         tuner.enabled = before and enabled
     try:
         yield
     finally:
-        if tuner is not None and before is not None:
+        if before is not None:
             tuner.enabled = before
 
 
