@@ -125,8 +125,34 @@ def _candidate(name: str, size: int, calls: list[str]) -> Candidate:
     return Candidate(name, float(size), 0.0, run)
 
 
+def _cache_as_written(monkeypatch) -> None:
+    """The disk cache written and read as it is: no timing judged under load (this shared machine's
+    may be, and then not written) and no cached choice checked against its timing, on its first
+    chunk or later (the small layers here time too noisily to); tests/test_autotune_cache.py
+    covers both with a fake clock."""
+    monkeypatch.setattr(autotune, "load_verdict", lambda samples, thread: autotune.IDLE)
+    monkeypatch.setattr(autotune.MethodTuner, "_cache_check", lambda self, choice, candidates, device, rows: "")
+    monkeypatch.setattr(autotune, "CHECK_OFF", float("inf"))
+
+
+def _methods(path) -> dict[str, str]:
+    """The cache file's methods: device -> {key: method}."""
+    return {d: {k: e["method"] for k, e in t.items()} for d, t in json.loads(path.read_text()).items()}
+
+
+def _cache_forcing(path, pick) -> None:
+    """Rewrite every entry's method to ``pick(key, method)`` (its prediction the timed one, or 1 ms)."""
+    table = json.loads(path.read_text())
+    for entries in table.values():
+        for key, entry in entries.items():
+            entry["method"] = pick(key, entry["method"])
+            entry["ms"].setdefault(entry["method"], 1.0)
+    path.write_text(json.dumps(table))
+
+
 def test_the_fastest_measured_candidate_is_kept_and_remembered_for_any_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    _cache_as_written(monkeypatch)
     calls: list[str] = []
     # the estimates say "slow" is cheaper: the measurement decides (and "slow" is still in contention)
     slow, fast = _candidate("slow", 400, calls), _candidate("fast", 60, calls)
@@ -142,8 +168,8 @@ def test_the_fastest_measured_candidate_is_kept_and_remembered_for_any_batch(tmp
     assert set(state["layers"]["layer.a"][2]) == {"slow", "fast"}
     assert "layer.a fast (timed" in tuner.describe() and tuner.unreported() and tuner.unreported() is None
     # the next run on this machine reads the disk cache
-    cached = json.loads((tmp_path / "autotune.json").read_text())
-    assert list(cached.values()) == [{"sig": "fast"}] and autotune.device_descriptor(cpu) in cached
+    cached = _methods(tmp_path / "autotune.json")
+    assert list(cached.values()) == [{"sig|rows=33-64": "fast"}] and autotune.device_descriptor(cpu) in cached
     later = MethodTuner(cache_file=tmp_path / "autotune.json")
     assert later.choose("layer.a", "sig", cpu, "slow", [slow, fast], rows=64) == "fast"
     assert len(calls) == timed and later.as_json()["layers"]["layer.a"][1] == "cache"
@@ -162,7 +188,11 @@ def test_of_candidates_within_the_timing_noise_the_one_with_the_lowest_measured_
     a slower candidate beyond it is not kept however lean."""
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
     timings = {"heavy": 5.96, "light": 6.27, "far": 9.0}
-    monkeypatch.setattr(autotune, "_time_candidates", lambda candidates, device: {c.name: timings[c.name] for c in candidates})
+    monkeypatch.setattr(
+        autotune,
+        "_time_candidates",
+        lambda candidates, device: autotune.Timing({c.name: timings[c.name] for c in candidates}, autotune.IDLE),
+    )
     calls: list[str] = []
     made = [_allocating("heavy", 2**21, calls), _allocating("light", 2**18, calls), _allocating("far", 2**10, calls)]
     cpu, path = torch.device("cpu"), tmp_path / "autotune.json"
@@ -170,7 +200,7 @@ def test_of_candidates_within_the_timing_noise_the_one_with_the_lowest_measured_
     assert tuner.choose("conv", "sig", cpu, "heavy", made, rows=256) == "light"
     assert tuner.as_json()["layers"]["conv"][1] == "timed, least memory (peak MB: heavy 16.0, light 2.0)"
     assert sorted(calls) == ["heavy", "light"]  # the one beyond the noise is not measured
-    assert json.loads(path.read_text())[autotune.device_descriptor(cpu)] == {"sig": "light"}
+    assert _methods(path)[autotune.device_descriptor(cpu)] == {"sig|rows=129-256": "light"}
     timings["light"] = 5.96 * (1 + autotune.TUNE_TIE) * 1.01  # just beyond the noise: the fastest, unmeasured
     calls.clear()
     fresh = MethodTuner(cache_file=None)
@@ -182,7 +212,11 @@ def test_peaks_within_peak_tie_of_the_lowest_count_as_equal_and_the_faster_is_ke
     """bmm and bmm-positions hold the same tensors: a few bytes more must not outweigh being faster."""
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
     timings = {"heavy": 5.96, "light": 6.27, "twin": 6.0}
-    monkeypatch.setattr(autotune, "_time_candidates", lambda candidates, device: {c.name: timings[c.name] for c in candidates})
+    monkeypatch.setattr(
+        autotune,
+        "_time_candidates",
+        lambda candidates, device: autotune.Timing({c.name: timings[c.name] for c in candidates}, autotune.IDLE),
+    )
     calls: list[str] = []
     made = [_allocating("heavy", 2**21, calls), _allocating("light", 2**18, calls), _allocating("twin", 2**18 + 2**12, calls)]
     tuner = MethodTuner(cache_file=None)
@@ -197,7 +231,9 @@ def test_under_a_users_profiler_the_fastest_is_kept_and_the_profile_survives(mon
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
-    monkeypatch.setattr(autotune, "_time_candidates", lambda candidates, device: {"heavy": 5.96, "light": 6.27})
+    monkeypatch.setattr(
+        autotune, "_time_candidates", lambda candidates, device: autotune.Timing({"heavy": 5.96, "light": 6.27}, autotune.IDLE)
+    )
     calls: list[str] = []
     made = [_allocating("heavy", 2**21, calls), _allocating("light", 2**18, calls)]
     with profile(activities=[ProfilerActivity.CPU]) as users:
@@ -272,12 +308,13 @@ def test_a_pinned_choice_wins_and_small_or_untuned_chunks_take_the_rule(tmp_path
 
 def test_an_unreadable_cache_is_timed_again_and_rewritten(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    _cache_as_written(monkeypatch)
     path = tmp_path / "autotune.json"
     path.write_text("{not json")
     calls: list[str] = []
     tuner = MethodTuner(cache_file=path)
     assert tuner.choose("l", "sig", torch.device("cpu"), "a", [_candidate("a", 100, calls), _candidate("b", 10, calls)], 8) == "b"
-    assert json.loads(path.read_text())[autotune.device_descriptor(torch.device("cpu"))] == {"sig": "b"}
+    assert _methods(path)[autotune.device_descriptor(torch.device("cpu"))] == {"sig|rows=5-8": "b"}
 
 
 def test_the_cache_follows_dpscale_cache_dir_and_can_be_switched_off(tmp_path, monkeypatch):
@@ -295,6 +332,7 @@ def test_make_private_resumes_bit_identically_with_the_checkpoints_methods(tmp_p
     from dpscale.train.private import make_private
 
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    _cache_as_written(monkeypatch)
     monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
     torch.manual_seed(0)
@@ -323,10 +361,7 @@ def test_make_private_resumes_bit_identically_with_the_checkpoints_methods(tmp_p
     # a resuming machine whose cache says otherwise: the checkpoint's choices still hold
     other = {"pixel-gram": "grouped", "gram": "bmm", "bmm": "gram", "bmm-positions": "grouped", "grouped": "gram"}
     cache = tmp_path / "autotune.json"
-    table = json.loads(cache.read_text())
-    for device in table:
-        table[device] = {s: other[m] for s, m in table[device].items()}
-    cache.write_text(json.dumps(table))
+    _cache_forcing(cache, lambda key, method: other[method])
     resumed, resumed_mechanism, _ = run(None, saved)
     assert resumed_mechanism.engine.tuner.as_json()["methods"] == methods
     assert all(torch.equal(resumed.state_dict()[k], v) for k, v in whole.state_dict().items())
@@ -342,6 +377,7 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
     from dpscale.train.loop import Trainer
 
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
+    _cache_as_written(monkeypatch)  # the split run takes the full run's choices from the cache
     monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
 
@@ -351,15 +387,16 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
 
     full = Trainer.create(config(tmp_path / "full"), progress=False, report=True)
     summary = full.run()
-    assert "clip methods on cpu:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "clip methods on cpu:" in err and "(timed now" in err
     layers = full.built.engine.tuner.as_json()["layers"]
     assert layers and all(kind.startswith("timed") or kind == "estimate" for _, kind, _ in layers.values())
     assert summary["clip_methods"] == {name: method for name, (method, _, _) in layers.items()}
-    assert Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=2) is None  # from the cache
+    assert Trainer.create(config(tmp_path / "split"), progress=False, report=True).run(max_steps=2) is None
+    assert "(cached 20" in capsys.readouterr().err  # from the cache, and the line says so
     cache = tmp_path / "cache" / "autotune.json"
     other = {"pixel-gram": "gram", "gram": "bmm", "bmm": "gram", "bmm-positions": "gram", "grouped": "bmm"}
-    table = {d: {s: other[m] for s, m in t.items()} for d, t in json.loads(cache.read_text()).items()}
-    cache.write_text(json.dumps(table))  # the resuming machine would choose otherwise
+    _cache_forcing(cache, lambda key, method: other[method])  # the resuming machine would choose otherwise
     resumed = Trainer.resume(tmp_path / "split", progress=False)
     timings = ("wall_time_s", "engine_self_check")
     assert {k: v for k, v in resumed.run().items() if k not in timings} == {k: v for k, v in summary.items() if k not in timings}
@@ -379,6 +416,7 @@ def test_dpscale_train_with_every_conv_on_bmm_positions_trains_as_bmm_does(tmp_p
     monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)  # every layer timed once, so the cache lists them
+    _cache_as_written(monkeypatch)  # the forced methods are taken, however they time
     sets = ["model.name=papernot-cnn", "run.seed=0", "dp.batch_size=32", "train.steps=2", "run.tensorboard=false"]
 
     def train(out: str) -> dict:
@@ -390,8 +428,7 @@ def test_dpscale_train_with_every_conv_on_bmm_positions_trains_as_bmm_does(tmp_p
     cache = tmp_path / "cache" / "autotune.json"
     runs = {}
     for method in ("bmm-positions", "bmm"):
-        table = json.loads(cache.read_text())
-        cache.write_text(json.dumps({d: {s: method if s.startswith("Conv2d") else m for s, m in t.items()} for d, t in table.items()}))
+        _cache_forcing(cache, lambda key, m, forced=method: forced if key.startswith("Conv2d") else m)
         summary = train(method)
         methods = summary["clip_methods"] or {}  # None: auto fell back to vmap (the route check refused the records)
         assert [m for name, m in methods.items() if name.startswith("features")] == [method, method], summary["engine"]
@@ -483,6 +520,7 @@ def test_a_cache_written_under_one_instruction_set_is_not_read_under_another(tmp
     differently: a cache shared between them (a home directory on a cluster) keeps them apart."""
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
     monkeypatch.setattr(autotune, "cpu_model", lambda: "AMD EPYC")
+    _cache_as_written(monkeypatch)
     path, cpu = tmp_path / "autotune.json", torch.device("cpu")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert "isa=AVX512" in autotune.device_descriptor(cpu)

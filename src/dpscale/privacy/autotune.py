@@ -8,7 +8,11 @@ another. ``MethodTuner`` times the candidates a cost estimate leaves in contenti
 signature (per-example shapes, geometry, dtype) and device, and keeps the fastest:
 
 * in the process, for every later chunk of any batch size (the signature leaves out the batch);
-* on disk (``autotune_cache_path``), so the next run on this machine does not time again;
+* on disk (``autotune_cache_path``), so the next run on this machine does not time again, keyed
+  by the device, the signature and the chunk's rows in powers of two (``cache_key``), and only
+  when the timing shows no load (``load_verdict``); a cached choice is timed once more before
+  it is used and timed anew if it runs well off its prediction, and one that later runs off it
+  (on a CPU, sampled chunks) leaves the cache for the next run to time (issue 63);
 * in the run's checkpoint (``as_json`` / ``pin``), so a resumed run does exactly the same
   arithmetic as an uninterrupted one, whatever the timings on the resuming machine say.
 
@@ -64,6 +68,33 @@ TUNE_TIE = 0.20
 # each), and a few bytes of bookkeeping must not decide between them.
 PEAK_TIE = 0.05
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
+TUNE_RETIME = "retime"  # $DPSCALE_AUTOTUNE=retime: the cache is not read; every layer is timed, its entry replaced
+# A timing is "under load", and not written to the cache, when (one torch thread on a CPU) its runs took
+# more than LOAD_WALL_RATIO times their thread-CPU time on the wall clock (the thread waited for a core),
+# or a candidate's timed runs spread over LOAD_SPREAD of their median. The issue 63 cache: written on a
+# loaded 2-core VM, it held pixel-gram for tramer-cifar-cnn's 3x3 convolutions where an idle timing
+# picks grouped, and every later run stepped at 2.67x non-private instead of 1.29x. At load average 4-5 on
+# the 2-core AMD EPYC, two timings of its layers read wall 1.7-2.7x thread CPU, and both picked pixel-gram
+# for its 128-channel 8 x 8 layer (bmm-positions at load 2).
+LOAD_WALL_RATIO, LOAD_SPREAD = 1.3, 0.5
+# Runs shorter than this (ms) are neither judged for load nor checked against a prediction: the clock
+# calls and a single preemption weigh too much in them (and such a layer costs little whichever method).
+JUDGE_MIN_MS = 0.5
+# On its first chunk a cached choice runs CHECK_RUNS times, timed, interleaved with the runner-up of its
+# timing (if that was within TUNE_DROP of it); its fastest run more than CHECK_OFF times off its cached
+# prediction (scaled to the chunk's rows), either way, or over 1 + TUNE_TIE times the runner-up's, means
+# the conditions it was timed in do not hold here: the layer is timed again now, before the choice computes
+# anything. The fastest run, with no warm-up: the first call of a method in a process allocates. On the
+# 2-core AMD EPYC at load average 4 the checks of a cached run cost 0.1 s (papernot-cnn, B = 256) and 1.1 s
+# (tramer-cifar-cnn, B = 128) of wall time, against 2.5 s and 14 s for timing their layers.
+CHECK_RUNS, CHECK_OFF = 2, 1.5
+# Later (a CPU only: on a GPU the extra run would add launches and a synchronisation to the step), a
+# signature's chunks 2, 4, 8, ..., CHECK_EVERY and every CHECK_EVERY-th after run the chosen method once
+# more, timed: CHECK_STRIKES checks in a row off by CHECK_OFF drop its cache entry (the next run times it).
+# The run keeps its choice: one changed mid-run would no longer compute as its twin resumed from a
+# checkpoint taken before the change (which pins the old one).
+CHECK_EVERY, CHECK_STRIKES = 128, 3
+IDLE = "idle"  # the load verdict of a timing that showed none
 # What torch's profiler (kineto) writes to fd 2, at any KINETO_LOG_LEVEL, each time it starts and
 # stops: "USDT:2026-11-29 03:46:12 10456:10456 SyncActivityProfilerHandler.cpp:52] profiler_start".
 # peak_bytes drops these lines (they filled every first run's stderr, issue 62) and nothing else.
@@ -124,14 +155,52 @@ class Candidate:
 
 @dataclass
 class LayerChoice:
-    """The method one layer uses: how it was chosen ("timed"; "timed, least memory (...)" when
-    candidates within ``TUNE_TIE`` of the fastest were told apart by their measured peaks, given
-    in MB; "estimate", "cache", "pinned" from a checkpoint) and, when timed, each candidate's
-    median milliseconds on this chunk."""
+    """The method one layer uses and where it came from.
+
+    Attributes:
+        method: the method's name.
+        source: how it was chosen: "timed"; "timed, least memory (...)" when candidates within
+            ``TUNE_TIE`` of the fastest were told apart by their measured peaks, given in MB;
+            "estimate"; "cache"; "pinned" from a checkpoint.
+        ms: when timed (now or for the cache), each candidate's median milliseconds on a chunk of
+            ``rows`` examples: the chosen one's is its prediction.
+        rows: the examples of the chunk it was timed on (0: not timed).
+        timed_on: the date it was timed (YYYY-MM-DD), "" if not timed.
+        load: ``IDLE`` or "under load (...)": what the timing's load check said.
+        note: what a check against the prediction found ("" if nothing).
+        checked: whether later chunks check it against its prediction (``CHECK_EVERY``).
+    """
 
     method: str
     source: str
     ms: dict[str, float] = field(default_factory=dict)
+    rows: int = 0
+    timed_on: str = ""
+    load: str = ""
+    note: str = ""
+    checked: bool = False
+
+    def provenance(self) -> str:
+        """Where the choice came from, for the run's line: "timed now", "cached 2026-11-28, timed
+        idle", "pinned from the checkpoint", "estimate", with the timings and any check's note."""
+        if self.source == "pinned":
+            return "pinned from the checkpoint"
+        if self.source == "estimate":
+            return "estimate"
+        if self.source == "cache":
+            where = f"cached {self.timed_on or 'undated'}, timed {self.load}"
+        else:
+            where = "timed now" + ("" if self.load in (IDLE, "") else f", {self.load}: not cached") + self.source[len("timed") :]
+        timing = "/".join(f"{k} {v:.1f}" for k, v in sorted(self.ms.items(), key=lambda kv: kv[1]))
+        return where + (f": {timing} ms" if timing else "") + (f"; {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A timing pass: each candidate's median milliseconds and the load check's verdict."""
+
+    ms: dict[str, float]
+    load: str
 
 
 @dataclass
@@ -141,49 +210,60 @@ class MethodTuner:
     Args:
         enabled: time candidates (False: the shape rule, or a pinned choice, always).
         cache_file: the on-disk cache shared by runs on this machine (None: in memory only).
+        read_cache: take choices from ``cache_file`` (False: time every layer, replacing its entry).
     """
 
     enabled: bool = True
     cache_file: Path | None = None
+    read_cache: bool = True
     choices: dict[str, LayerChoice] = field(default_factory=dict)  # signature -> choice
     layers: dict[str, str] = field(default_factory=dict)  # layer name -> signature (for the log)
     tuning_s: float = 0.0
     _device: str | None = None
-    _reported: int = 0  # layers already described by ``unreported``
+    _reported: tuple[int, int] = (0, 0)  # (layers, notes) already described by ``unreported``
+    _notes: int = 0  # choices re-described since they were made (a check's finding)
+    _chunks: dict[str, int] = field(default_factory=dict)  # signature -> chunks seen since chosen
+    _strikes: dict[str, int] = field(default_factory=dict)  # signature -> checks in a row off its prediction
+    _due: set[str] = field(default_factory=set)  # signatures whose next ``choose`` checks the prediction
 
     def choose(self, layer: str, signature: str, device: torch.device, rule: str, candidates: list[Candidate],
                rows: int) -> str:  # fmt: skip
         """The method for ``layer`` (signature without the batch size): the remembered choice,
-        else the cached one, else the fastest of the contending candidates timed now on this
-        chunk of ``rows`` examples (of those within ``TUNE_TIE`` of it, the one with the lowest
-        measured peak memory); the shape rule's ``rule`` when tuning is off or the chunk is too
-        small to time (then nothing is remembered)."""
-        known = self.remembered(layer, signature)
+        else the cached one (for a chunk of ``rows`` examples, if it runs as predicted here), else
+        the fastest of the contending candidates timed now on this chunk (of those within
+        ``TUNE_TIE`` of it, the one with the lowest measured peak memory); the shape rule's
+        ``rule`` when tuning is off or the chunk is too small to time (then nothing is remembered).
+        A remembered choice whose check is due (``remembered`` said None) is run once, timed."""
+        known = self.choices.get(signature)
         if known is not None:
-            return known
-        names = {c.name for c in candidates}
-        cached = self._cached(device).get(signature) if self.enabled else None
-        if cached in names:
-            return self._remember(layer, signature, LayerChoice(cached, "cache"))
+            self.layers[layer] = signature
+            if signature in self._due:
+                self._due.discard(signature)
+                self._check(signature, known, candidates, device, rows)
+            return known.method
+        cached, note = self._from_cache(device, signature, candidates, rows) if self.enabled else (None, "")
+        if cached is not None:
+            return self._remember(layer, signature, cached)
         contending = _contending(candidates, rule, rows)
         if not self.enabled or len(contending) < 2:
+            if note:  # a cached choice that failed its check, and nothing to time now: not read again
+                self._store(device, cache_key(signature, rows), None)
             if self.enabled and len(contending) == 1 and min(c.macs for c in candidates) * rows >= TUNE_MIN_MACS:
                 return self._remember(layer, signature, LayerChoice(rule, "estimate"))
             return rule
-        started = time.perf_counter()
-        ms = _time_candidates(contending, device)
-        best, source = _leanest_near_fastest(ms, contending, device)
-        self.tuning_s += time.perf_counter() - started
-        self._store(device, signature, best)
-        return self._remember(layer, signature, LayerChoice(best, source, ms))
+        return self._remember(layer, signature, self._timed(device, signature, contending, rows, note))
 
     def remembered(self, layer: str, signature: str) -> str | None:
         """The method already chosen for ``signature`` (now also ``layer``'s), else None: every step
-        after the first asks only this, before any candidate is built."""
+        after the first asks only this, before any candidate is built. Also None when this chunk
+        is one that checks the choice against its prediction (``CHECK_EVERY``): the caller then
+        builds the candidates and ``choose`` runs the chosen one once more, timed."""
         known = self.choices.get(signature)
         if known is None:
             return None
         self.layers[layer] = signature
+        if self.enabled and known.checked and self._check_due(signature):
+            return None
         return known.method
 
     def pin(self, saved: dict[str, Any]) -> None:
@@ -205,29 +285,124 @@ class MethodTuner:
         }
 
     def describe(self) -> str:
-        """One line for the run log: each layer's method and how it was chosen."""
+        """One line for the run log: each layer's method and where it came from (timed now, the
+        cache with the date and load it was timed under, a checkpoint), with the timings."""
         if not self.layers:
             return "clip methods: shape rule (no layer large enough to time)"
-        parts = []
-        for name, (method, source, ms) in self.as_json()["layers"].items():
-            timing = "/".join(f"{k} {v:.1f}" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
-            parts.append(f"{name or '<root>'} {method} ({source}{': ' + timing + ' ms' if timing else ''})")
+        parts = [f"{name or '<root>'} {self.choices[s].method} ({self.choices[s].provenance()})" for name, s in self.layers.items()]
         where = f" on {self._device}" if self._device else ""
         return f"clip methods{where}, tuned in {self.tuning_s:.1f} s: " + "; ".join(parts)
 
     def unreported(self) -> str | None:
-        """``describe()`` if layers were chosen since the last call, else None (for a run's log)."""
-        if len(self.layers) == self._reported:
+        """``describe()`` if layers were chosen, or a choice's check found something, since the
+        last call, else None (for a run's log)."""
+        state = (len(self.layers), self._notes)
+        if state == self._reported:
             return None
-        self._reported = len(self.layers)
+        self._reported = state
         return self.describe()
 
     def _remember(self, layer: str, signature: str, choice: LayerChoice) -> str:
         self.choices[signature] = choice
         self.layers[layer] = signature
+        self._chunks[signature], self._strikes[signature] = 1, 0
         return choice.method
 
-    def _cached(self, device: torch.device) -> dict[str, str]:
+    def _timed(self, device: torch.device, signature: str, contending: list[Candidate], rows: int, note: str) -> LayerChoice:
+        """The choice timing ``contending`` on this chunk gives, written to the cache if the timing
+        showed no load (else any entry for its key removed: the next run times it again)."""
+        started = time.perf_counter()
+        timing = _time_candidates(contending, device)
+        best, source = _leanest_near_fastest(timing.ms, contending, device)
+        self.tuning_s += time.perf_counter() - started
+        choice = LayerChoice(best, source, timing.ms, rows, time.strftime("%Y-%m-%d"), timing.load, note)
+        choice.checked = timing.load == IDLE and self._checkable(choice, device)
+        self._store(device, cache_key(signature, rows), _entry(choice) if timing.load == IDLE else None)
+        return choice
+
+    def _from_cache(self, device: torch.device, signature: str, candidates: list[Candidate], rows: int) -> tuple[LayerChoice | None, str]:
+        """(the cached choice for this chunk if it runs here as it was timed (``_cache_check``),
+        else None; why a cached choice was not taken, "" if there was none)."""
+        table = self._cached(device)
+        if not self.read_cache:
+            return None, ""
+        choice = _choice_of(table.get(cache_key(signature, rows)), {c.name for c in candidates})
+        if choice is None:
+            return None, ""
+        started = time.perf_counter()
+        why = self._cache_check(choice, candidates, device, rows)
+        self.tuning_s += time.perf_counter() - started
+        if why:
+            return None, f"re-timed: {why} (cached {choice.timed_on})"
+        choice.checked = self._checkable(choice, device)
+        return choice, ""
+
+    def _cache_check(self, choice: LayerChoice, candidates: list[Candidate], device: torch.device, rows: int) -> str:
+        """Why the cached ``choice`` does not run here as it was timed ("" if it does): its method
+        and the runner-up of its timing (if within ``TUNE_DROP`` of it), ``CHECK_RUNS`` timed runs
+        each, interleaved; the method's fastest run over ``CHECK_OFF`` off its prediction (scaled
+        to ``rows``), or over ``1 + TUNE_TIE`` times the runner-up's (a ranking a load made)."""
+        predicted = self._prediction(choice, rows)
+        if predicted is None:
+            return ""
+        near = TUNE_DROP * choice.ms[choice.method]
+        others = [c for c in candidates if c.name != choice.method and choice.ms.get(c.name, float("inf")) <= near]
+        runner_up = min(others, key=lambda c: choice.ms[c.name], default=None)
+        measured = _fastest_runs(
+            [c for c in candidates if c.name == choice.method] + ([runner_up] if runner_up else []), device, CHECK_RUNS
+        )
+        off = measured[choice.method] / predicted
+        if not 1 / CHECK_OFF <= off <= CHECK_OFF:
+            return f"the cached {choice.method} ran {off:.2f}x its {choice.ms[choice.method]:.1f} ms"
+        if runner_up is not None and measured[choice.method] > (1.0 + TUNE_TIE) * measured[runner_up.name]:
+            ratio = measured[choice.method] / measured[runner_up.name]
+            return f"the cached {choice.method} ran {ratio:.2f}x {runner_up.name}'s time"
+        return ""
+
+    def _prediction(self, choice: LayerChoice, rows: int) -> float | None:
+        """``choice``'s predicted ms for a chunk of ``rows``, scaled from the rows it was timed on;
+        None where there is none to compare with (not timed, under ``JUDGE_MIN_MS``, another rows
+        bucket)."""
+        predicted = choice.ms.get(choice.method, 0.0)
+        if predicted < JUDGE_MIN_MS or choice.rows < 1 or rows_bucket(rows) != rows_bucket(choice.rows):
+            return None
+        return predicted * rows / choice.rows
+
+    def _checkable(self, choice: LayerChoice, device: torch.device) -> bool:
+        """Whether later chunks check ``choice`` against its prediction: a CPU's, in the cache, and
+        long enough to time in one run."""
+        return device.type == "cpu" and self.cache_file is not None and choice.ms.get(choice.method, 0.0) >= JUDGE_MIN_MS
+
+    def _check_due(self, signature: str) -> bool:
+        """Count a chunk of ``signature``; True (and the check marked due) on chunks 2, 4, 8, ...,
+        ``CHECK_EVERY`` and every ``CHECK_EVERY``-th after."""
+        seen = self._chunks[signature] = self._chunks.get(signature, 1) + 1
+        if seen % CHECK_EVERY == 0 or (seen < CHECK_EVERY and seen & (seen - 1) == 0):
+            self._due.add(signature)
+            return True
+        return False
+
+    def _check(self, signature: str, known: LayerChoice, candidates: list[Candidate], device: torch.device, rows: int) -> None:
+        """A later chunk's check: ``known``'s method run once, timed (the step has just warmed it);
+        ``CHECK_STRIKES`` in a row off its prediction by ``CHECK_OFF`` drop its cache entry and say
+        so in the run's line."""
+        predicted = self._prediction(known, rows)
+        chosen = [c for c in candidates if c.name == known.method]
+        if predicted is None or not chosen:
+            return
+        off = _fastest_runs(chosen, device, 1)[known.method] / predicted
+        if 1 / CHECK_OFF <= off <= CHECK_OFF:
+            self._strikes[signature] = 0
+            return
+        self._strikes[signature] = self._strikes.get(signature, 0) + 1
+        if self._strikes[signature] < CHECK_STRIKES:
+            return
+        self._store(device, cache_key(signature, known.rows), None)
+        known.checked = False
+        known.note = f"ran {off:.2f}x its prediction in {CHECK_STRIKES} checks in a row: dropped from the cache, timed again next run"
+        self._notes += 1
+
+    def _cached(self, device: torch.device) -> dict[str, Any]:
         self._device = self._device or device_descriptor(device)
         if self.cache_file is None or not self.cache_file.exists():
             return {}
@@ -238,8 +413,10 @@ class MethodTuner:
         entry = table.get(self._device) if isinstance(table, dict) else None
         return entry if isinstance(entry, dict) else {}
 
-    def _store(self, device: torch.device, signature: str, method: str) -> None:
-        if self.cache_file is None:
+    def _store(self, device: torch.device, key: str, entry: dict[str, Any] | None) -> None:
+        """Write ``entry`` at ``key`` in this device's table (None: remove it), dropping the table's
+        entries in an older format (``_choice_of``); a missing file is not created to remove."""
+        if self.cache_file is None or (entry is None and not self.cache_file.exists()):
             return
         table: dict[str, Any] = {}
         if self.cache_file.exists():
@@ -247,16 +424,66 @@ class MethodTuner:
                 table = json.loads(self.cache_file.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 table = {}
-        table.setdefault(device_descriptor(device), {})[signature] = method
+        if not isinstance(table, dict):
+            table = {}
+        ours = table.get(device_descriptor(device))
+        mine = {k: v for k, v in ours.items() if isinstance(v, dict)} if isinstance(ours, dict) else {}
+        if entry is None:
+            mine.pop(key, None)
+        else:
+            mine[key] = entry
+        table[device_descriptor(device)] = mine
         try:
             atomic_write_text(self.cache_file, json.dumps(table, indent=1, sort_keys=True) + "\n")
         except OSError:  # a read-only home: the choice still holds for this run (and its checkpoint)
             pass
 
 
+def cache_key(signature: str, rows: int) -> str:
+    """A cache entry's key: ``signature`` and the chunk's rows bucketed by powers of two, e.g.
+    ``...|rows=65-128`` (a chunk's size changes which method is fastest: fixed costs weigh less in
+    a larger one). Entries written before the rows were in the key (their value a bare method
+    name) are not read, whatever they say (taken as absent: they hold no prediction to check and
+    nothing of the load they were timed under), and are dropped when the file is next written."""
+    top = rows_bucket(rows)
+    return f"{signature}|rows={top // 2 + 1}-{top}"
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two at or above ``rows`` (1 for 0 or 1)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def _entry(choice: LayerChoice) -> dict[str, Any]:
+    """A timed choice as the cache keeps it."""
+    return {"method": choice.method, "ms": choice.ms, "rows": choice.rows, "timed": choice.timed_on, "load": choice.load}
+
+
+def _choice_of(entry: Any, names: set[str]) -> LayerChoice | None:
+    """The cached choice ``entry`` holds, None unless it is one of ``names`` with its prediction,
+    rows and an idle timing."""
+    if not isinstance(entry, dict) or entry.get("load") != IDLE or entry.get("method") not in names:
+        return None
+    ms, rows = entry.get("ms"), entry.get("rows")
+    if not isinstance(ms, dict) or not isinstance(rows, int) or rows < 1 or not isinstance(ms.get(entry["method"]), (int, float)):
+        return None
+    timings = {str(k): float(v) for k, v in ms.items() if isinstance(v, (int, float))}
+    return LayerChoice(entry["method"], "cache", timings, rows, str(entry.get("timed", "")), IDLE)
+
+
 def default_tuner() -> MethodTuner:
-    """The tuner engines get: on (unless ``$DPSCALE_AUTOTUNE=0``), cached at ``autotune_cache_path``."""
-    return MethodTuner(enabled=os.environ.get(TUNE_OFF_ENV, "1") != "0", cache_file=autotune_cache_path())
+    """The tuner engines get: on (unless ``$DPSCALE_AUTOTUNE=0``), cached at ``autotune_cache_path``
+    (not read with ``$DPSCALE_AUTOTUNE=retime``: every layer timed again, its entry replaced)."""
+    setting = os.environ.get(TUNE_OFF_ENV, "1")
+    return MethodTuner(enabled=setting != "0", cache_file=autotune_cache_path(), read_cache=setting != TUNE_RETIME)
+
+
+def describe_methods(engine: Any) -> str | None:
+    """The line a run logs for ``engine``'s per-layer methods (``MethodTuner.describe``: each layer's
+    method, whether it was timed now, taken from the disk cache (the date and load it was timed
+    under) or pinned from a checkpoint, and the timings); None for an engine without a tuner."""
+    tuner = getattr(engine, "tuner", None)
+    return tuner.describe() if isinstance(tuner, MethodTuner) else None
 
 
 def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candidate]:
@@ -369,38 +596,86 @@ def _walk(nodes: Any) -> Iterator[Any]:
         yield from _walk(node.children)
 
 
-def _time_candidates(candidates: list[Candidate], device: torch.device) -> dict[str, float]:
-    """Median milliseconds of each candidate: one untimed warm-up round (first calls allocate),
-    then ``TUNE_REPEATS`` or more interleaved timed rounds (up to ``TUNE_MAX_REPEATS`` for fast
-    candidates; a load that comes and goes hits every candidate alike), a candidate whose better
-    time in the first two timed rounds is over ``TUNE_DROP`` times the fastest's dropped from the
-    rest (its two times kept: one sample, preempted on a loaded machine, once dropped the
-    fastest). The thread-CPU clock with one torch thread on a CPU (other processes' load does not
-    count), else the wall clock, synchronised on a GPU."""
-    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
-
-    def timed(c: Candidate) -> float:
-        _sync(device)
-        start = clock()
-        c.run()
-        _sync(device)
-        return (clock() - start) * 1e3
-
+def _time_candidates(candidates: list[Candidate], device: torch.device) -> Timing:
+    """Median milliseconds of each candidate and the load check's verdict (``load_verdict``): one
+    untimed warm-up round (first calls allocate), then ``TUNE_REPEATS`` or more interleaved timed
+    rounds (up to ``TUNE_MAX_REPEATS`` for fast candidates; a load that comes and goes hits every
+    candidate alike), a candidate whose better time in the first two timed rounds is over
+    ``TUNE_DROP`` times the fastest's dropped from the rest (its two times kept: one sample,
+    preempted on a loaded machine, once dropped the fastest). The thread-CPU clock with one torch
+    thread on a CPU (other processes' load does not count), else the wall clock, synchronised on a
+    GPU (``measure_once``)."""
     with torch.no_grad():
         for c in candidates:
             c.run()
-        samples: dict[str, list[float]] = {c.name: [] for c in candidates}
+        samples: dict[str, list[tuple[float, float]]] = {c.name: [] for c in candidates}
         for _ in range(2):  # two looks before dropping: one preempted sample must not drop the fastest
             for c in candidates:
-                samples[c.name].append(timed(c))
-        best = {name: min(v) for name, v in samples.items()}
+                samples[c.name].append(measure_once(c, device))
+        best = {name: min(_on_clock(s, device) for s in v) for name, v in samples.items()}
         fastest = min(best.values())
         kept = [c for c in candidates if best[c.name] <= TUNE_DROP * fastest]
         rounds = int(min(TUNE_MAX_REPEATS, max(TUNE_REPEATS, TUNE_WINDOW_MS / max(fastest, 1e-3))))
         for _ in range(rounds - 2):
             for c in kept:
-                samples[c.name].append(timed(c))
-    return {name: round(statistics.median(v), 3) for name, v in samples.items()}
+                samples[c.name].append(measure_once(c, device))
+    ms = {name: round(statistics.median(_on_clock(s, device) for s in v), 3) for name, v in samples.items()}
+    return Timing(ms, load_verdict(samples, thread_clock(device)))
+
+
+def _fastest_runs(candidates: list[Candidate], device: torch.device, runs: int) -> dict[str, float]:
+    """Each candidate's fastest of ``runs`` interleaved timed runs, in ms, on the clock that ranks
+    on ``device``."""
+    fastest = {c.name: float("inf") for c in candidates}
+    with torch.no_grad():
+        for _ in range(runs):
+            for c in candidates:
+                fastest[c.name] = min(fastest[c.name], _on_clock(measure_once(c, device), device))
+    return fastest
+
+
+def measure_once(candidate: Candidate, device: torch.device) -> tuple[float, float]:
+    """One call of ``candidate.run`` (synchronised on a GPU): (thread-CPU ms, wall ms). The tuner's
+    only clock: tests replace it to give a candidate any timing."""
+    _sync(device)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    candidate.run()
+    _sync(device)
+    return (time.thread_time() - cpu) * 1e3, (time.perf_counter() - wall) * 1e3
+
+
+def thread_clock(device: torch.device) -> bool:
+    """Whether timings on ``device`` take the thread-CPU clock: a CPU with one torch thread (with
+    more, the work of the others is not in this thread's time; on a GPU, the host's)."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
+
+
+def _on_clock(sample: tuple[float, float], device: torch.device) -> float:
+    """The milliseconds of a (thread-CPU, wall) sample on the clock that ranks on ``device``."""
+    return sample[0] if thread_clock(device) else sample[1]
+
+
+def load_verdict(samples: dict[str, list[tuple[float, float]]], thread: bool) -> str:
+    """``IDLE``, or "under load (...)" with what showed it, for a timing's (thread-CPU ms, wall ms)
+    samples per candidate: on the thread clock (``thread``), their wall time over their thread-CPU
+    time above ``LOAD_WALL_RATIO`` (the thread waited for a core); on either clock, a candidate's
+    (three or more) timed runs spread, (max - min) / median, over ``LOAD_SPREAD``. Candidates whose
+    median is under ``JUDGE_MIN_MS`` are not judged."""
+    judged = {}
+    for name, runs in samples.items():
+        times = [cpu if thread else wall for cpu, wall in runs]
+        if times and statistics.median(times) >= JUDGE_MIN_MS:
+            judged[name] = times
+    if thread:
+        cpu = sum(c for name in judged for c, _ in samples[name])
+        wall = sum(w for name in judged for _, w in samples[name])
+        if cpu > 0 and wall > LOAD_WALL_RATIO * cpu:
+            return f"under load (wall clock {wall / cpu:.2f}x thread CPU)"
+    for name, times in judged.items():
+        spread = (max(times) - min(times)) / statistics.median(times)
+        if len(times) >= TUNE_REPEATS and spread > LOAD_SPREAD:
+            return f"under load ({name}'s runs spread {spread:.0%})"
+    return IDLE
 
 
 def _sync(device: torch.device) -> None:
