@@ -275,9 +275,11 @@ def odds_summary(built: Run) -> dict[str, Any]:
 
 
 def new_clip_methods(built: Run) -> str | None:
-    """The per-layer norm methods the engine's tuner chose since last asked, as a report line
-    (None: nothing new; after a session's first step, as the header is printed before the first
-    chunk is timed)."""
+    """The per-layer norm methods the engine's tuner chose since last asked, as a report line,
+    each with where it came from: timed now (under load: not cached), the disk cache (the date and
+    load it was timed under) or the checkpoint (``autotune.describe_methods``'s line); again when a
+    later chunk's check drops a cached choice. None: nothing new; after a session's first step, as
+    the header is printed before the first chunk is timed."""
     tuner = getattr(built.engine, "tuner", None)
     return tuner.unreported() if tuner is not None else None
 
