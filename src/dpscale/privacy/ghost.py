@@ -51,10 +51,11 @@ import torch
 from torch import nn
 
 from dpscale.privacy.autotune import MethodTuner
-from dpscale.privacy.clipping import MaxGradNorm, clip_dtype
+from dpscale.privacy.clipping import MaxGradNorm, clip_dtype, is_per_layer
 from dpscale.privacy.ghost_model import (
     ModelState,
     OutsideUseMonitor,
+    add_deferred_norms,
     full_name,
     released,
     units_of_pass,
@@ -193,7 +194,7 @@ class GhostEngine(ClippedSumMixin):
         true = {n: None if t is None else _unscaled(t, scale) for n, t in zip(checked_params, grads[len(records) :])}
         del targets, grads
         with exact_float32():  # the clip bound's arithmetic never in TF32
-            layer_sq = self._layer_norms(records, out_grads, batch[0])
+            layer_sq = self._layer_norms(records, out_grads, state)
             units = units_of_pass(records, layer_sq, self.max_grad_norm, params)
             # the type the release is computed in (never the tokens' int type)
             zeros = batch[0].new_zeros(batch[0].shape[0], dtype=clip_dtype(params.values()))
@@ -216,13 +217,16 @@ class GhostEngine(ClippedSumMixin):
             grad_sum = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in params.items()}
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
-    def _layer_norms(self, records: list[Record], out_grads: list[torch.Tensor | None], x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-example squared norms (B,) of the chunk ``x`` by layer, each layer's output freed
-        once used. In 16-bit precision each record is first taken to float32 (its gradient
-        unscaled)."""
+    def _layer_norms(self, records: list[Record], out_grads: list[torch.Tensor | None], state: ModelState) -> dict[str, torch.Tensor]:
+        """Per-example squared norms (B,) by layer, each layer's output freed once used. In 16-bit
+        precision each record is first taken to float32 (its gradient unscaled). With one bound for
+        the whole gradient, the small cached gradients' norms are taken for all layers at once
+        (``add_deferred_norms``); per-layer bounds keep every tensor's own (``Record.parts``)."""
         scale, low = self.precision.loss_scale, self.precision.low
-        layer_sq: dict[str, torch.Tensor] = {}
+        layer_sq: dict[str, torch.Tensor | None] = {}
+        batched = not is_per_layer(self.max_grad_norm)
         for i, r in enumerate(records):
+            r.defer = batched
             g, out_grads[i] = out_grads[i], None
             assert r.inputs is not None and r.output is not None, f"layer {r.name!r} has no records"
             r.out_grad = torch.zeros_like(r.output) if g is None else g
@@ -234,7 +238,7 @@ class GhostEngine(ClippedSumMixin):
             layer_sq[r.name] = RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
             if "weight" in r.cache or RULES[type(r.module)].sums is cached_sums:
                 r.inputs = r.out_grad = None  # the clipped sum comes from the cache: drop the activations early
-        return layer_sq
+        return add_deferred_norms(records, layer_sq, state)
 
     def _check_routes_in_float32(self, model: nn.Module, params: Params, batch: Batch) -> None:
         """The route check of a 16-bit or TF32 engine, on a float32 pass of the same chunk.

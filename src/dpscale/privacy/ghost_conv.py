@@ -26,6 +26,7 @@ from dpscale.privacy.ghost_record import (
     part,
     per_example,
     plus,
+    small_part,
     row_factors,
     tuned,
     upper_bound,
@@ -232,8 +233,9 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
     x = F.pad(a.double(), (pw, pw, ph, ph))  # (B*K, C, Hp, Wp)
     rows, channels, hp, wp = x.shape
     b, ho, wo = rows // views, g.shape[-2], g.shape[-1]
-    pixels = x.reshape(b, views, channels, hp * wp).transpose(2, 3).reshape(b, views * hp * wp, channels)
-    full = torch.bmm(pixels, pixels.transpose(1, 2)).reshape(b, views, hp, wp, views, hp, wp)
+    # einsum: one operator where transposes, reshapes and a bmm were five (issue 63); the same sums
+    pixels = x.reshape(b, views, channels, hp * wp)
+    full = torch.einsum("bvcp,bwcq->bvpwq", pixels, pixels).reshape(b, views, hp, wp, views, hp, wp)
     # the pixels under kernel tap (i, j) at every output position, as two trailing tap dimensions of
     # one strided view (a tap moves both pixels of a Gram entry), summed in one operator: a slice
     # and an add per tap were 2 k^2 operators a layer (issue 63)
@@ -243,15 +245,15 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
         (s[0], s[1], s[2] * sh, s[3] * sw, s[4], s[5] * sh, s[6] * sw, (s[2] + s[5]) * dh, (s[3] + s[6]) * dw),
         full.storage_offset(),
     )
-    patch = taps.sum((-2, -1)).reshape(b, views * ho * wo, views * ho * wo)
-    g64 = g.double().reshape(b, views, m.out_channels, ho * wo).transpose(2, 3).reshape(b, views * ho * wo, -1)
-    gram = (patch * torch.bmm(g64, g64.transpose(1, 2))).flatten(1).sum(1)
+    patch = taps.sum((-2, -1)).reshape(b, views, ho * wo, views, ho * wo)
+    g64 = g.double().reshape(b, views, m.out_channels, ho * wo)
+    gram = torch.einsum("bvlwm,bvlwm->b", patch, torch.einsum("bvcl,bwcm->bvlwm", g64, g64))
     pixel_sq = x.square().sum(1)  # (B*K, Hp, Wp)
     p = pixel_sq.stride()
     box = pixel_sq.as_strided(  # ||a_t||^2 (B*K, Ho, Wo): each output position's k x k pixels, summed
         (rows, ho, wo, kh, kw), (p[0], p[1] * sh, p[2] * sw, p[1] * dh, p[2] * dw), pixel_sq.storage_offset()
     ).sum((-2, -1))
-    weight = (box.clamp(min=0).sqrt().reshape(b, -1) * torch.linalg.vector_norm(g64, dim=-1)).sum(1)
+    weight = torch.einsum("bvl,bvl->b", box.clamp(min=0).sqrt().reshape(b, views, -1), torch.linalg.vector_norm(g64, dim=2))
     inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
     return upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
 
@@ -328,7 +330,7 @@ def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
     return tuned(r, signature, rule, costs, CONV_WEIGHT_METHODS, (a, g), (a, g), conv_sums, b)
 
 
-def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """A convolution's per-example squared norms (B,), from its input ``a`` (B*K, C_in, ...) and
     output gradient ``g`` (B*K, C_out, ...): the weight's by the rule's or the tuner's method."""
     sq = None
@@ -337,8 +339,8 @@ def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         sq = plus(sq, part(r, "weight", CONV_WEIGHT_METHODS[method](r, a, g)))
     if r.trainable.get("bias"):
         r.cache["bias"] = per_example(r, g.sum(tuple(range(2, g.dim()))))
-        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
-    return or_zeros(sq, a, a.shape[0] // r.views)
+        sq = plus(sq, small_part(r, "bias"))
+    return or_zeros(r, sq, a, a.shape[0] // r.views)
 
 
 def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -403,7 +405,7 @@ def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor | None) ->
     return sq
 
 
-def ws_conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def ws_conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """A ScaledStdConv2d's norms: the ordinary conv per-example gradient mapped by
     ``ws_weight_norms``. Needs the explicit per-example gradient in both modes."""
     m, b = r.module, a.shape[0] // r.views
@@ -413,5 +415,5 @@ def ws_conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         sq = ws_weight_norms(r, _conv_per_example(r, a, g).reshape(b, m.out_channels, -1), sq)
     if r.trainable.get("bias"):
         r.cache["bias"] = per_example(r, g.sum(tuple(range(2, g.dim()))))
-        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
-    return or_zeros(sq, a, b)
+        sq = plus(sq, small_part(r, "bias"))
+    return or_zeros(r, sq, a, b)

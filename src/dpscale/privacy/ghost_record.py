@@ -7,6 +7,8 @@ on the record what the clipped sum will need; the helpers here are common to sev
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from dpscale.privacy.autotune import Candidate, MethodTuner
+from dpscale.privacy.clipping import NORM_BLOCK, blocked_sq_norms
 from dpscale.privacy.per_example import Params
 
 
@@ -52,6 +55,11 @@ class Record:
     # The cached conv weight gradients' columns run (kh, kw, C_in) (channels-last patches), not the
     # weight's (C_in, kh, kw): the clipped sum is reordered.
     kernel_major: bool = False
+    # Set by the engine: small cached per-example gradients (biases, norm layers' affine parameters)
+    # leave their squared norms to one batched pass over every layer (``small_part``), listed in
+    # ``deferred``; their squares then never enter the layer's norm here.
+    defer: bool = False
+    deferred: list[str] = field(default_factory=list)
 
 
 def part(r: Record, local: str, sq: torch.Tensor) -> torch.Tensor:
@@ -61,15 +69,34 @@ def part(r: Record, local: str, sq: torch.Tensor) -> torch.Tensor:
     return sq
 
 
-def plus(total: torch.Tensor | None, sq: torch.Tensor) -> torch.Tensor:
-    """``total + sq``, or ``sq`` itself before the first term (0 + sq is sq: one operator fewer
-    per layer than starting from zeros, issue 63)."""
-    return sq if total is None else total + sq
+def plus(total: torch.Tensor | None, sq: torch.Tensor | None) -> torch.Tensor | None:
+    """``total + sq``, or the one that is not None (0 + sq is sq: one operator fewer per layer than
+    starting from zeros, issue 63); None for a term left to the batched pass."""
+    return sq if total is None else total if sq is None else total + sq
 
 
-def or_zeros(total: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
-    """A rule's squared norms ``total``, or (rows,) zeros of ``like``'s type when it had no term."""
-    return like.new_zeros(rows) if total is None else total
+def or_zeros(r: Record, total: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A rule's squared norms ``total``; when it had no term, None if the batched pass adds its
+    deferred ones (``small_part``), else (rows,) zeros of ``like``'s type."""
+    return like.new_zeros(rows) if total is None and not r.deferred else total
+
+
+# The batched pass sums each layer's deferred squares with at most this many values per example, so
+# that its float64 sum stays within the blocked norms' error (``blocked_sq_norms``, ``clip_margin``).
+DEFERRED_MAX_VALUES = NORM_BLOCK
+
+
+def small_part(r: Record, local: str) -> torch.Tensor | None:
+    """The squared norms (B,) of the cached per-example gradient ``r.cache[local]``, kept as the
+    parameter's part; or, when the engine batches (``r.defer``) and the layer's deferred values
+    stay within ``DEFERRED_MAX_VALUES``, None: ``local`` joins ``r.deferred`` and the engine adds
+    its squares, with every layer's, in a few operators (``ghost.GhostEngine``; issue 63)."""
+    t = r.cache[local]
+    taken = sum(math.prod(r.cache[name].shape[1:]) for name in r.deferred)
+    if r.defer and taken + math.prod(t.shape[1:]) <= DEFERRED_MAX_VALUES:
+        r.deferred.append(local)
+        return None
+    return part(r, local, blocked_sq_norms(t))
 
 
 def per_example(r: Record, t: torch.Tensor) -> torch.Tensor:
@@ -97,8 +124,10 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
     terms, so the error is at most ~(d_in + d_out + L^2) u W^2 with W = sum_t ||a_t|| ||g_t||,
     a relative 1e-11 in float64 where float32 would have needed 1e-3 to 4e-2."""
     a64, g64 = a.double(), g.double()
-    gram = (torch.matmul(a64, a64.transpose(-1, -2)) * torch.matmul(g64, g64.transpose(-1, -2))).flatten(1).sum(1)
-    weight = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum(-1)  # (B, ...)
+    # einsums: one operator each where transposes, matmuls and the sums were seven (issue 63)
+    grams = torch.einsum("...ld,...md->...lm", a64, a64), torch.einsum("...ld,...md->...lm", g64, g64)
+    gram = torch.einsum("b...lm,b...lm->b", *grams)
+    weight = torch.einsum("...l,...l->...", torch.linalg.vector_norm(a64, dim=-1), torch.linalg.vector_norm(g64, dim=-1))  # (B, ...)
     upper = upper_bound(gram, a.shape[-1] + g.shape[-1], a.shape[-2], weight).to(a.dtype)
     return upper, weight if weight.dim() == 1 else weight.square().reshape(len(gram), -1).sum(1).sqrt()
 
@@ -107,8 +136,10 @@ def upper_bound(gram: torch.Tensor, inner: int, length: int, weight: torch.Tenso
     """A float64 Gram squared norm (B,) plus the rigorous bound on its rounding error,
     2 (inner + L^2 + 4) u W^2 (W = ``weight``, summed over any group dims): never below the exact value."""
     unit = torch.finfo(torch.float64).eps / 2
-    sq_weight = weight.square() if weight.dim() == 1 else weight.square().reshape(len(gram), -1).sum(1)
-    return gram.clamp(min=0) + 2.0 * (inner + length * length + 4) * unit * sq_weight
+    scale = 2.0 * (inner + length * length + 4) * unit
+    if weight.dim() == 1:  # one operator for the bound's term (the product and sum rounded in float64, far inside the 2)
+        return torch.addcmul(gram.clamp(min=0), weight, weight, value=scale)
+    return gram.clamp(min=0) + scale * weight.square().reshape(len(gram), -1).sum(1)
 
 
 # Gram matrices are multiplied in float64 (see gram_sq_norms): on CPU about twice float32's cost.

@@ -35,6 +35,7 @@ from dpscale.privacy.ghost_record import (
     part,
     per_example,
     plus,
+    small_part,
     row_factors,
     tuned,
     upper_bound,
@@ -106,7 +107,7 @@ def _linear_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor, rows: tup
     return tuned(r, signature, rule, costs, LINEAR_WEIGHT_METHODS, (a, g), rows, _linear_sums, len(a))
 
 
-def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     b = a.shape[0] // r.views  # an example's K views are consecutive rows: fold them into its sequence
     # one row per example (the 2-d input of a classifier head): the rows themselves, no reshape
     one_row = a.dim() == 2 and r.views == 1
@@ -127,8 +128,8 @@ def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             sq = plus(sq, part(r, "weight", LINEAR_WEIGHT_METHODS[method](r, a3, g3)))
     if r.trainable.get("bias"):
         r.cache["bias"] = g if one_row else g3.sum(1)
-        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
-    return or_zeros(sq, a, b)
+        sq = plus(sq, small_part(r, "bias"))
+    return or_zeros(r, sq, a, b)
 
 
 def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -149,7 +150,7 @@ def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: t
     return out
 
 
-def _ws_linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _ws_linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """A ScaledStdLinear's norms: each example's gradient with respect to W' (its output
     gradients times its inputs, summed over a sequence and an example's views), mapped through
     the standardisation by ``ws_weight_norms``; one input row per example takes the closed form
@@ -163,11 +164,11 @@ def _ws_linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tenso
         sq = ws_weight_norms(r, torch.bmm(g3.transpose(1, 2), a3), sq)
     if r.trainable.get("bias"):
         r.cache["bias"] = g3.sum(1)
-        sq = plus(sq, part(r, "bias", blocked_sq_norms(r.cache["bias"])))
-    return or_zeros(sq, a, b)
+        sq = plus(sq, small_part(r, "bias"))
+    return or_zeros(r, sq, a, b)
 
 
-def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """Weight and gain norms of a ScaledStdLinear whose examples have one input row a (B, n) and
     output gradient g (B, out), in float64 without the (B, out, n) gradients.
 
@@ -195,7 +196,7 @@ def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
         sq = plus(sq, part(r, "weight", (exact + rounding).to(a.dtype)))
         along = (kg2 * t.square() * kappa).sum(1).sqrt()
         r.slack = release_slack(4, (k * g64).norm(dim=1) * sq_a.squeeze(1).sqrt() + along, torch.float64)
-    return or_zeros(sq, a, a.shape[0])
+    return or_zeros(r, sq, a, a.shape[0])
 
 
 def _ws_linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -260,13 +261,13 @@ def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torc
     return parts
 
 
-def _norm_layer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _norm_layer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     parts = {name: per_example(r, t) for name, t in _affine_parts(r, a, g).items()}
     r.cache.update(parts)
     sq = None
-    for name, t in parts.items():
-        sq = plus(sq, part(r, name, blocked_sq_norms(t)))
-    return or_zeros(sq, a, a.shape[0] // r.views)
+    for name in parts:
+        sq = plus(sq, small_part(r, name))
+    return or_zeros(r, sq, a, a.shape[0] // r.views)
 
 
 def _norm_layer_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -303,7 +304,7 @@ def _embedding_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c
     return {"weight": weight}
 
 
-def _tokens_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _tokens_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     # out = [cls; tokens] + pos: d out / d pos = g (per example), d out / d cls = g[:, 0].
     g = r.cache["g"] = per_example(r, g)
     sq = None
@@ -311,7 +312,7 @@ def _tokens_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         sq = plus(sq, part(r, "pos_embed", blocked_sq_norms(g)))
     if r.trainable.get("cls_token"):
         sq = plus(sq, part(r, "cls_token", blocked_sq_norms(g[:, 0])))
-    return or_zeros(sq, a, g.shape[0])
+    return or_zeros(r, sq, a, g.shape[0])
 
 
 def _tokens_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
@@ -329,13 +330,14 @@ class Rule:
 
     Attributes:
         norms: (record, input a, output gradient g) -> per-example squared norms (B,), keeping on the
-            record what ``sums`` needs.
+            record what ``sums`` needs; None when every term was left to the engine's batched pass
+            (``ghost_record.small_part``, only on a record whose ``defer`` the engine set).
         sums: (record, a, g, clip factors (B,)) -> clipped sums by local parameter name; a and g are
             None once the engine has dropped them (the sums then come from the record's cache).
         params: the only parameter names the rule knows how to differentiate.
     """
 
-    norms: Callable[[Record, torch.Tensor, torch.Tensor], torch.Tensor]
+    norms: Callable[[Record, torch.Tensor, torch.Tensor], torch.Tensor | None]
     sums: Callable[[Record, torch.Tensor | None, torch.Tensor | None, torch.Tensor], Params]
     params: frozenset[str]
 
