@@ -55,7 +55,8 @@ from dpscale.privacy.precision import FP32, Precision, exact_float32, zero_rows
 COMPILED_ENGINE = "vmap-compiled"  # the engine's name in logs, summaries and the bench's resolved column
 COMPILED_NOTE = (
     "compile: each chunk's clipped sum runs as one torch.compile graph of the vmap engine (checked above); each new "
-    "chunk shape compiles once (seconds to a minute) and is compared once with the eager engine"
+    "chunk shape compiles once (seconds to a minute) and is compared once with the eager engine: batches of one size "
+    "(dp.sampling=fixed, a max_physical_batch_size dividing them) compile once, Poisson batches nearly every step"
 )
 
 # (engine, model, chunk) -> the engine the first-chunk check lets train (``make_private``'s, the Trainer's)
