@@ -51,18 +51,19 @@ def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypa
     model, x, y = _mlp(), torch.randn(8, 4), torch.randint(0, 3, (8,))
     rule = ghost_rules.RULES[nn.Linear]
 
-    def wrong_bias(r, a, g, c):
+    # the weight: a bias's clipped sum is released with every layer's at once (ghost_model.released_all)
+    def wrong_weight(r, a, g, c):
         out = rule.sums(r, a, g, c)
-        return {**out, "bias": out["bias"] * 1.01} if r.name == "0" else out
+        return {**out, "weight": out["weight"] * 1.01} if r.name == "0" and "weight" in out else out
 
     engine = GhostEngine(10.0)
     assert self_check(engine, model, (x, y)).ok  # the engine's own route check has passed for this model
-    monkeypatch.setitem(ghost_rules.RULES, nn.Linear, ghost_rules.Rule(rule.norms, wrong_bias, rule.params))
+    monkeypatch.setitem(ghost_rules.RULES, nn.Linear, ghost_rules.Rule(rule.norms, wrong_weight, rule.params))
     result = self_check(engine, model, (x, y))
-    assert result.mismatched == ("parameter 0.bias (clipped sum)",)
+    assert result.mismatched == ("parameter 0.weight (clipped sum)",)
     # a fresh engine's route check (records' unclipped sum vs autograd) already refuses, naming it
     refused = self_check(GhostEngine(10.0), model, (x, y))
-    assert refused.refusal is not None and "0.bias" in refused.refusal
+    assert refused.refusal is not None and "0.weight" in refused.refusal
 
 
 # vit-tiny's 12 blocks only in the slow suite: its check (the float64 per-example loop and the batch-
@@ -206,13 +207,15 @@ def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeyp
     from dpscale.train import Trainer
     from helpers import small_config
 
-    rule = ghost_rules.RULES[nn.Conv2d]
+    from dpscale.privacy import ghost
 
-    def halved(r, a, g):
-        sq = rule.norms(r, a, g)
-        return sq * 0.25 if r.name == "features.3" else sq
+    add_deferred = ghost.add_deferred_norms
 
-    monkeypatch.setitem(ghost_rules.RULES, nn.Conv2d, ghost_rules.Rule(halved, rule.sums, rule.params))
+    def halved(records, layer_sq, state):  # the layers' whole norms, after the batched pass adds its terms
+        sq = add_deferred(records, layer_sq, state)
+        return {name: v * 0.25 if name == "features.3" else v for name, v in sq.items()}
+
+    monkeypatch.setattr(ghost, "add_deferred_norms", halved)
     with pytest.raises(ConfigError, match=r"layer features\.3 \(per-example norms\)"):
         Trainer.create(small_config(tmp_path / "bk", "train.steps=2", "train.engine=bk"))
     trainer = Trainer.create(small_config(tmp_path / "auto", "train.steps=2"))

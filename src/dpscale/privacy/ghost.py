@@ -56,8 +56,7 @@ from dpscale.privacy.ghost_model import (
     ModelState,
     OutsideUseMonitor,
     add_deferred_norms,
-    full_name,
-    released,
+    released_all,
     units_of_pass,
     unseen_routes,
     unsupported_modules,
@@ -193,7 +192,8 @@ class GhostEngine(ClippedSumMixin):
         out_grads = grads[: len(records)]
         true = {n: None if t is None else _unscaled(t, scale) for n, t in zip(checked_params, grads[len(records) :])}
         del targets, grads
-        with exact_float32():  # the clip bound's arithmetic never in TF32
+        # the clip bound's arithmetic never in TF32; nothing after the backward pass is differentiated
+        with exact_float32(), torch.no_grad():
             layer_sq = self._layer_norms(records, out_grads, state)
             units = units_of_pass(records, layer_sq, self.max_grad_norm, params)
             # the type the release is computed in (never the tokens' int type)
@@ -211,7 +211,7 @@ class GhostEngine(ClippedSumMixin):
             # to the whole update and show that the example was in the batch.
             if needs_zeroing(finite):
                 _zero_examples(records, finite, self.views)
-            sums = {full_name(r.name, local): s for r in records for local, s in released(r, factors, units).items()}
+            sums = released_all(records, factors, units)
             # a zero tensor only for a parameter whose layer did not run (one per parameter was an
             # operator each, issue 63)
             grad_sum = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in params.items()}
@@ -366,7 +366,8 @@ class GhostEngine(ClippedSumMixin):
             if monitor is not None:
                 monitor.active.pop()
             record.calls += 1
-            record.inputs = inputs[0].detach().clone() if copy else inputs[0].detach()
+            # not detached (an operator a layer): every use is under no_grad (clip_with_layer_norms)
+            record.inputs = inputs[0].detach().clone() if copy else inputs[0]
             record.output = output
             record.versions = (output._version, record.inputs._version)
             # The rest of the model sees a copy, so in-place changes there leave the record intact.

@@ -18,6 +18,7 @@ from torch.nn.grad import conv2d_weight
 from dpscale.layers import ScaledStdConv2d, ScaledStdLinear, standardized
 from dpscale.privacy.clipping import blocked_sq_norms, release_slack
 from dpscale.privacy.ghost_record import (
+    cached_norms,
     FLOAT64_GRAM_COST,
     Record,
     accurate_enough,
@@ -273,19 +274,19 @@ def _conv_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     return gram
 
 
-def _conv_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _conv_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     r.cache["weight"] = _conv_per_example_bmm(r, a, g)
-    return blocked_sq_norms(r.cache["weight"])
+    return cached_norms(r)
 
 
-def _conv_weight_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _conv_weight_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     r.cache["weight"] = _conv_per_example_bmm_positions(r, a, g)
-    return blocked_sq_norms(r.cache["weight"])
+    return cached_norms(r)
 
 
-def _conv_weight_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _conv_weight_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     r.cache["weight"] = _conv_per_example_grouped(r, a, g)
-    return blocked_sq_norms(r.cache["weight"])
+    return cached_norms(r)
 
 
 # A conv weight's exact per-example-norm methods: Gram forms (an upper bound with the release's
@@ -343,6 +344,22 @@ def conv_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | No
     return or_zeros(r, sq, a, a.shape[0] // r.views)
 
 
+def _weight_gradient(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The layer's ordinary weight gradient for input ``a`` and output gradient ``g``, in its
+    weight's shape: torch's convolution backward, given the weight itself for its shape (read for
+    its size only) where ``conv2d_weight`` would make one (two more operators a layer, issue 63)."""
+    kernel, stride, padding, dilation = _conv_geometry(m)
+    if isinstance(m, nn.Conv2d) and m.weight.dtype == g.dtype:
+        return torch.ops.aten.convolution_backward(
+            g, a, m.weight, None, stride, padding, dilation, False, [0, 0], m.groups, (False, True, False)
+        )[1]
+    if isinstance(m, nn.Conv1d):
+        a, g = a.unsqueeze(2), g.unsqueeze(2)
+    weight = conv2d_weight(a, (m.out_channels, m.in_channels // m.groups, *kernel), g, stride=stride, padding=padding,
+                           dilation=dilation, groups=m.groups)  # fmt: skip
+    return weight.reshape(m.weight.shape)
+
+
 def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
     """A convolution's clipped sums by local name for the clip factors ``c`` (B,): the cached
     per-example weight gradients scaled, or one weight gradient of ``a`` with ``g`` scaled."""
@@ -357,20 +374,8 @@ def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torc
             assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
             # sum_i c_i g_i^T a_i is the ordinary weight gradient with g scaled per example:
             # the library's convolution kernel, no im2col.
-            kernel, stride, padding, dilation = _conv_geometry(m)
             scaled = g * row_factors(r, c).view(-1, *([1] * (g.dim() - 1)))
-            if isinstance(m, nn.Conv1d):
-                a, scaled = a.unsqueeze(2), scaled.unsqueeze(2)
-            weight = conv2d_weight(
-                a,
-                (m.out_channels, m.in_channels // m.groups, *kernel),
-                scaled,
-                stride=stride,
-                padding=padding,
-                dilation=dilation,
-                groups=m.groups,
-            )
-            out["weight"] = weight.reshape(m.weight.shape)
+            out["weight"] = _weight_gradient(m, a, scaled)
     if r.trainable.get("bias"):
         out["bias"] = c @ r.cache["bias"]
     return out

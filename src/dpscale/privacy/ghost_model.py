@@ -153,24 +153,25 @@ def add_deferred_norms(records: list[Record], layer_sq: Mapping[str, torch.Tenso
     Returns:
         layer name -> squared norms (B,), for every record.
     """
-    deferred = [r.cache[local] for r in records for local in r.deferred]
-    if not deferred:
+    # each layer's deferred terms: its small cached gradients, then its weights' block norms
+    terms = [(r.name, t) for r in records for t in [*(r.cache[local] for local in r.deferred), *r.squares]]
+    if not terms:
         return {name: sq for name, sq in layer_sq.items() if sq is not None}
     names = [r.name for r in records]
     direct = [name for name in names if layer_sq[name] is not None]
-    layout = (tuple(names), tuple((r.name, local, r.cache[local].shape[1:]) for r in records for local in r.deferred),
-              tuple(direct), deferred[0].device)  # fmt: skip
+    device, dtype = terms[0][1].device, terms[0][1].dtype
+    layout = (tuple(names), tuple((name, t.shape[1:]) for name, t in terms), tuple(direct), device)
     if layout not in state.indices:
         position = {name: i for i, name in enumerate(names)}
-        columns = [position[r.name] for r in records for local in r.deferred for _ in range(math.prod(r.cache[local].shape[1:]))]
-        state.indices[layout] = (torch.tensor(columns, device=deferred[0].device),
-                                 torch.tensor([position[name] for name in direct], device=deferred[0].device))  # fmt: skip
+        columns = [position[name] for name, t in terms for _ in range(math.prod(t.shape[1:]))]
+        state.indices[layout] = (torch.tensor(columns, device=device),
+                                 torch.tensor([position[name] for name in direct], device=device))  # fmt: skip
     by_column, by_layer = state.indices[layout]
-    flat = torch.cat([t if t.dim() == 2 else t.reshape(t.shape[0], -1) for t in deferred], 1).double()
+    flat = torch.cat([t if t.dim() == 2 else t.reshape(t.shape[0], -1) for _, t in terms], 1).double()
     total = flat.new_zeros(len(names), flat.shape[0]).index_add_(0, by_column, flat.square().t())
     if direct:
         total.index_add_(0, by_layer, torch.stack([layer_sq[name] for name in direct]).double())  # type: ignore[misc]
-    return dict(zip(names, total.to(deferred[0].dtype).unbind(0)))
+    return dict(zip(names, total.to(dtype).unbind(0)))
 
 
 def full_name(layer: str, local: str) -> str:
@@ -231,6 +232,26 @@ def units_of_pass(records: list[Record], layer_sq: dict[str, torch.Tensor], max_
             unit_slack[names["weight"]] = r.slack
         layer_sq[r.name] = sum((r.parts[local] for local in names), torch.zeros_like(layer_sq[r.name]))
     return Units(sq, unit_slack, group_of, frozenset(split))
+
+
+def released_all(records: list[Record], factors: dict[str, torch.Tensor], units: Units) -> Params:
+    """Every layer's clipped sums by full parameter name: the deferred small gradients'
+    (``small_part``, one clip factor for all of them) as one product and one cut for the whole
+    model, the rest by their rules (``released``)."""
+    deferred = [(r, local) for r in records for local in r.deferred]
+    out: Params = {}
+    if deferred:
+        # every deferred unit has the same factors (defer only runs under one bound): c @ [g_1 ... g_n]
+        # is each tensor's sum_i c_i g_i; rows zeroed since the norms (non-finite examples) are read now
+        flat = torch.cat([r.cache[local].reshape(r.cache[local].shape[0], -1) if r.cache[local].dim() != 2 else r.cache[local]
+                          for r, local in deferred], 1)  # fmt: skip
+        like: list[torch.Tensor] = [dict(r.module.named_parameters(recurse=False))[local] for r, local in deferred]
+        summed = torch._C._nn.unflatten_dense_tensors(factors[deferred[0][0].name] @ flat, like)
+        out.update({full_name(r.name, local): s for (r, local), s in zip(deferred, summed)})
+    for r in records:
+        kept = r if not r.deferred else replace(r, trainable={n: t and n not in r.deferred for n, t in r.trainable.items()})
+        out.update({full_name(r.name, local): s for local, s in released(kept, factors, units).items()})
+    return out
 
 
 def released(r: Record, factors: dict[str, torch.Tensor], units: Units) -> Params:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpscale.privacy.autotune import Candidate, MethodTuner
-from dpscale.privacy.clipping import NORM_BLOCK, blocked_sq_norms
+from dpscale.privacy.clipping import NORM_BLOCK, block_norms, blocked_sq_norms
 from dpscale.privacy.per_example import Params
 
 
@@ -60,12 +60,27 @@ class Record:
     # ``deferred``; their squares then never enter the layer's norm here.
     defer: bool = False
     deferred: list[str] = field(default_factory=list)
+    # ... and instantiated weight gradients their block norms (``cached_norms``): squared and added
+    # in the same pass (the gradients themselves are released by their rule).
+    squares: list[torch.Tensor] = field(default_factory=list)
 
 
-def part(r: Record, local: str, sq: torch.Tensor) -> torch.Tensor:
+def cached_norms(r: Record, local: str = "weight") -> torch.Tensor | None:
+    """The squared norms (B,) of the instantiated per-example gradient ``r.cache[local]``; or, when
+    the engine batches (``r.defer``), None: its block norms join ``r.squares``, which the engine
+    squares and sums in float64 with every layer's (``blocked_sq_norms``' arithmetic, with its
+    float32 squares exact in float64; four operators fewer a layer, issue 63)."""
+    if not r.defer:
+        return blocked_sq_norms(r.cache[local])
+    r.squares.append(block_norms(r.cache[local]))
+    return None
+
+
+def part(r: Record, local: str, sq: torch.Tensor | None) -> torch.Tensor | None:
     """Keep parameter ``local``'s per-example squared norms (B,) on its layer's record, and
     return them (for the rule to add into the layer's)."""
-    r.parts[local] = sq
+    if sq is not None:  # None: left to the engine's batched pass (no parts are read then)
+        r.parts[local] = sq
     return sq
 
 
@@ -179,13 +194,13 @@ def tuned(
     known = r.tuner.remembered(r.name, signature)
     if known is not None:  # the steps after the first: no candidates built
         return known
-    ones = args[0].new_ones(examples)
 
     def runner(name: str) -> Callable[[], Any]:
         def run() -> Any:
-            scratch = replace(r, trainable={"weight": True}, cache={}, parts={}, slack=None, tuner=None, kernel_major=False)
+            scratch = replace(r, trainable={"weight": True}, cache={}, parts={}, slack=None, tuner=None, kernel_major=False,
+                              defer=False, deferred=[], squares=[])  # fmt: skip
             methods[name](scratch, *args)
-            return sums(scratch, *rows, ones)
+            return sums(scratch, *rows, args[0].new_ones(examples))  # made when timed (not on every chunk)
 
         return run
 

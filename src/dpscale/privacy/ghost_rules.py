@@ -26,6 +26,7 @@ from dpscale.layers import (
 from dpscale.privacy.clipping import blocked_sq_norms, gamma, release_slack
 from dpscale.privacy.ghost_conv import conv_norms, conv_sums, ws_conv_norms, ws_rows, ws_weight_norms
 from dpscale.privacy.ghost_record import (
+    cached_norms,
     FLOAT64_GRAM_COST,
     Record,
     accurate_enough,
@@ -85,10 +86,10 @@ def _linear_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Te
     return gram
 
 
-def _linear_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _linear_weight_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """Weight norms from each example's instantiated gradient (B, out, in), kept for the release."""
     r.cache["weight"] = torch.bmm(g.transpose(1, 2), a)
-    return blocked_sq_norms(r.cache["weight"])
+    return cached_norms(r)
 
 
 LINEAR_WEIGHT_METHODS = {"gram": _linear_weight_gram, "bmm": _linear_weight_bmm}
@@ -220,7 +221,7 @@ def _ws_linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c
     return out
 
 
-def _scalar_gain_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _scalar_gain_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """y = scale * gain * x: the per-example gradient of the gain is scale * <x_i, g_i>."""
     m = r.module
     assert isinstance(m, ScalarGain), f"{type(m).__name__} is not a ScalarGain"
@@ -254,7 +255,9 @@ def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torc
     else:  # LayerNorm: params over the trailing normalized_shape
         n = len(m.normalized_shape)
         reduce = lambda t: t.reshape(b, -1, *t.shape[t.dim() - n :]).sum(1)  # noqa: E731
-    if r.trainable.get("weight"):
+    if r.trainable.get("weight") and isinstance(m, nn.GroupNorm):  # the product and its sum in one operator
+        parts["weight"] = torch.einsum("bc...,bc...->bc", g, _normalized(r, a))
+    elif r.trainable.get("weight"):
         parts["weight"] = reduce(g * _normalized(r, a))
     if r.trainable.get("bias"):
         parts["bias"] = reduce(g)
@@ -275,7 +278,7 @@ def _norm_layer_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, 
             for name in ("weight", "bias") if name in r.cache and r.trainable.get(name)}  # fmt: skip
 
 
-def _embedding_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _embedding_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     m = r.module
     assert isinstance(m, nn.Embedding), f"{type(m).__name__} is not an Embedding"
     b = a.shape[0] // r.views  # views folded into the sequence, as for Linear
