@@ -130,16 +130,28 @@ def _conv_per_example_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> to
             return t.reshape(1, -1, *t.shape[2:])
         return t.reshape(b, views, *t.shape[1:]).transpose(0, 1).reshape(views, -1, *t.shape[2:])
 
-    weight = conv2d_weight(
-        views_first(a),
-        (b * m.out_channels, m.in_channels // groups, *kernel),
-        views_first(g),
-        stride=stride,
-        padding=padding,
-        dilation=dilation,
-        groups=b * groups,
-    )
-    return weight.reshape(b, groups, m.out_channels // groups, -1)
+    size = (b * m.out_channels, m.in_channels // groups, *kernel)
+    weight = torch.ops.aten.convolution_backward(
+        views_first(g), views_first(a), _shape_only(size, g), None, stride, padding, dilation, False, [0, 0], b * groups,
+        (False, True, False),
+    )[1]  # fmt: skip
+    return weight.reshape(b, *m.weight.shape)  # the weight's layout: its clipped sum needs no reshape
+
+
+# zero-stride stand-ins for a weight the convolution backward reads only the shape of, by (shape,
+# dtype, device): conv2d_weight makes one on every call (two operators a layer, issue 63)
+_SHAPES: dict[tuple, torch.Tensor] = {}
+
+
+def _shape_only(size: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A tensor of shape ``size`` (one value, expanded, never written) for ``aten.convolution_backward``'s
+    weight argument, kept per shape, type and device."""
+    key = (size, like.dtype, like.device)
+    if key not in _SHAPES:
+        if len(_SHAPES) > 256:  # shapes of many chunk sizes: start again rather than grow
+            _SHAPES.clear()
+        _SHAPES[key] = like.new_empty(1).expand(size)
+    return _SHAPES[key]
 
 
 def _fold_views(r: Record, t: torch.Tensor) -> torch.Tensor:
@@ -160,11 +172,11 @@ def _bmm_is_faster(d_in: int, d_out: int, length: int) -> bool:
 
 
 def _conv_per_example_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Each example's weight gradient by im2col + bmm, (B, G, out/G, in/G * k), summed over its views."""
+    """Each example's weight gradient by im2col + bmm, (B, G, out/G, in/G * k) (ungrouped: (B, *weight.shape)), summed over its views."""
     patches, gg = _conv_unfold(r, a, g)
     patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
-    if _conv(r).groups == 1:  # plain bmm takes the transposed operand without a copy
-        return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).unsqueeze(1)
+    if _conv(r).groups == 1:  # plain bmm takes the transposed operand without a copy; in the weight's layout
+        return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).view(len(gg), *_conv(r).weight.shape)
     return torch.matmul(gg, patches.transpose(2, 3))
 
 
@@ -188,7 +200,7 @@ def _conv_per_example_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor)
 
 
 def _conv_per_example(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Each example's weight gradient, (B, G, out/G, in/G * k), summed over its K views (by the shape rule)."""
+    """Each example's weight gradient, (B, ...) of the weight's numel per example, summed over its K views (by the shape rule)."""
     m = _conv(r)
     length = math.prod(g.shape[2:]) * r.views
     d_in, d_out = m.in_channels // m.groups * math.prod(m.weight.shape[2:]), m.out_channels // m.groups
@@ -235,8 +247,8 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
     rows, channels, hp, wp = x.shape
     b, ho, wo = rows // views, g.shape[-2], g.shape[-1]
     # einsum: one operator where transposes, reshapes and a bmm were five (issue 63); the same sums
-    pixels = x.reshape(b, views, channels, hp * wp)
-    full = torch.einsum("bvcp,bwcq->bvpwq", pixels, pixels).reshape(b, views, hp, wp, views, hp, wp)
+    pixels = x.reshape(b, views, channels, hp, wp)
+    full = torch.einsum("bvchw,bucxy->bvhwuxy", pixels, pixels)  # (B, K, Hp, Wp, K, Hp, Wp)
     # the pixels under kernel tap (i, j) at every output position, as two trailing tap dimensions of
     # one strided view (a tap moves both pixels of a Gram entry), summed in one operator: a slice
     # and an add per tap were 2 k^2 operators a layer (issue 63)
@@ -246,15 +258,17 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
         (s[0], s[1], s[2] * sh, s[3] * sw, s[4], s[5] * sh, s[6] * sw, (s[2] + s[5]) * dh, (s[3] + s[6]) * dw),
         full.storage_offset(),
     )
-    patch = taps.sum((-2, -1)).reshape(b, views, ho * wo, views, ho * wo)
-    g64 = g.double().reshape(b, views, m.out_channels, ho * wo)
-    gram = torch.einsum("bvlwm,bvlwm->b", patch, torch.einsum("bvcl,bwcm->bvlwm", g64, g64))
-    pixel_sq = x.square().sum(1)  # (B*K, Hp, Wp)
-    p = pixel_sq.stride()
-    box = pixel_sq.as_strided(  # ||a_t||^2 (B*K, Ho, Wo): each output position's k x k pixels, summed
-        (rows, ho, wo, kh, kw), (p[0], p[1] * sh, p[2] * sw, p[1] * dh, p[2] * dw), pixel_sq.storage_offset()
+    patch = taps.sum((-2, -1))  # (B, K, Ho, Wo, K, Ho, Wo)
+    g64 = g.double().reshape(b, views, m.out_channels, ho, wo)
+    gram = torch.einsum("bvhwuxy,bvhwuxy->b", patch, torch.einsum("bvchw,bucxy->bvhwuxy", g64, g64))
+    # ||a_t||^2 (B, K, Ho, Wo): each output position's k x k pixels' squared norms (the pixel Gram's
+    # diagonal), summed; a float64 sum of squares, never negative
+    box = full.as_strided(
+        (b, views, ho, wo, kh, kw),
+        (s[0], s[1] + s[4], (s[2] + s[5]) * sh, (s[3] + s[6]) * sw, (s[2] + s[5]) * dh, (s[3] + s[6]) * dw),
+        full.storage_offset(),
     ).sum((-2, -1))
-    weight = torch.einsum("bvl,bvl->b", box.clamp(min=0).sqrt().reshape(b, views, -1), torch.linalg.vector_norm(g64, dim=2))
+    weight = torch.einsum("bvhw,bvhw->b", box.sqrt(), torch.linalg.vector_norm(g64, dim=2))
     inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
     return upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
 
@@ -369,7 +383,7 @@ def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torc
             summed = torch.tensordot(c, r.cache["weight"], dims=1)
             if r.kernel_major:  # (out, kh, kw, in) -> the weight's (out, in, kh, kw)
                 summed = summed.reshape(m.out_channels, *_conv_geometry(m)[0], -1).movedim(-1, 1)
-            out["weight"] = summed.reshape(m.weight.shape)
+            out["weight"] = summed if summed.shape == m.weight.shape else summed.reshape(m.weight.shape)
         else:
             assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
             # sum_i c_i g_i^T a_i is the ordinary weight gradient with g scaled per example:

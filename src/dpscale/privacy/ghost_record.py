@@ -93,7 +93,7 @@ def plus(total: torch.Tensor | None, sq: torch.Tensor | None) -> torch.Tensor | 
 def or_zeros(r: Record, total: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor | None:
     """A rule's squared norms ``total``; when it had no term, None if the batched pass adds its
     deferred ones (``small_part``), else (rows,) zeros of ``like``'s type."""
-    return like.new_zeros(rows) if total is None and not r.deferred else total
+    return like.new_zeros(rows) if total is None and not (r.deferred or r.squares) else total
 
 
 # The batched pass sums each layer's deferred squares with at most this many values per example, so
@@ -152,9 +152,12 @@ def upper_bound(gram: torch.Tensor, inner: int, length: int, weight: torch.Tenso
     2 (inner + L^2 + 4) u W^2 (W = ``weight``, summed over any group dims): never below the exact value."""
     unit = torch.finfo(torch.float64).eps / 2
     scale = 2.0 * (inner + length * length + 4) * unit
-    if weight.dim() == 1:  # one operator for the bound's term (the product and sum rounded in float64, far inside the 2)
-        return torch.addcmul(gram.clamp(min=0), weight, weight, value=scale)
-    return gram.clamp(min=0) + scale * weight.square().reshape(len(gram), -1).sum(1)
+    # gram is within the term of the exact value, so gram + term is at least it even where the
+    # computed gram is negative (no clamp needed); one operator for the term's product and sum,
+    # rounded in float64, far inside its factor 2
+    if weight.dim() == 1:
+        return torch.addcmul(gram, weight, weight, value=scale)
+    return gram + scale * weight.square().reshape(len(gram), -1).sum(1)
 
 
 # Gram matrices are multiplied in float64 (see gram_sq_norms): on CPU about twice float32's cost.

@@ -254,9 +254,10 @@ def clip_units(
         reach[: len(slacked)] += torch.stack(slacked)
     release_dtype = zeros.dtype
     if not is_per_layer(max_grad_norm):
-        bound = reach.square().sum(0).sqrt()
+        bound = torch.linalg.vector_norm(reach, dim=0)  # float64: its rounding far inside clip_margin's float64 term
         factors = clip_factors(bound, max_grad_norm, release_dtype=release_dtype, gamma=gamma).to(release_dtype)  # type: ignore[arg-type]
-        factors = torch.where(torch.isfinite(norms) & torch.isfinite(bound), factors, 0.0)
+        # norms + bound is finite exactly when both are (neither is negative)
+        factors = torch.where(torch.isfinite(norms + bound), factors, 0.0)
         return dict.fromkeys(unit_sq_norms, factors), norms
     if group_of is None:
         raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
