@@ -99,3 +99,38 @@ def test_the_padded_size_is_the_smallest_bound():
     plan = dpscale.make_private(model, optimizer, dataset_size=N, batch_size=10, max_grad_norm=0.5, noise_multiplier=1.0,
                                 delta=1e-5, steps=2, max_batch_size=CAP).plan  # fmt: skip
     assert pad_rows_for(plan, None) == CAP and pad_rows_for(plan, 5) == 5 and pad_rows_for(plan, 64) == CAP
+
+
+@pytest.mark.slow  # a first torch.compile costs ~10-30 s on 2 cores
+def test_a_compiled_capped_run_is_padded_to_the_cap_and_releases_what_the_eager_run_does():
+    """compile=True pads a capped run's chunks to the cap by default (one shape, compiled once) and
+    masks the padding: the counts and epsilon of the eager vmap run, its releases to float32."""
+
+    def run(**options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(36, 6), nn.Tanh(), nn.Linear(6, 4))
+        mechanism = dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=N, batch_size=6, max_grad_norm=0.5,
+            noise_multiplier=1.0, delta=1e-5, steps=5, seed=3, max_batch_size=CAP, **options,
+        )  # fmt: skip
+        released, counts, seen = [], [], []
+        mechanism.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+        add_chunk = step_module._add_chunk
+
+        def watched(engine, model, params, chunk, *rest):
+            seen.append(chunk[0].shape[0])
+            return add_chunk(engine, model, params, chunk, *rest)
+
+        x, y = _data()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step_module, "_add_chunk", watched)
+            for indices in mechanism.batches():
+                counts.append(mechanism.step(x[indices].float(), y[indices]).examples)
+        return released, counts, mechanism.epsilon(), seen
+
+    eager, eager_counts, eager_eps, _ = run(engine="vmap")
+    compiled, compiled_counts, compiled_eps, seen = run(compile=True)
+    assert set(seen) == {CAP} and compiled_counts == eager_counts and compiled_eps == eager_eps
+    for want, got in zip(eager, compiled, strict=True):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)

@@ -47,6 +47,7 @@ from dpscale.privacy.per_example import (
     clip_units,
     mean_over_views,
     per_example_cross_entropy,
+    real_rows,
     refuse_units,
     tolerance_for,
 )
@@ -195,6 +196,13 @@ class CompiledEngine(ClippedSumMixin):
         """
         refuse_units(batch, self.name)
         x, y = batch
+        rows = real_rows(batch)
+        if rows is not None:  # a fixed-shape chunk (pad_chunk): its padding masked, its examples' norms and losses returned
+            padding = torch.arange(x.shape[0], device=x.device) < rows
+            grad_sum, norms, losses = self.clipped_sum_and_losses(
+                model, params, (x, y), padding if row_mask is None else row_mask & padding
+            )
+            return grad_sum, norms[:rows], losses[:rows]
         _check_mask(row_mask, x.shape[0])
         if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train
             return self.empty_result(params, x)
