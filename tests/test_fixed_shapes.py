@@ -134,3 +134,33 @@ def test_a_compiled_capped_run_is_padded_to_the_cap_and_releases_what_the_eager_
     for want, got in zip(eager, compiled, strict=True):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+
+
+def test_dpscale_train_with_fixed_shapes_pads_every_chunk_and_trains_as_the_unpadded_run(tmp_path):
+    """The Trainer's door: train.fixed_shapes pads each chunk to train.max_physical_batch_size (or
+    the cap when smaller); the same counts, epsilon and, to float32, the same weights."""
+    from dpscale.train import Trainer
+    from helpers import tiny_config
+
+    def run(name: str, fixed: str) -> tuple[dict, list[int], dict]:
+        seen: list[int] = []
+        add_chunk = step_module._add_chunk
+
+        def watched(engine, model, params, chunk, *rest):
+            seen.append(chunk[0].shape[0])
+            return add_chunk(engine, model, params, chunk, *rest)
+
+        config = tiny_config(tmp_path / name, "run.seed=5", "dp.max_batch_size=70", "train.max_physical_batch_size=32",
+                             "train.engine=bk", f"train.fixed_shapes={fixed}")  # fmt: skip
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(step_module, "_add_chunk", watched)
+            trainer = Trainer.create(config)
+            summary = trainer.run()
+        return summary, seen, {k: v.clone() for k, v in trainer.built.model.state_dict().items()}
+
+    plain, plain_seen, plain_weights = run("plain", "false")
+    padded, padded_seen, padded_weights = run("padded", "true")
+    assert set(padded_seen) == {32} and len(set(plain_seen)) > 1
+    assert padded["epsilon"] == plain["epsilon"]
+    for name, want in plain_weights.items():
+        torch.testing.assert_close(padded_weights[name], want, rtol=1e-5, atol=1e-6)

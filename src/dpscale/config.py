@@ -350,6 +350,9 @@ class TrainConfig:
     compile: capture each chunk's clipped sum (forward, backward, norms, clipping, the sum) with
         torch.compile: the vmap engine's arithmetic, checked eagerly first; engine auto or vmap,
         precision fp32; each new chunk size compiles again (docs/engines.md, "The compiled step").
+    fixed_shapes: pad every chunk with zero rows, which weigh exactly nothing, to one size (the
+        chunk, or the cap or fixed batch size when smaller), so every step has one shape; null:
+        with compile (not at the user unit). The release and epsilon are the unpadded run's.
     self_check: before the first step, compare the engine's per-example norms and clipped sum
         with a per-example loop on a few training examples; refuse on a mismatch (auto falls
         back to vmap). false: skip it, and every output says the engine went unchecked.
@@ -377,6 +380,7 @@ class TrainConfig:
     memory_budget_mb: float | None = None
     engine: str = "auto"
     compile: bool = False
+    fixed_shapes: bool | None = None
     self_check: bool = True
     precision: str = "fp32"
     fp16_loss_scale: float = 1024.0

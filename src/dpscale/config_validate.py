@@ -179,7 +179,10 @@ def _validate_train(train: TrainConfig) -> None:
 
 
 def _validate_compile(train: TrainConfig) -> None:
-    """train.compile with an engine and precision it takes (the model's own refusals come when the run is built)."""
+    """train.compile with an engine and precision it takes (the model's own refusals come when the run
+    is built), and train.fixed_shapes true, false or null."""
+    if train.fixed_shapes not in (True, False, None):
+        raise ConfigError(f"train.fixed_shapes must be true, false or null (with compile), got {train.fixed_shapes!r}")
     if not train.compile:
         return
     from dpscale.privacy.compiled import check_compilable  # local: keep config import-light

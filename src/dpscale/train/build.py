@@ -35,9 +35,9 @@ from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, privacy
 from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
 from dpscale.train.optim import build_optimizer, build_scheduler
-from dpscale.train.step import AugmentViews
+from dpscale.train.step import AugmentViews, fixed_rows
 from dpscale.train.chunk_size import AUTO, run_chunk
-from dpscale.train.units import first_users_chunk, rows_per_user, run_users
+from dpscale.train.units import chunk_size_for, first_users_chunk, rows_per_user, run_users
 
 Log = Callable[[str], Any]
 
@@ -157,7 +157,10 @@ def build_run(
     dist.broadcast_module_(model)  # identical already (same seed); made certain
     built = _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
                             model, init_report, log)  # fmt: skip
-    return _resolved_chunk(built, log)
+    built = _resolved_chunk(built, log)
+    chunk = chunk_size_for(built.plan, built.physical_batch_size, config.augment.multiplicity)  # examples a chunk
+    built.mechanism.pad_rows = fixed_rows(built.plan, chunk, config.train.fixed_shapes, config.train.compile)
+    return built
 
 
 def _resolved_chunk(built: Run, log: Log) -> Run:
