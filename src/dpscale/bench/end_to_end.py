@@ -93,7 +93,7 @@ def _opacus_train(base, config) -> tuple[torch.nn.Module, float, float]:
         scheduler = build_scheduler(config.optim, optimizer, base.total_steps)
         steps = 0
         while steps < base.total_steps:
-            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=config.train.max_physical_batch_size,
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=base.physical_batch_size,
                                     optimizer=optimizer) as physical:  # fmt: skip
                 for x, y in physical:
                     F.cross_entropy(model(x), y).backward()

@@ -69,6 +69,8 @@ class TimedStep:
     run: Step
     release: Step
     engine: Callable[[], str] = lambda: ""  # the engine a dpscale row ended up with (auto's choice)
+    # its per-layer methods and where they came from (timed now, the disk cache, pinned): autotune.describe_methods
+    methods: Callable[[], str | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,9 @@ def _dpscale_step(
             mechanism.step_drawn_chunks(physical_chunks(inputs, y, indices, batch))
 
     # apply_gradient already drops the gradients
-    return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__)
+    from dpscale.privacy.autotune import describe_methods
+
+    return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__, lambda: describe_methods(mechanism.engine))
 
 
 def peft_of(engine: str) -> tuple[str, str]:
@@ -375,6 +379,9 @@ def _measure(
         rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(timed, dev), repeats,
                         timed.engine()))  # fmt: skip
         log(f"{label} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
+        methods = timed.methods()
+        if methods:  # which choices the tuner's cache gave (a busy machine's cache once made every step slow)
+            log(f"{label} B={batch} {engine} {methods}")
     return rows
 
 
