@@ -11,16 +11,19 @@
    (DP-SGD, BandMF's correlated noise, a LoRA model): the noise is drawn on the host, so the
    released gradients differ only by the device's float32 arithmetic (relative 1e-3);
 4. **step time**: ``dpscale bench step-time`` rows (non-private, bk, auto, and opacus-ew where
-   Opacus is installed) at the device's batch sizes, wall clock;
+   Opacus is installed) at the device's batch sizes, wall clock, and where the tuner's per-layer
+   methods came from (timed now, or the disk cache with its date and load);
 5. **training loop**: the ``dpscale-fmnist-cnn`` preset trained by ``dpscale train`` itself
-   (``Trainer``) on the device, in the preset's physical chunks and in one chunk per step:
+   (``Trainer``) on the device, in the preset's physical chunks, in one chunk per step, and in the
+   preset's chunks with ``train.compile=true`` (not on a CPU with ``--quick``):
    steps/s, and on a GPU the idle fraction (1 - kernel time / wall time over a profiled window
    of steps) and the host syncs per step (``torch.cuda`` sync debug mode); with ``--data-root``
    (Fashion-MNIST) the whole preset to its test accuracy and epsilon, else (and with
    ``--quick``) a few steps on the embedded MNIST sample;
-6. **operators per step**: ``dpscale bench ops`` rows (non-private, auto, opacus-ew where installed)
-   at B = 4: the ATen operators one step launches from the host (CPU-activity profile, the
-   per-layer methods this machine's tuner picks, as section 4's steps ran).
+6. **operators per step**: ``dpscale bench ops`` rows (non-private, auto, auto-compiled where the
+   suite compiles, opacus-ew where installed) at B = 4: the ATen operators one step launches from the
+   host (CPU-activity profile, the per-layer methods this machine's tuner picks, as section 4's steps ran);
+7. **chunk size auto vs fixed** and 8. **eager vs compiled** step: ``dpscale.bench.gpu_sections``.
 
 Each check row ends in ok or FAIL; the command exits 1 on any FAIL. ``--device cpu --quick``
 runs the same checks at tiny sizes (the default test suite does).
@@ -36,6 +39,7 @@ from typing import Callable
 
 import torch
 
+import dpscale.bench.gpu_sections as gpu_sections
 from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape, list_models
 from dpscale.models.peft import apply_peft
@@ -201,7 +205,11 @@ def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int 
         lambda: _section("4. Step time (wall clock)", [], lambda: _step_time_rows(dev, models, quick)),
         lambda: _section("5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)",
                          TRAINING_HEADER, lambda: training_rows(dev, data_root, quick)),
-        lambda: _section("6. Operators per step (host launches, B = 4)", [], lambda: _ops_rows(dev, models)),
+        lambda: _section("6. Operators per step (host launches, B = 4)", [], lambda: _ops_rows(dev, models, quick)),
+        lambda: _section("7. Chunk size auto vs fixed (dpscale train, preset dpscale-fmnist-cnn)",
+                         gpu_sections.CHUNK_HEADER, lambda: gpu_sections.chunk_rows(dev, data_root, quick)),
+        lambda: _section("8. Eager vs compiled step (wall clock)", gpu_sections.COMPILED_HEADER,
+                         lambda: gpu_sections.compiled_step_rows(dev, models, quick)),
     ]  # fmt: skip
     for line in lines:
         log(line)
@@ -220,28 +228,24 @@ def _step_time_rows(dev: torch.device, models: list[str], quick: bool) -> list[s
     """Section 4: the step-time table (its own header) at the device's batch sizes (tiny with ``quick``)."""
     from dpscale.bench.step_time import markdown_table, run_step_time
 
-    timed = [m for m in models if m in ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")] or models[:1]
-    rows = run_step_time(timed, ["nonprivate", "dpscale-bk", "dpscale-auto", *_opacus_rows()], repeats=2 if quick else 10,
+    logged: list[str] = []
+    engines = ["nonprivate", "dpscale-bk", "dpscale-auto", *gpu_sections.opacus_rows()]
+    rows = run_step_time(gpu_sections.step_time_models(models), engines, repeats=2 if quick else 10,
                          warmup=1 if quick else 3, device=str(dev), batch_size=8 if quick else None,
-                         log=lambda _: None)  # fmt: skip
+                         log=logged.append)  # fmt: skip
     table = markdown_table(rows, "dpscale bench gpu-suite (section 4)", str(dev)).splitlines()
-    return table[2:]
+    return table[2:] + gpu_sections.tuner_notes(logged)
 
 
-def _ops_rows(dev: torch.device, models: list[str]) -> list[str]:
+def _ops_rows(dev: torch.device, models: list[str], quick: bool) -> list[str]:
     """Section 6: the ``dpscale bench ops`` table (its own header) for section 4's models."""
     from dpscale.bench.ops import OPS_MODELS, markdown_table, run_ops
 
     counted = [m for m in models if m in OPS_MODELS] or models[:1]
-    rows = run_ops(counted, ["nonprivate", "dpscale-auto", *_opacus_rows()], device=str(dev), methods="tuned", log=lambda _: None)
+    compiled = ["dpscale-auto-compiled"] if gpu_sections.compiles(dev, quick) else []
+    engines = ["nonprivate", "dpscale-auto", *compiled, *gpu_sections.opacus_rows()]
+    rows = run_ops(counted, engines, device=str(dev), methods="tuned", log=lambda _: None)
     return markdown_table(rows, "dpscale bench gpu-suite (section 6)", str(dev), "tuned").splitlines()[2:]
-
-
-def _opacus_rows() -> list[str]:
-    """opacus-ew where Opacus is installed (its best mode on the zoo), else none."""
-    import importlib.util
-
-    return ["opacus-ew"] if importlib.util.find_spec("opacus") is not None else []
 
 
 TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs per step | syncs' source lines (per step) "
@@ -249,20 +253,17 @@ TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs pe
 PROFILED_STEPS = 20  # the window over which the idle fraction and the syncs are measured
 
 
-# Section 5's physical chunk sizes: the preset's (sized for a CPU's caches) and one chunk per
-# logical step (B = 2048 at most ~2,200 under Poisson sampling), since on a GPU each chunk costs
-# the host its Python per layer whatever its size; quick: the same two at B = 64.
-CHUNKS, QUICK_CHUNKS = (512, 4096), (16, 64)
-
-
 def training_rows(device: torch.device, data_root: str | None, quick: bool) -> list[str]:
     """Section 5: the preset trained by the Trainer on ``device``, once per physical chunk size
-    (``CHUNKS``); a row fails if its run does not finish or its accuracy is not above chance."""
-    full = data_root is not None and not quick
-    data = [f"data.root={data_root}"] if full else ["data.name=mnist-5k", "dp.batch_size=64", "train.steps=6"]
-    name = "fashion-mnist" if full else "mnist-5k (embedded), 6 steps"
-    return [_training_row(device, name, [*data, f"train.max_physical_batch_size={chunk}"], f"chunks of {chunk}")
-            for chunk in (CHUNKS if full else QUICK_CHUNKS)]  # fmt: skip
+    (``gpu_sections.CHUNKS``), then compiled in the preset's chunks (``gpu_sections.compiles``: not on
+    a CPU with ``quick``); a row fails if its run does not finish or its accuracy is not above chance."""
+    data, name, chunks = gpu_sections.training_data(data_root, quick)
+    rows = [_training_row(device, name, [*data, f"train.max_physical_batch_size={chunk}"], f"chunks of {chunk}")
+            for chunk in chunks]  # fmt: skip
+    if not gpu_sections.compiles(device, quick):
+        return [*rows, "", f"- {gpu_sections.QUICK_CPU_COMPILE_NOTE}"]
+    compiled = [*data, f"train.max_physical_batch_size={chunks[0]}", "train.compile=true"]
+    return [*rows, _training_row(device, name, compiled, f"chunks of {chunks[0]}, compiled")]
 
 
 def _training_row(device: torch.device, name: str, overrides: list[str], chunks: str) -> str:
