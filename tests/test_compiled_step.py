@@ -109,6 +109,39 @@ def test_compiled_clipped_sums_match_the_float64_loop_and_padding_rows_add_exact
     assert len(engine.captures.models[model].functions) == 1  # one graph for both chunks
 
 
+def test_a_capture_that_computes_something_else_or_fails_is_refused_and_float32_noise_is_not(monkeypatch):
+    """Each new shape's first chunk is compared with the eager vmap engine (and the float64 loop):
+    a capture that permutes a weight's gradient (its norm unchanged, as an inductor layout bug
+    did) is refused, one whose sums differ by float32 rounding trains, one that fails is refused
+    in one line. (torch.compile replaced by stand-ins: nothing compiles here.)"""
+    model, x, y = mlp(), torch.randn(5, 1, 3, 4), torch.randint(0, 3, (5,))
+
+    def capture(change):
+        def compile(function, **options):
+            return lambda *args: change(*function(*args))
+
+        return compile
+
+    permuted = capture(lambda sums, norms, losses: ({k: g.flip(-1) if g.dim() > 1 else g for k, g in sums.items()}, norms, losses))
+    rounded = capture(lambda sums, norms, losses: ({k: g * (1 + 2e-7) for k, g in sums.items()}, norms, losses))
+
+    def failing(function, **options):
+        def fail(*args):
+            raise RuntimeError("backend compiler failed\nwith a long trace")
+
+        return fail
+
+    for compile, outcome in ((permuted, "differs from the eager vmap engine"), (rounded, None), (failing, "could not capture")):
+        monkeypatch.setattr(torch, "compile", compile)
+        engine = CompiledEngine(0.5)
+        if outcome is None:
+            engine.clipped_sum_and_losses(model, trainable_params(model), (x, y))
+            continue
+        with pytest.raises(ValueError, match=outcome) as caught:
+            engine.clipped_sum_and_losses(model, trainable_params(model), (x, y))
+        assert "\n" not in str(caught.value) and str(caught.value).endswith("train without compile")
+
+
 def _own_run(state=None, steps_to_take=None):
     """A seeded make_private(compile=True) run of fixed-size batches (one chunk shape)."""
     torch.manual_seed(0)

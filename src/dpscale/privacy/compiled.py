@@ -14,8 +14,8 @@ process by default) torch runs the same function eagerly: the same arithmetic, n
 CUDA the graph is replayed as a CUDA graph (``mode="reduce-overhead"``); on a CPU, inductor's
 default mode.
 
-Each new shape's first chunk is also run through the eager vmap engine and the two compared at
-its tolerance (``tolerance_for``): a capture that computes something else is refused, not trained.
+Each new shape's first chunk is also run through the eager vmap engine and the two compared
+(``compiled_check``): a capture that computes something else is refused, not trained.
 What it does not take (``check_compilable``) is refused in one line: engines bk and ghost (their
 hooks are not captured), precisions other than fp32, tied trainable parameters, and the layers the
 vmap engine refuses.
@@ -33,10 +33,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpscale.clip_norms import clip_sensitivity
 from dpscale.privacy.clipping import MaxGradNorm, blocked_sq_norms, resolve_clip_groups
+from dpscale.privacy.compiled_check import capture_mismatch
 from dpscale.privacy.per_example import (
-    RELATIVE_ERROR_FLOOR,
     Batch,
     ClippedSumMixin,
     LossFn,
@@ -49,7 +48,6 @@ from dpscale.privacy.per_example import (
     per_example_cross_entropy,
     real_rows,
     refuse_units,
-    tolerance_for,
 )
 from dpscale.privacy.precision import FP32, Precision, exact_float32, zero_rows
 
@@ -251,12 +249,12 @@ class CompiledEngine(ClippedSumMixin):
             ) from err
         rows = got[1] if row_mask is None else got[1][row_mask]
         losses = got[2] if row_mask is None else got[2][row_mask]
-        scale = _release_scale(want[1], clip_sensitivity(self.max_grad_norm), self.clip_gamma)
-        differs = _differences((got[0], rows, losses), want, scale, rows.dtype)
+        differs = capture_mismatch((got[0], rows, losses), want, model=model, params=params, kept=kept, max_grad_norm=self.max_grad_norm,
+                                   loss_fn=self.loss_fn, views=self.views, clip_gamma=self.clip_gamma)  # fmt: skip
         if differs:
             raise ValueError(
-                f"compile: the compiled step differs from the eager vmap engine on a chunk of {tuple(x.shape)} ({differs}); "
-                "train without compile"
+                f"compile: the compiled step differs from the eager vmap engine (and from the float64 loop) on a chunk of "
+                f"{tuple(x.shape)} ({differs}); train without compile"
             )
         return got
 
@@ -354,41 +352,3 @@ def clipped_sums(
         return grad_sum, torch.where(rows, norms, 0.0), torch.where(rows, losses.detach(), 0.0)
 
     return sums
-
-
-def _release_scale(norms: torch.Tensor, sensitivity: float | None, gamma: float | None) -> float:
-    """A bound on the sum of the examples' clipped norms (a clipped sum's size without
-    cancellation, the scale of float32's reordering): min(norm, C) each, C each with automatic
-    clipping (which scales every norm to below C), the norms themselves without clipping."""
-    finite = norms.detach().double()
-    finite = finite[torch.isfinite(finite)]
-    if sensitivity is None:
-        return float(finite.sum())
-    return sensitivity * finite.numel() if gamma is not None else float(finite.clamp(max=sensitivity).sum())
-
-
-def _differences(
-    got: tuple[Params, torch.Tensor, torch.Tensor], want: tuple[Params, torch.Tensor, torch.Tensor], scale: float,
-    dtype: torch.dtype,
-) -> str:  # fmt: skip
-    """What differs between the compiled and the eager results beyond ``tolerance_for(dtype)``
-    ("" if nothing): norms and losses relative to themselves (floored at a share of the largest),
-    each clipped sum relative to ``scale`` (``_release_scale``)."""
-    tol = tolerance_for(dtype)
-    found = []
-    for what, a, b in (("norms", got[1], want[1]), ("losses", got[2], want[2])):
-        a, b = a.detach().double(), b.detach().double()
-        if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
-            found.append(f"{what}: not finite in different rows")
-            continue
-        finite = torch.isfinite(b)
-        a, b = a[finite], b[finite]
-        floor = RELATIVE_ERROR_FLOOR * float(b.abs().max()) if b.numel() else 0.0
-        error = float(((a - b).abs() / b.abs().clamp(min=floor + 1e-300)).max()) if b.numel() else 0.0
-        if error > tol:
-            found.append(f"{what} {error:.2g}")
-    for name, g in want[0].items():
-        error = float(torch.linalg.vector_norm((got[0][name] - g).double()))
-        if error > tol * scale:
-            found.append(f"clipped sum of {name} {error / max(scale, 1e-300):.2g}")
-    return "; ".join(found)
