@@ -245,7 +245,7 @@ def released_all(records: list[Record], factors: dict[str, torch.Tensor], units:
         # is each tensor's sum_i c_i g_i; rows zeroed since the norms (non-finite examples) are read now
         flat = torch.cat([r.cache[local].reshape(r.cache[local].shape[0], -1) if r.cache[local].dim() != 2 else r.cache[local]
                           for r, local in deferred], 1)  # fmt: skip
-        like: list[torch.Tensor] = [dict(r.module.named_parameters(recurse=False))[local] for r, local in deferred]
+        like: list[torch.Tensor] = [getattr(r.module, local) for r, local in deferred]  # the parameters, for their shapes
         summed = torch._C._nn.unflatten_dense_tensors(factors[deferred[0][0].name] @ flat, like)
         out.update({full_name(r.name, local): s for (r, local), s in zip(deferred, summed)})
     for r in records:
