@@ -8,8 +8,8 @@ graph, and the margin covers any order of summation and one rounding per operati
 that compiled kernels change (the bound holds by construction, not by equality with eager).
 
 Shapes are fixed: each new chunk shape (or model, training mode, set of trainable parameters)
-compiles again (``dynamic=False``; a few seconds to a minute on a CPU), so a run should give
-every chunk one size (padded chunks with a row mask). Past torch's recompile limit (8 per
+compiles again (``dynamic=False``; seconds to minutes on a CPU), so a run should give every chunk
+one size (``fixed_shapes``' padded chunks, their padding masked with a row mask). Past torch's recompile limit (8 per
 process by default) torch runs the same function eagerly: the same arithmetic, no speed-up. On
 CUDA the graph is replayed as a CUDA graph (``mode="reduce-overhead"``); on a CPU, inductor's
 default mode.
@@ -54,8 +54,8 @@ from dpscale.privacy.precision import FP32, Precision, exact_float32, zero_rows
 COMPILED_ENGINE = "vmap-compiled"  # the engine's name in logs, summaries and the bench's resolved column
 COMPILED_NOTE = (
     "compile: each chunk's clipped sum runs as one torch.compile graph of the vmap engine (checked above); each new "
-    "chunk shape compiles once (seconds to a minute) and is compared once with the eager engine: batches of one size "
-    "(dp.sampling=fixed, a max_physical_batch_size dividing them) compile once, Poisson batches nearly every step"
+    "chunk shape compiles once (seconds to minutes) and is compared once with the eager engine; train.fixed_shapes (on "
+    "with compile where the batches have a largest size) pads every chunk to one shape"
 )
 
 # (engine, model, chunk) -> the engine the first-chunk check lets train (``make_private``'s, the Trainer's)
