@@ -21,9 +21,9 @@ from dpscale.cli import main
 # the shape rule's counts at B = 4 (2026-11-29, after issue 63's reductions; 333/800/1882/2623 before)
 OPS_UPPER_BOUND = {
     "papernot-cnn": {"nonprivate": 63, "dpscale-auto": 149},
-    "tramer-cifar-cnn": {"nonprivate": 100, "dpscale-auto": 244},
-    "wrn16-4": {"nonprivate": 205, "dpscale-auto": 461},
-    "resnet18-gn": {"nonprivate": 257, "dpscale-auto": 621},
+    "tramer-cifar-cnn": {"nonprivate": 100, "dpscale-auto": 248},
+    "wrn16-4": {"nonprivate": 205, "dpscale-auto": 467},
+    "resnet18-gn": {"nonprivate": 257, "dpscale-auto": 633},
 }
 MAX_RATIO = 2.5  # issue 63's acceptance: the DP step launches at most 2.5x the non-private step's operators
 SLOW_MODELS = ("wrn16-4", "resnet18-gn")  # 6-7 s each; the two small models run by default
