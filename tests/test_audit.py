@@ -332,3 +332,29 @@ def test_ceiling_is_every_guess_right_and_capped_by_delta():
     assert audit_ceiling(1000, delta=1e-5) == pytest.approx(expected)
     # the 2 m delta term: 20x the canaries barely moves it at delta 1e-5, but does at delta 0
     assert audit_ceiling(20000, delta=1e-5) < 6 < 8 < audit_ceiling(20000, delta=0)
+
+
+@pytest.mark.parametrize("kind", ["input", "gradient"])
+def test_the_canary_engine_takes_a_fixed_shape_chunk_as_the_unpadded_one(kind):
+    """train.fixed_shapes pads each chunk (issue 63): the canary engine's filtered data rows are padded
+    again, so the padding neither trains nor counts (the review found 52-60 examples counted where
+    3-58 were real)."""
+    from dpscale.privacy import make_engine
+    from dpscale.privacy.per_example import pad_chunk
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3)).double()
+    inner = make_engine("bk", 1.0, model)[0]
+    included = np.array([False, True])
+    if kind == "gradient":  # canary 1 included (a Dirac gradient on 1.bias[2]), canary 0 excluded
+        engine = CanaryEngine(inner, included, [("1.bias", 0), ("1.bias", 2)], DIRAC_SCALE * 1.0)
+    else:  # input canaries: the excluded one's placeholder drops out
+        engine = CanaryEngine(inner, included)
+    x, y = torch.randn(4, 1, 2, 2, dtype=torch.float64), torch.tensor([0, 2, -1, -2])  # 2 examples + 2 canaries
+    params = trainable_params(model)
+    want, want_norms, want_losses = engine.clipped_sum_and_losses(model, params, (x, y))
+    got, got_norms, got_losses = engine.clipped_sum_and_losses(model, params, pad_chunk((x, y), 9))
+    assert got_norms.shape == want_norms.shape and got_losses.shape == want_losses.shape
+    torch.testing.assert_close(got_norms, want_norms, rtol=1e-12, atol=0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-15)

@@ -65,3 +65,45 @@ def test_a_non_finite_example_adds_nothing_through_the_batched_release():
     for name in want:
         assert bool(torch.isfinite(got[name]).all())
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+class _ReusingEngine:
+    """The vmap engine's sums copied into one buffer per parameter, reused every call (as an engine
+    replaying a CUDA graph into fixed outputs would); its other attributes the vmap engine's."""
+
+    def __init__(self) -> None:
+        from dpscale.privacy.per_example import VmapEngine
+
+        self.inner, self.buffers = VmapEngine(0.1), {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def clipped_sum_and_losses(self, model, params, batch):
+        sums, norms, losses = self.inner.clipped_sum_and_losses(model, params, batch)
+        for k, v in sums.items():
+            self.buffers.setdefault(k, torch.empty_like(v)).copy_(v)
+        return dict(self.buffers), norms, losses
+
+
+@pytest.mark.parametrize("noise_std", [0.0, 0.3])
+def test_the_step_never_writes_an_engines_tensors(noise_std):
+    """noisy_clipped_mean adds chunks, noise and the division out of place (issue 63's review: taking
+    the first chunk's sums as the total and adding in place counted a buffer-reusing engine's second
+    chunk twice, 2.4 C over in one step)."""
+    from dpscale.privacy.per_example import VmapEngine
+    from dpscale.rng import DPRandom
+    from dpscale.train import noisy_clipped_mean
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    chunks = [(x[:3], y[:3]), (x[3:], y[3:])]
+    options = {"noise_std": noise_std, "expected_batch_size": 6.0}
+    want, _ = noisy_clipped_mean(VmapEngine(0.1), model, chunks, noise_generator=DPRandom(0), **options)
+    engine = _ReusingEngine()
+    got, _ = noisy_clipped_mean(engine, model, chunks, noise_generator=DPRandom(0), **options)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    last, _, _ = VmapEngine(0.1).clipped_sum_and_losses(model, trainable_params(model), chunks[1])
+    assert all(torch.equal(engine.buffers[k], last[k]) for k in last)  # the engine's buffers as it left them

@@ -222,6 +222,7 @@ _PRIVATE_BY_DESIGN = {
     "dpscale._version",
     "dpscale._lazy",
     "numpy._core",
+    "torch._foreach_add",
     "torch._foreach_add_",
     "torch._foreach_sub_",
     "torch._foreach_mul",

@@ -321,3 +321,20 @@ def test_an_overflowing_example_contributes_zero_through_make_private_and_is_cou
     error = torch.sqrt(sum((got[n] - want[n]).square().sum() for n in want))
     size = torch.sqrt(sum(w.square().sum() for w in want.values()))
     assert float(error / size) < RELEASE_TOLERANCE[precision]
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "mixed"])
+def test_parameters_other_than_all_float32_or_all_float64_are_refused_in_one_line(cast):
+    """16-bit precision is the forward's (autocast), never the parameters': a model.half() crashed
+    inside the engines (issue 63's review); float32 and float64 layers mixed did too."""
+    import dpscale
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    if cast == "mixed":
+        model[1].double()
+    else:
+        getattr(model, cast)()
+    with pytest.raises(ValueError, match="all float32 or all float64") as err:
+        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100, batch_size=10,
+                             max_grad_norm=1.0, noise_multiplier=1.0, delta=1e-5, steps=3)  # fmt: skip
+    assert "\n" not in str(err.value)

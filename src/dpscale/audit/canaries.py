@@ -21,7 +21,9 @@ from dpscale.privacy.per_example import (
     ClippedSumMixin,
     Params,
     PerExampleEngine,
+    pad_chunk,
     per_example_cross_entropy,
+    real_rows,
     trainable_params,
 )
 from dpscale.privacy.precision import Precision
@@ -111,12 +113,16 @@ class CanaryEngine(ClippedSumMixin):
 
     def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Any) -> tuple[Params, torch.Tensor, torch.Tensor]:
         x, y = batch
+        rows, size = real_rows(batch), x.shape[0]
+        if rows is not None:  # a fixed-shape chunk: its padding is neither data nor a canary
+            x, y = x[:rows], y[:rows]
         is_canary = y < 0
         data = ~is_canary
         if bool(data.all()):
             grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, batch)
-        elif bool(data.any()):
-            grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, (x[data], y[data]))
+        elif bool(data.any()):  # the data rows, padded again to the chunk's fixed size when it had one
+            kept = (x[data], y[data])
+            grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, kept if rows is None else pad_chunk(kept, size))
         else:
             grad_sum, norms, losses = self.empty_result(params, x)
         if not self.groups:  # input canaries: excluded placeholders just drop out

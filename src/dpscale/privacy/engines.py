@@ -14,6 +14,7 @@ from dpscale.privacy.per_example import (
     LossFn,
     PerExampleEngine,
     VmapEngine,
+    check_parameter_types,
     check_per_example_compatible,
     per_example_cross_entropy,
     trainable_params,
@@ -56,6 +57,7 @@ def make_engine(
         raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
     if model is not None:  # layers no engine can take (refused before one fails inside torch)
         check_per_example_compatible(model)
+        check_parameter_types(model)
     problems = unsupported_modules(model) if model is not None else []
     if model is not None and is_per_layer(max_grad_norm):  # every parameter in a group, each group used
         resolve_clip_groups(max_grad_norm, list(trainable_params(model)))

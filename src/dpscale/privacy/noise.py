@@ -56,21 +56,19 @@ def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom, noise:
         return dict(grad_sum)
     noise = draw_noise(grad_sum, generator) if noise is None else noise
     names = sorted(grad_sum)
-    return dict(zip(names, add_scaled_noise_([grad_sum[n].clone() for n in names], std, [noise[n].clone() for n in names])))
+    return dict(zip(names, with_scaled_noise([grad_sum[n] for n in names], std, [noise[n] for n in names])))
 
 
-def add_scaled_noise_(totals: list[torch.Tensor], std: float, noise: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``totals[i] += std * noise[i]`` in place, in two multi-tensor operators (the arithmetic of
-    ``t + std * z`` tensor by tensor: the product rounded, then the sum); ``noise`` is scaled in place.
+def with_scaled_noise(totals: list[torch.Tensor], std: float, noise: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``totals[i] + std * noise[i]`` as new tensors, in two multi-tensor operators (the arithmetic
+    of ``t + std * z`` tensor by tensor: the product rounded, then the sum); no input is written.
 
     Args:
-        totals: clipped sums (owned by the caller, overwritten).
+        totals: clipped sums.
         std: noise standard deviation sigma * C (> 0).
-        noise: standard normals shaped like ``totals`` (overwritten by std * noise).
+        noise: standard normals shaped like ``totals``.
 
     Returns:
-        ``totals``.
+        the noisy sums.
     """
-    torch._foreach_mul_(noise, std)
-    torch._foreach_add_(totals, noise)
-    return totals
+    return list(torch._foreach_add(totals, torch._foreach_mul(noise, std)))

@@ -379,6 +379,23 @@ REFUSED_LAYERS: tuple[LayerRefusal, ...] = (
 )
 
 
+def check_parameter_types(model: nn.Module) -> None:
+    """Refuse trainable parameters that are not all float32 or all float64, in one line: the clip
+    bound's arithmetic (``clipping.clip_margin``) is derived for those, and 16-bit precision is the
+    forward's (autocast), not the parameters' (a ``model.half()`` crashed inside the engines).
+
+    Raises:
+        ValueError: naming the types found and the fix.
+    """
+    types = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(types) > 1 or types - {torch.float32, torch.float64}:
+        found = ", ".join(sorted(str(t).removeprefix("torch.") for t in types))
+        raise ValueError(
+            f"per-example clipping takes trainable parameters all float32 or all float64, got {found}: keep the "
+            "model in float32 and train in 16 bits with precision='bf16' or 'fp16' (autocast), or use .double()"
+        )
+
+
 def check_per_example_compatible(model: nn.Module, engine: str | None = None) -> None:
     """Refuse a model holding a layer that per-example clipping cannot handle (``REFUSED_LAYERS``):
     one that mixes examples (BatchNorm, norms with running statistics), writes private data into
@@ -401,7 +418,10 @@ def check_per_example_compatible(model: nn.Module, engine: str | None = None) ->
 
 class PerExampleEngine(Protocol):
     """Computes the clipped-gradient sum of one physical chunk. Its attributes are read-only (the
-    engines are frozen dataclasses or wrappers that forward them)."""
+    engines are frozen dataclasses or wrappers that forward them). The step reads the tensors an
+    engine returns and never writes them (``train.step``), so an engine may keep or reuse them; a
+    ``PaddedChunk``'s padding rows must weigh nothing, and only its real rows' norms and losses
+    come back."""
 
     @property
     def name(self) -> str:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from dpscale.privacy.noise import add_scaled_noise_, draw_noise
+from dpscale.privacy.noise import draw_noise, with_scaled_noise
 from dpscale.privacy.clipping import clip_sensitivity
 from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, pad_chunk, trainable_params
 from dpscale.privacy.plan import DPPlan
@@ -226,7 +226,9 @@ def noisy_clipped_mean(
         prefetch_noise = device.type == "cuda"
     pending = _NOISE_THREAD.submit(draw_noise, params, noise_generator) if std > 0 and prefetch_noise else None
     total: list[torch.Tensor] | None = None  # the clipped sums in sorted-name order, in the parameters' types
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
+        if i == 1 and total is not None:  # the first chunk's own tensors, copied (one operator) before the engine
+            total = list(torch._foreach_mul(total, 1.0))  # runs again: it may reuse them for its next output
         total, chunk_counts = _add_chunk(engine, model, params, chunk, total, names)
         counts += chunk_counts if chunk_counts.device == device else chunk_counts.to(device)
     if total is None:  # an empty logical batch: the noise alone
@@ -237,12 +239,13 @@ def noisy_clipped_mean(
         noise = correlate(noise if noise is not None else draw_noise(params, noise_generator))
     if std > 0:
         noise = noise if noise is not None else draw_noise(params, noise_generator)
-        add_scaled_noise_(total, std, [noise[name] for name in names])
+        total = with_scaled_noise(total, std, [noise[name] for name in names])
+    elif all_reduce_sum is not None:  # the reduce writes in place: never into an engine's own tensors
+        total = [t.clone() for t in total]
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
         all_reduce_sum(total)
         all_reduce_sum([counts])
-    torch._foreach_div_(total, expected_batch_size)
-    return dict(zip(names, total)), StepStats(counts)
+    return dict(zip(names, torch._foreach_div(total, expected_batch_size))), StepStats(counts)
 
 
 def _add_chunk(
@@ -257,13 +260,16 @@ def _add_chunk(
 
     Returns:
         (the total, the chunk's ``STEP_STATISTICS`` (float64, on the chunk's device)).
+
+    Every operation makes new tensors (out of place, one multi-tensor operator each): an engine's
+    returned tensors are read, never written, even one that reuses its output buffers.
     """
     grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
     sums = [grad_sum[name] for name in names]
     if total is None:  # 0 + s is s: the first chunk's sums, taken to the parameters' types
         total = [s if s.dtype == params[n].dtype else s.to(params[n].dtype) for n, s in zip(names, sums)]
     else:
-        torch._foreach_add_(total, sums)
+        total = list(torch._foreach_add(total, sums))
     return total, _chunk_statistics(engine, norms, losses)
 
 
