@@ -7,6 +7,9 @@ reordering of the sums), the same counts and the same epsilon.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -30,28 +33,40 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (N,), generator=g)
 
 
-def _run(engine: str, fixed_shapes: bool, steps: int = 6, **options) -> tuple[list[dict], list[int], float, list[int]]:
-    """(released gradients, examples counted, epsilon, rows of every chunk the engine saw)."""
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=N, batch_size=6, max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5,
-        steps=steps, engine=engine, seed=3, fixed_shapes=fixed_shapes, **options,
-    )  # fmt: skip
-    released, counts, seen = [], [], []
-    mechanism.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+@contextlib.contextmanager
+def _chunk_rows() -> Iterator[list[int]]:
+    """The rows of every chunk an engine is given while the block runs (``step._add_chunk`` watched)."""
+    seen: list[int] = []
     add_chunk = step_module._add_chunk
 
-    def watched(engine, model, params, chunk, *rest):  # the rows of every chunk an engine is given
+    def watched(engine, model, params, chunk, *rest):
         seen.append(chunk[0].shape[0])
         return add_chunk(engine, model, params, chunk, *rest)
 
-    x, y = _data()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_module, "_add_chunk", watched)
+        yield seen
+
+
+def _steps(model: nn.Module, dtype: torch.dtype = torch.float64, **options) -> tuple[list[dict], list[int], float, list[int]]:
+    """A seeded make_private run on ``_data`` (examples in ``dtype``): (released gradients, examples
+    counted, epsilon, rows of every chunk the engine saw)."""
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=N, batch_size=6, max_grad_norm=0.5,
+        noise_multiplier=1.0, delta=1e-5, seed=3, **options,
+    )  # fmt: skip
+    released, counts = [], []
+    mechanism.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+    x, y = _data()
+    with _chunk_rows() as seen:
         for indices in mechanism.batches():
-            counts.append(mechanism.step(x[indices], y[indices]).examples)
+            counts.append(mechanism.step(x[indices].to(dtype), y[indices]).examples)
     return released, counts, mechanism.epsilon(), seen
+
+
+def _run(engine: str, fixed_shapes: bool, steps: int = 6, **options) -> tuple[list[dict], list[int], float, list[int]]:
+    """``_steps`` of ``_model`` (float64) with this engine, padded or not."""
+    return _steps(_model(), engine=engine, fixed_shapes=fixed_shapes, steps=steps, **options)
 
 
 @pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
@@ -109,24 +124,7 @@ def test_a_compiled_capped_run_is_padded_to_the_cap_and_releases_what_the_eager_
     def run(**options):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Flatten(), nn.Linear(36, 6), nn.Tanh(), nn.Linear(6, 4))
-        mechanism = dpscale.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=N, batch_size=6, max_grad_norm=0.5,
-            noise_multiplier=1.0, delta=1e-5, steps=5, seed=3, max_batch_size=CAP, **options,
-        )  # fmt: skip
-        released, counts, seen = [], [], []
-        mechanism.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
-        add_chunk = step_module._add_chunk
-
-        def watched(engine, model, params, chunk, *rest):
-            seen.append(chunk[0].shape[0])
-            return add_chunk(engine, model, params, chunk, *rest)
-
-        x, y = _data()
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(step_module, "_add_chunk", watched)
-            for indices in mechanism.batches():
-                counts.append(mechanism.step(x[indices].float(), y[indices]).examples)
-        return released, counts, mechanism.epsilon(), seen
+        return _steps(model, torch.float32, steps=5, max_batch_size=CAP, **options)
 
     eager, eager_counts, eager_eps, _ = run(engine="vmap")
     compiled, compiled_counts, compiled_eps, seen = run(compile=True)
@@ -143,17 +141,9 @@ def test_dpscale_train_with_fixed_shapes_pads_every_chunk_and_trains_as_the_unpa
     from helpers import tiny_config
 
     def run(name: str, fixed: str) -> tuple[dict, list[int], dict]:
-        seen: list[int] = []
-        add_chunk = step_module._add_chunk
-
-        def watched(engine, model, params, chunk, *rest):
-            seen.append(chunk[0].shape[0])
-            return add_chunk(engine, model, params, chunk, *rest)
-
         config = tiny_config(tmp_path / name, "run.seed=5", "dp.max_batch_size=70", "train.max_physical_batch_size=32",
                              "train.engine=bk", f"train.fixed_shapes={fixed}")  # fmt: skip
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(step_module, "_add_chunk", watched)
+        with _chunk_rows() as seen:
             trainer = Trainer.create(config)
             summary = trainer.run()
         return summary, seen, {k: v.clone() for k, v in trainer.built.model.state_dict().items()}
