@@ -167,7 +167,7 @@ def add_deferred_norms(records: list[Record], layer_sq: Mapping[str, torch.Tenso
         state.indices[layout] = (torch.tensor(columns, device=device),
                                  torch.tensor([position[name] for name in direct], device=device))  # fmt: skip
     by_column, by_layer = state.indices[layout]
-    flat = torch.cat([t if t.dim() == 2 else t.reshape(t.shape[0], -1) for _, t in terms], 1).double()
+    flat = _side_by_side([t for _, t in terms]).double()
     total = flat.new_zeros(len(names), flat.shape[0]).index_add_(0, by_column, flat.square().t())
     if direct:
         total.index_add_(0, by_layer, torch.stack([layer_sq[name] for name in direct]).double())  # type: ignore[misc]
@@ -234,6 +234,11 @@ def units_of_pass(records: list[Record], layer_sq: dict[str, torch.Tensor], max_
     return Units(sq, unit_slack, group_of, frozenset(split))
 
 
+def _side_by_side(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per-example tensors (B, ...) as the columns of one (B, n) tensor (a 2-d one without a reshape)."""
+    return torch.cat([t if t.dim() == 2 else t.reshape(t.shape[0], -1) for t in tensors], 1)
+
+
 def released_all(records: list[Record], factors: dict[str, torch.Tensor], units: Units) -> Params:
     """Every layer's clipped sums by full parameter name: the deferred small gradients'
     (``small_part``, one clip factor for all of them) as one product and one cut for the whole
@@ -243,8 +248,7 @@ def released_all(records: list[Record], factors: dict[str, torch.Tensor], units:
     if deferred:
         # every deferred unit has the same factors (defer only runs under one bound): c @ [g_1 ... g_n]
         # is each tensor's sum_i c_i g_i; rows zeroed since the norms (non-finite examples) are read now
-        flat = torch.cat([r.cache[local].reshape(r.cache[local].shape[0], -1) if r.cache[local].dim() != 2 else r.cache[local]
-                          for r, local in deferred], 1)  # fmt: skip
+        flat = _side_by_side([r.cache[local] for r, local in deferred])
         like: list[torch.Tensor] = [getattr(r.module, local) for r, local in deferred]  # the parameters, for their shapes
         summed = torch._C._nn.unflatten_dense_tensors(factors[deferred[0][0].name] @ flat, like)
         out.update({full_name(r.name, local): s for (r, local), s in zip(deferred, summed)})

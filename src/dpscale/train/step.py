@@ -255,8 +255,8 @@ def _add_chunk(
     """Add one physical chunk's clipped per-example gradient sum into ``total``.
 
     Args:
-        total: the sums so far in ``names`` order (added to in place), or None before the first
-            chunk, whose sums (the engine's own tensors) become the total.
+        total: the sums so far in ``names`` order, or None before the first chunk, whose sums (the
+            engine's own tensors) become the total.
 
     Returns:
         (the total, the chunk's ``STEP_STATISTICS`` (float64, on the chunk's device)).
