@@ -1,7 +1,7 @@
 """``train.max_physical_batch_size: auto``: the largest physical chunk whose step fits the memory given.
 
 A chunk's peak memory is about a fixed part (workspaces, the clipped sum) plus a part per example
-(activations, per-example gradients or Grams). ``choose_units`` measures the engine's clipped sum at
+(activations, per-example gradients or Grams). ``choose_units`` (``chunk_search``) measures the engine's clipped sum at
 two small sizes (``PROBE_UNITS``), takes the largest size (up to the largest logical batch; a
 multiple of 8 below it) the line through them fits in the budget, and runs it once to check it
 (``_next_size``: a size that does not fit, or runs out of CUDA memory, is searched for below it; one
@@ -13,9 +13,9 @@ the GPU's free memory, or ``CPU_BUDGET_FRACTION`` of the RAM the kernel reports 
 
 The probe reads no training example (inputs drawn from a fixed seed in their shape and dtype), runs
 inside ``torch.random.fork_rng``, and has the clip-method tuner off but in the checking runs (which
-time at the size the run will use). The choice is cached in ``cache_path("chunk_size.json")``, keyed
-by what changes it (``cache_key``); a cached peak over today's budget is measured anew. Delete the
-file to measure again.
+time at the size the run will use); a compiled engine is probed eagerly and checked compiled. The
+choice is cached in ``cache_path("chunk_size.json")``, keyed by what changes it (``cache_key``); a
+cached peak over today's budget is measured anew. Delete the file to measure again.
 
 The chunk size changes how a step's clipped sum is added up (and so its last bits): a run records the
 number chosen in its config.yaml (``build_run``), so a resumed run uses that number and continues
@@ -32,7 +32,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -44,23 +44,19 @@ from dpscale.errors import ConfigError
 from dpscale.privacy.autotune import device_descriptor, peak_bytes
 from dpscale.privacy.per_example import Batch, PerExampleEngine, trainable_params
 from dpscale.privacy.plan import DPPlan
+from dpscale.train.chunk_search import Measure, choose_units, gigabytes
 from dpscale.train.units import rows_per_user
 
 AUTO = "auto"
 CACHE_NAME = "chunk_size.json"
-PROBE_UNITS = (2, 16)  # examples (users) per probe chunk: small, so a probe itself fits any device
 CUDA_FREE_FRACTION = 0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
 CPU_BUDGET_FRACTION = 0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
-ROUND_TO = 8  # a chunk below the largest batch is a multiple of 8 examples (users), from 8 up
-CHECK_TRIES = 5  # checking runs at most (one where the fitted line holds)
 # Parameter-sized float32 tensors a step holds beside the clipped sum: the running sum, the noise,
 # the noisy sum, the gradient, and an optimizer's state (Adam's two moments).
 STEP_PARAMETER_COPIES = 6
 # A Poisson batch above B + 4 sqrt(B) examples is rarer than 1 step in 30,000: such a step takes a second chunk.
 POISSON_SPREAD = 4.0
 BUCKETS_PER_OCTAVE = 4  # budgets within a quarter octave (19%) share a cache entry
-
-Measure = Callable[[int], "float | None"]  # units -> peak bytes, or None for out of memory
 
 
 @dataclass(frozen=True)
@@ -88,14 +84,8 @@ class ChunkChoice:
         per = self.rows // self.units
         what = f"{self.rows} example{'s' * (self.rows > 1)}" if per == 1 else f"{self.rows} rows ({self.units} units of {per})"
         bound = ", the largest logical batch" if self.capped else ""
-        return (f"chunk size auto: {what}{bound} (peak {_gb(self.peak_bytes)} of a {_gb(self.budget_bytes)} budget, "
+        return (f"chunk size auto: {what}{bound} (peak {gigabytes(self.peak_bytes)} of a {gigabytes(self.budget_bytes)} budget, "
                 f"{self.budget_source}; {self.source})")  # fmt: skip
-
-
-def _gb(size: float) -> str:
-    if size >= 1e9:
-        return f"{size / 1e9:.2f} GB"
-    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
 
 
 def available_cpu_bytes() -> int | None:
@@ -137,99 +127,6 @@ def largest_batch_units(plan: DPPlan) -> int:
         return int(plan.max_batch_size)
     spread = POISSON_SPREAD * math.sqrt(plan.batch_size) if plan.sampling == "poisson" else 0.0
     return max(1, min(plan.dataset_size, math.ceil(plan.batch_size + spread)))
-
-
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(fixed bytes, bytes per unit) of the line through the first and last measured points
-    (one point: all of it per unit, the conservative reading)."""
-    (n1, p1), (n2, p2) = points[0], points[-1]
-    if n2 == n1:
-        return 0.0, p1 / n1
-    per_unit = max((p2 - p1) / (n2 - n1), 1.0)  # a flat or falling pair (methods that change with the size): barely rising
-    return max(p1 - per_unit * n1, 0.0), per_unit
-
-
-def _too_small(fixed: float, per_unit: float, budget: float) -> ConfigError:
-    return ConfigError(
-        f"max_physical_batch_size=auto: one example needs about {_gb(fixed + per_unit)} ({_gb(fixed)} fixed + "
-        f"{_gb(per_unit)} per example) but the memory budget is {_gb(budget)}"
-    )
-
-
-def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, extra: float = 0.0) -> tuple[int, float]:
-    """The largest chunk (examples, or users) whose step fits ``budget``.
-
-    Args:
-        probe: measures the peak bytes of a chunk of n units (None: out of memory), at the probe sizes.
-        check: the same, for the checking runs at the chosen size.
-        budget: bytes; max_units: the largest logical batch (no chunk is larger).
-        extra: bytes the step holds beside the chunk's peak (``STEP_PARAMETER_COPIES``).
-
-    Returns:
-        (units, peak bytes measured at that size, ``extra`` included).
-
-    Raises:
-        ConfigError: one example does not fit the budget (saying how much it needs), or no checked size fits.
-    """
-    points: list[tuple[int, float]] = []
-    for n in sorted({min(size, max_units) for size in PROBE_UNITS}):
-        peak = probe(n)
-        if peak is None:  # out of memory (CUDA): fit on what was measured
-            break
-        points.append((n, peak + extra))
-    if not points:
-        raise ConfigError(f"max_physical_batch_size=auto: a chunk of {min(PROBE_UNITS[0], max_units)} examples ran out of memory")
-    fixed, per_unit = _fit(points)
-    if fixed + per_unit > budget:
-        raise _too_small(fixed, per_unit, budget)
-    fits = [p for p in points if p[1] <= budget]
-    if not fits:  # the line allows one example, the smallest probe did not fit: one example, measured
-        one = check(1)
-        if one is None or one + extra > budget:
-            needs = f"peaked at {_gb(one + extra)}" if one is not None else "ran out of memory"
-            raise ConfigError(f"max_physical_batch_size=auto: one example {needs}, above the memory budget of {_gb(budget)}")
-        fits = [(1, one + extra)]
-    low, high = fits[-1], None
-    units: int | None = _within(int((budget - fixed) // per_unit), max_units)
-    for _ in range(CHECK_TRIES):
-        assert units is not None
-        peak = check(units)
-        if peak is not None and peak + extra <= budget:
-            low = (units, peak + extra)
-        else:
-            high = (units, None if peak is None else peak + extra)
-        units = _next_size(points[0], low, high, budget, max_units)
-        if units is None:
-            break
-    return low
-
-
-def _within(units: int, max_units: int) -> int:
-    """``units`` as a chunk size: the largest logical batch, or below it a multiple of 8 from 8 up."""
-    if units >= max_units:
-        return max_units
-    return units if units < ROUND_TO else units - units % ROUND_TO
-
-
-def _next_size(first: tuple[int, float], low: tuple[int, float], high: tuple[int, float | None] | None, budget: float,
-               max_units: int) -> int | None:  # fmt: skip
-    """The next size to check, or None when done. Nothing known too large yet: where the line through
-    the first probe and ``low`` (the largest size seen to fit, and its peak) meets the budget, if that
-    is over a tenth larger (memory that grows slower than the probes' line). Else between ``low`` and
-    ``high`` (the smallest size that did not fit; its peak, None for out of memory): the larger of
-    the midpoint and where the line through both meets the budget (near ``high`` when it missed by
-    little). Sizes in multiples of 8, or the largest logical batch."""
-    (n_low, p_low) = low
-    if high is None:
-        if n_low >= max_units or n_low == first[0]:
-            return None
-        fixed, per_unit = _fit([first, low])
-        units = _within(int((budget - fixed) // per_unit), max_units)
-        return units if units > 1.1 * n_low else None
-    n_high, p_high = high
-    guess = n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
-    units = _within(max(int(guess), (n_low + n_high) // 2), max_units)
-    return units if n_low < units < n_high else None
 
 
 def synthetic_unit(input_shape: tuple[int, ...], rows: int, per_row_targets: bool, dtype: torch.dtype,
@@ -349,11 +246,14 @@ def auto_chunk(
         units, peak, capped = hit
         return ChunkChoice(units, units * rows_per_unit, peak, budget, where, "cached", capped)
     extra = STEP_PARAMETER_COPIES * sum(p.numel() * p.element_size() for p in trainable_params(model).values())
+    # a compiled engine is probed by its eager twin (a compile for each probe size would cost minutes) and checked
+    # compiled: its step's peak is its own (1.3x the eager one on resnet18-gn, lower on papernot-cnn), the checks decide
     measure = engine_peak(engine, model, unit, device)
+    eager = engine_peak(getattr(engine, "eager", engine), model, unit, device)
 
     def probe(units: int) -> float | None:  # the shape rule's methods: nothing timed at a size the run never takes
         with _tuner(engine, False):
-            return measure(units)
+            return eager(units)
 
     forked, started = [device] if device.type == "cuda" else [], time.perf_counter()
     with torch.random.fork_rng(devices=forked), engine.precision.matmul_flags():  # the run's streams untouched

@@ -233,11 +233,11 @@ def make_private(
         check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
         clip_gamma=plan.clip_gamma,
     )  # fmt: skip
-    chunk = max_physical_batch_size  # "auto": measured with the engine chosen, on check_batch's shape
+    if compile:  # after the eager engine's checks: one shape compiled per chunk size
+        chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
+    chunk = max_physical_batch_size  # "auto": measured with the engine that runs (compiled too), on check_batch's shape
     if isinstance(chunk, str):
         chunk = batch_chunk(chunk, chosen, model, plan, check_batch, augment_multiplicity)
-    if compile:  # after the eager engine's checks (and chunk measurement): one shape compiled per chunk size
-        chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
                        max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
                        views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, fixed_shapes, compile))  # fmt: skip
