@@ -251,8 +251,8 @@ def test_a_pattern_left_without_parameters_says_why_in_one_line(per, mapping, me
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"max_grad_norm_per": "layer"}, r"max_grad_norm_per must be 'group' .* or 'tensor'"),
-     ({"max_grad_norm_per": "tensor", "max_grad_norm": None, "noise_multiplier": 0.0}, r"give max_grad_norm")],
+    [({"max_grad_norm_per": "layer"}, r"PerLayer.per must be one of 'group', 'tensor', got 'layer'"),
+     ({"max_grad_norm_per": "tensor", "max_grad_norm": None, "noise_multiplier": 0.0}, r"PerLayer.bounds must be one positive number, got None")],
 )  # fmt: skip
 def test_bad_max_grad_norm_per_is_one_line(options, message):
     model = _net()
@@ -417,7 +417,7 @@ def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(monke
 def test_the_opacus_table_and_clipping_doc_give_the_per_tensor_form():
     docs = Path(__file__).resolve().parents[1] / "docs"
     row = next(line for line in (docs / "own-loop.md").read_text().splitlines() if 'clipping="per_layer"' in line)
-    assert 'max_grad_norm_per="tensor"' in row and "model.parameters()" in row
+    assert 'PerLayer(bounds={"conv*": 0.5, "fc*": 1.0}, per="tensor")' in row and "model.parameters()" in row
     clipping = (docs / "clipping.md").read_text()
     section = re.search(r"\n## Per-tensor norms.*?(?=\n## )", clipping, re.DOTALL)
     assert section and "sqrt(sum_i C_i^2)" in section.group(0) and 'clipping="per_layer"' in section.group(0)

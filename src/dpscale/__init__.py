@@ -2,13 +2,27 @@
 
 from dpscale._version import __version__ as __version__  # re-exported
 
-__all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private"]
+# make_private's typed options (dpscale.privacy.options, torch-free) and the training entry points
+OPTIONS = (
+    "Adaptive", "Automatic", "BandMF", "FixedSize", "Flat", "Independent", "NoiseMultiplier", "PerExample", "PerLayer",
+    "PerUser", "PerformanceFlags", "Poisson", "Shuffle", "TargetEpsilon",
+)  # fmt: skip
+__all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private", *OPTIONS]
 
 
 def __getattr__(name: str):
     """``dpscale.make_private`` and friends, imported on first use (``import dpscale`` stays light)."""
+    if name in OPTIONS:
+        from dpscale.privacy import options
+
+        return getattr(options, name)
     if name in __all__:
         from dpscale.train import mechanism, private
 
         return getattr(private if name == "make_private" else mechanism, name)
     raise AttributeError(f"module 'dpscale' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names (``dir(dpscale)``), the lazily imported ones included."""
+    return sorted([*__all__, "__version__"])

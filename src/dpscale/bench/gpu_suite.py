@@ -116,14 +116,15 @@ def sixteen_bit_rows(name: str, device: torch.device, batch: int) -> list[str]:
 
 def _released_first_step(device: torch.device, **options) -> dict[str, torch.Tensor]:
     """The first step's released gradient of a seeded make_private run of papernot-cnn."""
+    from dpscale.privacy.options import Flat, NoiseMultiplier, Poisson
     from dpscale.train.private import make_private
 
     model, x, y = _model_and_batch("papernot-cnn", 32)
     apply_peft(model, options.pop("peft", "none"), rank=2)
     model = model.to(device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    mechanism = make_private(model, optimizer, dataset_size=32, batch_size=16, max_grad_norm=CLIP, noise_multiplier=1.0,
-                             delta=1e-5, steps=8, seed=0, **options)  # fmt: skip
+    mechanism = make_private(model, optimizer, dataset_size=32, sampling=Poisson(batch_size=16), clipping=Flat(max_grad_norm=CLIP),
+                             budget=NoiseMultiplier(sigma=1.0, delta=1e-5), steps=8, seed=0, **options)  # fmt: skip
     released: dict[str, torch.Tensor] = {}
     mechanism.observer = lambda gradient: released.update({k: v.detach().double().cpu() for k, v in gradient.items()})
     indices = mechanism.sample()
@@ -133,8 +134,9 @@ def _released_first_step(device: torch.device, **options) -> dict[str, torch.Ten
 
 def mechanism_rows(device: torch.device) -> list[str]:
     """Section 3: seeded steps on the device against the same steps on the CPU."""
-    cases: dict[str, dict] = {"dp-sgd": {}, "bandmf (b=2)": {"noise_mechanism": "bandmf", "bands": 2},
-                              "lora (r=2)": {"peft": "lora"}}  # fmt: skip
+    from dpscale.privacy.options import BandMF
+
+    cases: dict[str, dict] = {"dp-sgd": {}, "bandmf (b=2)": {"noise": BandMF(bands=2)}, "lora (r=2)": {"peft": "lora"}}
     rows = []
     for label, options in cases.items():
         on_device = _released_first_step(device, **dict(options))

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,9 @@ def _dpscale_step(
     ``user_rows`` = k > 0, the same B images as B / k users of k images each, clipped per user
     (privacy unit user: the chunk cut and padded by ``user_rows`` inside the timed step); with
     ``compile``, the compiled step (``make_private(compile=True)``)."""
+    from dpscale.privacy.options import (
+        BandMF, EngineName, Flat, Independent, NoiseMultiplier, PerExample, PerformanceFlags, PerUser, Poisson, PrecisionName,
+    )  # fmt: skip
     from dpscale.privacy.per_example import user_rows as padded_user_rows
     from dpscale.train.private import make_private
 
@@ -140,12 +143,12 @@ def _dpscale_step(
     if user_rows and batch % user_rows:
         raise ValueError(f"-user{user_rows} rows need a batch size divisible by {user_rows}, got {batch}")
     mechanism = make_private(
-        model, optimizer, dataset_size=100 * batch, batch_size=batch // max(1, user_rows), max_grad_norm=CLIP,
-        noise_multiplier=SIGMA, delta=1e-5, steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp",
-        engine=engine_name, augment_multiplicity=views, precision=precision.name, seed=0,
-        noise_mechanism="bandmf" if bands > 1 else "dpsgd", bands=bands,
-        user_ids=torch.arange(100 * batch) // user_rows if user_rows else None, max_examples_per_user=user_rows or None,
-        compile=compile,
+        model, optimizer, dataset_size=100 * batch, sampling=Poisson(batch_size=batch // max(1, user_rows)),
+        clipping=Flat(max_grad_norm=CLIP), budget=NoiseMultiplier(sigma=SIGMA, delta=1e-5),
+        steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp", augment_multiplicity=views, seed=0,
+        noise=BandMF(bands=bands) if bands > 1 else Independent(),
+        unit=PerUser(user_ids=torch.arange(100 * batch) // user_rows, max_examples_per_user=user_rows) if user_rows else PerExample(),
+        performance=PerformanceFlags(engine=cast(EngineName, engine_name), precision=cast(PrecisionName, precision.name), compile=compile),
     )  # fmt: skip
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.adaptive import AdaptiveClipping
+from dpscale.privacy.options import check_accountant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,3 +48,6 @@ class PrivacyNumbers:
     adaptive: AdaptiveClipping | None = None
     clip_gamma: float | None = None
     simulated_batch_size: float | None = None
+
+    def __post_init__(self) -> None:
+        check_accountant(self.accountant)  # every door's plan: an unknown name never plans with another

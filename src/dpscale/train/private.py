@@ -9,32 +9,34 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import numpy as np
 
 import torch
 from torch import nn
 
 from dpscale.cpu_memory import keep_freed_memory
-from dpscale.choices import MECHANISMS
 from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
-from dpscale.privacy.adaptive import adaptive_clipping
+from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.compiled import compiled_choice, compiled_engine_name
-from dpscale.privacy.correlated import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, BandsRequest
+from dpscale.privacy.correlated import BandsRequest
 from dpscale.privacy.engines import make_engine
 from dpscale.data.units import UserIndex
 from dpscale.privacy.per_example import (
     Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
 from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.options import (
+    AccountantName, Adaptive, BandMF, Budget, Clipping, Noise, PerformanceFlags, Sampling, Unit, check_accountant,
+)  # fmt: skip
 from dpscale.privacy.make_plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
 from dpscale.privacy.self_check import checked_engine
 from dpscale.train.chunk_size import batch_chunk
 from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
+from dpscale.train.private_options import flat_settings, typed_options
 from dpscale.train.step import fixed_rows
 
 
@@ -80,167 +82,117 @@ def make_private(
     optimizer: torch.optim.Optimizer,
     *,
     dataset_size: int,
-    batch_size: float,
-    max_grad_norm: MaxGradNorm,
-    max_grad_norm_per: str = "group",
-    delta: float,
-    target_epsilon: float | None = None,
-    noise_multiplier: float | None = None,
+    sampling: Sampling | str | None = None,
+    clipping: Clipping | str | None = None,
+    budget: Budget | None = None,
     epochs: float | None = None,
     steps: int | None = None,
-    accountant: str = "pld",
-    engine: str = "auto",
+    noise: Noise | None = None,
+    unit: Unit | None = None,
+    accountant: AccountantName = "pld",
+    performance: PerformanceFlags | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     augment_multiplicity: int = 1,
-    precision: str = "fp32",
-    max_physical_batch_size: int | str | None = None,
     scheduler: Any = None,
     seed: int | None = None,
     secure_noise: bool = False,
     check: bool = True,
     check_batch: Batch | None = None,
-    noise_mechanism: str = "dpsgd",
-    bands: int | str = "auto",
-    max_bands: int = DEFAULT_MAX_BANDS,
-    max_noise_memory_mb: float = DEFAULT_MAX_NOISE_MEMORY_MB,
-    workload: Workload | None = None,
-    clipping: str = "fixed",
-    clip_quantile: float = 0.5,
-    clip_learning_rate: float = 0.2,
-    clip_count_noise: float | None = None,
-    clip_gamma: float = 0.01,
-    user_ids: Sequence[Any] | np.ndarray | torch.Tensor | None = None,
-    max_examples_per_user: int | None = None,
-    sampling: str = "poisson",
-    max_batch_size: int | str | None = None,
-    compile: bool = False,
-    fixed_shapes: bool | None = None,
+    **flat_keywords: Any,
 ) -> DPMechanism:
-    """Make ``model``'s training with ``optimizer`` differentially private (DP-SGD with Poisson,
-    capped Poisson, fixed-size or shuffled batches, or BandMF's correlated noise with cyclic Poisson
-    sampling).
+    """Make ``model``'s training with ``optimizer`` differentially private: DP-SGD (or BandMF's
+    correlated noise) with the sampling, clipping and budget given as ``dpscale``'s typed options.
 
     Args:
         model, optimizer: the user's; the optimizer must hold the trainable parameters.
-        dataset_size: N, the number of private training examples.
-        batch_size: expected logical batch size B (q = B / N).
-        max_grad_norm: C, the per-example clipping norm; or per-layer bounds, a mapping from
-            parameter-name patterns to C_g (``{"conv*": 0.5, "fc*": 1.0}``: fnmatch, first match
-            wins, every trainable parameter matched), the noise then scaled to sqrt(sum_g C_g^2).
-        delta: the delta of the guarantee (use < 1/N).
-        max_grad_norm_per: "group" (default): one C clips each example's whole gradient, and a
-            mapping clips each pattern's tensors together to its C_g. "tensor": every trainable
-            tensor (a weight, a bias) is clipped on its own to C, or to the C of the first pattern
-            matching its name (Opacus' ``clipping="per_layer"``); the sensitivity is then
-            sqrt(sum over the tensors of C_i^2), and the plan's ``max_grad_norm`` lists each tensor.
-        target_epsilon: calibrate sigma so the planned steps spend exactly this (or give noise_multiplier).
-        noise_multiplier: sigma (the noise std on the clipped sum is sigma * C, or sigma *
-            sqrt(sum_g C_g^2) per layer, sigma * sqrt(sum_i C_i^2) per tensor).
+        dataset_size: N, the number of private training examples (at the user unit too).
+        sampling: ``Poisson(batch_size=B, max_batch_size=None|M|"auto")`` (q = B / N; at the user
+            unit B counts users), ``FixedSize(batch_size=B)`` or ``Shuffle(batch_size=B)`` (docs/sampling.md).
+        clipping: ``Flat(max_grad_norm=C)``, ``PerLayer(bounds={"conv*": 0.5, "fc*": 1.0}, per="group"|"tensor")``,
+            ``Adaptive(max_grad_norm=C0, quantile=0.5, ...)`` or ``Automatic(max_grad_norm=C, gamma=0.01)``
+            (docs/clipping.md). The noise std on the clipped sum is sigma x C (sigma x sqrt(sum C^2) per layer).
+        budget: ``TargetEpsilon(epsilon=, delta=)`` (sigma calibrated so the planned steps spend it) or
+            ``NoiseMultiplier(sigma=, delta=)``.
         epochs, steps: the length of the plan (one of them).
-        accountant: "pld" or "rdp".
-        engine: "auto", "bk", "ghost" or "vmap" (docs/engines.md).
+        noise: ``Independent()`` (DP-SGD, default) or ``BandMF(bands=...)`` (``batches()`` then samples
+            cyclically; docs/correlated_noise.md).
+        unit: ``PerExample()`` (default) or ``PerUser(user_ids=, max_examples_per_user=k)``: the guarantee
+            protects a person; ``batches()``/``sample()`` give the drawn users' examples, each user's
+            consecutive (docs/privacy-units.md).
+        accountant: "pld" or "rdp" (fixed-size batches are composed with RDP, capped Poisson with PLD).
+        performance: ``PerformanceFlags(engine=, precision=, max_physical_batch_size=, compile=,
+            fixed_shapes=)``: how the steps run, never the guarantee ("auto" chunks need ``check_batch``;
+            the mechanism's ``max_physical_batch_size`` holds the number: pass it when resuming).
         loss_fn: per-example loss (logits, targets) -> (B,); default cross-entropy.
-        augment_multiplicity: K views per example: inputs shaped (B, K, ...); an example's loss is the
+        augment_multiplicity: K views per example: inputs shaped (B, K, ...), an example's loss the
             mean over its views, clipped once (TAN's AugMult).
-        precision: "fp32", "tf32", "bf16" or "fp16" (docs/precision.md).
-        max_physical_batch_size: examples per chunk in ``step(x, y)`` and ``data_loader``; "auto": the
-            largest whose step fits 90% of the GPU's free memory or half the available RAM, measured
-            on ``check_batch``'s shape (required) and cached (``dpscale.train.chunk_size``). The
-            mechanism's ``max_physical_batch_size`` holds the number: pass it when resuming.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
         seed: fixes the sampling and noise streams (research only: anyone who knows it can replay
             them); None draws fresh 128-bit OS entropy.
         secure_noise: draw the noise from the OS CSPRNG (``dpscale.rng.SecureRandom``): never
-            reproducible, not even with ``seed``, and ``state_dict()`` holds no noise state.
-        check: verify the model, the loss and the engine before anything is released (default):
-            on the first step's first chunk (or ``check_batch``), each example's loss and norm must
-            not depend on the other examples (train mode), and the engine must match a per-example
-            loop (eval mode); ``auto`` falls back to vmap where only bk is wrong. False skips
-            both, and the plan and every epsilon then say the run is unchecked.
-        check_batch: (x, y) examples to run the checks on now, in ``make_private`` (the first
-            step's chunk is still checked for batch independence).
-        noise_mechanism: "dpsgd" or "bandmf" (banded matrix factorization, docs/correlated_noise.md:
-            ``batches()`` then samples cyclically, and the accounting is amplified BandMF's).
-        bands: BandMF's b, or "auto" (least expected error x sigma; needs target_epsilon).
-        max_bands: the largest b "auto" tries; max_noise_memory_mb: refuse a b whose noise
-            history, (b-1) x trainable parameters x 4 bytes, is larger (MB).
-        workload: what the strategy is optimised for (``dpscale.privacy.bandmf.Workload``);
-            default: prefix sums with the optimizer's SGD momentum (give the learning-rate
-            multipliers here when ``scheduler`` changes the rate).
-        clipping: "fixed" or "adaptive" (Andrew et al. 2021, docs/clipping.md): C starts at
-            ``max_grad_norm`` and follows the ``clip_quantile`` of the per-example norms, moved by
-            ``clip_learning_rate`` each step through a count released with noise ``clip_count_noise``
-            (sigma_b, examples; None: batch_size / 20); sigma (calibrated or given) covers both.
-            "automatic" (Bu et al. 2023): every per-example gradient scaled by C / (||g|| +
-            ``clip_gamma``), norm below C (the sensitivity), so the learning rate absorbs C.
-        user_ids: one id per dataset index, all ints or all strings (floats, bools, both types or a
-            NUL character are refused: numpy's coercion would merge people): the guarantee protects a person
-            (user-level DP, docs/privacy-units.md). ``dataset_size`` stays the number of examples;
-            ``batch_size`` is the expected number of USERS per step (q = batch_size / users), epochs
-            count passes over the users, and ``batches()``/``sample()`` give the indices of the drawn
-            users' examples, each user's consecutive (chunks passed to ``step`` must end where a
-            user's examples end: ``data_loader`` cuts them so).
-        max_examples_per_user: k, required with ``user_ids``: a drawn user contributes at most k of
-            its examples per step (a fresh random k-subset when it has more); the sum of their
-            gradients (each example's the mean over its AugMult views) is clipped as one to C.
-        sampling: "poisson" (default); "fixed": exactly ``batch_size`` distinct examples each step
-            (accounted with RDP under replace-one adjacency); "shuffle": a permutation per epoch
-            (accounted without amplification). docs/sampling.md.
-        max_batch_size: cap Poisson batches at this many examples, or with ``user_ids`` users (a
-            larger draw keeps a uniformly random subset; truncated Poisson, PLD), "auto" (the smallest
-            cap within 1% of the uncapped epsilon) or None.
-        compile: capture each chunk's forward, backward, norms, clipping and clipped sum with
-            ``torch.compile`` (the vmap engine's arithmetic, built and checked eagerly first; noise
-            and accounting outside): engine auto or vmap, precision fp32; each new chunk shape
-            compiles again, so give chunks one size (docs/engines.md, "The compiled step").
-        fixed_shapes: pad every chunk with zero rows, which weigh exactly nothing, to one size
-            (``step.pad_rows_for``: the chunk size, or the cap or fixed batch size when smaller),
-            so that every step has one shape; None: with ``compile`` where the sampling has a
-            largest batch. The release and the epsilon are those of the unpadded run.
+            reproducible, and ``state_dict()`` holds no noise state.
+        check: verify the model, the loss and the engine before anything is released (default): each
+            example's loss and norm must not depend on the other examples, and the engine must match a
+            per-example loop; False skips both, and the plan and every epsilon say the run is unchecked.
+        check_batch: (x, y) examples to run the checks on now (the first step's chunk is still
+            checked for batch independence).
+        flat_keywords: the flat keywords of earlier releases (``batch_size=``, ``max_grad_norm=``,
+            ``delta=``, ``target_epsilon=``, ``clip_quantile=``, ``engine=``, ...), translated into the
+            typed options with a ``DeprecationWarning`` that shows the new call.
 
     Returns:
         The mechanism: ``batches()``, ``step(...)``, ``epsilon()``, ``state_dict()``.
 
     Raises:
-        ValueError: a layer that mixes examples or cannot be clipped per example (BatchNorm, ...),
-            bad privacy numbers, patterns that leave a parameter unmatched or a pattern unused;
+        ValueError: an option out of range (its class and field named), a layer that mixes examples or
+            cannot be clipped per example (BatchNorm, ...), patterns that leave a parameter unmatched;
             at the first step, a model or loss that mixes examples.
+        TypeError: a setting missing, unknown, or given both typed and flat.
     """
-    _check_one_of(epochs=epochs, steps=steps, target_epsilon=target_epsilon, noise_multiplier=noise_multiplier)
+    options = typed_options(sampling, clipping, budget, noise, unit, performance, flat_keywords)
+    check_accountant(accountant)
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs= and steps=")
+    flags, settings = options.performance, flat_settings(options)
     if any(p.device.type == "cpu" for p in model.parameters()):
         keep_freed_memory()  # fresh per-step tensors without page faults (dpscale.cpu_memory; opt out by env)
-    max_grad_norm = _clip_bounds(model, max_grad_norm, max_grad_norm_per)
-    users, units = _user_index(user_ids, max_examples_per_user, dataset_size, check_batch)  # N: examples, or users
+    max_grad_norm = _clip_bounds(model, settings["max_grad_norm"], settings["max_grad_norm_per"])
+    users, units = _user_index(settings["user_ids"], settings["max_examples_per_user"], dataset_size, check_batch)
+    batch_size = settings["batch_size"]
     total_steps = steps_for(epochs, steps, units, batch_size)
-    adaptive = adaptive_clipping(clipping, quantile=clip_quantile, learning_rate=clip_learning_rate,
-                                 count_noise=clip_count_noise, batch_size=batch_size)  # fmt: skip
     numbers = PrivacyNumbers(
-        batch_size=batch_size, max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon,
-        noise_multiplier=noise_multiplier, sampling=sampling, max_batch_size=max_batch_size, accountant=accountant,
-        adaptive=adaptive, clip_gamma=clip_gamma if clipping == "automatic" else None,
+        batch_size=batch_size, max_grad_norm=max_grad_norm, delta=settings["delta"], target_epsilon=settings["target_epsilon"],
+        noise_multiplier=settings["noise_multiplier"], sampling=settings["sampling"], max_batch_size=settings["max_batch_size"],
+        accountant=accountant, adaptive=_adaptive(options.clipping, batch_size), clip_gamma=settings["clip_gamma"],
     )  # fmt: skip
     plan = make_dp_plan(
         numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
-        privacy_unit="example" if users is None else "user", max_examples_per_user=max_examples_per_user,
-        correlated=_bands_request(noise_mechanism, model, optimizer, total_steps, bands=bands, max_bands=max_bands,
-                                  max_noise_memory_mb=max_noise_memory_mb, workload=workload),
+        privacy_unit="example" if users is None else "user", max_examples_per_user=settings["max_examples_per_user"],
+        correlated=_bands_request(options.noise, model, optimizer, total_steps),
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
-    if compile:  # its refusals in one line, before anything is built
-        engine = compiled_engine_name(engine, make_precision(precision), model)
+    engine = compiled_engine_name(flags.engine, make_precision(flags.precision), model) if flags.compile else flags.engine
     chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
-        engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=precision,
-        check=check and plan.is_private, check_batch=check_batch, rows=max_examples_per_user if users else None,
+        engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=flags.precision,
+        check=check and plan.is_private, check_batch=check_batch, rows=settings["max_examples_per_user"] if users else None,
         clip_gamma=plan.clip_gamma,
     )  # fmt: skip
-    if compile:  # after the eager engine's checks: one shape compiled per chunk size
+    if flags.compile:  # after the eager engine's checks: one shape compiled per chunk size
         chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
-    chunk = max_physical_batch_size  # "auto": measured with the engine that runs (compiled too), on check_batch's shape
+    chunk = flags.max_physical_batch_size  # "auto": measured with the engine that runs (compiled too), on check_batch's shape
     if isinstance(chunk, str):
         chunk = batch_chunk(chunk, chosen, model, plan, check_batch, augment_multiplicity)
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
                        max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
-                       views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, fixed_shapes, compile))  # fmt: skip
+                       views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, flags.fixed_shapes, flags.compile))  # fmt: skip
+
+
+def _adaptive(clipping: Clipping, batch_size: float) -> AdaptiveClipping | None:
+    """The plan's adaptive-clipping settings (None unless ``Adaptive``; sigma_b's default B / 20 lives in ``adaptive_clipping``)."""
+    if not isinstance(clipping, Adaptive):
+        return None
+    return adaptive_clipping("adaptive", quantile=clipping.quantile, learning_rate=clipping.learning_rate,
+                             count_noise=clipping.count_noise, batch_size=batch_size)  # fmt: skip
 
 
 def _seed_streams(seed: int | None) -> dict[str, int]:
@@ -254,12 +206,8 @@ def _user_index(
 ) -> tuple[UserIndex | None, int]:  # fmt: skip
     """``make_private``'s users (None at the example unit), checked against the dataset, and the
     plan's N (the users, or the examples)."""
-    if user_ids is None:
-        if max_examples_per_user is not None:
-            raise ValueError("max_examples_per_user bounds a user's examples: give user_ids (one per dataset index) too")
+    if user_ids is None:  # PerExample (PerUser always has both: typed_options)
         return None, dataset_size
-    if max_examples_per_user is None:
-        raise ValueError("user_ids need max_examples_per_user=k: the examples a drawn user contributes per step")
     if check_batch is not None:
         raise ValueError("check_batch is not taken with user_ids: the checks run on the first step's users instead")
     users = UserIndex.from_ids(user_ids)
@@ -282,34 +230,20 @@ def _clip_bounds(model: nn.Module, max_grad_norm: MaxGradNorm, per: str) -> MaxG
     return clip_bounds(max_grad_norm, per, [name for name, p in model.named_parameters() if p.requires_grad])
 
 
-def _check_one_of(
-    *, epochs: float | None, steps: int | None, target_epsilon: float | None, noise_multiplier: float | None
-) -> None:  # fmt: skip
-    """Refuse a length or a noise given twice or not at all."""
-    if (epochs is None) == (steps is None):
-        raise ValueError("give exactly one of epochs= and steps=")
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
-
-
-def _bands_request(
-    mechanism: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *, bands: int | str,
-    max_bands: int, max_noise_memory_mb: float, workload: Workload | None,
-) -> BandsRequest | None:  # fmt: skip
+def _bands_request(noise: Noise, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> BandsRequest | None:
     """BandMF's request for ``make_private`` (None for DP-SGD)."""
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"noise_mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
-    if mechanism == "dpsgd":
+    if not isinstance(noise, BandMF):
         return None
+    workload = noise.workload
     if workload is None:  # prefix sums, with SGD's momentum (torch's SGD has it in its param groups)
         workload = Workload(steps=steps, momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
                             if isinstance(optimizer, torch.optim.SGD) else 0.0)  # fmt: skip
     if workload.steps != steps:
-        raise ValueError(f"workload.steps={workload.steps} but the plan has {steps} steps")
+        raise ValueError(f"BandMF.workload.steps={workload.steps} but the plan has {steps} steps")
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return BandsRequest(
-        bands=bands, workload=workload, max_bands=max_bands, parameters=parameters,
-        max_noise_memory_mb=max_noise_memory_mb,
+        bands=noise.bands, workload=workload, max_bands=noise.max_bands, parameters=parameters,
+        max_noise_memory_mb=noise.max_noise_memory_mb,
     )  # fmt: skip
 
 

@@ -1,0 +1,158 @@
+"""make_private's typed options (dpscale.privacy.options): each finding of issue 64's review reproduced
+through the public door, then refused in one line naming the class and field (or the flat keyword);
+the typed call and the deprecated flat call build the same mechanism."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import typing
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpscale
+from dpscale import (
+    Adaptive, Automatic, BandMF, FixedSize, Flat, NoiseMultiplier, PerformanceFlags, PerLayer, PerUser, Poisson,
+    TargetEpsilon,
+)  # fmt: skip
+from dpscale.privacy.numbers import PrivacyNumbers
+
+FLAT = {"dataset_size": 1000, "batch_size": 10, "max_grad_norm": 1.0, "delta": 1e-5, "noise_multiplier": 1.0, "steps": 3}
+TYPED = {"dataset_size": 1000, "sampling": Poisson(batch_size=10), "clipping": Flat(max_grad_norm=1.0),
+         "budget": NoiseMultiplier(sigma=1.0, delta=1e-5), "steps": 3}  # fmt: skip
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _flat(**changes):
+    model, optimizer = _model_and_optimizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return dpscale.make_private(model, optimizer, **{**FLAT, **changes})
+
+
+def _refused(call, match: str) -> str:
+    with pytest.raises((ValueError, TypeError), match=match) as err:
+        call()
+    message = str(err.value)
+    assert "\n" not in message and "dp." not in message  # one line, in Python's words (not the YAML config's)
+    return message
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"clip_quantile": 5.0, "clip_learning_rate": -3}, "clip_quantile=5.0 applies to clipping='adaptive' only"),
+        ({"clip_gamma": -1.0}, "clip_gamma=-1.0 applies to clipping='automatic' only"),
+        ({"bands": 0, "max_bands": -2}, "bands=0 applies to noise_mechanism='bandmf' only"),
+        ({"accountant": "prv"}, "accountant must be one of 'pld', 'rdp', got 'prv'"),
+        ({"accountant": "rpd", "sampling": "fixed"}, "got 'rpd'"),
+        ({"noise_mechanism": "bandmf", "bands": "many"}, "BandMF.bands must be a positive integer or \"auto\", got 'many'"),
+        ({"sampling": "posson"}, "sampling must be Poisson"),
+        ({"engine": "gohst"}, "PerformanceFlags.engine must be one of"),
+        ({"clipping": "adaptive", "clip_quantile": 5.0}, r"Adaptive.quantile must be in \(0, 1\), got 5.0"),
+        ({"max_batch_size": 8, "sampling": "fixed"}, "max_batch_size caps Poisson batches"),
+    ],
+)
+def test_each_finding_is_refused_through_the_flat_keywords(changes, match):
+    _refused(lambda: _flat(**changes), match)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Adaptive(max_grad_norm=1.0, quantile=5.0), r"Adaptive.quantile must be in \(0, 1\)"),
+        (lambda: Adaptive(max_grad_norm=1.0, learning_rate=-3), "Adaptive.learning_rate must be a finite number > 0"),
+        (lambda: Automatic(gamma=-1.0), "Automatic.gamma must be a finite number > 0"),
+        (lambda: BandMF(bands=0), "BandMF.bands must be"),
+        (lambda: BandMF(max_bands=-2), "BandMF.max_bands must be a positive integer"),
+        (lambda: Poisson(batch_size=10, max_batch_size=0), "Poisson.max_batch_size must be"),
+        (lambda: FixedSize(batch_size=2.5), "FixedSize.batch_size must be a positive integer"),
+        (lambda: Flat(max_grad_norm=float("nan")), "Flat.max_grad_norm must be one positive number, got nan"),
+        (lambda: PerLayer(bounds=1.0), 'PerLayer.bounds must be a mapping of name patterns with per="group"'),
+        (lambda: PerLayer(bounds={"fc*": -1.0}), "PerLayer.bounds must be a non-empty mapping"),
+        (lambda: TargetEpsilon(epsilon=0.0, delta=1e-5), "TargetEpsilon.epsilon must be a finite number > 0"),
+        (lambda: NoiseMultiplier(sigma=1.0, delta=1.5), r"NoiseMultiplier.delta must be in \(0, 1\)"),
+        (lambda: PerUser(user_ids=[0, 1], max_examples_per_user=0), "PerUser.max_examples_per_user must be"),
+        (lambda: PerformanceFlags(precision="fp8"), "PerformanceFlags.precision must be one of"),
+        (lambda: PerformanceFlags(max_physical_batch_size="big"), "PerformanceFlags.max_physical_batch_size must be"),
+    ],
+)
+def test_each_typed_option_checks_its_own_fields_naming_the_class_and_field(make, match):
+    _refused(make, match)
+
+
+def test_an_unknown_accountant_is_refused_at_every_door():
+    model, optimizer = _model_and_optimizer()
+    _refused(lambda: dpscale.make_private(model, optimizer, **TYPED, accountant="prv"), "got 'prv'")
+    # the plan every door builds (the config's dp section, a saved plan's check): never planned with another
+    _refused(lambda: PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=1e-5, accountant="prv"), "got 'prv'")
+    cli = subprocess.run([sys.executable, "-m", "dpscale", "account", "--accountant", "prv", "--dataset-size", "1000",
+                          "--batch-size", "10", "--noise-multiplier", "1", "--steps", "3"], capture_output=True, text=True)  # fmt: skip
+    assert cli.returncode == 2 and "invalid choice: 'prv'" in cli.stderr
+
+
+def test_the_flat_call_warns_with_the_typed_call_and_builds_the_same_mechanism():
+    model, optimizer = _model_and_optimizer()
+    with pytest.warns(DeprecationWarning, match="deprecated") as caught:
+        flat = dpscale.make_private(model, optimizer, **{**FLAT, "target_epsilon": 2.0, "noise_multiplier": None}, seed=3)
+    text = str(caught[0].message)
+    assert "sampling=Poisson(batch_size=10" in text and "clipping=Flat(max_grad_norm=1.0)" in text
+    assert "budget=TargetEpsilon(epsilon=2.0, delta=1e-05)" in text
+    model2, optimizer2 = _model_and_optimizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the typed call warns nothing
+        typed = dpscale.make_private(model2, optimizer2, **{**TYPED, "budget": TargetEpsilon(epsilon=2.0, delta=1e-5)}, seed=3)
+    assert flat.plan == typed.plan
+    x, y = torch.randn(40, 4, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (40,))
+    before = [p.detach().clone() for p in model.parameters()]
+    for mechanism in (flat, typed):
+        indices = mechanism.sample()
+        mechanism.step(x[indices % 40], y[indices % 40])
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a step was taken
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))  # the same seeded step
+
+
+def test_a_concern_given_both_ways_or_not_at_all_is_a_type_error():
+    model, optimizer = _model_and_optimizer()
+    _refused(lambda: dpscale.make_private(model, optimizer, **TYPED, batch_size=10), "sampling= and the flat keyword batch_size=")
+    no_budget = {k: v for k, v in TYPED.items() if k != "budget"}
+    _refused(lambda: dpscale.make_private(model, optimizer, **no_budget), "needs budget=")
+    _refused(lambda: dpscale.make_private(model, optimizer, **TYPED, clip_qunatile=0.3), "unexpected keyword argument 'clip_qunatile'")
+
+
+def test_the_signature_is_short_and_its_closed_sets_are_literal_types():
+    assert len(inspect.signature(dpscale.make_private).parameters) <= 20
+    hints = typing.get_type_hints(PerformanceFlags)
+    assert typing.get_origin(hints["engine"]) is typing.Literal and "gohst" not in typing.get_args(hints["engine"])
+    assert typing.Literal in {typing.get_origin(a) for a in typing.get_args(typing.get_type_hints(Poisson)["max_batch_size"])}
+
+
+def test_dir_lists_the_public_names_and_make_private_loads_fewer_modules():
+    assert {"make_private", "Poisson", "Flat", "TargetEpsilon", "PerformanceFlags"} <= set(dir(dpscale))
+    assert not [name for name in dir(dpscale) if name.startswith("_") and name != "__version__"]
+    code = "import sys, dpscale; dpscale.make_private; print(sum(m.startswith('dpscale') for m in sys.modules))"
+    loaded = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert loaded <= 66, loaded  # 108 before issue 64 (the Trainer and the YAML loader loaded eagerly); 64 now
+
+
+def test_a_person_level_call_shows_the_count_of_ids_not_the_ids():
+    ids = [f"patient{i // 3}" for i in range(1000)]
+    assert repr(PerUser(user_ids=ids, max_examples_per_user=2)) == "PerUser(user_ids=<1000 ids>, max_examples_per_user=2)"
+    with pytest.warns(DeprecationWarning) as caught:
+        _flat_warned(user_ids=ids, max_examples_per_user=2)
+    assert "unit=PerUser(user_ids=<1000 ids>, max_examples_per_user=2)" in str(caught[0].message)
+    assert "patient" not in str(caught[0].message)
+
+
+def _flat_warned(**changes):
+    model, optimizer = _model_and_optimizer()
+    return dpscale.make_private(model, optimizer, **{**FLAT, **changes})
