@@ -23,7 +23,7 @@ from dpscale.errors import ConfigError
 from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
 from dpscale.privacy.reference import float64_reference
 from dpscale.rng import DPRandom
-from dpscale.train.plan_config import adaptive_request
+from dpscale.train.plan_config import dp_numbers
 
 RECIPE = {"dataset_size": 2000, "batch_size": 200, "delta": 1e-5, "clipping": "adaptive", "seed": 3}
 
@@ -186,7 +186,7 @@ def test_what_the_accounting_does_not_cover_is_refused(tmp_path, overrides, mess
     with pytest.raises(ConfigError, match=message):
         config = load_config(None, ["dp.clipping=adaptive", "model.name=linear", "dp.batch_size=32", "train.steps=2",
                                     f"run.out_dir={tmp_path}", *overrides])  # fmt: skip
-        adaptive_request(config.dp)
+        dp_numbers(config.dp)
         Trainer.create(config, progress=False)
 
 

@@ -259,7 +259,7 @@ def test_a_clipping_norm_that_is_not_one_positive_number_is_refused(bad):
     with pytest.raises(ValueError, match="max_grad_norm must be one positive number") as refused:
         dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "max_grad_norm": bad})
     if isinstance(bad, list):
-        assert "clipping='per_layer' form; give PerLayer(bounds={pattern: C, ...}, per='tensor')" in str(refused.value)
+        assert "a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C, per tensor" in str(refused.value)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

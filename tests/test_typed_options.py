@@ -56,10 +56,11 @@ def _refused(call, match: str) -> str:
         ({"accountant": "prv"}, "accountant must be one of 'pld', 'rdp', got 'prv'"),
         ({"accountant": "rpd", "sampling": "fixed"}, "got 'rpd'"),
         ({"noise_mechanism": "bandmf", "bands": "many"}, "BandMF.bands must be a positive integer or \"auto\", got 'many'"),
-        ({"sampling": "posson"}, "sampling must be Poisson"),
+        ({"sampling": "posson"}, r"sampling must be 'poisson', 'fixed', 'shuffle' \(or dpscale.Poisson\(...\), .*got 'posson'"),
         ({"engine": "gohst"}, "PerformanceFlags.engine must be one of"),
         ({"clipping": "adaptive", "clip_quantile": 5.0}, r"Adaptive.quantile must be in \(0, 1\), got 5.0"),
         ({"max_batch_size": 8, "sampling": "fixed"}, "max_batch_size caps Poisson batches"),
+        ({"clipping": "adaptive", "max_grad_norm_per": "tensor"}, "clipping='adaptive'.* not with max_grad_norm_per='tensor'"),
     ],
 )
 def test_each_finding_is_refused_through_the_flat_keywords(changes, match):
@@ -156,3 +157,23 @@ def test_a_person_level_call_shows_the_count_of_ids_not_the_ids():
 def _flat_warned(**changes):
     model, optimizer = _model_and_optimizer()
     return dpscale.make_private(model, optimizer, **{**FLAT, **changes})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dp.clip_quantile=5"], r"dp.clip_quantile=5.0 applies to dp.clipping=adaptive only"),
+        (["dp.clip_gamma=-1"], r"dp.clip_gamma=-1.0 applies to dp.clipping=automatic only"),
+        (["dp.clipping=adaptive", "dp.clip_quantile=5"], r"^dp.clip_quantile must be in \(0, 1\), got 5.0$"),
+        (["dp.clipping=automatic", "dp.clip_gamma=-1"], r"^dp.clip_gamma must be a finite number > 0, got -1.0$"),
+        (["dp.mechanism=bandmf", "dp.max_noise_memory_mb=-1"], r"^dp.max_noise_memory_mb must be a finite number > 0"),
+    ],
+)
+def test_the_config_door_takes_the_same_translation_in_its_own_words(overrides, message):
+    # before: a config with fixed clipping accepted dp.clip_quantile=5 and dp.clip_gamma=-1 and ignored them
+    from dpscale.config import load_config
+    from dpscale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value) and "Adaptive." not in str(err.value)

@@ -16,6 +16,7 @@ from dpscale.errors import ConfigError
 
 if TYPE_CHECKING:
     from dpscale.config import Config, DPConfig, FeaturesConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from dpscale.privacy.options import Clipping, Noise, Sampling
 
 # The allowed names of the settings only the config checks (those other layers check too are in
 # dpscale.choices).
@@ -65,9 +66,35 @@ def _validate_dp(dp: DPConfig) -> None:
     _validate_dp_sampling(dp)
     if dp.accountant not in ACCOUNTANT_KINDS:
         raise ConfigError(f"dp.accountant must be {_either(ACCOUNTANT_KINDS)}, got {dp.accountant!r}")
-    _validate_mechanism(dp)
+    if dp.mechanism not in MECHANISMS:
+        raise ConfigError(f"dp.mechanism must be {_either(MECHANISMS)}, got {dp.mechanism!r}")
     if dp.clipping not in CLIPPINGS:
         raise ConfigError(f"dp.clipping must be {_either(CLIPPINGS)}, got {dp.clipping!r}")
+    dp_options(dp)  # the typed options' own checks (BandMF's b included), a setting of a strategy not chosen refused
+    _validate_mechanism(dp)
+
+
+def dp_options(dp: DPConfig) -> tuple[Sampling, Clipping, Noise]:
+    """The dp section's sampling, clipping and noise as ``make_private``'s typed options, through the
+    translation both doors share (``dpscale.privacy.options_flat``), refusals in the config's words.
+
+    Raises:
+        ConfigError: a setting out of range (``dp.clip_quantile must be in (0, 1), got 5.0``), or one of
+            a strategy not chosen set to other than its default (dp.clip_quantile with dp.clipping=fixed).
+    """
+    from dpscale.privacy.options_flat import (  # local: the config loads without the privacy core
+        CLIPPING_SETTINGS, CONFIG, NOISE_SETTINGS, SAMPLING_SETTINGS, clipping_option, noise_option, sampling_option,
+    )  # fmt: skip
+
+    names = CONFIG.names
+    values = {key: getattr(dp, names.get(key, key)) for key in (*SAMPLING_SETTINGS, *CLIPPING_SETTINGS, *NOISE_SETTINGS)
+              if key != "workload"}  # fmt: skip
+    values["workload"] = None  # the config's workload is the optimizer's (train/plan_config.py)
+    try:
+        return (sampling_option(values, dp.sampling, CONFIG), clipping_option(values, dp.clipping, values, CONFIG),
+                noise_option(values, values, CONFIG))  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _validate_dp_target(dp: DPConfig) -> None:
@@ -101,11 +128,6 @@ def _check_max_grad_norm_per(dp: DPConfig) -> None:
         check_max_grad_norm_per(dp.max_grad_norm_per, dp.max_grad_norm)
     except ValueError as err:
         raise ConfigError(f"dp.{err}") from err
-    if dp.max_grad_norm_per == "tensor" and dp.clipping == "adaptive":
-        raise ConfigError(
-            "adaptive clipping (dp.clipping=adaptive) moves one norm C on the whole gradient; "
-            "not with dp.max_grad_norm_per=tensor (a bound per tensor): use dp.max_grad_norm_per=group"
-        )
 
 
 def _validate_dp_sampling(dp: DPConfig) -> None:
@@ -128,13 +150,7 @@ def _validate_dp_sampling(dp: DPConfig) -> None:
 
 
 def _validate_mechanism(dp: DPConfig) -> None:
-    """dp.mechanism and BandMF's settings (what needs the data, such as b*q <= 1, is checked with the plan)."""
-    if dp.mechanism not in MECHANISMS:
-        raise ConfigError(f"dp.mechanism must be {_either(MECHANISMS)}, got {dp.mechanism!r}")
-    if dp.bands != "auto" and (not isinstance(dp.bands, int) or dp.bands < 1):
-        raise ConfigError(f"dp.bands must be auto or an integer >= 1, got {dp.bands!r}")
-    if dp.max_bands < 1 or not dp.max_noise_memory_mb > 0:
-        raise ConfigError("dp.max_bands must be >= 1 and dp.max_noise_memory_mb > 0")
+    """BandMF with the rest of the dp section (what needs the data, such as b*q <= 1, is checked with the plan)."""
     if dp.mechanism == "bandmf":
         from dpscale.privacy.correlated import check_bandmf_settings  # local: keep config import-light; one text
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import CLIPPINGS
+from dpscale.errors import ConfigError  # a ValueError too: one refusal for every door
 
 if TYPE_CHECKING:  # the plan imports this module and never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
@@ -90,6 +91,17 @@ class AdaptiveClipping:
             f"at eta={self.learning_rate:g}, count noise sigma_b={self.count_noise:g}, gradient sigma "
             f"{self.gradient_noise_multiplier(sigma):.5g}"
         )
+
+
+def adaptive_refusal(clipping_said: str, clash: str) -> ValueError:
+    """The one refusal of adaptive clipping where its accounting is not written (per-layer or
+    per-tensor bounds, no clipping, BandMF, a TAN simulation), in the door's words.
+
+    Args:
+        clipping_said: how the door says it ("dp.clipping=adaptive", "clipping='adaptive'").
+        clash: what it is asked with ("per-layer dp.max_grad_norm", "dp.mechanism=bandmf", ...).
+    """
+    return ConfigError(f"adaptive clipping ({clipping_said}) needs one starting norm C and DP-SGD; not with {clash}")
 
 
 def adaptive_clipping(

@@ -15,6 +15,7 @@ derives the sampler, the noise and the accounting from what it records.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -219,3 +220,12 @@ def _noise_plan(request: BandsRequest, strategy: BandedStrategy, reason: str, ca
 def compositions(steps: int, bands: int) -> int:
     """Amplified BandMF's compositions after ``steps`` steps: ceil(steps / b) (a started band counts whole)."""
     return math.ceil(steps / bands)
+
+
+def strategy_cache_dir() -> Path:
+    """Where optimised BandMF strategies are cached, for every door (``dpscale train``, ``make_private``):
+    ``cache_path("bandmf")``. Any cached strategy is safe to use: the plan re-normalises it, and
+    privacy needs only its bands and column norms."""
+    from dpscale._io import cache_path  # local: dpscale account plans BandMF without torch (_io needs it)
+
+    return cache_path("bandmf")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from dpscale.clip_norms import MaxGradNorm, check_clip_gamma, check_max_grad_norm, is_per_layer
 from dpscale.errors import ConfigError
 from dpscale.privacy.accountant import FREE_CAP_TOLERANCE, AccountingSegment, compute_epsilon, releases_under
-from dpscale.privacy.adaptive import AdaptiveClipping
+from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_refusal
 from dpscale.privacy.batch_sampling import POISSON, BatchSampling, batch_sampling_for
 from dpscale.privacy.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.correlated import BandsRequest, check_bandmf_settings, choose_bands, compositions
@@ -305,7 +305,7 @@ def _check_adaptive(
         else None
     )  # fmt: skip
     if clash:
-        raise ConfigError(f"adaptive clipping (dp.clipping=adaptive) needs one starting norm C and DP-SGD; not with {clash}")
+        raise adaptive_refusal("dp.clipping=adaptive", clash)
 
 
 def _noise_for(

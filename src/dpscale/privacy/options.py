@@ -34,13 +34,22 @@ ClipPer = Literal["group", "tensor"]
 AUTO: Literal["auto"] = "auto"
 
 __all__ = [
-    "Adaptive", "Automatic", "BandMF", "FixedSize", "Flat", "Independent", "NoiseMultiplier", "PerExample",
+    "Adaptive", "Automatic", "BandMF", "FixedSize", "Flat", "Independent", "NoiseMultiplier", "OptionError", "PerExample",
     "PerLayer", "PerUser", "PerformanceFlags", "Poisson", "Shuffle", "TargetEpsilon", "check_accountant",
 ]  # fmt: skip
 
 
-def _refused(owner: object, name: str, wanted: str, value: Any) -> ValueError:
-    return ValueError(f"{type(owner).__name__}.{name} must be {wanted}, got {value!r}")
+class OptionError(ValueError):
+    """An option's field out of range: "Class.field must be <wanted>, got <value>". A door that
+    spells its settings otherwise (the config's ``dp.key``) rewords it from ``owner`` and ``field``."""
+
+    def __init__(self, owner: str, field: str, wanted: str, value: Any) -> None:
+        super().__init__(f"{owner}.{field} must be {wanted}, got {value!r}")
+        self.owner, self.field, self.wanted, self.value = owner, field, wanted, value
+
+
+def _refused(owner: object, name: str, wanted: str, value: Any) -> OptionError:
+    return OptionError(type(owner).__name__, name, wanted, value)
 
 
 def _is_number(value: Any) -> bool:
@@ -54,11 +63,9 @@ def _check_positive(owner: object, name: str, value: Any) -> None:
 
 def _check_norm(owner: object, name: str, value: Any) -> None:
     """One clipping norm C > 0 (a list is Opacus' per-layer form, said so)."""
-    if isinstance(value, (list, tuple)):
-        raise ValueError(
-            f"{type(owner).__name__}.{name} must be one positive number, got {value!r}: a list is Opacus' "
-            "clipping='per_layer' form; give PerLayer(bounds={pattern: C, ...}, per='tensor')"
-        )
+    if isinstance(value, (list, tuple)):  # the hint before the value: "got [...]" closes every refusal
+        wanted = "one positive number (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C, per tensor)"
+        raise _refused(owner, name, wanted, value)
     if not (_is_number(value) and value > 0):
         raise _refused(owner, name, "one positive number", value)
 

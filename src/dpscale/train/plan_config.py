@@ -3,20 +3,19 @@ keyword-only numbers (the plan itself, in ``dpscale.privacy.plan``, knows nothin
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dpscale._io import cache_path
 from dpscale.clip_norms import MaxGradNorm, describe_clip
 from dpscale.config import Config, DPConfig, OptimConfig
+from dpscale.config_validate import dp_options
 from dpscale.errors import ConfigError
 from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.clipping import clip_bounds
-from dpscale.privacy.correlated import BandsRequest
+from dpscale.privacy.correlated import BandsRequest, strategy_cache_dir
 from dpscale.privacy.make_plan import check_plan_matches, make_dp_plan
 from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.options_flat import privacy_numbers
 from dpscale.privacy.plan import DPPlan
 from dpscale.privacy.source_runs import SourceRunPrivacy
 from dpscale.train.optim import lr_multiplier
@@ -34,12 +33,10 @@ def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> PrivacyNumbe
     Returns:
         the numbers ``make_dp_plan`` takes; ``max_grad_norm`` as ``config_clip_bounds`` spells it out.
     """
-    return PrivacyNumbers(
-        batch_size=dp.batch_size, max_grad_norm=config_clip_bounds(dp, names), delta=dp.delta,
-        target_epsilon=dp.epsilon, noise_multiplier=dp.noise_multiplier,
-        simulated_batch_size=dp.simulated_batch_size, sampling=dp.sampling, accountant=dp.accountant,
-        adaptive=adaptive_request(dp), max_batch_size=dp.max_batch_size,
-        clip_gamma=dp.clip_gamma if dp.clipping == "automatic" else None,
+    sampling, clipping, _ = dp_options(dp)  # make_private's typed options, through the translation both doors share
+    return privacy_numbers(
+        sampling, clipping, max_grad_norm=config_clip_bounds(dp, names), delta=dp.delta, target_epsilon=dp.epsilon,
+        noise_multiplier=dp.noise_multiplier, accountant=dp.accountant, simulated_batch_size=dp.simulated_batch_size,
     )  # fmt: skip
 
 
@@ -75,17 +72,6 @@ def config_clip_bounds(dp: DPConfig, names: Sequence[str] | None) -> MaxGradNorm
         raise ConfigError(f"dp.max_grad_norm_per={dp.max_grad_norm_per}: {err}") from err
 
 
-def adaptive_request(dp: DPConfig) -> AdaptiveClipping | None:
-    """dp.clipping=adaptive's settings (None for fixed clipping)."""
-    try:
-        return adaptive_clipping(
-            dp.clipping, quantile=dp.clip_quantile, learning_rate=dp.clip_learning_rate,
-            count_noise=dp.clip_count_noise, batch_size=dp.batch_size,
-        )  # fmt: skip
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
 def workload_for(optim: OptimConfig, steps: int) -> Workload:
     """What the optimizer does with the noisy gradients over ``steps`` steps, for BandMF's strategy:
     prefix sums, with SGD's momentum and the learning-rate schedule (Adam's update is not linear
@@ -95,12 +81,6 @@ def workload_for(optim: OptimConfig, steps: int) -> Workload:
     if optim.schedule != "constant" or optim.warmup_steps:
         multipliers = tuple(lr_multiplier(t, steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio) for t in range(steps))
     return Workload(steps=steps, momentum=momentum, lr_multipliers=multipliers)
-
-
-def strategy_cache_dir() -> Path:
-    """Where optimised BandMF strategies are cached: ``cache_path("bandmf")``. Any cached strategy
-    is safe to use: the plan re-normalises it, and privacy needs only its bands and column norms."""
-    return cache_path("bandmf")
 
 
 def bands_request(config: Config, steps: int, parameters: int | None = None) -> BandsRequest | None:

@@ -17,18 +17,17 @@ from torch import nn
 
 from dpscale.cpu_memory import keep_freed_memory
 from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
-from dpscale.privacy.adaptive import AdaptiveClipping, adaptive_clipping
 from dpscale.privacy.bandmf import Workload
 from dpscale.privacy.compiled import compiled_choice, compiled_engine_name
-from dpscale.privacy.correlated import BandsRequest
+from dpscale.privacy.correlated import BandsRequest, strategy_cache_dir
 from dpscale.privacy.engines import make_engine
 from dpscale.data.units import UserIndex
 from dpscale.privacy.per_example import (
     Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.options_flat import privacy_numbers
 from dpscale.privacy.options import (
-    AccountantName, Adaptive, BandMF, Budget, Clipping, Noise, PerformanceFlags, Sampling, Unit, check_accountant,
+    AccountantName, BandMF, Budget, Clipping, Noise, PerformanceFlags, Sampling, Unit, check_accountant,
 )  # fmt: skip
 from dpscale.privacy.make_plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
@@ -158,12 +157,10 @@ def make_private(
         keep_freed_memory()  # fresh per-step tensors without page faults (dpscale.cpu_memory; opt out by env)
     max_grad_norm = _clip_bounds(model, settings["max_grad_norm"], settings["max_grad_norm_per"])
     users, units = _user_index(settings["user_ids"], settings["max_examples_per_user"], dataset_size, check_batch)
-    batch_size = settings["batch_size"]
-    total_steps = steps_for(epochs, steps, units, batch_size)
-    numbers = PrivacyNumbers(
-        batch_size=batch_size, max_grad_norm=max_grad_norm, delta=settings["delta"], target_epsilon=settings["target_epsilon"],
-        noise_multiplier=settings["noise_multiplier"], sampling=settings["sampling"], max_batch_size=settings["max_batch_size"],
-        accountant=accountant, adaptive=_adaptive(options.clipping, batch_size), clip_gamma=settings["clip_gamma"],
+    total_steps = steps_for(epochs, steps, units, options.sampling.batch_size)
+    numbers = privacy_numbers(
+        options.sampling, options.clipping, max_grad_norm=max_grad_norm, delta=settings["delta"],
+        target_epsilon=settings["target_epsilon"], noise_multiplier=settings["noise_multiplier"], accountant=accountant,
     )  # fmt: skip
     plan = make_dp_plan(
         numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
@@ -185,14 +182,6 @@ def make_private(
     return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
                        max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
                        views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, flags.fixed_shapes, flags.compile))  # fmt: skip
-
-
-def _adaptive(clipping: Clipping, batch_size: float) -> AdaptiveClipping | None:
-    """The plan's adaptive-clipping settings (None unless ``Adaptive``; sigma_b's default B / 20 lives in ``adaptive_clipping``)."""
-    if not isinstance(clipping, Adaptive):
-        return None
-    return adaptive_clipping("adaptive", quantile=clipping.quantile, learning_rate=clipping.learning_rate,
-                             count_noise=clipping.count_noise, batch_size=batch_size)  # fmt: skip
 
 
 def _seed_streams(seed: int | None) -> dict[str, int]:
@@ -243,7 +232,7 @@ def _bands_request(noise: Noise, model: nn.Module, optimizer: torch.optim.Optimi
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return BandsRequest(
         bands=noise.bands, workload=workload, max_bands=noise.max_bands, parameters=parameters,
-        max_noise_memory_mb=noise.max_noise_memory_mb,
+        max_noise_memory_mb=noise.max_noise_memory_mb, cache_dir=str(strategy_cache_dir()),
     )  # fmt: skip
 
 

@@ -10,28 +10,21 @@ ignored. ``flat_settings`` turns the objects into the settings the mechanism is 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dpscale.choices import CLIPPINGS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, MECHANISMS
 from dpscale.privacy.options import (
-    Adaptive, Automatic, BandMF, Budget, Clipping, FixedSize, Flat, Independent, Noise, NoiseMultiplier, PerExample,
-    PerformanceFlags, PerLayer, PerUser, Poisson, Sampling, Shuffle, TargetEpsilon, Unit,
+    Budget, Clipping, Independent, Noise, NoiseMultiplier, PerExample, PerformanceFlags,
+    PerLayer, PerUser, Sampling, TargetEpsilon, Unit,
+)  # fmt: skip
+from dpscale.privacy.options_flat import (
+    CLIPPING_SETTINGS, NOISE_SETTINGS, SAMPLING_SETTINGS, clipping_option, noise_option, sampling_option,
 )  # fmt: skip
 
-# The flat keywords of each concern, with the defaults they had (an option of a strategy not chosen
-# is accepted at its default: a call that spelled out the default still runs).
-SAMPLING_KEYWORDS = {"batch_size": None, "max_batch_size": None}
-CLIPPING_KEYWORDS = {"max_grad_norm": None, "max_grad_norm_per": "group", "clip_quantile": 0.5, "clip_learning_rate": 0.2,
-                     "clip_count_noise": None, "clip_gamma": 0.01}  # fmt: skip
 BUDGET_KEYWORDS = {"delta": None, "target_epsilon": None, "noise_multiplier": None}
-NOISE_KEYWORDS = {"noise_mechanism": "dpsgd", "bands": "auto", "max_bands": DEFAULT_MAX_BANDS,
-                  "max_noise_memory_mb": DEFAULT_MAX_NOISE_MEMORY_MB, "workload": None}  # fmt: skip
 UNIT_KEYWORDS = {"user_ids": None, "max_examples_per_user": None}
 PERFORMANCE_KEYWORDS = {"engine": "auto", "precision": "fp32", "max_physical_batch_size": None, "compile": False,
                         "fixed_shapes": None}  # fmt: skip
-SAMPLING_MODES = {"poisson": Poisson, "fixed": FixedSize, "shuffle": Shuffle}
 
 
 @dataclass(frozen=True)
@@ -56,17 +49,17 @@ def typed_options(
         TypeError: an unknown keyword, a concern given both ways, or a required setting missing.
         ValueError: a flat keyword out of range (named by its class and field) or of a strategy not chosen.
     """
-    known = {**SAMPLING_KEYWORDS, **CLIPPING_KEYWORDS, **BUDGET_KEYWORDS, **NOISE_KEYWORDS, **UNIT_KEYWORDS,
+    known = {**SAMPLING_SETTINGS, **CLIPPING_SETTINGS, **BUDGET_KEYWORDS, **NOISE_SETTINGS, **UNIT_KEYWORDS,
              **PERFORMANCE_KEYWORDS}  # fmt: skip
     unknown = sorted(set(legacy) - set(known))
     if unknown:
         raise TypeError(f"make_private() got an unexpected keyword argument {unknown[0]!r}")
     flat = isinstance(sampling, str) or isinstance(clipping, str) or bool(legacy)
     options = Options(
-        sampling=_concern("sampling", sampling, legacy, SAMPLING_KEYWORDS, _legacy_sampling, flat),
-        clipping=_concern("clipping", clipping, legacy, CLIPPING_KEYWORDS, _legacy_clipping, flat),
+        sampling=_concern("sampling", sampling, legacy, SAMPLING_SETTINGS, _legacy_sampling, flat),
+        clipping=_concern("clipping", clipping, legacy, CLIPPING_SETTINGS, _legacy_clipping, flat),
         budget=_concern("budget", budget, legacy, BUDGET_KEYWORDS, _legacy_budget, flat),
-        noise=_concern("noise", noise, legacy, NOISE_KEYWORDS, _legacy_noise, flat, Independent()),
+        noise=_concern("noise", noise, legacy, NOISE_SETTINGS, _legacy_noise, flat, Independent()),
         unit=_concern("unit", unit, legacy, UNIT_KEYWORDS, _legacy_unit, flat, PerExample()),
         performance=_concern(
             "performance", performance, legacy, PERFORMANCE_KEYWORDS, _legacy_performance, flat, PerformanceFlags()
@@ -97,13 +90,6 @@ _EXAMPLE = {"sampling": "Poisson(batch_size=...)", "clipping": "Flat(max_grad_no
             "budget": "TargetEpsilon(epsilon=..., delta=...) or NoiseMultiplier(sigma=..., delta=...)"}  # fmt: skip
 
 
-def _inactive(given: set[str], values: dict[str, Any], defaults: dict[str, Any], keys: tuple[str, ...], owner: str) -> None:
-    """Refuse an option of a strategy not chosen, given with a value other than its default."""
-    for key in keys:
-        if key in given and values[key] != defaults[key]:
-            raise ValueError(f"make_private: {key}={values[key]!r} applies to {owner} only; it is not taken here")
-
-
 def _required(values: dict[str, Any], *keys: str) -> None:
     missing = [k for k in keys if values[k] is None]
     if missing:
@@ -112,39 +98,13 @@ def _required(values: dict[str, Any], *keys: str) -> None:
 
 def _legacy_sampling(values: dict[str, Any], mode: str | None, given: set[str]) -> Sampling:
     _required(values, "batch_size")
-    mode = mode or "poisson"
-    if mode not in SAMPLING_MODES:
-        raise ValueError(f"make_private: sampling must be Poisson(...), FixedSize(...) or Shuffle(...) (or "
-                         f"{', '.join(repr(m) for m in SAMPLING_MODES)}), got {mode!r}")  # fmt: skip
-    if mode == "poisson":
-        return Poisson(batch_size=values["batch_size"], max_batch_size=values["max_batch_size"])
-    if values["max_batch_size"] is not None:
-        raise ValueError(f"make_private: max_batch_size caps Poisson batches; sampling={mode!r} draws exactly batch_size")
-    size = values["batch_size"]
-    return SAMPLING_MODES[mode](batch_size=int(size) if isinstance(size, float) and size.is_integer() else size)
+    return sampling_option(values, mode or "poisson")
 
 
 def _legacy_clipping(values: dict[str, Any], mode: str | None, given: set[str]) -> Clipping:
-    mode = mode or "fixed"
-    if mode not in CLIPPINGS:
-        raise ValueError(f"make_private: clipping must be Flat(...), PerLayer(...), Adaptive(...) or Automatic(...) (or "
-                         f"{', '.join(repr(c) for c in CLIPPINGS)}), got {mode!r}")  # fmt: skip
     if "max_grad_norm" not in given:
         raise TypeError("make_private() missing required keyword argument: 'max_grad_norm'")
-    adaptive_keys = ("clip_quantile", "clip_learning_rate", "clip_count_noise") if mode != "adaptive" else ()
-    _inactive(given, values, CLIPPING_KEYWORDS, adaptive_keys, "clipping='adaptive'")
-    _inactive(given, values, CLIPPING_KEYWORDS, ("clip_gamma",) if mode != "automatic" else (), "clipping='automatic'")
-    bound, per = values["max_grad_norm"], values["max_grad_norm_per"]
-    if mode == "adaptive":
-        if per != "group" or isinstance(bound, Mapping):
-            raise ValueError("make_private: clipping='adaptive' starts from one norm C (Adaptive.max_grad_norm); not with per-layer bounds")
-        return Adaptive(max_grad_norm=bound, quantile=values["clip_quantile"], learning_rate=values["clip_learning_rate"],
-                        count_noise=values["clip_count_noise"])  # fmt: skip
-    if mode == "automatic":
-        return Automatic(max_grad_norm=bound, per=per, gamma=values["clip_gamma"])
-    if per == "group" and not isinstance(bound, Mapping):
-        return Flat(max_grad_norm=bound)
-    return PerLayer(bounds=bound, per=per)
+    return clipping_option(values, mode or "fixed", {k: values[k] for k in given})
 
 
 def _legacy_budget(values: dict[str, Any], mode: str | None, given: set[str]) -> Budget:
@@ -157,14 +117,7 @@ def _legacy_budget(values: dict[str, Any], mode: str | None, given: set[str]) ->
 
 
 def _legacy_noise(values: dict[str, Any], mode: str | None, given: set[str]) -> Noise:
-    mechanism = values["noise_mechanism"]
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"make_private: noise_mechanism must be one of {', '.join(repr(m) for m in MECHANISMS)}, got {mechanism!r}")
-    if mechanism == "dpsgd":
-        _inactive(given, values, NOISE_KEYWORDS, ("bands", "max_bands", "max_noise_memory_mb", "workload"), "noise_mechanism='bandmf'")
-        return Independent()
-    return BandMF(bands=values["bands"], max_bands=values["max_bands"], max_noise_memory_mb=values["max_noise_memory_mb"],
-                  workload=values["workload"])  # fmt: skip
+    return noise_option(values, {k: values[k] for k in given})
 
 
 def _legacy_unit(values: dict[str, Any], mode: str | None, given: set[str]) -> Unit:
@@ -196,18 +149,14 @@ _DEFAULTS: dict[str, Any] = {"noise": Independent(), "unit": PerExample(), "perf
 
 
 def flat_settings(options: Options) -> dict[str, Any]:
-    """The settings the mechanism is built from (``make_private``'s body), from the typed options."""
-    sampling, clipping, budget, noise, unit = options.sampling, options.clipping, options.budget, options.noise, options.unit
-    bound = clipping.bounds if isinstance(clipping, PerLayer) else clipping.max_grad_norm
+    """What ``make_private``'s body reads besides the options: the clipping's bounds and form, the
+    budget's numbers and the users."""
+    clipping, budget, unit = options.clipping, options.budget, options.unit
     return {
-        "batch_size": sampling.batch_size, "sampling": sampling.mode,
-        "max_batch_size": sampling.max_batch_size if isinstance(sampling, Poisson) else None,
-        "max_grad_norm": bound, "max_grad_norm_per": getattr(clipping, "per", "group"), "clipping": clipping.mode,
-        "adaptive": clipping if isinstance(clipping, Adaptive) else None,
-        "clip_gamma": clipping.gamma if isinstance(clipping, Automatic) else None,
-        "delta": budget.delta, "target_epsilon": budget.epsilon if isinstance(budget, TargetEpsilon) else None,
+        "max_grad_norm": clipping.bounds if isinstance(clipping, PerLayer) else clipping.max_grad_norm,
+        "max_grad_norm_per": getattr(clipping, "per", "group"), "delta": budget.delta,
+        "target_epsilon": budget.epsilon if isinstance(budget, TargetEpsilon) else None,
         "noise_multiplier": budget.sigma if isinstance(budget, NoiseMultiplier) else None,
-        "bands": noise if isinstance(noise, BandMF) else None,
         "user_ids": unit.user_ids if isinstance(unit, PerUser) else None,
         "max_examples_per_user": unit.max_examples_per_user if isinstance(unit, PerUser) else None,
     }  # fmt: skip
