@@ -64,10 +64,10 @@ def test_an_unknown_choice_is_refused_by_name(monkeypatch):
 def test_make_private_on_the_cpu_keeps_freed_memory(monkeypatch):
     import torch
 
-    from dpscale.train import private
+    from dpscale.train import private, private_build
 
     calls: list[str] = []
-    monkeypatch.setattr(private, "keep_freed_memory", lambda: calls.append("kept") or "kept")
+    monkeypatch.setattr(private_build, "keep_freed_memory", lambda: calls.append("kept") or "kept")
     model = torch.nn.Linear(4, 2)
     private.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100, batch_size=10,
                          max_grad_norm=1.0, noise_multiplier=1.0, steps=5, delta=1e-5)  # fmt: skip
@@ -142,11 +142,11 @@ def test_a_kept_heap_grown_past_the_bound_is_trimmed_and_a_level_one_is_not():
 def test_each_private_step_bounds_the_kept_heap_and_evaluation_runs_on_a_trimmed_one(monkeypatch):
     import torch
 
-    from dpscale.train import mechanism, private, report
+    from dpscale.train import mechanism, private, private_build, report
 
     calls: list[str] = []
     monkeypatch.setattr(mechanism, "bound_kept_memory", lambda: calls.append("bound") or False)
-    monkeypatch.setattr(private, "keep_freed_memory", lambda: "kept")
+    monkeypatch.setattr(private_build, "keep_freed_memory", lambda: "kept")
     model = torch.nn.Linear(4, 2)
     dp = private.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100, batch_size=10,
                               max_grad_norm=1.0, noise_multiplier=1.0, steps=2, delta=1e-5)  # fmt: skip

@@ -5,6 +5,7 @@ the typed call and the deprecated flat call build the same mechanism."""
 from __future__ import annotations
 
 import inspect
+import math
 import subprocess
 import sys
 import typing
@@ -140,9 +141,10 @@ def test_the_signature_is_short_and_its_closed_sets_are_literal_types():
 def test_dir_lists_the_public_names_and_make_private_loads_fewer_modules():
     assert {"make_private", "Poisson", "Flat", "TargetEpsilon", "PerformanceFlags"} <= set(dir(dpscale))
     assert not [name for name in dir(dpscale) if name.startswith("_") and name != "__version__"]
-    code = "import sys, dpscale; dpscale.make_private; print(sum(m.startswith('dpscale') for m in sys.modules))"
-    loaded = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert loaded <= 66, loaded  # 108 before issue 64 (the Trainer and the YAML loader loaded eagerly); 64 now
+    code = "import sys, dpscale; dpscale.make_private; print(sum(m.startswith('dpscale') for m in sys.modules), 'torch' in sys.modules)"
+    loaded, torch_loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    # 108 before issue 64 (the Trainer, the YAML loader and the engines loaded eagerly); 14 now, and no torch
+    assert int(loaded) <= 40 and torch_loaded == "False", (loaded, torch_loaded)
 
 
 def test_a_person_level_call_shows_the_count_of_ids_not_the_ids():
@@ -177,3 +179,27 @@ def test_the_config_door_takes_the_same_translation_in_its_own_words(overrides, 
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, overrides)
     assert "\n" not in str(err.value) and "Adaptive." not in str(err.value)
+
+
+def test_make_private_optimises_bandmf_for_the_schedulers_rates_as_dpscale_train_does():
+    # the doors had drifted: make_private optimised BandMF for constant rates whatever the scheduler
+    from dpscale import BandMF
+    from dpscale.privacy.bandmf_math import Workload
+
+    steps = 12
+
+    def built(scheduled: bool, workload: Workload | None = None):
+        model, optimizer = _model_and_optimizer()
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if scheduled else None
+        mechanism = dpscale.make_private(model, optimizer, **{**TYPED, "steps": steps}, noise=BandMF(bands=3, workload=workload),
+                                         scheduler=scheduler)  # fmt: skip
+        return mechanism.plan.correlated, optimizer, scheduler
+
+    cosine, optimizer, scheduler = built(True)
+    assert "a learning-rate schedule" in cosine.workload
+    assert optimizer.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0  # the user's scheduler put back
+    rates = [0.5 * (1 + math.cos(math.pi * t / steps)) for t in range(steps)]  # CosineAnnealingLR / its first rate
+    explicit, _, _ = built(False, Workload(steps=steps, lr_multipliers=tuple(rates)))
+    assert cosine.coefficients == pytest.approx(explicit.coefficients, rel=1e-9)
+    constant, _, _ = built(False)
+    assert constant.coefficients != pytest.approx(cosine.coefficients, rel=1e-6)

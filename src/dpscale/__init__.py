@@ -17,9 +17,9 @@ def __getattr__(name: str):
 
         return getattr(options, name)
     if name in __all__:
-        from dpscale.train import mechanism, private
+        from importlib import import_module
 
-        return getattr(private if name == "make_private" else mechanism, name)
+        return getattr(import_module("dpscale.train." + ("private" if name == "make_private" else "mechanism")), name)
     raise AttributeError(f"module 'dpscale' has no attribute {name!r}")
 
 

@@ -1,79 +1,27 @@
 """``dpscale.make_private``: the one entry point for a user's own model, optimizer and loop.
 
-It builds the DP plan (calibrating sigma when given a target epsilon), picks and checks the
-clipping engine, and returns the :class:`~dpscale.train.mechanism.DPMechanism` that takes every
-step. See the mechanism's module for the loop it expects.
+It checks the typed options (``dpscale.privacy.options``), then builds the DP plan (calibrating sigma
+when given a target epsilon), picks and checks the clipping engine, and returns the
+:class:`~dpscale.train.mechanism.DPMechanism` that takes every step (``dpscale.train.private_build``,
+imported on the call: ``import dpscale; dpscale.make_private`` stays light). See the mechanism's
+module for the loop it expects.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-
-import torch
-from torch import nn
-
-from dpscale.cpu_memory import keep_freed_memory
-from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
-from dpscale.privacy.bandmf import Workload
-from dpscale.privacy.compiled import compiled_choice, compiled_engine_name
-from dpscale.privacy.correlated import BandsRequest, strategy_cache_dir
-from dpscale.privacy.engines import make_engine
-from dpscale.data.units import UserIndex
-from dpscale.privacy.per_example import (
-    Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
-)  # fmt: skip
-from dpscale.privacy.options_flat import privacy_numbers
 from dpscale.privacy.options import (
-    AccountantName, BandMF, Budget, Clipping, Noise, PerformanceFlags, Sampling, Unit, check_accountant,
+    AccountantName, Budget, Clipping, Noise, PerformanceFlags, Sampling, Unit, check_accountant,
 )  # fmt: skip
-from dpscale.privacy.make_plan import make_dp_plan, steps_for
-from dpscale.privacy.precision import make_precision
-from dpscale.privacy.self_check import checked_engine
-from dpscale.train.chunk_size import batch_chunk
-from dpscale.train.seeds import run_seeds
-from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
-from dpscale.train.private_options import flat_settings, typed_options
-from dpscale.train.step import fixed_rows
+from dpscale.train.private_options import typed_options
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
-    """``make_private``'s first-chunk check without a ``check_batch``: the whole ``checked_engine``
-    (independence, then the self-check on its first examples; ``auto`` may fall back to vmap)."""
-
-    def check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
-        # the same tuner: the choices it holds (pinned by a loaded state) carry over
-        tuner = getattr(engine, "tuner", None)
-        chosen, notices, _ = checked_engine(name, engine.max_grad_norm, model, chunk, tuner=tuner, **engine_options)
-        _tell(notices)
-        return chosen
-
-    return check
-
-
-def _tell(notices: list[str]) -> None:
-    """What the user should know of the engine make_private chose (auto's fallback and why)."""
-    for notice in notices:
-        warnings.warn(notice, UserWarning, stacklevel=3)
-
-
-def per_example_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
-    """``loss_fn`` checked at every call to return one loss per example, shape (B,): a mean or a
-    sum over the batch would be clipped as if the batch were one example."""
-
-    def checked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = loss_fn(logits, targets)
-        if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.shape[0] != targets.shape[0]:
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(
-                f"loss_fn must return one loss per example, shape ({targets.shape[0]},), got {shape}: use "
-                "reduction='none' (a loss averaged or summed over the batch cannot be clipped per example)"
-            )
-        return out
-
-    return checked
+    from dpscale.privacy.per_example import Batch
+    from dpscale.train.mechanism import DPMechanism
 
 
 def make_private(
@@ -152,109 +100,21 @@ def make_private(
     check_accountant(accountant)
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of epochs= and steps=")
-    flags, settings = options.performance, flat_settings(options)
-    if any(p.device.type == "cpu" for p in model.parameters()):
-        keep_freed_memory()  # fresh per-step tensors without page faults (dpscale.cpu_memory; opt out by env)
-    max_grad_norm = _clip_bounds(model, settings["max_grad_norm"], settings["max_grad_norm_per"])
-    users, units = _user_index(settings["user_ids"], settings["max_examples_per_user"], dataset_size, check_batch)
-    total_steps = steps_for(epochs, steps, units, options.sampling.batch_size)
-    numbers = privacy_numbers(
-        options.sampling, options.clipping, max_grad_norm=max_grad_norm, delta=settings["delta"],
-        target_epsilon=settings["target_epsilon"], noise_multiplier=settings["noise_multiplier"], accountant=accountant,
-    )  # fmt: skip
-    plan = make_dp_plan(
-        numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
-        privacy_unit="example" if users is None else "user", max_examples_per_user=settings["max_examples_per_user"],
-        correlated=_bands_request(options.noise, model, optimizer, total_steps),
-    )  # fmt: skip
-    plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
-    engine = compiled_engine_name(flags.engine, make_precision(flags.precision), model) if flags.compile else flags.engine
-    chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
-        engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=flags.precision,
-        check=check and plan.is_private, check_batch=check_batch, rows=settings["max_examples_per_user"] if users else None,
-        clip_gamma=plan.clip_gamma,
-    )  # fmt: skip
-    if flags.compile:  # after the eager engine's checks: one shape compiled per chunk size
-        chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
-    chunk = flags.max_physical_batch_size  # "auto": measured with the engine that runs (compiled too), on check_batch's shape
-    if isinstance(chunk, str):
-        chunk = batch_chunk(chunk, chosen, model, plan, check_batch, augment_multiplicity)
-    return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
-                       max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
-                       views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, flags.fixed_shapes, flags.compile))  # fmt: skip
+    from dpscale.train.private_build import build_mechanism  # the engines, the accountant, torch: on the call
 
-
-def _seed_streams(seed: int | None) -> dict[str, int]:
-    """The mechanism's sampler, noise and BandMF partition seeds from ``seed`` (None: fresh entropy)."""
-    seeds = run_seeds(seed)
-    return {"sampler_seed": seeds["sampler"], "noise_seed": seeds["noise"], "partition_seed": seeds["partition"]}
-
-
-def _user_index(
-    user_ids: Any, max_examples_per_user: int | None, dataset_size: int, check_batch: Batch | None
-) -> tuple[UserIndex | None, int]:  # fmt: skip
-    """``make_private``'s users (None at the example unit), checked against the dataset, and the
-    plan's N (the users, or the examples)."""
-    if user_ids is None:  # PerExample (PerUser always has both: typed_options)
-        return None, dataset_size
-    if check_batch is not None:
-        raise ValueError("check_batch is not taken with user_ids: the checks run on the first step's users instead")
-    users = UserIndex.from_ids(user_ids)
-    if len(users.examples) != dataset_size:
-        raise ValueError(f"user_ids holds {len(users.examples)} ids but dataset_size={dataset_size}: give one per dataset index")
-    return users, users.num_users
-
-
-def _clip_bounds(model: nn.Module, max_grad_norm: MaxGradNorm, per: str) -> MaxGradNorm:
-    """``max_grad_norm`` as the plan, the engines and the checks all take it: as given ("group"),
-    or spelled out as one group per trainable tensor ("tensor", ``clip_bounds``).
-
-    Args:
-        model: whose trainable tensors, in ``named_parameters()`` order, get a bound each per tensor.
-        max_grad_norm, per: ``make_private``'s ``max_grad_norm`` and ``max_grad_norm_per``.
-
-    Returns:
-        C, pattern -> C_g, or (per tensor) tensor name -> C_i; None without clipping.
-    """
-    return clip_bounds(max_grad_norm, per, [name for name, p in model.named_parameters() if p.requires_grad])
-
-
-def _bands_request(noise: Noise, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> BandsRequest | None:
-    """BandMF's request for ``make_private`` (None for DP-SGD)."""
-    if not isinstance(noise, BandMF):
-        return None
-    workload = noise.workload
-    if workload is None:  # prefix sums, with SGD's momentum (torch's SGD has it in its param groups)
-        workload = Workload(steps=steps, momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
-                            if isinstance(optimizer, torch.optim.SGD) else 0.0)  # fmt: skip
-    if workload.steps != steps:
-        raise ValueError(f"BandMF.workload.steps={workload.steps} but the plan has {steps} steps")
-    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return BandsRequest(
-        bands=noise.bands, workload=workload, max_bands=noise.max_bands, parameters=parameters,
-        max_noise_memory_mb=noise.max_noise_memory_mb, cache_dir=str(strategy_cache_dir()),
-    )  # fmt: skip
-
-
-def _chosen_engine(
-    engine: str, max_grad_norm: MaxGradNorm, model: nn.Module, *, loss_fn: Callable | None, views: int,
-    precision: str, check: bool, check_batch: Batch | None, rows: int | None, clip_gamma: float | None = None,
-) -> tuple[PerExampleEngine, FirstChunkCheck | None]:  # fmt: skip
-    """``make_private``'s engine, checked now on ``check_batch`` or at the first step's first chunk;
-    at the user unit (``rows`` = k) one that clips each user's ``user_rows`` as one example."""
-    base = per_example_loss(loss_fn) if loss_fn else None  # user_sum_loss: None is cross-entropy with padding
-    if rows is not None:
-        views, unit_loss = user_engine_options(rows, views, base)
-        _tell([n for n in [ghost_per_user_notice(engine, rows)] if n])
-    else:
-        unit_loss = base or per_example_cross_entropy
-    options: dict[str, Any] = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision), "clip_gamma": clip_gamma}
-    # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
-    if check and check_batch is not None:
-        with options["precision"].matmul_flags():  # as at every step (full float32 unless tf32)
-            chosen, notices, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
-        _tell(notices)
-        return chosen, independence_check
-    chosen, notice = make_engine(engine, max_grad_norm, model, **options)
-    _tell([notice] if notice else [])
-    return chosen, _engine_check(engine, **options) if check else None
+    return build_mechanism(
+        model,
+        optimizer,
+        options,
+        dataset_size=dataset_size,
+        epochs=epochs,
+        steps=steps,
+        accountant=accountant,
+        loss_fn=loss_fn,
+        augment_multiplicity=augment_multiplicity,
+        scheduler=scheduler,
+        seed=seed,
+        secure_noise=secure_noise,
+        check=check,
+        check_batch=check_batch,
+    )
