@@ -17,7 +17,7 @@ from torch import nn
 
 import dpscale
 from dpscale import (
-    Adaptive, Automatic, BandMF, FixedSize, Flat, NoiseMultiplier, PerformanceFlags, PerLayer, PerUser, Poisson,
+    Adaptive, Automatic, BandMF, FixedSize, Flat, NoiseMultiplier, PerformanceFlags, PerLayer, PerUser, Poisson, Shuffle,
     TargetEpsilon,
 )  # fmt: skip
 from dpscale.privacy.numbers import PrivacyNumbers
@@ -51,9 +51,9 @@ def _refused(call, match: str) -> str:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"clip_quantile": 5.0, "clip_learning_rate": -3}, "clip_quantile=5.0 applies to clipping='adaptive' only"),
-        ({"clip_gamma": -1.0}, "clip_gamma=-1.0 applies to clipping='automatic' only"),
-        ({"bands": 0, "max_bands": -2}, "bands=0 applies to noise_mechanism='bandmf' only"),
+        ({"clip_quantile": 5.0, "clip_learning_rate": -3}, "clip_quantile=5.0 applies to Adaptive clipping only"),
+        ({"clip_gamma": -1.0}, "clip_gamma=-1.0 applies to Automatic clipping only"),
+        ({"bands": 0, "max_bands": -2}, "BandMF.bands=0 applies to BandMF noise only"),
         ({"accountant": "prv"}, "accountant must be one of 'pld', 'rdp', got 'prv'"),
         ({"accountant": "rpd", "sampling": "fixed"}, "got 'rpd'"),
         ({"noise_mechanism": "bandmf", "bands": "many"}, "BandMF.bands must be a positive integer or \"auto\", got 'many'"),
@@ -61,7 +61,10 @@ def _refused(call, match: str) -> str:
         ({"engine": "gohst"}, "PerformanceFlags.engine must be one of"),
         ({"clipping": "adaptive", "clip_quantile": 5.0}, r"Adaptive.quantile must be in \(0, 1\), got 5.0"),
         ({"max_batch_size": 8, "sampling": "fixed"}, "max_batch_size caps Poisson batches"),
-        ({"clipping": "adaptive", "max_grad_norm_per": "tensor"}, "clipping='adaptive'.* not with max_grad_norm_per='tensor'"),
+        (
+            {"clipping": "adaptive", "max_grad_norm_per": "tensor"},
+            "Adaptive clipping needs one starting norm C.* not with max_grad_norm_per='tensor'",
+        ),
     ],
 )
 def test_each_finding_is_refused_through_the_flat_keywords(changes, match):
@@ -203,3 +206,35 @@ def test_make_private_optimises_bandmf_for_the_schedulers_rates_as_dpscale_train
     assert cosine.coefficients == pytest.approx(explicit.coefficients, rel=1e-9)
     constant, _, _ = built(False)
     assert constant.coefficients != pytest.approx(cosine.coefficients, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (
+            {"sampling": FixedSize(batch_size=10), "clipping": Adaptive(max_grad_norm=1.0)},
+            "FixedSize sampling is accounted under replace-one adjacency, which Adaptive clipping is not written for",
+        ),
+        (
+            {"sampling": Poisson(batch_size=10, max_batch_size=20), "noise": BandMF(bands=2)},
+            "Poisson.max_batch_size caps Poisson batches .* not with BandMF noise",
+        ),
+        ({"sampling": Shuffle(batch_size=10), "noise": BandMF(bands=2)}, "BandMF noise is accounted for cyclic Poisson sampling"),
+        ({"noise": BandMF(bands=2), "budget": NoiseMultiplier(sigma=0.0, delta=1e-5)}, "NoiseMultiplier.sigma=0 adds none"),
+        ({"noise": BandMF()}, r"give a target epsilon instead \(TargetEpsilon.epsilon\)"),
+        ({"noise": BandMF(bands=64)}, "BandMF.bands=64 is more than the run's 30 steps"),
+        (
+            {"clipping": Adaptive(max_grad_norm=1.0), "noise": BandMF(bands=2)},
+            "Adaptive clipping needs one starting norm C and DP-SGD; not with BandMF noise",
+        ),
+        (
+            {"sampling": FixedSize(batch_size=10), "unit": PerUser(user_ids=list(range(1000)), max_examples_per_user=1)},
+            "PerUser samples users by Poisson sampling: use Poisson sampling",
+        ),
+    ],
+)
+def test_options_that_do_not_go_together_are_refused_in_pythons_words(changes, match):
+    # the rules live once in the plan (every door); each door hands them its words (privacy/spelling.py)
+    model, optimizer = _model_and_optimizer()
+    message = _refused(lambda: dpscale.make_private(model, optimizer, **{**TYPED, "steps": 30, **changes}), match)
+    assert message.startswith("make_private: ")

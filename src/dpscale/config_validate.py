@@ -83,11 +83,11 @@ def dp_options(dp: DPConfig) -> tuple[Sampling, Clipping, Noise]:
             a strategy not chosen set to other than its default (dp.clip_quantile with dp.clipping=fixed).
     """
     from dpscale.privacy.options_flat import (  # local: the config loads without the privacy core
-        CLIPPING_SETTINGS, CONFIG, NOISE_SETTINGS, SAMPLING_SETTINGS, clipping_option, noise_option, sampling_option,
+        CLIPPING_SETTINGS, NOISE_SETTINGS, SAMPLING_SETTINGS, clipping_option, noise_option, sampling_option,
     )  # fmt: skip
+    from dpscale.privacy.spelling import CONFIG
 
-    names = CONFIG.names
-    values = {key: getattr(dp, names.get(key, key)) for key in (*SAMPLING_SETTINGS, *CLIPPING_SETTINGS, *NOISE_SETTINGS)
+    values = {key: getattr(dp, CONFIG.key(key).removeprefix("dp.")) for key in (*SAMPLING_SETTINGS, *CLIPPING_SETTINGS, *NOISE_SETTINGS)
               if key != "workload"}  # fmt: skip
     values["workload"] = None  # the config's workload is the optimizer's (train/plan_config.py)
     try:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import CLIPPINGS
-from dpscale.errors import ConfigError  # a ValueError too: one refusal for every door
+from dpscale.privacy.spelling import Spelling
 
 if TYPE_CHECKING:  # the plan imports this module and never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
@@ -93,15 +93,16 @@ class AdaptiveClipping:
         )
 
 
-def adaptive_refusal(clipping_said: str, clash: str) -> ValueError:
+def adaptive_refusal(spell: Spelling, clash: str) -> ValueError:
     """The one refusal of adaptive clipping where its accounting is not written (per-layer or
     per-tensor bounds, no clipping, BandMF, a TAN simulation), in the door's words.
 
     Args:
-        clipping_said: how the door says it ("dp.clipping=adaptive", "clipping='adaptive'").
-        clash: what it is asked with ("per-layer dp.max_grad_norm", "dp.mechanism=bandmf", ...).
+        spell: the door's ``Spelling``; clash: what it is asked with, in those words.
     """
-    return ConfigError(f"adaptive clipping ({clipping_said}) needs one starting norm C and DP-SGD; not with {clash}")
+    said = spell.said("clipping", "adaptive")
+    lead = said if spell.typed_names else f"adaptive clipping ({said})"
+    return spell.refusal(f"{lead} needs one starting norm C and DP-SGD; not with {clash}")
 
 
 def adaptive_clipping(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 from dpscale.choices import DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB
 from dpscale.data.sampling_modes import RATE_TOLERANCE
-from dpscale.errors import ConfigError
+from dpscale.privacy.spelling import CONFIG, Spelling
 
 if TYPE_CHECKING:  # bandmf needs torch; the plan (and dpscale account for DP-SGD) does not
     from dpscale.privacy.bandmf import BandedStrategy, Workload
@@ -92,30 +92,38 @@ class BandedNoisePlan:
         return f"BandMF b={self.bands} ({self.reason})"
 
 
-def check_bandmf_settings(*, sampling: str, simulated: bool, noise_multiplier: float | None, bands: int | str) -> None:
-    """Refuse settings BandMF's accounting does not describe (config validation and the plan both ask).
+def check_bandmf_settings(
+    *, sampling: str, simulated: bool, noise_multiplier: float | None, bands: int | str, spell: Spelling = CONFIG
+) -> None:  # fmt: skip
+    """Refuse settings BandMF's accounting does not describe (config validation and the plan both ask;
+    in ``spell``'s words, the config's by default).
 
     Raises:
         ConfigError: shuffle sampling, a TAN simulation, no noise, or dp.bands=auto with a fixed sigma.
     """
+    bandmf = spell.said("noise_mechanism", "bandmf")
+
+    def cli(flag: str) -> str:  # dpscale account plans in the config's words: its flags too
+        return "" if spell.typed_names else f",{flag}"
+
     if sampling != "poisson":
-        raise ConfigError(
-            "dp.mechanism=bandmf is accounted for cyclic Poisson sampling (b-min-separation: an example joins only "
-            f"the steps of its group, every b-th step); dp.sampling={sampling} does not give that: use dp.sampling=poisson"
+        raise spell.refusal(
+            f"{bandmf} is accounted for cyclic Poisson sampling (b-min-separation: an example joins only the steps of its "
+            f"group, every b-th step); {spell.said('sampling', sampling)} does not give that: use {spell.said('sampling', 'poisson')}"
         )
     if simulated:
-        raise ConfigError(
-            "a TAN simulation (dp.simulated_batch_size) scales DP-SGD's independent noise with the batch size; "
+        raise spell.refusal(
+            f"a TAN simulation ({spell.key('simulated_batch_size')}) scales DP-SGD's independent noise with the batch size; "
             "BandMF's correlated noise and its amplification over b groups are not what TAN's analysis models, so "
-            "a simulation would predict nothing: simulate the DP-SGD run (dp.mechanism=dpsgd) instead"
+            f"a simulation would predict nothing: simulate the DP-SGD run ({spell.said('noise_mechanism', 'dpsgd')}) instead"
         )
     if noise_multiplier == 0:
-        raise ConfigError("dp.mechanism=bandmf correlates the noise of a private run; dp.noise_multiplier=0 adds none")
+        raise spell.refusal(f"{bandmf} correlates the noise of a private run; {spell.said('noise_multiplier', 0)} adds none")
     if bands == "auto" and noise_multiplier is not None:
-        raise ConfigError(
-            "bands=auto compares each b at the sigma that spends the target epsilon for it, and sigma is fixed here: "
-            "give a target epsilon instead of the noise (dp.noise_multiplier=null; make_private(target_epsilon=...); "
-            "--target-epsilon), or a number of bands (dp.bands=N, bands=N, --bands N)"
+        raise spell.refusal(
+            f"{spell.said('bands', 'auto')} compares each b at the sigma that spends the target epsilon for it, and sigma is "
+            f"fixed here: give a target epsilon instead ({spell.key('target_epsilon')}{cli(' --target-epsilon')}), or a number "
+            f"of bands ({spell.key('bands')}=N{cli(' --bands N')})"
         )
 
 
@@ -135,22 +143,22 @@ def band_candidates(request: BandsRequest, *, steps: int, sample_rate: float) ->
     return candidates
 
 
-def _refusal(request: BandsRequest, bands: int, *, steps: int, sample_rate: float) -> str | None:
-    """Why b bands cannot run (None: they can)."""
+def _refusal(request: BandsRequest, bands: int, *, steps: int, sample_rate: float, spell: Spelling = CONFIG) -> str | None:
+    """Why b bands cannot run (None: they can), in ``spell``'s words."""
+    b, limit = spell.said("bands", bands), spell.key("max_noise_memory_mb")
     if bands > steps:
-        return f"dp.bands={bands} is more than the run's {steps} steps"
+        return f"{b} is more than the run's {steps} steps"
     if bands * sample_rate > 1.0 + RATE_TOLERANCE:
         return (
-            f"dp.bands={bands} needs the sampling probability b*q = {bands}*{sample_rate:.6g} = "
+            f"{b} needs the sampling probability b*q = {bands}*{sample_rate:.6g} = "
             f"{bands * sample_rate:.6g} <= 1 (each of the b groups holds N/b examples and must yield B on average): "
-            "lower dp.bands or dp.batch_size"
+            f"lower {spell.key('bands')} or {spell.key('batch_size')}"
         )
     memory = noise_state_mb(bands, request.parameters)
     if memory is not None and memory > request.max_noise_memory_mb:
         return (
-            f"dp.bands={bands}: the correlated noise keeps the last b-1 noise vectors, (b-1) x "
-            f"{request.parameters} parameters x 4 bytes = {memory:.1f} MB > dp.max_noise_memory_mb="
-            f"{request.max_noise_memory_mb:g}; lower dp.bands or raise dp.max_noise_memory_mb"
+            f"{b}: the correlated noise keeps the last b-1 noise vectors, (b-1) x {request.parameters} parameters x 4 "
+            f"bytes = {memory:.1f} MB > {limit}={request.max_noise_memory_mb:g}; lower {spell.key('bands')} or raise {limit}"
         )
     return None
 
@@ -160,7 +168,9 @@ def _refusal(request: BandsRequest, bands: int, *, steps: int, sample_rate: floa
 SigmaFor = Callable[[int], tuple[float, bool]]
 
 
-def choose_bands(request: BandsRequest, *, steps: int, sample_rate: float, sigma_for: SigmaFor) -> tuple[BandedNoisePlan, float, bool]:
+def choose_bands(
+    request: BandsRequest, *, steps: int, sample_rate: float, sigma_for: SigmaFor, spell: Spelling = CONFIG
+) -> tuple[BandedNoisePlan, float, bool]:  # fmt: skip
     """The strategy a run uses, with its sigma.
 
     A fixed b is checked and optimised. ``auto`` optimises a strategy for each candidate b and
@@ -179,9 +189,9 @@ def choose_bands(request: BandsRequest, *, steps: int, sample_rate: float, sigma
     """
     if request.bands != "auto":
         bands = int(request.bands)
-        refusal = _refusal(request, bands, steps=steps, sample_rate=sample_rate)
+        refusal = _refusal(request, bands, steps=steps, sample_rate=sample_rate, spell=spell)
         if refusal is not None:
-            raise ConfigError(refusal)
+            raise spell.refusal(refusal)
         strategy = _optimize(request, bands)
         sigma, calibrated = sigma_for(bands)
         return _noise_plan(request, strategy, f"dp.bands={bands}, fixed", ""), sigma, calibrated

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from dpscale.choices import PRIVACY_UNITS
+from dpscale.privacy.spelling import Spelling
 
 UNITS = PRIVACY_UNITS  # the names live in dpscale.choices
 GROUP_PRIVACY_SOURCE = "Dwork & Roth 2014, Thm 2.2; Vadhan 2017, Lemma 2.2"
@@ -238,20 +239,25 @@ def meaning(*, epsilon: float, delta: float, unit_words: str, replace_one: bool 
     )
 
 
-def check_privacy_unit(unit: str, max_examples_per_user: int | None, *, sampling: str, simulated: bool) -> None:
+def check_privacy_unit(
+    unit: str, max_examples_per_user: int | None, *, sampling: str, simulated: bool, spell: Spelling | None = None
+) -> None:  # fmt: skip
     """Refuse a privacy unit a plan cannot describe, in one line (config validation and
     ``make_dp_plan`` both ask here).
 
     Args:
         unit: data.privacy_unit; max_examples_per_user: dp.max_examples_per_user (k).
         sampling: dp.sampling; simulated: the plan is a TAN simulation.
+        spell: the door's words for the settings (default: the config's).
 
     Raises:
         ConfigError: an unknown unit, k without the user unit or missing with it, or a sampling
             or TAN simulation the user unit does not cover.
     """
     from dpscale.errors import ConfigError  # torch-free, as this module
+    from dpscale.privacy.spelling import CONFIG
 
+    spell = spell or CONFIG
     if unit not in UNITS:
         raise ConfigError(f"data.privacy_unit must be one of {', '.join(UNITS)}, got {unit!r}")
     if unit == "example":
@@ -262,9 +268,10 @@ def check_privacy_unit(unit: str, max_examples_per_user: int | None, *, sampling
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
     if sampling != "poisson":
-        raise ConfigError("data.privacy_unit=user samples users by Poisson sampling: use dp.sampling=poisson")
+        unit_said = "PerUser" if spell.typed_names else "data.privacy_unit=user"
+        raise spell.refusal(f"{unit_said} samples users by Poisson sampling: use {spell.said('sampling', 'poisson')}")
     if simulated:
-        raise ConfigError("a TAN simulation (dp.simulated_batch_size) runs at the example unit only")
+        raise spell.refusal(f"a TAN simulation ({spell.key('simulated_batch_size')}) runs at the example unit only")
 
 
 def _check_group(*, epsilon: float, group_size: int) -> None:

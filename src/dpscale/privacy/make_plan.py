@@ -24,6 +24,7 @@ from dpscale.privacy.numbers import PrivacyNumbers
 from dpscale.privacy.plan import SIMULATION_OWN_ACCOUNTANT, DPPlan, TanSimulation
 from dpscale.privacy.sampling_plan import AUTO_CAP, accountant_for, check_sampling_settings, resolve_batch_cap
 from dpscale.privacy.source_runs import SOURCE_ROLES, SourceRunPrivacy
+from dpscale.privacy.spelling import CONFIG, Spelling
 from dpscale.privacy.tan import simulated_noise_multiplier
 
 
@@ -129,6 +130,7 @@ def make_dp_plan(
     correlated: BandsRequest | None = None,
     privacy_unit: str = "example",
     max_examples_per_user: int | None = None,
+    spell: Spelling = CONFIG,
 ) -> DPPlan:
     """The frozen DP plan for ``numbers``: sigma calibrated to their ``target_epsilon``, or their
     ``noise_multiplier`` checked against it.
@@ -148,6 +150,8 @@ def make_dp_plan(
             steps are then accounted as ceil(S/b) compositions at p = b*q, sigma calibrated for the b chosen.
         privacy_unit: "example", or "user": then dataset_size and the batch size count users (q = B / U),
             and ``max_examples_per_user`` (k >= 1) bounds a drawn user's examples per step.
+        spell: how the door names the settings in a refusal (``dpscale.privacy.spelling``: the config's
+            ``dp.`` keys by default, ``make_private``'s typed options).
 
     Returns:
         The plan (the TAN simulation's, with ``simulated_batch_size``).
@@ -171,14 +175,14 @@ def make_dp_plan(
     check_max_grad_norm(max_grad_norm)
     simulated = is_simulation(batch_size, simulated_batch_size)
     _check_automatic(clip_gamma, max_grad_norm, adaptive)
-    _check_adaptive(adaptive, max_grad_norm, correlated, simulated)
-    check_privacy_unit(privacy_unit, max_examples_per_user, simulated=simulated, sampling=sampling)
+    _check_adaptive(adaptive, max_grad_norm, correlated, simulated, spell)
+    check_privacy_unit(privacy_unit, max_examples_per_user, simulated=simulated, sampling=sampling, spell=spell)
     if batch_size > dataset_size:
         units = "users" if privacy_unit == "user" else "the training set"
-        raise ConfigError(f"dp.batch_size={batch_size} is larger than {units} (N={dataset_size})")
+        raise spell.refusal(f"{spell.key('batch_size')}={batch_size} is larger than {units} (N={dataset_size})")
     releases = tuple(releases)
     check_sampling_settings(sampling, max_batch_size, batch_size=batch_size, adaptive=adaptive is not None,
-                            simulated=simulated, bandmf=correlated is not None)  # fmt: skip
+                            simulated=simulated, bandmf=correlated is not None, spell=spell)  # fmt: skip
     q = batch_size / dataset_size
     accountant = accountant_for(sampling, max_batch_size, accountant)
     noise_plan = None
@@ -194,9 +198,10 @@ def make_dp_plan(
             releases = _releases_for(releases, batches)
             sigma, calibrated = noise_for(target_epsilon, releases=releases, batches=batches)
     else:
-        check_bandmf_settings(sampling=sampling, simulated=simulated, noise_multiplier=noise_multiplier, bands=correlated.bands)
+        check_bandmf_settings(sampling=sampling, simulated=simulated, noise_multiplier=noise_multiplier, bands=correlated.bands,
+                              spell=spell)  # fmt: skip
         noise_plan, sigma, calibrated = choose_bands(
-            correlated, steps=steps, sample_rate=q, sigma_for=lambda b: _noise_for(
+            correlated, steps=steps, sample_rate=q, spell=spell, sigma_for=lambda b: _noise_for(
                 target_epsilon, noise_multiplier=noise_multiplier, delta=delta, q=min(1.0, b * q),
                 steps=compositions(steps, b), accountant=accountant, releases=releases,
             ),
@@ -291,21 +296,22 @@ def _check_automatic(clip_gamma: float | None, max_grad_norm: MaxGradNorm, adapt
 
 
 def _check_adaptive(
-    adaptive: AdaptiveClipping | None, max_grad_norm: MaxGradNorm, correlated: BandsRequest | None, simulated: bool
-) -> None:
+    adaptive: AdaptiveClipping | None, max_grad_norm: MaxGradNorm, correlated: BandsRequest | None, simulated: bool,
+    spell: Spelling,
+) -> None:  # fmt: skip
     """Refuse adaptive clipping where its accounting is not written: with per-layer norms,
     BandMF's correlated noise or a TAN simulation."""
     if adaptive is None:
         return
     clash = (
-        "per-layer dp.max_grad_norm" if is_per_layer(max_grad_norm)
-        else "no clipping (dp.max_grad_norm=null)" if max_grad_norm is None
-        else "dp.mechanism=bandmf" if correlated is not None
-        else "a TAN simulation (dp.simulated_batch_size)" if simulated
+        f"per-layer {spell.key('max_grad_norm')}" if is_per_layer(max_grad_norm)
+        else f"no clipping ({spell.key('max_grad_norm')}={'None' if spell.typed_names else 'null'})" if max_grad_norm is None
+        else spell.said("noise_mechanism", "bandmf") if correlated is not None
+        else f"a TAN simulation ({spell.key('simulated_batch_size')})" if simulated
         else None
     )  # fmt: skip
     if clash:
-        raise adaptive_refusal("dp.clipping=adaptive", clash)
+        raise adaptive_refusal(spell, clash)
 
 
 def _noise_for(

@@ -12,16 +12,15 @@ callers, ``dp.clip_quantile=5.0`` for the config, and rewords the options' own f
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from dpscale.choices import CLIPPINGS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, MECHANISMS
 from dpscale.privacy.adaptive import adaptive_clipping, adaptive_refusal
 from dpscale.privacy.numbers import PrivacyNumbers
 from dpscale.privacy.options import (
-    Adaptive, Automatic, BandMF, Clipping, FixedSize, Flat, Independent, Noise, OptionError, PerLayer, Poisson, Sampling,
-    Shuffle,
+    Adaptive, Automatic, BandMF, Clipping, FixedSize, Flat, Independent, Noise, PerLayer, Poisson, Sampling, Shuffle,
 )  # fmt: skip
+from dpscale.privacy.spelling import PYTHON, Spelling
 
 # The flat settings of each concern with their defaults (a setting of a strategy not chosen is
 # accepted at its default: a call or a config that spells the default out still runs).
@@ -33,63 +32,6 @@ NOISE_SETTINGS: dict[str, Any] = {"noise_mechanism": "dpsgd", "bands": "auto", "
 SAMPLING_MODES: dict[str, type] = {"poisson": Poisson, "fixed": FixedSize, "shuffle": Shuffle}
 ADAPTIVE_SETTINGS = ("clip_quantile", "clip_learning_rate", "clip_count_noise")
 BANDMF_SETTINGS = ("bands", "max_bands", "max_noise_memory_mb", "workload")
-# (option class, field) -> the flat setting it comes from
-FIELD_SETTINGS: dict[tuple[str, str], str] = {
-    ("Poisson", "batch_size"): "batch_size", ("FixedSize", "batch_size"): "batch_size",
-    ("Shuffle", "batch_size"): "batch_size", ("Poisson", "max_batch_size"): "max_batch_size",
-    ("Flat", "max_grad_norm"): "max_grad_norm", ("PerLayer", "bounds"): "max_grad_norm",
-    ("PerLayer", "per"): "max_grad_norm_per", ("Adaptive", "max_grad_norm"): "max_grad_norm",
-    ("Adaptive", "quantile"): "clip_quantile", ("Adaptive", "learning_rate"): "clip_learning_rate",
-    ("Adaptive", "count_noise"): "clip_count_noise", ("Automatic", "max_grad_norm"): "max_grad_norm",
-    ("Automatic", "per"): "max_grad_norm_per", ("Automatic", "gamma"): "clip_gamma", ("BandMF", "bands"): "bands",
-    ("BandMF", "max_bands"): "max_bands", ("BandMF", "max_noise_memory_mb"): "max_noise_memory_mb",
-    ("TargetEpsilon", "epsilon"): "target_epsilon", ("TargetEpsilon", "delta"): "delta",
-    ("NoiseMultiplier", "sigma"): "noise_multiplier", ("NoiseMultiplier", "delta"): "delta",
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Spelling:
-    """How a door names its flat settings in a refusal.
-
-    Attributes:
-        door: who refuses ("make_private", or "" for the config, whose keys say it).
-        names: a setting -> the door's name for it (default: ``prefix`` + the setting).
-        prefix: put before a setting's name ("dp." in the config).
-        rename: reword the options' own field errors in the door's names (the config); else they
-            name the class and the field.
-    """
-
-    door: str = "make_private"
-    names: Mapping[str, str] = field(default_factory=dict)
-    prefix: str = ""
-    rename: bool = False
-    typed_names: bool = True  # a refused name lists the typed options too (Python callers)
-
-    def key(self, setting: str) -> str:
-        return self.prefix + self.names.get(setting, setting)
-
-    def said(self, setting: str, value: Any) -> str:
-        return f"{self.key(setting)}={value!r}" if not self.prefix else f"{self.key(setting)}={value}"
-
-    def refusal(self, text: str) -> ValueError:
-        return ValueError(f"{self.door}: {text}" if self.door else text)
-
-    def built(self, make: Callable[[], Any]) -> Any:
-        """``make()``, its ``OptionError`` reworded as the door's setting when ``rename``."""
-        try:
-            return make()
-        except OptionError as err:
-            setting = FIELD_SETTINGS.get((err.owner, err.field))
-            if not self.rename or setting is None:
-                raise
-            raise self.refusal(f"{self.key(setting)} must be {err.wanted}, got {err.value!r}") from err
-
-
-PYTHON = Spelling()  # make_private's keywords
-CONFIG = Spelling(
-    door="", names={"target_epsilon": "epsilon", "noise_mechanism": "mechanism"}, prefix="dp.", rename=True, typed_names=False
-)
 
 
 def _inactive(given: Mapping[str, Any], defaults: Mapping[str, Any], keys: tuple[str, ...], owner: str, spell: Spelling) -> None:
@@ -125,7 +67,7 @@ def clipping_option(values: Mapping[str, Any], mode: str, given: Mapping[str, An
     if mode == "adaptive":
         if per != "group" or isinstance(bound, Mapping):
             clash = spell.said("max_grad_norm_per", per) if per != "group" else f"per-layer {spell.key('max_grad_norm')}"
-            raise adaptive_refusal(spell.said("clipping", "adaptive"), clash)
+            raise adaptive_refusal(spell, clash)
         return spell.built(lambda: Adaptive(max_grad_norm=bound, quantile=values["clip_quantile"],
                                             learning_rate=values["clip_learning_rate"], count_noise=values["clip_count_noise"]))  # fmt: skip
     if mode == "automatic":

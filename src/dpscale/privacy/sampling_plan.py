@@ -8,6 +8,7 @@ from dpscale.data.sampling_modes import SAMPLING_MODES
 from dpscale.errors import ConfigError
 from dpscale.privacy.accountant import AccountingSegment, smallest_free_cap
 from dpscale.privacy.batch_sampling import ACCOUNTANTS_OF
+from dpscale.privacy.spelling import CONFIG, Spelling
 
 AUTO_CAP = "auto"
 
@@ -22,9 +23,9 @@ def accountant_for(sampling: str, max_batch_size: int | str | None, requested: s
 
 def check_sampling_settings(
     sampling: str, max_batch_size: int | str | None, *, batch_size: float, adaptive: bool, simulated: bool,
-    bandmf: bool,
+    bandmf: bool, spell: Spelling = CONFIG,
 ) -> None:  # fmt: skip
-    """Refuse a sampler the plan cannot account, in one line.
+    """Refuse a sampler the plan cannot account, in one line (in ``spell``'s words: the config's by default).
 
     Raises:
         ConfigError: an unknown sampling; a cap other than a positive integer, "auto" or null, or one
@@ -34,30 +35,32 @@ def check_sampling_settings(
     if sampling not in SAMPLING_MODES:
         raise ConfigError(f"dp.sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}")
     if max_batch_size is not None:
-        _check_cap(sampling, max_batch_size, bandmf=bandmf, simulated=simulated)
+        _check_cap(sampling, max_batch_size, bandmf=bandmf, simulated=simulated, spell=spell)
     if sampling == "poisson":
         return
+    said = spell.said("sampling", sampling)
     if batch_size != int(batch_size):
-        raise ConfigError(f"dp.sampling={sampling} draws exactly B examples: dp.batch_size must be an integer, got {batch_size}")
-    clash = "dp.clipping=adaptive" if adaptive else "a TAN simulation (dp.simulated_batch_size)" if simulated else None
+        raise spell.refusal(f"{said} draws exactly B examples: {spell.key('batch_size')} must be an integer, got {batch_size}")
+    simulation = f"a TAN simulation ({spell.key('simulated_batch_size')})"
+    clash = spell.said("clipping", "adaptive") if adaptive else simulation if simulated else None
     if clash:
-        raise ConfigError(
-            f"dp.sampling={sampling} is accounted under replace-one adjacency, which {clash} is not written for; use dp.sampling=poisson"
+        raise spell.refusal(
+            f"{said} is accounted under replace-one adjacency, which {clash} is not written for; use {spell.said('sampling', 'poisson')}"
         )
 
 
-def _check_cap(sampling: str, cap: int | str, *, bandmf: bool, simulated: bool) -> None:
+def _check_cap(sampling: str, cap: int | str, *, bandmf: bool, simulated: bool, spell: Spelling) -> None:
     """Refuse a batch cap that is not a positive integer or "auto", or that caps no Poisson batch."""
     if cap != AUTO_CAP and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ConfigError(f"dp.max_batch_size must be a positive integer, {AUTO_CAP} or null, got {cap!r}")
+        raise spell.refusal(f"{spell.key('max_batch_size')} must be a positive integer, {AUTO_CAP} or null, got {cap!r}")
     clash = (
-        f"dp.sampling={sampling} (its batches are exactly B already)" if sampling != "poisson"
-        else "dp.mechanism=bandmf (cyclic Poisson sampling)" if bandmf
-        else "a TAN simulation (dp.simulated_batch_size)" if simulated
+        f"{spell.said('sampling', sampling)} (its batches are exactly B already)" if sampling != "poisson"
+        else f"{spell.said('noise_mechanism', 'bandmf')} (cyclic Poisson sampling)" if bandmf
+        else f"a TAN simulation ({spell.key('simulated_batch_size')})" if simulated
         else None
     )  # fmt: skip
     if clash:
-        raise ConfigError(f"dp.max_batch_size caps Poisson batches (truncated Poisson sampling); not with {clash}")
+        raise spell.refusal(f"{spell.key('max_batch_size')} caps Poisson batches (truncated Poisson sampling); not with {clash}")
 
 
 def resolve_batch_cap(

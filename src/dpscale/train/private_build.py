@@ -26,6 +26,7 @@ from dpscale.privacy.per_example import (
     Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
 from dpscale.privacy.options_flat import privacy_numbers
+from dpscale.privacy.spelling import PYTHON
 from dpscale.privacy.options import BandMF, Noise
 from dpscale.privacy.make_plan import make_dp_plan, steps_for
 from dpscale.privacy.precision import make_precision
@@ -93,7 +94,7 @@ def build_mechanism(
     plan = make_dp_plan(
         numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
         privacy_unit="example" if users is None else "user", max_examples_per_user=settings["max_examples_per_user"],
-        correlated=_bands_request(options.noise, model, optimizer, total_steps, scheduler),
+        correlated=_bands_request(options.noise, model, optimizer, total_steps, scheduler), spell=PYTHON,
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
     engine = compiled_engine_name(flags.engine, make_precision(flags.precision), model) if flags.compile else flags.engine
