@@ -17,14 +17,29 @@ from torch import nn
 
 import dpscale
 from dpscale import (
-    Adaptive, Automatic, BandMF, FixedSize, Flat, NoiseMultiplier, PerformanceFlags, PerLayer, PerUser, Poisson, Shuffle,
+    Adaptive,
+    Automatic,
+    BandMF,
+    FixedSize,
+    Flat,
+    NoiseMultiplier,
+    PerformanceFlags,
+    PerLayer,
+    PerUser,
+    Poisson,
+    Shuffle,
     TargetEpsilon,
-)  # fmt: skip
+)
 from dpscale.privacy.numbers import PrivacyNumbers
 
 FLAT = {"dataset_size": 1000, "batch_size": 10, "max_grad_norm": 1.0, "delta": 1e-5, "noise_multiplier": 1.0, "steps": 3}
-TYPED = {"dataset_size": 1000, "sampling": Poisson(batch_size=10), "clipping": Flat(max_grad_norm=1.0),
-         "budget": NoiseMultiplier(sigma=1.0, delta=1e-5), "steps": 3}  # fmt: skip
+TYPED = {
+    "dataset_size": 1000,
+    "sampling": Poisson(batch_size=10),
+    "clipping": Flat(max_grad_norm=1.0),
+    "budget": NoiseMultiplier(sigma=1.0, delta=1e-5),
+    "steps": 3,
+}
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -100,8 +115,26 @@ def test_an_unknown_accountant_is_refused_at_every_door():
     _refused(lambda: dpscale.make_private(model, optimizer, **TYPED, accountant="prv"), "got 'prv'")
     # the plan every door builds (the config's dp section, a saved plan's check): never planned with another
     _refused(lambda: PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=1e-5, accountant="prv"), "got 'prv'")
-    cli = subprocess.run([sys.executable, "-m", "dpscale", "account", "--accountant", "prv", "--dataset-size", "1000",
-                          "--batch-size", "10", "--noise-multiplier", "1", "--steps", "3"], capture_output=True, text=True)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpscale",
+            "account",
+            "--accountant",
+            "prv",
+            "--dataset-size",
+            "1000",
+            "--batch-size",
+            "10",
+            "--noise-multiplier",
+            "1",
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert cli.returncode == 2 and "invalid choice: 'prv'" in cli.stderr
 
 
@@ -194,8 +227,9 @@ def test_make_private_optimises_bandmf_for_the_schedulers_rates_as_dpscale_train
     def built(scheduled: bool, workload: Workload | None = None):
         model, optimizer = _model_and_optimizer()
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if scheduled else None
-        mechanism = dpscale.make_private(model, optimizer, **{**TYPED, "steps": steps}, noise=BandMF(bands=3, workload=workload),
-                                         scheduler=scheduler)  # fmt: skip
+        mechanism = dpscale.make_private(
+            model, optimizer, **{**TYPED, "steps": steps}, noise=BandMF(bands=3, workload=workload), scheduler=scheduler
+        )
         return mechanism.plan.correlated, optimizer, scheduler
 
     cosine, optimizer, scheduler = built(True)

@@ -4,9 +4,21 @@ from dpscale._version import __version__ as __version__  # re-exported
 
 # make_private's typed options (dpscale.privacy.options, torch-free) and the training entry points
 OPTIONS = (
-    "Adaptive", "Automatic", "BandMF", "FixedSize", "Flat", "Independent", "NoiseMultiplier", "PerExample", "PerLayer",
-    "PerUser", "PerformanceFlags", "Poisson", "Shuffle", "TargetEpsilon",
-)  # fmt: skip
+    "Adaptive",
+    "Automatic",
+    "BandMF",
+    "FixedSize",
+    "Flat",
+    "Independent",
+    "NoiseMultiplier",
+    "PerExample",
+    "PerLayer",
+    "PerUser",
+    "PerformanceFlags",
+    "Poisson",
+    "Shuffle",
+    "TargetEpsilon",
+)
 __all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private", *OPTIONS]
 
 

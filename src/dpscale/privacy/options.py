@@ -34,9 +34,23 @@ ClipPer = Literal["group", "tensor"]
 AUTO: Literal["auto"] = "auto"
 
 __all__ = [
-    "Adaptive", "Automatic", "BandMF", "FixedSize", "Flat", "Independent", "NoiseMultiplier", "OptionError", "PerExample",
-    "PerLayer", "PerUser", "PerformanceFlags", "Poisson", "Shuffle", "TargetEpsilon", "check_accountant",
-]  # fmt: skip
+    "Adaptive",
+    "Automatic",
+    "BandMF",
+    "FixedSize",
+    "Flat",
+    "Independent",
+    "NoiseMultiplier",
+    "OptionError",
+    "PerExample",
+    "PerLayer",
+    "PerUser",
+    "PerformanceFlags",
+    "Poisson",
+    "Shuffle",
+    "TargetEpsilon",
+    "check_accountant",
+]
 
 
 class OptionError(ValueError):

@@ -18,17 +18,39 @@ from dpscale.choices import CLIPPINGS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMO
 from dpscale.privacy.adaptive import adaptive_clipping, adaptive_refusal
 from dpscale.privacy.numbers import PrivacyNumbers
 from dpscale.privacy.options import (
-    Adaptive, Automatic, BandMF, Clipping, FixedSize, Flat, Independent, Noise, PerLayer, Poisson, Sampling, Shuffle,
-)  # fmt: skip
+    Adaptive,
+    Automatic,
+    BandMF,
+    Clipping,
+    FixedSize,
+    Flat,
+    Independent,
+    Noise,
+    PerLayer,
+    Poisson,
+    Sampling,
+    Shuffle,
+)
 from dpscale.privacy.spelling import PYTHON, Spelling
 
 # The flat settings of each concern with their defaults (a setting of a strategy not chosen is
 # accepted at its default: a call or a config that spells the default out still runs).
 SAMPLING_SETTINGS: dict[str, Any] = {"batch_size": None, "max_batch_size": None}
-CLIPPING_SETTINGS: dict[str, Any] = {"max_grad_norm": None, "max_grad_norm_per": "group", "clip_quantile": 0.5,
-                                     "clip_learning_rate": 0.2, "clip_count_noise": None, "clip_gamma": 0.01}  # fmt: skip
-NOISE_SETTINGS: dict[str, Any] = {"noise_mechanism": "dpsgd", "bands": "auto", "max_bands": DEFAULT_MAX_BANDS,
-                                  "max_noise_memory_mb": DEFAULT_MAX_NOISE_MEMORY_MB, "workload": None}  # fmt: skip
+CLIPPING_SETTINGS: dict[str, Any] = {
+    "max_grad_norm": None,
+    "max_grad_norm_per": "group",
+    "clip_quantile": 0.5,
+    "clip_learning_rate": 0.2,
+    "clip_count_noise": None,
+    "clip_gamma": 0.01,
+}
+NOISE_SETTINGS: dict[str, Any] = {
+    "noise_mechanism": "dpsgd",
+    "bands": "auto",
+    "max_bands": DEFAULT_MAX_BANDS,
+    "max_noise_memory_mb": DEFAULT_MAX_NOISE_MEMORY_MB,
+    "workload": None,
+}
 SAMPLING_MODES: dict[str, type] = {"poisson": Poisson, "fixed": FixedSize, "shuffle": Shuffle}
 ADAPTIVE_SETTINGS = ("clip_quantile", "clip_learning_rate", "clip_count_noise")
 BANDMF_SETTINGS = ("bands", "max_bands", "max_noise_memory_mb", "workload")
@@ -68,8 +90,14 @@ def clipping_option(values: Mapping[str, Any], mode: str, given: Mapping[str, An
         if per != "group" or isinstance(bound, Mapping):
             clash = spell.said("max_grad_norm_per", per) if per != "group" else f"per-layer {spell.key('max_grad_norm')}"
             raise adaptive_refusal(spell, clash)
-        return spell.built(lambda: Adaptive(max_grad_norm=bound, quantile=values["clip_quantile"],
-                                            learning_rate=values["clip_learning_rate"], count_noise=values["clip_count_noise"]))  # fmt: skip
+        return spell.built(
+            lambda: Adaptive(
+                max_grad_norm=bound,
+                quantile=values["clip_quantile"],
+                learning_rate=values["clip_learning_rate"],
+                count_noise=values["clip_count_noise"],
+            )
+        )
     if mode == "automatic":
         return spell.built(lambda: Automatic(max_grad_norm=bound, per=per, gamma=values["clip_gamma"]))
     if per == "group" and not isinstance(bound, Mapping):
@@ -85,14 +113,27 @@ def noise_option(values: Mapping[str, Any], given: Mapping[str, Any], spell: Spe
     if mechanism == "dpsgd":
         _inactive(given, NOISE_SETTINGS, BANDMF_SETTINGS, spell.said("noise_mechanism", "bandmf"), spell)
         return Independent()
-    return spell.built(lambda: BandMF(bands=values["bands"], max_bands=values["max_bands"],
-                                      max_noise_memory_mb=values["max_noise_memory_mb"], workload=values["workload"]))  # fmt: skip
+    return spell.built(
+        lambda: BandMF(
+            bands=values["bands"],
+            max_bands=values["max_bands"],
+            max_noise_memory_mb=values["max_noise_memory_mb"],
+            workload=values["workload"],
+        )
+    )
 
 
 def privacy_numbers(
-    sampling: Sampling, clipping: Clipping, *, max_grad_norm: Any, delta: float, target_epsilon: float | None,
-    noise_multiplier: float | None, accountant: str, simulated_batch_size: float | None = None,
-) -> PrivacyNumbers:  # fmt: skip
+    sampling: Sampling,
+    clipping: Clipping,
+    *,
+    max_grad_norm: Any,
+    delta: float,
+    target_epsilon: float | None,
+    noise_multiplier: float | None,
+    accountant: str,
+    simulated_batch_size: float | None = None,
+) -> PrivacyNumbers:
     """The numbers ``make_dp_plan`` takes, from the typed sampling and clipping (both doors).
 
     Args:
@@ -102,11 +143,23 @@ def privacy_numbers(
     """
     adaptive = None
     if isinstance(clipping, Adaptive):  # sigma_b's default (B / 20) lives in adaptive_clipping
-        adaptive = adaptive_clipping("adaptive", quantile=clipping.quantile, learning_rate=clipping.learning_rate,
-                                     count_noise=clipping.count_noise, batch_size=sampling.batch_size)  # fmt: skip
+        adaptive = adaptive_clipping(
+            "adaptive",
+            quantile=clipping.quantile,
+            learning_rate=clipping.learning_rate,
+            count_noise=clipping.count_noise,
+            batch_size=sampling.batch_size,
+        )
     return PrivacyNumbers(
-        batch_size=sampling.batch_size, max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon,
-        noise_multiplier=noise_multiplier, sampling=type(sampling).mode, accountant=accountant, adaptive=adaptive,
+        batch_size=sampling.batch_size,
+        max_grad_norm=max_grad_norm,
+        delta=delta,
+        target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier,
+        sampling=type(sampling).mode,
+        accountant=accountant,
+        adaptive=adaptive,
         max_batch_size=sampling.max_batch_size if isinstance(sampling, Poisson) else None,
-        clip_gamma=clipping.gamma if isinstance(clipping, Automatic) else None, simulated_batch_size=simulated_batch_size,
-    )  # fmt: skip
+        clip_gamma=clipping.gamma if isinstance(clipping, Automatic) else None,
+        simulated_batch_size=simulated_batch_size,
+    )

@@ -12,17 +12,28 @@ from typing import Any, Callable
 
 # (option class, field) -> the flat setting it comes from (a config rewords an option's field error)
 FIELD_SETTINGS: dict[tuple[str, str], str] = {
-    ("Poisson", "batch_size"): "batch_size", ("FixedSize", "batch_size"): "batch_size",
-    ("Shuffle", "batch_size"): "batch_size", ("Poisson", "max_batch_size"): "max_batch_size",
-    ("Flat", "max_grad_norm"): "max_grad_norm", ("PerLayer", "bounds"): "max_grad_norm",
-    ("PerLayer", "per"): "max_grad_norm_per", ("Adaptive", "max_grad_norm"): "max_grad_norm",
-    ("Adaptive", "quantile"): "clip_quantile", ("Adaptive", "learning_rate"): "clip_learning_rate",
-    ("Adaptive", "count_noise"): "clip_count_noise", ("Automatic", "max_grad_norm"): "max_grad_norm",
-    ("Automatic", "per"): "max_grad_norm_per", ("Automatic", "gamma"): "clip_gamma", ("BandMF", "bands"): "bands",
-    ("BandMF", "max_bands"): "max_bands", ("BandMF", "max_noise_memory_mb"): "max_noise_memory_mb",
-    ("TargetEpsilon", "epsilon"): "target_epsilon", ("TargetEpsilon", "delta"): "delta",
-    ("NoiseMultiplier", "sigma"): "noise_multiplier", ("NoiseMultiplier", "delta"): "delta",
-}  # fmt: skip
+    ("Poisson", "batch_size"): "batch_size",
+    ("FixedSize", "batch_size"): "batch_size",
+    ("Shuffle", "batch_size"): "batch_size",
+    ("Poisson", "max_batch_size"): "max_batch_size",
+    ("Flat", "max_grad_norm"): "max_grad_norm",
+    ("PerLayer", "bounds"): "max_grad_norm",
+    ("PerLayer", "per"): "max_grad_norm_per",
+    ("Adaptive", "max_grad_norm"): "max_grad_norm",
+    ("Adaptive", "quantile"): "clip_quantile",
+    ("Adaptive", "learning_rate"): "clip_learning_rate",
+    ("Adaptive", "count_noise"): "clip_count_noise",
+    ("Automatic", "max_grad_norm"): "max_grad_norm",
+    ("Automatic", "per"): "max_grad_norm_per",
+    ("Automatic", "gamma"): "clip_gamma",
+    ("BandMF", "bands"): "bands",
+    ("BandMF", "max_bands"): "max_bands",
+    ("BandMF", "max_noise_memory_mb"): "max_noise_memory_mb",
+    ("TargetEpsilon", "epsilon"): "target_epsilon",
+    ("TargetEpsilon", "delta"): "delta",
+    ("NoiseMultiplier", "sigma"): "noise_multiplier",
+    ("NoiseMultiplier", "delta"): "delta",
+}
 
 
 @dataclass(frozen=True)
@@ -77,12 +88,22 @@ class Spelling:
 CONFIG = Spelling(names={"target_epsilon": "dp.epsilon", "noise_mechanism": "dp.mechanism"}, prefix="dp.", rename=True)
 PYTHON = Spelling(
     door="make_private",
-    names={"max_batch_size": "Poisson.max_batch_size", "bands": "BandMF.bands", "max_bands": "BandMF.max_bands",
-           "max_noise_memory_mb": "BandMF.max_noise_memory_mb", "noise_multiplier": "NoiseMultiplier.sigma",
-           "target_epsilon": "TargetEpsilon.epsilon"},
-    values={("sampling", "poisson"): "Poisson sampling", ("sampling", "fixed"): "FixedSize sampling",
-            ("sampling", "shuffle"): "Shuffle sampling", ("clipping", "adaptive"): "Adaptive clipping",
-            ("clipping", "automatic"): "Automatic clipping", ("noise_mechanism", "bandmf"): "BandMF noise",
-            ("noise_mechanism", "dpsgd"): "Independent noise"},
+    names={
+        "max_batch_size": "Poisson.max_batch_size",
+        "bands": "BandMF.bands",
+        "max_bands": "BandMF.max_bands",
+        "max_noise_memory_mb": "BandMF.max_noise_memory_mb",
+        "noise_multiplier": "NoiseMultiplier.sigma",
+        "target_epsilon": "TargetEpsilon.epsilon",
+    },
+    values={
+        ("sampling", "poisson"): "Poisson sampling",
+        ("sampling", "fixed"): "FixedSize sampling",
+        ("sampling", "shuffle"): "Shuffle sampling",
+        ("clipping", "adaptive"): "Adaptive clipping",
+        ("clipping", "automatic"): "Automatic clipping",
+        ("noise_mechanism", "bandmf"): "BandMF noise",
+        ("noise_mechanism", "dpsgd"): "Independent noise",
+    },
     typed_names=True,
-)  # fmt: skip
+)

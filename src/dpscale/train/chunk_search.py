@@ -106,8 +106,9 @@ def _within(units: int, max_units: int) -> int:
     return units if units < ROUND_TO else units - units % ROUND_TO
 
 
-def _next_size(first: tuple[int, float], low: tuple[int, float], high: tuple[int, float | None] | None, budget: float,
-               max_units: int) -> int | None:  # fmt: skip
+def _next_size(
+    first: tuple[int, float], low: tuple[int, float], high: tuple[int, float | None] | None, budget: float, max_units: int
+) -> int | None:
     """The next size to check, or None when done. Nothing known too large yet: where the line through
     the first probe and ``low`` (the largest size seen to fit, and its peak) meets the budget, if that
     is over a tenth larger (memory that grows slower than the probes' line). Else between ``low`` and

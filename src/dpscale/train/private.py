@@ -12,8 +12,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from dpscale.privacy.options import (
-    AccountantName, Budget, Clipping, Noise, PerformanceFlags, Sampling, Unit, check_accountant,
-)  # fmt: skip
+    AccountantName,
+    Budget,
+    Clipping,
+    Noise,
+    PerformanceFlags,
+    Sampling,
+    Unit,
+    check_accountant,
+)
 from dpscale.train.private_options import typed_options
 
 if TYPE_CHECKING:

@@ -14,17 +14,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpscale.privacy.options import (
-    Budget, Clipping, Independent, Noise, NoiseMultiplier, PerExample, PerformanceFlags,
-    PerLayer, PerUser, Sampling, TargetEpsilon, Unit,
-)  # fmt: skip
+    Budget,
+    Clipping,
+    Independent,
+    Noise,
+    NoiseMultiplier,
+    PerExample,
+    PerformanceFlags,
+    PerLayer,
+    PerUser,
+    Sampling,
+    TargetEpsilon,
+    Unit,
+)
 from dpscale.privacy.options_flat import (
-    CLIPPING_SETTINGS, NOISE_SETTINGS, SAMPLING_SETTINGS, clipping_option, noise_option, sampling_option,
-)  # fmt: skip
+    CLIPPING_SETTINGS,
+    NOISE_SETTINGS,
+    SAMPLING_SETTINGS,
+    clipping_option,
+    noise_option,
+    sampling_option,
+)
 
 BUDGET_KEYWORDS = {"delta": None, "target_epsilon": None, "noise_multiplier": None}
 UNIT_KEYWORDS = {"user_ids": None, "max_examples_per_user": None}
-PERFORMANCE_KEYWORDS = {"engine": "auto", "precision": "fp32", "max_physical_batch_size": None, "compile": False,
-                        "fixed_shapes": None}  # fmt: skip
+PERFORMANCE_KEYWORDS = {"engine": "auto", "precision": "fp32", "max_physical_batch_size": None, "compile": False, "fixed_shapes": None}
 
 
 @dataclass(frozen=True)
@@ -40,17 +54,21 @@ class Options:
 
 
 def typed_options(
-    sampling: Sampling | str | None, clipping: Clipping | str | None, budget: Budget | None, noise: Noise | None,
-    unit: Unit | None, performance: PerformanceFlags | None, legacy: dict[str, Any],
-) -> Options:  # fmt: skip
+    sampling: Sampling | str | None,
+    clipping: Clipping | str | None,
+    budget: Budget | None,
+    noise: Noise | None,
+    unit: Unit | None,
+    performance: PerformanceFlags | None,
+    legacy: dict[str, Any],
+) -> Options:
     """The call's options: the typed ones given, the flat keywords translated (with a DeprecationWarning).
 
     Raises:
         TypeError: an unknown keyword, a concern given both ways, or a required setting missing.
         ValueError: a flat keyword out of range (named by its class and field) or of a strategy not chosen.
     """
-    known = {**SAMPLING_SETTINGS, **CLIPPING_SETTINGS, **BUDGET_KEYWORDS, **NOISE_SETTINGS, **UNIT_KEYWORDS,
-             **PERFORMANCE_KEYWORDS}  # fmt: skip
+    known = {**SAMPLING_SETTINGS, **CLIPPING_SETTINGS, **BUDGET_KEYWORDS, **NOISE_SETTINGS, **UNIT_KEYWORDS, **PERFORMANCE_KEYWORDS}
     unknown = sorted(set(legacy) - set(known))
     if unknown:
         raise TypeError(f"make_private() got an unexpected keyword argument {unknown[0]!r}")
@@ -61,17 +79,16 @@ def typed_options(
         budget=_concern("budget", budget, legacy, BUDGET_KEYWORDS, _legacy_budget, flat),
         noise=_concern("noise", noise, legacy, NOISE_SETTINGS, _legacy_noise, flat, Independent()),
         unit=_concern("unit", unit, legacy, UNIT_KEYWORDS, _legacy_unit, flat, PerExample()),
-        performance=_concern(
-            "performance", performance, legacy, PERFORMANCE_KEYWORDS, _legacy_performance, flat, PerformanceFlags()
-        ),  # fmt: skip
+        performance=_concern("performance", performance, legacy, PERFORMANCE_KEYWORDS, _legacy_performance, flat, PerformanceFlags()),
     )
     if flat:
         warnings.warn(deprecation_text(options), DeprecationWarning, stacklevel=3)
     return options
 
 
-def _concern(name: str, given: Any, legacy: dict[str, Any], keywords: dict[str, Any], translate: Any, flat: bool,
-             default: Any = None) -> Any:  # fmt: skip
+def _concern(
+    name: str, given: Any, legacy: dict[str, Any], keywords: dict[str, Any], translate: Any, flat: bool, default: Any = None
+) -> Any:
     """One concern's typed option: ``given``, or the flat keywords' translation."""
     spelled = {k: legacy[k] for k in keywords if k in legacy}
     mode = given if isinstance(given, str) else None
@@ -86,8 +103,11 @@ def _concern(name: str, given: Any, legacy: dict[str, Any], keywords: dict[str, 
     return translate({**keywords, **spelled}, mode, set(spelled))
 
 
-_EXAMPLE = {"sampling": "Poisson(batch_size=...)", "clipping": "Flat(max_grad_norm=...)",
-            "budget": "TargetEpsilon(epsilon=..., delta=...) or NoiseMultiplier(sigma=..., delta=...)"}  # fmt: skip
+_EXAMPLE = {
+    "sampling": "Poisson(batch_size=...)",
+    "clipping": "Flat(max_grad_norm=...)",
+    "budget": "TargetEpsilon(epsilon=..., delta=...) or NoiseMultiplier(sigma=..., delta=...)",
+}
 
 
 def _required(values: dict[str, Any], *keys: str) -> None:
@@ -138,11 +158,16 @@ def _legacy_performance(values: dict[str, Any], mode: str | None, given: set[str
 def deprecation_text(options: Options) -> str:
     """The warning of a call with the flat keywords: the same call in the typed options."""
     parts = [f"sampling={options.sampling!r}", f"clipping={options.clipping!r}", f"budget={options.budget!r}"]
-    parts += [f"{name}={value!r}" for name, value in (("noise", options.noise), ("unit", options.unit),
-              ("performance", options.performance)) if value != _DEFAULTS[name]]  # fmt: skip
-    return ("make_private's flat privacy keywords (batch_size=, max_grad_norm=, delta=, ...) are deprecated and will be "
-            f"removed in the next release; the same call with dpscale's typed options: make_private(model, optimizer, "
-            f"dataset_size=..., {', '.join(parts)}, ...) (docs/own-loop.md)")  # fmt: skip
+    parts += [
+        f"{name}={value!r}"
+        for name, value in (("noise", options.noise), ("unit", options.unit), ("performance", options.performance))
+        if value != _DEFAULTS[name]
+    ]
+    return (
+        "make_private's flat privacy keywords (batch_size=, max_grad_norm=, delta=, ...) are deprecated and will be "
+        f"removed in the next release; the same call with dpscale's typed options: make_private(model, optimizer, "
+        f"dataset_size=..., {', '.join(parts)}, ...) (docs/own-loop.md)"
+    )
 
 
 _DEFAULTS: dict[str, Any] = {"noise": Independent(), "unit": PerExample(), "performance": PerformanceFlags()}
@@ -154,9 +179,10 @@ def flat_settings(options: Options) -> dict[str, Any]:
     clipping, budget, unit = options.clipping, options.budget, options.unit
     return {
         "max_grad_norm": clipping.bounds if isinstance(clipping, PerLayer) else clipping.max_grad_norm,
-        "max_grad_norm_per": getattr(clipping, "per", "group"), "delta": budget.delta,
+        "max_grad_norm_per": getattr(clipping, "per", "group"),
+        "delta": budget.delta,
         "target_epsilon": budget.epsilon if isinstance(budget, TargetEpsilon) else None,
         "noise_multiplier": budget.sigma if isinstance(budget, NoiseMultiplier) else None,
         "user_ids": unit.user_ids if isinstance(unit, PerUser) else None,
         "max_examples_per_user": unit.max_examples_per_user if isinstance(unit, PerUser) else None,
-    }  # fmt: skip
+    }
