@@ -11,6 +11,7 @@ import sys
 import typing
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -200,15 +201,12 @@ def _flat_warned(**changes):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["dp.clip_quantile=5"], r"dp.clip_quantile=5.0 applies to dp.clipping=adaptive only"),
-        (["dp.clip_gamma=-1"], r"dp.clip_gamma=-1.0 applies to dp.clipping=automatic only"),
         (["dp.clipping=adaptive", "dp.clip_quantile=5"], r"^dp.clip_quantile must be in \(0, 1\), got 5.0$"),
         (["dp.clipping=automatic", "dp.clip_gamma=-1"], r"^dp.clip_gamma must be a finite number > 0, got -1.0$"),
         (["dp.mechanism=bandmf", "dp.max_noise_memory_mb=-1"], r"^dp.max_noise_memory_mb must be a finite number > 0"),
     ],
 )
 def test_the_config_door_takes_the_same_translation_in_its_own_words(overrides, message):
-    # before: a config with fixed clipping accepted dp.clip_quantile=5 and dp.clip_gamma=-1 and ignored them
     from dpscale.config import load_config
     from dpscale.errors import ConfigError
 
@@ -217,29 +215,69 @@ def test_the_config_door_takes_the_same_translation_in_its_own_words(overrides, 
     assert "\n" not in str(err.value) and "Adaptive." not in str(err.value)
 
 
-def test_make_private_optimises_bandmf_for_the_schedulers_rates_as_dpscale_train_does():
-    # the doors had drifted: make_private optimised BandMF for constant rates whatever the scheduler
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dp.clip_quantile=5"], r"dp.clip_quantile=5.0 applies to dp.clipping=adaptive only"),
+        (["dp.clip_gamma=0.1"], r"dp.clip_gamma=0.1 applies to dp.clipping=automatic only"),
+        (["dp.bands=4"], r"dp.bands=4 applies to dp.mechanism=bandmf only"),
+    ],
+)
+def test_a_config_setting_of_a_strategy_not_chosen_is_warned_of_and_still_loads(overrides, message):
+    # before: accepted and ignored in silence. Refusing it would break run directories of earlier releases
+    # (eval, export, plot, resume read their config.yaml), so the config warns where make_private refuses
+    from dpscale.config import load_config
+
+    with pytest.warns(UserWarning, match=message):
+        config = load_config(None, overrides)
+    assert config.dp.clipping == "fixed" and config.dp.mechanism == "dpsgd"
+
+
+def test_numpy_scalars_and_whole_floats_are_taken_as_the_old_keywords_took_them():
+    # a review found np.int64 batch sizes, np.float32 budgets, bands=2.0 and compile=0 refused by the first typed version
+    assert FixedSize(batch_size=np.int64(16)).batch_size == 16 and type(FixedSize(batch_size=64.0).batch_size) is int
+    assert type(TargetEpsilon(epsilon=np.float32(3.0), delta=np.float64(1e-5)).epsilon) is float
+    assert BandMF(bands=np.int64(2), max_bands=np.int64(4), max_noise_memory_mb=np.float32(10)).bands == 2
+    assert BandMF(bands=2.0).bands == 2 and Adaptive(max_grad_norm=1.0, quantile=np.float32(0.5)).quantile == 0.5
+    flags = PerformanceFlags(compile=0, fixed_shapes=1)
+    assert flags.compile is False and flags.fixed_shapes is True
+    for bad in (True, np.bool_(True), 2.5, float("nan"), "16"):
+        with pytest.raises(ValueError, match="FixedSize.batch_size must be a positive integer"):
+            FixedSize(batch_size=bad)
+    mechanism = _flat(batch_size=np.int64(16), delta=np.float32(1e-5), noise_multiplier=np.float32(1.0))
+    assert type(mechanism.plan.batch_size) is int and mechanism.plan.batch_size == 16
+
+
+def test_no_clipping_is_refused_for_a_private_budget_before_anything_is_released():
+    # a review found Flat(max_grad_norm=None) with a private budget planned an epsilon, then failed at the first step
+    model, optimizer = _model_and_optimizer()
+    for budget in (TargetEpsilon(epsilon=3.0, delta=1e-5), NoiseMultiplier(sigma=1.0, delta=1e-5)):
+        call = {**TYPED, "clipping": Flat(max_grad_norm=None), "budget": budget}
+        _refused(lambda call=call: dpscale.make_private(model, optimizer, **call), "a private run needs clipping: Flat")
+    mechanism = dpscale.make_private(model, optimizer, **{**TYPED, "clipping": Flat(max_grad_norm=None),
+                                                          "budget": NoiseMultiplier(sigma=0.0, delta=1e-5)})  # fmt: skip
+    assert not mechanism.plan.is_private
+
+
+def test_make_private_leaves_a_scheduler_alone_and_takes_its_rates_from_the_workload():
+    # a review found deriving the rates from the user's scheduler unsafe (tensor rates, OneCycleLR's momentum,
+    # custom schedulers, earlier checkpoints' plans): the rates are the user's to give, as BandMF.workload
     from dpscale import BandMF
     from dpscale.privacy.bandmf_math import Workload
 
     steps = 12
-
-    def built(scheduled: bool, workload: Workload | None = None):
-        model, optimizer = _model_and_optimizer()
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if scheduled else None
-        mechanism = dpscale.make_private(
-            model, optimizer, **{**TYPED, "steps": steps}, noise=BandMF(bands=3, workload=workload), scheduler=scheduler
-        )
-        return mechanism.plan.correlated, optimizer, scheduler
-
-    cosine, optimizer, scheduler = built(True)
-    assert "a learning-rate schedule" in cosine.workload
-    assert optimizer.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0  # the user's scheduler put back
-    rates = [0.5 * (1 + math.cos(math.pi * t / steps)) for t in range(steps)]  # CosineAnnealingLR / its first rate
-    explicit, _, _ = built(False, Workload(steps=steps, lr_multipliers=tuple(rates)))
-    assert cosine.coefficients == pytest.approx(explicit.coefficients, rel=1e-9)
-    constant, _, _ = built(False)
-    assert constant.coefficients != pytest.approx(cosine.coefficients, rel=1e-6)
+    model, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=steps)
+    before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    plain = dpscale.make_private(model, optimizer, **{**TYPED, "steps": steps}, noise=BandMF(bands=3), scheduler=scheduler)
+    assert [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] == before
+    assert "a learning-rate schedule" not in plain.plan.correlated.workload
+    rates = tuple(0.5 * (1 + math.cos(math.pi * t / steps)) for t in range(steps))
+    model, optimizer = _model_and_optimizer()
+    workload = Workload(steps=steps, lr_multipliers=rates)
+    given = dpscale.make_private(model, optimizer, **{**TYPED, "steps": steps}, noise=BandMF(bands=3, workload=workload))
+    assert "a learning-rate schedule" in given.plan.correlated.workload
+    assert given.plan.correlated.coefficients != pytest.approx(plain.plan.correlated.coefficients, rel=1e-6)
 
 
 @pytest.mark.parametrize(

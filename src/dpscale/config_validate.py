@@ -113,7 +113,9 @@ def _validate_dp_target(dp: DPConfig) -> None:
         raise ConfigError(f"dp.{err} (or null for no clipping)") from err
     _check_max_grad_norm_per(dp)
     if is_private_config(dp) and dp.max_grad_norm is None:
-        raise ConfigError("a private run needs clipping: set dp.max_grad_norm (null is for non-private runs only)")
+        from dpscale.privacy.spelling import CONFIG, clipping_needed  # the plan says the same (one text)
+
+        raise clipping_needed(CONFIG)
     if dp.noise_multiplier == 0 and dp.epsilon is not None:
         raise ConfigError(
             "dp.noise_multiplier=0 is a non-private run and cannot meet dp.epsilon; set dp.epsilon=null to train without privacy"

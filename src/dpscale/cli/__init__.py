@@ -15,7 +15,8 @@ import argparse
 import os
 import select
 import sys
-from typing import Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
 from dpscale.errors import UserError
 
@@ -51,6 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dpscale_warnings_as_lines(show: Callable[..., None]) -> Callable[..., None]:
+    """dpscale's own warnings on the command line as one "WARNING: ..." line, as the runs' other
+    warnings print (Python's format names a source line the user never wrote); others as ``show`` does."""
+    if getattr(show, "dpscale_lines", False):
+        return show
+
+    def shown(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: str | None = None) -> None:
+        if f"{os.sep}dpscale{os.sep}" in filename:
+            print(f"WARNING: {message}", file=file or sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    shown.dpscale_lines = True  # type: ignore[attr-defined]
+    return shown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``dpscale`` command.
 
@@ -62,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         130 when interrupted, 141 (quietly) when stdout's reader has closed it.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.showwarning = _dpscale_warnings_as_lines(warnings.showwarning)
     args = build_parser().parse_args(argv)
     args.argv = argv[2:]  # for `bench`: the flags, echoed in the report
     try:

@@ -24,7 +24,7 @@ from dpscale.privacy.numbers import PrivacyNumbers
 from dpscale.privacy.plan import SIMULATION_OWN_ACCOUNTANT, DPPlan, TanSimulation
 from dpscale.privacy.sampling_plan import AUTO_CAP, accountant_for, check_sampling_settings, resolve_batch_cap
 from dpscale.privacy.source_runs import SOURCE_ROLES, SourceRunPrivacy
-from dpscale.privacy.spelling import CONFIG, Spelling
+from dpscale.privacy.spelling import CONFIG, Spelling, clipping_needed
 from dpscale.privacy.tan import simulated_noise_multiplier
 
 
@@ -173,6 +173,8 @@ def make_dp_plan(
     )
     adaptive, clip_gamma, simulated_batch_size = numbers.adaptive, numbers.clip_gamma, numbers.simulated_batch_size
     check_max_grad_norm(max_grad_norm)
+    if max_grad_norm is None and (noise_multiplier is None or noise_multiplier > 0):
+        raise clipping_needed(spell)  # a review found make_private(max_grad_norm=None) planned, then failed at step 1
     simulated = is_simulation(batch_size, simulated_batch_size)
     _check_automatic(clip_gamma, max_grad_norm, adaptive)
     _check_adaptive(adaptive, max_grad_norm, correlated, simulated, spell)

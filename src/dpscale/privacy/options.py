@@ -19,6 +19,7 @@ the config's checks import it without torch.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Union
 
@@ -67,12 +68,27 @@ def _refused(owner: object, name: str, wanted: str, value: Any) -> OptionError:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number, numpy's scalars included (``numbers.Real``); never a bool."""
+    is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"
+    return isinstance(value, numbers.Real) and not is_bool and math.isfinite(value)
+
+
+def _plain(value: Any) -> Any:
+    """A numpy (or other ``numbers``) scalar as Python's int or float; anything else as it is."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _keep(owner: object, name: str, value: Any) -> None:
+    """Set a checked field to its plain Python value (the classes are frozen)."""
+    object.__setattr__(owner, name, _plain(value))
 
 
 def _check_positive(owner: object, name: str, value: Any) -> None:
     if not (_is_number(value) and value > 0):
         raise _refused(owner, name, "a finite number > 0", value)
+    _keep(owner, name, value)
 
 
 def _check_norm(owner: object, name: str, value: Any) -> None:
@@ -82,17 +98,20 @@ def _check_norm(owner: object, name: str, value: Any) -> None:
         raise _refused(owner, name, wanted, value)
     if not (_is_number(value) and value > 0):
         raise _refused(owner, name, "one positive number", value)
+    _keep(owner, name, value)
 
 
 def _check_count(owner: object, name: str, value: Any, *, auto: bool = False, none: bool = False) -> None:
     """``value`` a positive integer (or "auto", or None, where allowed)."""
     if (none and value is None) or (auto and value == AUTO):
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    whole = _is_number(value) and float(value).is_integer()  # 64, np.int64(64) and 64.0: the count 64
+    if not whole or value < 1:
         others = (['"auto"'] if auto else []) + (["None"] if none else [])
         wanted = "a positive integer" + (", " if len(others) > 1 else " or " if others else "") + ", ".join(others[:-1])
         wanted += (" or " if len(others) > 1 else "") + (others[-1] if others else "")
         raise _refused(owner, name, wanted, value)
+    object.__setattr__(owner, name, int(value))
 
 
 def _check_choice(owner: object, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -168,6 +187,7 @@ def _check_bounds(owner: object, name: str, bounds: Any) -> None:
     if isinstance(bounds, Mapping):
         if not bounds or not all(isinstance(k, str) and k and _is_number(v) and v > 0 for k, v in bounds.items()):
             raise _refused(owner, name, "a non-empty mapping from name patterns to norms > 0", dict(bounds))
+        object.__setattr__(owner, name, {k: _plain(v) for k, v in bounds.items()})
         return
     _check_norm(owner, name, bounds)
 
@@ -232,6 +252,7 @@ class Adaptive:
         _check_norm(self, "max_grad_norm", self.max_grad_norm)
         if not (_is_number(self.quantile) and 0 < self.quantile < 1):
             raise _refused(self, "quantile", "in (0, 1)", self.quantile)
+        _keep(self, "quantile", self.quantile)
         _check_positive(self, "learning_rate", self.learning_rate)
         if self.count_noise is not None:
             _check_positive(self, "count_noise", self.count_noise)
@@ -304,6 +325,7 @@ Noise = Union[Independent, BandMF]
 def _check_delta(owner: object, delta: Any) -> None:
     if not (_is_number(delta) and 0 < delta < 1):
         raise _refused(owner, "delta", "in (0, 1) (use < 1/N)", delta)
+    _keep(owner, "delta", delta)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,6 +350,7 @@ class NoiseMultiplier:
     def __post_init__(self) -> None:
         if not (_is_number(self.sigma) and self.sigma >= 0):
             raise _refused(self, "sigma", "a finite number >= 0", self.sigma)
+        _keep(self, "sigma", self.sigma)
         _check_delta(self, self.delta)
 
 
@@ -392,7 +415,8 @@ class PerformanceFlags:
         _check_choice(self, "engine", self.engine, ENGINE_NAMES)
         _check_choice(self, "precision", self.precision, PRECISIONS)
         _check_count(self, "max_physical_batch_size", self.max_physical_batch_size, auto=True, none=True)
-        if not isinstance(self.compile, bool):
-            raise _refused(self, "compile", "True or False", self.compile)
-        if self.fixed_shapes is not None and not isinstance(self.fixed_shapes, bool):
-            raise _refused(self, "fixed_shapes", "True, False or None", self.fixed_shapes)
+        for name, none in (("compile", False), ("fixed_shapes", True)):  # 0 and 1 as False and True, as if-tests read them
+            value = getattr(self, name)
+            if not ((none and value is None) or (value in (0, 1) and not isinstance(value, (str, float)))):
+                raise _refused(self, name, "True, False or None" if none else "True or False", value)
+            object.__setattr__(self, name, value if value is None else bool(value))

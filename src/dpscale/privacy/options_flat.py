@@ -12,6 +12,7 @@ callers, ``dp.clip_quantile=5.0`` for the config, and rewords the options' own f
 from __future__ import annotations
 
 from collections.abc import Mapping
+import warnings
 from typing import Any
 
 from dpscale.choices import CLIPPINGS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, MECHANISMS
@@ -57,10 +58,14 @@ BANDMF_SETTINGS = ("bands", "max_bands", "max_noise_memory_mb", "workload")
 
 
 def _inactive(given: Mapping[str, Any], defaults: Mapping[str, Any], keys: tuple[str, ...], owner: str, spell: Spelling) -> None:
-    """Refuse a setting of a strategy not chosen, given with a value other than its default."""
+    """Refuse a setting of a strategy not chosen, given with a value other than its default (the
+    config warns: ``Spelling.warn_unused``)."""
     for key in keys:
         if key in given and given[key] != defaults[key]:
-            raise spell.refusal(f"{spell.said(key, given[key])} applies to {owner} only; it is not taken here")
+            text = f"{spell.said(key, given[key])} applies to {owner} only; it is not taken here"
+            if not spell.warn_unused:
+                raise spell.refusal(text)
+            warnings.warn(text, UserWarning, stacklevel=2)
 
 
 def sampling_option(values: Mapping[str, Any], mode: str, spell: Spelling = PYTHON) -> Sampling:

@@ -47,6 +47,8 @@ class Spelling:
         prefix: put before a setting's name ("dp." in the config).
         rename: reword the typed options' own field errors in the door's names (the config).
         typed_names: a refused name lists the typed options too (Python callers).
+        warn_unused: a setting of a strategy not chosen is warned of, not refused (the config: run
+            directories of earlier releases hold such settings and must still load, evaluate and resume).
     """
 
     door: str = ""
@@ -55,6 +57,7 @@ class Spelling:
     prefix: str = ""
     rename: bool = False
     typed_names: bool = False
+    warn_unused: bool = False
 
     def key(self, setting: str) -> str:
         """The setting's name (``dp.bands``; ``BandMF.bands``)."""
@@ -85,7 +88,15 @@ class Spelling:
             raise self.refusal(f"{self.key(setting)} must be {err.wanted}, got {err.value!r}") from err
 
 
-CONFIG = Spelling(names={"target_epsilon": "dp.epsilon", "noise_mechanism": "dp.mechanism"}, prefix="dp.", rename=True)
+def clipping_needed(spell: Spelling) -> ValueError:
+    """The refusal of a private run without a clipping norm (its noise std sigma x C has no C), in
+    ``spell``'s words: config validation and the plan both say it."""
+    if spell.typed_names:
+        return spell.refusal("a private run needs clipping: Flat(max_grad_norm=None) is for NoiseMultiplier(sigma=0) only")
+    return spell.refusal(f"a private run needs clipping: set {spell.key('max_grad_norm')} (null is for non-private runs only)")
+
+
+CONFIG = Spelling(names={"target_epsilon": "dp.epsilon", "noise_mechanism": "dp.mechanism"}, prefix="dp.", rename=True, warn_unused=True)
 PYTHON = Spelling(
     door="make_private",
     names={

@@ -69,7 +69,9 @@ def make_private(
             ``NoiseMultiplier(sigma=, delta=)``.
         epochs, steps: the length of the plan (one of them).
         noise: ``Independent()`` (DP-SGD, default) or ``BandMF(bands=...)`` (``batches()`` then samples
-            cyclically; docs/correlated_noise.md).
+            cyclically; docs/correlated_noise.md). BandMF's strategy is optimised for prefix sums with
+            SGD's momentum at a constant rate: with a ``scheduler``, give its rates as
+            ``BandMF(workload=Workload(steps=S, momentum=..., lr_multipliers=(...)))``.
         unit: ``PerExample()`` (default) or ``PerUser(user_ids=, max_examples_per_user=k)``: the guarantee
             protects a person; ``batches()``/``sample()`` give the drawn users' examples, each user's
             consecutive (docs/privacy-units.md).

@@ -94,7 +94,7 @@ def build_mechanism(
     plan = make_dp_plan(
         numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
         privacy_unit="example" if users is None else "user", max_examples_per_user=settings["max_examples_per_user"],
-        correlated=_bands_request(options.noise, model, optimizer, total_steps, scheduler), spell=PYTHON,
+        correlated=_bands_request(options.noise, model, optimizer, total_steps), spell=PYTHON,
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
     engine = compiled_engine_name(flags.engine, make_precision(flags.precision), model) if flags.compile else flags.engine
@@ -148,18 +148,17 @@ def _clip_bounds(model: nn.Module, max_grad_norm: MaxGradNorm, per: str) -> MaxG
     return clip_bounds(max_grad_norm, per, [name for name, p in model.named_parameters() if p.requires_grad])
 
 
-def _bands_request(
-    noise: Noise, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, scheduler: Any
-) -> BandsRequest | None:  # fmt: skip
+def _bands_request(noise: Noise, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> BandsRequest | None:
     """BandMF's request for ``make_private`` (None for DP-SGD). Without ``BandMF.workload``: prefix
-    sums with SGD's momentum and the scheduler's learning rates, as ``dpscale train`` derives its own
-    (``train.plan_config.workload_for``)."""
+    sums with SGD's momentum at a constant learning rate (a scheduler's rates are the user's to give,
+    ``Workload(lr_multipliers=...)``: ``dpscale train`` knows its schedule, ``make_private`` would have to
+    run the user's scheduler, and a derived strategy would change the plan of earlier checkpoints)."""
     if not isinstance(noise, BandMF):
         return None
     workload = noise.workload
     if workload is None:  # torch's SGD has its momentum in its param groups
-        momentum = float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0) if isinstance(optimizer, torch.optim.SGD) else 0.0
-        workload = Workload(steps=steps, momentum=momentum, lr_multipliers=_lr_multipliers(optimizer, scheduler, steps))
+        sgd = isinstance(optimizer, torch.optim.SGD)
+        workload = Workload(steps=steps, momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0) if sgd else 0.0)
     if workload.steps != steps:
         raise ValueError(f"BandMF.workload.steps={workload.steps} but the plan has {steps} steps")
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -167,28 +166,6 @@ def _bands_request(
         bands=noise.bands, workload=workload, max_bands=noise.max_bands, parameters=parameters,
         max_noise_memory_mb=noise.max_noise_memory_mb, cache_dir=str(strategy_cache_dir()),
     )  # fmt: skip
-
-
-def _lr_multipliers(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> tuple[float, ...] | None:
-    """Each step's learning rate relative to the largest (None: no scheduler, or a constant rate):
-    the scheduler stepped ``steps`` times, as the mechanism steps it after each optimizer step, then
-    put back as it was (its ``state_dict`` and the groups' rates)."""
-    if scheduler is None:
-        return None
-    saved, rates = scheduler.state_dict(), [group["lr"] for group in optimizer.param_groups]
-    lrs = []
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
-            for _ in range(steps):
-                lrs.append(float(optimizer.param_groups[0]["lr"]))
-                scheduler.step()
-    finally:
-        scheduler.load_state_dict(saved)
-        for group, rate in zip(optimizer.param_groups, rates):
-            group["lr"] = rate
-    top = max(lrs)  # the strategy depends on the rates' shape only; a warm-up may start at 0
-    return None if top <= 0 or all(lr == top for lr in lrs) else tuple(lr / top for lr in lrs)
 
 
 def _chosen_engine(
