@@ -285,3 +285,38 @@ def test_every_module_says_its_purpose_in_the_first_line_of_its_docstring():
         p.name for p in sorted((SRC / "dpscale" / "train").glob("*.py")) if p.name != "__init__.py" and f"train/{p.name}" not in listed
     ]
     assert unlisted == []
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The dpscale modules ``path`` imports at its top level, ``if TYPE_CHECKING:`` blocks included
+    (imports inside functions are deferred on purpose and left out)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        blocks = node.body if isinstance(node, ast.If) else [node]  # TYPE_CHECKING (and other top-level ifs)
+        for stmt in blocks:
+            if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith("dpscale"):
+                found |= {f"{stmt.module}.{a.name}" for a in stmt.names if f"{stmt.module}.{a.name}" in modules}
+                found |= {stmt.module} & modules
+            elif isinstance(stmt, ast.Import):
+                found |= {a.name for a in stmt.names} & modules
+    return found
+
+
+def test_no_import_cycle_among_the_modules_type_only_imports_included():
+    """Issue 64: config.py and config_validate.py imported each other (type-only); now no cycle at all."""
+    paths = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p for p in SRC.rglob("*.py")}
+    graph = {name: _module_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                return path + [name, nxt]
+            if nxt not in state and (found := cycle_from(nxt, path + [name])):
+                return found
+        state[name] = 2
+        return None
+
+    cycles = [c for name in sorted(graph) if name not in state and (c := cycle_from(name, []))]
+    assert cycles == []

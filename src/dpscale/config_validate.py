@@ -1,7 +1,8 @@
 """Validation of a config: the range and consistency checks that need no data, one validator per section.
 
-``dpscale.config`` imports this module (``load_config`` validates what it loads), so the sections are
-imported here for the type checker only. Dataset-dependent checks happen when a run is built.
+``dpscale.config`` imports this module (``load_config`` validates what it loads); the sections come
+from ``dpscale.config_schema``, for the type checker only. Dataset-dependent checks happen when a
+run is built.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dpscale.clip_norms import check_max_grad_norm, check_max_grad_norm_per
 from dpscale.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dpscale.config import Config, DPConfig, FeaturesConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from dpscale.config_schema import Config, DPConfig, FeaturesConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
     from dpscale.privacy.options import Clipping, Noise, Sampling
 
 # The allowed names of the settings only the config checks (those other layers check too are in
