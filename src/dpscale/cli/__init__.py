@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dpscale`` parser with every command family's sub-commands, in the order ``--help`` lists them."""
     from dpscale.bench import add_bench_parser
     from dpscale.cli import account, audit, info, outputs, tan, train, tune
-    from dpscale.data.command import add_data_parser
+    from dpscale.cli.data import add_data_parser
 
     parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
     sub = parser.add_subparsers(dest="command", required=True)

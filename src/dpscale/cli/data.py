@@ -19,9 +19,9 @@ def _worker_count(text: str) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from .folder import list_image_folder  # imported here: registering the parser must not load torch
-    from .shards import prepare_shards
-    from .stream import default_workers
+    from dpscale.data.folder import list_image_folder  # imported here: registering the parser must not load torch
+    from dpscale.data.shards import prepare_shards
+    from dpscale.data.stream import default_workers
 
     from tqdm import tqdm
 
@@ -47,7 +47,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .shards import open_shards
+    from dpscale.data.shards import open_shards
 
     manifest, train, test = open_shards(args.dest, verify=True)
     shape = "x".join(str(d) for d in manifest["image_shape"])
