@@ -254,8 +254,9 @@ def test_no_clipping_is_refused_for_a_private_budget_before_anything_is_released
     for budget in (TargetEpsilon(epsilon=3.0, delta=1e-5), NoiseMultiplier(sigma=1.0, delta=1e-5)):
         call = {**TYPED, "clipping": Flat(max_grad_norm=None), "budget": budget}
         _refused(lambda call=call: dpscale.make_private(model, optimizer, **call), "a private run needs clipping: Flat")
-    mechanism = dpscale.make_private(model, optimizer, **{**TYPED, "clipping": Flat(max_grad_norm=None),
-                                                          "budget": NoiseMultiplier(sigma=0.0, delta=1e-5)})  # fmt: skip
+    mechanism = dpscale.make_private(
+        model, optimizer, **{**TYPED, "clipping": Flat(max_grad_norm=None), "budget": NoiseMultiplier(sigma=0.0, delta=1e-5)}
+    )
     assert not mechanism.plan.is_private
 
 
@@ -310,3 +311,33 @@ def test_options_that_do_not_go_together_are_refused_in_pythons_words(changes, m
     model, optimizer = _model_and_optimizer()
     message = _refused(lambda: dpscale.make_private(model, optimizer, **{**TYPED, "steps": 30, **changes}), match)
     assert message.startswith("make_private: ")
+
+
+def test_the_rules_between_options_are_one_function_every_door_calls():
+    from dpscale.privacy.make_plan import check_compatible
+    from dpscale.privacy.options_flat import privacy_numbers
+    from dpscale.privacy.spelling import CONFIG, PYTHON
+
+    numbers = privacy_numbers(
+        FixedSize(batch_size=10),
+        Adaptive(max_grad_norm=1.0),
+        max_grad_norm=1.0,
+        delta=1e-5,
+        target_epsilon=None,
+        noise_multiplier=1.0,
+        accountant="rdp",
+    )
+    with pytest.raises(ValueError, match="^make_private: FixedSize sampling .* Adaptive clipping"):
+        check_compatible(numbers, dataset_size=1000, spell=PYTHON)
+    with pytest.raises(ValueError, match="^dp.sampling=fixed .* dp.clipping=adaptive"):
+        check_compatible(numbers, dataset_size=1000, spell=CONFIG)
+    fine = privacy_numbers(
+        Poisson(batch_size=10),
+        Flat(max_grad_norm=1.0),
+        max_grad_norm=1.0,
+        delta=1e-5,
+        target_epsilon=None,
+        noise_multiplier=1.0,
+        accountant="pld",
+    )
+    check_compatible(fine, dataset_size=1000, spell=PYTHON)

@@ -172,19 +172,10 @@ def make_dp_plan(
         numbers.accountant,
     )
     adaptive, clip_gamma, simulated_batch_size = numbers.adaptive, numbers.clip_gamma, numbers.simulated_batch_size
-    check_max_grad_norm(max_grad_norm)
-    if max_grad_norm is None and (noise_multiplier is None or noise_multiplier > 0):
-        raise clipping_needed(spell)  # a review found make_private(max_grad_norm=None) planned, then failed at step 1
+    check_compatible(numbers, dataset_size=dataset_size, correlated=correlated, privacy_unit=privacy_unit,
+                     max_examples_per_user=max_examples_per_user, spell=spell)  # fmt: skip
     simulated = is_simulation(batch_size, simulated_batch_size)
-    _check_automatic(clip_gamma, max_grad_norm, adaptive)
-    _check_adaptive(adaptive, max_grad_norm, correlated, simulated, spell)
-    check_privacy_unit(privacy_unit, max_examples_per_user, simulated=simulated, sampling=sampling, spell=spell)
-    if batch_size > dataset_size:
-        units = "users" if privacy_unit == "user" else "the training set"
-        raise spell.refusal(f"{spell.key('batch_size')}={batch_size} is larger than {units} (N={dataset_size})")
     releases = tuple(releases)
-    check_sampling_settings(sampling, max_batch_size, batch_size=batch_size, adaptive=adaptive is not None,
-                            simulated=simulated, bandmf=correlated is not None, spell=spell)  # fmt: skip
     q = batch_size / dataset_size
     accountant = accountant_for(sampling, max_batch_size, accountant)
     noise_plan = None
@@ -200,8 +191,6 @@ def make_dp_plan(
             releases = _releases_for(releases, batches)
             sigma, calibrated = noise_for(target_epsilon, releases=releases, batches=batches)
     else:
-        check_bandmf_settings(sampling=sampling, simulated=simulated, noise_multiplier=noise_multiplier, bands=correlated.bands,
-                              spell=spell)  # fmt: skip
         noise_plan, sigma, calibrated = choose_bands(
             correlated, steps=steps, sample_rate=q, spell=spell, sigma_for=lambda b: _noise_for(
                 target_epsilon, noise_multiplier=noise_multiplier, delta=delta, q=min(1.0, b * q),
@@ -282,6 +271,40 @@ def _planned_epsilon(
             f"to calibrate it{_source_run_hint(releases)}"
         )
     return epsilon
+
+
+def check_compatible(
+    numbers: PrivacyNumbers, *, dataset_size: int, correlated: BandsRequest | None = None, privacy_unit: str = "example",
+    max_examples_per_user: int | None = None, spell: Spelling = CONFIG,
+) -> None:  # fmt: skip
+    """The rules between the settings, in one place (``make_dp_plan`` asks first, for every door):
+    clipping and a private budget, automatic and adaptive clipping, the privacy unit, the batch
+    against N, the sampling and its cap, BandMF.
+
+    Args:
+        numbers: the settings; dataset_size: N; correlated: BandMF's request (None: DP-SGD);
+        privacy_unit, max_examples_per_user: as ``make_dp_plan``; spell: the door's words.
+
+    Raises:
+        ConfigError: the first rule broken, in one line.
+    """
+    max_grad_norm, noise_multiplier, adaptive = numbers.max_grad_norm, numbers.noise_multiplier, numbers.adaptive
+    check_max_grad_norm(max_grad_norm)
+    if max_grad_norm is None and (noise_multiplier is None or noise_multiplier > 0):
+        raise clipping_needed(spell)  # a review found make_private(max_grad_norm=None) planned, then failed at step 1
+    simulated = is_simulation(numbers.batch_size, numbers.simulated_batch_size)
+    _check_automatic(numbers.clip_gamma, max_grad_norm, adaptive)
+    _check_adaptive(adaptive, max_grad_norm, correlated, simulated, spell)
+    check_privacy_unit(privacy_unit, max_examples_per_user, simulated=simulated, sampling=numbers.sampling, spell=spell)
+    if numbers.batch_size > dataset_size:
+        units = "users" if privacy_unit == "user" else "the training set"
+        raise spell.refusal(f"{spell.key('batch_size')}={numbers.batch_size} is larger than {units} (N={dataset_size})")
+    check_sampling_settings(numbers.sampling, numbers.max_batch_size, batch_size=numbers.batch_size,
+                            adaptive=adaptive is not None, simulated=simulated, bandmf=correlated is not None,
+                            spell=spell)  # fmt: skip
+    if correlated is not None:
+        check_bandmf_settings(sampling=numbers.sampling, simulated=simulated, noise_multiplier=noise_multiplier,
+                              bands=correlated.bands, spell=spell)  # fmt: skip
 
 
 def _check_automatic(clip_gamma: float | None, max_grad_norm: MaxGradNorm, adaptive: AdaptiveClipping | None) -> None:
