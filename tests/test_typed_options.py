@@ -318,26 +318,15 @@ def test_the_rules_between_options_are_one_function_every_door_calls():
     from dpscale.privacy.options_flat import privacy_numbers
     from dpscale.privacy.spelling import CONFIG, PYTHON
 
-    numbers = privacy_numbers(
-        FixedSize(batch_size=10),
-        Adaptive(max_grad_norm=1.0),
-        max_grad_norm=1.0,
-        delta=1e-5,
-        target_epsilon=None,
-        noise_multiplier=1.0,
-        accountant="rdp",
-    )
+    def numbers(sampling, clipping, accountant):
+        return privacy_numbers(
+            sampling, clipping, max_grad_norm=1.0, delta=1e-5, target_epsilon=None, noise_multiplier=1.0, accountant=accountant
+        )
+
+    clash = numbers(FixedSize(batch_size=10), Adaptive(max_grad_norm=1.0), "rdp")
     with pytest.raises(ValueError, match="^make_private: FixedSize sampling .* Adaptive clipping"):
-        check_compatible(numbers, dataset_size=1000, spell=PYTHON)
+        check_compatible(clash, dataset_size=1000, spell=PYTHON)
     with pytest.raises(ValueError, match="^dp.sampling=fixed .* dp.clipping=adaptive"):
-        check_compatible(numbers, dataset_size=1000, spell=CONFIG)
-    fine = privacy_numbers(
-        Poisson(batch_size=10),
-        Flat(max_grad_norm=1.0),
-        max_grad_norm=1.0,
-        delta=1e-5,
-        target_epsilon=None,
-        noise_multiplier=1.0,
-        accountant="pld",
-    )
+        check_compatible(clash, dataset_size=1000, spell=CONFIG)
+    fine = numbers(Poisson(batch_size=10), Flat(max_grad_norm=1.0), "pld")
     check_compatible(fine, dataset_size=1000, spell=PYTHON)

@@ -2,23 +2,10 @@
 
 from dpscale._version import __version__ as __version__  # re-exported
 
-# make_private's typed options (dpscale.privacy.options, torch-free) and the training entry points
-OPTIONS = (
-    "Adaptive",
-    "Automatic",
-    "BandMF",
-    "FixedSize",
-    "Flat",
-    "Independent",
-    "NoiseMultiplier",
-    "PerExample",
-    "PerLayer",
-    "PerUser",
-    "PerformanceFlags",
-    "Poisson",
-    "Shuffle",
-    "TargetEpsilon",
-)
+# make_private's typed options (torch-free: importing their module keeps ``import dpscale`` light) and the
+# training entry points
+from dpscale.privacy.options import OPTION_CLASSES as OPTIONS
+
 __all__ = ["DPMechanism", "PrivacyBudgetExhausted", "make_private", *OPTIONS]
 
 

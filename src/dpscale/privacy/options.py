@@ -34,7 +34,8 @@ PrecisionName = Literal["fp32", "tf32", "bf16", "fp16"]
 ClipPer = Literal["group", "tensor"]
 AUTO: Literal["auto"] = "auto"
 
-__all__ = [
+# the options users import from dpscale (its __all__ reads this tuple)
+OPTION_CLASSES = (
     "Adaptive",
     "Automatic",
     "BandMF",
@@ -42,7 +43,6 @@ __all__ = [
     "Flat",
     "Independent",
     "NoiseMultiplier",
-    "OptionError",
     "PerExample",
     "PerLayer",
     "PerUser",
@@ -50,8 +50,8 @@ __all__ = [
     "Poisson",
     "Shuffle",
     "TargetEpsilon",
-    "check_accountant",
-]
+)
+__all__ = [*OPTION_CLASSES, "OptionError", "check_accountant"]
 
 
 class OptionError(ValueError):

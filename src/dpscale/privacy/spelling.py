@@ -1,7 +1,7 @@
 """How a door names the privacy settings in a refusal: the config in its keys (``dp.sampling=fixed``),
 ``make_private`` in its typed options (``FixedSize sampling``, ``BandMF.bands=4``). A rule is
 written once, with ``said``/``key`` for every setting it names, and each door hands the rule its
-spelling (``make_dp_plan(..., spell=)``). Import-free but for the errors: every layer may use it.
+spelling (``make_dp_plan(..., spell=)``). Torch-free (the errors and the options only): every layer may use it.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from dpscale.errors import ConfigError
+from dpscale.privacy.options import OptionError
 
 # (option class, field) -> the flat setting it comes from (a config rewords an option's field error)
 FIELD_SETTINGS: dict[tuple[str, str], str] = {
@@ -71,14 +74,10 @@ class Spelling:
 
     def refusal(self, text: str) -> ValueError:
         """A refusal in this door's words (a ``ConfigError``, a ValueError too, for every door)."""
-        from dpscale.errors import ConfigError
-
         return ConfigError(f"{self.door}: {text}" if self.door else text)
 
     def built(self, make: Callable[[], Any]) -> Any:
         """``make()``, a typed option's field error reworded as the door's setting when ``rename``."""
-        from dpscale.privacy.options import OptionError
-
         try:
             return make()
         except OptionError as err:
