@@ -7,8 +7,10 @@ import sys, time
 import torch
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy import make_engine, per_example, ghost, clipping
-from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy import make_engine
+from dpscale.privacy.clipping import bounds as clipping, per_example
+from dpscale.privacy.clipping.ghost import engine as ghost
+from dpscale.privacy.clipping.per_example import trainable_params
 
 torch.set_num_threads(1)
 new_units = per_example.clip_units

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dpscale.config import load_config
-from dpscale.privacy import clipping
+from dpscale.privacy.clipping import bounds as clipping
 from dpscale.train.loop import Trainer
 
 

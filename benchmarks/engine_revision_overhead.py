@@ -1,7 +1,7 @@
 """Engine time against an earlier revision's ghost/bk engine, in one process, interleaved.
 
 The route checks (parameter-level support, the outside-use monitor on the first call, in-place
-version checks) must not slow the step down. This loads ``src/dpscale/privacy/ghost.py`` as it
+version checks) must not slow the step down. This loads ``src/dpscale/privacy/clipping/ghost/engine.py`` as it
 was at ``--baseline`` (default: the commit before they landed) next to the current one and times
 one clipped-sum call of each on the step-time benchmark's models and batch sizes:
 
@@ -27,8 +27,8 @@ import torch
 
 from dpscale.bench.step_time import DEFAULT_BATCH, _input_shape
 from dpscale.models import build_model
-from dpscale.privacy.ghost import GhostEngine
-from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy.clipping.ghost.engine import GhostEngine
+from dpscale.privacy.clipping.per_example import trainable_params
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "4c7b181"  # the last commit before the route checks
@@ -37,7 +37,7 @@ BASELINE = "4c7b181"  # the last commit before the route checks
 def load_baseline_engine(revision: str) -> type:
     """GhostEngine as it was at ``revision`` (imported under another module name)."""
     source = subprocess.run(
-        ["git", "show", f"{revision}:src/dpscale/privacy/ghost.py"], cwd=ROOT, check=True, capture_output=True, text=True
+        ["git", "show", f"{revision}:src/dpscale/privacy/clipping/ghost/engine.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
     path = Path(tempfile.mkdtemp()) / "baseline_ghost.py"
     path.write_text(source)
@@ -78,7 +78,7 @@ def measure(name: str, batch: int, baseline: type, repeats: int, device: torch.d
 
 def measure_noise(name: str, repeats: int, device: torch.device) -> tuple[int, float, float]:
     """(parameters, torch.randn median ms, DPRandom median ms) of one step's noise draw."""
-    from dpscale.privacy.noise import add_gaussian_noise
+    from dpscale.privacy.noise.gaussian import add_gaussian_noise
     from dpscale.rng import DPRandom
 
     model = build_model(name, 10, _input_shape(name, device)).to(device)

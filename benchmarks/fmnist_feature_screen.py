@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from dpscale.data.datasets import load_dataset
 from dpscale.features.scatternet import ScatterNet
-from dpscale.privacy.calibrate import calibrate_noise_multiplier
+from dpscale.privacy.accounting.calibrate import calibrate_noise_multiplier
 
 DATA_ROOT = "../shared/data/fashion-mnist"
 _RAW: dict[tuple, torch.Tensor] = {}

@@ -18,7 +18,7 @@ import time
 import numpy as np
 from dp_accounting.pld import privacy_loss_distribution
 
-from dpscale.privacy.pld_gaussian import gaussian_pld
+from dpscale.privacy.accounting.pld_gaussian import gaussian_pld
 
 # (sigma, q, grid): an MNIST run's step (B = 256 of 60000), a noisier and a less noisy one, a release (q = 1)
 CASES = [(1.1, 256 / 60000, 1e-4), (0.6, 0.01, 1e-4), (2.0, 0.004, 1e-4), (0.8, 0.05, 1e-3), (1.0, 1.0, 1e-4), (8.0, 0.001, 1e-4)]

@@ -14,10 +14,10 @@ import argparse
 import torch
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.precision import make_precision
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.precision import make_precision
+from dpscale.privacy.clipping.reference import float64_reference
 
 
 def errors(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, engine: str, precision: str, clip: float) -> tuple[float, float]:

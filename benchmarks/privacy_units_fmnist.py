@@ -5,7 +5,7 @@ grouping: each user holds s unrelated images), for s in ``--sizes``. For each s 
 ``--preset`` twice at epsilon = ``--epsilon`` (delta 1e-5):
 
 - at the EXAMPLE unit (today's guarantee: one image), and reads what that guarantee promises a
-  person with s images by group privacy (``dpscale.privacy.group_privacy.best_group_bound``);
+  person with s images by group privacy (``dpscale.privacy.accounting.group_privacy.best_group_bound``);
 - at the USER unit (``data.privacy_unit=user``, ``dp.max_examples_per_user=s``), with the same
   expected number of images per step (B = 8192 / s users) and the same number of steps.
 

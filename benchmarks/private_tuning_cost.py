@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from dpscale.features.extract import read_source_run
-from dpscale.privacy.tuning import parse_tuning_distribution, tuned_epsilon
+from dpscale.privacy.accounting.tuning import parse_tuning_distribution, tuned_epsilon
 from dpscale.tune.private_tuning import compute_history_epsilon
 
 

@@ -2,7 +2,7 @@
 weight standardisation (convs; convs and the hidden fc layer) / GroupNorm, 1 torch thread, interleaved."""
 import time, torch
 from dpscale.models import build_model
-from dpscale.privacy.engines import make_engine
+from dpscale.privacy.clipping.engines import make_engine
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ import torch
 
 from dpscale.models import build_model
 from dpscale.privacy import make_engine
-from dpscale.privacy.per_example import padded_units, trainable_params, user_sum_loss
+from dpscale.privacy.clipping.per_example import padded_units, trainable_params, user_sum_loss
 
 
 def _timed(run) -> float:

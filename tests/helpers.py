@@ -16,9 +16,9 @@ import pytest
 
 from dpscale.cli import main
 from dpscale.config import Config, load_config
-from dpscale.privacy.make_plan import make_dp_plan
-from dpscale.privacy.numbers import PrivacyNumbers
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.plan.make_plan import make_dp_plan
+from dpscale.privacy.plan.numbers import PrivacyNumbers
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.train.distributed import launch_command
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from torch import nn
 import dpscale
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
-from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction
+from dpscale.privacy.clipping.reference import float64_reference
 from dpscale.rng import DPRandom
 from dpscale.train.plan_config import dp_numbers
 

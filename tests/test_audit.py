@@ -17,7 +17,7 @@ from dpscale.audit.run import AuditFault, run_audit, verdict_for
 from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
-from dpscale.privacy.audit_bound import (
+from dpscale.privacy.accounting.audit_bound import (
     audit_ceiling,
     audit_p_value,
     best_guesses,
@@ -25,7 +25,7 @@ from dpscale.privacy.audit_bound import (
     epsilon_lower_bound,
     score_guesses,
 )
-from dpscale.privacy.per_example import VmapEngine, trainable_params
+from dpscale.privacy.clipping.per_example import VmapEngine, trainable_params
 
 # Values from the paper's Appendix D algorithm (p_value_DP_audit / get_eps_audit, run as
 # published with scipy 1.17 at p = 0.05): (m, r, v) -> (epsilon at delta 0, at delta 1e-5).
@@ -100,7 +100,7 @@ def test_guess_counting_and_union_bound():
 
 
 def test_canary_engine_adds_exactly_c_for_included_and_nothing_for_excluded():
-    from dpscale.privacy.clipping import clip_margin
+    from dpscale.privacy.clipping.bounds import clip_margin
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
@@ -128,7 +128,7 @@ def test_canary_engine_adds_exactly_c_for_included_and_nothing_for_excluded():
 def _loose_clipping(monkeypatch, scale):
     """A clipping bug inside the engines: their clip rule (patched where vmap, bk and ghost call it:
     ``per_example.clip_units``) lets ``scale`` * C through, while every engine still reports C."""
-    from dpscale.privacy import per_example
+    from dpscale.privacy.clipping import per_example
 
     exact = per_example.clip_factors
 
@@ -144,8 +144,8 @@ def _loose_clipping(monkeypatch, scale):
 def test_gradient_canaries_are_clipped_by_the_engine_itself(monkeypatch, name, views, scale):
     # A canary's released contribution is whatever the engine's own norm, clip and sum make of it:
     # C from an honest engine, 10 C from one whose clipping lets 10 C through.
-    from dpscale.privacy.clipping import clip_margin
-    from dpscale.privacy.engines import make_engine
+    from dpscale.privacy.clipping.bounds import clip_margin
+    from dpscale.privacy.clipping.engines import make_engine
 
     if scale != 1:
         _loose_clipping(monkeypatch, scale)
@@ -200,8 +200,8 @@ def test_gradient_canaries_stay_finite_in_16_bits(name, precision):
     # fp16 with loss scale S: the canary's norm is lowered so that S M stays finite (an overflowing
     # canary would contribute zero, as if absent); it still gets exactly C
     from dpscale.audit.canaries import dirac_norm
-    from dpscale.privacy.engines import make_engine
-    from dpscale.privacy.precision import make_precision
+    from dpscale.privacy.clipping.engines import make_engine
+    from dpscale.privacy.clipping.precision import make_precision
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4))
@@ -340,7 +340,7 @@ def test_the_canary_engine_takes_a_fixed_shape_chunk_as_the_unpadded_one(kind):
     again, so the padding neither trains nor counts (the review found 52-60 examples counted where
     3-58 were real)."""
     from dpscale.privacy import make_engine
-    from dpscale.privacy.per_example import pad_chunk
+    from dpscale.privacy.clipping.per_example import pad_chunk
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3)).double()

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from dpscale.models import build_model, default_input_shape
-from dpscale.privacy.engines import make_engine, supported_engines
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import make_engine, supported_engines
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import float64_reference
 from zoo import assert_matches_float64, SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
 
 

@@ -17,8 +17,8 @@ from torch import nn
 import dpscale
 from dpscale.clip_norms import MIN_CLIP_GAMMA
 from dpscale.errors import ConfigError
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.clipping.reference import float64_reference
 from helpers import one_line_error, plan_of
 
 ENGINES = ["vmap", "bk", "ghost"]

@@ -13,10 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.privacy import autotune, make_engine
-from dpscale.privacy.autotune import Candidate, MethodTuner
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import per_example_reference
+from dpscale.privacy import make_engine
+
+from dpscale.privacy.clipping import autotune
+from dpscale.privacy.clipping.autotune import Candidate, MethodTuner
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import per_example_reference
 
 
 class _Forced(MethodTuner):
@@ -457,7 +459,7 @@ def test_every_method_on_the_zoo_equals_the_float64_loop(name, method):
     from zoo import assert_matches_float64
     from zoo import build_zoo_model
 
-    from dpscale.privacy.reference import float64_reference
+    from dpscale.privacy.clipping.reference import float64_reference
 
     torch.manual_seed(0)
     model, shape = build_zoo_model(name)
@@ -483,7 +485,7 @@ def test_a_huge_example_stays_within_c_whatever_the_method(method):
     got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
     from zoo import assert_matches_float64
 
-    from dpscale.privacy.reference import float64_reference
+    from dpscale.privacy.clipping.reference import float64_reference
 
     assert tuner.used and bool(torch.isfinite(norms).all())  # the overflow stays in the forward pass (tanh saturates)
     assert_matches_float64(got, norms, float64_reference(model, (x, y), 0.3), f"bk-{method}")
@@ -498,7 +500,7 @@ def test_strided_patches_equal_f_unfold_bit_for_bit(layout):
 
     import torch.nn.functional as F
 
-    from dpscale.privacy.ghost_conv import channels_last_patches, unfold_patches
+    from dpscale.privacy.clipping.ghost.conv import channels_last_patches, unfold_patches
 
     torch.manual_seed(0)
     base = torch.randn(3, 5, 11, 9)

@@ -12,9 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.privacy import autotune, make_engine
-from dpscale.privacy.autotune import Candidate, MethodTuner
-from dpscale.privacy.per_example import trainable_params
+from dpscale.privacy import make_engine
+
+from dpscale.privacy.clipping import autotune
+from dpscale.privacy.clipping.autotune import Candidate, MethodTuner
+from dpscale.privacy.clipping.per_example import trainable_params
 
 CPU = torch.device("cpu")
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from dpscale.privacy import bandmf, bandmf_math
-from dpscale.privacy.banded_noise import BandedNoise
-from dpscale.privacy.bandmf import optimize_strategy
-from dpscale.privacy.bandmf_math import (
+from dpscale.privacy.noise import bandmf, bandmf_math
+from dpscale.privacy.noise.banded import BandedNoise
+from dpscale.privacy.noise.bandmf import optimize_strategy
+from dpscale.privacy.noise.bandmf_math import (
     Workload,
     inverse_column,
     normalize,

@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dpscale.models import build_model
-from dpscale.privacy.banded_noise import BandedNoise
-from dpscale.privacy.bandmf import Workload, optimize_strategy
-from dpscale.privacy.engines import make_engine
+from dpscale.privacy.noise.banded import BandedNoise
+from dpscale.privacy.noise.bandmf import optimize_strategy
+from dpscale.privacy.workload import Workload
+from dpscale.privacy.clipping.engines import make_engine
 from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks

@@ -22,14 +22,15 @@ from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
-from dpscale.privacy.bandmf_math import Workload, strategy_matrix
-from dpscale.privacy.correlated import BandsRequest, choose_bands
-from dpscale.privacy.noise import draw_noise
-from dpscale.privacy.make_plan import make_dp_plan
+from dpscale.privacy.noise.bandmf_math import strategy_matrix
+from dpscale.privacy.workload import Workload
+from dpscale.privacy.noise.correlated import BandsRequest, choose_bands
+from dpscale.privacy.noise.gaussian import draw_noise
+from dpscale.privacy.plan.make_plan import make_dp_plan
 from dpscale.rng import DPRandom
 from dpscale.train.seeds import run_seeds
 from dpscale.train.private import make_private
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 
 SIGMA, CLIP, N, B, DELTA = 1.3, 0.5, 60, 10.0, 1e-5
 

@@ -15,20 +15,20 @@ import torch
 from scipy.optimize import brentq
 from scipy.stats import binom, chisquare, norm
 
-from dpscale.data.sampling import FixedSizeSampler, PoissonSampler, make_sampler
+from dpscale.privacy.sampling.samplers import FixedSizeSampler, PoissonSampler, make_sampler
 from dpscale.errors import ConfigError
-from dpscale.privacy.accountant import (
+from dpscale.privacy.accounting.accountant import (
     PrivacyAccountant,
     compute_epsilon,
     data_norm_release,
     history_accountant,
     truncated_poisson_epsilon,
 )
-from dpscale.privacy.batch_sampling import BatchSampling
-from dpscale.privacy.calibrate import calibrate_noise_multiplier
-from dpscale.privacy.make_plan import make_dp_plan
+from dpscale.privacy.accounting.batch_sampling import BatchSampling
+from dpscale.privacy.accounting.calibrate import calibrate_noise_multiplier
+from dpscale.privacy.plan.make_plan import make_dp_plan
 from dpscale.rng import DPRandom
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 from helpers import plan_of
 
 N, B, SIGMA, STEPS, DELTA = 60000, 256, 1.1, 2000, 1e-5
@@ -185,7 +185,7 @@ def test_over_several_processes_the_ranks_parts_are_one_whole_draw(mode, cap):
     parts are disjoint and add up to the one-process draw of that stream, step after step."""
     ranks = [make_sampler(mode, 100, 10, DPRandom(r), rank=r, world_size=3, partition_seed=42, start_step=5,
                           max_batch_size=cap) for r in range(3)]  # fmt: skip
-    from dpscale.data.sampling import SHARED_DRAW_KEY
+    from dpscale.privacy.sampling.samplers import SHARED_DRAW_KEY
     from dpscale.rng import derive_seed
 
     whole = make_sampler(mode, 100, 10, DPRandom(derive_seed(42, (SHARED_DRAW_KEY, 3, 5))), max_batch_size=cap)
@@ -211,8 +211,8 @@ def test_plans_use_the_accountant_that_composes_their_sampler():
 def test_auto_cap_searches_at_the_sigma_calibrated_for_one_percent_below_the_target(monkeypatch):
     """The default suite's stand-in for the slow test below: the cap search (faked) is asked at the
     uncapped sigma of target / 1.01, and the plan runs with the cap it returns, within the budget."""
-    from dpscale.privacy import sampling_plan
-    from dpscale.privacy.accountant import TruncatedPoissonResult
+    from dpscale.privacy.plan import sampling_plan
+    from dpscale.privacy.accounting.accountant import TruncatedPoissonResult
 
     asked = []
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dpscale.models import build_model
-from dpscale.privacy.ghost import GhostEngine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import per_example_reference
+from dpscale.privacy.clipping.ghost.engine import GhostEngine
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import per_example_reference
 
 
 def _cases() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
@@ -72,7 +72,7 @@ class _ReusingEngine:
     replaying a CUDA graph into fixed outputs would); its other attributes the vmap engine's."""
 
     def __init__(self) -> None:
-        from dpscale.privacy.per_example import VmapEngine
+        from dpscale.privacy.clipping.per_example import VmapEngine
 
         self.inner, self.buffers = VmapEngine(0.1), {}
 
@@ -91,7 +91,7 @@ def test_the_step_never_writes_an_engines_tensors(noise_std):
     """noisy_clipped_mean adds chunks, noise and the division out of place (issue 63's review: taking
     the first chunk's sums as the total and adding in place counted a buffer-reusing engine's second
     chunk twice, 2.4 C over in one step)."""
-    from dpscale.privacy.per_example import VmapEngine
+    from dpscale.privacy.clipping.per_example import VmapEngine
     from dpscale.rng import DPRandom
     from dpscale.train import noisy_clipped_mean
 

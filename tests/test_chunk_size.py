@@ -15,7 +15,7 @@ from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.models import build_model
-from dpscale.privacy.engines import make_engine
+from dpscale.privacy.clipping.engines import make_engine
 from dpscale.train import build as build_module
 from dpscale.train import chunk_size
 from dpscale.train.chunk_search import choose_units

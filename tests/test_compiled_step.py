@@ -18,11 +18,11 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import dpscale
-from dpscale.privacy.compiled import CompiledEngine, check_compilable
-from dpscale.privacy.engines import make_engine, supported_engines
-from dpscale.privacy.per_example import padded_units, trainable_params, user_engine_options
-from dpscale.privacy.precision import FP32, make_precision
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.compiled import CompiledEngine, check_compilable
+from dpscale.privacy.clipping.engines import make_engine, supported_engines
+from dpscale.privacy.clipping.per_example import padded_units, trainable_params, user_engine_options
+from dpscale.privacy.clipping.precision import FP32, make_precision
+from dpscale.privacy.clipping.reference import float64_reference
 from helpers import one_line_error, tiny_config
 from zoo import assert_matches_float64, build_zoo_model, zoo_cases
 

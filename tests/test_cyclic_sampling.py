@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dpscale.data.sampling import PARTITION, CyclicPoissonSampler, PoissonSampler, make_sampler, partition_groups
+from dpscale.privacy.sampling.samplers import PARTITION, CyclicPoissonSampler, PoissonSampler, make_sampler, partition_groups
 from dpscale.rng import DPRandom
 
 P_MIN = 1e-4  # p-value below which a goodness-of-fit test fails

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dpscale.data.sampling import PoissonSampler
+from dpscale.privacy.sampling.samplers import PoissonSampler
 from dpscale.models import build_model
-from dpscale.privacy.engines import make_engine
+from dpscale.privacy.clipping.engines import make_engine
 from dpscale.rng import DPRandom
 from dpscale.train.distributed import Distributed, launch_command, rank_stream_seed
 from dpscale.train.step import apply_gradient, noisy_clipped_mean, physical_chunks

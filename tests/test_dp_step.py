@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
+from dpscale.privacy.sampling.samplers import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.models import build_model
 from dpscale.privacy import VmapEngine, add_gaussian_noise, clip_factors
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import float64_reference
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 
@@ -81,7 +81,7 @@ def test_every_clipped_per_example_gradient_has_norm_at_most_c(c, scale, seed):
 
 
 def test_clip_factors():
-    from dpscale.privacy.clipping import clip_margin
+    from dpscale.privacy.clipping.bounds import clip_margin
 
     norms = torch.tensor([0.0, 0.5, 1.0, 4.0], dtype=torch.float64)
     aim = 1 - clip_margin(torch.float64)  # float64 arithmetic: a margin of 1.2e-10
@@ -261,7 +261,7 @@ def test_make_sampler_validates():
 def test_batch_mixing_layers_are_rejected_with_a_clear_error():
     from torch import nn
 
-    from dpscale.privacy.per_example import check_per_example_compatible
+    from dpscale.privacy.clipping.per_example import check_per_example_compatible
 
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
     with pytest.raises(ValueError, match="BatchNorm2d.*GroupNorm"):

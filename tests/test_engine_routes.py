@@ -12,9 +12,9 @@ from torch import nn
 
 from dpscale.layers import ClassTokenPositionEmbedding
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.precision import make_precision
-from dpscale.privacy.self_check import checked_engine, self_check
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.precision import make_precision
+from dpscale.privacy.clipping.self_check import checked_engine, self_check
 from zoo import CancellingTokens, naive_clipped_sum
 
 ENGINES = ("auto", "bk", "ghost", "vmap")
@@ -411,7 +411,7 @@ def test_a_parameter_unfrozen_later_is_checked_on_its_first_pass():
 
 
 def test_the_route_check_runs_once_per_mode_and_parameter_set(monkeypatch):
-    from dpscale.privacy import ghost
+    from dpscale.privacy.clipping.ghost import engine as ghost
 
     calls = []
     original = ghost.unseen_routes

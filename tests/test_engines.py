@@ -10,9 +10,9 @@ from torch import nn
 
 from dpscale.models import count_parameters
 from dpscale.privacy import GhostEngine, VmapEngine, make_engine, unsupported_modules
-from dpscale.privacy.engines import supported_engines
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import supported_engines
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import float64_reference
 from dpscale.rng import DPRandom
 from dpscale.train.step import noisy_clipped_mean, physical_chunks
 from zoo import build_zoo_model, engines_besides_auto, zoo_cases

@@ -26,9 +26,9 @@ from scipy import fft as scipy_fft
 from dp_accounting.pld import privacy_loss_mechanism
 
 from dpscale.cli import main
-from dpscale.privacy import accountant as accountant_module
+from dpscale.privacy.accounting import accountant as accountant_module
 from dpscale.privacy import calibrate_noise_multiplier, compute_epsilon
-from dpscale.privacy.accountant import (
+from dpscale.privacy.accounting.accountant import (
     PLD_MAX_COMPOSED_POINTS,
     PLD_MAX_STEP_POINTS,
     PLD_VALUE_DISCRETIZATION,

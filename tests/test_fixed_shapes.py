@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import dpscale
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import PaddedChunk, pad_chunk, trainable_params
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.clipping.per_example import PaddedChunk, pad_chunk, trainable_params
 from dpscale.train import step as step_module
 from dpscale.train.step import pad_rows_for
 

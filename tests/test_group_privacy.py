@@ -1,7 +1,7 @@
 """Group privacy and the privacy unit (issue 43, item 5): ``dpscale account --group-size K`` and
 ``--unit user --examples-per-user K``.
 
-Golden values, computed independently of ``dpscale.privacy.group_privacy``:
+Golden values, computed independently of ``dpscale.privacy.accounting.group_privacy``:
   * the group bound of an (eps, delta)-DP run for k examples is (k eps, delta sum_{i<k} e^(i eps)),
     the chaining of (eps, delta)-DP over k neighbours (Dwork & Roth 2014 Thm 2.2; Vadhan 2017
     Lemma 2.2 states the looser k e^(k eps) delta). ``_chained_delta`` below sums it term by term.
@@ -25,7 +25,7 @@ from scipy.stats import norm
 
 from dpscale.cli import main
 from dpscale.privacy import compute_epsilon
-from dpscale.privacy.group_privacy import (
+from dpscale.privacy.accounting.group_privacy import (
     best_group_bound,
     direct_group_bound,
     group_delta,
@@ -33,7 +33,7 @@ from dpscale.privacy.group_privacy import (
     meaning,
     unit_text,
 )
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 
 FMNIST = ["account", "--dataset-size", "50000", "--batch-size", "2048", "--steps", "977", "--noise", "1.9578"]
 FMNIST_Q, FMNIST_SIGMA, FMNIST_STEPS = 2048 / 50000, 1.9578, 977
@@ -151,7 +151,7 @@ def test_a_group_of_one_is_the_run_itself():
 
 
 def test_meaning_is_dpplans_sentence_word_for_word_for_one_image():
-    from dpscale.privacy.make_plan import make_dp_plan
+    from dpscale.privacy.plan.make_plan import make_dp_plan
 
     plan = make_dp_plan(PrivacyNumbers(batch_size=100, max_grad_norm=1.0, delta=1e-5, noise_multiplier=2.0, accountant="rdp"), dataset_size=10000, steps=500)  # fmt: skip
     assert plan.meaning() == meaning(epsilon=plan.epsilon, delta=plan.delta, unit_words=unit_text("example"))

@@ -4,7 +4,7 @@ ones (train, tune, cli). Found by parsing the sources, so nothing is imported to
 
 import ast
 from pathlib import Path
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LOWER = (
@@ -133,7 +133,7 @@ def test_the_checker_sees_circles_and_upward_imports():
     # the checks above would pass on an empty graph: show they find what they look for
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
-    assert "dpscale.privacy.ghost" in graph["dpscale.privacy.engines"]  # local and module-level imports
+    assert "dpscale.privacy.clipping.ghost.engine" in graph["dpscale.privacy.clipping.engines"]  # local and module-level imports
     assert "dpscale.train.loop" in graph["dpscale.train.run"]  # a function-level import is seen
 
 
@@ -179,7 +179,7 @@ def test_the_privacy_core_does_not_depend_on_the_config():
 
 def test_the_plan_from_plain_numbers_equals_the_plan_from_a_config():
     from dpscale.config import DPConfig
-    from dpscale.privacy.make_plan import make_dp_plan
+    from dpscale.privacy.plan.make_plan import make_dp_plan
     from dpscale.train.plan_config import plan_from_config
 
     dp = DPConfig(epsilon=2.0, delta=1e-5, batch_size=256, max_grad_norm=0.7, accountant="rdp", simulated_batch_size=128)
@@ -320,3 +320,54 @@ def test_no_import_cycle_among_the_modules_type_only_imports_included():
 
     cycles = [c for name in sorted(graph) if name not in state and (c := cycle_from(name, []))]
     assert cycles == []
+
+
+PRIVACY_ROOMS = ("accounting", "sampling", "noise", "clipping", "plan")  # lowest first, as privacy/__init__ says
+
+
+def _privacy_room(module: str) -> int | None:
+    """The rank of ``module``'s room in privacy/ (-1: the shared options and wording at its top level;
+    None: outside privacy/ or the package itself)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["dpscale", "privacy"]:
+        return None
+    return PRIVACY_ROOMS.index(parts[2]) if parts[2] in PRIVACY_ROOMS else -1
+
+
+def test_each_privacy_room_imports_only_the_rooms_below_it_type_only_imports_included():
+    from dpscale.privacy import ROOMS
+
+    assert ROOMS == PRIVACY_ROOMS
+    paths = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p for p in SRC.rglob("*.py")}
+    top_level = {name: _module_imports(path, set(paths)) for name, path in paths.items()}
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        for target in sorted(targets | top_level.get(module, set()))
+        if (rank := _privacy_room(module)) is not None and (to := _privacy_room(target)) is not None and to > rank
+    ]  # fmt: skip
+    assert upward == []
+    assert _privacy_room("dpscale.privacy.plan.make_plan") > _privacy_room("dpscale.privacy.accounting.tan") > _privacy_room("dpscale.privacy.options")  # fmt: skip
+
+
+def test_privacy_has_its_rooms_and_at_most_8_modules_at_its_top_level():
+    privacy = SRC / "dpscale" / "privacy"
+    assert sorted(p.name for p in privacy.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(PRIVACY_ROOMS)
+    assert len(list(privacy.glob("*.py"))) <= 8
+
+
+def test_accounting_and_the_plan_load_without_torch():
+    """``dpscale account`` and the plan's checks stay torch-free: every module of both rooms imported
+    in a fresh interpreter leaves torch unloaded."""
+    import subprocess
+    import sys
+
+    names = sorted(
+        ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        for room in ("accounting", "plan")
+        for p in (SRC / "dpscale" / "privacy" / room).rglob("*.py")
+    )
+    assert len(names) > 10
+    code = f"import importlib, sys\nfor n in {names!r}: importlib.import_module(n)\nassert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+

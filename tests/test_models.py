@@ -426,8 +426,8 @@ def test_scatter_cnn_linear_skip_adds_a_linear_map_of_the_features_to_the_logits
 
 
 def test_scatter_cnn_linear_skip_is_clipped_exactly_by_bk():
-    from dpscale.privacy.engines import make_engine
-    from dpscale.privacy.reference import float64_reference
+    from dpscale.privacy.clipping.engines import make_engine
+    from dpscale.privacy.clipping.reference import float64_reference
 
     torch.manual_seed(0)
     model = build_model("scatter-cnn", 10, (81, 8, 8), "tanh", linear_skip=True).double()

@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import per_example_reference
-from dpscale.privacy.self_check import checked_engine
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import per_example_reference
+from dpscale.privacy.clipping.self_check import checked_engine
 
 B, C = 4, 0.7
 

@@ -22,8 +22,8 @@ from dpscale.errors import ConfigError
 from dpscale.layers import LoRADownConv2d, LoRADownLinear
 from dpscale.models import build_model
 from dpscale.models.peft import LoRAConv2d, LoRALinear, apply_peft, merge_lora
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.clipping.reference import float64_reference
 
 METHODS = ["lora", "bitfit", "last_groups"]
 

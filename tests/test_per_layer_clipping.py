@@ -19,11 +19,11 @@ from torch import nn
 import dpscale
 from dpscale.cli import main
 from dpscale.errors import ConfigError
-from dpscale.privacy.clipping import clip_sensitivity, resolve_clip_groups
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.make_plan import check_plan_matches, make_dp_plan
-from dpscale.privacy.reference import float64_reference
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.clipping.bounds import clip_sensitivity, resolve_clip_groups
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.plan.make_plan import check_plan_matches, make_dp_plan
+from dpscale.privacy.clipping.reference import float64_reference
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 
 PER_LAYER = {"0.*": 0.05, "3.weight": 0.02, "*": 0.1}  # conv, last weight, the rest (the last bias)
 

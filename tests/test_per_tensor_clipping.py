@@ -26,11 +26,11 @@ from torch import nn
 import dpscale
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
-from dpscale.privacy import ghost_rules
-from dpscale.privacy.clipping import clip_bounds
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.precision import make_precision
+from dpscale.privacy.clipping.ghost import rules as ghost_rules
+from dpscale.privacy.clipping.bounds import clip_bounds
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.precision import make_precision
 from dpscale.train.loop import Trainer
 
 PATTERNS = {"conv*": 0.5, "fc*": 1.0}  # the report's translation

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.privacy import ghost_conv, make_engine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.reference import per_example_reference
+from dpscale.privacy import make_engine
+
+from dpscale.privacy.clipping.ghost import conv as ghost_conv
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.reference import per_example_reference
 
 
 class _Record:

@@ -7,7 +7,7 @@ import pytest
 
 from dpscale.config import load_config, plan_labels
 from dpscale.features.extract import _source_caveats
-from dpscale.privacy.plan import (
+from dpscale.privacy.plan.dp_plan import (
     ENGINE_UNCHECKED_CAVEAT,
     PLAN_LABELS,
     SEEDED_CAVEAT,
@@ -53,8 +53,8 @@ def test_the_privacy_numbers_are_one_frozen_keyword_only_vocabulary_the_plan_sha
     PrivacyNumbers, under the plan's own names (the config's dp.epsilon is its target_epsilon)."""
     import dataclasses
 
-    from dpscale.privacy.numbers import PrivacyNumbers
-    from dpscale.privacy.plan import DPPlan
+    from dpscale.privacy.plan.numbers import PrivacyNumbers
+    from dpscale.privacy.plan.dp_plan import DPPlan
     from dpscale.train.plan_config import dp_numbers
 
     with pytest.raises(TypeError):

@@ -7,10 +7,10 @@ import pytest
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpscale.privacy import pld_epsilon
-from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.pld_epsilon import pld_epsilons
-from dpscale.privacy.pld_gaussian import gaussian_pld
+from dpscale.privacy.accounting import pld_epsilon
+from dpscale.privacy.accounting.accountant import PrivacyAccountant
+from dpscale.privacy.accounting.pld_epsilon import pld_epsilons
+from dpscale.privacy.accounting.pld_gaussian import gaussian_pld
 
 DELTAS = [0.0, 1e-300, 1e-12, 1e-9, 1e-6, 1e-5, 3e-5, 1e-3, 0.01, 0.1, 0.15, 0.4, 0.5, 0.7, 0.9, 1.0]
 
@@ -75,7 +75,7 @@ def test_a_sparse_pmf_is_left_to_the_library():
 def test_the_accountant_reports_the_librarys_numbers():
     """epsilon and the epsilon-delta curve of a composed history, against the library's walk of
     the same PLD (the PLD built once, so only the epsilon search is compared)."""
-    from dpscale.privacy.accountant import _composed_pld
+    from dpscale.privacy.accounting.accountant import _composed_pld
 
     accountant = PrivacyAccountant(kind="pld")
     accountant.step(sample_rate=0.01, noise_multiplier=0.9, num_steps=300)

@@ -1,4 +1,4 @@
-"""The vectorised Gaussian PLD (``dpscale.privacy.pld_gaussian``) is dp_accounting's, bit for bit:
+"""The vectorised Gaussian PLD (``dpscale.privacy.accounting.pld_gaussian``) is dp_accounting's, bit for bit:
 every probability, the lower loss and the infinity mass of both sides equal
 ``from_gaussian_mechanism``'s over a grid of noise, sampling rates and grids, and delta(epsilon)
 equals the library's at the awkward epsilons (the subsampled range's edge and one ulp either
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
-from dpscale.privacy import pld_gaussian
-from dpscale.privacy.pld_gaussian import gaussian_pld, truncated_gaussian_pld
+from dpscale.privacy.accounting import pld_gaussian
+from dpscale.privacy.accounting.pld_gaussian import gaussian_pld, truncated_gaussian_pld
 
 ADD, REMOVE = privacy_loss_mechanism.AdjacencyType.ADD, privacy_loss_mechanism.AdjacencyType.REMOVE
 REPLACE = privacy_loss_mechanism.AdjacencyType.REPLACE

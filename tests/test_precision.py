@@ -12,11 +12,11 @@ from torch import nn
 import dpscale
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
-from dpscale.privacy.engines import make_engine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.precision import Precision, make_precision
-from dpscale.privacy.reference import float64_reference
-from dpscale.privacy.self_check import checked_engine
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.precision import Precision, make_precision
+from dpscale.privacy.clipping.reference import float64_reference
+from dpscale.privacy.clipping.self_check import checked_engine
 from dpscale.train import Trainer
 from helpers import short_config
 from zoo import CancellingTokens
@@ -221,7 +221,7 @@ def test_gram_norms_never_underestimate_when_tokens_cancel(engine, precision):
 
 
 def test_squared_norms_of_large_per_example_gradients_are_accurate():
-    from dpscale.privacy.clipping import blocked_sq_norms
+    from dpscale.privacy.clipping.bounds import blocked_sq_norms
 
     t = torch.randn(3, 2_100_000, generator=torch.Generator().manual_seed(0))
     exact = t.double().square().sum(1)
@@ -296,7 +296,7 @@ def test_an_overflowing_example_contributes_zero_through_make_private_and_is_cou
     of the others plus the noise (was NaN in fp32/tf32: membership visible), and the step counts it.
     It arrives at the second step (the first sampled batch is the one make_private checks)."""
     import dpscale
-    from dpscale.privacy.noise import draw_noise
+    from dpscale.privacy.noise.gaussian import draw_noise
 
     torch.manual_seed(8)
     model, (x, y) = SmallConvNet(), _data(12, seed=8)

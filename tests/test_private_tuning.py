@@ -14,8 +14,8 @@ from dp_accounting import dp_event
 
 from dpscale.cli import main
 from dpscale.features.extract import read_source_run
-from dpscale.privacy.accountant import AccountingSegment, compute_epsilon
-from dpscale.privacy.tuning import (
+from dpscale.privacy.accounting.accountant import AccountingSegment, compute_epsilon
+from dpscale.privacy.accounting.tuning import (
     TuningDistribution,
     parse_tuning_distribution,
     repeat_and_select,

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
-from dpscale.privacy.batch_sampling import BatchSampling
-from dpscale.privacy.rdp_composed import composed_rdp
+from dpscale.privacy.accounting.accountant import AccountingSegment, PrivacyAccountant
+from dpscale.privacy.accounting.batch_sampling import BatchSampling
+from dpscale.privacy.accounting.rdp_composed import composed_rdp
 
 ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import dpscale
-from dpscale.privacy.engines import ENGINE_NAMES, make_engine, supported_engines
-from dpscale.privacy.per_example import check_per_example_compatible, trainable_params
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import ENGINE_NAMES, make_engine, supported_engines
+from dpscale.privacy.clipping.per_example import check_per_example_compatible, trainable_params
+from dpscale.privacy.clipping.reference import float64_reference
 
 FEATURES, HIDDEN, CLASSES, STEPS, VOCAB = 4, 5, 3, 6, 11
 CLIP = 0.5

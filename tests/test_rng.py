@@ -17,9 +17,9 @@ import torch
 from scipy import stats
 
 from dpscale._io import load_checkpoint, save_torch_file
-from dpscale.data.sampling import PoissonSampler, ShuffleSampler, make_sampler
+from dpscale.privacy.sampling.samplers import PoissonSampler, ShuffleSampler, make_sampler
 from dpscale.features.normalize import private_channel_mean
-from dpscale.privacy.noise import add_gaussian_noise
+from dpscale.privacy.noise.gaussian import add_gaussian_noise
 from dpscale.rng import DPRandom, derive_seed, is_dprandom_state, words_to_int
 from dpscale.train.distributed import rank_stream_seed
 from dpscale.train.loop import Trainer

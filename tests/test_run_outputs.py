@@ -74,7 +74,7 @@ def test_dpscale_plot_writes_valid_pngs_of_overlaid_runs(run_dir, tmp_path):
 def test_the_tradeoff_curve_is_the_summarys_odds(run_dir, monkeypatch):
     """tradeoff.png draws, at the reported false-positive rates, exactly summary.json's TPR bounds."""
     from dpscale import plots
-    from dpscale.privacy import tradeoff
+    from dpscale.privacy.accounting import tradeoff
 
     drawn = {}
     real = tradeoff.tpr_at_fpr

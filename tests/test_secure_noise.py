@@ -13,8 +13,8 @@ from torch import nn
 
 import dpscale
 from dpscale.cli import main
-from dpscale.privacy.noise import add_gaussian_noise
-from dpscale.privacy.plan import SEEDED_SECURE_NOISE_CAVEAT
+from dpscale.privacy.noise.gaussian import add_gaussian_noise
+from dpscale.privacy.plan.dp_plan import SEEDED_SECURE_NOISE_CAVEAT
 from dpscale.rng import SECURE_SOURCE, DPRandom, SecureRandom
 
 

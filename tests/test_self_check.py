@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dpscale.models import build_model
-from dpscale.privacy import GhostEngine, VmapEngine, ghost_rules, make_engine
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.self_check import checked_engine, self_check
+from dpscale.privacy import GhostEngine, VmapEngine, make_engine
+from dpscale.privacy.clipping.ghost import rules as ghost_rules
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.self_check import checked_engine, self_check
 from zoo import naive_clipped_sum, SMALL_INPUT, build_zoo_model, zoo_cases
 
 
@@ -184,7 +185,7 @@ def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
 
 
 def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, capsys):
-    from dpscale.privacy.plan import ENGINE_UNCHECKED_CAVEAT
+    from dpscale.privacy.plan.dp_plan import ENGINE_UNCHECKED_CAVEAT
     from dpscale.train import Trainer
     from helpers import small_config
 
@@ -207,7 +208,7 @@ def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeyp
     from dpscale.train import Trainer
     from helpers import small_config
 
-    from dpscale.privacy import ghost
+    from dpscale.privacy.clipping.ghost import engine as ghost
 
     add_deferred = ghost.add_deferred_norms
 

@@ -173,7 +173,7 @@ def test_corrupt_images_are_an_error_naming_the_file(folder, tmp_path):
 
 
 def test_a_file_that_breaks_during_training_stops_the_stream_naming_it(folder, tmp_path):
-    from dpscale.data.sampling import PoissonSampler
+    from dpscale.privacy.sampling.samplers import PoissonSampler
     from dpscale.data.stream import StreamFeed, open_stream
     from dpscale.rng import DPRandom
 

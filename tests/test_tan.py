@@ -11,7 +11,7 @@ from dpscale.config import DPConfig
 from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
 from dpscale.train.plan_config import plan_from_config
-from dpscale.privacy.tan import (
+from dpscale.privacy.accounting.tan import (
     eps_tan,
     eps_tan_from_eta,
     eta_for_eps_tan,

@@ -16,7 +16,7 @@ from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.data import load_dataset
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.train.loop import Trainer
 
 # Cheap: a small CNN, 3 steps (only the Mean-Var seed run trains), no engine self-check (a label, not

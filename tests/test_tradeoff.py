@@ -13,9 +13,9 @@ import pytest
 from scipy.stats import norm
 
 from dpscale.cli import main
-from dpscale.privacy import accountant as accounting
-from dpscale.privacy.accountant import PrivacyAccountant, gaussian_release
-from dpscale.privacy.tradeoff import EPSILON_GRID, attacker_odds, gdp_mu, tpr_at_fpr
+from dpscale.privacy.accounting import accountant as accounting
+from dpscale.privacy.accounting.accountant import PrivacyAccountant, gaussian_release
+from dpscale.privacy.accounting.tradeoff import EPSILON_GRID, attacker_odds, gdp_mu, tpr_at_fpr
 
 FPRS = (0.001, 0.01, 0.05, 0.1, 0.3)
 
@@ -111,8 +111,8 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     assert summary["adjacency"] == ("add/remove" if sampling == "poisson" else "replace-one")
     assert (f"{sampling} sampling, replace-one)" in line) == (sampling != "poisson")  # the result line names it
     if sampling == "shuffle":  # its own bound (no amplification), never the Poisson figure, anywhere
-        from dpscale.privacy.accountant import compute_epsilon
-        from dpscale.privacy.batch_sampling import BatchSampling
+        from dpscale.privacy.accounting.accountant import compute_epsilon
+        from dpscale.privacy.accounting.batch_sampling import BatchSampling
 
         plan = trainer.plan
         poisson = compute_epsilon(sample_rate=plan.sample_rate, noise_multiplier=1.0, steps=3, delta=plan.delta)

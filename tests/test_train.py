@@ -442,7 +442,7 @@ class _HostReads(TorchFunctionMode):
 
 @pytest.mark.parametrize("engine", ["bk", "vmap"])
 def test_a_logical_step_reads_no_tensor_on_the_host(tmp_path, engine, monkeypatch):
-    from dpscale.privacy import precision
+    from dpscale.privacy.clipping import precision
 
     monkeypatch.setattr(precision, "SKIP_CLEAN_CHUNKS_ON_CPU", False)  # the accelerator's path (no read)
     trainer = Trainer.create(small_config(tmp_path / engine, f"train.engine={engine}", "augment.multiplicity=2",

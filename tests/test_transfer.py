@@ -64,7 +64,7 @@ def test_init_then_frozen_groups_stay_bit_unchanged_and_out_of_the_clipping(pret
     for name, before in frozen.items():
         assert torch.equal(dict(trainer.model.named_parameters())[name], before), name
     # the clipping norm covers only the trainable (head) parameters: a frozen layer adds nothing
-    from dpscale.privacy.per_example import trainable_params
+    from dpscale.privacy.clipping.per_example import trainable_params
 
     assert set(trainable_params(trainer.model)) == {"head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"}
 
@@ -182,7 +182,7 @@ def test_meanvar_draws_each_layer_with_the_seed_layers_mean_and_variance(private
 def test_meanvar_composes_the_seed_runs_epsilon(private_seed, tmp_path):
     from dataclasses import replace
 
-    from dpscale.privacy.accountant import PrivacyAccountant
+    from dpscale.privacy.accounting.accountant import PrivacyAccountant
 
     trainer = Trainer.create(_meanvar_config(private_seed, tmp_path / "mv"), progress=False)
     summary = trainer.run()

@@ -11,8 +11,8 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpscale.cli import main
-from dpscale.privacy import accountant as accounting
-from dpscale.privacy.accountant import (
+from dpscale.privacy.accounting import accountant as accounting
+from dpscale.privacy.accounting.accountant import (
     TruncatedPoissonResult, data_norm_release, smallest_free_cap, truncated_poisson_epsilon,
 )  # fmt: skip
 
@@ -116,7 +116,7 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
 def test_a_cap_below_n_at_q_one_is_accounted_as_the_truncated_event():
     """B = N with a cap M < N: every batch is a random M-subset. It was accounted as the uncapped
     full-batch Gaussian (7.51 where dp_accounting's truncated event gives 16.0: a review found it)."""
-    from dpscale.privacy.batch_sampling import BatchSampling
+    from dpscale.privacy.accounting.batch_sampling import BatchSampling
 
     mechanism = {"sample_rate": 1.0, "noise_multiplier": 2.0, "steps": 10, "delta": 1e-5, "kind": "pld"}
     ours = accounting.compute_epsilon(**mechanism, batches=BatchSampling("truncated", 1000, 500))
@@ -131,7 +131,7 @@ def test_a_cap_below_n_at_q_one_is_accounted_as_the_truncated_event():
 def test_a_run_with_the_whole_dataset_per_step_and_a_cap_plans_the_truncated_epsilon(tmp_path):
     """The same through a run's plan (dp.batch_size = N = 4000, dp.max_batch_size = 2000)."""
     from dpscale.config import load_config
-    from dpscale.privacy.batch_sampling import BatchSampling
+    from dpscale.privacy.accounting.batch_sampling import BatchSampling
     from dpscale.train.loop import Trainer
 
     sets = ["dp.batch_size=4000", "dp.max_batch_size=2000", "dp.noise_multiplier=2", "dp.epsilon=null", "train.steps=10",
@@ -161,8 +161,8 @@ def test_account_calibrates_under_a_cap_as_a_runs_plan_does(cap, capsys):
     """dpscale account refused --target-epsilon with --max-batch-size while make_private and dpscale
     train calibrated it (the doors disagreed): both now ask make_dp_plan, and the capped epsilon of the
     sigma found is at most the target."""
-    from dpscale.privacy.make_plan import make_dp_plan
-    from dpscale.privacy.numbers import PrivacyNumbers
+    from dpscale.privacy.plan.make_plan import make_dp_plan
+    from dpscale.privacy.plan.numbers import PrivacyNumbers
 
     args = ["account", "--dataset-size", "1000", "--batch-size", "50", "--steps", "20", "--target-epsilon", "3",
             "--max-batch-size", cap, "--json"]  # fmt: skip

@@ -31,7 +31,7 @@ from dpscale import (
     Shuffle,
     TargetEpsilon,
 )
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 
 FLAT = {"dataset_size": 1000, "batch_size": 10, "max_grad_norm": 1.0, "delta": 1e-5, "noise_multiplier": 1.0, "steps": 3}
 TYPED = {
@@ -264,7 +264,7 @@ def test_make_private_leaves_a_scheduler_alone_and_takes_its_rates_from_the_work
     # a review found deriving the rates from the user's scheduler unsafe (tensor rates, OneCycleLR's momentum,
     # custom schedulers, earlier checkpoints' plans): the rates are the user's to give, as BandMF.workload
     from dpscale import BandMF
-    from dpscale.privacy.bandmf_math import Workload
+    from dpscale.privacy.workload import Workload
 
     steps = 12
     model, optimizer = _model_and_optimizer()
@@ -314,8 +314,8 @@ def test_options_that_do_not_go_together_are_refused_in_pythons_words(changes, m
 
 
 def test_the_rules_between_options_are_one_function_every_door_calls():
-    from dpscale.privacy.make_plan import check_compatible
-    from dpscale.privacy.options_flat import privacy_numbers
+    from dpscale.privacy.plan.make_plan import check_compatible
+    from dpscale.privacy.plan.options_flat import privacy_numbers
     from dpscale.privacy.spelling import CONFIG, PYTHON
 
     def numbers(sampling, clipping, accountant):

@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpscale.data.units import UserIndex, UserPoissonSampler
-from dpscale.privacy.clipping import clip_margin
-from dpscale.privacy.reference import per_example_reference
+from dpscale.data.user_ids import UserIndex
+
+from dpscale.privacy.sampling.units import UserPoissonSampler
+from dpscale.privacy.clipping.bounds import clip_margin
+from dpscale.privacy.clipping.reference import per_example_reference
 from dpscale.rng import DPRandom
 
 
@@ -133,7 +135,7 @@ def _user_batch(sizes: list[int], scale: float = 1.0):
 @pytest.mark.parametrize("name", ["vmap", "bk", "ghost"])
 def test_every_engine_refuses_an_unpadded_chunk_of_users_in_one_line(name):
     from dpscale.privacy import make_engine
-    from dpscale.privacy.per_example import trainable_params
+    from dpscale.privacy.clipping.per_example import trainable_params
 
     model = _conv_net()
     x, y, offsets = _user_batch([2, 2])
@@ -161,7 +163,7 @@ def test_every_engine_clips_users_padded_to_k_rows_as_the_float64_per_user_loop(
     """A user's examples as the rows of one AugMult example (views=k), padding rows labelled to
     add nothing: the engines' own rules give per-user norms and clipped sums."""
     from dpscale.privacy import make_engine
-    from dpscale.privacy.per_example import padded_units, trainable_params, user_sum_loss
+    from dpscale.privacy.clipping.per_example import padded_units, trainable_params, user_sum_loss
 
     model = _grouped_net()
     x, y, offsets = _user_batch([3, 1, 4, 2], scale=3.0)
@@ -179,7 +181,7 @@ def test_leave_one_user_out_moves_a_padded_release_by_at_most_c(name):
     """All of one user's images removed (four copies of one outlier): at most C, no tolerance; the
     same images as separate units move the release by 4C (the test has teeth)."""
     from dpscale.privacy import make_engine
-    from dpscale.privacy.per_example import padded_units, trainable_params, user_sum_loss
+    from dpscale.privacy.clipping.per_example import padded_units, trainable_params, user_sum_loss
 
     model, clip = _conv_net(), 0.5
     x, y, offsets = _user_batch([4, 2, 3])
@@ -214,7 +216,7 @@ def test_a_held_out_split_by_users_never_puts_one_user_on_both_sides():
 
 
 def test_users_of_one_example_are_the_chunk_as_it_is():
-    from dpscale.privacy.per_example import padded_units
+    from dpscale.privacy.clipping.per_example import padded_units
 
     x, y, _ = _user_batch([1, 1, 1])
     xs, ys = padded_units((x, y, torch.arange(4)), 1)

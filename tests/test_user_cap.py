@@ -22,7 +22,8 @@ import dpscale
 from dpscale._io import load_checkpoint
 from dpscale.cli import main
 from dpscale.config import load_config
-from dpscale.data.units import UserIndex, UserPoissonSampler
+from dpscale.data.user_ids import UserIndex
+from dpscale.privacy.sampling.units import UserPoissonSampler
 from dpscale.errors import ConfigError
 from dpscale.rng import DPRandom
 from dpscale.train.loop import Trainer

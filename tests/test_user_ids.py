@@ -15,7 +15,7 @@ from torch import nn
 
 import dpscale
 from dpscale.data.formats import DatasetError
-from dpscale.data.units import UserIndex, checked_user_ids, side_user_ids
+from dpscale.data.user_ids import UserIndex, checked_user_ids, side_user_ids
 
 
 def make_private_with(ids) -> dpscale.DPMechanism:

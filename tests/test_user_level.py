@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dpscale
-from dpscale.data.units import user_groups
+from dpscale.privacy.sampling.units import user_groups
 
 C, U = 1.0, 8
 SIZES = [3, 1, 4, 2, 4, 3, 1, 2]  # images per user, all <= k: every drawn user contributes them all
@@ -275,7 +275,7 @@ def test_adaptive_clipping_counts_users():
 # ------------------------------------------------------------------ Data Normalization and centring per user
 @pytest.mark.parametrize("release", ["channel_mean", "feature_mean"])
 def test_per_user_feature_statistics_move_by_at_most_the_clip_when_a_user_leaves(release):
-    from dpscale.data.units import UserIndex
+    from dpscale.data.user_ids import UserIndex
     from dpscale.features.normalize import private_channel_mean, private_feature_mean
     from dpscale.rng import DPRandom
 
@@ -321,8 +321,8 @@ def test_zoo_models_clip_per_user_as_the_float64_per_user_loop(engine, name, sha
     from dpscale.models import build_model
     from dpscale.models.peft import apply_peft
     from dpscale.privacy import make_engine
-    from dpscale.privacy.per_example import trainable_params, user_engine_options, user_rows
-    from dpscale.privacy.reference import per_example_reference
+    from dpscale.privacy.clipping.per_example import trainable_params, user_engine_options, user_rows
+    from dpscale.privacy.clipping.reference import per_example_reference
 
     torch.manual_seed(0)
     model = build_model(name, 4, shape).double()

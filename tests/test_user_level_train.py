@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dpscale.config import load_config
-from dpscale.data.units import user_groups
+from dpscale.privacy.sampling.units import user_groups
 from dpscale.errors import ConfigError
 from dpscale.train.hooks import RunHooks
 from dpscale.train.loop import Trainer

@@ -8,7 +8,7 @@ from torch import nn
 from dpscale.config import load_config
 from dpscale.models import build_model, convert_batchnorm_to_groupnorm, count_parameters, freeze_block_groups, list_models
 from dpscale.models.cnn import parse_simplevgg
-from dpscale.privacy.per_example import check_per_example_compatible
+from dpscale.privacy.clipping.per_example import check_per_example_compatible
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 
@@ -70,7 +70,7 @@ def test_simplevgg_group_norm_and_weight_standardisation_options():
 
 def test_head_weight_standardisation_standardises_each_hidden_row_in_float64():
     from dpscale.layers import ScaledStdLinear
-    from dpscale.privacy.engines import supported_engines
+    from dpscale.privacy.clipping.engines import supported_engines
 
     model = build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), weight_standardization=True, head_weight_standardization=True)
     hidden, logits = model.head[0], model.head[2]

@@ -10,9 +10,9 @@ from torch import nn
 
 from dpscale.models import build_model, default_input_shape, list_models
 from dpscale.privacy import make_engine, unsupported_modules
-from dpscale.privacy.engines import supported_engines
-from dpscale.privacy.per_example import tolerance_for
-from dpscale.privacy.reference import per_example_reference
+from dpscale.privacy.clipping.engines import supported_engines
+from dpscale.privacy.clipping.per_example import tolerance_for
+from dpscale.privacy.clipping.reference import per_example_reference
 
 FLOAT32_RTOL = tolerance_for(torch.float32)
 

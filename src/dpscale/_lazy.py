@@ -21,3 +21,17 @@ def lazy_getattr(package: str, module_of: dict[str, str]) -> Callable[[str], Any
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def lazy_dir(module_of: dict[str, str], submodules: tuple[str, ...] = ()) -> Callable[[], list[str]]:
+    """A package's ``__dir__``: its exported names (imported or not) and its sub-packages.
+
+    Args:
+        module_of: exported name -> submodule name, as given to ``lazy_getattr``.
+        submodules: the sub-packages or modules to list besides the names.
+    """
+
+    def __dir__() -> list[str]:
+        return sorted({*module_of, *submodules})
+
+    return __dir__

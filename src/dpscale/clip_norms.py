@@ -1,5 +1,5 @@
 """The clipping-norm values of a config or ``make_private`` (``dp.max_grad_norm``): one number C,
-or per-layer bounds pattern -> C_g (``dpscale.privacy.clipping`` has what clips with them), and
+or per-layer bounds pattern -> C_g (``dpscale.privacy.clipping.bounds`` has what clips with them), and
 the two forms a bound can take (``max_grad_norm_per``): per group of parameters, or per tensor.
 
 Kept free of torch (like ``dpscale.choices``): the config validates these values, and loading a

@@ -60,7 +60,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def plan_labels(config: Config) -> dict[str, bool]:
-    """The DP plan's labels a config determines (``dpscale.privacy.plan.PLAN_LABELS`` but the
+    """The DP plan's labels a config determines (``dpscale.privacy.plan.dp_plan.PLAN_LABELS`` but the
     source runs, which are checked against their own directories): a fixed seed, the engine's
     self-check off, noise from the OS CSPRNG."""
     return {

@@ -77,13 +77,13 @@ def _validate_dp(dp: DPConfig) -> None:
 
 def dp_options(dp: DPConfig) -> tuple[Sampling, Clipping, Noise]:
     """The dp section's sampling, clipping and noise as ``make_private``'s typed options, through the
-    translation both doors share (``dpscale.privacy.options_flat``), refusals in the config's words.
+    translation both doors share (``dpscale.privacy.plan.options_flat``), refusals in the config's words.
 
     Raises:
         ConfigError: a setting out of range (``dp.clip_quantile must be in (0, 1), got 5.0``), or one of
             a strategy not chosen set to other than its default (dp.clip_quantile with dp.clipping=fixed).
     """
-    from dpscale.privacy.options_flat import (  # local: the config loads without the privacy core
+    from dpscale.privacy.plan.options_flat import (  # local: the config loads without the privacy core
         CLIPPING_SETTINGS, NOISE_SETTINGS, SAMPLING_SETTINGS, clipping_option, noise_option, sampling_option,
     )  # fmt: skip
     from dpscale.privacy.spelling import CONFIG
@@ -137,7 +137,7 @@ def _validate_dp_sampling(dp: DPConfig) -> None:
     """dp.batch_size, sampling and simulated_batch_size (a TAN simulation)."""
     if not (dp.batch_size >= 1 and math.isfinite(dp.batch_size)):
         raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
-    from dpscale.data.sampling import SAMPLING_MODES  # local, as for AUGMENTATIONS: one list, where it is used
+    from dpscale.privacy.sampling.samplers import SAMPLING_MODES  # local, as for AUGMENTATIONS: one list, where it is used
 
     if dp.sampling not in SAMPLING_MODES:
         raise ConfigError(f"dp.sampling must be {_either(SAMPLING_MODES)}, got {dp.sampling!r}")
@@ -155,7 +155,7 @@ def _validate_dp_sampling(dp: DPConfig) -> None:
 def _validate_mechanism(dp: DPConfig) -> None:
     """BandMF with the rest of the dp section (what needs the data, such as b*q <= 1, is checked with the plan)."""
     if dp.mechanism == "bandmf":
-        from dpscale.privacy.correlated import check_bandmf_settings  # local: keep config import-light; one text
+        from dpscale.privacy.noise.correlated import check_bandmf_settings  # local: keep config import-light; one text
 
         check_bandmf_settings(
             sampling=dp.sampling, simulated=dp.simulated_batch_size is not None,
@@ -179,7 +179,7 @@ def _validate_train(train: TrainConfig) -> None:
         raise ConfigError(f"train.memory_budget_mb must be a positive number of MB or null, got {train.memory_budget_mb}")
     if not train.eval_every_epochs > 0:
         raise ConfigError(f"train.eval_every_epochs must be > 0, got {train.eval_every_epochs}")
-    from dpscale.privacy.precision import Precision  # local: keep config import-light
+    from dpscale.privacy.clipping.precision import Precision  # local: keep config import-light
 
     if train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {train.precision!r}")
@@ -204,8 +204,8 @@ def _validate_compile(train: TrainConfig) -> None:
         raise ConfigError(f"train.fixed_shapes must be true, false or null (with compile), got {train.fixed_shapes!r}")
     if not train.compile:
         return
-    from dpscale.privacy.compiled import check_compilable  # local: keep config import-light
-    from dpscale.privacy.precision import make_precision
+    from dpscale.privacy.clipping.compiled import check_compilable  # local: keep config import-light
+    from dpscale.privacy.clipping.precision import make_precision
 
     try:
         check_compilable(train.engine, make_precision(train.precision))
@@ -304,7 +304,7 @@ def _validate_data(config: Config) -> None:
 
 def _validate_privacy_unit(config: Config) -> None:
     """The unit's settings, checked where a plan checks them (one place for the rule)."""
-    from dpscale.privacy.group_privacy import check_privacy_unit  # torch-free
+    from dpscale.privacy.accounting.group_privacy import check_privacy_unit  # torch-free
 
     check_privacy_unit(config.data.privacy_unit, config.dp.max_examples_per_user, sampling=config.dp.sampling,
                        simulated=config.dp.simulated_batch_size is not None)  # fmt: skip

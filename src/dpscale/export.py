@@ -544,7 +544,7 @@ def _odds_line(privacy: dict[str, Any]) -> str:
     """The card's reading of the guarantee as an attacker's odds (absent where the run reports none)."""
     if not privacy.get("odds"):
         return ""
-    from dpscale.privacy.tradeoff import format_odds
+    from dpscale.privacy.accounting.tradeoff import format_odds
 
     return f"\n- As an attacker's odds: {privacy['odds']}; {format_odds(privacy)} [from {privacy['odds_from']}]."
 

@@ -40,7 +40,7 @@ class ScaledStdConv2d(nn.Conv2d):
     W' = gain * (W - mean) / sqrt(fan_in * var + eps), per output filter.
 
     The engines' exact rule for it maps each example's gradient with respect to W' through the
-    standardisation's Jacobian (``dpscale.privacy.ghost_conv``)."""
+    standardisation's Jacobian (``dpscale.privacy.clipping.ghost.conv``)."""
 
     def __init__(self, *args, eps: float = 1e-4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -62,7 +62,7 @@ class ScaledStdLinear(nn.Linear):
 
     Why for DP-SGD: the noise added to a row changes its norm as well as its direction, and a
     tanh after the layer saturates as the norms grow; standardising gives the scale to one
-    trainable gain per row. The engines' exact rule is ``dpscale.privacy.ghost_rules``."""
+    trainable gain per row. The engines' exact rule is ``dpscale.privacy.clipping.ghost.rules``."""
 
     def __init__(self, *args, eps: float = 1e-4, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -7,7 +7,7 @@
   its checkpoint (the run's own delta marked);
 - ``tradeoff.png``: the guarantee as an attacker's odds: the largest true-positive rate of any
   membership test against its false-positive rate, from the same accountant's privacy profile
-  (``dpscale.privacy.tradeoff``; runs whose accounting does not describe their sampling left out).
+  (``dpscale.privacy.accounting.tradeoff``; runs whose accounting does not describe their sampling left out).
 
 Several runs are overlaid, each labelled by its directory's name. Everything is read from the
 run directory (metrics.jsonl, checkpoint.pt): a plot can be redrawn while a run goes on. The
@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from dpscale._io import atomic_write_bytes, make_private_dir
 from dpscale.errors import ConfigError
-from dpscale.privacy.accountant import PLD_MIN_DELTA, PrivacyAccountant
+from dpscale.privacy.accounting.accountant import PLD_MIN_DELTA, PrivacyAccountant
 from dpscale.runs import read_metrics, read_run
 
 # The epsilon-delta curve's deltas: 1e-12 (PLD_MIN_DELTA) to 1e-2, four per decade.
@@ -93,7 +93,7 @@ def _final_accountant(run_dir: Path, guarantee_only: bool = False) -> tuple[Priv
 
 def _tradeoff(run_dirs: Sequence[Path], path: Path) -> None:
     """TPR against FPR of the best membership test each run allows, and random guessing."""
-    from dpscale.privacy.tradeoff import tpr_at_fpr
+    from dpscale.privacy.accounting.tradeoff import tpr_at_fpr
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

@@ -6,7 +6,7 @@ of them join the training set (an excluded one as a placeholder whose gradient i
 and the claimed epsilon count them without depending on which are included. After the run, each canary gets a
 score; the most and least confident are guessed in or out, and the number of right guesses
 gives an epsilon the run provably exceeds with probability at most 1 - confidence
-(``dpscale.privacy.audit_bound``). A lower bound above the claimed epsilon means the claim is
+(``dpscale.privacy.accounting.audit_bound``). A lower bound above the claimed epsilon means the claim is
 false (a bug in clipping, noise or accounting); a bound below it proves nothing about privacy:
 an audit can only refute.
 

@@ -16,8 +16,8 @@ from dpscale.audit import AUDIT_KINDS
 from dpscale.audit.dirac import DiracProbe, host_sizes
 from dpscale.errors import ConfigError
 from dpscale.data.datasets import ImageDataset
-from dpscale.privacy.clipping import MaxGradNorm, is_per_layer
-from dpscale.privacy.per_example import (
+from dpscale.privacy.clipping.bounds import MaxGradNorm, is_per_layer
+from dpscale.privacy.clipping.per_example import (
     ClippedSumMixin,
     Params,
     PerExampleEngine,
@@ -26,7 +26,7 @@ from dpscale.privacy.per_example import (
     real_rows,
     trainable_params,
 )
-from dpscale.privacy.precision import Precision
+from dpscale.privacy.clipping.precision import Precision
 from dpscale.train.hooks import RunHooks
 
 DIRAC_SCALE = 1000.0  # a gradient canary's norm, in units of C: clipping must cut it to C

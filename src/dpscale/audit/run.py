@@ -21,8 +21,8 @@ from dpscale.audit import DEFAULT_CANARIES, DEFAULT_CONFIDENCE, PLOT_NAME
 from dpscale.audit.canaries import CanaryAudit
 from dpscale.config import Config, is_private_config
 from dpscale.errors import ConfigError
-from dpscale.privacy.audit_bound import audit_ceiling, best_guesses, default_guess_rules
-from dpscale.privacy.per_example import ClippedSumMixin, Params, PerExampleEngine, per_example_cross_entropy
+from dpscale.privacy.accounting.audit_bound import audit_ceiling, best_guesses, default_guess_rules
+from dpscale.privacy.clipping.per_example import ClippedSumMixin, Params, PerExampleEngine, per_example_cross_entropy
 from dpscale.rng import DPRandom
 from dpscale.runs import AUDIT_NAME
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dpscale.data.sampling import PoissonSampler
+from dpscale.privacy.sampling.samplers import PoissonSampler
 from dpscale.data.stream import StreamFeed, default_workers, open_stream
 from dpscale.rng import DPRandom
 
@@ -33,8 +33,8 @@ def _engine_step(name: str | None, input_shape: tuple[int, int, int], classes: i
     if name is None:
         return None
     from dpscale.models import build_model
-    from dpscale.privacy.engines import make_engine
-    from dpscale.privacy.per_example import trainable_params
+    from dpscale.privacy.clipping.engines import make_engine
+    from dpscale.privacy.clipping.per_example import trainable_params
 
     model = build_model(name, classes, input_shape).to(device)
     (engine, _), params = make_engine("auto", 1.0, model), trainable_params(model)

@@ -44,10 +44,10 @@ from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape, list_models
 from dpscale.models.peft import apply_peft
 from dpscale.privacy import make_engine
-from dpscale.privacy.engines import supported_engines
-from dpscale.privacy.per_example import trainable_params
-from dpscale.privacy.precision import make_precision
-from dpscale.privacy.reference import float64_reference
+from dpscale.privacy.clipping.engines import supported_engines
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.precision import make_precision
+from dpscale.privacy.clipping.reference import float64_reference
 
 SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32),
                "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}  # fmt: skip

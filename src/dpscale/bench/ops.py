@@ -52,7 +52,7 @@ from dpscale.bench.step_time import (
 from dpscale.choices import BENCH_METHODS
 from dpscale.cpu_memory import keep_freed_memory
 from dpscale.models import default_input_shape
-from dpscale.privacy.autotune import TUNE_OFF_ENV, autotune_cache_path, profiler_markers_dropped
+from dpscale.privacy.clipping.autotune import TUNE_OFF_ENV, autotune_cache_path, profiler_markers_dropped
 
 OPS_MODELS = ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")
 OPS_ENGINES = ("nonprivate", "dpscale-auto", "opacus-ew")
@@ -110,7 +110,7 @@ def profiled_launches(fn: Callable[[], object], with_stack: bool = False) -> lis
 
 
 def launched_by(event: FunctionEvent) -> str:
-    """The innermost dpscale function above a launch (``privacy/clipping.py(130): blocked_sq_norms``),
+    """The innermost dpscale function above a launch (``privacy/clipping/bounds.py(130): blocked_sq_norms``),
     or ``OUTSIDE`` when the autograd engine (or code outside dpscale) comes first. Needs a profile
     taken ``with_stack``."""
     for above in _ancestors(event):

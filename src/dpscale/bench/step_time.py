@@ -16,7 +16,7 @@ CUDA ``torch.cuda.max_memory_allocated`` over the same baseline.
 non-private and Opacus rows under the same autocast; fp16 with the same fixed loss scale).
 
 ``--compile`` adds a "-compiled" twin after each dpscale row: ``make_private(compile=True)``, the
-vmap engine's clipped step as one ``torch.compile`` graph (``dpscale.privacy.compiled``), compiled
+vmap engine's clipped step as one ``torch.compile`` graph (``dpscale.privacy.clipping.compiled``), compiled
 in the step's first run (before the warm-up, never timed); the engines it refuses are skipped.
 """
 
@@ -41,7 +41,7 @@ from dpscale.choices import PEFT_METHODS
 from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape
 from dpscale.models.peft import apply_peft
-from dpscale.privacy.precision import FP32, Precision, make_precision
+from dpscale.privacy.clipping.precision import FP32, Precision, make_precision
 from dpscale.train.step import physical_chunks
 
 DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
@@ -133,7 +133,7 @@ def _dpscale_step(
     from dpscale.privacy.options import (
         BandMF, EngineName, Flat, Independent, NoiseMultiplier, PerExample, PerformanceFlags, PerUser, Poisson, PrecisionName,
     )  # fmt: skip
-    from dpscale.privacy.per_example import user_rows as padded_user_rows
+    from dpscale.privacy.clipping.per_example import user_rows as padded_user_rows
     from dpscale.train.private import make_private
 
     model = _fresh_model(name, x.device)
@@ -162,7 +162,7 @@ def _dpscale_step(
             mechanism.step_drawn_chunks(physical_chunks(inputs, y, indices, batch))
 
     # apply_gradient already drops the gradients
-    from dpscale.privacy.autotune import describe_methods
+    from dpscale.privacy.clipping.autotune import describe_methods
 
     return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__, lambda: describe_methods(mechanism.engine))
 
@@ -268,7 +268,7 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precisi
 
 def _peak_memory_mb(timed: TimedStep, device: torch.device) -> float:
     """Extra tensor memory at the peak of one step over model + optimizer + data (see module docstring)."""
-    from dpscale.privacy.autotune import peak_bytes
+    from dpscale.privacy.clipping.autotune import peak_bytes
 
     timed.release()
     if device.type == "cuda":
@@ -427,7 +427,7 @@ def _load_average() -> float:
 
 
 def _cpu_name() -> str:
-    from dpscale.privacy.autotune import cpu_isa, cpu_model
+    from dpscale.privacy.clipping.autotune import cpu_isa, cpu_model
 
     return f"{cpu_model() or platform.machine() + ' CPU'} ({cpu_isa()} kernels), {os.cpu_count()} logical cores"
 

@@ -8,10 +8,10 @@ import math
 from typing import Any
 
 from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
-from dpscale.data.sampling_modes import SAMPLING_MODES
+from dpscale.privacy.sampling.modes import SAMPLING_MODES
 from dpscale.cli.args import bands_arg, number_arg, positive_int, refusals_as_config_errors
 from dpscale.errors import ConfigError
-from dpscale.privacy.numbers import PrivacyNumbers
+from dpscale.privacy.plan.numbers import PrivacyNumbers
 
 
 def _cmd_account(args: argparse.Namespace) -> int:
@@ -39,9 +39,9 @@ def _cmd_account(args: argparse.Namespace) -> int:
 def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]:
     """BandMF's plan for the flags: b (fixed or auto), sigma (given or calibrated for that b) and
     the amplified accounting (ceil(S/b) compositions at p = b*q)."""
-    from dpscale.privacy.bandmf import Workload
-    from dpscale.privacy.correlated import BandsRequest
-    from dpscale.privacy.make_plan import make_dp_plan, steps_for
+    from dpscale.privacy.workload import Workload
+    from dpscale.privacy.noise.correlated import BandsRequest
+    from dpscale.privacy.plan.make_plan import make_dp_plan, steps_for
 
     if args.steps is None and args.epochs is None:
         raise ConfigError("--mechanism bandmf needs --epochs or --steps (solving for the length is DP-SGD only)")
@@ -97,14 +97,14 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--sampling {args.sampling} is not accounted with {what}")
-    from dpscale.privacy.sampling_plan import accountant_for
+    from dpscale.privacy.plan.sampling_plan import accountant_for
 
     args.accountant = accountant_for(args.sampling, None, args.accountant)
 
 
 def _batches(args: argparse.Namespace) -> Any:
-    """The accountant's view of --sampling (``dpscale.privacy.batch_sampling``)."""
-    from dpscale.privacy.batch_sampling import batch_sampling_for
+    """The accountant's view of --sampling (``dpscale.privacy.accounting.batch_sampling``)."""
+    from dpscale.privacy.accounting.batch_sampling import batch_sampling_for
 
     return batch_sampling_for(args.sampling, args.dataset_size)
 
@@ -126,7 +126,7 @@ def _check_cap_args(args: argparse.Namespace) -> None:
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--max-batch-size is not accounted with {what}")
-    from dpscale.privacy.sampling_plan import accountant_for
+    from dpscale.privacy.plan.sampling_plan import accountant_for
 
     # the run's rule (PLD: dp_accounting composes truncated Poisson with it alone), as train and make_private do
     args.accountant = accountant_for("poisson", cap, args.accountant)
@@ -135,9 +135,9 @@ def _check_cap_args(args: argparse.Namespace) -> None:
 def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, uncapped: dict[str, Any]) -> dict[str, Any]:
     """A batch cap's accounting (``truncated_poisson_epsilon``; ``auto``: ``smallest_free_cap``):
     the capped epsilon replaces the Poisson one, which is kept beside it, and the odds follow it."""
-    from dpscale.privacy.accountant import smallest_free_cap, truncated_poisson_epsilon
-    from dpscale.privacy.group_privacy import meaning
-    from dpscale.privacy.tradeoff import profile_odds
+    from dpscale.privacy.accounting.accountant import smallest_free_cap, truncated_poisson_epsilon
+    from dpscale.privacy.accounting.group_privacy import meaning
+    from dpscale.privacy.accounting.tradeoff import profile_odds
 
     plan = {"dataset_size": args.dataset_size, "batch_size": args.batch_size, "noise_multiplier": sigma,
             "steps": steps, "delta": args.delta, "releases": releases}  # fmt: skip
@@ -181,7 +181,7 @@ def _check_unit_args(args: argparse.Namespace) -> None:
 def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple:
     """The releases of ``--data-norm-noise`` (private Data Normalization) and
     ``--feature-mean-noise`` (private centring), in the order a run draws them (none without them)."""
-    from dpscale.privacy.accountant import feature_releases
+    from dpscale.privacy.accounting.accountant import feature_releases
 
     for flag, sigma in (("--data-norm-noise", data_norm_noise), ("--feature-mean-noise", feature_mean_noise)):
         if sigma is not None and not sigma > 0:
@@ -192,7 +192,7 @@ def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float |
 def _capped_noise(args: argparse.Namespace, steps: int, releases: tuple) -> float:
     """sigma for --target-epsilon under --max-batch-size, from the plan a run would make (one rule for
     every door: ``make_dp_plan`` calibrates on the truncated event, or for "auto" at target / 1.01)."""
-    from dpscale.privacy.make_plan import make_dp_plan
+    from dpscale.privacy.plan.make_plan import make_dp_plan
 
     cap = args.max_batch_size if args.max_batch_size == "auto" else int(args.max_batch_size)
     numbers = PrivacyNumbers(batch_size=args.batch_size, max_grad_norm=1.0, delta=args.delta,
@@ -208,7 +208,7 @@ def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
         (what was solved for: "steps", "epsilon" or "noise_multiplier", sigma, steps).
     """
     from dpscale.privacy import calibrate_noise_multiplier, calibrate_steps
-    from dpscale.privacy.make_plan import steps_for
+    from dpscale.privacy.plan.make_plan import steps_for
 
     have_length = args.steps is not None or args.epochs is not None
     q = args.batch_size / args.dataset_size
@@ -238,7 +238,7 @@ def _solve(args: argparse.Namespace, releases: tuple) -> tuple[str, float, int]:
 def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, releases: tuple) -> dict[str, Any]:
     """Epsilon, eps_TAN and the privacy-wall warning of the solved parameters, as printed with --json."""
     from dpscale.privacy import compute_epsilon
-    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning
+    from dpscale.privacy.accounting.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning
 
     q = args.batch_size / args.dataset_size
     mechanism = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, "delta": args.delta, "kind": args.accountant}
@@ -274,9 +274,9 @@ def _account(args: argparse.Namespace, solved: str, sigma: float, steps: int, re
 
 
 def _odds_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple) -> dict[str, Any]:
-    """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff.attacker_odds``) for the plan."""
-    from dpscale.privacy.accountant import history_accountant
-    from dpscale.privacy.tradeoff import attacker_odds
+    """The guarantee as an attacker's odds (``dpscale.privacy.accounting.tradeoff.attacker_odds``) for the plan."""
+    from dpscale.privacy.accounting.accountant import history_accountant
+    from dpscale.privacy.accounting.tradeoff import attacker_odds
 
     accountant = history_accountant(sample_rate=args.batch_size / args.dataset_size, noise_multiplier=sigma,
                                     steps=steps, kind=args.accountant, releases=releases,
@@ -293,7 +293,7 @@ def _odds_unit(args: argparse.Namespace) -> str:
 def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
     """Who the guarantee protects: the unit ("example": one image; "user": one person, N and B
     counting people), its words, k images per person (recorded only) and what epsilon means."""
-    from dpscale.privacy.group_privacy import meaning, unit_text
+    from dpscale.privacy.accounting.group_privacy import meaning, unit_text
 
     words = unit_text(args.unit)
     return {
@@ -307,8 +307,8 @@ def _unit_fields(args: argparse.Namespace, epsilon: float) -> dict[str, Any]:
 def _group_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, epsilon: float) -> dict[str, Any]:
     """What an example-level run promises a person with k = --group-size images (group privacy):
     (k eps, delta_k) straight from (eps, delta), and the smallest k eps(delta') whose delta_k is --delta."""
-    from dpscale.privacy.accountant import history_accountant
-    from dpscale.privacy.group_privacy import (
+    from dpscale.privacy.accounting.accountant import history_accountant
+    from dpscale.privacy.accounting.group_privacy import (
         GROUP_PRIVACY_LABEL, GROUP_PRIVACY_SOURCE, best_group_bound, direct_group_bound, meaning, search_floor, unit_text,
     )  # fmt: skip
 
@@ -335,9 +335,9 @@ def _group_fields(args: argparse.Namespace, sigma: float, steps: int, releases: 
 
 
 def _print_account(result: dict[str, Any], with_releases: bool) -> None:
-    from dpscale.privacy.sampling_plan import cap_cost_text
-    from dpscale.privacy.tan import PRIVACY_WALL_SIGMA
-    from dpscale.privacy.tradeoff import format_odds
+    from dpscale.privacy.plan.sampling_plan import cap_cost_text
+    from dpscale.privacy.accounting.tan import PRIVACY_WALL_SIGMA
+    from dpscale.privacy.accounting.tradeoff import format_odds
 
     n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
     people = result["unit"] == "user"

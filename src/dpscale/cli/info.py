@@ -57,7 +57,7 @@ def _print_preset(name: str, as_json: bool) -> int:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     from dpscale.models import build_model, count_parameters, default_input_shape, list_models
-    from dpscale.privacy.engines import supported_engines
+    from dpscale.privacy.clipping.engines import supported_engines
 
     rows: list[_ModelRow] = []
     for name in list_models():

@@ -325,7 +325,7 @@ def _cmd_tan_wall(args: argparse.Namespace) -> int:
 
 def _wall_eta(args: argparse.Namespace) -> float:
     """eta of the curves: from the reference run, when one is given, else from --epsilon-tan."""
-    from dpscale.privacy.tan import eta_for_eps_tan, tan_eta
+    from dpscale.privacy.accounting.tan import eta_for_eps_tan, tan_eta
 
     reference = (args.dataset_size, args.batch_size, args.noise)
     if all(v is None for v in reference):
@@ -338,7 +338,7 @@ def _wall_eta(args: argparse.Namespace) -> float:
 
 
 def _print_wall(args: argparse.Namespace, eta: float, rows: list, plot_path: Path | None) -> None:
-    from dpscale.privacy.tan import privacy_wall_warning
+    from dpscale.privacy.accounting.tan import privacy_wall_warning
 
     print(
         f"epsilon vs sigma at constant eta={eta:.5g} (eps_TAN={rows[0].eps_tan if rows else float('nan'):.4f}), "

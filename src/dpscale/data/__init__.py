@@ -3,17 +3,13 @@
 # Imported on first use (PEP 562): ``dpscale account``/``--help`` then never pay for torch.
 from __future__ import annotations
 
-from dpscale._lazy import lazy_getattr
+from dpscale._lazy import lazy_dir, lazy_getattr
 
 _MODULE_OF = {
     "DATASET_NAMES": "datasets",
     "DatasetError": "datasets",
     "DatasetInfo": "datasets",
     "ImageDataset": "datasets",
-    "PoissonSampler": "sampling",
-    "SAMPLING_MODES": "sampling_modes",
-    "SHUFFLE_CAVEAT": "sampling_modes",
-    "ShuffleSampler": "sampling",
     "dataset_fingerprint": "datasets",
     "load_cifar": "datasets",
     "load_dataset": "datasets",
@@ -21,10 +17,10 @@ _MODULE_OF = {
     "load_image_folder": "datasets",
     "load_mnist_5k": "datasets",
     "load_npz": "datasets",
-    "make_sampler": "sampling",
 }
 
 __all__ = sorted(_MODULE_OF)
 
 
 __getattr__ = lazy_getattr(__name__, _MODULE_OF)
+__dir__ = lazy_dir(_MODULE_OF)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .splits import HELD_OUT_BY_INDEX, hashed_holdout, hashed_holdout_description
 from .splits import holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
-from .units import checked_user_ids, side_user_ids
+from .user_ids import checked_user_ids, side_user_ids
 from .folder import image_array, list_image_folder
 from .formats import (
     DatasetError,

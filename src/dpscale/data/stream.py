@@ -27,7 +27,7 @@ import torch
 from .datasets import DatasetInfo
 from .folder import image_array
 from .formats import DatasetError
-from .units import user_slices
+from .user_ids import user_slices
 
 if TYPE_CHECKING:
     from .datasets import ImageDataset

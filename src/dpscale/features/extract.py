@@ -32,9 +32,9 @@ from dpscale.data import ImageDataset
 from dpscale.config import plan_labels
 from dpscale.errors import ConfigError
 from dpscale.models import build_model
-from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
-from dpscale.privacy.plan import DPPlan
-from dpscale.privacy.source_runs import SOURCE_ROLES, SourceRunPrivacy
+from dpscale.privacy.accounting.accountant import AccountingSegment, PrivacyAccountant
+from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.privacy.plan.source_runs import SOURCE_ROLES, SourceRunPrivacy
 from dpscale.runs import CHECKPOINT_NAME, NotARunDirectory, read_run_config
 
 from .scatternet import ScatterNet, import_kymatio

@@ -24,8 +24,8 @@ from dpscale._io import load_checkpoint
 from dpscale.errors import ConfigError
 from dpscale.features.extract import source_run_privacy
 from dpscale.models.adapt import block_groups_of
-from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.source_runs import SourceRunPrivacy
+from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.runs import CHECKPOINT_NAME, is_run_dir
 
 

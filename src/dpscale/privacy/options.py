@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Union
+from typing import Any, ClassVar, Literal, Mapping, Union
 
 from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, PRECISIONS
+from dpscale.privacy.workload import Workload
 
-if TYPE_CHECKING:
-    from dpscale.privacy.bandmf_math import Workload
 
 AccountantName = Literal["pld", "rdp"]
 EngineName = Literal["auto", "bk", "ghost", "vmap"]
@@ -50,6 +49,7 @@ OPTION_CLASSES = (
     "Poisson",
     "Shuffle",
     "TargetEpsilon",
+    "Workload",
 )
 __all__ = [*OPTION_CLASSES, "OptionError", "check_accountant"]
 
@@ -301,7 +301,7 @@ class BandMF:
         max_bands: the largest b "auto" tries.
         max_noise_memory_mb: refuse a b whose noise history, (b - 1) x trainable parameters x 4
             bytes, is larger (MB).
-        workload: what the strategy is optimised for (``dpscale.privacy.bandmf.Workload``); None:
+        workload: what the strategy is optimised for (``dpscale.Workload``); None:
             prefix sums with the optimizer's SGD momentum.
     """
 

@@ -20,13 +20,13 @@ from dpscale.features.pipeline import extract_run_features, fit_normalizer, norm
 from dpscale.models import build_model, freeze_block_groups
 from dpscale.models.peft import apply_peft
 from dpscale.models.init import init_from, meanvar_init, read_weights
-from dpscale.privacy.compiled import COMPILED_NOTE, compiled_choice, compiled_engine_name
-from dpscale.privacy.per_example import (
+from dpscale.privacy.clipping.compiled import COMPILED_NOTE, compiled_choice, compiled_engine_name
+from dpscale.privacy.clipping.per_example import (
     PerExampleEngine, check_per_example_compatible, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
-from dpscale.privacy.plan import DPPlan
-from dpscale.privacy.precision import Precision, make_precision
-from dpscale.privacy.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
+from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.privacy.clipping.precision import Precision, make_precision
+from dpscale.privacy.clipping.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.rng import noise_generator
 from dpscale.train.distributed import Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA, decay_not_reached_note

@@ -5,7 +5,7 @@ A chunk's peak memory is about a fixed part (workspaces, the clipped sum) plus a
 two small sizes (``PROBE_UNITS``), takes the largest size (up to the largest logical batch; a
 multiple of 8 below it) the line through them fits in the budget, and runs it once to check it
 (``_next_size``: a size that does not fit, or runs out of CUDA memory, is searched for below it; one
-with room to spare grown). The peak is ``dpscale.privacy.autotune.peak_bytes``'s: the CUDA
+with room to spare grown). The peak is ``dpscale.privacy.clipping.autotune.peak_bytes``'s: the CUDA
 allocator's, or the CPU tensor memory the torch profiler records, above what was allocated before.
 
 The budget (``memory_budget``): ``train.memory_budget_mb`` when set; else ``CUDA_FREE_FRACTION`` of
@@ -41,9 +41,9 @@ from dpscale._io import atomic_write_text, cache_path
 from dpscale._version import __version__
 from dpscale.cpu_memory import trim_kept_memory
 from dpscale.errors import ConfigError
-from dpscale.privacy.autotune import device_descriptor, peak_bytes
-from dpscale.privacy.per_example import Batch, PerExampleEngine, trainable_params
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.clipping.autotune import device_descriptor, peak_bytes
+from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine, trainable_params
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.train.chunk_search import Measure, choose_units, gigabytes
 from dpscale.train.units import rows_per_user
 

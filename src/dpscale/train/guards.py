@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from dpscale.clip_norms import MaxGradNorm, check_same_tensors
-from dpscale.data.units import UserIndex
-from dpscale.privacy.plan import DPPlan
-from dpscale.privacy.independence import check_batch_independence
-from dpscale.privacy.per_example import Batch, PerExampleEngine
+from dpscale.data.user_ids import UserIndex
+from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.privacy.clipping.independence import check_batch_independence
+from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine
 
 
 def model_digest(model: nn.Module) -> str:

@@ -10,7 +10,7 @@ from typing import Callable
 from torch import nn
 
 from dpscale.data.datasets import ImageDataset
-from dpscale.privacy.per_example import Params, PerExampleEngine
+from dpscale.privacy.clipping.per_example import Params, PerExampleEngine
 
 
 @dataclass(frozen=True)

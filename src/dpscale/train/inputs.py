@@ -19,10 +19,10 @@ from dpscale.data.stream import StreamedData
 from dpscale.features.extract import read_source_run, refuse_user_level_history
 from dpscale.features.pipeline import extractor_privacy, feature_releases
 from dpscale.models.init import init_privacy
-from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.make_plan import steps_for
-from dpscale.privacy.plan import DPPlan
-from dpscale.privacy.source_runs import SourceRunPrivacy
+from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.plan.make_plan import steps_for
+from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.train.plan_config import (
     bands_request, check_plan_against_config, check_same_unit, plan_from_config, refuse_per_tensor_without_model,
 )  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dpscale.config import Config, save_config
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.runs import CONFIG_NAME, METRICS_NAME
 import dpscale.train.report as report
 import dpscale.train.session as session

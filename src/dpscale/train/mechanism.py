@@ -28,13 +28,13 @@ from torch import nn
 
 from dpscale.clip_norms import MaxGradNorm
 from dpscale.cpu_memory import bound_kept_memory
-from dpscale.privacy.accountant import PrivacyAccountant
-from dpscale.privacy.autotune import methods_state, pin_methods
-from dpscale.privacy.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
-from dpscale.privacy.independence import MIN_EXAMPLES
-from dpscale.privacy.per_example import Batch, PerExampleEngine
-from dpscale.privacy.plan import LASTING_CAVEATS, DPPlan
-from dpscale.privacy.banded_noise import BandedNoise
+from dpscale.privacy.accounting.accountant import PrivacyAccountant
+from dpscale.privacy.clipping.autotune import methods_state, pin_methods
+from dpscale.privacy.clipping.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
+from dpscale.privacy.clipping.independence import MIN_EXAMPLES
+from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine
+from dpscale.privacy.plan.dp_plan import LASTING_CAVEATS, DPPlan
+from dpscale.privacy.noise.banded import BandedNoise
 from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.guards import (
@@ -49,10 +49,10 @@ from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean, pa
 from dpscale.train.units import (
     DrawnChunks, check_chunk_fits, check_gathered, rows_per_user, user_step_chunks_of, users_per_chunk,
 )  # fmt: skip
-from dpscale.data.units import UnitBatch, UserIndex, user_slices
+from dpscale.data.user_ids import UserIndex, user_slices
+from dpscale.privacy.sampling.units import UnitBatch
 
-# spawn key of BandMF's partition seed when none is given (make_private: one process)
-PARTITION_KEY = (0x62616E64,)
+PARTITION_KEY = (0x62616E64,)  # spawn key of BandMF's partition seed when none is given (make_private: one process)
 
 
 class PrivacyBudgetExhausted(RuntimeError):

@@ -1,5 +1,5 @@
 """The DP plan from a run's config: the config's ``dp`` section unpacked into the plan's
-keyword-only numbers (the plan itself, in ``dpscale.privacy.plan``, knows nothing of configs)."""
+keyword-only numbers (the plan itself, in ``dpscale.privacy.plan.dp_plan``, knows nothing of configs)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from dpscale.clip_norms import MaxGradNorm, describe_clip
 from dpscale.config import Config, DPConfig, OptimConfig
 from dpscale.config_validate import dp_options
 from dpscale.errors import ConfigError
-from dpscale.privacy.accountant import AccountingSegment
-from dpscale.privacy.bandmf import Workload
-from dpscale.privacy.clipping import clip_bounds
-from dpscale.privacy.correlated import BandsRequest, strategy_cache_dir
-from dpscale.privacy.make_plan import check_plan_matches, make_dp_plan
-from dpscale.privacy.numbers import PrivacyNumbers
-from dpscale.privacy.options_flat import privacy_numbers
-from dpscale.privacy.plan import DPPlan
-from dpscale.privacy.source_runs import SourceRunPrivacy
+from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.workload import Workload
+from dpscale.privacy.clipping.bounds import clip_bounds
+from dpscale.privacy.noise.correlated import BandsRequest, strategy_cache_dir
+from dpscale.privacy.plan.make_plan import check_plan_matches, make_dp_plan
+from dpscale.privacy.plan.numbers import PrivacyNumbers
+from dpscale.privacy.plan.options_flat import privacy_numbers
+from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.train.optim import lr_multiplier
 
 

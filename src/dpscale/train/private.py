@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from dpscale.privacy.per_example import Batch
+    from dpscale.privacy.clipping.per_example import Batch
     from dpscale.train.mechanism import DPMechanism
 
 

@@ -16,21 +16,21 @@ import torch
 from torch import nn
 
 from dpscale.cpu_memory import keep_freed_memory
-from dpscale.privacy.clipping import MaxGradNorm, clip_bounds
-from dpscale.privacy.bandmf import Workload
-from dpscale.privacy.compiled import compiled_choice, compiled_engine_name
-from dpscale.privacy.correlated import BandsRequest, strategy_cache_dir
-from dpscale.privacy.engines import make_engine
-from dpscale.data.units import UserIndex
-from dpscale.privacy.per_example import (
+from dpscale.privacy.clipping.bounds import MaxGradNorm, clip_bounds
+from dpscale.privacy.workload import Workload
+from dpscale.privacy.clipping.compiled import compiled_choice, compiled_engine_name
+from dpscale.privacy.noise.correlated import BandsRequest, strategy_cache_dir
+from dpscale.privacy.clipping.engines import make_engine
+from dpscale.data.user_ids import UserIndex
+from dpscale.privacy.clipping.per_example import (
     Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
 )  # fmt: skip
-from dpscale.privacy.options_flat import privacy_numbers
+from dpscale.privacy.plan.options_flat import privacy_numbers
 from dpscale.privacy.spelling import PYTHON
 from dpscale.privacy.options import BandMF, Noise
-from dpscale.privacy.make_plan import make_dp_plan, steps_for
-from dpscale.privacy.precision import make_precision
-from dpscale.privacy.self_check import checked_engine
+from dpscale.privacy.plan.make_plan import make_dp_plan, steps_for
+from dpscale.privacy.clipping.precision import make_precision
+from dpscale.privacy.clipping.self_check import checked_engine
 from dpscale.train.chunk_size import batch_chunk
 from dpscale.train.seeds import run_seeds
 from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check

@@ -27,7 +27,7 @@ from dpscale.privacy.options import (
     TargetEpsilon,
     Unit,
 )
-from dpscale.privacy.options_flat import (
+from dpscale.privacy.plan.options_flat import (
     CLIPPING_SETTINGS,
     NOISE_SETTINGS,
     SAMPLING_SETTINGS,

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.plan.dp_plan import DPPlan
 
 
 @dataclass

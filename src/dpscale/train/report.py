@@ -21,10 +21,10 @@ from dpscale.data.run_data import data_workers
 from dpscale.data.splits import selection_note
 from dpscale.models import count_parameters
 from dpscale.config import Config
-from dpscale.privacy.autotune import layer_methods
-from dpscale.privacy.tradeoff import NO_ODDS, attacker_odds
-from dpscale.privacy.group_privacy import unit_text
-from dpscale.privacy.plan import GUARANTEE_SCOPE, DPPlan
+from dpscale.privacy.clipping.autotune import layer_methods
+from dpscale.privacy.accounting.tradeoff import NO_ODDS, attacker_odds
+from dpscale.privacy.accounting.group_privacy import unit_text
+from dpscale.privacy.plan.dp_plan import GUARANTEE_SCOPE, DPPlan
 from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.build import Log, Run
@@ -171,9 +171,9 @@ def _person_reading(plan: DPPlan, k: int) -> str:
     """What the run's epsilon promises a person with ``k`` images: the group-privacy bound over
     the run's epsilon curve, as ``dpscale account --group-size`` finds it (and that command for a
     plain Poisson DP-SGD plan, whose flags reproduce it)."""
-    from dpscale.privacy.accountant import history_accountant
-    from dpscale.privacy.batch_sampling import REPLACE_ONE
-    from dpscale.privacy.group_privacy import best_group_bound, search_floor
+    from dpscale.privacy.accounting.accountant import history_accountant
+    from dpscale.privacy.accounting.batch_sampling import REPLACE_ONE
+    from dpscale.privacy.accounting.group_privacy import best_group_bound, search_floor
 
     if not plan.is_private:
         return "no guarantee for anyone"
@@ -265,7 +265,7 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
 
 
 def odds_summary(built: Run) -> dict[str, Any]:
-    """The guarantee as an attacker's odds (``dpscale.privacy.tradeoff``), from the run's own
+    """The guarantee as an attacker's odds (``dpscale.privacy.accounting.tradeoff``), from the run's own
     accountant; none where the printed epsilon is not a guarantee of this run's sampling (a TAN
     simulation: its accounting is of another run)."""
     plan = built.plan

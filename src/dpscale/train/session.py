@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from dpscale.config import Config
 from dpscale.errors import ConfigError
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.runs import LatestCheckpoint, is_audit_run, latest_checkpoint, read_run, read_run_config
 from dpscale.train.distributed import Distributed, init_distributed
 from dpscale.train.rundir import NewRun, RunLock, check_config_edits, open_new_run

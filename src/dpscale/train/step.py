@@ -17,10 +17,10 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from dpscale.privacy.noise import draw_noise, with_scaled_noise
-from dpscale.privacy.clipping import clip_sensitivity
-from dpscale.privacy.per_example import Batch, Params, PerExampleEngine, pad_chunk, trainable_params
-from dpscale.privacy.plan import DPPlan
+from dpscale.privacy.noise.gaussian import draw_noise, with_scaled_noise
+from dpscale.privacy.clipping.bounds import clip_sensitivity
+from dpscale.privacy.clipping.per_example import Batch, Params, PerExampleEngine, pad_chunk, trainable_params
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.rng import DPRandom
 
 

@@ -9,9 +9,11 @@ from typing import Any, Callable, Iterable, Iterator, cast
 import numpy as np
 import torch
 
-from dpscale.data.units import UnitBatch, UserIndex, user_slices
-from dpscale.privacy.per_example import Batch, UnitChunk, user_rows
-from dpscale.privacy.plan import DPPlan
+from dpscale.data.user_ids import UserIndex, user_slices
+
+from dpscale.privacy.sampling.units import UnitBatch
+from dpscale.privacy.clipping.per_example import Batch, UnitChunk, user_rows
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.train.step import AugmentViews
 
 

@@ -1,5 +1,5 @@
 """``dpscale sweep --private-tuning DIST``: random-repetition tuning whose privacy cost is
-accounted (Papernot & Steinke 2022; the bound is in ``dpscale.privacy.tuning``).
+accounted (Papernot & Steinke 2022; the bound is in ``dpscale.privacy.accounting.tuning``).
 
 Instead of every grid point, the sweep draws K from DIST and K points uniformly from the grid
 (with replacement, each a separate run with its own randomness), with OS entropy, and records the
@@ -26,8 +26,8 @@ from dpscale._io import atomic_write_bytes, atomic_write_text
 from dpscale.config import save_config
 from dpscale.errors import ConfigError
 from dpscale.features.extract import read_source_run
-from dpscale.privacy.accountant import AccountingSegment, PrivacyAccountant
-from dpscale.privacy.tuning import TuningDistribution, parse_tuning_distribution, tuned_epsilon
+from dpscale.privacy.accounting.accountant import AccountingSegment, PrivacyAccountant
+from dpscale.privacy.accounting.tuning import TuningDistribution, parse_tuning_distribution, tuned_epsilon
 from dpscale.runs import CONFIG_NAME, read_run
 from dpscale.train.metrics import json_safe
 

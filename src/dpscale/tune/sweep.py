@@ -29,7 +29,7 @@ from dpscale.errors import ConfigError
 from dpscale.runs import CONFIG_NAME, METRICS_NAME, holds_checkpoint, read_summary
 from dpscale.train.loop import Trainer
 from dpscale.train.metrics import json_safe
-from dpscale.privacy.tuning import TuningDistribution
+from dpscale.privacy.accounting.tuning import TuningDistribution
 from dpscale.tune import TUNING_CAVEAT
 from dpscale.tune.private_tuning import (
     RELEASE_NAME,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from dpscale.privacy.accountant import compute_epsilon
-from dpscale.privacy.tan import (
+from dpscale.privacy.accounting.accountant import compute_epsilon
+from dpscale.privacy.accounting.tan import (
     eps_tan,
     eps_tan_from_eta,
     privacy_search_pairs,
