@@ -76,7 +76,7 @@ def test_gaussian_without_subsampling_matches_exact_formula():
 
 def test_published_opacus_docs_figure_with_their_orders():
     # dp_accounting's RDP with the orders used in the Opacus docs reproduces their 2.39.
-    from dpscale.privacy.accounting.accountant import dp_sgd_event
+    from dpscale.privacy.accounting.rdp_history import dp_sgd_event
 
     accountant = dp_rdp.RdpAccountant(orders=[2, 5, 10, 20, 100])
     accountant.compose(dp_sgd_event(0.01, 1.0, 300))
@@ -232,7 +232,7 @@ def test_eps_tan_closed_form_and_privacy_wall():
 def test_cached_pld_composition_equals_dp_accounting_pld_accountant(segments):
     from dp_accounting import pld
 
-    from dpscale.privacy.accounting.accountant import dp_sgd_event
+    from dpscale.privacy.accounting.rdp_history import dp_sgd_event
 
     reference = pld.PLDAccountant()
     ours = PrivacyAccountant("pld")
@@ -274,7 +274,7 @@ def test_release_composition_in_rdp_adds_claim_b5():
     # DP-SGD RDP curve and converting must give the accountant's composed epsilon.
     q, sigma, steps, sigma_norm, delta = 0.1, 1.2, 400, 6.0, 1e-5
     orders = dp_rdp.RdpAccountant()._orders
-    from dpscale.privacy.accounting.accountant import dp_sgd_event
+    from dpscale.privacy.accounting.rdp_history import dp_sgd_event
 
     sgd_only = dp_rdp.RdpAccountant(orders)
     sgd_only.compose(dp_sgd_event(q, sigma, steps))
@@ -376,7 +376,7 @@ def test_dp_plan_calibrates_for_the_composition_and_round_trips():
 def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(caplog):
     import logging
 
-    from dpscale.privacy.accounting.accountant import _DropOrderExclusionNotices
+    from dpscale.privacy.accounting.rdp_history import _DropOrderExclusionNotices
 
     with caplog.at_level(logging.WARNING, logger="absl"):
         epsilon = compute_epsilon(
@@ -396,8 +396,8 @@ def test_epsilon_is_cached_per_history_and_delta(monkeypatch):
     from dpscale.privacy.accounting import accountant as module
 
     calls = []
-    original = module._pld_epsilon
-    monkeypatch.setattr(module, "_pld_epsilon", lambda *a: calls.append(a) or original(*a))
+    original = module.pld_epsilon_of  # patched where the accountant's cache looks it up
+    monkeypatch.setattr(module, "pld_epsilon_of", lambda *a: calls.append(a) or original(*a))
     module._cached_epsilon.cache_clear()
     acc = module.PrivacyAccountant("pld")
     acc.step(sample_rate=0.01, noise_multiplier=1.1, num_steps=37)

@@ -27,16 +27,17 @@ from dp_accounting.pld import privacy_loss_mechanism
 
 from dpscale.cli import main
 from dpscale.privacy.accounting import accountant as accountant_module
+from dpscale.privacy.accounting import pld_history
 from dpscale.privacy import calibrate_noise_multiplier, compute_epsilon
-from dpscale.privacy.accounting.accountant import (
+from dpscale.privacy.accounting.accountant import PrivacyAccountant
+from dpscale.privacy.accounting.pld_history import (
     PLD_MAX_COMPOSED_POINTS,
     PLD_MAX_STEP_POINTS,
     PLD_VALUE_DISCRETIZATION,
-    AccountingSegment,
     PLDRangeError,
-    PrivacyAccountant,
     pld_grid,
 )
+from dpscale.privacy.accounting.segments import AccountingSegment
 
 Q, STEPS, DELTA = 256 / 4000, 234, 1e-5  # the default run: B = 256 of the 4000 training images, 15 epochs
 ACCOUNT = ["account", "--dataset-size", "4000", "--batch-size", "256", "--steps", str(STEPS)]
@@ -49,11 +50,14 @@ def _no_debug_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _array_size_sentinel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail at once, before allocating, on a step PLD or a composition larger than the caps (x2 slack)."""
-    build = accountant_module.gaussian_pld  # every Gaussian PLD the accountant builds
+def _array_size_sentinel(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Fail at once, before allocating, on a step PLD or a composition larger than the caps (x2 slack).
+    Returns the noise multipliers of the Gaussian PLDs it checked."""
+    build = pld_history.gaussian_pld  # every Gaussian PLD the accountant builds
+    checked: list[float] = []
 
     def checked_build(standard_deviation: float, *args: Any, **kwargs: Any) -> Any:
+        checked.append(standard_deviation)
         grid, q = kwargs.get("value_discretization_interval", 1e-4), kwargs.get("sampling_prob", 1.0)
         bounds = privacy_loss_mechanism.GaussianPrivacyLoss(standard_deviation, sampling_prob=q).connect_dots_bounds()
         points = (bounds.epsilon_upper - bounds.epsilon_lower) / grid
@@ -69,8 +73,15 @@ def _array_size_sentinel(monkeypatch: pytest.MonkeyPatch) -> None:
             assert target <= 2 * PLD_MAX_COMPOSED_POINTS, f"composed PLD of {target:.3g} points"
             return scipy_fft.next_fast_len(target, *args, **kwargs)
 
-    monkeypatch.setattr(accountant_module, "gaussian_pld", checked_build)
+    monkeypatch.setattr(pld_history, "gaussian_pld", checked_build)
     monkeypatch.setattr(pld_common, "fft", CheckedFft())
+    return checked
+
+
+def test_the_sentinel_sees_the_accountants_pld_builds(_array_size_sentinel: list[float]):
+    """The sentinel is patched where the accountant builds its PLDs: a history not built before goes through it."""
+    compute_epsilon(sample_rate=0.0123, noise_multiplier=1.234, steps=7, delta=DELTA, kind="pld")
+    assert 1.234 in _array_size_sentinel
 
 
 def _assert_one_line(message: str, *patterns: str) -> None:
@@ -152,8 +163,8 @@ def test_too_little_noise_for_the_pld_raises_one_line_instead_of_allocating():
 def test_a_coarsened_grid_is_still_an_upper_bound(monkeypatch: pytest.MonkeyPatch):
     history = (AccountingSegment(0.01, 1.0, 100),)
     fine = compute_epsilon(sample_rate=0.01, noise_multiplier=1.0, steps=100, delta=DELTA, kind="pld")
-    monkeypatch.setattr(accountant_module, "PLD_MAX_STEP_POINTS", 2**10)
-    monkeypatch.setattr(accountant_module, "PLD_MAX_COMPOSED_POINTS", 2**12)
+    monkeypatch.setattr(pld_history, "PLD_MAX_STEP_POINTS", 2**10)
+    monkeypatch.setattr(pld_history, "PLD_MAX_COMPOSED_POINTS", 2**12)
     accountant_module._cached_epsilon.cache_clear()  # cached per requested grid, not per grid used
     try:
         assert pld_grid(history) >= 8 * PLD_VALUE_DISCRETIZATION

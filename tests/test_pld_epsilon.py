@@ -75,11 +75,11 @@ def test_a_sparse_pmf_is_left_to_the_library():
 def test_the_accountant_reports_the_librarys_numbers():
     """epsilon and the epsilon-delta curve of a composed history, against the library's walk of
     the same PLD (the PLD built once, so only the epsilon search is compared)."""
-    from dpscale.privacy.accounting.accountant import _composed_pld
+    from dpscale.privacy.accounting.pld_history import composed_pld
 
     accountant = PrivacyAccountant(kind="pld")
     accountant.step(sample_rate=0.01, noise_multiplier=0.9, num_steps=300)
-    pld = _composed_pld(list(accountant.history), accountant.pld_discretization)
+    pld = composed_pld(list(accountant.history), accountant.pld_discretization)
     deltas = [1e-8, 1e-5, 1e-3]
     want = [float(pld.get_epsilon_for_delta(d)) for d in deltas]
     assert accountant.epsilons(deltas) == want

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpscale.privacy.accounting.accountant import AccountingSegment, PrivacyAccountant
+from dpscale.privacy.accounting.accountant import PrivacyAccountant
 from dpscale.privacy.accounting.batch_sampling import BatchSampling
 from dpscale.privacy.accounting.rdp_composed import composed_rdp
+from dpscale.privacy.accounting.segments import AccountingSegment
 
 ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE

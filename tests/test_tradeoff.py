@@ -13,8 +13,9 @@ import pytest
 from scipy.stats import norm
 
 from dpscale.cli import main
-from dpscale.privacy.accounting import accountant as accounting
-from dpscale.privacy.accounting.accountant import PrivacyAccountant, gaussian_release
+from dpscale.privacy.accounting import pld_history
+from dpscale.privacy.accounting.accountant import PrivacyAccountant
+from dpscale.privacy.accounting.segments import gaussian_release
 from dpscale.privacy.accounting.tradeoff import EPSILON_GRID, attacker_odds, gdp_mu, tpr_at_fpr
 
 FPRS = (0.001, 0.01, 0.05, 0.1, 0.3)
@@ -70,9 +71,9 @@ def test_the_vectorised_pld_profile_equals_dp_accountings_own():
     acc = PrivacyAccountant("pld")
     acc.record(gaussian_release("norm", 8.0))
     acc.step(sample_rate=0.03, noise_multiplier=0.9, num_steps=40)
-    pld = accounting._composed_pld(list(acc.history), acc.pld_discretization)
+    pld = pld_history.composed_pld(list(acc.history), acc.pld_discretization)
     reference = pld.get_delta_for_epsilon(EPSILON_GRID)
-    np.testing.assert_allclose(accounting.pld_profile(pld)(EPSILON_GRID), reference, rtol=1e-12, atol=1e-18)
+    np.testing.assert_allclose(pld_history.pld_profile(pld)(EPSILON_GRID), reference, rtol=1e-12, atol=1e-18)
 
 
 def test_dpscale_account_prints_and_returns_the_odds(capsys):

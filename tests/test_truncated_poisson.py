@@ -12,9 +12,8 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from dpscale.cli import main
 from dpscale.privacy.accounting import accountant as accounting
-from dpscale.privacy.accounting.accountant import (
-    TruncatedPoissonResult, data_norm_release, smallest_free_cap, truncated_poisson_epsilon,
-)  # fmt: skip
+from dpscale.privacy.accounting.accountant import TruncatedPoissonResult, smallest_free_cap, truncated_poisson_epsilon
+from dpscale.privacy.accounting.segments import data_norm_release
 
 SMALL = {"dataset_size": 1000, "batch_size": 50, "noise_multiplier": 1.0, "steps": 20, "delta": 1e-5}
 
@@ -75,19 +74,8 @@ def test_the_search_never_offers_a_cap_below_the_expected_batch(monkeypatch):
 
 
 def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys):
-    args = [
-        "account",
-        "--dataset-size",
-        "1000",
-        "--batch-size",
-        "50",
-        "--noise",
-        "1.0",
-        "--steps",
-        "20",
-        "--data-norm-noise",
-        "6",
-    ]  # (the hand-built test's run: its PLD is cached)
+    # the hand-built test's run (its PLD is cached)
+    args = "account --dataset-size 1000 --batch-size 50 --noise 1.0 --steps 20 --data-norm-noise 6".split()
     assert main(args + ["--max-batch-size", "55", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     want = truncated_poisson_epsilon(**SMALL, max_batch_size=55, releases=(data_norm_release(6.0),))

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dpscale.data.user_ids import UserIndex
-from dpscale.privacy.accounting.accountant import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
+from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
 from dpscale.rng import DPRandom, require_dprandom
 
 __all__ = [  # the release labels and events live with the accountant (torch-free); re-exported here

@@ -20,7 +20,7 @@ from dpscale.errors import ConfigError
 from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
 from dpscale.features.normalize import FeatureNormalizer, private_data_norm, private_feature_mean
 from dpscale.data.user_ids import UserIndex
-from dpscale.privacy.accounting.accountant import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases
+from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.rng import DPRandom

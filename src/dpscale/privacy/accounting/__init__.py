@@ -8,13 +8,13 @@ from dpscale._lazy import lazy_dir, lazy_getattr
 
 _MODULE_OF = {
     "ACCOUNTANT_KINDS": "accountant",
-    "AccountingSegment": "accountant",
+    "AccountingSegment": "segments",
     "PrivacyAccountant": "accountant",
     "calibrate_noise_multiplier": "calibrate",
     "calibrate_steps": "calibrate",
     "compute_epsilon": "accountant",
     "eps_tan": "tan",
-    "gaussian_release": "accountant",
+    "gaussian_release": "segments",
     "tan_eta": "tan",
     "total_amount_of_noise": "tan",
 }

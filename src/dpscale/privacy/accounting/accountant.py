@@ -7,117 +7,39 @@ What we own is the *history* of (sample_rate q, noise_multiplier sigma, steps) t
 actually ran, so epsilon can be recomputed for any delta, checkpointed and resumed
 without ever counting a step twice.
 
-Besides DP-SGD steps the history holds one-off *releases* computed from the private data
-before training, e.g. the two Gaussian sums of private Data Normalization (Tramer & Boneh,
-Algorithm 2). They are Gaussian mechanisms on the whole dataset (q = 1), composed with the
-DP-SGD steps by ``dp_accounting`` exactly like the steps themselves.
-
-PLD accounting discretises the privacy loss on a grid (1e-4 nats). Little noise (epsilon in the
-hundreds and more) makes the loss range so wide that this grid would need arrays of tens of GiB; the
-grid is then coarsened (``pld_grid``), which keeps epsilon a valid upper bound, only a looser one.
+The history's vocabulary (segments, releases) is ``segments``; turning it into epsilon is
+``pld_history`` (PLD, the default) or ``rdp_history``. This module keeps the accountant itself,
+the one-call ``compute_epsilon`` and the cost of capping Poisson batches (truncated Poisson).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import dp_accounting
 import numpy as np
-from dp_accounting.pld import common as pld_common
-from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
 from dpscale.choices import ACCOUNTANT_KINDS
+from dpscale.privacy.accounting.batch_sampling import POISSON, BatchSampling
 from dpscale.privacy.accounting.pld_epsilon import pld_epsilons
-from dpscale.privacy.accounting.pld_gaussian import gaussian_pld, truncated_gaussian_pld
-from dpscale.privacy.accounting.rdp_composed import ComposedRdp, composed_rdp
-from dpscale.privacy.accounting.batch_sampling import (
-    ACCOUNTANTS_OF,
-    POISSON,
-    REPLACE_ONE,
-    BatchSampling,
-    history_adjacency,
-    replace_one_noise,
+from dpscale.privacy.accounting.pld_history import (
+    PLD_COARSE_DISCRETIZATION,
+    PLD_MIN_DELTA,
+    PLD_TAIL_MASS_TRUNCATION,
+    PLD_VALUE_DISCRETIZATION,
+    composed_pld,
+    pld_epsilon_of,
+    pld_profile,
 )
-
-DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
-
-# PLD discretisation: 1e-4 is dp_accounting's default. Results are pessimistic (upper
-# bounds) at any grid; a coarser grid is ~10x faster and over-reports by < 0.5%, which
-# calibration uses for its search before confirming on the fine grid.
-PLD_VALUE_DISCRETIZATION = 1e-4
-PLD_COARSE_DISCRETIZATION = 1e-3
-
-# Caps on the sizes (points) of the PLD arrays. Small noise multipliers (large epsilons) make the
-# privacy loss range wide: sigma = 0.065 over 14062 steps at q = 0.0043 needs 1.5e8 points on the
-# 1e-4 grid and a 42 GiB FFT. Past a cap the grid is coarsened (by powers of 2, so cached step
-# PLDs are reused): a pessimistic PLD is an upper bound at any grid, so only tightness is lost,
-# and at large epsilon the coarser grid's relative cost is tiny. Building a step PLD takes ~1 s per
-# 1e5 points and composing 2**21 points ~1 s and ~0.5 GiB. All usual runs (epsilon <~ 50 at
-# q = 0.004, 14062 steps: 2.2e5 and 1.4e6 points) stay on the requested grid.
-PLD_MAX_STEP_POINTS = 2**18
-PLD_MAX_COMPOSED_POINTS = 2**21
-# dp_accounting's PrivacyLossDistribution.self_compose default: each composition moves this much
-# tail mass into the infinite-loss bucket, so no epsilon exists for a delta at or below it.
-PLD_TAIL_MASS_TRUNCATION = 1e-15
-# Smallest delta the PLD accountant reports: below ~1e-13 the truncated tail mass dominates and
-# epsilon jumps (q = 0.0043, sigma = 1, 14062 steps: 4.94 at 1e-12, 8.43 at 1e-13, inf at 1e-15).
-PLD_MIN_DELTA = 1e-12
-# Coarsest grid (nats) a history may need under the caps (rounded up to a power of 2 it can reach
-# twice that), so composed losses up to ~2e6 nats. A history needing more has epsilon in the millions
-# (q = 0.0043, 14062 steps: sigma < 0.0056), where a PLD means nothing and dp_accounting overflows
-# (exp of the grid) or runs for minutes; PLDRangeError says so.
-PLD_MAX_GRID = 1.0
-# Points of the cheap probe PLD that estimates the composed width (above dp_accounting's 1000-point
-# sparse threshold, so the probe is a dense array).
-_PROBE_POINTS = 1024
-
-
-@dataclass(frozen=True)
-class AccountingSegment:
-    """A run of ``steps`` identical Gaussian mechanisms on a Poisson sample of the data.
-
-    Attributes:
-        sample_rate: Poisson sampling probability q = B / N, in (0, 1] (1: the whole dataset).
-        noise_multiplier: sigma; the noise std is sigma * C on a sum of terms clipped to norm C.
-        steps: number of mechanisms (logical DP-SGD steps, or releases) with these parameters.
-        label: "dp-sgd" for training steps; anything else names a one-off release
-            (e.g. "data-norm"), which does not count as a training step.
-        batches: how the steps' batches were drawn (``dpscale.privacy.accounting.batch_sampling``): Poisson
-            unless the run sampled fixed-size, shuffled or capped batches.
-    """
-
-    sample_rate: float
-    noise_multiplier: float
-    steps: int
-    label: str = DP_SGD
-    batches: BatchSampling = POISSON
-
-    def __post_init__(self) -> None:
-        if isinstance(self.batches, dict):  # read back from a plan's dataclasses.asdict
-            object.__setattr__(self, "batches", BatchSampling(**self.batches))
-
-    @property
-    def compositions(self) -> int:
-        """Gaussian mechanisms one example can enter (the epochs of a shuffled segment, else steps)."""
-        return self.batches.compositions(self.sample_rate, self.steps)
-
-
-class PLDRangeError(ValueError):
-    """The PLD accountant cannot represent a history: its privacy loss is too wide for any sane grid."""
-
-
-def _check_mechanism(sample_rate: float, noise_multiplier: float, steps: int) -> None:
-    if not 0.0 < sample_rate <= 1.0:
-        raise ValueError(f"sample_rate q must be in (0, 1], got {sample_rate}")
-    if not noise_multiplier > 0.0 or not math.isfinite(noise_multiplier):
-        raise ValueError(f"noise_multiplier must be a positive finite number for a private run, got {noise_multiplier}")
-    if int(steps) != steps or steps < 0:
-        raise ValueError(f"steps must be a non-negative integer, got {steps}")
+from dpscale.privacy.accounting.rdp_history import rdp_accountant, rdp_profile
+from dpscale.privacy.accounting.segments import DP_SGD, AccountingSegment, adjacency_of, check_mechanism, releases_under
+from dpscale.privacy.accounting.segments import (  # noqa: F401  (re-exported: privacy/__init__, cli/account and tests import them here)
+    data_norm_release,
+    feature_releases,
+    gaussian_release,
+)
 
 
 def _check_delta(delta: float, kind: str = "rdp") -> None:
@@ -131,289 +53,6 @@ def _check_delta(delta: float, kind: str = "rdp") -> None:
             f"would be inflated or infinite); use a delta below 1/N (N the training-set size) but >= "
             f"{PLD_MIN_DELTA:g}, e.g. 1e-5 to 1e-10, or the rdp accountant for a smaller delta"
         )
-
-
-def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
-    """The ``dp_accounting`` event describing ``steps`` Poisson-sampled Gaussian steps."""
-    _check_mechanism(sample_rate, noise_multiplier, steps)
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    step_event = gaussian if sample_rate == 1.0 else dp_accounting.PoissonSampledDpEvent(sample_rate, gaussian)
-    return dp_accounting.SelfComposedDpEvent(step_event, int(steps))
-
-
-@functools.lru_cache(maxsize=32)
-def _step_pld(sample_rate: float, noise_multiplier: float, discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
-    """PLD of one Poisson-subsampled Gaussian step (add/remove adjacency, pessimistic).
-
-    Building it dominates PLD accounting (~0.05 s; 0.3 s with dp_accounting's own inversion,
-    ``pld_gaussian``); composing it over many steps is an FFT.
-    Caching it makes per-epoch epsilon logging cheap. The construction is exactly what
-    ``dp_accounting.pld.PLDAccountant`` does for a ``PoissonSampledDpEvent(GaussianDpEvent)``
-    (a test checks the two agree).
-    """
-    return gaussian_pld(noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=discretization)
-
-
-@functools.lru_cache(maxsize=32)
-def _full_batch_pld(noise_multiplier: float, steps: int, discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
-    """PLD of ``steps`` Gaussian mechanisms without subsampling: exactly one Gaussian with
-    sigma / sqrt(steps) (cached: calibration evaluates the same releases many times)."""
-    return gaussian_pld(noise_multiplier / math.sqrt(steps), value_discretization_interval=discretization)
-
-
-def _step_loss_range(sample_rate: float, noise_multiplier: float) -> float:
-    """Width (in nats) of the privacy-loss range dp_accounting discretises for one Gaussian step,
-    the wider of its add and remove sides (a closed form: no PLD is built)."""
-    width = 0.0
-    for adjacency in (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD):
-        bounds = privacy_loss_mechanism.GaussianPrivacyLoss(
-            noise_multiplier, sampling_prob=sample_rate, adjacency_type=adjacency
-        ).connect_dots_bounds()
-        width = max(width, bounds.epsilon_upper - bounds.epsilon_lower)
-    return width
-
-
-def _composed_loss_width(sample_rate: float, noise_multiplier: float, steps: int, step_range: float) -> float:
-    """Width (in nats) of the support dp_accounting keeps when composing ``steps`` steps.
-
-    dp_accounting truncates the composition where a Chernoff bound puts less than
-    PLD_TAIL_MASS_TRUNCATION outside; its orders are spread over the step's loss range, so the
-    bound in nats hardly depends on the grid, and a ~1000-point probe PLD (~0.05 s) predicts it.
-
-    Returns:
-        the width in nats (steps * step_range, the untruncated width, if the probe cannot be read).
-    """
-    grid = step_range / _PROBE_POINTS
-    probe = gaussian_pld(noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=grid)
-    width = 0.0
-    try:  # private attributes of dp_accounting 0.4-0.6; the fallback is a valid (loose) width
-        for pmf in (probe._pmf_remove, probe._pmf_add):
-            lower, upper = pld_common.compute_self_convolve_bounds(pmf.to_dense_pmf()._probs, steps, PLD_TAIL_MASS_TRUNCATION)
-            width = max(width, (upper - lower) * grid)
-    except AttributeError:
-        return steps * step_range
-    return width
-
-
-@functools.lru_cache(maxsize=256)
-def _segment_widths(sample_rate: float, noise_multiplier: float, steps: int) -> tuple[float, float]:
-    """(width of one step's PLD, width of the segment's composed PLD), in nats."""
-    if sample_rate == 1.0:  # a release: one Gaussian with sigma / sqrt(steps), never self-composed
-        width = _step_loss_range(1.0, noise_multiplier / math.sqrt(steps))
-        return width, width
-    step_range = _step_loss_range(sample_rate, noise_multiplier)
-    if steps == 1 or step_range > PLD_MAX_GRID * PLD_MAX_STEP_POINTS:  # past the cap: the probe could overflow
-        return step_range, step_range
-    return step_range, _composed_loss_width(sample_rate, noise_multiplier, steps, step_range)
-
-
-def _widths_of(seg: AccountingSegment, replace_one: bool) -> tuple[float, float]:
-    """``_segment_widths`` of a segment as ``_segment_pld`` builds it (a truncated step's range
-    taken as the uncapped Poisson step's: the cap only narrows the output's sum)."""
-    sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
-    if seg.batches.mode == "shuffle":
-        return _segment_widths(1.0, sigma, seg.compositions)
-    if _cuts_every_batch(seg):  # the replace-one Gaussian at sigma/2 on the M/N kept dominates each step
-        return _segment_widths(seg.batches.max_batch_size / seg.batches.dataset_size, sigma / 2, seg.steps)
-    return _segment_widths(seg.sample_rate, sigma, seg.steps)
-
-
-def _cuts_every_batch(seg: AccountingSegment) -> bool:
-    """A capped segment at q = 1 with a cap below N: every batch is a random M-subset of the data,
-    so its steps are truncated steps, not the full-batch Gaussian a q = 1 segment otherwise is."""
-    return seg.batches.mode == "truncated" and seg.sample_rate == 1.0 and seg.batches.max_batch_size < seg.batches.dataset_size
-
-
-def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VALUE_DISCRETIZATION) -> float:
-    """The PLD discretisation used for a history: ``requested``, or a power-of-2 multiple of it where
-    the requested grid would exceed PLD_MAX_STEP_POINTS per step PLD or PLD_MAX_COMPOSED_POINTS for
-    the composition (the epsilon is then a valid but looser upper bound). A request coarser than
-    PLD_VALUE_DISCRETIZATION asks for a cheaper evaluation (calibration's search): its caps shrink
-    in proportion.
-
-    Args:
-        segments: the history (DP-SGD segments and releases); composed widths add up.
-        requested: the grid asked for, in nats.
-
-    Returns:
-        the grid, in nats, >= requested.
-
-    Raises:
-        PLDRangeError: the history would need a grid above PLD_MAX_GRID at the full caps.
-    """
-    widths = [_widths_of(s, _adjacency(segments) == REPLACE_ONE) for s in segments]
-    needed = max(
-        max(step for step, _ in widths) / PLD_MAX_STEP_POINTS,
-        sum(composed for _, composed in widths) / PLD_MAX_COMPOSED_POINTS,
-    )
-    if needed > PLD_MAX_GRID:  # judged at the full caps, so the limit does not depend on ``requested``
-        sigma = min(s.noise_multiplier for s in segments)
-        raise PLDRangeError(
-            f"the PLD accountant cannot represent noise multiplier {sigma:.3g} over this history: its privacy "
-            f"loss spans ~{needed * PLD_MAX_COMPOSED_POINTS:.3g} nats, more than the "
-            f"{PLD_MAX_GRID * PLD_MAX_COMPOSED_POINTS:.3g} it handles (epsilon would be of that order: no "
-            "guarantee); use more noise or fewer steps, the rdp accountant, or noise multiplier 0 for a "
-            "non-private baseline"
-        )
-    needed /= min(1.0, PLD_VALUE_DISCRETIZATION / requested)
-    if needed <= requested:
-        return requested
-    return requested * 2.0 ** math.ceil(math.log2(needed / requested))
-
-
-def _composed_pld(segments: list[AccountingSegment], discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
-    """PLD of the whole history on the grid ``pld_grid`` picks for it (the last few kept: a run's
-    summary asks for its epsilon, then its privacy profile, of the same history)."""
-    return _composed_pld_of(tuple(segments), discretization)
-
-
-@functools.lru_cache(maxsize=4)
-def _composed_pld_of(segments: tuple[AccountingSegment, ...], discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
-    grid = pld_grid(segments, discretization)
-    replace_one = _adjacency(segments) == REPLACE_ONE
-    total = None
-    for seg in segments:
-        composed = _segment_pld(seg, grid, replace_one)
-        total = composed if total is None else total.compose(composed)
-    return total
-
-
-def _adjacency(segments: Sequence[AccountingSegment]) -> str:
-    """The adjacency every segment of a history is accounted under (ValueError if they differ)."""
-    return history_adjacency([s.batches for s in segments], [s.sample_rate < 1.0 for s in segments])
-
-
-def _segment_pld(seg: AccountingSegment, grid: float, replace_one: bool) -> privacy_loss_distribution.PrivacyLossDistribution:
-    """PLD of one segment on ``grid``: a Poisson or truncated-Poisson step self-composed, or Gaussians
-    on every example it touches (releases; shuffled epochs), whose noise multiplier is halved in a
-    replace-one history (``replace_one_noise``)."""
-    mode = seg.batches.mode
-    if "pld" not in ACCOUNTANTS_OF[mode]:
-        raise ValueError(f"{mode} sampling is accounted with the {'/'.join(ACCOUNTANTS_OF[mode])} accountant only")
-    sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
-    if (seg.sample_rate == 1.0 and not _cuts_every_batch(seg)) or mode == "shuffle":
-        return _full_batch_pld(sigma, seg.compositions, grid)
-    if mode == "truncated":
-        return _truncated_step_pld(seg.batches, seg.sample_rate, sigma, grid).self_compose(seg.steps)
-    return _step_pld(seg.sample_rate, sigma, grid).self_compose(seg.steps)
-
-
-@functools.lru_cache(maxsize=16)
-def _truncated_step_pld(
-    batches: BatchSampling, sample_rate: float, noise_multiplier: float, discretization: float
-) -> privacy_loss_distribution.PrivacyLossDistribution:
-    """PLD of one truncated-Poisson step: what dp_accounting's PLDAccountant composes for a
-    ``TruncatedSubsampledGaussianDpEvent`` (add/remove adjacency), bit for bit, built ~7x faster
-    (``truncated_gaussian_pld``: 0.5 s against 3.7 at N = 1000, q = 0.05, cap 55, grid 1e-4)."""
-    return truncated_gaussian_pld(batches.dataset_size, sample_rate, batches.max_batch_size, noise_multiplier, discretization)
-
-
-def _pld_epsilon(segments: list[AccountingSegment], delta: float, discretization: float) -> float:
-    return pld_epsilons(_composed_pld(segments, discretization), [delta])[0]
-
-
-RDP_PROFILE_POINTS = 256  # RDP's delta(eps) is evaluated at this many epsilons (0.2 ms each)
-
-
-def _rdp_profile(segments: tuple[AccountingSegment, ...]) -> Callable[[np.ndarray], np.ndarray]:
-    """RDP's delta(eps) on a grid of ``RDP_PROFILE_POINTS`` from 0 to the largest epsilon asked,
-    each epsilon taking the delta of the grid point at or below it: delta is non-increasing in
-    epsilon, so that is a valid (slightly larger) delta there."""
-
-    def delta(eps: np.ndarray) -> np.ndarray:
-        eps = np.asarray(eps, dtype=np.float64)
-        points, values = _rdp_deltas(segments, float(eps.max(initial=0.0)))
-        return values[np.clip(np.searchsorted(points, eps, side="right") - 1, 0, None)]
-
-    return delta
-
-
-@functools.lru_cache(maxsize=8)  # a run's evaluations and summary ask for the same history's profile
-def _rdp_deltas(segments: tuple[AccountingSegment, ...], largest: float) -> tuple[np.ndarray, np.ndarray]:
-    accountant = _rdp_accountant(list(segments))
-    points = np.linspace(0.0, largest, RDP_PROFILE_POINTS)
-    return points, np.array([min(1.0, float(accountant.get_delta(float(e)))) for e in points])
-
-
-def pld_profile(pld: privacy_loss_distribution.PrivacyLossDistribution) -> Callable[[np.ndarray], np.ndarray]:
-    """delta(epsilon) of a PLD for sorted arrays of epsilons >= 0, vectorised.
-
-    dp_accounting's own ``get_delta_for_epsilon`` walks the loss support in a Python loop (0.5 s
-    for a 24-step run, per call); this takes the same sums, inf mass + sum_{L > eps} p(L) -
-    e^eps sum_{L > eps} p(L) e^-L, as suffix sums in numpy (a test compares the two), and falls
-    back to the library where its PMF internals differ (another dp_accounting version)."""
-    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
-    try:
-        parts = [_pmf_profile(pmf.to_dense_pmf()) for pmf in pmfs]
-    except AttributeError:
-        return lambda eps: np.asarray(pld.get_delta_for_epsilon(np.asarray(eps, dtype=np.float64)), dtype=np.float64)
-    return lambda eps: np.max([part(np.asarray(eps, dtype=np.float64)) for part in parts], axis=0)
-
-
-def _pmf_profile(dense: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """The hockey-stick divergence of one dense PMF (its losses sorted ascending) at epsilons >= 0."""
-    losses = (np.arange(dense.size) + dense._lower_loss) * dense._discretization  # noqa: SLF001
-    probs = np.asarray(dense._probs, dtype=np.float64)  # noqa: SLF001
-    # only losses > eps >= 0 enter a sum: clamping the rest keeps e^-L finite
-    upper = np.append(np.cumsum(probs[::-1])[::-1], 0.0)
-    lower = np.append(np.cumsum((probs * np.exp(-np.maximum(losses, 0.0)))[::-1])[::-1], 0.0)
-    infinity = float(dense._infinity_mass)  # noqa: SLF001
-
-    def delta(eps: np.ndarray) -> np.ndarray:
-        above = np.searchsorted(losses, eps, side="right")  # the first loss > eps
-        return np.clip(infinity + upper[above] - np.exp(eps) * lower[above], 0.0, 1.0)
-
-    return delta
-
-
-class _DropOrderExclusionNotices(logging.Filter):
-    """dp_accounting logs one warning per fractional RDP order whose series does not converge
-    (small sigma, e.g. TAN simulations) and leaves that order out. epsilon is then the minimum
-    over the remaining orders: still a valid bound, so the dozens of lines are noise to a user."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to converge" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_order_notices() -> Iterator[None]:
-    """Composing into an RDP accountant without dp_accounting's per-order convergence notices."""
-    quiet = _DropOrderExclusionNotices()
-    absl_logger = logging.getLogger("absl")
-    absl_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        absl_logger.removeFilter(quiet)
-
-
-def _rdp_accountant(segments: list[AccountingSegment]) -> ComposedRdp:
-    """The history's RDP under its one adjacency (``_adjacency``): the library accountant's numbers,
-    each distinct step's RDP computed once (``rdp_composed``)."""
-    for seg in segments:
-        if "rdp" not in ACCOUNTANTS_OF[seg.batches.mode]:
-            raise ValueError(f"{seg.batches.mode} sampling is accounted with the pld accountant only")
-    if _adjacency(segments) != REPLACE_ONE:
-        relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-        events = [dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps) for seg in segments]
-    else:
-        relation = dp_accounting.NeighboringRelation.REPLACE_ONE
-        events = [_replace_one_event(seg) for seg in segments]
-    with quiet_order_notices():
-        return composed_rdp(events, relation)
-
-
-def _replace_one_event(seg: AccountingSegment) -> dp_accounting.DpEvent:
-    """The dp_accounting event of a segment under replace-one adjacency (noise multiplier sigma/2):
-    fixed-size batches sampled without replacement, or Gaussians on every example it touches."""
-    _check_mechanism(seg.sample_rate, seg.noise_multiplier, seg.steps)
-    gaussian = dp_accounting.GaussianDpEvent(replace_one_noise(seg.noise_multiplier))
-    if seg.batches.mode == "fixed" and seg.sample_rate < 1.0:
-        sampled = dp_accounting.SampledWithoutReplacementDpEvent(
-            seg.batches.dataset_size, seg.batches.batch_size(seg.sample_rate), gaussian
-        )
-        return dp_accounting.SelfComposedDpEvent(sampled, seg.steps)
-    return dp_accounting.SelfComposedDpEvent(gaussian, seg.compositions)
 
 
 def _check_kind(kind: str) -> None:
@@ -471,53 +110,12 @@ def history_accountant(
     return accountant
 
 
-def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> AccountingSegment:
-    """``count`` Gaussian mechanisms on the whole dataset, each a sum of per-example terms
-    clipped to norm C plus N(0, (noise_multiplier * C)^2) noise (sensitivity C under add/remove).
-
-    Args:
-        label: what was released (e.g. "data-norm"); must not be "dp-sgd".
-        noise_multiplier: sigma of each mechanism (noise std / clipping norm), > 0.
-        count: number of such sums released.
-    """
-    if label == DP_SGD:
-        raise ValueError(f"{DP_SGD!r} is reserved for training steps; name the release")
-    _check_mechanism(1.0, noise_multiplier, count)
-    return AccountingSegment(1.0, float(noise_multiplier), int(count), label)
-
-
-DATA_NORM = "data-norm"  # label of private Data Normalization's two Gaussian sums (Tramer Algorithm 2)
-FEATURE_MEAN = "feature-mean"  # label of private centring's one Gaussian sum (features.center)
-
-
-def data_norm_release(noise_multiplier: float) -> AccountingSegment:
-    """The accounting event of PrivDataNorm: two Gaussian sums with noise multiplier sigma_norm."""
-    return gaussian_release(DATA_NORM, noise_multiplier, 2)
-
-
-def feature_mean_release(noise_multiplier: float) -> AccountingSegment:
-    """The accounting event of private centring: one Gaussian sum with noise multiplier sigma_center."""
-    return gaussian_release(FEATURE_MEAN, noise_multiplier, 1)
-
-
-def feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple[AccountingSegment, ...]:
-    """The releases a run's feature normalisation makes before training, in the order it draws
-    them (Data Normalization, then centring); a None noise multiplier means that release is not made.
-    The one list both a run's DP plan and ``dpscale account`` compose."""
-    releases: tuple[AccountingSegment, ...] = ()
-    if data_norm_noise is not None:
-        releases += (data_norm_release(data_norm_noise),)
-    if feature_mean_noise is not None:
-        releases += (feature_mean_release(feature_mean_noise),)
-    return releases
-
-
 @functools.lru_cache(maxsize=256)
 def _cached_epsilon(kind: str, discretization: float, segments: tuple[AccountingSegment, ...], delta: float) -> float:
     """Epsilon of a history (a pure function of its arguments, so safe to memoise)."""
     if kind == "pld":
-        return _pld_epsilon(list(segments), delta, discretization)
-    return float(_rdp_accountant(list(segments)).get_epsilon(delta))
+        return pld_epsilon_of(list(segments), delta, discretization)
+    return float(rdp_accountant(list(segments)).get_epsilon(delta))
 
 
 class PrivacyAccountant:
@@ -549,7 +147,7 @@ class PrivacyAccountant:
     @property
     def adjacency(self) -> str:
         """ "add/remove" or "replace-one": the neighbouring datasets the history's epsilon is about."""
-        return _adjacency(self._segments)
+        return adjacency_of(self._segments)
 
     @property
     def releases(self) -> tuple[AccountingSegment, ...]:
@@ -573,10 +171,10 @@ class PrivacyAccountant:
         Raises:
             ValueError: an invalid mechanism, or one whose adjacency differs from the history's.
         """
-        _check_mechanism(segment.sample_rate, segment.noise_multiplier, segment.steps)
+        check_mechanism(segment.sample_rate, segment.noise_multiplier, segment.steps)
         if segment.steps == 0:
             return
-        _adjacency([*self._segments, segment])
+        adjacency_of([*self._segments, segment])
         last = self._segments[-1] if self._segments else None
         if last and replace(last, steps=segment.steps) == segment:
             self._segments[-1] = replace(last, steps=last.steps + segment.steps)
@@ -602,17 +200,17 @@ class PrivacyAccountant:
         if not self._segments:
             return [0.0 for _ in deltas]
         if self.kind == "rdp":
-            accountant = _rdp_accountant(self._segments)
+            accountant = rdp_accountant(self._segments)
             return [float(accountant.get_epsilon(d)) for d in deltas]
-        return pld_epsilons(_composed_pld(self._segments, self.pld_discretization), deltas)
+        return pld_epsilons(composed_pld(self._segments, self.pld_discretization), deltas)
 
     def delta(self, epsilon: float) -> float:
         """Smallest delta achieved at the given epsilon."""
         if not self._segments:
             return 0.0
         if self.kind == "rdp":
-            return float(_rdp_accountant(self._segments).get_delta(epsilon))
-        return float(_composed_pld(self._segments, self.pld_discretization).get_delta_for_epsilon(epsilon))
+            return float(rdp_accountant(self._segments).get_delta(epsilon))
+        return float(composed_pld(self._segments, self.pld_discretization).get_delta_for_epsilon(epsilon))
 
     def privacy_profile(self) -> Callable[[np.ndarray], np.ndarray]:
         """delta(epsilon) for an array of epsilons (nats), the history composed once: PLD's tight
@@ -620,8 +218,8 @@ class PrivacyAccountant:
         if not self._segments:
             return lambda eps: np.zeros_like(np.asarray(eps, dtype=np.float64))
         if self.kind == "rdp":
-            return _rdp_profile(tuple(self._segments))
-        return pld_profile(_composed_pld(self._segments, self.pld_discretization))
+            return rdp_profile(tuple(self._segments))
+        return pld_profile(composed_pld(self._segments, self.pld_discretization))
 
     def epsilon_by_label(self, delta: float) -> dict[str, float]:
         """Epsilon of each labelled part on its own (for reports; the parts compose to ``epsilon``)."""
@@ -666,21 +264,6 @@ def _history_entry(seg: AccountingSegment) -> list[Any]:
     return entry
 
 
-def releases_under(releases: Sequence[AccountingSegment], batches: BatchSampling) -> tuple[AccountingSegment, ...]:
-    """``releases`` labelled with a run's sampling, so that a replace-one run (fixed-size or
-    shuffled batches) accounts its full-data releases under replace-one too (noise multiplier
-    sigma/2), also when they are reported apart (``epsilon_by_label``).
-
-    Raises:
-        ValueError: a subsampled (Poisson) release, e.g. a source run's steps, in a replace-one run.
-    """
-    if batches.adjacency != REPLACE_ONE:
-        return tuple(releases)
-    tagged = tuple(replace(r, batches=batches) if r.sample_rate == 1.0 else r for r in releases)
-    _adjacency(tagged)  # a source run's Poisson steps cannot join a replace-one history
-    return tagged
-
-
 @dataclass(frozen=True)
 class TruncatedPoissonResult:
     """What capping Poisson batches at ``max_batch_size`` costs (add/remove adjacency, PLD)."""
@@ -706,7 +289,7 @@ def truncated_poisson_epsilon(
     Raises:
         ValueError: a cap below 1 or a delta the PLD accountant cannot resolve.
     """
-    _check_mechanism(batch_size / dataset_size, noise_multiplier, steps)
+    check_mechanism(batch_size / dataset_size, noise_multiplier, steps)
     _check_delta(delta, "pld")
     if int(max_batch_size) != max_batch_size or max_batch_size < 1:
         raise ValueError(f"the batch cap must be a positive integer, got {max_batch_size}")

@@ -15,16 +15,10 @@ from __future__ import annotations
 import math
 from typing import Callable, TypedDict
 
-from dpscale.privacy.accounting.accountant import (
-    PLD_COARSE_DISCRETIZATION,
-    PLD_VALUE_DISCRETIZATION,
-    AccountingSegment,
-    PLDRangeError,
-    PrivacyAccountant,
-    compute_epsilon,
-    releases_under,
-)
+from dpscale.privacy.accounting.accountant import PrivacyAccountant, compute_epsilon
 from dpscale.privacy.accounting.batch_sampling import ACCOUNTANTS_OF, POISSON, BatchSampling
+from dpscale.privacy.accounting.pld_history import PLD_COARSE_DISCRETIZATION, PLD_VALUE_DISCRETIZATION, PLDRangeError
+from dpscale.privacy.accounting.segments import AccountingSegment, releases_under
 
 # Upper end of the noise search; beyond this the run is pure noise.
 MAX_NOISE_MULTIPLIER = 1e4

@@ -37,7 +37,7 @@ RDP_MIN_DELTA = 1e-100
 
 def search_floor(accountant: str) -> float:
     """The smallest delta' ``best_group_bound`` may try for a history composed by ``accountant``."""
-    from dpscale.privacy.accounting.accountant import PLD_MIN_DELTA
+    from dpscale.privacy.accounting.pld_history import PLD_MIN_DELTA
 
     return PLD_MIN_DELTA if accountant == "pld" else RDP_MIN_DELTA
 

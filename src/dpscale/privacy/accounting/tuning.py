@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from dp_accounting import dp_event, rdp
 
-from dpscale.privacy.accounting.accountant import AccountingSegment, dp_sgd_event, quiet_order_notices
+from dpscale.privacy.accounting.rdp_history import dp_sgd_event, quiet_order_notices
+from dpscale.privacy.accounting.segments import AccountingSegment
 
 TUNING_DISTRIBUTIONS = ("poisson", "geometric", "logarithmic", "negbin")
 TUNING_SYNTAX = "poisson:MEAN, geometric:MEAN, logarithmic:MEAN or negbin:ETA:MEAN"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dpscale.privacy.sampling.modes import SAMPLING_MODES
 from dpscale.errors import ConfigError
-from dpscale.privacy.accounting.accountant import AccountingSegment, smallest_free_cap
+from dpscale.privacy.accounting.accountant import smallest_free_cap
 from dpscale.privacy.accounting.batch_sampling import ACCOUNTANTS_OF
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.spelling import CONFIG, Spelling
 
 AUTO_CAP = "auto"
