@@ -9,38 +9,28 @@ directory, the data root, the home directory): those stay in the run directory's
 
 A run still training (its lock held) or one that stopped before its planned steps is refused
 unless ``allow_partial``; its card then says which step of how many it holds.
+
+The writers of the three formats are in ``dpscale.export_formats``, the card in ``dpscale.export_card``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
-import json
-import logging
 import os
 import re
-import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 import dpscale
-from dpscale._io import atomic_write_bytes, atomic_write_text, make_private_dir
+from dpscale._io import atomic_write_text, make_private_dir
 from dpscale.errors import ConfigError
 from dpscale.choices import EXPORT_FORMATS
-from dpscale.exported import (
-    FEATURE_STATS_PREFIX,
-    METADATA_KEY,
-    SUFFIXES,
-    TORCHSCRIPT_METADATA,
-    ImagesInUnitRange,
-    ScatterNetFeatures,
-)
+from dpscale.export_card import model_card, partial_note as partial_note  # partial_note: cli/outputs.py's import
+from dpscale.export_formats import WRITERS
+from dpscale.exported import SUFFIXES, ImagesInUnitRange, ScatterNetFeatures
 from dpscale.models.peft import merge_lora
 from dpscale.runs import LOCK_NAME, NotARunDirectory, holds_checkpoint, is_run_dir, read_run
 from dpscale.train.metrics import json_safe
@@ -112,7 +102,7 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema
     path = Path(out) if out is not None else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
     make_private_dir(path.parent)  # owner-only, like every output
     wrapped = ImagesInUnitRange(model if features is None else nn.Sequential(features, model), trainer.config.data.normalize)
-    _WRITERS[fmt](wrapped.eval(), metadata, path)
+    WRITERS[fmt](wrapped.eval(), metadata, path)
     card = card_path(path)
     atomic_write_text(card, model_card(metadata, path))
     return Exported(path, card, metadata)
@@ -196,22 +186,6 @@ def _progress(run_dir: Path) -> tuple[int, int]:
     return int(state["step"]), int(state["mechanism"]["plan"]["steps"])
 
 
-def partial_note(metadata: dict[str, Any]) -> str | None:
-    """ "partial: step S of T" for an export of a run short of its planned steps, else None.
-
-    Args:
-        metadata: an export's metadata.
-
-    Returns:
-        The note (the card's and the command's), or None for a finished run's export.
-    """
-    if not metadata.get("partial"):
-        return None
-    when = "while the run was still training" if metadata["exported_while_training"] else "after the run stopped"
-    return (f"partial: step {metadata['step']} of {metadata['planned_steps']} (exported with --allow-partial "
-            f"{when}; accuracy and epsilon are those of step {metadata['step']})")  # fmt: skip
-
-
 def _exportable_model(trainer: Trainer, ema: bool) -> nn.Module:
     """A copy of the run's model (or EMA model) on the run's device, LoRA merged, in eval mode."""
     config = trainer.config
@@ -234,13 +208,6 @@ def _exportable_model(trainer: Trainer, ema: bool) -> nn.Module:
     return merge_lora(copy.deepcopy(source)).eval()
 
 
-def _unit_words(privacy: dict[str, Any]) -> str:
-    """ " users, at most k images each per step" when N counts users (the card's batch line)."""
-    if privacy.get("privacy_unit") != "user":
-        return ""
-    return f" users, at most {privacy['max_examples_per_user']} images each per step"
-
-
 def _metadata(trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training: bool) -> dict[str, Any]:
     """The metadata every format carries (``dpscale.exported``).
 
@@ -255,16 +222,30 @@ def _metadata(trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training:
     """
     from dpscale.train import report
 
-    config, info = trainer.config, trainer.data.info
     accuracy, loss = trainer.evaluate_model(model)  # the run's own evaluation of these weights
     privacy = report.privacy_summary(trainer.built, trainer.progress, trainer.privacy_warnings())
     privacy["privacy_status"] = trainer.plan.status(privacy["epsilon"], privacy["reference_epsilon"])
-    val_labels = config.data.val_labels
     return json_safe({
         "dpscale_export": 1,
         "dpscale_version": dpscale.__version__,
         "format": fmt,
         "weights": "ema" if ema else "final",
+        **_model_and_data(trainer, model),
+        "test_accuracy": accuracy,
+        "test_loss": loss,
+        "step": trainer.step,
+        "planned_steps": trainer.total_steps,
+        "partial": trainer.step < trainer.total_steps,
+        "exported_while_training": training,
+        "privacy": privacy,
+    })  # fmt: skip
+
+
+def _model_and_data(trainer: Trainer, model: nn.Module) -> dict[str, Any]:
+    """The metadata's "model", "input", "classes" and "data" entries (``_metadata``'s)."""
+    config, info = trainer.config, trainer.data.info
+    val_labels = config.data.val_labels
+    return {
         "model": {"name": config.model.name, "num_classes": info.num_classes, "input_shape": list(info.input_shape),
                   "activation": config.model.activation, "kwargs": dict(config.model.kwargs),
                   "parameters": sum(p.numel() for p in model.parameters())},
@@ -277,14 +258,7 @@ def _metadata(trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training:
                  "val_labels": Path(val_labels).name if val_labels else None,
                  "selects_classes": config.data.selects_classes,
                  "test_split": info.test_split, "num_test": info.num_test},
-        "test_accuracy": accuracy,
-        "test_loss": loss,
-        "step": trainer.step,
-        "planned_steps": trainer.total_steps,
-        "partial": trainer.step < trainer.total_steps,
-        "exported_while_training": training,
-        "privacy": privacy,
-    })  # fmt: skip
+    }  # fmt: skip
 
 
 def _class_names(info: Any) -> list[str]:
@@ -369,224 +343,3 @@ def _image_shape(trainer: Trainer) -> tuple[int, int, int]:
     if scatter_output_shape(image, f.scatter_j, f.scatter_angles, f.scatter_order, f.scatter_pad) != (channels, h, w):
         raise ConfigError(f"cannot tell the image shape behind features of shape {(channels, h, w)}")
     return image
-
-
-def _needs(package: str, fmt: str) -> None:
-    try:
-        __import__(package)
-    except ImportError as err:
-        raise ConfigError(f"--format {fmt} needs the {package} package: pip install {package}") from err
-
-
-def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
-    _needs("safetensors", "safetensors")
-    from safetensors.torch import save
-
-    inner = model.classifier
-    classifier, features = inner, None
-    if isinstance(inner, nn.Sequential):  # export_run's (features, classifier)
-        classifier, features = inner[1], cast(ScatterNetFeatures, inner[0])
-    weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
-    if features is not None and features.kind == "datanorm":  # the released statistics, as the run used them
-        weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
-        weights[f"{FEATURE_STATS_PREFIX}var"] = features.norm_var.contiguous()
-    if features is not None and features.feature_center is not None:  # private centring's released mean
-        weights[f"{FEATURE_STATS_PREFIX}center"] = features.feature_center.contiguous()
-    atomic_write_bytes(path, save(weights, metadata={METADATA_KEY: json.dumps(metadata)}))
-
-
-def _example(metadata: dict[str, Any]) -> torch.Tensor:
-    return torch.rand(2, *metadata["input"]["shape"], generator=torch.Generator().manual_seed(0))
-
-
-def _write_torchscript(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
-    if metadata.get("features"):  # tracing probes kymatio's deprecated attributes, which raise NameError (0.3)
-        raise ConfigError("--format torchscript cannot trace the ScatterNet (kymatio 0.3); use safetensors or onnx")
-    extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
-    # torch >= 2.9 marks TorchScript deprecated; it is still what torch-only consumers load
-    with torch.no_grad(), warnings.catch_warnings():  # no_grad: every layer's inference path
-        warnings.simplefilter("ignore", DeprecationWarning)
-        traced = torch.jit.trace(model, _example(metadata))
-        buffer = io.BytesIO()
-        torch.jit.save(traced, buffer, _extra_files=extra)
-    atomic_write_bytes(path, _without_debug_records(buffer.getvalue()))
-
-
-def _without_debug_records(archive: bytes) -> bytes:
-    """A TorchScript archive without its ``*.debug_pkl`` records: they map the code to the
-    source files it was traced from, by this machine's absolute paths. ``torch.jit.load`` runs
-    the same code without them (its error messages then quote the saved code, not the sources)."""
-    source, out = zipfile.ZipFile(io.BytesIO(archive)), io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as kept:  # stored, as torch.jit.save writes
-        for record in source.infolist():
-            if not record.filename.endswith(".debug_pkl"):
-                kept.writestr(record, source.read(record))
-    return out.getvalue()
-
-
-# The ONNX exporter's noise, silenced by its exact text so that any other warning still shows:
-# a log record for each torchvision operator it skips when torchvision is not installed (the
-# model has none), and torch's own deprecation of LeafSpec, raised inside torch.export.
-_SKIPPED_TORCHVISION = ("torch.onnx._internal.exporter._registration", "torchvision is not installed. Skipping %s")
-_LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-
-
-class _DropMessage(logging.Filter):
-    """Drops the log records of one message template (``record.msg``, before its arguments)."""
-
-    def __init__(self, template: str) -> None:
-        super().__init__()
-        self.template = template
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg != self.template
-
-
-@contextlib.contextmanager
-def _quiet_onnx_exporter() -> Iterator[None]:
-    """The ONNX export without the exporter's known noise (``_SKIPPED_TORCHVISION``, ``_LEAFSPEC_DEPRECATION``)."""
-    logger, template = logging.getLogger(_SKIPPED_TORCHVISION[0]), _SKIPPED_TORCHVISION[1]
-    drop = _DropMessage(template)
-    logger.addFilter(drop)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_LEAFSPEC_DEPRECATION, category=FutureWarning)
-            yield
-    finally:
-        logger.removeFilter(drop)
-
-
-def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
-    _needs("onnx", "onnx")
-    with torch.no_grad(), _quiet_onnx_exporter():
-        program = torch.onnx.export(
-            model, (_example(metadata),), input_names=["images"], output_names=["logits"],
-            dynamic_shapes={"images": {0: torch.export.Dim("batch")}}, verbose=False,
-        )  # fmt: skip
-    assert program is not None  # the dynamo exporter (torch's default) returns its program
-    proto = program.model_proto
-    _drop_stack_traces(proto)
-    proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(metadata))
-    atomic_write_bytes(path, proto.SerializeToString())
-
-
-_ONNX_STACK_TRACE = "pkg.torch.onnx.stack_trace"  # per node: the Python stack, by this machine's absolute paths
-
-
-def _drop_stack_traces(proto: Any) -> None:
-    """Remove every node's ``_ONNX_STACK_TRACE`` entry (graph, functions, subgraphs) from the ONNX ``proto``."""
-    for node in _onnx_nodes([*proto.graph.node, *(n for f in proto.functions for n in f.node)]):
-        kept = [(p.key, p.value) for p in node.metadata_props if p.key != _ONNX_STACK_TRACE]
-        del node.metadata_props[:]
-        for key, value in kept:
-            node.metadata_props.add(key=key, value=value)
-
-
-def _onnx_nodes(nodes: Any) -> Iterator[Any]:
-    """``nodes`` and the nodes of their subgraphs (If, Loop, Scan bodies), depth first."""
-    for node in nodes:
-        yield node
-        for attribute in node.attribute:
-            for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _onnx_nodes(graph.node)
-
-
-_WRITERS = {"safetensors": _write_safetensors, "torchscript": _write_torchscript, "onnx": _write_onnx}
-
-
-def model_card(metadata: dict[str, Any], path: Path) -> str:
-    """The card of one exported file: what the model is, how it was trained privately, how to load it.
-
-    Args:
-        metadata: the file's metadata.
-        path: the file (the card names it).
-
-    Returns:
-        Markdown.
-    """
-    privacy, model, data = metadata["privacy"], metadata["model"], metadata["data"]
-    caveats = "\n".join(f"  - {c}" for c in privacy.get("guarantee_caveats") or []) or "  - none"  # nested under their bullet
-    partial = partial_note(metadata)
-    partial_block = f"\n**{partial}**\n" if partial else ""
-    return f"""# {model["name"]} on {data["name"]} ({metadata["weights"]} weights)
-
-File: `{path.name}` ({metadata["format"]}), the {metadata["weights"]} weights at step {metadata["step"]} of {metadata["planned_steps"]},
-exported by dpscale {metadata["dpscale_version"]}. This card describes that file only.
-{partial_block}
-## Model
-- {model["name"]}, {model["parameters"]:,} parameters, {model["num_classes"]} classes, input {metadata["input"]["shape"]}
-  (float32 images in [0, 1], NCHW; normalisation: {metadata["input"]["normalization"]}).{_features_line(metadata)}
-- Classes (output i is class i): {_classes_line(metadata["classes"])}
-- Test accuracy {100 * metadata["test_accuracy"]:.2f}% on {data["name"]}'s test split ({data["test_split"]}, {data["num_test"]} images).
-
-## Privacy
-- **{privacy["privacy_status"]}**
-- (epsilon, delta) = ({privacy["epsilon"]}, {privacy["delta"]}), {privacy["accountant"]} accountant, {privacy["sampling"]} sampling, {privacy.get("adjacency", "add/remove")} adjacency
-  (q = {privacy["sample_rate"]}, expected batch {privacy["batch_size"]} of N = {privacy["dataset_size"]}{_unit_words(privacy)}),
-  noise multiplier {privacy["noise_multiplier"]}, clipping norm {privacy["max_grad_norm"]} ({privacy["clipping"]}),
-  {privacy["steps"]} steps, mechanism {privacy["mechanism"]}.
-- Who it protects: {privacy.get("protects", "any one training image")} (privacy unit: {privacy.get("privacy_unit", "example")}).{_odds_line(privacy)}
-- What the guarantee covers: {privacy.get("guarantee_scope") or "nothing (not a private run)"}{_training_set_line(privacy)}
-- Caveats of this run:
-{caveats}
-
-## Loading
-{_loading_line(metadata, path.name)}
-"""
-
-
-def _training_set_line(privacy: dict[str, Any]) -> str:
-    """The card's line when rules of the whole collection chose the training set (report.training_set_note)."""
-    return f"\n- **Training set: {privacy['training_set']}.**" if privacy.get("training_set") else ""
-
-
-def _odds_line(privacy: dict[str, Any]) -> str:
-    """The card's reading of the guarantee as an attacker's odds (absent where the run reports none)."""
-    if not privacy.get("odds"):
-        return ""
-    from dpscale.privacy.accounting.tradeoff import format_odds
-
-    return f"\n- As an attacker's odds: {privacy['odds']}; {format_odds(privacy)} [from {privacy['odds_from']}]."
-
-
-CARD_CLASSES = 20  # a card lists this many class names; the metadata holds them all
-
-
-def _classes_line(classes: list[str]) -> str:
-    """The card's class names: the first ``CARD_CLASSES``, then how many more the metadata holds."""
-    listed = ", ".join(f"`{c}`" for c in classes[:CARD_CLASSES])
-    more = len(classes) - CARD_CLASSES
-    return listed + (f", ... ({more} more in the metadata's `classes`)" if more > 0 else "")
-
-
-def _features_line(metadata: dict[str, Any]) -> str:
-    spec = metadata.get("features")
-    if not spec:
-        return ""
-    return (f"\n- Inside the model, before {metadata['model']['name']}: ScatterNet (J={spec['J']}, L={spec['L']}, "
-            f"order {spec['max_order']}, pad {spec['pad']}) to {metadata['model']['input_shape']} features, then "
-            f"{spec['normalize']}"
-            + (" (its statistics: a private release, counted in epsilon)" if spec["normalize"] == "datanorm" else "")
-            + (", then minus the training set's mean feature vector (a private release, counted in epsilon)."
-               if spec.get("center") else "."))  # fmt: skip
-
-
-def _loading_line(metadata: dict[str, Any], name: str) -> str:
-    """The card's loading line; its evaluation call names the data root wherever the dataset needs one
-    (an export names no local path: the card once gave a call that failed for an image folder)."""
-    data, where = metadata["data"], ""
-    if data["name"] != "mnist-5k":
-        where += f', data_root="<where {data["name"]} lies on this machine>"'
-    if data.get("val_labels"):
-        where += f', val_labels="<your copy of {data["val_labels"]}>"'
-    return _LOADING[metadata["format"]].format(name=name, where=where)
-
-
-_LOADING = {
-    "safetensors": '`model, meta = dpscale.exported.load_exported("{name}")` rebuilds the zoo model (needs dpscale\'s '
-    'models and safetensors); `dpscale.exported.evaluate_exported("{name}"{where})` gives its test accuracy.',
-    "torchscript": '`torch.jit.load("{name}")` (torch alone); the metadata: '
-    '`torch.jit.load("{name}", _extra_files={{"dpscale.json": ""}})` or `dpscale.exported.read_metadata`.',
-    "onnx": '`onnxruntime.InferenceSession("{name}")`, input `images`, output `logits`; the metadata is the '
-    "model's `metadata_props` entry `dpscale` (`dpscale.exported.read_metadata`).",
-}

@@ -13,6 +13,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-commands on a subparsers object."""
     bench = sub.add_parser("bench", help="benchmarks (step-time, ops, end-to-end, data)")
     kinds = bench.add_subparsers(dest="bench", required=True)
+    _add_step_time_parser(kinds)
+    _add_end_to_end_parser(kinds)
+    _add_ops_parser(kinds)
+    _add_gpu_suite_parser(kinds)
+    data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
+    add_data_arguments(data)
+    data.set_defaults(func=_run_data)
+
+
+def _add_step_time_parser(kinds: argparse._SubParsersAction) -> None:
+    """``bench step-time``: what is timed and how, then the twin rows, then where the table goes."""
     step = kinds.add_parser("step-time", help="ms per DP-SGD step per engine vs non-private, and Opacus")
     step.add_argument("--models", default="papernot-cnn,tramer-cifar-cnn")
     step.add_argument(
@@ -34,6 +45,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="wall: synchronised wall clock; thread: this thread's CPU time with one torch thread "
         "(CPU only: what a loaded shared machine does not inflate)",
     )
+    _add_step_time_twins(step)
+    step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
+    step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
+    step.set_defaults(func=_run_step_time)
+
+
+def _add_step_time_twins(step: argparse.ArgumentParser) -> None:
+    """``bench step-time``'s twin rows after each dpscale engine: BandMF, PEFT, user-level, compiled."""
     step.add_argument(
         "--mechanism",
         choices=MECHANISMS,
@@ -63,9 +82,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="also time a compiled twin (-compiled) of each dpscale engine row: make_private(compile=True), the vmap "
         "engine's clipped step as one torch.compile graph, compiled before the warm-up (engines it refuses are skipped)",
     )
-    step.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
-    step.add_argument("--write", metavar="PATH", help="also write the markdown table here (e.g. docs/benchmarks.md)")
-    step.set_defaults(func=_run_step_time)
+
+
+def _add_end_to_end_parser(kinds: argparse._SubParsersAction) -> None:
+    """``bench end-to-end``: a preset's whole run, dpscale vs Opacus."""
     whole = kinds.add_parser("end-to-end", help="a preset's whole training run, dpscale vs the same recipe in Opacus")
     whole.add_argument("config", nargs="?", default=None, help="YAML file or preset:<name> (default: the default config)")
     whole.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
@@ -75,6 +95,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--json", action="store_true", help="print rows as JSON instead of the table")
     whole.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     whole.set_defaults(func=_run_end_to_end)
+
+
+def _add_ops_parser(kinds: argparse._SubParsersAction) -> None:
+    """``bench ops``: the operators one step launches."""
     ops = kinds.add_parser("ops", help="ATen operators one optimizer step launches per engine vs non-private, and Opacus")
     ops.add_argument("--models", default=None, help="comma list (default: papernot-cnn, tramer-cifar-cnn, wrn16-4, resnet18-gn)")
     ops.add_argument("--engines", default=None, help="comma list, step-time's names (default: nonprivate, dpscale-auto, opacus-ew)")
@@ -92,6 +116,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     ops.add_argument("--json", action="store_true", help="print rows as JSON (every operator's count) instead of the table")
     ops.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     ops.set_defaults(func=_run_ops)
+
+
+def _add_gpu_suite_parser(kinds: argparse._SubParsersAction) -> None:
+    """``bench gpu-suite``: the device acceptance suite."""
     suite = kinds.add_parser(
         "gpu-suite",
         help="the device acceptance suite: engines vs the float64 loop, 16-bit clip "
@@ -106,9 +134,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--data-root", default=None, metavar="DIR", help="Fashion-MNIST: section 5 trains the whole dpscale-fmnist-cnn preset on it"
     )
     suite.set_defaults(func=_run_gpu_suite)
-    data = kinds.add_parser("data", help="images/s from disk to device by worker count; share of a step waiting for data")
-    add_data_arguments(data)
-    data.set_defaults(func=_run_data)
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +157,7 @@ def _run_gpu_suite(args: argparse.Namespace) -> int:
 
 
 def _run_step_time(args: argparse.Namespace) -> int:
-    from dpscale.bench.step_time import main
+    from dpscale.bench.step_time_command import main
 
     return main(args)
 

@@ -18,31 +18,34 @@ non-private and Opacus rows under the same autocast; fp16 with the same fixed lo
 ``--compile`` adds a "-compiled" twin after each dpscale row: ``make_private(compile=True)``, the
 vmap engine's clipped step as one ``torch.compile`` graph (``dpscale.privacy.clipping.compiled``), compiled
 in the step's first run (before the warm-up, never timed); the engines it refuses are skipped.
+
+The command (its flags, threads and table file) is ``bench/step_time_command.py``; the rows' name
+suffixes are read in ``bench/engine_names.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpscale.bench.engine_names import compiled_of, peft_of, user_rows_of
 from dpscale.cpu_memory import keep_freed_memory
-from dpscale.choices import PEFT_METHODS
-from dpscale.errors import ConfigError
 from dpscale.models import build_model, default_input_shape
 from dpscale.models.peft import apply_peft
 from dpscale.privacy.clipping.precision import FP32, Precision, make_precision
 from dpscale.train.step import physical_chunks
+
+if TYPE_CHECKING:
+    from dpscale.train.mechanism import DPMechanism
 
 DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
 # On a GPU: the batch sizes of the issue's H100 table (224x224 for the ImageNet models).
@@ -130,11 +133,7 @@ def _dpscale_step(
     ``user_rows`` = k > 0, the same B images as B / k users of k images each, clipped per user
     (privacy unit user: the chunk cut and padded by ``user_rows`` inside the timed step); with
     ``compile``, the compiled step (``make_private(compile=True)``)."""
-    from dpscale.privacy.options import (
-        BandMF, EngineName, Flat, Independent, NoiseMultiplier, PerExample, PerformanceFlags, PerUser, Poisson, PrecisionName,
-    )  # fmt: skip
     from dpscale.privacy.clipping.per_example import user_rows as padded_user_rows
-    from dpscale.train.private import make_private
 
     model = _fresh_model(name, x.device)
     apply_peft(model, peft, rank=lora_rank)
@@ -142,14 +141,7 @@ def _dpscale_step(
     batch = x.shape[0]
     if user_rows and batch % user_rows:
         raise ValueError(f"-user{user_rows} rows need a batch size divisible by {user_rows}, got {batch}")
-    mechanism = make_private(
-        model, optimizer, dataset_size=100 * batch, sampling=Poisson(batch_size=batch // max(1, user_rows)),
-        clipping=Flat(max_grad_norm=CLIP), budget=NoiseMultiplier(sigma=SIGMA, delta=1e-5),
-        steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp", augment_multiplicity=views, seed=0,
-        noise=BandMF(bands=bands) if bands > 1 else Independent(),
-        unit=PerUser(user_ids=torch.arange(100 * batch) // user_rows, max_examples_per_user=user_rows) if user_rows else PerExample(),
-        performance=PerformanceFlags(engine=cast(EngineName, engine_name), precision=cast(PrecisionName, precision.name), compile=compile),
-    )  # fmt: skip
+    mechanism = _mechanism(model, optimizer, engine_name, batch, views, precision, bands, user_rows, compile)
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)
     offsets = torch.arange(0, batch + 1, max(1, user_rows))
@@ -167,25 +159,24 @@ def _dpscale_step(
     return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__, lambda: describe_methods(mechanism.engine))
 
 
-def peft_of(engine: str) -> tuple[str, str]:
-    """ "dpscale-auto-lora" -> ("dpscale-auto", "lora"): a PEFT suffix (``--peft``); "none" without one."""
-    head, _, last = engine.rpartition("-")
-    return (head, last) if head and last in PEFT_METHODS and last != "none" else (engine, "none")
+def _mechanism(
+    model: nn.Module, optimizer: torch.optim.Optimizer, engine_name: str, batch: int, views: int, precision: Precision,
+    bands: int, user_rows: int, compile: bool,
+) -> DPMechanism:  # fmt: skip
+    """``make_private``'s mechanism for a ``_dpscale_step`` row (its arguments' meanings are that function's)."""
+    from dpscale.privacy.options import (
+        BandMF, EngineName, Flat, Independent, NoiseMultiplier, PerExample, PerformanceFlags, PerUser, Poisson, PrecisionName,
+    )  # fmt: skip
+    from dpscale.train.private import make_private
 
-
-def user_rows_of(engine: str) -> tuple[str, int]:
-    """ "dpscale-bk-user4" -> ("dpscale-bk", 4): a "-userK" suffix times users of K images (0 without one)."""
-    head, _, last = engine.rpartition("-")
-    if head and last.startswith("user") and last[4:].isdigit() and int(last[4:]) >= 1:
-        return head, int(last[4:])
-    return engine, 0
-
-
-def compiled_of(engine: str) -> tuple[str, bool]:
-    """ "dpscale-auto-compiled" -> ("dpscale-auto", True): a "-compiled" suffix (``--compile``) asks
-    for the compiled step; it is the last suffix of a name."""
-    head, _, last = engine.rpartition("-")
-    return (head, True) if head and last == "compiled" else (engine, False)
+    return make_private(
+        model, optimizer, dataset_size=100 * batch, sampling=Poisson(batch_size=batch // max(1, user_rows)),
+        clipping=Flat(max_grad_norm=CLIP), budget=NoiseMultiplier(sigma=SIGMA, delta=1e-5),
+        steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp", augment_multiplicity=views, seed=0,
+        noise=BandMF(bands=bands) if bands > 1 else Independent(),
+        unit=PerUser(user_ids=torch.arange(100 * batch) // user_rows, max_examples_per_user=user_rows) if user_rows else PerExample(),
+        performance=PerformanceFlags(engine=cast(EngineName, engine_name), precision=cast(PrecisionName, precision.name), compile=compile),
+    )  # fmt: skip
 
 
 def _parse_engine(engine: str) -> tuple[str, str, int, int]:
@@ -202,28 +193,6 @@ def _parse_engine(engine: str) -> tuple[str, str, int, int]:
         engine, views = head, int(last[1:])
     kind, _, mode = engine.partition("-")
     return kind, mode, views, bands
-
-
-def with_twin_rows(engines: list[str], suffix: str) -> list[str]:
-    """``engines`` with a twin ``ENGINE-suffix`` after each dpscale engine, timed in the same
-    process, interleaved, so that their ratio is the suffix's cost (or saving)."""
-    out = []
-    for engine in engines:
-        out.append(engine)
-        if engine.startswith("dpscale-") and not engine.endswith(f"-{suffix}"):
-            out.append(f"{engine}-{suffix}")
-    return out
-
-
-def with_bandmf_rows(engines: list[str], bands: int) -> list[str]:
-    """``engines`` with a BandMF twin after each dpscale engine (``--mechanism bandmf``): both
-    timed in one process, interleaved, so their ratio is the cost of the correlated noise."""
-    out = []
-    for engine in engines:
-        out.append(engine)
-        if engine.startswith("dpscale-") and "-bandmf" not in engine:
-            out.append(f"{engine}-bandmf{bands}")
-    return out
 
 
 def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precision: Precision = FP32) -> TimedStep:
@@ -318,32 +287,40 @@ def run_step_time(
         label = name if shape == default_input_shape(name) else f"{name}@{shape[-1]}"
         x = torch.randn(batch, *shape, generator=g).to(dev)
         y = torch.randint(0, 10, (batch,), generator=g).to(dev)
-        steps: dict[str, TimedStep] = {"nonprivate": _nonprivate_step(name, x, y, precision=prec)}
-        for engine in engines:
-            if engine == "nonprivate":
-                continue
-            kind, mode, views, bands = _parse_engine(engine)
-            try:
-                if kind == "nonprivate" and bands == 1:
-                    steps[engine] = _nonprivate_step(name, x, y, views, prec)
-                elif kind == "dpscale":
-                    base, compiled = compiled_of(engine)
-                    steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(user_rows_of(base)[0])[1],
-                                                  lora_rank, user_rows_of(base)[1], compiled)  # fmt: skip
-                elif kind == "opacus" and views == 1 and bands == 1:
-                    steps[engine] = _opacus_step(name, mode, x, y, prec)
-                else:
-                    raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
-                steps[engine].run()  # fail here, not mid-measurement
-            except ImportError:
-                log(f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')")
-                steps.pop(engine, None)
-            except (RuntimeError, ValueError, NotImplementedError) as err:
-                log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-                steps.pop(engine, None)
+        steps = _timed_steps(name, engines, x, y, prec, lora_rank, log)
         with prec.matmul_flags():
             rows += _measure(label, batch, steps, repeats, warmup, dev, log, clock)
     return rows
+
+
+def _timed_steps(
+    name: str, engines: list[str], x: torch.Tensor, y: torch.Tensor, prec: Precision, lora_rank: int, log: Callable[[str], None],
+) -> dict[str, TimedStep]:  # fmt: skip
+    """Every engine's step for model ``name`` on (x, y), each run once (those that cannot run are skipped with a log line)."""
+    steps: dict[str, TimedStep] = {"nonprivate": _nonprivate_step(name, x, y, precision=prec)}
+    for engine in engines:
+        if engine == "nonprivate":
+            continue
+        kind, mode, views, bands = _parse_engine(engine)
+        try:
+            if kind == "nonprivate" and bands == 1:
+                steps[engine] = _nonprivate_step(name, x, y, views, prec)
+            elif kind == "dpscale":
+                base, compiled = compiled_of(engine)
+                steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(user_rows_of(base)[0])[1],
+                                              lora_rank, user_rows_of(base)[1], compiled)  # fmt: skip
+            elif kind == "opacus" and views == 1 and bands == 1:
+                steps[engine] = _opacus_step(name, mode, x, y, prec)
+            else:
+                raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
+            steps[engine].run()  # fail here, not mid-measurement
+        except ImportError:
+            log(f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')")
+            steps.pop(engine, None)
+        except (RuntimeError, ValueError, NotImplementedError) as err:
+            log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+            steps.pop(engine, None)
+    return steps
 
 
 NOISE_TOLERANCE = 0.05  # bk and auto running the same engine must agree within this, else the table is noisy
@@ -406,26 +383,6 @@ def noisy_rows(rows: list[Row], tolerance: float = NOISE_TOLERANCE) -> list[str]
     return found
 
 
-def _set_threads(args) -> None:
-    """--threads; --clock thread times one torch thread (the other threads' CPU time would not count)."""
-    if args.clock == "thread":
-        if args.device != "cpu":
-            raise ConfigError("--clock thread measures CPU time: use it with --device cpu")
-        if args.threads not in (None, 1):
-            raise ConfigError("--clock thread times one torch thread: leave --threads out or set it to 1")
-        torch.set_num_threads(1)
-    elif args.threads:
-        torch.set_num_threads(args.threads)
-
-
-def _load_average() -> float:
-    """The 1-minute load average (nan where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return float("nan")
-
-
 def _cpu_name() -> str:
     from dpscale.privacy.clipping.autotune import cpu_isa, cpu_model
 
@@ -467,40 +424,3 @@ def markdown_table(
             f"{r.peak_mem_mb:.1f} | {mem_ratio:.2f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def main(args) -> int:
-    models = [m for m in args.models.split(",") if m]
-    engines = [e for e in args.engines.split(",") if e] if args.engines else list(ALL_ENGINES)
-    if args.mechanism == "bandmf":
-        engines = with_bandmf_rows(engines, args.bands)
-    if args.peft:
-        engines = with_twin_rows(engines, args.peft)
-    if args.user_rows:
-        engines = with_twin_rows(engines, f"user{args.user_rows}")
-    if getattr(args, "compile", False):  # last: "-compiled" ends a name (compiled_of)
-        engines = with_twin_rows(engines, "compiled")
-    _set_threads(args)
-    load_before = _load_average()
-    rows = run_step_time(
-        models,
-        engines,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        device=args.device,
-        precision=args.precision,
-        batch_size=args.batch_size,
-        lora_rank=args.lora_rank,
-        clock=args.clock,
-    )
-    load = (load_before, _load_average())
-    if args.json:
-        print(json.dumps([{k: v for k, v in asdict(r).items() if k not in ("repeats", "resolved")} for r in rows]))
-    command = "dpscale bench step-time " + " ".join(args.argv)
-    table = markdown_table(rows, command.strip(), args.device, args.precision, args.clock, load)
-    if not args.json:
-        print(table)
-    if args.write:
-        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write).write_text(table)
-    return 0

@@ -1,25 +1,30 @@
-"""``dpscale account``: epsilon for DP-SGD parameters, or the noise (or steps) for a target epsilon."""
+"""``dpscale account``: epsilon for DP-SGD parameters, or the noise (or steps) for a target epsilon.
+
+Its flags are checked in ``cli/account_checks.py``; its printed answer is ``cli/account_report.py``'s.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, MECHANISMS
 from dpscale.privacy.sampling.modes import SAMPLING_MODES
+from dpscale.cli.account_checks import check_account_flags, feature_releases_of
+from dpscale.cli.account_report import print_account
 from dpscale.cli.args import bands_arg, number_arg, positive_int, refusals_as_config_errors
 from dpscale.errors import ConfigError
 from dpscale.privacy.plan.numbers import PrivacyNumbers
 
+if TYPE_CHECKING:
+    from dpscale.privacy.plan.dp_plan import DPPlan
+
 
 def _cmd_account(args: argparse.Namespace) -> int:
-    _check_account_args(args)
-    _check_unit_args(args)
-    _check_cap_args(args)
-    _check_sampling_args(args)
-    releases = _feature_releases(args.data_norm_noise, args.feature_mean_noise)
+    check_account_flags(args)
+    releases = feature_releases_of(args.data_norm_noise, args.feature_mean_noise)
     if args.mechanism == "bandmf":
         result = _account_bandmf(args, releases)
     else:
@@ -32,25 +37,21 @@ def _cmd_account(args: argparse.Namespace) -> int:
     elif args.mechanism == "bandmf":
         print(result["header"])
     else:
-        _print_account(result, with_releases=bool(releases))
+        print_account(result, with_releases=bool(releases))
     return 0
 
 
 def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]:
     """BandMF's plan for the flags: b (fixed or auto), sigma (given or calibrated for that b) and
     the amplified accounting (ceil(S/b) compositions at p = b*q)."""
-    from dpscale.privacy.workload import Workload
-    from dpscale.privacy.noise.correlated import BandsRequest
-    from dpscale.privacy.plan.make_plan import make_dp_plan, steps_for
+    from dpscale.privacy.plan.make_plan import steps_for
 
     if args.steps is None and args.epochs is None:
         raise ConfigError("--mechanism bandmf needs --epochs or --steps (solving for the length is DP-SGD only)")
     if args.noise is not None and args.target_epsilon is not None:
         raise ConfigError("--mechanism bandmf: give --noise (epsilon is computed) or --target-epsilon, not both")
     steps = steps_for(args.epochs, args.steps, args.dataset_size, args.batch_size)
-    with refusals_as_config_errors():  # e.g. a momentum outside [0, 1)
-        request = BandsRequest(bands=args.bands, workload=Workload(steps=steps, momentum=args.momentum), max_bands=args.max_bands)
-        plan = make_dp_plan(PrivacyNumbers(batch_size=args.batch_size, max_grad_norm=1.0, delta=args.delta, target_epsilon=args.target_epsilon, noise_multiplier=args.noise, accountant=args.accountant), dataset_size=args.dataset_size, steps=steps, releases=releases, correlated=request)  # fmt: skip
+    plan = _bandmf_plan(args, steps, releases)
     noise = plan.correlated
     assert noise is not None  # make_dp_plan plans the banded noise of every BandsRequest (choose_bands)
     return {
@@ -65,41 +66,15 @@ def _account_bandmf(args: argparse.Namespace, releases: tuple) -> dict[str, Any]
     }  # fmt: skip
 
 
-def _check_account_args(args: argparse.Namespace) -> None:
-    """Refuse flags out of range, and neither --noise nor --target-epsilon."""
-    n, b = args.dataset_size, args.batch_size
-    if n < 1 or not 1 <= b <= n:
-        raise ConfigError(f"need 1 <= --batch-size <= --dataset-size, got {b} and {n}")
-    if not 0 < args.delta < 1:
-        raise ConfigError(f"--delta must be in (0, 1), got {args.delta}")
-    if args.noise is None and args.target_epsilon is None:
-        raise ConfigError("give --noise (to compute epsilon) or --target-epsilon (to calibrate the noise)")
-    if args.epochs is not None and not (args.epochs > 0 and math.isfinite(args.epochs)):
-        raise ConfigError(f"--epochs must be a positive number, got {args.epochs}")
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if args.target_epsilon is not None and not (args.target_epsilon > 0 and math.isfinite(args.target_epsilon)):
-        raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
-    if args.noise is not None and args.noise <= 0:
-        raise ConfigError(f"--noise must be > 0, got {args.noise}")
+def _bandmf_plan(args: argparse.Namespace, steps: int, releases: tuple) -> DPPlan:
+    """The DP plan of BandMF for the flags and ``steps`` (``_account_bandmf``'s)."""
+    from dpscale.privacy.workload import Workload
+    from dpscale.privacy.noise.correlated import BandsRequest
+    from dpscale.privacy.plan.make_plan import make_dp_plan
 
-
-def _check_sampling_args(args: argparse.Namespace) -> None:
-    """Refuse what fixed-size or shuffled batches are not accounted with here, and set the accountant
-    that composes them (fixed: RDP, the only one dp_accounting has for sampling without replacement)."""
-    if args.sampling == "poisson":
-        return
-    refused = [(args.mechanism == "bandmf", "--mechanism bandmf (cyclic Poisson sampling)"),
-               (args.unit == "user", "--unit user (people are Poisson-sampled)"),
-               (args.group_size is not None, "--group-size (the group reading is written for add/remove adjacency)"),
-               (args.max_batch_size is not None, "--max-batch-size (it caps Poisson batches)"),
-               (args.batch_size != int(args.batch_size), f"a fractional --batch-size {args.batch_size}")]  # fmt: skip
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(f"--sampling {args.sampling} is not accounted with {what}")
-    from dpscale.privacy.plan.sampling_plan import accountant_for
-
-    args.accountant = accountant_for(args.sampling, None, args.accountant)
+    with refusals_as_config_errors():  # e.g. a momentum outside [0, 1)
+        request = BandsRequest(bands=args.bands, workload=Workload(steps=steps, momentum=args.momentum), max_bands=args.max_bands)
+        return make_dp_plan(PrivacyNumbers(batch_size=args.batch_size, max_grad_norm=1.0, delta=args.delta, target_epsilon=args.target_epsilon, noise_multiplier=args.noise, accountant=args.accountant), dataset_size=args.dataset_size, steps=steps, releases=releases, correlated=request)  # fmt: skip
 
 
 def _batches(args: argparse.Namespace) -> Any:
@@ -107,29 +82,6 @@ def _batches(args: argparse.Namespace) -> Any:
     from dpscale.privacy.accounting.batch_sampling import batch_sampling_for
 
     return batch_sampling_for(args.sampling, args.dataset_size)
-
-
-def _check_cap_args(args: argparse.Namespace) -> None:
-    """Refuse what a batch cap (truncated Poisson) cannot be accounted with here. With --unit user the
-    cap counts people, as a user-level run's sampler does (``UserPoissonSampler``)."""
-    cap = args.max_batch_size
-    if cap is None:
-        return
-    if cap != "auto" and not (cap.isdigit() and int(cap) >= 1):
-        raise ConfigError(f"--max-batch-size must be a positive integer or auto, got {cap!r}")
-    refused = [
-        (args.mechanism == "bandmf", "--mechanism bandmf"),
-        (args.group_size is not None, "--group-size"),
-        (args.target_epsilon is not None and args.noise is not None,
-         "--target-epsilon and --noise (solving the length under a cap is not built: give --epochs or --steps)"),
-    ]  # fmt: skip
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(f"--max-batch-size is not accounted with {what}")
-    from dpscale.privacy.plan.sampling_plan import accountant_for
-
-    # the run's rule (PLD: dp_accounting composes truncated Poisson with it alone), as train and make_private do
-    args.accountant = accountant_for("poisson", cap, args.accountant)
 
 
 def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tuple, uncapped: dict[str, Any]) -> dict[str, Any]:
@@ -158,35 +110,6 @@ def _cap_fields(args: argparse.Namespace, sigma: float, steps: int, releases: tu
         "max_batch_size_auto": args.max_batch_size == "auto", "sampling": f"poisson, truncated at {capped.max_batch_size}",
         "meaning": meaning(epsilon=capped.epsilon, delta=args.delta, unit_words=uncapped["unit_text"]),
     }  # fmt: skip
-
-
-def _check_unit_args(args: argparse.Namespace) -> None:
-    """Refuse --examples-per-user without --unit user, --group-size with it, and what a user-level
-    plan or the group reading cannot cover here (BandMF). (At the user unit Data Normalization and
-    centring clip one row per person: the same releases, so --data-norm-noise composes as it is.)"""
-    per_user, group = args.examples_per_user, args.group_size
-    if per_user is not None and args.unit != "user":
-        raise ConfigError("--examples-per-user needs --unit user (for an example-level run, --group-size K says what "
-                          "it promises a person with K images)")  # fmt: skip
-    if group is not None and args.unit == "user":
-        raise ConfigError("--group-size is for example-level runs: a --unit user guarantee already covers all of a "
-                          "person's images")  # fmt: skip
-    for flag, k in (("--examples-per-user", per_user), ("--group-size", group)):
-        if k is not None and k < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {k}")
-    if args.mechanism == "bandmf" and (args.unit == "user" or group is not None):
-        raise ConfigError("--unit user and --group-size account DP-SGD (--mechanism dpsgd) only")
-
-
-def _feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple:
-    """The releases of ``--data-norm-noise`` (private Data Normalization) and
-    ``--feature-mean-noise`` (private centring), in the order a run draws them (none without them)."""
-    from dpscale.privacy.accounting.accountant import feature_releases
-
-    for flag, sigma in (("--data-norm-noise", data_norm_noise), ("--feature-mean-noise", feature_mean_noise)):
-        if sigma is not None and not sigma > 0:
-            raise ConfigError(f"{flag} must be > 0, got {sigma}")
-    return feature_releases(data_norm_noise, feature_mean_noise)
 
 
 def _capped_noise(args: argparse.Namespace, steps: int, releases: tuple) -> float:
@@ -334,93 +257,19 @@ def _group_fields(args: argparse.Namespace, sigma: float, steps: int, releases: 
     }  # fmt: skip
 
 
-def _print_account(result: dict[str, Any], with_releases: bool) -> None:
-    from dpscale.privacy.plan.sampling_plan import cap_cost_text
-    from dpscale.privacy.accounting.tan import PRIVACY_WALL_SIGMA
-    from dpscale.privacy.accounting.tradeoff import format_odds
-
-    n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
-    people = result["unit"] == "user"
-    mode = "truncated" if result.get("max_batch_size") else result["sampling"]  # a cap's own line follows
-    print(
-        f"DP-SGD with {SAMPLING_WORDS[mode]}{' of people' if people else ''} q = {b}/{n} = {q:.6g}, "
-        f"noise multiplier sigma = {sigma:.6g}, {steps} steps ({steps * q:.4g} "
-        f"{'passes over the people' if people else 'epochs'})"
-    )
-    if mode in SAMPLING_NOTES:
-        print(f"  {SAMPLING_NOTES[mode]}")
-    if people:
-        k = f"{result['examples_per_user']} images each; " if result["examples_per_user"] else ""
-        print(f"  privacy unit: one person ({k}each person's summed gradient is clipped to C, so epsilon does not "
-              "depend on their number of images)")  # fmt: skip
-    parts = [f"private Data Normalization (sigma_norm = {result['data_norm_noise']:g})"] if result["data_norm_noise"] else []
-    if result["feature_mean_noise"]:
-        parts.append(f"private centring (sigma_center = {result['feature_mean_noise']:g})")
-    norm = f", composed with {' and '.join(parts)}" if with_releases else ""
-    print(f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}")
-    if result.get("max_batch_size"):
-        how = "the smallest cap within 1% of uncapped Poisson" if result["max_batch_size_auto"] else "the cap given"
-        cost = cap_cost_text(result["epsilon"], result["poisson_epsilon"], percent=True)
-        print(
-            f"  batches capped at {result['max_batch_size']}{' people' if people else ''} ({how}; truncated Poisson, dp_accounting's "
-            f"TruncatedSubsampledGaussianDpEvent): uncapped Poisson {result['poisson_epsilon']:.4f}, {cost}"
-        )
-    poisson_wall = sigma < PRIVACY_WALL_SIGMA and result["sampling"] == "poisson"  # no eps_TAN reading of other samplers
-    wall = "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)" if poisson_wall else ""
-    alone = " (DP-SGD steps alone)" if with_releases else ""
-    alone += "" if result["sampling"] == "poisson" else " (of Poisson sampling: no estimate of this sampling)"
-    print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
-    if result["wall_warning"]:
-        print(f"WARNING: {result['wall_warning']}")
-    print(result["meaning"])
-    if result["tpr_at_fpr"]:
-        print(f"  {format_odds(result)} [from {result['odds_from']}]")
-        print(f"  {result['odds']}")
-    if people:
-        cap = f" and dp.max_batch_size={result['max_batch_size']}" if result.get("max_batch_size") else ""
-        print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
-              f"gradient: train it with data.privacy_unit=user and dp.max_examples_per_user{cap} (docs/privacy-units.md)")  # fmt: skip
-    if result["group_privacy"]:
-        _print_group(result["group_privacy"], result["epsilon"], result["delta"])
-
-
-def _print_group(group: dict[str, Any], epsilon: float, delta: float) -> None:
-    """The group-privacy reading of the example-level guarantee for a person with k images."""
-    k = group["group_size"]
-    print(f"For a person with {k} images ({group['bound']}) [{group['source']}]:")
-    direct_delta = math.inf if group["direct_delta"] is None else group["direct_delta"]
-    vacuous = ": delta >= 1, no guarantee" if direct_delta >= 1 else ""
-    print(
-        f"  epsilon = {group['direct_epsilon']:.4f} at delta = {direct_delta:.3g}  "
-        f"({k} x {epsilon:.4f}, from the run's epsilon at delta = {delta:g}{vacuous})"
-    )
-    if group["epsilon"] is None:
-        print(
-            f"  no guarantee at delta = {delta:g}: no delta' of the run's epsilon curve (down to "
-            f"{group['min_delta']:g}, the smallest the accountant resolves) meets it"
-        )
-        return
-    print(
-        f"  epsilon = {group['epsilon']:.4f} at delta = {delta:g}  "
-        f"({k} x {group['example_epsilon']:.4f}, the run's epsilon at delta' = {group['example_delta']:.3g})"
-    )
-    print("  " + group["meaning"])
-
-
-SAMPLING_WORDS = {"poisson": "Poisson sampling", "fixed": "fixed-size batches (without replacement each step)",
-                  "shuffle": "shuffled fixed-size batches", "truncated": "capped Poisson sampling"}  # fmt: skip
-SAMPLING_NOTES = {
-    "fixed": "replace-one adjacency (one image replaced by another): dp_accounting's SampledWithoutReplacementDpEvent, "
-             "RDP, noise multiplier sigma/2 (the clipped sum moves by up to 2C)",
-    "shuffle": "no amplification by sampling: each image in at most one step per epoch, the epochs' Gaussians (noise "
-               "multiplier sigma/2, replace-one adjacency) composed; Chua et al. 2024 show the Poisson epsilon does "
-               "not cover shuffling. --sampling fixed keeps fixed-size batches with amplification",
-}  # fmt: skip
-
-
 def add_account_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``account``."""
     acc = sub.add_parser("account", help="epsilon for DP-SGD parameters, or the noise for a target epsilon")
+    _add_plan_arguments(acc)
+    _add_release_arguments(acc)
+    _add_bandmf_arguments(acc)
+    _add_unit_and_batch_arguments(acc)
+    acc.add_argument("--json", action="store_true")
+    acc.set_defaults(func=_cmd_account)
+
+
+def _add_plan_arguments(acc: argparse.ArgumentParser) -> None:
+    """DP-SGD's numbers: N, B, sigma, the length, delta, the accountant and the target epsilon."""
     acc.add_argument("--dataset-size", type=int, required=True, help="N")
     acc.add_argument("--batch-size", type=number_arg, required=True, help="expected batch size B (q = B/N)")
     acc.add_argument("--noise", type=float, help="noise multiplier sigma")
@@ -430,6 +279,10 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--delta", type=float, default=1e-5)
     acc.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="pld")
     acc.add_argument("--target-epsilon", type=float, help="calibrate sigma (or steps, given --noise) to this")
+
+
+def _add_release_arguments(acc: argparse.ArgumentParser) -> None:
+    """The feature releases composed with the steps: private Data Normalization and centring."""
     acc.add_argument(
         "--data-norm-noise",
         type=float,
@@ -442,6 +295,10 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         metavar="SIGMA_CENTER",
         help="compose with private centring (one Gaussian sum: features.center) at this noise",
     )
+
+
+def _add_bandmf_arguments(acc: argparse.ArgumentParser) -> None:
+    """The mechanism, and BandMF's bands and workload."""
     acc.add_argument(
         "--mechanism",
         choices=MECHANISMS,
@@ -451,6 +308,10 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--bands", type=bands_arg, default="auto", help="BandMF's b, or auto (least expected error x sigma)")
     acc.add_argument("--max-bands", type=positive_int, default=DEFAULT_MAX_BANDS, help="the largest b that auto tries")
     acc.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of the workload BandMF optimises for")
+
+
+def _add_unit_and_batch_arguments(acc: argparse.ArgumentParser) -> None:
+    """Who is protected (the unit, a group of images) and how batches are drawn (a cap, the sampling)."""
     acc.add_argument(
         "--unit",
         choices=("example", "user"),
@@ -478,5 +339,3 @@ def add_account_parser(sub: argparse._SubParsersAction) -> None:
         help="poisson (default); fixed: B distinct examples each step (RDP, replace-one adjacency); "
         "shuffle: a permutation per epoch, accounted without amplification",
     )
-    acc.add_argument("--json", action="store_true")
-    acc.set_defaults(func=_cmd_account)
