@@ -127,3 +127,20 @@ def leave_spawned_worker() -> None:
     work and its barrier had finished.
     """
     os._exit(0)
+
+
+# A tiny private run on the embedded MNIST sample (N = 4000): a linear model, 12 steps (the tune and TAN tests).
+TINY_RUN_SETS = (
+    "model.name=linear",
+    "dp.batch_size=512",
+    "dp.accountant=rdp",
+    "train.steps=12",
+    "train.eval_every_epochs=100",
+    "optim.lr=2",
+    "run.threads=1",
+)
+
+
+def set_flags(*items: str) -> list[str]:
+    """``--set`` before each ``key=value`` item: the command-line form of config overrides."""
+    return [x for item in items for x in ("--set", item)]

@@ -1,7 +1,6 @@
-"""Sweeps, TAN simulations through the trainer, `tan fit`, `tune clip-lr` and the TAN CLI commands."""
+"""Sweeps, TAN simulations through the trainer, `tan fit`, `tune clip-lr` (the TAN privacy commands: test_tune_privacy_cli.py)."""
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -16,22 +15,7 @@ from dpscale.tune import TUNING_CAVEAT
 from dpscale.privacy.plan.dp_plan import SEEDED_CAVEAT
 from dpscale.tune.clip_lr import GridValue, choose_clip_norm
 from dpscale.tune.sweep import Sweep, SweepSpec, parse_grid, split_values
-
-# A tiny private run on the embedded MNIST sample (N = 4000): a linear model, 12 steps.
-TINY = [
-    "model.name=linear",
-    "dp.batch_size=512",
-    "dp.accountant=rdp",
-    "train.steps=12",
-    "train.eval_every_epochs=100",
-    "optim.lr=2",
-    "run.threads=1",
-]
-
-
-def _sets(*items):
-    return [x for item in items for x in ("--set", item)]
-
+from helpers import TINY_RUN_SETS, set_flags
 
 # ------------------------------------------------------------------- grid
 def test_split_values_respects_brackets_and_quotes():
@@ -45,18 +29,18 @@ def test_split_values_respects_brackets_and_quotes():
 
 
 def test_sweep_rejects_a_bad_point_before_training_anything(tmp_path):
-    spec = SweepSpec(None, tuple(TINY), (("optim.lr", ("1", "-1")),))
+    spec = SweepSpec(None, tuple(TINY_RUN_SETS), (("optim.lr", ("1", "-1")),))
     with pytest.raises(ConfigError, match=r"001-optim.lr=-1.*optim.lr must be > 0"):
         Sweep(tmp_path / "s", spec, progress=False).prepare()
     assert not (tmp_path / "s").exists()
     with pytest.raises(ConfigError, match="unknown config key"):
-        Sweep(tmp_path / "s", SweepSpec(None, tuple(TINY), (("optim.lrr", ("1",)),)), progress=False).prepare()
+        Sweep(tmp_path / "s", SweepSpec(None, tuple(TINY_RUN_SETS), (("optim.lrr", ("1",)),)), progress=False).prepare()
 
 
 # ------------------------------------------------------ TAN simulated run
 def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, capsys):
     out = tmp_path / "sim"
-    code = main(["tan", "simulate", "--batch-size", "128", "--quiet", *_sets(*TINY, "run.seed=0", f"run.out_dir={out}")])
+    code = main(["tan", "simulate", "--batch-size", "128", "--quiet", *set_flags(*TINY_RUN_SETS, "run.seed=0", f"run.out_dir={out}")])
     assert code == 0
     stdout, stderr = capsys.readouterr()
     assert "TAN SIMULATION (no guarantee): stands for epsilon=" in stdout  # the result line
@@ -82,7 +66,7 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
 
 
 def test_simulated_run_resumes_bit_identically(tmp_path):
-    sets = [*TINY, "run.seed=3", "dp.simulated_batch_size=200", "train.checkpoint_every_steps=1"]
+    sets = [*TINY_RUN_SETS, "run.seed=3", "dp.simulated_batch_size=200", "train.checkpoint_every_steps=1"]
     whole = Trainer.create(load_config(None, [*sets, f"run.out_dir={tmp_path / 'a'}"]), progress=False)
     whole.run()
     part = Trainer.create(load_config(None, [*sets, f"run.out_dir={tmp_path / 'b'}"]), progress=False)
@@ -97,23 +81,23 @@ def test_simulated_run_resumes_bit_identically(tmp_path):
 
 
 def test_simulate_dry_run_prints_both_plans(capsys):
-    assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", *_sets(*TINY)]) == 0
+    assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", *set_flags(*TINY_RUN_SETS)]) == 0
     out = capsys.readouterr().out
     assert "reference run:  B=512" in out and "simulated run:  B=64" in out and "0.125x" in out
-    assert main(["tan", "simulate", "--batch-size", "512", "--dry-run", *_sets(*TINY)]) == 2
+    assert main(["tan", "simulate", "--batch-size", "512", "--dry-run", *set_flags(*TINY_RUN_SETS)]) == 2
     assert "must be smaller" in capsys.readouterr().err
 
 
 def test_simulation_evaluates_at_the_reference_runs_steps(tmp_path):
     # B_ref = 512 of N = 4000: an evaluation every 0.25 reference epochs is every ~2 steps, at any B
-    sets = [*TINY, "train.eval_every_epochs=0.25", f"run.out_dir={tmp_path / 'sim'}", "dp.simulated_batch_size=64"]
+    sets = [*TINY_RUN_SETS, "train.eval_every_epochs=0.25", f"run.out_dir={tmp_path / 'sim'}", "dp.simulated_batch_size=64"]
     Trainer.create(load_config(None, sets), progress=False).run()
     steps = [json.loads(x)["step"] for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6, 8, 10, 12]
 
 
 def test_an_interrupted_rerun_keeps_every_finished_point(tmp_path, monkeypatch):
-    spec = SweepSpec(None, (*TINY, "train.steps=2"), (("optim.lr", ("1", "2", "3", "4")),))
+    spec = SweepSpec(None, (*TINY_RUN_SETS, "train.steps=2"), (("optim.lr", ("1", "2", "3", "4")),))
     first = Sweep(tmp_path / "s", spec, progress=False).run()
     assert len(first) == 4
     for lost in (1, 3):  # these points "died" after their last checkpoint
@@ -140,7 +124,7 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
         "--quiet",
         "--out",
         str(sweep_dir),
-        *_sets(*TINY),
+        *set_flags(*TINY_RUN_SETS),
         "--grid",
         "dp.simulated_batch_size=64,128,256",
         "--grid",
@@ -168,7 +152,7 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
 
     # a reference run at B_ref, then the fit
     ref = tmp_path / "ref"
-    assert main(["train", "--quiet", *_sets(*TINY, "run.seed=0", f"run.out_dir={ref}")]) == 0
+    assert main(["train", "--quiet", *set_flags(*TINY_RUN_SETS, "run.seed=0", f"run.out_dir={ref}")]) == 0
     capsys.readouterr()
     assert main(["tan", "fit", str(sweep_dir), "--reference", str(ref)]) == 0
     out = capsys.readouterr().out
@@ -190,7 +174,7 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
                 "--quiet",
                 "--out",
                 str(sweep_dir),
-                *_sets(*TINY, "train.steps=4"),
+                *set_flags(*TINY_RUN_SETS, "train.steps=4"),
                 "--grid",
                 "dp.simulated_batch_size=64,128",
                 "--grid",
@@ -214,7 +198,7 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
                 "--quiet",
                 "--out",
                 str(lr_sweep),
-                *_sets(*TINY, "train.steps=4", "optim.lr=1"),
+                *set_flags(*TINY_RUN_SETS, "train.steps=4", "optim.lr=1"),
                 "--grid",
                 "dp.simulated_batch_size=256",
                 "--grid",
@@ -240,7 +224,7 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
         _check_one_setting([str(run), str(scored)])
     # a non-simulated run at another B has another eta_step: refused
     other = tmp_path / "other"
-    assert main(["train", "--quiet", *_sets(*TINY, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}")]) == 0
+    assert main(["train", "--quiet", *set_flags(*TINY_RUN_SETS, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}")]) == 0
     capsys.readouterr()
     code = main(["tan", "fit", str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1", "--reference", str(other)])
     assert code == 2 and "do not share one" in capsys.readouterr().err
@@ -248,7 +232,8 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
 
 def test_sweep_records_failed_points_and_continues(tmp_path, capsys):
     # dp.batch_size=8000 > N=4000 fails when the trainer sees the data; the other point runs.
-    code = main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *_sets(*TINY, "train.steps=3"), "--grid", "dp.batch_size=256,8000"])
+    sets = set_flags(*TINY_RUN_SETS, "train.steps=3")
+    code = main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *sets, "--grid", "dp.batch_size=256,8000"])
     assert code == 1
     records = [json.loads(x) for x in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
     assert [r["status"] for r in records] == ["done", "failed"]
@@ -277,7 +262,7 @@ def test_tune_clip_lr_end_to_end(tmp_path, capsys):
             "--quiet",
             "--out",
             str(out),
-            *_sets(*TINY, "train.steps=6", "run.seed=0"),
+            *set_flags(*TINY_RUN_SETS, "train.steps=6", "run.seed=0"),
             "--clip-norms",
             "0.01,1",
             "--lr-factors",
@@ -305,157 +290,3 @@ def test_tune_clip_lr_end_to_end(tmp_path, capsys):
     # run.seed is fixed: the private stage's caveat is in the json, the markdown and on screen
     assert SEEDED_CAVEAT in result["guarantee_caveats"]
     assert SEEDED_CAVEAT in (out / "clip_lr.md").read_text() and f"WARNING: {SEEDED_CAVEAT}" in report
-
-
-# ------------------------------------------------------ privacy commands
-def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
-    args = [
-        "tan",
-        "privacy-search",
-        "--dataset-size",
-        "50000",
-        "--batch-size",
-        "1000",
-        "--noise",
-        "3",
-        "--steps",
-        "400",
-        "--accountant",
-        "rdp",
-    ]
-    assert main([*args, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [r["steps"] for r in rows] == [100, 200, 400, 800, 1600]
-    assert set(rows[0]) == {"batch_size", "steps", "noise_multiplier", "epsilon", "eps_tan", "lr_scale"}
-    eta = lambda r: r["batch_size"] / 50000 * math.sqrt(r["steps"]) / r["noise_multiplier"]  # noqa: E731
-    assert all(eta(r) == pytest.approx(eta(rows[2]), rel=1e-13) for r in rows)
-    # ready configs: one per pair the trainer accepts (here: within the config's budget), for the
-    # embedded MNIST sample (N = 4000)
-    args = [
-        "tan",
-        "privacy-search",
-        "--dataset-size",
-        "4000",
-        "--batch-size",
-        "200",
-        "--noise",
-        "3",
-        "--steps",
-        "400",
-        "--accountant",
-        "rdp",
-    ]
-    assert main([*args, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    budget = rows[2]["epsilon"] + 1e-9
-    base_sets = ["--set", "dp.accountant=rdp", "--set", f"dp.epsilon={budget}", "--set", "optim.lr=0.5"]
-    assert (
-        main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k", *base_sets, "--out", str(tmp_path / "pairs")])
-        == 0
-    )
-    out = capsys.readouterr().out
-    written = sorted((tmp_path / "pairs").glob("*.yaml"))
-    within = [r for r in rows if r["epsilon"] <= budget]
-    assert len(written) == len(within) >= 1 and "no config written: dp.noise_multiplier=3" in out
-    config = load_config(tmp_path / "pairs" / f"pair-S{within[0]['steps']}.yaml")
-    base = load_config("preset:papernot-mnist-tanh", ["optim.lr=0.5"])
-    assert config.dp.batch_size == pytest.approx(within[0]["batch_size"], rel=1e-15)
-    assert config.train.steps == within[0]["steps"] and config.dp.noise_multiplier == 3
-    assert config.optim.lr == pytest.approx(base.optim.lr * within[0]["lr_scale"])
-    # a --config that describes another run is refused
-    assert (
-        main(
-            [
-                *args,
-                "--config",
-                "preset:papernot-mnist-tanh",
-                "--set",
-                "data.name=mnist-5k",
-                "--set",
-                "dp.delta=1e-6",
-                "--out",
-                str(tmp_path / "other"),
-            ]
-        )
-        == 2
-    )
-    assert "must describe the same run" in capsys.readouterr().err
-
-
-def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
-    assert (
-        main(["account", "--dataset-size", "50000", "--batch-size", "500", "--noise", "0.8", "--steps", "1000", "--accountant", "rdp"]) == 0
-    )
-    assert "WARNING: privacy wall" in capsys.readouterr().out
-    assert (
-        main(
-            [
-                "account",
-                "--dataset-size",
-                "50000",
-                "--batch-size",
-                "2500",
-                "--noise",
-                "4",
-                "--steps",
-                "1000",
-                "--accountant",
-                "rdp",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    assert json.loads(capsys.readouterr().out)["wall_warning"] is None
-    out = tmp_path / "run"
-    assert (
-        main(["train", "--quiet", *_sets(*TINY, "train.steps=3", "dp.epsilon=null", "dp.noise_multiplier=0.7", f"run.out_dir={out}")]) == 0
-    )
-    assert "WARNING: privacy wall" in capsys.readouterr().err  # once, when the run starts
-    assert "privacy wall" in json.loads((out / "summary.json").read_text())["privacy_warnings"][0]
-
-
-def test_wall_and_data_size_cli(tmp_path, capsys):
-    png = tmp_path / "wall.png"
-    assert main(["tan", "wall", "--epsilon-tan", "3", "--steps", "1000", "--sigmas", "0.7,4", "--plot", str(png)]) == 0
-    out = capsys.readouterr().out
-    assert "<- wall" in out and png.stat().st_size > 1000
-    assert (
-        main(
-            [
-                "tan",
-                "data-size",
-                "--dataset-size",
-                "5000",
-                "--batch-size",
-                "4096",
-                "--noise",
-                "3",
-                "--steps",
-                "2500",
-                "--delta",
-                "1e-4",
-                "--factors",
-                "1,10",
-                "--accountant",
-                "rdp",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    rows = json.loads(capsys.readouterr().out)
-    assert rows[1]["dataset_size"] == 50000 and rows[1]["epsilon"] == pytest.approx(7.1, abs=0.05)
-
-
-def test_privacy_search_writes_configs_for_fixed_size_batches_at_whole_batch_sizes(tmp_path, capsys):
-    """A fixed-size run's pairs at B = 400, 200, 100: configs with integer batch sizes (the search's
-    float B was refused as 'needs an integer dp.batch_size, got 200.0')."""
-    args = ["tan", "privacy-search", "--dataset-size", "4000", "--batch-size", "200", "--noise", "3", "--steps", "400",
-            "--steps-factors", "0.25,1,4", "--accountant", "rdp"]  # fmt: skip
-    sets = ["--set", "data.name=mnist-5k", "--set", "dp.sampling=fixed", "--set", "dp.accountant=rdp", "--set", "dp.epsilon=1000"]
-    assert main([*args, "--config", "preset:papernot-mnist-tanh", *sets, "--out", str(tmp_path / "pairs")]) == 0
-    assert "no config written" not in capsys.readouterr().out
-    configs = [load_config(path) for path in sorted((tmp_path / "pairs").glob("*.yaml"))]
-    assert sorted(c.dp.batch_size for c in configs) == [100, 200, 400]
-    assert all(isinstance(c.dp.batch_size, int) and c.dp.sampling == "fixed" for c in configs)

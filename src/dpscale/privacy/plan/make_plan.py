@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from dpscale.clip_norms import MaxGradNorm, check_clip_gamma, check_max_grad_norm, is_per_layer
 from dpscale.errors import ConfigError
 from dpscale.privacy.accounting.accountant import FREE_CAP_TOLERANCE, AccountingSegment, compute_epsilon, releases_under
-from dpscale.privacy.clipping.adaptive import AdaptiveClipping, adaptive_refusal
+from dpscale.privacy.clipping.adaptive import AdaptiveClipping
 from dpscale.privacy.accounting.batch_sampling import POISSON, BatchSampling, batch_sampling_for
 from dpscale.privacy.accounting.calibrate import calibrate_noise_multiplier
-from dpscale.privacy.noise.correlated import BandsRequest, check_bandmf_settings, choose_bands, compositions
-from dpscale.privacy.accounting.group_privacy import check_privacy_unit
+from dpscale.privacy.noise.correlated import BandedNoisePlan, BandsRequest, choose_bands, compositions
+from dpscale.privacy.plan.compatibility import check_compatible, is_simulation  # check_compatible: tests import it here too
 from dpscale.privacy.plan.numbers import PrivacyNumbers
 from dpscale.privacy.plan.dp_plan import SIMULATION_OWN_ACCOUNTANT, DPPlan, TanSimulation
-from dpscale.privacy.plan.sampling_plan import AUTO_CAP, accountant_for, check_sampling_settings, resolve_batch_cap
+from dpscale.privacy.plan.sampling_plan import AUTO_CAP, accountant_for, resolve_batch_cap
 from dpscale.privacy.plan.source_runs import SOURCE_ROLES, SourceRunPrivacy
-from dpscale.privacy.spelling import CONFIG, Spelling, clipping_needed
+from dpscale.privacy.spelling import CONFIG, Spelling
 from dpscale.privacy.accounting.tan import simulated_noise_multiplier
 
 
@@ -164,59 +163,89 @@ def make_dp_plan(
         ConfigError: batch larger than the dataset, releases that alone spend the budget, or a
             given sigma that overspends target_epsilon.
     """
-    batch_size, max_grad_norm, delta, target_epsilon = numbers.batch_size, numbers.max_grad_norm, numbers.delta, numbers.target_epsilon
-    noise_multiplier, sampling, max_batch_size, accountant = (
-        numbers.noise_multiplier,
-        numbers.sampling,
-        numbers.max_batch_size,
-        numbers.accountant,
-    )
-    adaptive, clip_gamma, simulated_batch_size = numbers.adaptive, numbers.clip_gamma, numbers.simulated_batch_size
     check_compatible(numbers, dataset_size=dataset_size, correlated=correlated, privacy_unit=privacy_unit,
                      max_examples_per_user=max_examples_per_user, spell=spell)  # fmt: skip
-    simulated = is_simulation(batch_size, simulated_batch_size)
-    releases = tuple(releases)
-    q = batch_size / dataset_size
-    accountant = accountant_for(sampling, max_batch_size, accountant)
-    noise_plan = None
-    cap = None
+    simulated = is_simulation(numbers.batch_size, numbers.simulated_batch_size)
+    q = numbers.batch_size / dataset_size
+    accountant = accountant_for(numbers.sampling, numbers.max_batch_size, numbers.accountant)
+    noise = _choose_noise(numbers, dataset_size=dataset_size, steps=steps, q=q, accountant=accountant,
+                          releases=tuple(releases), correlated=correlated, spell=spell)  # fmt: skip
+    plan = _plan_of(numbers, noise, dataset_size=dataset_size, steps=steps, q=q, accountant=accountant, seeded=seeded,
+                    extractor=extractor, correlated=correlated, privacy_unit=privacy_unit,
+                    max_examples_per_user=max_examples_per_user)  # fmt: skip
+    _check_adaptive_noise(numbers.adaptive, noise.sigma)
+    if numbers.simulated_batch_size is None or not simulated:
+        return plan
+    return simulate_plan(plan, numbers.simulated_batch_size)
+
+
+@dataclass(frozen=True)
+class _Noise:
+    """What the noise step of ``make_dp_plan`` settles: sigma, whether it was calibrated, the releases
+    as the sampling composes them, the cap of Poisson batches and BandMF's strategy (None: DP-SGD)."""
+
+    sigma: float
+    calibrated: bool
+    releases: tuple[AccountingSegment, ...]
+    cap: int | None = None
+    correlated: BandedNoisePlan | None = None
+
+
+def _choose_noise(
+    numbers: PrivacyNumbers, *, dataset_size: int, steps: int, q: float, accountant: str,
+    releases: tuple[AccountingSegment, ...], correlated: BandsRequest | None, spell: Spelling,
+) -> _Noise:  # fmt: skip
+    """Sigma calibrated to the target (or the given one), for the sampling: Poisson batches with
+    their cap, fixed-size or shuffled batches, or BandMF's bands."""
+    n = numbers
     if correlated is None:
-        noise_for = functools.partial(_noise_for, noise_multiplier=noise_multiplier, delta=delta, q=q, steps=steps,
+        noise_for = functools.partial(_noise_for, noise_multiplier=n.noise_multiplier, delta=n.delta, q=q, steps=steps,
                                       accountant=accountant)  # fmt: skip
-        if sampling == "poisson":
-            sigma, calibrated, cap = _noise_and_cap(noise_for, target_epsilon, max_batch_size, dataset_size=dataset_size,
-                                                    batch_size=batch_size, steps=steps, delta=delta, releases=releases)  # fmt: skip
-        else:  # fixed-size or shuffled batches: the releases join their replace-one history
-            batches = batch_sampling_for(sampling, dataset_size)
-            releases = _releases_for(releases, batches)
-            sigma, calibrated = noise_for(target_epsilon, releases=releases, batches=batches)
-    else:
-        noise_plan, sigma, calibrated = choose_bands(
-            correlated, steps=steps, sample_rate=q, spell=spell, sigma_for=lambda b: _noise_for(
-                target_epsilon, noise_multiplier=noise_multiplier, delta=delta, q=min(1.0, b * q),
-                steps=compositions(steps, b), accountant=accountant, releases=releases,
-            ),
-        )  # fmt: skip
-    bands = noise_plan.bands if noise_plan is not None else 1
-    epsilon = _planned_epsilon(q, sigma, bands, steps, delta, accountant, releases, target_epsilon,
-                               batch_sampling_for(sampling, dataset_size, cap))  # fmt: skip
-    plan = DPPlan(
-        dataset_size=dataset_size, batch_size=batch_size, sample_rate=q, steps=steps, noise_multiplier=sigma,
-        max_grad_norm=max_grad_norm, delta=delta, target_epsilon=target_epsilon, epsilon=epsilon, sampling=sampling,
-        accountant=accountant, calibrated=calibrated, releases=releases if sigma > 0 else (), seeded=seeded,
-        extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise_plan,
-        adaptive=adaptive, privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
-        max_batch_size=cap, clip_gamma=clip_gamma,
+        if n.sampling == "poisson":
+            sigma, calibrated, cap = _noise_and_cap(noise_for, n.target_epsilon, n.max_batch_size, dataset_size=dataset_size,
+                                                    batch_size=n.batch_size, steps=steps, delta=n.delta, releases=releases)  # fmt: skip
+            return _Noise(sigma, calibrated, releases, cap=cap)
+        # fixed-size or shuffled batches: the releases join their replace-one history
+        batches = batch_sampling_for(n.sampling, dataset_size)
+        releases = _releases_for(releases, batches)
+        sigma, calibrated = noise_for(n.target_epsilon, releases=releases, batches=batches)
+        return _Noise(sigma, calibrated, releases)
+    noise_plan, sigma, calibrated = choose_bands(
+        correlated, steps=steps, sample_rate=q, spell=spell, sigma_for=lambda b: _noise_for(
+            n.target_epsilon, noise_multiplier=n.noise_multiplier, delta=n.delta, q=min(1.0, b * q),
+            steps=compositions(steps, b), accountant=accountant, releases=releases,
+        ),
     )  # fmt: skip
+    return _Noise(sigma, calibrated, releases, correlated=noise_plan)
+
+
+def _plan_of(
+    numbers: PrivacyNumbers, noise: _Noise, *, dataset_size: int, steps: int, q: float, accountant: str, seeded: bool,
+    extractor: SourceRunPrivacy | None, correlated: BandsRequest | None, privacy_unit: str, max_examples_per_user: int | None,
+) -> DPPlan:  # fmt: skip
+    """The plan of the noise chosen, with its epsilon after all ``steps`` (``_planned_epsilon``
+    refuses a given sigma that overspends the target)."""
+    n = numbers
+    bands = noise.correlated.bands if noise.correlated is not None else 1
+    epsilon = _planned_epsilon(q, noise.sigma, bands, steps, n.delta, accountant, noise.releases, n.target_epsilon,
+                               batch_sampling_for(n.sampling, dataset_size, noise.cap))  # fmt: skip
+    return DPPlan(
+        dataset_size=dataset_size, batch_size=n.batch_size, sample_rate=q, steps=steps, noise_multiplier=noise.sigma,
+        max_grad_norm=n.max_grad_norm, delta=n.delta, target_epsilon=n.target_epsilon, epsilon=epsilon, sampling=n.sampling,
+        accountant=accountant, calibrated=noise.calibrated, releases=noise.releases if noise.sigma > 0 else (), seeded=seeded,
+        extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise.correlated,
+        adaptive=n.adaptive, privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
+        max_batch_size=noise.cap, clip_gamma=n.clip_gamma,
+    )  # fmt: skip
+
+
+def _check_adaptive_noise(adaptive: AdaptiveClipping | None, sigma: float) -> None:
+    """Refuse a sigma that adaptive clipping cannot share between the gradient and the count."""
     if adaptive is not None:
         try:
             adaptive.gradient_noise_multiplier(sigma)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-    if simulated_batch_size is None or not simulated:
-        return plan
-    return simulate_plan(plan, simulated_batch_size)
-
 
 def _noise_and_cap(
     noise_for: Callable[..., tuple[float, bool]], target_epsilon: float | None, max_batch_size: int | str | None, *,
@@ -273,72 +302,6 @@ def _planned_epsilon(
     return epsilon
 
 
-def check_compatible(
-    numbers: PrivacyNumbers, *, dataset_size: int, correlated: BandsRequest | None = None, privacy_unit: str = "example",
-    max_examples_per_user: int | None = None, spell: Spelling = CONFIG,
-) -> None:  # fmt: skip
-    """The rules between the settings, in one place (``make_dp_plan`` asks first, for every door):
-    clipping and a private budget, automatic and adaptive clipping, the privacy unit, the batch
-    against N, the sampling and its cap, BandMF.
-
-    Args:
-        numbers: the settings; dataset_size: N; correlated: BandMF's request (None: DP-SGD);
-        privacy_unit, max_examples_per_user: as ``make_dp_plan``; spell: the door's words.
-
-    Raises:
-        ConfigError: the first rule broken, in one line.
-    """
-    max_grad_norm, noise_multiplier, adaptive = numbers.max_grad_norm, numbers.noise_multiplier, numbers.adaptive
-    check_max_grad_norm(max_grad_norm)
-    if max_grad_norm is None and (noise_multiplier is None or noise_multiplier > 0):
-        raise clipping_needed(spell)  # a review found make_private(max_grad_norm=None) planned, then failed at step 1
-    simulated = is_simulation(numbers.batch_size, numbers.simulated_batch_size)
-    _check_automatic(numbers.clip_gamma, max_grad_norm, adaptive)
-    _check_adaptive(adaptive, max_grad_norm, correlated, simulated, spell)
-    check_privacy_unit(privacy_unit, max_examples_per_user, simulated=simulated, sampling=numbers.sampling, spell=spell)
-    if numbers.batch_size > dataset_size:
-        units = "users" if privacy_unit == "user" else "the training set"
-        raise spell.refusal(f"{spell.key('batch_size')}={numbers.batch_size} is larger than {units} (N={dataset_size})")
-    check_sampling_settings(numbers.sampling, numbers.max_batch_size, batch_size=numbers.batch_size,
-                            adaptive=adaptive is not None, simulated=simulated, bandmf=correlated is not None,
-                            spell=spell)  # fmt: skip
-    if correlated is not None:
-        check_bandmf_settings(sampling=numbers.sampling, simulated=simulated, noise_multiplier=noise_multiplier,
-                              bands=correlated.bands, spell=spell)  # fmt: skip
-
-
-def _check_automatic(clip_gamma: float | None, max_grad_norm: MaxGradNorm, adaptive: AdaptiveClipping | None) -> None:
-    """Refuse automatic clipping without a C to scale to, beside adaptive clipping, or with a bad gamma."""
-    if clip_gamma is None:
-        return
-    try:
-        check_clip_gamma(clip_gamma)
-    except ValueError as err:
-        raise ConfigError(f"dp.clip_gamma: {err}") from err
-    if max_grad_norm is None or adaptive is not None:
-        raise ConfigError("automatic clipping (dp.clipping=automatic) scales each gradient to norm < C: it needs "
-                          "dp.max_grad_norm and is not adaptive clipping")  # fmt: skip
-
-
-def _check_adaptive(
-    adaptive: AdaptiveClipping | None, max_grad_norm: MaxGradNorm, correlated: BandsRequest | None, simulated: bool,
-    spell: Spelling,
-) -> None:  # fmt: skip
-    """Refuse adaptive clipping where its accounting is not written: with per-layer norms,
-    BandMF's correlated noise or a TAN simulation."""
-    if adaptive is None:
-        return
-    clash = (
-        f"per-layer {spell.key('max_grad_norm')}" if is_per_layer(max_grad_norm)
-        else f"no clipping ({spell.key('max_grad_norm')}={'None' if spell.typed_names else 'null'})" if max_grad_norm is None
-        else spell.said("noise_mechanism", "bandmf") if correlated is not None
-        else f"a TAN simulation ({spell.key('simulated_batch_size')})" if simulated
-        else None
-    )  # fmt: skip
-    if clash:
-        raise adaptive_refusal(spell, clash)
-
-
 def _noise_for(
     target_epsilon: float | None, *, noise_multiplier: float | None, delta: float, q: float, steps: int,
     accountant: str, releases: tuple[AccountingSegment, ...], batches: BatchSampling = POISSON,
@@ -369,12 +332,6 @@ def _source_run_hint(releases: tuple[AccountingSegment, ...]) -> str:
         if any(r.label.startswith(f"{role.prefix}:") for r in releases)
     ]
     return f" ({'; '.join(hints)})" if hints else ""
-
-
-def is_simulation(batch_size: float, simulated_batch_size: float | None) -> bool:
-    """Whether a simulated batch size asks for a TAN simulation (one equal to the batch size is
-    the reference run itself, with its guarantee)."""
-    return simulated_batch_size is not None and simulated_batch_size != batch_size
 
 
 def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:
