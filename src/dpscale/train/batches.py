@@ -4,7 +4,7 @@ example as K augmented views, a user's examples together at the user unit."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -12,7 +12,7 @@ from dpscale.data.run_data import data_workers
 from dpscale.data.stream import StreamFeed
 from dpscale.train.build import Run
 from dpscale.train.distributed import rank_stream_seed
-from dpscale.train.state import fresh_noise_seed
+from dpscale.train.state import fresh_noise_seed, saved_rank_streams
 from dpscale.train.step import physical_chunks
 from dpscale.train.units import AugmentViews, chunk_size_for, streamed_chunks, user_step_chunks
 
@@ -103,3 +103,22 @@ def restarted_streams(built: Run, start_step: int) -> TrainBatches:
         noise_seed=fresh_noise_seed(seeds, world, start_step),
     )
     return TrainBatches(built, start_step)
+
+
+def continued_batches(batches: TrainBatches, built: Run, saved: dict[str, Any], step: int, log: Callable[[str], Any]) -> TrainBatches:
+    """This rank's batches from a checkpoint: ``batches`` continuing its saved streams, or fresh
+    ones (``restarted_streams``, the reason logged) where they cannot continue
+    (``state.saved_rank_streams``).
+
+    Args:
+        batches: this rank's batches as built; built: the run.
+        saved: the checkpoint's state; step: its step (where fresh streams start).
+        log: prints a line of the run's report.
+    """
+    mine, restart_note = saved_rank_streams(saved, built.dist)
+    if mine is None:  # fresh sampling, noise and augmentation streams, never the ones used before
+        batches = restarted_streams(built, step)
+        log(restart_note or "")
+    else:
+        batches.load_state(mine)
+    return batches

@@ -4,7 +4,7 @@ part in data-flow order; the Trainer (train/loop.py) only runs what it built."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -16,28 +16,24 @@ from dpscale.errors import ConfigError
 from dpscale.data.run_data import open_training_data, training_fingerprint
 from dpscale.data.stream import StreamedData
 from dpscale.features.normalize import FeatureNormalizer
-from dpscale.features.pipeline import extract_run_features, fit_normalizer, normalize_dataset
-from dpscale.models import build_model, freeze_block_groups
-from dpscale.models.peft import apply_peft
-from dpscale.models.init import init_from, meanvar_init, read_weights
-from dpscale.privacy.clipping.compiled import COMPILED_NOTE, compiled_choice, compiled_engine_name
-from dpscale.privacy.clipping.per_example import (
-    PerExampleEngine, check_per_example_compatible, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
-)  # fmt: skip
+from dpscale.features.pipeline import extract_run_features, normalize_dataset
+from dpscale.privacy.clipping.per_example import PerExampleEngine
 from dpscale.privacy.plan.dp_plan import DPPlan
-from dpscale.privacy.clipping.precision import Precision, make_precision
-from dpscale.privacy.clipping.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
-from dpscale.rng import noise_generator
+from dpscale.privacy.clipping.precision import Precision
+from dpscale.privacy.clipping.self_check import SelfCheckResult
 from dpscale.train.distributed import Distributed, init_distributed, rank_stream_seed
 from dpscale.train.ema import WeightEMA, decay_not_reached_note
+from dpscale.train.feature_normalizer import feature_normalizer
 from dpscale.train.hooks import RunHooks
 from dpscale.train.inputs import data_fingerprint, inputs_for, plan_for, privacy_units, source_runs
 from dpscale.train.seeds import run_seeds
-from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
+from dpscale.train.mechanism import DPMechanism
 from dpscale.train.optim import build_optimizer, build_scheduler
-from dpscale.train.step import AugmentViews, fixed_rows
+from dpscale.train.run_engine import run_engine
+from dpscale.train.run_model import run_model
+from dpscale.train.step import fixed_rows
 from dpscale.train.chunk_size import AUTO, run_chunk
-from dpscale.train.units import chunk_size_for, first_users_chunk, rows_per_user, run_users
+from dpscale.train.units import chunk_size_for, run_users
 
 Log = Callable[[str], Any]
 
@@ -119,6 +115,32 @@ def build_run(
             drawn again: a second draw would be a second release).
     """
     dist, device, seeds = open_process(config)
+    features, fingerprint, data_notes, sources = _training_features(config, hooks, dist, device, log, progress)
+    inputs = inputs_for(config, privacy_units(config, features), sources)
+    # the model before the plan: BandMF's noise history is sized by its trainable parameters
+    model, init_report, trainable = run_model(config, features.info, seeds, device, log, initial_weights=saved_plan is None)
+    # dp.max_grad_norm_per=tensor: a bound for each tensor that trains (after PEFT and frozen groups)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    plan = plan_for(config, inputs, saved_plan, parameters=trainable, names=names)
+    for note in data_notes:
+        log(note)
+    normalizer = feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
+    data = normalize_dataset(features, normalizer)
+    dist.broadcast_module_(model)  # identical already (same seed); made certain
+    built = _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
+                            model, init_report, log)  # fmt: skip
+    built = _resolved_chunk(built, log)
+    chunk = chunk_size_for(built.plan, built.physical_batch_size, config.augment.multiplicity)  # examples a chunk
+    built.mechanism.pad_rows = fixed_rows(built.plan, chunk, config.train.fixed_shapes, config.train.compile)
+    return built
+
+
+def _training_features(
+    config: Config, hooks: RunHooks, dist: Distributed, device: torch.device, log: Log, progress: bool
+) -> tuple[Any, str, list[str], Any]:  # fmt: skip
+    """The training data opened and extracted as features (an audit's canaries added), with the
+    images' fingerprint, the data's notes (reported with the plan) and the source runs, checked
+    before extracting."""
     data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
     if device.type == "cpu":  # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
@@ -139,28 +161,7 @@ def build_run(
     del images
     if hooks.training_set is not None:  # an audit's canaries: before the plan, so N counts them
         features = hooks.training_set(features)
-    inputs = inputs_for(config, privacy_units(config, features), sources)
-    # the model before the plan: BandMF's noise history is sized by its trainable parameters
-    model, init_report = _model(config, features.info, seeds, log, initial_weights=saved_plan is None)
-    model.to(device)
-    check_per_example_compatible(model)
-    if config.model.freeze_groups:
-        freeze_block_groups(model, config.model.freeze_groups)
-    trainable = _peft(model, config, log)
-    # dp.max_grad_norm_per=tensor: a bound for each tensor that trains (after PEFT and frozen groups)
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    plan = plan_for(config, inputs, saved_plan, parameters=trainable, names=names)
-    for note in data_notes:
-        log(note)
-    normalizer = _feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
-    data = normalize_dataset(features, normalizer)
-    dist.broadcast_module_(model)  # identical already (same seed); made certain
-    built = _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
-                            model, init_report, log)  # fmt: skip
-    built = _resolved_chunk(built, log)
-    chunk = chunk_size_for(built.plan, built.physical_batch_size, config.augment.multiplicity)  # examples a chunk
-    built.mechanism.pad_rows = fixed_rows(built.plan, chunk, config.train.fixed_shapes, config.train.compile)
-    return built
+    return features, fingerprint, data_notes, sources
 
 
 def _resolved_chunk(built: Run, log: Log) -> Run:
@@ -175,21 +176,6 @@ def _resolved_chunk(built: Run, log: Log) -> Run:
     log(choice.describe() + (f"; {rows} rows on every rank (the smallest rank's)" if rows != choice.rows else ""))
     built.config = replace(built.config, train=replace(train, max_physical_batch_size=rows))
     return built
-
-
-def _peft(model: nn.Module, config: Config, log: Log) -> int:
-    """model.peft applied (the same on resume: the checkpoint's state dict has the adapters);
-    returns the trainable parameters."""
-    cfg = config.model
-    try:
-        trainable = apply_peft(model, cfg.peft, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
-                               last_groups=cfg.train_last_groups)  # fmt: skip
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    if cfg.peft != "none":
-        total = sum(p.numel() for p in model.parameters())
-        log(f"model.peft={cfg.peft}: {trainable:,} of {total:,} parameters train (clipped and noised); the rest is frozen")
-    return trainable
 
 
 def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, int]]:
@@ -210,83 +196,13 @@ def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, i
     return dist, torch.device(device), dist.broadcast_object(run_seeds(config.run.seed))
 
 
-def _feature_normalizer(
-    config: Config, features: Any, plan: DPPlan, seeds: dict[str, int], dist: Distributed,
-    saved: dict[str, Any] | None, *, loading: bool,
-) -> FeatureNormalizer:  # fmt: skip
-    """A checkpoint's normaliser (its private statistics reused, never drawn again), or a new one
-    (``loading``: the run continues a checkpoint, whose normalisation must be the config's)."""
-    kind = (saved or {}).get("kind", "none")
-    if loading and kind != config.features.normalize:
-        raise ConfigError(
-            f"the checkpoint's feature normalisation ({kind}) is not features.normalize={config.features.normalize} "
-            "of its config; refusing to continue it"
-        )
-    if loading:
-        _check_centring(config.features.center, "center" in (saved or {}))
-    if saved is not None:
-        return FeatureNormalizer.from_state_dict(saved)
-    # Data Normalization's noise: 128-bit seed, or the OS CSPRNG with dp.secure_noise
-    generator = noise_generator(seeds["features"], config.dp.secure_noise)
-    # a stream has features.normalize=none (config validation): nothing to fit
-    streamed = isinstance(features, StreamedData)
-    users = run_users(plan, features) if not streamed else None  # at the user unit: one clipped row per person
-    normalizer = FeatureNormalizer() if streamed else fit_normalizer(config.features, features.x_train, plan, generator, users)
-    if not dist.enabled:
-        return normalizer
-    # One release, whatever P: every rank uses rank 0's noisy statistics.
-    return FeatureNormalizer.from_state_dict(dist.broadcast_object(normalizer.state_dict()))
-
-
-def _check_centring(configured: bool, saved: bool) -> None:
-    """A continued run keeps its checkpoint's centring: none added (a new release its history
-    never accounted), none dropped (the model was trained on centred inputs)."""
-    if configured and not saved:
-        raise ConfigError(
-            "features.center is true but the checkpoint holds no released feature mean; refusing to continue it "
-            "(drawing one now would be a release its accounting never saw)"
-        )
-    if saved and not configured:
-        raise ConfigError(
-            "the checkpoint's model trained on inputs centred by a released feature mean but features.center is "
-            "false; refusing to continue it"
-        )
-
-
-def _model(config: Config, info: Any, seeds: dict[str, int], log: Log, initial_weights: bool) -> tuple[nn.Module, dict[str, Any] | None]:
-    """The model, seeded, with model.init's weights and Mean-Var scaling applied for a new run."""
-    cfg = config.model
-    torch.manual_seed(seeds["init"])
-    model = build_model(cfg.name, info.num_classes, info.input_shape, cfg.activation, **cfg.kwargs)
-    report: dict[str, Any] | None = None
-    if cfg.init and initial_weights:
-        loaded = init_from(model, cfg.init, reset_head=cfg.reset_head)
-        report = asdict(loaded)
-        log(loaded.describe())
-    if cfg.init_scaling == "meanvar" and initial_weights:
-        assert cfg.init_seed_model is not None  # validate() requires it with meanvar
-        counts = meanvar_init(model, read_weights(cfg.init_seed_model), torch.Generator().manual_seed(seeds["init"]))
-        report = {"source": cfg.init_seed_model, "scaling": "meanvar", **counts}
-        log(f"model.init_scaling=meanvar: {counts['scaled']} tensors drawn with the statistics of "
-            f"{cfg.init_seed_model} ({counts['kept']} kept at their default init)")  # fmt: skip
-    return model, report
-
-
 def _with_mechanism(
     config: Config, hooks: RunHooks, dist: Distributed, device: torch.device, seeds: dict[str, int], data: Any,
     fingerprint: str, plan: DPPlan, total_steps: int, normalizer: FeatureNormalizer, model: nn.Module,
     init_report: dict[str, Any] | None, log: Log,
 ) -> Run:  # fmt: skip
     """The checked engine, optimizer, scheduler and DP mechanism around ``model``."""
-    precision = make_precision(config.train.precision, config.train.fp16_loss_scale)
-    engine, self_check = _checked_engine(config, plan, model, data, device, precision, log)
-    tuner = getattr(engine, "tuner", None)
-    if dist.enabled and tuner is not None:  # ranks timing apart could choose apart
-        tuner.enabled = False  # (a resume pins rank 0's choices): the shape rule on every rank
-    first_chunk_check: FirstChunkCheck | None = independence_check if config.train.self_check and plan.is_private else None
-    if config.train.compile:  # the eager engine built and checked above, compiled (its checks run eagerly)
-        engine, first_chunk_check = compiled_choice(engine, first_chunk_check)
-        log(COMPILED_NOTE)
+    precision, engine, self_check, first_chunk_check = run_engine(config, plan, model, data, device, distributed=dist.enabled, log=log)
     if hooks.engine is not None:
         engine = hooks.engine(engine, model)
     optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])
@@ -304,10 +220,7 @@ def _with_mechanism(
         users=run_users(plan, data), views=config.augment.multiplicity,
     )  # fmt: skip
     mechanism.observer = hooks.observe_gradient
-    ema = WeightEMA(model, config.train.ema_decay) if config.train.ema_decay else None
-    ema_note = decay_not_reached_note(ema.decay, total_steps) if ema else None
-    if ema_note:
-        log(f"note: {ema_note}")
+    ema = _ema(model, config.train.ema_decay, total_steps, log)
     return Run(
         config=config, dist=dist, device=device, seeds=seeds, data=data, data_fingerprint=fingerprint, plan=plan,
         total_steps=total_steps, feature_normalizer=normalizer, model=model, init_report=init_report,
@@ -316,52 +229,11 @@ def _with_mechanism(
     )  # fmt: skip
 
 
-def _checked_engine(
-    config: Config, plan: DPPlan, model: nn.Module, data: Any, device: torch.device, precision: Precision, log: Log
-) -> tuple[PerExampleEngine, SelfCheckResult | None]:
-    """The clipping engine, verified before the first step on the first few training examples
-    (their K views drawn from a fixed generator: the run's streams are untouched)."""
-    train, augment = config.train, config.augment
-    value_range = (-1.0, 1.0) if config.data.normalize else (0.0, 1.0)
-    fixed = AugmentViews(augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range, augment.padding)
-    augment_views = fixed if augment.multiplicity > 1 else None
-    if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
-        rows = rows_per_user(plan)
-        chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, rows, augment.multiplicity, augment_views)
-        chunk = (chunk[0].to(device), chunk[1].to(device))  # a stream's examples are read on the host
-        views, loss_fn = user_engine_options(rows, augment.multiplicity, None)
-        notice = ghost_per_user_notice(train.engine, rows)
-        if notice:
-            log(f"WARNING: {notice}")
-    else:
-        k = min(SELF_CHECK_EXAMPLES, len(data.y_train))
-        chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])
-        chunk = (augment_views(chunk[0]), chunk[1]) if augment_views else chunk
-        views, loss_fn = augment.multiplicity, per_example_cross_entropy
-    name = _engine_name(config, precision, model)
-    try:
-        with precision.matmul_flags():  # as the steps will run (full float32 unless tf32)
-            engine, notices, result = checked_engine(
-                name, plan.max_grad_norm, model, chunk, views=views, loss_fn=loss_fn,
-                # a non-private run claims no guarantee for the check to protect (and its unclipped,
-                # cancelling gradient sums are where float32 reorderings look largest)
-                check=train.self_check and plan.is_private, precision=precision, clip_gamma=plan.clip_gamma,
-            )  # fmt: skip
-    except ValueError as err:
-        raise ConfigError(f"train.engine={train.engine}: {err}") from err
-    checks = [result, result.independence] if result else []
-    unit = " (privacy unit user: each example above is one user's padded rows, its norm the user's)" if plan.user_level else ""
-    memory = [f"cpu memory: {keep_freed_memory()}"] if torch.device(device).type == "cpu" else []
-    for note in notices + [check.describe() + unit for check in checks if check is not None] + memory:
-        log(note)
-    return engine, result
-
-
-def _engine_name(config: Config, precision: Precision, model: nn.Module) -> str:
-    """train.engine, or with train.compile the engine it compiles (vmap), refused in one line where it does not apply."""
-    if not config.train.compile:
-        return config.train.engine
-    try:
-        return compiled_engine_name(config.train.engine, precision, model)
-    except ValueError as err:
-        raise ConfigError(f"train.compile=true: {err}") from err
+def _ema(model: nn.Module, decay: float | None, total_steps: int, log: Log) -> WeightEMA | None:
+    """The exponential moving average of the weights (train.ema_decay), or None; a note when its
+    decay is not reached in ``total_steps``."""
+    ema = WeightEMA(model, decay) if decay else None
+    ema_note = decay_not_reached_note(ema.decay, total_steps) if ema else None
+    if ema_note:
+        log(f"note: {ema_note}")
+    return ema

@@ -25,8 +25,6 @@ bit for bit, on any machine.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import re
 import time
@@ -37,18 +35,17 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dpscale._io import atomic_write_text, cache_path
-from dpscale._version import __version__
+from dpscale._io import cache_path
 from dpscale.cpu_memory import trim_kept_memory
 from dpscale.errors import ConfigError
-from dpscale.privacy.clipping.autotune import device_descriptor, peak_bytes
+from dpscale.privacy.clipping.autotune import peak_bytes
 from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine, trainable_params
 from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.train.chunk_cache import CACHE_NAME, cache_key, cached_choice, store_choice
 from dpscale.train.chunk_search import Measure, choose_units, gigabytes
 from dpscale.train.units import rows_per_user
 
 AUTO = "auto"
-CACHE_NAME = "chunk_size.json"
 CUDA_FREE_FRACTION = 0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
 CPU_BUDGET_FRACTION = 0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
 # Parameter-sized float32 tensors a step holds beside the clipped sum: the running sum, the noise,
@@ -56,7 +53,6 @@ CPU_BUDGET_FRACTION = 0.5  # of /proc/meminfo's MemAvailable: the rest for the d
 STEP_PARAMETER_COPIES = 6
 # A Poisson batch above B + 4 sqrt(B) examples is rarer than 1 step in 30,000: such a step takes a second chunk.
 POISSON_SPREAD = 4.0
-BUCKETS_PER_OCTAVE = 4  # budgets within a quarter octave (19%) share a cache entry
 
 
 @dataclass(frozen=True)
@@ -178,49 +174,6 @@ def _tuner(engine: PerExampleEngine, enabled: bool) -> Iterator[None]:
             tuner.enabled = before
 
 
-def cache_key(engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device, budget: float) -> str:
-    """What the chosen chunk depends on: the device (``device_descriptor``), the model (class,
-    parameters, trainable shapes), one unit's input shape and dtype, the engine and its
-    precision, the clipping's form, the dpscale version and the budget to a quarter octave."""
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
-    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
-    total = sum(p.numel() for p in model.parameters())
-    bound = engine.max_grad_norm
-    clip = f"groups={len(bound)}" if isinstance(bound, dict) else "one" if bound is not None else "none"
-    bucket = 2 ** (math.floor(math.log2(max(budget, 1.0) / 1e6) * BUCKETS_PER_OCTAVE) / BUCKETS_PER_OCTAVE)
-    return (f"{device_descriptor(device)}|model={type(model).__name__}:{total}:{digest}|unit={tuple(unit[0].shape[1:])}:"
-            f"{unit[0].dtype}:{tuple(unit[1].shape[1:])}|engine={engine.name}:{engine.precision.name}:clip={clip}:"
-            f"gamma={engine.clip_gamma is not None}|dpscale={__version__}|budget~{bucket:.0f}MB")  # fmt: skip
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing or unreadable: measured again and rewritten, never fatal
-        return {}
-    return table if isinstance(table, dict) else {}
-
-
-def _cached(path: Path, key: str, budget: float, max_units: int) -> tuple[int, float, bool] | None:
-    """(units, peak, capped) of a cached choice that still holds: its peak within ``budget``, and
-    not capped by a smaller largest batch than ``max_units`` (then a larger chunk may fit)."""
-    entry = _read_cache(path).get(key)
-    try:
-        units, peak, capped = int(entry["units"]), float(entry["peak_bytes"]), bool(entry["capped"])  # type: ignore[index]
-    except (TypeError, KeyError, ValueError):
-        return None
-    if peak > budget or units < 1 or (capped and units < max_units):
-        return None
-    return min(units, max_units), peak, capped or units >= max_units
-
-
-def _store(path: Path, key: str, choice: ChunkChoice) -> None:
-    table = _read_cache(path)
-    table[key] = {k: v for k, v in asdict(choice).items() if k in ("units", "rows", "peak_bytes", "budget_bytes", "capped")}
-    with contextlib.suppress(OSError):  # a read-only home: the choice still holds for this run (in its config)
-        atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
-
-
 def auto_chunk(
     engine: PerExampleEngine, model: nn.Module, unit: Batch, *, rows_per_unit: int, max_units: int,
     device: torch.device, budget_mb: float | None, setting: str, cache_file: Path | None = None,
@@ -241,7 +194,7 @@ def auto_chunk(
     """
     budget, where = memory_budget(device, budget_mb, setting)
     key, path = cache_key(engine, model, unit, device, budget), cache_file or cache_path(CACHE_NAME)
-    hit = _cached(path, key, budget, max_units)
+    hit = cached_choice(path, key, budget, max_units)
     if hit is not None:
         units, peak, capped = hit
         return ChunkChoice(units, units * rows_per_unit, peak, budget, where, "cached", capped)
@@ -265,7 +218,7 @@ def auto_chunk(
         trim_kept_memory()  # the probes' larger blocks back to the system
     measured = f"measured in {time.perf_counter() - started:.1f} s"
     choice = ChunkChoice(units, units * rows_per_unit, peak, budget, where, measured, units >= max_units)
-    _store(path, key, choice)
+    store_choice(path, key, asdict(choice))
     return choice
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from typing import Any
+
+
+def resume_hint(step: int, run_dir: Path) -> str:
+    """What an interrupted run prints (also with the report off): how the user gets their run back."""
+    return f"interrupted after step {step}; resume with: dpscale train --resume {run_dir}"
 
 
 class DeferredInterrupt:

@@ -18,20 +18,19 @@ from dpscale.runs import CONFIG_NAME, METRICS_NAME
 import dpscale.train.report as report
 import dpscale.train.session as session
 import dpscale.train.state as run_state
-from dpscale.train.batches import TrainBatches, restarted_streams
+from dpscale.train.batches import TrainBatches, continued_batches
 from dpscale.train.build import Run, build_run
 from dpscale.train.distributed import Distributed, init_distributed
 from dpscale.train.hooks import RunHooks
-from dpscale.train.interrupt import DeferredInterrupt
+from dpscale.train.interrupt import DeferredInterrupt, resume_hint
+from dpscale.train.loss_window import EMPTY, LossWindow
 from dpscale.train.mechanism import DPMechanism
 from dpscale.train.metrics import MetricsLog
 from dpscale.train.progress import Progress, epochs_done, evaluation_due
+from dpscale.train.progress_bar import StepBar
 from dpscale.train.rundir import RunLock
 from dpscale.train.step import StepStats
 from dpscale.train.tensorboard import RunBoard, open_board
-
-# How often the progress bar's epsilon is recomputed between evaluations (PLD takes ~0.5 s).
-EPSILON_REFRESH_S = 10.0
 
 
 class Trainer:
@@ -49,6 +48,7 @@ class Trainer:
         built: everything the run trains with (``build_run``): data, plan, model, mechanism, ...
         progress: where the run stands (steps taken, wall time, ...); run_dir: the run directory.
         batches: this rank's training batches (``TrainBatches``); last_stats: the last step's statistics.
+        window: the train loss since the last evaluation; checkpoints: those written (``RunCheckpoints``).
         lock: the run directory's lock, held from ``create``/``resume`` until ``run`` returns.
     """
 
@@ -61,24 +61,24 @@ class Trainer:
         hooks: RunHooks | None = None,
         report: bool | None = None,
     ) -> None:
-        self.lock: RunLock | None = None  # the run directory's, held by create/resume until run returns
+        self.lock: RunLock | None = None  # held by create/resume until run returns
         self.config, self.run_dir = config, session.run_dir_of(config)
         is_main = init_distributed(config.run.device).is_main  # only rank 0 prints and writes
-        self.show_progress, self.report = progress and is_main, (progress if report is None else report) and is_main
-        self.built: Run = build_run(
-            config, hooks or RunHooks(), log=self.log, progress=self.show_progress, saved_plan=plan, feature_norm=feature_norm
-        )
-        self.config, self.batches = self.built.config, TrainBatches(self.built, 0)  # an auto chunk size: its number
-        self.progress = Progress(augtest_seed=self.built.seeds["augtest"])  # test views: the same at every evaluation
+        self.show_progress = progress and is_main
+        self.report = (progress if report is None else report) and is_main
+        self.built: Run = build_run(config, hooks or RunHooks(), log=self.log, progress=self.show_progress,
+                                    saved_plan=plan, feature_norm=feature_norm)  # fmt: skip
+        # as built: an auto chunk size as its number
+        self.config, self.batches = self.built.config, TrainBatches(self.built, 0)
+        # AugTest's seed: the same test views at every evaluation
+        self.progress = Progress(augtest_seed=self.built.seeds["augtest"])
         self.metrics = MetricsLog(self.run_dir / METRICS_NAME)
         self.last_stats: StepStats | None = None
-        self.load_window({"loss_sum": 0.0, "examples": 0, "nonfinite_examples": 0})
-        self._saved_at = time.perf_counter()  # when the checkpoint was last written (perf_counter s)
+        self.window = LossWindow(self.built.device)  # the train loss since the last evaluation
+        self.checkpoints = run_state.RunCheckpoints(self.run_dir)
         self._privacy_warnings: list[str] | None = None  # computed on first use
-        self.warnings_shown = False  # printed at the start of this session's run (so not again at its end)
-        self.damaged_checkpoint: Path | None = None  # a damaged newest checkpoint, set aside at the next save
-        self._checkpoint_step: int | None = None  # the step of the last checkpoint this process wrote or read
-        self.board: RunBoard | None = None  # TensorBoard events (run.tensorboard), while ``run`` runs
+        self.warnings_shown = False  # printed as this session's run starts (not again at its end)
+        self.board: RunBoard | None = None  # TensorBoard events (run.tensorboard), while run runs
 
     # The parts the loop and its callers read most.
     plan = property(lambda self: self.built.plan, doc="The frozen DP plan.")
@@ -106,15 +106,12 @@ class Trainer:
         locked until ``run`` returns; a start that fails leaves nothing behind.
         """
         claim = session.claim_new_run(config)
-        try:
+        with session.undone_on_failure(claim.abandon if claim is not None else None):
             trainer = cls(config, progress, hooks=hooks, report=report)
             if note := session.cleared_note(claim):
                 trainer.log(note)
-            session.write_claim(claim, trainer.config, trainer.dist)  # as built: an auto chunk size as its number
-        except BaseException:
-            if claim is not None:
-                claim.abandon()
-            raise
+            # as built: an auto chunk size as its number
+            session.write_claim(claim, trainer.config, trainer.dist)
         trainer.lock = claim.lock if claim is not None else None
         return trainer
 
@@ -122,7 +119,8 @@ class Trainer:
     def load(cls, run_dir: str | Path, progress: bool = False) -> "Trainer":
         """The run in ``run_dir`` at its checkpoint, read-only (nothing in the directory changes)."""
         config, state = session.read_saved_run(run_dir)
-        trainer = cls(config, progress, plan=session.saved_plan(state), feature_norm=state.get("feature_norm"))
+        plan, feature_norm = session.saved_parts(state)
+        trainer = cls(config, progress, plan=plan, feature_norm=feature_norm)
         trainer.load_state(state)
         return trainer
 
@@ -139,17 +137,11 @@ class Trainer:
         checkpoint is set aside for the previous one when that is intact.
         """
         opened = session.open_to_resume(Path(run_dir), overrides)
-        try:
-            state = opened.latest.state
-            if state is None:  # stopped before its first checkpoint: starts again from step 0
-                trainer = cls(opened.config, progress, report=report)
-            else:
-                plan, feature_norm = session.saved_plan(state), state.get("feature_norm")
-                trainer = cls(opened.config, progress, plan=plan, feature_norm=feature_norm, report=report)
+        with session.undone_on_failure(opened.lock.release):
+            # (None, None) for a run that stopped before its first checkpoint: it starts again from step 0
+            plan, norm = session.saved_parts(opened.latest.state)
+            trainer = cls(opened.config, progress, plan=plan, feature_norm=norm, report=report)
             trainer.continue_from(opened, bool(overrides))
-        except BaseException:
-            opened.lock.release()
-            raise
         trainer.lock = opened.lock if opened.held else None  # rank 0 holds it for the job
         return trainer
 
@@ -167,7 +159,7 @@ class Trainer:
         self.load_state(latest.state)
         if latest.note:
             self.announce(latest.note)
-        self.damaged_checkpoint = latest.damaged
+        self.checkpoints.damaged = latest.damaged
         if is_main:
             self.metrics.truncate_after(self.step)
         if opened.changes:  # saved now, so the next resume compares against the new values
@@ -188,28 +180,23 @@ class Trainer:
 
     def __del__(self) -> None:
         lock = getattr(self, "lock", None)
-        with contextlib.suppress(Exception):  # at interpreter exit; the OS drops the lock with the process anyway
+        with contextlib.suppress(Exception):  # interpreter exit: the OS drops the lock anyway
             if lock is not None:
                 lock.release()
 
     def state(self) -> dict[str, Any]:
         """The checkpoint (``dpscale.checkpoint_format``); collective with P processes."""
         streams = self.batches.state(self.step)
-        return run_state.training_state(self.built, self.progress, rank_streams=streams, window=self.window_as_dict())
+        return run_state.training_state(self.built, self.progress, rank_streams=streams, window=self.window.as_dict())
 
     def load_state(self, saved: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (current layout: ``load_checkpoint`` migrates)."""
         self.progress, notes = run_state.restore(self.built, saved)
-        self.load_window(saved["window"])
+        self.window.load(saved["window"])
         for note in notes:
             self.log(note)
-        mine, restart_note = run_state.saved_rank_streams(saved, self.dist)
-        if mine is None:  # fresh sampling, noise and augmentation streams, never the ones used before
-            self.batches = restarted_streams(self.built, self.step)
-            self.log(restart_note or "")
-        else:
-            self.batches.load_state(mine)
-        self._checkpoint_step = self.step
+        self.batches = continued_batches(self.batches, self.built, saved, self.step, self.log)
+        self.checkpoints.step = self.step
 
     def save(self) -> None:
         """Write the checkpoint (rank 0; collective with P processes, so every rank calls it).
@@ -218,12 +205,7 @@ class Trainer:
             OSError: the checkpoint could not be written (e.g. a full disk), saying that the
                 previous one is intact.
         """
-        saved = self.state()
-        if self.dist.is_main:
-            run_state.write_checkpoint(self.run_dir, saved, damaged=self.damaged_checkpoint, intact_step=self._checkpoint_step)
-            self.damaged_checkpoint = None
-        self._checkpoint_step = self.step
-        self._saved_at = time.perf_counter()
+        self.checkpoints.write(self.state(), self.step, self.dist.is_main)
 
     def run(self, max_steps: int | None = None) -> dict[str, Any] | None:
         """Train until the planned number of steps, or until global step ``max_steps``.
@@ -245,15 +227,14 @@ class Trainer:
 
     def _run_locked(self, stop: int) -> dict[str, Any] | None:
         """``run`` while holding the run directory's lock."""
-        self._print_plan()
+        # the plan, what it means, and every caveat and warning (once per session)
+        for line in report.header_lines(self.plan, self.built, self.privacy_warnings()):
+            self.log(line)
+        self.warnings_shown = self.report
         self.board = self.board or open_board(self.built, self.run_dir, self.step, self.privacy_warnings(), self.log)
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not self.show_progress, file=sys.stderr, desc="train",
-            unit="step", dynamic_ncols=True,
-        )  # fmt: skip
-        self._bar_state = {"epsilon": self.epsilon() if self.step else 0.0, "reported_at": time.perf_counter()}
+        bar = StepBar(self.total_steps, self.step, self.show_progress, self.epsilon)
         interrupt = DeferredInterrupt()
-        self._saved_at = time.perf_counter()
+        self.checkpoints.saved_at = time.perf_counter()
         interrupted = False
         try:
             with interrupt, self.built.precision.matmul_flags():
@@ -268,24 +249,17 @@ class Trainer:
             self.progress.data_wait_s += self.batches.stop(self.step)
         if interrupted or (not self.dist.enabled and interrupt.requested):
             self.save()
-            # Always printed (also with progress off): this is how the user gets their run back.
-            if self.dist.is_main:
-                print(f"interrupted after step {self.step}; resume with: dpscale train --resume {self.run_dir}", file=sys.stderr)
+            if self.dist.is_main:  # always printed (also with progress off)
+                print(resume_hint(self.step, self.run_dir), file=sys.stderr)
             raise KeyboardInterrupt
         if self.step < self.total_steps:
             self.save()
             return None
         return self.finish()
 
-    def _print_plan(self) -> None:
-        """The plan, what it means, and every caveat and warning (once per session)."""
-        for line in report.header_lines(self.plan, self.built, self.privacy_warnings()):
-            self.log(line)
-        self.warnings_shown = self.report
-
-    def _step_evaluate_save(self, bar: Any) -> None:
+    def _step_evaluate_save(self, bar: StepBar) -> None:
         """One step, then the evaluation and checkpoint that are due, then the progress bar."""
-        started = time.perf_counter()
+        train, started = self.config.train, time.perf_counter()
         stats = self.train_step()
         if line := report.new_clip_methods(self.built):
             self.log(line)
@@ -293,66 +267,38 @@ class Trainer:
             waited = self.progress.data_wait_s + self.batches.waited_s() if self.built.streamed else None
             lr = self.built.scheduler.get_last_lr()[0]
             self.board.after_step(self.step, stats, lr, 1000 * (time.perf_counter() - started), waited)
-        evaluated = evaluation_due(self.plan, self.config.train.eval_every_epochs, self.step, self.total_steps)
+        evaluated = evaluation_due(self.plan, train.eval_every_epochs, self.step, self.total_steps)
         if evaluated:
             self.progress.wall_time_s += time.perf_counter() - started
             started = time.perf_counter()
             record = self.evaluate_and_log()
             if record is not None:
-                self._bar_state["epsilon"] = record["epsilon"]
-                self.log(
-                    f"epoch {record['epoch']:.2f} step {self.step}: test accuracy "
-                    f"{100 * record['test_accuracy']:.2f}%, epsilon {report.format_epsilon(record['epsilon'])}"
-                )
-        if self.step == self.total_steps or self._checkpoint_due():
+                bar.epsilon = record["epsilon"]
+                self.log(report.evaluation_line(record))
+        if self.step == self.total_steps or self.checkpoints.due(train, self.step, self.dist):
             self.save()
         self.progress.wall_time_s += time.perf_counter() - started
-        bar.update(1)
-        # Reading the step's loss waits for the device: only when the bar is redrawn.
-        bar_state = self._bar_state
-        if self.show_progress and (evaluated or time.perf_counter() - bar_state["reported_at"] > EPSILON_REFRESH_S):
-            bar_state["epsilon"], bar_state["reported_at"] = self.epsilon(), time.perf_counter()
-            loss = stats.loss_sum / max(1, stats.examples)
-            bar.set_postfix(loss=f"{loss:.3f}", eps=report.format_epsilon(bar_state["epsilon"]), refresh=False)
+        bar.after_step(stats, evaluated, self.epsilon)
 
     def train_step(self) -> StepStats:
         """Draw a logical batch, take one private step, account for it; its statistics returned."""
         reduce = self.dist.all_reduce_sum_ if self.dist.enabled else None
-        chunks = self.batches.chunks(self.step)  # drawn through the mechanism, or read ahead by a stream
+        chunks = self.batches.chunks(self.step)  # drawn by the mechanism, or read ahead by a stream
         # clip, noise once, / B, optimizer and scheduler step, account
         stats = self.mechanism.step_drawn_chunks(chunks, all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
         if self.built.ema is not None:
             self.built.ema.update(self.model)
         self.progress.step += 1
-        # the window's order: loss sum, examples, non-finite examples (on the device: no host sync)
-        self._window += stats.select("loss_sum", "examples", "nonfinite").to(self._window.device)
+        self.window.add(stats)
         self.last_stats = stats
         return stats
 
-    def _checkpoint_due(self) -> bool:
-        """Every ``train.checkpoint_every_steps`` steps, and once ``train.checkpoint_every_minutes``
-        have passed since the last checkpoint (agreed by all ranks: saving is collective)."""
-        train = self.config.train
-        every = train.checkpoint_every_steps
-        if every and self.step % every == 0:
-            return True
-        minutes = train.checkpoint_every_minutes
-        if minutes is None:
-            return False
-        return self.dist.any(time.perf_counter() - self._saved_at >= 60.0 * minutes)
-
-    def load_window(self, window: dict[str, Any]) -> None:
-        """Set the train-loss window (loss sum, examples, non-finite examples since the last evaluation)."""
-        self._window = run_state.window_tensor(window, self.built.device)
-
-    def window_as_dict(self) -> dict[str, float | int]:
-        loss_sum, examples, nonfinite = self._window.tolist()
-        return {"loss_sum": loss_sum, "examples": int(examples), "nonfinite_examples": int(nonfinite)}
-
     def evaluate_and_log(self) -> dict[str, Any] | None:
         """Evaluate and append to metrics.jsonl (rank 0; other ranks only reset the window)."""
-        record = report.evaluation_record(self.built, self.progress, self.window_as_dict(), self.log) if self.dist.is_main else None
-        self.load_window({"loss_sum": 0.0, "examples": 0, "nonfinite_examples": 0})
+        record: dict[str, Any] | None = None
+        if self.dist.is_main:
+            record = report.evaluation_record(self.built, self.progress, self.window.as_dict(), self.log)
+        self.window.load(EMPTY)
         if record is not None:
             self.metrics.append(record)
             if self.board is not None:

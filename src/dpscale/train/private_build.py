@@ -27,7 +27,8 @@ from dpscale.privacy.clipping.per_example import (
 )  # fmt: skip
 from dpscale.privacy.plan.options_flat import privacy_numbers
 from dpscale.privacy.spelling import PYTHON
-from dpscale.privacy.options import BandMF, Noise
+from dpscale.privacy.options import BandMF, Noise, PerformanceFlags
+from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.privacy.plan.make_plan import make_dp_plan, steps_for
 from dpscale.privacy.clipping.precision import make_precision
 from dpscale.privacy.clipping.self_check import checked_engine
@@ -97,11 +98,31 @@ def build_mechanism(
         correlated=_bands_request(options.noise, model, optimizer, total_steps), spell=PYTHON,
     )  # fmt: skip
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
+    return _mechanism(
+        model, optimizer, plan, flags, max_grad_norm, users=users, rows=settings["max_examples_per_user"] if users else None,
+        loss_fn=loss_fn, augment_multiplicity=augment_multiplicity, scheduler=scheduler, seed=seed, check=check,
+        check_batch=check_batch,
+    )  # fmt: skip
+
+
+def _mechanism(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, flags: PerformanceFlags, max_grad_norm: MaxGradNorm,
+    *, users: UserIndex | None, rows: int | None, loss_fn: Callable | None, augment_multiplicity: int, scheduler: Any,
+    seed: int | None, check: bool, check_batch: Batch | None,
+) -> DPMechanism:  # fmt: skip
+    """The mechanism of ``plan``: its engine (checked now on ``check_batch``, or at the first step),
+    compiled with ``flags.compile``, the chunk size (measured for "auto") and the streams of ``seed``.
+
+    Args:
+        model, optimizer, plan: the user's model and optimizer, and the plan built for them.
+        flags: the performance options; max_grad_norm: C as the plan takes it (``_clip_bounds``).
+        users, rows: the user unit's users and k (None at the example unit).
+        loss_fn, augment_multiplicity, scheduler, seed, check, check_batch: ``make_private``'s keywords.
+    """
     engine = compiled_engine_name(flags.engine, make_precision(flags.precision), model) if flags.compile else flags.engine
     chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
         engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=flags.precision,
-        check=check and plan.is_private, check_batch=check_batch, rows=settings["max_examples_per_user"] if users else None,
-        clip_gamma=plan.clip_gamma,
+        check=check and plan.is_private, check_batch=check_batch, rows=rows, clip_gamma=plan.clip_gamma,
     )  # fmt: skip
     if flags.compile:  # after the eager engine's checks: one shape compiled per chunk size
         chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)

@@ -9,7 +9,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +28,7 @@ from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.build import Log, Run
 from dpscale.train.metrics import evaluate, evaluate_augtest, evaluate_batches, json_safe
+from dpscale.train.people_line import people_line
 from dpscale.train.progress import Progress, epochs_done
 
 
@@ -110,6 +110,12 @@ def evaluation_record(built: Run, progress: Progress, window: dict[str, Any], lo
     return record
 
 
+def evaluation_line(record: dict[str, Any]) -> str:
+    """The run report's line of an evaluation record (``evaluation_record``'s)."""
+    return (f"epoch {record['epoch']:.2f} step {record['step']}: test accuracy "
+            f"{100 * record['test_accuracy']:.2f}%, epsilon {format_epsilon(record['epsilon'])}")  # fmt: skip
+
+
 def privacy_statement(plan: DPPlan, privacy_warnings: list[str], training_set: str | None = None) -> list[str]:
     """The lines a run prints before training (and TensorBoard keeps): the plan, what it means,
     the planned attacker's odds, and every caveat and warning (``privacy_advice``'s; and
@@ -131,71 +137,6 @@ def header_lines(plan: DPPlan, built: Run, privacy_warnings: list[str]) -> list[
     return privacy_statement(plan, privacy_warnings, training_set_note(built)) + ([people] if people else [])
 
 
-def people_line(plan: DPPlan, user_ids: np.ndarray | None) -> str | None:
-    """The run header's line about the people in data that names them (issue 62, points 5 and 10).
-
-    At the user unit: the images that train, the people, and how many have more than k images (a
-    random k of theirs join each step they are drawn in). At the example unit (the default, kept:
-    changing it would change N and the guarantee of every existing config): the people, the most
-    images of one person, what the run's epsilon promises that person by group privacy, and how to
-    protect each person instead.
-
-    Args:
-        plan: the run's plan; user_ids: each training example's user id, or None (no line).
-
-    Returns:
-        The line, or None without ids, for a TAN simulation, or when each person has one image at
-        the example unit (the guarantee then covers each person).
-    """
-    if user_ids is None or plan.simulation is not None or len(user_ids) == 0:
-        return None
-    _, counts = np.unique(user_ids, return_counts=True)
-    people, most = len(counts), int(counts.max())
-    if plan.user_level:
-        k = plan.max_examples_per_user or most
-        return (f"privacy unit user: {len(user_ids):,} training images of {people:,} people; "
-                f"{int((counts > k).sum()):,} of {people:,} people have more than k = {k} images (a random {k} of "
-                f"theirs train each step they are drawn in; the most: {most})")  # fmt: skip
-    if most == 1:
-        return None
-    k = int(np.ceil(np.quantile(counts, 0.9)))  # a starting k: 9 in 10 people contribute every image
-    return (
-        f"the training set names {people:,} people (up to {most} images each) but the privacy unit is one image "
-        f"(data.privacy_unit=example, the default): {_person_reading(plan, most)}; to protect each person, "
-        f"--set data.privacy_unit=user --set dp.max_examples_per_user={k} (9 in 10 people have at most {k} images; "
-        "docs/privacy-units.md)"
-    )
-
-
-def _person_reading(plan: DPPlan, k: int) -> str:
-    """What the run's epsilon promises a person with ``k`` images: the group-privacy bound over
-    the run's epsilon curve, as ``dpscale account --group-size`` finds it (and that command for a
-    plain Poisson DP-SGD plan, whose flags reproduce it)."""
-    from dpscale.privacy.accounting.accountant import history_accountant
-    from dpscale.privacy.accounting.batch_sampling import REPLACE_ONE
-    from dpscale.privacy.accounting.group_privacy import best_group_bound, search_floor
-
-    if not plan.is_private:
-        return "no guarantee for anyone"
-    if plan.adjacency == REPLACE_ONE or plan.mechanism != "dpsgd":
-        return f"its epsilon covers one image, and a person with {k} only through group privacy"
-    accountant = history_accountant(  # the history the plan's epsilon composed (cached)
-        sample_rate=plan.participation_rate, noise_multiplier=plan.noise_multiplier,
-        steps=plan.compositions(plan.steps), kind=plan.accountant, releases=plan.releases, batches=plan.batch_sampling,
-    )  # fmt: skip
-    bound = best_group_bound(epsilons_at=accountant.epsilons, target_delta=plan.delta, group_size=k, min_delta=search_floor(plan.accountant),
-                             extra_deltas=(plan.delta,))  # fmt: skip
-    promise = f"epsilon {bound.epsilon:.3g}" if bound else "nothing"
-    reading = f"group privacy promises the person with {k} images {promise} at delta={plan.delta:g}"
-    if plan.releases or plan.sampling != "poisson":
-        return reading
-    cap = f" --max-batch-size {plan.max_batch_size}" if plan.max_batch_size else ""
-    command = (f"dpscale account --dataset-size {plan.dataset_size} --batch-size {plan.batch_size:g} --steps "
-               f"{plan.steps} --noise {plan.noise_multiplier!r} --delta {plan.delta!r} --accountant {plan.accountant}"
-               f"{cap} --group-size {k}")  # fmt: skip
-    return f"{reading} (`{command}`)"
-
-
 def privacy_advice(plan: DPPlan, config: Config) -> list[str]:
     """Advice about the privacy parameters: the privacy wall, and Mean-Var statistics declared public."""
     warning = plan.wall_warning()
@@ -212,7 +153,16 @@ def privacy_advice(plan: DPPlan, config: Config) -> list[str]:
 def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str]) -> dict[str, Any]:
     """The summary's privacy fields: what was spent, by which plan, and what it does not cover
     (``privacy_warnings``: the run's advice, ``privacy_advice``)."""
-    plan, step = built.plan, progress.step
+    return {
+        **_spent(built, progress.step),
+        **_caveats(built, progress, privacy_warnings),
+        **odds_summary(built),
+    }
+
+
+def _spent(built: Run, step: int) -> dict[str, Any]:
+    """The summary's privacy fields of what was spent and by which plan, after ``step`` steps."""
+    plan = built.plan
     return {
         "epsilon": built.mechanism.epsilon(),
         "delta": plan.delta,
@@ -247,6 +197,15 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
         ),  # fmt: skip
         "eps_tan": plan.eps_tan,
         "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
+    }
+
+
+def _caveats(built: Run, progress: Progress, privacy_warnings: list[str]) -> dict[str, Any]:
+    """The summary's privacy fields of what the guarantee does not cover: a simulation, the run's
+    advice, the features and how they entered epsilon, the caveats, the training set, the seed and
+    the changes asked for on resume."""
+    plan, step = built.plan, progress.step
+    return {
         "simulation": ({**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None),
         "reference_epsilon": plan.reference_epsilon(step) if plan.simulation else None,
         "privacy_warnings": privacy_warnings,
@@ -260,7 +219,6 @@ def privacy_summary(built: Run, progress: Progress, privacy_warnings: list[str])
         "training_set": training_set_note(built),  # chosen from the whole collection: what the guarantee covers
         "seeded": built.config.run.seed is not None,
         "config_changes": progress.config_changes,  # asked for with --set on resume, by step
-        **odds_summary(built),
     }
 
 

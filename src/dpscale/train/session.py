@@ -4,9 +4,10 @@ directory and returns what ``Trainer.create``, ``resume`` and ``load`` build the
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from dpscale.config import Config
 from dpscale.errors import ConfigError
@@ -64,10 +65,13 @@ def read_saved_run(run_dir: str | Path) -> tuple[Config, dict[str, Any]]:
     return config, state
 
 
-def saved_plan(state: dict[str, Any]) -> DPPlan:
-    """A checkpoint's DP plan (a state without its released statistics is refused later: drawing
-    them again would be a second release)."""
-    return DPPlan(**state["mechanism"]["plan"])
+def saved_parts(state: dict[str, Any] | None) -> tuple[DPPlan | None, dict[str, Any] | None]:
+    """A checkpoint's DP plan and feature normaliser, which a Trainer is built from (None, None: no
+    checkpoint). A state without its released statistics is refused later: drawing them again would
+    be a second release."""
+    if state is None:
+        return None, None
+    return DPPlan(**state["mechanism"]["plan"]), state.get("feature_norm")
 
 
 @dataclass
@@ -134,6 +138,18 @@ def on_main(dist: Distributed, action: Callable[[], T]) -> T | None:
     if error:
         raise ConfigError(error)
     return result
+
+
+@contextlib.contextmanager
+def undone_on_failure(undo: Callable[[], None] | None) -> Iterator[None]:
+    """The block, and when it raises, ``undo`` before the error goes on: a new run's claim abandoned
+    (``NewRun.abandon``) or a resumed run's lock released, so a start that fails leaves nothing behind."""
+    try:
+        yield
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
 
 
 def refuse_audit_run(run_dir: str | Path) -> None:

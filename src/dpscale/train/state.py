@@ -5,13 +5,12 @@ noise, accountant, steps) through ``DPMechanism.state_dict``; this module adds t
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dpscale._io import CHECKPOINT_NAME, save_checkpoint
-
+from dpscale.config import TrainConfig
 from dpscale.errors import ConfigError
 from dpscale.train.build import Run
 from dpscale.train.distributed import NOISE_RANK, Distributed, rank_stream_seed
@@ -139,10 +138,46 @@ def fresh_noise_seed(seeds: dict[str, int], world_size: int, step: int) -> int:
     return rank_stream_seed(seeds["noise"], NOISE_RANK, world_size, step)
 
 
-def window_tensor(window: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The train-loss window (loss sum, examples, non-finite examples) as a float64 tensor."""
-    values = [float(window["loss_sum"]), float(window["examples"]), float(window["nonfinite_examples"])]
-    return torch.tensor(values, dtype=torch.float64, device=device)
+class RunCheckpoints:
+    """The checkpoints of the run in ``run_dir`` as the loop writes them: when the last was written,
+    its step, and a damaged newest one to set aside at the next save.
+
+    Attributes:
+        saved_at: ``time.perf_counter()`` when the last checkpoint was written (or the session began).
+        step: the step of the last checkpoint this process wrote or read (None: none).
+        damaged: a damaged newest checkpoint a resume fell back from, set aside at the next save.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.saved_at = time.perf_counter()
+        self.step: int | None = None
+        self.damaged: Path | None = None
+
+    def due(self, train: TrainConfig, step: int, dist: Distributed) -> bool:
+        """Whether a checkpoint is due after ``step``: every ``train.checkpoint_every_steps`` steps,
+        and once ``train.checkpoint_every_minutes`` have passed since the last checkpoint (agreed by
+        all ranks: saving is collective)."""
+        every = train.checkpoint_every_steps
+        if every and step % every == 0:
+            return True
+        minutes = train.checkpoint_every_minutes
+        if minutes is None:
+            return False
+        return dist.any(time.perf_counter() - self.saved_at >= 60.0 * minutes)
+
+    def write(self, saved: dict[str, Any], step: int, is_main: bool) -> None:
+        """``saved`` (``training_state``'s) as the checkpoint of ``step``, written by rank 0
+        (``is_main``) and recorded by every rank (see ``write_checkpoint``).
+
+        Raises:
+            OSError: the checkpoint could not be written, saying which one is intact.
+        """
+        if is_main:
+            write_checkpoint(self.run_dir, saved, damaged=self.damaged, intact_step=self.step)
+            self.damaged = None
+        self.step = step
+        self.saved_at = time.perf_counter()
 
 
 def write_checkpoint(run_dir: Path, saved: dict[str, Any], *, damaged: Path | None, intact_step: int | None) -> None:
