@@ -2,7 +2,7 @@
 without that key (an older dpscale's) or timed under load never trusted; a cached choice that runs
 well off its prediction timed again before it computes anything, and one that later runs off it
 dropped for the next run; a reset; each choice's provenance in the run's line. Timings come from a
-fake clock (``autotune.measure_once`` replaced) wherever a verdict depends on them."""
+fake clock (``autotune_timing.measure_once`` replaced) wherever a verdict depends on them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from torch import nn
 
 from dpscale.privacy import make_engine
 
-from dpscale.privacy.clipping import autotune
-from dpscale.privacy.clipping.autotune import Candidate, MethodTuner
+from dpscale.privacy.clipping import autotune, autotune_cache, autotune_timing
+from dpscale.privacy.clipping.autotune import MethodTuner
+from dpscale.privacy.clipping.autotune_timing import Candidate
 from dpscale.privacy.clipping.per_example import trainable_params
 
 CPU = torch.device("cpu")
@@ -47,14 +48,14 @@ def _fake_clock(monkeypatch, ms: dict[str, float], wall_over_cpu: float = 1.0) -
         timed.append(candidate.name)
         return ms[candidate.name], ms[candidate.name] * wall_over_cpu
 
-    monkeypatch.setattr(autotune, "measure_once", measure)
+    monkeypatch.setattr(autotune_timing, "measure_once", measure)
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the thread clock ranks (the CI may run more)
     return timed
 
 
 def _entries(path) -> dict:
-    return json.loads(path.read_text())[autotune.device_descriptor(CPU)]
+    return json.loads(path.read_text())[autotune_cache.device_descriptor(CPU)]
 
 
 def test_a_slow_choice_an_older_cache_holds_is_timed_again_and_not_kept(tmp_path, monkeypatch):
@@ -63,7 +64,7 @@ def test_a_slow_choice_an_older_cache_holds_is_timed_again_and_not_kept(tmp_path
     the file, and the next run does not take it either (real timings, ~300x apart)."""
     monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
     path = tmp_path / "autotune.json"
-    path.write_text(json.dumps({autotune.device_descriptor(CPU): {"sig": "slow"}}))
+    path.write_text(json.dumps({autotune_cache.device_descriptor(CPU): {"sig": "slow"}}))
     calls: list[str] = []
     candidates = [_matmuls("slow", 400, calls), _matmuls("fast", 60, calls)]
     assert MethodTuner(cache_file=path).choose("conv1", "sig", CPU, "slow", candidates, rows=100) == "fast"
@@ -118,7 +119,7 @@ def _seed(path, method: str, ms: dict[str, float]) -> None:
     for key in entries:
         if key.startswith("Conv2d"):
             entries[key].update(method=method, ms=ms, timed="2026-11-28")
-    path.write_text(json.dumps({autotune.device_descriptor(CPU): entries}))
+    path.write_text(json.dumps({autotune_cache.device_descriptor(CPU): entries}))
 
 
 def test_a_cached_slow_choice_for_a_3x3_conv_that_runs_off_its_prediction_is_timed_again_and_replaced(conv_cache):
@@ -151,7 +152,7 @@ def test_a_cached_choice_that_runs_as_predicted_is_taken_and_the_line_says_so(co
     entries = _entries(conv_cache)
     for entry in entries.values():
         entry["rows"] = 10
-    conv_cache.write_text(json.dumps({autotune.device_descriptor(CPU): entries}))
+    conv_cache.write_text(json.dumps({autotune_cache.device_descriptor(CPU): entries}))
     tuner = _step()
     assert tuner.choices[tuner.layers["conv1"]].method == "bmm"
     line = tuner.describe()
@@ -163,7 +164,7 @@ def test_a_cached_choice_that_runs_as_predicted_is_taken_and_the_line_says_so(co
 def test_an_older_entry_for_a_3x3_conv_is_not_read(conv_cache):
     """The issue's format (a bare method name under the signature without rows): timed again."""
     signatures = [k.rsplit("|rows=", 1)[0] for k in _entries(conv_cache) if k.startswith("Conv2d")]
-    conv_cache.write_text(json.dumps({autotune.device_descriptor(CPU): {s: "pixel-gram" for s in signatures}}))
+    conv_cache.write_text(json.dumps({autotune_cache.device_descriptor(CPU): {s: "pixel-gram" for s in signatures}}))
     tuner = _step()
     assert {tuner.choices[s].method for n, s in tuner.layers.items() if n.startswith("conv")} == {"grouped"}
     assert all("|rows=" in k for k in _entries(conv_cache))
@@ -172,8 +173,8 @@ def test_an_older_entry_for_a_3x3_conv_is_not_read(conv_cache):
 def test_the_cache_is_keyed_by_the_chunks_rows_in_powers_of_two(tmp_path, monkeypatch):
     timed = _fake_clock(monkeypatch, {"a": 5.0, "b": 9.0})
     path = tmp_path / "autotune.json"
-    assert autotune.cache_key("sig", 100) == "sig|rows=65-128" and autotune.cache_key("sig", 128) == "sig|rows=65-128"
-    assert autotune.cache_key("sig", 129) == "sig|rows=129-256" and autotune.cache_key("sig", 1) == "sig|rows=1-1"
+    assert autotune_cache.cache_key("sig", 100) == "sig|rows=65-128" and autotune_cache.cache_key("sig", 128) == "sig|rows=65-128"
+    assert autotune_cache.cache_key("sig", 129) == "sig|rows=129-256" and autotune_cache.cache_key("sig", 1) == "sig|rows=1-1"
     assert MethodTuner(cache_file=path).choose("l", "sig", CPU, "b", [_idle("a"), _idle("b")], rows=100) == "a"
     assert list(_entries(path)) == ["sig|rows=65-128"]
     timed.clear()
@@ -199,12 +200,12 @@ def test_a_timing_whose_thread_waited_for_a_core_is_used_but_not_cached(tmp_path
 
 def test_a_timing_whose_runs_spread_is_under_load_and_short_runs_are_not_judged():
     runs = {"a": [(4.0, 4.0), (9.0, 9.0), (9.5, 9.5)], "b": [(9.0, 9.0), (9.1, 9.1)]}
-    assert autotune.load_verdict(runs, thread=True) == "under load (a's runs spread 56%)"
+    assert autotune_timing.load_verdict(runs, thread=True) == "under load (a's runs spread 56%)"
     runs["a"] = [(5.0, 5.0), (5.5, 5.5), (9.0, 9.0)]  # one slow run (a page-fault burst) is not load
-    assert autotune.load_verdict(runs, thread=True) == autotune.IDLE
+    assert autotune_timing.load_verdict(runs, thread=True) == autotune_timing.IDLE
     tiny = {"a": [(0.01, 0.05), (0.01, 0.05), (0.03, 0.05)]}  # a clock call's cost: not judged
-    assert autotune.load_verdict(tiny, thread=True) == autotune.IDLE
-    assert autotune.load_verdict({"a": [(1.0, 5.0)] * 3}, thread=False) == autotune.IDLE  # the wall clock ranks
+    assert autotune_timing.load_verdict(tiny, thread=True) == autotune_timing.IDLE
+    assert autotune_timing.load_verdict({"a": [(1.0, 5.0)] * 3}, thread=False) == autotune_timing.IDLE  # the wall clock ranks
 
 
 def test_later_chunks_off_their_prediction_drop_the_entry_and_keep_the_runs_choice(tmp_path, monkeypatch):
@@ -254,7 +255,7 @@ def test_no_checks_on_a_gpu_nor_for_pinned_choices(tmp_path, monkeypatch):
     choice computes as its checkpoint's run did: never checked, and it says where it came from."""
     _fake_clock(monkeypatch, {"a": 5.0, "b": 9.0})
     tuner = MethodTuner(cache_file=tmp_path / "autotune.json")
-    choice = autotune.LayerChoice("a", "timed", {"a": 5.0, "b": 9.0}, 64, "2026-11-28", autotune.IDLE)
+    choice = autotune.LayerChoice("a", "timed", {"a": 5.0, "b": 9.0}, 64, "2026-11-28", autotune_timing.IDLE)
     assert tuner._checkable(choice, CPU) and not tuner._checkable(choice, torch.device("cuda"))
     pinned = MethodTuner(cache_file=tmp_path / "autotune.json")
     pinned.pin({"methods": {"sig": "b"}})

@@ -10,7 +10,7 @@ signature (per-example shapes, geometry, dtype) and device, and keeps the fastes
 * in the process, for every later chunk of any batch size (the signature leaves out the batch);
 * on disk (``autotune_cache_path``), so the next run on this machine does not time again, keyed
   by the device, the signature and the chunk's rows in powers of two (``cache_key``), and only
-  when the timing shows no load (``load_verdict``); a cached choice is timed once more before
+  when the timing shows no load (``autotune_timing.load_verdict``); a cached choice is timed once more before
   it is used and timed anew if it runs well off its prediction, and one that later runs off it
   (on a CPU, sampled chunks) leaves the cache for the next run to time (issue 63);
 * in the run's checkpoint (``as_json`` / ``pin``), so a resumed run does exactly the same
@@ -19,27 +19,37 @@ signature (per-example shapes, geometry, dtype) and device, and keeps the fastes
 Every candidate is exact and keeps its rounding bound (the Gram forms add a rigorous float64
 bound, the instantiated ones take the norm of the gradient itself), so the choice changes the
 speed and the last bits of the norms, never what the guarantee covers.
+
+The clock is ``autotune_timing``'s, the file ``autotune_cache``'s, the peaks ``peak_memory``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import platform
-import re
-import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
-from dpscale.cpu_memory import memory_mode
-from dpscale._io import atomic_write_text, cache_path
+from dpscale.privacy.clipping import autotune_timing
+from dpscale.privacy.clipping.autotune_cache import (
+    autotune_cache_path,
+    cache_key,
+    cpu_isa,  # noqa: F401  (bench/step_time.py imports it from here)
+    cpu_model,  # noqa: F401  (bench/step_time.py imports it from here)
+    device_descriptor,
+    read_table,
+    rows_bucket,
+    store_entry,
+)
+from dpscale.privacy.clipping.autotune_timing import IDLE, JUDGE_MIN_MS, TUNE_DROP, Candidate, fastest_runs
+from dpscale.privacy.clipping.peak_memory import (
+    cpu_allocation_peak,  # noqa: F401  (tests/test_clip_bound.py imports it from here)
+    peak_bytes,
+    profiler_markers_dropped,  # noqa: F401  (bench/ops.py imports it from here)
+)
 
 # Candidates whose estimated multiply-adds exceed the cheapest estimate by more than this factor are
 # not timed (a wider spread mostly times hopeless Gram candidates: the 16x16 pixel Grams estimated at 2.4x
@@ -50,11 +60,6 @@ TUNE_SPREAD = 3.0
 TUNE_MIN_MACS = 2e7
 # Gram candidates whose float64 Gram matrices would exceed this many bytes are not timed.
 TUNE_MAX_GRAM_BYTES = 1 << 30
-TUNE_REPEATS = 3  # timed runs per candidate after one warm-up, interleaved; the median is kept
-# Fast candidates get more rounds, up to this many, so that each is timed for ~TUNE_WINDOW_MS in all
-# (a 5 ms layer's medians over 3 rounds differed by 10% between runs on a shared VM).
-TUNE_MAX_REPEATS, TUNE_WINDOW_MS = 11, 60.0
-TUNE_DROP = 2.0  # a candidate this many times slower than the fastest in the first timed round is not timed again
 # Candidates whose medians are within this fraction of the fastest are as fast as timing on a shared VM can
 # tell: of those (on a CPU), the one whose measured peak tensor memory (``peak_bytes``) is lowest is kept, so that
 # neither the choice nor the step's peak follows the timing noise. papernot-cnn's second layer on the 2-core
@@ -69,17 +74,6 @@ TUNE_TIE = 0.20
 PEAK_TIE = 0.05
 TUNE_OFF_ENV = "DPSCALE_AUTOTUNE"  # "0": never time, use the shape rule (and any pinned choice)
 TUNE_RETIME = "retime"  # $DPSCALE_AUTOTUNE=retime: the cache is not read; every layer is timed, its entry replaced
-# A timing is "under load", and not written to the cache, when (one torch thread on a CPU) its runs took
-# more than LOAD_WALL_RATIO times their thread-CPU time on the wall clock (the thread waited for a core),
-# or a candidate's timed runs spread over LOAD_SPREAD of their median. The issue 63 cache: written on a
-# loaded 2-core VM, it held pixel-gram for tramer-cifar-cnn's 3x3 convolutions where an idle timing
-# picks grouped, and every later run stepped at 2.67x non-private instead of 1.29x. At load average 4-5 on
-# the 2-core AMD EPYC, two timings of its layers read wall 1.7-2.7x thread CPU, and both picked pixel-gram
-# for its 128-channel 8 x 8 layer (bmm-positions at load 2).
-LOAD_WALL_RATIO, LOAD_SPREAD = 1.3, 0.5
-# Runs shorter than this (ms) are neither judged for load nor checked against a prediction: the clock
-# calls and a single preemption weigh too much in them (and such a layer costs little whichever method).
-JUDGE_MIN_MS = 0.5
 # On its first chunk a cached choice runs CHECK_RUNS times, timed, interleaved with the runner-up of its
 # timing (if that was within TUNE_DROP of it); its fastest run more than CHECK_OFF times off its cached
 # prediction (scaled to the chunk's rows), either way, or over 1 + TUNE_TIE times the runner-up's, means
@@ -94,63 +88,6 @@ CHECK_RUNS, CHECK_OFF = 2, 1.5
 # The run keeps its choice: one changed mid-run would no longer compute as its twin resumed from a
 # checkpoint taken before the change (which pins the old one).
 CHECK_EVERY, CHECK_STRIKES = 128, 3
-IDLE = "idle"  # the load verdict of a timing that showed none
-# What torch's profiler (kineto) writes to fd 2, at any KINETO_LOG_LEVEL, each time it starts and
-# stops: "USDT:2026-11-29 03:46:12 10456:10456 SyncActivityProfilerHandler.cpp:52] profiler_start".
-# peak_bytes drops these lines (they filled every first run's stderr, issue 62) and nothing else.
-PROFILER_MARKER = re.compile(rb"^USDT:[^\n]*\] profiler_(?:start|stop)\r?(?:\n|\Z)", re.MULTILINE)
-
-
-def autotune_cache_path() -> Path:
-    """``cache_path("autotune.json")``: ``$DPSCALE_CACHE_DIR/autotune.json`` if set, else
-    ``$XDG_CACHE_HOME/dpscale/autotune.json`` (``~/.cache`` if unset)."""
-    return cache_path("autotune.json")
-
-
-def device_descriptor(device: torch.device) -> str:
-    """What the timings depend on besides the shapes: the processor (or GPU) model, on a CPU the
-    vector instruction set torch's kernels run with, the torch threads and version, and on a CPU
-    whether freed memory is kept (``dpscale.cpu_memory``: page faults made the instantiating
-    methods several times slower). E.g. ``cpu:AMD EPYC:isa=AVX2:threads=1:torch=2.13.0:memory=kept``.
-
-    The instruction set is there because virtual machines name very different processors alike:
-    two "AMD EPYC" VMs, one with AVX-512 and one with AVX2 only, ranked papernot-cnn's two layers'
-    methods in opposite orders, and a cache in a home directory shared by both would carry one's
-    choices to the other."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}:threads={torch.get_num_threads()}:torch={torch.__version__}"
-    name = cpu_model() or platform.processor() or platform.machine()
-    return f"cpu:{name}:isa={cpu_isa()}:threads={torch.get_num_threads()}:torch={torch.__version__}:memory={memory_mode()}"
-
-
-def cpu_isa() -> str:
-    """The vector instruction set torch's CPU kernels run with in this process ("AVX512", "AVX2",
-    "DEFAULT"; lower than the processor's where ``ATEN_CPU_CAPABILITY`` caps it)."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
-def cpu_model() -> str | None:
-    """The processor's model name from /proc/cpuinfo (None where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
-
-
-@dataclass
-class Candidate:
-    """One exact method for a layer: its name, estimated multiply-adds per example, the bytes of
-    the Gram matrices it would build for the chunk (0 if none), and a call that runs it (norms and
-    clipped sum) on the chunk without touching the record."""
-
-    name: str
-    macs: float
-    gram_bytes: float
-    run: Callable[[], Any]
 
 
 @dataclass
@@ -194,13 +131,6 @@ class LayerChoice:
         timing = "/".join(f"{k} {v:.1f}" for k, v in sorted(self.ms.items(), key=lambda kv: kv[1]))
         return where + (f": {timing} ms" if timing else "") + (f"; {self.note}" if self.note else "")
 
-
-@dataclass(frozen=True)
-class Timing:
-    """A timing pass: each candidate's median milliseconds and the load check's verdict."""
-
-    ms: dict[str, float]
-    load: str
 
 
 @dataclass
@@ -316,7 +246,7 @@ class MethodTuner:
         """The choice timing ``contending`` on this chunk gives, written to the cache if the timing
         showed no load (else any entry for its key removed: the next run times it again)."""
         started = time.perf_counter()
-        timing = _time_candidates(contending, device)
+        timing = autotune_timing.time_candidates(contending, device)  # looked up on its module: tests replace it
         best, source = _leanest_near_fastest(timing.ms, contending, device)
         self.tuning_s += time.perf_counter() - started
         choice = LayerChoice(best, source, timing.ms, rows, time.strftime("%Y-%m-%d"), timing.load, note)
@@ -352,7 +282,7 @@ class MethodTuner:
         near = TUNE_DROP * choice.ms[choice.method]
         others = [c for c in candidates if c.name != choice.method and choice.ms.get(c.name, float("inf")) <= near]
         runner_up = min(others, key=lambda c: choice.ms[c.name], default=None)
-        measured = _fastest_runs(
+        measured = fastest_runs(
             [c for c in candidates if c.name == choice.method] + ([runner_up] if runner_up else []), device, CHECK_RUNS
         )
         off = measured[choice.method] / predicted
@@ -394,7 +324,7 @@ class MethodTuner:
         chosen = [c for c in candidates if c.name == known.method]
         if predicted is None or not chosen:
             return
-        off = _fastest_runs(chosen, device, 1)[known.method] / predicted
+        off = fastest_runs(chosen, device, 1)[known.method] / predicted
         if 1 / CHECK_OFF <= off <= CHECK_OFF:
             self._strikes[signature] = 0
             return
@@ -409,60 +339,13 @@ class MethodTuner:
     def _cached(self, device: torch.device) -> dict[str, Any]:
         self._device = self._device or device_descriptor(device)
         if self._table is None:
-            self._table = self._read_table()
+            self._table = read_table(self.cache_file, self._device)
         return self._table
 
-    def _read_table(self) -> dict[str, Any]:
-        """This device's table in the cache file ({} without one, or unreadable)."""
-        if self.cache_file is None or not self.cache_file.exists():
-            return {}
-        try:
-            table = json.loads(self.cache_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # an unreadable cache is re-timed and rewritten, never fatal
-            return {}
-        entry = table.get(self._device) if isinstance(table, dict) else None
-        return entry if isinstance(entry, dict) else {}
-
     def _store(self, device: torch.device, key: str, entry: dict[str, Any] | None) -> None:
-        """Write ``entry`` at ``key`` in this device's table (None: remove it), dropping the table's
-        entries in an older format (``_choice_of``); a missing file is not created to remove."""
-        if self.cache_file is None or (entry is None and not self.cache_file.exists()):
-            return
-        table: dict[str, Any] = {}
-        if self.cache_file.exists():
-            try:
-                table = json.loads(self.cache_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                table = {}
-        if not isinstance(table, dict):
-            table = {}
-        ours = table.get(device_descriptor(device))
-        mine = {k: v for k, v in ours.items() if isinstance(v, dict)} if isinstance(ours, dict) else {}
-        if entry is None:
-            mine.pop(key, None)
-        else:
-            mine[key] = entry
-        table[device_descriptor(device)] = mine
-        self._table = None  # read again (with what other runs wrote meanwhile) when next needed
-        try:
-            atomic_write_text(self.cache_file, json.dumps(table, indent=1, sort_keys=True) + "\n")
-        except OSError:  # a read-only home: the choice still holds for this run (and its checkpoint)
-            pass
-
-
-def cache_key(signature: str, rows: int) -> str:
-    """A cache entry's key: ``signature`` and the chunk's rows bucketed by powers of two, e.g.
-    ``...|rows=65-128`` (a chunk's size changes which method is fastest: fixed costs weigh less in
-    a larger one). Entries written before the rows were in the key (their value a bare method
-    name) are not read, whatever they say (taken as absent: they hold no prediction to check and
-    nothing of the load they were timed under), and are dropped when the file is next written."""
-    top = rows_bucket(rows)
-    return f"{signature}|rows={top // 2 + 1}-{top}"
-
-
-def rows_bucket(rows: int) -> int:
-    """The power of two at or above ``rows`` (1 for 0 or 1)."""
-    return 1 << max(0, rows - 1).bit_length()
+        """Write ``entry`` at ``key`` in this device's table (None: remove it; ``store_entry``)."""
+        if store_entry(self.cache_file, device, key, entry):
+            self._table = None  # read again (with what other runs wrote meanwhile) when next needed
 
 
 def _entry(choice: LayerChoice) -> dict[str, Any]:
@@ -526,175 +409,6 @@ def _leanest_near_fastest(ms: dict[str, float], candidates: list[Candidate], dev
     if best == fastest:
         return fastest, "timed"
     return best, "timed, least memory (peak MB: " + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in peaks.items()) + ")"
-
-
-def peak_bytes(run: Callable[[], Any], device: torch.device) -> float:
-    """Tensor memory at the peak of one call of ``run`` above what was allocated before it, in
-    bytes: on CUDA the allocator's peak; on a CPU the running sum of the allocations and frees the
-    torch profiler records (``cpu_allocation_peak``). This is how ``dpscale bench step-time``
-    reports a step's peak too."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device) - base)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profiler_markers_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    return cpu_allocation_peak(prof)
-
-
-@contextlib.contextmanager
-def profiler_markers_dropped() -> Iterator[None]:
-    """Run the block with file descriptor 2 (the C++ profiler's stderr) sent to a temporary file,
-    then write back to it everything but the profiler's start/stop lines (``PROFILER_MARKER``):
-    a warning or an error printed meanwhile, by C++ or by Python, still reaches stderr (after the
-    block). Where fd 2 cannot be duplicated, the block runs as it is."""
-    sys.stderr.flush()  # what Python printed before goes out first, in order
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            kept = memoryview(PROFILER_MARKER.sub(b"", capture.read()))
-            while kept:
-                kept = kept[os.write(2, kept) :]
-
-
-def cpu_allocation_peak(prof: Any) -> float:
-    """The peak, in bytes, of the CPU tensor memory a finished ``torch.profiler.profile(...,
-    profile_memory=True)`` saw allocated above its start: every allocation and free in the order
-    they happened, those inside an op included (a convolution kernel's buffers). From the
-    profiler's event tree (the API ``torch.profiler._memory_profiler`` reads); where a torch lacks
-    it, from the ops' own net allocations (``self_cpu_memory_usage``, counted at each op's start:
-    an op's output once, by the op that allocated it; a buffer an op frees before returning is
-    not seen).
-
-    Until session 19 the CPU figure summed the innermost ops' memory only, and so missed every
-    tensor an op with child ops allocates itself (``x * 2`` and ``torch.bmm``'s outputs: their
-    scalar conversion and ``resolve_conj`` are children) and every free such an op makes; on whole
-    steps it read high (papernot-cnn's DP step at f97f17a: 46.8 MB, 29.5 by this sum), on single
-    layers low. The peaks in docs/benchmarks.md before then are that other measure."""
-    try:
-        from torch._C._profiler import _EventType
-
-        roots = prof.profiler.kineto_results.experimental_event_tree()
-        changes = [(n.start_time_ns, n.extra_fields.alloc_size) for n in _walk(roots) if n.tag == _EventType.Allocation]
-    except (ImportError, AttributeError):
-        changes = [(e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage]
-    live = peak = 0
-    for _, size in sorted(changes, key=lambda change: change[0]):
-        live += size
-        peak = max(peak, live)
-    return float(peak)
-
-
-def _walk(nodes: Any) -> Iterator[Any]:
-    for node in nodes:
-        yield node
-        yield from _walk(node.children)
-
-
-def _time_candidates(candidates: list[Candidate], device: torch.device) -> Timing:
-    """Median milliseconds of each candidate and the load check's verdict (``load_verdict``): one
-    untimed warm-up round (first calls allocate), then ``TUNE_REPEATS`` or more interleaved timed
-    rounds (up to ``TUNE_MAX_REPEATS`` for fast candidates; a load that comes and goes hits every
-    candidate alike), a candidate whose better time in the first two timed rounds is over
-    ``TUNE_DROP`` times the fastest's dropped from the rest (its two times kept: one sample,
-    preempted on a loaded machine, once dropped the fastest). The thread-CPU clock with one torch
-    thread on a CPU (other processes' load does not count), else the wall clock, synchronised on a
-    GPU (``measure_once``)."""
-    with torch.no_grad():
-        for c in candidates:
-            c.run()
-        samples: dict[str, list[tuple[float, float]]] = {c.name: [] for c in candidates}
-        for _ in range(2):  # two looks before dropping: one preempted sample must not drop the fastest
-            for c in candidates:
-                samples[c.name].append(measure_once(c, device))
-        best = {name: min(_on_clock(s, device) for s in v) for name, v in samples.items()}
-        fastest = min(best.values())
-        kept = [c for c in candidates if best[c.name] <= TUNE_DROP * fastest]
-        rounds = int(min(TUNE_MAX_REPEATS, max(TUNE_REPEATS, TUNE_WINDOW_MS / max(fastest, 1e-3))))
-        for _ in range(rounds - 2):
-            for c in kept:
-                samples[c.name].append(measure_once(c, device))
-    ms = {name: round(statistics.median(_on_clock(s, device) for s in v), 3) for name, v in samples.items()}
-    return Timing(ms, load_verdict(samples, thread_clock(device)))
-
-
-def _fastest_runs(candidates: list[Candidate], device: torch.device, runs: int) -> dict[str, float]:
-    """Each candidate's fastest of ``runs`` interleaved timed runs, in ms, on the clock that ranks
-    on ``device``."""
-    fastest = {c.name: float("inf") for c in candidates}
-    with torch.no_grad():
-        for _ in range(runs):
-            for c in candidates:
-                fastest[c.name] = min(fastest[c.name], _on_clock(measure_once(c, device), device))
-    return fastest
-
-
-def measure_once(candidate: Candidate, device: torch.device) -> tuple[float, float]:
-    """One call of ``candidate.run`` (synchronised on a GPU): (thread-CPU ms, wall ms). The tuner's
-    only clock: tests replace it to give a candidate any timing."""
-    _sync(device)
-    wall, cpu = time.perf_counter(), time.thread_time()
-    candidate.run()
-    _sync(device)
-    return (time.thread_time() - cpu) * 1e3, (time.perf_counter() - wall) * 1e3
-
-
-def thread_clock(device: torch.device) -> bool:
-    """Whether timings on ``device`` take the thread-CPU clock: a CPU with one torch thread (with
-    more, the work of the others is not in this thread's time; on a GPU, the host's)."""
-    return device.type == "cpu" and torch.get_num_threads() == 1
-
-
-def _on_clock(sample: tuple[float, float], device: torch.device) -> float:
-    """The milliseconds of a (thread-CPU, wall) sample on the clock that ranks on ``device``."""
-    return sample[0] if thread_clock(device) else sample[1]
-
-
-def load_verdict(samples: dict[str, list[tuple[float, float]]], thread: bool) -> str:
-    """``IDLE``, or "under load (...)" with what showed it, for a timing's (thread-CPU ms, wall ms)
-    samples per candidate: on the thread clock (``thread``), their wall time over their thread-CPU
-    time above ``LOAD_WALL_RATIO`` (the thread waited for a core); on either clock, a candidate's
-    (three or more) timed runs spread, (max - min) / median without the slowest run, over ``LOAD_SPREAD``. Candidates whose
-    median is under ``JUDGE_MIN_MS`` are not judged."""
-    judged = {}
-    for name, runs in samples.items():
-        times = [cpu if thread else wall for cpu, wall in runs]
-        if times and statistics.median(times) >= JUDGE_MIN_MS:
-            judged[name] = times
-    if thread:
-        cpu = sum(c for name in judged for c, _ in samples[name])
-        wall = sum(w for name in judged for _, w in samples[name])
-        if cpu > 0 and wall > LOAD_WALL_RATIO * cpu:
-            return f"under load (wall clock {wall / cpu:.2f}x thread CPU)"
-    for name, times in judged.items():
-        # without the slowest run: one page-fault burst or preemption is not load (on the idle VM one
-        # such run read 64-137% spreads and kept good timings out of the cache, session 22)
-        kept = sorted(times)[:-1]
-        spread = (max(kept) - min(kept)) / statistics.median(times) if kept else 0.0
-        if len(times) >= TUNE_REPEATS and spread > LOAD_SPREAD:
-            return f"under load ({name}'s runs spread {spread:.0%})"
-    return IDLE
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def methods_state(engine: Any) -> dict[str, Any] | None:

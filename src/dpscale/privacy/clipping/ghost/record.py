@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpscale.privacy.clipping.autotune import Candidate, MethodTuner
+from dpscale.privacy.clipping.autotune import MethodTuner
+from dpscale.privacy.clipping.autotune_timing import Candidate
 from dpscale.privacy.clipping.bounds import NORM_BLOCK, block_norms, blocked_sq_norms
 from dpscale.privacy.clipping.per_example import Params
 
