@@ -169,7 +169,7 @@ def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path, capsys, 
 
 
 def test_yaml_merge_keys_may_override_what_they_merge(tmp_path):
-    from dpscale.config_load import read_config_file
+    from dpscale.config.load import read_config_file
 
     path = tmp_path / "merge.yaml"
     path.write_text("base: &b {epsilon: 2, delta: 1.0e-6}\ndp:\n  <<: *b\n  epsilon: 4\n")

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 from dpscale.clip_norms import MaxGradNorm, describe_clip
 from dpscale.config import Config, DPConfig, OptimConfig
-from dpscale.config_validate import dp_options
+from dpscale.config.validation import dp_options
 from dpscale.errors import ConfigError
 from dpscale.privacy.accounting.accountant import AccountingSegment
 from dpscale.privacy.workload import Workload

@@ -1,7 +1,6 @@
 """The run configuration's schema: the frozen dataclass sections of a config, every key, its default
-and its meaning. ``dpscale.config`` loads, checks and saves them (and is where the rest of dpscale
-imports them from); this module imports neither the loader nor the checks, so the config's modules
-import one way: schema <- load, validate <- config."""
+and its meaning. It imports neither the loader nor the checks: the config's modules import one way,
+schema <- validation <- load, and the package's names (``from dpscale.config import ...``) come from them."""
 
 from __future__ import annotations
 

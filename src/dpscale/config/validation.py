@@ -1,7 +1,7 @@
 """Validation of a config: the range and consistency checks that need no data, one validator per section.
 
-``dpscale.config`` imports this module (``load_config`` validates what it loads); the sections come
-from ``dpscale.config_schema``, for the type checker only. Dataset-dependent checks happen when a
+``load_config`` (``dpscale.config.load``) validates what it loads; the sections come from
+``dpscale.config.schema``, for the type checker only. Dataset-dependent checks happen when a
 run is built.
 """
 
@@ -16,7 +16,7 @@ from dpscale.clip_norms import check_max_grad_norm, check_max_grad_norm_per
 from dpscale.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dpscale.config_schema import Config, DPConfig, FeaturesConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from dpscale.config.schema import Config, DPConfig, FeaturesConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
     from dpscale.privacy.options import Clipping, Noise, Sampling
 
 # The allowed names of the settings only the config checks (those other layers check too are in
@@ -137,7 +137,7 @@ def _validate_dp_sampling(dp: DPConfig) -> None:
     """dp.batch_size, sampling and simulated_batch_size (a TAN simulation)."""
     if not (dp.batch_size >= 1 and math.isfinite(dp.batch_size)):
         raise ConfigError(f"dp.batch_size must be >= 1, got {dp.batch_size}")
-    from dpscale.privacy.sampling.samplers import SAMPLING_MODES  # local, as for AUGMENTATIONS: one list, where it is used
+    from dpscale.privacy.sampling.modes import SAMPLING_MODES  # torch-free: one list, where it is used
 
     if dp.sampling not in SAMPLING_MODES:
         raise ConfigError(f"dp.sampling must be {_either(SAMPLING_MODES)}, got {dp.sampling!r}")

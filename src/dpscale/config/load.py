@@ -1,9 +1,6 @@
-"""Loading a config's values: YAML files, presets and ``--set key=value`` overrides, type-checked into dataclasses.
-
-``dpscale.config`` holds the sections and ``load_config``, which calls this module. It knows nothing
-of the sections themselves (``build_dataclass`` reads the fields and type hints of the dataclass it
-is given), so the schema imports it without a circle.
-"""
+"""Loading a config: YAML files, presets and ``--set key=value`` overrides, type-checked into the
+sections' dataclasses (``build_dataclass`` reads the fields and type hints of the dataclass it is
+given) and validated (``load_config``: defaults <- YAML <- ``--set``)."""
 
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from dpscale.config.schema import Config
+from dpscale.config.validation import validate
 from dpscale.errors import ConfigError
 
 
@@ -331,3 +330,22 @@ def read_config_values(path: str | Path | None, overrides: Sequence[str]) -> dic
         keys, value = parse_override(text)
         _merge(values, keys, value)
     return values
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults <- YAML file <- ``--set`` overrides, validated.
+
+    Args:
+        path: YAML file with sections data, features, augment, model, dp, optim, train, run,
+            eval (any may be omitted), or "preset:<name>" (``dpscale presets`` lists them).
+        overrides: "section.key=value" strings, applied in order.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or out-of-range value.
+    """
+    config: Config = build_dataclass(Config, "", read_config_values(path, overrides))
+    validate(config)
+    return config
