@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dpscale.config import load_config
 from dpscale.train.loop import Trainer
-from dpscale.train.mechanism import independence_check
+from dpscale.train.guards import independence_check
 
 PRESETS = "papernot-fmnist-tanh,tramer-fmnist-cnn"
 

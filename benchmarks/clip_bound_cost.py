@@ -3,7 +3,7 @@
 Interleaved, one process, thread-CPU clock, one torch thread: the engines' per-chunk time with
 the clip bound's construction against the arithmetic it replaced (float32 factors, no slack,
 float32 sums of squares in vmap)."""
-import sys, time
+import time
 import torch
 
 from dpscale.models import build_model, default_input_shape

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dpscale.features.extract import read_source_run
+from dpscale.features.source_run import read_source_run
 from dpscale.privacy.accounting.tuning import parse_tuning_distribution, tuned_epsilon
 from dpscale.tune.private_tuning import compute_history_epsilon
 

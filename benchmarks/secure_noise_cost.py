@@ -2,7 +2,8 @@
 
     python benchmarks/secure_noise_cost.py
 """
-import statistics, time, torch
+import statistics
+import time
 from dpscale.rng import DPRandom, SecureRandom
 sizes = {"papernot-cnn": 26010, "tramer-cifar-cnn": 550570, "wrn16-4": 2748890, "resnet18-gn": 11172170}
 seeded, secure = DPRandom(1), SecureRandom()

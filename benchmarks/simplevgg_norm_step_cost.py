@@ -1,6 +1,7 @@
 """Thread-CPU ms per DP step (bk, B=256 in chunks of 256) of simplevgg-16(1)-32(1)-64 plain vs with
 weight standardisation (convs; convs and the hidden fc layer) / GroupNorm, 1 torch thread, interleaved."""
-import time, torch
+import time
+import torch
 from dpscale.models import build_model
 from dpscale.privacy.clipping.engines import make_engine
 from dpscale.rng import DPRandom

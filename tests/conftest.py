@@ -31,7 +31,7 @@ def _feature_cache_in_a_temporary_directory(tmp_path_factory):
     patch.setenv("DPSCALE_CACHE_DIR", str(_shared_cache_dir(tmp_path_factory)))
     # Per-layer method timing off (the shape rule): a verdict must not depend on which exact method
     # this machine's timings pick, and timing every zoo shape would cost minutes. Every method is
-    # checked against the float64 loop on its own, and the tuner with timing on, in test_autotune.
+    # checked against the float64 loop on its own, and the tuner with timing on, in test_autotune.py, test_autotune_choice.py and test_autotune_runs.py.
     patch.setenv("DPSCALE_AUTOTUNE", "0")
     yield
     patch.undo()

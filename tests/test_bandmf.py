@@ -12,15 +12,8 @@ import torch
 from dpscale.privacy.noise import bandmf, bandmf_math
 from dpscale.privacy.noise.banded import BandedNoise
 from dpscale.privacy.noise.bandmf import optimize_strategy
-from dpscale.privacy.noise.bandmf_math import (
-    Workload,
-    inverse_column,
-    normalize,
-    relative_error,
-    squared_error,
-    strategy_matrix,
-    workload_matrix,
-)
+from dpscale.privacy.noise.bandmf_math import inverse_column, normalize, relative_error, squared_error, strategy_matrix, workload_matrix
+from dpscale.privacy.workload import Workload
 
 F64 = torch.float64
 

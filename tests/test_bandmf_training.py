@@ -271,7 +271,7 @@ def test_dpscale_account_bandmf_names_the_mechanism_b_sigma_and_why(capsys):
 
 
 def test_bandmf_composes_with_data_normalization_releases():
-    from dpscale.features.normalize import data_norm_release
+    from dpscale.privacy.accounting.segments import data_norm_release
 
     releases = (data_norm_release(8.0),)
     plan = make_dp_plan(PrivacyNumbers(batch_size=1000, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0), dataset_size=50000, steps=300, releases=releases, correlated=BandsRequest(bands=4, workload=Workload(steps=300)))  # fmt: skip

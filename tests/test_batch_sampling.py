@@ -17,13 +17,8 @@ from scipy.stats import binom, chisquare, norm
 
 from dpscale.privacy.sampling.samplers import FixedSizeSampler, PoissonSampler, make_sampler
 from dpscale.errors import ConfigError
-from dpscale.privacy.accounting.accountant import (
-    PrivacyAccountant,
-    compute_epsilon,
-    data_norm_release,
-    history_accountant,
-    truncated_poisson_epsilon,
-)
+from dpscale.privacy.accounting.accountant import PrivacyAccountant, compute_epsilon, history_accountant, truncated_poisson_epsilon
+from dpscale.privacy.accounting.segments import data_norm_release
 from dpscale.privacy.accounting.batch_sampling import BatchSampling
 from dpscale.privacy.accounting.calibrate import calibrate_noise_multiplier
 from dpscale.privacy.plan.make_plan import make_dp_plan

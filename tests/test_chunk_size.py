@@ -19,7 +19,8 @@ from dpscale.privacy.clipping.engines import make_engine
 from dpscale.train import build as build_module
 from dpscale.train import chunk_size
 from dpscale.train.chunk_search import choose_units
-from dpscale.train.chunk_size import CACHE_NAME, auto_chunk, largest_batch_units, synthetic_unit
+from dpscale.train.chunk_size import auto_chunk, largest_batch_units, synthetic_unit
+from dpscale.train.chunk_cache import CACHE_NAME
 from dpscale.train.loop import Trainer
 from helpers import plan_of, tiny_config
 

@@ -238,7 +238,7 @@ def test_a_single_row_linear_s_float64_sums_of_squares_are_taken_in_a_bounded_bu
     """Issue 62: a T = 1 Linear's input norms squared a float64 copy of the whole (B, n) input (2 x
     315 MB for a linear model's 512-image chunk at 160 px, a streamed run's peak); block by block in
     one reused buffer they are the whole copy's sums bit for bit (every block of 2 rows or more)."""
-    from dpscale.privacy.clipping.autotune import cpu_allocation_peak
+    from dpscale.privacy.clipping.peak_memory import cpu_allocation_peak
 
     gen = torch.Generator().manual_seed(0)
     for rows, n in [(40, 76_800), (41, 76_800), (3, 200_000), (1000, 300), (2, 5), (1, 9), (0, 4)]:

@@ -123,7 +123,7 @@ def test_account_human_readable_default_pld(capsys):
 
 
 def test_account_composes_private_data_normalization(capsys):
-    from dpscale.features.normalize import data_norm_release, feature_mean_release
+    from dpscale.privacy.accounting.segments import data_norm_release, feature_mean_release
     from dpscale.privacy import compute_epsilon
 
     alone = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp")

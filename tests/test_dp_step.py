@@ -261,7 +261,7 @@ def test_make_sampler_validates():
 def test_batch_mixing_layers_are_rejected_with_a_clear_error():
     from torch import nn
 
-    from dpscale.privacy.clipping.per_example import check_per_example_compatible
+    from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
     with pytest.raises(ValueError, match="BatchNorm2d.*GroupNorm"):

@@ -5,17 +5,8 @@ import math
 import pytest
 import torch
 
-from dpscale.features.normalize import (
-    DATA_NORM,
-    FEATURE_MEAN,
-    FeatureNormalizer,
-    data_norm_release,
-    feature_mean_release,
-    group_normalize,
-    private_channel_mean,
-    private_data_norm,
-    private_feature_mean,
-)
+from dpscale.features.normalize import FeatureNormalizer, group_normalize, private_channel_mean, private_data_norm, private_feature_mean
+from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
 from dpscale.rng import DPRandom
 
 

@@ -9,7 +9,7 @@ from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
-from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 

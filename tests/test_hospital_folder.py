@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from dpscale.cli import main
-from dpscale.data.folder import list_image_folder, read_users_manifest
+from dpscale.data.folder import list_image_folder
+from dpscale.data.users_csv import read_users_manifest
 from dpscale.data.formats import DatasetError
 
 # patient p holds SCANS[p] scans (enough people that the hashed hold-out keeps some on each side);

@@ -11,8 +11,8 @@ from dpscale.cli import main
 from dpscale.config import load_config
 from dpscale.errors import ConfigError
 from dpscale.privacy import compute_epsilon
-from dpscale.privacy.accounting.accountant import AccountingSegment
-from dpscale.privacy.plan.dp_plan import SEEDED_CAVEAT
+from dpscale.privacy.accounting.segments import AccountingSegment
+from dpscale.privacy.plan.caveat_texts import SEEDED_CAVEAT
 from dpscale._io import load_checkpoint, save_checkpoint
 from dpscale.train.loop import Trainer
 

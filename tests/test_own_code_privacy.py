@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpscale
-from dpscale.privacy.plan.dp_plan import ENGINE_UNCHECKED_CAVEAT
+from dpscale.privacy.plan.caveat_texts import ENGINE_UNCHECKED_CAVEAT
 
 C, SIGMA, B = 1.0, 1.0, 6
 # seed 0: the first Poisson draw holds >= 2 examples (the checks wait for a chunk they can compare)

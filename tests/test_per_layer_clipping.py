@@ -19,7 +19,8 @@ from torch import nn
 import dpscale
 from dpscale.cli import main
 from dpscale.errors import ConfigError
-from dpscale.privacy.clipping.bounds import clip_sensitivity, resolve_clip_groups
+from dpscale.privacy.clipping.bounds import resolve_clip_groups
+from dpscale.clip_norms import clip_sensitivity
 from dpscale.privacy.clipping.engines import make_engine
 from dpscale.privacy.plan.make_plan import check_plan_matches, make_dp_plan
 from dpscale.privacy.clipping.reference import float64_reference

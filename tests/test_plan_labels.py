@@ -6,13 +6,9 @@ from dataclasses import asdict, replace
 import pytest
 
 from dpscale.config import load_config, plan_labels
-from dpscale.features.extract import _source_caveats
-from dpscale.privacy.plan.dp_plan import (
-    ENGINE_UNCHECKED_CAVEAT,
-    PLAN_LABELS,
-    SEEDED_CAVEAT,
-    SEEDED_SECURE_NOISE_CAVEAT,
-)
+from dpscale.features.source_run import _source_caveats
+from dpscale.privacy.plan.dp_plan import PLAN_LABELS
+from dpscale.privacy.plan.caveat_texts import ENGINE_UNCHECKED_CAVEAT, SEEDED_CAVEAT, SEEDED_SECURE_NOISE_CAVEAT
 from helpers import plan_of
 
 

@@ -13,8 +13,9 @@ import pytest
 from dp_accounting import dp_event
 
 from dpscale.cli import main
-from dpscale.features.extract import read_source_run
-from dpscale.privacy.accounting.accountant import AccountingSegment, compute_epsilon
+from dpscale.features.source_run import read_source_run
+from dpscale.privacy.accounting.accountant import compute_epsilon
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.accounting.tuning import (
     TuningDistribution,
     parse_tuning_distribution,

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 import dpscale
-from dpscale.privacy.clipping.engines import ENGINE_NAMES, make_engine, supported_engines
-from dpscale.privacy.clipping.per_example import check_per_example_compatible, trainable_params
+from dpscale.privacy.clipping.engines import make_engine, supported_engines
+from dpscale.choices import ENGINE_NAMES
+from dpscale.privacy.clipping.per_example import trainable_params
+from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 from dpscale.privacy.clipping.reference import float64_reference
 
 FEATURES, HIDDEN, CLASSES, STEPS, VOCAB = 4, 5, 3, 6, 11

@@ -12,7 +12,7 @@ from dpscale import runs
 from dpscale._io import DamagedFileError, save_checkpoint
 from dpscale.config import load_config, save_config
 from dpscale.errors import ConfigError
-from dpscale.features.extract import source_run_privacy
+from dpscale.features.source_run import source_run_privacy
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dpscale"
 # The modules allowed to spell run file names: the reader, and the checkpoint writer below it.

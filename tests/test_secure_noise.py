@@ -14,7 +14,7 @@ from torch import nn
 import dpscale
 from dpscale.cli import main
 from dpscale.privacy.noise.gaussian import add_gaussian_noise
-from dpscale.privacy.plan.dp_plan import SEEDED_SECURE_NOISE_CAVEAT
+from dpscale.privacy.plan.caveat_texts import SEEDED_SECURE_NOISE_CAVEAT
 from dpscale.rng import SECURE_SOURCE, DPRandom, SecureRandom
 
 

@@ -185,7 +185,7 @@ def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
 
 
 def test_a_run_records_its_self_check_and_labels_a_run_without_one(tmp_path, capsys):
-    from dpscale.privacy.plan.dp_plan import ENGINE_UNCHECKED_CAVEAT
+    from dpscale.privacy.plan.caveat_texts import ENGINE_UNCHECKED_CAVEAT
     from dpscale.train import Trainer
     from helpers import small_config
 

@@ -12,7 +12,7 @@ from dpscale.errors import ConfigError
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 from dpscale.tune import TUNING_CAVEAT
-from dpscale.privacy.plan.dp_plan import SEEDED_CAVEAT
+from dpscale.privacy.plan.caveat_texts import SEEDED_CAVEAT
 from dpscale.tune.clip_lr import GridValue, choose_clip_norm
 from dpscale.tune.sweep import Sweep, SweepSpec, parse_grid, split_values
 from helpers import TINY_RUN_SETS, set_flags

@@ -314,7 +314,7 @@ def test_options_that_do_not_go_together_are_refused_in_pythons_words(changes, m
 
 
 def test_the_rules_between_options_are_one_function_every_door_calls():
-    from dpscale.privacy.plan.make_plan import check_compatible
+    from dpscale.privacy.plan.compatibility import check_compatible
     from dpscale.privacy.plan.options_flat import privacy_numbers
     from dpscale.privacy.spelling import CONFIG, PYTHON
 

@@ -8,7 +8,7 @@ from torch import nn
 from dpscale.config import load_config
 from dpscale.models import build_model, convert_batchnorm_to_groupnorm, count_parameters, freeze_block_groups, list_models
 from dpscale.models.cnn import parse_simplevgg
-from dpscale.privacy.clipping.per_example import check_per_example_compatible
+from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 from dpscale._io import load_checkpoint
 from dpscale.train.loop import Trainer
 

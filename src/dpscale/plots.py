@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 from dpscale._io import atomic_write_bytes, make_private_dir
 from dpscale.errors import ConfigError
-from dpscale.privacy.accounting.accountant import PLD_MIN_DELTA, PrivacyAccountant
+from dpscale.privacy.accounting.accountant import PrivacyAccountant
+from dpscale.privacy.accounting.pld_history import PLD_MIN_DELTA
 from dpscale.runs import read_metrics, read_run
 
 # The epsilon-delta curve's deltas: 1e-12 (PLD_MIN_DELTA) to 1e-2, four per decade.

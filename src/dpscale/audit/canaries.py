@@ -15,17 +15,10 @@ from torch import nn
 from dpscale.audit import AUDIT_KINDS
 from dpscale.audit.dirac import DiracProbe, host_sizes
 from dpscale.errors import ConfigError
-from dpscale.data.datasets import ImageDataset
-from dpscale.privacy.clipping.bounds import MaxGradNorm, is_per_layer
-from dpscale.privacy.clipping.per_example import (
-    ClippedSumMixin,
-    Params,
-    PerExampleEngine,
-    pad_chunk,
-    per_example_cross_entropy,
-    real_rows,
-    trainable_params,
-)
+from dpscale.data.image_dataset import ImageDataset
+from dpscale.clip_norms import MaxGradNorm, is_per_layer
+from dpscale.privacy.clipping.per_example import ClippedSumMixin, PerExampleEngine, pad_chunk, per_example_cross_entropy, real_rows, trainable_params
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import Precision
 from dpscale.train.hooks import RunHooks
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dpscale.privacy.clipping.per_example import Params
+from dpscale.privacy.noise.gaussian import Params
 
 HOST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)  # exact types: a subclass may compute otherwise
 PREFIX = "net."  # the training model's parameter names inside the probe

@@ -22,7 +22,8 @@ from dpscale.audit.canaries import CanaryAudit
 from dpscale.config import Config, is_private_config
 from dpscale.errors import ConfigError
 from dpscale.privacy.accounting.audit_bound import audit_ceiling, best_guesses, default_guess_rules
-from dpscale.privacy.clipping.per_example import ClippedSumMixin, Params, PerExampleEngine, per_example_cross_entropy
+from dpscale.privacy.clipping.per_example import ClippedSumMixin, PerExampleEngine, per_example_cross_entropy
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.rng import DPRandom
 from dpscale.runs import AUDIT_NAME
 

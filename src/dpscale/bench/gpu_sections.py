@@ -128,7 +128,7 @@ def _chunk_row(device: torch.device, name: str, overrides: list[str], setting: s
     the Trainer, ``WARM_STEPS`` steps, one step under ``peak_bytes``, the rest timed; an auto row
     fails if that step's peak exceeds the budget it chose for (``budget_mb``, else the device's)."""
     from dpscale.config import load_config
-    from dpscale.privacy.clipping.autotune import peak_bytes
+    from dpscale.privacy.clipping.peak_memory import peak_bytes
     from dpscale.train.chunk_size import memory_budget
 
     auto = setting.startswith("auto")

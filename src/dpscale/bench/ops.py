@@ -37,22 +37,14 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from dpscale.bench.step_time import (
-    TimedStep,
-    _cpu_name,
-    _dpscale_step,
-    _input_shape,
-    _nonprivate_step,
-    _opacus_step,
-    _parse_engine,
-    compiled_of,
-    peft_of,
-    user_rows_of,
-)
+from dpscale.bench.step_time import TimedStep, _cpu_name, _dpscale_step, _input_shape, _nonprivate_step, _opacus_step, _parse_engine
+from dpscale.bench.engine_names import compiled_of, peft_of, user_rows_of
 from dpscale.choices import BENCH_METHODS
 from dpscale.cpu_memory import keep_freed_memory
 from dpscale.models import default_input_shape
-from dpscale.privacy.clipping.autotune import TUNE_OFF_ENV, autotune_cache_path, profiler_markers_dropped
+from dpscale.privacy.clipping.autotune import TUNE_OFF_ENV
+from dpscale.privacy.clipping.autotune_cache import autotune_cache_path
+from dpscale.privacy.clipping.peak_memory import profiler_markers_dropped
 
 OPS_MODELS = ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")
 OPS_ENGINES = ("nonprivate", "dpscale-auto", "opacus-ew")

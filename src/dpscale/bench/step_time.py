@@ -237,7 +237,7 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precisi
 
 def _peak_memory_mb(timed: TimedStep, device: torch.device) -> float:
     """Extra tensor memory at the peak of one step over model + optimizer + data (see module docstring)."""
-    from dpscale.privacy.clipping.autotune import peak_bytes
+    from dpscale.privacy.clipping.peak_memory import peak_bytes
 
     timed.release()
     if device.type == "cuda":
@@ -384,9 +384,10 @@ def noisy_rows(rows: list[Row], tolerance: float = NOISE_TOLERANCE) -> list[str]
 
 
 def _cpu_name() -> str:
-    from dpscale.privacy.clipping.autotune import cpu_isa, cpu_model
+    from dpscale.privacy.clipping import autotune_cache  # looked up at the call: a test's patch of it takes
 
-    return f"{cpu_model() or platform.machine() + ' CPU'} ({cpu_isa()} kernels), {os.cpu_count()} logical cores"
+    cpu = autotune_cache.cpu_model() or platform.machine() + " CPU"
+    return f"{cpu} ({autotune_cache.cpu_isa()} kernels), {os.cpu_count()} logical cores"
 
 
 def markdown_table(

@@ -33,12 +33,12 @@ def feature_releases_of(data_norm_noise: float | None, feature_mean_noise: float
         feature_mean_noise: sigma_center, or None.
 
     Returns:
-        The releases, as ``dpscale.privacy.accounting.accountant.feature_releases`` gives them.
+        The releases, as ``dpscale.privacy.accounting.segments.feature_releases`` gives them.
 
     Raises:
         ConfigError: a noise that is not > 0.
     """
-    from dpscale.privacy.accounting.accountant import feature_releases
+    from dpscale.privacy.accounting.segments import feature_releases
 
     for flag, sigma in (("--data-norm-noise", data_norm_noise), ("--feature-mean-noise", feature_mean_noise)):
         if sigma is not None and not sigma > 0:

@@ -51,7 +51,8 @@ def _runs_to_plot(paths: list[str]) -> list[Path]:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from dpscale.export import export_run, partial_note
+    from dpscale.export import export_run
+    from dpscale.export_card import partial_note
 
     # export_run refuses what is no finished run (none, no checkpoint yet, still training, stopped early)
     exported = export_run(args.run_dir, args.format, args.out, args.ema, allow_partial=args.allow_partial)

@@ -8,8 +8,8 @@ from dpscale._lazy import lazy_dir, lazy_getattr
 _MODULE_OF = {
     "DATASET_NAMES": "datasets",
     "DatasetError": "datasets",
-    "DatasetInfo": "datasets",
-    "ImageDataset": "datasets",
+    "DatasetInfo": "image_dataset",
+    "ImageDataset": "image_dataset",
     "dataset_fingerprint": "datasets",
     "load_cifar": "datasets",
     "load_dataset": "datasets",

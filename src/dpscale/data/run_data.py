@@ -13,7 +13,8 @@ import torch
 
 from dpscale.config import Config
 from dpscale.errors import ConfigError
-from dpscale.data.datasets import ImageDataset, dataset_fingerprint, load_dataset
+from dpscale.data.datasets import dataset_fingerprint, load_dataset
+from dpscale.data.image_dataset import ImageDataset
 from dpscale.data.labels import check_labels, labels_line
 from dpscale.data.stream import StreamedData, default_workers, materialize, open_stream
 from dpscale.data.subsets import random_classes, select as select_classes

@@ -31,12 +31,10 @@ from dpscale.data import ImageDataset
 from dpscale.models import build_model
 
 from .scatternet import ScatterNet, import_kymatio
-from .source_run import (  # noqa: F401  (re-exported: pipeline, models.init, train, tune and tests import them here)
+from .source_run import (
     SourceRun,
-    _source_caveats,
     read_run,
     read_source_run,
-    refuse_user_level_history,
     source_run_privacy,
 )
 

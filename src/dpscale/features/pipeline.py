@@ -17,7 +17,8 @@ import torch
 from dpscale.config import FeaturesConfig
 from dpscale.data import ImageDataset
 from dpscale.errors import ConfigError
-from dpscale.features.extract import load_or_extract, make_extractor, source_run_privacy
+from dpscale.features.extract import load_or_extract, make_extractor
+from dpscale.features.source_run import source_run_privacy
 from dpscale.features.normalize import FeatureNormalizer, private_data_norm, private_feature_mean
 from dpscale.data.user_ids import UserIndex
 from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases

@@ -22,9 +22,9 @@ from torch import nn
 
 from dpscale._io import load_checkpoint
 from dpscale.errors import ConfigError
-from dpscale.features.extract import source_run_privacy
+from dpscale.features.source_run import source_run_privacy
 from dpscale.models.adapt import block_groups_of
-from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.runs import CHECKPOINT_NAME, is_run_dir
 

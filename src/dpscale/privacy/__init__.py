@@ -12,7 +12,7 @@ ROOMS = ("accounting", "sampling", "noise", "clipping", "plan")  # lowest first:
 
 _MODULE_OF = {
     "ACCOUNTANT_KINDS": "accounting.accountant",
-    "AccountingSegment": "accounting.accountant",
+    "AccountingSegment": "accounting.segments",
     "GhostEngine": "clipping.ghost.engine",
     "PerExampleEngine": "clipping.per_example",
     "PrivacyAccountant": "accounting.accountant",
@@ -24,11 +24,11 @@ _MODULE_OF = {
     "clip_factors": "clipping.per_example",
     "compute_epsilon": "accounting.accountant",
     "eps_tan": "accounting.tan",
-    "gaussian_release": "accounting.accountant",
+    "gaussian_release": "accounting.segments",
     "make_engine": "clipping.engines",
     "tan_eta": "accounting.tan",
     "total_amount_of_noise": "accounting.tan",
-    "unsupported_modules": "clipping.ghost.engine",
+    "unsupported_modules": "clipping.ghost.model",
 }
 
 __all__ = sorted(_MODULE_OF)

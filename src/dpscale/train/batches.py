@@ -14,7 +14,8 @@ from dpscale.train.build import Run
 from dpscale.train.distributed import rank_stream_seed
 from dpscale.train.state import fresh_noise_seed, saved_rank_streams
 from dpscale.train.step import physical_chunks
-from dpscale.train.units import AugmentViews, chunk_size_for, streamed_chunks, user_step_chunks
+from dpscale.train.units import chunk_size_for, streamed_chunks, user_step_chunks
+from dpscale.train.step import AugmentViews
 
 
 class TrainBatches:

@@ -16,7 +16,7 @@ from torch import nn
 
 from dpscale._io import atomic_write_text
 from dpscale._version import __version__
-from dpscale.privacy.clipping.autotune import device_descriptor
+from dpscale.privacy.clipping.autotune_cache import device_descriptor
 from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine
 
 CACHE_NAME = "chunk_size.json"

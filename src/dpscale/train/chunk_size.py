@@ -38,7 +38,7 @@ from torch import nn
 from dpscale._io import cache_path
 from dpscale.cpu_memory import trim_kept_memory
 from dpscale.errors import ConfigError
-from dpscale.privacy.clipping.autotune import peak_bytes
+from dpscale.privacy.clipping.peak_memory import peak_bytes
 from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine, trainable_params
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.train.chunk_cache import CACHE_NAME, cache_key, cached_choice, store_choice

@@ -9,8 +9,9 @@ from typing import Callable
 
 from torch import nn
 
-from dpscale.data.datasets import ImageDataset
-from dpscale.privacy.clipping.per_example import Params, PerExampleEngine
+from dpscale.data.image_dataset import ImageDataset
+from dpscale.privacy.clipping.per_example import PerExampleEngine
+from dpscale.privacy.noise.gaussian import Params
 
 
 @dataclass(frozen=True)

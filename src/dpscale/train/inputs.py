@@ -13,13 +13,14 @@ import torch
 
 from dpscale.config import Config, is_private_config, plan_labels
 from dpscale.errors import ConfigError
-from dpscale.data.datasets import ImageDataset, dataset_fingerprint
+from dpscale.data.datasets import dataset_fingerprint
+from dpscale.data.image_dataset import ImageDataset
 from dpscale.data.run_data import open_training_data, training_fingerprint
 from dpscale.data.stream import StreamedData
-from dpscale.features.extract import read_source_run, refuse_user_level_history
+from dpscale.features.source_run import read_source_run, refuse_user_level_history
 from dpscale.features.pipeline import extractor_privacy, feature_releases
 from dpscale.models.init import init_privacy
-from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.plan.make_plan import steps_for
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.privacy.plan.source_runs import SourceRunPrivacy

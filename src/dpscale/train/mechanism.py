@@ -31,7 +31,8 @@ from dpscale.cpu_memory import bound_kept_memory
 from dpscale.data.user_ids import user_slices
 from dpscale.privacy.clipping.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
 from dpscale.privacy.clipping.independence import MIN_EXAMPLES
-from dpscale.privacy.clipping.per_example import Batch, Params
+from dpscale.privacy.clipping.per_example import Batch
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.sampling.units import UnitBatch
 from dpscale.train.guards import FirstChunkCheck, check_optimizer_covers_trainable, independence_check, model_digest
 from dpscale.train.mechanism_state import MechanismState

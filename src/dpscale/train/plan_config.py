@@ -9,7 +9,7 @@ from dpscale.clip_norms import MaxGradNorm, describe_clip
 from dpscale.config import Config, DPConfig, OptimConfig
 from dpscale.config.validation import dp_options
 from dpscale.errors import ConfigError
-from dpscale.privacy.accounting.accountant import AccountingSegment
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.workload import Workload
 from dpscale.privacy.clipping.bounds import clip_bounds
 from dpscale.privacy.noise.correlated import BandsRequest, strategy_cache_dir

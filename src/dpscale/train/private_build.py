@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from dpscale.cpu_memory import keep_freed_memory
-from dpscale.privacy.clipping.bounds import MaxGradNorm, clip_bounds
+from dpscale.privacy.clipping.bounds import clip_bounds
+from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.workload import Workload
 from dpscale.privacy.clipping.compiled import compiled_choice, compiled_engine_name
 from dpscale.privacy.noise.correlated import BandsRequest, strategy_cache_dir
@@ -34,7 +35,8 @@ from dpscale.privacy.clipping.precision import make_precision
 from dpscale.privacy.clipping.self_check import checked_engine
 from dpscale.train.chunk_size import batch_chunk
 from dpscale.train.seeds import run_seeds
-from dpscale.train.mechanism import DPMechanism, FirstChunkCheck, independence_check
+from dpscale.train.mechanism import DPMechanism
+from dpscale.train.guards import FirstChunkCheck, independence_check
 from dpscale.train.private_options import Options, flat_settings
 from dpscale.train.step import fixed_rows
 

@@ -23,7 +23,8 @@ from dpscale.config import Config
 from dpscale.privacy.clipping.autotune import layer_methods
 from dpscale.privacy.accounting.tradeoff import NO_ODDS, attacker_odds
 from dpscale.privacy.accounting.group_privacy import unit_text
-from dpscale.privacy.plan.dp_plan import GUARANTEE_SCOPE, DPPlan
+from dpscale.privacy.plan.dp_plan import DPPlan
+from dpscale.privacy.plan.caveat_texts import GUARANTEE_SCOPE
 from dpscale.runs import SUMMARY_NAME
 from dpscale.train.distributed import NOISE_RANK
 from dpscale.train.build import Log, Run

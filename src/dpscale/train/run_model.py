@@ -14,7 +14,7 @@ from dpscale.errors import ConfigError
 from dpscale.models import build_model, freeze_block_groups
 from dpscale.models.init import init_from, meanvar_init, read_weights
 from dpscale.models.peft import apply_peft
-from dpscale.privacy.clipping.per_example import check_per_example_compatible
+from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 
 Log = Callable[[str], Any]
 

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from dpscale.privacy.noise.gaussian import draw_noise, with_scaled_noise
-from dpscale.privacy.clipping.bounds import clip_sensitivity
-from dpscale.privacy.clipping.per_example import Batch, Params, PerExampleEngine, pad_chunk, trainable_params
+from dpscale.clip_norms import clip_sensitivity
+from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine, pad_chunk, trainable_params
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.rng import DPRandom
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from dpscale._io import PRIVATE_FILE_MODE, make_private_dir
 from dpscale.config import config_yaml
-from dpscale.privacy.plan.dp_plan import GUARANTEE_SCOPE
+from dpscale.privacy.plan.caveat_texts import GUARANTEE_SCOPE
 from dpscale.runs import TENSORBOARD_NAME
 from dpscale.train.build import Log, Run
 from dpscale.train.report import privacy_statement, training_set_note

@@ -25,7 +25,7 @@ import torch
 from dpscale._io import atomic_write_bytes, atomic_write_text
 from dpscale.config import save_config
 from dpscale.errors import ConfigError
-from dpscale.features.extract import read_source_run
+from dpscale.features.source_run import read_source_run
 from dpscale.privacy.accounting.accountant import PrivacyAccountant
 from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.accounting.tuning import TuningDistribution, parse_tuning_distribution, tuned_epsilon

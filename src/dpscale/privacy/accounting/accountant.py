@@ -35,11 +35,6 @@ from dpscale.privacy.accounting.pld_history import (
 )
 from dpscale.privacy.accounting.rdp_history import rdp_accountant, rdp_profile
 from dpscale.privacy.accounting.segments import DP_SGD, AccountingSegment, adjacency_of, check_mechanism, releases_under
-from dpscale.privacy.accounting.segments import (  # noqa: F401  (re-exported: privacy/__init__, cli/account and tests import them here)
-    data_norm_release,
-    feature_releases,
-    gaussian_release,
-)
 
 
 def _check_delta(delta: float, kind: str = "rdp") -> None:

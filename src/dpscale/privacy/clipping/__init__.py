@@ -14,7 +14,7 @@ _MODULE_OF = {
     "clip_bounds": "bounds",
     "clip_factors": "per_example",
     "make_engine": "engines",
-    "unsupported_modules": "ghost.engine",
+    "unsupported_modules": "ghost.model",
 }
 __all__ = sorted(_MODULE_OF)
 __getattr__ = lazy_getattr(__name__, _MODULE_OF)

@@ -37,8 +37,6 @@ from dpscale.privacy.clipping import autotune_timing
 from dpscale.privacy.clipping.autotune_cache import (
     autotune_cache_path,
     cache_key,
-    cpu_isa,  # noqa: F401  (bench/step_time.py imports it from here)
-    cpu_model,  # noqa: F401  (bench/step_time.py imports it from here)
     device_descriptor,
     read_table,
     rows_bucket,
@@ -46,9 +44,7 @@ from dpscale.privacy.clipping.autotune_cache import (
 )
 from dpscale.privacy.clipping.autotune_timing import IDLE, JUDGE_MIN_MS, TUNE_DROP, Candidate, fastest_runs
 from dpscale.privacy.clipping.peak_memory import (
-    cpu_allocation_peak,  # noqa: F401  (tests/test_clip_bound.py imports it from here)
     peak_bytes,
-    profiler_markers_dropped,  # noqa: F401  (bench/ops.py imports it from here)
 )
 
 # Candidates whose estimated multiply-adds exceed the cheapest estimate by more than this factor are

@@ -23,16 +23,12 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from dpscale.clip_norms import (  # noqa: F401  (re-exported: the privacy core's names for them)
-    MAX_GRAD_NORM_PER,
+from dpscale.clip_norms import (
     MaxGradNorm,
     check_clip_gamma,
     check_max_grad_norm,
     check_max_grad_norm_per,
-    clip_sensitivity,
-    describe_clip,
     is_per_layer,
-    is_per_tensor,
     literal_pattern,
 )
 

@@ -33,22 +33,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpscale.privacy.clipping.bounds import MaxGradNorm, blocked_sq_norms, resolve_clip_groups
+from dpscale.privacy.clipping.bounds import blocked_sq_norms, resolve_clip_groups
+from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.clipping.compiled_check import capture_mismatch
-from dpscale.privacy.clipping.per_example import (
-    Batch,
-    ClippedSumMixin,
-    LossFn,
-    Params,
-    PerExampleEngine,
-    VmapEngine,
-    check_per_example_compatible,
-    clip_units,
-    mean_over_views,
-    per_example_cross_entropy,
-    real_rows,
-    refuse_units,
-)
+from dpscale.privacy.clipping.per_example import Batch, ClippedSumMixin, LossFn, PerExampleEngine, VmapEngine, clip_units, mean_over_views, per_example_cross_entropy, real_rows, refuse_units
+from dpscale.privacy.noise.gaussian import Params
+from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 from dpscale.privacy.clipping.precision import FP32, Precision, exact_float32, zero_rows
 
 COMPILED_ENGINE = "vmap-compiled"  # the engine's name in logs, summaries and the bench's resolved column

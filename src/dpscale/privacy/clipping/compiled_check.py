@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity
-from dpscale.privacy.clipping.per_example import RELATIVE_ERROR_FLOOR, Batch, LossFn, Params, tolerance_for
+from dpscale.privacy.clipping.per_example import RELATIVE_ERROR_FLOOR, Batch, LossFn, tolerance_for
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.reference import float64_reference
 
 Result = tuple[Params, torch.Tensor, torch.Tensor]  # (clipped sums, norms (B,), losses (B,))

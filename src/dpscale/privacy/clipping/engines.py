@@ -7,18 +7,13 @@ from __future__ import annotations
 from torch import nn
 
 from dpscale.choices import ENGINE_NAMES
-from dpscale.privacy.clipping.bounds import MaxGradNorm, is_per_layer, resolve_clip_groups
+from dpscale.privacy.clipping.bounds import resolve_clip_groups
+from dpscale.clip_norms import MaxGradNorm, is_per_layer
 from dpscale.privacy.clipping.autotune import MethodTuner, default_tuner
-from dpscale.privacy.clipping.ghost.engine import GhostEngine, unsupported_modules
-from dpscale.privacy.clipping.per_example import (
-    LossFn,
-    PerExampleEngine,
-    VmapEngine,
-    check_parameter_types,
-    check_per_example_compatible,
-    per_example_cross_entropy,
-    trainable_params,
-)
+from dpscale.privacy.clipping.ghost.engine import GhostEngine
+from dpscale.privacy.clipping.ghost.model import unsupported_modules
+from dpscale.privacy.clipping.per_example import LossFn, PerExampleEngine, VmapEngine, per_example_cross_entropy, trainable_params
+from dpscale.privacy.clipping.layer_refusals import check_parameter_types, check_per_example_compatible
 from dpscale.privacy.clipping.precision import FP32, Precision
 
 

@@ -20,20 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpscale.privacy.clipping.bounds import (  # noqa: F401  (CLIP_EPS, clip_factors: re-exported)
-    CLIP_EPS,
-    MaxGradNorm,
-    blocked_sq_norms,
-    clip_factors,
-    group_clip_factors,
-    is_per_layer,
-    resolve_clip_groups,
-)
-from dpscale.privacy.noise.gaussian import Params  # noqa: F401  (re-exported: the engines' name for it)
-from dpscale.privacy.clipping.layer_refusals import (  # noqa: F401  (re-exported: engines, train and tests import them here)
-    check_parameter_types,
-    check_per_example_compatible,
-)
+from dpscale.privacy.clipping.bounds import blocked_sq_norms, clip_factors, group_clip_factors, resolve_clip_groups
+from dpscale.clip_norms import MaxGradNorm, is_per_layer
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import (
     FP32,
     Precision,

@@ -22,8 +22,11 @@ from typing import Mapping, Sequence, cast
 import torch
 from torch import nn
 
-from dpscale.privacy.clipping.bounds import MaxGradNorm, clip_dtype, clip_margin
-from dpscale.privacy.clipping.per_example import CLIP_EPS, Batch, LossFn, Params, mean_over_views, per_example_cross_entropy
+from dpscale.privacy.clipping.bounds import clip_dtype, clip_margin
+from dpscale.clip_norms import MaxGradNorm
+from dpscale.privacy.clipping.per_example import Batch, LossFn, mean_over_views, per_example_cross_entropy
+from dpscale.privacy.clipping.bounds import CLIP_EPS
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import FP32, Precision, at_least_fp32
 
 

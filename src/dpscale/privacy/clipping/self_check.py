@@ -21,21 +21,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from dpscale.privacy.clipping.bounds import MaxGradNorm, clip_dtype
+from dpscale.privacy.clipping.bounds import clip_dtype
+from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.clipping.autotune import MethodTuner
 from dpscale.privacy.clipping.engines import make_engine
 from dpscale.privacy.clipping.independence import IndependenceResult, check_batch_independence
-from dpscale.privacy.clipping.per_example import (
-    RELATIVE_ERROR_FLOOR,
-    Batch,
-    LossFn,
-    Params,
-    PerExampleEngine,
-    VmapEngine,
-    per_example_cross_entropy,
-    tolerance_for,
-    trainable_params,
-)
+from dpscale.privacy.clipping.per_example import RELATIVE_ERROR_FLOOR, Batch, LossFn, PerExampleEngine, VmapEngine, per_example_cross_entropy, tolerance_for, trainable_params
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import FP32, Precision
 from dpscale.privacy.clipping.reference import PerExampleReference, float64_copy, per_example_reference
 

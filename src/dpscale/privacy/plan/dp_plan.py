@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from dpscale.clip_norms import MaxGradNorm, clip_sensitivity, describe_clip
 from dpscale.privacy.sampling.modes import FIXED_CAVEAT, SHUFFLE_CAVEAT
-from dpscale.privacy.accounting.accountant import AccountingSegment, compute_epsilon, history_accountant
+from dpscale.privacy.accounting.accountant import compute_epsilon, history_accountant
+from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.clipping.adaptive import AdaptiveClipping
 from dpscale.privacy.accounting.batch_sampling import POISSON, REPLACE_ONE, BatchSampling, batch_sampling_for
 from dpscale.privacy.noise.correlated import BandedNoisePlan, compositions
@@ -21,9 +22,8 @@ from dpscale.privacy.plan.sampling_plan import cap_cost_text, truncation_rate
 from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.privacy.accounting.tan import PRIVACY_WALL_SIGMA, eps_tan, privacy_wall_warning
 from dpscale.privacy.accounting.tradeoff import attacker_odds, format_odds
-from dpscale.privacy.plan.caveat_texts import (  # noqa: F401  (GUARANTEE_SCOPE and the caveats: re-exported, train and tests import them here)
+from dpscale.privacy.plan.caveat_texts import (
     ENGINE_UNCHECKED_CAVEAT,
-    GUARANTEE_SCOPE,
     NOT_PRIVATE,
     SEEDED_CAVEAT,
     SEEDED_SECURE_NOISE_CAVEAT,

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from dpscale.errors import ConfigError
-from dpscale.privacy.accounting.accountant import FREE_CAP_TOLERANCE, AccountingSegment, compute_epsilon, releases_under
+from dpscale.privacy.accounting.accountant import FREE_CAP_TOLERANCE, compute_epsilon
+from dpscale.privacy.accounting.segments import AccountingSegment, releases_under
 from dpscale.privacy.clipping.adaptive import AdaptiveClipping
 from dpscale.privacy.accounting.batch_sampling import POISSON, BatchSampling, batch_sampling_for
 from dpscale.privacy.accounting.calibrate import calibrate_noise_multiplier

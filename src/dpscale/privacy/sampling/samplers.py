@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dpscale.privacy.sampling.modes import RATE_TOLERANCE, SAMPLING_MODES, SHUFFLE_CAVEAT  # noqa: F401 (re-exported)
+from dpscale.privacy.sampling.modes import RATE_TOLERANCE, SAMPLING_MODES
 from dpscale.rng import DPRandom, derive_seed, require_dprandom
 
 # Names the construction a cyclic sampler's state's partition_seed stands for. States without it

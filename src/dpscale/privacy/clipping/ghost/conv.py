@@ -33,7 +33,7 @@ from dpscale.privacy.clipping.ghost.record import (
     upper_bound,
     use_ghost,
 )
-from dpscale.privacy.clipping.per_example import Params
+from dpscale.privacy.noise.gaussian import Params
 
 # Convolutions need im2col patches for Gram matrices; on CPU materialising them costs about as
 # much as this many multiply-adds per patch element (measured on the paper CNNs).

@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 from dpscale.privacy.clipping.autotune import MethodTuner
-from dpscale.privacy.clipping.bounds import MaxGradNorm, clip_dtype, is_per_layer
+from dpscale.privacy.clipping.bounds import clip_dtype
+from dpscale.clip_norms import MaxGradNorm, is_per_layer
 from dpscale.privacy.clipping.ghost.model import (
     ModelState,
     OutsideUseMonitor,
@@ -63,17 +64,8 @@ from dpscale.privacy.clipping.ghost.model import (
 )
 from dpscale.privacy.clipping.ghost.record import Record, cached_sums
 from dpscale.privacy.clipping.ghost.rules import RULES
-from dpscale.privacy.clipping.per_example import (
-    Batch,
-    ClippedSumMixin,
-    LossFn,
-    Params,
-    clip_units,
-    mean_over_views,
-    per_example_cross_entropy,
-    real_rows,
-    refuse_units,
-)
+from dpscale.privacy.clipping.per_example import Batch, ClippedSumMixin, LossFn, clip_units, mean_over_views, per_example_cross_entropy, real_rows, refuse_units
+from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import FP32, Precision, at_least_fp32, exact_float32, needs_zeroing, zero_rows
 
 __all__ = ["GhostEngine", "unsupported_modules"]  # unsupported_modules: imported from here (dpscale.privacy, engines)

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpscale.privacy.clipping.bounds import MaxGradNorm, is_per_layer, resolve_clip_groups
+from dpscale.privacy.clipping.bounds import resolve_clip_groups
+from dpscale.clip_norms import MaxGradNorm, is_per_layer
 from dpscale.privacy.clipping.ghost.record import Record
 from dpscale.privacy.clipping.ghost.rules import RULES
-from dpscale.privacy.clipping.per_example import RELATIVE_ERROR_FLOOR, Params, tolerance_for
+from dpscale.privacy.clipping.per_example import RELATIVE_ERROR_FLOOR, tolerance_for
+from dpscale.privacy.noise.gaussian import Params
 
 
 def _why_unsupported(module: nn.Module, trainable: list[str], prefix: str) -> str | None:

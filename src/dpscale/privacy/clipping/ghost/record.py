@@ -18,7 +18,7 @@ from torch import nn
 from dpscale.privacy.clipping.autotune import MethodTuner
 from dpscale.privacy.clipping.autotune_timing import Candidate
 from dpscale.privacy.clipping.bounds import NORM_BLOCK, block_norms, blocked_sq_norms
-from dpscale.privacy.clipping.per_example import Params
+from dpscale.privacy.noise.gaussian import Params
 
 
 @dataclass

@@ -42,7 +42,7 @@ from dpscale.privacy.clipping.ghost.record import (
     upper_bound,
     use_ghost,
 )
-from dpscale.privacy.clipping.per_example import Params
+from dpscale.privacy.noise.gaussian import Params
 
 
 SQ_SUM_BLOCK_BYTES = 1 << 20  # float64 rows squared at once: 1 MB, not a copy of the whole input
