@@ -12,7 +12,9 @@ import numpy as np
 from PIL import Image
 
 
-def write_idx(path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = False, cut: int = 0) -> Path:
+def write_idx(
+    path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = False, cut: int = 0
+) -> Path:
     arr = np.asarray(arr, dtype=np.uint8)
     if magic is None:
         magic = 0x803 if arr.ndim == 3 else 0x801
@@ -26,7 +28,9 @@ def write_idx(path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = 
     return path
 
 
-def write_batch(path: Path, n: int, label_key: bytes, num_classes: int, seed: int, protocol: int = 2):
+def write_batch(
+    path: Path, n: int, label_key: bytes, num_classes: int, seed: int, protocol: int = 2
+):
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
     labels = [int(v) for v in rng.integers(0, num_classes, n)]

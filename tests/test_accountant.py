@@ -47,17 +47,22 @@ GOLDEN = {
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_rdp_matches_opacus(case):
     q, sigma, steps, delta, opacus_rdp, _, _ = GOLDEN[case]
-    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp") == pytest.approx(
-        opacus_rdp, rel=1e-3
-    )
+    assert compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
+    ) == pytest.approx(opacus_rdp, rel=1e-3)
 
 
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_pld_within_prv_bounds(case):
     q, sigma, steps, delta, _, lower, upper = GOLDEN[case]
-    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld")
+    eps = compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld"
+    )
     assert lower <= eps <= upper
-    assert eps < compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")  # PLD is the tighter one
+    # PLD is the tighter one
+    assert eps < compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
+    )
 
 
 def test_gaussian_without_subsampling_matches_exact_formula():
@@ -68,10 +73,14 @@ def test_gaussian_without_subsampling_matches_exact_formula():
 
     exact = brentq(lambda e: exact_delta(e) - 1e-5, 0.01, 20)
     assert exact == pytest.approx(2.594383, abs=1e-5)
-    assert compute_epsilon(sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld") == pytest.approx(exact, rel=1e-3)
+    assert compute_epsilon(
+        sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld"
+    ) == pytest.approx(exact, rel=1e-3)
+    # pessimistic, never below
     assert (
-        compute_epsilon(sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld") >= exact - 1e-9
-    )  # pessimistic, never below
+        compute_epsilon(sample_rate=1.0, noise_multiplier=5.0, steps=10, delta=1e-5, kind="pld")
+        >= exact - 1e-9
+    )
 
 
 def test_published_opacus_docs_figure_with_their_orders():
@@ -88,7 +97,10 @@ def test_history_merges_and_recomputes_for_any_delta():
     for _ in range(10):
         acc.step(sample_rate=0.01, noise_multiplier=1.0)
     acc.step(sample_rate=0.02, noise_multiplier=2.0, num_steps=5)
-    assert [(s.sample_rate, s.noise_multiplier, s.steps) for s in acc.history] == [(0.01, 1.0, 10), (0.02, 2.0, 5)]
+    assert [(s.sample_rate, s.noise_multiplier, s.steps) for s in acc.history] == [
+        (0.01, 1.0, 10),
+        (0.02, 2.0, 5),
+    ]
     assert acc.steps == 15
     assert acc.epsilon(1e-6) > acc.epsilon(1e-5) > acc.epsilon(1e-3) > 0
     # Composition of the two segments equals accounting them together.
@@ -162,47 +174,78 @@ def test_unknown_accountant_raises():
 @settings(max_examples=15, deadline=None)
 @given(target=st.floats(0.3, 12.0), q=st.floats(0.001, 1.0), steps=st.integers(1, 20000))
 def test_noise_calibration_round_trip_rdp(target, q, steps):
-    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, kind="rdp")
-    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5, kind="rdp")
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, kind="rdp"
+    )
+    eps = compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5, kind="rdp"
+    )
     assert target * (1 - 1e-3) <= eps <= target
 
 
-@pytest.mark.parametrize("target, q, steps", [(3.0, 256 / 60000, 14062), (1.0, 0.064, 235), (8.0, 1.0, 10)])
+@pytest.mark.parametrize(
+    "target, q, steps", [(3.0, 256 / 60000, 14062), (1.0, 0.064, 235), (8.0, 1.0, 10)]
+)
 def test_noise_calibration_round_trip_pld(target, q, steps):
-    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, kind="pld")
-    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5, kind="pld")
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps, kind="pld"
+    )
+    eps = compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5, kind="pld"
+    )
     assert target * (1 - 1e-3) <= eps <= target
 
 
 def test_noise_calibration_is_monotone():
     sigmas = [
-        calibrate_noise_multiplier(target_epsilon=eps, delta=1e-5, sample_rate=256 / 60000, steps=2000, kind="rdp")
+        calibrate_noise_multiplier(
+            target_epsilon=eps, delta=1e-5, sample_rate=256 / 60000, steps=2000, kind="rdp"
+        )
         for eps in (0.5, 1.0, 2.0, 4.0, 8.0)
     ]
     assert all(a > b for a, b in zip(sigmas, sigmas[1:]))
     # More steps at the same budget need more noise.
     longer, shorter = (
-        calibrate_noise_multiplier(target_epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=steps, kind="rdp") for steps in (4000, 1000)
+        calibrate_noise_multiplier(
+            target_epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=steps, kind="rdp"
+        )
+        for steps in (4000, 1000)
     )
     assert longer > shorter
 
 
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_steps_calibration_round_trip(kind):
-    steps = calibrate_steps(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, noise_multiplier=1.1, kind=kind)
-    fits, one_more = (compute_epsilon(sample_rate=0.01, noise_multiplier=1.1, steps=s, delta=1e-5, kind=kind) for s in (steps, steps + 1))
+    steps = calibrate_steps(
+        target_epsilon=3.0, delta=1e-5, sample_rate=0.01, noise_multiplier=1.1, kind=kind
+    )
+    fits, one_more = (
+        compute_epsilon(sample_rate=0.01, noise_multiplier=1.1, steps=s, delta=1e-5, kind=kind)
+        for s in (steps, steps + 1)
+    )
     assert fits <= 3.0 < one_more
 
 
 @settings(max_examples=10, deadline=None)
 @given(target=st.floats(0.5, 10.0), q=st.floats(0.001, 0.5), sigma=st.floats(0.6, 10.0))
 def test_steps_calibration_round_trip_rdp(target, q, sigma):
-    steps = calibrate_steps(target_epsilon=target, delta=1e-5, sample_rate=q, noise_multiplier=sigma, kind="rdp", max_steps=10**6)
+    steps = calibrate_steps(
+        target_epsilon=target,
+        delta=1e-5,
+        sample_rate=q,
+        noise_multiplier=sigma,
+        kind="rdp",
+        max_steps=10**6,
+    )
     if steps == 0:
-        assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=1, delta=1e-5, kind="rdp") > target
+        assert (
+            compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=1, delta=1e-5, kind="rdp")
+            > target
+        )
     elif steps < 10**6:
         fits, one_more = (
-            compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=s, delta=1e-5, kind="rdp") for s in (steps, steps + 1)
+            compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=s, delta=1e-5, kind="rdp")
+            for s in (steps, steps + 1)
         )
         assert fits <= target < one_more
 
@@ -210,25 +253,33 @@ def test_steps_calibration_round_trip_rdp(target, q, sigma):
 def test_calibration_rejects_impossible_targets():
     with pytest.raises(ValueError, match="positive"):
         calibrate_noise_multiplier(target_epsilon=0.0, delta=1e-5, sample_rate=0.01, steps=100)
-    assert calibrate_steps(target_epsilon=1e-4, delta=1e-5, sample_rate=1.0, noise_multiplier=0.5) == 0
+    assert (
+        calibrate_steps(target_epsilon=1e-4, delta=1e-5, sample_rate=1.0, noise_multiplier=0.5) == 0
+    )
 
 
 def test_eps_tan_closed_form_and_privacy_wall():
     q, sigma, steps, delta = 0.01, 4.0, 5000, 1e-5
     eta = q * math.sqrt(steps) / (math.sqrt(2) * sigma)
     assert tan_eta(q, sigma, steps) == pytest.approx(eta)
-    assert eps_tan(q, sigma, steps, delta) == pytest.approx(eta**2 + 2 * eta * math.sqrt(math.log(1 / delta)))
+    assert eps_tan(q, sigma, steps, delta) == pytest.approx(
+        eta**2 + 2 * eta * math.sqrt(math.log(1 / delta))
+    )
     # TAN Section 3.2: for sigma >= 2 the RDP epsilon is close to eps_TAN (eps_TAN uses the classic
     # RDP->DP conversion, dp_accounting a tighter one, hence the loose tolerance); below the wall it blows up.
-    rdp_eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")
+    rdp_eps = compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
+    )
     assert rdp_eps == pytest.approx(eps_tan(q, sigma, steps, delta), rel=0.25)
     # Same eta with sigma = 0.5 (q / 8, same steps): epsilon is far above eps_TAN.
-    assert compute_epsilon(sample_rate=q / 8, noise_multiplier=0.5, steps=steps, delta=delta, kind="rdp") > 1.5 * eps_tan(
-        q / 8, 0.5, steps, delta
-    )
+    assert compute_epsilon(
+        sample_rate=q / 8, noise_multiplier=0.5, steps=steps, delta=delta, kind="rdp"
+    ) > 1.5 * eps_tan(q / 8, 0.5, steps, delta)
 
 
-@pytest.mark.parametrize("segments", [[(0.032, 1.1, 300)], [(0.01, 0.9, 100), (0.05, 2.0, 40)], [(1.0, 4.0, 7)]])
+@pytest.mark.parametrize(
+    "segments", [[(0.032, 1.1, 300)], [(0.01, 0.9, 100), (0.05, 2.0, 40)], [(1.0, 4.0, 7)]]
+)
 def test_cached_pld_composition_equals_dp_accounting_pld_accountant(segments):
     from dp_accounting import pld
 
@@ -261,12 +312,21 @@ def test_release_composition_matches_exact_gaussian_composition():
     sigma_eff = 1.0 / math.sqrt(steps / sigma**2 + 2 / sigma_norm**2)
     exact = _exact_gaussian_epsilon(sigma_eff, delta)
     release = gaussian_release("data-norm", sigma_norm, 2)
-    eps = compute_epsilon(sample_rate=1.0, noise_multiplier=sigma, steps=steps, delta=delta, kind="pld", releases=(release,))
+    eps = compute_epsilon(
+        sample_rate=1.0,
+        noise_multiplier=sigma,
+        steps=steps,
+        delta=delta,
+        kind="pld",
+        releases=(release,),
+    )
     assert exact - 1e-9 <= eps == pytest.approx(exact, rel=1e-3)
     # The release alone is one Gaussian with sigma_norm / sqrt(2).
     alone = PrivacyAccountant("pld")
     alone.record(release)
-    assert alone.epsilon(delta) == pytest.approx(_exact_gaussian_epsilon(sigma_norm / math.sqrt(2), delta), rel=1e-3)
+    assert alone.epsilon(delta) == pytest.approx(
+        _exact_gaussian_epsilon(sigma_norm / math.sqrt(2), delta), rel=1e-3
+    )
 
 
 def test_release_composition_in_rdp_adds_claim_b5():
@@ -289,19 +349,36 @@ def test_release_composition_in_rdp_adds_claim_b5():
         releases=(gaussian_release("data-norm", sigma_norm, 2),),
     )
     assert composed == pytest.approx(expected, rel=1e-9)
-    assert composed > compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp")
+    assert composed > compute_epsilon(
+        sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind="rdp"
+    )
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
 def test_calibration_with_a_release_meets_the_target(kind):
     q, steps, target, delta = 256 / 50000, 2000, 3.0, 1e-5
     releases = (gaussian_release("data-norm", 8.0, 2),)
-    sigma_alone = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind)
-    sigma = calibrate_noise_multiplier(target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind, releases=releases)
+    sigma_alone = calibrate_noise_multiplier(
+        target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind
+    )
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, delta=delta, sample_rate=q, steps=steps, kind=kind, releases=releases
+    )
     assert sigma > sigma_alone  # the release uses part of the budget
-    eps = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind, releases=releases)
+    eps = compute_epsilon(
+        sample_rate=q,
+        noise_multiplier=sigma,
+        steps=steps,
+        delta=delta,
+        kind=kind,
+        releases=releases,
+    )
     assert target * (1 - 1e-3) <= eps <= target
-    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind) < eps  # DP-SGD alone spends less
+    # DP-SGD alone spends less
+    assert (
+        compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=kind)
+        < eps
+    )
     steps_fit = calibrate_steps(
         target_epsilon=target,
         delta=delta,
@@ -312,7 +389,17 @@ def test_calibration_with_a_release_meets_the_target(kind):
         releases=releases,
     )
     assert steps_fit >= steps
-    assert compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps_fit + 1, delta=delta, kind=kind, releases=releases) > target
+    assert (
+        compute_epsilon(
+            sample_rate=q,
+            noise_multiplier=sigma,
+            steps=steps_fit + 1,
+            delta=delta,
+            kind=kind,
+            releases=releases,
+        )
+        > target
+    )
 
 
 def test_release_that_spends_the_budget_is_refused():
@@ -365,11 +452,24 @@ def test_dp_plan_calibrates_for_the_composition_and_round_trips():
     with pytest.raises(ConfigError, match="releases"):
         check_plan_against_config(restored, dp, 50000, 1000, ())
     with pytest.raises(ConfigError, match="data-norm alone spends"):
-        plan_from_config(DPConfig(epsilon=0.5, batch_size=500, accountant="rdp"), 50000, 1000, (gaussian_release("data-norm", 2.0, 2),))
+        plan_from_config(
+            DPConfig(epsilon=0.5, batch_size=500, accountant="rdp"),
+            50000,
+            1000,
+            (gaussian_release("data-norm", 2.0, 2),),
+        )
     # A given sigma is checked against the budget including the release.
     with pytest.raises(ConfigError, match="with data-norm"):
         plan_from_config(
-            DPConfig(epsilon=3.0, noise_multiplier=plain.noise_multiplier, batch_size=500, accountant="rdp"), 50000, 1000, releases
+            DPConfig(
+                epsilon=3.0,
+                noise_multiplier=plain.noise_multiplier,
+                batch_size=500,
+                accountant="rdp",
+            ),
+            50000,
+            1000,
+            releases,
         )
 
 
@@ -379,9 +479,10 @@ def test_rdp_order_exclusion_notices_are_silenced_but_other_absl_logs_are_not(ca
     from dpscale.privacy.accounting.rdp_history import _DropOrderExclusionNotices
 
     with caplog.at_level(logging.WARNING, logger="absl"):
+        # small sigma: dp_accounting drops orders
         epsilon = compute_epsilon(
             sample_rate=0.128, noise_multiplier=0.95, steps=10, delta=1e-5, kind="rdp"
-        )  # small sigma: dp_accounting drops orders
+        )
         logging.getLogger("absl").warning("something else")
     messages = [r.getMessage() for r in caplog.records]
     assert not any("failed to converge" in m for m in messages) and "something else" in messages
@@ -405,5 +506,6 @@ def test_epsilon_is_cached_per_history_and_delta(monkeypatch):
     assert acc.epsilon(1e-5) == first and len(calls) == 1  # asked again: no recomputation
     assert first == original(list(acc.history), 1e-5, acc.pld_discretization)
     acc.epsilon(1e-6)
-    acc.step(sample_rate=0.01, noise_multiplier=1.1)  # one more step: a new history, recomputed, and larger
+    # one more step: a new history, recomputed, and larger
+    acc.step(sample_rate=0.01, noise_multiplier=1.1)
     assert acc.epsilon(1e-5) > first and len(calls) == 3

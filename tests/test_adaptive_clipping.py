@@ -36,8 +36,12 @@ def test_the_update_tracks_the_quantile_of_synthetic_norms(quantile):
     for _ in range(400):
         norms = rng.lognormal(0.0, 1.0, size=rng.poisson(batch))
         share = noisy_unclipped_fraction(
-            float((norms <= clip).sum()), len(norms), expected_batch_size=batch, count_noise=10.0, generator=generator
-        )  # fmt: skip
+            float((norms <= clip).sum()),
+            len(norms),
+            expected_batch_size=batch,
+            count_noise=10.0,
+            generator=generator,
+        )
         clip = next_clip(clip, share, adaptive)
     true = math.exp(float(torch.distributions.Normal(0, 1).icdf(torch.tensor(quantile))))
     assert abs(clip / true - 1) < 0.15, (clip, true)
@@ -45,7 +49,12 @@ def test_the_update_tracks_the_quantile_of_synthetic_norms(quantile):
 
 def test_the_count_release_has_std_sigma_b_around_the_centred_count():
     generator = DPRandom(7)
-    shares = [noisy_unclipped_fraction(30.0, 50.0, expected_batch_size=40.0, count_noise=3.0, generator=generator) for _ in range(4000)]
+    shares = [
+        noisy_unclipped_fraction(
+            30.0, 50.0, expected_batch_size=40.0, count_noise=3.0, generator=generator
+        )
+        for _ in range(4000)
+    ]
     released = (np.array(shares) - 0.5) * 40.0  # sum_i (b_i - 1/2) + noise
     assert abs(released.mean() - (30.0 - 25.0)) < 5 * 3.0 / math.sqrt(4000)
     assert abs(released.std() / 3.0 - 1) < 5 / math.sqrt(2 * 4000)
@@ -55,13 +64,17 @@ def _linear_run(**options):
     torch.manual_seed(0)
     model = nn.Linear(10, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = dpscale.make_private(model, optimizer, **{"max_grad_norm": 10.0, **RECIPE, **options})
+    mechanism = dpscale.make_private(
+        model, optimizer, **{"max_grad_norm": 10.0, **RECIPE, **options}
+    )
     return model, optimizer, mechanism
 
 
 def _data():
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(2000, 10, generator=generator), torch.randint(0, 3, (2000,), generator=generator)
+    return torch.randn(2000, 10, generator=generator), torch.randint(
+        0, 3, (2000,), generator=generator
+    )
 
 
 def test_through_make_private_c_follows_the_median_of_the_models_own_norms():
@@ -77,33 +90,48 @@ def test_through_make_private_c_follows_the_median_of_the_models_own_norms():
 @pytest.mark.parametrize("sigma, count_noise", [(1.0, 10.0), (2.0, 2.0)])
 def test_epsilon_equals_dp_accountings_composition_of_both_releases(sigma, count_noise):
     x, y = _data()
-    _, _, mechanism = _linear_run(noise_multiplier=sigma, clip_count_noise=count_noise, steps=12, accountant="rdp")
+    _, _, mechanism = _linear_run(
+        noise_multiplier=sigma, clip_count_noise=count_noise, steps=12, accountant="rdp"
+    )
     for indices in mechanism.batches():
         mechanism.step(x[indices], y[indices])
-    gradient_sigma = (sigma**-2 - (2 * count_noise) ** -2) ** -0.5  # what each release gets, written out
+    gradient_sigma = (
+        sigma**-2 - (2 * count_noise) ** -2
+    ) ** -0.5  # what each release gets, written out
     assert mechanism.plan.gradient_noise_multiplier == pytest.approx(gradient_sigma, rel=1e-12)
     step = dp_accounting.PoissonSampledDpEvent(
-        0.1, dp_accounting.ComposedDpEvent([
-            dp_accounting.GaussianDpEvent(gradient_sigma), dp_accounting.GaussianDpEvent(2 * count_noise)
-        ]),
-    )  # fmt: skip
+        0.1,
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.GaussianDpEvent(gradient_sigma),
+                dp_accounting.GaussianDpEvent(2 * count_noise),
+            ]
+        ),
+    )
     independent = dp_accounting.rdp.RdpAccountant()
     independent.compose(dp_accounting.SelfComposedDpEvent(step, 12))
     assert abs(mechanism.epsilon() - independent.get_epsilon(1e-5)) < 1e-6
 
 
 def test_a_calibrated_run_spends_its_target_with_the_count_included():
-    _, _, mechanism = _linear_run(target_epsilon=2.0, steps=50, accountant="rdp", clip_count_noise=1.0)
+    _, _, mechanism = _linear_run(
+        target_epsilon=2.0, steps=50, accountant="rdp", clip_count_noise=1.0
+    )
     plan = mechanism.plan
     step = dp_accounting.PoissonSampledDpEvent(
-        plan.sample_rate, dp_accounting.ComposedDpEvent([
-            dp_accounting.GaussianDpEvent(plan.gradient_noise_multiplier), dp_accounting.GaussianDpEvent(2.0)
-        ]),
-    )  # fmt: skip
+        plan.sample_rate,
+        dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.GaussianDpEvent(plan.gradient_noise_multiplier),
+                dp_accounting.GaussianDpEvent(2.0),
+            ]
+        ),
+    )
     independent = dp_accounting.rdp.RdpAccountant()
     independent.compose(dp_accounting.SelfComposedDpEvent(step, 50))
     assert 1.99 < independent.get_epsilon(1e-5) <= 2.0 + 1e-9
-    assert plan.gradient_noise_multiplier > plan.noise_multiplier * 1.01  # the count's cost is visible
+    # the count's cost is visible
+    assert plan.gradient_noise_multiplier > plan.noise_multiplier * 1.01
 
 
 def test_the_gradient_noise_has_std_sigma_grad_times_the_current_c():
@@ -112,7 +140,15 @@ def test_the_gradient_noise_has_std_sigma_grad_times_the_current_c():
     torch.manual_seed(0)
     model = nn.Linear(4000, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    mechanism = dpscale.make_private(model, optimizer, max_grad_norm=0.5, noise_multiplier=2.0, clip_count_noise=2.0, steps=2, **RECIPE)
+    mechanism = dpscale.make_private(
+        model,
+        optimizer,
+        max_grad_norm=0.5,
+        noise_multiplier=2.0,
+        clip_count_noise=2.0,
+        steps=2,
+        **RECIPE,
+    )
     released = []
     mechanism.observer = lambda gradient: released.append(gradient["weight"].detach().clone())
     tolerance = 5 / math.sqrt(2 * 4000)
@@ -120,7 +156,8 @@ def test_the_gradient_noise_has_std_sigma_grad_times_the_current_c():
         clip, before = mechanism.clip, model.weight.detach().clone()
         indices = mechanism.sample()
         mechanism.step(torch.zeros(len(indices), 4000), torch.zeros(len(indices), dtype=torch.long))
-        assert abs(float(released[-1].std()) * 200 / clip / (1 / 0.1875) ** 0.5 - 1) < tolerance  # sigma_grad 2.309
+        # sigma_grad 2.309
+        assert abs(float(released[-1].std()) * 200 / clip / (1 / 0.1875) ** 0.5 - 1) < tolerance
         update = before - model.weight.detach()
         torch.testing.assert_close(update, released[-1] * 0.5 / clip, rtol=1e-5, atol=1e-9)
         assert abs(float(update.std()) * 200 / 0.5 / (1 / 0.1875) ** 0.5 - 1) < tolerance
@@ -134,7 +171,9 @@ def test_each_step_clips_at_its_own_c_as_the_float64_loop_does(engine):
     import copy
 
     x, y = _data()
-    model, _, mechanism = _linear_run(noise_multiplier=0.0, steps=6, engine=engine, max_physical_batch_size=64)
+    model, _, mechanism = _linear_run(
+        noise_multiplier=0.0, steps=6, engine=engine, max_physical_batch_size=64
+    )
     seen = []
 
     def observe(gradient):
@@ -156,7 +195,11 @@ def test_resume_restores_c_and_continues_bit_for_bit():
     for taken, indices in enumerate(mechanism.batches()):
         mechanism.step(x[indices], y[indices])
         if taken == 4:
-            saved = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), mechanism.state_dict())
+            saved = (
+                {k: v.clone() for k, v in model.state_dict().items()},
+                optimizer.state_dict(),
+                mechanism.state_dict(),
+            )
     assert saved[2]["clip_norm"] != 10.0
     resumed_model, resumed_optimizer, resumed = _linear_run(noise_multiplier=1.0, steps=10)
     resumed_model.load_state_dict(saved[0])
@@ -174,7 +217,10 @@ def test_resume_restores_c_and_continues_bit_for_bit():
     [
         (["dp.clip_quantile=1.5"], r"clip_quantile must be in \(0, 1\)"),
         (["dp.clipping=sometimes"], r"dp.clipping must be fixed, adaptive or automatic"),
-        (["dp.clip_count_noise=0.5", "dp.noise_multiplier=2", "dp.epsilon=null"], r"count noise sigma_b=0.5 is too small"),
+        (
+            ["dp.clip_count_noise=0.5", "dp.noise_multiplier=2", "dp.epsilon=null"],
+            r"count noise sigma_b=0.5 is too small",
+        ),
         (['dp.max_grad_norm={"*": 1.0}'], "not with per-layer dp.max_grad_norm"),
         (["dp.mechanism=bandmf"], "not with dp.mechanism=bandmf"),
         (["dp.simulated_batch_size=16"], r"not with a TAN simulation"),
@@ -184,8 +230,17 @@ def test_what_the_accounting_does_not_cover_is_refused(tmp_path, overrides, mess
     from dpscale.train.loop import Trainer
 
     with pytest.raises(ConfigError, match=message):
-        config = load_config(None, ["dp.clipping=adaptive", "model.name=linear", "dp.batch_size=32", "train.steps=2",
-                                    f"run.out_dir={tmp_path}", *overrides])  # fmt: skip
+        config = load_config(
+            None,
+            [
+                "dp.clipping=adaptive",
+                "model.name=linear",
+                "dp.batch_size=32",
+                "train.steps=2",
+                f"run.out_dir={tmp_path}",
+                *overrides,
+            ],
+        )
         dp_numbers(config.dp)
         Trainer.create(config, progress=False)
 
@@ -193,8 +248,17 @@ def test_what_the_accounting_does_not_cover_is_refused(tmp_path, overrides, mess
 def test_dpscale_train_logs_the_adaptive_c_and_its_plan(tmp_path):
     from dpscale.train.loop import Trainer
 
-    config = load_config(None, ["dp.clipping=adaptive", "model.name=linear", "dp.batch_size=32", "train.steps=6",
-                                "dp.max_grad_norm=5", f"run.out_dir={tmp_path}"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "dp.clipping=adaptive",
+            "model.name=linear",
+            "dp.batch_size=32",
+            "train.steps=6",
+            "dp.max_grad_norm=5",
+            f"run.out_dir={tmp_path}",
+        ],
+    )
     trainer = Trainer.create(config, progress=False)
     summary = trainer.run()
     assert trainer.plan.adaptive is not None and "adaptive clipping" in trainer.plan.describe()

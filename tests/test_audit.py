@@ -51,9 +51,9 @@ def test_all_right_without_delta_has_a_closed_form():
     # p^r = alpha at the bound: epsilon = logit(alpha^(1/r))
     for r in (10, 50, 400):
         p = 0.05 ** (1 / r)
-        assert epsilon_lower_bound(canaries=r, guesses=r, correct=r, delta=0, confidence=0.95) == pytest.approx(
-            math.log(p / (1 - p)), rel=1e-6
-        )
+        assert epsilon_lower_bound(
+            canaries=r, guesses=r, correct=r, delta=0, confidence=0.95
+        ) == pytest.approx(math.log(p / (1 - p)), rel=1e-6)
 
 
 def test_delta_term_by_hand():
@@ -62,7 +62,9 @@ def test_delta_term_by_hand():
     p = 1 / (1 + math.exp(-eps))
     one, zero = 2 * p * (1 - p), (1 - p) ** 2
     expected = p**2 + 2 * 2 * delta * max(one, (one + zero) / 2)
-    assert audit_p_value(canaries=2, guesses=2, correct=2, epsilon=eps, delta=delta) == pytest.approx(expected, rel=1e-12)
+    assert audit_p_value(
+        canaries=2, guesses=2, correct=2, epsilon=eps, delta=delta
+    ) == pytest.approx(expected, rel=1e-12)
 
 
 def test_bound_holds_for_an_exactly_dp_mechanism():
@@ -71,10 +73,14 @@ def test_bound_holds_for_an_exactly_dp_mechanism():
     rng = np.random.default_rng(0)
     eps0, m, trials = 1.0, 300, 300
     p = 1 / (1 + math.exp(-eps0))
-    bounds = np.array([
-        epsilon_lower_bound(canaries=m, guesses=m, correct=int(rng.binomial(m, p)), delta=0, confidence=0.95)
-        for _ in range(trials)
-    ])  # fmt: skip
+    bounds = np.array(
+        [
+            epsilon_lower_bound(
+                canaries=m, guesses=m, correct=int(rng.binomial(m, p)), delta=0, confidence=0.95
+            )
+            for _ in range(trials)
+        ]
+    )
     assert (bounds > eps0).mean() <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / trials)
     assert np.median(bounds) > 0.5 * eps0  # and it is not vacuous
 
@@ -94,9 +100,13 @@ def test_guess_counting_and_union_bound():
     r, v = score_guesses(scores, truth, best.guess_in, best.guess_out)
     # each rule is evaluated at confidence 1 - 0.05 / len(rules)
     assert best.eps_lower_bound == pytest.approx(
-        epsilon_lower_bound(canaries=400, guesses=r, correct=v, delta=1e-5, confidence=1 - 0.05 / len(rules))
+        epsilon_lower_bound(
+            canaries=400, guesses=r, correct=v, delta=1e-5, confidence=1 - 0.05 / len(rules)
+        )
     )
-    assert best.eps_lower_bound < epsilon_lower_bound(canaries=400, guesses=r, correct=v, delta=1e-5, confidence=0.95)
+    assert best.eps_lower_bound < epsilon_lower_bound(
+        canaries=400, guesses=r, correct=v, delta=1e-5, confidence=0.95
+    )
 
 
 def test_canary_engine_adds_exactly_c_for_included_and_nothing_for_excluded():
@@ -107,15 +117,19 @@ def test_canary_engine_adds_exactly_c_for_included_and_nothing_for_excluded():
     params = trainable_params(model)
     inner = VmapEngine(0.5, views=1)
     included = np.array([True, True, False])
-    engine = CanaryEngine(inner, included, [("1.weight", 5), ("1.bias", 2), ("1.bias", 0)], DIRAC_SCALE * 0.5)
+    engine = CanaryEngine(
+        inner, included, [("1.weight", 5), ("1.bias", 2), ("1.bias", 0)], DIRAC_SCALE * 0.5
+    )
     x = torch.randn(5, 1, 2, 2)
-    y = torch.tensor([0, -2, 1, -3, 2])  # rows 1 and 3: canary 1 (included, bias 2) and canary 2 (excluded, bias 0)
+    # rows 1 and 3: canary 1 (included, bias 2) and canary 2 (excluded, bias 0)
+    y = torch.tensor([0, -2, 1, -3, 2])
     got, norms, losses = engine.clipped_sum_and_losses(model, params, (x, y))
     keep = y >= 0
     expected, _, _ = inner.clipped_sum_and_losses(model, params, (x[keep], y[keep]))
     assert torch.allclose(got["1.weight"], expected["1.weight"])
     delta = got["1.bias"] - expected["1.bias"]
-    aim = 0.5 * (1 - clip_margin(torch.float32))  # float32 clips 1.2e-4 below C (its rounding margin)
+    # float32 clips 1.2e-4 below C (its rounding margin)
+    aim = 0.5 * (1 - clip_margin(torch.float32))
     assert delta[2].item() == pytest.approx(aim, rel=1e-5) and delta[[0, 1]].abs().max() == 0
     assert len(norms) == 5 and len(losses) == 5
     assert engine.data_sum[1].item() == pytest.approx(expected["1.bias"][2].item(), rel=1e-6)
@@ -150,7 +164,9 @@ def test_gradient_canaries_are_clipped_by_the_engine_itself(monkeypatch, name, v
     if scale != 1:
         _loose_clipping(monkeypatch, scale)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4))
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4)
+    )
     params = trainable_params(model)
     clip = 0.5
     inner, _ = make_engine(name, clip, model, views=views)
@@ -161,10 +177,14 @@ def test_gradient_canaries_are_clipped_by_the_engine_itself(monkeypatch, name, v
     y = torch.tensor([0, -1, 3, -2, -3, 1, -4, -5])  # rows 1, 3, 4, 6, 7: canaries 0-4 (4 excluded)
     got, norms, _ = engine.clipped_sum_and_losses(model, params, (x, y))
     released = (engine.at_coordinates(got) - engine.data_sum) / clip  # in units of C
-    aim = scale * (1 - clip_margin(torch.float32))  # float32 clips 1.2e-4 below C (its rounding margin)
+    # float32 clips 1.2e-4 below C (its rounding margin)
+    aim = scale * (1 - clip_margin(torch.float32))
     assert released[:4].tolist() == pytest.approx([aim] * 4, rel=1e-5) and released[4] == 0
     # the engine measured the canaries' norms; nothing else moved
-    assert norms[-5:-1].tolist() == pytest.approx([DIRAC_SCALE * clip] * 4, rel=1e-5) and norms[-1] == 0
+    assert (
+        norms[-5:-1].tolist() == pytest.approx([DIRAC_SCALE * clip] * 4, rel=1e-5)
+        and norms[-1] == 0
+    )
     keep = y >= 0
     expected, _, _ = inner.clipped_sum_and_losses(model, params, (x[keep], y[keep]))
     for canary, (pname, flat) in enumerate(coordinates):
@@ -174,7 +194,9 @@ def test_gradient_canaries_are_clipped_by_the_engine_itself(monkeypatch, name, v
     # a chunk whose only canary is on the conv bias: the probe calls that layer alone
     engine.data_sum.zero_()  # (the observer does this after each step)
     got, _, _ = engine.clipped_sum_and_losses(model, params, (x[[0, 3]], y[[0, 3]]))
-    assert ((engine.at_coordinates(got) - engine.data_sum)[1] / clip).item() == pytest.approx(aim, rel=1e-5)
+    assert ((engine.at_coordinates(got) - engine.data_sum)[1] / clip).item() == pytest.approx(
+        aim, rel=1e-5
+    )
 
 
 def test_first_chunk_checks_see_only_the_real_examples():
@@ -182,7 +204,9 @@ def test_first_chunk_checks_see_only_the_real_examples():
     # rows and the inner engine; the engine it chooses stays wrapped
     audit = CanaryAudit("gradient", 4, seed=0)
     inner, chosen = VmapEngine(0.5), VmapEngine(0.5, name="chosen")
-    engine = CanaryEngine(inner, audit.included, [("1.bias", 0), ("1.bias", 1), ("1.bias", 2), ("1.weight", 0)], 500.0)
+    engine = CanaryEngine(
+        inner, audit.included, [("1.bias", 0), ("1.bias", 1), ("1.bias", 2), ("1.weight", 0)], 500.0
+    )
     seen = []
 
     def check(e, model, chunk):
@@ -204,7 +228,9 @@ def test_gradient_canaries_stay_finite_in_16_bits(name, precision):
     from dpscale.privacy.clipping.precision import make_precision
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4))
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(27, 4)
+    )
     params = trainable_params(model)
     inner, _ = make_engine(name, 1.0, model, precision=make_precision(precision))
     norm = dirac_norm(inner, 1.0)
@@ -213,7 +239,9 @@ def test_gradient_canaries_stay_finite_in_16_bits(name, precision):
     engine = CanaryEngine(inner, np.ones(4, dtype=bool), coordinates, norm)
     x, y = torch.randn(6, 2, 6, 6), torch.tensor([0, -1, -2, 2, -3, -4])
     got, norms, _ = engine.clipped_sum_and_losses(model, params, (x, y))
-    assert (engine.at_coordinates(got) - engine.data_sum).tolist() == pytest.approx([1.0] * 4, rel=1e-3)
+    assert (engine.at_coordinates(got) - engine.data_sum).tolist() == pytest.approx(
+        [1.0] * 4, rel=1e-3
+    )
     assert norms[-4:].tolist() == pytest.approx([norm] * 4, rel=1e-3)
     with pytest.raises(ConfigError, match="fp16_loss_scale=65536"):
         dirac_norm(make_engine(name, 1.0, model, precision=make_precision("fp16", 65536.0))[0], 1.0)
@@ -248,7 +276,15 @@ def test_dirac_probe_gives_each_canary_exactly_its_coordinate(layer):
 
 
 def _config(tmp_path, name, *overrides):
-    return load_config(None, [f"run.out_dir={tmp_path / name}", "train.steps=30", "train.checkpoint_every_minutes=null", *overrides])
+    return load_config(
+        None,
+        [
+            f"run.out_dir={tmp_path / name}",
+            "train.steps=30",
+            "train.checkpoint_every_minutes=null",
+            *overrides,
+        ],
+    )
 
 
 def test_canaries_are_counted_in_n_whatever_their_membership(tmp_path):
@@ -256,27 +292,41 @@ def test_canaries_are_counted_in_n_whatever_their_membership(tmp_path):
 
     plain = Trainer.create(_config(tmp_path, "plain", "run.seed=0"), progress=False)
     n = plain.plan.dataset_size
-    for kind, expected in (("gradient", n + 100), ("input", n)):  # input canaries are taken from the data
+    for kind, expected in (
+        ("gradient", n + 100),
+        ("input", n),
+    ):  # input canaries are taken from the data
         plans = []
         for seed in (3, 4):  # different memberships, the same N, q, sigma and steps
             audit = CanaryAudit(kind, 100, seed=seed)
-            trainer = Trainer.create(_config(tmp_path, f"{kind}{seed}", "run.seed=0"), progress=False, hooks=audit.hooks())
+            trainer = Trainer.create(
+                _config(tmp_path, f"{kind}{seed}", "run.seed=0"),
+                progress=False,
+                hooks=audit.hooks(),
+            )
             assert trainer.plan.dataset_size == expected
             assert trainer.plan.sample_rate == pytest.approx(256 / expected)
             plans.append((trainer.plan.noise_multiplier, trainer.plan.steps))
         assert plans[0] == plans[1] and audit.included.sum() not in (0, 100)
 
 
-@pytest.mark.parametrize("epsilon", [pytest.param(1.0, marks=pytest.mark.slow), 3.0, pytest.param(8.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "epsilon",
+    [pytest.param(1.0, marks=pytest.mark.slow), 3.0, pytest.param(8.0, marks=pytest.mark.slow)],
+)
 def test_honest_runs_are_never_refuted(tmp_path, epsilon):
     for seed in range(3):
-        config = _config(tmp_path, f"e{epsilon}-{seed}", f"dp.epsilon={epsilon}", f"run.seed={seed}")
+        config = _config(
+            tmp_path, f"e{epsilon}-{seed}", f"dp.epsilon={epsilon}", f"run.seed={seed}"
+        )
         result = run_audit(config, canaries=500, progress=False, plot=False)
         assert result.epsilon == pytest.approx(epsilon, rel=1e-3)
         assert result.eps_lower_bound <= result.epsilon and result.passed, result
 
 
-@pytest.mark.parametrize("fault", [AuditFault(noise_scale=0.05), AuditFault(clip_scale=10.0)], ids=["noise", "clip"])
+@pytest.mark.parametrize(
+    "fault", [AuditFault(noise_scale=0.05), AuditFault(clip_scale=10.0)], ids=["noise", "clip"]
+)
 def test_broken_runs_are_caught(tmp_path, fault):
     config = _config(tmp_path, "broken", "dp.epsilon=1", "run.seed=0")
     result = run_audit(config, canaries=500, progress=False, plot=False, fault=fault)
@@ -286,18 +336,41 @@ def test_broken_runs_are_caught(tmp_path, fault):
 
 
 def test_input_canaries_run_and_pass(tmp_path):
-    result = run_audit(_config(tmp_path, "input", "run.seed=0"), kind="input", canaries=200, progress=False, plot=False)
-    assert result.kind == "input" and result.passed and 0 <= result.eps_lower_bound <= result.epsilon
+    result = run_audit(
+        _config(tmp_path, "input", "run.seed=0"),
+        kind="input",
+        canaries=200,
+        progress=False,
+        plot=False,
+    )
+    assert (
+        result.kind == "input" and result.passed and 0 <= result.eps_lower_bound <= result.epsilon
+    )
 
 
 def test_cli_json_is_the_last_line(tmp_path, capsys):
-    code = main(["audit", "--canaries", "200", "--json", "--quiet", "--set", f"run.out_dir={tmp_path / 'cli'}",
-                 "--set", "train.steps=20", "--set", "run.seed=0"])  # fmt: skip
+    code = main(
+        [
+            "audit",
+            "--canaries",
+            "200",
+            "--json",
+            "--quiet",
+            "--set",
+            f"run.out_dir={tmp_path / 'cli'}",
+            "--set",
+            "train.steps=20",
+            "--set",
+            "run.seed=0",
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("eps_lower_bound", "epsilon", "confidence", "guesses", "correct", "verdict"):
         assert key in result
-    assert (tmp_path / "cli" / "audit.json").exists() and (tmp_path / "cli" / "audit_scores.png").stat().st_size > 1000
+    assert (tmp_path / "cli" / "audit.json").exists() and (
+        tmp_path / "cli" / "audit_scores.png"
+    ).stat().st_size > 1000
     # its training set holds canaries its config does not describe: resume and eval refuse it
     assert main(["train", "--resume", str(tmp_path / "cli")]) == 2
     assert main(["eval", str(tmp_path / "cli")]) == 2
@@ -306,7 +379,11 @@ def test_cli_json_is_the_last_line(tmp_path, capsys):
 
 def test_refusals(tmp_path, capsys):
     with pytest.raises(ConfigError, match="non-private run"):
-        run_audit(_config(tmp_path, "np", "dp.epsilon=null", "dp.noise_multiplier=0"), canaries=10, progress=False)
+        run_audit(
+            _config(tmp_path, "np", "dp.epsilon=null", "dp.noise_multiplier=0"),
+            canaries=10,
+            progress=False,
+        )
     assert not (tmp_path / "np").exists()  # refused before anything was claimed or trained
     with pytest.raises(ConfigError, match="--guesses 300,0"):
         run_audit(_config(tmp_path, "g3"), canaries=200, rules=[(300, 0)], progress=False)
@@ -315,7 +392,9 @@ def test_refusals(tmp_path, capsys):
     with pytest.raises(ConfigError, match="stream"):
         run_audit(_config(tmp_path, "st", "data.loader=stream"), canaries=10, progress=False)
     with pytest.raises(ConfigError, match="at most"):
-        run_audit(_config(tmp_path, "many", "run.seed=0"), kind="input", canaries=100000, progress=False)
+        run_audit(
+            _config(tmp_path, "many", "run.seed=0"), kind="input", canaries=100000, progress=False
+        )
     assert main(["audit", "--guesses", "x", "--set", f"run.out_dir={tmp_path / 'g'}"]) == 2
     assert "K_IN,K_OUT" in capsys.readouterr().err
 
@@ -328,7 +407,12 @@ def test_verdict_lines():
 def test_ceiling_is_every_guess_right_and_capped_by_delta():
     rules = default_guess_rules(1000)
     each = 1 - 0.05 / len(rules)
-    expected = max(epsilon_lower_bound(canaries=1000, guesses=a + b, correct=a + b, delta=1e-5, confidence=each) for a, b in rules)
+    expected = max(
+        epsilon_lower_bound(
+            canaries=1000, guesses=a + b, correct=a + b, delta=1e-5, confidence=each
+        )
+        for a, b in rules
+    )
     assert audit_ceiling(1000, delta=1e-5) == pytest.approx(expected)
     # the 2 m delta term: 20x the canaries barely moves it at delta 1e-5, but does at delta 0
     assert audit_ceiling(20000, delta=1e-5) < 6 < 8 < audit_ceiling(20000, delta=0)
@@ -350,7 +434,8 @@ def test_the_canary_engine_takes_a_fixed_shape_chunk_as_the_unpadded_one(kind):
         engine = CanaryEngine(inner, included, [("1.bias", 0), ("1.bias", 2)], DIRAC_SCALE * 1.0)
     else:  # input canaries: the excluded one's placeholder drops out
         engine = CanaryEngine(inner, included)
-    x, y = torch.randn(4, 1, 2, 2, dtype=torch.float64), torch.tensor([0, 2, -1, -2])  # 2 examples + 2 canaries
+    # 2 examples + 2 canaries
+    x, y = (torch.randn(4, 1, 2, 2, dtype=torch.float64), torch.tensor([0, 2, -1, -2]))
     params = trainable_params(model)
     want, want_norms, want_losses = engine.clipped_sum_and_losses(model, params, (x, y))
     got, got_norms, got_losses = engine.clipped_sum_and_losses(model, params, pad_chunk((x, y), 9))

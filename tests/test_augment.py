@@ -25,7 +25,9 @@ def _one_thread():
 def images(n, c, size, seed=0, value_range=(-1.0, 1.0)):
     """Random images uniform in value_range (distinct pixels, so equal views mean equal params)."""
     low, high = value_range
-    return low + (high - low) * torch.rand(n, c, size, size, generator=torch.Generator().manual_seed(seed))
+    return low + (high - low) * torch.rand(
+        n, c, size, size, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def gen(seed=0):
@@ -61,7 +63,9 @@ def test_identity_gives_exact_copies():
 
 def test_bad_arguments():
     x = images(1, 1, 8)
-    with pytest.raises(ValueError, match="unknown augmentation.*identity, crop-flip, crop, rrc, simclr"):
+    with pytest.raises(
+        ValueError, match="unknown augmentation.*identity, crop-flip, crop, rrc, simclr"
+    ):
         augment_views(x, "mixup", 2, gen())
     with pytest.raises(ValueError, match=">= 1"):
         augment_views(x, "identity", 0, gen())
@@ -76,7 +80,9 @@ def test_bad_arguments():
 # --------------------------------------------------------------------------- randomness
 
 
-@pytest.mark.parametrize("kind, min_distinct", [("crop-flip", 10), ("crop", 10), ("rrc", 60), ("simclr", 60)])
+@pytest.mark.parametrize(
+    "kind, min_distinct", [("crop-flip", 10), ("crop", 10), ("rrc", 60), ("simclr", 60)]
+)
 def test_parameters_are_drawn_per_view(kind, min_distinct):
     """16 identical images x 4 views: one draw per batch (torchvision) would give 1 distinct view."""
     x = images(1, 3, 32).expand(16, 3, 32, 32)
@@ -108,7 +114,9 @@ def test_generator_advance_does_not_depend_on_the_pixels(kind):
     assert torch.equal(a.get_state(), b.get_state())
     # ... nor on the value range or padding: only on (N, K, kind).
     c = gen(9)
-    augment_views(images(6, 3, 16, value_range=(0, 1)), kind, 3, c, value_range=(0.0, 1.0), padding=2)
+    augment_views(
+        images(6, 3, 16, value_range=(0, 1)), kind, 3, c, value_range=(0.0, 1.0), padding=2
+    )
     assert torch.equal(a.get_state(), c.get_state())
 
 
@@ -118,7 +126,9 @@ def test_generator_advance_does_not_depend_on_the_pixels(kind):
 def naive_crop_flip(x, top, left, flip, padding):
     """One view at a time, with numpy's reflect padding as an independent reference."""
     n, c, h, w = x.shape
-    padded = np.pad(x.numpy(), ((0, 0), (0, 0), (padding, padding), (padding, padding)), mode="reflect")
+    padded = np.pad(
+        x.numpy(), ((0, 0), (0, 0), (padding, padding), (padding, padding)), mode="reflect"
+    )
     out = torch.empty(n, top.shape[1], c, h, w)
     for i in range(n):
         for k in range(top.shape[1]):
@@ -132,7 +142,9 @@ def test_crop_flip_equals_a_naive_per_view_loop():
     x = images(3, 2, 12)
     padding = 3
     g = gen(5)
-    top, left, flip = augment._crop_flip_params(torch.rand(3, 4, 3, generator=g, dtype=torch.float64), padding)
+    top, left, flip = augment._crop_flip_params(
+        torch.rand(3, 4, 3, generator=g, dtype=torch.float64), padding
+    )
     expected = naive_crop_flip(x, top, left, flip, padding)
     assert torch.equal(augment._crop_flip(x, top, left, flip, padding), expected)
 
@@ -165,12 +177,16 @@ def test_crop_views_are_unmirrored_windows_at_every_offset():
     x, padding = images(2, 1, 10), 2
     out = augment_views(x, "crop", 200, gen(11), padding=padding)
     padded = F.pad(x, (padding,) * 4, mode="reflect")
-    windows = padded.unfold(2, 10, 1).unfold(3, 10, 1).permute(0, 2, 3, 1, 4, 5).reshape(2, 25, 1, 10, 10)
+    windows = (
+        padded.unfold(2, 10, 1).unfold(3, 10, 1).permute(0, 2, 3, 1, 4, 5).reshape(2, 25, 1, 10, 10)
+    )
     match = (out.unsqueeze(2) == windows.unsqueeze(1)).flatten(3).all(-1)  # [N, K, 25]
     mirrored = (out.unsqueeze(2) == windows.flip(-1).unsqueeze(1)).flatten(3).all(-1)
     assert match.any(-1).all() and not mirrored.any()
     assert match.any(1).all()  # each of the 25 offsets drawn for each image
-    top, left, flip = augment._crop_flip_params(torch.rand(50, 3, 2, generator=gen(1), dtype=torch.float64), padding)
+    top, left, flip = augment._crop_flip_params(
+        torch.rand(50, 3, 2, generator=gen(1), dtype=torch.float64), padding
+    )
     assert not flip.any() and top.shape == flip.shape == (50, 3)
 
 
@@ -207,7 +223,9 @@ def test_resized_crop_equals_crop_then_interpolate_per_view():
         for k in range(6):
             t, lft, bh, bw = (int(v[i, k]) for v in (top, left, box_h, box_w))
             crop = x[i : i + 1, :, t : t + bh, lft : lft + bw]
-            ref = F.interpolate(crop, size=(16, 16), mode="bilinear", align_corners=False, antialias=False)[0]
+            ref = F.interpolate(
+                crop, size=(16, 16), mode="bilinear", align_corners=False, antialias=False
+            )[0]
             ref = ref.flip(-1) if flip[i, k] else ref
             torch.testing.assert_close(out[i, k], ref, atol=1e-5, rtol=0)
 
@@ -217,19 +235,30 @@ def naive_rrc_box(u, height, width, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
     attempts = augment.RRC_ATTEMPTS
     for a in range(attempts):
         target = height * width * (scale[0] + u[a] * (scale[1] - scale[0]))
-        aspect = math.exp(math.log(ratio[0]) + u[attempts + a] * (math.log(ratio[1]) - math.log(ratio[0])))
+        aspect = math.exp(
+            math.log(ratio[0]) + u[attempts + a] * (math.log(ratio[1]) - math.log(ratio[0]))
+        )
         w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
         if 0 < w <= width and 0 < h <= height:
-            return int(u[2 * attempts] * (height - h + 1)), int(u[2 * attempts + 1] * (width - w + 1)), h, w
+            return (
+                int(u[2 * attempts] * (height - h + 1)),
+                int(u[2 * attempts + 1] * (width - w + 1)),
+                h,
+                w,
+            )
     h, w = augment._centre_crop_size(height, width, ratio)
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-@pytest.mark.parametrize("height, width, scale", [(24, 32, (0.08, 1.0)), (32, 32, (0.08, 1.0)), (32, 16, (0.9, 1.0))])
+@pytest.mark.parametrize(
+    "height, width, scale", [(24, 32, (0.08, 1.0)), (32, 32, (0.08, 1.0)), (32, 16, (0.9, 1.0))]
+)
 def test_rrc_boxes_equal_torchvision_retry_loop(height, width, scale):
     u = torch.rand(500, 1, augment._RRC_COLUMNS, generator=gen(1), dtype=torch.float64)
     boxes = torch.stack(augment._rrc_boxes(u, height, width, scale=scale), -1).view(500, 4)
-    expected = torch.tensor([naive_rrc_box(row.tolist(), height, width, scale) for row in u.view(500, -1)])
+    expected = torch.tensor(
+        [naive_rrc_box(row.tolist(), height, width, scale) for row in u.view(500, -1)]
+    )
     assert torch.equal(boxes, expected)
     top, left, box_h, box_w = boxes.unbind(-1)
     assert (box_h >= 1).all() and (box_w >= 1).all() and (top >= 0).all() and (left >= 0).all()
@@ -266,12 +295,18 @@ def test_hue_shift_and_hsv_round_trip():
     def rgb(*values):
         return torch.tensor(values).view(1, 3, 1, 1)
 
-    torch.testing.assert_close(augment._shift_hue(rgb(1.0, 0.0, 0.0), torch.tensor([1 / 3])), rgb(0.0, 1.0, 0.0))
-    torch.testing.assert_close(augment._shift_hue(rgb(1.0, 0.0, 0.0), torch.tensor([-1 / 3])), rgb(0.0, 0.0, 1.0))
+    torch.testing.assert_close(
+        augment._shift_hue(rgb(1.0, 0.0, 0.0), torch.tensor([1 / 3])), rgb(0.0, 1.0, 0.0)
+    )
+    torch.testing.assert_close(
+        augment._shift_hue(rgb(1.0, 0.0, 0.0), torch.tensor([-1 / 3])), rgb(0.0, 0.0, 1.0)
+    )
     x = images(4, 3, 8, value_range=(0, 1))
     torch.testing.assert_close(augment._shift_hue(x, torch.zeros(4)), x, atol=1e-6, rtol=0)
     gray = images(4, 1, 8, value_range=(0, 1)).expand(4, 3, 8, 8)  # hue is undefined: unchanged
-    torch.testing.assert_close(augment._shift_hue(gray, torch.full((4,), 0.1)), gray, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        augment._shift_hue(gray, torch.full((4,), 0.1)), gray, atol=1e-6, rtol=0
+    )
 
 
 def test_neutral_jitter_is_identity_and_saturation_zero_is_grayscale():
@@ -287,7 +322,9 @@ def test_blur_keeps_constants_and_tiny_sigma_is_identity():
     const = torch.full((2, 3, 12, 12), 0.3)
     torch.testing.assert_close(augment._gaussian_blur(const, torch.tensor([0.5, 2.0]), 3), const)
     x = images(2, 3, 12, value_range=(0, 1))
-    torch.testing.assert_close(augment._gaussian_blur(x, torch.tensor([0.1, 0.1]), 3), x, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        augment._gaussian_blur(x, torch.tensor([0.1, 0.1]), 3), x, atol=1e-6, rtol=0
+    )
     blurred = augment._gaussian_blur(x, torch.tensor([0.1, 2.0]), 5)
     assert blurred[1].std() < x[1].std() * 0.7  # a wide kernel smooths noise
     assert [augment._blur_kernel_size(s, s) for s in (8, 28, 32, 224)] == [3, 3, 3, 23]
@@ -296,7 +333,9 @@ def test_blur_keeps_constants_and_tiny_sigma_is_identity():
 def test_simclr_grayscale_probability_and_one_channel_images():
     x = images(100, 3, 16)
     out = augment_views(x, "simclr", 4, gen(0)).reshape(400, 3, -1)
-    gray = ((out[:, 0] - out[:, 1]).abs().amax(-1) < 1e-6) & ((out[:, 1] - out[:, 2]).abs().amax(-1) < 1e-6)
+    gray = ((out[:, 0] - out[:, 1]).abs().amax(-1) < 1e-6) & (
+        (out[:, 1] - out[:, 2]).abs().amax(-1) < 1e-6
+    )
     assert 0.12 < gray.double().mean() < 0.28  # p = 0.2
     one = augment_views(images(4, 1, 28), "simclr", 3, gen(0))
     assert one.shape == (4, 3, 1, 28, 28) and one.min() >= -1 and one.max() <= 1
@@ -344,7 +383,9 @@ def test_batched_timing_report():
         start = time.perf_counter()
         out = augment_views(x, kind, 8, gen())
         elapsed = time.perf_counter() - start
-        print(f"augment_views {kind}: 256x3x32x32, K=8 -> {tuple(out.shape)} in {elapsed * 1000:.0f} ms")
+        print(
+            f"augment_views {kind}: 256x3x32x32, K=8 -> {tuple(out.shape)} in {elapsed * 1000:.0f} ms"
+        )
     assert math.isfinite(elapsed)
 
 
@@ -357,8 +398,11 @@ def test_the_runs_padding_reaches_every_view_and_a_negative_one_is_refused():
     x = images(3, 1, 10)
     out = AugmentViews("crop", 64, gen(2), (-1.0, 1.0), padding=1)(x)
     padded = F.pad(x, (1,) * 4, mode="reflect")
-    windows = padded.unfold(2, 10, 1).unfold(3, 10, 1).permute(0, 2, 3, 1, 4, 5).reshape(3, 9, 1, 10, 10)
-    assert (out.unsqueeze(2) == windows.unsqueeze(1)).flatten(3).all(-1).any(-1).all()  # offsets within +-1
+    windows = (
+        padded.unfold(2, 10, 1).unfold(3, 10, 1).permute(0, 2, 3, 1, 4, 5).reshape(3, 9, 1, 10, 10)
+    )
+    # offsets within +-1
+    assert (out.unsqueeze(2) == windows.unsqueeze(1)).flatten(3).all(-1).any(-1).all()
     assert load_config(None, ["augment.padding=2"]).augment.padding == 2
     with pytest.raises(ConfigError, match="augment.padding must be >= 0"):
         load_config(None, ["augment.padding=-1"])

@@ -9,7 +9,13 @@ from dpscale.models import build_model, default_input_shape
 from dpscale.privacy.clipping.engines import make_engine, supported_engines
 from dpscale.privacy.clipping.per_example import trainable_params
 from dpscale.privacy.clipping.reference import float64_reference
-from zoo import assert_matches_float64, SMALL_INPUT, build_zoo_model, engines_besides_auto, zoo_cases
+from zoo import (
+    assert_matches_float64,
+    SMALL_INPUT,
+    build_zoo_model,
+    engines_besides_auto,
+    zoo_cases,
+)
 
 
 # Engines compute in float32 and are compared with a float64 reference. A float32 gradient entry
@@ -36,7 +42,9 @@ def float64_augmult_reference(model, x, y, max_grad_norm):
 # LayerNorm, class-token/position embeddings, weight-standardised convs); the heavy models only in
 # the slow suite (test_engines.HEAVY_MODELS: their layers are those of smaller ones). wrn16-4 (~6 s) too:
 # its residual GroupNorm convs are resnet18-gn's, which stays in the default suite.
-@pytest.mark.parametrize("name", [pytest.param(c, marks=pytest.mark.slow) if c == "wrn16-4" else c for c in zoo_cases()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(c, marks=pytest.mark.slow) if c == "wrn16-4" else c for c in zoo_cases()]
+)
 def test_every_engine_clips_the_mean_of_the_views_gradients(name):
     torch.manual_seed(0)
     model, shape = build_zoo_model(name)
@@ -46,7 +54,9 @@ def test_every_engine_clips_the_mean_of_the_views_gradients(name):
     reference = float64_augmult_reference(model, x, y, 0.5)
     params = trainable_params(model)
     assert "auto" in supported_engines(model)
-    for engine_name in engines_besides_auto(model, 0.5, views=views):  # auto: the engine it builds, checked
+    for engine_name in engines_besides_auto(
+        model, 0.5, views=views
+    ):  # auto: the engine it builds, checked
         engine, _ = make_engine(engine_name, 0.5, model, views=views)
         grad_sum, norms = engine.per_example_clipped_sum(model, params, (x, y))
         assert_matches_float64(grad_sum, norms, reference, engine_name)
@@ -80,16 +90,25 @@ def test_identical_views_equal_plain_dp_sgd_for_every_engine(name):
         plain, _ = make_engine(engine_name, 1.0, model)
         augmult, _ = make_engine(engine_name, 1.0, model, views=4)
         # both against float64, not against each other: 5 and 20 rows may take different float32 kernels
-        for engine, batch in ((plain, (x, y)), (augmult, (x.unsqueeze(1).expand(-1, 4, *shape), y))):
+        for engine, batch in (
+            (plain, (x, y)),
+            (augmult, (x.unsqueeze(1).expand(-1, 4, *shape), y)),
+        ):
             grad_sum, norms = engine.per_example_clipped_sum(model, params, batch)
-            assert_matches_float64(grad_sum, norms, reference, f"{engine_name} views={engine.views}")
+            assert_matches_float64(
+                grad_sum, norms, reference, f"{engine_name} views={engine.views}"
+            )
 
 
 def test_wrong_number_of_views_is_a_clear_error():
     model = build_model("linear", 10, (1, 4, 4))
     engine, _ = make_engine("bk", 1.0, model, views=3)
     with pytest.raises(ValueError, match="expected 3 views"):
-        engine.per_example_clipped_sum(model, trainable_params(model), (torch.randn(2, 2, 1, 4, 4), torch.zeros(2, dtype=torch.long)))
+        engine.per_example_clipped_sum(
+            model,
+            trainable_params(model),
+            (torch.randn(2, 2, 1, 4, 4), torch.zeros(2, dtype=torch.long)),
+        )
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,9 @@ GAMMA = 0.01
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double()
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
+    ).double()
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +82,24 @@ def test_removing_one_example_through_make_private_moves_the_release_by_at_most_
     def released(keep: torch.Tensor) -> dict:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-        mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100,
-                                         batch_size=batch, max_grad_norm=c, noise_multiplier=1.0, delta=1e-5, steps=2,
-                                         seed=3, engine=engine, clipping="automatic", clip_gamma=GAMMA)  # fmt: skip
+        mechanism = dpscale.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset_size=100,
+            batch_size=batch,
+            max_grad_norm=c,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            steps=2,
+            seed=3,
+            engine=engine,
+            clipping="automatic",
+            clip_gamma=GAMMA,
+        )
         out = []
-        mechanism.observer = lambda gradient: out.append({k: v.double() * batch for k, v in gradient.items()})
+        mechanism.observer = lambda gradient: out.append(
+            {k: v.double() * batch for k, v in gradient.items()}
+        )
         mechanism.step_drawn_chunks([(x[keep], y[keep])])
         return out[0]
 
@@ -100,7 +115,9 @@ def test_dpscale_train_runs_it_and_says_so(tmp_path, capsys):
     from dpscale.train.loop import Trainer
     from helpers import tiny_config
 
-    config = tiny_config(tmp_path / "run", "train.steps=2", "dp.clipping=automatic", "dp.clip_gamma=0.05")
+    config = tiny_config(
+        tmp_path / "run", "train.steps=2", "dp.clipping=automatic", "dp.clip_gamma=0.05"
+    )
     trainer = Trainer.create(config, progress=False, report=True)
     trainer.run()
     header = capsys.readouterr().err
@@ -117,12 +134,21 @@ def test_dpscale_train_runs_it_and_says_so(tmp_path, capsys):
         ({"clip_gamma": 1e-40}, "at least 1e-12"),
         ({"clip_gamma": MIN_CLIP_GAMMA / 2}, "at least 1e-12"),
         ({"clip_gamma": math.nan}, "gamma must be a positive number"),
-        ({"clip_gamma": 0.01, "max_grad_norm": None, "noise_multiplier": 0.0}, "needs dp.max_grad_norm"),
+        (
+            {"clip_gamma": 0.01, "max_grad_norm": None, "noise_multiplier": 0.0},
+            "needs dp.max_grad_norm",
+        ),
     ],
 )
 def test_bad_settings_are_refused(settings, pattern):
-    numbers = {"dataset_size": 1000, "batch_size": 50, "steps": 10, "max_grad_norm": 1.0, "delta": 1e-5,
-               "noise_multiplier": 1.0} | settings  # fmt: skip
+    numbers = {
+        "dataset_size": 1000,
+        "batch_size": 50,
+        "steps": 10,
+        "max_grad_norm": 1.0,
+        "delta": 1e-5,
+        "noise_multiplier": 1.0,
+    } | settings
     with pytest.raises(ConfigError, match=pattern):
         plan_of(**numbers)
 
@@ -138,9 +164,20 @@ def test_the_adversarial_doors_hold_with_automatic_clipping_and_fixed_size_batch
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
         options = {"loss_fn": loss_fn} if loss_fn else {}
-        mech = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=40, batch_size=8,
-                                    max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5, steps=3, seed=1,
-                                    clipping="automatic", sampling="fixed", **options)  # fmt: skip
+        mech = dpscale.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset_size=40,
+            batch_size=8,
+            max_grad_norm=0.5,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            steps=3,
+            seed=1,
+            clipping="automatic",
+            sampling="fixed",
+            **options,
+        )
         return model, mech
 
     x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
@@ -183,7 +220,9 @@ def test_the_adversarial_doors_hold_with_automatic_clipping_and_fixed_size_batch
 def _bias_free_net() -> nn.Module:
     """float32, no bias: an input of zeros has an exactly zero gradient."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 3, 3, bias=False), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 6 * 6, 3, bias=False))
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, bias=False), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 6 * 6, 3, bias=False)
+    )
 
 
 def _zero_and_tiny_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,14 +247,17 @@ def test_zero_and_tiny_gradients_at_the_smallest_gamma_release_no_nan_and_at_mos
     model, batch = _bias_free_net(), _zero_and_tiny_batch()
     grad_sum, _ = _engine_sum(engine, model, clip, batch, gamma=MIN_CLIP_GAMMA)
     x64 = (batch[0].double(), batch[1])
-    reference = float64_reference(_bias_free_net().double(), x64, clip, release_dtype=torch.float32,
-                                  clip_gamma=MIN_CLIP_GAMMA)  # fmt: skip
+    reference = float64_reference(
+        _bias_free_net().double(), x64, clip, release_dtype=torch.float32, clip_gamma=MIN_CLIP_GAMMA
+    )
     for name, value in reference.clipped_sum.items():
         assert torch.isfinite(grad_sum[name]).all()
         torch.testing.assert_close(grad_sum[name].double(), value, rtol=1e-4, atol=1e-6)
     sensitivity = 0.5 if clip == 0.5 else math.hypot(0.3, 0.4)
     for i in range(len(batch[0])):
-        alone, _ = _engine_sum(engine, model, clip, (batch[0][i : i + 1], batch[1][i : i + 1]), gamma=MIN_CLIP_GAMMA)
+        alone, _ = _engine_sum(
+            engine, model, clip, (batch[0][i : i + 1], batch[1][i : i + 1]), gamma=MIN_CLIP_GAMMA
+        )
         assert _released_norm(alone) <= sensitivity, i
 
 
@@ -228,13 +270,29 @@ def test_a_factor_past_float32_is_capped_so_a_zero_gradient_releases_no_nan(engi
     model, (x, y) = _bias_free_net(), _zero_and_tiny_batch()
     batch = (x[[0, 5, 6, 7]], y[[0, 5, 6, 7]])
     grad_sum, _ = _engine_sum(engine, model, c, batch, gamma=MIN_CLIP_GAMMA)
-    reference = float64_reference(_bias_free_net().double(), (batch[0].double(), batch[1]), c,
-                                  release_dtype=torch.float32, clip_gamma=MIN_CLIP_GAMMA)  # fmt: skip
+    reference = float64_reference(
+        _bias_free_net().double(),
+        (batch[0].double(), batch[1]),
+        c,
+        release_dtype=torch.float32,
+        clip_gamma=MIN_CLIP_GAMMA,
+    )
     for name, value in reference.clipped_sum.items():
         torch.testing.assert_close(grad_sum[name].double(), value, rtol=1e-4, atol=0.0)
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=1e-30), dataset_size=100,
-                                     batch_size=4, max_grad_norm=c, noise_multiplier=1.0, delta=1e-5, steps=2, seed=3,
-                                     engine=engine, clipping="automatic", clip_gamma=MIN_CLIP_GAMMA)  # fmt: skip
+    mechanism = dpscale.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-30),
+        dataset_size=100,
+        batch_size=4,
+        max_grad_norm=c,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=2,
+        seed=3,
+        engine=engine,
+        clipping="automatic",
+        clip_gamma=MIN_CLIP_GAMMA,
+    )
     released = []
     mechanism.observer = lambda gradient: released.append(gradient)
     mechanism.step_drawn_chunks([batch])
@@ -247,11 +305,30 @@ def test_a_gamma_below_the_floor_is_refused_at_every_door(tmp_path, capsys):
     engine made without a plan refuse it before anything is released."""
     model = _bias_free_net()
     with pytest.raises(ConfigError, match="at least 1e-12"):
-        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100, batch_size=4,
-                             max_grad_norm=1.0, noise_multiplier=1.0, delta=1e-5, steps=2,
-                             clipping="automatic", clip_gamma=1e-40)  # fmt: skip
-    argv = ["train", "--set", f"run.out_dir={tmp_path / 'r'}", "--set", "model.name=linear", "--set", "dp.clipping=automatic",
-            "--set", "dp.clip_gamma=1e-40", "--quiet"]  # fmt: skip
+        dpscale.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset_size=100,
+            batch_size=4,
+            max_grad_norm=1.0,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            steps=2,
+            clipping="automatic",
+            clip_gamma=1e-40,
+        )
+    argv = [
+        "train",
+        "--set",
+        f"run.out_dir={tmp_path / 'r'}",
+        "--set",
+        "model.name=linear",
+        "--set",
+        "dp.clipping=automatic",
+        "--set",
+        "dp.clip_gamma=1e-40",
+        "--quiet",
+    ]
     one_line_error(capsys, argv, "dp.clip_gamma", "at least 1e-12", "1e-40")
     assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="at least 1e-12"):
@@ -268,7 +345,11 @@ def _tiny_input_large_backprop_net(scale: float) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("clip", "gamma", "scale"), [(1.0, MIN_CLIP_GAMMA, 1e15), (1e-8, None, 1e18)], ids=["automatic", "fixed"])
+@pytest.mark.parametrize(
+    ("clip", "gamma", "scale"),
+    [(1.0, MIN_CLIP_GAMMA, 1e15), (1e-8, None, 1e18)],
+    ids=["automatic", "fixed"],
+)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_factor_below_float32s_range_does_not_zero_the_norm(engine, clip, gamma, scale):
     """Issue 62's review: bk and ghost rounded each factor's sum of squares to float32 before
@@ -276,8 +357,17 @@ def test_a_factor_below_float32s_range_does_not_zero_the_norm(engine, clip, gamm
     C = 1e-8) for one example; the float64 loop releases 0.999 C and 0.56 C."""
     torch.manual_seed(1)
     batch = (torch.randn(1, 16) * 1e-24, torch.tensor([0]))
-    grad_sum, _ = _engine_sum(engine, _tiny_input_large_backprop_net(scale), clip, batch, gamma=gamma)
-    reference = float64_reference(_tiny_input_large_backprop_net(scale).double(), (batch[0].double(), batch[1]), clip,
-                                  release_dtype=torch.float32, clip_gamma=gamma)  # fmt: skip
+    grad_sum, _ = _engine_sum(
+        engine, _tiny_input_large_backprop_net(scale), clip, batch, gamma=gamma
+    )
+    reference = float64_reference(
+        _tiny_input_large_backprop_net(scale).double(),
+        (batch[0].double(), batch[1]),
+        clip,
+        release_dtype=torch.float32,
+        clip_gamma=gamma,
+    )
     assert _released_norm(grad_sum) <= clip
-    assert _released_norm(grad_sum) == pytest.approx(_released_norm(reference.clipped_sum), rel=1e-3)
+    assert _released_norm(grad_sum) == pytest.approx(
+        _released_norm(reference.clipped_sum), rel=1e-3
+    )

@@ -25,7 +25,7 @@ class _Forced(MethodTuner):
         super().__init__(enabled=False)
         self.method, self.used = method, []
 
-    def choose(self, layer, signature, device, rule, candidates, rows):  # noqa: D102
+    def choose(self, layer, signature, device, rule, candidates, rows):
         if self.method in {c.name for c in candidates}:
             self.used.append(layer)
             return self.method
@@ -44,7 +44,9 @@ class _Sequence(nn.Module):
 
 
 def _conv1d() -> nn.Module:
-    return nn.Sequential(nn.Conv1d(3, 5, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 4, 10))
+    return nn.Sequential(
+        nn.Conv1d(3, 5, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 4, 10)
+    )
 
 
 CASES = {  # name -> (model, input shape per example, views)
@@ -62,7 +64,11 @@ def test_every_method_equals_the_float64_loop(case, method, mode):
     build, shape, views = CASES[case]
     torch.manual_seed(0)
     model = build().double()
-    x = torch.randn(5, views, *shape, dtype=torch.float64) if views > 1 else torch.randn(5, *shape, dtype=torch.float64)
+    x = (
+        torch.randn(5, views, *shape, dtype=torch.float64)
+        if views > 1
+        else torch.randn(5, *shape, dtype=torch.float64)
+    )
     y = torch.randint(0, 10, (5,))
     want = per_example_reference(model, (x, y), 0.3, views=views)
     tuner = _Forced(method)
@@ -75,10 +81,18 @@ def test_every_method_equals_the_float64_loop(case, method, mode):
     gram_only = method in ("pixel-gram", "gram")
     if mode == "bk" or gram_only:  # ghost never instantiates per-example gradients
         # with 2 views the head is a 2-position Linear too
-        expected = {"conv2d": {"pixel-gram": 3, "gram": 4, "bmm": 4, "bmm-positions": 3, "grouped": 4},
-                    "conv2d-views": {"pixel-gram": 3, "gram": 5, "bmm": 5, "bmm-positions": 3, "grouped": 4},
-                    "conv1d": {"gram": 1, "bmm": 1, "bmm-positions": 1, "grouped": 1},
-                    "linear-sequence": {"gram": 1, "bmm": 1}}  # fmt: skip
+        expected = {
+            "conv2d": {"pixel-gram": 3, "gram": 4, "bmm": 4, "bmm-positions": 3, "grouped": 4},
+            "conv2d-views": {
+                "pixel-gram": 3,
+                "gram": 5,
+                "bmm": 5,
+                "bmm-positions": 3,
+                "grouped": 4,
+            },
+            "conv1d": {"gram": 1, "bmm": 1, "bmm-positions": 1, "grouped": 1},
+            "linear-sequence": {"gram": 1, "bmm": 1},
+        }
         expected = expected[case].get(method, 0)
         assert len(tuner.used) == expected, tuner.used
 
@@ -92,7 +106,11 @@ def test_a_real_tuning_pass_times_every_candidate_and_stays_exact(case, monkeypa
     build, shape, views = CASES[case]
     torch.manual_seed(0)
     model = build().double()
-    x = torch.randn(4, views, *shape, dtype=torch.float64) if views > 1 else torch.randn(4, *shape, dtype=torch.float64)
+    x = (
+        torch.randn(4, views, *shape, dtype=torch.float64)
+        if views > 1
+        else torch.randn(4, *shape, dtype=torch.float64)
+    )
     y = torch.randint(0, 10, (4,))
     tuner = MethodTuner(cache_file=None)
     engine, _ = make_engine("bk", 0.3, model, views=views, tuner=tuner)
@@ -113,7 +131,10 @@ ZOO_METHODS = (
         for method in ("pixel-gram", "gram", "bmm", "bmm-positions", "grouped")
     ]
     + [("vit-tiny", "gram"), ("vit-tiny", "bmm")]
-    + [pytest.param("resnet18-gn", method, marks=pytest.mark.slow) for method in ("pixel-gram", "gram", "bmm", "bmm-positions", "grouped")]
+    + [
+        pytest.param("resnet18-gn", method, marks=pytest.mark.slow)
+        for method in ("pixel-gram", "gram", "bmm", "bmm-positions", "grouped")
+    ]
 )
 
 
@@ -153,7 +174,8 @@ def test_a_huge_example_stays_within_c_whatever_the_method(method):
 
     from dpscale.privacy.clipping.reference import float64_reference
 
-    assert tuner.used and bool(torch.isfinite(norms).all())  # the overflow stays in the forward pass (tanh saturates)
+    # the overflow stays in the forward pass (tanh saturates)
+    assert tuner.used and bool(torch.isfinite(norms).all())
     assert_matches_float64(got, norms, float64_reference(model, (x, y), 0.3), f"bk-{method}")
 
 
@@ -170,14 +192,24 @@ def test_strided_patches_equal_f_unfold_bit_for_bit(layout):
 
     torch.manual_seed(0)
     base = torch.randn(3, 5, 11, 9)
-    inputs = (base, base.contiguous(memory_format=torch.channels_last), base[:, 1:4], base[..., 1:], base[:, :1])
-    geometries = itertools.product([(1, 1), (3, 3), (4, 2)], [(1, 1), (2, 1)], [(0, 0), (1, 2)], [(1, 1), (2, 2), (2, 1)])
+    inputs = (
+        base,
+        base.contiguous(memory_format=torch.channels_last),
+        base[:, 1:4],
+        base[..., 1:],
+        base[:, :1],
+    )
+    geometries = itertools.product(
+        [(1, 1), (3, 3), (4, 2)], [(1, 1), (2, 1)], [(0, 0), (1, 2)], [(1, 1), (2, 2), (2, 1)]
+    )
     for (kernel, dilation, padding, stride), x in itertools.product(geometries, inputs):
         want = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
         if layout == "unfold":
             got = unfold_patches(x, kernel, dilation=dilation, padding=padding, stride=stride)
         else:  # (B, L, kh * kw * C) -> F.unfold's (B, C * kh * kw, L)
-            got = channels_last_patches(x, kernel, dilation=dilation, padding=padding, stride=stride)
+            got = channels_last_patches(
+                x, kernel, dilation=dilation, padding=padding, stride=stride
+            )
             b, length, c = x.shape[0], got.shape[1], x.shape[1]
             got = got.reshape(b, length, *kernel, c).permute(0, 4, 2, 3, 1).reshape(b, -1, length)
         assert torch.equal(got, want), (kernel, dilation, padding, stride)

@@ -33,8 +33,18 @@ def _private_convs(x: torch.Tensor, y: torch.Tensor, steps_before_save: int | No
     torch.manual_seed(1)
     model = convs()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = make_private(model, optimizer, dataset_size=64, batch_size=16, max_grad_norm=1.0,
-                             noise_multiplier=1.0, delta=1e-5, steps=6, engine="bk", seed=3)  # fmt: skip
+    mechanism = make_private(
+        model,
+        optimizer,
+        dataset_size=64,
+        batch_size=16,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=6,
+        engine="bk",
+        seed=3,
+    )
     if saved is not None:
         model.load_state_dict(saved[0])
         optimizer.load_state_dict(saved[1])
@@ -43,7 +53,11 @@ def _private_convs(x: torch.Tensor, y: torch.Tensor, steps_before_save: int | No
     for taken, indices in enumerate(mechanism.batches()):
         mechanism.step(x[indices], y[indices])
         if taken + 1 == steps_before_save:
-            state = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict(), mechanism.state_dict())
+            state = (
+                {k: v.clone() for k, v in model.state_dict().items()},
+                optimizer.state_dict(),
+                mechanism.state_dict(),
+            )
     return model, mechanism, state
 
 
@@ -58,9 +72,21 @@ def test_make_private_resumes_bit_identically_with_the_checkpoints_methods(tmp_p
     x, y = torch.randn(64, 3, 9, 9), torch.randint(0, 10, (64,))
     whole, mechanism, saved = _private_convs(x, y, 3)
     methods = saved[2]["clip_methods"]["methods"]
-    assert methods and set(methods.values()) <= {"pixel-gram", "gram", "bmm", "bmm-positions", "grouped"}
+    assert methods and set(methods.values()) <= {
+        "pixel-gram",
+        "gram",
+        "bmm",
+        "bmm-positions",
+        "grouped",
+    }
     # a resuming machine whose cache says otherwise: the checkpoint's choices still hold
-    other = {"pixel-gram": "grouped", "gram": "bmm", "bmm": "gram", "bmm-positions": "grouped", "grouped": "gram"}
+    other = {
+        "pixel-gram": "grouped",
+        "gram": "bmm",
+        "bmm": "gram",
+        "bmm-positions": "grouped",
+        "grouped": "gram",
+    }
     cache = tmp_path / "autotune.json"
     _cache_forcing(cache, lambda key, method: other[method])
     resumed, resumed_mechanism, _ = _private_convs(x, y, None, saved)
@@ -73,8 +99,17 @@ def _trainer_config(out):
     """A 4-step run of the default model at ``out`` (seed 0, B = 32, epsilon 4)."""
     from dpscale.config import load_config
 
-    return load_config(None, [f"run.out_dir={out}", "run.seed=0", "dp.batch_size=32", "dp.epsilon=4",
-                              "train.steps=4", "train.eval_every_epochs=1"])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"run.out_dir={out}",
+            "run.seed=0",
+            "dp.batch_size=32",
+            "dp.epsilon=4",
+            "train.steps=4",
+            "train.eval_every_epochs=1",
+        ],
+    )
 
 
 def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkeypatch, capsys):
@@ -94,18 +129,39 @@ def test_dpscale_train_logs_the_choices_and_a_resume_takes_them(tmp_path, monkey
     err = capsys.readouterr().err
     assert "clip methods on cpu:" in err and "(timed now" in err
     layers = full.built.engine.tuner.as_json()["layers"]
-    assert layers and all(kind.startswith("timed") or kind == "estimate" for _, kind, _ in layers.values())
+    assert layers and all(
+        kind.startswith("timed") or kind == "estimate" for _, kind, _ in layers.values()
+    )
     assert summary["clip_methods"] == {name: method for name, (method, _, _) in layers.items()}
-    assert Trainer.create(_trainer_config(tmp_path / "split"), progress=False, report=True).run(max_steps=2) is None
+    assert (
+        Trainer.create(_trainer_config(tmp_path / "split"), progress=False, report=True).run(
+            max_steps=2
+        )
+        is None
+    )
     assert "(cached 20" in capsys.readouterr().err  # from the cache, and the line says so
     cache = tmp_path / "cache" / "autotune.json"
-    other = {"pixel-gram": "gram", "gram": "bmm", "bmm": "gram", "bmm-positions": "gram", "grouped": "bmm"}
-    _cache_forcing(cache, lambda key, method: other[method])  # the resuming machine would choose otherwise
+    other = {
+        "pixel-gram": "gram",
+        "gram": "bmm",
+        "bmm": "gram",
+        "bmm-positions": "gram",
+        "grouped": "bmm",
+    }
+    # the resuming machine would choose otherwise
+    _cache_forcing(cache, lambda key, method: other[method])
     resumed = Trainer.resume(tmp_path / "split", progress=False)
     timings = ("wall_time_s", "engine_self_check")
-    assert {k: v for k, v in resumed.run().items() if k not in timings} == {k: v for k, v in summary.items() if k not in timings}
-    assert all(kind == "pinned" for _, kind, _ in resumed.built.engine.tuner.as_json()["layers"].values())
-    full, split = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    assert {k: v for k, v in resumed.run().items() if k not in timings} == {
+        k: v for k, v in summary.items() if k not in timings
+    }
+    assert all(
+        kind == "pinned" for _, kind, _ in resumed.built.engine.tuner.as_json()["layers"].values()
+    )
+    full, split = (
+        load_checkpoint(tmp_path / "full" / "checkpoint.pt"),
+        load_checkpoint(tmp_path / "split" / "checkpoint.pt"),
+    )
     assert all(torch.equal(t, split["model"][k]) for k, t in full["model"].items())
 
 
@@ -119,9 +175,16 @@ def test_dpscale_train_with_every_conv_on_bmm_positions_trains_as_bmm_does(tmp_p
 
     monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
-    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)  # every layer timed once, so the cache lists them
+    # every layer timed once, so the cache lists them
+    monkeypatch.setattr(autotune, "TUNE_MIN_MACS", 0.0)
     cache_as_written(monkeypatch)  # the forced methods are taken, however they time
-    sets = ["model.name=papernot-cnn", "run.seed=0", "dp.batch_size=32", "train.steps=2", "run.tensorboard=false"]
+    sets = [
+        "model.name=papernot-cnn",
+        "run.seed=0",
+        "dp.batch_size=32",
+        "train.steps=2",
+        "run.tensorboard=false",
+    ]
 
     def train(out: str) -> dict:
         args = [a for v in [*sets, f"run.out_dir={tmp_path / out}"] for a in ("--set", v)]
@@ -132,10 +195,16 @@ def test_dpscale_train_with_every_conv_on_bmm_positions_trains_as_bmm_does(tmp_p
     cache = tmp_path / "cache" / "autotune.json"
     runs = {}
     for method in ("bmm-positions", "bmm"):
-        _cache_forcing(cache, lambda key, m, forced=method: forced if key.startswith("Conv2d") else m)
+        _cache_forcing(
+            cache, lambda key, m, forced=method: forced if key.startswith("Conv2d") else m
+        )
         summary = train(method)
-        methods = summary["clip_methods"] or {}  # None: auto fell back to vmap (the route check refused the records)
-        assert [m for name, m in methods.items() if name.startswith("features")] == [method, method], summary["engine"]
+        # None: auto fell back to vmap (the route check refused the records)
+        methods = summary["clip_methods"] or {}
+        assert [m for name, m in methods.items() if name.startswith("features")] == [
+            method,
+            method,
+        ], summary["engine"]
         runs[method] = load_checkpoint(tmp_path / method / "checkpoint.pt")["model"]
     for name, weight in runs["bmm"].items():
         torch.testing.assert_close(runs["bmm-positions"][name], weight, rtol=1e-4, atol=1e-6)
@@ -151,7 +220,9 @@ def test_a_first_dpscale_train_run_prints_no_profiler_lines(tmp_path, monkeypatc
     monkeypatch.setattr(autotune, "TUNE_TIE", 1e9)  # every timed candidate is a tie: peaks decide
     monkeypatch.setenv("DPSCALE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("DPSCALE_AUTOTUNE", "1")
-    config = tiny_config(tmp_path / "run", "model.name=papernot-cnn", "train.steps=1", "train.engine=bk")
+    config = tiny_config(
+        tmp_path / "run", "model.name=papernot-cnn", "train.steps=1", "train.engine=bk"
+    )
     Trainer.create(config, progress=False, report=True).run()
     err = capfd.readouterr().err
     assert "least memory (peak MB" in err and "USDT" not in err

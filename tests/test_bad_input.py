@@ -45,7 +45,13 @@ def _write_images(folder: Path, count: int, value: int = 0) -> None:
 
 def _train(root: Path, tmp_path: Path, *extra: str) -> list[str]:
     sets = [f"run.out_dir={tmp_path / 'run'}", *CHEAP, *extra]
-    return ["train", "--quiet", *(a for s in sets for a in ("--set", s)), "--set", f"data.root={root}"]
+    return [
+        "train",
+        "--quiet",
+        *(a for s in sets for a in ("--set", s)),
+        "--set",
+        f"data.root={root}",
+    ]
 
 
 # --------------------------------------------------------------------------- row 7: one class
@@ -55,7 +61,9 @@ def _train(root: Path, tmp_path: Path, *extra: str) -> list[str]:
 def test_an_image_folder_with_one_class_is_refused_naming_it(tmp_path, capsys, loader):
     root = tmp_path / "one-class"
     _write_images(root / "cats", 20)
-    argv = _train(root, tmp_path, "data.name=imagefolder", f"data.loader={loader}", "data.workers=0")
+    argv = _train(
+        root, tmp_path, "data.name=imagefolder", f"data.loader={loader}", "data.workers=0"
+    )
     one_line_error(capsys, argv, re.escape(str(root)), "1 class", "'cats'", ONE_CLASS)
     assert not (tmp_path / "run" / "summary.json").exists()
 
@@ -80,20 +88,37 @@ def test_skip_corrupt_that_leaves_one_class_with_images_is_refused(tmp_path):
     (root / "dogs").mkdir()
     for i in range(5):
         (root / "dogs" / f"{i}.png").write_bytes(b"\x89PNG not really")
-    with pytest.raises(DatasetError, match=f"only one class \\('cats'\\) \\(5 unreadable file\\(s\\) left out\\); {ONE_CLASS}"):
+    with pytest.raises(
+        DatasetError,
+        match=f"only one class \\('cats'\\) \\(5 unreadable file\\(s\\) left out\\); {ONE_CLASS}",
+    ):
         list_image_folder(root, skip_corrupt=True)
 
 
 def test_data_prepare_refuses_one_class_and_shards_with_one_class_are_refused(tmp_path, capsys):
     root = tmp_path / "one-class"
     _write_images(root / "cats", 10)
-    one_line_error(capsys, ["data", "prepare", str(root), str(tmp_path / "out"), "--size", "8", "--quiet"], ONE_CLASS)
+    one_line_error(
+        capsys,
+        ["data", "prepare", str(root), str(tmp_path / "out"), "--size", "8", "--quiet"],
+        ONE_CLASS,
+    )
     # A set prepared before this check (or by hand): one class in its manifest.
     files = tuple(sorted((root / "cats").iterdir()))
-    listing = FolderListing(root, ("cats",), files[:8], np.zeros(8, np.int64), files[8:], np.zeros(2, np.int64), "official", "L")
+    listing = FolderListing(
+        root,
+        ("cats",),
+        files[:8],
+        np.zeros(8, np.int64),
+        files[8:],
+        np.zeros(2, np.int64),
+        "official",
+        "L",
+    )
     prepare_shards(listing, tmp_path / "shards", 8)
     with pytest.raises(
-        DatasetError, match=f"{re.escape(str(tmp_path / 'shards'))}: the training set has only one class \\('cats'\\); {ONE_CLASS}"
+        DatasetError,
+        match=f"{re.escape(str(tmp_path / 'shards'))}: the training set has only one class \\('cats'\\); {ONE_CLASS}",
     ):
         open_shards(tmp_path / "shards")
     argv = _train(tmp_path / "shards", tmp_path, "data.name=shards", "data.loader=memory")
@@ -104,7 +129,9 @@ def test_an_npz_whose_training_labels_hold_one_class_is_refused(tmp_path, capsys
     path = tmp_path / "d.npz"
     x = np.zeros((6, 8, 8), np.uint8)
     np.savez(path, x_train=x, y_train=np.zeros(6, np.int64), x_test=x[:2], y_test=np.array([0, 1]))
-    one_line_error(capsys, _train(path, tmp_path, "data.name=npz"), re.escape(str(path)), "y_train", ONE_CLASS)
+    one_line_error(
+        capsys, _train(path, tmp_path, "data.name=npz"), re.escape(str(path)), "y_train", ONE_CLASS
+    )
 
 
 def test_idx_files_whose_labels_hold_one_class_are_refused(tmp_path):
@@ -121,13 +148,18 @@ def test_idx_files_whose_labels_hold_one_class_are_refused(tmp_path):
 @pytest.mark.parametrize(
     "selection, message",
     [
-        ("data.classes=[3]", r"data\.classes \[3\]: the training set has only one class \(label 3\)"),
+        (
+            "data.classes=[3]",
+            r"data\.classes \[3\]: the training set has only one class \(label 3\)",
+        ),
         ("data.random_classes=1", "data.random_classes"),
         ("data.meta_classes=1", "data.meta_classes=1 puts every class in one group"),
     ],
 )
 def test_a_class_subset_with_one_class_is_refused(tmp_path, capsys, selection, message):
-    one_line_error(capsys, ["train", "--quiet", "--set", selection, *_sets(tmp_path)], message, ONE_CLASS)
+    one_line_error(
+        capsys, ["train", "--quiet", "--set", selection, *_sets(tmp_path)], message, ONE_CLASS
+    )
 
 
 def _sets(tmp_path: Path) -> list[str]:
@@ -155,13 +187,24 @@ def test_select_refuses_a_selection_whose_training_set_holds_one_class():
         ("dp: {epsilon: 3\n", ":2:1:", r"expected ',' or '\}'"),
         ("data:\n  name: 'mnist\n", ":3:1:", "found unexpected end of stream"),
         # PyYAML keeps the last of two equal keys silently: the second epsilon would win unseen
-        ("dp:\n  epsilon: 3\n  batch_size: 64\n  epsilon: 30\n", ":4:3:", r"duplicate key 'epsilon' \(first given on line 2\)"),
+        (
+            "dp:\n  epsilon: 3\n  batch_size: 64\n  epsilon: 30\n",
+            ":4:3:",
+            r"duplicate key 'epsilon' \(first given on line 2\)",
+        ),
     ],
 )
-def test_malformed_yaml_is_one_line_with_file_line_and_column(tmp_path, capsys, text, where, problem):
+def test_malformed_yaml_is_one_line_with_file_line_and_column(
+    tmp_path, capsys, text, where, problem
+):
     path = tmp_path / "cfg.yaml"
     path.write_text(text)
-    line = one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}{where} not valid YAML: "), problem)
+    line = one_line_error(
+        capsys,
+        ["train", str(path)],
+        re.escape(f"config file {path}{where} not valid YAML: "),
+        problem,
+    )
     assert "<unicode string>" not in line and "^" not in line
     with pytest.raises(ConfigError) as err:
         load_config(path)
@@ -181,14 +224,22 @@ def test_a_config_file_that_is_not_text_is_one_line(tmp_path, capsys):
     path.write_bytes(b"dp:\n  epsilon: \xff\xfe3\n")
     one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}"), "UTF-8")
     path.write_bytes(b"dp:\n  epsilon: 3\x07\n")  # a control character PyYAML's reader refuses
-    one_line_error(capsys, ["train", str(path)], re.escape(f"config file {path}:2:"), "special characters are not allowed")
+    one_line_error(
+        capsys,
+        ["train", str(path)],
+        re.escape(f"config file {path}:2:"),
+        "special characters are not allowed",
+    )
 
 
 @pytest.mark.parametrize(
     "override, problem",
     [
         ("dp.epsilon=[1", r"dp\.epsilon: cannot parse value '\[1': expected ',' or '\]'.*column 3"),
-        ("model.kwargs={a: [1}", r"model\.kwargs: cannot parse value '\{a: \[1\}': expected ',' or '\]', but got '\}'.*column 7"),
+        (
+            "model.kwargs={a: [1}",
+            r"model\.kwargs: cannot parse value '\{a: \[1\}': expected ',' or '\]', but got '\}'.*column 7",
+        ),
         ("dp.epsilon", r"--set expects key=value, got 'dp\.epsilon'"),
         ("=3", r"--set expects key=value"),
     ],

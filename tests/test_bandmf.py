@@ -12,7 +12,14 @@ import torch
 from dpscale.privacy.noise import bandmf, bandmf_math
 from dpscale.privacy.noise.banded import BandedNoise
 from dpscale.privacy.noise.bandmf import optimize_strategy
-from dpscale.privacy.noise.bandmf_math import inverse_column, normalize, relative_error, squared_error, strategy_matrix, workload_matrix
+from dpscale.privacy.noise.bandmf_math import (
+    inverse_column,
+    normalize,
+    relative_error,
+    squared_error,
+    strategy_matrix,
+    workload_matrix,
+)
 from dpscale.privacy.workload import Workload
 
 F64 = torch.float64
@@ -21,7 +28,10 @@ F64 = torch.float64
 def warmup_cosine(steps: int, warmup: int) -> tuple[float, ...]:
     """Linear warmup over ``warmup`` steps, then cosine decay to 0 (the last step's rate is 0)."""
     return tuple(
-        (t + 1) / warmup if t < warmup else 0.5 * (1 + math.cos(math.pi * (t - warmup) / (steps - warmup - 1))) for t in range(steps)
+        (t + 1) / warmup
+        if t < warmup
+        else 0.5 * (1 + math.cos(math.pi * (t - warmup) / (steps - warmup - 1)))
+        for t in range(steps)
     )
 
 
@@ -59,7 +69,9 @@ def test_online_noise_equals_dense_inverse_times_z(bands):
     optimised = optimize_strategy(Workload(steps), bands).coefficients
     g = torch.Generator().manual_seed(bands)
     shapes = {"conv.weight": (3, 2, 2), "fc.bias": (5,)}
-    z = {name: torch.randn((steps, *shape), generator=g, dtype=F64) for name, shape in shapes.items()}
+    z = {
+        name: torch.randn((steps, *shape), generator=g, dtype=F64) for name, shape in shapes.items()
+    }
     for coefficients in (random_band(bands, seed=10 + bands), optimised):
         noise = BandedNoise(coefficients)
         outputs = [noise.next({name: z[name][t] for name in shapes}) for t in range(steps)]
@@ -86,7 +98,9 @@ def test_one_band_returns_z_bit_for_bit():
 def test_state_dict_resumes_bit_for_bit_mid_sequence():
     coefficients = optimize_strategy(Workload(40), 4).coefficients
     g = torch.Generator().manual_seed(3)
-    zs = [{"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g)} for _ in range(20)]
+    zs = [
+        {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g)} for _ in range(20)
+    ]
     straight = BandedNoise(coefficients)
     reference = []
     for z in zs:
@@ -104,7 +118,9 @@ def test_state_dict_resumes_bit_for_bit_mid_sequence():
     assert all(t.device.type == "cpu" for entry in state["history"] for t in entry.values())
     resumed = BandedNoise(coefficients)
     # coefficients survive a JSON round trip exactly (e.g. stored next to a checkpoint)
-    resumed.load_state_dict({"coefficients": json.loads(json.dumps(state["coefficients"])), "history": state["history"]})
+    resumed.load_state_dict(
+        {"coefficients": json.loads(json.dumps(state["coefficients"])), "history": state["history"]}
+    )
     for t, z in enumerate(zs[7:], start=7):
         out = resumed.next(z)
         assert all(out[name].dtype == torch.float32 for name in out)
@@ -157,7 +173,10 @@ def separated_patterns(steps: int, bands: int):
 def test_every_separated_participation_pattern_is_orthogonal(bands):
     checked = 0
     for steps in range(6, 13):
-        for coefficients in (random_band(bands, seed=steps), optimize_strategy(Workload(steps), bands).coefficients):
+        for coefficients in (
+            random_band(bands, seed=steps),
+            optimize_strategy(Workload(steps), bands).coefficients,
+        ):
             c = strategy_matrix(coefficients, steps)
             patterns = separated_patterns(steps, bands)
             # Fibonacci-like count: every pattern enumerated (e.g. 233 sets for S=12, b=2)
@@ -177,7 +196,12 @@ def test_every_separated_participation_pattern_is_orthogonal(bands):
 def test_pattern_enumeration_is_complete():
     # Brute force over all subsets of 8 steps, for the enumeration used above.
     for bands in (2, 3):
-        expected = {s for r in range(9) for s in itertools.combinations(range(8), r) if all(b - a >= bands for a, b in zip(s, s[1:]))}
+        expected = {
+            s
+            for r in range(9)
+            for s in itertools.combinations(range(8), r)
+            if all(b - a >= bands for a, b in zip(s, s[1:]))
+        }
         assert set(separated_patterns(8, bands)) == expected
 
 
@@ -243,16 +267,26 @@ def test_error_gradient_equals_dense_autograd(kind, monkeypatch):
 def test_workload_matrix_by_hand():
     a = workload_matrix(Workload(3, 0.5, (1.0, 2.0, 4.0)))
     # A[t, r] = sum_{s=r}^{t} eta_s beta^(s-r)
-    expected = torch.tensor([[1.0, 0, 0], [1 + 2 * 0.5, 2, 0], [1 + 1 + 4 * 0.25, 2 + 4 * 0.5, 4]], dtype=F64)
+    expected = torch.tensor(
+        [[1.0, 0, 0], [1 + 2 * 0.5, 2, 0], [1 + 1 + 4 * 0.25, 2 + 4 * 0.5, 4]], dtype=F64
+    )
     assert torch.equal(a, expected)
 
 
 def test_workload_key_and_description():
     assert Workload(10).key() == Workload(10, 0.0, [1.0] * 10).key()
-    keys = {Workload(10).key(), Workload(11).key(), Workload(10, 0.9).key(), Workload(10, 0.0, (2.0,) * 10).key()}
+    keys = {
+        Workload(10).key(),
+        Workload(11).key(),
+        Workload(10, 0.9).key(),
+        Workload(10, 0.0, (2.0,) * 10).key(),
+    }
     assert len(keys) == 4 and all(len(k) == 16 for k in keys)
     assert Workload(500).describe() == "prefix sums, S=500"
-    assert Workload(500, 0.9, warmup_cosine(500, 50)).describe() == "prefix sums with momentum 0.9 and a learning-rate schedule, S=500"
+    assert (
+        Workload(500, 0.9, warmup_cosine(500, 50)).describe()
+        == "prefix sums with momentum 0.9 and a learning-rate schedule, S=500"
+    )
 
 
 # ------------------------------------------------------------------ optimisation
@@ -263,7 +297,9 @@ def test_one_band_is_dp_sgd():
     assert strategy.coefficients == (1.0,)
     assert strategy.bands == 1
     assert strategy.relative_error == 1.0
-    assert strategy.squared_error == pytest.approx(dense_error((1.0,), Workload(50, 0.9)), rel=1e-12)
+    assert strategy.squared_error == pytest.approx(
+        dense_error((1.0,), Workload(50, 0.9)), rel=1e-12
+    )
     assert strategy.rmse == pytest.approx(math.sqrt(strategy.squared_error / 50))
 
 
@@ -275,9 +311,14 @@ def test_prefix_sum_error_decreases_with_bands():
         assert strategy.bands == bands
         assert strategy.coefficients[0] > 0
         assert sum(x * x for x in strategy.coefficients) == pytest.approx(1.0, abs=1e-12)
-        assert strategy.relative_error == pytest.approx(relative_error(strategy.coefficients, workload), rel=1e-12)
+        assert strategy.relative_error == pytest.approx(
+            relative_error(strategy.coefficients, workload), rel=1e-12
+        )
         # the optimiser does better than its starting point
-        assert strategy.relative_error < relative_error(bandmf._sqrt_prefix_coefficients(bands), workload) - 1e-3
+        assert (
+            strategy.relative_error
+            < relative_error(bandmf._sqrt_prefix_coefficients(bands), workload) - 1e-3
+        )
         errors.append(strategy.relative_error)
     assert errors[0] < 1
     assert all(later <= earlier + 1e-9 for earlier, later in zip(errors, errors[1:]))
@@ -300,17 +341,28 @@ def test_two_bands_match_a_grid_search():
 
 @pytest.mark.parametrize("bands", [2, 8])
 def test_never_worse_than_dp_sgd_with_momentum_and_schedule(bands):
-    for workload in (Workload(96, 0.9, warmup_cosine(96, 10)), Workload(96, 0.99, (0.0,) * 90 + (1.0,) * 6)):
+    for workload in (
+        Workload(96, 0.9, warmup_cosine(96, 10)),
+        Workload(96, 0.99, (0.0,) * 90 + (1.0,) * 6),
+    ):
         strategy = optimize_strategy(workload, bands)
         assert strategy.relative_error <= 1.0
-        assert strategy.relative_error <= relative_error(bandmf._sqrt_prefix_coefficients(bands), workload) + 1e-12
-        assert strategy.squared_error == pytest.approx(dense_error(strategy.coefficients, workload), rel=1e-9)
+        assert (
+            strategy.relative_error
+            <= relative_error(bandmf._sqrt_prefix_coefficients(bands), workload) + 1e-12
+        )
+        assert strategy.squared_error == pytest.approx(
+            dense_error(strategy.coefficients, workload), rel=1e-9
+        )
 
 
 def test_full_toeplitz_is_at_least_as_good_as_the_square_root():
     workload = Workload(32)
     strategy = optimize_strategy(workload, 32)
-    assert strategy.relative_error <= relative_error(bandmf._sqrt_prefix_coefficients(32), workload) + 1e-9
+    assert (
+        strategy.relative_error
+        <= relative_error(bandmf._sqrt_prefix_coefficients(32), workload) + 1e-9
+    )
     assert strategy.relative_error < optimize_strategy(workload, 8).relative_error
 
 
@@ -401,7 +453,8 @@ def test_a_cached_strategy_comes_back_with_the_exact_bits_computed(tmp_path, cou
     monkeypatch.setattr(bandmf, "_optimize", lambda w, init: (counted.append(w), tuple(raw))[1])
     computed = optimize_strategy(workload, 4, cache_dir=tmp_path)
     assert computed.coefficients == normalize(raw)  # (the best candidate here) ...
-    assert normalize(computed.coefficients) != computed.coefficients  # ... which re-normalising would change
+    # ... which re-normalising would change
+    assert normalize(computed.coefficients) != computed.coefficients
     monkeypatch.setattr(bandmf, "_MEMORY_CACHE", {})
     loaded = optimize_strategy(workload, 4, cache_dir=tmp_path)
     assert len(counted) == 1 and loaded == computed  # every bit: coefficients and errors
@@ -446,7 +499,10 @@ def test_an_unnormalised_cache_file_comes_back_normalised(tmp_path, counted, mon
         (lambda: Workload(0), "steps must be an integer >= 1"),
         (lambda: normalize((0.0, 1.0)), "c_0 must be > 0"),
         (lambda: normalize(()), "must not be empty"),
-        (lambda: squared_error((1.0, 0.5, 0.2), Workload(2)), "3 bands need at least as many steps"),
+        (
+            lambda: squared_error((1.0, 0.5, 0.2), Workload(2)),
+            "3 bands need at least as many steps",
+        ),
         (lambda: BandedNoise((-1.0,)), "c_0 must be > 0"),
     ],
 )
@@ -463,11 +519,17 @@ def test_an_unstable_band_gives_infinite_error_and_a_finite_loss():
     # L-BFGS gets a huge finite value and a zero gradient, so its line search backs off
     assert bandmf._log_error_closure(params, workload) == bandmf._DIVERGED_LOSS
     assert torch.equal(params.grad, torch.zeros(2, dtype=F64))
-    assert math.isfinite(bandmf._log_error_closure(torch.tensor([1.0, -0.5], dtype=F64, requires_grad=True), workload))
+    assert math.isfinite(
+        bandmf._log_error_closure(
+            torch.tensor([1.0, -0.5], dtype=F64, requires_grad=True), workload
+        )
+    )
 
 
 @pytest.mark.parametrize("steps", [1, 2])
 def test_tiny_workloads(steps):
     for workload in (Workload(steps), Workload(steps, 0.5, (1.0, 0.5)[:steps])):
-        assert squared_error((1.0,), workload) == pytest.approx(dense_error((1.0,), workload), rel=1e-14)
+        assert squared_error((1.0,), workload) == pytest.approx(
+            dense_error((1.0,), workload), rel=1e-14
+        )
         assert optimize_strategy(workload, steps).relative_error <= 1.0

@@ -29,8 +29,16 @@ from helpers import leave_spawned_worker
 
 REPO = Path(__file__).resolve().parents[1]
 SIGMA, CLIP, EXPECTED_B, STEPS, BANDS = 1.3, 0.7, 16.0, 5, 3
-BATCHES = [torch.tensor(b) for b in ([0, 3, 4, 9, 17, 22, 30], [1, 5, 8, 13, 40, 41], [2, 6, 33, 35, 50, 61, 62, 63],
-                                     [7, 10, 11, 20], [12, 14, 15, 16, 18, 19, 21])]  # fmt: skip
+BATCHES = [
+    torch.tensor(b)
+    for b in (
+        [0, 3, 4, 9, 17, 22, 30],
+        [1, 5, 8, 13, 40, 41],
+        [2, 6, 33, 35, 50, 61, 62, 63],
+        [7, 10, 11, 20],
+        [12, 14, 15, 16, 18, 19, 21],
+    )
+]
 
 
 def _problem():
@@ -40,19 +48,30 @@ def _problem():
     return model, torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
 
 
-def _train(rank: int = 0, world: int = 1, reduce=None, adds_noise: bool = True) -> dict[str, torch.Tensor]:
+def _train(
+    rank: int = 0, world: int = 1, reduce=None, adds_noise: bool = True
+) -> dict[str, torch.Tensor]:
     """STEPS steps of BandMF on this rank's shard of BATCHES; the final weights."""
     model, x, y = _problem()
     engine, _ = make_engine("auto", CLIP, model)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9
+    )
     noise = BandedNoise(optimize_strategy(Workload(steps=STEPS, momentum=0.9), BANDS).coefficients)
     generator = DPRandom(99)
     for batch in BATCHES:
         mine = batch[batch % world == rank]
         gradient, _ = noisy_clipped_mean(
-            engine, model, physical_chunks(x, y, mine, 3), noise_std=SIGMA * CLIP, expected_batch_size=EXPECTED_B,
-            noise_generator=generator, all_reduce_sum=reduce, add_noise=adds_noise, correlate=noise.next,
-        )  # fmt: skip
+            engine,
+            model,
+            physical_chunks(x, y, mine, 3),
+            noise_std=SIGMA * CLIP,
+            expected_batch_size=EXPECTED_B,
+            noise_generator=generator,
+            all_reduce_sum=reduce,
+            add_noise=adds_noise,
+            correlate=noise.next,
+        )
         apply_gradient(model, gradient, optimizer)
     return dict(model.state_dict())
 
@@ -88,9 +107,27 @@ def _job(nproc: int, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-JOB = ["--set", "model.name=linear", "--set", "dp.batch_size=256", "--set", "dp.accountant=rdp",
-       "--set", "dp.mechanism=bandmf", "--set", "dp.bands=4", "--set", "train.steps=20",
-       "--set", "train.eval_every_epochs=0.5", "--set", "run.seed=0", "--set", "run.threads=1", "--quiet"]  # fmt: skip
+JOB = [
+    "--set",
+    "model.name=linear",
+    "--set",
+    "dp.batch_size=256",
+    "--set",
+    "dp.accountant=rdp",
+    "--set",
+    "dp.mechanism=bandmf",
+    "--set",
+    "dp.bands=4",
+    "--set",
+    "train.steps=20",
+    "--set",
+    "train.eval_every_epochs=0.5",
+    "--set",
+    "run.seed=0",
+    "--set",
+    "run.threads=1",
+    "--quiet",
+]
 
 
 @pytest.mark.slow
@@ -103,5 +140,7 @@ def test_a_two_process_bandmf_job_resumed_as_one_process_spends_the_one_process_
     a, b = (json.loads((d / "summary.json").read_text()) for d in (whole, cut))
     assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 20 and b["world_size"] == 1
     assert a["bandmf"]["bands"] == b["bandmf"]["bands"] == 4 and b["sampling"] == "cyclic poisson"
-    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
+    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"][
+        "history"
+    ]
     assert sum(seg[2] for seg in history) == 5  # ceil(20 / 4) compositions, none twice

@@ -43,9 +43,17 @@ def _model(inputs: int = 12, outputs: int = 3) -> nn.Module:
 def _mechanism(model: nn.Module, *, steps: int = 12, seed: int | None = 0, **options):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return make_private(
-        model, optimizer, dataset_size=N, batch_size=B, max_grad_norm=CLIP, noise_multiplier=SIGMA, delta=DELTA,
-        steps=steps, seed=seed, **options,
-    )  # fmt: skip
+        model,
+        optimizer,
+        dataset_size=N,
+        batch_size=B,
+        max_grad_norm=CLIP,
+        noise_multiplier=SIGMA,
+        delta=DELTA,
+        steps=steps,
+        seed=seed,
+        **options,
+    )
 
 
 def _data(inputs: int = 12):
@@ -68,7 +76,9 @@ def _train(mechanism, steps: int | None = None) -> list[torch.Tensor]:
 def _noise_releases(mechanism, steps: int) -> torch.Tensor:
     """The released noise of ``steps`` steps on empty batches (the clipped sum is 0), as (steps, P) float64."""
     seen = []
-    mechanism.observer = lambda gradient: seen.append(torch.cat([gradient[k].flatten() for k in sorted(gradient)]))
+    mechanism.observer = lambda gradient: seen.append(
+        torch.cat([gradient[k].flatten() for k in sorted(gradient)])
+    )
     for _ in range(steps):
         mechanism.step_drawn_chunks([])
     return torch.stack(seen).double() * mechanism.plan.batch_size
@@ -96,11 +106,17 @@ def test_released_noise_is_sigma_c_times_the_dense_inverse_of_the_strategy_times
     # the reference: the same standard normals, drawn in the same order, through a float64 solve
     like = {name: p for name, p in mechanism.model.named_parameters()}
     generator = DPRandom(run_seeds(5)["noise"])
-    z = torch.stack([torch.cat([v.flatten() for _, v in sorted(draw_noise(like, generator).items())]) for _ in range(steps)])
+    z = torch.stack(
+        [
+            torch.cat([v.flatten() for _, v in sorted(draw_noise(like, generator).items())])
+            for _ in range(steps)
+        ]
+    )
     strategy = strategy_matrix(mechanism.plan.correlated.coefficients, steps)
     expected = torch.linalg.solve_triangular(strategy, z.double(), upper=False) * SIGMA * CLIP
     assert torch.allclose(released, expected, rtol=1e-5, atol=1e-5 * SIGMA * CLIP)
-    assert not torch.allclose(released, z.double() * SIGMA * CLIP, atol=1e-3)  # it is not DP-SGD's noise
+    # it is not DP-SGD's noise
+    assert not torch.allclose(released, z.double() * SIGMA * CLIP, atol=1e-3)
 
 
 @pytest.mark.parametrize("secure_noise", [False, True], ids=["seeded-noise", "secure-noise"])
@@ -109,14 +125,21 @@ def test_released_noise_has_the_strategys_covariance_across_steps(secure_noise):
     # sigma^2 C^2 (C_s^T C_s)^{-1} entry by entry with std ~ sqrt(2/P) x scale.
     steps, bands = 6, 4
     mechanism = _mechanism(
-        _model(500, 40), steps=steps, noise_mechanism="bandmf", bands=bands, seed=11, secure_noise=secure_noise
-    )  # fmt: skip
+        _model(500, 40),
+        steps=steps,
+        noise_mechanism="bandmf",
+        bands=bands,
+        seed=11,
+        secure_noise=secure_noise,
+    )
     noise = _noise_releases(mechanism, steps) / (SIGMA * CLIP)
     params = noise.shape[1]
     inverse = torch.linalg.inv(strategy_matrix(mechanism.plan.correlated.coefficients, steps))
     expected = inverse @ inverse.T
     empirical = noise @ noise.T / params
-    scale = torch.sqrt((expected.diagonal()[:, None] * expected.diagonal()[None, :] + expected**2) / params)
+    scale = torch.sqrt(
+        (expected.diagonal()[:, None] * expected.diagonal()[None, :] + expected**2) / params
+    )
     z = (empirical - expected) / scale
     assert z.abs().max() < 5, z
     # the test can fail: independent noise (DP-SGD's identity covariance) is far from it
@@ -124,8 +147,12 @@ def test_released_noise_has_the_strategys_covariance_across_steps(secure_noise):
 
 
 # ------------------------------------------------------------------ accounting
-def _dp_accounting_epsilon(p: float, sigma: float, compositions: int, delta: float, kind: str) -> float:
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(sigma)), compositions)
+def _dp_accounting_epsilon(
+    p: float, sigma: float, compositions: int, delta: float, kind: str
+) -> float:
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(p, dp_accounting.GaussianDpEvent(sigma)), compositions
+    )
     accountant = pld.PLDAccountant() if kind == "pld" else rdp.RdpAccountant()
     accountant.compose(event)
     return accountant.get_epsilon(delta)
@@ -143,12 +170,24 @@ GOLDEN = {
 @pytest.mark.parametrize("case", list(GOLDEN))
 def test_epsilon_is_dp_accountings_amplified_bandmf_event(case):
     n, batch, steps, sigma, bands, kind = case
-    plan = make_dp_plan(PrivacyNumbers(batch_size=batch, max_grad_norm=1.0, delta=DELTA, noise_multiplier=sigma, accountant=kind), dataset_size=n, steps=steps, correlated=BandsRequest(bands=bands, workload=Workload(steps=steps)))  # fmt: skip
+    plan = make_dp_plan(
+        PrivacyNumbers(
+            batch_size=batch,
+            max_grad_norm=1.0,
+            delta=DELTA,
+            noise_multiplier=sigma,
+            accountant=kind,
+        ),
+        dataset_size=n,
+        steps=steps,
+        correlated=BandsRequest(bands=bands, workload=Workload(steps=steps)),
+    )
     p, compositions = bands * batch / n, math.ceil(steps / bands)
     assert plan.participation_rate == pytest.approx(p) and plan.compositions(steps) == compositions
     reference = _dp_accounting_epsilon(p, sigma, compositions, DELTA, kind)
     assert plan.epsilon == pytest.approx(reference, rel=1e-9)
-    assert plan.epsilon == pytest.approx(GOLDEN[case], rel=1e-6)  # and neither moved since 2026-11-24
+    # and neither moved since 2026-11-24
+    assert plan.epsilon == pytest.approx(GOLDEN[case], rel=1e-6)
 
 
 def test_epsilon_mid_run_counts_a_started_band_as_a_whole_composition():
@@ -157,7 +196,12 @@ def test_epsilon_mid_run_counts_a_started_band_as_a_whole_composition():
     x, y = _data()
     for t, indices in enumerate(mechanism.batches(), start=1):
         mechanism.step(x[indices], y[indices])
-        expected = compute_epsilon(sample_rate=bands * B / N, noise_multiplier=SIGMA, steps=math.ceil(t / bands), delta=DELTA)
+        expected = compute_epsilon(
+            sample_rate=bands * B / N,
+            noise_multiplier=SIGMA,
+            steps=math.ceil(t / bands),
+            delta=DELTA,
+        )
         assert mechanism.epsilon() == pytest.approx(expected, rel=1e-12), t
     assert mechanism.epsilon() == pytest.approx(mechanism.plan.epsilon, rel=1e-12)
 
@@ -184,11 +228,16 @@ def test_a_resumed_seeded_mechanism_continues_bit_identically():
     first_model = _model()
     first = _mechanism(first_model, noise_mechanism="bandmf", bands=4)
     _train(first, steps=5)
-    saved = {"model": first_model.state_dict(), "optimizer": first.optimizer.state_dict(), "mechanism": first.state_dict()}
+    saved = {
+        "model": first_model.state_dict(),
+        "optimizer": first.optimizer.state_dict(),
+        "mechanism": first.state_dict(),
+    }
     assert saved["mechanism"]["correlated_noise"] is not None  # seeded: the history is checkpointed
     second_model = _model()
     second_model.load_state_dict(saved["model"])
-    second = _mechanism(second_model, noise_mechanism="bandmf", bands=4, seed=123)  # other fresh streams
+    # other fresh streams
+    second = _mechanism(second_model, noise_mechanism="bandmf", bands=4, seed=123)
     second.optimizer.load_state_dict(saved["optimizer"])
     second.load_state_dict(saved["mechanism"])
     _train(second)
@@ -217,14 +266,28 @@ def test_auto_picks_dp_sgd_when_no_banded_strategy_beats_it_after_its_sigma():
 
 
 def test_auto_plan_names_b_sigma_and_why_and_never_overspends():
-    plan = make_dp_plan(PrivacyNumbers(batch_size=500, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0, accountant="rdp"), dataset_size=60000, steps=600, correlated=BandsRequest(bands="auto", workload=Workload(steps=600, momentum=0.9), max_bands=16))  # fmt: skip
+    plan = make_dp_plan(
+        PrivacyNumbers(
+            batch_size=500, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0, accountant="rdp"
+        ),
+        dataset_size=60000,
+        steps=600,
+        correlated=BandsRequest(
+            bands="auto", workload=Workload(steps=600, momentum=0.9), max_bands=16
+        ),
+    )
     assert plan.epsilon <= 3.0 and plan.calibrated
     assert f"b={plan.bands}" in plan.describe() and "dp.bands=auto" in plan.describe()
-    assert f"BandMF b={plan.bands}" in plan.status(plan.epsilon) and f"sigma={plan.noise_multiplier:.4g}" in plan.status(plan.epsilon)
+    assert f"BandMF b={plan.bands}" in plan.status(
+        plan.epsilon
+    ) and f"sigma={plan.noise_multiplier:.4g}" in plan.status(plan.epsilon)
     direct = compute_epsilon(
-        sample_rate=plan.participation_rate, noise_multiplier=plan.noise_multiplier,
-        steps=plan.compositions(600), delta=DELTA, kind="rdp",
-    )  # fmt: skip
+        sample_rate=plan.participation_rate,
+        noise_multiplier=plan.noise_multiplier,
+        steps=plan.compositions(600),
+        delta=DELTA,
+        kind="rdp",
+    )
     assert plan.epsilon == pytest.approx(direct, rel=1e-12)
 
 
@@ -246,10 +309,29 @@ def test_config_refuses_what_bandmf_does_not_cover(settings, words):
 
 def test_plan_refuses_more_groups_than_the_batch_allows_and_too_much_noise_memory():
     with pytest.raises(ConfigError, match=r"b\*q"):
-        make_dp_plan(PrivacyNumbers(batch_size=30, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0), dataset_size=100, steps=20, correlated=BandsRequest(bands=4, workload=Workload(steps=20)))  # fmt: skip
+        make_dp_plan(
+            PrivacyNumbers(batch_size=30, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0),
+            dataset_size=100,
+            steps=20,
+            correlated=BandsRequest(bands=4, workload=Workload(steps=20)),
+        )
     with pytest.raises(ConfigError, match="max_noise_memory_mb"):
-        make_dp_plan(PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0), dataset_size=1000, steps=20, correlated=BandsRequest(bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=5))  # fmt: skip
-    plan = make_dp_plan(PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0), dataset_size=1000, steps=20, correlated=BandsRequest(bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=12))  # fmt: skip
+        make_dp_plan(
+            PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0),
+            dataset_size=1000,
+            steps=20,
+            correlated=BandsRequest(
+                bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=5
+            ),
+        )
+    plan = make_dp_plan(
+        PrivacyNumbers(batch_size=10, max_grad_norm=1.0, delta=DELTA, noise_multiplier=1.0),
+        dataset_size=1000,
+        steps=20,
+        correlated=BandsRequest(
+            bands=4, workload=Workload(steps=20), parameters=10**6, max_noise_memory_mb=12
+        ),
+    )
     assert plan.correlated.noise_state_mb == pytest.approx(3 * 10**6 * 4 / 2**20)
     assert "noise history 11.4 MB" in plan.describe()
 
@@ -261,23 +343,57 @@ def test_make_private_refuses_an_unknown_mechanism():
 
 # -------------------------------------------------------------------- account
 def test_dpscale_account_bandmf_names_the_mechanism_b_sigma_and_why(capsys):
-    argv = ["account", "--dataset-size", "60000", "--batch-size", "600", "--steps", "1000", "--noise", "1.0",
-            "--mechanism", "bandmf", "--bands", "4", "--json"]  # fmt: skip
+    argv = [
+        "account",
+        "--dataset-size",
+        "60000",
+        "--batch-size",
+        "600",
+        "--steps",
+        "1000",
+        "--noise",
+        "1.0",
+        "--mechanism",
+        "bandmf",
+        "--bands",
+        "4",
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["mechanism"] == "bandmf" and result["bands"] == 4 and result["reason"] == "dp.bands=4, fixed"
+    assert (
+        result["mechanism"] == "bandmf"
+        and result["bands"] == 4
+        and result["reason"] == "dp.bands=4, fixed"
+    )
     assert result["compositions"] == 250 and result["participation_rate"] == pytest.approx(0.04)
-    assert result["epsilon"] == pytest.approx(_dp_accounting_epsilon(0.04, 1.0, 250, 1e-5, "pld"), rel=1e-9)
+    assert result["epsilon"] == pytest.approx(
+        _dp_accounting_epsilon(0.04, 1.0, 250, 1e-5, "pld"), rel=1e-9
+    )
 
 
 def test_bandmf_composes_with_data_normalization_releases():
     from dpscale.privacy.accounting.segments import data_norm_release
 
     releases = (data_norm_release(8.0),)
-    plan = make_dp_plan(PrivacyNumbers(batch_size=1000, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0), dataset_size=50000, steps=300, releases=releases, correlated=BandsRequest(bands=4, workload=Workload(steps=300)))  # fmt: skip
-    direct = compute_epsilon(sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA, releases=releases)
+    plan = make_dp_plan(
+        PrivacyNumbers(batch_size=1000, max_grad_norm=1.0, delta=DELTA, target_epsilon=3.0),
+        dataset_size=50000,
+        steps=300,
+        releases=releases,
+        correlated=BandsRequest(bands=4, workload=Workload(steps=300)),
+    )
+    direct = compute_epsilon(
+        sample_rate=0.08,
+        noise_multiplier=plan.noise_multiplier,
+        steps=75,
+        delta=DELTA,
+        releases=releases,
+    )
     assert plan.epsilon == pytest.approx(direct, rel=1e-12) and plan.epsilon <= 3.0
-    alone = compute_epsilon(sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA)
+    alone = compute_epsilon(
+        sample_rate=0.08, noise_multiplier=plan.noise_multiplier, steps=75, delta=DELTA
+    )
     assert plan.epsilon > alone  # the release is counted
 
 
@@ -285,13 +401,19 @@ def test_an_unseeded_mechanism_resumes_with_a_fresh_recursion_and_the_same_accou
     first_model = _model()
     first = _mechanism(first_model, noise_mechanism="bandmf", bands=4, seed=None)
     _train(first, steps=6)
-    saved = {"model": first_model.state_dict(), "optimizer": first.optimizer.state_dict(), "mechanism": first.state_dict()}
+    saved = {
+        "model": first_model.state_dict(),
+        "optimizer": first.optimizer.state_dict(),
+        "mechanism": first.state_dict(),
+    }
     second_model = _model()
     second_model.load_state_dict(saved["model"])
     second = _mechanism(second_model, noise_mechanism="bandmf", bands=4, seed=None)
     second.optimizer.load_state_dict(saved["optimizer"])
     second.load_state_dict(saved["mechanism"])
-    assert second.sampler.partition_seed == first.sampler.partition_seed and second.sampler.step == 6
+    assert (
+        second.sampler.partition_seed == first.sampler.partition_seed and second.sampler.step == 6
+    )
     drawn = _train(second)
     assert len(drawn) == 6 and second.epsilon() == pytest.approx(second.plan.epsilon, rel=1e-12)
     assert second.accountant.steps == 3  # ceil(12 / 4): none counted twice
@@ -300,7 +422,8 @@ def test_an_unseeded_mechanism_resumes_with_a_fresh_recursion_and_the_same_accou
 def test_secure_noise_is_not_replayed_by_the_seed():
     a = _mechanism(_model(), noise_mechanism="bandmf", bands=3, secure_noise=True)
     b = _mechanism(_model(), noise_mechanism="bandmf", bands=3, secure_noise=True)
-    assert not torch.allclose(_noise_releases(a, 4), _noise_releases(b, 4))  # same seed, OS-random noise
+    # same seed, OS-random noise
+    assert not torch.allclose(_noise_releases(a, 4), _noise_releases(b, 4))
 
 
 def test_dpscale_train_with_one_band_is_the_dp_sgd_run(tmp_path):
@@ -308,8 +431,15 @@ def test_dpscale_train_with_one_band_is_the_dp_sgd_run(tmp_path):
     from helpers import tiny_config
 
     def run(name: str, *extra: str) -> Trainer:
-        settings = ["run.seed=0", "dp.batch_size=128", "dp.noise_multiplier=1.2", "train.steps=6", "train.eval_every_epochs=1",
-                    "optim.momentum=0.9", *extra]  # fmt: skip
+        settings = [
+            "run.seed=0",
+            "dp.batch_size=128",
+            "dp.noise_multiplier=1.2",
+            "train.steps=6",
+            "train.eval_every_epochs=1",
+            "optim.momentum=0.9",
+            *extra,
+        ]
         trainer = Trainer.create(tiny_config(tmp_path / name, *settings), progress=False)
         trainer.run()
         return trainer
@@ -318,14 +448,22 @@ def test_dpscale_train_with_one_band_is_the_dp_sgd_run(tmp_path):
     for name, weight in dpsgd.model.state_dict().items():
         assert torch.equal(weight, bandmf.model.state_dict()[name]), name
     summary = json.loads((tmp_path / "bandmf" / "summary.json").read_text())
-    assert summary["mechanism"] == "bandmf" and summary["bandmf"]["bands"] == 1 and summary["sampling"] == "poisson"
-    assert summary["epsilon"] == json.loads((tmp_path / "dpsgd" / "summary.json").read_text())["epsilon"]
+    assert (
+        summary["mechanism"] == "bandmf"
+        and summary["bandmf"]["bands"] == 1
+        and summary["sampling"] == "poisson"
+    )
+    assert (
+        summary["epsilon"]
+        == json.loads((tmp_path / "dpsgd" / "summary.json").read_text())["epsilon"]
+    )
 
 
 def test_a_seeded_secure_noise_state_holds_no_past_noise():
     mechanism = _mechanism(_model(), noise_mechanism="bandmf", bands=3, secure_noise=True)
     _train(mechanism, steps=4)
-    assert mechanism.state_dict()["correlated_noise"] is None  # the checkpoint cannot un-noise a release
+    # the checkpoint cannot un-noise a release
+    assert mechanism.state_dict()["correlated_noise"] is None
 
 
 def test_loading_a_state_after_a_draw_is_refused():
@@ -348,7 +486,9 @@ def test_a_refused_step_leaves_the_noise_recursion_untouched():
     indices = next(batches)
     before = mechanism.correlated_noise.snapshot()
     assert len(before) == 2
-    with pytest.raises(ValueError, match="nothing was released"):  # one example short, counted after the noise
+    with pytest.raises(
+        ValueError, match="nothing was released"
+    ):  # one example short, counted after the noise
         mechanism.step([(x[indices], y[indices]), (x[:1], y[:1])])
     after = mechanism.correlated_noise.snapshot()
     assert len(after) == 2 and all(a is b for a, b in zip(after, before))
@@ -368,4 +508,8 @@ def test_a_state_with_the_old_partition_is_refused_before_the_mechanism_loads_an
     plan, partition_seed = fresh.plan, fresh.partition_seed
     with pytest.raises(ValueError, match="start the run again"):
         fresh.load_state_dict(state)
-    assert fresh.plan == plan and fresh.plan.seeded == plan.seeded and fresh.partition_seed == partition_seed
+    assert (
+        fresh.plan == plan
+        and fresh.plan.seeded == plan.seeded
+        and fresh.partition_seed == partition_seed
+    )

@@ -23,9 +23,16 @@ def _cases() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     return {
         "papernot-cnn": (build_model("papernot-cnn", 10, (1, 28, 28)), (1, 28, 28)),
         "norm layers": (
-            nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.LayerNorm(64), nn.Linear(64, 5)),
+            nn.Sequential(
+                nn.Conv2d(3, 4, 3),
+                nn.GroupNorm(2, 4),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.LayerNorm(64),
+                nn.Linear(64, 5),
+            ),
             (3, 6, 6),
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -100,10 +107,13 @@ def test_the_step_never_writes_an_engines_tensors(noise_std):
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
     chunks = [(x[:3], y[:3]), (x[3:], y[3:])]
     options = {"noise_std": noise_std, "expected_batch_size": 6.0}
-    want, _ = noisy_clipped_mean(VmapEngine(0.1), model, chunks, noise_generator=DPRandom(0), **options)
+    want, _ = noisy_clipped_mean(
+        VmapEngine(0.1), model, chunks, noise_generator=DPRandom(0), **options
+    )
     engine = _ReusingEngine()
     got, _ = noisy_clipped_mean(engine, model, chunks, noise_generator=DPRandom(0), **options)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
     last, _, _ = VmapEngine(0.1).clipped_sum_and_losses(model, trainable_params(model), chunks[1])
-    assert all(torch.equal(engine.buffers[k], last[k]) for k in last)  # the engine's buffers as it left them
+    # the engine's buffers as it left them
+    assert all(torch.equal(engine.buffers[k], last[k]) for k in last)

@@ -28,11 +28,21 @@ def test_step_time_benchmark_json_rows(capsys, tmp_path):
     rows = json.loads(capsys.readouterr().out)
     assert [r["engine"] for r in rows] == ["nonprivate", "dpscale-bk", "dpscale-vmap"]
     for row in rows:
-        assert set(row) == {"model", "batch_size", "engine", "median_ms", "ratio_to_nonprivate", "peak_mem_mb"}
+        assert set(row) == {
+            "model",
+            "batch_size",
+            "engine",
+            "median_ms",
+            "ratio_to_nonprivate",
+            "peak_mem_mb",
+        }
         assert row["model"] == "papernot-cnn" and row["batch_size"] == 256 and row["median_ms"] > 0
     assert rows[0]["ratio_to_nonprivate"] == 1.0
     table = out.read_text()
-    assert "dpscale bench step-time --models papernot-cnn" in table and "| papernot-cnn | 256 | dpscale-bk |" in table
+    assert (
+        "dpscale bench step-time --models papernot-cnn" in table
+        and "| papernot-cnn | 256 | dpscale-bk |" in table
+    )
 
 
 def test_step_time_peft_twins_train_fewer_parameters(capsys, monkeypatch):
@@ -41,7 +51,11 @@ def test_step_time_peft_twins_train_fewer_parameters(capsys, monkeypatch):
 
     built = []
     real = step_time.apply_peft
-    monkeypatch.setattr(step_time, "apply_peft", lambda model, method, **kw: built.append((method, real(model, method, **kw))))
+    monkeypatch.setattr(
+        step_time,
+        "apply_peft",
+        lambda model, method, **kw: built.append((method, real(model, method, **kw))),
+    )
     assert (
         main(
             [
@@ -66,7 +80,11 @@ def test_step_time_peft_twins_train_fewer_parameters(capsys, monkeypatch):
         )
         == 0
     )
-    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-lora"]
+    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == [
+        "nonprivate",
+        "dpscale-bk",
+        "dpscale-bk-lora",
+    ]
     assert built[0] == ("none", 26_010) and built[1][0] == "lora" and built[1][1] < 26_010 / 5
 
 
@@ -168,7 +186,10 @@ def test_end_to_end_benchmark_trains_both_recipes(capsys, tmp_path):
     assert code == 0
     captured = capsys.readouterr()
     rows = {r["library"]: r for r in json.loads(captured.out)}
-    assert rows["dpscale"]["steps"] == 6 and rows["dpscale"]["whole_s"] >= rows["dpscale"]["training_s"] > 0
+    assert (
+        rows["dpscale"]["steps"] == 6
+        and rows["dpscale"]["whole_s"] >= rows["dpscale"]["training_s"] > 0
+    )
     assert (tmp_path / "runs" / "dpscale" / "summary.json").exists()
     if importlib.util.find_spec("opacus") is None:
         assert "skip opacus: not installed" in captured.err
@@ -211,7 +232,11 @@ def test_step_time_user_twins_clip_per_user(capsys, monkeypatch):
 
     plans = []
     real = private.make_private
-    monkeypatch.setattr(private, "make_private", lambda *a, **kw: plans.append(real(*a, **kw).plan) or real(*a, **kw))
+    monkeypatch.setattr(
+        private,
+        "make_private",
+        lambda *a, **kw: plans.append(real(*a, **kw).plan) or real(*a, **kw),
+    )
     assert (
         main(
             [
@@ -234,7 +259,11 @@ def test_step_time_user_twins_clip_per_user(capsys, monkeypatch):
         )
         == 0
     )
-    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == ["nonprivate", "dpscale-bk", "dpscale-bk-user4"]
+    assert [r["engine"] for r in json.loads(capsys.readouterr().out)] == [
+        "nonprivate",
+        "dpscale-bk",
+        "dpscale-bk-user4",
+    ]
     assert [(p.privacy_unit, p.batch_size) for p in plans] == [("example", 8), ("user", 2)]
 
 
@@ -272,18 +301,32 @@ def test_step_time_on_the_thread_clock_states_clock_and_load(capsys, tmp_path):
     finally:
         torch.set_num_threads(threads)
     table = out.read_text()
-    assert "clock: thread-CPU time of the timing thread; load average" in table and "1 torch threads" in table
-    assert main(["bench", "step-time", "--models", "linear", "--clock", "thread", "--threads", "2"]) == 2
+    assert (
+        "clock: thread-CPU time of the timing thread; load average" in table
+        and "1 torch threads" in table
+    )
+    assert (
+        main(["bench", "step-time", "--models", "linear", "--clock", "thread", "--threads", "2"])
+        == 2
+    )
     assert "--clock thread times one torch thread" in capsys.readouterr().err
 
 
 def test_bk_and_auto_rows_that_ran_one_engine_but_disagree_flag_the_table_noisy():
     from dpscale.bench.step_time import Row, markdown_table, noisy_rows
 
-    rows = [Row("m", 8, "nonprivate", 10.0, 1.0, 1.0, 3), Row("m", 8, "dpscale-bk", 15.0, 1.5, 1.0, 3, "BKEngine"),
-            Row("m", 8, "dpscale-auto", 17.0, 1.7, 1.0, 3, "BKEngine"),
-            Row("m", 8, "dpscale-bk-user4", 15.0, 1.5, 1.0, 3, "BKEngine"),
-            Row("m", 8, "dpscale-auto-user4", 15.3, 1.53, 1.0, 3, "BKEngine")]  # fmt: skip
-    assert noisy_rows(rows) == ["m B=8: dpscale-bk and dpscale-auto both ran BKEngine but differ by 13% (> 5%)"]
+    rows = [
+        Row("m", 8, "nonprivate", 10.0, 1.0, 1.0, 3),
+        Row("m", 8, "dpscale-bk", 15.0, 1.5, 1.0, 3, "BKEngine"),
+        Row("m", 8, "dpscale-auto", 17.0, 1.7, 1.0, 3, "BKEngine"),
+        Row("m", 8, "dpscale-bk-user4", 15.0, 1.5, 1.0, 3, "BKEngine"),
+        Row("m", 8, "dpscale-auto-user4", 15.3, 1.53, 1.0, 3, "BKEngine"),
+    ]
+    assert noisy_rows(rows) == [
+        "m B=8: dpscale-bk and dpscale-auto both ran BKEngine but differ by 13% (> 5%)"
+    ]
     assert "**NOISY**" in markdown_table(rows, "cmd", "cpu")
-    assert noisy_rows([*rows[:2], Row("m", 8, "dpscale-auto", 17.0, 1.7, 1.0, 3, "VmapEngine")]) == []  # other engines
+    # other engines
+    assert (
+        noisy_rows([*rows[:2], Row("m", 8, "dpscale-auto", 17.0, 1.7, 1.0, 3, "VmapEngine")]) == []
+    )

@@ -25,24 +25,38 @@ OPS_UPPER_BOUND = {
     "wrn16-4": {"nonprivate": 205, "dpscale-auto": 467},
     "resnet18-gn": {"nonprivate": 257, "dpscale-auto": 633},
 }
-MAX_RATIO = 2.5  # issue 63's acceptance: the DP step launches at most 2.5x the non-private step's operators
+MAX_RATIO = (
+    2.5  # issue 63's acceptance: the DP step launches at most 2.5x the non-private step's operators
+)
 SLOW_MODELS = ("wrn16-4", "resnet18-gn")  # 6-7 s each; the two small models run by default
 
 
-@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODELS else m for m in OPS_UPPER_BOUND])
+@pytest.mark.parametrize(
+    "model",
+    [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODELS else m for m in OPS_UPPER_BOUND],
+)
 def test_a_step_launches_no_more_operators_than_today(model):
     bound = OPS_UPPER_BOUND[model]
     rows = run_ops([model], list(bound), log=lambda _: None)
     counts = {r.engine: r.ops for r in rows}
     assert counts.keys() == bound.keys()
-    over = {engine: f"{counts[engine]} > {limit}" for engine, limit in bound.items() if counts[engine] > limit}
+    over = {
+        engine: f"{counts[engine]} > {limit}"
+        for engine, limit in bound.items()
+        if counts[engine] > limit
+    }
     assert not over, f"{model} launches more operators per step than the bound: {over}"
     assert counts["dpscale-auto"] <= MAX_RATIO * counts["nonprivate"]
 
 
 def test_the_count_is_the_same_every_time():
-    first, second = (run_ops(["papernot-cnn"], ["nonprivate", "dpscale-auto"], log=lambda _: None) for _ in range(2))
-    assert [(r.engine, r.ops, r.operators) for r in first] == [(r.engine, r.ops, r.operators) for r in second]
+    first, second = (
+        run_ops(["papernot-cnn"], ["nonprivate", "dpscale-auto"], log=lambda _: None)
+        for _ in range(2)
+    )
+    assert [(r.engine, r.ops, r.operators) for r in first] == [
+        (r.engine, r.ops, r.operators) for r in second
+    ]
     assert first[1].ratio_to_nonprivate == first[1].ops / first[0].ops > 1
 
 
@@ -51,7 +65,9 @@ def test_a_composite_operator_counts_once_and_backward_kernels_count():
     # aten::linear runs aten::t and aten::addmm inside itself: one launch, not three
     assert [e.name for e in profiled_launches(lambda: F.linear(x, w))] == ["aten::linear"]
     backward = profiled_launches(lambda: F.linear(x, w).sum().backward())
-    from_engine = [e for e in backward if any(a.name.startswith("autograd::engine") for a in _ancestors(e))]
+    from_engine = [
+        e for e in backward if any(a.name.startswith("autograd::engine") for a in _ancestors(e))
+    ]
     assert from_engine, "the autograd engine's kernels must count"
 
 
@@ -62,7 +78,9 @@ def _ancestors(event):
 
 
 def _event(name: str, parent: FunctionEvent | None = None, python: bool = False) -> FunctionEvent:
-    event = FunctionEvent(id=0, name=name, thread=0, start_us=0, end_us=1, is_python_function=python)
+    event = FunctionEvent(
+        id=0, name=name, thread=0, start_us=0, end_us=1, is_python_function=python
+    )
     if parent is not None:
         event.set_cpu_parent(parent)
     return event
@@ -84,9 +102,24 @@ def test_a_compiled_region_counts_its_kernels_once_each_and_not_its_wrappers():
     node = _event("CompiledFunctionBackward", backward)
     call_back = _event("## Call CompiledFxGraph fmvv ##", node)
     fused_back = _event("graph_0_cpp_fused_threshold_backward_0", call_back)
-    events = [region, function, call, wrapper, fused, mm, conj, ones, empty, backward, node, call_back, fused_back]
+    events = [
+        region,
+        function,
+        call,
+        wrapper,
+        fused,
+        mm,
+        conj,
+        ones,
+        empty,
+        backward,
+        node,
+        call_back,
+        fused_back,
+    ]
     assert launched_ops(events) == [fused, mm, ones, fused_back]
-    assert not is_launch(_event("cpp_fused_outside_any_graph_0"))  # a kernel name alone is not enough
+    # a kernel name alone is not enough
+    assert not is_launch(_event("cpp_fused_outside_any_graph_0"))
 
 
 @pytest.mark.slow  # inductor's first compile here: ~14 s (a few s with its cache warm)
@@ -98,7 +131,8 @@ def test_a_torch_compiled_function_counts_its_fused_kernel_once():
     eager = step_operators(TimedStep(lambda: pointwise(x), lambda: None), warmup=1)
     assert [e.name for e in eager] == ["aten::mul", "aten::add", "aten::relu", "aten::sum"]
     compiled = torch.compile(pointwise)
-    launches = step_operators(TimedStep(lambda: compiled(x), lambda: None), warmup=1)  # compiles in the warm-up
+    # compiles in the warm-up
+    launches = step_operators(TimedStep(lambda: compiled(x), lambda: None), warmup=1)
     assert len(launches) == 1 and "cpp_fused" in launches[0].name, [e.name for e in launches]
 
 
@@ -115,14 +149,31 @@ def test_the_command_prints_the_table_and_its_breakdowns(capsys, tmp_path, _thre
     argv = ["bench", "ops", "--models", "papernot-cnn", "--engines", "nonprivate,dpscale-auto"]
     assert main([*argv, "--top", "3", "--by-function", "2", "--write", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("# Operators per step") and "- command: `dpscale bench ops --models papernot-cnn" in printed
+    assert (
+        printed.startswith("# Operators per step")
+        and "- command: `dpscale bench ops --models papernot-cnn" in printed
+    )
     assert "per-layer methods: the shape rule" in printed and "1 torch threads" in printed
     assert re.search(r"^\| papernot-cnn \| 4 \| nonprivate \| \d+ \| 1\.00 \|$", printed, re.M)
-    auto = re.search(r"^\| papernot-cnn \| 4 \| dpscale-auto \| (\d+) \| (\d+\.\d\d) \|$", printed, re.M)
+    auto = re.search(
+        r"^\| papernot-cnn \| 4 \| dpscale-auto \| (\d+) \| (\d+\.\d\d) \|$", printed, re.M
+    )
     assert auto and float(auto.group(2)) > 1
-    assert re.search(r"^\| papernot-cnn \| dpscale-auto \| \w+ \d+, \w+ \d+, \w+ \d+ \|$", printed, re.M)  # --top 3
-    assert len(re.findall(r"^\| papernot-cnn \| dpscale-auto \| `.+` \| \d+ \|$", printed, re.M)) == 2  # --by-function 2
+    # --top 3
+    assert re.search(
+        r"^\| papernot-cnn \| dpscale-auto \| \w+ \d+, \w+ \d+, \w+ \d+ \|$", printed, re.M
+    )
+    # --by-function 2
+    assert (
+        len(re.findall(r"^\| papernot-cnn \| dpscale-auto \| `.+` \| \d+ \|$", printed, re.M)) == 2
+    )
     assert out.read_text() == printed.removesuffix("\n")
-    assert main(["bench", "ops", "--models", "papernot-cnn", "--engines", "nonprivate", "--json"]) == 0
+    assert (
+        main(["bench", "ops", "--models", "papernot-cnn", "--engines", "nonprivate", "--json"]) == 0
+    )
     (row,) = json.loads(capsys.readouterr().out)
-    assert row["engine"] == "nonprivate" and row["ops"] == sum(row["operators"].values()) and row["batch_size"] == 4
+    assert (
+        row["engine"] == "nonprivate"
+        and row["ops"] == sum(row["operators"].values())
+        and row["batch_size"] == 4
+    )

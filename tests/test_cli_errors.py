@@ -40,10 +40,13 @@ def test_dpscale_debug_shows_the_user_error_with_its_cause(monkeypatch):
     monkeypatch.setenv("DPSCALE_DEBUG", "1")
     with pytest.raises(ConfigError, match="delta=1e-300") as caught:
         main([*ACCOUNT, "--noise", "1", "--delta", "1e-300"])
-    assert isinstance(caught.value.__cause__, ValueError)  # the accountant's refusal, kept as the cause
+    # the accountant's refusal, kept as the cause
+    assert isinstance(caught.value.__cause__, ValueError)
 
 
-@pytest.mark.parametrize("bug", [ValueError("a mistake in our code"), RuntimeError("another"), KeyError("x")])
+@pytest.mark.parametrize(
+    "bug", [ValueError("a mistake in our code"), RuntimeError("another"), KeyError("x")]
+)
 def test_a_bug_keeps_its_traceback(monkeypatch, capsys, bug):
     def broken(*args, **kwargs):
         raise bug
@@ -54,14 +57,18 @@ def test_a_bug_keeps_its_traceback(monkeypatch, capsys, bug):
     assert "error:" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), PermissionError("denied"), MemoryError()])
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), PermissionError("denied"), MemoryError()]
+)
 def test_file_system_and_memory_errors_stay_one_line(monkeypatch, capsys, error):
     def failing(*args, **kwargs):
         raise error
 
     monkeypatch.setattr(account, "_account", failing)
     line = _one_line(capsys, [*ACCOUNT, "--noise", "1"])
-    assert line.startswith("dpscale account: error: ") and ("out of memory" in line) == isinstance(error, MemoryError)
+    assert line.startswith("dpscale account: error: ") and ("out of memory" in line) == isinstance(
+        error, MemoryError
+    )
 
 
 def test_the_user_errors_are_user_errors_and_still_value_errors():
@@ -77,7 +84,9 @@ def test_the_user_errors_are_user_errors_and_still_value_errors():
 def _choices(parser: argparse.ArgumentParser, *path: str, flag: str) -> tuple[str, ...]:
     """The ``choices`` of ``flag`` in the sub-command ``path`` (e.g. "tan", "wall")."""
     for name in path:
-        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        parser = next(
+            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        ).choices[name]
     return tuple(next(a for a in parser._actions if flag in a.option_strings).choices)
 
 
@@ -89,7 +98,12 @@ def test_every_accountant_and_precision_flag_offers_the_one_list():
 
 
 @pytest.mark.parametrize(
-    "key, names", [("dp.accountant", ACCOUNTANT_KINDS), ("train.engine", ENGINE_NAMES), ("train.precision", PRECISIONS)]
+    "key, names",
+    [
+        ("dp.accountant", ACCOUNTANT_KINDS),
+        ("train.engine", ENGINE_NAMES),
+        ("train.precision", PRECISIONS),
+    ],
 )
 def test_config_validation_refuses_with_the_same_list(key, names):
     with pytest.raises(ConfigError, match=key) as caught:
@@ -99,10 +113,13 @@ def test_config_validation_refuses_with_the_same_list(key, names):
         load_config(None, [f"{key}={name}"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.name=nope", "unknown model 'nope'"),
-    ("model.kwargs={bogus: 1}", "bad options for model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.name=nope", "unknown model 'nope'"),
+        ("model.kwargs={bogus: 1}", "bad options for model"),
+    ],
+)
 def test_a_bad_model_in_the_config_is_one_line(tmp_path, capsys, override, message):
     """The model registry's refusals are user errors: one line, exit 2 (they were bare ValueErrors,
     which the CLI now keeps as tracebacks)."""
@@ -117,14 +134,53 @@ SMALL_ACCOUNT = ["account", "--dataset-size", "1000", "--batch-size", "50", "--s
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([*SMALL_ACCOUNT, "--noise", "1", "--mechanism", "bandmf", "--bands", "four"], "--bands: expected an integer >= 1"),
-        ([*SMALL_ACCOUNT, "--target-epsilon", "3", "--mechanism", "bandmf", "--max-bands", "0"], "--max-bands: expected an integer >= 1"),
-        ([*SMALL_ACCOUNT, "--noise", "1", "--mechanism", "bandmf", "--bands", "4", "--momentum", "1.5"], "momentum must be in [0, 1)"),
-        (["tan", "wall", "--no-plot", "--steps", "0", "--sigmas", "1"], "--steps: expected integers >= 1"),
-        (["tan", "wall", "--no-plot", "--steps", "100", "--sigmas", "0"], "--sigmas: expected numbers > 0"),
-        (["data", "prepare", "src", "dest", "--size", "28", "--workers", "-3"], "--workers: expected an integer >= 0"),
+        (
+            [*SMALL_ACCOUNT, "--noise", "1", "--mechanism", "bandmf", "--bands", "four"],
+            "--bands: expected an integer >= 1",
+        ),
+        (
+            [*SMALL_ACCOUNT, "--target-epsilon", "3", "--mechanism", "bandmf", "--max-bands", "0"],
+            "--max-bands: expected an integer >= 1",
+        ),
+        (
+            [
+                *SMALL_ACCOUNT,
+                "--noise",
+                "1",
+                "--mechanism",
+                "bandmf",
+                "--bands",
+                "4",
+                "--momentum",
+                "1.5",
+            ],
+            "momentum must be in [0, 1)",
+        ),
+        (
+            ["tan", "wall", "--no-plot", "--steps", "0", "--sigmas", "1"],
+            "--steps: expected integers >= 1",
+        ),
+        (
+            ["tan", "wall", "--no-plot", "--steps", "100", "--sigmas", "0"],
+            "--sigmas: expected numbers > 0",
+        ),
+        (
+            ["data", "prepare", "src", "dest", "--size", "28", "--workers", "-3"],
+            "--workers: expected an integer >= 0",
+        ),
         # solving for the steps: the release is what spends the budget (it said "not even one step fits")
-        ([*SMALL_ACCOUNT[:5], "--target-epsilon", "1", "--noise", "2", "--data-norm-noise", "0.5"], "data-norm alone spends epsilon=15.46"),
+        (
+            [
+                *SMALL_ACCOUNT[:5],
+                "--target-epsilon",
+                "1",
+                "--noise",
+                "2",
+                "--data-norm-noise",
+                "0.5",
+            ],
+            "data-norm alone spends epsilon=15.46",
+        ),
     ],
 )
 def test_typed_numbers_out_of_range_are_refused_clearly(capsys, argv, message):

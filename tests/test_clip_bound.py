@@ -27,7 +27,8 @@ from dpscale.privacy.clipping import per_example
 from dpscale.privacy.clipping.per_example import trainable_params
 from dpscale.privacy.clipping.precision import make_precision
 
-pytestmark = pytest.mark.kernels  # also run under capped oneDNN/ATen/MKL kernels (test_kernel_families)
+# also run under capped oneDNN/ATen/MKL kernels (test_kernel_families)
+pytestmark = pytest.mark.kernels
 
 PRECISIONS = ["fp32", "tf32", "bf16", "fp16"]
 ENGINES = ["bk", "ghost", "vmap"]
@@ -45,7 +46,11 @@ def _without_margin(monkeypatch) -> None:
 
 def _without_slack(monkeypatch) -> None:
     for rules in (ghost_rules, ghost_conv):  # the rule modules whose releases accumulate positions
-        monkeypatch.setattr(rules, "release_slack", lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64))
+        monkeypatch.setattr(
+            rules,
+            "release_slack",
+            lambda terms, weight, dtype: torch.zeros_like(weight, dtype=torch.float64),
+        )
 
 
 def _derived_margin(u: float) -> float:
@@ -57,15 +62,23 @@ def _derived_margin(u: float) -> float:
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("engine_name", ENGINES)
-def test_every_precision_clips_in_float32_with_the_margin_of_its_unit_roundoff(monkeypatch, engine_name, precision):
+def test_every_precision_clips_in_float32_with_the_margin_of_its_unit_roundoff(
+    monkeypatch, engine_name, precision
+):
     seen = []
     exact = per_example.clip_factors
-    monkeypatch.setattr(per_example, "clip_factors", lambda *a, **k: (seen.append(k["release_dtype"]), exact(*a, **k))[1])
+    monkeypatch.setattr(
+        per_example,
+        "clip_factors",
+        lambda *a, **k: (seen.append(k["release_dtype"]), exact(*a, **k))[1],
+    )
     model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     engine = make_engine(engine_name, 1.0, model, precision=make_precision(precision))[0]
     released(engine, model, torch.randn(2, 1, 2, 2), torch.tensor([0, 2]))
     assert seen and set(seen) == {torch.float32}  # 16-bit gradients are taken to float32 first
-    assert clipping.clip_margin(torch.float32) == pytest.approx(_derived_margin(2.0**-24), rel=1e-12)
+    assert clipping.clip_margin(torch.float32) == pytest.approx(
+        _derived_margin(2.0**-24), rel=1e-12
+    )
     assert 1.22e-4 < clipping.clip_margin(torch.float32) < 1.23e-4
     assert clipping.clip_margin(torch.float64) == pytest.approx(_derived_margin(2.0**-53), rel=1e-9)
 
@@ -159,9 +172,17 @@ def test_per_layer_groups_release_at_most_each_groups_bound(engine_name, precisi
     engine = make_engine(engine_name, bounds, model, precision=make_precision(precision))[0]
     x, y = torch.randn(6, 1, 6, 6) * 3, torch.randint(0, 5, (6,))
     for i in range(len(x)):
-        grad_sum, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        grad_sum, _ = engine.per_example_clipped_sum(
+            model, trainable_params(model), (x[i : i + 1], y[i : i + 1])
+        )
         for pattern, bound in (("conv.", 0.01), ("fc.", 0.02)):
-            group = math.sqrt(sum(float(g.double().square().sum()) for n, g in grad_sum.items() if n.startswith(pattern)))
+            group = math.sqrt(
+                sum(
+                    float(g.double().square().sum())
+                    for n, g in grad_sum.items()
+                    if n.startswith(pattern)
+                )
+            )
             assert 0.9 * bound < group <= bound, (engine_name, precision, i, pattern, group / bound)
 
 
@@ -200,11 +221,15 @@ def _standardised_cancelling_cases(count: int):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("engine_name", ENGINES)
-def test_weight_standardised_linear_releases_at_most_c_when_its_norm_cancels(engine_name, precision):
+def test_weight_standardised_linear_releases_at_most_c_when_its_norm_cancels(
+    engine_name, precision
+):
     def norm_and_release(model, x, y, clip: float) -> tuple[float, float]:
         engine = make_engine(engine_name, clip, model, precision=make_precision(precision))[0]
         grad_sum, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
-        return float(norms[0]), math.sqrt(sum(float(g.double().square().sum()) for g in grad_sum.values()))
+        return float(norms[0]), math.sqrt(
+            sum(float(g.double().square().sum()) for g in grad_sum.values())
+        )
 
     for model, x, y in _standardised_cancelling_cases(20):
         norm, _ = norm_and_release(model, x, y, clip=1e6)  # unclipped: the gradient's own norm
@@ -242,9 +267,16 @@ def test_a_single_row_linear_s_float64_sums_of_squares_are_taken_in_a_bounded_bu
 
     gen = torch.Generator().manual_seed(0)
     for rows, n in [(40, 76_800), (41, 76_800), (3, 200_000), (1000, 300), (2, 5), (1, 9), (0, 4)]:
-        v = torch.randn(rows, 1, 2 * n, generator=gen)[:, 0, ::2] * 10  # a strided view, as a3[:, 0] may be
-        assert torch.equal(ghost_rules.float64_row_sq_sums(v), v.double().square().sum(1)), (rows, n)
+        # a strided view, as a3[:, 0] may be
+        v = torch.randn(rows, 1, 2 * n, generator=gen)[:, 0, ::2] * 10
+        assert torch.equal(ghost_rules.float64_row_sq_sums(v), v.double().square().sum(1)), (
+            rows,
+            n,
+        )
     v = torch.randn(64, 76_800, generator=gen)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         ghost_rules.float64_row_sq_sums(v)
-    assert cpu_allocation_peak(prof) < 4 * 2**20  # measured 1.2 MB; the whole float64 copy and its square: 75 MB
+    # measured 1.2 MB; the whole float64 copy and its square: 75 MB
+    assert cpu_allocation_peak(prof) < 4 * 2**20

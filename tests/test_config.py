@@ -173,7 +173,10 @@ def test_unknown_key_in_yaml_file(tmp_path):
 def test_unknown_section():
     with pytest.raises(ConfigError, match=r"unknown config key 'dpp'.*did you mean dp\?"):
         load_config(overrides=["dpp.epsilon=3"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'wandb'; valid keys: data, features, augment, model, dp"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'wandb'; valid keys: data, features, augment, model, dp",
+    ):
         load_config(overrides=["wandb.project=x"])
 
 
@@ -242,9 +245,15 @@ def test_invalid_yaml_file(tmp_path):
         (["train.epochs=null", "train.steps=null"], r"set train\.epochs or train\.steps"),
         (["train.steps=0"], r"train\.steps must be >= 1"),
         (["train.epochs=0"], r"train\.epochs must be a positive finite number"),
-        (["train.max_physical_batch_size=0"], r"train\.max_physical_batch_size must be auto or an integer >= 1, got 0"),
+        (
+            ["train.max_physical_batch_size=0"],
+            r"train\.max_physical_batch_size must be auto or an integer >= 1, got 0",
+        ),
         (["optim.nesterov=true"], r"optim\.nesterov needs optim\.momentum > 0"),
-        (["optim.nesterov=true", "optim.momentum=0.9", "optim.dampening=0.1"], r"optim\.dampening = 0"),
+        (
+            ["optim.nesterov=true", "optim.momentum=0.9", "optim.dampening=0.1"],
+            r"optim\.dampening = 0",
+        ),
         (["dp.max_grad_norm=null"], r"a private run needs clipping"),
         (["dp.max_grad_norm=0"], r"dp\.max_grad_norm must be one positive number C"),
         (["dp.noise_multiplier=0"], r"non-private run and cannot meet dp\.epsilon"),
@@ -255,10 +264,18 @@ def test_invalid_yaml_file(tmp_path):
         (["optim.min_lr_ratio=1.5"], r"optim\.min_lr_ratio in \[0, 1\]"),
         (["dp.max_grad_norm_per=layer"], r"dp\.max_grad_norm_per must be 'group' .* or 'tensor'"),
         (
-            ["dp.max_grad_norm_per=tensor", "dp.max_grad_norm=null", "dp.noise_multiplier=0", "dp.epsilon=null"],
+            [
+                "dp.max_grad_norm_per=tensor",
+                "dp.max_grad_norm=null",
+                "dp.noise_multiplier=0",
+                "dp.epsilon=null",
+            ],
             r"dp\.max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm",
         ),
-        (["dp.max_grad_norm_per=tensor", "dp.clipping=adaptive"], r"not with dp\.max_grad_norm_per=tensor"),
+        (
+            ["dp.max_grad_norm_per=tensor", "dp.clipping=adaptive"],
+            r"not with dp\.max_grad_norm_per=tensor",
+        ),
     ],
 )
 def test_bad_values(overrides, pattern):
@@ -269,7 +286,11 @@ def test_bad_values(overrides, pattern):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["dp.noise_multiplier=0", "dp.epsilon=null", "dp.max_grad_norm=null"],  # non-private baseline
+        [
+            "dp.noise_multiplier=0",
+            "dp.epsilon=null",
+            "dp.max_grad_norm=null",
+        ],  # non-private baseline
         ["dp.noise_multiplier=0", "dp.epsilon=null"],  # non-private, clipped
         ["dp.noise_multiplier=1.1", "dp.epsilon=null"],  # fixed sigma, epsilon reported
         ["optim.nesterov=true", "optim.momentum=0.9"],
@@ -277,7 +298,9 @@ def test_bad_values(overrides, pattern):
         ["train.epochs=0", "train.steps=10"],  # steps override epochs
         ["dp.sampling=shuffle", "dp.accountant=rdp", "optim.name=adamw", "optim.schedule=cosine"],
         ["dp.delta=0.00001"],
-        ["dp.max_grad_norm_per=tensor"],  # a bound per tensor: the plan spells it out once the model is built
+        [
+            "dp.max_grad_norm_per=tensor"
+        ],  # a bound per tensor: the plan spells it out once the model is built
         ['dp.max_grad_norm={"features.*": 0.5, "*": 1.0}', "dp.max_grad_norm_per=tensor"],
     ],
 )
@@ -331,7 +354,17 @@ def test_round_trip_through_yaml(tmp_path, make):
     config = make()
     plain = config.to_dict()
     # Plain YAML: safe_dump must accept it (no tuples), and sections are the dataclass fields.
-    assert list(plain) == ["data", "features", "augment", "model", "dp", "optim", "train", "run", "eval"]
+    assert list(plain) == [
+        "data",
+        "features",
+        "augment",
+        "model",
+        "dp",
+        "optim",
+        "train",
+        "run",
+        "eval",
+    ]
     assert plain["optim"]["betas"] == list(config.optim.betas)
     text = yaml.safe_dump(plain, sort_keys=False)
     reloaded = load_config(_write(tmp_path, text))
@@ -392,7 +425,14 @@ def test_bad_features_values(override, match):
 def test_datanorm_without_noise_is_refused_for_a_private_run_only():
     with pytest.raises(ConfigError, match="exact statistics"):
         load_config(overrides=["features.normalize=datanorm", "features.norm_noise=0"])
-    config = load_config(overrides=["features.normalize=datanorm", "features.norm_noise=0", "dp.epsilon=null", "dp.noise_multiplier=0"])
+    config = load_config(
+        overrides=[
+            "features.normalize=datanorm",
+            "features.norm_noise=0",
+            "dp.epsilon=null",
+            "dp.noise_multiplier=0",
+        ]
+    )
     assert config.features.norm_noise == 0
 
 

@@ -30,7 +30,9 @@ def _account_json(capsys, *args):
 
 
 def test_account_epsilon_matches_opacus(capsys):
-    result = _account_json(capsys, "--noise", "1.1", "--epochs", "60", "--delta", "1e-5", "--accountant", "rdp")
+    result = _account_json(
+        capsys, "--noise", "1.1", "--epochs", "60", "--delta", "1e-5", "--accountant", "rdp"
+    )
     assert {"epsilon", "noise_multiplier", "steps", "sample_rate", "eps_tan"} <= set(result)
     assert result["epsilon"] == pytest.approx(2.596556, rel=1e-3)  # Opacus 1.6.0 RDPAccountant
     assert result["steps"] == 14062  # round(60 * 60000 / 256) = round(14062.5) (banker's) = 14062
@@ -55,7 +57,9 @@ def test_account_calibrates_noise(capsys):
     assert result["solved_for"] == "noise_multiplier" and result["steps"] == 14062
     sigma = result["noise_multiplier"]
     assert sigma < 1.1  # sigma = 1.1 spends only ~2.6 < 3
-    eps = compute_epsilon(sample_rate=Q, noise_multiplier=sigma, steps=14062, delta=1e-5, kind="rdp")
+    eps = compute_epsilon(
+        sample_rate=Q, noise_multiplier=sigma, steps=14062, delta=1e-5, kind="rdp"
+    )
     assert 2.997 <= eps <= 3.0
     assert result["epsilon"] == pytest.approx(eps, rel=1e-12)
 
@@ -65,21 +69,60 @@ def test_account_solves_for_steps(capsys):
     assert result["solved_for"] == "steps" and result["noise_multiplier"] == 1.1
     steps = result["steps"]
     assert steps > 14062  # 14062 steps cost only ~2.6
-    assert compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=steps, delta=1e-5, kind="rdp") <= 3.0
     assert (
-        compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=steps + 1, delta=1e-5, kind="rdp") > 3.0
-    )  # the largest such step count
+        compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=steps, delta=1e-5, kind="rdp")
+        <= 3.0
+    )
+    # the largest such step count
+    assert (
+        compute_epsilon(
+            sample_rate=Q, noise_multiplier=1.1, steps=steps + 1, delta=1e-5, kind="rdp"
+        )
+        > 3.0
+    )
     assert result["epsilon"] <= 3.0
 
 
 @pytest.mark.parametrize(
     "argv, pattern",
     [
-        (["account", "--dataset-size", "100", "--batch-size", "256", "--noise", "1.1", "--epochs", "1"], "batch-size"),
-        (["account", "--dataset-size", "100", "--batch-size", "0", "--noise", "1.1", "--epochs", "1"], "batch-size"),
+        (
+            [
+                "account",
+                "--dataset-size",
+                "100",
+                "--batch-size",
+                "256",
+                "--noise",
+                "1.1",
+                "--epochs",
+                "1",
+            ],
+            "batch-size",
+        ),
+        (
+            [
+                "account",
+                "--dataset-size",
+                "100",
+                "--batch-size",
+                "0",
+                "--noise",
+                "1.1",
+                "--epochs",
+                "1",
+            ],
+            "batch-size",
+        ),
         ([*MNIST, "--epochs", "60"], "--noise .*--target-epsilon"),
-        ([*MNIST, "--noise", "1.1", "--epochs", "60", "--delta", "1"], r"--delta must be in \(0, 1\)"),
-        ([*MNIST, "--noise", "1.1", "--epochs", "60", "--delta", "2.5"], r"--delta must be in \(0, 1\)"),
+        (
+            [*MNIST, "--noise", "1.1", "--epochs", "60", "--delta", "1"],
+            r"--delta must be in \(0, 1\)",
+        ),
+        (
+            [*MNIST, "--noise", "1.1", "--epochs", "60", "--delta", "2.5"],
+            r"--delta must be in \(0, 1\)",
+        ),
         ([*MNIST, "--noise", "0", "--epochs", "60"], "--noise must be > 0"),
         ([*MNIST, "--noise", "1.1"], "--epochs or --steps"),
         ([*MNIST, "--target-epsilon", "-1", "--epochs", "60"], "target.epsilon must be"),
@@ -98,7 +141,9 @@ def test_account_errors_exit_2_without_traceback(capsys, argv, pattern):
 
 @pytest.mark.parametrize("epochs", ["-5", "0"])
 def test_account_rejects_non_positive_epochs(capsys, epochs):
-    assert main([*MNIST, "--noise", "1.1", "--epochs", epochs, "--accountant", "rdp", "--json"]) == 2
+    assert (
+        main([*MNIST, "--noise", "1.1", "--epochs", epochs, "--accountant", "rdp", "--json"]) == 2
+    )
     assert "error:" in capsys.readouterr().err
 
 
@@ -127,7 +172,9 @@ def test_account_composes_private_data_normalization(capsys):
     from dpscale.privacy import compute_epsilon
 
     alone = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp")
-    both = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8")
+    both = _account_json(
+        capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8"
+    )
     expected = compute_epsilon(
         sample_rate=Q,
         noise_multiplier=1.1,
@@ -137,21 +184,51 @@ def test_account_composes_private_data_normalization(capsys):
         releases=(data_norm_release(8.0),),
     )
     assert both["epsilon"] == pytest.approx(expected) and both["epsilon"] > alone["epsilon"]
-    centred = _account_json(capsys, "--noise", "1.1", "--epochs", "15", "--accountant", "rdp", "--data-norm-noise", "8",
-                            "--feature-mean-noise", "6")  # fmt: skip
+    centred = _account_json(
+        capsys,
+        "--noise",
+        "1.1",
+        "--epochs",
+        "15",
+        "--accountant",
+        "rdp",
+        "--data-norm-noise",
+        "8",
+        "--feature-mean-noise",
+        "6",
+    )
     releases = (data_norm_release(8.0), feature_mean_release(6.0))
     assert (
         centred["epsilon"]
         == pytest.approx(
-            compute_epsilon(sample_rate=Q, noise_multiplier=1.1, steps=both["steps"], delta=1e-5, kind="rdp", releases=releases)
+            compute_epsilon(
+                sample_rate=Q,
+                noise_multiplier=1.1,
+                steps=both["steps"],
+                delta=1e-5,
+                kind="rdp",
+                releases=releases,
+            )
         )
         and centred["epsilon"] > both["epsilon"]
     )
     assert main([*MNIST, "--noise", "1.1", "--epochs", "15", "--feature-mean-noise", "0"]) == 2
     assert "--feature-mean-noise must be > 0" in capsys.readouterr().err
-    calibrated = _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--data-norm-noise", "8", "--accountant", "rdp")
+    calibrated = _account_json(
+        capsys,
+        "--target-epsilon",
+        "3",
+        "--epochs",
+        "15",
+        "--data-norm-noise",
+        "8",
+        "--accountant",
+        "rdp",
+    )
     assert (
         calibrated["epsilon"] <= 3.0
         and calibrated["noise_multiplier"]
-        > _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")["noise_multiplier"]
+        > _account_json(capsys, "--target-epsilon", "3", "--epochs", "15", "--accountant", "rdp")[
+            "noise_multiplier"
+        ]
     )

@@ -18,7 +18,13 @@ import pytest
 import torch
 from scipy import stats
 
-from dpscale.privacy.sampling.samplers import PARTITION, CyclicPoissonSampler, PoissonSampler, make_sampler, partition_groups
+from dpscale.privacy.sampling.samplers import (
+    PARTITION,
+    CyclicPoissonSampler,
+    PoissonSampler,
+    make_sampler,
+    partition_groups,
+)
 from dpscale.rng import DPRandom
 
 P_MIN = 1e-4  # p-value below which a goodness-of-fit test fails
@@ -58,7 +64,8 @@ def test_each_example_joins_only_its_groups_steps_with_probability_b_q():
     for t in range(steps):
         assert sampler.step == t and sampler.group_of_step(t) == t % b
         batch = sampler.sample()
-        assert batch.dtype == torch.int64 and bool((batch[1:] > batch[:-1]).all())  # sorted, no repeats
+        # sorted, no repeats
+        assert batch.dtype == torch.int64 and bool((batch[1:] > batch[:-1]).all())
         assert bool((group[batch] == t % b).all())  # never outside the step's group
         counts[batch] += 1
         sizes.append(batch.numel())
@@ -86,7 +93,10 @@ def test_adding_or_removing_an_example_moves_no_other_example(seed):
     # was removed, 86.5 of 300 when one was added), which amplified BandMF's argument does not cover
     n, b = 300, 5
     sizes = (n - 1, n, n + 1)
-    groups = {m: _group_ids(CyclicPoissonSampler(m, 0.01, b, DPRandom(0), partition_seed=seed)) for m in sizes}
+    groups = {
+        m: _group_ids(CyclicPoissonSampler(m, 0.01, b, DPRandom(0), partition_seed=seed))
+        for m in sizes
+    }
     removed = int((groups[n][: n - 1] != groups[n - 1]).sum())  # the last example removed
     added = int((groups[n + 1][:n] != groups[n]).sum())  # one appended
     moved = f"{removed} of {n - 1} moved when one was removed, {added} of {n} when one was added"
@@ -97,28 +107,40 @@ def test_partition_is_one_independent_uniform_draw_per_example():
     n, b, seed = 601, 4, 5
     sampler = CyclicPoissonSampler(n, 0.01, b, DPRandom(0), partition_seed=seed)
     assert len(sampler.groups) == b
-    assert torch.equal(torch.cat(sampler.groups).sort().values, torch.arange(n))  # each example once
+    # each example once
+    assert torch.equal(torch.cat(sampler.groups).sort().values, torch.arange(n))
     # the specified construction, from the raw PCG64DXSM stream and python integers: example i's
     # group is floor(b * k_i / 2^53), k_i the top 53 bits of the stream's i-th 64-bit output
-    raw = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed))).bit_generator.random_raw(n)
+    raw = np.random.Generator(
+        np.random.PCG64DXSM(np.random.SeedSequence(seed))
+    ).bit_generator.random_raw(n)
     want = [(int(word) >> 11) * b >> 53 for word in raw]
     assert _group_ids(sampler).tolist() == want == partition_groups(seed, n, b).tolist()
     for g, members in enumerate(sampler.groups):
-        assert members.dtype == torch.int64 and members.tolist() == [i for i in range(n) if want[i] == g]
+        assert members.dtype == torch.int64 and members.tolist() == [
+            i for i in range(n) if want[i] == g
+        ]
     # a group is a function of the seed and the index alone: a prefix of a larger dataset's groups
     large = partition_groups(seed, 100_000, b)
     assert all(torch.equal(large[:m], partition_groups(seed, m, b)) for m in (1, 600, 601, 99_999))
     # all ranks get the same partition
-    ranks = [CyclicPoissonSampler(n, 0.01, b, DPRandom(r), partition_seed=seed, rank=r, world_size=3) for r in range(3)]
+    ranks = [
+        CyclicPoissonSampler(n, 0.01, b, DPRandom(r), partition_seed=seed, rank=r, world_size=3)
+        for r in range(3)
+    ]
     assert all(torch.equal(a, c) for s in ranks for a, c in zip(s.groups, sampler.groups))
 
 
 def test_large_band_counts_map_exactly():
     # b above 2^10, where k * b would overflow int64 without the split product
     seed, n = 3, 2000
-    raw = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed))).bit_generator.random_raw(n)
+    raw = np.random.Generator(
+        np.random.PCG64DXSM(np.random.SeedSequence(seed))
+    ).bit_generator.random_raw(n)
     for b in (1, 2, 3, 1023, 1025, 2**20 + 7, 2**35 + 1):
-        assert partition_groups(seed, n, b).tolist() == [(int(word) >> 11) * b >> 53 for word in raw]
+        assert partition_groups(seed, n, b).tolist() == [
+            (int(word) >> 11) * b >> 53 for word in raw
+        ]
 
 
 def test_each_example_is_in_each_group_with_probability_one_over_b_independently():
@@ -148,7 +170,9 @@ def test_neighbouring_examples_groups_are_independent():
     n, b = 100_000, 5
     group = partition_groups(11, n, b).numpy()
     cells = np.bincount(group[:-1] * b + group[1:], minlength=b * b)
-    assert stats.chi2.sf(((cells - (n - 1) / b**2) ** 2 / ((n - 1) / b**2)).sum(), b * b - 1) > P_MIN
+    assert (
+        stats.chi2.sf(((cells - (n - 1) / b**2) ** 2 / ((n - 1) / b**2)).sum(), b * b - 1) > P_MIN
+    )
 
 
 def test_another_seed_gives_an_unrelated_partition():
@@ -187,13 +211,17 @@ def test_one_band_is_exactly_poisson_sampling(rank, world):
     n, batch = 1000, 50.0
     made = make_sampler("poisson", n, batch, DPRandom(3), rank, world, bands=1, partition_seed=6)
     plain = PoissonSampler(n, batch / n, DPRandom(3), rank, world)
-    cyclic = CyclicPoissonSampler(n, batch / n, 1, DPRandom(3), partition_seed=6, rank=rank, world_size=world)
+    cyclic = CyclicPoissonSampler(
+        n, batch / n, 1, DPRandom(3), partition_seed=6, rank=rank, world_size=world
+    )
     assert type(made) is PoissonSampler
     for _ in range(20):
         expected = plain.sample()
         assert torch.equal(made.sample(), expected) and torch.equal(cyclic.sample(), expected)
     # same generator consumption: the streams stand at the same place afterwards
-    assert made.generator.state_dict() == plain.generator.state_dict() == cyclic.generator.state_dict()
+    assert (
+        made.generator.state_dict() == plain.generator.state_dict() == cyclic.generator.state_dict()
+    )
     # the default (no bands) is unchanged for every existing caller
     assert type(make_sampler("poisson", n, batch, DPRandom(3))) is PoissonSampler
 
@@ -224,11 +252,14 @@ def test_a_state_of_the_permutation_partition_is_refused():
     old = CyclicPoissonSampler(100, 0.05, 4, DPRandom(1), partition_seed=1).state_dict()
     del old["partition"]
     sampler = CyclicPoissonSampler(100, 0.05, 4, DPRandom(2), partition_seed=1)
-    with pytest.raises(ValueError, match="seeded permutation cut into b equal parts.*start the run again"):
+    with pytest.raises(
+        ValueError, match="seeded permutation cut into b equal parts.*start the run again"
+    ):
         sampler.load_state_dict(old)
     with pytest.raises(ValueError, match="partition \\(other-v0\\)"):
         sampler.load_state_dict({**old, "partition": "other-v0"})
-    assert sampler.step == 0 and sampler.generator.state_dict() == DPRandom(2).state_dict()  # nothing loaded
+    # nothing loaded
+    assert sampler.step == 0 and sampler.generator.state_dict() == DPRandom(2).state_dict()
 
 
 def test_start_step_samples_its_group_first():
@@ -246,7 +277,10 @@ def test_start_step_samples_its_group_first():
 # ------------------------------------------------------------------ 6. sharded
 def test_sharded_cyclic_sampler_is_a_cyclic_poisson_sample_of_the_whole_set():
     n, b, q, world, steps = 1001, 3, 0.1, 3, 3000
-    samplers = [CyclicPoissonSampler(n, q, b, DPRandom(10 + r), partition_seed=77, rank=r, world_size=world) for r in range(world)]
+    samplers = [
+        CyclicPoissonSampler(n, q, b, DPRandom(10 + r), partition_seed=77, rank=r, world_size=world)
+        for r in range(world)
+    ]
     group, p = _group_ids(samplers[0]), samplers[0].participation_rate
     counts = torch.zeros(n)
     for t in range(steps):
@@ -283,7 +317,9 @@ def test_refusals():
         CyclicPoissonSampler(3, 0.01, 4, g, partition_seed=1)  # an empty group
     sampler = CyclicPoissonSampler(100, 0.05, 4, g, partition_seed=1)
     with pytest.raises(ValueError, match="bands=5"):
-        sampler.load_state_dict(CyclicPoissonSampler(100, 0.05, 5, DPRandom(1), partition_seed=1).state_dict())
+        sampler.load_state_dict(
+            CyclicPoissonSampler(100, 0.05, 5, DPRandom(1), partition_seed=1).state_dict()
+        )
     with pytest.raises(ValueError, match="CyclicPoissonSampler state"):
         sampler.load_state_dict(PoissonSampler(100, 0.05, DPRandom(1)).state_dict())
 

@@ -33,7 +33,10 @@ from helpers import SHARED_DATA
 def check_contract(ds: ImageDataset) -> None:
     """Invariants every loader promises."""
     info = ds.info
-    for x, y, n in ((ds.x_train, ds.y_train, info.num_train), (ds.x_test, ds.y_test, info.num_test)):
+    for x, y, n in (
+        (ds.x_train, ds.y_train, info.num_train),
+        (ds.x_test, ds.y_test, info.num_test),
+    ):
         assert x.dtype == torch.float32 and y.dtype == torch.int64
         assert x.is_contiguous()
         assert x.shape == (n, *info.input_shape) and y.shape == (n,)
@@ -83,12 +86,28 @@ def test_mnist5k_deterministic_across_calls_and_processes(mnist5k: ImageDataset)
         "import hashlib; from dpscale.data import load_mnist_5k; d = load_mnist_5k(); "
         "print(hashlib.sha1(d.x_test.numpy().tobytes() + d.y_test.numpy().tobytes()).hexdigest())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == hashlib.sha1(mnist5k.x_test.numpy().tobytes() + mnist5k.y_test.numpy().tobytes()).hexdigest()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert (
+        out
+        == hashlib.sha1(
+            mnist5k.x_test.numpy().tobytes() + mnist5k.y_test.numpy().tobytes()
+        ).hexdigest()
+    )
 
 
 def test_load_dataset_names_and_root() -> None:
-    assert DATASET_NAMES == ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "shards", "npz")
+    assert DATASET_NAMES == (
+        "mnist-5k",
+        "mnist",
+        "fashion-mnist",
+        "cifar10",
+        "cifar100",
+        "imagefolder",
+        "shards",
+        "npz",
+    )
     with pytest.raises(DatasetError, match="valid names: mnist-5k, mnist"):
         load_dataset("imagenet")
     with pytest.raises(DatasetError, match="needs root"):
@@ -105,7 +124,9 @@ def test_load_dataset_image_size_resizes(mnist5k: ImageDataset) -> None:
 # --------------------------------------------------------------------------- IDX
 
 
-def make_idx_dir(root: Path, n_train: int = 60, n_test: int = 12, gz: bool = False, with_test: bool = True):
+def make_idx_dir(
+    root: Path, n_train: int = 60, n_test: int = 12, gz: bool = False, with_test: bool = True
+):
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (n_train, 5, 4), dtype=np.uint8)
     y = np.arange(n_train) % 10
@@ -150,7 +171,8 @@ def test_idx_truncated(tmp_path: Path) -> None:
     make_idx_dir(tmp_path)
     write_idx(tmp_path / "train-images-idx3-ubyte", np.zeros((60, 5, 4)), cut=7)
     with pytest.raises(
-        DatasetError, match=r"train-images-idx3-ubyte is truncated: header says 60 images of 5x4 = 1200 bytes, file has 1193"
+        DatasetError,
+        match=r"train-images-idx3-ubyte is truncated: header says 60 images of 5x4 = 1200 bytes, file has 1193",
     ):
         load_idx(tmp_path)
 
@@ -166,28 +188,38 @@ def test_idx_truncated_gzip_stream(tmp_path: Path) -> None:
 def test_idx_bad_magic(tmp_path: Path) -> None:
     make_idx_dir(tmp_path)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(12), magic=0x802)
-    with pytest.raises(DatasetError, match=r"t10k-labels-idx1-ubyte is not an IDX label file: magic number 0x00000802"):
+    with pytest.raises(
+        DatasetError,
+        match=r"t10k-labels-idx1-ubyte is not an IDX label file: magic number 0x00000802",
+    ):
         load_idx(tmp_path)
 
 
 def test_idx_count_mismatch_names_both_files(tmp_path: Path) -> None:
     make_idx_dir(tmp_path)
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(59))
-    with pytest.raises(DatasetError, match="train-images-idx3-ubyte has 60 images but .*train-labels-idx1-ubyte has 59"):
+    with pytest.raises(
+        DatasetError,
+        match="train-images-idx3-ubyte has 60 images but .*train-labels-idx1-ubyte has 59",
+    ):
         load_idx(tmp_path)
 
 
 def test_idx_label_out_of_range(tmp_path: Path) -> None:
     make_idx_dir(tmp_path)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.r_[np.zeros(11), 10])
-    with pytest.raises(DatasetError, match="t10k-labels-idx1-ubyte is mislabeled: .*found 10 at index 11"):
+    with pytest.raises(
+        DatasetError, match="t10k-labels-idx1-ubyte is mislabeled: .*found 10 at index 11"
+    ):
         load_idx(tmp_path)
 
 
 def test_idx_missing_files(tmp_path: Path) -> None:
     make_idx_dir(tmp_path)
     (tmp_path / "train-labels-idx1-ubyte").unlink()
-    with pytest.raises(DatasetError, match=r"missing training file\(s\) .*train-labels-idx1-ubyte\[\.gz\]"):
+    with pytest.raises(
+        DatasetError, match=r"missing training file\(s\) .*train-labels-idx1-ubyte\[\.gz\]"
+    ):
         load_idx(tmp_path)
     make_idx_dir(tmp_path)
     (tmp_path / "t10k-images-idx3-ubyte").unlink()
@@ -197,7 +229,9 @@ def test_idx_missing_files(tmp_path: Path) -> None:
         load_idx(tmp_path / "nowhere")
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "mnist-10k").is_dir(), reason="../shared/data/mnist-10k not present")
+@pytest.mark.skipif(
+    not (SHARED_DATA / "mnist-10k").is_dir(), reason="../shared/data/mnist-10k not present"
+)
 def test_real_mnist_10k() -> None:
     ds = load_dataset("mnist", SHARED_DATA / "mnist-10k")
     check_contract(ds)
@@ -206,7 +240,9 @@ def test_real_mnist_10k() -> None:
     assert set(ds.y_test.tolist()) == set(range(10))
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "fashion-mnist").is_dir(), reason="../shared/data/fashion-mnist not present")
+@pytest.mark.skipif(
+    not (SHARED_DATA / "fashion-mnist").is_dir(), reason="../shared/data/fashion-mnist not present"
+)
 def test_real_fashion_mnist_holdout() -> None:
     ds = load_dataset("fashion-mnist", SHARED_DATA / "fashion-mnist")
     check_contract(ds)
@@ -267,7 +303,9 @@ def test_cifar_reads_numpy1_pickles(tmp_path: Path) -> None:
     make_cifar10(base)
     data = np.arange(2 * 3072).reshape(2, 3072).astype(np.uint8)
     blob = pickle.dumps({b"data": data, b"labels": [3, 9]}, protocol=2)
-    (base / "test_batch").write_bytes(blob.replace(b"numpy._core.multiarray", b"numpy.core.multiarray"))
+    (base / "test_batch").write_bytes(
+        blob.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    )
     ds = load_cifar(base)
     assert ds.y_test.tolist() == [3, 9]
     assert torch.allclose(ds.x_test.reshape(2, -1) * 255, torch.from_numpy(data).float())
@@ -298,7 +336,9 @@ def test_cifar_refuses_code_execution(tmp_path: Path) -> None:
 def write_png(path: Path, value: int, size=(6, 4), mode: str = "RGB") -> np.ndarray:
     path.parent.mkdir(parents=True, exist_ok=True)
     channels = 3 if mode == "RGB" else 1
-    arr = (np.arange(size[0] * size[1] * channels).reshape(size[1], size[0], channels) + value) % 256
+    arr = (
+        np.arange(size[0] * size[1] * channels).reshape(size[1], size[0], channels) + value
+    ) % 256
     arr = arr.astype(np.uint8)
     Image.fromarray(arr if mode == "RGB" else arr[..., 0], mode=mode).save(path)
     return arr
@@ -316,8 +356,12 @@ def test_image_folder_train_test_layout(tmp_path: Path) -> None:
     assert ds.info.input_shape == (3, 4, 6) and ds.info.num_classes == 2
     assert ds.y_train.tolist() == [0, 0, 1] and ds.y_test.tolist() == [0, 1]
     assert ds.info.test_split == "official"
-    assert torch.allclose(ds.x_train[0] * 255, torch.from_numpy(a).permute(2, 0, 1).float(), atol=1e-3)
-    assert torch.allclose(ds.x_test[1] * 255, torch.from_numpy(e).permute(2, 0, 1).float(), atol=1e-3)
+    assert torch.allclose(
+        ds.x_train[0] * 255, torch.from_numpy(a).permute(2, 0, 1).float(), atol=1e-3
+    )
+    assert torch.allclose(
+        ds.x_test[1] * 255, torch.from_numpy(e).permute(2, 0, 1).float(), atol=1e-3
+    )
 
 
 def test_image_folder_flat_layout_grayscale_holdout(tmp_path: Path) -> None:
@@ -327,13 +371,26 @@ def test_image_folder_flat_layout_grayscale_holdout(tmp_path: Path) -> None:
     ds = load_image_folder(tmp_path)
     check_contract(ds)
     assert ds.info.input_shape == (1, 4, 6)
+
     # an image is held out iff BLAKE2b(its path relative to the root, the split's key) / 2^64 < 0.2 (issue 62)
-    digest = lambda p: hashlib.blake2b(p.encode(), key=b"dpscale held-out split 0", digest_size=8).digest()  # noqa: E731
-    held = [(c, i) for c in ("a_zero", "b_one") for i in range(10) if int.from_bytes(digest(f"{c}/{i}.png"), "little") < 0.2 * 2**64]
+    def digest(p):
+        return hashlib.blake2b(p.encode(), key=b"dpscale held-out split 0", digest_size=8).digest()
+
+    held = [
+        (c, i)
+        for c in ("a_zero", "b_one")
+        for i in range(10)
+        if int.from_bytes(digest(f"{c}/{i}.png"), "little") < 0.2 * 2**64
+    ]
     assert (ds.info.num_train, ds.info.num_test) == (20 - len(held), len(held)) == (14, 6)
-    assert "held out 6 of 20 images (each held out iff a keyed hash of its path < 0.2" in ds.info.test_split
+    assert (
+        "held out 6 of 20 images (each held out iff a keyed hash of its path < 0.2"
+        in ds.info.test_split
+    )
     assert ds.y_test.tolist() == [0 if c == "a_zero" else 1 for c, _ in held]
-    assert (ds.x_test[:, 0, 0, 0] * 255).round().tolist() == [i + (100 if c == "b_one" else 0) for c, i in held]
+    assert (ds.x_test[:, 0, 0, 0] * 255).round().tolist() == [
+        i + (100 if c == "b_one" else 0) for c, i in held
+    ]
     # Class 0 is "a_zero" (sorted names): its images have small first pixels.
     assert (ds.x_train[ds.y_train == 0][:, 0, 0, 0] * 255 < 10).all()
     assert torch.equal(load_image_folder(tmp_path).x_test, ds.x_test)
@@ -373,12 +430,20 @@ def test_npz_nhwc_uint8_round_trip(tmp_path: Path) -> None:
     x = rng.integers(0, 256, (5, 7, 6, 3), dtype=np.uint8)
     xt = rng.integers(0, 256, (2, 7, 6, 3), dtype=np.uint8)
     p = tmp_path / "d.npz"
-    np.savez(p, x_train=x, y_train=np.array([[0], [4], [1], [2], [0]]), x_test=xt, y_test=np.array([3, 1]))
+    np.savez(
+        p,
+        x_train=x,
+        y_train=np.array([[0], [4], [1], [2], [0]]),
+        x_test=xt,
+        y_test=np.array([3, 1]),
+    )
     ds = load_dataset("npz", p)
     check_contract(ds)
     assert ds.info.input_shape == (3, 7, 6) and ds.info.num_classes == 5
     assert ds.y_train.tolist() == [0, 4, 1, 2, 0]
-    assert torch.allclose(ds.x_train * 255, torch.from_numpy(x).permute(0, 3, 1, 2).float(), atol=1e-4)
+    assert torch.allclose(
+        ds.x_train * 255, torch.from_numpy(x).permute(0, 3, 1, 2).float(), atol=1e-4
+    )
 
 
 def test_npz_nchw_float_and_nhw(tmp_path: Path) -> None:

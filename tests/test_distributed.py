@@ -56,7 +56,9 @@ def test_one_process_sampler_is_unchanged():
         expected = (g.uniform(500) < 0.1).nonzero().flatten()
         assert torch.equal(a.sample(), expected)
     assert rank_stream_seed(123, 0, 1, 0) == 123
-    seeds = {rank_stream_seed(123, r, p, s) for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]}
+    seeds = {
+        rank_stream_seed(123, r, p, s) for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]
+    }
     assert len(seeds) == 4 and 123 not in seeds
     assert all(s < 2**128 for s in seeds) and max(seeds) >= 2**64  # 128-bit seeds for DPRandom
 
@@ -84,7 +86,9 @@ def _step(model, x, y, indices, reduce=None, add_noise=True):
         all_reduce_sum=reduce,
         add_noise=add_noise,
     )
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9
+    )
     apply_gradient(model, gradient, optimizer)
     return gradient, stats
 
@@ -114,7 +118,12 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         draws.append(torch.cat([v.flatten() for v in noise.values()])[:200])
     if rank == 0:
         torch.save(
-            {"gradient": gradient, "stats": stats.as_dict(), "params": dict(model.state_dict()), "noise": torch.stack(draws)},
+            {
+                "gradient": gradient,
+                "stats": stats.as_dict(),
+                "params": dict(model.state_dict()),
+                "noise": torch.stack(draws),
+            },
             Path(out) / "rank0.pt",
         )
     dist.barrier()
@@ -175,12 +184,18 @@ TINY_JOB = [
 
 def _assert_stopped_at(run_dir: Path, step: int, world: int) -> None:
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert state["step"] == step and state["world_size"] == world and len(state["rank_streams"]) == world
+    assert (
+        state["step"] == step
+        and state["world_size"] == world
+        and len(state["rank_streams"]) == world
+    )
     assert sum(seg[2] for seg in state["mechanism"]["accountant"]["history"]) == step
     assert not (run_dir / "summary.json").exists()
 
 
-def test_a_checkpoint_of_another_process_count_resumes_on_fresh_streams_in_one_process(tmp_path, capsys):
+def test_a_checkpoint_of_another_process_count_resumes_on_fresh_streams_in_one_process(
+    tmp_path, capsys
+):
     """The default stand-in for the torchrun test below (three jobs, ~25 s): a checkpoint that says it
     was written by 2 processes, resumed in one, continues no saved stream (fresh ones, derived from the
     run's seeds and the step: never a replay), says so, and accounts every step once."""
@@ -190,14 +205,18 @@ def test_a_checkpoint_of_another_process_count_resumes_on_fresh_streams_in_one_p
     from helpers import tiny_config
 
     run_dir = tmp_path / "run"
-    Trainer.create(tiny_config(run_dir, "train.steps=6", "run.seed=3"), progress=False).run(max_steps=3)
+    Trainer.create(tiny_config(run_dir, "train.steps=6", "run.seed=3"), progress=False).run(
+        max_steps=3
+    )
     state = load_checkpoint(run_dir / "checkpoint.pt")
     saved_sampler = state["rank_streams"][0]["sampler"]
-    state["world_size"], state["rank_streams"] = 2, state["rank_streams"] * 2  # as 2 ranks would write it
+    # as 2 ranks would write it
+    state["world_size"], state["rank_streams"] = (2, state["rank_streams"] * 2)
     save_checkpoint(run_dir / "checkpoint.pt", state)
     resumed = Trainer.resume(run_dir, progress=False, report=True)
     assert "resuming a 2-process run with 1 process(es)" in capsys.readouterr().err
-    assert resumed.mechanism.sampler.state_dict() != saved_sampler  # a fresh stream, not the saved one
+    # a fresh stream, not the saved one
+    assert resumed.mechanism.sampler.state_dict() != saved_sampler
     summary = resumed.run()
     assert summary["steps"] == 6 and summary["world_size"] == 1
     history = load_checkpoint(run_dir / "checkpoint.pt")["mechanism"]["accountant"]["history"]
@@ -221,7 +240,9 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
     a = json.loads((whole / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
     assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["world_size"] == 2
-    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
+    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"][
+        "history"
+    ]
     assert sum(seg[2] for seg in history) == 24  # every step accounted once, none twice
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 24
@@ -230,7 +251,9 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
 # ~25 s (three torchrun jobs): the default suite keeps test_batch_sampling's sharded-draw test,
 # which checks the ranks' parts against the one-process draw exactly.
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", [["dp.sampling=fixed"], ["dp.max_batch_size=300"]], ids=["fixed", "capped"])
+@pytest.mark.parametrize(
+    "sampler", [["dp.sampling=fixed"], ["dp.max_batch_size=300"]], ids=["fixed", "capped"]
+)
 def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_path, sampler):
     """Issue 45: every rank draws the whole batch from one shared stream and keeps its shard; a run
     cut on 2 processes and resumed on 1 spends what the plan says, each step accounted once."""
@@ -242,9 +265,17 @@ def test_fixed_size_and_capped_batches_run_and_resume_across_process_counts(tmp_
     run_job(1, "train", "--resume", str(cut), "--quiet")
     a = json.loads((whole / "summary.json").read_text())
     b = json.loads((cut / "summary.json").read_text())
-    assert b["epsilon"] == a["epsilon"] and b["steps"] == a["steps"] == 24 and b["sampling"] == a["sampling"]
-    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
-    assert sum(seg[2] for seg in history) == 24 and {seg[4] for seg in history} == {sampler[0].split("=")[1].replace("300", "truncated")}
+    assert (
+        b["epsilon"] == a["epsilon"]
+        and b["steps"] == a["steps"] == 24
+        and b["sampling"] == a["sampling"]
+    )
+    history = torch.load(cut / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"][
+        "history"
+    ]
+    assert sum(seg[2] for seg in history) == 24 and {seg[4] for seg in history} == {
+        sampler[0].split("=")[1].replace("300", "truncated")
+    }
 
 
 # 36 s (an accuracy band on real MNIST): test_two_process_update_equals_one_process_update checks the
@@ -274,7 +305,8 @@ def test_two_process_mnist_run_matches_one_process(tmp_path):
     assert two["world_size"] == 2 and two["noise_rank"] == 0
     assert two["epsilon"] == one["epsilon"] and two["steps"] == one["steps"]
     assert one["test_accuracy"] > 0.88
-    assert abs(two["test_accuracy"] - one["test_accuracy"]) < 0.02  # same band: other batches and noise, same law
+    # same band: other batches and noise, same law
+    assert abs(two["test_accuracy"] - one["test_accuracy"]) < 0.02
 
 
 # 25 s (a real torchrun kill): the default suite keeps the cross-world-size resume below and
@@ -309,9 +341,13 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
         "run.threads=1",
     ]
     cmd, env = launch_command(2, ["train", *sets, "--set", f"run.out_dir={run}", "--quiet"])
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
-    while not (run / "checkpoint.pt").exists() and time.monotonic() < deadline and job.poll() is None:
+    while (
+        not (run / "checkpoint.pt").exists() and time.monotonic() < deadline and job.poll() is None
+    ):
         time.sleep(0.2)
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=120)
@@ -319,11 +355,14 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     stopped = state["step"]
     assert 0 < stopped < 300 and state["world_size"] == 2
-    assert sum(seg[2] for seg in state["mechanism"]["accountant"]["history"]) == stopped  # ranks stopped together
+    # ranks stopped together
+    assert sum(seg[2] for seg in state["mechanism"]["accountant"]["history"]) == stopped
 
     run_job(1, "train", "--resume", str(run), "--quiet")
     summary = json.loads((run / "summary.json").read_text())
-    history = torch.load(run / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"]["history"]
+    history = torch.load(run / "checkpoint.pt", weights_only=False)["mechanism"]["accountant"][
+        "history"
+    ]
     assert summary["steps"] == 300 and sum(seg[2] for seg in history) == 300
     expected = compute_epsilon(
         sample_rate=summary["sample_rate"],
@@ -332,4 +371,5 @@ def test_sigterm_stops_every_rank_at_one_step_and_a_single_process_finishes(tmp_
         delta=summary["delta"],
         kind="rdp",
     )
-    assert summary["epsilon"] == pytest.approx(expected, rel=1e-12)  # what an uninterrupted run spends
+    # what an uninterrupted run spends
+    assert summary["epsilon"] == pytest.approx(expected, rel=1e-12)

@@ -28,7 +28,9 @@ def _plain_commands() -> list[tuple[str, str]]:
         for block in FENCE.finditer(doc.read_text(encoding="utf-8")):
             for line in block.group(2).replace("\\\n", " ").splitlines():  # continued lines joined
                 command = line.strip().split(" #")[0].strip()
-                if command.startswith("dpscale ") and not any(mark in command for mark in NOT_PLAIN):
+                if command.startswith("dpscale ") and not any(
+                    mark in command for mark in NOT_PLAIN
+                ):
                     found.append((doc.name, command))
     return found
 
@@ -48,7 +50,9 @@ def test_plain_command_parses(doc, command):
         with contextlib.redirect_stderr(stderr):
             build_parser().parse_args(shlex.split(command)[1:])
     except SystemExit:
-        pytest.fail(f"{doc}: {command!r} does not parse: {stderr.getvalue().strip().splitlines()[-1]}")
+        pytest.fail(
+            f"{doc}: {command!r} does not parse: {stderr.getvalue().strip().splitlines()[-1]}"
+        )
 
 
 def test_own_loop_names_the_step_statistics_that_exist():

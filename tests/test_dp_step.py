@@ -41,8 +41,11 @@ def _batch(n, seed=1):
 def test_vmap_clipped_sum_matches_naive_loop(model_name, max_grad_norm):
     model = _model(model_name)
     x, y = _batch(9)
-    grad_sum, norms = VmapEngine(max_grad_norm).per_example_clipped_sum(model, trainable_params(model), (x, y))
-    ref = float64_reference(model, (x, y), max_grad_norm)  # one ordinary backward per example, clip, sum
+    grad_sum, norms = VmapEngine(max_grad_norm).per_example_clipped_sum(
+        model, trainable_params(model), (x, y)
+    )
+    # one ordinary backward per example, clip, sum
+    ref = float64_reference(model, (x, y), max_grad_norm)
     torch.testing.assert_close(norms.double(), ref.norms, rtol=1e-4, atol=1e-6)
     assert set(grad_sum) == set(ref.clipped_sum)
     for name, want in ref.clipped_sum.items():
@@ -56,7 +59,9 @@ def test_frozen_parameters_are_excluded_and_still_used():
     for p in model.features[0].parameters():  # freeze the first conv
         p.requires_grad_(False)
     x, y = _batch(5)
-    grad_sum, norms = VmapEngine(0.5).per_example_clipped_sum(model, trainable_params(model), (x, y))
+    grad_sum, norms = VmapEngine(0.5).per_example_clipped_sum(
+        model, trainable_params(model), (x, y)
+    )
     ref = float64_reference(model, (x, y), 0.5)
     assert "features.0.weight" not in grad_sum and set(grad_sum) == set(ref.clipped_sum)
     torch.testing.assert_close(norms.double(), ref.norms, rtol=1e-4, atol=1e-6)
@@ -73,7 +78,9 @@ def test_every_clipped_per_example_gradient_has_norm_at_most_c(c, scale, seed):
     engine = VmapEngine(c)
     params = trainable_params(model)
     for i in range(x.shape[0]):  # the sum over a batch of one is that example's clipped gradient
-        grad_sum, norm = engine.per_example_clipped_sum(model, params, (scale * x[i : i + 1], y[i : i + 1]))
+        grad_sum, norm = engine.per_example_clipped_sum(
+            model, params, (scale * x[i : i + 1], y[i : i + 1])
+        )
         clipped_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grad_sum.values()))
         assert clipped_norm <= c  # no tolerance: the clip bound holds by construction
         if float(norm) < c:  # below the threshold the gradient is left alone
@@ -89,7 +96,10 @@ def test_clip_factors():
     torch.testing.assert_close(clip_factors(norms, 1.0), want, rtol=1e-15, atol=0)
     # a float32 release aims 1.2e-4 lower (clip_margin(float32): its rounding, docs/precision.md)
     low = clip_factors(norms, 1.0, release_dtype=torch.float32)
-    assert float(low[2]) == (1 - clip_margin(torch.float32)) / (1 + 1e-6) and 1.2e-4 < clip_margin(torch.float32) < 1.3e-4
+    assert (
+        float(low[2]) == (1 - clip_margin(torch.float32)) / (1 + 1e-6)
+        and 1.2e-4 < clip_margin(torch.float32) < 1.3e-4
+    )
     torch.testing.assert_close(clip_factors(norms, None), torch.ones(4, dtype=torch.float64))
 
 
@@ -336,5 +346,7 @@ def test_selecting_step_statistics_makes_no_tensor_from_host_data():
     step_stats = StepStats(torch.arange(len(STEP_STATISTICS), dtype=torch.float64))
     with OpLog() as log:
         picked = step_stats.select("loss_sum", "examples", "nonfinite")
-    assert picked.tolist() == [STEP_STATISTICS.index(n) for n in ("loss_sum", "examples", "nonfinite")]
+    assert picked.tolist() == [
+        STEP_STATISTICS.index(n) for n in ("loss_sum", "examples", "nonfinite")
+    ]
     assert set(log.ops) == {"aten.select.int", "aten.stack.default"}, log.ops

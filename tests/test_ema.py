@@ -47,8 +47,12 @@ def test_warmup_reaches_the_decay_where_a_step_by_step_search_finds_it(decay):
 def test_a_decay_the_run_never_reaches_is_reported(tmp_path, capsys):
     note = decay_not_reached_note(0.999, 977)  # the dpscale-fmnist-cnn preset's EMA
     assert note is not None and "8,990" in note and "977 steps" in note and "0.9909" in note
-    assert decay_not_reached_note(0.99, 891) is None and decay_not_reached_note(0.99, 890) is not None
-    Trainer.create(short_config(tmp_path / "run", 12, "train.ema_decay=0.99"), progress=False, report=True)
+    assert (
+        decay_not_reached_note(0.99, 891) is None and decay_not_reached_note(0.99, 890) is not None
+    )
+    Trainer.create(
+        short_config(tmp_path / "run", 12, "train.ema_decay=0.99"), progress=False, report=True
+    )
     assert "train.ema_decay=0.99 is never reached" in capsys.readouterr().err
 
 
@@ -62,14 +66,19 @@ def test_run_reports_the_ema_model_and_resumes_it_bit_identically(tmp_path):
 
     full = Trainer.create(config(tmp_path / "full"), progress=False).run()
     assert 0 < full["test_accuracy_ema"] <= 1
-    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert all("test_accuracy_ema" in r for r in records)
 
     Trainer.create(config(tmp_path / "split"), progress=False).run(max_steps=5)
     resumed = Trainer.resume(tmp_path / "split", progress=False)
     assert resumed.built.ema.updates == 5
     resumed.run()
-    a, b = load_checkpoint(tmp_path / "full" / "checkpoint.pt"), load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    a, b = (
+        load_checkpoint(tmp_path / "full" / "checkpoint.pt"),
+        load_checkpoint(tmp_path / "split" / "checkpoint.pt"),
+    )
     for name, tensor in a["ema"]["model"].items():
         assert torch.equal(tensor, b["ema"]["model"][name]), name
     assert a["ema"]["updates"] == b["ema"]["updates"] == 12

@@ -115,7 +115,9 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.GroupNorm(2, cout)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(2, cout))
+        self.downsample = nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(2, cout)
+        )
 
     def forward(self, x):
         identity = self.downsample(x)
@@ -192,8 +194,16 @@ def _vectors(n=5):
 
 CASES = {
     "weight_norm": (lambda: WeightNormMLP(), _vectors, "fc.weight_g"),
-    "weight_norm_parametrization": (lambda: WeightNormMLP(True), _vectors, "fc.parametrizations.weight"),
-    "tied_embedding_head": (TiedEmbedding, lambda: (torch.randint(0, 7, (5, 3)), torch.randint(0, 7, (5,))), "out.weight"),
+    "weight_norm_parametrization": (
+        lambda: WeightNormMLP(True),
+        _vectors,
+        "fc.parametrizations.weight",
+    ),
+    "tied_embedding_head": (
+        TiedEmbedding,
+        lambda: (torch.randint(0, 7, (5, 3)), torch.randint(0, 7, (5,))),
+        "out.weight",
+    ),
     "relu_": (lambda: InPlace("relu_"), _vectors, None),
     "inplace_relu_module": (lambda: InPlace("module"), _vectors, None),
     "relu_then_residual": (lambda: InPlace("residual"), _vectors, None),
@@ -213,7 +223,11 @@ CASES = {
         lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))),
         None,
     ),
-    "resnet_block": (TinyResNet, lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))), None),
+    "resnet_block": (
+        TinyResNet,
+        lambda: (torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,))),
+        None,
+    ),
 }
 
 
@@ -243,13 +257,18 @@ def test_engines_equal_the_naive_loop_or_refuse_naming_the_parameter(case, clip)
     for name in ENGINES:
         got, message = _engine_result(name, model, x, y, clip)
         if got is None:  # refused: must name the parameter, and only the exact engines may refuse
-            assert name in ("bk", "ghost") and expected is not None and expected in message, (name, message)
+            assert name in ("bk", "ghost") and expected is not None and expected in message, (
+                name,
+                message,
+            )
             continue
         if expected is not None and name == "auto":
             assert message and expected in message, message  # the fallback notice names it
         assert set(got) == set(want)
         for param, ref in want.items():
-            torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10, msg=f"{case} {name} {param}")
+            torch.testing.assert_close(
+                got[param], ref, rtol=0, atol=1e-10, msg=f"{case} {name} {param}"
+            )
 
 
 @pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)
@@ -264,13 +283,21 @@ def test_no_released_per_example_contribution_exceeds_the_clip_norm(case):
             continue  # refused (asserted to name the parameter above)
         params = trainable_params(model)
         for i in range(len(x)):  # a batch of one: the release is that example's contribution
-            grad_sum, _ = engine.per_example_clipped_sum(model, params, (x[i : i + 1], y[i : i + 1]))
+            grad_sum, _ = engine.per_example_clipped_sum(
+                model, params, (x[i : i + 1], y[i : i + 1])
+            )
             norm = float(torch.sqrt(sum(g.double().square().sum() for g in grad_sum.values())))
             assert norm <= clip, (case, name, i, norm)
 
 
 def test_in_place_models_are_handled_exactly_by_bk_not_refused():
-    for case in ("relu_", "inplace_relu_module", "relu_then_residual", "resnet_block", "weight_standardised_conv"):
+    for case in (
+        "relu_",
+        "inplace_relu_module",
+        "relu_then_residual",
+        "resnet_block",
+        "weight_standardised_conv",
+    ):
         model, x, y, _ = _build(case)
         engine, notices, result = checked_engine("auto", 0.5, model, (x[:3], y[:3]))
         assert isinstance(engine, GhostEngine) and not notices and result.ok, (case, notices)
@@ -281,9 +308,9 @@ def test_static_support_names_the_parameters():
 
     problems = " ".join(unsupported_modules(WeightNormMLP()))
     assert "weight_g" in problems and "weight_v" in problems
-    assert "out.weight = emb.weight" in " ".join(unsupported_modules(TiedEmbedding())) or "emb.weight = out.weight" in " ".join(
+    assert "out.weight = emb.weight" in " ".join(
         unsupported_modules(TiedEmbedding())
-    )
+    ) or "emb.weight = out.weight" in " ".join(unsupported_modules(TiedEmbedding()))
     assert isinstance(make_engine("auto", 1.0, ExtraParameter())[0], VmapEngine)
 
 
@@ -354,7 +381,8 @@ def test_routes_past_the_monitor_are_refused_by_the_route_check_naming_the_param
     make, expected = ALIAS_CASES[case]
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # built in float64: .double() would not convert the alias
+    # built in float64: .double() would not convert the alias
+    torch.set_default_dtype(torch.float64)
     try:
         model = make()
     finally:
@@ -363,19 +391,25 @@ def test_routes_past_the_monitor_are_refused_by_the_route_check_naming_the_param
     want = naive_clipped_sum(model, x, y, 0.1)
     for name in ("bk", "ghost"):
         with pytest.raises(ValueError, match=expected.replace(".", r"\.")):
-            GhostEngine(0.1, mode=name).per_example_clipped_sum(model, trainable_params(model), (x, y))
+            GhostEngine(0.1, mode=name).per_example_clipped_sum(
+                model, trainable_params(model), (x, y)
+            )
     for name in ENGINES:  # with the self-check: equal to the naive loop, or refused
         got, message = _engine_result(name, model, x, y, 0.1)
         if got is not None:
             for param, ref in want.items():
-                torch.testing.assert_close(got[param], ref, rtol=0, atol=1e-10, msg=f"{case} {name} {param}")
+                torch.testing.assert_close(
+                    got[param], ref, rtol=0, atol=1e-10, msg=f"{case} {name} {param}"
+                )
 
 
 def test_a_global_forward_hook_changing_outputs_is_refused():
     torch.manual_seed(0)
     model = _plain_mlp().double()
     x, y = _vectors()
-    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 1.5 if isinstance(m, nn.Linear) else None)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o * 1.5 if isinstance(m, nn.Linear) else None
+    )
     try:
         with pytest.raises(ValueError, match=r"0\.weight"):
             GhostEngine(0.1).per_example_clipped_sum(model, trainable_params(model), (x, y))
@@ -432,11 +466,14 @@ class Checkpointed(nn.Module):
         self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
 
     def forward(self, x):
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant
+        )
         return self.b(h)
 
 
-@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's, for the reentrant case
+# torch's, for the reentrant case
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 def test_activation_checkpointing_is_exact_or_refused_naming_the_layer():
     torch.manual_seed(0)
     x, y = _vectors()
@@ -481,7 +518,8 @@ def test_16_bit_rounding_is_not_mistaken_for_a_route(mode):
     torch.manual_seed(0)
     model, (x, y) = CancellingTokens(), _cancelling_tokens()
     engine = GhostEngine(1e-3, mode=mode, precision=make_precision("bf16"))
-    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))  # the checked pass
+    # the checked pass
+    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x, y))
     assert bool(torch.isfinite(norms).all()) and bool((norms > 1e-3).all())
     assert float(torch.linalg.vector_norm(got["lin.weight"].double())) <= len(x) * 1e-3 * (1 + 1e-6)
 

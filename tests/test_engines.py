@@ -34,14 +34,18 @@ def assert_engines_agree(model, x, y, clip, freeze_mask=None):
         return
     ref_sum, ref_norms = VmapEngine(clip).per_example_clipped_sum(model, params, (x, y))
     for mode in ("ghost", "bk"):
-        grad_sum, norms = GhostEngine(clip, mode=mode).per_example_clipped_sum(model, params, (x, y))
+        grad_sum, norms = GhostEngine(clip, mode=mode).per_example_clipped_sum(
+            model, params, (x, y)
+        )
         torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=1e-12)
         assert set(grad_sum) == set(ref_sum)
         # Tolerance relative to the whole update: a parameter whose gradient is exactly zero in
         # exact arithmetic (e.g. a bias before a normalisation) is float noise in both engines.
         scale = max(float(ref.abs().max()) for ref in ref_sum.values()) + 1e-12
         for name, ref in ref_sum.items():
-            torch.testing.assert_close(grad_sum[name], ref, rtol=1e-7, atol=1e-9 * scale, msg=f"{mode} {name}")
+            torch.testing.assert_close(
+                grad_sum[name], ref, rtol=1e-7, atol=1e-9 * scale, msg=f"{mode} {name}"
+            )
 
 
 def head(features: int, classes: int = 3) -> nn.Module:
@@ -66,9 +70,15 @@ def _labels(b, classes=3):
 def test_linear(b, t, d_in, d_out, bias, seq, clip, seed):
     torch.manual_seed(seed)
     if seq:  # sequence input (B, T, d_in)
-        model, x = nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Tanh(), head(t * d_out)), torch.randn(b, t, d_in)
+        model, x = (
+            nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Tanh(), head(t * d_out)),
+            torch.randn(b, t, d_in),
+        )
     else:
-        model, x = nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Tanh(), head(d_out)), torch.randn(b, d_in)
+        model, x = (
+            nn.Sequential(nn.Linear(d_in, d_out, bias=bias), nn.Tanh(), head(d_out)),
+            torch.randn(b, d_in),
+        )
     assert_engines_agree(model, x, _labels(b), clip)
 
 
@@ -88,11 +98,15 @@ def test_linear(b, t, d_in, d_out, bias, seq, clip, seed):
     clip=st.sampled_from([1e-3, 1.0, 1e3]),
     seed=st.integers(0, 999),
 )
-def test_conv(b, groups, cin_per, cout_per, k, stride, padding, dilation, size, bias, one_d, clip, seed):
+def test_conv(
+    b, groups, cin_per, cout_per, k, stride, padding, dilation, size, bias, one_d, clip, seed
+):
     torch.manual_seed(seed)
     cin, cout = groups * cin_per, groups * cout_per
     conv_cls = nn.Conv1d if one_d else nn.Conv2d
-    conv = conv_cls(cin, cout, k, stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias)
+    conv = conv_cls(
+        cin, cout, k, stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias
+    )
     x = torch.randn(b, cin, size) if one_d else torch.randn(b, cin, size, size)
     with torch.no_grad():
         features = conv(x)[0].numel()
@@ -105,7 +119,9 @@ def test_conv_each_per_example_path(size, cin, cout):
     torch.manual_seed(0)
     conv = nn.Conv2d(cin, cout, 3, padding=1)
     x = torch.randn(3, cin, size, size)
-    assert_engines_agree(nn.Sequential(conv, nn.Tanh(), head(cout * size * size)), x, _labels(3), 0.5)
+    assert_engines_agree(
+        nn.Sequential(conv, nn.Tanh(), head(cout * size * size)), x, _labels(3), 0.5
+    )
 
 
 @SETTINGS
@@ -131,7 +147,14 @@ def test_group_norm(b, groups, per, size, affine, clip, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 4), t=st.integers(1, 5), d=st.integers(3, 8), two_dims=st.booleans(), bias=st.booleans(), seed=st.integers(0, 999))
+@given(
+    b=st.integers(1, 4),
+    t=st.integers(1, 5),
+    d=st.integers(3, 8),
+    two_dims=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 999),
+)
 def test_layer_norm(b, t, d, two_dims, bias, seed):
     # d >= 3: normalising 2 values always gives +-1, so the gradient through the layer is pure
     # float noise (eps-sized) and no two correct implementations agree on it.
@@ -165,7 +188,14 @@ def test_embedding(b, t, vocab, d, padding_idx, seed):
 @given(mask=st.lists(st.booleans(), min_size=6, max_size=6), seed=st.integers(0, 999))
 def test_frozen_parameters(mask, seed):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 36, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 36, 5),
+        nn.Tanh(),
+        nn.Linear(5, 3),
+    )
     assert_engines_agree(model, torch.randn(4, 1, 8, 8), _labels(4), 0.5, freeze_mask=mask)
 
 
@@ -191,14 +221,18 @@ def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(na
             expected_batch_size=8,
             noise_generator=DPRandom(42),
         )
-    if unsupported_modules(model):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
+    if unsupported_modules(
+        model
+    ):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
         assert set(updates) == {"vmap"}
         assert isinstance(make_engine("auto", 1.0, model)[0], VmapEngine)
     else:
         assert {"vmap", "bk", "ghost"} <= set(updates)
     for engine_name, update in updates.items():
         for param, ref in updates["vmap"].items():
-            torch.testing.assert_close(update[param], ref, rtol=1e-7, atol=1e-9, msg=f"{engine_name} {param}")
+            torch.testing.assert_close(
+                update[param], ref, rtol=1e-7, atol=1e-9, msg=f"{engine_name} {param}"
+            )
 
 
 def test_auto_falls_back_to_vmap_naming_the_unsupported_layer():
@@ -227,11 +261,15 @@ def test_weight_sharing_is_rejected():
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))  # one layer, two calls
     with pytest.raises(ValueError, match="ran 2 times"):
-        GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2)))
+        GhostEngine(1.0).per_example_clipped_sum(
+            model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2))
+        )
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
     model[2].weight = model[0].weight  # two layers, one weight
     with pytest.raises(ValueError, match=r"0\.weight = 2\.weight \(tied parameter\)"):
-        GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2)))
+        GhostEngine(1.0).per_example_clipped_sum(
+            model, trainable_params(model), (torch.randn(3, 4), _labels(3, 2))
+        )
 
     class Twice(nn.Module):  # one registration, two calls
         def __init__(self):
@@ -242,12 +280,16 @@ def test_weight_sharing_is_rejected():
             return self.out(self.fc(torch.tanh(self.fc(x))))
 
     with pytest.raises(ValueError, match="ran 2 times"):
-        GhostEngine(1.0).per_example_clipped_sum(Twice(), trainable_params(Twice()), (torch.randn(3, 4), _labels(3, 2)))
+        GhostEngine(1.0).per_example_clipped_sum(
+            Twice(), trainable_params(Twice()), (torch.randn(3, 4), _labels(3, 2))
+        )
 
 
 def test_ghost_engines_leave_no_state_behind():
     model = nn.Sequential(nn.Linear(4, 3))
-    GhostEngine(1.0).per_example_clipped_sum(model, trainable_params(model), (torch.randn(2, 4), _labels(2)))
+    GhostEngine(1.0).per_example_clipped_sum(
+        model, trainable_params(model), (torch.randn(2, 4), _labels(2))
+    )
     assert all(p.grad is None for p in model.parameters())
     assert not model[0]._forward_hooks
 
@@ -259,7 +301,9 @@ def test_a_non_finite_example_contributes_exactly_zero_in_float32_and_is_counted
     """fp32: an input of 3e38 overflows (or a NaN in its own data); that example's gradient is not
     finite. It must contribute zero (was: the whole update NaN, showing it was in the batch)."""
     torch.manual_seed(11)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3)
+    )
     x, y = torch.randn(7, 1, 8, 8), _labels(7)
     x[3] = bad
     engine, _ = make_engine(engine_name, 0.5, model)
@@ -269,8 +313,14 @@ def test_a_non_finite_example_contributes_exactly_zero_in_float32_and_is_counted
     want = float64_reference(model, (x[others], y[others]), 0.5).clipped_sum
     for name, ref in want.items():
         torch.testing.assert_close(grad_sum[name].double(), ref, rtol=1e-5, atol=1e-6, msg=name)
-    update, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(7), 3), noise_std=0.0,
-                                       expected_batch_size=7, noise_generator=DPRandom(0))  # fmt: skip
+    update, stats = noisy_clipped_mean(
+        engine,
+        model,
+        physical_chunks(x, y, torch.arange(7), 3),
+        noise_std=0.0,
+        expected_batch_size=7,
+        noise_generator=DPRandom(0),
+    )
     assert stats.nonfinite_examples == 1 and stats.examples == 7
     for name, ref in want.items():
         torch.testing.assert_close(update[name].double() * 7, ref, rtol=1e-5, atol=1e-6, msg=name)

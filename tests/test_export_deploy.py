@@ -32,7 +32,8 @@ def _image_folder(root: Path) -> Path:
             folder = root / split / name
             folder.mkdir(parents=True)
             for i in range(count):
-                pixels = rng.integers(0, 60, (8, 8, 3)) + 80 * label  # each class its own brightness
+                # each class its own brightness
+                pixels = rng.integers(0, 60, (8, 8, 3)) + 80 * label
                 Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
     return root
 
@@ -46,10 +47,24 @@ def folder(tmp_path_factory) -> Path:
 def partial_run(tmp_path_factory, folder) -> Path:
     """A run on the named folders planned for 4 steps, stopped at step 2 (as a killed run leaves it)."""
     out = tmp_path_factory.mktemp("runs") / "partial"
-    sets = ["data.name=imagefolder", f"data.root={folder}", "model.name=linear", "dp.batch_size=8",
-            f"train.steps={PLANNED}", "train.ema_decay=0.9", "run.tensorboard=false", "run.seed=0",
-            f"run.out_dir={out}"]  # fmt: skip
-    args = ["train", "--quiet", "--max-steps", str(STOPPED_AT), *(a for s in sets for a in ("--set", s))]
+    sets = [
+        "data.name=imagefolder",
+        f"data.root={folder}",
+        "model.name=linear",
+        "dp.batch_size=8",
+        f"train.steps={PLANNED}",
+        "train.ema_decay=0.9",
+        "run.tensorboard=false",
+        "run.seed=0",
+        f"run.out_dir={out}",
+    ]
+    args = [
+        "train",
+        "--quiet",
+        "--max-steps",
+        str(STOPPED_AT),
+        *(a for s in sets for a in ("--set", s)),
+    ]
     assert main(args) == 0
     assert not (out / "summary.json").exists()
     return out
@@ -90,18 +105,27 @@ sys.stdin.read()
 """
 
 
-def test_a_run_still_training_is_refused_naming_its_lock_holder_and_a_killed_one_is_not(finished_run, tmp_path, capsys):
+def test_a_run_still_training_is_refused_naming_its_lock_holder_and_a_killed_one_is_not(
+    finished_run, tmp_path, capsys
+):
     """Another process holds the run's lock (as `dpscale train` does): refused, naming it. Once
     that process is killed its lock file stays, held by nobody: that is no live run."""
     pytest.importorskip("fcntl")
     out = tmp_path / "m.safetensors"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(finished_run)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(finished_run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert main(["export", str(finished_run), "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert f"{finished_run} is still training (pid {holder.pid} on " in err and "--allow-partial" in err
+        assert (
+            f"{finished_run} is still training (pid {holder.pid} on " in err
+            and "--allow-partial" in err
+        )
         assert len(err.strip().splitlines()) == 1 and not out.exists()
     finally:
         holder.kill()  # SIGKILL: the lock is never released, its file stays
@@ -114,7 +138,9 @@ def test_a_run_still_training_is_refused_naming_its_lock_holder_and_a_killed_one
         (finished_run / ".dpscale.lock").unlink()
 
 
-def test_allow_partial_exports_a_run_still_training_and_its_card_says_partial(partial_run, tmp_path, capsys):
+def test_allow_partial_exports_a_run_still_training_and_its_card_says_partial(
+    partial_run, tmp_path, capsys
+):
     from dpscale.train.rundir import RunLock
 
     pytest.importorskip("fcntl")
@@ -133,23 +159,38 @@ def test_allow_partial_exports_a_run_still_training_and_its_card_says_partial(pa
     assert note in capsys.readouterr().out
     assert note in _card(out) and "while the run was still training" in _card(out)
     metadata = read_metadata(out)
-    assert (metadata["step"], metadata["planned_steps"], metadata["partial"]) == (STOPPED_AT, PLANNED, True)
-    assert metadata["exported_while_training"] is True and metadata["privacy"]["steps"] == STOPPED_AT
+    assert (metadata["step"], metadata["planned_steps"], metadata["partial"]) == (
+        STOPPED_AT,
+        PLANNED,
+        True,
+    )
+    assert (
+        metadata["exported_while_training"] is True and metadata["privacy"]["steps"] == STOPPED_AT
+    )
 
 
-def test_a_run_that_stopped_early_is_refused_naming_its_step_unless_allow_partial(partial_run, tmp_path, capsys):
+def test_a_run_that_stopped_early_is_refused_naming_its_step_unless_allow_partial(
+    partial_run, tmp_path, capsys
+):
     """No process trains in it (a lock file left by a killed run does not count): refused as unfinished."""
     out = tmp_path / "m.safetensors"
-    (partial_run / ".dpscale.lock").write_text("pid 999999 on elsewhere since 2020-01-01 00:00:00 UTC")
+    (partial_run / ".dpscale.lock").write_text(
+        "pid 999999 on elsewhere since 2020-01-01 00:00:00 UTC"
+    )
     try:
         assert main(["export", str(partial_run), "--out", str(out)]) == 2
     finally:
         (partial_run / ".dpscale.lock").unlink()
     err = capsys.readouterr().err
-    assert f"stopped at step {STOPPED_AT} of {PLANNED} (not finished)" in err and "--allow-partial" in err
+    assert (
+        f"stopped at step {STOPPED_AT} of {PLANNED} (not finished)" in err
+        and "--allow-partial" in err
+    )
     assert "still training" not in err and not out.exists()
     assert main(["export", str(partial_run), "--out", str(out), "--allow-partial"]) == 0
-    assert f"partial: step {STOPPED_AT} of {PLANNED}" in _card(out) and "after the run stopped" in _card(out)
+    assert f"partial: step {STOPPED_AT} of {PLANNED}" in _card(
+        out
+    ) and "after the run stopped" in _card(out)
 
 
 def test_a_run_before_its_first_checkpoint_is_named_as_such(partial_run, tmp_path, capsys):
@@ -189,7 +230,9 @@ def test_a_class_subset_keeps_its_names_in_memory_and_streamed(folder):
     data = load_image_folder(folder)
     assert data.info.classes == tuple(CLASSES) == open_stream("imagefolder", folder).info.classes
     assert select(data, classes=[2, 0]).info.classes == ("zebra", "cat")
-    grouped = select(data, meta_classes=2, seed=0).info.classes  # a meta-class is named by its members
+    grouped = select(
+        data, meta_classes=2, seed=0
+    ).info.classes  # a meta-class is named by its members
     assert len(grouped) == 2 and sorted("+".join(grouped).split("+")) == CLASSES
 
 
@@ -209,7 +252,10 @@ def test_plain_and_ema_exports_leave_one_card_each(finished_run):
     assert main(["export", str(finished_run)]) == 0
     assert main(["export", str(finished_run), "--ema"]) == 0
     folder = finished_run / "export"
-    assert sorted(p.name for p in folder.glob("*.md")) == ["model-ema.safetensors.card.md", "model.safetensors.card.md"]
+    assert sorted(p.name for p in folder.glob("*.md")) == [
+        "model-ema.safetensors.card.md",
+        "model.safetensors.card.md",
+    ]
     for name, weights in (("model.safetensors", "final"), ("model-ema.safetensors", "ema")):
         card = _card(folder / name)
         assert f"File: `{name}`" in card and f"({weights} weights)" in card
@@ -224,8 +270,21 @@ def test_no_local_path_in_any_exported_file(finished_run, tmp_path, tmp_path_fac
     pytest.importorskip("onnxscript")
     suffixes = {"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}
     for fmt, suffix in suffixes.items():
-        assert main(["export", str(finished_run), "--format", fmt, "--out", str(tmp_path / f"m{suffix}")]) == 0
-    local = [str(tmp_path_factory.getbasetemp()).encode(), str(Path.home()).encode()]  # runs and data lie under the first
+        assert (
+            main(
+                [
+                    "export",
+                    str(finished_run),
+                    "--format",
+                    fmt,
+                    "--out",
+                    str(tmp_path / f"m{suffix}"),
+                ]
+            )
+            == 0
+        )
+    # runs and data lie under the first
+    local = [str(tmp_path_factory.getbasetemp()).encode(), str(Path.home()).encode()]
     for path in tmp_path.iterdir():
         data = path.read_bytes()
         assert not [p for p in local if p in data], path.name
@@ -234,7 +293,9 @@ def test_no_local_path_in_any_exported_file(finished_run, tmp_path, tmp_path_fac
     )
 
 
-def test_a_data_root_changed_on_resume_is_not_shipped_and_the_export_folder_is_owner_only(partial_run, folder, tmp_path):
+def test_a_data_root_changed_on_resume_is_not_shipped_and_the_export_folder_is_owner_only(
+    partial_run, folder, tmp_path
+):
     """The privacy section quotes each --set of a resume, old and new value: a moved data root (a
     review found the old one in the safetensors header) is named as a local path, not shipped."""
     pytest.importorskip("safetensors")
@@ -265,12 +326,17 @@ def test_the_onnx_export_prints_no_warning(finished_run, tmp_path, recwarn, monk
         call_handlers(logger, record)
 
     monkeypatch.setattr(logging.Logger, "callHandlers", seen)
-    assert main(["export", str(finished_run), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 0
+    assert (
+        main(["export", str(finished_run), "--format", "onnx", "--out", str(tmp_path / "m.onnx")])
+        == 0
+    )
     assert records == []
     assert [f"{w.category.__name__}: {w.message}" for w in recwarn] == []
 
 
-def test_the_cards_evaluation_call_runs_for_an_image_folder_once_its_root_is_filled_in(exported, folder, finished_run):
+def test_the_cards_evaluation_call_runs_for_an_image_folder_once_its_root_is_filled_in(
+    exported, folder, finished_run
+):
     """Issue 62, point 11: the card gave ``evaluate_exported("pets.safetensors")``, which fails for
     an image folder (an export names no local path); it now names the data root as a placeholder."""
     import json
@@ -282,5 +348,5 @@ def test_the_cards_evaluation_call_runs_for_an_image_folder_once_its_root_is_fil
     assert 'data_root="<where imagefolder lies on this machine>"' in call
     filled = call.replace('"<where imagefolder lies on this machine>"', repr(str(folder)))
     filled = filled.replace(f'"{exported.name}"', repr(str(exported)))
-    accuracy = eval(filled, {"evaluate_exported": exported_module.evaluate_exported})  # noqa: S307
+    accuracy = eval(filled, {"evaluate_exported": exported_module.evaluate_exported})
     assert accuracy == json.loads((finished_run / "summary.json").read_text())["test_accuracy"]

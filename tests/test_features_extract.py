@@ -85,13 +85,20 @@ def test_scatternet_pad_is_the_transform_of_the_zero_padded_image(kymatio):
     with pytest.raises(ValueError, match="pad must be >= 0"):
         scatter_output_shape((1, 28, 28), pad=-1)
     with pytest.raises(ValueError, match="scatter_pad"):
-        scatter_output_shape((1, 28, 28), pad=1)  # 30 is not divisible by 4: the hint names the option
+        # 30 is not divisible by 4: the hint names the option
+        scatter_output_shape((1, 28, 28), pad=1)
 
 
 def test_padded_scatternet_features_are_cached_apart(kymatio):
-    plain, padded = make_extractor("scatternet", (1, 28, 28)), make_extractor("scatternet", (1, 28, 28), pad=2)
+    plain, padded = (
+        make_extractor("scatternet", (1, 28, 28)),
+        make_extractor("scatternet", (1, 28, 28), pad=2),
+    )
     assert "pad" not in plain.spec and padded.spec["pad"] == 2  # unpadded cache keys unchanged
-    assert padded.output_shape == (81, 8, 8) and padded.name == "scatternet(J=2, L=8, max_order=2, pad=2)"
+    assert (
+        padded.output_shape == (81, 8, 8)
+        and padded.name == "scatternet(J=2, L=8, max_order=2, pad=2)"
+    )
 
 
 def test_scatternet_flattens_channel_major(kymatio):
@@ -100,7 +107,9 @@ def test_scatternet_flattens_channel_major(kymatio):
     gray = ScatterNet((1, 16, 16))
     rgb = ScatterNet((3, 16, 16))(x)
     for c in range(3):
-        torch.testing.assert_close(rgb[:, c * 81 : (c + 1) * 81], gray(x[:, c : c + 1].contiguous()))
+        torch.testing.assert_close(
+            rgb[:, c * 81 : (c + 1) * 81], gray(x[:, c : c + 1].contiguous())
+        )
 
 
 @pytest.mark.parametrize(
@@ -149,7 +158,9 @@ def test_model_extractor_is_forward_features_of_a_seeded_model():
     x = torch.rand(5, 1, 28, 28)
     expected = model.forward_features(x)
     assert extractor.output_shape == tuple(expected.shape[1:])
-    torch.testing.assert_close(extract_features(extractor, x, batch_size=2, progress=False), expected)
+    torch.testing.assert_close(
+        extract_features(extractor, x, batch_size=2, progress=False), expected
+    )
     assert not any(p.requires_grad for p in extractor.module.parameters())
     json.dumps(extractor.spec)
     again = make_extractor("model:papernot-cnn", (1, 28, 28))
@@ -198,9 +209,14 @@ def test_checkpoint_extractor_reproduces_the_trained_features(trained_run):
     for where in (run_dir, run_dir / "checkpoint.pt"):
         extractor = make_extractor(f"checkpoint:{where}", (1, 28, 28))
         assert extractor.spec["kind"] == "checkpoint" and extractor.spec["num_classes"] == 10
-        torch.testing.assert_close(extract_features(extractor, x, batch_size=5, progress=False), expected)
+        torch.testing.assert_close(
+            extract_features(extractor, x, batch_size=5, progress=False), expected
+        )
     # Different weights from the same architecture: a different spec, hence a different cache key.
-    assert extractor.spec["weights_sha256"] != make_extractor("model:papernot-cnn", (1, 28, 28)).spec["weights_sha256"]
+    assert (
+        extractor.spec["weights_sha256"]
+        != make_extractor("model:papernot-cnn", (1, 28, 28)).spec["weights_sha256"]
+    )
 
 
 def test_checkpoint_extractor_rejects_other_image_shapes_and_non_runs(trained_run, tmp_path):
@@ -241,7 +257,9 @@ def test_cache_miss_then_hit_without_recomputing(kymatio, tmp_path):
     extractor = make_extractor("scatternet", (1, 28, 28))
     calls = count_calls(extractor)
     messages: list[str] = []
-    first, hit = load_or_extract(extractor, data, tmp_path, batch_size=10, progress=False, log=messages.append)
+    first, hit = load_or_extract(
+        extractor, data, tmp_path, batch_size=10, progress=False, log=messages.append
+    )
     assert not hit and calls[0] == 3 + 1  # 24 train images in batches of 10, 8 test images
     assert "saved to" in messages[-1] and "24+8" in messages[-1]
     assert first.x_train.shape == (24, 81, 7, 7) and first.x_test.shape == (8, 81, 7, 7)
@@ -261,7 +279,9 @@ def test_cache_key_changes_with_the_data_and_the_extractor(kymatio, tmp_path):
     j2 = make_extractor("scatternet", (1, 28, 28))
     key = feature_cache_key(j2, data)
     assert feature_cache_key(make_extractor("scatternet", (1, 28, 28)), tiny_dataset()) == key
-    changed_train = replace(data, x_train=data.x_train.clone().index_fill_(0, torch.tensor([3]), 0.5))
+    changed_train = replace(
+        data, x_train=data.x_train.clone().index_fill_(0, torch.tensor([3]), 0.5)
+    )
     changed_test = replace(data, x_test=1 - data.x_test)
     relabelled = replace(data, y_test=(data.y_test + 1) % 10)
     one_pixel = data.x_train.clone()
@@ -325,7 +345,11 @@ def test_unwritable_cache_is_reported_not_raised(tmp_path):
     blocker.write_text("")
     messages: list[str] = []
     features, hit = load_or_extract(
-        make_extractor("model:linear", (1, 28, 28)), tiny_dataset(), blocker, progress=False, log=messages.append
+        make_extractor("model:linear", (1, 28, 28)),
+        tiny_dataset(),
+        blocker,
+        progress=False,
+        log=messages.append,
     )
     assert not hit and features.x_train.shape == (24, 784) and "could not save" in messages[-1]
 

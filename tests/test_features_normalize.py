@@ -5,17 +5,32 @@ import math
 import pytest
 import torch
 
-from dpscale.features.normalize import FeatureNormalizer, group_normalize, private_channel_mean, private_data_norm, private_feature_mean
-from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
+from dpscale.features.normalize import (
+    FeatureNormalizer,
+    group_normalize,
+    private_channel_mean,
+    private_data_norm,
+    private_feature_mean,
+)
+from dpscale.privacy.accounting.segments import (
+    DATA_NORM,
+    FEATURE_MEAN,
+    data_norm_release,
+    feature_mean_release,
+)
 from dpscale.rng import DPRandom
 
 
 def test_groupnorm_gives_zero_mean_unit_variance_per_example_and_group():
-    x = torch.randn(5, 81, 7, 7, dtype=torch.float64) * 3 + torch.arange(81, dtype=torch.float64).view(1, 81, 1, 1)
+    x = torch.randn(5, 81, 7, 7, dtype=torch.float64) * 3 + torch.arange(
+        81, dtype=torch.float64
+    ).view(1, 81, 1, 1)
     y = group_normalize(x, 27)
     groups = y.reshape(5, 27, -1)
     assert torch.allclose(groups.mean(-1), torch.zeros(5, 27, dtype=torch.float64), atol=1e-10)
-    assert torch.allclose(groups.var(-1, unbiased=False), torch.ones(5, 27, dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(
+        groups.var(-1, unbiased=False), torch.ones(5, 27, dtype=torch.float64), atol=1e-3
+    )
     # Per example: another example in the batch does not change the result (no privacy cost).
     assert torch.equal(group_normalize(x[:1], 27), y[:1])
     with pytest.raises(ValueError, match="do not divide"):
@@ -83,7 +98,9 @@ def test_one_example_moves_the_noiseless_sum_by_at_most_the_clip_norm():
 
 # One example holding inf, NaN, or a finite float32 value whose square overflows float32 (issue 43,
 # 6b): Data Normalization released NaN, so that example's presence was visible in the release.
-BAD_VALUES = pytest.mark.parametrize("bad", [float("inf"), float("nan"), 3e19], ids=["inf", "nan", "3e19"])
+BAD_VALUES = pytest.mark.parametrize(
+    "bad", [float("inf"), float("nan"), 3e19], ids=["inf", "nan", "3e19"]
+)
 
 
 def _normal_batch(n=10):
@@ -131,7 +148,10 @@ def test_adding_a_bad_example_moves_each_noisy_sum_by_at_most_its_clip(bad):
     x, c1, c2 = _normal_batch(), 0.5, 2.0
     mean_without, square_without = _noisy_sums(x, c1, c2, 0.1, 1e-3, 5)
     mean_with, square_with = _noisy_sums(_with_bad_example(x, bad), c1, c2, 0.1, 1e-3, 5)
-    mean_shift, square_shift = (mean_with - mean_without).norm(), (square_with - square_without).norm()
+    mean_shift, square_shift = (
+        (mean_with - mean_without).norm(),
+        (square_with - square_without).norm(),
+    )
     if math.isfinite(bad):  # 3e19: clipped to exactly C1 and C2 (it needs clipping on both)
         assert float(mean_shift) == pytest.approx(c1, rel=1e-9)
         assert float(square_shift) == pytest.approx(c2, rel=1e-9)
@@ -152,7 +172,9 @@ def test_data_norm_with_bad_examples_matches_the_float64_loop():
     assert torch.allclose(stats.var, var, rtol=1e-9, atol=1e-12)
     # Batching the float64 casts does not change the release.
     batched = private_data_norm(x, 0.5, 2.0, 1.5, 1e-3, DPRandom(42), batch_size=3)
-    assert torch.allclose(batched.mean, stats.mean, rtol=1e-12) and torch.allclose(batched.var, stats.var, rtol=1e-12)
+    assert torch.allclose(batched.mean, stats.mean, rtol=1e-12) and torch.allclose(
+        batched.var, stats.var, rtol=1e-12
+    )
     # float64 input whose square overflows float64 (2e154^2 > 1.8e308): its channel means (norm
     # about 5e153) still count, clipped to C1; its mean-squares contribute nothing.
     x64 = _with_bad_example(_normal_batch().double(), 2e154)
@@ -160,13 +182,19 @@ def test_data_norm_with_bad_examples_matches_the_float64_loop():
     mean, var = _algorithm_2_reference(x64, 0.5, 2.0, 1.5, 1e-3, 42)
     assert torch.allclose(stats.mean, mean, rtol=1e-9, atol=1e-12)
     assert torch.allclose(stats.var, var, rtol=1e-9, atol=1e-12)
-    shift = private_data_norm(x64[:-1], 0.5, 2.0, 1.5, 1e-3, DPRandom(42)).mean * 10 - stats.mean * 11
+    shift = (
+        private_data_norm(x64[:-1], 0.5, 2.0, 1.5, 1e-3, DPRandom(42)).mean * 10 - stats.mean * 11
+    )
     assert float(shift.norm()) == pytest.approx(0.5, rel=1e-9)
 
 
 def test_data_norm_refuses_parameters_that_make_the_release_non_finite():
     x = _normal_batch()
-    for args in ((float("inf"), 1.0, 1.0, 1e-3), (1.0, 1.0, float("inf"), 1e-3), (1.0, 0.0, 1.0, 1e-3)):
+    for args in (
+        (float("inf"), 1.0, 1.0, 1e-3),
+        (1.0, 1.0, float("inf"), 1e-3),
+        (1.0, 0.0, 1.0, 1e-3),
+    ):
         with pytest.raises(ValueError, match="private_data_norm needs"):
             private_data_norm(x, *args, DPRandom(0))
     with pytest.raises(ValueError, match="private_channel_mean needs"):
@@ -184,12 +212,19 @@ def test_variance_floor_and_state_round_trip():
     assert torch.equal(restored(x), norm(x))
     group = FeatureNormalizer.from_state_dict(FeatureNormalizer("groupnorm", 2).state_dict())
     y = torch.randn(3, 4, 2, 2)
-    assert (group.kind, group.groups) == ("groupnorm", 2) and torch.equal(group(y), group_normalize(y, 2))
+    assert (group.kind, group.groups) == ("groupnorm", 2) and torch.equal(
+        group(y), group_normalize(y, 2)
+    )
 
 
 def test_data_norm_release_is_two_gaussian_sums():
     release = data_norm_release(8.0)
-    assert (release.label, release.sample_rate, release.noise_multiplier, release.steps) == (DATA_NORM, 1.0, 8.0, 2)
+    assert (release.label, release.sample_rate, release.noise_multiplier, release.steps) == (
+        DATA_NORM,
+        1.0,
+        8.0,
+        2,
+    )
 
 
 def _feature_mean_reference(x, clip, sigma, seed):
@@ -215,9 +250,15 @@ def test_private_feature_mean_matches_the_float64_loop_and_is_subtracted():
     normalizer = FeatureNormalizer("groupnorm", 3, center=center)
     # Normalising batch by batch inside equals normalising first (the pipeline's memory-saving path).
     grouped = group_normalize(x, 3)
-    inside = private_feature_mean(x, 5.0, 1.5, DPRandom(7), batch_size=4, transform=FeatureNormalizer("groupnorm", 3))
-    assert torch.allclose(inside, private_feature_mean(grouped, 5.0, 1.5, DPRandom(7)), rtol=1e-9, atol=1e-12)
-    assert torch.allclose(normalizer(x).double(), group_normalize(x, 3).double() - center, atol=1e-6)
+    inside = private_feature_mean(
+        x, 5.0, 1.5, DPRandom(7), batch_size=4, transform=FeatureNormalizer("groupnorm", 3)
+    )
+    assert torch.allclose(
+        inside, private_feature_mean(grouped, 5.0, 1.5, DPRandom(7)), rtol=1e-9, atol=1e-12
+    )
+    assert torch.allclose(
+        normalizer(x).double(), group_normalize(x, 3).double() - center, atol=1e-6
+    )
     restored = FeatureNormalizer.from_state_dict(normalizer.state_dict())
     assert torch.equal(restored.center, center) and torch.equal(restored(x), normalizer(x))
     assert not normalizer.is_identity and FeatureNormalizer().is_identity
@@ -228,7 +269,8 @@ def test_feature_mean_noise_has_std_sigma_r_over_n_and_one_example_moves_the_sum
     n, d, sigma, clip = 40, 20000, 3.0, 0.7
     estimate = private_feature_mean(torch.zeros(n, d), clip, sigma, DPRandom(5))
     expected_std = sigma * clip / n
-    assert float(estimate.std()) == pytest.approx(expected_std, rel=0.03)  # 20000 normals: within 3%
+    # 20000 normals: within 3%
+    assert float(estimate.std()) == pytest.approx(expected_std, rel=0.03)
     assert abs(float(estimate.mean())) < 4 * expected_std / math.sqrt(d)
     torch.manual_seed(0)
     x = torch.rand(10, 4, 3, 3)
@@ -237,12 +279,21 @@ def test_feature_mean_noise_has_std_sigma_r_over_n_and_one_example_moves_the_sum
     with_outlier = private_feature_mean(torch.cat([x, outlier]), 0.5, 0.0, DPRandom(0)) * 11
     assert float((with_outlier - without).norm()) <= 0.5 + 1e-9
     # An input that overflows (inf, NaN) contributes nothing instead of poisoning the release.
-    broken = torch.cat([x, torch.full((1, 4, 3, 3), float("inf")), torch.full((1, 4, 3, 3), float("nan"))])
-    assert torch.allclose(private_feature_mean(broken, 0.5, 0.0, DPRandom(0)) * 12, without, atol=1e-12)
+    broken = torch.cat(
+        [x, torch.full((1, 4, 3, 3), float("inf")), torch.full((1, 4, 3, 3), float("nan"))]
+    )
+    assert torch.allclose(
+        private_feature_mean(broken, 0.5, 0.0, DPRandom(0)) * 12, without, atol=1e-12
+    )
     with pytest.raises(ValueError, match="clip > 0"):
         private_feature_mean(x, 0.0, 1.0, DPRandom(0))
 
 
 def test_feature_mean_release_is_one_gaussian_sum():
     release = feature_mean_release(8.0)
-    assert (release.label, release.sample_rate, release.noise_multiplier, release.steps) == (FEATURE_MEAN, 1.0, 8.0, 1)
+    assert (release.label, release.sample_rate, release.noise_multiplier, release.steps) == (
+        FEATURE_MEAN,
+        1.0,
+        8.0,
+        1,
+    )

@@ -25,12 +25,16 @@ N, CAP = 120, 7
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)).double()
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.Tanh(), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)
+    ).double()
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(N, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (N,), generator=g)
+    return torch.randn(N, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(
+        0, 4, (N,), generator=g
+    )
 
 
 @contextlib.contextmanager
@@ -48,15 +52,26 @@ def _chunk_rows() -> Iterator[list[int]]:
         yield seen
 
 
-def _steps(model: nn.Module, dtype: torch.dtype = torch.float64, **options) -> tuple[list[dict], list[int], float, list[int]]:
+def _steps(
+    model: nn.Module, dtype: torch.dtype = torch.float64, **options
+) -> tuple[list[dict], list[int], float, list[int]]:
     """A seeded make_private run on ``_data`` (examples in ``dtype``): (released gradients, examples
     counted, epsilon, rows of every chunk the engine saw)."""
     mechanism = dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=N, batch_size=6, max_grad_norm=0.5,
-        noise_multiplier=1.0, delta=1e-5, seed=3, **options,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=N,
+        batch_size=6,
+        max_grad_norm=0.5,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=3,
+        **options,
+    )
     released, counts = [], []
-    mechanism.observer = lambda gradient: released.append({k: v.clone() for k, v in gradient.items()})
+    mechanism.observer = lambda gradient: released.append(
+        {k: v.clone() for k, v in gradient.items()}
+    )
     x, y = _data()
     with _chunk_rows() as seen:
         for indices in mechanism.batches():
@@ -64,7 +79,9 @@ def _steps(model: nn.Module, dtype: torch.dtype = torch.float64, **options) -> t
     return released, counts, mechanism.epsilon(), seen
 
 
-def _run(engine: str, fixed_shapes: bool, steps: int = 6, **options) -> tuple[list[dict], list[int], float, list[int]]:
+def _run(
+    engine: str, fixed_shapes: bool, steps: int = 6, **options
+) -> tuple[list[dict], list[int], float, list[int]]:
     """``_steps`` of ``_model`` (float64) with this engine, padded or not."""
     return _steps(_model(), engine=engine, fixed_shapes=fixed_shapes, steps=steps, **options)
 
@@ -73,7 +90,8 @@ def _run(engine: str, fixed_shapes: bool, steps: int = 6, **options) -> tuple[li
 def test_a_capped_run_padded_to_the_cap_releases_what_the_unpadded_run_does(engine):
     plain, plain_counts, plain_eps, plain_seen = _run(engine, False, max_batch_size=CAP)
     padded, padded_counts, padded_eps, padded_seen = _run(engine, True, max_batch_size=CAP)
-    assert set(padded_seen) == {CAP} and len(set(plain_seen)) > 1  # padded: one shape; unpadded: several
+    # padded: one shape; unpadded: several
+    assert set(padded_seen) == {CAP} and len(set(plain_seen)) > 1
     assert padded_counts == plain_counts and max(plain_counts) <= CAP
     assert padded_eps == plain_eps
     for want, got in zip(plain, padded, strict=True):
@@ -111,9 +129,22 @@ def test_fixed_shapes_refuse_uncapped_poisson_without_a_chunk_size_in_one_line()
 def test_the_padded_size_is_the_smallest_bound():
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    plan = dpscale.make_private(model, optimizer, dataset_size=N, batch_size=10, max_grad_norm=0.5, noise_multiplier=1.0,
-                                delta=1e-5, steps=2, max_batch_size=CAP).plan  # fmt: skip
-    assert pad_rows_for(plan, None) == CAP and pad_rows_for(plan, 5) == 5 and pad_rows_for(plan, 64) == CAP
+    plan = dpscale.make_private(
+        model,
+        optimizer,
+        dataset_size=N,
+        batch_size=10,
+        max_grad_norm=0.5,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=2,
+        max_batch_size=CAP,
+    ).plan
+    assert (
+        pad_rows_for(plan, None) == CAP
+        and pad_rows_for(plan, 5) == 5
+        and pad_rows_for(plan, 64) == CAP
+    )
 
 
 @pytest.mark.slow  # a first torch.compile costs ~10-30 s on 2 cores
@@ -141,8 +172,14 @@ def test_dpscale_train_with_fixed_shapes_pads_every_chunk_and_trains_as_the_unpa
     from helpers import tiny_config
 
     def run(name: str, fixed: str) -> tuple[dict, list[int], dict]:
-        config = tiny_config(tmp_path / name, "run.seed=5", "dp.max_batch_size=70", "train.max_physical_batch_size=32",
-                             "train.engine=bk", f"train.fixed_shapes={fixed}")  # fmt: skip
+        config = tiny_config(
+            tmp_path / name,
+            "run.seed=5",
+            "dp.max_batch_size=70",
+            "train.max_physical_batch_size=32",
+            "train.engine=bk",
+            f"train.fixed_shapes={fixed}",
+        )
         with _chunk_rows() as seen:
             trainer = Trainer.create(config)
             summary = trainer.run()

@@ -35,10 +35,31 @@ from dpscale.privacy.accounting.group_privacy import (
 )
 from dpscale.privacy.plan.numbers import PrivacyNumbers
 
-FMNIST = ["account", "--dataset-size", "50000", "--batch-size", "2048", "--steps", "977", "--noise", "1.9578"]
+FMNIST = [
+    "account",
+    "--dataset-size",
+    "50000",
+    "--batch-size",
+    "2048",
+    "--steps",
+    "977",
+    "--noise",
+    "1.9578",
+]
 FMNIST_Q, FMNIST_SIGMA, FMNIST_STEPS = 2048 / 50000, 1.9578, 977
-SMALL = ["account", "--dataset-size", "10000", "--batch-size", "100", "--steps", "500", "--noise", "2",
-         "--accountant", "rdp"]  # fmt: skip
+SMALL = [
+    "account",
+    "--dataset-size",
+    "10000",
+    "--batch-size",
+    "100",
+    "--steps",
+    "500",
+    "--noise",
+    "2",
+    "--accountant",
+    "rdp",
+]
 
 
 def _chained_delta(eps: float, delta: float, k: int) -> float:
@@ -53,12 +74,16 @@ def _meets(eps: float, delta: float, k: int, target: float) -> bool:
 
 def _gaussian_delta(eps: float, sigma: float) -> float:
     """The exact delta(eps) of the Gaussian mechanism with sensitivity 1 and noise sigma (Balle & Wang 2018)."""
-    return norm.cdf(-eps * sigma + 1 / (2 * sigma)) - math.exp(eps) * norm.cdf(-eps * sigma - 1 / (2 * sigma))
+    return norm.cdf(-eps * sigma + 1 / (2 * sigma)) - math.exp(eps) * norm.cdf(
+        -eps * sigma - 1 / (2 * sigma)
+    )
 
 
 def _gaussian_epsilons(sigma: float):
     """Its epsilon(delta), by root finding, for several deltas at once."""
-    return lambda deltas: [brentq(lambda e, d=d: _gaussian_delta(e, sigma) - d, 0.0, 100.0, xtol=1e-13) for d in deltas]
+    return lambda deltas: [
+        brentq(lambda e, d=d: _gaussian_delta(e, sigma) - d, 0.0, 100.0, xtol=1e-13) for d in deltas
+    ]
 
 
 def _json(capsys, argv):
@@ -69,7 +94,9 @@ def _json(capsys, argv):
 # ------------------------------------------------------------------ the math (pure functions)
 
 
-@pytest.mark.parametrize("eps, delta, k", [(0.5, 1e-6, 2), (1.0, 1e-5, 4), (3.0, 1e-5, 4), (0.1, 1e-8, 16)])
+@pytest.mark.parametrize(
+    "eps, delta, k", [(0.5, 1e-6, 2), (1.0, 1e-5, 4), (3.0, 1e-5, 4), (0.1, 1e-8, 16)]
+)
 def test_group_bound_is_k_eps_and_the_chained_delta(eps, delta, k):
     assert group_epsilon(epsilon=eps, group_size=k) == k * eps
     delta_k = group_delta(epsilon=eps, delta=delta, group_size=k)
@@ -80,9 +107,11 @@ def test_group_bound_is_k_eps_and_the_chained_delta(eps, delta, k):
 
 
 def test_group_bound_edge_cases():
-    assert group_delta(epsilon=2.0, delta=1e-5, group_size=1) == 1e-5  # a person with one image: the run's own
+    # a person with one image: the run's own
+    assert group_delta(epsilon=2.0, delta=1e-5, group_size=1) == 1e-5
     assert group_delta(epsilon=0.0, delta=1e-5, group_size=7) == pytest.approx(7e-5)
-    assert group_delta(epsilon=50.0, delta=1e-5, group_size=100) == math.inf  # e^(99 * 50) overflows
+    # e^(99 * 50) overflows
+    assert group_delta(epsilon=50.0, delta=1e-5, group_size=100) == math.inf
     assert group_delta(epsilon=math.inf, delta=1e-5, group_size=2) == math.inf
 
 
@@ -118,7 +147,9 @@ def test_delta_search_on_the_exact_gaussian_curve_meets_its_delta_and_is_optimal
     assert _meets(best.example_epsilon, best.example_delta, k, target)  # meets its delta
     # brute force over eps' (delta' = delta(eps') in closed form): the smallest k eps' whose chained delta meets it
     eps = np.arange(1, 100_000) * 1e-4
-    deltas = norm.cdf(-eps * sigma + 1 / (2 * sigma)) - np.exp(eps) * norm.cdf(-eps * sigma - 1 / (2 * sigma))
+    deltas = norm.cdf(-eps * sigma + 1 / (2 * sigma)) - np.exp(eps) * norm.cdf(
+        -eps * sigma - 1 / (2 * sigma)
+    )
     chained = deltas * sum(np.exp(i * eps) for i in range(k))
     brute = k * eps[chained <= target].min()
     assert brute * (1 - 1e-3) <= best.epsilon <= brute * (1 + 1e-4)
@@ -129,7 +160,12 @@ def test_delta_search_at_the_direct_bounds_delta_is_no_worse_than_it():
     eps = curve([1e-5])[0]
     for k in (2, 3, 5):
         direct = direct_group_bound(epsilon=eps, delta=1e-5, group_size=k)
-        search = {"epsilons_at": curve, "target_delta": direct.delta, "group_size": k, "min_delta": 1e-30}
+        search = {
+            "epsilons_at": curve,
+            "target_delta": direct.delta,
+            "group_size": k,
+            "min_delta": 1e-30,
+        }
         grid_only = best_group_bound(**search)  # the grid comes within 1e-4 of the run's own delta
         assert grid_only.epsilon <= direct.epsilon * (1 + 1e-4)
         best = best_group_bound(**search, extra_deltas=[1e-5])
@@ -139,9 +175,15 @@ def test_delta_search_at_the_direct_bounds_delta_is_no_worse_than_it():
 
 def test_delta_search_says_none_when_no_delta_prime_meets_it():
     curve = _gaussian_epsilons(0.5)  # eps(1e-5) ~ 13: a group of 8 is far out of reach
-    assert best_group_bound(epsilons_at=curve, target_delta=1e-5, group_size=8, min_delta=1e-12) is None
+    assert (
+        best_group_bound(epsilons_at=curve, target_delta=1e-5, group_size=8, min_delta=1e-12)
+        is None
+    )
     # 1e-5 / k = 1e-13 is below the floor: no delta' to try
-    assert best_group_bound(epsilons_at=curve, target_delta=1e-5, group_size=10**8, min_delta=1e-12) is None
+    assert (
+        best_group_bound(epsilons_at=curve, target_delta=1e-5, group_size=10**8, min_delta=1e-12)
+        is None
+    )
 
 
 def test_a_group_of_one_is_the_run_itself():
@@ -153,8 +195,16 @@ def test_a_group_of_one_is_the_run_itself():
 def test_meaning_is_dpplans_sentence_word_for_word_for_one_image():
     from dpscale.privacy.plan.make_plan import make_dp_plan
 
-    plan = make_dp_plan(PrivacyNumbers(batch_size=100, max_grad_norm=1.0, delta=1e-5, noise_multiplier=2.0, accountant="rdp"), dataset_size=10000, steps=500)  # fmt: skip
-    assert plan.meaning() == meaning(epsilon=plan.epsilon, delta=plan.delta, unit_words=unit_text("example"))
+    plan = make_dp_plan(
+        PrivacyNumbers(
+            batch_size=100, max_grad_norm=1.0, delta=1e-5, noise_multiplier=2.0, accountant="rdp"
+        ),
+        dataset_size=10000,
+        steps=500,
+    )
+    assert plan.meaning() == meaning(
+        epsilon=plan.epsilon, delta=plan.delta, unit_words=unit_text("example")
+    )
     assert unit_text("example", group_size=4) == "any one person's 4 training images"
     assert "person" in unit_text("user") and "all of them" in unit_text("user")
     with pytest.raises(ValueError, match="unit must be one of"):
@@ -172,12 +222,16 @@ def test_group_size_reports_k_eps_and_the_searched_bound(capsys):
     assert group["group_size"] == 3 and group["direct_epsilon"] == pytest.approx(3 * eps, rel=1e-12)
     assert group["direct_delta"] == pytest.approx(_chained_delta(eps, 1e-5, 3), rel=1e-12)
     # the searched bound: 3 x the accountant's epsilon at delta', whose chained delta meets 1e-5
-    example = compute_epsilon(sample_rate=0.01, noise_multiplier=2.0, steps=500, delta=group["example_delta"],
-                              kind="rdp")  # fmt: skip
+    example = compute_epsilon(
+        sample_rate=0.01, noise_multiplier=2.0, steps=500, delta=group["example_delta"], kind="rdp"
+    )
     assert group["epsilon"] == pytest.approx(3 * example, rel=1e-12) and group["delta"] == 1e-5
     assert _meets(example, group["example_delta"], 3, 1e-5)
     assert group["epsilon"] > group["direct_epsilon"]  # a smaller delta costs epsilon
-    assert "upper bound" in group["bound"] and group["unit_text"] == "any one person's 3 training images"
+    assert (
+        "upper bound" in group["bound"]
+        and group["unit_text"] == "any one person's 3 training images"
+    )
 
 
 def test_group_size_search_is_no_worse_than_k_eps_at_its_own_delta():
@@ -188,8 +242,13 @@ def test_group_size_search_is_no_worse_than_k_eps_at_its_own_delta():
     eps = accountant.epsilon(1e-5)
     for k in (2, 4):
         direct = direct_group_bound(epsilon=eps, delta=1e-5, group_size=k)
-        best = best_group_bound(epsilons_at=accountant.epsilons, target_delta=direct.delta, group_size=k,
-                                min_delta=1e-100, extra_deltas=[1e-5])  # fmt: skip
+        best = best_group_bound(
+            epsilons_at=accountant.epsilons,
+            target_delta=direct.delta,
+            group_size=k,
+            min_delta=1e-100,
+            extra_deltas=[1e-5],
+        )
         assert best.epsilon <= direct.epsilon
         assert _meets(accountant.epsilon(best.example_delta), best.example_delta, k, direct.delta)
 
@@ -202,11 +261,18 @@ def test_fashion_mnist_numbers_in_the_docs(capsys):
     assert group["direct_epsilon"] == pytest.approx(11.9914, abs=5e-4)
     assert group["direct_delta"] == pytest.approx(0.0847, abs=5e-5)
     assert group["epsilon"] == pytest.approx(20.54, abs=0.01)
-    example = compute_epsilon(sample_rate=FMNIST_Q, noise_multiplier=FMNIST_SIGMA, steps=FMNIST_STEPS,
-                              delta=group["example_delta"])  # fmt: skip
-    assert group["epsilon"] == pytest.approx(4 * example, rel=1e-9) and _meets(example, group["example_delta"], 4, 1e-5)
+    example = compute_epsilon(
+        sample_rate=FMNIST_Q,
+        noise_multiplier=FMNIST_SIGMA,
+        steps=FMNIST_STEPS,
+        delta=group["example_delta"],
+    )
+    assert group["epsilon"] == pytest.approx(4 * example, rel=1e-9) and _meets(
+        example, group["example_delta"], 4, 1e-5
+    )
     sixteen = _json(capsys, [*FMNIST, "--group-size", "16"])["group_privacy"]
-    assert sixteen["epsilon"] is None and sixteen["direct_delta"] > 1  # group privacy promises nothing
+    # group privacy promises nothing
+    assert sixteen["epsilon"] is None and sixteen["direct_delta"] > 1
 
 
 def test_group_size_text_says_upper_bound_and_names_the_person(capsys):
@@ -214,7 +280,10 @@ def test_group_size_text_says_upper_bound_and_names_the_person(capsys):
     out = capsys.readouterr().out
     assert "adding or removing any one training image" in out
     assert "For a person with 3 images (group privacy: an upper bound" in out
-    assert "the true guarantee may be better" in out and "adding or removing any one person's 3 training images" in out
+    assert (
+        "the true guarantee may be better" in out
+        and "adding or removing any one person's 3 training images" in out
+    )
     assert main([*SMALL, "--group-size", "40"]) == 0  # eps ~ 1.4: nothing at 1e-5 for 40 images
     assert "no guarantee at delta = 1e-05" in capsys.readouterr().out
 
@@ -225,7 +294,10 @@ def test_group_size_text_says_upper_bound_and_names_the_person(capsys):
 def test_unit_user_has_the_example_level_epsilon_and_names_the_person(capsys):
     example = _json(capsys, SMALL)
     user = _json(capsys, [*SMALL, "--unit", "user", "--examples-per-user", "10"])
-    assert user["epsilon"] == example["epsilon"] and user["sample_rate"] == example["sample_rate"] == 0.01
+    assert (
+        user["epsilon"] == example["epsilon"]
+        and user["sample_rate"] == example["sample_rate"] == 0.01
+    )
     assert (example["unit"], example["examples_per_user"]) == ("example", None)
     assert example["unit_text"] == "any one training image"
     assert (user["unit"], user["examples_per_user"]) == ("user", 10)
@@ -280,4 +352,7 @@ def test_the_docs_show_the_commands_and_numbers_pinned_above():
     section = text.split("## What an example-level epsilon means for a person")[1].split("\n## ")[0]
     for k in (4, 16):
         assert "dpscale " + " ".join([*FMNIST, "--group-size", str(k)]) in section
-    assert "| 4 | (11.99, 0.0847) | 20.54 " in section and "| 16 | (47.97, 3.6e14): no guarantee |" in section
+    assert (
+        "| 4 | (11.99, 0.0847) | 20.54 " in section
+        and "| 16 | (47.97, 3.6e14): no guarantee |" in section
+    )

@@ -46,7 +46,11 @@ def _runtime_imports(tree: ast.AST) -> list[ast.AST]:
     found, todo = [], [tree]
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+        ):
             todo.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -60,7 +64,9 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        graph[module] = set().union(*(_targets(module, path, n, modules) for n in _runtime_imports(tree)))
+        graph[module] = set().union(
+            *(_targets(module, path, n, modules) for n in _runtime_imports(tree))
+        )
     return graph
 
 
@@ -121,9 +127,11 @@ def test_within_matches_whole_package_names():
 def test_lower_layers_never_import_train_tune_or_cli():
     upward = [
         f"{module} -> {target}"
-        for module, targets in import_graph().items() if _within(module, LOWER)
-        for target in sorted(targets) if _within(target, UPPER)
-    ]  # fmt: skip
+        for module, targets in import_graph().items()
+        if _within(module, LOWER)
+        for target in sorted(targets)
+        if _within(target, UPPER)
+    ]
     assert upward == []
 
 
@@ -131,7 +139,8 @@ def test_the_checker_sees_circles_and_upward_imports():
     # the checks above would pass on an empty graph: show they find what they look for
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
-    assert "dpscale.privacy.clipping.ghost.engine" in graph["dpscale.privacy.clipping.engines"]  # local and module-level imports
+    # local and module-level imports
+    assert "dpscale.privacy.clipping.ghost.engine" in graph["dpscale.privacy.clipping.engines"]
     assert "dpscale.train.loop" in graph["dpscale.train.run"]  # a function-level import is seen
 
 
@@ -140,7 +149,9 @@ def test_importing_the_privacy_package_does_not_load_the_model_zoo():
     import sys
 
     code = "import sys, dpscale.privacy; print(sorted(m for m in sys.modules if m.startswith('dpscale.models')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]"
 
 
@@ -149,7 +160,11 @@ def _code_lines(node: ast.AST) -> int:
     keyword arguments, one per line as the formatter writes them)."""
     body = node.body
     first = body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         body = body[1:]
     return 0 if not body else node.end_lineno - body[0].lineno + 1
 
@@ -157,8 +172,11 @@ def _code_lines(node: ast.AST) -> int:
 def test_the_training_package_has_no_module_over_400_lines_and_no_function_over_50():
     modules = sorted((SRC / "dpscale" / "train").glob("*.py"))
     assert len(modules) > 5  # the check looks where the code is
-    too_big = [f"{path.name}: {len(path.read_text().splitlines())} lines" for path in modules
-               if len(path.read_text().splitlines()) > 400]  # fmt: skip
+    too_big = [
+        f"{path.name}: {len(path.read_text().splitlines())} lines"
+        for path in modules
+        if len(path.read_text().splitlines()) > 400
+    ]
     too_long = [
         f"{path.name}:{node.name}: {_code_lines(node)} lines"
         for path in modules
@@ -166,14 +184,23 @@ def test_the_training_package_has_no_module_over_400_lines_and_no_function_over_
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > 50
     ]
     assert too_big == [] and too_long == []
-    assert _code_lines(ast.parse('def f(\n    a,\n):\n    """doc\n    more"""\n    b = a\n    return b\n').body[0]) == 2
+    assert (
+        _code_lines(
+            ast.parse(
+                'def f(\n    a,\n):\n    """doc\n    more"""\n    b = a\n    return b\n'
+            ).body[0]
+        )
+        == 2
+    )
 
 
 def test_the_privacy_core_does_not_depend_on_the_config():
     graph = import_graph()
     config_modules = {m for m in graph if m == "dpscale.config" or m.startswith("dpscale.config.")}
     assert len(config_modules) >= 5  # the package and its modules
-    assert [m for m in graph if m.startswith("dpscale.privacy") and config_modules & set(graph[m])] == []
+    assert [
+        m for m in graph if m.startswith("dpscale.privacy") and config_modules & set(graph[m])
+    ] == []
 
 
 def test_the_plan_from_plain_numbers_equals_the_plan_from_a_config():
@@ -181,8 +208,26 @@ def test_the_plan_from_plain_numbers_equals_the_plan_from_a_config():
     from dpscale.privacy.plan.make_plan import make_dp_plan
     from dpscale.train.plan_config import plan_from_config
 
-    dp = DPConfig(epsilon=2.0, delta=1e-5, batch_size=256, max_grad_norm=0.7, accountant="rdp", simulated_batch_size=128)
-    from_numbers = make_dp_plan(PrivacyNumbers(batch_size=256, max_grad_norm=0.7, delta=1e-5, target_epsilon=2.0, simulated_batch_size=128, accountant="rdp"), dataset_size=60_000, steps=500)  # fmt: skip
+    dp = DPConfig(
+        epsilon=2.0,
+        delta=1e-5,
+        batch_size=256,
+        max_grad_norm=0.7,
+        accountant="rdp",
+        simulated_batch_size=128,
+    )
+    from_numbers = make_dp_plan(
+        PrivacyNumbers(
+            batch_size=256,
+            max_grad_norm=0.7,
+            delta=1e-5,
+            target_epsilon=2.0,
+            simulated_batch_size=128,
+            accountant="rdp",
+        ),
+        dataset_size=60_000,
+        steps=500,
+    )
     assert from_numbers == plan_from_config(dp, 60_000, 500)
     assert from_numbers.simulation is not None and from_numbers.batch_size == 128
 
@@ -267,7 +312,9 @@ def test_no_module_reaches_into_another_objects_private_members_and_no_trainer_i
             found.append(f"{path.name}: Trainer = Any")
         for line in text.splitlines():
             code = line.split("#", 1)[0]
-            found += [f"{path.name}: {m}" for m in pattern.findall(code) if m not in _PRIVATE_BY_DESIGN]
+            found += [
+                f"{path.name}: {m}" for m in pattern.findall(code) if m not in _PRIVATE_BY_DESIGN
+            ]
     assert found == []
 
 
@@ -281,7 +328,9 @@ def test_every_module_says_its_purpose_in_the_first_line_of_its_docstring():
     assert silent == []
     listed = (SRC.parent / "docs" / "architecture.md").read_text()
     unlisted = [
-        p.name for p in sorted((SRC / "dpscale" / "train").glob("*.py")) if p.name != "__init__.py" and f"train/{p.name}" not in listed
+        p.name
+        for p in sorted((SRC / "dpscale" / "train").glob("*.py"))
+        if p.name != "__init__.py" and f"train/{p.name}" not in listed
     ]
     assert unlisted == []
 
@@ -291,10 +340,19 @@ def _module_imports(path: Path, modules: set[str]) -> set[str]:
     (imports inside functions are deferred on purpose and left out)."""
     found: set[str] = set()
     for node in ast.parse(path.read_text()).body:
-        blocks = node.body if isinstance(node, ast.If) else [node]  # TYPE_CHECKING (and other top-level ifs)
+        # TYPE_CHECKING (and other top-level ifs)
+        blocks = node.body if isinstance(node, ast.If) else [node]
         for stmt in blocks:
-            if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith("dpscale"):
-                found |= {f"{stmt.module}.{a.name}" for a in stmt.names if f"{stmt.module}.{a.name}" in modules}
+            if (
+                isinstance(stmt, ast.ImportFrom)
+                and stmt.module
+                and stmt.module.startswith("dpscale")
+            ):
+                found |= {
+                    f"{stmt.module}.{a.name}"
+                    for a in stmt.names
+                    if f"{stmt.module}.{a.name}" in modules
+                }
                 found |= {stmt.module} & modules
             elif isinstance(stmt, ast.Import):
                 found |= {a.name for a in stmt.names} & modules
@@ -303,7 +361,10 @@ def _module_imports(path: Path, modules: set[str]) -> set[str]:
 
 def test_no_import_cycle_among_the_modules_type_only_imports_included():
     """Issue 64: config.py and config_validate.py imported each other (type-only); now no cycle at all."""
-    paths = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p for p in SRC.rglob("*.py")}
+    paths = {
+        ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SRC.rglob("*.py")
+    }
     graph = {name: _module_imports(path, set(paths)) - {name} for name, path in paths.items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
@@ -321,7 +382,8 @@ def test_no_import_cycle_among_the_modules_type_only_imports_included():
     assert cycles == []
 
 
-PRIVACY_ROOMS = ("accounting", "sampling", "noise", "clipping", "plan")  # lowest first, as privacy/__init__ says
+# lowest first, as privacy/__init__ says
+PRIVACY_ROOMS = ("accounting", "sampling", "noise", "clipping", "plan")
 
 
 def _privacy_room(module: str) -> int | None:
@@ -337,21 +399,32 @@ def test_each_privacy_room_imports_only_the_rooms_below_it_type_only_imports_inc
     from dpscale.privacy import ROOMS
 
     assert ROOMS == PRIVACY_ROOMS
-    paths = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p for p in SRC.rglob("*.py")}
+    paths = {
+        ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SRC.rglob("*.py")
+    }
     top_level = {name: _module_imports(path, set(paths)) for name, path in paths.items()}
     upward = [
         f"{module} -> {target}"
         for module, targets in import_graph().items()
         for target in sorted(targets | top_level.get(module, set()))
-        if (rank := _privacy_room(module)) is not None and (to := _privacy_room(target)) is not None and to > rank
-    ]  # fmt: skip
+        if (rank := _privacy_room(module)) is not None
+        and (to := _privacy_room(target)) is not None
+        and to > rank
+    ]
     assert upward == []
-    assert _privacy_room("dpscale.privacy.plan.make_plan") > _privacy_room("dpscale.privacy.accounting.tan") > _privacy_room("dpscale.privacy.options")  # fmt: skip
+    assert (
+        _privacy_room("dpscale.privacy.plan.make_plan")
+        > _privacy_room("dpscale.privacy.accounting.tan")
+        > _privacy_room("dpscale.privacy.options")
+    )
 
 
 def test_privacy_has_its_rooms_and_at_most_8_modules_at_its_top_level():
     privacy = SRC / "dpscale" / "privacy"
-    assert sorted(p.name for p in privacy.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(PRIVACY_ROOMS)
+    assert sorted(
+        p.name for p in privacy.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+    ) == sorted(PRIVACY_ROOMS)
     assert len(list(privacy.glob("*.py"))) <= 8
 
 
@@ -371,17 +444,33 @@ def test_accounting_and_the_plan_load_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-
 def test_every_lazy_package_lists_what_it_imports_on_first_use():
     """A lazy package's ``__all__`` and ``__dir__`` name exactly the names its ``__getattr__`` serves,
     and each of them imports (a misspelt submodule or name would surface only at a user's call)."""
     import importlib
 
-    lazy = [name for name, path in ((".".join(p.relative_to(SRC).parent.parts), p) for p in SRC.rglob("__init__.py")) if "_MODULE_OF = " in path.read_text()]
-    assert {"dpscale.config", "dpscale.data", "dpscale.privacy", "dpscale.privacy.plan"} <= set(lazy)
+    lazy = [
+        name
+        for name, path in (
+            (".".join(p.relative_to(SRC).parent.parts), p) for p in SRC.rglob("__init__.py")
+        )
+        if "_MODULE_OF = " in path.read_text()
+    ]
+    assert {"dpscale.config", "dpscale.data", "dpscale.privacy", "dpscale.privacy.plan"} <= set(
+        lazy
+    )
     for name in lazy:
         package = importlib.import_module(name)
         assert sorted(package.__all__) == sorted(package._MODULE_OF), name
         assert set(package._MODULE_OF) <= set(dir(package)), name
         for exported in package.__all__:
             assert getattr(package, exported) is not None, f"{name}.{exported}"
+
+
+def test_no_module_is_over_600_lines():
+    """Issue 64: no module of src/ or tests/ over 600 lines (as ``ruff format`` writes them)."""
+    tests = Path(__file__).resolve().parent
+    modules = sorted([*SRC.rglob("*.py"), *tests.rglob("*.py")])
+    assert len(modules) > 200  # the check looks where the code is
+    too_big = [f"{p.name}: {n}" for p in modules if (n := len(p.read_text().splitlines())) > 600]
+    assert too_big == []

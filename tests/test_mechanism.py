@@ -15,7 +15,13 @@ from dpscale.config import load_config
 from dpscale.data.run_data import prepare_data
 from dpscale.train.loop import Trainer
 
-RECIPE = {"batch_size": 64, "max_grad_norm": 0.5, "noise_multiplier": 1.2, "delta": 1e-5, "steps": 6}
+RECIPE = {
+    "batch_size": 64,
+    "max_grad_norm": 0.5,
+    "noise_multiplier": 1.2,
+    "delta": 1e-5,
+    "steps": 6,
+}
 LR, MOMENTUM, CHUNK, SEED = 0.3, 0.9, 24, 11
 
 
@@ -25,9 +31,14 @@ class OwnNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 4, 8, stride=2, padding=2), nn.Tanh(), nn.MaxPool2d(2, stride=1),
-            nn.Conv2d(4, 4, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, stride=1), nn.Flatten(),
-        )  # fmt: skip
+            nn.Conv2d(1, 4, 8, stride=2, padding=2),
+            nn.Tanh(),
+            nn.MaxPool2d(2, stride=1),
+            nn.Conv2d(4, 4, 4, stride=2),
+            nn.Tanh(),
+            nn.MaxPool2d(2, stride=1),
+            nn.Flatten(),
+        )
         self.head = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,12 +46,23 @@ class OwnNet(nn.Module):
 
 
 def _config(out_dir):
-    return load_config(None, [
-        "model.name=papernot-cnn", "model.kwargs={filters: [4, 4]}", f"dp.batch_size={RECIPE['batch_size']}",
-        f"dp.max_grad_norm={RECIPE['max_grad_norm']}", f"dp.noise_multiplier={RECIPE['noise_multiplier']}",
-        "dp.epsilon=null", f"train.steps={RECIPE['steps']}", f"train.max_physical_batch_size={CHUNK}",
-        f"optim.lr={LR}", f"optim.momentum={MOMENTUM}", f"run.seed={SEED}", f"run.out_dir={out_dir}",
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            "model.name=papernot-cnn",
+            "model.kwargs={filters: [4, 4]}",
+            f"dp.batch_size={RECIPE['batch_size']}",
+            f"dp.max_grad_norm={RECIPE['max_grad_norm']}",
+            f"dp.noise_multiplier={RECIPE['noise_multiplier']}",
+            "dp.epsilon=null",
+            f"train.steps={RECIPE['steps']}",
+            f"train.max_physical_batch_size={CHUNK}",
+            f"optim.lr={LR}",
+            f"optim.momentum={MOMENTUM}",
+            f"run.seed={SEED}",
+            f"run.out_dir={out_dir}",
+        ],
+    )
 
 
 def _own_run(init_state, x, y, steps=None, mechanism_state=None, stop_after=None):
@@ -50,9 +72,13 @@ def _own_run(init_state, x, y, steps=None, mechanism_state=None, stop_after=None
     if "optimizer" in init_state:
         optimizer.load_state_dict(init_state["optimizer"])
     mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=len(y), max_physical_batch_size=CHUNK,
-        seed=SEED, **RECIPE,  # seeded: the noise state resumes (an unseeded one draws fresh noise)
-    )  # fmt: skip
+        model,
+        optimizer,
+        dataset_size=len(y),
+        max_physical_batch_size=CHUNK,
+        seed=SEED,
+        **RECIPE,  # seeded: the noise state resumes (an unseeded one draws fresh noise)
+    )
     if mechanism_state is not None:
         mechanism.load_state_dict(mechanism_state)
     for taken, indices in enumerate(mechanism.batches()):
@@ -84,7 +110,9 @@ def test_own_model_and_loop_through_make_private_equals_dpscale_train(reference)
 
 def test_resuming_from_state_dicts_mid_run_is_bit_identical(reference):
     init, trainer, _, data = reference
-    first, optimizer, mechanism = _own_run({"model": init}, data.x_train, data.y_train, stop_after=2)
+    first, optimizer, mechanism = _own_run(
+        {"model": init}, data.x_train, data.y_train, stop_after=2
+    )
     saved = {"model": first.state_dict(), "optimizer": optimizer.state_dict()}
     state = mechanism.state_dict()
     torch.save(state, "/dev/null")  # a plain state: the user's own checkpoint can hold it
@@ -109,9 +137,17 @@ def test_a_step_past_the_budget_is_refused(reference):
 def test_a_loss_that_is_not_per_example_is_refused():
     model = OwnNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = dpscale.make_private(model, optimizer, dataset_size=100, loss_fn=lambda logits, y: F.cross_entropy(logits, y), **RECIPE)
+    mechanism = dpscale.make_private(
+        model,
+        optimizer,
+        dataset_size=100,
+        loss_fn=lambda logits, y: F.cross_entropy(logits, y),
+        **RECIPE,
+    )
     n = len(mechanism.sample())
-    with pytest.raises(ValueError, match=rf"one loss per example, shape \({n},\), got \(\).*reduction='none'"):
+    with pytest.raises(
+        ValueError, match=rf"one loss per example, shape \({n},\), got \(\).*reduction='none'"
+    ):
         mechanism.step(torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,)))
     assert mechanism.steps_taken == 0 and mechanism.accountant.steps == 0
 
@@ -122,9 +158,16 @@ def test_custom_per_example_loss_for_a_regression_model():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(200, 3), torch.randn(200, 1)
     mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=200, batch_size=50, max_grad_norm=1.0, noise_multiplier=0.0,
-        delta=1e-5, epochs=1, loss_fn=lambda out, target: ((out - target) ** 2).sum(1),
-    )  # fmt: skip
+        model,
+        optimizer,
+        dataset_size=200,
+        batch_size=50,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        delta=1e-5,
+        epochs=1,
+        loss_fn=lambda out, target: ((out - target) ** 2).sum(1),
+    )
     before = model.weight.detach().clone()
     for indices in mechanism.batches():
         stats = mechanism.step(x[indices], y[indices])
@@ -147,8 +190,12 @@ def test_make_private_argument_errors_are_clear():
 def test_a_state_from_another_plan_is_refused(reference):
     init, _, _, data = reference
     _, _, mechanism = _own_run({"model": init}, data.x_train, data.y_train, stop_after=1)
-    other = dpscale.make_private(OwnNet(), torch.optim.SGD(OwnNet().parameters(), lr=0.1), dataset_size=len(data.y_train),
-                                 **{**RECIPE, "noise_multiplier": 2.0})  # fmt: skip
+    other = dpscale.make_private(
+        OwnNet(),
+        torch.optim.SGD(OwnNet().parameters(), lr=0.1),
+        dataset_size=len(data.y_train),
+        **{**RECIPE, "noise_multiplier": 2.0},
+    )
     with pytest.raises(ValueError, match="different DP plan"):
         other.load_state_dict(mechanism.state_dict())
 
@@ -163,7 +210,8 @@ def test_the_bring_your_own_loop_example_in_the_docs_runs(tmp_path, monkeypatch)
     exec(compile(code, "docs/own-loop.md", "exec"), scope)
     mechanism = scope["mechanism"]
     assert mechanism.remaining_steps() == 0 and (tmp_path / "checkpoint.pt").exists()
-    assert 2.99 < mechanism.epsilon() <= 3.0  # sigma calibrated to spend (at most) the target over the plan
+    # sigma calibrated to spend (at most) the target over the plan
+    assert 2.99 < mechanism.epsilon() <= 3.0
 
 
 def test_the_epoch_loop_example_in_the_docs_runs_the_whole_plan(capsys):
@@ -175,7 +223,11 @@ def test_the_epoch_loop_example_in_the_docs_runs_the_whole_plan(capsys):
     exec(compile(code, "docs/own-loop.md", "exec"), scope)
     assert scope["mechanism"].remaining_steps() == 0 and scope["steps_per_epoch"] == 40
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2", "epoch 3"] and "(120 steps)" in lines[-1]
+    assert [line.split(":")[0] for line in lines] == [
+        "epoch 1",
+        "epoch 2",
+        "epoch 3",
+    ] and "(120 steps)" in lines[-1]
 
 
 def _tiny(seed=0):
@@ -187,7 +239,15 @@ def _tiny(seed=0):
 def test_step_on_chunks_and_the_data_loader_equal_step_on_the_whole_batch():
     x, y = torch.randn(90, 1, 3, 4), torch.randint(0, 3, (90,))
     dataset = torch.utils.data.TensorDataset(x, y)
-    recipe = dict(dataset_size=90, batch_size=30, max_grad_norm=0.5, noise_multiplier=1.0, delta=1e-5, steps=3, seed=4)
+    recipe = dict(
+        dataset_size=90,
+        batch_size=30,
+        max_grad_norm=0.5,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=3,
+        seed=4,
+    )
     finals = []
     for way in ("whole", "chunks", "loader"):
         model, optimizer = _tiny()
@@ -209,9 +269,16 @@ def test_step_on_chunks_and_the_data_loader_equal_step_on_the_whole_batch():
 def test_augment_multiplicity_takes_k_views_per_example():
     model, optimizer = _tiny()
     mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=40, batch_size=8, max_grad_norm=1.0, noise_multiplier=0.0, delta=1e-5,
-        steps=1, augment_multiplicity=3,
-    )  # fmt: skip
+        model,
+        optimizer,
+        dataset_size=40,
+        batch_size=8,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        delta=1e-5,
+        steps=1,
+        augment_multiplicity=3,
+    )
     indices = mechanism.sample()
     views = torch.randn(len(indices), 3, 1, 3, 4)  # (B, K, C, H, W)
     stats = mechanism.step(views, torch.randint(0, 3, (len(indices),)))
@@ -222,19 +289,32 @@ def test_changing_the_head_or_unfreezing_after_building_a_run_is_refused_not_ign
 
     trainer = Trainer.create(_config(tmp_path / "head"), progress=False)
     trainer.model.reset_head(10)  # the optimizer still holds the old head
-    with pytest.raises(ValueError, match=r"not in the optimizer: head\.0\.bias, head\.0\.weight, head\.2\.bias"):
+    with pytest.raises(
+        ValueError, match=r"not in the optimizer: head\.0\.bias, head\.0\.weight, head\.2\.bias"
+    ):
         trainer.run()
-    assert trainer.step == 0 and trainer.mechanism.accountant.steps == 0  # nothing trained, nothing spent
+    # nothing trained, nothing spent
+    assert trainer.step == 0 and trainer.mechanism.accountant.steps == 0
 
-    frozen = load_config(None, [f"run.out_dir={tmp_path / 'frozen'}", "model.freeze_groups=1", "train.steps=2"])
+    frozen = load_config(
+        None, [f"run.out_dir={tmp_path / 'frozen'}", "model.freeze_groups=1", "train.steps=2"]
+    )
     trainer = Trainer.create(frozen, progress=False)
     trainer.model.features[0].weight.requires_grad_(True)  # unfrozen after the optimizer was made
     with pytest.raises(ValueError, match=r"not in the optimizer: features\.0\.weight"):
         trainer.train_step()
 
     model, optimizer = _tiny()
-    mechanism = dpscale.make_private(model, optimizer, dataset_size=40, batch_size=8, max_grad_norm=1.0,
-                                     noise_multiplier=1.0, delta=1e-5, steps=3)  # fmt: skip
+    mechanism = dpscale.make_private(
+        model,
+        optimizer,
+        dataset_size=40,
+        batch_size=8,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=3,
+    )
     model[1] = nn.Linear(12, 5)
     n = len(mechanism.sample())
     with pytest.raises(ValueError, match=r"not in the optimizer: 1\.bias, 1\.weight"):

@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from dpscale.cli import main
-from dpscale.models import TemperedSigmoid, build_model, count_parameters, list_models, make_activation
+from dpscale.models import (
+    TemperedSigmoid,
+    build_model,
+    count_parameters,
+    list_models,
+    make_activation,
+)
 from dpscale.models.registry import register_model
 
 # --- hand-computed parameter counts ----------------------------------------------------
@@ -97,7 +103,10 @@ def test_papernot_cnn_layer_shapes_follow_table_6():
     assert [(p.kernel_size, p.stride) for p in pools] == [(2, 1), (2, 1)]
     # Intermediate shapes: 16x13x13 -> 16x12x12 -> 32x5x5 -> 32x4x4.
     shapes = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:]))) for m in convs + pools]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:])))
+        for m in convs + pools
+    ]
     try:
         model.forward_features(torch.zeros(2, 1, 28, 28))
     finally:
@@ -126,7 +135,9 @@ def test_papernot_cnn_filter_width_k(k, expected):
 
 def test_papernot_cnn_hand_values_for_k():
     assert count_parameters(build_model("papernot-cnn", 10, (1, 28, 28), filters=[8, 8])) == 6_010
-    assert count_parameters(build_model("papernot-cnn", 10, (1, 28, 28), filters=(16, 16))) == 13_706
+    assert (
+        count_parameters(build_model("papernot-cnn", 10, (1, 28, 28), filters=(16, 16))) == 13_706
+    )
 
 
 @pytest.mark.parametrize("filters", [[16], [16, 32, 64], []])
@@ -140,7 +151,9 @@ def test_unknown_builder_option_is_a_value_error():
         build_model("papernot-cnn", 10, (1, 28, 28), filterz=[8, 8])
 
 
-@pytest.mark.parametrize("name, shape", [("papernot-cnn", (1, 8, 8)), ("tramer-cifar-cnn", (3, 4, 4))])
+@pytest.mark.parametrize(
+    "name, shape", [("papernot-cnn", (1, 8, 8)), ("tramer-cifar-cnn", (3, 4, 4))]
+)
 def test_too_small_input_is_rejected(name, shape):
     with pytest.raises(ValueError, match="too small"):
         build_model(name, 10, shape)
@@ -226,7 +239,10 @@ def test_examples_are_processed_independently(name):
 # --- activations ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec, cls", [("tanh", nn.Tanh), ("relu", nn.ReLU), (" relu ", nn.ReLU), ("sigmoid", nn.Sigmoid)])
+@pytest.mark.parametrize(
+    "spec, cls",
+    [("tanh", nn.Tanh), ("relu", nn.ReLU), (" relu ", nn.ReLU), ("sigmoid", nn.Sigmoid)],
+)
 def test_simple_activations(spec, cls):
     act = make_activation(spec)
     assert type(act) is cls
@@ -241,7 +257,9 @@ def test_tempered_sigmoid_defaults_equal_tanh():
     assert isinstance(act, TemperedSigmoid)
     assert (act.scale, act.inverse_temperature, act.offset) == (2.0, 2.0, 1.0)
     assert torch.allclose(act(X), torch.tanh(X), atol=1e-6)
-    assert torch.allclose(make_activation("tempered_sigmoid(s=2,T=2,o=1)")(X), torch.tanh(X), atol=1e-6)
+    assert torch.allclose(
+        make_activation("tempered_sigmoid(s=2,T=2,o=1)")(X), torch.tanh(X), atol=1e-6
+    )
 
 
 def test_tempered_sigmoid_111_is_sigmoid_and_not_tanh():
@@ -270,7 +288,9 @@ def test_unknown_activation_lists_choices(spec):
         assert choice in message
 
 
-@pytest.mark.parametrize("spec", ["tempered_sigmoid(x=1)", "tempered_sigmoid(s=)", "tempered_sigmoid(t=2)"])
+@pytest.mark.parametrize(
+    "spec", ["tempered_sigmoid(x=1)", "tempered_sigmoid(s=)", "tempered_sigmoid(t=2)"]
+)
 def test_bad_tempered_sigmoid_argument(spec):
     with pytest.raises(ValueError, match=r"bad tempered_sigmoid argument .*s=\.\.,T=\.\.,o=\.\."):
         make_activation(spec)
@@ -286,7 +306,9 @@ def test_activation_option_reaches_every_layer(name):
     tanh = build_model(name, 10, DEFAULT_SHAPES[name])  # the default is tanh
     assert nn.ReLU not in [type(m) for m in tanh.modules()]
     assert [type(m) for m in tanh.modules()].count(nn.Tanh) == convs + 1
-    tempered = build_model(name, 10, DEFAULT_SHAPES[name], activation="tempered_sigmoid(s=1,T=1,o=0)")
+    tempered = build_model(
+        name, 10, DEFAULT_SHAPES[name], activation="tempered_sigmoid(s=1,T=1,o=0)"
+    )
     assert sum(isinstance(m, TemperedSigmoid) for m in tempered.modules()) == convs + 1
 
 
@@ -389,7 +411,9 @@ def test_maxpool_falls_back_inside_vmap_and_for_unbatched_input():
 
     x = torch.randn(3, 2, 6, 6)
     ours, ref = MaxPool2d(2, stride=1), nn.MaxPool2d(2, stride=1)
-    per_example = [vmap(grad(lambda t, m=m: m(t.unsqueeze(0)).square().sum()))(x) for m in (ref, ours)]
+    per_example = [
+        vmap(grad(lambda t, m=m: m(t.unsqueeze(0)).square().sum()))(x) for m in (ref, ours)
+    ]
     assert torch.equal(per_example[0], per_example[1])
     assert torch.equal(ours(x[0]), ref(x[0]))
 
@@ -398,7 +422,9 @@ def test_maxpool_falls_back_inside_vmap_and_for_unbatched_input():
 # -> c2x4x4, fc h, fc 10. simplevgg-16(1)-32(1)-64 on 28x28x1: conv 16 3x3 'same', pool -> 14x14,
 # conv 32, pool -> 7x7x32 = 1568, fc 64, fc 10.
 def _scatter_cnn_count(c1: int, c2: int, hidden: int) -> int:
-    return (c1 * 81 * 9 + c1) + (c2 * c1 * 9 + c2) + (c2 * 16 * hidden + hidden) + (hidden * 10 + 10)
+    return (
+        (c1 * 81 * 9 + c1) + (c2 * c1 * 9 + c2) + (c2 * 16 * hidden + hidden) + (hidden * 10 + 10)
+    )
 
 
 @pytest.mark.parametrize("widths", [(16, 32, 32), (32, 64, 32), (8, 8, 16)])
@@ -419,10 +445,13 @@ def test_scatter_cnn_linear_skip_adds_a_linear_map_of_the_features_to_the_logits
     model = model.double()
     last = model.head[-1]
     with torch.no_grad():  # the CNN path alone, then the linear path alone
-        cnn_only = last(torch.cat([model.features.branch(x), torch.zeros(3, 5184, dtype=torch.float64)], 1))
+        cnn_only = last(
+            torch.cat([model.features.branch(x), torch.zeros(3, 5184, dtype=torch.float64)], 1)
+        )
         linear_only = x.flatten(1) @ last.weight[:, 32:].T
         torch.testing.assert_close(model(x), cnn_only + linear_only)
-    assert count_parameters(build_model("scatter-cnn", 10, (81, 8, 8), "tanh")) == 33_066  # default unchanged
+    # default unchanged
+    assert count_parameters(build_model("scatter-cnn", 10, (81, 8, 8), "tanh")) == 33_066
 
 
 def test_scatter_cnn_linear_skip_is_clipped_exactly_by_bk():
@@ -434,7 +463,9 @@ def test_scatter_cnn_linear_skip_is_clipped_exactly_by_bk():
     batch = (torch.randn(5, 81, 8, 8, dtype=torch.float64), torch.randint(0, 10, (5,)))
     engine, notice = make_engine("auto", 0.1, model)
     assert engine.name == "bk" and notice is None
-    grad_sum, norms, _ = engine.clipped_sum_and_losses(model, {n: p.detach() for n, p in model.named_parameters()}, batch)
+    grad_sum, norms, _ = engine.clipped_sum_and_losses(
+        model, {n: p.detach() for n, p in model.named_parameters()}, batch
+    )
     reference = float64_reference(model, batch, 0.1)
     torch.testing.assert_close(norms, reference.norms, rtol=1e-9, atol=1e-12)
     for name, value in reference.clipped_sum.items():

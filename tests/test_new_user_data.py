@@ -50,23 +50,44 @@ def _png16_rgb(path: Path, a: np.ndarray) -> None:
     rows = b"".join(b"\x00" + a[i].astype(">u2").tobytes() for i in range(h))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     header = struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _tiff_uint32(path: Path, a: np.ndarray) -> None:
     """An unsigned 32-bit grayscale TIFF, written by hand (Pillow writes mode I as signed)."""
     h, w = a.shape
     data = a.astype("<u4").tobytes()
-    tags = [(256, w), (257, h), (258, 32), (259, 1), (262, 1), (273, 8 + 2 + 12 * 10 + 4), (277, 1), (278, h),
-            (279, len(data)), (339, 1)]  # fmt: skip
-    ifd = struct.pack("<H", len(tags)) + b"".join(struct.pack("<HHII", tag, 4, 1, value) for tag, value in tags)
+    tags = [
+        (256, w),
+        (257, h),
+        (258, 32),
+        (259, 1),
+        (262, 1),
+        (273, 8 + 2 + 12 * 10 + 4),
+        (277, 1),
+        (278, h),
+        (279, len(data)),
+        (339, 1),
+    ]
+    ifd = struct.pack("<H", len(tags)) + b"".join(
+        struct.pack("<HHII", tag, 4, 1, value) for tag, value in tags
+    )
     path.write_bytes(b"II*\x00" + struct.pack("<I", 8) + ifd + struct.pack("<I", 0) + data)
 
 
-def _folder(root: Path, images: dict[str, list[np.ndarray]], write=lambda a, p: Image.fromarray(a).save(p)) -> None:
+def _folder(
+    root: Path, images: dict[str, list[np.ndarray]], write=lambda a, p: Image.fromarray(a).save(p)
+) -> None:
     """``root/train/<class>/NN.png`` from all but the last image of each class, ``root/test/...``
     from the last: an official split, so the loaders keep this order."""
     for cls, arrays in images.items():
@@ -88,28 +109,47 @@ def _grey16(seed: int, count: int) -> list[np.ndarray]:
 def test_16bit_pngs_load_divided_by_65535_in_the_folder_loader_and_the_stream(tmp_path):
     images = {"a": _grey16(0, 4), "b": _grey16(1, 4)}
     _folder(tmp_path / "png16", images)
-    assert Image.open(tmp_path / "png16" / "train" / "a" / "00.png").mode == "I;16"  # a real 16-bit PNG
+    # a real 16-bit PNG
+    assert Image.open(tmp_path / "png16" / "train" / "a" / "00.png").mode == "I;16"
     ds = load_dataset("imagefolder", tmp_path / "png16")
     # the old loader clipped: mean 1.0 (every pixel white)
     assert abs(ds.x_train.mean().item() - 0.5) < 0.05
     train = np.stack([a[None] for c in "ab" for a in images[c][:-1]])
     test = np.stack([images[c][-1][None] for c in "ab"])
-    assert ds.x_train.dtype == torch.float32 and np.array_equal(ds.x_train.numpy(), _scaled(train, 65535))
+    assert ds.x_train.dtype == torch.float32 and np.array_equal(
+        ds.x_train.numpy(), _scaled(train, 65535)
+    )
     assert np.array_equal(ds.x_test.numpy(), _scaled(test, 65535))
     streamed = open_stream("imagefolder", tmp_path / "png16", normalize=False)
-    pixels = to_model_input(torch.from_numpy(np.stack([streamed.train.read(i) for i in range(len(train))])), False)
+    pixels = to_model_input(
+        torch.from_numpy(np.stack([streamed.train.read(i) for i in range(len(train))])), False
+    )
     assert torch.equal(pixels, ds.x_train)
 
 
 def test_data_prepare_writes_16bit_pngs_divided_by_65535(tmp_path, capsys):
     images = {"a": _grey16(2, 3), "b": _grey16(3, 3)}
     _folder(tmp_path / "png16", images)
-    code = main(["data", "prepare", str(tmp_path / "png16"), str(tmp_path / "shards"), "--size", "8", "--quiet", "--workers", "1"])
+    code = main(
+        [
+            "data",
+            "prepare",
+            str(tmp_path / "png16"),
+            str(tmp_path / "shards"),
+            "--size",
+            "8",
+            "--quiet",
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 0 and "1x8x8 float32" in capsys.readouterr().out
     ds = load_dataset("shards", tmp_path / "shards")
     train = np.stack([a[None] for c in "ab" for a in images[c][:-1]])
     assert np.array_equal(ds.x_train.numpy(), _scaled(train, 65535))  # the old shards: all 1.0
-    assert np.array_equal(ds.x_test.numpy(), _scaled(np.stack([images[c][-1][None] for c in "ab"]), 65535))
+    assert np.array_equal(
+        ds.x_test.numpy(), _scaled(np.stack([images[c][-1][None] for c in "ab"]), 65535)
+    )
 
 
 def test_a_folder_mixing_8bit_rgb_and_16bit_grey_scales_each_by_its_own_type(tmp_path):
@@ -126,9 +166,13 @@ def test_a_folder_mixing_8bit_rgb_and_16bit_grey_scales_each_by_its_own_type(tmp
     (tmp_path / "flat" / "b").mkdir(parents=True)
     for cls in "ab":
         for i in range(3):
-            Image.fromarray(np.full((8, 8), 30000, np.uint16)).save(tmp_path / "flat" / cls / f"{i}.png")
+            Image.fromarray(np.full((8, 8), 30000, np.uint16)).save(
+                tmp_path / "flat" / cls / f"{i}.png"
+            )
     small = load_dataset("imagefolder", tmp_path / "flat", image_size=4)
-    assert small.x_train.shape[-2:] == (4, 4) and np.allclose(small.x_train.numpy(), 30000 / 65535, rtol=1e-6, atol=0)
+    assert small.x_train.shape[-2:] == (4, 4) and np.allclose(
+        small.x_train.numpy(), 30000 / 65535, rtol=1e-6, atol=0
+    )
 
 
 def test_32bit_integer_and_float_tiffs_are_scaled_by_their_types_range(tmp_path):
@@ -136,11 +180,24 @@ def test_32bit_integer_and_float_tiffs_are_scaled_by_their_types_range(tmp_path)
     signed = [rng.integers(0, 2**31 - 1, (8, 8), dtype=np.int32) for _ in range(3)]
     unsigned = [rng.integers(0, 2**32 - 1, (8, 8), dtype=np.uint32) for _ in range(3)]
     floats = [rng.random((8, 8), dtype=np.float32) for _ in range(3)]
-    _folder(tmp_path / "tiff", {"a": signed, "b": floats}, write=lambda a, p: Image.fromarray(a).save(p.with_suffix(".tif")))
-    _folder(tmp_path / "tiff", {"c": unsigned}, write=lambda a, p: _tiff_uint32(p.with_suffix(".tif"), a))
-    assert Image.open(tmp_path / "tiff" / "train" / "c" / "00.tif").tile[0].args[0] == "I;32N"  # unsigned
+    _folder(
+        tmp_path / "tiff",
+        {"a": signed, "b": floats},
+        write=lambda a, p: Image.fromarray(a).save(p.with_suffix(".tif")),
+    )
+    _folder(
+        tmp_path / "tiff",
+        {"c": unsigned},
+        write=lambda a, p: _tiff_uint32(p.with_suffix(".tif"), a),
+    )
+    # unsigned
+    assert Image.open(tmp_path / "tiff" / "train" / "c" / "00.tif").tile[0].args[0] == "I;32N"
     ds = load_dataset("imagefolder", tmp_path / "tiff")
-    expected = [_scaled(a, 2**31 - 1) for a in signed[:2]] + [a for a in floats[:2]] + [_scaled(a, 2**32 - 1) for a in unsigned[:2]]
+    expected = (
+        [_scaled(a, 2**31 - 1) for a in signed[:2]]
+        + [a for a in floats[:2]]
+        + [_scaled(a, 2**32 - 1) for a in unsigned[:2]]
+    )
     assert np.array_equal(ds.x_train.numpy()[:, 0], np.stack(expected))
 
 
@@ -149,18 +206,42 @@ def test_images_that_cannot_be_read_faithfully_are_refused_naming_file_and_mode(
     _folder(tmp_path / "rgb16", grey)
     bad = tmp_path / "rgb16" / "train" / "b" / "01.png"
     _png16_rgb(bad, np.full((8, 8, 3), 40000, np.uint16))  # the old loader kept the high byte only
-    argv = ["data", "prepare", str(tmp_path / "rgb16"), str(tmp_path / "out"), "--size", "8", "--quiet", "--workers", "1"]
-    one_line_error(capsys, argv, re.escape(str(bad)), "RGB image with more than 8 bits per sample", "else as 8-bit RGB")
+    argv = [
+        "data",
+        "prepare",
+        str(tmp_path / "rgb16"),
+        str(tmp_path / "out"),
+        "--size",
+        "8",
+        "--quiet",
+        "--workers",
+        "1",
+    ]
+    one_line_error(
+        capsys,
+        argv,
+        re.escape(str(bad)),
+        "RGB image with more than 8 bits per sample",
+        "else as 8-bit RGB",
+    )
     # refused even with --skip-corrupt: the file is not damaged, and nothing is left out quietly
     one_line_error(capsys, [*argv, "--skip-corrupt"], re.escape(str(bad)), "more than 8 bits")
     _folder(tmp_path / "float", grey)
     bad = tmp_path / "float" / "train" / "a" / "00.tif"
     Image.fromarray(np.linspace(-0.5, 2.0, 64, dtype=np.float32).reshape(8, 8)).save(bad)
     argv[2:4] = [str(tmp_path / "float"), str(tmp_path / "out2")]
-    one_line_error(capsys, argv, re.escape(str(bad)), r"32-bit float image \(mode F\) with pixels -0\.5\.\.2", r"\[0, 1\]")
+    one_line_error(
+        capsys,
+        argv,
+        re.escape(str(bad)),
+        r"32-bit float image \(mode F\) with pixels -0\.5\.\.2",
+        r"\[0, 1\]",
+    )
     negative = tmp_path / "float" / "train" / "a" / "00.tif"
     Image.fromarray(np.full((8, 8), -7, np.int32)).save(negative)
-    with pytest.raises(DatasetError, match=f"{re.escape(str(negative))}: signed 32-bit image .* pixels -7\\.\\.-7"):
+    with pytest.raises(
+        DatasetError, match=f"{re.escape(str(negative))}: signed 32-bit image .* pixels -7\\.\\.-7"
+    ):
         load_dataset("imagefolder", tmp_path / "float")
 
 
@@ -186,16 +267,25 @@ STRAY = [i % 10 for i in range(39)] + [12]  # labels 0-9 and one stray 12
 def test_a_stray_training_label_is_refused_naming_the_gap(tmp_path, capsys):
     path = _npz(tmp_path / "stray.npz", STRAY, list(range(10)))
     one_line_error(  # the old run trained a 13-class model without a word
-        capsys, _train(path, tmp_path), re.escape(str(path)), "training labels 0-9, 12 leave out 10-11",
-        "13 outputs of which 2 are never trained", "data.num_classes=13",
-    )  # fmt: skip
+        capsys,
+        _train(path, tmp_path),
+        re.escape(str(path)),
+        "training labels 0-9, 12 leave out 10-11",
+        "13 outputs of which 2 are never trained",
+        "data.num_classes=13",
+    )
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_a_test_split_with_classes_never_trained_on_is_refused_naming_both_sets(tmp_path, capsys):
     path = _npz(tmp_path / "split.npz", [i % 5 for i in range(20)], list(range(10)))
-    one_line_error(capsys, _train(path, tmp_path), re.escape(str(path)), r"label\(s\) 5-9 that no training example has",
-                    r"train 0-4, test 0-9")  # fmt: skip
+    one_line_error(
+        capsys,
+        _train(path, tmp_path),
+        re.escape(str(path)),
+        r"label\(s\) 5-9 that no training example has",
+        r"train 0-4, test 0-9",
+    )
 
 
 def test_each_splits_labels_are_printed_and_data_num_classes_declares_k(tmp_path):
@@ -207,9 +297,13 @@ def test_each_splits_labels_are_printed_and_data_num_classes_declares_k(tmp_path
     stray = _npz(tmp_path / "stray.npz", STRAY, list(range(10)))
     config = load_config(overrides=["data.name=npz", f"data.root={stray}", "data.num_classes=16"])
     assert open_training_data(config, torch.device("cpu"), lines.append).info.num_classes == 16
-    assert lines[-1] == "labels: train 0-9, 12 (11 classes), test 0-9 (10 classes); a 16-class model"
+    assert (
+        lines[-1] == "labels: train 0-9, 12 (11 classes), test 0-9 (10 classes); a 16-class model"
+    )
     config = load_config(overrides=["data.name=npz", f"data.root={stray}", "data.num_classes=12"])
-    with pytest.raises(DatasetError, match=r"training split holds label 12, but data.num_classes=12 allows 0\.\.11"):
+    with pytest.raises(
+        DatasetError, match=r"training split holds label 12, but data.num_classes=12 allows 0\.\.11"
+    ):
         open_training_data(config, torch.device("cpu"), lines.append)
     with pytest.raises(ConfigError, match="data.num_classes must be >= 2"):
         load_config(overrides=["data.num_classes=1"])
@@ -226,9 +320,14 @@ def test_non_finite_pixels_are_counted_and_the_first_image_named(tmp_path, capsy
     x[17, 3, 4] = np.nan
     np.savez(path, x_train=x, y_train=np.arange(20) % 2, x_test=x[:4], y_test=np.arange(4) % 2)
     line = one_line_error(capsys, _train(path, tmp_path), re.escape(str(path)))
-    assert line.endswith(f"{path}: 1 NaN pixel in x_train[17]; pixels must be finite numbers in [0, 1]: fix or drop that image")
+    assert line.endswith(
+        f"{path}: 1 NaN pixel in x_train[17]; pixels must be finite numbers in [0, 1]: fix or drop that image"
+    )
     xt = x[:6].copy()
     xt[3, 0, :2], xt[5, 1, 1] = np.nan, np.inf
     np.savez(path, x_train=x[:16], y_train=np.arange(16) % 2, x_test=xt, y_test=np.arange(6) % 2)
-    with pytest.raises(DatasetError, match=r"2 NaN pixels and 1 infinite pixel in 2 images of x_test, the first x_test\[3\]"):
+    with pytest.raises(
+        DatasetError,
+        match=r"2 NaN pixels and 1 infinite pixel in 2 images of x_test, the first x_test\[3\]",
+    ):
         load_npz(path)

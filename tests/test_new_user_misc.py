@@ -28,8 +28,17 @@ from dpscale.plots import PLOT_NAMES
 def run_dir(tmp_path_factory) -> Path:
     """A finished 2-step private run (linear model, sigma given: no calibration), one evaluation."""
     out = tmp_path_factory.mktemp("run") / "run"
-    sets = ["model.name=linear", "dp.batch_size=16", "train.steps=2", "dp.epsilon=null", "dp.noise_multiplier=1.0",
-            "dp.accountant=rdp", "run.tensorboard=false", "run.seed=0", f"run.out_dir={out}"]  # fmt: skip
+    sets = [
+        "model.name=linear",
+        "dp.batch_size=16",
+        "train.steps=2",
+        "dp.epsilon=null",
+        "dp.noise_multiplier=1.0",
+        "dp.accountant=rdp",
+        "run.tensorboard=false",
+        "run.seed=0",
+        f"run.out_dir={out}",
+    ]
     assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
     return out
 
@@ -48,14 +57,25 @@ def test_a_converted_batchnorm1d_is_per_example_and_trains_a_private_step():
     convert_batchnorm_to_groupnorm(model)
     assert _is_per_example(model, x)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mechanism = dpscale.make_private(model, optimizer, dataset_size=64, batch_size=16, max_grad_norm=1.0,
-                                     noise_multiplier=1.0, steps=1, delta=1e-5, seed=0)  # fmt: skip
+    mechanism = dpscale.make_private(
+        model,
+        optimizer,
+        dataset_size=64,
+        batch_size=16,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        steps=1,
+        delta=1e-5,
+        seed=0,
+    )
     before = model[1].weight.detach().clone()
     for indices in mechanism.batches():
         mechanism.step(x[indices], y[indices])
     assert mechanism.steps_taken == 1 and not torch.equal(model[1].weight, before)
     # the same rule on (N, C, L) input: each example's channels and positions normalised together
-    sequence = convert_batchnorm_to_groupnorm(nn.Sequential(nn.Conv1d(16, 32, 3), nn.BatchNorm1d(32)))
+    sequence = convert_batchnorm_to_groupnorm(
+        nn.Sequential(nn.Conv1d(16, 32, 3), nn.BatchNorm1d(32))
+    )
     assert _is_per_example(sequence, torch.randn(8, 16, 5))
 
 
@@ -66,7 +86,9 @@ def _mode(path: Path) -> int:
 def test_a_batchnorm1d_of_one_feature_is_refused_naming_the_layer():
     # GroupNorm(1, 1) on (N, 1) input would normalise each example's one value to 0 (a review found it)
     model = nn.Sequential(nn.Linear(3, 1), nn.BatchNorm1d(1), nn.Linear(1, 2))
-    with pytest.raises(ValueError, match=r"layer '1': BatchNorm1d\(1\) has no per-example equivalent"):
+    with pytest.raises(
+        ValueError, match=r"layer '1': BatchNorm1d\(1\) has no per-example equivalent"
+    ):
         convert_batchnorm_to_groupnorm(model)
 
 
@@ -91,10 +113,16 @@ def test_plot_of_a_folder_of_runs_writes_owner_only_pngs_one_line_each(run_dir, 
 
 def test_a_closed_stdout_pipe_is_quiet(tmp_path):
     read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader is gone before dpscale writes: `dpscale presets --json | head` at its worst
+    # the reader is gone before dpscale writes: `dpscale presets --json | head` at its worst
+    os.close(read_end)
     try:
-        done = subprocess.run([sys.executable, "-m", "dpscale", "presets", "--json"], stdout=write_end,
-                              stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "dpscale", "presets", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (CLOSED_STDOUT_EXIT, "")
@@ -108,7 +136,11 @@ def test_checkpoint_and_summary_record_the_dpscale_version(run_dir):
 def test_resume_of_a_newer_format_names_both_versions(run_dir, tmp_path, capsys):
     moved = tmp_path / "newer"
     shutil.copytree(run_dir, moved)
-    state = {**load_checkpoint(moved / "checkpoint.pt"), "format": CHECKPOINT_FORMAT + 1, VERSION_KEY: "9.0"}
+    state = {
+        **load_checkpoint(moved / "checkpoint.pt"),
+        "format": CHECKPOINT_FORMAT + 1,
+        VERSION_KEY: "9.0",
+    }
     torch.save(state, moved / "checkpoint.pt")
     assert main(["train", "--resume", str(moved)]) == 2
     newer = CHECKPOINT_FORMAT + 1
@@ -119,8 +151,12 @@ def test_resume_of_a_newer_format_names_both_versions(run_dir, tmp_path, capsys)
     )
     del state[VERSION_KEY]  # written before versions were recorded: the format alone
     torch.save(state, moved / "checkpoint.pt")
-    with pytest.raises(ValueError, match=rf"written by a newer dpscale \(format {newer}\); this is dpscale"):
+    with pytest.raises(
+        ValueError, match=rf"written by a newer dpscale \(format {newer}\); this is dpscale"
+    ):
         load_checkpoint(moved / "checkpoint.pt")
     torch.save({**state, "format": "x"}, moved / "checkpoint.pt")  # not ours: the message of before
-    with pytest.raises(ValueError, match=rf"is not a dpscale checkpoint \(format {CHECKPOINT_FORMAT}\)$"):
+    with pytest.raises(
+        ValueError, match=rf"is not a dpscale checkpoint \(format {CHECKPOINT_FORMAT}\)$"
+    ):
         load_checkpoint(moved / "checkpoint.pt")

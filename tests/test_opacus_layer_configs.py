@@ -33,7 +33,11 @@ class Probe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.transpose(0, 1) if self.time_major == "adapted" else x
-        out = self.layer(h, h, h)[0] if isinstance(self.layer, nn.MultiheadAttention) else self.layer(h)
+        out = (
+            self.layer(h, h, h)[0]
+            if isinstance(self.layer, nn.MultiheadAttention)
+            else self.layer(h)
+        )
         out = out.transpose(0, 1) if self.time_major == "adapted" else out
         return self.head(out.reshape(x.shape[0], -1))
 
@@ -47,12 +51,30 @@ def _configs() -> list:
         ("linear-time-major", lambda: nn.Linear(d, 4), (t, d), t * 4, "adapted"),
         ("conv1d", lambda: nn.Conv1d(2, 4, 3, stride=2, padding=1), (2, 9), 4 * 5, "no"),
         ("conv2d-groups", lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1), (4, 5, 5), 6 * 25, "no"),
-        ("conv2d-dilation", lambda: nn.Conv2d(2, 3, 3, dilation=2, stride=(1, 2)), (2, 7, 8), 3 * 3 * 2, "no"),
+        (
+            "conv2d-dilation",
+            lambda: nn.Conv2d(2, 3, 3, dilation=2, stride=(1, 2)),
+            (2, 7, 8),
+            3 * 3 * 2,
+            "no",
+        ),
         ("groupnorm", lambda: nn.GroupNorm(2, 4), (4, 3, 3), 36, "no"),
         ("layernorm", lambda: nn.LayerNorm((3, 3)), (4, 3, 3), 36, "no"),
         ("instancenorm-affine", lambda: nn.InstanceNorm2d(4, affine=True), (4, 3, 3), 36, "no"),
-        ("instancenorm-running", lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True), (4, 3, 3), 36, "no"),
-        ("mha-batch-first", lambda: nn.MultiheadAttention(d, 2, batch_first=True), (t, d), t * d, "no"),
+        (
+            "instancenorm-running",
+            lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+            (4, 3, 3),
+            36,
+            "no",
+        ),
+        (
+            "mha-batch-first",
+            lambda: nn.MultiheadAttention(d, 2, batch_first=True),
+            (t, d),
+            t * d,
+            "no",
+        ),
         ("mha-time-major", lambda: nn.MultiheadAttention(d, 2), (t, d), t * d, "adapted"),
         ("mha-time-major-T!=B", lambda: nn.MultiheadAttention(d, 2), (5, d), 5 * d, "adapted"),
         ("mha-fed-examples-as-time", lambda: nn.MultiheadAttention(d, 2), (t, d), t * d, "no"),
@@ -76,7 +98,10 @@ def _model_and_batch(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Te
     if name == "embedding":
         return EmbeddingProbe().double(), (torch.randint(0, 11, (B, 3), generator=g), y)
     _, make, shape, features, time_major = next(c for c in _configs() if c[0] == name)
-    return Probe(make(), features, time_major).double(), (torch.randn(B, *shape, generator=g, dtype=torch.float64), y)
+    return Probe(make(), features, time_major).double(), (
+        torch.randn(B, *shape, generator=g, dtype=torch.float64),
+        y,
+    )
 
 
 NAMES = [c[0] for c in _configs()] + ["embedding"]
@@ -94,15 +119,21 @@ def test_every_engine_equals_a_float64_per_example_loop_or_refuses(name, engine)
     model.train()
     params = trainable_params(model)
     got, norms, _ = chosen.clipped_sum_and_losses(model, params, batch)
-    want = per_example_reference(model, batch, C, loss_fn=chosen.loss_fn, names=list(params))  # already float64
+    # already float64
+    want = per_example_reference(model, batch, C, loss_fn=chosen.loss_fn, names=list(params))
     assert torch.allclose(norms.double(), want.norms, rtol=1e-8, atol=1e-12), (name, chosen.name)
     for param, ref in want.clipped_sum.items():
-        assert torch.allclose(got[param].double(), ref, rtol=1e-8, atol=1e-12), (name, chosen.name, param)
+        assert torch.allclose(got[param].double(), ref, rtol=1e-8, atol=1e-12), (
+            name,
+            chosen.name,
+            param,
+        )
 
 
-@pytest.mark.parametrize("name,refused_by", [
-    ("instancenorm-running", "every engine"), ("mha-fed-examples-as-time", "every engine"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,refused_by",
+    [("instancenorm-running", "every engine"), ("mha-fed-examples-as-time", "every engine")],
+)
 def test_the_mixing_configurations_are_refused_by_every_engine(name, refused_by):
     for engine in ("auto", "bk", "ghost", "vmap"):
         model, batch = _model_and_batch(name)

@@ -20,7 +20,12 @@ def test_warmup_then_cosine_values():
 
 
 def test_constant_schedule_with_warmup():
-    assert [lr_multiplier(s, 10, "constant", warmup_steps=2) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_multiplier(s, 10, "constant", warmup_steps=2) for s in range(4)] == [
+        0.5,
+        1.0,
+        1.0,
+        1.0,
+    ]
     with pytest.raises(ValueError, match="schedule"):
         lr_multiplier(0, 10, "step")
 
@@ -55,14 +60,27 @@ def test_sgd_nesterov_momentum_matches_hand_computation():
 
 def test_dampening_and_weight_decay_are_passed_through():
     p = torch.nn.Parameter(torch.tensor([2.0]))
-    opt = build_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.5, dampening=0.5, weight_decay=0.1), [p])
+    opt = build_optimizer(
+        OptimConfig(name="sgd", lr=0.1, momentum=0.5, dampening=0.5, weight_decay=0.1), [p]
+    )
     group = opt.param_groups[0]
-    assert (group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"]) == (0.5, 0.5, 0.1, False)
+    assert (group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"]) == (
+        0.5,
+        0.5,
+        0.1,
+        False,
+    )
 
 
-@pytest.mark.parametrize("name, cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)])
+@pytest.mark.parametrize(
+    "name, cls",
+    [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)],
+)
 def test_optimizer_kinds(name, cls):
-    opt = build_optimizer(OptimConfig(name=name, lr=1e-3, betas=(0.8, 0.9), weight_decay=0.01), [torch.nn.Parameter(torch.zeros(1))])
+    opt = build_optimizer(
+        OptimConfig(name=name, lr=1e-3, betas=(0.8, 0.9), weight_decay=0.01),
+        [torch.nn.Parameter(torch.zeros(1))],
+    )
     assert type(opt) is cls
     if name != "sgd":
         assert opt.param_groups[0]["betas"] == (0.8, 0.9)

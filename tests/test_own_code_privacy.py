@@ -20,7 +20,15 @@ from dpscale.privacy.plan.caveat_texts import ENGINE_UNCHECKED_CAVEAT
 
 C, SIGMA, B = 1.0, 1.0, 6
 # seed 0: the first Poisson draw holds >= 2 examples (the checks wait for a chunk they can compare)
-RECIPE = dict(dataset_size=60, batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA, delta=1e-5, steps=4, seed=0)
+RECIPE = dict(
+    dataset_size=60,
+    batch_size=B,
+    max_grad_norm=C,
+    noise_multiplier=SIGMA,
+    delta=1e-5,
+    steps=4,
+    seed=0,
+)
 ENGINES = ("auto", "bk", "ghost", "vmap")
 
 
@@ -36,7 +44,9 @@ class TimeMajor(nn.Module):
     ``transpose``: the model hands it (T, B, D), as it should; without, (B, T, D), so the layer
     takes the examples for time steps."""
 
-    def __init__(self, layer: str, transpose: bool = True, t: int = B, d: int = 4, classes: int = 3) -> None:
+    def __init__(
+        self, layer: str, transpose: bool = True, t: int = B, d: int = 4, classes: int = 3
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layer = nn.Linear(d, d) if layer == "linear" else nn.MultiheadAttention(d, 1)
@@ -76,14 +86,20 @@ def first_step(mechanism, x: torch.Tensor, y: torch.Tensor):
     return mechanism.step(x[indices], y[indices])
 
 
-def leave_one_out_change(make_model, x: torch.Tensor, y: torch.Tensor, leave: int, **options) -> float:
+def leave_one_out_change(
+    make_model, x: torch.Tensor, y: torch.Tensor, leave: int, **options
+) -> float:
     """||released clipped sum with x - without x[leave]||, in units of C: two mechanisms of one
     seed take the same first step (same noise draw), one without example ``leave``."""
     released = []
     for keep in (torch.arange(len(y)), torch.tensor([i for i in range(len(y)) if i != leave])):
         model = make_model()
-        mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": 3, **options})
-        mechanism.observer = lambda gradient: released.append({k: v.double() for k, v in gradient.items()})
+        mechanism = dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": 3, **options}
+        )
+        mechanism.observer = lambda gradient: released.append(
+            {k: v.double() for k, v in gradient.items()}
+        )
         mechanism.step_drawn_chunks([(x[keep], y[keep])])
     difference = sum((released[0][k] - released[1][k]).square().sum() for k in released[0])
     return float(difference.sqrt()) * RECIPE["batch_size"] / C
@@ -96,24 +112,40 @@ def assert_nothing_released(mechanism, model: nn.Module, before: dict) -> None:
 
 
 # ----------------------------------------------------------------- mixing models and losses
-@pytest.mark.parametrize("norm", [nn.BatchNorm1d(8, affine=False), nn.BatchNorm1d(8).requires_grad_(False)])
+@pytest.mark.parametrize(
+    "norm", [nn.BatchNorm1d(8, affine=False), nn.BatchNorm1d(8).requires_grad_(False)]
+)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_batchnorm_in_any_form_is_refused_by_make_private(norm, engine):
     model = mlp(norm)
-    with pytest.raises(ValueError, match=r"layer '2' \(BatchNorm1d\) mixes examples.*GroupNorm") as refused:
-        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+    with pytest.raises(
+        ValueError, match=r"layer '2' \(BatchNorm1d\) mixes examples.*GroupNorm"
+    ) as refused:
+        dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+        )
     assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_layer_that_centres_over_the_batch_in_training_is_refused_at_the_first_step(engine):
     x, y = data()
-    worst = max(leave_one_out_change(lambda: mlp(CentreInTraining()), x[:B], y[:B], j, engine="bk", check=False) for j in range(B))
-    assert worst > 1.05  # today's release without the check: one example moves the sum by more than C
+    worst = max(
+        leave_one_out_change(
+            lambda: mlp(CentreInTraining()), x[:B], y[:B], j, engine="bk", check=False
+        )
+        for j in range(B)
+    )
+    # today's release without the check: one example moves the sum by more than C
+    assert worst > 1.05
     model = mlp(CentreInTraining())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
-    with pytest.raises(ValueError, match=r"layer '2' \(CentreInTraining\) mixes examples in training mode"):
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+    )
+    with pytest.raises(
+        ValueError, match=r"layer '2' \(CentreInTraining\) mixes examples in training mode"
+    ):
         first_step(mechanism, x, y)
     assert_nothing_released(mechanism, model, before)
 
@@ -123,11 +155,18 @@ def test_a_layer_that_centres_over_the_batch_in_training_is_refused_at_the_first
 def test_a_loss_that_mixes_examples_is_refused(loss_fn, engine):
     x, y = data()
     if loss_fn is centred_logits_loss:  # today's release: well above C
-        worst = max(leave_one_out_change(mlp, x[:B], y[:B], j, engine="bk", check=False, loss_fn=loss_fn) for j in range(B))
+        worst = max(
+            leave_one_out_change(mlp, x[:B], y[:B], j, engine="bk", check=False, loss_fn=loss_fn)
+            for j in range(B)
+        )
         assert worst > 1.01  # more than C: a violation (float error is ~1e-6)
     model = mlp()
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, loss_fn=loss_fn, **RECIPE)
-    with pytest.raises(ValueError, match="the loss function mixes examples.*depend on that example alone"):
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, loss_fn=loss_fn, **RECIPE
+    )
+    with pytest.raises(
+        ValueError, match="the loss function mixes examples.*depend on that example alone"
+    ):
         first_step(mechanism, x, y)
     assert mechanism.accountant.steps == 0
 
@@ -136,8 +175,13 @@ def test_a_loss_that_mixes_examples_is_refused(loss_fn, engine):
 def test_attention_fed_examples_as_time_steps_is_refused(engine):
     x, y = data(shape=(B, 4))  # T == B
     model = TimeMajor("attention", transpose=False)  # (B, T, D) into a batch_first=False layer
-    with pytest.raises(ValueError, match=r"(layer 'layer' \(MultiheadAttention\) mixes examples|does not support layer)"):
-        mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+    with pytest.raises(
+        ValueError,
+        match=r"(layer 'layer' \(MultiheadAttention\) mixes examples|does not support layer)",
+    ):
+        mechanism = dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+        )
         first_step(mechanism, x, y)
 
 
@@ -147,16 +191,23 @@ def test_time_major_attention_is_exact_or_refused_whatever_t_is(t):
     for engine in ("bk", "ghost"):  # no exact rule for MultiheadAttention: refused at once
         model = TimeMajor("attention", t=t)
         with pytest.raises(ValueError, match="does not support layer"):
-            dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+            dpscale.make_private(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+            )
     for leave in range(B):  # auto and vmap: each example's own gradient, exactly
-        assert leave_one_out_change(lambda: TimeMajor("attention", t=t), x[:B], y[:B], leave) <= 1 + 1e-5
+        assert (
+            leave_one_out_change(lambda: TimeMajor("attention", t=t), x[:B], y[:B], leave)
+            <= 1 + 1e-5
+        )
 
 
 def test_time_major_linear_at_t_equal_b_is_exact_or_refused():
     x, y = data(shape=(B, 4))
     for engine in ("bk", "ghost"):  # their layer records take dim 0 as the batch: refused
         model = TimeMajor("linear")
-        mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+        mechanism = dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+        )
         with pytest.raises(ValueError, match=rf"{engine} engine: .*use engine=vmap"):
             first_step(mechanism, x, y)
     model = TimeMajor("linear")  # auto: vmap, whose per-example gradients are exact here
@@ -175,7 +226,9 @@ def test_a_well_behaved_model_passes_the_checks_and_stays_within_c():
 
 def test_checks_off_is_said_in_the_plan_and_every_epsilon():
     model = mlp(CentreInTraining())
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), check=False, **RECIPE)
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), check=False, **RECIPE
+    )
     assert mechanism.plan.engine_unchecked and ENGINE_UNCHECKED_CAVEAT in mechanism.plan.caveats()
     checked = dpscale.make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), **RECIPE)
     assert not checked.plan.engine_unchecked
@@ -204,21 +257,30 @@ def test_a_batch_the_mechanism_did_not_draw_is_refused():
     with pytest.raises(RuntimeError, match=r"none was drawn.*mechanism.batches\(\)"):
         mechanism.step(x[:B], y[:B])  # an Opacus user's first try: a batch from their own loader
     drawn = mechanism.sample()
-    with pytest.raises(ValueError, match=f"got {len(drawn) + 1} examples but the drawn logical batch has {len(drawn)}"):
+    with pytest.raises(
+        ValueError,
+        match=f"got {len(drawn) + 1} examples but the drawn logical batch has {len(drawn)}",
+    ):
         mechanism.step(x[: len(drawn) + 1], y[: len(drawn) + 1])
     assert_nothing_released(mechanism, model, before)
     mechanism.step(x[drawn], y[drawn])
     assert mechanism.steps_taken == 1
 
 
-def _continue(state: dict, x: torch.Tensor, y: torch.Tensor, seed: int | None) -> list[torch.Tensor]:
+def _continue(
+    state: dict, x: torch.Tensor, y: torch.Tensor, seed: int | None
+) -> list[torch.Tensor]:
     """A new mechanism loaded from ``state`` (the model's weights first), one step: the released gradient."""
     model = mlp()
     model.load_state_dict(state["model"])
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": seed})
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": seed}
+    )
     mechanism.load_state_dict(state["dp"])
     released = []
-    mechanism.observer = lambda gradient: released.append(torch.cat([g.flatten() for g in gradient.values()]))
+    mechanism.observer = lambda gradient: released.append(
+        torch.cat([g.flatten() for g in gradient.values()])
+    )
     first_step(mechanism, x, y)
     return released[0]
 
@@ -227,7 +289,9 @@ def _continue(state: dict, x: torch.Tensor, y: torch.Tensor, seed: int | None) -
 def test_two_continuations_of_one_state_share_noise_only_when_seeded(seed):
     x, y = data()
     model = mlp()
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": seed})
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": seed}
+    )
     first_step(mechanism, x, y)
     state = {"model": model.state_dict(), "dp": mechanism.state_dict()}
     a, b = _continue(state, x, y, seed), _continue(state, x, y, seed)
@@ -250,16 +314,25 @@ def test_a_mechanism_that_has_stepped_refuses_to_load_a_state():
     spent = mechanism.epsilon()
     with pytest.raises(RuntimeError, match="has taken 3 step.*roll its accountant back"):
         mechanism.load_state_dict(earlier)
-    assert mechanism.steps_taken == 3 and mechanism.accountant.steps == 3 and mechanism.epsilon() == spent
+    assert (
+        mechanism.steps_taken == 3
+        and mechanism.accountant.steps == 3
+        and mechanism.epsilon() == spent
+    )
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], "1.0", 0.0, -1.0])
 def test_a_clipping_norm_that_is_not_one_positive_number_is_refused(bad):
     model = mlp()
     with pytest.raises(ValueError, match="max_grad_norm must be one positive number") as refused:
-        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "max_grad_norm": bad})
+        dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "max_grad_norm": bad}
+        )
     if isinstance(bad, list):
-        assert "a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C, per tensor" in str(refused.value)
+        assert (
+            "a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C, per tensor"
+            in str(refused.value)
+        )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -268,8 +341,11 @@ def test_an_overflowing_example_in_the_first_batch_is_not_read_as_mixing(engine)
     contribute zero and be counted, not trip the batch-independence check."""
     x, y = data()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))  # no saturation: it overflows
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+    # no saturation: it overflows
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+    )
     drawn = mechanism.sample()
     x[drawn[0]] = 3e38
     stats = mechanism.step(x[drawn], y[drawn])
@@ -316,7 +392,10 @@ def test_a_layer_that_writes_its_parameters_from_the_batch_is_refused():
     model = mlp(InitFromFirstBatch())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
-    with pytest.raises(ValueError, match=r"layer '2' \(InitFromFirstBatch\) writes its 'bias' from the private batch"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '2' \(InitFromFirstBatch\) writes its 'bias' from the private batch",
+    ):
         first_step(mechanism, x, y)
     assert_nothing_released(mechanism, model, before)
 
@@ -325,7 +404,9 @@ def test_a_layer_that_writes_its_parameters_from_the_batch_is_refused():
 def test_mixing_that_survives_a_roll_and_the_first_half_is_refused(engine):
     x, y = data()
     model = nn.Sequential(ScaleByBatchMax(), *mlp())
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE)
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, **RECIPE
+    )
     drawn = mechanism.sample()
     x[drawn[0]] *= 100  # the batch's largest value in the first half
     with pytest.raises(ValueError, match=r"layer '0' \(ScaleByBatchMax\) mixes examples"):
@@ -353,7 +434,13 @@ def test_random_draws_in_the_forward_pass_are_named_not_called_mixing():
     with pytest.raises(ValueError, match="the model draws random numbers.*nn.Dropout modules"):
         first_step(mechanism, x, y)
     dropout_module = mlp(nn.Dropout(0.3))  # nn.Dropout is switched off during the check: accepted
-    first_step(dpscale.make_private(dropout_module, torch.optim.SGD(dropout_module.parameters(), lr=0.1), **RECIPE), x, y)
+    first_step(
+        dpscale.make_private(
+            dropout_module, torch.optim.SGD(dropout_module.parameters(), lr=0.1), **RECIPE
+        ),
+        x,
+        y,
+    )
 
 
 def test_drawing_again_before_the_step_is_refused():
@@ -375,17 +462,23 @@ def test_a_state_loaded_onto_weights_trained_further_is_refused():
     for _ in range(2):
         first_step(mechanism, x, y)
     fresh = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **RECIPE)
-    with pytest.raises(ValueError, match="trainable weights are not the ones saved with this mechanism state"):
+    with pytest.raises(
+        ValueError, match="trainable weights are not the ones saved with this mechanism state"
+    ):
         fresh.load_state_dict(early)
 
 
 def test_loaded_steps_keep_their_caveats():
     x, y = data()
     model = mlp()
-    seeded = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "check": False})
+    seeded = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "check": False}
+    )
     first_step(seeded, x, y)
     state = seeded.state_dict()
-    again = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": None})
+    again = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), **{**RECIPE, "seed": None}
+    )
     again.load_state_dict(state)
     assert again.plan.seeded and again.plan.engine_unchecked
 
@@ -401,8 +494,17 @@ def test_dpscale_train_unseeded_resumes_draw_fresh_noise_and_seeded_ones_replay_
 
     for seed in ("null", "0"):
         base = tmp_path / f"seed-{seed}"
-        config = load_config(None, [f"run.out_dir={base}", f"run.seed={seed}", "dp.batch_size=128", "train.steps=3",
-                                    "model.kwargs={filters: [4, 4]}", "train.eval_every_epochs=100"])  # fmt: skip
+        config = load_config(
+            None,
+            [
+                f"run.out_dir={base}",
+                f"run.seed={seed}",
+                "dp.batch_size=128",
+                "train.steps=3",
+                "model.kwargs={filters: [4, 4]}",
+                "train.eval_every_epochs=100",
+            ],
+        )
         Trainer.create(config, progress=False).run(max_steps=1)
         finals = []
         for copy in ("a", "b"):
@@ -412,9 +514,13 @@ def test_dpscale_train_unseeded_resumes_draw_fresh_noise_and_seeded_ones_replay_
             finals.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
         saved = load_checkpoint(base / "checkpoint.pt")
         if seed == "null":
-            assert saved["mechanism"]["noise_generator"] is None and not torch.equal(finals[0], finals[1])
+            assert saved["mechanism"]["noise_generator"] is None and not torch.equal(
+                finals[0], finals[1]
+            )
         else:
-            assert saved["mechanism"]["noise_generator"] is not None and torch.equal(finals[0], finals[1])
+            assert saved["mechanism"]["noise_generator"] is not None and torch.equal(
+                finals[0], finals[1]
+            )
 
 
 # ---------------------------------------------- the same doors with BandMF's correlated noise
@@ -433,7 +539,9 @@ def test_bandmf_refuses_what_dp_sgd_refuses_and_releases_nothing():
         first_step(mechanism, x, y)
     assert_nothing_released(mechanism, model, before)
     model = mlp()
-    mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=info_nce, **BANDMF)
+    mechanism = dpscale.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=info_nce, **BANDMF
+    )
     with pytest.raises(ValueError, match="the loss function mixes examples"):
         first_step(mechanism, x, y)
     assert mechanism.accountant.steps == 0 and not mechanism.correlated_noise.snapshot()

@@ -15,8 +15,12 @@ from dpscale.privacy.clipping import peak_memory
 def test_peak_bytes_counts_the_tensors_live_at_once():
     one = 4 * 2**20  # bytes of 2**20 float32
     cpu = torch.device("cpu")
-    assert peak_memory.peak_bytes(lambda: [torch.ones(2**20) for _ in range(3)], cpu) == pytest.approx(3 * one, rel=1e-3)
-    assert peak_memory.peak_bytes(lambda: [torch.ones(2**20).sum() for _ in range(3)], cpu) == pytest.approx(one, rel=1e-3)
+    assert peak_memory.peak_bytes(
+        lambda: [torch.ones(2**20) for _ in range(3)], cpu
+    ) == pytest.approx(3 * one, rel=1e-3)
+    assert peak_memory.peak_bytes(
+        lambda: [torch.ones(2**20).sum() for _ in range(3)], cpu
+    ) == pytest.approx(one, rel=1e-3)
 
 
 def _outputs_of_ops_with_child_ops() -> list[torch.Tensor]:
@@ -30,8 +34,12 @@ def test_peak_bytes_counts_the_outputs_of_ops_with_child_ops():
     and measured ~0 bytes of these)."""
     cpu, inputs = torch.device("cpu"), 4 * (2**20 + 64 * 32 * 16)
     want = inputs + 4 * (2**20 + 64 * 32 * 32)
-    assert peak_memory.peak_bytes(_outputs_of_ops_with_child_ops, cpu) == pytest.approx(want, rel=1e-3)
-    assert peak_memory.peak_bytes(lambda: sum(r.sum() for r in _outputs_of_ops_with_child_ops()), cpu) == pytest.approx(want, rel=1e-3)
+    assert peak_memory.peak_bytes(_outputs_of_ops_with_child_ops, cpu) == pytest.approx(
+        want, rel=1e-3
+    )
+    assert peak_memory.peak_bytes(
+        lambda: sum(r.sum() for r in _outputs_of_ops_with_child_ops()), cpu
+    ) == pytest.approx(want, rel=1e-3)
 
 
 def test_peak_bytes_sees_a_buffer_an_op_frees_before_returning(monkeypatch):

@@ -85,11 +85,19 @@ def test_lora_trains_adapters_and_the_logits_layer_only():
 @pytest.mark.parametrize("kind", ["linear", "conv"])
 def test_lora_down_projection_computes_a_and_the_frozen_layer_in_one_call(kind):
     torch.manual_seed(0)
-    frozen = nn.Linear(12, 5) if kind == "linear" else nn.Conv2d(3, 5, 3, stride=2, padding=1, dilation=1)
+    frozen = (
+        nn.Linear(12, 5)
+        if kind == "linear"
+        else nn.Conv2d(3, 5, 3, stride=2, padding=1, dilation=1)
+    )
     frozen = frozen.double().requires_grad_(False)
     down = (LoRADownLinear if kind == "linear" else LoRADownConv2d)(frozen, 2)
     assert [n for n, _ in down.named_parameters()] == ["weight"]  # W stays the adapter's, not A's
-    x = torch.randn(4, 12, dtype=torch.float64) if kind == "linear" else torch.randn(4, 3, 9, 9, dtype=torch.float64)
+    x = (
+        torch.randn(4, 12, dtype=torch.float64)
+        if kind == "linear"
+        else torch.randn(4, 3, 9, 9, dtype=torch.float64)
+    )
     alone = down._conv_forward(x, down.weight, None) if kind == "conv" else x @ down.weight.T
     torch.testing.assert_close(down(x), alone, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(down.take_frozen_output(), frozen(x), rtol=1e-12, atol=1e-12)
@@ -139,21 +147,36 @@ def test_make_private_leaves_the_frozen_backbone_bit_identical():
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=200, batch_size=20, max_grad_norm=1.0, noise_multiplier=1.0, delta=1e-5,
-        steps=2, seed=0,
-    )  # fmt: skip
+        model,
+        optimizer,
+        dataset_size=200,
+        batch_size=20,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=2,
+        seed=0,
+    )
     x, y = torch.randn(200, 1, 28, 28), torch.randint(0, 10, (200,))
     for indices in mechanism.batches():
         mechanism.step(x[indices], y[indices])
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
-    assert any(float(m.lora_b.weight.abs().max()) > 0 for m in model.modules() if isinstance(m, LoRALinear))
+    assert any(
+        float(m.lora_b.weight.abs().max()) > 0 for m in model.modules() if isinstance(m, LoRALinear)
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_dpscale_train_with_peft_trains_fewer_parameters(tmp_path, method):
     out = tmp_path / method
-    sets = ["model.name=papernot-cnn", f"model.peft={method}", "model.lora_rank=2", "dp.batch_size=16",
-            "train.steps=2", f"run.out_dir={out}"]  # fmt: skip
+    sets = [
+        "model.name=papernot-cnn",
+        f"model.peft={method}",
+        "model.lora_rank=2",
+        "dp.batch_size=16",
+        "train.steps=2",
+        f"run.out_dir={out}",
+    ]
     assert main(["train", "--quiet", *(a for s in sets for a in ("--set", s))]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["trainable_params"] < 26_010 / 1.5
@@ -165,14 +188,19 @@ def test_dpscale_train_with_peft_trains_fewer_parameters(tmp_path, method):
         (["model.peft=prefix"], "model.peft must be"),
         (["model.peft=lora", "model.freeze_groups=1"], "do not set model.freeze_groups"),
         (["model.peft=lora", "model.lora_targets=[nothing*]"], "match no Linear or Conv2d layer"),
-        (["model.peft=last_groups", "model.train_last_groups=9"], r"train_last_groups must be in 1..4"),
+        (
+            ["model.peft=last_groups", "model.train_last_groups=9"],
+            r"train_last_groups must be in 1..4",
+        ),
     ],
 )
 def test_bad_peft_settings_are_refused(tmp_path, overrides, message):
     from dpscale.train.loop import Trainer
 
     with pytest.raises(ConfigError, match=message):
-        config = load_config(None, ["dp.batch_size=16", "train.steps=2", f"run.out_dir={tmp_path}", *overrides])
+        config = load_config(
+            None, ["dp.batch_size=16", "train.steps=2", f"run.out_dir={tmp_path}", *overrides]
+        )
         Trainer.create(config, progress=False)
 
 
@@ -213,11 +241,22 @@ def test_make_private_takes_vmap_for_an_unfrozen_base_under_lora():
     model = _adapted("papernot-cnn", (1, 28, 28), "lora").float()
     model.features[0].base.weight.requires_grad_(True)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    mechanism = dpscale.make_private(model, optimizer, dataset_size=200, batch_size=16, max_grad_norm=1.0,
-                                     noise_multiplier=1.0, delta=1e-5, steps=2, seed=0)  # fmt: skip
+    mechanism = dpscale.make_private(
+        model,
+        optimizer,
+        dataset_size=200,
+        batch_size=16,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=2,
+        seed=0,
+    )
     x, y = torch.randn(200, 1, 28, 28), torch.randint(0, 10, (200,))
     before = model.features[0].base.weight.detach().clone()
     for indices in mechanism.batches():
         mechanism.step(x[indices], y[indices])
         break
-    assert mechanism.engine.name == "vmap" and not torch.equal(model.features[0].base.weight, before)
+    assert mechanism.engine.name == "vmap" and not torch.equal(
+        model.features[0].base.weight, before
+    )

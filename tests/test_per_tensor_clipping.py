@@ -69,7 +69,9 @@ def _opacus_bounds(model: nn.Module) -> dict[str, float]:
     return dict(zip((n for n, p in model.named_parameters() if p.requires_grad), OPACUS_LIST))
 
 
-def _float64_loop(model: nn.Module, batch, bounds: dict[str, float]) -> tuple[list[dict], list[dict]]:
+def _float64_loop(
+    model: nn.Module, batch, bounds: dict[str, float]
+) -> tuple[list[dict], list[dict]]:
     """Each example alone: its gradient by autograd, each tensor clipped on its own by Opacus'
     rule min(1, C_i / (||g_i|| + 1e-6)). Shares no code with the engines.
 
@@ -83,7 +85,9 @@ def _float64_loop(model: nn.Module, batch, bounds: dict[str, float]) -> tuple[li
         loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
         grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
         norms.append({n: float(g.norm()) for n, g in grads.items()})
-        clipped.append({n: min(1.0, bounds[n] / (norms[-1][n] + 1e-6)) * g for n, g in grads.items()})
+        clipped.append(
+            {n: min(1.0, bounds[n] / (norms[-1][n] + 1e-6)) * g for n, g in grads.items()}
+        )
     return norms, clipped
 
 
@@ -94,7 +98,8 @@ def _norm(t: torch.Tensor) -> float:
 def test_the_opacus_list_in_parameter_order_is_the_patterns_per_tensor():
     names = list(trainable_params(_net()))
     assert clip_bounds(PATTERNS, "tensor", names) == _opacus_bounds(_net())
-    assert clip_bounds(PATTERNS, "group", names) == PATTERNS  # the default: today's meaning, unchanged
+    # the default: today's meaning, unchanged
+    assert clip_bounds(PATTERNS, "group", names) == PATTERNS
     assert clip_bounds(0.5, "tensor", names) == {n: 0.5 for n in names}  # Opacus' [0.5] * 8
 
 
@@ -104,24 +109,32 @@ def test_every_engine_clips_each_tensor_as_the_float64_loop_and_within_its_bound
     bounds = _opacus_bounds(model)
     norms, clipped = _float64_loop(model, batch, bounds)
     pairs = [(i, n) for i in range(len(norms)) for n in bounds]
-    assert any(norms[i][n] > bounds[n] for i, n in pairs) and any(norms[i][n] < bounds[n] for i, n in pairs)
+    assert any(norms[i][n] > bounds[n] for i, n in pairs) and any(
+        norms[i][n] < bounds[n] for i, n in pairs
+    )
     engine, notice = make_engine(engine_name, clip_bounds(PATTERNS, "tensor", list(bounds)), model)
-    assert notice is None and engine.name == ("bk" if engine_name == "auto" else engine_name)  # no fallback
+    # no fallback
+    assert notice is None and engine.name == ("bk" if engine_name == "auto" else engine_name)
     params = trainable_params(model)
     grad_sum, total = engine.per_example_clipped_sum(model, params, batch)
-    want_total = torch.tensor([math.sqrt(sum(v * v for v in e.values())) for e in norms], dtype=torch.float64)
+    want_total = torch.tensor(
+        [math.sqrt(sum(v * v for v in e.values())) for e in norms], dtype=torch.float64
+    )
     torch.testing.assert_close(total, want_total, rtol=1e-7, atol=0.0)
     for n in bounds:
         torch.testing.assert_close(grad_sum[n], sum(c[n] for c in clipped), rtol=1e-7, atol=1e-12)
     x, y = batch
-    for i in range(len(y)):  # each example alone: its release is its clipped gradient, tensor by tensor
+    for i in range(
+        len(y)
+    ):  # each example alone: its release is its clipped gradient, tensor by tensor
         alone, _ = engine.per_example_clipped_sum(model, params, (x[i : i + 1], y[i : i + 1]))
         for n, bound in bounds.items():
             torch.testing.assert_close(alone[n], clipped[i][n], rtol=1e-7, atol=1e-12)
             assert _norm(alone[n]) <= bound, (engine_name, i, n, _norm(alone[n]) / bound)
 
 
-@pytest.mark.parametrize("engine_name", ["bk", "ghost"])  # the layer-split release (vmap's: the test above)
+# the layer-split release (vmap's: the test above)
+@pytest.mark.parametrize("engine_name", ["bk", "ghost"])
 def test_removing_one_example_moves_each_tensor_by_at_most_its_bound(engine_name):
     model, (x, y) = _net(), _batch()
     bounds = _opacus_bounds(model)
@@ -145,7 +158,9 @@ def test_an_overflowing_example_contributes_zero_to_every_tensor(engine_name):
     """The adversarial input through the layer-split release: an example whose gradient is not
     finite adds exactly nothing, as removing it would."""
     model, (x, y) = _net(), _batch()
-    engine, _ = make_engine(engine_name, clip_bounds(PATTERNS, "tensor", list(trainable_params(model))), model)
+    engine, _ = make_engine(
+        engine_name, clip_bounds(PATTERNS, "tensor", list(trainable_params(model))), model
+    )
     x_bad = x.clone()
     x_bad[4] = float("inf")
     with_bad, norms = engine.per_example_clipped_sum(model, trainable_params(model), (x_bad, y))
@@ -176,10 +191,18 @@ def test_make_private_adds_noise_of_std_sigma_times_the_root_sum_over_tensors():
     model = _ZeroInputNet()
     sigma, batch = 3.0, 20
     mechanism = dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), dataset_size=200, batch_size=batch,
-        max_grad_norm={"a.*": 0.3, "b.*": 0.4}, max_grad_norm_per="tensor", noise_multiplier=sigma, delta=1e-5,
-        steps=1, seed=5, check=False,  # the checks: test_every_engine_... (here the noise alone is measured)
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        dataset_size=200,
+        batch_size=batch,
+        max_grad_norm={"a.*": 0.3, "b.*": 0.4},
+        max_grad_norm_per="tensor",
+        noise_multiplier=sigma,
+        delta=1e-5,
+        steps=1,
+        seed=5,
+        check=False,  # the checks: test_every_engine_... (here the noise alone is measured)
+    )
     assert mechanism.plan.sensitivity == pytest.approx(sensitivity, rel=1e-12)
     assert mechanism.plan.noise_std == pytest.approx(sigma * sensitivity, rel=1e-12)
     before = model.a.weight.detach().clone()
@@ -194,9 +217,16 @@ def _plan(per: str | None):
     model = _net()
     options = {} if per is None else {"max_grad_norm_per": per}
     return dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=1000, batch_size=10, max_grad_norm=PATTERNS,
-        noise_multiplier=2.0, delta=1e-5, steps=1, **options,
-    ).plan  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=1000,
+        batch_size=10,
+        max_grad_norm=PATTERNS,
+        noise_multiplier=2.0,
+        delta=1e-5,
+        steps=1,
+        **options,
+    ).plan
 
 
 def test_the_reports_translation_differs_from_opacus_and_each_form_says_what_it_is():
@@ -214,17 +244,28 @@ def test_the_reports_translation_differs_from_opacus_and_each_form_says_what_it_
     # and they clip differently: the same batch gives other sums
     model, batch = _net(), _batch()
     names = list(trainable_params(model))
-    sums = [make_engine("vmap", clip_bounds(PATTERNS, per, names), model)[0].per_example_clipped_sum(
-        model, trainable_params(model), batch)[0] for per in ("group", "tensor")]  # fmt: skip
+    sums = [
+        make_engine("vmap", clip_bounds(PATTERNS, per, names), model)[0].per_example_clipped_sum(
+            model, trainable_params(model), batch
+        )[0]
+        for per in ("group", "tensor")
+    ]
     assert max(_norm(sums[0][n] - sums[1][n]) for n in names) > 1e-2
 
 
 def test_a_deep_models_header_counts_the_tensors_at_each_bound():
     model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(7)], nn.Linear(3, 2))  # 16 tensors
     plan = dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=1000, batch_size=10,
-        max_grad_norm={"7.*": 2.0, "*": 0.5}, max_grad_norm_per="tensor", noise_multiplier=1.0, delta=1e-5, steps=1,
-    ).plan  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=1000,
+        batch_size=10,
+        max_grad_norm={"7.*": 2.0, "*": 0.5},
+        max_grad_norm_per="tensor",
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=1,
+    ).plan
     assert "C per tensor (16 tensors: 14 at 0.5, 2 at 2; sensitivity 3.39116)" in plan.describe()
 
 
@@ -232,33 +273,62 @@ def test_a_deep_models_header_counts_the_tensors_at_each_bound():
 @pytest.mark.parametrize(
     "mapping, message",
     [
-        ({"*": 1.0, "conv*": 0.5}, r"pattern 'conv\*' is shadowed by the earlier pattern '\*', which takes all 4 "
-                                   r"parameters it matches .*put specific ones first, a catch-all '\*' last"),
-        ({"conv*": 0.5, "conv1.*": 0.1, "*": 1.0}, r"pattern 'conv1\.\*' is shadowed by the earlier pattern 'conv\*'"),
+        (
+            {"*": 1.0, "conv*": 0.5},
+            r"pattern 'conv\*' is shadowed by the earlier pattern '\*', which takes all 4 "
+            r"parameters it matches .*put specific ones first, a catch-all '\*' last",
+        ),
+        (
+            {"conv*": 0.5, "conv1.*": 0.1, "*": 1.0},
+            r"pattern 'conv1\.\*' is shadowed by the earlier pattern 'conv\*'",
+        ),
         ({"conv*": 0.5, "zz*": 1.0, "*": 1.0}, r"pattern 'zz\*' matches no trainable parameter"),
     ],
-)  # fmt: skip
+)
 def test_a_pattern_left_without_parameters_says_why_in_one_line(per, mapping, message):
     model = _net()
     options = {} if per is None else {"max_grad_norm_per": per}
     with pytest.raises(ValueError, match=message) as caught:
         dpscale.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=1000, batch_size=10,
-            max_grad_norm=mapping, noise_multiplier=1.0, delta=1e-5, steps=1, **options,
-        )  # fmt: skip
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset_size=1000,
+            batch_size=10,
+            max_grad_norm=mapping,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            steps=1,
+            **options,
+        )
     assert "\n" not in str(caught.value) and "match no trainable" not in str(caught.value)
 
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"max_grad_norm_per": "layer"}, r"PerLayer.per must be one of 'group', 'tensor', got 'layer'"),
-     ({"max_grad_norm_per": "tensor", "max_grad_norm": None, "noise_multiplier": 0.0}, r"PerLayer.bounds must be one positive number, got None")],
-)  # fmt: skip
+    [
+        (
+            {"max_grad_norm_per": "layer"},
+            r"PerLayer.per must be one of 'group', 'tensor', got 'layer'",
+        ),
+        (
+            {"max_grad_norm_per": "tensor", "max_grad_norm": None, "noise_multiplier": 0.0},
+            r"PerLayer.bounds must be one positive number, got None",
+        ),
+    ],
+)
 def test_bad_max_grad_norm_per_is_one_line(options, message):
     model = _net()
-    numbers = {"dataset_size": 1000, "batch_size": 10, "max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+    numbers = {
+        "dataset_size": 1000,
+        "batch_size": 10,
+        "max_grad_norm": 1.0,
+        "noise_multiplier": 1.0,
+        "delta": 1e-5,
+    }
     with pytest.raises(ValueError, match=message) as caught:
-        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, **{**numbers, **options})
+        dpscale.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, **{**numbers, **options}
+        )
     assert "\n" not in str(caught.value)
 
 
@@ -271,10 +341,19 @@ CONFIG_SIGMA = 1.5
 
 
 def _config_run(run_dir: Path, per: str):
-    overrides = [f"run.out_dir={run_dir}", "run.seed=0", "model.name=papernot-cnn", "model.peft=last_groups",
-                 "model.train_last_groups=2", "dp.batch_size=16", "train.steps=2", "dp.epsilon=null",
-                 f"dp.noise_multiplier={CONFIG_SIGMA}", f"dp.max_grad_norm={CONFIG_BOUNDS}",
-                 f"dp.max_grad_norm_per={per}"]  # fmt: skip
+    overrides = [
+        f"run.out_dir={run_dir}",
+        "run.seed=0",
+        "model.name=papernot-cnn",
+        "model.peft=last_groups",
+        "model.train_last_groups=2",
+        "dp.batch_size=16",
+        "train.steps=2",
+        "dp.epsilon=null",
+        f"dp.noise_multiplier={CONFIG_SIGMA}",
+        f"dp.max_grad_norm={CONFIG_BOUNDS}",
+        f"dp.max_grad_norm_per={per}",
+    ]
     trainer = Trainer.create(load_config(None, overrides), progress=False)
     trainer.run(max_steps=1)  # a checkpoint at step 1 of 2
     return trainer
@@ -285,10 +364,13 @@ def _first_match(name: str) -> float:
 
 
 @pytest.mark.parametrize("per, other", [("tensor", "group"), ("group", "tensor")])
-def test_a_config_run_plans_the_sensitivity_of_the_clipping_it_runs_and_a_resume_keeps_its_form(tmp_path, per, other):
+def test_a_config_run_plans_the_sensitivity_of_the_clipping_it_runs_and_a_resume_keeps_its_form(
+    tmp_path, per, other
+):
     trainer = _config_run(tmp_path / "run", per)
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
-    assert trainable == ["head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"]  # after model.peft
+    # after model.peft
+    assert trainable == ["head.0.weight", "head.0.bias", "head.2.weight", "head.2.bias"]
     plan, header = trainer.plan, trainer.plan.describe()
     if per == "tensor":  # each trainable tensor on its own: sqrt(sum_i C_i^2), computed here
         sensitivity = math.sqrt(sum(_first_match(n) ** 2 for n in trainable))
@@ -302,14 +384,21 @@ def test_a_config_run_plans_the_sensitivity_of_the_clipping_it_runs_and_a_resume
     assert plan.noise_std == pytest.approx(CONFIG_SIGMA * sensitivity, rel=1e-12)
     assert trainer.built.engine.max_grad_norm == plan.max_grad_norm  # what the engine clips with
     run_dir = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"the checkpoint's DP plan clips .*dp\.max_grad_norm_per=" + other) as caught:
+    with pytest.raises(
+        ConfigError, match=r"the checkpoint's DP plan clips .*dp\.max_grad_norm_per=" + other
+    ) as caught:
         Trainer.resume(run_dir, progress=False, overrides=[f"dp.max_grad_norm_per={other}"])
     assert "\n" not in str(caught.value)
-    if per == "tensor":  # unchanged, the checkpoint's mapping and the config's spelled out compare equal
+    if (
+        per == "tensor"
+    ):  # unchanged, the checkpoint's mapping and the config's spelled out compare equal
         resumed = Trainer.resume(run_dir, progress=False)
         assert resumed.plan.max_grad_norm == plan.max_grad_norm
         resumed.run()
-        assert json.loads((run_dir / "summary.json").read_text())["max_grad_norm"] == plan.max_grad_norm
+        assert (
+            json.loads((run_dir / "summary.json").read_text())["max_grad_norm"]
+            == plan.max_grad_norm
+        )
 
 
 def test_a_resume_compares_a_mappings_order_first_match_wins():
@@ -317,11 +406,17 @@ def test_a_resume_compares_a_mappings_order_first_match_wins():
     from dpscale.config import DPConfig
     from dpscale.train.plan_config import check_plan_against_config, plan_from_config
 
-    dp = DPConfig(epsilon=None, noise_multiplier=1.0, max_grad_norm={"head.*.bias": 1.0, "head.*": 2.0})
+    dp = DPConfig(
+        epsilon=None, noise_multiplier=1.0, max_grad_norm={"head.*.bias": 1.0, "head.*": 2.0}
+    )
     plan = plan_from_config(dp, 1000, 10)
     check_plan_against_config(plan, dp, 1000, 10)
-    reordered = DPConfig(epsilon=None, noise_multiplier=1.0, max_grad_norm={"head.*": 2.0, "head.*.bias": 1.0})
-    with pytest.raises(ConfigError, match=r"the checkpoint's DP plan clips C per layer \{head\.\*\.bias: 1"):
+    reordered = DPConfig(
+        epsilon=None, noise_multiplier=1.0, max_grad_norm={"head.*": 2.0, "head.*.bias": 1.0}
+    )
+    with pytest.raises(
+        ConfigError, match=r"the checkpoint's DP plan clips C per layer \{head\.\*\.bias: 1"
+    ):
         check_plan_against_config(plan, reordered, 1000, 10)
 
 
@@ -342,7 +437,20 @@ def test_a_plan_made_without_the_model_refuses_tensor_in_one_line(capsys, monkey
         inputs.plan_inputs(load_config(overrides=["dp.max_grad_norm_per=tensor"]))
     with pytest.raises(ConfigError, match=message):
         plan_from_config(DPConfig(max_grad_norm_per="tensor"), 1000, 10)
-    assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", "--set", "dp.max_grad_norm_per=tensor"]) == 2
+    assert (
+        main(
+            [
+                "tan",
+                "simulate",
+                "--batch-size",
+                "64",
+                "--dry-run",
+                "--set",
+                "dp.max_grad_norm_per=tensor",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert re.search(message, err) and "\n" not in err
 
@@ -358,14 +466,18 @@ def test_the_config_key_is_validated_and_tensor_is_accepted():
 
 
 @pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)
-@pytest.mark.parametrize("engine_name, precision", [("vmap", "fp32"), ("bk", "fp32"), ("ghost", "fp32"), ("bk", "bf16")])
+@pytest.mark.parametrize(
+    "engine_name, precision", [("vmap", "fp32"), ("bk", "fp32"), ("ghost", "fp32"), ("bk", "bf16")]
+)
 def test_each_tensor_releases_at_most_its_bound_in_float32(engine_name, precision):
     model, (x, y) = _net(torch.float32), _batch(torch.float32)
     bounds = {n: 1e-3 if n.startswith("conv") else 2e-3 for n in trainable_params(model)}
     engine = make_engine(engine_name, bounds, model, precision=make_precision(precision))[0]
     most = 0.0
     for i in range(len(y)):
-        alone, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        alone, _ = engine.per_example_clipped_sum(
+            model, trainable_params(model), (x[i : i + 1], y[i : i + 1])
+        )
         for n, bound in bounds.items():
             assert _norm(alone[n]) <= bound, (engine_name, precision, i, n, _norm(alone[n]) / bound)
             most = max(most, _norm(alone[n]) / bound)
@@ -386,7 +498,9 @@ class _CancellingWithBias(nn.Module):
 
 
 @pytest.mark.parametrize("engine_name", ["bk", "ghost"])
-def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(monkeypatch, engine_name):
+def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(
+    monkeypatch, engine_name
+):
     clip = 2.0**-16 * 100  # about 1/100 of these weight gradients' norms: each one is clipped
 
     def worst(count: int) -> float:
@@ -398,8 +512,12 @@ def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(monke
             x = torch.stack([base, base.clone()], 1)
             x[:, 1, :1] += base[:, :1] * 2.0**-16
             y = torch.randint(0, 2, (1,), generator=generator)
-            engine = make_engine(engine_name, clip_bounds(clip, "tensor", ["lin.weight", "lin.bias"]), model)[0]
-            grad_sum, _ = engine.per_example_clipped_sum(model, trainable_params(model), (x * 1e4, y))
+            engine = make_engine(
+                engine_name, clip_bounds(clip, "tensor", ["lin.weight", "lin.bias"]), model
+            )[0]
+            grad_sum, _ = engine.per_example_clipped_sum(
+                model, trainable_params(model), (x * 1e4, y)
+            )
             most = max(most, _norm(grad_sum["lin.weight"]) / clip)
             if most > 1.0:
                 break
@@ -416,24 +534,46 @@ def test_a_split_layers_weight_keeps_the_slack_of_its_accumulating_release(monke
 
 def test_the_opacus_table_and_clipping_doc_give_the_per_tensor_form():
     docs = Path(__file__).resolve().parents[1] / "docs"
-    row = next(line for line in (docs / "own-loop.md").read_text().splitlines() if 'clipping="per_layer"' in line)
-    assert 'PerLayer(bounds={"conv*": 0.5, "fc*": 1.0}, per="tensor")' in row and "model.parameters()" in row
+    row = next(
+        line
+        for line in (docs / "own-loop.md").read_text().splitlines()
+        if 'clipping="per_layer"' in line
+    )
+    assert (
+        'PerLayer(bounds={"conv*": 0.5, "fc*": 1.0}, per="tensor")' in row
+        and "model.parameters()" in row
+    )
     clipping = (docs / "clipping.md").read_text()
     section = re.search(r"\n## Per-tensor norms.*?(?=\n## )", clipping, re.DOTALL)
-    assert section and "sqrt(sum_i C_i^2)" in section.group(0) and 'clipping="per_layer"' in section.group(0)
+    assert (
+        section
+        and "sqrt(sum_i C_i^2)" in section.group(0)
+        and 'clipping="per_layer"' in section.group(0)
+    )
 
 
 def test_freezing_a_tensor_after_per_tensor_bounds_were_fixed_is_refused_saying_why():
     # a review found the old refusal spoke of patterns the user never wrote ("add a last '*'")
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     mechanism = dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=40, batch_size=8, max_grad_norm=0.5,
-        max_grad_norm_per="tensor", noise_multiplier=1.0, delta=1e-5, steps=4, seed=0,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=40,
+        batch_size=8,
+        max_grad_norm=0.5,
+        max_grad_norm_per="tensor",
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=4,
+        seed=0,
+    )
     x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
     indices = mechanism.sample()
     mechanism.step(x[indices], y[indices])
     model[2].bias.requires_grad_(False)
     indices = mechanism.sample()
-    with pytest.raises(ValueError, match=r"max_grad_norm_per='tensor' fixed one bound per trainable tensor .*now 3, planned 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_grad_norm_per='tensor' fixed one bound per trainable tensor .*now 3, planned 4",
+    ):
         mechanism.step(x[indices], y[indices])

@@ -36,19 +36,30 @@ class _Record:
         (3, 4, 3, 1, 11, 1, 3, 2),
     ],
 )
-def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(cin, cout, kernel, padding, size, views, stride,
-                                                                    dilation):  # fmt: skip
+def test_pixel_gram_norms_are_the_per_example_loops_and_never_below(
+    cin, cout, kernel, padding, size, views, stride, dilation
+):
     torch.manual_seed(0)
     conv = nn.Conv2d(cin, cout, kernel, padding=padding, stride=stride, dilation=dilation).double()
     batch = 4
     a = torch.randn(batch * views, cin, size, size, dtype=torch.float64) * 3
     g = torch.randn_like(conv(a))
     got, weight = ghost_conv._pixel_gram_sq_norms(_Record(conv, views), a, g)
-    exact = torch.stack([
-        torch.nn.grad.conv2d_weight(a[i * views : (i + 1) * views], conv.weight.shape, g[i * views : (i + 1) * views],
-                                    padding=conv.padding, stride=conv.stride, dilation=conv.dilation).square().sum()
-        for i in range(batch)
-    ])  # fmt: skip
+    exact = torch.stack(
+        [
+            torch.nn.grad.conv2d_weight(
+                a[i * views : (i + 1) * views],
+                conv.weight.shape,
+                g[i * views : (i + 1) * views],
+                padding=conv.padding,
+                stride=conv.stride,
+                dilation=conv.dilation,
+            )
+            .square()
+            .sum()
+            for i in range(batch)
+        ]
+    )
     assert bool((got >= exact).all())  # an upper bound: a clipped contribution never exceeds C
     torch.testing.assert_close(got, exact, rtol=1e-8, atol=0)
     assert bool((weight > 0).all())
@@ -68,14 +79,26 @@ def test_only_plain_ungrouped_convolutions_take_it():
 def test_bk_on_small_output_convolutions_matches_the_float64_reference(engine, monkeypatch):
     """8x8 outputs with 64 channels: the pixel Gram is far cheaper than instantiating or unfolding."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.Tanh(), nn.Conv2d(64, 64, 3, padding=1), nn.Tanh(),
-                          nn.Flatten(), nn.Linear(64 * 8 * 8, 10)).double()  # fmt: skip
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 10),
+    ).double()
     conv = model[2]
     length = 64
-    assert ghost_conv._pixel_gram_cost(conv, torch.zeros(1, 64, 8, 8), length, 1) < length * 64 * 9 * 64  # it is chosen
+    # it is chosen
+    assert (
+        ghost_conv._pixel_gram_cost(conv, torch.zeros(1, 64, 8, 8), length, 1)
+        < length * 64 * 9 * 64
+    )
     calls = []
     real = ghost_conv._pixel_gram_sq_norms
-    monkeypatch.setattr(ghost_conv, "_pixel_gram_sq_norms", lambda r, a, g: calls.append(r.module) or real(r, a, g))
+    monkeypatch.setattr(
+        ghost_conv, "_pixel_gram_sq_norms", lambda r, a, g: calls.append(r.module) or real(r, a, g)
+    )
     x, y = torch.randn(6, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (6,))
     want = per_example_reference(model, (x, y), 0.5)
     chosen, _ = make_engine(engine, 0.5, model)

@@ -12,22 +12,44 @@ from dpscale.privacy.accounting.accountant import PrivacyAccountant
 from dpscale.privacy.accounting.pld_epsilon import pld_epsilons
 from dpscale.privacy.accounting.pld_gaussian import gaussian_pld
 
-DELTAS = [0.0, 1e-300, 1e-12, 1e-9, 1e-6, 1e-5, 3e-5, 1e-3, 0.01, 0.1, 0.15, 0.4, 0.5, 0.7, 0.9, 1.0]
+DELTAS = [
+    0.0,
+    1e-300,
+    1e-12,
+    1e-9,
+    1e-6,
+    1e-5,
+    3e-5,
+    1e-3,
+    0.01,
+    0.1,
+    0.15,
+    0.4,
+    0.5,
+    0.7,
+    0.9,
+    1.0,
+]
 
 
-def _dense(discretization: float, lower_loss: int, probs: list[float], infinity_mass: float = 0.0) -> pld_pmf.DensePLDPmf:
+def _dense(
+    discretization: float, lower_loss: int, probs: list[float], infinity_mass: float = 0.0
+) -> pld_pmf.DensePLDPmf:
     return pld_pmf.DensePLDPmf(discretization, lower_loss, np.array(probs), infinity_mass, True)
 
 
 def _cases() -> dict[str, pld_lib.PrivacyLossDistribution]:
-    beyond_exp = _dense(1.0, 760, [0.1, 0.2, 0.3, 0.25, 0.15])  # exp(-loss) is 0: the loop's zero-mass return
+    # exp(-loss) is 0: the loop's zero-mass return
+    beyond_exp = _dense(1.0, 760, [0.1, 0.2, 0.3, 0.25, 0.15])
     subnormal = _dense(1.0, 740, [0.1, 0.2, 0.3, 0.25, 0.15])  # exp(-loss) subnormal
     small = _dense(0.5, -4, [0.05, 0.1, 0.2, 0.3, 0.2, 0.1, 0.05], infinity_mass=1e-7)
     return {
         "dp-sgd 20 steps": gaussian_pld(1.0, 0.004, 1e-4).self_compose(20),
         "dp-sgd 200 steps": gaussian_pld(0.6, 0.01, 1e-4).self_compose(200),
         "full batch": gaussian_pld(2.0, 1.0, 1e-3).self_compose(5),
-        "laplace": pld_lib.from_laplace_mechanism(1.0, value_discretization_interval=1e-3).self_compose(3),
+        "laplace": pld_lib.from_laplace_mechanism(
+            1.0, value_discretization_interval=1e-3
+        ).self_compose(3),
         "beyond exp": pld_lib.PrivacyLossDistribution(beyond_exp),
         "subnormal": pld_lib.PrivacyLossDistribution(subnormal),
         "asymmetric": pld_lib.PrivacyLossDistribution(small, beyond_exp),
@@ -39,7 +61,12 @@ def _cases() -> dict[str, pld_lib.PrivacyLossDistribution]:
 def test_every_epsilon_is_dp_accountings(name):
     pld = _cases()[name]
     infinity = pld._pmf_remove._infinity_mass
-    deltas = [*DELTAS, infinity, float(np.nextafter(infinity, 1.0)), float(np.nextafter(infinity, 0.0))]
+    deltas = [
+        *DELTAS,
+        infinity,
+        float(np.nextafter(infinity, 1.0)),
+        float(np.nextafter(infinity, 0.0)),
+    ]
     with np.errstate(over="ignore"):  # both divide by a subnormal mass on "subnormal"
         want = [float(pld.get_epsilon_for_delta(d)) for d in deltas]
         got = pld_epsilons(pld, deltas)
@@ -67,7 +94,9 @@ def test_a_walk_that_reaches_an_overflowing_exp_raises_as_the_librarys_does():
 
 
 def test_a_sparse_pmf_is_left_to_the_library():
-    pld = pld_lib.from_privacy_parameters(pld_lib.common.DifferentialPrivacyParameters(1.0, 1e-6), 1e-4)
+    pld = pld_lib.from_privacy_parameters(
+        pld_lib.common.DifferentialPrivacyParameters(1.0, 1e-6), 1e-4
+    )
     assert not isinstance(pld._pmf_remove, pld_pmf.DensePLDPmf)
     assert pld_epsilons(pld, DELTAS) == [float(pld.get_epsilon_for_delta(d)) for d in DELTAS]
 

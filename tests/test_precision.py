@@ -62,9 +62,14 @@ def test_every_engine_in_16_bits_matches_the_float64_loop(engine, precision, cli
     torch.manual_seed(0)
     model, (x, y) = SmallConvNet(), _data()
     want, want_norms = naive_float64(model, x, y, clip)
-    got, norms = make_engine(engine, clip, model, precision=precision)[0].per_example_clipped_sum(model, trainable_params(model), (x, y))
+    got, norms = make_engine(engine, clip, model, precision=precision)[0].per_example_clipped_sum(
+        model, trainable_params(model), (x, y)
+    )
     assert all(g.dtype == torch.float32 for g in got.values()) and norms.dtype == torch.float32
-    assert float(((norms.double() - want_norms).abs() / want_norms).max()) < NORM_TOLERANCE[precision.name]
+    assert (
+        float(((norms.double() - want_norms).abs() / want_norms).max())
+        < NORM_TOLERANCE[precision.name]
+    )
     error = torch.sqrt(sum((got[n].double() - want[n]).square().sum() for n in want))
     size = torch.sqrt(sum(w.square().sum() for w in want.values()))
     assert float(error / size) < SUM_TOLERANCE[precision.name]
@@ -79,7 +84,9 @@ def test_no_example_contributes_more_than_c_in_16_bits(engine, precision):
     clip = 0.01  # far below every norm: each contribution is clipped
     run = make_engine(engine, clip, model, precision=precision)[0]
     for i in range(len(x)):
-        grad_sum, norm = run.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        grad_sum, norm = run.per_example_clipped_sum(
+            model, trainable_params(model), (x[i : i + 1], y[i : i + 1])
+        )
         released = float(torch.sqrt(sum(g.double().square().sum() for g in grad_sum.values())))
         assert float(norm) > clip and released <= clip, (engine, precision.name, i, released)
 
@@ -106,7 +113,9 @@ def test_the_loss_scale_is_applied_and_undone():
     torch.manual_seed(3)
     model, (x, y) = SmallConvNet(), _data(4, seed=3)
     params = trainable_params(model)
-    small, large = (make_engine("bk", 1e3, model, precision=Precision("fp16", s))[0] for s in (1.0, 2.0**14))
+    small, large = (
+        make_engine("bk", 1e3, model, precision=Precision("fp16", s))[0] for s in (1.0, 2.0**14)
+    )
     a, norms_a = small.per_example_clipped_sum(model, params, (x, y))
     b, norms_b = large.per_example_clipped_sum(model, params, (x, y))
     torch.testing.assert_close(norms_a, norms_b, rtol=2e-3, atol=0)
@@ -130,24 +139,36 @@ def test_precision_settings_are_validated():
 def test_the_self_check_passes_in_bf16_and_still_catches_a_missed_route():
     torch.manual_seed(4)
     model, (x, y) = SmallConvNet(), _data()
-    engine, notices, result = checked_engine("auto", 0.1, model, (x, y), precision=make_precision("bf16"))
+    engine, notices, result = checked_engine(
+        "auto", 0.1, model, (x, y), precision=make_precision("bf16")
+    )
     assert result.ok and not notices and engine.precision.name == "bf16"
     head = model.head  # a replaced forward: the records see half the weight's gradient
     head.forward = lambda t: F.linear(t, head.weight * 2.0, head.bias)
-    engine, notices, result = checked_engine("auto", 0.1, model, (x, y), precision=make_precision("bf16"))
+    engine, notices, result = checked_engine(
+        "auto", 0.1, model, (x, y), precision=make_precision("bf16")
+    )
     assert notices and "head.weight" in notices[0] and result.ok and engine.name == "vmap"
 
 
 def test_a_bf16_run_on_cpu_trains_with_the_same_privacy(tmp_path):
     summaries = {}
     for precision in ("fp32", "bf16"):
-        config = short_config(tmp_path / precision, 12, "dp.epsilon=4", "train.eval_every_epochs=1",
-                              "train.max_physical_batch_size=64", f"train.precision={precision}")  # fmt: skip
+        config = short_config(
+            tmp_path / precision,
+            12,
+            "dp.epsilon=4",
+            "train.eval_every_epochs=1",
+            "train.max_physical_batch_size=64",
+            f"train.precision={precision}",
+        )
         summaries[precision] = Trainer.create(config, progress=False).run()
         on_disk = json.loads((tmp_path / precision / "summary.json").read_text())
         assert on_disk["precision"] == precision and on_disk["engine_self_check"]["passed"]
     fp32, bf16 = summaries["fp32"], summaries["bf16"]
-    assert bf16["epsilon"] == fp32["epsilon"] and bf16["noise_multiplier"] == fp32["noise_multiplier"]
+    assert (
+        bf16["epsilon"] == fp32["epsilon"] and bf16["noise_multiplier"] == fp32["noise_multiplier"]
+    )
     assert bf16["test_accuracy"] > 0.5 and abs(bf16["test_accuracy"] - fp32["test_accuracy"]) < 0.1
 
 
@@ -182,13 +203,23 @@ def test_make_private_steps_under_its_precision_not_the_users_tf32_flags(precisi
     # cuDNN's default is TF32: "fp32" left to it ran convolutions in TF32 on an H200, and the
     # self-check then refused bk and vmap on resnet18-gn at 224x224 (docs/benchmarks.md)
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32  # the user's setting
+    torch.backends.cuda.matmul.allow_tf32 = (
+        torch.backends.cudnn.allow_tf32
+    ) = not tf32  # the user's setting
     try:
         model = FlagProbe()
         mechanism = dpscale.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=64, batch_size=16, max_grad_norm=1.0,
-            noise_multiplier=1.0, delta=1e-5, steps=3, seed=0, precision=precision,
-        )  # fmt: skip
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset_size=64,
+            batch_size=16,
+            max_grad_norm=1.0,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            steps=3,
+            seed=0,
+            precision=precision,
+        )
         x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
         checked = 0
         for indices in mechanism.batches():
@@ -196,13 +227,18 @@ def test_make_private_steps_under_its_precision_not_the_users_tf32_flags(precisi
             checked = checked or len(model.seen)  # the first step's check compares in full float32
         assert len(model.seen) > checked and set(model.seen[checked:]) == {(tf32, tf32)}
         assert precision == "tf32" or set(model.seen) == {(False, False)}
-        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (not tf32, not tf32)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (
+            not tf32,
+            not tf32,
+        )
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 @pytest.mark.kernels  # also under capped CPU kernel families (test_kernel_families.py)
-@pytest.mark.parametrize("precision", [make_precision("fp32"), make_precision("bf16")], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "precision", [make_precision("fp32"), make_precision("bf16")], ids=lambda p: p.name
+)
 @pytest.mark.parametrize("engine", ["bk", "ghost"])
 def test_gram_norms_never_underestimate_when_tokens_cancel(engine, precision):
     torch.manual_seed(0)
@@ -215,9 +251,12 @@ def test_gram_norms_never_underestimate_when_tokens_cancel(engine, precision):
     # a benign first batch passes the route check (in bf16 the autograd reference itself cancels)
     run.per_example_clipped_sum(model, trainable_params(model), (torch.randn(4, 2, 256), y[:4]))
     for i in range(len(x)):  # a batch of one: the release is that example's contribution
-        grad_sum, _ = run.per_example_clipped_sum(model, trainable_params(model), (x[i : i + 1], y[i : i + 1]))
+        grad_sum, _ = run.per_example_clipped_sum(
+            model, trainable_params(model), (x[i : i + 1], y[i : i + 1])
+        )
         released = float(torch.sqrt(sum(g.double().square().sum() for g in grad_sum.values())))
-        assert released <= clip, (engine, precision.name, i, released / clip)  # no tolerance: by construction
+        # no tolerance: by construction
+        assert released <= clip, (engine, precision.name, i, released / clip)
 
 
 def test_squared_norms_of_large_per_example_gradients_are_accurate():
@@ -225,7 +264,8 @@ def test_squared_norms_of_large_per_example_gradients_are_accurate():
 
     t = torch.randn(3, 2_100_000, generator=torch.Generator().manual_seed(0))
     exact = t.double().square().sum(1)
-    assert float(((blocked_sq_norms(t).double() - exact) / exact).abs().max()) < 1e-7  # torch's vector_norm: 6e-5
+    # torch's vector_norm: 6e-5
+    assert float(((blocked_sq_norms(t).double() - exact) / exact).abs().max()) < 1e-7
 
 
 @pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
@@ -246,10 +286,23 @@ def test_a_step_counts_the_examples_whose_gradients_were_not_finite():
     model, (x, y) = SmallConvNet(), _data(6, seed=6)
     x[2] = 1e5  # overflows fp16
     engine = make_engine("bk", 1.0, model, precision=make_precision("fp16"))[0]
-    grad, stats = noisy_clipped_mean(engine, model, physical_chunks(x, y, torch.arange(6), 4), noise_std=0.0,
-                                     expected_batch_size=6, noise_generator=DPRandom(0))  # fmt: skip
-    assert stats.nonfinite_examples == 1 and stats.examples == 6 and stats.as_dict()["nonfinite_examples"] == 1
-    assert all(torch.isfinite(g).all() for g in grad.values()) and stats.mean_grad_norm == stats.mean_grad_norm
+    grad, stats = noisy_clipped_mean(
+        engine,
+        model,
+        physical_chunks(x, y, torch.arange(6), 4),
+        noise_std=0.0,
+        expected_batch_size=6,
+        noise_generator=DPRandom(0),
+    )
+    assert (
+        stats.nonfinite_examples == 1
+        and stats.examples == 6
+        and stats.as_dict()["nonfinite_examples"] == 1
+    )
+    assert (
+        all(torch.isfinite(g).all() for g in grad.values())
+        and stats.mean_grad_norm == stats.mean_grad_norm
+    )
 
 
 class NormedNet(nn.Module):
@@ -277,8 +330,13 @@ def test_vmap_in_16_bits_handles_group_norm_and_layer_norm(precision, clip):
     torch.manual_seed(7)
     model, (x, y) = NormedNet(), _data(6, seed=7)
     want, want_norms = naive_float64(model, x, y, clip)
-    got, norms = make_engine("vmap", clip, model, precision=precision)[0].per_example_clipped_sum(model, trainable_params(model), (x, y))
-    assert float(((norms.double() - want_norms).abs() / want_norms).max()) < NORM_TOLERANCE[precision.name]
+    got, norms = make_engine("vmap", clip, model, precision=precision)[0].per_example_clipped_sum(
+        model, trainable_params(model), (x, y)
+    )
+    assert (
+        float(((norms.double() - want_norms).abs() / want_norms).max())
+        < NORM_TOLERANCE[precision.name]
+    )
     error = torch.sqrt(sum((got[n].double() - want[n]).square().sum() for n in want))
     size = torch.sqrt(sum(w.square().sum() for w in want.values()))
     assert float(error / size) < SUM_TOLERANCE[precision.name]
@@ -291,7 +349,9 @@ RELEASE_TOLERANCE = {"fp32": 1e-5, "tf32": 1e-5, **SUM_TOLERANCE}
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("engine", ["bk", "ghost", "vmap"])
-def test_an_overflowing_example_contributes_zero_through_make_private_and_is_counted(engine, precision):
+def test_an_overflowing_example_contributes_zero_through_make_private_and_is_counted(
+    engine, precision
+):
     """A drawn example of 3e38 overflows in every precision: the release must be the clipped sum
     of the others plus the noise (was NaN in fp32/tf32: membership visible), and the step counts it.
     It arrives at the second step (the first sampled batch is the one make_private checks)."""
@@ -300,11 +360,21 @@ def test_an_overflowing_example_contributes_zero_through_make_private_and_is_cou
 
     torch.manual_seed(8)
     model, (x, y) = SmallConvNet(), _data(12, seed=8)
-    options = dict(dataset_size=12, batch_size=6, max_grad_norm=1.0, delta=1e-5, noise_multiplier=0.5, steps=2,
-                   engine=engine, precision=precision, seed=3)  # fmt: skip
+    options = dict(
+        dataset_size=12,
+        batch_size=6,
+        max_grad_norm=1.0,
+        delta=1e-5,
+        noise_multiplier=0.5,
+        steps=2,
+        engine=engine,
+        precision=precision,
+        seed=3,
+    )
     other = copy.deepcopy(model)
     twin = dpscale.make_private(other, torch.optim.SGD(other.parameters(), lr=0.0), **options)
-    noise = [draw_noise(trainable_params(other), twin.noise_generator) for _ in range(2)]  # the seed's draws
+    # the seed's draws
+    noise = [draw_noise(trainable_params(other), twin.noise_generator) for _ in range(2)]
     mechanism = dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.0), **options)
     released = []
     mechanism.observer = released.append
@@ -316,7 +386,8 @@ def test_an_overflowing_example_contributes_zero_through_make_private_and_is_cou
     want, _ = naive_float64(model, x[drawn[1:]], y[drawn[1:]], 1.0)  # lr 0: the model has not moved
     stats = mechanism.step(x[drawn], y[drawn])
     assert stats.nonfinite_examples == 1 and stats.examples == len(drawn)
-    got = {n: g.double() * 6 - 0.5 * noise[1][n].double() for n, g in released[1].items()}  # the clipped sum
+    # the clipped sum
+    got = {n: g.double() * 6 - 0.5 * noise[1][n].double() for n, g in released[1].items()}
     assert all(torch.isfinite(g).all() for g in got.values())
     error = torch.sqrt(sum((got[n] - want[n]).square().sum() for n in want))
     size = torch.sqrt(sum(w.square().sum() for w in want.values()))
@@ -335,6 +406,14 @@ def test_parameters_other_than_all_float32_or_all_float64_are_refused_in_one_lin
     else:
         getattr(model, cast)()
     with pytest.raises(ValueError, match="all float32 or all float64") as err:
-        dpscale.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=100, batch_size=10,
-                             max_grad_norm=1.0, noise_multiplier=1.0, delta=1e-5, steps=3)  # fmt: skip
+        dpscale.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            dataset_size=100,
+            batch_size=10,
+            max_grad_norm=1.0,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            steps=3,
+        )
     assert "\n" not in str(err.value)

@@ -51,26 +51,44 @@ def test_tramer_presets_hold_table_13(row):
     c = load_config(f"preset:{name}")
     assert (c.dp.batch_size, c.optim.lr, c.train.epochs) == (batch, lr, epochs)
     assert (c.dp.epsilon, c.dp.delta, c.dp.max_grad_norm, c.optim.momentum) == (3.0, 1e-5, 0.1, 0.9)
-    assert c.dp.noise_multiplier is None and c.dp.sampling == "poisson" and c.model.activation == "tanh"
+    assert (
+        c.dp.noise_multiplier is None
+        and c.dp.sampling == "poisson"
+        and c.model.activation == "tanh"
+    )
     assert c.features.normalize == normalize and c.train.eval_every_epochs == 1
     if groups:
         assert c.features.groups == groups
     if noise:
         assert (c.features.norm_noise, c.features.norm_clip) == (noise, clip)
     assert (c.features.extractor == "scatternet") == ("scatter" in name)
-    expected_model = name.split("-", 2)[2] if "scatter" in name else ("tramer-cifar-cnn" if "cifar" in name else "papernot-cnn")
+    expected_model = (
+        name.split("-", 2)[2]
+        if "scatter" in name
+        else ("tramer-cifar-cnn" if "cifar" in name else "papernot-cnn")
+    )
     assert c.model.name == expected_model
 
 
-DPSCALE_FMNIST = ["dpscale-fmnist-scatter-linear", "dpscale-fmnist-scatter-cnn", "dpscale-fmnist-cnn"]
+DPSCALE_FMNIST = [
+    "dpscale-fmnist-scatter-linear",
+    "dpscale-fmnist-scatter-cnn",
+    "dpscale-fmnist-cnn",
+]
 
 
 @pytest.mark.parametrize("name", DPSCALE_FMNIST)
 def test_dpscale_fmnist_recipes_spend_epsilon_3_and_name_their_model_size(name):
     """Issue 28's recipes: the privacy numbers of the issue, and the parameter count their text gives."""
     c = load_config(f"preset:{name}")
-    assert (c.data.name, c.dp.epsilon, c.dp.delta, c.dp.sampling) == ("fashion-mnist", 3.0, 1e-5, "poisson")
-    assert c.dp.noise_multiplier is None and c.dp.simulated_batch_size is None  # calibrated, and a real run
+    assert (c.data.name, c.dp.epsilon, c.dp.delta, c.dp.sampling) == (
+        "fashion-mnist",
+        3.0,
+        1e-5,
+        "poisson",
+    )
+    # calibrated, and a real run
+    assert c.dp.noise_multiplier is None and c.dp.simulated_batch_size is None
     assert c.dp.accountant == "pld"
     count = sum(p.numel() for p in _preset_model(c).parameters())
     assert f"({count:,} parameters)" in get_preset(name).description
@@ -84,14 +102,25 @@ def test_epsilon_variants_change_only_epsilon_and_epochs(name):
     """Issue 47's presets at epsilon 1 and 8: the epsilon-3 recipe with only the budget and the number
     of epochs changed (so the recipe's two-step run below covers their code path)."""
     recipe, _, eps = name.rpartition("-eps")
-    variant, base = load_config(f"preset:{name}").to_dict(), load_config(f"preset:{recipe}").to_dict()
-    assert variant["dp"]["epsilon"] == float(eps) and variant["train"]["epochs"] in (20, 40, 80, 160)
+    variant, base = (
+        load_config(f"preset:{name}").to_dict(),
+        load_config(f"preset:{recipe}").to_dict(),
+    )
+    assert variant["dp"]["epsilon"] == float(eps) and variant["train"]["epochs"] in (
+        20,
+        40,
+        80,
+        160,
+    )
     for section in (variant["dp"], base["dp"]):
         del section["epsilon"]
     for section in (variant["train"], base["train"]):
         del section["epochs"]
     assert variant == base
-    assert f"epsilon={eps}, " in get_preset(name).description and "validation accuracy" in get_preset(name).source
+    assert (
+        f"epsilon={eps}, " in get_preset(name).description
+        and "validation accuracy" in get_preset(name).source
+    )
 
 
 def test_overrides_apply_on_top_of_a_preset_and_presets_are_not_shared():
@@ -146,7 +175,8 @@ def _generated_root(kind, tmp_path):
         write_idx(tmp_path / "train-images-idx3-ubyte", rng.integers(0, 256, (40, 28, 28)))
         write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(40) % 10)
         return tmp_path
-    return _write_folder(tmp_path / "images", per_class=8, size=40, classes=3)  # resized to 224 by the preset
+    # resized to 224 by the preset
+    return _write_folder(tmp_path / "images", per_class=8, size=40, classes=3)
 
 
 # Small batches for the generated sets (N is tens of images); everything else is the preset's.
@@ -154,12 +184,24 @@ RUN_OVERRIDES = {
     "papernot-fmnist-tanh": ["dp.batch_size=8"],
     "papernot-cifar10-tanh": ["dp.batch_size=4"],
     "tan-cifar10-wrn16-4-augmult": ["dp.batch_size=4", "train.max_physical_batch_size=32"],
-    "tan-cifar10-wrn16-4-augmult-sim512": ["dp.batch_size=4", "dp.simulated_batch_size=2", "train.max_physical_batch_size=32"],
+    "tan-cifar10-wrn16-4-augmult-sim512": [
+        "dp.batch_size=4",
+        "dp.simulated_batch_size=2",
+        "train.max_physical_batch_size=32",
+    ],
     # its stand-in source (below) trained, without noise, on these very generated images: declared public
-    "kurakin-imagenet-resnet18-gn": ["dp.batch_size=4", "train.max_physical_batch_size=4", "model.init_public=true"],
+    "kurakin-imagenet-resnet18-gn": [
+        "dp.batch_size=4",
+        "train.max_physical_batch_size=4",
+        "model.init_public=true",
+    ],
     "kurakin-imagenet-resnet50-gn": ["dp.batch_size=2", "train.max_physical_batch_size=2"],
     "tan-imagenet-nf-resnet50": ["dp.batch_size=2", "train.max_physical_batch_size=8"],
-    "tan-imagenet-nf-resnet50-sim256": ["dp.batch_size=2", "dp.simulated_batch_size=1", "train.max_physical_batch_size=8"],
+    "tan-imagenet-nf-resnet50-sim256": [
+        "dp.batch_size=2",
+        "dp.simulated_batch_size=1",
+        "train.max_physical_batch_size=8",
+    ],
     "papernot-cifar100-source-min-rand-10": ["dp.batch_size=8"],
     "papernot-cifar100-source-half-rand-50": ["dp.batch_size=8"],
     "papernot-cifar100-source-max-100": ["dp.batch_size=8"],
@@ -172,7 +214,11 @@ RUN_OVERRIDES = {
 # Targets start from a source run: (source preset or model, data kind, the override naming it)
 SOURCES = {
     "papernot-cifar10-transfer": ("papernot-cifar100-source-max-100", "cifar100", "model.init={}"),
-    "tramer-cifar10-linear-probe": ("papernot-cifar100-source-max-100", "cifar100", "features.extractor=checkpoint:{}"),
+    "tramer-cifar10-linear-probe": (
+        "papernot-cifar100-source-max-100",
+        "cifar100",
+        "features.extractor=checkpoint:{}",
+    ),
     "kurakin-imagenet-resnet18-gn": ("resnet18-gn", "imagefolder", "model.init={}"),
 }
 
@@ -185,10 +231,28 @@ def _source_run(name, tmp_path):
         head, sets = [f"preset:{source}"], ["dp.batch_size=8"]
     else:  # a Places365 stand-in: the target's architecture on the same generated images, in another folder
         head = []
-        sets = [f"model.name={source}", "model.kwargs={norm_groups: 32, stem: imagenet}", "model.activation=relu",
-                "data.name=imagefolder", "data.image_size=224", "dp.batch_size=2", "train.max_physical_batch_size=2"]  # fmt: skip
-    args = ["pretrain", *head, "--quiet", "--set", f"data.root={root}", "--set", "train.steps=2",
-            "--set", f"run.out_dir={out}", "--set", "data.workers=0"]  # fmt: skip
+        sets = [
+            f"model.name={source}",
+            "model.kwargs={norm_groups: 32, stem: imagenet}",
+            "model.activation=relu",
+            "data.name=imagefolder",
+            "data.image_size=224",
+            "dp.batch_size=2",
+            "train.max_physical_batch_size=2",
+        ]
+    args = [
+        "pretrain",
+        *head,
+        "--quiet",
+        "--set",
+        f"data.root={root}",
+        "--set",
+        "train.steps=2",
+        "--set",
+        f"run.out_dir={out}",
+        "--set",
+        "data.workers=0",
+    ]
     for item in sets:
         args += ["--set", item]
     assert main(args) == 0
@@ -209,13 +273,28 @@ HEAVY = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in RUN_OVERRIDES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in RUN_OVERRIDES]
+)
 def test_new_presets_run_two_steps_on_generated_data(name, tmp_path):
     preset = get_preset(name)
     root = _generated_root(preset.values["data"]["name"], tmp_path)
-    argv = ["train", f"preset:{name}", "--quiet", "--set", f"data.root={root}", "--set", "train.steps=2",
-            "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "data.workers=0"]  # fmt: skip
-    for override in RUN_OVERRIDES[name] + ([_source_run(name, tmp_path)] if name in SOURCES else []):
+    argv = [
+        "train",
+        f"preset:{name}",
+        "--quiet",
+        "--set",
+        f"data.root={root}",
+        "--set",
+        "train.steps=2",
+        "--set",
+        f"run.out_dir={tmp_path / 'run'}",
+        "--set",
+        "data.workers=0",
+    ]
+    for override in RUN_OVERRIDES[name] + (
+        [_source_run(name, tmp_path)] if name in SOURCES else []
+    ):
         argv += ["--set", override]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

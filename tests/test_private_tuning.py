@@ -26,7 +26,9 @@ from dpscale.privacy.accounting.tuning import (
 )
 
 
-@pytest.mark.parametrize("kind, eta", [("logarithmic", 0.0), ("geometric", 1.0), ("negbin", 0.5), ("negbin", 2.0)])
+@pytest.mark.parametrize(
+    "kind, eta", [("logarithmic", 0.0), ("geometric", 1.0), ("negbin", 0.5), ("negbin", 2.0)]
+)
 def test_pure_dp_runs_give_corollary_3(kind, eta):
     # Corollary 3: if every run is eps-DP, the best of K ~ D_{eta,gamma} is (2 + eta) eps-DP
     # (geometric: 3 eps, Liu & Talwar's bound). Pure DP = RDP at order -> infinity.
@@ -48,10 +50,17 @@ def test_gaussian_runs_give_corollary_4(eta, gamma):
     tuning = TuningDistribution(kind, mean, eta)
     lam_hat = math.sqrt(math.log(1 / gamma) / rho)
     orders = sorted({lam_hat, 1.5, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0})
-    accountant = repeat_and_select(run_event((AccountingSegment(1.0, sigma, 1, "dp-sgd"),)), tuning, orders=orders)
+    accountant = repeat_and_select(
+        run_event((AccountingSegment(1.0, sigma, 1, "dp-sgd"),)), tuning, orders=orders
+    )
     for lam, got in zip(accountant._orders, accountant._rdp):
         if lam > 1 + math.sqrt(math.log(mean) / rho):
-            closed = rho * (lam - 1) + math.log(mean) / (lam - 1) + 2 * (1 + eta) * math.sqrt(rho * math.log(1 / gamma)) - eta * rho
+            closed = (
+                rho * (lam - 1)
+                + math.log(mean) / (lam - 1)
+                + 2 * (1 + eta) * math.sqrt(rho * math.log(1 / gamma))
+                - eta * rho
+            )
             assert got == pytest.approx(closed, rel=1e-6)
 
 
@@ -60,27 +69,39 @@ def test_poisson_pure_dp_gives_theorem_6():
     # eps'(alpha) = eps(alpha) + log(mu) / (alpha - 1), eps(alpha) the Laplace mechanism's RDP.
     eps, mu = 0.5, 20.0
     alpha = 1 + 1 / math.expm1(eps)
-    accountant = repeat_and_select(dp_event.LaplaceDpEvent(1 / eps), TuningDistribution("poisson", mu), orders=[alpha, 1e10, 1e100])
-    laplace = eps + math.log1p(math.expm1((1 - 2 * alpha) * eps) * (alpha - 1) / (2 * alpha - 1)) / (alpha - 1)
+    accountant = repeat_and_select(
+        dp_event.LaplaceDpEvent(1 / eps),
+        TuningDistribution("poisson", mu),
+        orders=[alpha, 1e10, 1e100],
+    )
+    laplace = eps + math.log1p(
+        math.expm1((1 - 2 * alpha) * eps) * (alpha - 1) / (2 * alpha - 1)
+    ) / (alpha - 1)
     assert accountant._rdp[0] == pytest.approx(laplace + math.log(mu) * math.expm1(eps), rel=1e-3)
 
 
 def test_tuned_epsilon_of_a_dp_sgd_run():
     history = (AccountingSegment(0.05, 1.1, 500, "dp-sgd"),)
-    alone = compute_epsilon(sample_rate=0.05, noise_multiplier=1.1, steps=500, delta=1e-5, kind="rdp")
+    alone = compute_epsilon(
+        sample_rate=0.05, noise_multiplier=1.1, steps=500, delta=1e-5, kind="rdp"
+    )
     # one run for sure (mean 1): Theorem 2 still charges (1 + eta) min (1 - 1/lam) eps(lam), a few percent here
     assert alone < tuned_epsilon(history, 1e-5, TuningDistribution("geometric", 1.0)) < 1.05 * alone
     costs = [
         tuned_epsilon(history, 1e-5, TuningDistribution(kind, mean))
         for kind, mean in (("logarithmic", 10), ("geometric", 10), ("poisson", 10))
     ]
-    assert alone < costs[0] < costs[1]  # more concentrated K costs less (Papernot & Steinke, Section 3)
+    # more concentrated K costs less (Papernot & Steinke, Section 3)
+    assert alone < costs[0] < costs[1]
     assert all(c > alone for c in costs)
     with pytest.raises(ValueError, match="not private"):
         tuned_epsilon((), 1e-5, TuningDistribution("poisson", 10))
 
 
-@pytest.mark.parametrize("text", ["poisson:4", "geometric:4", "logarithmic:4", "negbin:0.5:4", "negbin:3:4", "negbin:3:1.2"])
+@pytest.mark.parametrize(
+    "text",
+    ["poisson:4", "geometric:4", "logarithmic:4", "negbin:0.5:4", "negbin:3:4", "negbin:3:1.2"],
+)
 def test_number_of_runs_has_the_stated_distribution(text):
     tuning = parse_tuning_distribution(text)
     rng = np.random.default_rng(0)
@@ -90,7 +111,11 @@ def test_number_of_runs_has_the_stated_distribution(text):
     if tuning.kind == "negbin":  # Definition 1's pmf at k = 1, 2, 3
         gamma, eta = tuning.gamma(), tuning.eta
         for k in (1, 2, 3):
-            pmf = (1 - gamma) ** k / (gamma**-eta - 1) * math.prod((j + eta) / (j + 1) for j in range(k))
+            pmf = (
+                (1 - gamma) ** k
+                / (gamma**-eta - 1)
+                * math.prod((j + eta) / (j + 1) for j in range(k))
+            )
             assert abs((draws == k).mean() - pmf) < 5 * math.sqrt(pmf * (1 - pmf) / len(draws))
 
 
@@ -107,14 +132,28 @@ def test_bad_distributions_are_refused():
 
 
 def _sweep(tmp_path, *extra):
-    return main(["sweep", "--quiet", "--out", str(tmp_path / "sw"), "--grid", "optim.lr=0.5,1,2",
-                 "--set", "train.steps=4", "--set", "run.seed=0", *extra])  # fmt: skip
+    return main(
+        [
+            "sweep",
+            "--quiet",
+            "--out",
+            str(tmp_path / "sw"),
+            "--grid",
+            "optim.lr=0.5,1,2",
+            "--set",
+            "train.steps=4",
+            "--set",
+            "run.seed=0",
+            *extra,
+        ]
+    )
 
 
 def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, monkeypatch):
     import dpscale.tune.sweep as sweep_module
 
-    monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [2, 0, 2])  # a repeated point too
+    # a repeated point too
+    monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [2, 0, 2])
     assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
     manifest = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert manifest["trials"] == [2, 0, 2]
@@ -122,7 +161,9 @@ def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, monkeypa
     assert runs == ["trial-000-optim.lr=2", "trial-001-optim.lr=0.5", "trial-002-optim.lr=2"]
     release = json.loads((tmp_path / "sw" / "released" / "release.json").read_text())
     assert release["released"] and release["tuned_epsilon"] > release["run_epsilon_rdp"]
-    assert release["hyperparameters"] == {"optim.lr": 2} and any("run.seed is fixed" in n for n in release["guarantee_caveats"])
+    assert release["hyperparameters"] == {"optim.lr": 2} and any(
+        "run.seed is fixed" in n for n in release["guarantee_caveats"]
+    )
     table = (tmp_path / "sw" / "sweep.md").read_text()
     assert "release only" in table and "Papernot & Steinke" in table and "3 of 3 trials" in table
     # rerunning resumes the same draws (even if a fresh draw would differ): nothing is trained again
@@ -132,8 +173,25 @@ def test_private_tuning_sweep_releases_the_best_with_its_cost(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "sw" / "runs").iterdir()) == runs
     assert json.loads((tmp_path / "sw" / "released" / "release.json").read_text()) == release
     # another grid in the same directory is a different sweep
-    assert main(["sweep", "--quiet", "--out", str(tmp_path / "sw"), "--grid", "optim.lr=3", "--set", "train.steps=4",
-                 "--set", "run.seed=0", "--private-tuning", "poisson:3"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "sweep",
+                "--quiet",
+                "--out",
+                str(tmp_path / "sw"),
+                "--grid",
+                "optim.lr=3",
+                "--set",
+                "train.steps=4",
+                "--set",
+                "run.seed=0",
+                "--private-tuning",
+                "poisson:3",
+            ]
+        )
+        == 2
+    )
 
 
 def test_no_trials_release_nothing_and_failed_trials_are_final(tmp_path, monkeypatch):
@@ -141,7 +199,9 @@ def test_no_trials_release_nothing_and_failed_trials_are_final(tmp_path, monkeyp
 
     monkeypatch.setattr(sweep_module, "draw_trials", lambda tuning, points: [])
     assert _sweep(tmp_path, "--private-tuning", "poisson:3") == 0
-    assert json.loads((tmp_path / "sw" / "released" / "release.json").read_text())["released"] is False
+    assert (
+        json.loads((tmp_path / "sw" / "released" / "release.json").read_text())["released"] is False
+    )
     assert sorted(p.name for p in (tmp_path / "sw" / "released").iterdir()) == ["release.json"]
     assert "nothing to release" in (tmp_path / "sw" / "sweep.md").read_text()
     assert "0 of 0 trials" in (tmp_path / "sw" / "sweep.md").read_text()
@@ -154,26 +214,98 @@ def test_no_trials_release_nothing_and_failed_trials_are_final(tmp_path, monkeyp
 
     monkeypatch.setattr(sweep_module.Trainer, "create", staticmethod(failing_create))
     out = ["--out", str(tmp_path / "f")]
-    args = ["sweep", "--quiet", *out, "--grid", "optim.lr=1", "--set", "train.steps=4", "--private-tuning", "geometric:2"]
+    args = [
+        "sweep",
+        "--quiet",
+        *out,
+        "--grid",
+        "optim.lr=1",
+        "--set",
+        "train.steps=4",
+        "--private-tuning",
+        "geometric:2",
+    ]
     assert main(args) == 1 and main(args) == 1
     assert len(calls) == 1  # the failed trial is not run again
-    assert json.loads((tmp_path / "f" / "released" / "release.json").read_text())["released"] is False
+    assert (
+        json.loads((tmp_path / "f" / "released" / "release.json").read_text())["released"] is False
+    )
 
 
 def test_private_tuning_refusals(tmp_path, capsys):
-    assert main(["sweep", "--out", str(tmp_path / "a"), "--grid", "dp.batch_size=64,128", "--private-tuning", "geometric:3"]) == 2
+    assert (
+        main(
+            [
+                "sweep",
+                "--out",
+                str(tmp_path / "a"),
+                "--grid",
+                "dp.batch_size=64,128",
+                "--private-tuning",
+                "geometric:3",
+            ]
+        )
+        == 2
+    )
     assert "same privacy cost" in capsys.readouterr().err
-    assert main(["tune", "clip-lr", "--out", str(tmp_path / "b"), "--private-tuning", "geometric:3"]) == 2
+    assert (
+        main(["tune", "clip-lr", "--out", str(tmp_path / "b"), "--private-tuning", "geometric:3"])
+        == 2
+    )
     assert "sigma=0" in capsys.readouterr().err
-    assert main(["sweep", "--out", str(tmp_path / "c"), "--grid", "optim.lr=1,2", "--set", "dp.epsilon=null",
-                 "--set", "dp.noise_multiplier=0", "--private-tuning", "geometric:3"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "sweep",
+                "--out",
+                str(tmp_path / "c"),
+                "--grid",
+                "optim.lr=1,2",
+                "--set",
+                "dp.epsilon=null",
+                "--set",
+                "dp.noise_multiplier=0",
+                "--private-tuning",
+                "geometric:3",
+            ]
+        )
+        == 2
+    )
     assert "without noise" in capsys.readouterr().err and not (tmp_path / "c" / "runs").exists()
-    assert main(["sweep", "--out", str(tmp_path / "d"), "--grid", "optim.lr=1,2", "--private-tuning", "poisson:0.5"]) == 2
+    assert (
+        main(
+            [
+                "sweep",
+                "--out",
+                str(tmp_path / "d"),
+                "--grid",
+                "optim.lr=1,2",
+                "--private-tuning",
+                "poisson:0.5",
+            ]
+        )
+        == 2
+    )
     assert ">= 1" in capsys.readouterr().err
     # without it, the caveat stays (in the table written to disk; test_tune checks the printed one).
     # One point of two steps: the caveat is written whatever the grid (sweep.tuning_text)
-    assert main(["sweep", "--quiet", "--out", str(tmp_path / "sw"), "--grid", "optim.lr=1", "--set", "train.steps=2",
-                 "--set", "run.seed=0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sweep",
+                "--quiet",
+                "--out",
+                str(tmp_path / "sw"),
+                "--grid",
+                "optim.lr=1",
+                "--set",
+                "train.steps=2",
+                "--set",
+                "run.seed=0",
+            ]
+        )
+        == 0
+    )
     assert "NOT covered" in (tmp_path / "sw" / "sweep.md").read_text()
 
 
@@ -204,7 +336,11 @@ def tuned(tmp_path_factory):
     import dpscale.tune.sweep as sweep_module
 
     where, out, err = tmp_path_factory.mktemp("tuned"), io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
         patch.setattr(sweep_module, "draw_trials", lambda tuning, points: list(DRAWS))
         assert _sweep(where, "--private-tuning", "poisson:3") == 0
     return where / "sw", out.getvalue(), err.getvalue()
@@ -220,7 +356,11 @@ def test_the_release_does_not_hold_k(tuned):
     assert len(DRAWS) not in ints
     assert "must stay secret" in release["k_secret"]
     # the printed release line (stdout) neither; the tuner's console and table say they are private
-    assert "must stay secret" in out and f"{len(DRAWS)} trials" not in out and f"of {len(DRAWS)}" not in out
+    assert (
+        "must stay secret" in out
+        and f"{len(DRAWS)} trials" not in out
+        and f"of {len(DRAWS)}" not in out
+    )
     assert "private to the tuner" in err.lower()
     assert "private to the tuner" in (sweep_dir / "sweep.md").read_text().lower()
 
@@ -240,18 +380,38 @@ def test_the_released_model_is_not_named_after_its_trial(tuned):
     records = [json.loads(line) for line in (sweep_dir / "sweep.jsonl").read_text().splitlines()]
     best = max(records, key=lambda r: r["summary"]["test_accuracy"])
     released, trained = read_weights(str(path.parent / "model.pt")), read_weights(best["run_dir"])
-    assert released.keys() == trained.keys() and all((released[k] == trained[k]).all() for k in trained)
+    assert released.keys() == trained.keys() and all(
+        (released[k] == trained[k]).all() for k in trained
+    )
     history = read_source_run(best["run_dir"]).history
-    assert release["tuned_epsilon"] == pytest.approx(tuned_epsilon(history, 1e-5, TuningDistribution("poisson", 3.0)))
+    assert release["tuned_epsilon"] == pytest.approx(
+        tuned_epsilon(history, 1e-5, TuningDistribution("poisson", 3.0))
+    )
 
 
 @pytest.mark.parametrize("metric", ["train_loss", "wall_time_s", "epsilon"])
 def test_private_tuning_selects_on_test_metrics_only(tmp_path, capsys, metric):
-    args = ["sweep", "--out", str(tmp_path / "m"), "--grid", "optim.lr=1,2", "--set", "train.steps=4",
-            "--metric", metric, "--private-tuning", "poisson:3"]  # fmt: skip
+    args = [
+        "sweep",
+        "--out",
+        str(tmp_path / "m"),
+        "--grid",
+        "optim.lr=1,2",
+        "--set",
+        "train.steps=4",
+        "--metric",
+        metric,
+        "--private-tuning",
+        "poisson:3",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and metric in err and "test_accuracy" in err and "test_loss" in err
+    assert (
+        len(err.splitlines()) == 1
+        and metric in err
+        and "test_accuracy" in err
+        and "test_loss" in err
+    )
     assert not (tmp_path / "m").exists()  # refused before anything is drawn or trained
 
 
@@ -259,5 +419,7 @@ def test_a_test_split_metric_is_accepted(tmp_path):
     from dpscale.tune.sweep import Sweep, SweepSpec
 
     # geometric: K >= 1 always (with poisson:3, K = 0 in 5% of draws prepared nothing and failed this test)
-    spec = SweepSpec(None, ("train.steps=4",), (("optim.lr", ("1", "2")),), "test_loss", None, "geometric:3")
+    spec = SweepSpec(
+        None, ("train.steps=4",), (("optim.lr", ("1", "2")),), "test_loss", None, "geometric:3"
+    )
     assert Sweep(tmp_path / "ok", spec, progress=False).prepare()  # prepared: nothing is trained

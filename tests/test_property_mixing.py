@@ -23,7 +23,9 @@ from torch import nn
 import dpscale
 
 C, B, T, D = 0.5, 5, 5, 4  # T == B: a time-major layout has the batch's shape
-RECIPE = dict(dataset_size=50, batch_size=B, max_grad_norm=C, noise_multiplier=1.0, delta=1e-5, steps=2)
+RECIPE = dict(
+    dataset_size=50, batch_size=B, max_grad_norm=C, noise_multiplier=1.0, delta=1e-5, steps=2
+)
 
 
 class CentreInTraining(nn.Module):
@@ -70,7 +72,9 @@ BLOCKS = {  # each maps (B, T, D) -> (B, T, D)
     "tanh": nn.Tanh,
     "relu": nn.ReLU,
     "layernorm": lambda: nn.LayerNorm(D),
-    "groupnorm": lambda: nn.Sequential(nn.Flatten(1), nn.Unflatten(1, (T, D)), _ChannelsFirst(nn.GroupNorm(1, T))),
+    "groupnorm": lambda: nn.Sequential(
+        nn.Flatten(1), nn.Unflatten(1, (T, D)), _ChannelsFirst(nn.GroupNorm(1, T))
+    ),
     "conv": lambda: _ChannelsFirst(nn.Conv1d(T, T, 3, padding=1)),
     "batchnorm": lambda: _ChannelsFirst(nn.BatchNorm1d(T)),
     "batchnorm_frozen": lambda: _ChannelsFirst(nn.BatchNorm1d(T).requires_grad_(False)),
@@ -114,13 +118,20 @@ def build(blocks: list[str], seed: int) -> nn.Module:
     return nn.Sequential(*(BLOCKS[b]() for b in blocks), nn.Flatten(), nn.Linear(T * D, 3))
 
 
-def released_sum(blocks: list[str], seed: int, engine: str, loss: str, x: torch.Tensor, y: torch.Tensor):
+def released_sum(
+    blocks: list[str], seed: int, engine: str, loss: str, x: torch.Tensor, y: torch.Tensor
+):
     """The first released gradient times B (the noisy clipped sum), or None if refused."""
     model = build(blocks, seed)
     released = []
     try:
         mechanism = dpscale.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), engine=engine, loss_fn=LOSSES[loss], seed=7, **RECIPE
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            engine=engine,
+            loss_fn=LOSSES[loss],
+            seed=7,
+            **RECIPE,
         )
         mechanism.observer = lambda gradient: released.append(gradient)
         mechanism.step_drawn_chunks([(x, y)])
@@ -138,7 +149,9 @@ def released_sum(blocks: list[str], seed: int, engine: str, loss: str, x: torch.
     seed=st.integers(0, 2**16),
     leave=st.integers(0, B - 1),
 )
-def test_every_engine_refuses_or_keeps_the_leave_one_out_change_within_c(blocks, engine, loss, seed, leave):
+def test_every_engine_refuses_or_keeps_the_leave_one_out_change_within_c(
+    blocks, engine, loss, seed, leave
+):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(B, T, D, generator=g) * 2, torch.randint(0, 3, (B,), generator=g)
     keep = torch.tensor([i for i in range(B) if i != leave])
@@ -151,9 +164,10 @@ def test_every_engine_refuses_or_keeps_the_leave_one_out_change_within_c(blocks,
     assert change <= C, (blocks, engine, loss, change / C)
 
 
-@pytest.mark.parametrize("blocks,loss", [
-    (["centre_in_training"], "ce"), (["linear"], "centred"), (["linear"], "contrastive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "blocks,loss",
+    [(["centre_in_training"], "ce"), (["linear"], "centred"), (["linear"], "contrastive")],
+)
 def test_the_property_has_teeth_without_the_checks(blocks, loss):
     """With the checks off these cases exceed C: the property test above would fail if the
     checks stopped refusing them. (BatchNorm is refused before any check: test_own_code_privacy.)"""
@@ -166,10 +180,19 @@ def test_the_property_has_teeth_without_the_checks(blocks, loss):
         for xs, ys in ((x, y), (x[keep], y[keep])):
             model = build(blocks, 0)
             mechanism = dpscale.make_private(
-                model, torch.optim.SGD(model.parameters(), lr=0.1), engine="bk", loss_fn=LOSSES[loss], seed=7,
-                check=False, **RECIPE,
-            )  # fmt: skip
-            mechanism.observer = lambda gradient, out=sums: out.append({k: v.double() * B for k, v in gradient.items()})
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                engine="bk",
+                loss_fn=LOSSES[loss],
+                seed=7,
+                check=False,
+                **RECIPE,
+            )
+            mechanism.observer = lambda gradient, out=sums: out.append(
+                {k: v.double() * B for k, v in gradient.items()}
+            )
             mechanism.step_drawn_chunks([(xs, ys)])
-        worst = max(worst, float(sum((sums[0][k] - sums[1][k]).square().sum() for k in sums[0]).sqrt()) / C)
+        worst = max(
+            worst, float(sum((sums[0][k] - sums[1][k]).square().sum() for k in sums[0]).sqrt()) / C
+        )
     assert worst > 1.01, worst

@@ -18,7 +18,9 @@ DELTAS = (1e-3, 1e-5, 1e-9)
 
 def _poisson(q: float, sigma: float, steps: int) -> dp_accounting.DpEvent:
     step = (
-        dp_accounting.GaussianDpEvent(sigma) if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+        dp_accounting.GaussianDpEvent(sigma)
+        if q == 1.0
+        else dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
     )
     return dp_accounting.SelfComposedDpEvent(step, steps)
 
@@ -43,7 +45,10 @@ HISTORIES = {
         [
             dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(4.0), 2),
             dp_accounting.SelfComposedDpEvent(
-                dp_accounting.SampledWithoutReplacementDpEvent(6000, 256, dp_accounting.GaussianDpEvent(0.55)), 300
+                dp_accounting.SampledWithoutReplacementDpEvent(
+                    6000, 256, dp_accounting.GaussianDpEvent(0.55)
+                ),
+                300,
             ),
         ],
         REPLACE_ONE,
@@ -72,9 +77,18 @@ def test_the_accountant_gives_the_librarys_numbers_through_its_public_methods():
     assert acc.epsilons(list(DELTAS)) == [library.get_epsilon(d) for d in DELTAS]
     assert acc.delta(2.0) == library.get_delta(2.0)
     fixed = PrivacyAccountant("rdp")
-    fixed.step(sample_rate=256 / 6000, noise_multiplier=1.1, num_steps=300, batches=BatchSampling("fixed", 6000))
-    sampled = dp_accounting.SampledWithoutReplacementDpEvent(6000, 256, dp_accounting.GaussianDpEvent(0.55))
-    assert fixed.epsilon(1e-5) == _library([dp_accounting.SelfComposedDpEvent(sampled, 300)], REPLACE_ONE).get_epsilon(1e-5)
+    fixed.step(
+        sample_rate=256 / 6000,
+        noise_multiplier=1.1,
+        num_steps=300,
+        batches=BatchSampling("fixed", 6000),
+    )
+    sampled = dp_accounting.SampledWithoutReplacementDpEvent(
+        6000, 256, dp_accounting.GaussianDpEvent(0.55)
+    )
+    assert fixed.epsilon(1e-5) == _library(
+        [dp_accounting.SelfComposedDpEvent(sampled, 300)], REPLACE_ONE
+    ).get_epsilon(1e-5)
 
 
 def test_a_growing_history_computes_its_step_curve_once(monkeypatch):
@@ -90,7 +104,8 @@ def test_a_growing_history_computes_its_step_curve_once(monkeypatch):
     acc = PrivacyAccountant("rdp")
     epsilons = []
     for _ in range(5):
-        acc.step(sample_rate=0.0371, noise_multiplier=1.234)  # parameters no other test uses: a cold cache
+        # parameters no other test uses: a cold cache
+        acc.step(sample_rate=0.0371, noise_multiplier=1.234)
         epsilons.append(acc.epsilon(1e-5))
         acc.delta(1.0)
     assert calls == [(0.0371, 1.234)]

@@ -33,7 +33,11 @@ PLACEHOLDER = re.compile(r"(?<![\w.-])[A-Z][A-Z0-9_]*(?![\w-])")  # CONFIG, RUN_
 
 def _blocks(language: str) -> list[tuple[int, str]]:
     """(line number, code) of every fenced block in ``language``."""
-    return [(README.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(README) if m.group(1) == language]
+    return [
+        (README.count("\n", 0, m.start()) + 1, m.group(2))
+        for m in FENCE.finditer(README)
+        if m.group(1) == language
+    ]
 
 
 def _block_id(block: tuple[int, str]) -> str:
@@ -56,7 +60,7 @@ def test_python_block_runs_as_written(block, tmp_path, monkeypatch):
     line, code = block
     assert "../shared" not in code, f"README.md:{line} needs the development data"
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "__readme__"})
 
 
 # --------------------------------------------------------------------------- bash blocks
@@ -128,7 +132,9 @@ def _parse(argv: list[str], where: str, capsys: pytest.CaptureFixture) -> None:
     try:
         build_parser().parse_args(argv)
     except SystemExit as stop:  # argparse's way to report an error
-        pytest.fail(f"{where}: `dpscale {' '.join(argv)}` does not parse: {capsys.readouterr().err.strip()} ({stop})")
+        pytest.fail(
+            f"{where}: `dpscale {' '.join(argv)}` does not parse: {capsys.readouterr().err.strip()} ({stop})"
+        )
 
 
 @pytest.mark.parametrize("where, tokens", COMMAND_LINES, ids=[where for where, _ in COMMAND_LINES])
@@ -147,7 +153,9 @@ def test_bash_command_parses_and_the_cheap_ones_run(where, tokens, capsys):
     runnable = [f for f in examples if not any(PLACEHOLDER.search(w) for w in f)]
     assert runnable, f"{where}: no form of this line can run"
     for form in runnable:
-        assert main(form) == 0, f"{where}: `dpscale {' '.join(form)}` failed: {capsys.readouterr().err}"
+        assert main(form) == 0, (
+            f"{where}: `dpscale {' '.join(form)}` failed: {capsys.readouterr().err}"
+        )
 
 
 def test_make_targets_named_in_the_prose_exist():
@@ -181,7 +189,9 @@ def test_the_tramer_presets_counted_are_the_registered_ones():
 
     found = re.search(r"the (\w+)\s+Tramèr Table 13 settings\s+`([^`]+)`", README)
     assert found, "the README no longer names the Tramèr Table 13 presets"
-    count = ("one two three four five six seven eight nine ten eleven twelve".split()).index(found.group(1)) + 1
+    count = ("one two three four five six seven eight nine ten eleven twelve".split()).index(
+        found.group(1)
+    ) + 1
     parts = re.split(r"\{([^}]*)\}", found.group(2))  # literal, choices, literal, choices, ...
     options = [p.split(",") if i % 2 else [p] for i, p in enumerate(parts)]
     names = {"".join(choice) for choice in itertools.product(*options)}
@@ -192,13 +202,22 @@ def test_the_tramer_presets_counted_are_the_registered_ones():
 def test_the_embedded_sample_and_the_default_run_are_as_described():
     from dpscale.data import load_mnist_5k
 
-    sample = re.search(r"the\s+([\d,]+)-image MNIST sample.*?\(([\d,]+) train / ([\d,]+) held-out", README, re.DOTALL)
+    sample = re.search(
+        r"the\s+([\d,]+)-image MNIST sample.*?\(([\d,]+) train / ([\d,]+) held-out",
+        README,
+        re.DOTALL,
+    )
     assert sample, "the README no longer describes the embedded sample"
     total, train, test = (int(g.replace(",", "")) for g in sample.groups())
     info = load_mnist_5k().info
     assert (info.num_train, info.num_test) == (train, test) and train + test == total
-    default = re.search(r"calibrating the noise to epsilon = (\S+) at delta = (\d[\de.-]*\d)", README)
-    assert default and (float(default.group(1)), float(default.group(2))) == (DPConfig.epsilon, DPConfig.delta)
+    default = re.search(
+        r"calibrating the noise to epsilon = (\S+) at delta = (\d[\de.-]*\d)", README
+    )
+    assert default and (float(default.group(1)), float(default.group(2))) == (
+        DPConfig.epsilon,
+        DPConfig.delta,
+    )
 
 
 def test_the_scatternet_shape_is_the_default_configs():

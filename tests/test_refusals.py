@@ -62,7 +62,9 @@ class Embedded(nn.Module):
     def __init__(self, embed: nn.Module) -> None:
         super().__init__()
         self.encoder = nn.ModuleDict({"embed": embed})
-        self.head = nn.Linear(HIDDEN * (1 if isinstance(embed, nn.EmbeddingBag) else STEPS), CLASSES)
+        self.head = nn.Linear(
+            HIDDEN * (1 if isinstance(embed, nn.EmbeddingBag) else STEPS), CLASSES
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder["embed"](tokens).flatten(1))
@@ -73,7 +75,11 @@ class LinearRecurrence(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ih, self.hh, self.head = nn.Linear(FEATURES, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, CLASSES)
+        self.ih, self.hh, self.head = (
+            nn.Linear(FEATURES, HIDDEN),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.Linear(HIDDEN, CLASSES),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.new_zeros(x.shape[0], HIDDEN)
@@ -84,7 +90,9 @@ class LinearRecurrence(nn.Module):
 
 def sequences(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return torch.randn(n, STEPS, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    return torch.randn(n, STEPS, FEATURES, generator=g), torch.randint(
+        0, CLASSES, (n,), generator=g
+    )
 
 
 def assert_exact(engine_name: str, model: nn.Module) -> None:
@@ -96,7 +104,9 @@ def assert_exact(engine_name: str, model: nn.Module) -> None:
     want = float64_reference(model, (x, y), CLIP)  # the per-example loop on a float64 copy
     torch.testing.assert_close(norms.double(), want.norms, rtol=1e-5, atol=0.0, msg=engine_name)
     for name, ref in want.clipped_sum.items():
-        torch.testing.assert_close(got[name].double(), ref, rtol=0.0, atol=1e-5 * CLIP, msg=f"{engine_name} {name}")
+        torch.testing.assert_close(
+            got[name].double(), ref, rtol=0.0, atol=1e-5 * CLIP, msg=f"{engine_name} {name}"
+        )
 
 
 def assert_refused(model: nn.Module, engine_name: str, pattern: str) -> None:
@@ -108,7 +118,9 @@ def assert_refused(model: nn.Module, engine_name: str, pattern: str) -> None:
 
 @pytest.mark.parametrize("engine_name", ENGINE_NAMES)
 @pytest.mark.parametrize("kind", list(RECURRENT))
-def test_a_trainable_recurrent_layer_is_refused_by_every_engine_naming_it_and_the_way_out(kind, engine_name):
+def test_a_trainable_recurrent_layer_is_refused_by_every_engine_naming_it_and_the_way_out(
+    kind, engine_name
+):
     model = Recurrent(RECURRENT[kind]())
     pattern = rf"^layer 'encoder\.rnn' \({kind}\) .*nn\.Linear layers .*engine=vmap.*requires_grad_\(False\)"
     assert_refused(model, engine_name, pattern)
@@ -124,32 +136,50 @@ def test_a_frozen_recurrent_layer_is_exact_under_bk_and_refused_by_vmap(kind):
     model.encoder.requires_grad_(False)
     for engine_name in ("auto", "bk", "ghost"):
         assert_exact(engine_name, model)  # gradients flow through it to `inp`
-    assert_refused(model, "vmap", rf"^layer 'encoder\.rnn' \({kind}\) cannot run inside the vmap engine.*engine=bk")
+    assert_refused(
+        model,
+        "vmap",
+        rf"^layer 'encoder\.rnn' \({kind}\) cannot run inside the vmap engine.*engine=bk",
+    )
     assert supported_engines(model) == ["auto", "bk", "ghost"]
     # auto falls back to vmap when another layer has no bk rule: refused, saying why it came there
     fallback = Recurrent(RECURRENT[kind](), extra=Scale())
     fallback.encoder.requires_grad_(False)
-    assert_refused(fallback, "auto", r"^layer 'encoder\.rnn' .*engine=bk.*\(engine auto -> vmap: bk does not support extra")
+    assert_refused(
+        fallback,
+        "auto",
+        r"^layer 'encoder\.rnn' .*engine=bk.*\(engine auto -> vmap: bk does not support extra",
+    )
     assert supported_engines(fallback) == []
 
 
 @pytest.mark.parametrize("engine_name", ENGINE_NAMES)
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
-def test_an_embedding_with_max_norm_is_refused_before_it_writes_the_weight(layer, frozen, engine_name):
+def test_an_embedding_with_max_norm_is_refused_before_it_writes_the_weight(
+    layer, frozen, engine_name
+):
     # max_norm renormalises the rows the batch looks up, in place, during the forward pass: frozen
     # or not, the model would carry an un-noised trace of which tokens the private batch held.
     model = Embedded(layer(VOCAB, HIDDEN, max_norm=0.1))
     model.encoder.requires_grad_(not frozen)
     before = model.encoder["embed"].weight.detach().clone()
-    assert_refused(model, engine_name, rf"^layer 'encoder\.embed' \({layer.__name__}\) renormalises .*max_norm=None")
+    assert_refused(
+        model,
+        engine_name,
+        rf"^layer 'encoder\.embed' \({layer.__name__}\) renormalises .*max_norm=None",
+    )
     assert torch.equal(model.encoder["embed"].weight, before)
 
 
 @pytest.mark.parametrize("engine_name", ENGINE_NAMES)
 def test_a_trainable_sparse_embedding_is_refused(engine_name):
     model = Embedded(nn.Embedding(VOCAB, HIDDEN, sparse=True))
-    assert_refused(model, engine_name, r"^layer 'encoder\.embed' \(Embedding\) has sparse gradients.*sparse=False")
+    assert_refused(
+        model,
+        engine_name,
+        r"^layer 'encoder\.embed' \(Embedding\) has sparse gradients.*sparse=False",
+    )
     model.encoder.requires_grad_(False)  # no gradient of its own: nothing sparse to clip
     assert make_engine(engine_name, CLIP, model)[0] is not None
 
@@ -158,11 +188,19 @@ def test_a_trainable_sparse_embedding_is_refused(engine_name):
 @pytest.mark.parametrize(
     "norm, pattern",
     [
-        (nn.BatchNorm1d(HIDDEN, affine=False), r"'extra' \(BatchNorm1d\) mixes examples.*GroupNorm"),
-        (nn.InstanceNorm1d(HIDDEN, track_running_stats=True), r"'extra' \(InstanceNorm1d\) keeps running statistics"),
+        (
+            nn.BatchNorm1d(HIDDEN, affine=False),
+            r"'extra' \(BatchNorm1d\) mixes examples.*GroupNorm",
+        ),
+        (
+            nn.InstanceNorm1d(HIDDEN, track_running_stats=True),
+            r"'extra' \(InstanceNorm1d\) keeps running statistics",
+        ),
     ],
 )
-def test_batch_mixing_norms_are_refused_by_every_engine_not_only_the_trainer(norm, pattern, engine_name):
+def test_batch_mixing_norms_are_refused_by_every_engine_not_only_the_trainer(
+    norm, pattern, engine_name
+):
     model = Recurrent(RECURRENT["GRU"](), extra=norm)
     model.encoder.requires_grad_(False)
     assert_refused(model, engine_name, pattern)
@@ -178,6 +216,12 @@ def test_make_private_refuses_a_recurrent_layer_when_it_is_made():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"^layer 'encoder\.rnn' \(LSTM\) "):
         dpscale.make_private(
-            model, optimizer, dataset_size=100, batch_size=10, max_grad_norm=CLIP, delta=1e-5,
-            noise_multiplier=1.0, steps=3,
-        )  # fmt: skip
+            model,
+            optimizer,
+            dataset_size=100,
+            batch_size=10,
+            max_grad_norm=CLIP,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            steps=3,
+        )

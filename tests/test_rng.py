@@ -42,7 +42,10 @@ def test_seeds_differing_above_bit_32_give_different_noise_and_samples(offset):
     for seed in (0, 12345):
         a, b = DPRandom(seed), DPRandom(seed + offset)
         assert not torch.equal(a.normal((64,)), b.normal((64,)))
-        pa, pb = PoissonSampler(2000, 0.1, DPRandom(seed)), PoissonSampler(2000, 0.1, DPRandom(seed + offset))
+        pa, pb = (
+            PoissonSampler(2000, 0.1, DPRandom(seed)),
+            PoissonSampler(2000, 0.1, DPRandom(seed + offset)),
+        )
         assert not torch.equal(pa.sample(), pb.sample())
         noise = lambda s: add_gaussian_noise({"w": torch.zeros(50)}, 1.0, DPRandom(s))["w"]  # noqa: E731
         assert not torch.equal(noise(seed), noise(seed + offset))
@@ -76,7 +79,10 @@ def test_trainer_seeds_give_128_bit_privacy_streams(offset):
 def test_rank_streams_are_128_bit_and_distinct():
     base = run_seeds(3)["sampler"]
     assert rank_stream_seed(base, 0, 1, 0) == base  # one process from step 0: the run's own stream
-    derived = [rank_stream_seed(base, r, p, s) for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]]
+    derived = [
+        rank_stream_seed(base, r, p, s)
+        for r, p, s in [(0, 2, 0), (1, 2, 0), (0, 1, 50), (0, 2, 50)]
+    ]
     assert len(set(derived) | {base}) == 5 and all(d < 2**128 for d in derived)
     assert rank_stream_seed(base + 2**64, 0, 2, 0) != derived[0]  # high bits of the base count too
     assert derive_seed(5, (1, 2)) != derive_seed(5, (2, 1))
@@ -90,10 +96,20 @@ def test_state_round_trip_through_weights_only_load_continues_bit_identically():
     rng.uniform(5)
     state = _through_torch_save({"rng": rng.state_dict()})["rng"]
     assert is_dprandom_state(state)
-    expected = [rng.normal((7, 3)), rng.normal((5,), dtype=torch.float64), rng.uniform(11), rng.permutation(9)]
+    expected = [
+        rng.normal((7, 3)),
+        rng.normal((5,), dtype=torch.float64),
+        rng.uniform(11),
+        rng.permutation(9),
+    ]
     resumed = DPRandom(0)
     resumed.load_state_dict(state)
-    got = [resumed.normal((7, 3)), resumed.normal((5,), dtype=torch.float64), resumed.uniform(11), resumed.permutation(9)]
+    got = [
+        resumed.normal((7, 3)),
+        resumed.normal((5,), dtype=torch.float64),
+        resumed.uniform(11),
+        resumed.permutation(9),
+    ]
     assert all(torch.equal(e, g) for e, g in zip(expected, got))
 
 
@@ -140,7 +156,9 @@ def test_normal_dtypes_shapes_and_devices():
         x = DPRandom(1).normal((2, 3), dtype=dtype)
         assert x.dtype == dtype and x.shape == (2, 3) and x.device.type == "cpu"
     # half precision: the float32 draws, cast
-    assert torch.equal(DPRandom(1).normal((8,), dtype=torch.bfloat16), DPRandom(1).normal((8,)).bfloat16())
+    assert torch.equal(
+        DPRandom(1).normal((8,), dtype=torch.bfloat16), DPRandom(1).normal((8,)).bfloat16()
+    )
     assert DPRandom(1).normal(()).shape == () and DPRandom(1).normal((0, 4)).shape == (0, 4)
     with pytest.raises(TypeError, match="floating"):
         DPRandom(1).normal((2,), dtype=torch.int64)
@@ -168,7 +186,9 @@ def test_noise_is_standard_normal(dtype):
     n = x.size
     assert abs(x.mean()) < 5 / math.sqrt(n)
     assert x.std() == pytest.approx(1.0, rel=5 / math.sqrt(2 * n))
-    assert abs(stats.skew(x)) < 5 * math.sqrt(6 / n) and abs(stats.kurtosis(x)) < 5 * math.sqrt(24 / n)
+    assert abs(stats.skew(x)) < 5 * math.sqrt(6 / n) and abs(stats.kurtosis(x)) < 5 * math.sqrt(
+        24 / n
+    )
     assert stats.kstest(x, "norm").pvalue > 1e-3
 
 
@@ -188,9 +208,12 @@ def test_large_draws_are_parallel_chunks_with_the_same_values_on_any_thread_coun
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     flat = two.flatten()
-    assert not torch.equal(flat[:1000], flat[PARALLEL_CHUNK : PARALLEL_CHUNK + 1000])  # chunks differ
+    # chunks differ
+    assert not torch.equal(flat[:1000], flat[PARALLEL_CHUNK : PARALLEL_CHUNK + 1000])
     x = flat.double().numpy()
-    assert abs(x.mean()) < 5 / math.sqrt(x.size) and x.std() == pytest.approx(1.0, rel=5 / math.sqrt(2 * x.size))
+    assert abs(x.mean()) < 5 / math.sqrt(x.size) and x.std() == pytest.approx(
+        1.0, rel=5 / math.sqrt(2 * x.size)
+    )
     assert stats.kstest(x[::7], "norm").pvalue > 1e-3
     # the key comes from the stream: a checkpoint taken before the draw continues bit-identically
     restored = DPRandom(0)
@@ -202,7 +225,9 @@ def test_large_draws_are_parallel_chunks_with_the_same_values_on_any_thread_coun
 
 def test_noise_std_through_add_gaussian_noise():
     std = 0.91
-    noisy = add_gaussian_noise({"w": torch.zeros(100, 1000), "b": torch.zeros(3)}, std, DPRandom(77))
+    noisy = add_gaussian_noise(
+        {"w": torch.zeros(100, 1000), "b": torch.zeros(3)}, std, DPRandom(77)
+    )
     sample = noisy["w"].flatten().double().numpy()
     assert stats.kstest(sample, "norm", args=(0, std)).pvalue > 1e-3
 
@@ -245,8 +270,12 @@ def as_format_1(state):
     generator at the top level), as the code of before wrote it."""
     old = {k: v for k, v in state.items() if k not in ("mechanism", "fresh_streams", "format")}
     mechanism = state["mechanism"]
-    return {**old, "plan": mechanism["plan"], "accountant": mechanism["accountant"],
-            "noise_generator": mechanism["noise_generator"]}  # fmt: skip
+    return {
+        **old,
+        "plan": mechanism["plan"],
+        "accountant": mechanism["accountant"],
+        "noise_generator": mechanism["noise_generator"],
+    }
 
 
 def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, capsys):
@@ -256,19 +285,30 @@ def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, c
     _make_legacy(run_dir)
     capsys.readouterr()
     resumed = Trainer.resume(run_dir, progress=True)
-    notice = [line for line in capsys.readouterr().err.splitlines() if "32-bit-seeded torch" in line]
+    notice = [
+        line for line in capsys.readouterr().err.splitlines() if "32-bit-seeded torch" in line
+    ]
     assert len(notice) == 1 and "fresh 128-bit streams from step 3" in notice[0]
     assert resumed.step == 3 and resumed.mechanism.accountant.steps == 3
     # fresh, derived from run.seed and the step: neither the step-0 streams nor the continued ones
     current = Trainer.resume(tmp_path / "current", progress=False)
     seeds = run_seeds(0)
-    for stream, rng in (("noise", resumed.mechanism.noise_generator), ("sampler", resumed.mechanism.sampler.generator)):
+    for stream, rng in (
+        ("noise", resumed.mechanism.noise_generator),
+        ("sampler", resumed.mechanism.sampler.generator),
+    ):
         assert rng.state_dict() != DPRandom(seeds[stream]).state_dict()
-    assert resumed.mechanism.noise_generator.state_dict() != current.mechanism.noise_generator.state_dict()
+    assert (
+        resumed.mechanism.noise_generator.state_dict()
+        != current.mechanism.noise_generator.state_dict()
+    )
     assert resumed.mechanism.sampler.state_dict() != current.mechanism.sampler.state_dict()
     resumed.close()  # the run directory's lock, taken again by resumed.run()
     again = Trainer.resume(run_dir, progress=False)  # a seeded run: the same fresh streams again
-    assert again.mechanism.noise_generator.state_dict() == resumed.mechanism.noise_generator.state_dict()
+    assert (
+        again.mechanism.noise_generator.state_dict()
+        == resumed.mechanism.noise_generator.state_dict()
+    )
     again.close()
     summary = resumed.run()
     assert summary["steps"] == 8 and resumed.mechanism.accountant.steps == 8
@@ -279,13 +319,18 @@ def test_a_legacy_checkpoint_resumes_with_fresh_streams_and_a_notice(tmp_path, c
 
 def test_an_unseeded_legacy_checkpoint_resumes_with_new_entropy(tmp_path):
     run_dir = tmp_path / "unseeded"
-    Trainer.create(small_config(run_dir, "run.seed=null", "train.steps=4"), progress=False).run(max_steps=2)
+    Trainer.create(small_config(run_dir, "run.seed=null", "train.steps=4"), progress=False).run(
+        max_steps=2
+    )
     _make_legacy(run_dir)
     first = Trainer.resume(run_dir, progress=False)
     first.close()  # the run directory's lock (one process at a time), taken again by first.run()
     second = Trainer.resume(run_dir, progress=False)
     second.close()
-    assert first.mechanism.noise_generator.state_dict() != second.mechanism.noise_generator.state_dict()
+    assert (
+        first.mechanism.noise_generator.state_dict()
+        != second.mechanism.noise_generator.state_dict()
+    )
     assert first.mechanism.sampler.state_dict() != second.mechanism.sampler.state_dict()
     first.run()
     assert first.step == 4

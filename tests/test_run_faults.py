@@ -36,9 +36,16 @@ LOCK_NAME = ".dpscale.lock"  # spelled out, so this file also runs (and fails) a
 # A seeded run of 8 steps that evaluates every 2 steps and checkpoints every 3: cheap (fixed sigma,
 # RDP, no start-up checks), and its evaluations fall between checkpoints, where a kill loses them.
 TINY = [
-    "train.steps=8", "dp.batch_size=64", "dp.epsilon=null", "dp.noise_multiplier=1.0", "dp.accountant=rdp",
-    "train.self_check=false", "train.eval_every_epochs=0.032", "train.checkpoint_every_steps=3", "run.seed=3",
-]  # fmt: skip
+    "train.steps=8",
+    "dp.batch_size=64",
+    "dp.epsilon=null",
+    "dp.noise_multiplier=1.0",
+    "dp.accountant=rdp",
+    "train.self_check=false",
+    "train.eval_every_epochs=0.032",
+    "train.checkpoint_every_steps=3",
+    "run.seed=3",
+]
 EVAL_STEPS = [2, 4, 6, 8]
 
 
@@ -62,7 +69,9 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _eval_steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def _process(run_dir: Path, *args: str, extra: list[str] = ()) -> subprocess.Popen:
@@ -101,19 +110,33 @@ def test_a_run_killed_before_its_first_checkpoint_can_be_started_again(tmp_path,
     _killed_before_first_checkpoint(again)
     assert _train(again) == 0  # the same command on the same directory
     assert "stopped before its first checkpoint" in capsys.readouterr().err
-    assert all(torch.equal(a, b) for a, b in zip(_weights(again).values(), _weights(finished).values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(again).values(), _weights(finished).values())
+    )
     assert _eval_steps(again) == EVAL_STEPS and not (again / LOCK_NAME).exists()
 
 
 def test_resume_from_step_zero_finishes_the_configured_run(tmp_path, finished, capsys):
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "--max-steps", "2", extra=["train.checkpoint_every_steps=null", "train.checkpoint_every_minutes=1000"]) == 0
-    (run_dir / "checkpoint.pt").unlink()  # as if killed before its first checkpoint, with an evaluation logged
+    assert (
+        _train(
+            run_dir,
+            "--max-steps",
+            "2",
+            extra=["train.checkpoint_every_steps=null", "train.checkpoint_every_minutes=1000"],
+        )
+        == 0
+    )
+    (
+        run_dir / "checkpoint.pt"
+    ).unlink()  # as if killed before its first checkpoint, with an evaluation logged
     assert _eval_steps(run_dir) == [2]
     assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
     assert "starting it from step 0" in capsys.readouterr().err
     assert _eval_steps(run_dir) == EVAL_STEPS  # the lost run's evaluation is not kept twice
-    assert all(torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(finished).values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(finished).values())
+    )
 
 
 # ------------------------------------------------------------------ full disk
@@ -147,7 +170,9 @@ def test_a_full_disk_at_start_leaves_nothing_behind(tmp_path, monkeypatch, capsy
     assert _train(existing, "--max-steps", "1") == 0  # and the directory can then be used
 
 
-def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one(tmp_path, finished, monkeypatch, capsys):
+def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one(
+    tmp_path, finished, monkeypatch, capsys
+):
     run_dir = tmp_path / "r"
     assert _train(run_dir, "--max-steps", "3") == 0
     before = (run_dir / "checkpoint.pt").read_bytes()
@@ -159,7 +184,9 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one(tmp_path, finished, 
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
     monkeypatch.undo()
     assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
-    assert all(torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(finished).values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(finished).values())
+    )
     assert _eval_steps(run_dir) == EVAL_STEPS
 
 
@@ -179,7 +206,10 @@ def test_two_resumes_of_one_run_at_once_one_is_refused(tmp_path):
     assert refused.returncode == 2, err
     assert err.strip().count("\n") == 0 and "in use by another dpscale process (pid " in err
     metrics = run_dir / "metrics.jsonl"
-    while running.poll() is None and len(metrics.read_text().splitlines() if metrics.exists() else []) < 2:
+    while (
+        running.poll() is None
+        and len(metrics.read_text().splitlines() if metrics.exists() else []) < 2
+    ):
         time.sleep(0.05)
     running.send_signal(signal.SIGINT)  # the winner stops at a step boundary with a checkpoint
     running.communicate(timeout=300)
@@ -193,11 +223,17 @@ def test_a_lock_held_by_a_live_process_refuses_and_a_killed_holder_does_not(tmp_
     assert _train(run_dir, "--max-steps", "3") == 0
     # Another process holding the lock as any flock user would (fast: no torch import).
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; f = open(sys.argv[1], 'a'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); f.write(f'pid {os.getpid()}'); f.flush(); print('locked', flush=True); "
-         "time.sleep(600)", str(run_dir / LOCK_NAME)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); f.write(f'pid {os.getpid()}'); f.flush(); print('locked', flush=True); "
+            "time.sleep(600)",
+            str(run_dir / LOCK_NAME),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert main(["train", "--resume", str(run_dir), "--quiet"]) == 2
@@ -219,11 +255,17 @@ def test_a_holder_that_names_itself_a_moment_after_its_lock_is_still_named(tmp_p
     tmp_path.joinpath("r").mkdir()
     lock_file = tmp_path / "r" / LOCK_NAME
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; f = open(sys.argv[1], 'a'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(0.3); "
-         "f.write(f'pid {os.getpid()}'); f.flush(); time.sleep(600)", str(lock_file)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(0.3); "
+            "f.write(f'pid {os.getpid()}'); f.flush(); time.sleep(600)",
+            str(lock_file),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid}"):
@@ -255,7 +297,9 @@ def test_the_lock_is_held_for_the_run_and_released_after(tmp_path):
 def _flip_bytes(path: Path, count: int = 10, seed: int = 0) -> None:
     data = bytearray(path.read_bytes())
     rng = random.Random(seed)
-    for offset in rng.sample(range(len(data) // 2, len(data) - 1000), count):  # in the tensors' bytes
+    for offset in rng.sample(
+        range(len(data) // 2, len(data) - 1000), count
+    ):  # in the tensors' bytes
         data[offset] ^= 0x5A
     path.write_bytes(bytes(data))
 
@@ -263,15 +307,20 @@ def _flip_bytes(path: Path, count: int = 10, seed: int = 0) -> None:
 def test_a_damaged_checkpoint_is_refused_by_name_and_resume_falls_back(tmp_path, finished, capsys):
     # Before: `dpscale eval` reported another accuracy with no warning, and resume continued from it.
     run_dir = tmp_path / "r"
-    assert _train(run_dir, "--max-steps", "7") == 0  # checkpoints at steps 3 and 6, and 7 at the stop
+    # checkpoints at steps 3 and 6, and 7 at the stop
+    assert _train(run_dir, "--max-steps", "7") == 0
     _flip_bytes(run_dir / "checkpoint.pt")
     assert main(["eval", str(run_dir)]) == 2
     line = _one_line_error(capsys, "eval")
     assert f"{run_dir / 'checkpoint.pt'} is damaged" in line and "checkpoint.prev.pt" in line
     assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "is damaged" in err and "resuming from the previous checkpoint" in err and "(step 6)" in err
-    assert all(torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(finished).values()))
+    assert (
+        "is damaged" in err and "resuming from the previous checkpoint" in err and "(step 6)" in err
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(finished).values())
+    )
     assert _eval_steps(run_dir) == EVAL_STEPS
     assert (run_dir / "checkpoint.damaged.pt").exists()  # set aside, never kept as "the previous"
     assert main(["eval", str(run_dir)]) == 0
@@ -302,7 +351,9 @@ def test_a_config_edited_before_resume_is_refused_unless_asked_for(tmp_path, cap
     assert main(["train", "--resume", str(run_dir), "--set", "optim.lr=0.5", "--quiet"]) == 0
     assert "optim.lr: 1.0 -> 0.5" in capsys.readouterr().err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["config_changes"] == [{"step": 3, "changes": {"optim.lr": {"from": 1.0, "to": 0.5}}}]
+    assert summary["config_changes"] == [
+        {"step": 3, "changes": {"optim.lr": {"from": 1.0, "to": 0.5}}}
+    ]
     assert yaml.safe_load(config_path.read_text())["optim"]["lr"] == 0.5
     assert main(["eval", str(run_dir)]) == 0  # the recorded change is the run's config now
 
@@ -310,7 +361,10 @@ def test_a_config_edited_before_resume_is_refused_unless_asked_for(tmp_path, cap
 def test_a_privacy_setting_cannot_be_changed_on_resume(tmp_path, capsys):
     run_dir = tmp_path / "r"
     assert _train(run_dir, "--max-steps", "3") == 0
-    assert main(["train", "--resume", str(run_dir), "--set", "dp.noise_multiplier=0.5", "--quiet"]) == 2
+    assert (
+        main(["train", "--resume", str(run_dir), "--set", "dp.noise_multiplier=0.5", "--quiet"])
+        == 2
+    )
     assert "DP plan does not match" in _one_line_error(capsys)
 
 
@@ -321,8 +375,16 @@ def test_every_run_file_is_owner_only(tmp_path):
     assert _train(run_dir) == 0
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     files = sorted(p.name for p in run_dir.iterdir())
-    assert {"config.yaml", "metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "summary.json"} <= set(files)
-    modes = {str(p.relative_to(run_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in run_dir.rglob("*")}
+    assert {
+        "config.yaml",
+        "metrics.jsonl",
+        "checkpoint.pt",
+        "checkpoint.prev.pt",
+        "summary.json",
+    } <= set(files)
+    modes = {
+        str(p.relative_to(run_dir)): oct(stat.S_IMODE(p.stat().st_mode)) for p in run_dir.rglob("*")
+    }
     assert "tensorboard" in modes and any(name.startswith("tensorboard/") for name in modes)
     assert modes == {name: "0o700" if (run_dir / name).is_dir() else "0o600" for name in modes}
 
@@ -351,7 +413,9 @@ def test_the_result_line_carries_the_warnings_when_the_run_printed_none(tmp_path
 
 
 # ------------------------------------------------------------------ fault injection
-CLAIMED = "claimed"  # a kill point: as soon as the run has claimed its directory (before any checkpoint)
+CLAIMED = (
+    "claimed"  # a kill point: as soon as the run has claimed its directory (before any checkpoint)
+)
 
 
 def _kill_and_resume_until_done(run_dir: Path, kill_points: list) -> int:
@@ -384,7 +448,9 @@ def _kill_and_resume_until_done(run_dir: Path, kill_points: list) -> int:
 
 
 def _check_same_as_uninterrupted(run_dir: Path, reference: Path) -> None:
-    assert all(torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(reference).values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(run_dir).values(), _weights(reference).values())
+    )
     ours, theirs = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference))
     assert ours["test_accuracy"] == theirs["test_accuracy"] and ours["epsilon"] == theirs["epsilon"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -422,5 +488,7 @@ def test_a_seeded_run_killed_many_times_resumes_to_the_uninterrupted_run(tmp_pat
     rng = random.Random(2525)
     for trial in range(3):
         run_dir = tmp_path / f"killed{trial}"
-        _kill_and_resume_until_done(run_dir, [CLAIMED, *(rng.uniform(0.05, 1.0) * seconds for _ in range(8))])
+        _kill_and_resume_until_done(
+            run_dir, [CLAIMED, *(rng.uniform(0.05, 1.0) * seconds for _ in range(8))]
+        )
         _check_same_as_uninterrupted(run_dir, reference)

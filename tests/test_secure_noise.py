@@ -25,7 +25,8 @@ def test_secure_normals_are_standard_normal():
     assert abs(x.var() - 1) < 6 * math.sqrt(2 / n)
     assert abs(stats.kurtosis(x, fisher=False) - 3) < 6 * math.sqrt(24 / n)
     assert stats.kstest(x[:200_000], "norm").pvalue > 1e-6
-    assert abs(np.corrcoef(x[:-1], x[1:])[0, 1]) < 6 / math.sqrt(n)  # neighbours (Box-Muller pairs) uncorrelated
+    # neighbours (Box-Muller pairs) uncorrelated
+    assert abs(np.corrcoef(x[:-1], x[1:])[0, 1]) < 6 / math.sqrt(n)
     assert abs(np.corrcoef(x[0::2] ** 2, x[1::2] ** 2)[0, 1]) < 6 / math.sqrt(n / 2)
 
 
@@ -35,7 +36,9 @@ def test_noise_std_is_sigma_c():
     noisy = add_gaussian_noise(zeros, sigma * clip, SecureRandom())["w"].double()
     n = noisy.numel()
     assert abs(noisy.std().item() / (sigma * clip) - 1) < 6 * math.sqrt(1 / (2 * n))
-    assert noisy.dtype == torch.float64 and abs(noisy.mean().item()) < 6 * sigma * clip / math.sqrt(n)
+    assert noisy.dtype == torch.float64 and abs(noisy.mean().item()) < 6 * sigma * clip / math.sqrt(
+        n
+    )
 
 
 def test_secure_state_holds_nothing():
@@ -57,22 +60,46 @@ def _weights(run_dir):
 @pytest.mark.parametrize("secure", [False, True])
 def test_same_seed_differs_only_with_secure_noise(tmp_path, secure):
     for name in ("a", "b"):
-        code = main(["train", "--quiet", "--set", f"run.out_dir={tmp_path / name}", "--set", "run.seed=0",
-                     "--set", "train.steps=5", "--set", f"dp.secure_noise={str(secure).lower()}"])  # fmt: skip
+        code = main(
+            [
+                "train",
+                "--quiet",
+                "--set",
+                f"run.out_dir={tmp_path / name}",
+                "--set",
+                "run.seed=0",
+                "--set",
+                "train.steps=5",
+                "--set",
+                f"dp.secure_noise={str(secure).lower()}",
+            ]
+        )
         assert code == 0
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     same = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert same != secure  # the control (secure off) shows the comparison can fail
     if secure:
-        assert a["mechanism"]["noise_generator"] == {"bit_generator": SECURE_SOURCE}  # no state to reproduce the noise
+        # no state to reproduce the noise
+        assert a["mechanism"]["noise_generator"] == {"bit_generator": SECURE_SOURCE}
 
 
 def test_secure_run_resumes_with_fresh_noise(tmp_path, capsys):
-    args = ["--set", f"run.out_dir={tmp_path / 'r'}", "--set", "run.seed=0", "--set", "train.steps=6", "--set", "dp.secure_noise=true"]
+    args = [
+        "--set",
+        f"run.out_dir={tmp_path / 'r'}",
+        "--set",
+        "run.seed=0",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "dp.secure_noise=true",
+    ]
     assert main(["train", "--quiet", "--max-steps", "3", *args]) == 0
     assert main(["train", "--quiet", "--resume", str(tmp_path / "r")]) == 0
     state = _weights(tmp_path / "r")
-    assert state["step"] == 6 and state["mechanism"]["noise_generator"] == {"bit_generator": SECURE_SOURCE}
+    assert state["step"] == 6 and state["mechanism"]["noise_generator"] == {
+        "bit_generator": SECURE_SOURCE
+    }
     out = capsys.readouterr()
     assert SEEDED_SECURE_NOISE_CAVEAT in out.out + out.err
 
@@ -82,9 +109,17 @@ def test_make_private_secure_noise():
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     mechanism = dpscale.make_private(
-        model, optimizer, dataset_size=100, batch_size=10, max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0,
-        steps=2, seed=0, secure_noise=True,
-    )  # fmt: skip
+        model,
+        optimizer,
+        dataset_size=100,
+        batch_size=10,
+        max_grad_norm=1.0,
+        delta=1e-5,
+        noise_multiplier=1.0,
+        steps=2,
+        seed=0,
+        secure_noise=True,
+    )
     assert isinstance(mechanism.noise_generator, SecureRandom) and mechanism.plan.secure_noise
     indices = mechanism.sample()
     mechanism.step(torch.randn(len(indices), 4), torch.zeros(len(indices), dtype=torch.long))

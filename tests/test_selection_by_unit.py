@@ -23,7 +23,13 @@ from PIL import Image
 from dpscale.cli import main
 from dpscale.data.datasets import load_idx, load_image_folder
 from dpscale.data.formats import DatasetError
-from dpscale.data.splits import HELD_OUT_BY_INDEX, MAX_PER_CLASS_CHOICE, hashed_holdout, selection_note, unit_hashes
+from dpscale.data.splits import (
+    HELD_OUT_BY_INDEX,
+    MAX_PER_CLASS_CHOICE,
+    hashed_holdout,
+    selection_note,
+    unit_hashes,
+)
 from dpscale.export import card_path
 from dpscale.train.run import result_line
 
@@ -31,8 +37,12 @@ from dpscale.train.run import result_line
 def _people(count: int = 150, seed: int = 0) -> dict[str, list[str]]:
     """Synthetic patients of 1 to 4 images, each image in class folder a or b."""
     rng = np.random.default_rng(seed)
-    return {f"patient-{p}": [f"{'ab'[int(rng.integers(2))]}/p{p}-{i}.png" for i in range(int(rng.integers(1, 5)))]
-            for p in range(count)}  # fmt: skip
+    return {
+        f"patient-{p}": [
+            f"{'ab'[int(rng.integers(2))]}/p{p}-{i}.png" for i in range(int(rng.integers(1, 5)))
+        ]
+        for p in range(count)
+    }
 
 
 def _write_folder(root: Path, people: dict[str, list[str]], users_csv: bool = True) -> Path:
@@ -56,7 +66,7 @@ def _sides(root: Path) -> dict[str, str]:
         return {person: "train" if person in train else "test" for _, person in rows}
     return {p.relative_to(root).as_posix(): "train" for p in root.rglob("*.png")} | {
         _path_of(x, root): "test" for x in data.x_test
-    }  # fmt: skip
+    }
 
 
 def _path_of(image, root: Path) -> str:
@@ -91,7 +101,8 @@ def test_adding_or_removing_one_image_of_a_folder_moves_no_other_image(tmp_path)
     before = _sides(root)
     Image.fromarray(np.full((4, 4), 7, np.uint8)).save(root / "a" / "new.png")
     after = _sides(root)
-    assert set(after) == set(before) | {"a/new.png"} and _moved(before, after) == 0  # before: 50 of 150 moved
+    # before: 50 of 150 moved
+    assert set(after) == set(before) | {"a/new.png"} and _moved(before, after) == 0
     gone = next(path for path, side in before.items() if side == "train")
     (root / gone).unlink()
     (root / "a" / "new.png").unlink()
@@ -115,7 +126,8 @@ def test_removing_one_person_of_an_idx_side_file_moves_no_other_person(tmp_path)
     before = sides(np.ones(len(ids), bool), tmp_path / "all")
     for gone in (next(u for u, s in before.items() if s == side) for side in ("train", "test")):
         after = sides(ids != gone, tmp_path / f"without-{gone}")
-        assert len(after) == len(before) - 1 and _moved(before, after) == 0  # before: 116 and 107 of 379 moved
+        # before: 116 and 107 of 379 moved
+        assert len(after) == len(before) - 1 and _moved(before, after) == 0
 
 
 def test_the_hashed_split_holds_out_about_the_fraction_keeps_people_whole_and_refuses_an_empty_side():
@@ -134,10 +146,16 @@ def test_the_hashed_split_holds_out_about_the_fraction_keeps_people_whole_and_re
 def test_the_split_is_the_same_in_another_process_with_another_hash_seed():
     ids = ["patient-1", "a/p3-0.png", "17", "Zoë"]
     code = "import sys; from dpscale.data.splits import unit_hashes; print(unit_hashes(sys.argv[1:]).tolist())"
-    other = subprocess.run([sys.executable, "-c", code, *ids], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout  # fmt: skip
+    other = subprocess.run(
+        [sys.executable, "-c", code, *ids],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    ).stdout
     assert other == f"{unit_hashes(ids).tolist()}\n"
-    assert unit_hashes(np.array([17])).tolist() == unit_hashes(np.array(["17"])).tolist()  # npz int = csv string
+    # npz int = csv string
+    assert unit_hashes(np.array([17])).tolist() == unit_hashes(np.array(["17"])).tolist()
 
 
 def _train(tmp_path: Path, name: str, *sets: str) -> tuple[dict, str]:
@@ -154,7 +172,8 @@ def test_a_split_by_index_is_said_in_the_header_the_summary_and_the_model_card(t
     note = selection_note((HELD_OUT_BY_INDEX,))
     assert note and summary["training_set"] == note
     assert f"WARNING: {note}" in capsys.readouterr().err.splitlines()  # the header
-    assert f"WARNING: {note}" in result_line(summary, Path(run_dir)).splitlines()  # after a run that printed none
+    # after a run that printed none
+    assert f"WARNING: {note}" in result_line(summary, Path(run_dir)).splitlines()
     model = tmp_path / "model.safetensors"
     assert main(["export", run_dir, "--format", "safetensors", "--out", str(model)]) == 0
     card = card_path(model).read_text()
@@ -171,7 +190,9 @@ def test_max_per_class_is_said_and_a_folder_split_by_path_says_nothing(tmp_path,
     assert "data.max_per_class's seeded choice" in capsys.readouterr().err
 
 
-def test_the_idx_side_file_split_uses_a_constant_fraction_not_one_computed_from_the_collection(tmp_path):
+def test_the_idx_side_file_split_uses_a_constant_fraction_not_one_computed_from_the_collection(
+    tmp_path,
+):
     """The review's case: 600 people of one image each; the cut-off was round(N/6)/N, so removing one
     person moved from 100/600 to 100/599 and took in a person whose hash lies between (now 0 moved)."""
     from datafiles import write_idx
@@ -205,4 +226,5 @@ def test_a_file_name_that_is_not_utf8_is_held_out_by_its_bytes(tmp_path):
     data = load_image_folder(root)
     assert data.info.num_train + data.info.num_test == sum(1 for _ in root.rglob("*.png"))
     hashed = unit_hashes([odd])[0]
-    assert hashed == unit_hashes([odd])[0]  # the same in every process: blake2b of the bytes on disk
+    # the same in every process: blake2b of the bytes on disk
+    assert hashed == unit_hashes([odd])[0]

@@ -27,12 +27,26 @@ def folder(tmp_path_factory):
 
 
 def _config(out_dir, root, loader, *extra, name="imagefolder"):
-    return load_config(None, [
-        f"data.name={name}", f"data.root={root}", f"data.loader={loader}", "data.workers=2",
-        "model.name=papernot-cnn", "dp.batch_size=12", "dp.noise_multiplier=1.0", "dp.epsilon=null",
-        "dp.max_grad_norm=1.0", "train.epochs=2", "train.max_physical_batch_size=5", "run.seed=3",
-        f"run.out_dir={out_dir}", *extra,
-    ] + ([] if name == "shards" else ["data.image_size=28"]))  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"data.name={name}",
+            f"data.root={root}",
+            f"data.loader={loader}",
+            "data.workers=2",
+            "model.name=papernot-cnn",
+            "dp.batch_size=12",
+            "dp.noise_multiplier=1.0",
+            "dp.epsilon=null",
+            "dp.max_grad_norm=1.0",
+            "train.epochs=2",
+            "train.max_physical_batch_size=5",
+            "run.seed=3",
+            f"run.out_dir={out_dir}",
+            *extra,
+        ]
+        + ([] if name == "shards" else ["data.image_size=28"]),
+    )
 
 
 def _weights(trainer):
@@ -69,11 +83,17 @@ def test_eval_command_re_evaluates_a_streamed_run(folder, tmp_path, capsys):
     _, summary = _train(_config(tmp_path / "s", folder, "stream"))
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "s"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test_accuracy"] == summary["test_accuracy"]
+    assert (
+        json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test_accuracy"]
+        == summary["test_accuracy"]
+    )
 
 
-@pytest.mark.parametrize("mechanism", [(), ("dp.mechanism=bandmf", "dp.bands=2"), ("dp.sampling=fixed",)],
-                         ids=["dpsgd", "bandmf", "fixed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mechanism",
+    [(), ("dp.mechanism=bandmf", "dp.bands=2"), ("dp.sampling=fixed",)],
+    ids=["dpsgd", "bandmf", "fixed"],
+)
 def test_stream_resumes_mid_epoch_bit_identically(folder, tmp_path, mechanism):
     whole, _ = _train(_config(tmp_path / "whole", folder, "stream", *mechanism))
     if mechanism:  # BandMF's cyclic sampler streams the batches the in-memory run draws
@@ -107,11 +127,30 @@ def test_prepared_shards_hold_the_folder_loaders_pixels_and_train_the_same(folde
 
 
 def test_data_prepare_and_verify_commands(folder, tmp_path, capsys):
-    assert main(["data", "prepare", str(folder), str(tmp_path / "out"), "--size", "16", "--workers", "1", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                str(folder),
+                str(tmp_path / "out"),
+                "--size",
+                "16",
+                "--workers",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "wrote 31 training and 5 test images (3x16x16" in capsys.readouterr().out
     assert main(["data", "verify", str(tmp_path / "out")]) == 0
     assert "every SHA-256 matches" in capsys.readouterr().out
-    assert main(["data", "prepare", str(folder), str(tmp_path / "out"), "--size", "16", "--quiet"]) == 2  # not empty
+    # not empty
+    assert (
+        main(["data", "prepare", str(folder), str(tmp_path / "out"), "--size", "16", "--quiet"])
+        == 2
+    )
     assert "exists and is not empty" in capsys.readouterr().err
 
 
@@ -134,11 +173,25 @@ def _edit_manifest(path, edit):
         (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
         (lambda p: _edit_manifest(p, lambda m: m.update(version=99)), "manifest version 99"),
         (lambda p: _edit_manifest(p, lambda m: m.pop("classes")), "manifest has no 'classes'"),
-        (lambda p: _edit_manifest(p, lambda m: m["splits"]["train"].update(count=5)), "shard counts add up to 31"),
-        (lambda p: _edit_manifest(p, lambda m: m["splits"]["train"]["shards"][0].update(count=30)), "add up to 30"),
+        (
+            lambda p: _edit_manifest(p, lambda m: m["splits"]["train"].update(count=5)),
+            "shard counts add up to 31",
+        ),
+        (
+            lambda p: _edit_manifest(
+                p, lambda m: m["splits"]["train"]["shards"][0].update(count=30)
+            ),
+            "add up to 30",
+        ),
         (lambda p: (p / "train-00000.npy").unlink(), "train-00000.npy is missing"),
-        (lambda p: _flip_last_byte(p / "train-00000.npy"), "train-00000.npy does not match its SHA-256"),
-        (lambda p: _edit_manifest(p, lambda m: m.update(image_shape=[3, 9, 9])), "the manifest says uint8"),
+        (
+            lambda p: _flip_last_byte(p / "train-00000.npy"),
+            "train-00000.npy does not match its SHA-256",
+        ),
+        (
+            lambda p: _edit_manifest(p, lambda m: m.update(image_shape=[3, 9, 9])),
+            "the manifest says uint8",
+        ),
     ],
 )
 def test_a_bad_manifest_or_damaged_shards_are_refused(shards, damage, message):
@@ -169,7 +222,9 @@ def test_corrupt_images_are_an_error_naming_the_file(folder, tmp_path):
         Trainer.create(_config(tmp_path / "r", root, "stream"), progress=False)
     (root / "class1" / "000.jpg").unlink()  # left: the truncated file, found when it is decoded
     with pytest.raises(DatasetError, match=r"class2/005\.jpg: image file is truncated"):
-        Trainer.create(_config(tmp_path / "r2", root, "stream", "dp.batch_size=40"), progress=False).run()
+        Trainer.create(
+            _config(tmp_path / "r2", root, "stream", "dp.batch_size=40"), progress=False
+        ).run()
 
 
 def test_a_file_that_breaks_during_training_stops_the_stream_naming_it(folder, tmp_path):
@@ -183,17 +238,29 @@ def test_a_file_that_breaks_during_training_stops_the_stream_naming_it(folder, t
     victim = data.train.files[-1]
     victim.write_bytes(victim.read_bytes()[:-100])
     sampler = PoissonSampler(len(data.train), 1.0, DPRandom(0))  # every example, every step
-    feed = StreamFeed(data, sampler, chunk_size=7, start_step=0, total_steps=2, device=torch.device("cpu"), workers=2)
+    feed = StreamFeed(
+        data,
+        sampler,
+        chunk_size=7,
+        start_step=0,
+        total_steps=2,
+        device=torch.device("cpu"),
+        workers=2,
+    )
     with pytest.raises(DatasetError, match=f"{victim.name}: image file is truncated"):
         list(feed.chunks(0))
 
 
-def test_skip_corrupt_leaves_unreadable_images_out_counts_them_and_accounts_for_the_rest(folder, tmp_path, capsys):
+def test_skip_corrupt_leaves_unreadable_images_out_counts_them_and_accounts_for_the_rest(
+    folder, tmp_path, capsys
+):
     root = _corrupt_copy(folder, tmp_path)
     for loader in ("memory", "stream"):
         # data.workers=0: the listing finds and leaves out the unreadable files, not the workers (whose
         # process start-up cost this test 10 s); the workers' own reading is tested above
-        config = _config(tmp_path / loader, root, loader, "data.skip_corrupt=true", "data.workers=0")
+        config = _config(
+            tmp_path / loader, root, loader, "data.skip_corrupt=true", "data.workers=0"
+        )
         trainer = Trainer.create(config, progress=True)
         info = trainer.data.info
         assert len(info.skipped_files) == 2 and any("000.jpg" in s for s in info.skipped_files)
@@ -210,7 +277,15 @@ def test_stream_config_errors_are_clear(folder, tmp_path):
     with pytest.raises(ConfigError, match="data.loader must be one of"):
         load_config(None, ["data.loader=disk"])
     with pytest.raises(ConfigError, match="features.extractor"):
-        load_config(None, ["data.name=imagefolder", f"data.root={folder}", "data.loader=stream", "features.extractor=scatternet"])
+        load_config(
+            None,
+            [
+                "data.name=imagefolder",
+                f"data.root={folder}",
+                "data.loader=stream",
+                "features.extractor=scatternet",
+            ],
+        )
 
 
 def test_flat_validation_folder_with_a_label_file(folder, tmp_path):
@@ -240,13 +315,44 @@ def test_two_process_streamed_run_equals_two_process_in_memory_run(folder, tmp_p
     """Each rank streams only its shard of every batch; the job's result is the in-memory job's."""
     from helpers import run_job
 
-    common = ["train", "--quiet", "--set", "data.name=imagefolder", "--set", f"data.root={folder}",
-              "--set", "data.image_size=28", "--set", "data.workers=1", "--set", "dp.batch_size=12",
-              "--set", "dp.noise_multiplier=1.0", "--set", "dp.epsilon=null", "--set", "train.steps=4",
-              "--set", "train.max_physical_batch_size=4", "--set", "run.seed=5", "--set", "run.threads=1"]  # fmt: skip
+    common = [
+        "train",
+        "--quiet",
+        "--set",
+        "data.name=imagefolder",
+        "--set",
+        f"data.root={folder}",
+        "--set",
+        "data.image_size=28",
+        "--set",
+        "data.workers=1",
+        "--set",
+        "dp.batch_size=12",
+        "--set",
+        "dp.noise_multiplier=1.0",
+        "--set",
+        "dp.epsilon=null",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.max_physical_batch_size=4",
+        "--set",
+        "run.seed=5",
+        "--set",
+        "run.threads=1",
+    ]
     for loader in ("memory", "stream"):
-        run_job(2, *common, "--set", f"data.loader={loader}", "--set", f"run.out_dir={tmp_path / loader}")
-    memory, stream = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("memory", "stream"))
+        run_job(
+            2,
+            *common,
+            "--set",
+            f"data.loader={loader}",
+            "--set",
+            f"run.out_dir={tmp_path / loader}",
+        )
+    memory, stream = (
+        torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("memory", "stream")
+    )
     assert stream["world_size"] == 2 and len(stream["rank_streams"]) == 2
     _assert_same_weights(memory["model"], stream["model"])
     samplers = [[r["sampler"] for r in run["rank_streams"]] for run in (memory, stream)]
@@ -259,7 +365,10 @@ def test_auto_loader_on_a_small_folder_holds_what_the_memory_loader_holds(folder
 
     auto = open_training_data(_config("/tmp/unused", folder, "auto"), torch.device("cpu"))
     memory = prepare_data(_config("/tmp/unused", folder, "memory"), torch.device("cpu"))
-    assert not isinstance(auto, type(open_training_data(_config("/tmp/unused", folder, "stream"), torch.device("cpu"))))
+    assert not isinstance(
+        auto,
+        type(open_training_data(_config("/tmp/unused", folder, "stream"), torch.device("cpu"))),
+    )
     for key in ("x_train", "y_train", "x_test", "y_test"):
         assert torch.equal(getattr(auto, key), getattr(memory, key)), key
     assert auto.info == memory.info and dataset_fingerprint(auto) == dataset_fingerprint(memory)
@@ -277,19 +386,39 @@ def test_a_truncated_png_read_by_a_loader_worker_is_one_line_naming_it(tmp_path,
     for c in range(2):
         (tmp_path / "pngs" / f"class{c}").mkdir(parents=True)
         for i in range(30):
-            Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(tmp_path / "pngs" / f"class{c}" / f"{i:03d}.png")
+            Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).save(
+                tmp_path / "pngs" / f"class{c}" / f"{i:03d}.png"
+            )
     data = open_stream("imagefolder", tmp_path / "pngs")
     files = getattr(data, split).files
     # a file start-up never decodes (the set-up check's first 8, the fingerprint's 16 evenly spaced
     # training images): a loader worker finds it truncated
-    read_at_start = {*range(8), *np.linspace(0, len(files) - 1, num=16).astype(int)} if split == "train" else set()
+    read_at_start = (
+        {*range(8), *np.linspace(0, len(files) - 1, num=16).astype(int)}
+        if split == "train"
+        else set()
+    )
     victim = files[min(set(range(len(files))) - read_at_start)]
     victim.write_bytes(victim.read_bytes()[:-40])  # B = N below: every training image in every step
-    argv = ["train", "--quiet"] + [a for kv in [
-        "data.name=imagefolder", f"data.root={tmp_path / 'pngs'}", "data.loader=stream", "data.workers=1",
-        "model.name=linear", f"dp.batch_size={len(data.train)}", "dp.noise_multiplier=1.0", "dp.epsilon=null", "train.steps=2",
-        f"run.out_dir={tmp_path / 'run'}"] for a in ("--set", kv)]  # fmt: skip
+    argv = ["train", "--quiet"] + [
+        a
+        for kv in [
+            "data.name=imagefolder",
+            f"data.root={tmp_path / 'pngs'}",
+            "data.loader=stream",
+            "data.workers=1",
+            "model.name=linear",
+            f"dp.batch_size={len(data.train)}",
+            "dp.noise_multiplier=1.0",
+            "dp.epsilon=null",
+            "train.steps=2",
+            f"run.out_dir={tmp_path / 'run'}",
+        ]
+        for a in ("--set", kv)
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "\nDP-SGD:" in err and "Traceback" not in err  # past start-up: a worker read it
-    assert err.splitlines()[-1] == (f"dpscale train: error: could not read image {victim}: image file is truncated ({SKIP_CORRUPT_HINT})")
+    assert err.splitlines()[-1] == (
+        f"dpscale train: error: could not read image {victim}: image file is truncated ({SKIP_CORRUPT_HINT})"
+    )

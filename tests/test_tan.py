@@ -39,7 +39,9 @@ def test_eps_tan_matches_the_closed_form_by_hand():
 def test_eta_for_eps_tan_inverts_the_closed_form():
     for epsilon in (0.1, 1.0, 3.0, 8.0, 50.0):
         for delta in (1e-5, 8e-7):
-            assert eps_tan_from_eta(eta_for_eps_tan(epsilon, delta), delta) == pytest.approx(epsilon, rel=1e-12)
+            assert eps_tan_from_eta(eta_for_eps_tan(epsilon, delta), delta) == pytest.approx(
+                epsilon, rel=1e-12
+            )
 
 
 def test_eps_tan_approximates_rdp_above_the_wall_only():
@@ -49,7 +51,9 @@ def test_eps_tan_approximates_rdp_above_the_wall_only():
     assert 0.85 < ratio[2.0] < 1.05 and 0.85 < ratio[4.0] < 1.05
     assert ratio[0.5] > 3 and ratio[1.0] > 1.1
     for r in rows:  # every point is on the constant-eta curve
-        assert tan_eta(r.sample_rate, r.noise_multiplier, r.steps) == pytest.approx(eta_for_eps_tan(3.0, 1e-5), rel=1e-12)
+        assert tan_eta(r.sample_rate, r.noise_multiplier, r.steps) == pytest.approx(
+            eta_for_eps_tan(3.0, 1e-5), rel=1e-12
+        )
 
 
 # ---------------------------------------------------------------- simulation
@@ -66,9 +70,13 @@ def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
     sim = plan_from_config(_dp(simulated_batch_size=simulated), n, steps)
     assert sim.steps == reference.steps == steps
     assert sim.batch_size == simulated and sim.sample_rate == simulated / n
-    assert sim.sample_rate / sim.noise_multiplier == pytest.approx(reference.sample_rate / reference.noise_multiplier, rel=1e-13)
+    assert sim.sample_rate / sim.noise_multiplier == pytest.approx(
+        reference.sample_rate / reference.noise_multiplier, rel=1e-13
+    )
     # the std of the noise on the averaged update is the reference's: sigma C / B
-    assert sim.noise_std / sim.batch_size == pytest.approx(reference.noise_std / reference.batch_size, rel=1e-13)
+    assert sim.noise_std / sim.batch_size == pytest.approx(
+        reference.noise_std / reference.batch_size, rel=1e-13
+    )
     assert eta_step(sim.sample_rate, sim.noise_multiplier) == pytest.approx(
         eta_step(reference.sample_rate, reference.noise_multiplier), rel=1e-13
     )
@@ -78,17 +86,28 @@ def test_simulated_plan_keeps_steps_and_q_over_sigma(simulated):
     assert sim.simulation.noise_multiplier == reference.noise_multiplier
     assert sim.simulation.batch_size == 4096
     assert sim.epsilon == pytest.approx(
-        compute_epsilon(sample_rate=sim.sample_rate, noise_multiplier=sim.noise_multiplier, steps=steps, delta=1e-5, kind="rdp")
+        compute_epsilon(
+            sample_rate=sim.sample_rate,
+            noise_multiplier=sim.noise_multiplier,
+            steps=steps,
+            delta=1e-5,
+            kind="rdp",
+        )
     )
     assert sim.epsilon > 2 * reference.epsilon
     assert sim.reference_epsilon(steps) == pytest.approx(reference.epsilon, rel=1e-9)
     notes = " ".join(sim.caveats())
-    assert "TAN SIMULATION, NO PRIVACY GUARANTEE" in notes and f"epsilon={reference.epsilon:.4g}" in notes
+    assert (
+        "TAN SIMULATION, NO PRIVACY GUARANTEE" in notes
+        and f"epsilon={reference.epsilon:.4g}" in notes
+    )
 
 
 def test_simulation_from_a_given_sigma_and_errors():
     n, steps = 50_000, 100
-    sim = plan_from_config(_dp(epsilon=None, noise_multiplier=3.0, simulated_batch_size=512), n, steps)
+    sim = plan_from_config(
+        _dp(epsilon=None, noise_multiplier=3.0, simulated_batch_size=512), n, steps
+    )
     assert sim.noise_multiplier == pytest.approx(3.0 * 512 / 4096, rel=1e-15)
     assert simulated_noise_multiplier(3.0, 4096, 512) == 0.375
     with pytest.raises(ConfigError, match="simulated_batch_size"):
@@ -139,7 +158,9 @@ def test_wall_warning_fires_at_sigma_1_not_at_sigma_4_for_the_same_eta():
     for sigma in (1.0, 4.0):
         q = math.sqrt(2) * sigma * eta / math.sqrt(steps)
         batch = q * n
-        plans[sigma] = plan_from_config(_dp(epsilon=None, noise_multiplier=sigma, batch_size=batch), n, steps)
+        plans[sigma] = plan_from_config(
+            _dp(epsilon=None, noise_multiplier=sigma, batch_size=batch), n, steps
+        )
         assert tan_eta(plans[sigma].sample_rate, sigma, steps) == pytest.approx(eta, rel=1e-12)
     assert plans[1.0].wall_warning() is not None and "privacy wall" in plans[1.0].wall_warning()
     assert plans[4.0].wall_warning() is None
@@ -206,4 +227,8 @@ def test_regression_needs_two_batch_sizes():
 def test_simulating_at_the_reference_batch_size_is_the_reference_run():
     reference = plan_from_config(_dp(), 50_000, 300)
     same = plan_from_config(_dp(simulated_batch_size=4096), 50_000, 300)
-    assert same == reference and same.simulation is None and "TAN SIMULATION" not in " ".join(same.caveats())
+    assert (
+        same == reference
+        and same.simulation is None
+        and "TAN SIMULATION" not in " ".join(same.caveats())
+    )

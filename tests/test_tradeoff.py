@@ -37,10 +37,15 @@ def test_randomized_response_gives_its_exact_trade_off():
     """A pure eps0-DP profile (randomized response): delta(eps) = (e^eps0 - e^eps)/(1 + e^eps0) below
     eps0, 0 above; its trade-off is exactly min(e^eps0 a, 1 - e^-eps0 (1 - a))."""
     eps0 = 1.0
-    profile = lambda eps: np.where(eps < eps0, (math.exp(eps0) - np.exp(eps)) / (1 + math.exp(eps0)), 0.0)  # noqa: E731
+
+    def profile(eps):
+        return np.where(eps < eps0, (math.exp(eps0) - np.exp(eps)) / (1 + math.exp(eps0)), 0.0)
+
     got = tpr_at_fpr(profile, FPRS)
     for a in FPRS:
-        assert got[a] == pytest.approx(min(math.exp(eps0) * a, 1 - math.exp(-eps0) * (1 - a)), abs=1e-12)
+        assert got[a] == pytest.approx(
+            min(math.exp(eps0) * a, 1 - math.exp(-eps0) * (1 - a)), abs=1e-12
+        )
 
 
 def test_no_privacy_loss_means_no_better_than_guessing_and_composition_only_helps_the_attacker():
@@ -51,7 +56,10 @@ def test_no_privacy_loss_means_no_better_than_guessing_and_composition_only_help
     one, many = PrivacyAccountant("pld"), PrivacyAccountant("pld")
     one.step(sample_rate=0.01, noise_multiplier=1.0, num_steps=1)
     many.step(sample_rate=0.01, noise_multiplier=1.0, num_steps=500)
-    single, composed = tpr_at_fpr(one.privacy_profile(), FPRS), tpr_at_fpr(many.privacy_profile(), FPRS)
+    single, composed = (
+        tpr_at_fpr(one.privacy_profile(), FPRS),
+        tpr_at_fpr(many.privacy_profile(), FPRS),
+    )
     assert all(composed[a] >= single[a] for a in FPRS) and composed[0.01] > single[0.01] + 0.01
 
 
@@ -73,17 +81,31 @@ def test_the_vectorised_pld_profile_equals_dp_accountings_own():
     acc.step(sample_rate=0.03, noise_multiplier=0.9, num_steps=40)
     pld = pld_history.composed_pld(list(acc.history), acc.pld_discretization)
     reference = pld.get_delta_for_epsilon(EPSILON_GRID)
-    np.testing.assert_allclose(pld_history.pld_profile(pld)(EPSILON_GRID), reference, rtol=1e-12, atol=1e-18)
+    np.testing.assert_allclose(
+        pld_history.pld_profile(pld)(EPSILON_GRID), reference, rtol=1e-12, atol=1e-18
+    )
 
 
 def test_dpscale_account_prints_and_returns_the_odds(capsys):
-    args = ["account", "--dataset-size", "60000", "--batch-size", "256", "--noise", "1.1", "--steps", "2000"]
+    args = [
+        "account",
+        "--dataset-size",
+        "60000",
+        "--batch-size",
+        "256",
+        "--noise",
+        "1.1",
+        "--steps",
+        "2000",
+    ]
     assert main(args + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["tpr_at_fpr"]) == {"0.001", "0.01", "0.1"}
     acc = PrivacyAccountant("pld")
     acc.step(sample_rate=256 / 60000, noise_multiplier=1.1, num_steps=2000)
-    assert result["tpr_at_fpr"]["0.01"] == pytest.approx(attacker_odds(acc)["tpr_at_fpr"]["0.01"], rel=1e-12)
+    assert result["tpr_at_fpr"]["0.01"] == pytest.approx(
+        attacker_odds(acc)["tpr_at_fpr"]["0.01"], rel=1e-12
+    )
     assert 0.01 < result["tpr_at_fpr"]["0.01"] < 0.05 and 0.1 < result["gdp_mu"] < 1.0
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -104,21 +126,36 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     trainer = Trainer.create(config, progress=False, report=True)
     summary = trainer.run()
     header, line = capsys.readouterr().err, result_line(summary, tmp_path / "run")
-    assert f"After all 3 steps, {summary['odds']}" in header  # planned = spent: the run took all its steps
+    # planned = spent: the run took all its steps
+    assert f"After all 3 steps, {summary['odds']}" in header
     assert summary["tpr_at_fpr"] == attacker_odds(trainer.mechanism.accountant)["tpr_at_fpr"]
     assert 0.01 < summary["tpr_at_fpr"]["0.01"] < 1 and summary["gdp_mu"] > 0
-    question = "whether any one image was used" if sampling == "poisson" else "which of two images was used"
+    question = (
+        "whether any one image was used"
+        if sampling == "poisson"
+        else "which of two images was used"
+    )
     assert f"no membership test can tell {question}" in line
     assert summary["adjacency"] == ("add/remove" if sampling == "poisson" else "replace-one")
-    assert (f"{sampling} sampling, replace-one)" in line) == (sampling != "poisson")  # the result line names it
-    if sampling == "shuffle":  # its own bound (no amplification), never the Poisson figure, anywhere
+    # the result line names it
+    assert (f"{sampling} sampling, replace-one)" in line) == (sampling != "poisson")
+    if (
+        sampling == "shuffle"
+    ):  # its own bound (no amplification), never the Poisson figure, anywhere
         from dpscale.privacy.accounting.accountant import compute_epsilon
         from dpscale.privacy.accounting.batch_sampling import BatchSampling
 
         plan = trainer.plan
-        poisson = compute_epsilon(sample_rate=plan.sample_rate, noise_multiplier=1.0, steps=3, delta=plan.delta)
-        own = compute_epsilon(sample_rate=plan.sample_rate, noise_multiplier=1.0, steps=3, delta=plan.delta,
-                              batches=BatchSampling("shuffle", plan.dataset_size))  # fmt: skip
+        poisson = compute_epsilon(
+            sample_rate=plan.sample_rate, noise_multiplier=1.0, steps=3, delta=plan.delta
+        )
+        own = compute_epsilon(
+            sample_rate=plan.sample_rate,
+            noise_multiplier=1.0,
+            steps=3,
+            delta=plan.delta,
+            batches=BatchSampling("shuffle", plan.dataset_size),
+        )
         assert summary["epsilon"] == own == plan.epsilon and own > 2 * poisson
         assert f"{poisson:.4g}" not in header + line and f"{poisson:.3f}" not in header + line
 
@@ -128,13 +165,19 @@ def test_each_evaluation_records_the_odds_so_far(tmp_path):
     from dpscale.train.loop import Trainer
     from helpers import tiny_config
 
-    config = tiny_config(tmp_path / "run", "train.steps=6", "train.eval_every_epochs=0.032", "dp.accountant=rdp")
+    config = tiny_config(
+        tmp_path / "run", "train.steps=6", "train.eval_every_epochs=0.032", "dp.accountant=rdp"
+    )
     trainer = Trainer.create(config, progress=False)
     trainer.run()
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(records) >= 2
     for record in records:
         acc = PrivacyAccountant("rdp")
-        acc.step(sample_rate=trainer.plan.sample_rate, noise_multiplier=1.0, num_steps=record["step"])
+        acc.step(
+            sample_rate=trainer.plan.sample_rate, noise_multiplier=1.0, num_steps=record["step"]
+        )
         assert record["tpr_at_fpr"] == pytest.approx(attacker_odds(acc)["tpr_at_fpr"], rel=1e-12)
     assert records[-1]["tpr_at_fpr"]["0.01"] > records[0]["tpr_at_fpr"]["0.01"]

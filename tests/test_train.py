@@ -20,11 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_non_private_baseline_uses_same_path_and_says_so(tmp_path):
-    cfg = small_config(tmp_path / "np", "dp.epsilon=null", "dp.noise_multiplier=0", "dp.max_grad_norm=null")
+    cfg = small_config(
+        tmp_path / "np", "dp.epsilon=null", "dp.noise_multiplier=0", "dp.max_grad_norm=null"
+    )
     summary = Trainer.create(cfg, progress=False).run()
     assert summary["private"] is False and summary["epsilon"] is None
     assert any("NOT PRIVATE" in note for note in summary["guarantee_caveats"])
-    records = [json.loads(line) for line in (tmp_path / "np" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "np" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert all("NOT PRIVATE" in r["privacy_note"] and r["epsilon"] is None for r in records)
 
 
@@ -47,9 +51,12 @@ def test_shuffle_sampling_is_labelled_in_every_output(tmp_path, capsys):
     )
     assert code == 0
     out, err = capsys.readouterr()
-    assert "Poisson" in out + err  # once: when the run starts (stderr), so not again with the result
+    # once: when the run starts (stderr), so not again with the result
+    assert "Poisson" in out + err
     summary = json.loads((tmp_path / "sh" / "summary.json").read_text())
-    assert summary["sampling"] == "shuffle" and any("Poisson" in n for n in summary["guarantee_caveats"])
+    assert summary["sampling"] == "shuffle" and any(
+        "Poisson" in n for n in summary["guarantee_caveats"]
+    )
     for line in (tmp_path / "sh" / "metrics.jsonl").read_text().splitlines():
         assert "Poisson" in json.loads(line)["privacy_note"]
     main(["eval", str(tmp_path / "sh")])
@@ -127,14 +134,26 @@ def test_demo_defaults_plan_epsilon_3_and_learn_in_16_steps(tmp_path, capsys):
     """The demo's stand-in in the default suite: `dpscale train` with its defaults, stopped by
     --max-steps after its first evaluation, plans the whole run at epsilon <= 3 and already learns."""
     out = tmp_path / "demo"
-    assert main(["train", "--quiet", "--max-steps", str(DEMO_STOP), "--set", f"run.out_dir={out}"]) == 0
+    assert (
+        main(["train", "--quiet", "--max-steps", str(DEMO_STOP), "--set", f"run.out_dir={out}"])
+        == 0
+    )
     assert f"stopped at step {DEMO_STOP}/234" in capsys.readouterr().out
     assert not (out / "summary.json").exists()  # stopped, not finished
     state = load_checkpoint(out / "checkpoint.pt")
     plan = state["mechanism"]["plan"]  # the plan of all 234 steps, calibrated before the first
-    assert plan["steps"] == 234 and plan["target_epsilon"] == 3.0 and plan["epsilon"] <= 3.0 and plan["delta"] == 1e-5
+    assert (
+        plan["steps"] == 234
+        and plan["target_epsilon"] == 3.0
+        and plan["epsilon"] <= 3.0
+        and plan["delta"] == 1e-5
+    )
     assert plan["noise_multiplier"] > 0 and plan["simulation"] is None  # private
-    assert plan["sampling"] == "poisson" and plan["accountant"] == "pld" and plan["dataset_size"] == 4000
+    assert (
+        plan["sampling"] == "poisson"
+        and plan["accountant"] == "pld"
+        and plan["dataset_size"] == 4000
+    )
     assert state["step"] == DEMO_STOP and state["config"]["data"]["name"] == "mnist-5k"
     [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == DEMO_STOP and 0 < record["epsilon"] < plan["epsilon"]
@@ -145,7 +164,12 @@ def test_demo_defaults_plan_epsilon_3_and_learn_in_16_steps(tmp_path, capsys):
 
 def test_papernot_preset_matches_paper_appendix_b():
     cfg = load_config("preset:papernot-mnist-tanh")
-    assert (cfg.dp.batch_size, cfg.train.epochs, cfg.optim.name, cfg.optim.lr) == (256, 40, "sgd", 0.15)
+    assert (cfg.dp.batch_size, cfg.train.epochs, cfg.optim.name, cfg.optim.lr) == (
+        256,
+        40,
+        "sgd",
+        0.15,
+    )
     assert (cfg.dp.max_grad_norm, cfg.dp.noise_multiplier) == (1.0, 1.1)
     assert cfg.model.kwargs == {"filters": [16, 16]} and cfg.model.activation == "tanh"
 
@@ -170,9 +194,16 @@ def test_papernot_preset_runs_on_shared_mnist(tmp_path):
     assert code == 0
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["dataset_size"] == 8000 and summary["steps"] == round(2 * 8000 / 256)
-    assert summary["test_accuracy"] > 0.3  # 62 steps at lr 0.15: well above chance (0.1), far from done
+    # 62 steps at lr 0.15: well above chance (0.1), far from done
+    assert summary["test_accuracy"] > 0.3
     assert summary["epsilon"] == pytest.approx(
-        compute_epsilon(sample_rate=256 / 8000, noise_multiplier=1.1, steps=summary["steps"], delta=1e-5, kind="rdp")
+        compute_epsilon(
+            sample_rate=256 / 8000,
+            noise_multiplier=1.1,
+            steps=summary["steps"],
+            delta=1e-5,
+            kind="rdp",
+        )
     )
 
 
@@ -190,7 +221,12 @@ def test_unseeded_runs_draw_secret_noise(tmp_path):
 def test_eval_is_read_only(tmp_path, capsys):
     run_dir = tmp_path / "ro"
     Trainer.create(small_config(run_dir), progress=False).run(max_steps=10)
-    files = lambda: {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}  # noqa: E731
+
+    def files():
+        return {
+            str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()
+        }
+
     before = files()
     assert main(["eval", str(run_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -214,13 +250,27 @@ def test_run_settings_are_validated(override, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_request_without_cuda_is_a_one_line_error(tmp_path, capsys):
-    assert main(["train", "--quiet", "--set", "run.device=cuda", "--set", f"run.out_dir={tmp_path / 'c'}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--quiet",
+                "--set",
+                "run.device=cuda",
+                "--set",
+                f"run.out_dir={tmp_path / 'c'}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "CUDA" in err and "Traceback" not in err
 
 
 def test_weak_delta_is_flagged(tmp_path):
-    summary = Trainer.create(small_config(tmp_path / "d", "dp.delta=0.001", "train.steps=2"), progress=False).run()
+    summary = Trainer.create(
+        small_config(tmp_path / "d", "dp.delta=0.001", "train.steps=2"), progress=False
+    ).run()
     assert any("delta=0.001 >= 1/N" in note for note in summary["guarantee_caveats"])
     assert "guarantee_scope" in summary and "metrics.jsonl" in summary["guarantee_scope"]
 
@@ -244,9 +294,17 @@ class _HostReads(TorchFunctionMode):
 def test_a_logical_step_reads_no_tensor_on_the_host(tmp_path, engine, monkeypatch):
     from dpscale.privacy.clipping import precision
 
-    monkeypatch.setattr(precision, "SKIP_CLEAN_CHUNKS_ON_CPU", False)  # the accelerator's path (no read)
-    trainer = Trainer.create(small_config(tmp_path / engine, f"train.engine={engine}", "augment.multiplicity=2",
-                                          "augment.type=crop-flip"), progress=False)  # fmt: skip
+    # the accelerator's path (no read)
+    monkeypatch.setattr(precision, "SKIP_CLEAN_CHUNKS_ON_CPU", False)
+    trainer = Trainer.create(
+        small_config(
+            tmp_path / engine,
+            f"train.engine={engine}",
+            "augment.multiplicity=2",
+            "augment.type=crop-flip",
+        ),
+        progress=False,
+    )
     trainer.train_step()  # the first step runs the engine's one-off route checks
     with _HostReads() as probe:
         for _ in range(3):  # several chunks each (128 expected examples, chunks of 32)
@@ -260,13 +318,27 @@ def test_one_privacy_status_text_in_train_eval_and_summary(tmp_path, capsys, sig
     from dpscale.cli import main
 
     out = tmp_path / "run"
-    args = ["train", "--quiet", "--set", "train.steps=2", "--set", "dp.epsilon=null", "--set", f"dp.noise_multiplier={sigma}",
-            "--set", f"run.out_dir={out}"]  # fmt: skip
+    args = [
+        "train",
+        "--quiet",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "dp.epsilon=null",
+        "--set",
+        f"dp.noise_multiplier={sigma}",
+        "--set",
+        f"run.out_dir={out}",
+    ]
     if sigma == 0.0:
         args += ["--set", "dp.max_grad_norm=null"]
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
-    expected = "epsilon=inf (NOT PRIVATE)" if sigma == 0.0 else f"epsilon={summary['epsilon']:.3f} delta=1e-05 (pld)"
+    expected = (
+        "epsilon=inf (NOT PRIVATE)"
+        if sigma == 0.0
+        else f"epsilon={summary['epsilon']:.3f} delta=1e-05 (pld)"
+    )
     assert summary["privacy_status"] == expected
     assert expected in capsys.readouterr().out
     assert main(["eval", str(out)]) == 0

@@ -23,11 +23,15 @@ def _without_wall_time(records):
 
 
 def _assert_identical_runs(dir_a: Path, dir_b: Path):
-    ckpt_a, ckpt_b = load_checkpoint(dir_a / "checkpoint.pt"), load_checkpoint(dir_b / "checkpoint.pt")
+    ckpt_a, ckpt_b = (
+        load_checkpoint(dir_a / "checkpoint.pt"),
+        load_checkpoint(dir_b / "checkpoint.pt"),
+    )
     for name, tensor in ckpt_a["model"].items():
         assert torch.equal(tensor, ckpt_b["model"][name]), name
     assert ckpt_a["mechanism"]["accountant"] == ckpt_b["mechanism"]["accountant"]
-    assert ckpt_a["mechanism"]["noise_generator"] == ckpt_b["mechanism"]["noise_generator"]  # DPRandom states: dicts of ints
+    # DPRandom states: dicts of ints
+    assert ckpt_a["mechanism"]["noise_generator"] == ckpt_b["mechanism"]["noise_generator"]
     summary_a = json.loads((dir_a / "summary.json").read_text())
     summary_b = json.loads((dir_b / "summary.json").read_text())
     summary_a.pop("wall_time_s"), summary_b.pop("wall_time_s")
@@ -80,7 +84,9 @@ def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path
     split_dir.rename(moved)
     resumed = Trainer.resume(moved, progress=False)
     accounted = resumed.plan.compositions  # ceil(steps / b): b = 1 but for BandMF
-    assert resumed.step == 11 and resumed.mechanism.accountant.steps == (accounted(11) if mode != "non-private" else 0)
+    assert resumed.step == 11 and resumed.mechanism.accountant.steps == (
+        accounted(11) if mode != "non-private" else 0
+    )
     resumed.run()
     assert resumed.mechanism.accountant.steps == (accounted(24) if mode != "non-private" else 0)
     assert not (tmp_path / "split").exists()
@@ -88,7 +94,9 @@ def test_resume_continues_bit_identically_and_never_counts_a_step_twice(tmp_path
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(tmp_path, monkeypatch, signum, full_run):
+def test_interrupt_checkpoints_a_consistent_state_then_resumes_identically(
+    tmp_path, monkeypatch, signum, full_run
+):
     trainer = Trainer.create(small_config(tmp_path / "cut"), progress=False)
     original = Trainer.train_step
 
@@ -112,11 +120,26 @@ def test_run_outputs_and_epsilon_accounting(full_run):
     summary = json.loads((run_dir / "summary.json").read_text())  # what run() returned, as written
     for name in ("config.yaml", "metrics.jsonl", "checkpoint.pt", "summary.json"):
         assert (run_dir / name).is_file()
-    for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "sampling", "accountant", "wall_time_s"):
+    for key in (
+        "test_accuracy",
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "steps",
+        "sampling",
+        "accountant",
+        "wall_time_s",
+    ):
         assert key in summary
     # The reported epsilon is what an independent recomputation of the same mechanism gives,
     # and never more than the target.
-    independent = compute_epsilon(sample_rate=128 / 4000, noise_multiplier=summary["noise_multiplier"], steps=24, delta=1e-5, kind="pld")
+    independent = compute_epsilon(
+        sample_rate=128 / 4000,
+        noise_multiplier=summary["noise_multiplier"],
+        steps=24,
+        delta=1e-5,
+        kind="pld",
+    )
     assert summary["epsilon"] == pytest.approx(independent, rel=1e-9)
     assert 4 * (1 - 1e-3) <= summary["epsilon"] <= 4.0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -124,7 +147,8 @@ def test_run_outputs_and_epsilon_accounting(full_run):
     assert all(a["epsilon"] < b["epsilon"] for a, b in zip(records, records[1:]))
     for r in records:
         assert {"step", "train_loss", "test_accuracy", "epsilon", "wall_time_s"} <= set(r)
-        assert r["privacy_note"].startswith("run.seed is fixed")  # its only caveat (small_config sets run.seed)
+        # its only caveat (small_config sets run.seed)
+        assert r["privacy_note"].startswith("run.seed is fixed")
     # The resolved config reloads to the same config.
     assert load_config(run_dir / "config.yaml") == small_config(run_dir)
 
@@ -174,13 +198,16 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_a_run_directory_is_claimed_once(tmp_path):
     first = Trainer.create(small_config(tmp_path / "same"), progress=False)
     with pytest.raises(ConfigError, match="in use by another dpscale process"):
-        Trainer.create(small_config(tmp_path / "same"), progress=False)  # before any checkpoint exists
+        # before any checkpoint exists
+        Trainer.create(small_config(tmp_path / "same"), progress=False)
     first.run(max_steps=2)
     assert load_config(tmp_path / "same" / "config.yaml") == small_config(tmp_path / "same")
 
 
 def test_periodic_checkpoints_survive_a_crash(tmp_path, monkeypatch):
-    trainer = Trainer.create(small_config(tmp_path / "crash", "train.checkpoint_every_steps=2"), progress=False)
+    trainer = Trainer.create(
+        small_config(tmp_path / "crash", "train.checkpoint_every_steps=2"), progress=False
+    )
     original = Trainer.train_step
 
     def crash_at_step_6(self):
@@ -209,7 +236,13 @@ def test_resume_refuses_changed_training_data(tmp_path):
 
     data = tmp_path / "d.npz"
     write(data, 0)
-    cfg = small_config(tmp_path / "run", "data.name=npz", f"data.root={data}", "model.name=linear", "dp.batch_size=50")
+    cfg = small_config(
+        tmp_path / "run",
+        "data.name=npz",
+        f"data.root={data}",
+        "model.name=linear",
+        "dp.batch_size=50",
+    )
     Trainer.create(cfg, progress=False).run(max_steps=3)
     write(data, 1)  # same size, different examples
     with pytest.raises(ConfigError, match="differs"):
@@ -223,10 +256,18 @@ def test_checkpoints_by_time_and_at_the_end(tmp_path, monkeypatch):
     Trainer.create(small_config(tmp_path / "default"), progress=False).run()
     assert saves == [24]  # a short run: only the end (evaluations no longer checkpoint)
     saves.clear()
-    trainer = Trainer.create(small_config(tmp_path / "often", "train.checkpoint_every_minutes=1e-9"), progress=False)
+    trainer = Trainer.create(
+        small_config(tmp_path / "often", "train.checkpoint_every_minutes=1e-9"), progress=False
+    )
     trainer.run(max_steps=5)
     assert saves == [1, 2, 3, 4, 5, 5]  # every step, then on stopping early
     saves.clear()
-    Trainer.create(small_config(tmp_path / "steps", "train.checkpoint_every_minutes=null",
-                                "train.checkpoint_every_steps=10"), progress=False).run()  # fmt: skip
+    Trainer.create(
+        small_config(
+            tmp_path / "steps",
+            "train.checkpoint_every_minutes=null",
+            "train.checkpoint_every_steps=10",
+        ),
+        progress=False,
+    ).run()
     assert saves == [10, 20, 24]

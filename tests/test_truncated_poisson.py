@@ -12,10 +12,20 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from dpscale.cli import main
 from dpscale.privacy.accounting import accountant as accounting
-from dpscale.privacy.accounting.accountant import TruncatedPoissonResult, smallest_free_cap, truncated_poisson_epsilon
+from dpscale.privacy.accounting.accountant import (
+    TruncatedPoissonResult,
+    smallest_free_cap,
+    truncated_poisson_epsilon,
+)
 from dpscale.privacy.accounting.segments import data_norm_release
 
-SMALL = {"dataset_size": 1000, "batch_size": 50, "noise_multiplier": 1.0, "steps": 20, "delta": 1e-5}
+SMALL = {
+    "dataset_size": 1000,
+    "batch_size": 50,
+    "noise_multiplier": 1.0,
+    "steps": 20,
+    "delta": 1e-5,
+}
 
 
 def test_the_capped_epsilon_is_dp_accountings_event_built_by_hand():
@@ -25,11 +35,19 @@ def test_the_capped_epsilon_is_dp_accountings_event_built_by_hand():
     by_hand = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     by_hand.compose(dp_accounting.GaussianDpEvent(6.0), 2)  # Data Normalization: two Gaussian sums
     by_hand.compose(dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 0.05, 55, 1.0), 20)
-    assert got.epsilon == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-9)  # summed in another order
-    uncapped = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld",
-                                          releases=(release,))  # fmt: skip
+    # summed in another order
+    assert got.epsilon == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-9)
+    uncapped = accounting.compute_epsilon(
+        sample_rate=0.05,
+        noise_multiplier=1.0,
+        steps=20,
+        delta=1e-5,
+        kind="pld",
+        releases=(release,),
+    )
     assert got.poisson_epsilon == uncapped and got.epsilon > uncapped
-    assert float(got.profile([got.epsilon])[0]) == pytest.approx(1e-5, rel=0.05)  # the odds' profile is this PLD's
+    # the odds' profile is this PLD's
+    assert float(got.profile([got.epsilon])[0]) == pytest.approx(1e-5, rel=0.05)
 
 
 # The issue's golden cap (N = 60000, B = 256, sigma = 1.1, 2000 steps: 0.847 uncapped, 2.08 capped at
@@ -38,8 +56,14 @@ def test_the_capped_epsilon_is_dp_accountings_event_built_by_hand():
 
 @pytest.mark.slow
 def test_a_generous_cap_costs_nothing():
-    got = truncated_poisson_epsilon(dataset_size=60000, batch_size=256, max_batch_size=400, noise_multiplier=1.1,
-                                    steps=2000, delta=1e-5)  # fmt: skip
+    got = truncated_poisson_epsilon(
+        dataset_size=60000,
+        batch_size=256,
+        max_batch_size=400,
+        noise_multiplier=1.1,
+        steps=2000,
+        delta=1e-5,
+    )
     assert got.epsilon == pytest.approx(got.poisson_epsilon, rel=1e-6)
 
 
@@ -55,7 +79,8 @@ def test_the_smallest_free_cap_is_found_exactly(monkeypatch):
     monkeypatch.setattr(accounting, "truncated_poisson_epsilon", fake)
     assert smallest_free_cap(dataset_size=60000, batch_size=256).max_batch_size == 390
     assert len(calls) <= 20
-    assert smallest_free_cap(dataset_size=300, batch_size=256).max_batch_size == 300  # nothing smaller: no cap at all
+    # nothing smaller: no cap at all
+    assert smallest_free_cap(dataset_size=300, batch_size=256).max_batch_size == 300
 
 
 def test_the_search_never_offers_a_cap_below_the_expected_batch(monkeypatch):
@@ -79,21 +104,44 @@ def test_dpscale_account_prices_a_cap_and_refuses_what_it_cannot_account(capsys)
     assert main(args + ["--max-batch-size", "55", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     want = truncated_poisson_epsilon(**SMALL, max_batch_size=55, releases=(data_norm_release(6.0),))
-    assert result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12) and result["poisson_epsilon"] == want.poisson_epsilon
+    assert (
+        result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12)
+        and result["poisson_epsilon"] == want.poisson_epsilon
+    )
     assert result["max_batch_size"] == 55 and result["sampling"] == "poisson, truncated at 55"
     assert set(result["tpr_at_fpr"]) == {"0.001", "0.01", "0.1"}
-    assert main(args + ["--max-batch-size", "55"]) == 0  # the text form (it raised a KeyError on the sampling's name)
+    # the text form (it raised a KeyError on the sampling's name)
+    assert main(args + ["--max-batch-size", "55"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("DP-SGD with capped Poisson sampling q = 50/1000") and "batches capped at 55 (the cap given;" in text
-    assert f"epsilon = {want.epsilon:.4f}" in text and f"uncapped Poisson {want.poisson_epsilon:.4f}" in text
+    assert (
+        text.startswith("DP-SGD with capped Poisson sampling q = 50/1000")
+        and "batches capped at 55 (the cap given;" in text
+    )
+    assert (
+        f"epsilon = {want.epsilon:.4f}" in text
+        and f"uncapped Poisson {want.poisson_epsilon:.4f}" in text
+    )
     # the wall warning says whose epsilon it reads: the uncapped Poisson steps' (releases apart), as eps_TAN's
-    steps_alone = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld")
-    assert f"WARNING: of the uncapped Poisson steps: privacy wall: sigma=1 < 2 makes epsilon={steps_alone:.4g} " in text
-    assert main(args + ["--max-batch-size", "1"]) == 0  # one example a step is cheaper, and says so with its sign
+    steps_alone = accounting.compute_epsilon(
+        sample_rate=0.05, noise_multiplier=1.0, steps=20, delta=1e-5, kind="pld"
+    )
+    assert (
+        f"WARNING: of the uncapped Poisson steps: privacy wall: sigma=1 < 2 makes epsilon={steps_alone:.4g} "
+        in text
+    )
+    # one example a step is cheaper, and says so with its sign
+    assert main(args + ["--max-batch-size", "1"]) == 0
     assert "the cap saves " in capsys.readouterr().out
-    for extra, message in ((["--max-batch-size", "0"], "positive integer"),
-                           (["--max-batch-size", "55", "--target-epsilon", "3", "--steps", "20"], "solving the length")):  # fmt: skip
-        flags = [a for a in args if a not in ("--steps", "20")] if "--target-epsilon" in extra else args
+    for extra, message in (
+        (["--max-batch-size", "0"], "positive integer"),
+        (
+            ["--max-batch-size", "55", "--target-epsilon", "3", "--steps", "20"],
+            "solving the length",
+        ),
+    ):
+        flags = (
+            [a for a in args if a not in ("--steps", "20")] if "--target-epsilon" in extra else args
+        )
         assert main(flags + extra) == 2
         assert message in capsys.readouterr().err
     # --accountant rdp under a cap: PLD, as a run's plan does (issue 62's review: account refused what train switched)
@@ -106,14 +154,24 @@ def test_a_cap_below_n_at_q_one_is_accounted_as_the_truncated_event():
     full-batch Gaussian (7.51 where dp_accounting's truncated event gives 16.0: a review found it)."""
     from dpscale.privacy.accounting.batch_sampling import BatchSampling
 
-    mechanism = {"sample_rate": 1.0, "noise_multiplier": 2.0, "steps": 10, "delta": 1e-5, "kind": "pld"}
+    mechanism = {
+        "sample_rate": 1.0,
+        "noise_multiplier": 2.0,
+        "steps": 10,
+        "delta": 1e-5,
+        "kind": "pld",
+    }
     ours = accounting.compute_epsilon(**mechanism, batches=BatchSampling("truncated", 1000, 500))
     by_hand = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     by_hand.compose(dp_accounting.TruncatedSubsampledGaussianDpEvent(1000, 1.0, 500, 2.0), 10)
     assert ours == pytest.approx(by_hand.get_epsilon(1e-5), rel=1e-9)  # composed in another order
     full_batch = accounting.compute_epsilon(**mechanism)
     assert ours > 2 * full_batch
-    assert accounting.compute_epsilon(**mechanism, batches=BatchSampling("truncated", 1000, 1000)) == full_batch  # never cut
+    # never cut
+    assert (
+        accounting.compute_epsilon(**mechanism, batches=BatchSampling("truncated", 1000, 1000))
+        == full_batch
+    )
 
 
 def test_a_run_with_the_whole_dataset_per_step_and_a_cap_plans_the_truncated_epsilon(tmp_path):
@@ -122,13 +180,28 @@ def test_a_run_with_the_whole_dataset_per_step_and_a_cap_plans_the_truncated_eps
     from dpscale.privacy.accounting.batch_sampling import BatchSampling
     from dpscale.train.loop import Trainer
 
-    sets = ["dp.batch_size=4000", "dp.max_batch_size=2000", "dp.noise_multiplier=2", "dp.epsilon=null", "train.steps=10",
-            "model.name=linear", f"run.out_dir={tmp_path / 'r'}"]  # fmt: skip
+    sets = [
+        "dp.batch_size=4000",
+        "dp.max_batch_size=2000",
+        "dp.noise_multiplier=2",
+        "dp.epsilon=null",
+        "train.steps=10",
+        "model.name=linear",
+        f"run.out_dir={tmp_path / 'r'}",
+    ]
     plan = Trainer.create(load_config(None, sets), progress=False).plan
-    want = accounting.compute_epsilon(sample_rate=1.0, noise_multiplier=2.0, steps=10, delta=plan.delta, kind="pld",
-                                      batches=BatchSampling("truncated", 4000, 2000))  # fmt: skip
+    want = accounting.compute_epsilon(
+        sample_rate=1.0,
+        noise_multiplier=2.0,
+        steps=10,
+        delta=plan.delta,
+        kind="pld",
+        batches=BatchSampling("truncated", 4000, 2000),
+    )
     assert plan.sample_rate == 1.0 and plan.epsilon == want
-    assert plan.epsilon > 2 * accounting.compute_epsilon(sample_rate=1.0, noise_multiplier=2.0, steps=10, delta=plan.delta, kind="pld")
+    assert plan.epsilon > 2 * accounting.compute_epsilon(
+        sample_rate=1.0, noise_multiplier=2.0, steps=10, delta=plan.delta, kind="pld"
+    )
 
 
 def test_a_capped_runs_wall_warning_reads_the_uncapped_poisson_steps(tmp_path):
@@ -136,12 +209,23 @@ def test_a_capped_runs_wall_warning_reads_the_uncapped_poisson_steps(tmp_path):
     from dpscale.config import load_config
     from dpscale.train.loop import Trainer
 
-    sets = ["dp.batch_size=200", "dp.max_batch_size=205", "dp.noise_multiplier=0.8", "dp.epsilon=null", "train.steps=20",
-            "model.name=linear", f"run.out_dir={tmp_path / 'r'}"]  # fmt: skip
+    sets = [
+        "dp.batch_size=200",
+        "dp.max_batch_size=205",
+        "dp.noise_multiplier=0.8",
+        "dp.epsilon=null",
+        "train.steps=20",
+        "model.name=linear",
+        f"run.out_dir={tmp_path / 'r'}",
+    ]
     plan = Trainer.create(load_config(None, sets), progress=False).plan
-    poisson = accounting.compute_epsilon(sample_rate=0.05, noise_multiplier=0.8, steps=20, delta=plan.delta, kind="pld")
+    poisson = accounting.compute_epsilon(
+        sample_rate=0.05, noise_multiplier=0.8, steps=20, delta=plan.delta, kind="pld"
+    )
     assert plan.epsilon > poisson  # the cap costs something here
-    assert plan.wall_warning().startswith(f"of the uncapped Poisson steps: privacy wall: sigma=0.8 < 2 makes epsilon={poisson:.4g} ")
+    assert plan.wall_warning().startswith(
+        f"of the uncapped Poisson steps: privacy wall: sigma=0.8 < 2 makes epsilon={poisson:.4g} "
+    )
 
 
 @pytest.mark.parametrize("cap", ["55", "auto"])
@@ -152,17 +236,43 @@ def test_account_calibrates_under_a_cap_as_a_runs_plan_does(cap, capsys):
     from dpscale.privacy.plan.make_plan import make_dp_plan
     from dpscale.privacy.plan.numbers import PrivacyNumbers
 
-    args = ["account", "--dataset-size", "1000", "--batch-size", "50", "--steps", "20", "--target-epsilon", "3",
-            "--max-batch-size", cap, "--json"]  # fmt: skip
+    args = [
+        "account",
+        "--dataset-size",
+        "1000",
+        "--batch-size",
+        "50",
+        "--steps",
+        "20",
+        "--target-epsilon",
+        "3",
+        "--max-batch-size",
+        cap,
+        "--json",
+    ]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
-    numbers = PrivacyNumbers(batch_size=50, max_grad_norm=1.0, delta=1e-5, target_epsilon=3.0,
-                             max_batch_size=cap if cap == "auto" else int(cap))  # fmt: skip
+    numbers = PrivacyNumbers(
+        batch_size=50,
+        max_grad_norm=1.0,
+        delta=1e-5,
+        target_epsilon=3.0,
+        max_batch_size=cap if cap == "auto" else int(cap),
+    )
     plan = make_dp_plan(numbers, dataset_size=1000, steps=20)
-    assert result["noise_multiplier"] == plan.noise_multiplier and result["max_batch_size"] == plan.max_batch_size
+    assert (
+        result["noise_multiplier"] == plan.noise_multiplier
+        and result["max_batch_size"] == plan.max_batch_size
+    )
     assert result["epsilon"] == pytest.approx(plan.epsilon, rel=1e-9) and result["epsilon"] <= 3.0
-    want = truncated_poisson_epsilon(dataset_size=1000, batch_size=50, noise_multiplier=plan.noise_multiplier, steps=20,
-                                     delta=1e-5, max_batch_size=plan.max_batch_size)  # fmt: skip
+    want = truncated_poisson_epsilon(
+        dataset_size=1000,
+        batch_size=50,
+        noise_multiplier=plan.noise_multiplier,
+        steps=20,
+        delta=1e-5,
+        max_batch_size=plan.max_batch_size,
+    )
     assert result["epsilon"] == pytest.approx(want.epsilon, rel=1e-12)
 
 
@@ -170,7 +280,18 @@ def test_account_calibrates_under_a_cap_as_a_runs_plan_does(cap, capsys):
 def test_account_with_a_cap_of_n_or_more_says_uncapped_as_a_run_does(cap, capsys):
     """A cap of N or more cuts nothing: a run's plan drops it (max_batch_size null, poisson), and
     dpscale account said 'batches capped at 20' (review 2; the epsilons were already equal)."""
-    base = ["account", "--dataset-size", "14", "--batch-size", "3", "--noise", "1", "--steps", "5", "--json"]
+    base = [
+        "account",
+        "--dataset-size",
+        "14",
+        "--batch-size",
+        "3",
+        "--noise",
+        "1",
+        "--steps",
+        "5",
+        "--json",
+    ]
     assert main(base) == 0
     uncapped = json.loads(capsys.readouterr().out)
     assert main([*base, "--max-batch-size", cap]) == 0

@@ -17,6 +17,7 @@ from dpscale.tune.clip_lr import GridValue, choose_clip_norm
 from dpscale.tune.sweep import Sweep, SweepSpec, parse_grid, split_values
 from helpers import TINY_RUN_SETS, set_flags
 
+
 # ------------------------------------------------------------------- grid
 def test_split_values_respects_brackets_and_quotes():
     assert split_values("1,2, 3") == ["1", "2", "3"]
@@ -34,13 +35,26 @@ def test_sweep_rejects_a_bad_point_before_training_anything(tmp_path):
         Sweep(tmp_path / "s", spec, progress=False).prepare()
     assert not (tmp_path / "s").exists()
     with pytest.raises(ConfigError, match="unknown config key"):
-        Sweep(tmp_path / "s", SweepSpec(None, tuple(TINY_RUN_SETS), (("optim.lrr", ("1",)),)), progress=False).prepare()
+        Sweep(
+            tmp_path / "s",
+            SweepSpec(None, tuple(TINY_RUN_SETS), (("optim.lrr", ("1",)),)),
+            progress=False,
+        ).prepare()
 
 
 # ------------------------------------------------------ TAN simulated run
 def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, capsys):
     out = tmp_path / "sim"
-    code = main(["tan", "simulate", "--batch-size", "128", "--quiet", *set_flags(*TINY_RUN_SETS, "run.seed=0", f"run.out_dir={out}")])
+    code = main(
+        [
+            "tan",
+            "simulate",
+            "--batch-size",
+            "128",
+            "--quiet",
+            *set_flags(*TINY_RUN_SETS, "run.seed=0", f"run.out_dir={out}"),
+        ]
+    )
     assert code == 0
     stdout, stderr = capsys.readouterr()
     assert "TAN SIMULATION (no guarantee): stands for epsilon=" in stdout  # the result line
@@ -48,7 +62,9 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
     summary = json.loads((out / "summary.json").read_text())
     sim = summary["simulation"]
     assert summary["batch_size"] == 128 and sim["batch_size"] == 512 and summary["steps"] == 12
-    assert summary["sample_rate"] / summary["noise_multiplier"] == pytest.approx(sim["sample_rate"] / sim["noise_multiplier"], rel=1e-13)
+    assert summary["sample_rate"] / summary["noise_multiplier"] == pytest.approx(
+        sim["sample_rate"] / sim["noise_multiplier"], rel=1e-13
+    )
     assert summary["reference_epsilon"] == pytest.approx(sim["epsilon"], rel=1e-9)
     assert summary["reference_epsilon"] <= 3.0 < summary["epsilon"]  # stands for 3, spends more
     assert summary["private"] is False  # not a private model, whatever sigma it ran at
@@ -57,7 +73,10 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
     assert all("reference_epsilon" in r and "TAN SIMULATION" in r["privacy_note"] for r in records)
     # the accountant saw the steps that ran: q = 128 / N at the simulated sigma, RDP
     state = load_checkpoint(out / "checkpoint.pt")
-    assert state["mechanism"]["accountant"]["kind"] == "rdp" and len(state["mechanism"]["accountant"]["history"]) == 1
+    assert (
+        state["mechanism"]["accountant"]["kind"] == "rdp"
+        and len(state["mechanism"]["accountant"]["history"]) == 1
+    )
     q, sigma, steps, _ = state["mechanism"]["accountant"]["history"][0]
     assert (q, steps) == (summary["sample_rate"], 12) and sigma == summary["noise_multiplier"]
     code = main(["eval", str(out), "--json"])
@@ -66,10 +85,19 @@ def test_simulated_run_reports_the_reference_epsilon_and_no_guarantee(tmp_path, 
 
 
 def test_simulated_run_resumes_bit_identically(tmp_path):
-    sets = [*TINY_RUN_SETS, "run.seed=3", "dp.simulated_batch_size=200", "train.checkpoint_every_steps=1"]
-    whole = Trainer.create(load_config(None, [*sets, f"run.out_dir={tmp_path / 'a'}"]), progress=False)
+    sets = [
+        *TINY_RUN_SETS,
+        "run.seed=3",
+        "dp.simulated_batch_size=200",
+        "train.checkpoint_every_steps=1",
+    ]
+    whole = Trainer.create(
+        load_config(None, [*sets, f"run.out_dir={tmp_path / 'a'}"]), progress=False
+    )
     whole.run()
-    part = Trainer.create(load_config(None, [*sets, f"run.out_dir={tmp_path / 'b'}"]), progress=False)
+    part = Trainer.create(
+        load_config(None, [*sets, f"run.out_dir={tmp_path / 'b'}"]), progress=False
+    )
     assert part.run(max_steps=5) is None
     resumed = Trainer.resume(tmp_path / "b", progress=False)
     summary = resumed.run()
@@ -81,18 +109,31 @@ def test_simulated_run_resumes_bit_identically(tmp_path):
 
 
 def test_simulate_dry_run_prints_both_plans(capsys):
-    assert main(["tan", "simulate", "--batch-size", "64", "--dry-run", *set_flags(*TINY_RUN_SETS)]) == 0
+    assert (
+        main(["tan", "simulate", "--batch-size", "64", "--dry-run", *set_flags(*TINY_RUN_SETS)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "reference run:  B=512" in out and "simulated run:  B=64" in out and "0.125x" in out
-    assert main(["tan", "simulate", "--batch-size", "512", "--dry-run", *set_flags(*TINY_RUN_SETS)]) == 2
+    assert (
+        main(["tan", "simulate", "--batch-size", "512", "--dry-run", *set_flags(*TINY_RUN_SETS)])
+        == 2
+    )
     assert "must be smaller" in capsys.readouterr().err
 
 
 def test_simulation_evaluates_at_the_reference_runs_steps(tmp_path):
     # B_ref = 512 of N = 4000: an evaluation every 0.25 reference epochs is every ~2 steps, at any B
-    sets = [*TINY_RUN_SETS, "train.eval_every_epochs=0.25", f"run.out_dir={tmp_path / 'sim'}", "dp.simulated_batch_size=64"]
+    sets = [
+        *TINY_RUN_SETS,
+        "train.eval_every_epochs=0.25",
+        f"run.out_dir={tmp_path / 'sim'}",
+        "dp.simulated_batch_size=64",
+    ]
     Trainer.create(load_config(None, sets), progress=False).run()
-    steps = [json.loads(x)["step"] for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(x)["step"] for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [2, 4, 6, 8, 10, 12]
 
 
@@ -137,13 +178,19 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
     assert len(records) == 6 and all(r["status"] == "done" for r in records)
     accuracies = [r["summary"]["test_accuracy"] for r in records]
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [float(row.split("|")[4]) for row in rows] == pytest.approx(sorted(accuracies, reverse=True), abs=1e-4)
+    assert [float(row.split("|")[4]) for row in rows] == pytest.approx(
+        sorted(accuracies, reverse=True), abs=1e-4
+    )
 
     # rerunning skips finished points; a point that died mid-way is resumed, a lost one redone
     (Path(records[1]["run_dir"]) / "summary.json").unlink()
     created = []
     original = Trainer.create.__func__
-    monkeypatch.setattr(Trainer, "create", classmethod(lambda cls, *a, **k: created.append(1) or original(cls, *a, **k)))
+    monkeypatch.setattr(
+        Trainer,
+        "create",
+        classmethod(lambda cls, *a, **k: created.append(1) or original(cls, *a, **k)),
+    )
     assert main(args) == 0
     capsys.readouterr()
     assert created == []  # point 1 resumed from its checkpoint, the others skipped
@@ -152,7 +199,10 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
 
     # a reference run at B_ref, then the fit
     ref = tmp_path / "ref"
-    assert main(["train", "--quiet", *set_flags(*TINY_RUN_SETS, "run.seed=0", f"run.out_dir={ref}")]) == 0
+    assert (
+        main(["train", "--quiet", *set_flags(*TINY_RUN_SETS, "run.seed=0", f"run.out_dir={ref}")])
+        == 0
+    )
     capsys.readouterr()
     assert main(["tan", "fit", str(sweep_dir), "--reference", str(ref)]) == 0
     out = capsys.readouterr().out
@@ -160,7 +210,9 @@ def test_sweep_and_tan_fit_end_to_end(tmp_path, capsys, monkeypatch):
     fit = json.loads((sweep_dir / "tan_fit.json").read_text())
     assert fit["reference_batch_size"] == 512 and fit["fit"]["points"] == 6
     assert fit["tuning_caveat"] == TUNING_CAVEAT
-    assert fit["measured_reference"] == pytest.approx(json.loads((ref / "summary.json").read_text())["test_accuracy"])
+    assert fit["measured_reference"] == pytest.approx(
+        json.loads((ref / "summary.json").read_text())["test_accuracy"]
+    )
     assert fit["error"] == pytest.approx(fit["measured_reference"] - fit["prediction"]["value"])
     assert (sweep_dir / "tan_fit.png").stat().st_size > 1000
 
@@ -188,7 +240,9 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
     assert "also varies dp.max_grad_norm" in capsys.readouterr().err
     assert main(["tan", "fit", str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"]) == 0
     # the same sweep twice, or runs of another setting, are refused
-    code = main(["tan", "fit", str(sweep_dir), str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"])
+    code = main(
+        ["tan", "fit", str(sweep_dir), str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1"]
+    )
     assert code == 2 and "counted twice" in capsys.readouterr().err
     lr_sweep = tmp_path / "lr"
     assert (
@@ -208,8 +262,14 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
         == 0
     )
     capsys.readouterr()
-    code = main(["tan", "fit", str(sweep_dir), str(lr_sweep), "--no-plot", "--where", "dp.max_grad_norm=1"])
-    assert code == 2 and "configs differ in more than the batch size and seed: optim.lr (" in capsys.readouterr().err
+    code = main(
+        ["tan", "fit", str(sweep_dir), str(lr_sweep), "--no-plot", "--where", "dp.max_grad_norm=1"]
+    )
+    assert (
+        code == 2
+        and "configs differ in more than the batch size and seed: optim.lr ("
+        in capsys.readouterr().err
+    )
     # how often a run is scored is not part of the setting: a copy scored every epoch pools
     from dpscale.tune.scaling import _check_one_setting
 
@@ -217,23 +277,59 @@ def test_tan_fit_refuses_mixed_eta_step_or_other_varying_keys(tmp_path, capsys):
     scored = tmp_path / "scored"
     shutil.copytree(run, scored)
     config = scored / "config.yaml"
-    config.write_text(config.read_text().replace("  eval_every_epochs:", "  eval_every_epochs: 1.0 #"))
+    config.write_text(
+        config.read_text().replace("  eval_every_epochs:", "  eval_every_epochs: 1.0 #")
+    )
     _check_one_setting([str(run), str(scored)])
     config.write_text(config.read_text().replace("  max_grad_norm:", "  max_grad_norm: 7.0 #"))
-    with pytest.raises(ValueError, match=r"differ in more than the batch size and seed: dp.max_grad_norm \("):
+    with pytest.raises(
+        ValueError, match=r"differ in more than the batch size and seed: dp.max_grad_norm \("
+    ):
         _check_one_setting([str(run), str(scored)])
     # a non-simulated run at another B has another eta_step: refused
     other = tmp_path / "other"
-    assert main(["train", "--quiet", *set_flags(*TINY_RUN_SETS, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--quiet",
+                *set_flags(
+                    *TINY_RUN_SETS, "train.steps=4", "dp.batch_size=256", f"run.out_dir={other}"
+                ),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    code = main(["tan", "fit", str(sweep_dir), "--no-plot", "--where", "dp.max_grad_norm=1", "--reference", str(other)])
+    code = main(
+        [
+            "tan",
+            "fit",
+            str(sweep_dir),
+            "--no-plot",
+            "--where",
+            "dp.max_grad_norm=1",
+            "--reference",
+            str(other),
+        ]
+    )
     assert code == 2 and "do not share one" in capsys.readouterr().err
 
 
 def test_sweep_records_failed_points_and_continues(tmp_path, capsys):
     # dp.batch_size=8000 > N=4000 fails when the trainer sees the data; the other point runs.
     sets = set_flags(*TINY_RUN_SETS, "train.steps=3")
-    code = main(["sweep", "--quiet", "--out", str(tmp_path / "s"), *sets, "--grid", "dp.batch_size=256,8000"])
+    code = main(
+        [
+            "sweep",
+            "--quiet",
+            "--out",
+            str(tmp_path / "s"),
+            *sets,
+            "--grid",
+            "dp.batch_size=256,8000",
+        ]
+    )
     assert code == 1
     records = [json.loads(x) for x in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
     assert [r["status"] for r in records] == ["done", "failed"]
@@ -243,7 +339,12 @@ def test_sweep_records_failed_points_and_continues(tmp_path, capsys):
 
 # ------------------------------------------------------------- clip-lr
 def test_choose_clip_norm_takes_the_smallest_within_tolerance():
-    values = [GridValue(None, 0.90, 1), GridValue(0.1, 0.80, 1), GridValue(0.3, 0.895, 1), GridValue(1.0, 0.91, 1)]
+    values = [
+        GridValue(None, 0.90, 1),
+        GridValue(0.1, 0.80, 1),
+        GridValue(0.3, 0.895, 1),
+        GridValue(1.0, 0.91, 1),
+    ]
     assert choose_clip_norm(values, 0.01) == (0.3, 0.90)
     assert choose_clip_norm(values, 0.2) == (0.1, 0.90)
     with pytest.raises(ValueError, match="no clipping norm"):
@@ -279,14 +380,25 @@ def test_tune_clip_lr_end_to_end(tmp_path, capsys):
     assert [r["point"]["dp.max_grad_norm"] for r in clip] == [None, 0.01, 1.0]
     assert all(not r["summary"]["private"] for r in clip)  # stage 2 is at sigma = 0
     unclipped = clip[0]["summary"]["test_accuracy"]
-    ok = [r["point"]["dp.max_grad_norm"] for r in clip[1:] if unclipped - r["summary"]["test_accuracy"] <= 0.05]
+    ok = [
+        r["point"]["dp.max_grad_norm"]
+        for r in clip[1:]
+        if unclipped - r["summary"]["test_accuracy"] <= 0.05
+    ]
     assert result["chosen_clip_norm"] == min(ok)
     lr = [json.loads(x) for x in (out / "lr" / "sweep.jsonl").read_text().splitlines()]
     assert [r["point"]["optim.lr"] for r in lr] == [1.0, 4.0]  # alpha_pub = 2
-    assert all(r["summary"]["private"] and r["summary"]["max_grad_norm"] == result["chosen_clip_norm"] for r in lr)
+    assert all(
+        r["summary"]["private"] and r["summary"]["max_grad_norm"] == result["chosen_clip_norm"]
+        for r in lr
+    )
     best = max(lr, key=lambda r: r["summary"]["test_accuracy"])
     assert result["chosen_lr"] == best["point"]["optim.lr"]
-    assert result["lr_times_clip"] == pytest.approx(result["chosen_lr"] * result["chosen_clip_norm"])
+    assert result["lr_times_clip"] == pytest.approx(
+        result["chosen_lr"] * result["chosen_clip_norm"]
+    )
     # run.seed is fixed: the private stage's caveat is in the json, the markdown and on screen
     assert SEEDED_CAVEAT in result["guarantee_caveats"]
-    assert SEEDED_CAVEAT in (out / "clip_lr.md").read_text() and f"WARNING: {SEEDED_CAVEAT}" in report
+    assert (
+        SEEDED_CAVEAT in (out / "clip_lr.md").read_text() and f"WARNING: {SEEDED_CAVEAT}" in report
+    )

@@ -29,7 +29,14 @@ def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
     assert main([*args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["steps"] for r in rows] == [100, 200, 400, 800, 1600]
-    assert set(rows[0]) == {"batch_size", "steps", "noise_multiplier", "epsilon", "eps_tan", "lr_scale"}
+    assert set(rows[0]) == {
+        "batch_size",
+        "steps",
+        "noise_multiplier",
+        "epsilon",
+        "eps_tan",
+        "lr_scale",
+    }
     eta = lambda r: r["batch_size"] / 50000 * math.sqrt(r["steps"]) / r["noise_multiplier"]  # noqa: E731
     assert all(eta(r) == pytest.approx(eta(rows[2]), rel=1e-13) for r in rows)
     # ready configs: one per pair the trainer accepts (here: within the config's budget), for the
@@ -51,9 +58,27 @@ def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
     assert main([*args, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     budget = rows[2]["epsilon"] + 1e-9
-    base_sets = ["--set", "dp.accountant=rdp", "--set", f"dp.epsilon={budget}", "--set", "optim.lr=0.5"]
+    base_sets = [
+        "--set",
+        "dp.accountant=rdp",
+        "--set",
+        f"dp.epsilon={budget}",
+        "--set",
+        "optim.lr=0.5",
+    ]
     assert (
-        main([*args, "--config", "preset:papernot-mnist-tanh", "--set", "data.name=mnist-5k", *base_sets, "--out", str(tmp_path / "pairs")])
+        main(
+            [
+                *args,
+                "--config",
+                "preset:papernot-mnist-tanh",
+                "--set",
+                "data.name=mnist-5k",
+                *base_sets,
+                "--out",
+                str(tmp_path / "pairs"),
+            ]
+        )
         == 0
     )
     out = capsys.readouterr().out
@@ -87,7 +112,22 @@ def test_privacy_search_cli_json_and_configs(tmp_path, capsys):
 
 def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
     assert (
-        main(["account", "--dataset-size", "50000", "--batch-size", "500", "--noise", "0.8", "--steps", "1000", "--accountant", "rdp"]) == 0
+        main(
+            [
+                "account",
+                "--dataset-size",
+                "50000",
+                "--batch-size",
+                "500",
+                "--noise",
+                "0.8",
+                "--steps",
+                "1000",
+                "--accountant",
+                "rdp",
+            ]
+        )
+        == 0
     )
     assert "WARNING: privacy wall" in capsys.readouterr().out
     assert (
@@ -111,7 +151,13 @@ def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
     )
     assert json.loads(capsys.readouterr().out)["wall_warning"] is None
     out = tmp_path / "run"
-    sets = set_flags(*TINY_RUN_SETS, "train.steps=3", "dp.epsilon=null", "dp.noise_multiplier=0.7", f"run.out_dir={out}")
+    sets = set_flags(
+        *TINY_RUN_SETS,
+        "train.steps=3",
+        "dp.epsilon=null",
+        "dp.noise_multiplier=0.7",
+        f"run.out_dir={out}",
+    )
     assert main(["train", "--quiet", *sets]) == 0
     assert "WARNING: privacy wall" in capsys.readouterr().err  # once, when the run starts
     assert "privacy wall" in json.loads((out / "summary.json").read_text())["privacy_warnings"][0]
@@ -119,7 +165,23 @@ def test_account_and_train_warn_at_the_privacy_wall(tmp_path, capsys):
 
 def test_wall_and_data_size_cli(tmp_path, capsys):
     png = tmp_path / "wall.png"
-    assert main(["tan", "wall", "--epsilon-tan", "3", "--steps", "1000", "--sigmas", "0.7,4", "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "tan",
+                "wall",
+                "--epsilon-tan",
+                "3",
+                "--steps",
+                "1000",
+                "--sigmas",
+                "0.7,4",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "<- wall" in out and png.stat().st_size > 1000
     assert (
@@ -150,13 +212,50 @@ def test_wall_and_data_size_cli(tmp_path, capsys):
     assert rows[1]["dataset_size"] == 50000 and rows[1]["epsilon"] == pytest.approx(7.1, abs=0.05)
 
 
-def test_privacy_search_writes_configs_for_fixed_size_batches_at_whole_batch_sizes(tmp_path, capsys):
+def test_privacy_search_writes_configs_for_fixed_size_batches_at_whole_batch_sizes(
+    tmp_path, capsys
+):
     """A fixed-size run's pairs at B = 400, 200, 100: configs with integer batch sizes (the search's
     float B was refused as 'needs an integer dp.batch_size, got 200.0')."""
-    args = ["tan", "privacy-search", "--dataset-size", "4000", "--batch-size", "200", "--noise", "3", "--steps", "400",
-            "--steps-factors", "0.25,1,4", "--accountant", "rdp"]  # fmt: skip
-    sets = ["--set", "data.name=mnist-5k", "--set", "dp.sampling=fixed", "--set", "dp.accountant=rdp", "--set", "dp.epsilon=1000"]
-    assert main([*args, "--config", "preset:papernot-mnist-tanh", *sets, "--out", str(tmp_path / "pairs")]) == 0
+    args = [
+        "tan",
+        "privacy-search",
+        "--dataset-size",
+        "4000",
+        "--batch-size",
+        "200",
+        "--noise",
+        "3",
+        "--steps",
+        "400",
+        "--steps-factors",
+        "0.25,1,4",
+        "--accountant",
+        "rdp",
+    ]
+    sets = [
+        "--set",
+        "data.name=mnist-5k",
+        "--set",
+        "dp.sampling=fixed",
+        "--set",
+        "dp.accountant=rdp",
+        "--set",
+        "dp.epsilon=1000",
+    ]
+    assert (
+        main(
+            [
+                *args,
+                "--config",
+                "preset:papernot-mnist-tanh",
+                *sets,
+                "--out",
+                str(tmp_path / "pairs"),
+            ]
+        )
+        == 0
+    )
     assert "no config written" not in capsys.readouterr().out
     configs = [load_config(path) for path in sorted((tmp_path / "pairs").glob("*.yaml"))]
     assert sorted(c.dp.batch_size for c in configs) == [100, 200, 400]

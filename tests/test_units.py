@@ -21,7 +21,11 @@ def test_examples_are_grouped_by_user_and_a_missing_id_is_refused():
     assert users.ids.tolist() == ["a", "b", "c"] and users.sizes.tolist() == [2, 3, 1]
     groups = [users.examples[users.offsets[u] : users.offsets[u + 1]].tolist() for u in range(3)]
     assert groups == [[1, 4], [0, 2, 5], [3]]
-    for bad, where in (([1.0, float("nan")], "example 1 has no user id"), (["a", None], "example 1"), (["a", ""], "empty")):
+    for bad, where in (
+        ([1.0, float("nan")], "example 1 has no user id"),
+        (["a", None], "example 1"),
+        (["a", ""], "empty"),
+    ):
         with pytest.raises(ValueError, match=where):
             UserIndex.from_ids(np.array(bad, dtype=object if None in bad else None))
 
@@ -64,7 +68,8 @@ def test_a_drawn_user_contributes_min_size_k_of_its_own_examples_chosen_uniforml
         assert units[1] == [10, 11, 12] and units[2] == [13]
         picked[units[0]] += 1
     sd = math.sqrt(4000 * 0.3 * 0.7)
-    assert np.abs(picked - 4000 * 0.3).max() < 5 * sd  # each of the 10 examples in 3/10 of the draws
+    # each of the 10 examples in 3/10 of the draws
+    assert np.abs(picked - 4000 * 0.3).max() < 5 * sd
 
 
 def test_the_sampler_resumes_where_it_stood():
@@ -121,7 +126,9 @@ def test_the_reference_clips_each_users_summed_gradient_as_one_vector():
 
 def _conv_net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    ).double()
 
 
 def _user_batch(sizes: list[int], scale: float = 1.0):
@@ -153,8 +160,14 @@ class _UnitNorm(nn.Module):
 
 def _grouped_net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(_UnitNorm(), nn.Conv2d(1, 3, 3), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(3 * 4 * 4, 3)).double()  # fmt: skip
+    return nn.Sequential(
+        _UnitNorm(),
+        nn.Conv2d(1, 3, 3),
+        nn.GroupNorm(1, 3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, 3),
+    ).double()
 
 
 @pytest.mark.parametrize("name", ["vmap", "bk", "ghost"])
@@ -169,8 +182,11 @@ def test_every_engine_clips_users_padded_to_k_rows_as_the_float64_per_user_loop(
     x, y, offsets = _user_batch([3, 1, 4, 2], scale=3.0)
     want = per_example_reference(model, (x, y), clip, unit_offsets=offsets)
     engine, _ = make_engine(name, clip, model, views=4, loss_fn=user_sum_loss(4))
-    got, norms = engine.per_example_clipped_sum(model, trainable_params(model), padded_units((x, y, offsets), 4))
-    assert bool(torch.isfinite(norms).all())  # padding copies the user's own first example, never zeros
+    got, norms = engine.per_example_clipped_sum(
+        model, trainable_params(model), padded_units((x, y, offsets), 4)
+    )
+    # padding copies the user's own first example, never zeros
+    assert bool(torch.isfinite(norms).all())
     torch.testing.assert_close(norms, want.norms, rtol=1e-9, atol=0)
     for param, ref in want.clipped_sum.items():
         torch.testing.assert_close(got[param], ref, rtol=1e-9, atol=1e-12)
@@ -189,12 +205,17 @@ def test_leave_one_user_out_moves_a_padded_release_by_at_most_c(name):
     engine, _ = make_engine(name, clip, model, views=4, loss_fn=user_sum_loss(4))
     params = trainable_params(model)
     full = engine.per_example_clipped_sum(model, params, padded_units((x, y, offsets), 4))[0]
-    rest = engine.per_example_clipped_sum(model, params, padded_units((x[4:], y[4:], offsets[1:] - 4), 4))[0]
+    rest = engine.per_example_clipped_sum(
+        model, params, padded_units((x[4:], y[4:], offsets[1:] - 4), 4)
+    )[0]
     assert math.sqrt(sum(float((full[k] - rest[k]).square().sum()) for k in full)) <= clip
     per_image, _ = make_engine(name, clip, model)
     images = per_image.per_example_clipped_sum(model, params, (x, y))[0]
     rest_images = per_image.per_example_clipped_sum(model, params, (x[4:], y[4:]))[0]
-    assert math.sqrt(sum(float((images[k] - rest_images[k]).square().sum()) for k in full)) > 3.9 * clip
+    assert (
+        math.sqrt(sum(float((images[k] - rest_images[k]).square().sum()) for k in full))
+        > 3.9 * clip
+    )
     with pytest.raises(ValueError, match="every user needs 1 to 3 examples"):
         padded_units((x, y, offsets), 3)
 
@@ -209,7 +230,8 @@ def test_a_held_out_split_by_users_never_puts_one_user_on_both_sides():
     assert not set(ids[train]) & set(ids[test])  # no user on both sides
     assert np.array_equal(np.sort(np.concatenate([train, test])), np.arange(len(ids)))
     assert abs(len(np.unique(ids[test])) - 50) < 20  # about a sixth of the users (binomial sd 6.5)
-    again, _ = hashed_holdout(ids[::-1], 1 / 6, "ids")  # each user decides alone: order does not matter
+    # each user decides alone: order does not matter
+    again, _ = hashed_holdout(ids[::-1], 1 / 6, "ids")
     assert np.array_equal(np.unique(ids[train]), np.unique(ids[::-1][again]))
     with pytest.raises(ValueError, match="fraction"):
         hashed_holdout(ids, 1.0, "ids")

@@ -22,9 +22,18 @@ def make_private_with(ids) -> dpscale.DPMechanism:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     return dpscale.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=len(ids), batch_size=1, max_grad_norm=1.0,
-        noise_multiplier=1.0, delta=1e-5, steps=2, seed=0, user_ids=ids, max_examples_per_user=2,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dataset_size=len(ids),
+        batch_size=1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        steps=2,
+        seed=0,
+        user_ids=ids,
+        max_examples_per_user=2,
+    )
 
 
 def refused(ids, *words: str) -> str:
@@ -45,11 +54,15 @@ def test_an_int_and_a_string_id_are_refused_not_merged():
 def test_python_integers_above_2_to_53_stay_apart_and_floats_are_refused():
     big = [2**53, 2**53 + 1]
     assert UserIndex.from_ids(big).num_users == 2 and make_private_with(big).plan.dataset_size == 2
-    refused([float(i) for i in big], "example 0 is the float 9007199254740992.0", "integers or strings")
+    refused(
+        [float(i) for i in big], "example 0 is the float 9007199254740992.0", "integers or strings"
+    )
     refused(np.array(big, dtype=np.float64), "float64", "integers or strings")
     refused(torch.tensor([1.0, 2.0]), "float32")
     assert UserIndex.from_ids([2**63, 2**64 - 1]).num_users == 2  # uint64 keeps them
-    with pytest.raises(ValueError, match="example 1's id 18446744073709551616 does not fit 64 bits"):
+    with pytest.raises(
+        ValueError, match="example 1's id 18446744073709551616 does not fit 64 bits"
+    ):
         UserIndex.from_ids([-1, 2**64])
 
 
@@ -62,8 +75,12 @@ def test_a_trailing_nul_and_bools_are_refused():
 
 
 def test_missing_ids_keep_their_sentences():
-    for bad, words in (([1.0, float("nan")], "example 1 has no user id (NaN)"), (["a", None], "example 1 has no user id (None)"),
-                       (["a", ""], "example 1 has an empty user id"), ([None, 1], "example 0 has no user id (None)")):  # fmt: skip
+    for bad, words in (
+        ([1.0, float("nan")], "example 1 has no user id (NaN)"),
+        (["a", None], "example 1 has no user id (None)"),
+        (["a", ""], "example 1 has an empty user id"),
+        ([None, 1], "example 0 has no user id (None)"),
+    ):
         with pytest.raises(ValueError, match=words.replace("(", "\\(").replace(")", "\\)")):
             UserIndex.from_ids(bad)
 
@@ -98,10 +115,12 @@ def test_an_idx_loader_reads_a_padded_side_file_as_one_person_per_id(tmp_path):
     g = np.random.default_rng(1)
     _idx(tmp_path / "train-images-idx3-ubyte.gz", g.integers(0, 256, (60, 8, 8)), "images")
     _idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(60) % 10, "labels")
-    lines = [f"{i // 3}" + (" " if i % 3 == 1 else "") for i in range(60)]  # each person's second image padded
+    # each person's second image padded
+    lines = [f"{i // 3}" + (" " if i % 3 == 1 else "") for i in range(60)]
     (tmp_path / "train-user-ids.txt").write_text("\n".join(lines) + "\n")
     data = load_idx(tmp_path, "mnist")
-    assert UserIndex.from_ids(data.user_ids).num_users * 3 == len(data.user_ids)  # 20 people of 3, none split in two
+    # 20 people of 3, none split in two
+    assert UserIndex.from_ids(data.user_ids).num_users * 3 == len(data.user_ids)
 
 
 def test_ids_with_whitespace_around_them_are_refused_where_a_users_csv_would_strip_them():

@@ -43,17 +43,25 @@ def tiny_nf_resnet(num_classes: int = 10) -> nn.Module:
     from dpscale.models.nfnet import NFBottleneck
     from dpscale.models.resnet import ResidualNetwork
 
-    blocks = nn.Sequential(NFBottleneck(16, 4, 1, 0.2, 1.0, "relu"), NFBottleneck(16, 8, 2, 0.2, 1.0, "relu"))
+    blocks = nn.Sequential(
+        NFBottleneck(16, 4, 1, 0.2, 1.0, "relu"), NFBottleneck(16, 8, 2, 0.2, 1.0, "relu")
+    )
     with torch.no_grad():
         for block in blocks:
             block.skip_gain.gain.fill_(0.5)
-    return ResidualNetwork(nn.Sequential(ScaledStdConv2d(3, 16, 3, padding=1)), [blocks], nn.ReLU(), 32, num_classes)
+    return ResidualNetwork(
+        nn.Sequential(ScaledStdConv2d(3, 16, 3, padding=1)), [blocks], nn.ReLU(), 32, num_classes
+    )
 
 
 def tiny_normalised_simplevgg(num_classes: int = 10) -> nn.Module:
     """simpleVGG with its options on: weight-standardised convs, each followed by GroupNorm, and a
     weight-standardised hidden fc layer."""
-    options = {"norm_groups": 4, "weight_standardization": True, "head_weight_standardization": True}
+    options = {
+        "norm_groups": 4,
+        "weight_standardization": True,
+        "head_weight_standardization": True,
+    }
     return build_model("simplevgg-8(1)-8(1)-16", num_classes, (1, 12, 12), **options)
 
 
@@ -67,7 +75,9 @@ TEST_MODELS = {
 
 def zoo_cases() -> list:
     """Every registered model (the heavy ones marked slow) and the small stand-ins."""
-    registered = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY_MODELS else n for n in list_models()]
+    registered = [
+        pytest.param(n, marks=pytest.mark.slow) if n in HEAVY_MODELS else n for n in list_models()
+    ]
     return registered + sorted(TEST_MODELS)
 
 
@@ -87,7 +97,9 @@ def engines_besides_auto(model: nn.Module, max_grad_norm: float, **options) -> l
     names = supported_engines(model)
     if "auto" in names:
         auto, _ = make_engine("auto", max_grad_norm, model, **options)
-        twin, _ = make_engine("vmap" if unsupported_modules(model) else "bk", max_grad_norm, model, **options)
+        twin, _ = make_engine(
+            "vmap" if unsupported_modules(model) else "bk", max_grad_norm, model, **options
+        )
         assert type(auto) is type(twin) and vars(auto) == vars(twin), (vars(auto), vars(twin))
     return [name for name in names if name != "auto"]
 
@@ -96,15 +108,23 @@ def assert_matches_float64(grad_sum, norms, reference, what):
     """A float32 engine's clipped sum and norms against the float64 loop: norms relative to
     themselves (no cancellation), sums relative to their tensor's per-example scale (its largest
     absolute entry over the examples' clipped gradients)."""
-    expected, expected_norms, scale = reference.clipped_sum, reference.norms, reference.clipped_max_abs
-    torch.testing.assert_close(norms.double(), expected_norms, rtol=FLOAT32_RTOL, atol=0.0, msg=f"{what} norms")
+    expected, expected_norms, scale = (
+        reference.clipped_sum,
+        reference.norms,
+        reference.clipped_max_abs,
+    )
+    torch.testing.assert_close(
+        norms.double(), expected_norms, rtol=FLOAT32_RTOL, atol=0.0, msg=f"{what} norms"
+    )
     # ghost takes every weight's norm from Gram matrices, whose release adds its slack to the
     # bound (gamma_{T K + 1} W, docs/precision.md): it clips up to 5e-3 lower than the loop on
     # wrn16-4 with 3 views of 32x32 images (T K = 3072), so it is judged at 1.5e-2
     rtol = FLOAT32_RTOL * (15 if what.startswith("ghost") else 1)
     for p, ref in expected.items():
         error = (grad_sum[p].double() - ref).abs().max().item()
-        assert error <= rtol * scale[p].item(), f"{what} {p}: error {error:.2e}, scale {scale[p].item():.2e}"
+        assert error <= rtol * scale[p].item(), (
+            f"{what} {p}: error {error:.2e}, scale {scale[p].item():.2e}"
+        )
 
 
 def naive_clipped_sum(model, x, y, clip):

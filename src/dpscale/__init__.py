@@ -18,7 +18,12 @@ def __getattr__(name: str):
     if name in __all__:
         from importlib import import_module
 
-        return getattr(import_module("dpscale.train." + ("private" if name == "make_private" else "mechanism")), name)
+        return getattr(
+            import_module(
+                "dpscale.train." + ("private" if name == "make_private" else "mechanism")
+            ),
+            name,
+        )
     raise AttributeError(f"module 'dpscale' has no attribute {name!r}")
 
 

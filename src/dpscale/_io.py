@@ -32,7 +32,9 @@ PRIVATE_DIR_MODE = 0o700
 # (torch.load and zip readers ignore bytes after the archive, so the file stays a plain torch file).
 CHECKSUM_MARK = b"\nDPSCALE-SHA256:"
 CHECKSUM_TRAILER_BYTES = len(CHECKSUM_MARK) + 64 + 1
-CHECKSUMMED_KEY = "sha256_trailer"  # in the payload: a file that has it but no intact trailer is damaged
+CHECKSUMMED_KEY = (
+    "sha256_trailer"  # in the payload: a file that has it but no intact trailer is damaged
+)
 # The dpscale version that wrote a file (torch files, summary.json): a reader of an older version
 # can name the release that reads a newer format.
 VERSION_KEY = "dpscale_version"
@@ -52,7 +54,11 @@ def cache_path(name: str) -> Path:
     ``$XDG_CACHE_HOME/dpscale/name`` (``~/.cache`` if unset)."""
     if os.environ.get("DPSCALE_CACHE_DIR"):
         return Path(os.environ["DPSCALE_CACHE_DIR"]).expanduser() / name
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dpscale" / name
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+        / "dpscale"
+        / name
+    )
 
 
 def make_private_dir(path: Path) -> bool:
@@ -133,7 +139,9 @@ def append_private_text(path: Path, text: str) -> None:
         f.flush()
 
 
-def save_torch_file(path: Path, state: dict[str, Any], file_format: int, keep_previous: str | None = None) -> None:
+def save_torch_file(
+    path: Path, state: dict[str, Any], file_format: int, keep_previous: str | None = None
+) -> None:
     """Serialise ``state`` (tensors, dicts, numbers) with ``torch.save``, tagged with
     ``file_format`` and this dpscale's version, checksummed (a SHA-256 trailer), and write it atomically.
 
@@ -144,7 +152,9 @@ def save_torch_file(path: Path, state: dict[str, Any], file_format: int, keep_pr
     path = Path(path)
     buffer = io.BytesIO()
     # The version last: a state loaded from an older file and saved again is this version's file.
-    torch.save({"format": file_format, CHECKSUMMED_KEY: True, **state, VERSION_KEY: __version__}, buffer)
+    torch.save(
+        {"format": file_format, CHECKSUMMED_KEY: True, **state, VERSION_KEY: __version__}, buffer
+    )
     # getbuffer(), not getvalue(): no second in-memory copy of what may be gigabytes.
     digest = hashlib.sha256(buffer.getbuffer()).hexdigest().encode()
     buffer.write(CHECKSUM_MARK + digest + b"\n")
@@ -172,7 +182,9 @@ def _keep_as(path: Path, previous: Path) -> None:
         raise
 
 
-def load_torch_file(path: Path, file_format: int, what: str, older: tuple[int, ...] = ()) -> dict[str, Any]:
+def load_torch_file(
+    path: Path, file_format: int, what: str, older: tuple[int, ...] = ()
+) -> dict[str, Any]:
     """Load a file written by ``save_torch_file`` with ``file_format`` (or one of the ``older``
     formats, for the caller to migrate), checking its checksum.
 
@@ -194,7 +206,9 @@ def load_torch_file(path: Path, file_format: int, what: str, older: tuple[int, .
             # weights_only: a file from elsewhere must not be able to run code on load.
             state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises several types for corrupt files
-            raise DamagedFileError(f"{what} {path} is unreadable ({type(err).__name__}: {err})") from err
+            raise DamagedFileError(
+                f"{what} {path} is unreadable ({type(err).__name__}: {err})"
+            ) from err
     if not isinstance(state, dict) or state.get("format") not in (file_format, *older):
         raise ForeignFileError(_unreadable_format(path, what, state, file_format))
     if state.pop(CHECKSUMMED_KEY, False) and checked is None:  # written with a trailer that is gone
@@ -218,9 +232,13 @@ def _unreadable_format(path: Path, what: str, state: Any, file_format: int) -> s
     found = state.get("format") if isinstance(state, dict) else None
     if isinstance(found, int) and not isinstance(found, bool) and found > file_format:
         version = state.get(VERSION_KEY)
-        writer = f"version {version}, format {found}" if isinstance(version, str) else f"format {found}"
-        return (f"{path}: {what} written by a newer dpscale ({writer}); this is dpscale {__version__} "
-                f"reading {what} format {file_format} or older: upgrade dpscale")  # fmt: skip
+        writer = (
+            f"version {version}, format {found}" if isinstance(version, str) else f"format {found}"
+        )
+        return (
+            f"{path}: {what} written by a newer dpscale ({writer}); this is dpscale {__version__} "
+            f"reading {what} format {file_format} or older: upgrade dpscale"
+        )
     return f"{path} is not a dpscale {what} (format {file_format})"
 
 

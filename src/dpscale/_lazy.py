@@ -23,7 +23,9 @@ def lazy_getattr(package: str, module_of: dict[str, str]) -> Callable[[str], Any
     return __getattr__
 
 
-def lazy_dir(module_of: dict[str, str], submodules: tuple[str, ...] = ()) -> Callable[[], list[str]]:
+def lazy_dir(
+    module_of: dict[str, str], submodules: tuple[str, ...] = ()
+) -> Callable[[], list[str]]:
     """A package's ``__dir__``: its exported names (imported or not) and its sub-packages.
 
     Args:

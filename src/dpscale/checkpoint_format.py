@@ -44,13 +44,18 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     if file_format == CHECKPOINT_FORMAT:
         return state
     if file_format not in MIGRATED_FORMATS:
-        raise ConfigError(f"checkpoint format {file_format} is not one this dpscale reads ({CHECKPOINT_FORMAT} or older)")
+        raise ConfigError(
+            f"checkpoint format {file_format} is not one this dpscale reads ({CHECKPOINT_FORMAT} or older)"
+        )
     old = dict(state)
     streams = old.pop("rank_streams", None)
     if streams is None:  # written before distributed training: one process
-        streams = [{"sampler": old.pop("sampler"), "augment_generator": old.pop("augment_generator", None)}]
+        streams = [
+            {"sampler": old.pop("sampler"), "augment_generator": old.pop("augment_generator", None)}
+        ]
     generators = [old.get("noise_generator"), *(s["sampler"].get("generator") for s in streams)]
-    fresh = any(isinstance(g, torch.Tensor) for g in generators)  # 32-bit-seeded torch states: not continued
+    # 32-bit-seeded torch states: not continued
+    fresh = any(isinstance(g, torch.Tensor) for g in generators)
     mechanism = {
         "plan": old.pop("plan"),
         "steps_taken": int(old["step"]),

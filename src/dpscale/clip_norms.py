@@ -80,7 +80,9 @@ def describe_clip(max_grad_norm: MaxGradNorm) -> str:
     sensitivity = f"sensitivity {clip_sensitivity(max_grad_norm):.6g}"
     bounds = {p: float(c) for p, c in max_grad_norm.items()}
     if not is_per_tensor(max_grad_norm):
-        return f"C per layer {{{', '.join(f'{p}: {c:g}' for p, c in bounds.items())}}} ({sensitivity})"
+        return (
+            f"C per layer {{{', '.join(f'{p}: {c:g}' for p, c in bounds.items())}}} ({sensitivity})"
+        )
     if len(bounds) <= _LISTED_TENSORS:
         listed = ", ".join(f"{p}: {c:g}" for p, c in bounds.items())
         return f"C per tensor {{{listed}}} ({len(bounds)} tensors, {sensitivity})"
@@ -106,12 +108,19 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
             return
         raise ConfigError(
             "per-layer max_grad_norm maps parameter-name patterns to positive norms, e.g. "
-            f"{{'conv*': 0.5, '*': 1.0}}; got {dict(max_grad_norm)!r}" + (f" (bad entries {bad!r})" if bad else "")
+            f"{{'conv*': 0.5, '*': 1.0}}; got {dict(max_grad_norm)!r}"
+            + (f" (bad entries {bad!r})" if bad else "")
         )
     if not _positive(max_grad_norm):
         listed = isinstance(max_grad_norm, (list, tuple))
-        hint = (" (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C with "
-                "max_grad_norm_per='tensor', docs/clipping.md)") if listed else ""  # fmt: skip
+        hint = (
+            (
+                " (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C with "
+                "max_grad_norm_per='tensor', docs/clipping.md)"
+            )
+            if listed
+            else ""
+        )
         raise ConfigError(
             f"max_grad_norm must be one positive number C, the L2 bound on each example's whole gradient, or a "
             f"mapping from parameter-name patterns to per-layer bounds, got {max_grad_norm!r}{hint}; "
@@ -133,11 +142,18 @@ def check_max_grad_norm_per(per: Any, max_grad_norm: Any) -> None:
             f"gradient) or 'tensor' (each tensor clipped on its own, Opacus' clipping='per_layer'), got {per!r}"
         )
     if per == "tensor" and max_grad_norm is None:
-        raise ValueError("max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm (C or a mapping)")
+        raise ValueError(
+            "max_grad_norm_per='tensor' clips each tensor to its norm: give max_grad_norm (C or a mapping)"
+        )
 
 
 def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 # Automatic clipping scales a gradient g by C / (||g|| + gamma), up to C / gamma for a tiny one, so
@@ -157,8 +173,11 @@ def check_clip_gamma(gamma: float | None) -> None:
     Raises:
         ValueError: one line.
     """
-    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))
-                              or not MIN_CLIP_GAMMA <= gamma < math.inf):  # fmt: skip
+    if gamma is not None and (
+        isinstance(gamma, bool)
+        or not isinstance(gamma, (int, float))
+        or not MIN_CLIP_GAMMA <= gamma < math.inf
+    ):
         raise ValueError(
             f"automatic clipping's gamma must be a positive number of at least {MIN_CLIP_GAMMA:g} (below it "
             f"float32 cannot measure a tiny gradient's norm to within gamma, docs/clipping.md), got {gamma!r}"

@@ -48,15 +48,21 @@ from pathlib import Path
 MEMORY_ENV = "DPSCALE_CPU_MEMORY"
 MEMORY_CHOICES = ("keep", "release")
 STREAMED = f"malloc left as it is for a streamed run (its chunks would fragment a kept heap; {MEMORY_ENV}=keep keeps freed memory)"
-THRESHOLD_BYTES = 1 << 30  # blocks up to 1 GiB come from (and return to) the heap; larger ones are mmap'ed
+# blocks up to 1 GiB come from (and return to) the heap; larger ones are mmap'ed
+THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 
-KEPT_GROWTH_BYTES = 256 << 20  # resident bytes a kept heap may gain over its post-trim level before a trim
+# resident bytes a kept heap may gain over its post-trim level before a trim
+KEPT_GROWTH_BYTES = 256 << 20
 
 KEPT = "freed CPU memory kept for reuse"
 _status: str | None = None  # what this process's first call did (mallopt's effect is process-wide)
-_libc: ctypes.CDLL | None = None  # set once the thresholds are raised: its malloc_trim bounds the kept heap
-_floor: int | None = None  # resident bytes after the first step since the last trim (None: not measured yet)
+_libc: ctypes.CDLL | None = (
+    None  # set once the thresholds are raised: its malloc_trim bounds the kept heap
+)
+_floor: int | None = (
+    None  # resident bytes after the first step since the last trim (None: not measured yet)
+)
 
 
 def keep_freed_memory(streamed: bool = False) -> str:
@@ -97,8 +103,10 @@ def _set_thresholds() -> str:
         return "malloc left as it is (glibc refused the thresholds)"
     _libc = libc
     gib = THRESHOLD_BYTES / 2**30
-    return (f"{KEPT}: glibc's mmap and trim thresholds at {gib:g} GiB, so a step's fresh "
-            f"tensors cost no page faults ({MEMORY_ENV}=release to leave malloc as it is)")  # fmt: skip
+    return (
+        f"{KEPT}: glibc's mmap and trim thresholds at {gib:g} GiB, so a step's fresh "
+        f"tensors cost no page faults ({MEMORY_ENV}=release to leave malloc as it is)"
+    )
 
 
 def memory_mode() -> str:
@@ -128,8 +136,13 @@ def bound_kept_memory() -> bool:
     if _libc is None:
         return False
     try:
-        resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # bytes
-    except (OSError, ValueError, IndexError):  # glibc without /proc mounted (a chroot, a sandbox): no bound to read
+        # bytes
+        resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (
+        OSError,
+        ValueError,
+        IndexError,
+    ):  # glibc without /proc mounted (a chroot, a sandbox): no bound to read
         return False
     if _floor is None:
         _floor = resident

@@ -28,7 +28,9 @@ import dpscale
 from dpscale._io import atomic_write_text, make_private_dir
 from dpscale.errors import ConfigError
 from dpscale.choices import EXPORT_FORMATS
-from dpscale.export_card import model_card, partial_note as partial_note  # partial_note: cli/outputs.py's import
+
+# partial_note: cli/outputs.py's import
+from dpscale.export_card import model_card, partial_note as partial_note
 from dpscale.export_formats import WRITERS
 from dpscale.exported import SUFFIXES, ImagesInUnitRange, ScatterNetFeatures
 from dpscale.models.peft import merge_lora
@@ -69,7 +71,13 @@ def card_path(path: str | Path) -> Path:
     return path.with_name(path.name + CARD_SUFFIX)
 
 
-def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema: bool = False, allow_partial: bool = False) -> Exported:
+def export_run(
+    run_dir: str | Path,
+    fmt: str,
+    out: str | Path | None = None,
+    ema: bool = False,
+    allow_partial: bool = False,
+) -> Exported:
     """Write the model of the run in ``run_dir`` as ``fmt`` (safetensors, torchscript, onnx), and its card.
 
     Args:
@@ -92,16 +100,24 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, ema
 
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
-    holder = check_exportable(Path(run_dir), allow_partial)  # before the data is loaded: a refusal is quick
+    # before the data is loaded: a refusal is quick
+    holder = check_exportable(Path(run_dir), allow_partial)
     trainer = Trainer.load(run_dir, progress=False)
     model = _exportable_model(trainer, ema)
-    metadata = _metadata(trainer, model, fmt, ema, training=holder is not None)  # evaluated on the run's device
+    # evaluated on the run's device
+    metadata = _metadata(trainer, model, fmt, ema, training=holder is not None)
     features = _feature_stage(trainer, metadata)
     metadata = _without_local_paths(metadata, _local_paths(trainer))
     model = model.float().cpu()
-    path = Path(out) if out is not None else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
+    path = (
+        Path(out)
+        if out is not None
+        else Path(run_dir) / EXPORT_FOLDER / f"model{'-ema' if ema else ''}{SUFFIXES[fmt]}"
+    )
     make_private_dir(path.parent)  # owner-only, like every output
-    wrapped = ImagesInUnitRange(model if features is None else nn.Sequential(features, model), trainer.config.data.normalize)
+    wrapped = ImagesInUnitRange(
+        model if features is None else nn.Sequential(features, model), trainer.config.data.normalize
+    )
     WRITERS[fmt](wrapped.eval(), metadata, path)
     card = card_path(path)
     atomic_write_text(card, model_card(metadata, path))
@@ -129,19 +145,23 @@ def check_exportable(run_dir: Path, allow_partial: bool) -> str | None:
     if not holds_checkpoint(run_dir):
         raise ConfigError(
             f"{training} and has no checkpoint yet: nothing to export; wait for its first checkpoint"
-            if training else
-            f"{run_dir} holds a run that stopped before its first checkpoint: nothing to export; continue it "
+            if training
+            else f"{run_dir} holds a run that stopped before its first checkpoint: nothing to export; continue it "
             f"with `dpscale train --resume {run_dir}`"
-        )  # fmt: skip
+        )
     if allow_partial:
         return holder
     step, planned = _progress(run_dir)
     if training:
-        raise ConfigError(f"{training}: its newest checkpoint is step {step} of {planned}; wait for the run to "
-                          f"finish, or {_PARTIAL_HINT}")  # fmt: skip
+        raise ConfigError(
+            f"{training}: its newest checkpoint is step {step} of {planned}; wait for the run to "
+            f"finish, or {_PARTIAL_HINT}"
+        )
     if step < planned:
-        raise ConfigError(f"{run_dir} stopped at step {step} of {planned} (not finished); finish it with "
-                          f"`dpscale train --resume {run_dir}`, or {_PARTIAL_HINT}")  # fmt: skip
+        raise ConfigError(
+            f"{run_dir} stopped at step {step} of {planned} (not finished); finish it with "
+            f"`dpscale train --resume {run_dir}`, or {_PARTIAL_HINT}"
+        )
     return None
 
 
@@ -208,7 +228,9 @@ def _exportable_model(trainer: Trainer, ema: bool) -> nn.Module:
     return merge_lora(copy.deepcopy(source)).eval()
 
 
-def _metadata(trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training: bool) -> dict[str, Any]:
+def _metadata(
+    trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training: bool
+) -> dict[str, Any]:
     """The metadata every format carries (``dpscale.exported``).
 
     Args:
@@ -224,21 +246,25 @@ def _metadata(trainer: Trainer, model: nn.Module, fmt: str, ema: bool, training:
 
     accuracy, loss = trainer.evaluate_model(model)  # the run's own evaluation of these weights
     privacy = report.privacy_summary(trainer.built, trainer.progress, trainer.privacy_warnings())
-    privacy["privacy_status"] = trainer.plan.status(privacy["epsilon"], privacy["reference_epsilon"])
-    return json_safe({
-        "dpscale_export": 1,
-        "dpscale_version": dpscale.__version__,
-        "format": fmt,
-        "weights": "ema" if ema else "final",
-        **_model_and_data(trainer, model),
-        "test_accuracy": accuracy,
-        "test_loss": loss,
-        "step": trainer.step,
-        "planned_steps": trainer.total_steps,
-        "partial": trainer.step < trainer.total_steps,
-        "exported_while_training": training,
-        "privacy": privacy,
-    })  # fmt: skip
+    privacy["privacy_status"] = trainer.plan.status(
+        privacy["epsilon"], privacy["reference_epsilon"]
+    )
+    return json_safe(
+        {
+            "dpscale_export": 1,
+            "dpscale_version": dpscale.__version__,
+            "format": fmt,
+            "weights": "ema" if ema else "final",
+            **_model_and_data(trainer, model),
+            "test_accuracy": accuracy,
+            "test_loss": loss,
+            "step": trainer.step,
+            "planned_steps": trainer.total_steps,
+            "partial": trainer.step < trainer.total_steps,
+            "exported_while_training": training,
+            "privacy": privacy,
+        }
+    )
 
 
 def _model_and_data(trainer: Trainer, model: nn.Module) -> dict[str, Any]:
@@ -246,19 +272,35 @@ def _model_and_data(trainer: Trainer, model: nn.Module) -> dict[str, Any]:
     config, info = trainer.config, trainer.data.info
     val_labels = config.data.val_labels
     return {
-        "model": {"name": config.model.name, "num_classes": info.num_classes, "input_shape": list(info.input_shape),
-                  "activation": config.model.activation, "kwargs": dict(config.model.kwargs),
-                  "parameters": sum(p.numel() for p in model.parameters())},
-        "input": {"dtype": "float32", "layout": "NCHW", "shape": list(info.input_shape), "range": [0.0, 1.0],
-                  "normalize": config.data.normalize,
-                  "normalization": "(x - 0.5) / 0.5, inside the model" if config.data.normalize else "none"},
+        "model": {
+            "name": config.model.name,
+            "num_classes": info.num_classes,
+            "input_shape": list(info.input_shape),
+            "activation": config.model.activation,
+            "kwargs": dict(config.model.kwargs),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        "input": {
+            "dtype": "float32",
+            "layout": "NCHW",
+            "shape": list(info.input_shape),
+            "range": [0.0, 1.0],
+            "normalize": config.data.normalize,
+            "normalization": "(x - 0.5) / 0.5, inside the model"
+            if config.data.normalize
+            else "none",
+        },
         "classes": _class_names(info),
         # no root: a local path means nothing elsewhere (the run directory's config.yaml keeps it)
-        "data": {"name": info.name, "image_size": config.data.image_size,
-                 "val_labels": Path(val_labels).name if val_labels else None,
-                 "selects_classes": config.data.selects_classes,
-                 "test_split": info.test_split, "num_test": info.num_test},
-    }  # fmt: skip
+        "data": {
+            "name": info.name,
+            "image_size": config.data.image_size,
+            "val_labels": Path(val_labels).name if val_labels else None,
+            "selects_classes": config.data.selects_classes,
+            "test_split": info.test_split,
+            "num_test": info.num_test,
+        },
+    }
 
 
 def _class_names(info: Any) -> list[str]:
@@ -272,11 +314,20 @@ def _local_paths(trainer: Trainer) -> list[tuple[str, str]]:
     """This machine's paths the run knows (absolute), each with what a shipped file says instead;
     longest first, so a run directory under the home directory is named as the run directory."""
     config = trainer.config
-    named = [(trainer.run_dir, "<run directory>"), (config.data.root, "<data root>"),
-             (config.data.val_labels, "<val labels>"), (config.model.init, "<model.init>"),
-             (config.model.init_seed_model, "<model.init_seed_model>"), (Path.home(), "~")]  # fmt: skip
+    named = [
+        (trainer.run_dir, "<run directory>"),
+        (config.data.root, "<data root>"),
+        (config.data.val_labels, "<val labels>"),
+        (config.model.init, "<model.init>"),
+        (config.model.init_seed_model, "<model.init_seed_model>"),
+        (Path.home(), "~"),
+    ]
     # a path changed on resume is quoted, old and new, in the privacy section's config_changes
-    named += [(value, "<local path>") for value in _strings(trainer.progress.config_changes) if Path(value).expanduser().is_absolute()]
+    named += [
+        (value, "<local path>")
+        for value in _strings(trainer.progress.config_changes)
+        if Path(value).expanduser().is_absolute()
+    ]
     found: dict[str, str] = {}
     for value, stand_in in named:
         if value is None:
@@ -318,13 +369,20 @@ def _feature_stage(trainer: Trainer, metadata: dict[str, Any]) -> ScatterNetFeat
         return None
     normalizer = trainer.built.feature_normalizer
     spec = {
-        "extractor": "scatternet", "J": features.scatter_j, "L": features.scatter_angles,
-        "max_order": features.scatter_order, "pad": features.scatter_pad,
-        "image_shape": list(_image_shape(trainer)), "normalize": normalizer.kind, "groups": normalizer.groups,
+        "extractor": "scatternet",
+        "J": features.scatter_j,
+        "L": features.scatter_angles,
+        "max_order": features.scatter_order,
+        "pad": features.scatter_pad,
+        "image_shape": list(_image_shape(trainer)),
+        "normalize": normalizer.kind,
+        "groups": normalizer.groups,
         "center": normalizer.center is not None,
-    }  # fmt: skip
+    }
     stats = normalizer.stats
-    stage = ScatterNetFeatures(spec, stats.mean if stats else None, stats.var if stats else None, normalizer.center)
+    stage = ScatterNetFeatures(
+        spec, stats.mean if stats else None, stats.var if stats else None, normalizer.center
+    )
     stage.eval()
     metadata["features"], metadata["input"]["shape"] = spec, spec["image_shape"]
     return stage
@@ -338,8 +396,15 @@ def _image_shape(trainer: Trainer) -> tuple[int, int, int]:
     f = trainer.config.features
     channels, h, w = trainer.data.info.input_shape
     scale = 2**f.scatter_j
-    image = (channels // scatter_channels(f.scatter_j, f.scatter_angles, f.scatter_order),
-             h * scale - 2 * f.scatter_pad, w * scale - 2 * f.scatter_pad)  # fmt: skip
-    if scatter_output_shape(image, f.scatter_j, f.scatter_angles, f.scatter_order, f.scatter_pad) != (channels, h, w):
-        raise ConfigError(f"cannot tell the image shape behind features of shape {(channels, h, w)}")
+    image = (
+        channels // scatter_channels(f.scatter_j, f.scatter_angles, f.scatter_order),
+        h * scale - 2 * f.scatter_pad,
+        w * scale - 2 * f.scatter_pad,
+    )
+    if scatter_output_shape(
+        image, f.scatter_j, f.scatter_angles, f.scatter_order, f.scatter_pad
+    ) != (channels, h, w):
+        raise ConfigError(
+            f"cannot tell the image shape behind features of shape {(channels, h, w)}"
+        )
     return image

@@ -17,9 +17,15 @@ def partial_note(metadata: dict[str, Any]) -> str | None:
     """
     if not metadata.get("partial"):
         return None
-    when = "while the run was still training" if metadata["exported_while_training"] else "after the run stopped"
-    return (f"partial: step {metadata['step']} of {metadata['planned_steps']} (exported with --allow-partial "
-            f"{when}; accuracy and epsilon are those of step {metadata['step']})")  # fmt: skip
+    when = (
+        "while the run was still training"
+        if metadata["exported_while_training"]
+        else "after the run stopped"
+    )
+    return (
+        f"partial: step {metadata['step']} of {metadata['planned_steps']} (exported with --allow-partial "
+        f"{when}; accuracy and epsilon are those of step {metadata['step']})"
+    )
 
 
 def model_card(metadata: dict[str, Any], path: Path) -> str:
@@ -33,7 +39,8 @@ def model_card(metadata: dict[str, Any], path: Path) -> str:
         Markdown.
     """
     privacy, model, data = metadata["privacy"], metadata["model"], metadata["data"]
-    caveats = "\n".join(f"  - {c}" for c in privacy.get("guarantee_caveats") or []) or "  - none"  # nested under their bullet
+    # nested under their bullet
+    caveats = "\n".join(f"  - {c}" for c in privacy.get("guarantee_caveats") or []) or "  - none"
     partial = partial_note(metadata)
     partial_block = f"\n**{partial}**\n" if partial else ""
     return f"""# {model["name"]} on {data["name"]} ({metadata["weights"]} weights)
@@ -65,7 +72,9 @@ exported by dpscale {metadata["dpscale_version"]}. This card describes that file
 
 def _training_set_line(privacy: dict[str, Any]) -> str:
     """The card's line when rules of the whole collection chose the training set (report.training_set_note)."""
-    return f"\n- **Training set: {privacy['training_set']}.**" if privacy.get("training_set") else ""
+    return (
+        f"\n- **Training set: {privacy['training_set']}.**" if privacy.get("training_set") else ""
+    )
 
 
 def _odds_line(privacy: dict[str, Any]) -> str:
@@ -91,12 +100,21 @@ def _features_line(metadata: dict[str, Any]) -> str:
     spec = metadata.get("features")
     if not spec:
         return ""
-    return (f"\n- Inside the model, before {metadata['model']['name']}: ScatterNet (J={spec['J']}, L={spec['L']}, "
-            f"order {spec['max_order']}, pad {spec['pad']}) to {metadata['model']['input_shape']} features, then "
-            f"{spec['normalize']}"
-            + (" (its statistics: a private release, counted in epsilon)" if spec["normalize"] == "datanorm" else "")
-            + (", then minus the training set's mean feature vector (a private release, counted in epsilon)."
-               if spec.get("center") else "."))  # fmt: skip
+    return (
+        f"\n- Inside the model, before {metadata['model']['name']}: ScatterNet (J={spec['J']}, L={spec['L']}, "
+        f"order {spec['max_order']}, pad {spec['pad']}) to {metadata['model']['input_shape']} features, then "
+        f"{spec['normalize']}"
+        + (
+            " (its statistics: a private release, counted in epsilon)"
+            if spec["normalize"] == "datanorm"
+            else ""
+        )
+        + (
+            ", then minus the training set's mean feature vector (a private release, counted in epsilon)."
+            if spec.get("center")
+            else "."
+        )
+    )
 
 
 def _loading_line(metadata: dict[str, Any], name: str) -> str:

@@ -16,14 +16,22 @@ from torch import nn
 
 from dpscale._io import atomic_write_bytes
 from dpscale.errors import ConfigError
-from dpscale.exported import FEATURE_STATS_PREFIX, METADATA_KEY, TORCHSCRIPT_METADATA, ImagesInUnitRange, ScatterNetFeatures
+from dpscale.exported import (
+    FEATURE_STATS_PREFIX,
+    METADATA_KEY,
+    TORCHSCRIPT_METADATA,
+    ImagesInUnitRange,
+    ScatterNetFeatures,
+)
 
 
 def _needs(package: str, fmt: str) -> None:
     try:
         __import__(package)
     except ImportError as err:
-        raise ConfigError(f"--format {fmt} needs the {package} package: pip install {package}") from err
+        raise ConfigError(
+            f"--format {fmt} needs the {package} package: pip install {package}"
+        ) from err
 
 
 def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
@@ -35,10 +43,14 @@ def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     if isinstance(inner, nn.Sequential):  # export_run's (features, classifier)
         classifier, features = inner[1], cast(ScatterNetFeatures, inner[0])
     weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
-    if features is not None and features.kind == "datanorm":  # the released statistics, as the run used them
+    if (
+        features is not None and features.kind == "datanorm"
+    ):  # the released statistics, as the run used them
         weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
         weights[f"{FEATURE_STATS_PREFIX}var"] = features.norm_var.contiguous()
-    if features is not None and features.feature_center is not None:  # private centring's released mean
+    if (
+        features is not None and features.feature_center is not None
+    ):  # private centring's released mean
         weights[f"{FEATURE_STATS_PREFIX}center"] = features.feature_center.contiguous()
     atomic_write_bytes(path, save(weights, metadata={METADATA_KEY: json.dumps(metadata)}))
 
@@ -48,8 +60,12 @@ def _example(metadata: dict[str, Any]) -> torch.Tensor:
 
 
 def _write_torchscript(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
-    if metadata.get("features"):  # tracing probes kymatio's deprecated attributes, which raise NameError (0.3)
-        raise ConfigError("--format torchscript cannot trace the ScatterNet (kymatio 0.3); use safetensors or onnx")
+    if metadata.get(
+        "features"
+    ):  # tracing probes kymatio's deprecated attributes, which raise NameError (0.3)
+        raise ConfigError(
+            "--format torchscript cannot trace the ScatterNet (kymatio 0.3); use safetensors or onnx"
+        )
     extra = {TORCHSCRIPT_METADATA: json.dumps(metadata)}
     # torch >= 2.9 marks TorchScript deprecated; it is still what torch-only consumers load
     with torch.no_grad(), warnings.catch_warnings():  # no_grad: every layer's inference path
@@ -75,7 +91,10 @@ def _without_debug_records(archive: bytes) -> bytes:
 # The ONNX exporter's noise, silenced by its exact text so that any other warning still shows:
 # a log record for each torchvision operator it skips when torchvision is not installed (the
 # model has none), and torch's own deprecation of LeafSpec, raised inside torch.export.
-_SKIPPED_TORCHVISION = ("torch.onnx._internal.exporter._registration", "torchvision is not installed. Skipping %s")
+_SKIPPED_TORCHVISION = (
+    "torch.onnx._internal.exporter._registration",
+    "torchvision is not installed. Skipping %s",
+)
 _LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
@@ -108,9 +127,13 @@ def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) 
     _needs("onnx", "onnx")
     with torch.no_grad(), _quiet_onnx_exporter():
         program = torch.onnx.export(
-            model, (_example(metadata),), input_names=["images"], output_names=["logits"],
-            dynamic_shapes={"images": {0: torch.export.Dim("batch")}}, verbose=False,
-        )  # fmt: skip
+            model,
+            (_example(metadata),),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes={"images": {0: torch.export.Dim("batch")}},
+            verbose=False,
+        )
     assert program is not None  # the dynamo exporter (torch's default) returns its program
     proto = program.model_proto
     _drop_stack_traces(proto)
@@ -118,7 +141,9 @@ def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) 
     atomic_write_bytes(path, proto.SerializeToString())
 
 
-_ONNX_STACK_TRACE = "pkg.torch.onnx.stack_trace"  # per node: the Python stack, by this machine's absolute paths
+_ONNX_STACK_TRACE = (
+    "pkg.torch.onnx.stack_trace"  # per node: the Python stack, by this machine's absolute paths
+)
 
 
 def _drop_stack_traces(proto: Any) -> None:
@@ -135,9 +160,15 @@ def _onnx_nodes(nodes: Any) -> Iterator[Any]:
     for node in nodes:
         yield node
         for attribute in node.attribute:
-            for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            for graph in ([attribute.g] if attribute.HasField("g") else []) + list(
+                attribute.graphs
+            ):
                 yield from _onnx_nodes(graph.node)
 
 
 # dpscale export --format: its writer, called as writer(model, metadata, path)
-WRITERS = {"safetensors": _write_safetensors, "torchscript": _write_torchscript, "onnx": _write_onnx}
+WRITERS = {
+    "safetensors": _write_safetensors,
+    "torchscript": _write_torchscript,
+    "onnx": _write_onnx,
+}

@@ -28,15 +28,23 @@ from torch import nn
 from dpscale.choices import EXPORT_FORMATS
 
 __all__ = [
-    "EXPORT_FORMATS", "ImagesInUnitRange", "ScatterNetFeatures", "accuracy", "evaluate_exported", "load_exported",
+    "EXPORT_FORMATS",
+    "ImagesInUnitRange",
+    "ScatterNetFeatures",
+    "accuracy",
+    "evaluate_exported",
+    "load_exported",
     "read_metadata",
-]  # fmt: skip
+]
 
 SUFFIXES = {"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}
 METADATA_KEY = "dpscale"  # safetensors metadata key / ONNX metadata_props key
 TORCHSCRIPT_METADATA = "dpscale.json"  # TorchScript extra file
-FEATURE_STATS_PREFIX = "dpscale_datanorm."  # safetensors: Data Normalization's (and centring's) released statistics
-NORMALIZE_SHIFT, NORMALIZE_SCALE = 0.5, 0.5  # data.normalize: (x - 0.5) / 0.5, as dpscale.data.run_data
+FEATURE_STATS_PREFIX = (
+    "dpscale_datanorm."  # safetensors: Data Normalization's (and centring's) released statistics
+)
+# data.normalize: (x - 0.5) / 0.5, as dpscale.data.run_data
+NORMALIZE_SHIFT, NORMALIZE_SCALE = (0.5, 0.5)
 
 
 class ImagesInUnitRange(nn.Module):
@@ -70,13 +78,22 @@ class ScatterNetFeatures(nn.Module):
     feature_center: torch.Tensor | None
 
     def __init__(
-        self, spec: dict[str, Any], mean: torch.Tensor | None = None, var: torch.Tensor | None = None,
+        self,
+        spec: dict[str, Any],
+        mean: torch.Tensor | None = None,
+        var: torch.Tensor | None = None,
         center: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         from dpscale.features.scatternet import ScatterNet
 
-        self.scatter = ScatterNet(tuple(spec["image_shape"]), J=spec["J"], L=spec["L"], max_order=spec["max_order"], pad=spec["pad"])
+        self.scatter = ScatterNet(
+            tuple(spec["image_shape"]),
+            J=spec["J"],
+            L=spec["L"],
+            max_order=spec["max_order"],
+            pad=spec["pad"],
+        )
         self.kind, self.groups = spec["normalize"], spec["groups"]
         if self.kind == "datanorm":  # kept in their own dtype: the same arithmetic as the run's
             if mean is None or var is None:  # (what .clone() would raise: no statistics to keep)
@@ -84,9 +101,13 @@ class ScatterNetFeatures(nn.Module):
             self.register_buffer("norm_mean", mean.clone())
             self.register_buffer("norm_var", var.clone())
         if spec.get("center") and center is None:
-            raise ValueError("the export's metadata says the run centred its features, but the released mean is missing")
+            raise ValueError(
+                "the export's metadata says the run centred its features, but the released mean is missing"
+            )
         # kept in float64: the same arithmetic as the run's
-        self.register_buffer("feature_center", center.clone() if spec.get("center") and center is not None else None)
+        self.register_buffer(
+            "feature_center", center.clone() if spec.get("center") and center is not None else None
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         from dpscale.features.normalize import group_normalize
@@ -115,7 +136,9 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     if path.suffix == ".onnx":
         import onnx
 
-        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        props = {
+            p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props
+        }
         return json.loads(props[METADATA_KEY])
     extra = {TORCHSCRIPT_METADATA: ""}
     torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
@@ -135,7 +158,9 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     path = Path(path)
     metadata = read_metadata(path)
     if path.suffix == ".onnx":
-        raise ValueError(f"{path}: run ONNX files with onnxruntime (metadata: dpscale.exported.read_metadata)")
+        raise ValueError(
+            f"{path}: run ONNX files with onnxruntime (metadata: dpscale.exported.read_metadata)"
+        )
     if path.suffix != ".safetensors":
         return torch.jit.load(str(path), map_location="cpu").eval(), metadata
     from safetensors.torch import load_file
@@ -143,25 +168,42 @@ def load_exported(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     from dpscale.models import build_model
 
     spec, tensors = metadata["model"], load_file(str(path))
-    classifier = build_model(spec["name"], spec["num_classes"], tuple(spec["input_shape"]), spec["activation"], **spec["kwargs"])
-    stats = {k: tensors.pop(f"{FEATURE_STATS_PREFIX}{k}") for k in ("mean", "var", "center") if f"{FEATURE_STATS_PREFIX}{k}" in tensors}
+    classifier = build_model(
+        spec["name"],
+        spec["num_classes"],
+        tuple(spec["input_shape"]),
+        spec["activation"],
+        **spec["kwargs"],
+    )
+    stats = {
+        k: tensors.pop(f"{FEATURE_STATS_PREFIX}{k}")
+        for k in ("mean", "var", "center")
+        if f"{FEATURE_STATS_PREFIX}{k}" in tensors
+    }
     classifier.load_state_dict(tensors)
     if metadata.get("features"):
-        stage = ScatterNetFeatures(metadata["features"], stats.get("mean"), stats.get("var"), stats.get("center"))
+        stage = ScatterNetFeatures(
+            metadata["features"], stats.get("mean"), stats.get("var"), stats.get("center")
+        )
         classifier = nn.Sequential(stage, classifier)
     return ImagesInUnitRange(classifier, metadata["input"]["normalize"]).eval(), metadata
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000) -> float:
+def accuracy(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000
+) -> float:
     """Top-1 accuracy (fraction) of an exported model on images in [0, 1] (the run's evaluation batch size)."""
     correct = sum(
-        int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum()) for i in range(0, len(images), batch_size)
+        int((model(images[i : i + batch_size]).argmax(1) == labels[i : i + batch_size]).sum())
+        for i in range(0, len(images), batch_size)
     )
     return correct / len(images)
 
 
-def evaluate_exported(path: str | Path, data_root: str | None = None, val_labels: str | None = None) -> float:
+def evaluate_exported(
+    path: str | Path, data_root: str | None = None, val_labels: str | None = None
+) -> float:
     """Test accuracy of an export on its run's test split (the dataset named in its metadata).
 
     Args:
@@ -182,9 +224,13 @@ def evaluate_exported(path: str | Path, data_root: str | None = None, val_labels
     model, metadata = load_exported(path)
     data = metadata["data"]
     if data["selects_classes"]:
-        raise ValueError(f"{path}: the run kept a subset of the classes (data.classes ...); evaluate it on that subset")
+        raise ValueError(
+            f"{path}: the run kept a subset of the classes (data.classes ...); evaluate it on that subset"
+        )
     if data["val_labels"] and val_labels is None and "root" not in data:
-        raise ValueError(f"{path}: the run read its test labels from {data['val_labels']}; pass val_labels (that file here)")
+        raise ValueError(
+            f"{path}: the run read its test labels from {data['val_labels']}; pass val_labels (that file here)"
+        )
     root = data_root or data.get("root")
     labels = val_labels or (data["val_labels"] if "root" in data else None)
     test = load_dataset(data["name"], root, image_size=data["image_size"], val_labels=labels)

@@ -109,11 +109,14 @@ class _WithFrozenLayer:
     on small models (docs/transfer.md: a private step 0.92x that of two calls on papernot-cnn and
     resnet18-gn, with less memory)."""
 
-    _frozen: tuple[nn.Linear | nn.Conv2d, ...]  # a tuple, so that the adapter alone owns W as a submodule
+    # a tuple, so that the adapter alone owns W as a submodule
+    _frozen: tuple[nn.Linear | nn.Conv2d, ...]
     _frozen_output: torch.Tensor | None
     weight: torch.Tensor  # A's, from the layer class it is mixed into (nn.Linear or nn.Conv2d)
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """The layer's own operation with ``weight`` and ``bias`` (each subclass defines it)."""
         raise NotImplementedError
 
@@ -151,7 +154,9 @@ class LoRADownLinear(_WithFrozenLayer, nn.Linear):
         super().__init__(frozen.in_features, rank, bias=False, **kwargs)
         self._frozen, self._frozen_output = (frozen,), None
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,14 +169,25 @@ class LoRADownConv2d(_WithFrozenLayer, nn.Conv2d):
 
     def __init__(self, frozen: nn.Conv2d, rank: int) -> None:
         # torch types a Conv2d's geometry as tuples of any length; a Conv2d's are pairs
-        kernel_size, stride, dilation = (cast("tuple[int, int]", v) for v in (frozen.kernel_size, frozen.stride, frozen.dilation))
+        kernel_size, stride, dilation = (
+            cast("tuple[int, int]", v) for v in (frozen.kernel_size, frozen.stride, frozen.dilation)
+        )
         super().__init__(
-            frozen.in_channels, rank, kernel_size, stride=stride, padding=cast("str | tuple[int, int]", frozen.padding),
-            dilation=dilation, bias=False, device=frozen.weight.device, dtype=frozen.weight.dtype,
-        )  # fmt: skip
+            frozen.in_channels,
+            rank,
+            kernel_size,
+            stride=stride,
+            padding=cast("str | tuple[int, int]", frozen.padding),
+            dilation=dilation,
+            bias=False,
+            device=frozen.weight.device,
+            dtype=frozen.weight.dtype,
+        )
         self._frozen, self._frozen_output = (frozen,), None
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return self._conv_forward(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,11 +203,18 @@ class _ChannelsLastMaxPool(torch.autograd.Function):
     values, indices and gradients are those of ``F.max_pool2d``, bit for bit."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool
+    ) -> torch.Tensor:
         out, indices = F.max_pool2d(
-            x.contiguous(memory_format=torch.channels_last), kernel, stride, padding, dilation, ceil_mode,
+            x.contiguous(memory_format=torch.channels_last),
+            kernel,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
             return_indices=True,
-        )  # fmt: skip
+        )
         ctx.save_for_backward(x, indices.contiguous())
         ctx.geometry = (kernel, stride, padding, dilation, ceil_mode)
         return out.contiguous()
@@ -200,7 +223,9 @@ class _ChannelsLastMaxPool(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> tuple:
         x, indices = ctx.saved_tensors
-        kernel, stride, padding, dilation, ceil_mode = (_pair(v) if not isinstance(v, bool) else v for v in ctx.geometry)
+        kernel, stride, padding, dilation, ceil_mode = (
+            _pair(v) if not isinstance(v, bool) else v for v in ctx.geometry
+        )
         grad_x = torch.ops.aten.max_pool2d_with_indices_backward(
             grad.contiguous(), x, kernel, stride, padding, dilation, ceil_mode, indices
         )
@@ -221,7 +246,12 @@ class MaxPool2d(nn.MaxPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # first: the functorch test below cannot be traced
             return super().forward(x)
-        if x.device.type != "cpu" or x.dim() != 4 or self.return_indices or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if (
+            x.device.type != "cpu"
+            or x.dim() != 4
+            or self.return_indices
+            or torch._C._functorch.is_functorch_wrapped_tensor(x)
+        ):
             return super().forward(x)
         args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
         if not (torch.is_grad_enabled() and x.requires_grad):

@@ -46,7 +46,11 @@ def _pyplot() -> Any:
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of ``key`` over the records that hold a finite number for it."""
-    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    pairs = [
+        (r["step"], r[key])
+        for r in records
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -58,7 +62,13 @@ def _save(fig: Any, path: Path) -> None:
     atomic_write_bytes(path, buffer.getbuffer())
 
 
-def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel: str, path: Path, percent: bool) -> None:
+def _curves(
+    runs: dict[str, list[dict[str, Any]]],
+    keys: dict[str, str],
+    ylabel: str,
+    path: Path,
+    percent: bool,
+) -> None:
     """One figure of ``keys`` (metrics key -> legend suffix) against steps for every run."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -68,7 +78,14 @@ def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel:
             steps, values = _series(records, key)
             if steps:
                 scale = 100.0 if percent else 1.0
-                ax.plot(steps, [scale * v for v in values], style, color=f"C{color % 10}", marker=".", label=f"{name}{suffix}")
+                ax.plot(
+                    steps,
+                    [scale * v for v in values],
+                    style,
+                    color=f"C{color % 10}",
+                    marker=".",
+                    label=f"{name}{suffix}",
+                )
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -78,7 +95,9 @@ def _curves(runs: dict[str, list[dict[str, Any]]], keys: dict[str, str], ylabel:
     _save(fig, path)
 
 
-def _final_accountant(run_dir: Path, guarantee_only: bool = False) -> tuple[PrivacyAccountant, float] | None:
+def _final_accountant(
+    run_dir: Path, guarantee_only: bool = False
+) -> tuple[PrivacyAccountant, float] | None:
     """The accountant of the run's newest checkpoint and the run's delta (None for a non-private run;
     with ``guarantee_only``, also for a TAN simulation, whose accounting is of another run; the
     accountant of fixed-size, shuffled or capped batches is their own, its adjacency in its history)."""
@@ -105,8 +124,12 @@ def _tradeoff(run_dirs: Sequence[Path], path: Path) -> None:
             continue
         accountant = final[0]
         tpr = tpr_at_fpr(accountant.privacy_profile(), CURVE_FPRS)
-        ax.plot(list(tpr), list(tpr.values()), color=f"C{color % 10}",
-                label=f"{run_dir.name} ({accountant.kind}, {accountant.steps} steps)")  # fmt: skip
+        ax.plot(
+            list(tpr),
+            list(tpr.values()),
+            color=f"C{color % 10}",
+            label=f"{run_dir.name} ({accountant.kind}, {accountant.steps} steps)",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("false-positive rate of a membership test")
@@ -125,8 +148,12 @@ def _epsilon_delta(run_dirs: Sequence[Path], path: Path) -> None:
         if final is None:
             continue
         accountant, delta = final
-        ax.plot(CURVE_DELTAS, accountant.epsilons(CURVE_DELTAS), color=f"C{color % 10}",
-                label=f"{run_dir.name} ({accountant.kind}, {accountant.steps} steps)")  # fmt: skip
+        ax.plot(
+            CURVE_DELTAS,
+            accountant.epsilons(CURVE_DELTAS),
+            color=f"C{color % 10}",
+            label=f"{run_dir.name} ({accountant.kind}, {accountant.steps} steps)",
+        )
         ax.plot([delta], accountant.epsilons([delta]), "o", color=f"C{color % 10}")
     ax.set_xscale("log")
     ax.set_xlabel(f"delta (the run's delta marked; PLD resolves delta >= {PLD_MIN_DELTA:g})")
@@ -138,7 +165,11 @@ def _epsilon_delta(run_dirs: Sequence[Path], path: Path) -> None:
     _save(fig, path)
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, on_written: Callable[[Path], None] | None = None) -> list[Path]:
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    on_written: Callable[[Path], None] | None = None,
+) -> list[Path]:
     """Draw ``PLOT_NAMES`` for ``run_dirs`` (overlaid) into ``out_dir``, created owner-only if missing.
 
     Args:
@@ -161,11 +192,19 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, on_written: C
         runs[_unique(run_dir.name, runs)] = records
     out = Path(out_dir)
     make_private_dir(out)
-    accuracy_keys = {"test_accuracy": "", "test_accuracy_ema": " (EMA)", "test_accuracy_augtest": " (AugTest)"}
+    accuracy_keys = {
+        "test_accuracy": "",
+        "test_accuracy_ema": " (EMA)",
+        "test_accuracy_augtest": " (AugTest)",
+    }
     drawings: list[Callable[[Path], None]] = [
         lambda path: _curves(runs, accuracy_keys, "test accuracy (%)", path, percent=True),
-        lambda path: _curves(runs, {"train_loss": " train", "test_loss": " test"}, "loss", path, percent=False),
-        lambda path: _curves(runs, {"epsilon": ""}, "epsilon spent (at the run's delta)", path, percent=False),
+        lambda path: _curves(
+            runs, {"train_loss": " train", "test_loss": " test"}, "loss", path, percent=False
+        ),
+        lambda path: _curves(
+            runs, {"epsilon": ""}, "epsilon spent (at the run's delta)", path, percent=False
+        ),
         lambda path: _epsilon_delta(dirs, path),
         lambda path: _tradeoff(dirs, path),
     ]

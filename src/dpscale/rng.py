@@ -125,8 +125,12 @@ def _parallel_normals(key: int, count: int, host_dtype: _HostDtype) -> np.ndarra
     out: np.ndarray = np.empty(count, dtype=host_dtype)
 
     def fill(j: int) -> None:
-        child = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(key, spawn_key=(j,))))
-        child.standard_normal(out=out[j * PARALLEL_CHUNK : (j + 1) * PARALLEL_CHUNK], dtype=host_dtype)
+        child = np.random.Generator(
+            np.random.PCG64DXSM(np.random.SeedSequence(key, spawn_key=(j,)))
+        )
+        child.standard_normal(
+            out=out[j * PARALLEL_CHUNK : (j + 1) * PARALLEL_CHUNK], dtype=host_dtype
+        )
 
     chunks = range(-(-count // PARALLEL_CHUNK))
     workers = max(1, min(torch.get_num_threads(), len(chunks)))
@@ -152,7 +156,12 @@ class DPRandom:
         self._bit_generator = np.random.PCG64DXSM(np.random.SeedSequence(int(seed)))
         self._rng = np.random.Generator(self._bit_generator)
 
-    def normal(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.Tensor:
+    def normal(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype = torch.float32,
+        device: Any = "cpu",
+    ) -> torch.Tensor:
         """Independent standard normals.
 
         Drawn on the host in float32 (for float32, bfloat16, float16) or float64 (for float64),
@@ -168,7 +177,9 @@ class DPRandom:
         """
         host = _HOST_DTYPE.get(dtype)
         if host is None:
-            raise TypeError(f"DPRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}")
+            raise TypeError(
+                f"DPRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}"
+            )
         count = math.prod(tuple(shape))
         if count <= PARALLEL_CHUNK:
             draws = self._rng.standard_normal(tuple(shape), dtype=host)
@@ -223,7 +234,8 @@ class DPRandom:
             )
         if not is_dprandom_state(state):
             raise ValueError(f"not a {BIT_GENERATOR} DPRandom state: {type(state).__name__}")
-        self._bit_generator.state = cast("_PCG64State", copy.deepcopy(state))  # checked by is_dprandom_state
+        # checked by is_dprandom_state
+        self._bit_generator.state = cast("_PCG64State", copy.deepcopy(state))
 
     def __repr__(self) -> str:  # never the state: it is as secret as the noise
         return f"DPRandom({BIT_GENERATOR})"
@@ -242,7 +254,9 @@ def _secure_normals(count: int) -> np.ndarray:
     def fill(j: int) -> None:
         lo, hi = j * _SECURE_CHUNK // 2, min(pairs, (j + 1) * _SECURE_CHUNK // 2)
         words = np.frombuffer(os.urandom(16 * (hi - lo)), dtype=np.uint64).reshape(2, -1)
-        u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]: log is finite
+        u1 = (
+            (words[0] >> np.uint64(11)).astype(np.float64) + 1.0
+        ) * 2.0**-53  # (0, 1]: log is finite
         u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
         radius = np.sqrt(-2.0 * np.log(u1))
         out[2 * lo : 2 * hi : 2] = radius * np.cos(2 * np.pi * u2)
@@ -271,10 +285,17 @@ class SecureRandom(DPRandom):
     def __init__(self) -> None:  # no seed: nothing to record
         pass
 
-    def normal(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.Tensor:
+    def normal(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype = torch.float32,
+        device: Any = "cpu",
+    ) -> torch.Tensor:
         """Independent standard normals from the OS CSPRNG (see ``DPRandom.normal`` for the arguments)."""
         if dtype not in _HOST_DTYPE:
-            raise TypeError(f"SecureRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}")
+            raise TypeError(
+                f"SecureRandom.normal draws floating tensors (float32/64, bf16, fp16), not {dtype}"
+            )
         draws = _secure_normals(math.prod(tuple(shape))).reshape(tuple(shape))
         return _to_device(torch.from_numpy(draws), device, dtype)
 
@@ -284,7 +305,9 @@ class SecureRandom(DPRandom):
         return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
     def permutation(self, n: int) -> torch.Tensor:
-        raise TypeError("SecureRandom serves the DP-SGD noise only; batch sampling uses the run's DPRandom")
+        raise TypeError(
+            "SecureRandom serves the DP-SGD noise only; batch sampling uses the run's DPRandom"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """A marker with no state: a checkpoint holds nothing that reproduces the noise."""
@@ -294,7 +317,9 @@ class SecureRandom(DPRandom):
         """Accept a SecureRandom marker (nothing to restore); refuse a seeded generator's state,
         which belongs to a run without dp.secure_noise."""
         if not (isinstance(state, dict) and state.get("bit_generator") == SECURE_SOURCE):
-            raise ValueError("this checkpoint's noise came from a seeded generator, not dp.secure_noise; refusing to mix them")
+            raise ValueError(
+                "this checkpoint's noise came from a seeded generator, not dp.secure_noise; refusing to mix them"
+            )
 
     def __repr__(self) -> str:
         return f"SecureRandom({SECURE_SOURCE})"

@@ -41,12 +41,31 @@ UNSTARTED_RUN_FILES = (CONFIG_NAME, METRICS_NAME, AUDIT_NAME)
 CHECKPOINTED_RUN_FILES = (CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, SUMMARY_NAME)
 
 __all__ = [
-    "AUDIT_NAME", "CHECKPOINT_NAME", "CHECKPOINTED_RUN_FILES", "CONFIG_NAME", "DAMAGED_CHECKPOINT_NAME",
-    "LOCK_NAME", "METRICS_NAME", "PREVIOUS_CHECKPOINT_NAME", "RUN_FILES", "SUMMARY_NAME", "TENSORBOARD_NAME",
+    "AUDIT_NAME",
+    "CHECKPOINT_NAME",
+    "CHECKPOINTED_RUN_FILES",
+    "CONFIG_NAME",
+    "DAMAGED_CHECKPOINT_NAME",
+    "LOCK_NAME",
+    "METRICS_NAME",
+    "PREVIOUS_CHECKPOINT_NAME",
+    "RUN_FILES",
+    "SUMMARY_NAME",
+    "TENSORBOARD_NAME",
     "UNSTARTED_RUN_FILES",
-    "LatestCheckpoint", "NotARunDirectory", "find_run_dirs", "holds_checkpoint", "holds_run", "is_audit_run",
-    "is_run_dir", "latest_checkpoint", "read_metrics", "read_run", "read_run_config", "read_summary",
-]  # fmt: skip
+    "LatestCheckpoint",
+    "NotARunDirectory",
+    "find_run_dirs",
+    "holds_checkpoint",
+    "holds_run",
+    "is_audit_run",
+    "is_run_dir",
+    "latest_checkpoint",
+    "read_metrics",
+    "read_run",
+    "read_run_config",
+    "read_summary",
+]
 
 
 class NotARunDirectory(ConfigError):
@@ -74,11 +93,18 @@ def find_run_dirs(path: str | Path, depth: int = RUN_SEARCH_DEPTH) -> list[Path]
         the run directories found ([] when none: not a run directory, nor a folder of runs).
     """
     path = Path(path)
-    if is_run_dir(path):  # its own folders (plots/, tensorboard/) are not searched: runs do not nest
+    if is_run_dir(
+        path
+    ):  # its own folders (plots/, tensorboard/) are not searched: runs do not nest
         return [path]
     if depth == 0 or not path.is_dir():
         return []
-    return [run for child in sorted(path.iterdir()) if child.is_dir() for run in find_run_dirs(child, depth - 1)]
+    return [
+        run
+        for child in sorted(path.iterdir())
+        if child.is_dir()
+        for run in find_run_dirs(child, depth - 1)
+    ]
 
 
 def holds_run(run_dir: str | Path) -> bool:
@@ -172,8 +198,13 @@ def latest_checkpoint(run_dir: str | Path) -> LatestCheckpoint:
         damage = err
     if not previous.is_file():
         if damage is not None:
-            raise DamagedFileError(f"{damage}, and no previous checkpoint is kept; the run cannot be resumed") from damage
-        return LatestCheckpoint(None, note=f"{run_dir} has no checkpoint (the run stopped before its first): starting it from step 0")
+            raise DamagedFileError(
+                f"{damage}, and no previous checkpoint is kept; the run cannot be resumed"
+            ) from damage
+        return LatestCheckpoint(
+            None,
+            note=f"{run_dir} has no checkpoint (the run stopped before its first): starting it from step 0",
+        )
     try:
         state = load_checkpoint(previous)
     except DamagedFileError as err:

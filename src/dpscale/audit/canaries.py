@@ -17,7 +17,14 @@ from dpscale.audit.dirac import DiracProbe, host_sizes
 from dpscale.errors import ConfigError
 from dpscale.data.image_dataset import ImageDataset
 from dpscale.clip_norms import MaxGradNorm, is_per_layer
-from dpscale.privacy.clipping.per_example import ClippedSumMixin, PerExampleEngine, pad_chunk, per_example_cross_entropy, real_rows, trainable_params
+from dpscale.privacy.clipping.per_example import (
+    ClippedSumMixin,
+    PerExampleEngine,
+    pad_chunk,
+    per_example_cross_entropy,
+    real_rows,
+    trainable_params,
+)
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import Precision
 from dpscale.train.hooks import RunHooks
@@ -75,9 +82,13 @@ class CanaryEngine(ClippedSumMixin):
         return self.inner.precision
 
     def __init__(
-        self, inner: PerExampleEngine, included: np.ndarray, coordinates: Sequence[tuple[str, int]] | None = None,
-        magnitude: float = 0.0, model: nn.Module | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        inner: PerExampleEngine,
+        included: np.ndarray,
+        coordinates: Sequence[tuple[str, int]] | None = None,
+        magnitude: float = 0.0,
+        model: nn.Module | None = None,
+    ) -> None:
         self.inner, self.magnitude = inner, float(magnitude)
         self.coordinates = list(coordinates or ())
         self.dirac = torch.from_numpy(np.asarray(included, dtype=bool) & (coordinates is not None))
@@ -85,11 +96,17 @@ class CanaryEngine(ClippedSumMixin):
         for canary, (name, flat) in enumerate(self.coordinates):
             groups.setdefault(name, ([], []))[0].append(canary)
             groups[name][1].append(flat)
-        self.groups = {name: (torch.tensor(ids), torch.tensor(flats)) for name, (ids, flats) in groups.items()}
+        self.groups = {
+            name: (torch.tensor(ids), torch.tensor(flats)) for name, (ids, flats) in groups.items()
+        }
         # the real examples' clipped sum on the canary coordinates, this step (the auditor's side knowledge)
         self.data_sum = torch.zeros(len(self.dirac), dtype=torch.float64)
         # the canaries' examples, for ``model`` (else for the model of the first call)
-        self.probe = DiracProbe(model, self.coordinates, self.magnitude) if model is not None and self.groups else None
+        self.probe = (
+            DiracProbe(model, self.coordinates, self.magnitude)
+            if model is not None and self.groups
+            else None
+        )
 
     @property
     def name(self) -> str:
@@ -104,7 +121,9 @@ class CanaryEngine(ClippedSumMixin):
         """The inner engine's automatic-clipping gamma (None: it clips to C)."""
         return self.inner.clip_gamma
 
-    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Any) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Any
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         x, y = batch
         rows, size = real_rows(batch), x.shape[0]
         if rows is not None:  # a fixed-shape chunk: its padding is neither data nor a canary
@@ -113,9 +132,13 @@ class CanaryEngine(ClippedSumMixin):
         data = ~is_canary
         if bool(data.all()):
             grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, batch)
-        elif bool(data.any()):  # the data rows, padded again to the chunk's fixed size when it had one
+        elif bool(
+            data.any()
+        ):  # the data rows, padded again to the chunk's fixed size when it had one
             kept = (x[data], y[data])
-            grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, kept if rows is None else pad_chunk(kept, size))
+            grad_sum, norms, losses = self.inner.clipped_sum_and_losses(
+                model, params, kept if rows is None else pad_chunk(kept, size)
+            )
         else:
             grad_sum, norms, losses = self.empty_result(params, x)
         if not self.groups:  # input canaries: excluded placeholders just drop out
@@ -124,15 +147,22 @@ class CanaryEngine(ClippedSumMixin):
         if not bool(is_canary.any()):
             return grad_sum, norms, losses
         ids = (-1 - y[is_canary]).cpu()
-        present = self.dirac[ids]  # an excluded canary's gradient is zero: it never reaches the engine
+        # an excluded canary's gradient is zero: it never reaches the engine
+        present = self.dirac[ids]
         canary_norms = norms.new_zeros(len(ids))
         if bool(present.any()):
             canary_sum, sampled_norms = self.canary_sum(model, params, ids[present])
             grad_sum = {name: g + canary_sum[name] for name, g in grad_sum.items()}
             canary_norms[present.to(norms.device)] = sampled_norms.to(norms.dtype)
-        return grad_sum, torch.cat([norms, canary_norms]), torch.cat([losses, losses.new_zeros(len(ids))])
+        return (
+            grad_sum,
+            torch.cat([norms, canary_norms]),
+            torch.cat([losses, losses.new_zeros(len(ids))]),
+        )
 
-    def canary_sum(self, model: nn.Module, params: Params, canaries: torch.Tensor) -> tuple[Params, torch.Tensor]:
+    def canary_sum(
+        self, model: nn.Module, params: Params, canaries: torch.Tensor
+    ) -> tuple[Params, torch.Tensor]:
         """The inner engine's clipped sum and norms of the Dirac probe's examples for ``canaries``.
 
         Args:
@@ -147,7 +177,9 @@ class CanaryEngine(ClippedSumMixin):
             self.probe = DiracProbe(model, self.coordinates, self.magnitude)
         like = params[self.coordinates[0][0]]
         chunk = self.probe.batch(canaries, getattr(self.inner, "views", 1), like)
-        grad_sum, norms, _ = self.inner.clipped_sum_and_losses(self.probe, self.probe.params(params), chunk)
+        grad_sum, norms, _ = self.inner.clipped_sum_and_losses(
+            self.probe, self.probe.params(params), chunk
+        )
         return self.probe.model_names(grad_sum), norms
 
     def at_coordinates(self, tensors: Params) -> torch.Tensor:
@@ -170,7 +202,9 @@ class CanaryAudit:
 
     def __init__(self, kind: str, canaries: int, seed: int) -> None:
         if kind not in AUDIT_KINDS:
-            raise ConfigError(f"unknown audit kind {kind!r}; choose one of {', '.join(AUDIT_KINDS)}")
+            raise ConfigError(
+                f"unknown audit kind {kind!r}; choose one of {', '.join(AUDIT_KINDS)}"
+            )
         if canaries < 2:
             raise ConfigError(f"an audit needs at least 2 canaries, got {canaries}")
         self.kind, self.m, self.seed = kind, int(canaries), int(seed)
@@ -182,7 +216,11 @@ class CanaryAudit:
 
     def hooks(self, fault: Any = None) -> RunHooks:
         """The run hooks that add the canaries (and ``fault``, for tests)."""
-        return RunHooks(training_set=self._training_set, engine=lambda e, m: self._wrap(e, m, fault), observe_gradient=self._observe)
+        return RunHooks(
+            training_set=self._training_set,
+            engine=lambda e, m: self._wrap(e, m, fault),
+            observe_gradient=self._observe,
+        )
 
     # ------------------------------------------------------------- training set
     def _training_set(self, data: ImageDataset) -> ImageDataset:
@@ -194,14 +232,18 @@ class CanaryAudit:
         placeholders = (-1 - ids).to(device, data.y_train.dtype)
         if self.kind == "input":
             if self.m > n // 2:
-                raise ConfigError(f"--canaries {self.m}: input canaries are taken from the {n} training images; use at most {n // 2}")
+                raise ConfigError(
+                    f"--canaries {self.m}: input canaries are taken from the {n} training images; use at most {n // 2}"
+                )
             chosen = torch.from_numpy(self.rng.choice(n, size=self.m, replace=False))
             shift = torch.from_numpy(self.rng.integers(1, data.info.num_classes, size=self.m))
             self.images = data.x_train[chosen.to(data.x_train.device)]
             self.labels = (data.y_train[chosen.to(device)].cpu() + shift) % data.info.num_classes
             keep = torch.ones(n, dtype=torch.bool)
             keep[chosen] = False
-            labels = torch.where(torch.from_numpy(self.included), self.labels, placeholders.cpu()).to(device)
+            labels = torch.where(
+                torch.from_numpy(self.included), self.labels, placeholders.cpu()
+            ).to(device)
             x = torch.cat([data.x_train[keep.to(data.x_train.device)], self.images])
             y = torch.cat([data.y_train[keep.to(device)], labels])
         else:
@@ -212,16 +254,22 @@ class CanaryAudit:
     # ------------------------------------------------------------------ engine
     def _wrap(self, engine: PerExampleEngine, model: nn.Module, fault: Any) -> PerExampleEngine:
         clip = self.max_grad_norm_of(engine)
-        if fault is not None:  # a broken engine (tests): the canaries go through it like everything else
+        if (
+            fault is not None
+        ):  # a broken engine (tests): the canaries go through it like everything else
             engine = fault.apply(engine)
         if self.kind == "input":
             self.initial_losses = self.canary_losses(model)
             self.engine = CanaryEngine(engine, self.included)  # drops the excluded placeholders
             return self.engine
         if getattr(engine, "loss_fn", per_example_cross_entropy) is not per_example_cross_entropy:
-            raise ConfigError("gradient canaries need the engine's cross-entropy loss (their gradient is built for it)")
+            raise ConfigError(
+                "gradient canaries need the engine's cross-entropy loss (their gradient is built for it)"
+            )
         norm = dirac_norm(engine, clip)
-        self.engine = CanaryEngine(engine, self.included, self._draw_coordinates(model), norm, model=model)
+        self.engine = CanaryEngine(
+            engine, self.included, self._draw_coordinates(model), norm, model=model
+        )
         return self.engine
 
     def _draw_coordinates(self, model: nn.Module) -> list[tuple[str, int]]:
@@ -243,7 +291,9 @@ class CanaryAudit:
             coordinates.append((sizes[k][0], int(index - starts[k])))
         return coordinates
 
-    def on_real_examples(self, check: Callable[[Any, nn.Module, Any], Any]) -> Callable[[Any, nn.Module, Any], Any]:
+    def on_real_examples(
+        self, check: Callable[[Any, nn.Module, Any], Any]
+    ) -> Callable[[Any, nn.Module, Any], Any]:
         """A first-chunk check (engine, model, chunk) -> engine, run with the wrapped engine on the
         chunk's real examples: canary rows are no input of the model (placeholder labels -1 - i,
         Dirac probe rows), so a check of how the model treats a batch must not see them.
@@ -260,7 +310,8 @@ class CanaryAudit:
                 return check(engine, model, chunk)
             x, y = chunk
             real = y >= 0
-            engine.inner = check(engine.inner, model, (x[real], y[real]))  # the check may choose another engine
+            # the check may choose another engine
+            engine.inner = check(engine.inner, model, (x[real], y[real]))
             return engine
 
         return on_real
@@ -269,9 +320,13 @@ class CanaryAudit:
     def max_grad_norm_of(engine: PerExampleEngine) -> float:
         """C as the plan states it (and as a broken engine still reports it)."""
         if engine.max_grad_norm is None:
-            raise ConfigError("an audit needs clipping (dp.max_grad_norm): without it there is no claim to test")
+            raise ConfigError(
+                "an audit needs clipping (dp.max_grad_norm): without it there is no claim to test"
+            )
         if is_per_layer(engine.max_grad_norm):
-            raise ConfigError("an audit's canaries are scaled to one clipping norm C: per-layer dp.max_grad_norm is not supported")
+            raise ConfigError(
+                "an audit's canaries are scaled to one clipping norm C: per-layer dp.max_grad_norm is not supported"
+            )
         return engine.max_grad_norm  # type: ignore[return-value]
 
     def scope(self) -> str:

@@ -44,9 +44,15 @@ _Conv = Union[nn.Conv1d, nn.Conv2d]  # the host layers but Linear
 def can_host(module: nn.Module, local: str) -> bool:
     """Whether parameter ``local`` of ``module`` can carry a Dirac canary (a plain Linear/Conv
     weight or bias with zero padding, not reparametrised)."""
-    if type(module) not in HOST_LAYERS or local not in ("weight", "bias") or parametrize.is_parametrized(module):
+    if (
+        type(module) not in HOST_LAYERS
+        or local not in ("weight", "bias")
+        or parametrize.is_parametrized(module)
+    ):
         return False
-    return type(module) is nn.Linear or (module.padding_mode == "zeros" and not isinstance(module.padding, str))
+    return type(module) is nn.Linear or (
+        module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    )
 
 
 def host_sizes(model: nn.Module, params: Params) -> list[tuple[str, int]]:
@@ -67,11 +73,14 @@ def host_sizes(model: nn.Module, params: Params) -> list[tuple[str, int]]:
     return hosts
 
 
-def _axis(kernel: int, stride: int, pad: int, dilation: int, offset: int) -> tuple[int, int, int, int]:
+def _axis(
+    kernel: int, stride: int, pad: int, dilation: int, offset: int
+) -> tuple[int, int, int, int]:
     """Along one conv axis, for kernel offset ``offset``: (output position i0 that sees the input
     at that offset, the input position r it sees there, the first output position i2 whose
     receptive field starts after r, the input length that has both outputs)."""
-    i0 = -(-max(0, pad - offset * dilation) // stride)  # the first output whose offset lands inside the input
+    # the first output whose offset lands inside the input
+    i0 = -(-max(0, pad - offset * dilation) // stride)
     r = i0 * stride - pad + offset * dilation
     i2 = (r + pad) // stride + 1
     return i0, r, i2, max(r + 1, i2 * stride + dilation * (kernel - 1) + 1 - 2 * pad)
@@ -89,7 +98,8 @@ class _Host:
 
 
 def _linear_host(path: str, m: nn.Linear) -> _Host:
-    positions = 2 if m.bias is not None and m.bias.requires_grad else 1  # 2: the bias gradient cancels
+    # 2: the bias gradient cancels
+    positions = 2 if m.bias is not None and m.bias.requires_grad else 1
     return _Host(path, (positions, m.in_features), (positions, m.out_features))
 
 
@@ -112,18 +122,28 @@ def _flat(shape: Sequence[int], index: Sequence[int]) -> int:
     return int(np.ravel_multi_index(tuple(index), tuple(shape)))
 
 
-def _entries(host: _Host, m: nn.Module, local: str, flat: int, value: float) -> list[tuple[int, float]]:
+def _entries(
+    host: _Host, m: nn.Module, local: str, flat: int, value: float
+) -> list[tuple[int, float]]:
     """The nonzero entries (index in a probe row, value) of the canary on ``local``[flat] of ``m``."""
     if local == "bias":  # zero input, the whole magnitude on one output position
-        first = (flat,) + (0,) * (len(host.out_shape) - 1) if type(m) is not nn.Linear else (0, flat)
+        first = (
+            (flat,) + (0,) * (len(host.out_shape) - 1) if type(m) is not nn.Linear else (0, flat)
+        )
         return [(host.w_start + _flat(host.out_shape, first), value)]
     if type(m) is nn.Linear:
         index = np.unravel_index(flat, tuple(m.weight.shape))
         k, col = int(index[0]), int(index[1])
-        pixel = [(host.a_start + _flat(host.in_shape, (0, col)), value), (host.w_start + _flat(host.out_shape, (0, k)), 1.0)]
-        cancel = [(host.w_start + _flat(host.out_shape, (1, k)), -1.0)] if host.out_shape[0] == 2 else []
+        pixel = [
+            (host.a_start + _flat(host.in_shape, (0, col)), value),
+            (host.w_start + _flat(host.out_shape, (0, k)), 1.0),
+        ]
+        cancel = (
+            [(host.w_start + _flat(host.out_shape, (1, k)), -1.0)] if host.out_shape[0] == 2 else []
+        )
         return pixel + cancel
-    return _conv_entries(host, cast(_Conv, m), flat, value)  # the other host layers are convs (HOST_LAYERS)
+    # the other host layers are convs (HOST_LAYERS)
+    return _conv_entries(host, cast(_Conv, m), flat, value)
 
 
 def _conv_entries(host: _Host, m: _Conv, flat: int, value: float) -> list[tuple[int, float]]:
@@ -131,10 +151,14 @@ def _conv_entries(host: _Host, m: _Conv, flat: int, value: float) -> list[tuple[
     index = np.unravel_index(flat, tuple(m.weight.shape))
     o, c_local, offsets = int(index[0]), int(index[1]), [int(i) for i in index[2:]]
     channel = o // (m.out_channels // m.groups) * (m.in_channels // m.groups) + c_local
-    axes = [_axis(k, m.stride[a], _padding(m)[a], m.dilation[a], offsets[a]) for a, k in enumerate(m.kernel_size)]
+    axes = [
+        _axis(k, m.stride[a], _padding(m)[a], m.dilation[a], offsets[a])
+        for a, k in enumerate(m.kernel_size)
+    ]
     pixel = tuple(r for _, r, _, _ in axes)
     seen = tuple(i0 for i0, _, _, _ in axes)
-    missed = (axes[0][2], *seen[1:])  # further along the first axis: its receptive field misses the pixel
+    # further along the first axis: its receptive field misses the pixel
+    missed = (axes[0][2], *seen[1:])
     return [
         (host.a_start + _flat(host.in_shape, (channel, *pixel)), value),
         (host.w_start + _flat(host.out_shape, (o, *seen)), 1.0),
@@ -152,7 +176,9 @@ class DiracProbe(nn.Module):
         magnitude: M, each canary's gradient norm before clipping.
     """
 
-    def __init__(self, model: nn.Module, coordinates: Sequence[tuple[str, int]], magnitude: float) -> None:
+    def __init__(
+        self, model: nn.Module, coordinates: Sequence[tuple[str, int]], magnitude: float
+    ) -> None:
         super().__init__()
         self.net = model
         hosts: dict[str, _Host] = {}
@@ -161,7 +187,12 @@ class DiracProbe(nn.Module):
             path = name.rpartition(".")[0]
             if path not in hosts:
                 m = model.get_submodule(path)
-                host = _linear_host(path, m) if type(m) is nn.Linear else _conv_host(path, cast(_Conv, m))  # a host (HOST_LAYERS)
+                # a host (HOST_LAYERS)
+                host = (
+                    _linear_host(path, m)
+                    if type(m) is nn.Linear
+                    else _conv_host(path, cast(_Conv, m))
+                )
                 host.a_start = width
                 host.w_start = width + int(np.prod(host.in_shape))
                 width = host.w_start + int(np.prod(host.out_shape))
@@ -170,13 +201,24 @@ class DiracProbe(nn.Module):
         rows, order = [], list(hosts)
         for name, flat in coordinates:
             path, _, local = name.rpartition(".")
-            rows.append(_entries(hosts[path], model.get_submodule(path), local, flat, LOGIT_GAIN * magnitude))
-        self.host_of = torch.tensor([order.index(name.rpartition(".")[0]) for name, _ in coordinates], dtype=torch.long)
-        self.active = list(range(len(self.hosts)))  # the layers forward calls: those of the last batch's canaries
+            rows.append(
+                _entries(
+                    hosts[path], model.get_submodule(path), local, flat, LOGIT_GAIN * magnitude
+                )
+            )
+        self.host_of = torch.tensor(
+            [order.index(name.rpartition(".")[0]) for name, _ in coordinates], dtype=torch.long
+        )
+        # the layers forward calls: those of the last batch's canaries
+        self.active = list(range(len(self.hosts)))
         most = max((len(r) for r in rows), default=1)
         # padded with (0, 0.0): scatter-adding zero changes nothing
-        self.index = torch.tensor([[i for i, _ in r] + [0] * (most - len(r)) for r in rows], dtype=torch.long)
-        self.value = torch.tensor([[v for _, v in r] + [0.0] * (most - len(r)) for r in rows], dtype=torch.float64)
+        self.index = torch.tensor(
+            [[i for i, _ in r] + [0] * (most - len(r)) for r in rows], dtype=torch.long
+        )
+        self.value = torch.tensor(
+            [[v for _, v in r] + [0.0] * (most - len(r)) for r in rows], dtype=torch.float64
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (B, 2) of probe rows x (B, width): logit 0 is sum over hosts of <layer(a), w>,
@@ -184,11 +226,15 @@ class DiracProbe(nn.Module):
         t = x.new_zeros(x.shape[0])
         for host in (self.hosts[i] for i in self.active):  # a layer not called has zero gradient
             a = x[:, host.a_start : host.w_start].reshape(-1, *host.in_shape)
-            w = x[:, host.w_start : host.w_start + int(np.prod(host.out_shape))].reshape(-1, *host.out_shape)
+            w = x[:, host.w_start : host.w_start + int(np.prod(host.out_shape))].reshape(
+                -1, *host.out_shape
+            )
             t = t + (self.net.get_submodule(host.path)(a) * w).flatten(1).sum(1)
         return torch.stack([t - t.detach(), torch.zeros_like(t)], 1)
 
-    def batch(self, canaries: torch.Tensor, views: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, canaries: torch.Tensor, views: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The probe chunk of canaries ``canaries`` (ids): x (B, width), or (B, K, width) with
         augmentation multiplicity K (each view the same), in ``like``'s dtype and device; labels.
         The next forward passes call only these canaries' layers."""
@@ -215,5 +261,9 @@ class DiracProbe(nn.Module):
         """The layers the canaries pass through, by type: 'Linear head.0, head.2; Conv2d features.0'."""
         by_type: dict[str, list[str]] = {}
         for host in self.hosts:
-            by_type.setdefault(type(self.net.get_submodule(host.path)).__name__, []).append(host.path)
-        return "; ".join(f"{kind} {', '.join(sorted(paths))}" for kind, paths in sorted(by_type.items()))
+            by_type.setdefault(type(self.net.get_submodule(host.path)).__name__, []).append(
+                host.path
+            )
+        return "; ".join(
+            f"{kind} {', '.join(sorted(paths))}" for kind, paths in sorted(by_type.items())
+        )

@@ -28,7 +28,9 @@ def _worker_counts(text: str | None) -> list[int]:
     return sorted({0, 1, default_workers()})
 
 
-def _engine_step(name: str | None, input_shape: tuple[int, int, int], classes: int, device: torch.device):
+def _engine_step(
+    name: str | None, input_shape: tuple[int, int, int], classes: int, device: torch.device
+):
     """A function(chunk) doing the engine's clipped sum on ``name``'s model (None: no model)."""
     if name is None:
         return None
@@ -41,13 +43,21 @@ def _engine_step(name: str | None, input_shape: tuple[int, int, int], classes: i
     return lambda chunk: engine.clipped_sum_and_losses(model, params, chunk)
 
 
-def measure(data, workers: int, args: argparse.Namespace, device: torch.device, step_fn) -> dict[str, float]:
+def measure(
+    data, workers: int, args: argparse.Namespace, device: torch.device, step_fn
+) -> dict[str, float]:
     """One source at one worker count: images/s after the first step, and the waiting share."""
     rate = min(1.0, args.batch_size / len(data.train))
     feed = StreamFeed(
-        data, PoissonSampler(len(data.train), rate, DPRandom(0)), chunk_size=args.chunk, start_step=0,
-        total_steps=args.steps + 1, device=device, workers=workers, prefetch=args.prefetch,
-    )  # fmt: skip
+        data,
+        PoissonSampler(len(data.train), rate, DPRandom(0)),
+        chunk_size=args.chunk,
+        start_step=0,
+        total_steps=args.steps + 1,
+        device=device,
+        workers=workers,
+        prefetch=args.prefetch,
+    )
     for step in range(args.steps + 1):
         if step == 1:  # the first step started the workers: not timed
             feed.wait_s, feed.examples, start = 0.0, 0, time.perf_counter()
@@ -58,7 +68,11 @@ def measure(data, workers: int, args: argparse.Namespace, device: torch.device, 
             torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     feed.close(args.steps + 1)
-    return {"images_per_s": feed.examples / seconds, "wait_fraction": feed.wait_s / seconds, "seconds": seconds}
+    return {
+        "images_per_s": feed.examples / seconds,
+        "wait_fraction": feed.wait_s / seconds,
+        "seconds": seconds,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -70,15 +84,25 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print("# Data-loading benchmark\n")
     print(f"- command: `dpscale bench data {' '.join(args.argv)}`")
-    print(f"- device: {device}; batch {args.batch_size} (Poisson), chunks of {args.chunk}, {args.steps} timed steps, "
-          f"prefetch {args.prefetch}; model: {args.model or 'none (loading only)'}\n")  # fmt: skip
+    print(
+        f"- device: {device}; batch {args.batch_size} (Poisson), chunks of {args.chunk}, {args.steps} timed steps, "
+        f"prefetch {args.prefetch}; model: {args.model or 'none (loading only)'}\n"
+    )
     print("| source | workers | images/s | waiting for data | timed s |")
     print("|---|---|---|---|---|")
     for kind, root in sources:
-        data = open_stream(kind, root, image_size=args.image_size if kind == "imagefolder" else None, normalize=True)
+        data = open_stream(
+            kind,
+            root,
+            image_size=args.image_size if kind == "imagefolder" else None,
+            normalize=True,
+        )
         step_fn = _engine_step(args.model, data.info.input_shape, data.info.num_classes, device)
         for workers in _worker_counts(args.workers):
             row = measure(data, workers, args, device, step_fn)
-            print(f"| {kind} {root} | {workers} | {row['images_per_s']:.0f} | {100 * row['wait_fraction']:.1f}% | "
-                  f"{row['seconds']:.1f} |", flush=True)  # fmt: skip
+            print(
+                f"| {kind} {root} | {workers} | {row['images_per_s']:.0f} | {100 * row['wait_fraction']:.1f}% | "
+                f"{row['seconds']:.1f} |",
+                flush=True,
+            )
     return 0

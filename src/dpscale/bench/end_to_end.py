@@ -51,8 +51,15 @@ def run_dpscale(config, log: Callable[[str], None]) -> EndToEndRow:
     whole = time.perf_counter() - started
     assert summary is not None  # run() without max_steps trains to the end, then gives the summary
     log(f"dpscale: {whole:.1f} s, test accuracy {summary['test_accuracy']:.4f}")
-    return EndToEndRow("dpscale", whole, trainer.progress.wall_time_s, trainer.step, summary["test_accuracy"],
-                       summary["epsilon"], trainer.plan.run_accountant)  # fmt: skip
+    return EndToEndRow(
+        "dpscale",
+        whole,
+        trainer.progress.wall_time_s,
+        trainer.step,
+        summary["test_accuracy"],
+        summary["epsilon"],
+        trainer.plan.run_accountant,
+    )
 
 
 def run_opacus(config, log: Callable[[str], None]) -> EndToEndRow:
@@ -60,13 +67,18 @@ def run_opacus(config, log: Callable[[str], None]) -> EndToEndRow:
     from dpscale.train import Trainer
 
     started = time.perf_counter()
-    base = Trainer.create(replace(config, train=replace(config.train, self_check=False)), progress=False)
-    prepared = time.perf_counter() - started  # data, features, model init: what dpscale's run also does
+    base = Trainer.create(
+        replace(config, train=replace(config.train, self_check=False)), progress=False
+    )
+    # data, features, model init: what dpscale's run also does
+    prepared = time.perf_counter() - started
     trained_at = time.perf_counter()
     model, accuracy, epsilon = _opacus_train(base, config)
     training = time.perf_counter() - trained_at
     log(f"opacus: {prepared + training:.1f} s, test accuracy {accuracy:.4f}")
-    return EndToEndRow("opacus", prepared + training, training, base.total_steps, accuracy, epsilon, "rdp (opacus)")
+    return EndToEndRow(
+        "opacus", prepared + training, training, base.total_steps, accuracy, epsilon, "rdp (opacus)"
+    )
 
 
 def _opacus_train(base, config) -> tuple[torch.nn.Module, float, float]:
@@ -82,19 +94,28 @@ def _opacus_train(base, config) -> tuple[torch.nn.Module, float, float]:
     plan, data = base.plan, base.data
     model = copy.deepcopy(base.model)  # the same initial weights
     optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])
-    loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=max(1, round(plan.batch_size)))
+    loader = DataLoader(
+        TensorDataset(data.x_train, data.y_train), batch_size=max(1, round(plan.batch_size))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant="rdp")
         model, optimizer, loader = engine.make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=plan.noise_multiplier,
-            max_grad_norm=plan.max_grad_norm, poisson_sampling=True,
-        )  # fmt: skip
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=plan.max_grad_norm,
+            poisson_sampling=True,
+        )
         scheduler = build_scheduler(config.optim, optimizer, base.total_steps)
         steps = 0
         while steps < base.total_steps:
-            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=base.physical_batch_size,
-                                    optimizer=optimizer) as physical:  # fmt: skip
+            with BatchMemoryManager(
+                data_loader=loader,
+                max_physical_batch_size=base.physical_batch_size,
+                optimizer=optimizer,
+            ) as physical:
                 for x, y in physical:
                     F.cross_entropy(model(x), y).backward()
                     optimizer.step()
@@ -113,14 +134,19 @@ def markdown(rows: list[EndToEndRow], command: str, device: str) -> str:
 
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
     lines = [
-        "# End-to-end benchmark", "",
+        "# End-to-end benchmark",
+        "",
         f"- command: `{command}`",
         f"- machine: {machine}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; date {time.strftime('%Y-%m-%d')}",
-        "", "| library | whole s | training s | steps | test accuracy | epsilon | accountant |", "|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+        "",
+        "| library | whole s | training s | steps | test accuracy | epsilon | accountant |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.library} | {r.whole_s:.1f} | {r.training_s:.1f} | {r.steps} | {100 * r.test_accuracy:.2f}% | "
-                     f"{r.epsilon:.3f} | {r.accountant} |")  # fmt: skip
+        lines.append(
+            f"| {r.library} | {r.whole_s:.1f} | {r.training_s:.1f} | {r.steps} | {100 * r.test_accuracy:.2f}% | "
+            f"{r.epsilon:.3f} | {r.accountant} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -140,10 +166,17 @@ def main(args) -> int:
             rows.append(run_dpscale(config, log))
         elif library == "opacus":
             if config.augment.multiplicity > 1 or config.train.ema_decay:
-                log("skip opacus: the recipe uses augmentation multiplicity or EMA, which Opacus does not offer")
+                log(
+                    "skip opacus: the recipe uses augmentation multiplicity or EMA, which Opacus does not offer"
+                )
                 continue
             try:
-                rows.append(run_opacus(replace(config, run=replace(config.run, out_dir=str(out / "opacus-data"))), log))
+                rows.append(
+                    run_opacus(
+                        replace(config, run=replace(config.run, out_dir=str(out / "opacus-data"))),
+                        log,
+                    )
+                )
             except ImportError:
                 log("skip opacus: not installed (pip install -c constraints.txt '.[bench]')")
         else:

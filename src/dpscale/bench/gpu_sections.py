@@ -30,12 +30,19 @@ QUICK_CPU_COMPILE_NOTE = (
     "~50 s (2-core VM); they run without --quick, and on CUDA"
 )
 STEP_TIME_MODELS = ("papernot-cnn", "tramer-cifar-cnn", "wrn16-4", "resnet18-gn")
-COMPILED_HEADER = ["| model | batch | engine | engine run | median ms | x non-private | x eager | peak MB | |",
-                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-CHUNK_HEADER = ["| data | train.max_physical_batch_size | chunk (examples) | how chosen | one step's peak MB | budget MB "
-                "| steps/s | |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+COMPILED_HEADER = [
+    "| model | batch | engine | engine run | median ms | x non-private | x eager | peak MB | |",
+    "|---|---|---|---|---|---|---|---|---|",
+]
+CHUNK_HEADER = [
+    "| data | train.max_physical_batch_size | chunk (examples) | how chosen | one step's peak MB | budget MB "
+    "| steps/s | |",
+    "|---|---|---|---|---|---|---|---|",
+]
 PRESET = "preset:dpscale-fmnist-cnn"
-CHUNK_STEPS = 40  # section 7's run with --data-root: enough steps to time after warm-up, not the whole preset
+CHUNK_STEPS = (
+    40  # section 7's run with --data-root: enough steps to time after warm-up, not the whole preset
+)
 WARM_STEPS = 3  # the first steps tune the clip methods, pick kernels, compile
 
 
@@ -73,7 +80,11 @@ def training_data(data_root: str | None, quick: bool) -> tuple[list[str], str, t
     whole preset on Fashion-MNIST under ``data_root``, else (and with ``quick``) 6 steps on the embedded MNIST sample."""
     if data_root is not None and not quick:
         return [f"data.root={data_root}"], "fashion-mnist", CHUNKS
-    return ["data.name=mnist-5k", "dp.batch_size=64", "train.steps=6"], "mnist-5k (embedded), 6 steps", QUICK_CHUNKS
+    return (
+        ["data.name=mnist-5k", "dp.batch_size=64", "train.steps=6"],
+        "mnist-5k (embedded), 6 steps",
+        QUICK_CHUNKS,
+    )
 
 
 def compiled_step_rows(dev: torch.device, models: list[str], quick: bool) -> list[str]:
@@ -81,12 +92,24 @@ def compiled_step_rows(dev: torch.device, models: list[str], quick: bool) -> lis
     from dpscale.bench.step_time import run_step_time
 
     compiled = compiles(dev, quick)
-    engines = ["nonprivate", "dpscale-auto", *(["dpscale-auto-compiled"] if compiled else []), *opacus_rows()]
+    engines = [
+        "nonprivate",
+        "dpscale-auto",
+        *(["dpscale-auto-compiled"] if compiled else []),
+        *opacus_rows(),
+    ]
     rows, notes = [], []
     for batch in (4, 8 if quick else None):
         logged: list[str] = []
-        timed = run_step_time(step_time_models(models), engines, repeats=2 if quick else 10, warmup=1 if quick else 3,
-                              device=str(dev), batch_size=batch, log=logged.append)  # fmt: skip
+        timed = run_step_time(
+            step_time_models(models),
+            engines,
+            repeats=2 if quick else 10,
+            warmup=1 if quick else 3,
+            device=str(dev),
+            batch_size=batch,
+            log=logged.append,
+        )
         rows += _compiled_table(timed, logged, compiled)
         notes += logged
     return [*rows, *tuner_notes(notes), *([] if compiled else ["", f"- {QUICK_CPU_COMPILE_NOTE}"])]
@@ -99,13 +122,28 @@ def _compiled_table(rows: list[Any], logged: list[str], compiled: bool) -> list[
     lines = []
     for r in rows:
         eager = by_key.get((r.model, "dpscale-auto"))
-        ratio = f"{r.median_ms / eager.median_ms:.2f}" if r.engine.endswith("-compiled") and eager else ""
-        lines.append(f"| {r.model} | {r.batch_size} | {r.engine} | {r.resolved or 'torch'} | {r.median_ms:.1f} | "
-                     f"{r.ratio_to_nonprivate:.2f} | {ratio} | {r.peak_mem_mb:.1f} | |")  # fmt: skip
+        ratio = (
+            f"{r.median_ms / eager.median_ms:.2f}"
+            if r.engine.endswith("-compiled") and eager
+            else ""
+        )
+        lines.append(
+            f"| {r.model} | {r.batch_size} | {r.engine} | {r.resolved or 'torch'} | {r.median_ms:.1f} | "
+            f"{r.ratio_to_nonprivate:.2f} | {ratio} | {r.peak_mem_mb:.1f} | |"
+        )
     for model, batch in dict.fromkeys((r.model, r.batch_size) for r in rows):
         if compiled and (model, "dpscale-auto-compiled") not in by_key:
-            reason = next((line for line in logged if "dpscale-auto-compiled" in line and line.startswith("skip ")), "not run")
-            lines.append(f"| {model} | {batch} | dpscale-auto-compiled | {reason[:200]} | | | | | FAIL |")
+            reason = next(
+                (
+                    line
+                    for line in logged
+                    if "dpscale-auto-compiled" in line and line.startswith("skip ")
+                ),
+                "not run",
+            )
+            lines.append(
+                f"| {model} | {batch} | dpscale-auto-compiled | {reason[:200]} | | | | | FAIL |"
+            )
     return lines
 
 
@@ -115,15 +153,32 @@ def chunk_rows(device: torch.device, data_root: str | None, quick: bool) -> list
     data, name, chunks = training_data(data_root, quick)
     if chunks == CHUNKS:  # the whole dataset, but not the whole preset
         name, data = f"{name}, {CHUNK_STEPS} steps", [*data, f"train.steps={CHUNK_STEPS}"]
-    fixed, _ = _chunk_row(device, name, [*data, f"train.max_physical_batch_size={chunks[0]}"], f"{chunks[0]} (the preset's)")
+    fixed, _ = _chunk_row(
+        device,
+        name,
+        [*data, f"train.max_physical_batch_size={chunks[0]}"],
+        f"{chunks[0]} (the preset's)",
+    )
     auto = [*data, "train.max_physical_batch_size=auto"]
     device_budget, peak_mb = _chunk_row(device, name, auto, "auto")
     tight = round(peak_mb / 2, 1)
-    bound, _ = _chunk_row(device, name, [*auto, f"train.memory_budget_mb={tight}"], f"auto, memory_budget_mb={tight}", tight)
+    bound, _ = _chunk_row(
+        device,
+        name,
+        [*auto, f"train.memory_budget_mb={tight}"],
+        f"auto, memory_budget_mb={tight}",
+        tight,
+    )
     return [fixed, device_budget, bound]
 
 
-def _chunk_row(device: torch.device, name: str, overrides: list[str], setting: str, budget_mb: float | None = None) -> tuple[str, float]:
+def _chunk_row(
+    device: torch.device,
+    name: str,
+    overrides: list[str],
+    setting: str,
+    budget_mb: float | None = None,
+) -> tuple[str, float]:
     """One section-7 row and its step's measured peak in MB: the preset with ``overrides`` built by
     the Trainer, ``WARM_STEPS`` steps, one step under ``peak_bytes``, the rest timed; an auto row
     fails if that step's peak exceeds the budget it chose for (``budget_mb``, else the device's)."""
@@ -134,12 +189,16 @@ def _chunk_row(device: torch.device, name: str, overrides: list[str], setting: s
     auto = setting.startswith("auto")
     budget = memory_budget(device, budget_mb, "train.memory_budget_mb")[0] / 1e6 if auto else None
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(PRESET, [f"run.device={device.type}", f"run.out_dir={out}/run", "run.seed=0", *overrides])
+        config = load_config(
+            PRESET,
+            [f"run.device={device.type}", f"run.out_dir={out}/run", "run.seed=0", *overrides],
+        )
         trainer, lines = _logged_trainer(config)
         try:
             for _ in range(min(WARM_STEPS, trainer.total_steps - 2)):
                 trainer.train_step()
-            peak = peak_bytes(trainer.train_step, device) / 1e6  # MB as train.memory_budget_mb counts them
+            # MB as train.memory_budget_mb counts them
+            peak = peak_bytes(trainer.train_step, device) / 1e6
             steps, started = trainer.total_steps - trainer.step, time.perf_counter()
             for _ in range(steps):
                 trainer.train_step()
@@ -147,10 +206,20 @@ def _chunk_row(device: torch.device, name: str, overrides: list[str], setting: s
             rate = steps / (time.perf_counter() - started)
         finally:
             trainer.close()
-    how = next((line.removeprefix("chunk size auto: ") for line in lines if line.startswith("chunk size auto:")), "given")
+    how = next(
+        (
+            line.removeprefix("chunk size auto: ")
+            for line in lines
+            if line.startswith("chunk size auto:")
+        ),
+        "given",
+    )
     verdict = "ok" if budget is None or peak <= budget else "FAIL"
-    return (f"| {name} | {setting} | {trainer.config.train.max_physical_batch_size} | {how} | {peak:.1f} | "
-            f"{'' if budget is None else f'{budget:.1f}'} | {rate:.1f} | {verdict} |", peak)  # fmt: skip
+    return (
+        f"| {name} | {setting} | {trainer.config.train.max_physical_batch_size} | {how} | {peak:.1f} | "
+        f"{'' if budget is None else f'{budget:.1f}'} | {rate:.1f} | {verdict} |",
+        peak,
+    )
 
 
 def _logged_trainer(config: Any) -> tuple[Any, list[str]]:

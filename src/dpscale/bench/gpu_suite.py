@@ -49,12 +49,19 @@ from dpscale.privacy.clipping.per_example import trainable_params
 from dpscale.privacy.clipping.precision import make_precision
 from dpscale.privacy.clipping.reference import float64_reference
 
-SMALL_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32), "nf-resnet50": (3, 32, 32),
-               "vit-tiny": (3, 32, 32), "vit-small": (3, 32, 32)}  # fmt: skip
+SMALL_INPUT = {
+    "resnet18-gn": (3, 32, 32),
+    "resnet50-gn": (3, 32, 32),
+    "nf-resnet50": (3, 32, 32),
+    "vit-tiny": (3, 32, 32),
+    "vit-small": (3, 32, 32),
+}
 QUICK_MODELS = ("papernot-cnn",)
 CLIP, SUM_TOLERANCE, MECHANISM_TOLERANCE = 1.0, 1e-3, 1e-3
-ENGINE_HEADER = ["| model | engine | clipped sum rel. error | max norm rel. error | max one-example released norm | ms | |",
-                 "|---|---|---|---|---|---|---|"]  # fmt: skip
+ENGINE_HEADER = [
+    "| model | engine | clipped sum rel. error | max norm rel. error | max one-example released norm | ms | |",
+    "|---|---|---|---|---|---|---|",
+]
 
 
 def _relative(got: dict, ref: dict) -> float:
@@ -96,7 +103,9 @@ def engine_rows(name: str, device: torch.device, batch: int) -> list[str]:
         norm_err = float(((norms.double().cpu() - ref.norms) / ref.norms).abs().max())
         worst = worst_single_example_norm(engine, model, params, 50.0 * xd, yd)
         verdict = "ok" if worst <= CLIP and sum_err < SUM_TOLERANCE else "FAIL"
-        rows.append(f"| {name} | {engine_name} | {sum_err:.2e} | {norm_err:.2e} | {worst:.9f} | {ms:.1f} | {verdict} |")
+        rows.append(
+            f"| {name} | {engine_name} | {sum_err:.2e} | {norm_err:.2e} | {worst:.9f} | {ms:.1f} | {verdict} |"
+        )
     return rows
 
 
@@ -110,7 +119,9 @@ def sixteen_bit_rows(name: str, device: torch.device, batch: int) -> list[str]:
         for engine_name in supported_engines(model):
             engine, _ = make_engine(engine_name, CLIP, model, precision=make_precision(precision))
             worst = worst_single_example_norm(engine, model, params, xd, yd)
-            rows.append(f"| {name} | {precision} | {engine_name} | {worst:.9f} | {'ok' if worst <= CLIP else 'FAIL'} |")
+            rows.append(
+                f"| {name} | {precision} | {engine_name} | {worst:.9f} | {'ok' if worst <= CLIP else 'FAIL'} |"
+            )
     return rows
 
 
@@ -122,11 +133,24 @@ def _released_first_step(device: torch.device, **options) -> dict[str, torch.Ten
     model, x, y = _model_and_batch("papernot-cnn", 32)
     apply_peft(model, options.pop("peft", "none"), rank=2)
     model = model.to(device)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    mechanism = make_private(model, optimizer, dataset_size=32, sampling=Poisson(batch_size=16), clipping=Flat(max_grad_norm=CLIP),
-                             budget=NoiseMultiplier(sigma=1.0, delta=1e-5), steps=8, seed=0, **options)  # fmt: skip
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9
+    )
+    mechanism = make_private(
+        model,
+        optimizer,
+        dataset_size=32,
+        sampling=Poisson(batch_size=16),
+        clipping=Flat(max_grad_norm=CLIP),
+        budget=NoiseMultiplier(sigma=1.0, delta=1e-5),
+        steps=8,
+        seed=0,
+        **options,
+    )
     released: dict[str, torch.Tensor] = {}
-    mechanism.observer = lambda gradient: released.update({k: v.detach().double().cpu() for k, v in gradient.items()})
+    mechanism.observer = lambda gradient: released.update(
+        {k: v.detach().double().cpu() for k, v in gradient.items()}
+    )
     indices = mechanism.sample()
     mechanism.step(x[indices].to(device), y[indices].to(device))
     return released
@@ -136,7 +160,11 @@ def mechanism_rows(device: torch.device) -> list[str]:
     """Section 3: seeded steps on the device against the same steps on the CPU."""
     from dpscale.privacy.options import BandMF
 
-    cases: dict[str, dict] = {"dp-sgd": {}, "bandmf (b=2)": {"noise": BandMF(bands=2)}, "lora (r=2)": {"peft": "lora"}}
+    cases: dict[str, dict] = {
+        "dp-sgd": {},
+        "bandmf (b=2)": {"noise": BandMF(bands=2)},
+        "lora (r=2)": {"peft": "lora"},
+    }
     rows = []
     for label, options in cases.items():
         on_device = _released_first_step(device, **dict(options))
@@ -156,9 +184,13 @@ def _section(title: str, header: list[str], make_rows: Callable[[], list[str]]) 
     started = time.perf_counter()
     try:
         rows = make_rows()
-    except Exception as err:  # noqa: BLE001 - one failing check must not hide the others
+    except Exception as err:  # one failing check must not hide the others
         empty_cells = header[0].count("|") - 3 if header else 0
-        rows = [f"| error: {type(err).__name__}: {str(err).splitlines()[0][:160]} |" + " |" * empty_cells + " FAIL |"]
+        rows = [
+            f"| error: {type(err).__name__}: {str(err).splitlines()[0][:160]} |"
+            + " |" * empty_cells
+            + " FAIL |"
+        ]
     return ["", f"## {title}", "", *header, *rows, "", f"({time.perf_counter() - started:.0f} s)"]
 
 
@@ -175,16 +207,26 @@ def suite_device(device: str) -> torch.device:
         raise ConfigError(f"--device must be cuda, cuda:<index> or cpu, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         if torch.version.cuda is None:
-            raise ConfigError(f"--device {device}: no CUDA in this torch build ({torch.__version__}): install a "
-                              "CUDA torch, or use --device cpu")  # fmt: skip
-        raise ConfigError(f"--device {device}: this torch build has CUDA {torch.version.cuda} but sees no CUDA "
-                          "device (no GPU, or its driver is missing): use --device cpu")  # fmt: skip
+            raise ConfigError(
+                f"--device {device}: no CUDA in this torch build ({torch.__version__}): install a "
+                "CUDA torch, or use --device cpu"
+            )
+        raise ConfigError(
+            f"--device {device}: this torch build has CUDA {torch.version.cuda} but sees no CUDA "
+            "device (no GPU, or its driver is missing): use --device cpu"
+        )
     return dev
 
 
-def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int = 8, quick: bool = False,
-              log: Callable[[str], None] = print, data_root: str | None = None,
-              progress: Callable[[str], None] | None = None) -> tuple[str, bool]:  # fmt: skip
+def run_suite(
+    device: str = "cuda",
+    models: list[str] | None = None,
+    batch: int = 8,
+    quick: bool = False,
+    log: Callable[[str], None] = print,
+    data_root: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, bool]:
     """Run every section; returns (the markdown report, whether every check passed).
 
     Each section is logged as soon as it ends and ``progress`` receives the report so far, so a
@@ -194,25 +236,55 @@ def run_suite(device: str = "cuda", models: list[str] | None = None, batch: int 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # full float32
     models = models or (list(QUICK_MODELS) if quick else list_models())
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    lines = [f"# Device suite on {where}", "", f"torch {torch.__version__}, TF32 off, C = {CLIP}, {batch} examples "
-             f"per model, models: {', '.join(models)}; {time.strftime('%Y-%m-%d %H:%M')}"]  # fmt: skip
+    lines = [
+        f"# Device suite on {where}",
+        "",
+        f"torch {torch.__version__}, TF32 off, C = {CLIP}, {batch} examples "
+        f"per model, models: {', '.join(models)}; {time.strftime('%Y-%m-%d %H:%M')}",
+    ]
     sections: list[Callable[[], list[str]]] = [
-        lambda: _section("1. Engines against the float64 per-example loop (float32 on the device)", ENGINE_HEADER,
-                         lambda: [row for name in models for row in engine_rows(name, dev, batch)]),
-        lambda: _section("2. The clip bound in 16-bit",
-                         ["| model | precision | engine | max one-example released norm | |", "|---|---|---|---|---|"],
-                         lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)]),
-        lambda: _section("3. make_private on the device = the same seed on the CPU",
-                         ["| case | released gradient rel. difference | |", "|---|---|---|"], lambda: mechanism_rows(dev)),
-        lambda: _section("4. Step time (wall clock)", [], lambda: _step_time_rows(dev, models, quick)),
-        lambda: _section("5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)",
-                         TRAINING_HEADER, lambda: training_rows(dev, data_root, quick)),
-        lambda: _section("6. Operators per step (host launches, B = 4)", [], lambda: _ops_rows(dev, models, quick)),
-        lambda: _section("7. Chunk size auto vs fixed (dpscale train, preset dpscale-fmnist-cnn)",
-                         gpu_sections.CHUNK_HEADER, lambda: gpu_sections.chunk_rows(dev, data_root, quick)),
-        lambda: _section("8. Eager vs compiled step (wall clock)", gpu_sections.COMPILED_HEADER,
-                         lambda: gpu_sections.compiled_step_rows(dev, models, quick)),
-    ]  # fmt: skip
+        lambda: _section(
+            "1. Engines against the float64 per-example loop (float32 on the device)",
+            ENGINE_HEADER,
+            lambda: [row for name in models for row in engine_rows(name, dev, batch)],
+        ),
+        lambda: _section(
+            "2. The clip bound in 16-bit",
+            [
+                "| model | precision | engine | max one-example released norm | |",
+                "|---|---|---|---|---|",
+            ],
+            lambda: [r for name in models[:2] for r in sixteen_bit_rows(name, dev, batch)],
+        ),
+        lambda: _section(
+            "3. make_private on the device = the same seed on the CPU",
+            ["| case | released gradient rel. difference | |", "|---|---|---|"],
+            lambda: mechanism_rows(dev),
+        ),
+        lambda: _section(
+            "4. Step time (wall clock)", [], lambda: _step_time_rows(dev, models, quick)
+        ),
+        lambda: _section(
+            "5. The training loop on the device (dpscale train, preset dpscale-fmnist-cnn)",
+            TRAINING_HEADER,
+            lambda: training_rows(dev, data_root, quick),
+        ),
+        lambda: _section(
+            "6. Operators per step (host launches, B = 4)",
+            [],
+            lambda: _ops_rows(dev, models, quick),
+        ),
+        lambda: _section(
+            "7. Chunk size auto vs fixed (dpscale train, preset dpscale-fmnist-cnn)",
+            gpu_sections.CHUNK_HEADER,
+            lambda: gpu_sections.chunk_rows(dev, data_root, quick),
+        ),
+        lambda: _section(
+            "8. Eager vs compiled step (wall clock)",
+            gpu_sections.COMPILED_HEADER,
+            lambda: gpu_sections.compiled_step_rows(dev, models, quick),
+        ),
+    ]
     for line in lines:
         log(line)
     for make_section in sections:
@@ -232,9 +304,15 @@ def _step_time_rows(dev: torch.device, models: list[str], quick: bool) -> list[s
 
     logged: list[str] = []
     engines = ["nonprivate", "dpscale-bk", "dpscale-auto", *gpu_sections.opacus_rows()]
-    rows = run_step_time(gpu_sections.step_time_models(models), engines, repeats=2 if quick else 10,
-                         warmup=1 if quick else 3, device=str(dev), batch_size=8 if quick else None,
-                         log=logged.append)  # fmt: skip
+    rows = run_step_time(
+        gpu_sections.step_time_models(models),
+        engines,
+        repeats=2 if quick else 10,
+        warmup=1 if quick else 3,
+        device=str(dev),
+        batch_size=8 if quick else None,
+        log=logged.append,
+    )
     table = markdown_table(rows, "dpscale bench gpu-suite (section 4)", str(dev)).splitlines()
     return table[2:] + gpu_sections.tuner_notes(logged)
 
@@ -247,11 +325,16 @@ def _ops_rows(dev: torch.device, models: list[str], quick: bool) -> list[str]:
     compiled = ["dpscale-auto-compiled"] if gpu_sections.compiles(dev, quick) else []
     engines = ["nonprivate", "dpscale-auto", *compiled, *gpu_sections.opacus_rows()]
     rows = run_ops(counted, engines, device=str(dev), methods="tuned", log=lambda _: None)
-    return markdown_table(rows, "dpscale bench gpu-suite (section 6)", str(dev), "tuned").splitlines()[2:]
+    return markdown_table(
+        rows, "dpscale bench gpu-suite (section 6)", str(dev), "tuned"
+    ).splitlines()[2:]
 
 
-TRAINING_HEADER = ["| data | steps | steps/s | GPU idle fraction | host syncs per step | syncs' source lines (per step) "
-                   "| test accuracy | epsilon | |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+TRAINING_HEADER = [
+    "| data | steps | steps/s | GPU idle fraction | host syncs per step | syncs' source lines (per step) "
+    "| test accuracy | epsilon | |",
+    "|---|---|---|---|---|---|---|---|---|",
+]
 PROFILED_STEPS = 20  # the window over which the idle fraction and the syncs are measured
 
 
@@ -260,8 +343,12 @@ def training_rows(device: torch.device, data_root: str | None, quick: bool) -> l
     (``gpu_sections.CHUNKS``), then compiled in the preset's chunks (``gpu_sections.compiles``: not on
     a CPU with ``quick``); a row fails if its run does not finish or its accuracy is not above chance."""
     data, name, chunks = gpu_sections.training_data(data_root, quick)
-    rows = [_training_row(device, name, [*data, f"train.max_physical_batch_size={chunk}"], f"chunks of {chunk}")
-            for chunk in chunks]  # fmt: skip
+    rows = [
+        _training_row(
+            device, name, [*data, f"train.max_physical_batch_size={chunk}"], f"chunks of {chunk}"
+        )
+        for chunk in chunks
+    ]
     if not gpu_sections.compiles(device, quick):
         return [*rows, "", f"- {gpu_sections.QUICK_CPU_COMPILE_NOTE}"]
     compiled = [*data, f"train.max_physical_batch_size={chunks[0]}", "train.compile=true"]
@@ -276,22 +363,31 @@ def _training_row(device: torch.device, name: str, overrides: list[str], chunks:
     from dpscale.train.loop import Trainer
 
     with tempfile.TemporaryDirectory() as out:
-        config = load_config("preset:dpscale-fmnist-cnn", [f"run.device={device.type}", f"run.out_dir={out}/run",
-                                                            "run.seed=0", *overrides])  # fmt: skip
+        config = load_config(
+            "preset:dpscale-fmnist-cnn",
+            [f"run.device={device.type}", f"run.out_dir={out}/run", "run.seed=0", *overrides],
+        )
         trainer = Trainer.create(config, progress=False, report=False)
         warm = min(3, trainer.total_steps - 1)
         trainer.run(max_steps=warm)  # compiles kernels, tunes the clip methods
         window = min(PROFILED_STEPS, trainer.total_steps - warm - 1) if device.type == "cuda" else 0
-        idle, syncs, sites = _profiled_window(trainer, warm + window, device) if window > 0 else (None, None, "n/a (CPU)")
+        idle, syncs, sites = (
+            _profiled_window(trainer, warm + window, device)
+            if window > 0
+            else (None, None, "n/a (CPU)")
+        )
         started, done = time.perf_counter(), trainer.step
         summary = trainer.run()
-        rate = (trainer.step - done) / (time.perf_counter() - started)  # evaluations and checkpoints included
+        # evaluations and checkpoints included
+        rate = (trainer.step - done) / (time.perf_counter() - started)
     assert summary is not None  # run() without max_steps trains to the end, then gives the summary
     accuracy, epsilon = summary["test_accuracy"], summary["epsilon"]
     ok = summary["steps"] == trainer.total_steps and accuracy > 0.1
     fmt = lambda v, spec: "n/a (CPU)" if v is None else format(v, spec)  # noqa: E731
-    return (f"| {name}, {chunks} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | {sites} | "
-            f"{100 * accuracy:.2f}% | {epsilon:.2f} | {'ok' if ok else 'FAIL'} |")  # fmt: skip
+    return (
+        f"| {name}, {chunks} | {summary['steps']} | {rate:.1f} | {fmt(idle, '.2f')} | {fmt(syncs, '.1f')} | {sites} | "
+        f"{100 * accuracy:.2f}% | {epsilon:.2f} | {'ok' if ok else 'FAIL'} |"
+    )
 
 
 def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, float, str]:
@@ -304,17 +400,21 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
     torch.cuda.synchronize(device)
     sites: list[str] = []
 
-    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
         stack = traceback.extract_stack()[:-1]
         # the window ends in a checkpoint (run() saves when it stops early): a save's syncs are
         # once per ten minutes in a real run, not per step
-        if "synchroniz" in str(message) and not any(f.name == "save" and f.filename.endswith("loop.py") for f in stack):
+        if "synchroniz" in str(message) and not any(
+            f.name == "save" and f.filename.endswith("loop.py") for f in stack
+        ):
             sites.append(sync_site(filename, lineno, stack))
 
     with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
-        warnings.showwarning = record  # called at the sync itself, so the Python stack is the caller's
+        warnings.showwarning = (
+            record  # called at the sync itself, so the Python stack is the caller's
+        )
         try:
             started = time.perf_counter()
             trainer.run(max_steps=stop)
@@ -333,7 +433,11 @@ def sync_site(filename: str, lineno: int, stack: list[traceback.FrameSummary]) -
     site = f"{Path(filename).name}:{lineno}"
     if "dpscale" in Path(filename).parts:
         return site
-    ours = [f for f in stack if "dpscale" in Path(f.filename).parts and "bench" not in Path(f.filename).parts]
+    ours = [
+        f
+        for f in stack
+        if "dpscale" in Path(f.filename).parts and "bench" not in Path(f.filename).parts
+    ]
     return f"{site} via {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else site
 
 
@@ -343,13 +447,22 @@ def sync_sites(sites: list[str], steps: int, top: int = 6) -> str:
     from collections import Counter
 
     counts = Counter(sites)
-    return ", ".join(f"{site} x{count / max(1, steps):.1f}" for site, count in counts.most_common(top)) or "none"
+    return (
+        ", ".join(f"{site} x{count / max(1, steps):.1f}" for site, count in counts.most_common(top))
+        or "none"
+    )
 
 
 def main(args) -> int:
     def write(report: str) -> None:  # after each section, so a partial report survives a kill
         Path(args.out).write_text(report)
 
-    _, passed = run_suite(args.device, [m for m in (args.models or "").split(",") if m] or None, args.batch,
-                          args.quick, data_root=args.data_root, progress=write if args.out else None)  # fmt: skip
+    _, passed = run_suite(
+        args.device,
+        [m for m in (args.models or "").split(",") if m] or None,
+        args.batch,
+        args.quick,
+        data_root=args.data_root,
+        progress=write if args.out else None,
+    )
     return 0 if passed else 1

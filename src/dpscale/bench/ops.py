@@ -37,7 +37,15 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from dpscale.bench.step_time import TimedStep, _cpu_name, _dpscale_step, _input_shape, _nonprivate_step, _opacus_step, _parse_engine
+from dpscale.bench.step_time import (
+    TimedStep,
+    _cpu_name,
+    _dpscale_step,
+    _input_shape,
+    _nonprivate_step,
+    _opacus_step,
+    _parse_engine,
+)
 from dpscale.bench.engine_names import compiled_of, peft_of, user_rows_of
 from dpscale.choices import BENCH_METHODS
 from dpscale.cpu_memory import keep_freed_memory
@@ -51,7 +59,9 @@ OPS_ENGINES = ("nonprivate", "dpscale-auto", "opacus-ew")
 OPS_BATCH, OPS_WARMUP = 4, 2
 GRAPH_CALL = "## Call CompiledFxGraph"  # inductor's event around one compiled graph's launches
 BACKWARD = "autograd::engine::evaluate_function:"  # the autograd engine running one backward node
-OUTSIDE = "(autograd engine, outside dpscale)"  # by_function's name for ops no dpscale frame launched
+OUTSIDE = (
+    "(autograd engine, outside dpscale)"  # by_function's name for ops no dpscale frame launched
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,10 @@ class OpsRow:
     engine: str
     ops: int
     ratio_to_nonprivate: float
-    operators: dict[str, int]  # every launched operator (or compiled kernel) name: its count, most first
-    by_function: dict[str, int] = field(default_factory=dict)  # the dpscale function that launched them
+    # every launched operator (or compiled kernel) name: its count, most first
+    operators: dict[str, int]
+    # the dpscale function that launched them
+    by_function: dict[str, int] = field(default_factory=dict)
 
 
 def _ancestors(event: FunctionEvent) -> Iterator[FunctionEvent]:
@@ -96,7 +108,10 @@ def profiled_launches(fn: Callable[[], object], with_stack: bool = False) -> lis
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profiler_markers_dropped(), profile(activities=[ProfilerActivity.CPU], with_stack=with_stack) as prof:
+    with (
+        profiler_markers_dropped(),
+        profile(activities=[ProfilerActivity.CPU], with_stack=with_stack) as prof,
+    ):
         fn()
     return launched_ops(prof.events())
 
@@ -132,7 +147,9 @@ def per_layer_methods(methods: str) -> Iterator[None]:
             os.environ[TUNE_OFF_ENV] = before
 
 
-def step_operators(timed: TimedStep, warmup: int = OPS_WARMUP, with_stack: bool = False) -> list[FunctionEvent]:
+def step_operators(
+    timed: TimedStep, warmup: int = OPS_WARMUP, with_stack: bool = False
+) -> list[FunctionEvent]:
     """One step's operator launches after ``warmup`` steps (inductor's cpp kernels recorded)."""
     import torch._inductor.config as inductor_config  # (already loaded by torch.optim)
 
@@ -157,14 +174,23 @@ def build_step(name: str, engine: str, x: torch.Tensor, y: torch.Tensor) -> Time
     if kind == "dpscale":
         base, compiled = compiled_of(engine)
         peft, user_rows = peft_of(user_rows_of(base)[0])[1], user_rows_of(base)[1]
-        return _dpscale_step(name, mode, x, y, views, bands=bands, peft=peft, user_rows=user_rows, compile=compiled)
+        return _dpscale_step(
+            name, mode, x, y, views, bands=bands, peft=peft, user_rows=user_rows, compile=compiled
+        )
     if kind == "opacus" and views == 1 and bands == 1:
         return _opacus_step(name, mode, x, y)
     raise ValueError(f"unknown engine {engine!r}; e.g. {', '.join(OPS_ENGINES)}")
 
 
-def _model_rows(name: str, engines: list[str], batch: int, dev: torch.device, warmup: int, with_stack: bool,
-                log: Callable[[str], None]) -> list[OpsRow]:  # fmt: skip
+def _model_rows(
+    name: str,
+    engines: list[str],
+    batch: int,
+    dev: torch.device,
+    warmup: int,
+    with_stack: bool,
+    log: Callable[[str], None],
+) -> list[OpsRow]:
     """Every engine's row for one model (the non-private step first: the ratios' base)."""
     g = torch.Generator().manual_seed(0)
     shape = _input_shape(name, dev)
@@ -176,15 +202,21 @@ def _model_rows(name: str, engines: list[str], batch: int, dev: torch.device, wa
         try:
             launches = step_operators(build_step(name, engine, x, y), warmup, with_stack)
         except ImportError:
-            log(f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')")
+            log(
+                f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')"
+            )
             continue
         except (RuntimeError, ValueError, NotImplementedError) as err:
             log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
             continue
         operators = dict(Counter(e.name for e in launches).most_common())
-        functions = dict(Counter(launched_by(e) for e in launches).most_common()) if with_stack else {}
+        functions = (
+            dict(Counter(launched_by(e) for e in launches).most_common()) if with_stack else {}
+        )
         base = rows[0].ops if rows else len(launches)
-        rows.append(OpsRow(label, batch, engine, len(launches), len(launches) / base, operators, functions))
+        rows.append(
+            OpsRow(label, batch, engine, len(launches), len(launches) / base, operators, functions)
+        )
         log(f"{label} B={batch} {engine}: {len(launches)} ops ({len(launches) / base:.2f}x)")
     return rows
 
@@ -216,7 +248,11 @@ def run_ops(
     if dev.type == "cpu":  # as the step-time bench: the tuner's cache keys say how malloc runs
         keep_freed_memory()
     with per_layer_methods(methods):
-        return [row for name in models for row in _model_rows(name, list(engines), batch_size, dev, warmup, by_function, log)]
+        return [
+            row
+            for name in models
+            for row in _model_rows(name, list(engines), batch_size, dev, warmup, by_function, log)
+        ]
 
 
 def _breakdown(counts: dict[str, int], top: int) -> str:
@@ -224,8 +260,14 @@ def _breakdown(counts: dict[str, int], top: int) -> str:
     return ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in list(counts.items())[:top])
 
 
-def markdown_table(rows: list[OpsRow], command: str, device: str, methods: str = "shape-rule", top: int = 0,
-                   by_function: int = 0) -> str:  # fmt: skip
+def markdown_table(
+    rows: list[OpsRow],
+    command: str,
+    device: str,
+    methods: str = "shape-rule",
+    top: int = 0,
+    by_function: int = 0,
+) -> str:
     """The rows as markdown, with the machine, torch and method lines of the step-time table's header;
     ``top`` > 0 adds each row's most launched operators, ``by_function`` > 0 its top sources."""
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
@@ -245,20 +287,28 @@ def markdown_table(rows: list[OpsRow], command: str, device: str, methods: str =
         "",
         "| model | batch | engine | ops | x non-private |",
         "|---|---|---|---|---|",
-        *(f"| {r.model} | {r.batch_size} | {r.engine} | {r.ops} | {r.ratio_to_nonprivate:.2f} |" for r in rows),
+        *(
+            f"| {r.model} | {r.batch_size} | {r.engine} | {r.ops} | {r.ratio_to_nonprivate:.2f} |"
+            for r in rows
+        ),
     ]
     if top > 0:
         lines += ["", "| model | engine | most launched |", "|---|---|---|"]
         lines += [f"| {r.model} | {r.engine} | {_breakdown(r.operators, top)} |" for r in rows]
     if by_function > 0:
         lines += ["", "| model | engine | launched by | ops |", "|---|---|---|---|"]
-        lines += [f"| {r.model} | {r.engine} | `{f}` | {n} |" for r in rows for f, n in list(r.by_function.items())[:by_function]]
+        lines += [
+            f"| {r.model} | {r.engine} | `{f}` | {n} |"
+            for r in rows
+            for f, n in list(r.by_function.items())[:by_function]
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(args) -> int:
     if args.device == "cpu":
-        torch.set_num_threads(1)  # one torch thread, as the issue's counts (intra-op threads launch nothing more)
+        # one torch thread, as the issue's counts (intra-op threads launch nothing more)
+        torch.set_num_threads(1)
     rows = run_ops(
         [m for m in args.models.split(",") if m] if args.models else OPS_MODELS,
         [e for e in args.engines.split(",") if e] if args.engines else OPS_ENGINES,
@@ -268,8 +318,14 @@ def main(args) -> int:
         methods=args.methods,
         by_function=args.by_function > 0,
     )
-    table = markdown_table(rows, ("dpscale bench ops " + " ".join(args.argv)).strip(), args.device, args.methods, args.top,
-                           args.by_function)  # fmt: skip
+    table = markdown_table(
+        rows,
+        ("dpscale bench ops " + " ".join(args.argv)).strip(),
+        args.device,
+        args.methods,
+        args.top,
+        args.by_function,
+    )
     print(json.dumps([asdict(r) for r in rows]) if args.json else table)
     if args.write:
         Path(args.write).parent.mkdir(parents=True, exist_ok=True)

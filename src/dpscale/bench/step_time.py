@@ -50,16 +50,27 @@ if TYPE_CHECKING:
 DEFAULT_BATCH = {"papernot-cnn": 256, "tramer-cifar-cnn": 128, "wrn16-4": 64, "resnet18-gn": 32}
 # On a GPU: the batch sizes of the issue's H100 table (224x224 for the ImageNet models).
 GPU_BATCH = {
-    "papernot-cnn": 2048, "tramer-cifar-cnn": 512, "wrn16-4": 256, "resnet18-gn": 128, "resnet50-gn": 64,
-    "vit-small": 128, "nf-resnet50": 64,
-}  # fmt: skip
+    "papernot-cnn": 2048,
+    "tramer-cifar-cnn": 512,
+    "wrn16-4": 256,
+    "resnet18-gn": 128,
+    "resnet50-gn": 64,
+    "vit-small": 128,
+    "nf-resnet50": 64,
+}
 # ImageNet-size models run at 224x224 on a GPU; on a CPU at 32x32 (CIFAR stem), labelled "@32".
 CPU_INPUT = {"resnet18-gn": (3, 32, 32), "resnet50-gn": (3, 32, 32)}
 DPSCALE_ENGINES = ("vmap", "ghost", "bk", "auto")
 OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")
-ALL_ENGINES = ("nonprivate", *(f"dpscale-{e}" for e in DPSCALE_ENGINES), *(f"opacus-{m}" for m in OPACUS_MODES))
+ALL_ENGINES = (
+    "nonprivate",
+    *(f"dpscale-{e}" for e in DPSCALE_ENGINES),
+    *(f"opacus-{m}" for m in OPACUS_MODES),
+)
 SIGMA, CLIP, LR = 1.0, 1.0, 0.1
-BANDMF_BENCH_STEPS = 2000  # the plan's length for BandMF rows (its strategy is optimised for it, once)
+BANDMF_BENCH_STEPS = (
+    2000  # the plan's length for BandMF rows (its strategy is optimised for it, once)
+)
 
 Step = Callable[[], None]
 
@@ -89,7 +100,11 @@ class Row:
 
 
 def _input_shape(name: str, device: torch.device) -> tuple[int, int, int]:
-    return CPU_INPUT.get(name, default_input_shape(name)) if device.type == "cpu" else default_input_shape(name)
+    return (
+        CPU_INPUT.get(name, default_input_shape(name))
+        if device.type == "cpu"
+        else default_input_shape(name)
+    )
 
 
 def _fresh_model(name: str, device: torch.device) -> nn.Module:
@@ -104,7 +119,9 @@ def _views(x: torch.Tensor, views: int, generator: torch.Generator) -> torch.Ten
     return augment_views(x, "crop-flip", views, generator)
 
 
-def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32) -> TimedStep:
+def _nonprivate_step(
+    name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32
+) -> TimedStep:
     model = _fresh_model(name, x.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     augment = torch.Generator().manual_seed(1)
@@ -123,9 +140,18 @@ def _nonprivate_step(name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1
 
 
 def _dpscale_step(
-    name: str, engine_name: str, x: torch.Tensor, y: torch.Tensor, views: int = 1, precision: Precision = FP32,
-    bands: int = 1, peft: str = "none", lora_rank: int = 8, user_rows: int = 0, compile: bool = False,
-) -> TimedStep:  # fmt: skip
+    name: str,
+    engine_name: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    views: int = 1,
+    precision: Precision = FP32,
+    bands: int = 1,
+    peft: str = "none",
+    lora_rank: int = 8,
+    user_rows: int = 0,
+    compile: bool = False,
+) -> TimedStep:
     """A step through ``make_private``'s mechanism, as users' loops and the trainer take it (the
     noise from the 128-bit host generator and the accounting included), on the whole batch;
     with ``bands`` > 1, BandMF's correlated noise (its recursion over the last b-1 noise vectors);
@@ -140,8 +166,12 @@ def _dpscale_step(
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     batch = x.shape[0]
     if user_rows and batch % user_rows:
-        raise ValueError(f"-user{user_rows} rows need a batch size divisible by {user_rows}, got {batch}")
-    mechanism = _mechanism(model, optimizer, engine_name, batch, views, precision, bands, user_rows, compile)
+        raise ValueError(
+            f"-user{user_rows} rows need a batch size divisible by {user_rows}, got {batch}"
+        )
+    mechanism = _mechanism(
+        model, optimizer, engine_name, batch, views, precision, bands, user_rows, compile
+    )
     augment = torch.Generator().manual_seed(1)
     indices = torch.arange(batch, device=x.device)
     offsets = torch.arange(0, batch + 1, max(1, user_rows))
@@ -156,27 +186,63 @@ def _dpscale_step(
     # apply_gradient already drops the gradients
     from dpscale.privacy.clipping.autotune import describe_methods
 
-    return TimedStep(step, lambda: None, lambda: type(mechanism.engine).__name__, lambda: describe_methods(mechanism.engine))
+    return TimedStep(
+        step,
+        lambda: None,
+        lambda: type(mechanism.engine).__name__,
+        lambda: describe_methods(mechanism.engine),
+    )
 
 
 def _mechanism(
-    model: nn.Module, optimizer: torch.optim.Optimizer, engine_name: str, batch: int, views: int, precision: Precision,
-    bands: int, user_rows: int, compile: bool,
-) -> DPMechanism:  # fmt: skip
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine_name: str,
+    batch: int,
+    views: int,
+    precision: Precision,
+    bands: int,
+    user_rows: int,
+    compile: bool,
+) -> DPMechanism:
     """``make_private``'s mechanism for a ``_dpscale_step`` row (its arguments' meanings are that function's)."""
     from dpscale.privacy.options import (
-        BandMF, EngineName, Flat, Independent, NoiseMultiplier, PerExample, PerformanceFlags, PerUser, Poisson, PrecisionName,
-    )  # fmt: skip
+        BandMF,
+        EngineName,
+        Flat,
+        Independent,
+        NoiseMultiplier,
+        PerExample,
+        PerformanceFlags,
+        PerUser,
+        Poisson,
+        PrecisionName,
+    )
     from dpscale.train.private import make_private
 
     return make_private(
-        model, optimizer, dataset_size=100 * batch, sampling=Poisson(batch_size=batch // max(1, user_rows)),
-        clipping=Flat(max_grad_norm=CLIP), budget=NoiseMultiplier(sigma=SIGMA, delta=1e-5),
-        steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5, accountant="rdp", augment_multiplicity=views, seed=0,
+        model,
+        optimizer,
+        dataset_size=100 * batch,
+        sampling=Poisson(batch_size=batch // max(1, user_rows)),
+        clipping=Flat(max_grad_norm=CLIP),
+        budget=NoiseMultiplier(sigma=SIGMA, delta=1e-5),
+        steps=BANDMF_BENCH_STEPS if bands > 1 else 10**5,
+        accountant="rdp",
+        augment_multiplicity=views,
+        seed=0,
         noise=BandMF(bands=bands) if bands > 1 else Independent(),
-        unit=PerUser(user_ids=torch.arange(100 * batch) // user_rows, max_examples_per_user=user_rows) if user_rows else PerExample(),
-        performance=PerformanceFlags(engine=cast(EngineName, engine_name), precision=cast(PrecisionName, precision.name), compile=compile),
-    )  # fmt: skip
+        unit=PerUser(
+            user_ids=torch.arange(100 * batch) // user_rows, max_examples_per_user=user_rows
+        )
+        if user_rows
+        else PerExample(),
+        performance=PerformanceFlags(
+            engine=cast(EngineName, engine_name),
+            precision=cast(PrecisionName, precision.name),
+            compile=compile,
+        ),
+    )
 
 
 def _parse_engine(engine: str) -> tuple[str, str, int, int]:
@@ -195,7 +261,9 @@ def _parse_engine(engine: str) -> tuple[str, str, int, int]:
     return kind, mode, views, bands
 
 
-def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precision: Precision = FP32) -> TimedStep:
+def _opacus_step(
+    name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precision: Precision = FP32
+) -> TimedStep:
     import warnings
 
     from opacus import PrivacyEngine
@@ -226,7 +294,9 @@ def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, precisi
         private_optimizer.zero_grad(set_to_none=True)
         with precision.forward(x.device):
             loss = criterion(private_model(x), y)
-        if precision.loss_scale != 1.0:  # (Opacus' ghost mode returns its own loss type, without .float())
+        if (
+            precision.loss_scale != 1.0
+        ):  # (Opacus' ghost mode returns its own loss type, without .float())
             loss = loss.float() * precision.loss_scale
         loss.backward()
         private_optimizer.step()
@@ -275,7 +345,9 @@ def run_step_time(
     # Opacus' hooks warn on every step that the input needs no gradient; not news here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     dev = torch.device(device)
-    if dev.type == "cpu":  # before any step is built: every row, non-private included, allocates alike
+    if (
+        dev.type == "cpu"
+    ):  # before any step is built: every row, non-private included, allocates alike
         keep_freed_memory()
     prec = make_precision(precision)
     defaults = GPU_BATCH if dev.type == "cuda" else DEFAULT_BATCH
@@ -294,8 +366,14 @@ def run_step_time(
 
 
 def _timed_steps(
-    name: str, engines: list[str], x: torch.Tensor, y: torch.Tensor, prec: Precision, lora_rank: int, log: Callable[[str], None],
-) -> dict[str, TimedStep]:  # fmt: skip
+    name: str,
+    engines: list[str],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    prec: Precision,
+    lora_rank: int,
+    log: Callable[[str], None],
+) -> dict[str, TimedStep]:
     """Every engine's step for model ``name`` on (x, y), each run once (those that cannot run are skipped with a log line)."""
     steps: dict[str, TimedStep] = {"nonprivate": _nonprivate_step(name, x, y, precision=prec)}
     for engine in engines:
@@ -307,15 +385,28 @@ def _timed_steps(
                 steps[engine] = _nonprivate_step(name, x, y, views, prec)
             elif kind == "dpscale":
                 base, compiled = compiled_of(engine)
-                steps[engine] = _dpscale_step(name, mode, x, y, views, prec, bands, peft_of(user_rows_of(base)[0])[1],
-                                              lora_rank, user_rows_of(base)[1], compiled)  # fmt: skip
+                steps[engine] = _dpscale_step(
+                    name,
+                    mode,
+                    x,
+                    y,
+                    views,
+                    prec,
+                    bands,
+                    peft_of(user_rows_of(base)[0])[1],
+                    lora_rank,
+                    user_rows_of(base)[1],
+                    compiled,
+                )
             elif kind == "opacus" and views == 1 and bands == 1:
                 steps[engine] = _opacus_step(name, mode, x, y, prec)
             else:
                 raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ALL_ENGINES)}")
             steps[engine].run()  # fail here, not mid-measurement
         except ImportError:
-            log(f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')")
+            log(
+                f"skip {engine}: opacus is not installed (pip install -c constraints.txt '.[bench]')"
+            )
             steps.pop(engine, None)
         except (RuntimeError, ValueError, NotImplementedError) as err:
             log(f"skip {name} {engine}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
@@ -323,7 +414,9 @@ def _timed_steps(
     return steps
 
 
-NOISE_TOLERANCE = 0.05  # bk and auto running the same engine must agree within this, else the table is noisy
+NOISE_TOLERANCE = (
+    0.05  # bk and auto running the same engine must agree within this, else the table is noisy
+)
 
 
 def _measure(
@@ -356,8 +449,18 @@ def _measure(
     base = statistics.median(times["nonprivate"])
     for engine, timed in steps.items():
         median = statistics.median(times[engine])
-        rows.append(Row(label, batch, engine, 1000 * median, median / base, _peak_memory_mb(timed, dev), repeats,
-                        timed.engine()))  # fmt: skip
+        rows.append(
+            Row(
+                label,
+                batch,
+                engine,
+                1000 * median,
+                median / base,
+                _peak_memory_mb(timed, dev),
+                repeats,
+                timed.engine(),
+            )
+        )
         log(f"{label} B={batch} {engine}: {1000 * median:.1f} ms ({median / base:.2f}x)")
         methods = timed.methods()
         if methods:  # which choices the tuner's cache gave (a busy machine's cache once made every step slow)
@@ -378,22 +481,29 @@ def noisy_rows(rows: list[Row], tolerance: float = NOISE_TOLERANCE) -> list[str]
             continue
         gap = abs(auto.median_ms - r.median_ms) / min(auto.median_ms, r.median_ms)
         if gap > tolerance:
-            found.append(f"{r.model} B={r.batch_size}: {r.engine} and {auto.engine} both ran {r.resolved} but differ "
-                         f"by {100 * gap:.0f}% (> {100 * tolerance:.0f}%)")  # fmt: skip
+            found.append(
+                f"{r.model} B={r.batch_size}: {r.engine} and {auto.engine} both ran {r.resolved} but differ "
+                f"by {100 * gap:.0f}% (> {100 * tolerance:.0f}%)"
+            )
     return found
 
 
 def _cpu_name() -> str:
-    from dpscale.privacy.clipping import autotune_cache  # looked up at the call: a test's patch of it takes
+    # looked up at the call: a test's patch of it takes
+    from dpscale.privacy.clipping import autotune_cache
 
     cpu = autotune_cache.cpu_model() or platform.machine() + " CPU"
     return f"{cpu} ({autotune_cache.cpu_isa()} kernels), {os.cpu_count()} logical cores"
 
 
 def markdown_table(
-    rows: list[Row], command: str, device: str, precision: str = "fp32", clock: str = "wall",
+    rows: list[Row],
+    command: str,
+    device: str,
+    precision: str = "fp32",
+    clock: str = "wall",
     load: tuple[float, float] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     threads = torch.get_num_threads()
     machine = torch.cuda.get_device_name() if device.startswith("cuda") else _cpu_name()
     clock_words = "thread-CPU time of the timing thread" if clock == "thread" else "wall clock"
@@ -419,7 +529,11 @@ def markdown_table(
     ]
     base_mem = {(r.model, r.batch_size): r.peak_mem_mb for r in rows if r.engine == "nonprivate"}
     for r in rows:
-        mem_ratio = r.peak_mem_mb / base_mem[(r.model, r.batch_size)] if base_mem.get((r.model, r.batch_size)) else float("nan")
+        mem_ratio = (
+            r.peak_mem_mb / base_mem[(r.model, r.batch_size)]
+            if base_mem.get((r.model, r.batch_size))
+            else float("nan")
+        )
         lines.append(
             f"| {r.model} | {r.batch_size} | {r.engine} | {r.median_ms:.1f} | {r.ratio_to_nonprivate:.2f} | "
             f"{r.peak_mem_mb:.1f} | {mem_ratio:.2f} |"

@@ -49,7 +49,14 @@ def main(args: argparse.Namespace) -> int:
     )
     load = (load_before, _load_average())
     if args.json:
-        print(json.dumps([{k: v for k, v in asdict(r).items() if k not in ("repeats", "resolved")} for r in rows]))
+        print(
+            json.dumps(
+                [
+                    {k: v for k, v in asdict(r).items() if k not in ("repeats", "resolved")}
+                    for r in rows
+                ]
+            )
+        )
     command = "dpscale bench step-time " + " ".join(args.argv)
     table = markdown_table(rows, command.strip(), args.device, args.precision, args.clock, load)
     if not args.json:
@@ -66,7 +73,9 @@ def _set_threads(args: argparse.Namespace) -> None:
         if args.device != "cpu":
             raise ConfigError("--clock thread measures CPU time: use it with --device cpu")
         if args.threads not in (None, 1):
-            raise ConfigError("--clock thread times one torch thread: leave --threads out or set it to 1")
+            raise ConfigError(
+                "--clock thread times one torch thread: leave --threads out or set it to 1"
+            )
         torch.set_num_threads(1)
     elif args.threads:
         torch.set_num_threads(args.threads)

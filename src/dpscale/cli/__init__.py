@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpscale.cli import account, audit, info, outputs, tan, train, tune
     from dpscale.cli.data import add_data_parser
 
-    parser = argparse.ArgumentParser(prog="dpscale", description="Differentially private training of image classifiers")
+    parser = argparse.ArgumentParser(
+        prog="dpscale", description="Differentially private training of image classifiers"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_train_parsers(sub)
     audit.add_audit_parser(sub)
@@ -58,7 +60,14 @@ def _dpscale_warnings_as_lines(show: Callable[..., None]) -> Callable[..., None]
     if getattr(show, "dpscale_lines", False):
         return show
 
-    def shown(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: str | None = None) -> None:
+    def shown(
+        message: Any,
+        category: type,
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
         if f"{os.sep}dpscale{os.sep}" in filename:
             print(f"WARNING: {message}", file=file or sys.stderr)
         else:
@@ -139,7 +148,9 @@ def _one_line(err: BaseException) -> str:
 def _leave_process_group() -> None:
     """End a torchrun job's process group cleanly, after every rank got here (a no-op for a
     single process)."""
-    if "torch" not in sys.modules:  # a command that never loaded torch (dpscale account) has no group
+    if (
+        "torch" not in sys.modules
+    ):  # a command that never loaded torch (dpscale account) has no group
         return
     import torch.distributed as dist
 

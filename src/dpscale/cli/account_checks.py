@@ -40,7 +40,10 @@ def feature_releases_of(data_norm_noise: float | None, feature_mean_noise: float
     """
     from dpscale.privacy.accounting.segments import feature_releases
 
-    for flag, sigma in (("--data-norm-noise", data_norm_noise), ("--feature-mean-noise", feature_mean_noise)):
+    for flag, sigma in (
+        ("--data-norm-noise", data_norm_noise),
+        ("--feature-mean-noise", feature_mean_noise),
+    ):
         if sigma is not None and not sigma > 0:
             raise ConfigError(f"{flag} must be > 0, got {sigma}")
     return feature_releases(data_norm_noise, feature_mean_noise)
@@ -54,12 +57,16 @@ def _check_account_args(args: argparse.Namespace) -> None:
     if not 0 < args.delta < 1:
         raise ConfigError(f"--delta must be in (0, 1), got {args.delta}")
     if args.noise is None and args.target_epsilon is None:
-        raise ConfigError("give --noise (to compute epsilon) or --target-epsilon (to calibrate the noise)")
+        raise ConfigError(
+            "give --noise (to compute epsilon) or --target-epsilon (to calibrate the noise)"
+        )
     if args.epochs is not None and not (args.epochs > 0 and math.isfinite(args.epochs)):
         raise ConfigError(f"--epochs must be a positive number, got {args.epochs}")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if args.target_epsilon is not None and not (args.target_epsilon > 0 and math.isfinite(args.target_epsilon)):
+    if args.target_epsilon is not None and not (
+        args.target_epsilon > 0 and math.isfinite(args.target_epsilon)
+    ):
         raise ConfigError(f"--target-epsilon must be a positive number, got {args.target_epsilon}")
     if args.noise is not None and args.noise <= 0:
         raise ConfigError(f"--noise must be > 0, got {args.noise}")
@@ -70,11 +77,16 @@ def _check_sampling_args(args: argparse.Namespace) -> None:
     that composes them (fixed: RDP, the only one dp_accounting has for sampling without replacement)."""
     if args.sampling == "poisson":
         return
-    refused = [(args.mechanism == "bandmf", "--mechanism bandmf (cyclic Poisson sampling)"),
-               (args.unit == "user", "--unit user (people are Poisson-sampled)"),
-               (args.group_size is not None, "--group-size (the group reading is written for add/remove adjacency)"),
-               (args.max_batch_size is not None, "--max-batch-size (it caps Poisson batches)"),
-               (args.batch_size != int(args.batch_size), f"a fractional --batch-size {args.batch_size}")]  # fmt: skip
+    refused = [
+        (args.mechanism == "bandmf", "--mechanism bandmf (cyclic Poisson sampling)"),
+        (args.unit == "user", "--unit user (people are Poisson-sampled)"),
+        (
+            args.group_size is not None,
+            "--group-size (the group reading is written for add/remove adjacency)",
+        ),
+        (args.max_batch_size is not None, "--max-batch-size (it caps Poisson batches)"),
+        (args.batch_size != int(args.batch_size), f"a fractional --batch-size {args.batch_size}"),
+    ]
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--sampling {args.sampling} is not accounted with {what}")
@@ -94,9 +106,11 @@ def _check_cap_args(args: argparse.Namespace) -> None:
     refused = [
         (args.mechanism == "bandmf", "--mechanism bandmf"),
         (args.group_size is not None, "--group-size"),
-        (args.target_epsilon is not None and args.noise is not None,
-         "--target-epsilon and --noise (solving the length under a cap is not built: give --epochs or --steps)"),
-    ]  # fmt: skip
+        (
+            args.target_epsilon is not None and args.noise is not None,
+            "--target-epsilon and --noise (solving the length under a cap is not built: give --epochs or --steps)",
+        ),
+    ]
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--max-batch-size is not accounted with {what}")
@@ -112,11 +126,15 @@ def _check_unit_args(args: argparse.Namespace) -> None:
     centring clip one row per person: the same releases, so --data-norm-noise composes as it is.)"""
     per_user, group = args.examples_per_user, args.group_size
     if per_user is not None and args.unit != "user":
-        raise ConfigError("--examples-per-user needs --unit user (for an example-level run, --group-size K says what "
-                          "it promises a person with K images)")  # fmt: skip
+        raise ConfigError(
+            "--examples-per-user needs --unit user (for an example-level run, --group-size K says what "
+            "it promises a person with K images)"
+        )
     if group is not None and args.unit == "user":
-        raise ConfigError("--group-size is for example-level runs: a --unit user guarantee already covers all of a "
-                          "person's images")  # fmt: skip
+        raise ConfigError(
+            "--group-size is for example-level runs: a --unit user guarantee already covers all of a "
+            "person's images"
+        )
     for flag, k in (("--examples-per-user", per_user), ("--group-size", group)):
         if k is not None and k < 1:
             raise ConfigError(f"{flag} must be >= 1, got {k}")

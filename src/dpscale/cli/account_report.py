@@ -20,10 +20,15 @@ def print_account(result: dict[str, Any], with_releases: bool) -> None:
     people = result["unit"] == "user"
     _print_plan(result, people)
     _print_epsilon(result, people, with_releases)
-    poisson_wall = sigma < PRIVACY_WALL_SIGMA and result["sampling"] == "poisson"  # no eps_TAN reading of other samplers
+    # no eps_TAN reading of other samplers
+    poisson_wall = sigma < PRIVACY_WALL_SIGMA and result["sampling"] == "poisson"
     wall = "  (sigma < 2: beyond the privacy wall, eps_TAN is optimistic)" if poisson_wall else ""
     alone = " (DP-SGD steps alone)" if with_releases else ""
-    alone += "" if result["sampling"] == "poisson" else " (of Poisson sampling: no estimate of this sampling)"
+    alone += (
+        ""
+        if result["sampling"] == "poisson"
+        else " (of Poisson sampling: no estimate of this sampling)"
+    )
     print(f"  eps_TAN = {result['eps_tan']:.4f}{alone}  [Sander et al. 2023, eq. 4]{wall}")
     if result["wall_warning"]:
         print(f"WARNING: {result['wall_warning']}")
@@ -32,17 +37,27 @@ def print_account(result: dict[str, Any], with_releases: bool) -> None:
         print(f"  {format_odds(result)} [from {result['odds_from']}]")
         print(f"  {result['odds']}")
     if people:
-        cap = f" and dp.max_batch_size={result['max_batch_size']}" if result.get("max_batch_size") else ""
-        print("NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
-              f"gradient: train it with data.privacy_unit=user and dp.max_examples_per_user{cap} (docs/privacy-units.md)")  # fmt: skip
+        cap = (
+            f" and dp.max_batch_size={result['max_batch_size']}"
+            if result.get("max_batch_size")
+            else ""
+        )
+        print(
+            "NOTE: this plan needs each step to sample people with probability q and to clip each person's summed "
+            f"gradient: train it with data.privacy_unit=user and dp.max_examples_per_user{cap} (docs/privacy-units.md)"
+        )
     if result["group_privacy"]:
         _print_group(result["group_privacy"], result["epsilon"], result["delta"])
 
 
 def _print_plan(result: dict[str, Any], people: bool) -> None:
     """The plan's lines: the sampling, q, sigma and the length; the sampling's note; the person unit."""
-    n, b, q, sigma, steps = (result[k] for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps"))
-    mode = "truncated" if result.get("max_batch_size") else result["sampling"]  # a cap's own line follows
+    n, b, q, sigma, steps = (
+        result[k]
+        for k in ("dataset_size", "batch_size", "sample_rate", "noise_multiplier", "steps")
+    )
+    # a cap's own line follows
+    mode = "truncated" if result.get("max_batch_size") else result["sampling"]
     print(
         f"DP-SGD with {SAMPLING_WORDS[mode]}{' of people' if people else ''} q = {b}/{n} = {q:.6g}, "
         f"noise multiplier sigma = {sigma:.6g}, {steps} steps ({steps * q:.4g} "
@@ -52,21 +67,33 @@ def _print_plan(result: dict[str, Any], people: bool) -> None:
         print(f"  {SAMPLING_NOTES[mode]}")
     if people:
         k = f"{result['examples_per_user']} images each; " if result["examples_per_user"] else ""
-        print(f"  privacy unit: one person ({k}each person's summed gradient is clipped to C, so epsilon does not "
-              "depend on their number of images)")  # fmt: skip
+        print(
+            f"  privacy unit: one person ({k}each person's summed gradient is clipped to C, so epsilon does not "
+            "depend on their number of images)"
+        )
 
 
 def _print_epsilon(result: dict[str, Any], people: bool, with_releases: bool) -> None:
     """Epsilon's line (the releases it composes), and a batch cap's line with its cost."""
     from dpscale.privacy.plan.sampling_plan import cap_cost_text
 
-    parts = [f"private Data Normalization (sigma_norm = {result['data_norm_noise']:g})"] if result["data_norm_noise"] else []
+    parts = (
+        [f"private Data Normalization (sigma_norm = {result['data_norm_noise']:g})"]
+        if result["data_norm_noise"]
+        else []
+    )
     if result["feature_mean_noise"]:
         parts.append(f"private centring (sigma_center = {result['feature_mean_noise']:g})")
     norm = f", composed with {' and '.join(parts)}" if with_releases else ""
-    print(f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}")
+    print(
+        f"  epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g}  [{result['accountant']} accountant]{norm}"
+    )
     if result.get("max_batch_size"):
-        how = "the smallest cap within 1% of uncapped Poisson" if result["max_batch_size_auto"] else "the cap given"
+        how = (
+            "the smallest cap within 1% of uncapped Poisson"
+            if result["max_batch_size_auto"]
+            else "the cap given"
+        )
         cost = cap_cost_text(result["epsilon"], result["poisson_epsilon"], percent=True)
         print(
             f"  batches capped at {result['max_batch_size']}{' people' if people else ''} ({how}; truncated Poisson, dp_accounting's "
@@ -97,12 +124,16 @@ def _print_group(group: dict[str, Any], epsilon: float, delta: float) -> None:
     print("  " + group["meaning"])
 
 
-SAMPLING_WORDS = {"poisson": "Poisson sampling", "fixed": "fixed-size batches (without replacement each step)",
-                  "shuffle": "shuffled fixed-size batches", "truncated": "capped Poisson sampling"}  # fmt: skip
+SAMPLING_WORDS = {
+    "poisson": "Poisson sampling",
+    "fixed": "fixed-size batches (without replacement each step)",
+    "shuffle": "shuffled fixed-size batches",
+    "truncated": "capped Poisson sampling",
+}
 SAMPLING_NOTES = {
     "fixed": "replace-one adjacency (one image replaced by another): dp_accounting's SampledWithoutReplacementDpEvent, "
-             "RDP, noise multiplier sigma/2 (the clipped sum moves by up to 2C)",
+    "RDP, noise multiplier sigma/2 (the clipped sum moves by up to 2C)",
     "shuffle": "no amplification by sampling: each image in at most one step per epoch, the epochs' Gaussians (noise "
-               "multiplier sigma/2, replace-one adjacency) composed; Chua et al. 2024 show the Poisson epsilon does "
-               "not cover shuffling. --sampling fixed keeps fixed-size batches with amplification",
-}  # fmt: skip
+    "multiplier sigma/2, replace-one adjacency) composed; Chua et al. 2024 show the Poisson epsilon does "
+    "not cover shuffling. --sampling fixed keeps fixed-size batches with amplification",
+}

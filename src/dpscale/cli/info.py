@@ -26,12 +26,21 @@ def _cmd_presets(args: argparse.Namespace) -> int:
         return _print_preset(args.name, args.json)
     presets = list_presets()
     if args.json:
-        print(json.dumps([{"name": p.name, "description": p.description, "source": p.source} for p in presets]))
+        print(
+            json.dumps(
+                [
+                    {"name": p.name, "description": p.description, "source": p.source}
+                    for p in presets
+                ]
+            )
+        )
         return 0
     width = max(len(p.name) for p in presets) + 1
     for preset in presets:
         print(f"{preset.name:<{width}} {preset.description}")
-    print("\nrun one with: dpscale train preset:NAME --set data.root=DIR   (dpscale presets NAME shows it as YAML)")
+    print(
+        "\nrun one with: dpscale train preset:NAME --set data.root=DIR   (dpscale presets NAME shows it as YAML)"
+    )
     return 0
 
 
@@ -46,7 +55,16 @@ def _print_preset(name: str, as_json: bool) -> int:
     except KeyError as err:
         raise ConfigError(err.args[0]) from err
     if as_json:
-        print(json.dumps({"name": preset.name, "description": preset.description, "source": preset.source, "values": preset.values}))
+        print(
+            json.dumps(
+                {
+                    "name": preset.name,
+                    "description": preset.description,
+                    "source": preset.source,
+                    "values": preset.values,
+                }
+            )
+        )
         return 0
     source = "\n".join(f"# {line}" for line in textwrap.wrap(preset.source, 96))
     print(f"# preset:{preset.name}: {preset.description}\n{source}")
@@ -63,13 +81,22 @@ def _cmd_models(args: argparse.Namespace) -> int:
     for name in list_models():
         shape = default_input_shape(name)
         model = build_model(name, 10, shape)
-        rows.append({"name": name, "params": count_parameters(model), "input_shape": list(shape), "engines": supported_engines(model)})
+        rows.append(
+            {
+                "name": name,
+                "params": count_parameters(model),
+                "input_shape": list(shape),
+                "engines": supported_engines(model),
+            }
+        )
     if args.json:
         print(json.dumps(rows))
         return 0
     for row in rows:
         shown = "x".join(map(str, row["input_shape"]))
-        print(f"{row['name']:<26} {row['params']:>10,} params  input {shown:<8} engines: {', '.join(row['engines'])}")
+        print(
+            f"{row['name']:<26} {row['params']:>10,} params  input {shown:<8} engines: {', '.join(row['engines'])}"
+        )
     return 0
 
 

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpscale.choices import ACCOUNTANT_KINDS
-from dpscale.cli.args import float_list, number_arg, positive_float_list, positive_int_list, refusals_as_config_errors, time_stamp
+from dpscale.cli.args import (
+    float_list,
+    number_arg,
+    positive_float_list,
+    positive_int_list,
+    refusals_as_config_errors,
+    time_stamp,
+)
 from dpscale.cli.tan_fit import add_fit_parser
 from dpscale.errors import ConfigError
 
@@ -40,14 +47,18 @@ def _cmd_tan_simulate(args: argparse.Namespace) -> int:
     overrides = [*args.set, f"dp.simulated_batch_size={args.batch_size}"]
     config = load_config(args.config, overrides)
     if not args.batch_size < config.dp.batch_size:
-        raise ConfigError(f"--batch-size {args.batch_size} must be smaller than the reference run's dp.batch_size={config.dp.batch_size}")
+        raise ConfigError(
+            f"--batch-size {args.batch_size} must be smaller than the reference run's dp.batch_size={config.dp.batch_size}"
+        )
     if args.dry_run:
         return _print_simulation_plan(config)
     if config.run.out_dir is None:
         from dpscale.train.distributed import init_distributed
         from dpscale.train.rundir import default_out_dir
 
-        out = init_distributed(config.run.device).broadcast_object(f"{default_out_dir(config)}-tan-b{args.batch_size}")
+        out = init_distributed(config.run.device).broadcast_object(
+            f"{default_out_dir(config)}-tan-b{args.batch_size}"
+        )
         config = replace(config, run=replace(config.run, out_dir=out))
     return run_training(config, max_steps=args.max_steps, quiet=args.quiet)
 
@@ -61,7 +72,8 @@ def _print_simulation_plan(config: Config) -> int:
     """The plans the Trainer would build for the reference run and its simulation, without training."""
     from dpscale.train.inputs import plan_for, plan_inputs
 
-    inputs = plan_inputs(config, log=_log)  # N, steps and releases exactly as the Trainer finds them
+    # N, steps and releases exactly as the Trainer finds them
+    inputs = plan_inputs(config, log=_log)
     plan, steps = plan_for(config, inputs), inputs.steps
     sim = plan.simulation
     # _cmd_tan_simulate set dp.simulated_batch_size below dp.batch_size: the plan is a TAN simulation's
@@ -87,7 +99,13 @@ def _cmd_tan_privacy_search(args: argparse.Namespace) -> int:
     _check_privacy_args(args.dataset_size, args.batch_size, args.noise, args.steps, args.delta)
     with refusals_as_config_errors():  # e.g. a delta the PLD accountant cannot resolve
         rows = privacy_search_table(
-            args.dataset_size, args.batch_size, args.noise, args.steps, args.delta, args.accountant, args.steps_factors
+            args.dataset_size,
+            args.batch_size,
+            args.noise,
+            args.steps,
+            args.delta,
+            args.accountant,
+            args.steps_factors,
         )
     written, skipped = _write_pair_configs(args, rows) if args.config else ({}, {})
     if args.json:
@@ -112,16 +130,25 @@ def _cmd_tan_privacy_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_pairs(args: argparse.Namespace, rows: list, written: dict[int, str], skipped: dict[int, str]) -> None:
+def _print_pairs(
+    args: argparse.Namespace, rows: list, written: dict[int, str], skipped: dict[int, str]
+) -> None:
     print(
         f"(B, S) pairs at sigma={args.noise:g} and constant eta (TAN Section 4.3), N={args.dataset_size}, "
         f"delta={args.delta:g}, {args.accountant} accountant:"
     )
-    print(f"{'S':>9} {'B':>11} {'epsilon':>9} {'eps_TAN':>9} {'lr scale':>9}" + ("  lr" if args.lr else ""))
+    print(
+        f"{'S':>9} {'B':>11} {'epsilon':>9} {'eps_TAN':>9} {'lr scale':>9}"
+        + ("  lr" if args.lr else "")
+    )
     for r in rows:
         lr = f"  {args.lr * r.lr_scale:.4g}" if args.lr else ""
-        print(f"{r.steps:>9} {r.batch_size:>11.2f} {r.epsilon:>9.4f} {r.eps_tan:>9.4f} {r.lr_scale:>9.4g}{lr}")
-    print("B is the expected batch size of Poisson sampling; a fractional B keeps eta exact. TAN scales the learning rate inversely to S.")
+        print(
+            f"{r.steps:>9} {r.batch_size:>11.2f} {r.epsilon:>9.4f} {r.eps_tan:>9.4f} {r.lr_scale:>9.4g}{lr}"
+        )
+    print(
+        "B is the expected batch size of Poisson sampling; a fractional B keeps eta exact. TAN scales the learning rate inversely to S."
+    )
     for r in rows:
         if not args.config:
             lr = f" --set optim.lr={args.lr * r.lr_scale:.6g}" if args.lr else ""
@@ -134,10 +161,14 @@ def _print_pairs(args: argparse.Namespace, rows: list, written: dict[int, str], 
         else:
             print(f"  S={r.steps}: no config written: {skipped[r.steps]}")
     if args.noise < 2:
-        print("WARNING: sigma < 2: beyond the privacy wall the accountant's epsilon differs from pair to pair")
+        print(
+            "WARNING: sigma < 2: beyond the privacy wall the accountant's epsilon differs from pair to pair"
+        )
 
 
-def _write_pair_configs(args: argparse.Namespace, rows: list) -> tuple[dict[int, str], dict[int, str]]:
+def _write_pair_configs(
+    args: argparse.Namespace, rows: list
+) -> tuple[dict[int, str], dict[int, str]]:
     """One YAML per pair that the trainer would accept (budget, releases, sampling).
 
     Returns:
@@ -180,7 +211,11 @@ def _check_same_run(args: argparse.Namespace, base: Config, dataset_size: int) -
         "--delta": (args.delta, base.dp.delta),
         "--accountant": (args.accountant, base.dp.accountant),
     }
-    wrong = [f"{flag} {given} but the config has {have}" for flag, (given, have) in mismatch.items() if given != have]
+    wrong = [
+        f"{flag} {given} but the config has {have}"
+        for flag, (given, have) in mismatch.items()
+        if given != have
+    ]
     if wrong:
         raise ConfigError("--config must describe the same run: " + "; ".join(wrong))
 
@@ -189,7 +224,12 @@ def _pair_config(base: Config, row: Any) -> Config:
     """``base`` at one (B, S) pair: its sigma, steps and scaled learning rate, a fresh out_dir."""
     return replace(
         base,
-        dp=replace(base.dp, batch_size=_whole(row.batch_size), noise_multiplier=row.noise_multiplier, simulated_batch_size=None),
+        dp=replace(
+            base.dp,
+            batch_size=_whole(row.batch_size),
+            noise_multiplier=row.noise_multiplier,
+            simulated_batch_size=None,
+        ),
         train=replace(base.train, steps=row.steps, epochs=None),
         optim=replace(base.optim, lr=base.optim.lr * row.lr_scale),
         run=replace(base.run, out_dir=None),
@@ -209,8 +249,13 @@ def _cmd_tan_wall(args: argparse.Namespace) -> int:
         raise ConfigError(f"--delta must be in (0, 1), got {args.delta}")
     eta = _wall_eta(args)
     with refusals_as_config_errors():  # e.g. a delta the PLD accountant cannot resolve
-        rows = wall_table(eta, tuple(args.steps or (1000, 10000, 100000)), args.delta, args.accountant,
-                          args.sigmas or DEFAULT_WALL_SIGMAS)  # fmt: skip
+        rows = wall_table(
+            eta,
+            tuple(args.steps or (1000, 10000, 100000)),
+            args.delta,
+            args.accountant,
+            args.sigmas or DEFAULT_WALL_SIGMAS,
+        )
     plot_path = None
     if not args.no_plot:
         from dpscale.tune.plot import plot_wall
@@ -246,7 +291,9 @@ def _wall_eta(args: argparse.Namespace) -> float:
         with refusals_as_config_errors():  # an eps_TAN that no eta gives
             return eta_for_eps_tan(args.epsilon_tan, args.delta)
     if any(v is None for v in reference) or args.steps is None or len(args.steps) != 1:
-        raise ConfigError("a reference run needs --dataset-size, --batch-size, --noise and one --steps")
+        raise ConfigError(
+            "a reference run needs --dataset-size, --batch-size, --noise and one --steps"
+        )
     _check_privacy_args(args.dataset_size, args.batch_size, args.noise, args.steps[0], args.delta)
     return tan_eta(args.batch_size / args.dataset_size, args.noise, args.steps[0])
 
@@ -261,7 +308,9 @@ def _print_wall(args: argparse.Namespace, eta: float, rows: list, plot_path: Pat
     print(f"{'S':>8} {'sigma':>7} {'q':>10} {'epsilon':>10} {'eps/eps_TAN':>12}")
     for r in rows:
         flag = "  <- wall" if privacy_wall_warning(r.epsilon, r.noise_multiplier, r.eps_tan) else ""
-        print(f"{r.steps:>8} {r.noise_multiplier:>7.3g} {r.sample_rate:>10.4g} {r.epsilon:>10.4f} {r.ratio:>12.3f}{flag}")
+        print(
+            f"{r.steps:>8} {r.noise_multiplier:>7.3g} {r.sample_rate:>10.4g} {r.epsilon:>10.4f} {r.ratio:>12.3f}{flag}"
+        )
     if plot_path:
         print(f"wrote {plot_path}")
 
@@ -290,7 +339,9 @@ def _cmd_tan_data_size(args: argparse.Namespace) -> int:
         f"N multiplied by a factor at fixed B={args.batch_size:g}, sigma={args.noise:g}, S={args.steps} "
         f"({how}; {args.accountant} accountant; TAN Table 5):"
     )
-    print(f"{'factor':>7} {'N':>10} {'q':>9} {'delta':>9} {'epsilon':>9} {'eps_TAN':>9} {'N*eta':>9}")
+    print(
+        f"{'factor':>7} {'N':>10} {'q':>9} {'delta':>9} {'epsilon':>9} {'eps_TAN':>9} {'N*eta':>9}"
+    )
     for r in rows:
         print(
             f"{r.factor:>7.3g} {r.dataset_size:>10} {r.sample_rate:>9.4g} {r.delta:>9.3g} {r.epsilon:>9.4f} "
@@ -306,7 +357,9 @@ def _cmd_tan_data_size(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def add_tan_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tan`` and its sub-commands."""
-    tan = sub.add_parser("tan", help="TAN tools: simulate, fit, privacy-search, wall, data-size (Sander et al. 2023)")
+    tan = sub.add_parser(
+        "tan", help="TAN tools: simulate, fit, privacy-search, wall, data-size (Sander et al. 2023)"
+    )
     tan_sub = tan.add_subparsers(dest="tan_command", required=True)
     _add_simulate_parser(tan_sub)
     add_fit_parser(tan_sub)
@@ -317,46 +370,79 @@ def add_tan_parser(sub: argparse._SubParsersAction) -> None:
 
 def _privacy_args(p: argparse.ArgumentParser, steps_required: bool = True) -> None:
     p.add_argument("--dataset-size", type=int, required=True, help="N")
-    p.add_argument("--batch-size", type=number_arg, required=True, help="expected batch size B (q = B/N)")
+    p.add_argument(
+        "--batch-size", type=number_arg, required=True, help="expected batch size B (q = B/N)"
+    )
     p.add_argument("--noise", type=float, required=True, help="noise multiplier sigma")
     p.add_argument("--steps", type=int, required=steps_required, help="steps S")
     p.add_argument("--delta", type=float, default=1e-5)
 
 
 def _add_simulate_parser(tan_sub: argparse._SubParsersAction) -> None:
-    sim = tan_sub.add_parser("simulate", help="train the cheap TAN simulation of a config at a smaller batch size")
+    sim = tan_sub.add_parser(
+        "simulate", help="train the cheap TAN simulation of a config at a smaller batch size"
+    )
     sim.add_argument("config", nargs="?", help="YAML config or preset:NAME: the reference run")
-    sim.add_argument("--batch-size", type=number_arg, required=True, help="simulated batch size B (< the config's)")
+    sim.add_argument(
+        "--batch-size",
+        type=number_arg,
+        required=True,
+        help="simulated batch size B (< the config's)",
+    )
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    sim.add_argument("--dry-run", action="store_true", help="print the reference and simulated plans only")
+    sim.add_argument(
+        "--dry-run", action="store_true", help="print the reference and simulated plans only"
+    )
     sim.add_argument("--max-steps", type=int, metavar="N")
     sim.add_argument("--quiet", action="store_true")
     sim.set_defaults(func=_cmd_tan_simulate)
 
 
 def _add_privacy_search_parser(tan_sub: argparse._SubParsersAction) -> None:
-    search = tan_sub.add_parser("privacy-search", help="(B, S) pairs at fixed sigma and TAN, with their epsilon")
+    search = tan_sub.add_parser(
+        "privacy-search", help="(B, S) pairs at fixed sigma and TAN, with their epsilon"
+    )
     _privacy_args(search)
     search.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="pld")
-    search.add_argument("--steps-factors", type=float_list, default=(0.25, 0.5, 1.0, 2.0, 4.0), metavar="M1,M2,...")
+    search.add_argument(
+        "--steps-factors", type=float_list, default=(0.25, 0.5, 1.0, 2.0, 4.0), metavar="M1,M2,..."
+    )
     search.add_argument("--lr", type=float, help="the reference learning rate (prints each pair's)")
-    search.add_argument("--config", help="write a ready config per pair from this one (YAML or preset:NAME)")
-    search.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --config")
+    search.add_argument(
+        "--config", help="write a ready config per pair from this one (YAML or preset:NAME)"
+    )
+    search.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="with --config"
+    )
     search.add_argument("--out", help="directory for the pair configs (default tan-search-<time>)")
     search.add_argument("--json", action="store_true")
     search.set_defaults(func=_cmd_tan_privacy_search)
 
 
 def _add_wall_parser(tan_sub: argparse._SubParsersAction) -> None:
-    wall = tan_sub.add_parser("wall", help="epsilon vs sigma at constant eta: the privacy wall (TAN Figure 2)")
-    wall.add_argument("--epsilon-tan", type=float, default=3.0, help="choose eta so that eps_TAN is this")
+    wall = tan_sub.add_parser(
+        "wall", help="epsilon vs sigma at constant eta: the privacy wall (TAN Figure 2)"
+    )
+    wall.add_argument(
+        "--epsilon-tan", type=float, default=3.0, help="choose eta so that eps_TAN is this"
+    )
     wall.add_argument("--dataset-size", type=int, help="or take eta from a reference run: N")
     wall.add_argument("--batch-size", type=number_arg, help="reference B")
     wall.add_argument("--noise", type=float, help="reference sigma")
-    wall.add_argument("--steps", type=positive_int_list, metavar="S1,S2,...", help="curves for these S (default 1000,10000,100000)")
+    wall.add_argument(
+        "--steps",
+        type=positive_int_list,
+        metavar="S1,S2,...",
+        help="curves for these S (default 1000,10000,100000)",
+    )
     wall.add_argument("--sigmas", type=positive_float_list, default=None, metavar="SIGMA1,...")
     wall.add_argument("--delta", type=float, default=1e-5)
-    wall.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="rdp", help="rdp (as TAN Figure 2; PLD is slow far below the wall)")
+    wall.add_argument(
+        "--accountant",
+        choices=ACCOUNTANT_KINDS,
+        default="rdp",
+        help="rdp (as TAN Figure 2; PLD is slow far below the wall)",
+    )
     wall.add_argument("--plot", default="tan_wall.png", metavar="PNG")
     wall.add_argument("--no-plot", action="store_true")
     wall.add_argument("--json", action="store_true")
@@ -364,10 +450,16 @@ def _add_wall_parser(tan_sub: argparse._SubParsersAction) -> None:
 
 
 def _add_data_size_parser(tan_sub: argparse._SubParsersAction) -> None:
-    data = tan_sub.add_parser("data-size", help="how epsilon changes when N grows by a factor (TAN Table 5)")
+    data = tan_sub.add_parser(
+        "data-size", help="how epsilon changes when N grows by a factor (TAN Table 5)"
+    )
     _privacy_args(data)
-    data.add_argument("--factors", type=float_list, default=(0.5, 1.0, 2.0, 4.0, 10.0), metavar="F1,F2,...")
-    data.add_argument("--keep-delta", action="store_true", help="keep delta (TAN divides it by the factor)")
+    data.add_argument(
+        "--factors", type=float_list, default=(0.5, 1.0, 2.0, 4.0, 10.0), metavar="F1,F2,..."
+    )
+    data.add_argument(
+        "--keep-delta", action="store_true", help="keep delta (TAN divides it by the factor)"
+    )
     data.add_argument("--accountant", choices=ACCOUNTANT_KINDS, default="pld")
     data.add_argument("--json", action="store_true")
     data.set_defaults(func=_cmd_tan_data_size)

@@ -19,16 +19,37 @@ def add_fit_parser(tan_sub: argparse._SubParsersAction) -> None:
     Args:
         tan_sub: the sub-commands of ``dpscale tan``.
     """
-    fit = tan_sub.add_parser("fit", help="fit the batch scaling law (accuracy vs log B) on a sweep of simulations")
-    fit.add_argument("sweep_dirs", nargs="+", metavar="SWEEP_DIR", help="one or more sweeps (their runs are pooled)")
-    fit.add_argument("--out", metavar="DIR", help="where tan_fit.json/.png go (default: the first SWEEP_DIR)")
+    fit = tan_sub.add_parser(
+        "fit", help="fit the batch scaling law (accuracy vs log B) on a sweep of simulations"
+    )
+    fit.add_argument(
+        "sweep_dirs",
+        nargs="+",
+        metavar="SWEEP_DIR",
+        help="one or more sweeps (their runs are pooled)",
+    )
+    fit.add_argument(
+        "--out", metavar="DIR", help="where tan_fit.json/.png go (default: the first SWEEP_DIR)"
+    )
     fit.add_argument("--metric", default="test_accuracy")
     fit.add_argument("--confidence", type=float, default=0.95)
-    fit.add_argument("--where", action="append", default=[], metavar="KEY=VALUE", help="use only these sweep points")
     fit.add_argument(
-        "--reference", action="append", default=[], metavar="RUN_DIR", help="a finished run at B_ref to compare the prediction with"
+        "--where",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="use only these sweep points",
     )
-    fit.add_argument("--reference-batch-size", type=float, help="B_ref (default: from the simulations)")
+    fit.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="a finished run at B_ref to compare the prediction with",
+    )
+    fit.add_argument(
+        "--reference-batch-size", type=float, help="B_ref (default: from the simulations)"
+    )
     fit.add_argument("--plot", metavar="PNG", help="default: SWEEP_DIR/tan_fit.png")
     fit.add_argument("--no-plot", action="store_true")
     fit.add_argument("--json", action="store_true")
@@ -46,7 +67,9 @@ def _cmd_tan_fit(args: argparse.Namespace) -> int:
     references = [_finished_run(run_dir) for run_dir in args.reference]
     records = [record for directory in args.sweep_dirs for record in read_results(directory)]
     with refusals_as_config_errors():  # too few runs, or runs that do not share one setting
-        result = fit_sweep(records, args.metric, args.confidence, where, references, args.reference_batch_size)
+        result = fit_sweep(
+            records, args.metric, args.confidence, where, references, args.reference_batch_size
+        )
     sweep_dir.mkdir(parents=True, exist_ok=True)
     out_json = sweep_dir / "tan_fit.json"
     report = json_safe({**result.as_json(), "tuning_caveat": TUNING_CAVEAT})
@@ -104,19 +127,33 @@ def _print_fit(result: Any, out_json: Path, plot_path: Path | None) -> None:
     else:
         print("  (two points: no residual degrees of freedom, no confidence interval)")
     ci, pi = pred.confidence_interval, pred.prediction_interval
-    ref_eps = f", epsilon={result.reference_epsilon:.4g}" if result.reference_epsilon is not None else ""
+    ref_eps = (
+        f", epsilon={result.reference_epsilon:.4g}" if result.reference_epsilon is not None else ""
+    )
     print(
         f"  prediction at B_ref={result.reference_batch_size:g} (sigma={result.reference_noise_multiplier:.4g}{ref_eps}): {pct(pred.value)}"
     )
     if math.isfinite(fit.residual_std):
-        print(f"    {100 * fit.confidence:g}% CI for the mean [{pct(ci[0])}, {pct(ci[1])}]; for one run [{pct(pi[0])}, {pct(pi[1])}]")
+        print(
+            f"    {100 * fit.confidence:g}% CI for the mean [{pct(ci[0])}, {pct(ci[1])}]; for one run [{pct(pi[0])}, {pct(pi[1])}]"
+        )
     if result.reference_points:
         measured = result.measured_reference
         inside = pi[0] <= measured <= pi[1] if math.isfinite(fit.residual_std) else None
-        where = "" if inside is None else (" (inside the prediction interval)" if inside else " (OUTSIDE the prediction interval)")
+        where = (
+            ""
+            if inside is None
+            else (
+                " (inside the prediction interval)"
+                if inside
+                else " (OUTSIDE the prediction interval)"
+            )
+        )
         print(
             f"  measured at B_ref ({len(result.reference_points)} run(s)): {pct(measured)}; "
             f"error measured - predicted = {pct(result.error)}{unit}{where}"
         )
     print(f"wrote {out_json}" + (f" and {plot_path}" if plot_path else ""))
-    print(f"NOTE: {TUNING_CAVEAT}. The simulated runs carry no privacy guarantee at the reference epsilon.")
+    print(
+        f"NOTE: {TUNING_CAVEAT}. The simulated runs carry no privacy guarantee at the reference epsilon."
+    )

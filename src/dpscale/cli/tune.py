@@ -15,7 +15,9 @@ from dpscale.errors import ConfigError
 
 def _default_out(prefix: str, config: str | None) -> Path:
     """sweeps/<prefix><config name>-<time>."""
-    return Path(f"sweeps/{prefix}{Path(config or 'default').stem.replace('preset:', '')}-{time_stamp()}")
+    return Path(
+        f"sweeps/{prefix}{Path(config or 'default').stem.replace('preset:', '')}-{time_stamp()}"
+    )
 
 
 # ----------------------------------------------------------------------- sweep
@@ -42,14 +44,23 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     sweep.prepare()
     if spec.private_tuning:
         assert sweep.tuning is not None  # prepare() reads it from spec.private_tuning
-        print(f"sweep: private tuning, {sweep.tuning.describe()}: {len(sweep.drawn_points)} trials drawn from {len(spec.points())} "
-              f"points, in {out} (rerun the same command to resume). {TUNER_PRIVATE}", file=sys.stderr)  # fmt: skip
+        print(
+            f"sweep: private tuning, {sweep.tuning.describe()}: {len(sweep.drawn_points)} trials drawn from {len(spec.points())} "
+            f"points, in {out} (rerun the same command to resume). {TUNER_PRIVATE}",
+            file=sys.stderr,
+        )
     else:
-        print(f"sweep: {len(spec.points())} points in {out} (rerun the same command to resume)", file=sys.stderr)
+        print(
+            f"sweep: {len(spec.points())} points in {out} (rerun the same command to resume)",
+            file=sys.stderr,
+        )
     try:
         results = sweep.run()
     except KeyboardInterrupt:
-        print(f"sweep interrupted; rerun the same command (with --out {out}) to resume it", file=sys.stderr)
+        print(
+            f"sweep interrupted; rerun the same command (with --out {out}) to resume it",
+            file=sys.stderr,
+        )
         raise
     if spec.private_tuning:
         _print_release(sweep, out, results)
@@ -79,7 +90,10 @@ def _print_point(result: Any) -> None:
         print(f"  failed: {result.error}", file=sys.stderr)
         return
     s = result.summary
-    print(f"  test_accuracy={100 * s['test_accuracy']:.2f}% {s['privacy_status']} -> {result.run_dir}", file=sys.stderr)
+    print(
+        f"  test_accuracy={100 * s['test_accuracy']:.2f}% {s['privacy_status']} -> {result.run_dir}",
+        file=sys.stderr,
+    )
 
 
 # -------------------------------------------------------------- tune clip-lr
@@ -122,39 +136,67 @@ def _cmd_tune_clip_lr(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def add_sweep_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``sweep``."""
-    sweep = sub.add_parser("sweep", help="run a grid of configs through the trainer (resumable), table by metric")
+    sweep = sub.add_parser(
+        "sweep", help="run a grid of configs through the trainer (resumable), table by metric"
+    )
     sweep.add_argument("config", nargs="?", help="YAML config or preset:NAME")
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...")
-    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="applied to every point")
-    sweep.add_argument("--out", metavar="DIR", help="sweep directory (default sweeps/<config>-<time>)")
-    sweep.add_argument("--metric", default="test_accuracy", help="summary key to sort by")
-    sweep.add_argument("--minimize", action="store_true", help="sort ascending (default only for *loss*)")
     sweep.add_argument(
-        "--private-tuning", metavar="DIST",
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="applied to every point"
+    )
+    sweep.add_argument(
+        "--out", metavar="DIR", help="sweep directory (default sweeps/<config>-<time>)"
+    )
+    sweep.add_argument("--metric", default="test_accuracy", help="summary key to sort by")
+    sweep.add_argument(
+        "--minimize", action="store_true", help="sort ascending (default only for *loss*)"
+    )
+    sweep.add_argument(
+        "--private-tuning",
+        metavar="DIST",
         help="run K random grid points, K ~ DIST (poisson:MEAN, geometric:MEAN, logarithmic:MEAN, negbin:ETA:MEAN), "
         "and release the best in OUT/released/ with the tuning's privacy cost composed (Papernot & Steinke 2022); "
         "K must stay secret",
-    )  # fmt: skip
+    )
     sweep.add_argument("--quiet", action="store_true")
     sweep.set_defaults(func=_cmd_sweep)
 
 
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``tune`` and ``tune clip-lr``."""
-    tune = sub.add_parser("tune", help="tuning procedures (clip-lr: Kurakin et al. 2022, Section 3.3)")
+    tune = sub.add_parser(
+        "tune", help="tuning procedures (clip-lr: Kurakin et al. 2022, Section 3.3)"
+    )
     tune_sub = tune.add_subparsers(dest="tune_command", required=True)
-    clip = tune_sub.add_parser("clip-lr", help="clip-norm sweep at sigma=0, then lr sweep at the target sigma")
-    clip.add_argument("config", nargs="?", help="YAML config or preset:NAME (its optim.lr is alpha_pub)")
+    clip = tune_sub.add_parser(
+        "clip-lr", help="clip-norm sweep at sigma=0, then lr sweep at the target sigma"
+    )
+    clip.add_argument(
+        "config", nargs="?", help="YAML config or preset:NAME (its optim.lr is alpha_pub)"
+    )
     clip.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     clip.add_argument("--out", metavar="DIR")
-    clip.add_argument("--clip-norms", type=float_list, default=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0))
+    clip.add_argument(
+        "--clip-norms", type=float_list, default=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+    )
     lrs = clip.add_mutually_exclusive_group()
     lrs.add_argument("--lrs", type=float_list, help="learning rates for stage 3")
-    lrs.add_argument("--lr-factors", type=float_list, default=(0.5, 1.0, 2.0, 4.0, 8.0), help="stage 3 lrs as multiples of alpha_pub")
-    clip.add_argument("--tolerance", type=float, default=0.01, help="accepted drop from the unclipped metric")
-    clip.add_argument("--seeds", type=int_list, help="average each value over these run.seed values")
+    lrs.add_argument(
+        "--lr-factors",
+        type=float_list,
+        default=(0.5, 1.0, 2.0, 4.0, 8.0),
+        help="stage 3 lrs as multiples of alpha_pub",
+    )
+    clip.add_argument(
+        "--tolerance", type=float, default=0.01, help="accepted drop from the unclipped metric"
+    )
+    clip.add_argument(
+        "--seeds", type=int_list, help="average each value over these run.seed values"
+    )
     clip.add_argument("--metric", default="test_accuracy")
     clip.add_argument("--quiet", action="store_true")
     clip.add_argument("--json", action="store_true")
-    clip.add_argument("--private-tuning", metavar="DIST", help="refused, with the reason: stage 1 is not private")
+    clip.add_argument(
+        "--private-tuning", metavar="DIST", help="refused, with the reason: stage 1 is not private"
+    )
     clip.set_defaults(func=_cmd_tune_clip_lr)

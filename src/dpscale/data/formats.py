@@ -46,12 +46,16 @@ class DatasetError(UserError, ValueError):
     """
 
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"})
+IMAGE_EXTENSIONS = frozenset(
+    {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
+)
 
 
 def is_image_file(path: Path) -> bool:
     """A file an image folder reads: an ``IMAGE_EXTENSIONS`` suffix (any case), not hidden."""
-    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+    return (
+        path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+    )
 
 
 MIN_CLASSES = 2  # fewer: every prediction is right, the accuracy is 100% and means nothing
@@ -92,11 +96,15 @@ def read_idx_images(path: Path) -> np.ndarray:
     """
     data = read_bytes(path)
     if len(data) < 16:
-        raise DatasetError(f"{path} is too short for an IDX image header: {len(data)} bytes, need 16")
+        raise DatasetError(
+            f"{path} is too short for an IDX image header: {len(data)} bytes, need 16"
+        )
     magic, n, rows, cols = struct.unpack(">IIII", data[:16])
     if magic != _IDX_IMAGES_MAGIC:
         hint = " (it looks like a label file)" if magic == _IDX_LABELS_MAGIC else ""
-        raise DatasetError(f"{path} is not an IDX image file: magic number 0x{magic:08x}, expected 0x{_IDX_IMAGES_MAGIC:08x}{hint}")
+        raise DatasetError(
+            f"{path} is not an IDX image file: magic number 0x{magic:08x}, expected 0x{_IDX_IMAGES_MAGIC:08x}{hint}"
+        )
     if rows == 0 or cols == 0:
         raise DatasetError(f"{path} has a header claiming {rows}x{cols} images")
     expected, payload = n * rows * cols, len(data) - 16
@@ -119,15 +127,21 @@ def read_idx_labels(path: Path) -> np.ndarray:
     """
     data = read_bytes(path)
     if len(data) < 8:
-        raise DatasetError(f"{path} is too short for an IDX label header: {len(data)} bytes, need 8")
+        raise DatasetError(
+            f"{path} is too short for an IDX label header: {len(data)} bytes, need 8"
+        )
     magic, n = struct.unpack(">II", data[:8])
     if magic != _IDX_LABELS_MAGIC:
         hint = " (it looks like an image file)" if magic == _IDX_IMAGES_MAGIC else ""
-        raise DatasetError(f"{path} is not an IDX label file: magic number 0x{magic:08x}, expected 0x{_IDX_LABELS_MAGIC:08x}{hint}")
+        raise DatasetError(
+            f"{path} is not an IDX label file: magic number 0x{magic:08x}, expected 0x{_IDX_LABELS_MAGIC:08x}{hint}"
+        )
     payload = len(data) - 8
     if payload != n:
         what = "is truncated" if payload < n else "has trailing bytes"
-        raise DatasetError(f"{path} {what}: header says {n} labels = {n} bytes, file has {payload} after the 8-byte header")
+        raise DatasetError(
+            f"{path} {what}: header says {n} labels = {n} bytes, file has {payload} after the 8-byte header"
+        )
     return np.frombuffer(data, dtype=np.uint8, offset=8)
 
 
@@ -162,7 +176,9 @@ def _dict_get(d: dict, key: bytes) -> Any:
     return d[key] if key in d else d.get(key.decode())
 
 
-def read_cifar_batch(path: Path, label_key: bytes, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def read_cifar_batch(
+    path: Path, label_key: bytes, num_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Load one CIFAR "python version" batch file.
 
     Args:
@@ -179,20 +195,30 @@ def read_cifar_batch(path: Path, label_key: bytes, num_classes: int) -> tuple[np
         with open(path, "rb") as f:
             obj = _NumpyOnlyUnpickler(f, encoding="bytes").load()
     # Unpickling garbage can raise almost any exception type; all of them mean "bad file".
-    except Exception as e:  # noqa: BLE001
-        raise DatasetError(f"{path} could not be unpickled as a CIFAR batch: {type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise DatasetError(
+            f"{path} could not be unpickled as a CIFAR batch: {type(e).__name__}: {e}"
+        ) from e
     if not isinstance(obj, dict):
-        raise DatasetError(f"{path} does not hold a dict (found {type(obj).__name__}); not a CIFAR batch")
+        raise DatasetError(
+            f"{path} does not hold a dict (found {type(obj).__name__}); not a CIFAR batch"
+        )
     data, labels = _dict_get(obj, b"data"), _dict_get(obj, label_key)
     for key, value in ((b"data", data), (label_key, labels)):
         if value is None:
-            raise DatasetError(f"{path} has no {key.decode()!r} entry (keys: {sorted(map(str, obj))})")
+            raise DatasetError(
+                f"{path} has no {key.decode()!r} entry (keys: {sorted(map(str, obj))})"
+            )
     x = np.asarray(data)
     if x.ndim != 2 or x.shape[1] != 3 * 32 * 32:
-        raise DatasetError(f"{path}: 'data' has shape {x.shape}, expected (n, 3072) for 3x32x32 images")
+        raise DatasetError(
+            f"{path}: 'data' has shape {x.shape}, expected (n, 3072) for 3x32x32 images"
+        )
     if x.dtype != np.uint8:
         if not np.issubdtype(x.dtype, np.integer) or (x.size and (x.min() < 0 or x.max() > 255)):
-            raise DatasetError(f"{path}: 'data' must hold uint8 pixels 0..255, found dtype {x.dtype}")
+            raise DatasetError(
+                f"{path}: 'data' must hold uint8 pixels 0..255, found dtype {x.dtype}"
+            )
         x = x.astype(np.uint8)
     y = labels_to_int64(np.asarray(labels), path, label_key.decode())
     if len(y) != len(x):
@@ -240,10 +266,13 @@ _WIDE_INTEGERS = {
     **dict.fromkeys(("I;16", "I;16B", "I;16L", "I;16N", "I;16R"), WideSamples("16-bit", 65535.0)),
     "I;12": WideSamples("12-bit", 4095.0),  # TIFF 12-bit: Pillow keeps the values 0..4095
     **dict.fromkeys(("I;16S", "I;16BS"), WideSamples("signed 16-bit", 32767.0)),
-    **dict.fromkeys(("I;32", "I;32B", "I;32N"), WideSamples("unsigned 32-bit", 4294967295.0, unsigned32=True)),
+    **dict.fromkeys(
+        ("I;32", "I;32B", "I;32N"), WideSamples("unsigned 32-bit", 4294967295.0, unsigned32=True)
+    ),
     **dict.fromkeys(("I;32S", "I;32BS"), WideSamples("signed 32-bit", 2147483647.0)),
 }
-FLOAT_SAMPLES = WideSamples("32-bit float", 1.0)  # float pixels are taken as they are: they must lie in [0, 1]
+# float pixels are taken as they are: they must lie in [0, 1]
+FLOAT_SAMPLES = WideSamples("32-bit float", 1.0)
 # PGM with any maxval above 255: Pillow rescales the samples to 0..65535 (mode "I")
 _PGM_SAMPLES = WideSamples("16-bit", 65535.0)
 # Raw modes of colour (or grey + alpha) samples wider than 8 bits, which Pillow cuts to 8 bits
@@ -332,7 +361,9 @@ def wide_pixels(img: Image.Image, wide: WideSamples, path: Path) -> np.ndarray:
     else:
         scale = f"{wide.full_scale:.0f}"
         rule = f"dpscale reads a {wide.kind} pixel as value / {scale}, so it must lie in 0..{scale}: shift or rescale it"
-    raise ImageFormatError(f"{path}: {wide.kind} image (mode {img.mode}) with pixels {span}{odd}; {rule}")
+    raise ImageFormatError(
+        f"{path}: {wide.kind} image (mode {img.mode}) with pixels {span}{odd}; {rule}"
+    )
 
 
 def read_image_samples(path: Path) -> tuple[Image.Image, WideSamples | None]:
@@ -382,17 +413,23 @@ def labels_to_int64(y: np.ndarray, path: Path, key: str) -> np.ndarray:
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]  # e.g. keras.datasets.cifar10 stores labels as (N, 1)
     if y.ndim != 1:
-        raise DatasetError(f"{path}: {key} has shape {y.shape}; expected a 1-D vector of class indices")
+        raise DatasetError(
+            f"{path}: {key} has shape {y.shape}; expected a 1-D vector of class indices"
+        )
     if y.size == 0:
         return np.zeros(0, dtype=np.int64)
     if not np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.bool_):
         raise DatasetError(f"{path}: {key} has dtype {y.dtype}; class labels must be integers")
     if y.min() < 0:
-        raise DatasetError(f"{path} is mislabeled: {key} contains the negative label {int(y.min())}")
+        raise DatasetError(
+            f"{path} is mislabeled: {key} contains the negative label {int(y.min())}"
+        )
     return y.astype(np.int64)
 
 
-def require_two_classes(labels: np.ndarray, where: str, names: Sequence[str] | None = None, note: str = "") -> None:
+def require_two_classes(
+    labels: np.ndarray, where: str, names: Sequence[str] | None = None, note: str = ""
+) -> None:
     """Refuse a training set whose labels hold fewer than two classes.
 
     A one-class set trains without complaint and reports 100% test accuracy (every test label is
@@ -410,6 +447,10 @@ def require_two_classes(labels: np.ndarray, where: str, names: Sequence[str] | N
     present = np.unique(np.asarray(labels))
     if len(present) >= MIN_CLASSES:
         return
-    shown = ", ".join(repr(names[int(c)]) if names is not None else f"label {int(c)}" for c in present)
+    shown = ", ".join(
+        repr(names[int(c)]) if names is not None else f"label {int(c)}" for c in present
+    )
     which = f"only one class ({shown})" if len(present) else "no class"
-    raise DatasetError(f"{where}: the training set has {which}{note}; a classifier needs at least two classes")
+    raise DatasetError(
+        f"{where}: the training set has {which}{note}; a classifier needs at least two classes"
+    )

@@ -14,7 +14,13 @@ import numpy as np
 import torch
 
 from .formats import DatasetError, require_two_classes
-from .splits import HELD_OUT_BY_INDEX, hashed_holdout, hashed_holdout_description, holdout_description, stratified_holdout
+from .splits import (
+    HELD_OUT_BY_INDEX,
+    hashed_holdout,
+    hashed_holdout_description,
+    holdout_description,
+    stratified_holdout,
+)
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,13 @@ class DatasetInfo:
     input_shape: tuple[int, int, int]
     source: str
     test_split: str
-    skipped_files: tuple[str, ...] = ()  # unreadable files left out (data.skip_corrupt), with the reason
+    skipped_files: tuple[
+        str, ...
+    ] = ()  # unreadable files left out (data.skip_corrupt), with the reason
     classes: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()  # what the loader left out or changed without a refusal (folder.FolderListing.notes)
+    notes: tuple[
+        str, ...
+    ] = ()  # what the loader left out or changed without a refusal (folder.FolderListing.notes)
     selected_by: tuple[str, ...] = ()
 
 
@@ -137,9 +147,14 @@ def assemble_dataset(
 
 
 def dataset_from_pool(
-    name: str, source: str, num_classes: int, x: torch.Tensor, y: np.ndarray, test_fraction: float,
+    name: str,
+    source: str,
+    num_classes: int,
+    x: torch.Tensor,
+    y: np.ndarray,
+    test_fraction: float,
     user_ids: np.ndarray | None = None,
-) -> ImageDataset:  # fmt: skip
+) -> ImageDataset:
     """Build a dataset from a single labelled pool by holding out ``test_fraction`` of it: by a
     keyed hash of each user's id when the pool names users (whole users, each deciding alone against
     this constant fraction: a cut-off computed from the pool's size moved people when one left), else
@@ -163,6 +178,14 @@ def dataset_from_pool(
         train, test = hashed_holdout(user_ids, test_fraction, source)
         how = hashed_holdout_description(user_ids, test, test_fraction, by_user=True)
     return assemble_dataset(
-        name, source, how, num_classes, x[torch.from_numpy(train)], y[train], x[torch.from_numpy(test)], y[test],
-        user_ids=None if user_ids is None else user_ids[train], selected_by=selected_by,
-    )  # fmt: skip
+        name,
+        source,
+        how,
+        num_classes,
+        x[torch.from_numpy(train)],
+        y[train],
+        x[torch.from_numpy(test)],
+        y[test],
+        user_ids=None if user_ids is None else user_ids[train],
+        selected_by=selected_by,
+    )

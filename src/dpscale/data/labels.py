@@ -50,9 +50,14 @@ def labels_line(y_train: np.ndarray, y_test: np.ndarray, num_classes: int) -> st
 
 
 def check_labels(
-    y_train: np.ndarray, y_test: np.ndarray, num_classes: int, declared: int | None, source: str,
-    *, k_from_labels: bool = True,
-) -> int:  # fmt: skip
+    y_train: np.ndarray,
+    y_test: np.ndarray,
+    num_classes: int,
+    declared: int | None,
+    source: str,
+    *,
+    k_from_labels: bool = True,
+) -> int:
     """The number of classes K to train with, after checking the splits' labels agree.
 
     Args:

@@ -13,7 +13,9 @@ import numpy as np
 from .formats import DatasetError
 
 
-def read_npz(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+def read_npz(
+    path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, np.ndarray]:
     """Load the named arrays from an ``.npz`` file without allowing pickled objects.
 
     Args:
@@ -36,8 +38,10 @@ def read_npz(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) 
             return {k: npz[k] for k in keys + tuple(k for k in optional if k in npz.files)}
     except DatasetError:
         raise
-    except Exception as e:  # noqa: BLE001 - zipfile/numpy raise many types for a damaged file
-        raise DatasetError(f"{path} could not be read as an npz archive: {type(e).__name__}: {e}") from e
+    except Exception as e:  # zipfile/numpy raise many types for a damaged file
+        raise DatasetError(
+            f"{path} could not be read as an npz archive: {type(e).__name__}: {e}"
+        ) from e
 
 
 def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
@@ -59,7 +63,9 @@ def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
     elif x.ndim == 4:
         if x.shape[1] not in (1, 3):
             if x.shape[3] not in (1, 3):
-                raise DatasetError(f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW with 1 or 3 channels")
+                raise DatasetError(
+                    f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW with 1 or 3 channels"
+                )
             x = x.transpose(0, 3, 1, 2)
     else:
         raise DatasetError(f"{path}: {key} has shape {x.shape}; expected NHW, NHWC or NCHW images")
@@ -67,10 +73,13 @@ def images_to_nchw_float(x: np.ndarray, path: Path, key: str) -> np.ndarray:
         raise DatasetError(f"{path}: {key} holds no images")
     if np.issubdtype(x.dtype, np.integer) and not np.issubdtype(x.dtype, np.bool_):
         if x.min() < 0 or x.max() > 255:
-            raise DatasetError(f"{path}: integer {key} must hold pixels 0..255, found {x.min()}..{x.max()}")
+            raise DatasetError(
+                f"{path}: integer {key} must hold pixels 0..255, found {x.min()}..{x.max()}"
+            )
         out = x.astype(np.float32) / np.float32(255)
     elif np.issubdtype(x.dtype, np.floating):
-        _require_finite(x, path, key)  # on the stored values: a huge float64 turns infinite in float32
+        # on the stored values: a huge float64 turns infinite in float32
+        _require_finite(x, path, key)
         out = x.astype(np.float32)
         if out.min() < 0 or out.max() > 1:
             raise DatasetError(
@@ -96,9 +105,17 @@ def _require_finite(x: np.ndarray, path: Path, key: str) -> None:
     if finite.all():
         return
     nan = int(np.isnan(x).sum())
-    counts = [f"{n} {what} pixel{'s' if n > 1 else ''}" for n, what in ((nan, "NaN"), (int((~finite).sum()) - nan, "infinite")) if n]
+    counts = [
+        f"{n} {what} pixel{'s' if n > 1 else ''}"
+        for n, what in ((nan, "NaN"), (int((~finite).sum()) - nan, "infinite"))
+        if n
+    ]
     images = np.flatnonzero(~finite.reshape(len(x), -1).all(axis=1))
-    where = f"{key}[{images[0]}]" if len(images) == 1 else f"{len(images)} images of {key}, the first {key}[{images[0]}]"
+    where = (
+        f"{key}[{images[0]}]"
+        if len(images) == 1
+        else f"{len(images)} images of {key}, the first {key}[{images[0]}]"
+    )
     raise DatasetError(
         f"{path}: {' and '.join(counts)} in {where}; pixels must be finite numbers in [0, 1]: "
         f"fix or drop {'that image' if len(images) == 1 else 'those images'}"

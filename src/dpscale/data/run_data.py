@@ -25,20 +25,32 @@ def data_workers(config: Config) -> int:
     return default_workers() if config.data.workers is None else config.data.workers
 
 
-def prepare_data(config: Config, device: torch.device, data: ImageDataset | None = None) -> ImageDataset:
+def prepare_data(
+    config: Config, device: torch.device, data: ImageDataset | None = None
+) -> ImageDataset:
     """The whole dataset in memory on ``device`` (data.loader=memory): loaded (unless ``data``
     is given, already decoded), class-selected and scaled as the config says."""
     cfg = config.data
     if data is None:
         data = load_dataset(
-            cfg.name, cfg.root, image_size=cfg.image_size, val_labels=cfg.val_labels, skip_corrupt=cfg.skip_corrupt,
+            cfg.name,
+            cfg.root,
+            image_size=cfg.image_size,
+            val_labels=cfg.val_labels,
+            skip_corrupt=cfg.skip_corrupt,
             workers=data_workers(config),
-        )  # fmt: skip
+        )
     if cfg.selects_classes:
         classes: Sequence[int] | None = cfg.classes
         if cfg.random_classes:
             classes = random_classes(data.info.num_classes, cfg.random_classes, cfg.subset_seed)
-        data = select_classes(data, classes=classes, meta_classes=cfg.meta_classes, max_per_class=cfg.max_per_class, seed=cfg.subset_seed)
+        data = select_classes(
+            data,
+            classes=classes,
+            meta_classes=cfg.meta_classes,
+            max_per_class=cfg.max_per_class,
+            seed=cfg.subset_seed,
+        )
     x_train, x_test = data.x_train, data.x_test
     if config.data.normalize:  # data-independent constants: no privacy cost
         x_train, x_test = (x_train - 0.5) / 0.5, (x_test - 0.5) / 0.5
@@ -59,7 +71,9 @@ def _physical_memory_bytes() -> int:
         return 0
 
 
-def open_training_data(config: Config, device: torch.device, log: Callable[[str], Any] = print) -> ImageDataset | StreamedData:
+def open_training_data(
+    config: Config, device: torch.device, log: Callable[[str], Any] = print
+) -> ImageDataset | StreamedData:
     """The run's data: in memory, or streamed from disk (data.loader; "auto" streams when the
     decoded float32 training and test sets would take more than a quarter of physical memory).
 
@@ -74,14 +88,24 @@ def open_training_data(config: Config, device: torch.device, log: Callable[[str]
     data = _open_data(config, device, log)
     y_train, y_test = data.y_train.cpu().numpy(), data.y_test.cpu().numpy()
     classes = check_labels(
-        y_train, y_test, data.info.num_classes, config.data.num_classes, data.info.source,
+        y_train,
+        y_test,
+        data.info.num_classes,
+        config.data.num_classes,
+        data.info.source,
         k_from_labels=data.info.name == "npz",  # the one loader whose K is the largest label + 1
-    )  # fmt: skip
+    )
     log(labels_line(y_train, y_test, classes))
-    return data if classes == data.info.num_classes else replace(data, info=replace(data.info, num_classes=classes))
+    return (
+        data
+        if classes == data.info.num_classes
+        else replace(data, info=replace(data.info, num_classes=classes))
+    )
 
 
-def _open_data(config: Config, device: torch.device, log: Callable[[str], Any]) -> ImageDataset | StreamedData:
+def _open_data(
+    config: Config, device: torch.device, log: Callable[[str], Any]
+) -> ImageDataset | StreamedData:
     """The run's data as ``data.loader`` says (:func:`open_training_data`), labels unchecked."""
     cfg = config.data
     if cfg.loader == "auto" and cfg.name in ("imagefolder", "shards") and cfg.root is not None:
@@ -90,12 +114,17 @@ def _open_data(config: Config, device: torch.device, log: Callable[[str], Any]) 
         decoded = 4 * (info.num_train + info.num_test) * int(np.prod(info.input_shape))
         memory = _physical_memory_bytes()
         features = config.features
-        in_memory_only = features.extractor is not None or features.normalize != "none" or config.eval.augtest
+        in_memory_only = (
+            features.extractor is not None or features.normalize != "none" or config.eval.augtest
+        )
         if memory and decoded > memory / 4 and not in_memory_only:
-            log(f"data.loader=auto: streaming {cfg.root} from disk (decoded it would take {decoded / 2**30:.1f} GiB "
-                f"of {memory / 2**30:.1f} GiB)")  # fmt: skip
+            log(
+                f"data.loader=auto: streaming {cfg.root} from disk (decoded it would take {decoded / 2**30:.1f} GiB "
+                f"of {memory / 2**30:.1f} GiB)"
+            )
             return streamed
-        return prepare_data(config, device, materialize(streamed))  # decoded from the listing already made
+        # decoded from the listing already made
+        return prepare_data(config, device, materialize(streamed))
     if cfg.loader == "stream":
         return _open_stream(config)
     return prepare_data(config, device)
@@ -104,11 +133,18 @@ def _open_data(config: Config, device: torch.device, log: Callable[[str], Any]) 
 def _open_stream(config: Config) -> StreamedData:
     cfg = config.data
     if cfg.root is None:
-        raise ConfigError("data.loader=stream needs data.root (the image folder or prepared shards)")
+        raise ConfigError(
+            "data.loader=stream needs data.root (the image folder or prepared shards)"
+        )
     return open_stream(
-        cfg.name, cfg.root, image_size=cfg.image_size, normalize=cfg.normalize, val_labels=cfg.val_labels,
-        skip_corrupt=cfg.skip_corrupt, workers=data_workers(config),
-    )  # fmt: skip
+        cfg.name,
+        cfg.root,
+        image_size=cfg.image_size,
+        normalize=cfg.normalize,
+        val_labels=cfg.val_labels,
+        skip_corrupt=cfg.skip_corrupt,
+        workers=data_workers(config),
+    )
 
 
 def training_fingerprint(config: Config, normalize: bool | None = None) -> str:

@@ -27,7 +27,8 @@ USER_IDS_NAME = "train-user-ids.npy"  # each training image's user, when the fol
 FORMAT = "dpscale-shards"
 VERSION = 1
 SHARD_BYTES = 1 << 30  # about 1 GiB of pixels per shard file
-VERIFY_LIMIT_BYTES = 4 << 30  # opening checks every checksum of a set up to this size (else sizes only)
+# opening checks every checksum of a set up to this size (else sizes only)
+VERIFY_LIMIT_BYTES = 4 << 30
 DTYPES = ("uint8", "float32")  # the pixel types image_array produces
 
 
@@ -64,8 +65,12 @@ def _write_split(
         for first in range(0, max(len(files), 1), per_shard):
             part = files[first : first + per_shard]
             name = f"{split}-{len(shards):05d}.npy"
-            array = np.lib.format.open_memmap(dest / name, mode="w+", dtype=dtype, shape=(len(part), channels, size, size))
-            jobs = [(list(part[i : i + batch]), mode, size, dtype) for i in range(0, len(part), batch)]
+            array = np.lib.format.open_memmap(
+                dest / name, mode="w+", dtype=dtype, shape=(len(part), channels, size, size)
+            )
+            jobs = [
+                (list(part[i : i + batch]), mode, size, dtype) for i in range(0, len(part), batch)
+            ]
             for i, decoded in zip(range(0, len(part), batch), pool.map(_decode_chunk, jobs)):
                 array[i : i + len(decoded)] = decoded
                 progress(len(decoded))
@@ -74,11 +79,21 @@ def _write_split(
             shards.append({"file": name, "count": len(part), "sha256": _sha256(dest / name)})
     labels_name = f"{split}-labels.npy"
     np.save(dest / labels_name, labels.astype(np.int64))
-    return {"count": len(files), "labels": labels_name, "labels_sha256": _sha256(dest / labels_name), "shards": shards}
+    return {
+        "count": len(files),
+        "labels": labels_name,
+        "labels_sha256": _sha256(dest / labels_name),
+        "shards": shards,
+    }
 
 
 def prepare_shards(
-    listing: FolderListing, dest: str | os.PathLike, size: int, *, workers: int = 1, progress: Callable[[int], None] = lambda n: None
+    listing: FolderListing,
+    dest: str | os.PathLike,
+    size: int,
+    *,
+    workers: int = 1,
+    progress: Callable[[int], None] = lambda n: None,
 ) -> Path:
     """Write ``listing``'s images, decoded and resized to ``size`` squared, as shards in ``dest``.
 
@@ -101,18 +116,26 @@ def prepare_shards(
     splits = {
         split: _write_split(dest, split, files, labels, listing, size, workers, progress)
         for split, files, labels in (
-            ("train", listing.train_files, listing.train_labels), ("test", listing.test_files, listing.test_labels)
+            ("train", listing.train_files, listing.train_labels),
+            ("test", listing.test_files, listing.test_labels),
         )
-    }  # fmt: skip
+    }
     manifest = {
-        "format": FORMAT, "version": VERSION, "image_shape": [1 if listing.mode == "L" else 3, size, size],
+        "format": FORMAT,
+        "version": VERSION,
+        "image_shape": [1 if listing.mode == "L" else 3, size, size],
         "dtype": listing.dtype,
-        "classes": list(listing.classes), "source": str(listing.root), "test_split": listing.test_split,
-        "skipped_files": list(listing.skipped), "splits": splits,
-    }  # fmt: skip
+        "classes": list(listing.classes),
+        "source": str(listing.root),
+        "test_split": listing.test_split,
+        "skipped_files": list(listing.skipped),
+        "splits": splits,
+    }
     if listing.train_users is not None:  # the image folder's users.csv: the privacy unit user
         np.save(dest / USER_IDS_NAME, listing.train_users)
-        splits["train"].update(user_ids=USER_IDS_NAME, user_ids_sha256=_sha256(dest / USER_IDS_NAME))
+        splits["train"].update(
+            user_ids=USER_IDS_NAME, user_ids_sha256=_sha256(dest / USER_IDS_NAME)
+        )
     path = dest / MANIFEST_NAME
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
@@ -139,7 +162,9 @@ class ShardSplit:
 
 
 def _bad(dest: Path, why: str) -> DatasetError:
-    return DatasetError(f"bad prepared data in {dest}: {why} (re-run `dpscale data prepare` into a new directory)")
+    return DatasetError(
+        f"bad prepared data in {dest}: {why} (re-run `dpscale data prepare` into a new directory)"
+    )
 
 
 def _read_manifest(dest: Path) -> dict:
@@ -153,24 +178,38 @@ def _read_manifest(dest: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _bad(dest, f"{MANIFEST_NAME} is not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
-        raise _bad(dest, f"manifest version {manifest.get('version')!r}; this dpscale reads version {VERSION}")
+        raise _bad(
+            dest,
+            f"manifest version {manifest.get('version')!r}; this dpscale reads version {VERSION}",
+        )
     for key in ("image_shape", "classes", "splits"):
         if key not in manifest:
             raise _bad(dest, f"manifest has no {key!r}")
-    if manifest.setdefault("dtype", "uint8") not in DTYPES:  # written before float sets existed: uint8
+    if (
+        manifest.setdefault("dtype", "uint8") not in DTYPES
+    ):  # written before float sets existed: uint8
         raise _bad(dest, f"manifest dtype {manifest['dtype']!r} is none of {', '.join(DTYPES)}")
     return manifest
 
 
 def _open_split(dest: Path, split: str, entry: dict, manifest: dict, verify: bool) -> ShardSplit:
-    shape, classes, dtype = tuple(int(d) for d in manifest["image_shape"]), len(manifest["classes"]), manifest["dtype"]
+    shape, classes, dtype = (
+        tuple(int(d) for d in manifest["image_shape"]),
+        len(manifest["classes"]),
+        manifest["dtype"],
+    )
     try:
         labels_path, shards = dest / entry["labels"], entry["shards"]
         names = [s["file"] for s in shards]
         counts = [int(s["count"]) for s in shards]
         if sum(counts) != int(entry["count"]):
-            raise _bad(dest, f"{split}: shard counts add up to {sum(counts)}, manifest says {entry['count']}")
-        checks = [(labels_path, entry["labels_sha256"])] + [(dest / s["file"], s["sha256"]) for s in shards]
+            raise _bad(
+                dest,
+                f"{split}: shard counts add up to {sum(counts)}, manifest says {entry['count']}",
+            )
+        checks = [(labels_path, entry["labels_sha256"])] + [
+            (dest / s["file"], s["sha256"]) for s in shards
+        ]
         if "user_ids" in entry:
             checks.append((dest / entry["user_ids"], entry["user_ids_sha256"]))
     except (KeyError, TypeError, ValueError) as e:
@@ -181,8 +220,13 @@ def _open_split(dest: Path, split: str, entry: dict, manifest: dict, verify: boo
         if verify and _sha256(path) != digest:
             raise _bad(dest, f"{path.name} does not match its SHA-256 in the manifest")
     labels = np.load(labels_path)
-    if labels.shape != (int(entry["count"]),) or (len(labels) and (labels.min() < 0 or labels.max() >= classes)):
-        raise _bad(dest, f"{labels_path.name} holds {labels.shape} labels, want {entry['count']} in 0..{classes - 1}")
+    if labels.shape != (int(entry["count"]),) or (
+        len(labels) and (labels.min() < 0 or labels.max() >= classes)
+    ):
+        raise _bad(
+            dest,
+            f"{labels_path.name} holds {labels.shape} labels, want {entry['count']} in 0..{classes - 1}",
+        )
     arrays = []
     for name, count in zip(names, counts):
         try:
@@ -190,15 +234,24 @@ def _open_split(dest: Path, split: str, entry: dict, manifest: dict, verify: boo
         except ValueError as e:
             raise _bad(dest, f"{name} is not a readable .npy file ({e})") from e
         if array.dtype != np.dtype(dtype) or array.shape != (count, *shape):
-            raise _bad(dest, f"{name} is {array.dtype} {array.shape}, the manifest says {dtype} {(count, *shape)}")
+            raise _bad(
+                dest,
+                f"{name} is {array.dtype} {array.shape}, the manifest says {dtype} {(count, *shape)}",
+            )
         arrays.append(array)
     users = np.load(dest / entry["user_ids"], allow_pickle=False) if "user_ids" in entry else None
     if users is not None and users.shape != labels.shape:
-        raise _bad(dest, f"{entry['user_ids']} holds {users.shape} user ids for {len(labels)} images")
-    return ShardSplit(labels.astype(np.int64), tuple(arrays), np.cumsum([0, *counts[:-1]], dtype=np.int64), users)
+        raise _bad(
+            dest, f"{entry['user_ids']} holds {users.shape} user ids for {len(labels)} images"
+        )
+    return ShardSplit(
+        labels.astype(np.int64), tuple(arrays), np.cumsum([0, *counts[:-1]], dtype=np.int64), users
+    )
 
 
-def open_shards(dest: str | os.PathLike, verify: bool | None = None) -> tuple[dict, ShardSplit, ShardSplit]:
+def open_shards(
+    dest: str | os.PathLike, verify: bool | None = None
+) -> tuple[dict, ShardSplit, ShardSplit]:
     """Open a prepared set after checking its manifest.
 
     Args:
@@ -216,9 +269,15 @@ def open_shards(dest: str | os.PathLike, verify: bool | None = None) -> tuple[di
     if not isinstance(splits, dict) or set(splits) != {"train", "test"}:
         raise _bad(dest, "manifest splits must be exactly 'train' and 'test'")
     if verify is None:
-        total = sum(int(s.get("count", 0)) for s in splits.values()) * int(np.prod(shape)) * np.dtype(manifest["dtype"]).itemsize
+        total = (
+            sum(int(s.get("count", 0)) for s in splits.values())
+            * int(np.prod(shape))
+            * np.dtype(manifest["dtype"]).itemsize
+        )
         verify = total <= VERIFY_LIMIT_BYTES
-    train, test = (_open_split(dest, name, splits[name], manifest, verify) for name in ("train", "test"))
+    train, test = (
+        _open_split(dest, name, splits[name], manifest, verify) for name in ("train", "test")
+    )
     if len(train) == 0:
         raise _bad(dest, "no training images")
     # not _bad: preparing again cannot add a class

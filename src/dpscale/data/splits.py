@@ -52,7 +52,9 @@ def selection_note(selected_by: Sequence[str]) -> str | None:
     )
 
 
-def stratified_holdout(y: np.ndarray, n_test: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
+def stratified_holdout(
+    y: np.ndarray, n_test: int, seed: int = SPLIT_SEED
+) -> tuple[np.ndarray, np.ndarray]:
     """Split indices into (train, test) with exactly ``n_test`` test items, stratified by label.
 
     Each class contributes ``floor(count * n_test / N)`` items, and the leftover slots go to the
@@ -109,12 +111,18 @@ def keyed_hashes(ids: np.ndarray, key: bytes) -> np.ndarray:
     Returns:
         (N,) uint64.
     """
-    digests = (hashlib.blake2b(str(i).encode("utf-8", "surrogateescape"), key=key, digest_size=8).digest()
-               for i in ids.tolist())  # fmt: skip
-    return np.fromiter((int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(ids))
+    digests = (
+        hashlib.blake2b(str(i).encode("utf-8", "surrogateescape"), key=key, digest_size=8).digest()
+        for i in ids.tolist()
+    )
+    return np.fromiter(
+        (int.from_bytes(d, "little") for d in digests), dtype=np.uint64, count=len(ids)
+    )
 
 
-def hashed_holdout(ids: Sequence[object] | np.ndarray, fraction: float, what: str) -> tuple[np.ndarray, np.ndarray]:
+def hashed_holdout(
+    ids: Sequence[object] | np.ndarray, fraction: float, what: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Split indices into (train, test) by each example's stable id alone: an example is held out
     iff its id's keyed hash (:func:`unit_hashes`) / 2^64 < ``fraction``. Examples sharing an id (a
     person's images) land on one side; adding or removing a unit moves no other unit.
@@ -145,12 +153,18 @@ def hashed_holdout(ids: Sequence[object] | np.ndarray, fraction: float, what: st
     return np.flatnonzero(~is_test), np.flatnonzero(is_test)
 
 
-def hashed_holdout_description(ids: np.ndarray, test: np.ndarray, fraction: float, by_user: bool) -> str:
+def hashed_holdout_description(
+    ids: np.ndarray, test: np.ndarray, fraction: float, by_user: bool
+) -> str:
     """How :func:`hashed_holdout` split ``ids`` (the test split's description, in DatasetInfo)."""
     n = len(ids)
     if by_user:
         people = f"{len(np.unique(ids[test]))} of {len(np.unique(ids))} people"
-        return (f"held out {len(test)} of {n} images by whole users ({people}: each person held out iff a keyed hash "
-                f"of their id < {fraction:.3g}, seed {SPLIT_SEED}; adding or removing one moves no other)")  # fmt: skip
-    return (f"held out {len(test)} of {n} images (each held out iff a keyed hash of its path < {fraction:.3g}, "
-            f"seed {SPLIT_SEED}; adding or removing one moves no other)")  # fmt: skip
+        return (
+            f"held out {len(test)} of {n} images by whole users ({people}: each person held out iff a keyed hash "
+            f"of their id < {fraction:.3g}, seed {SPLIT_SEED}; adding or removing one moves no other)"
+        )
+    return (
+        f"held out {len(test)} of {n} images (each held out iff a keyed hash of its path < {fraction:.3g}, "
+        f"seed {SPLIT_SEED}; adding or removing one moves no other)"
+    )

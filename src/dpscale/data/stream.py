@@ -134,24 +134,34 @@ class _Chunks(torch.utils.data.Dataset):
     def __len__(self) -> int:  # items are requests, not examples
         return 0
 
-    def __getitem__(self, request: tuple[Any, torch.Tensor]) -> tuple[Any, torch.Tensor | _ReadFailure, torch.Tensor | None]:
+    def __getitem__(
+        self, request: tuple[Any, torch.Tensor]
+    ) -> tuple[Any, torch.Tensor | _ReadFailure, torch.Tensor | None]:
         tag, indices = request
         rows = indices.tolist()
         try:
-            x = np.stack([self.source.read(i) for i in rows]) if rows else np.zeros((0, *self.shape), np.uint8)
+            x = (
+                np.stack([self.source.read(i) for i in rows])
+                if rows
+                else np.zeros((0, *self.shape), np.uint8)
+            )
         except DatasetError as err:
             return tag, _ReadFailure(type(err), str(err)), None
         return tag, torch.from_numpy(x), torch.from_numpy(self.source.labels[rows])
 
 
-def _loader(dataset: _Chunks, requests: Any, workers: int, prefetch: int, pin: bool) -> torch.utils.data.DataLoader:
+def _loader(
+    dataset: _Chunks, requests: Any, workers: int, prefetch: int, pin: bool
+) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,
         sampler=requests,
         num_workers=workers,
         pin_memory=pin,
-        prefetch_factor=prefetch if workers > 0 else None,  # None: torch's default, and all it takes without workers
+        prefetch_factor=prefetch
+        if workers > 0
+        else None,  # None: torch's default, and all it takes without workers
     )
 
 
@@ -177,9 +187,13 @@ class _BatchRequests:
         feed = self.feed
         if not hasattr(feed.sampler, "sample_units"):
             indices = feed.sampler.sample()
-            return [(c,) for c in indices.split(feed.chunk_size)] or [(indices,)]  # an empty batch: one empty chunk
+            # an empty batch: one empty chunk
+            return [(c,) for c in indices.split(feed.chunk_size)] or [(indices,)]
         drawn = feed.sampler.sample_units()
-        parts: list[tuple[torch.Tensor, ...]] = [(drawn.indices[a:b], local) for a, b, local in user_slices(drawn.offsets, feed.chunk_size)]
+        parts: list[tuple[torch.Tensor, ...]] = [
+            (drawn.indices[a:b], local)
+            for a, b, local in user_slices(drawn.offsets, feed.chunk_size)
+        ]
         return parts or [(drawn.indices, torch.zeros(1, dtype=torch.int64))]
 
 
@@ -198,9 +212,17 @@ class StreamFeed:
     """
 
     def __init__(
-        self, data: StreamedData, sampler: Any, *, chunk_size: int, start_step: int, total_steps: int,
-        device: torch.device, workers: int, prefetch: int = 2,
-    ) -> None:  # fmt: skip
+        self,
+        data: StreamedData,
+        sampler: Any,
+        *,
+        chunk_size: int,
+        start_step: int,
+        total_steps: int,
+        device: torch.device,
+        workers: int,
+        prefetch: int = 2,
+    ) -> None:
         self.data, self.sampler, self.chunk_size = data, sampler, chunk_size
         self.next_draw, self.total_steps, self.device = start_step, total_steps, device
         self.states: dict[int, dict] = {}
@@ -219,7 +241,13 @@ class StreamFeed:
         if self._iterator is None:
             shape = tuple(self.data.info.input_shape)
             self._iterator = iter(
-                _loader(_Chunks(self.data.train, shape), _BatchRequests(self), self.workers, self.prefetch, self.device.type == "cuda")
+                _loader(
+                    _Chunks(self.data.train, shape),
+                    _BatchRequests(self),
+                    self.workers,
+                    self.prefetch,
+                    self.device.type == "cuda",
+                )
             )
         for old in [s for s in self.states if s < step]:
             del self.states[old]
@@ -233,11 +261,18 @@ class StreamFeed:
             self.wait_s += time.perf_counter() - started
             self.examples += len(y)
             if chunk_step != step:
-                raise RuntimeError(f"stream out of order: got a chunk of step {chunk_step} while training step {step}")
+                raise RuntimeError(
+                    f"stream out of order: got a chunk of step {chunk_step} while training step {step}"
+                )
             if len(y):
                 blocking = self.device.type != "cuda"
-                yield (to_model_input(x.to(self.device, non_blocking=not blocking), self.data.normalize),
-                       y.to(self.device, non_blocking=not blocking), *unit)  # fmt: skip
+                yield (
+                    to_model_input(
+                        x.to(self.device, non_blocking=not blocking), self.data.normalize
+                    ),
+                    y.to(self.device, non_blocking=not blocking),
+                    *unit,
+                )
             if last:
                 return
 
@@ -257,7 +292,11 @@ def eval_batches(
     """The test set in order, ``batch_size`` examples at a time, as model input on ``device``."""
     requests = [(None, chunk) for chunk in torch.arange(len(data.test)).split(batch_size)]
     loader = _loader(
-        _Chunks(data.test, tuple(data.info.input_shape)), requests, min(workers, len(requests)), prefetch, device.type == "cuda"
+        _Chunks(data.test, tuple(data.info.input_shape)),
+        requests,
+        min(workers, len(requests)),
+        prefetch,
+        device.type == "cuda",
     )
     for item in loader:
         _, x, y = _unless_failed(item)
@@ -276,9 +315,15 @@ def _fingerprint(name: str, train: ImageSource, shape: tuple[int, ...]) -> str:
 
 
 def open_stream(
-    name: str, root: str | os.PathLike, *, image_size: int | None = None, normalize: bool = True,
-    val_labels: str | os.PathLike | None = None, skip_corrupt: bool = False, workers: int = 1,
-) -> StreamedData:  # fmt: skip
+    name: str,
+    root: str | os.PathLike,
+    *,
+    image_size: int | None = None,
+    normalize: bool = True,
+    val_labels: str | os.PathLike | None = None,
+    skip_corrupt: bool = False,
+    workers: int = 1,
+) -> StreamedData:
     """A dataset to stream: an image folder ("imagefolder") or prepared shards ("shards").
 
     Args:
@@ -298,25 +343,61 @@ def open_stream(
     test: ImageSource
     if name == "shards":
         if image_size is not None:
-            raise DatasetError("data.image_size does not apply to prepared shards (their size was fixed by `dpscale data prepare --size`)")
+            raise DatasetError(
+                "data.image_size does not apply to prepared shards (their size was fixed by `dpscale data prepare --size`)"
+            )
         manifest, shard_train, test = open_shards(root)
         train, users = shard_train, shard_train.user_ids
-        classes, source, split = manifest["classes"], str(root), manifest.get("test_split", "official")
+        classes, source, split = (
+            manifest["classes"],
+            str(root),
+            manifest.get("test_split", "official"),
+        )
         skipped = tuple(manifest.get("skipped_files", ()))
         notes: tuple[str, ...] = ()  # printed by `dpscale data prepare`
     elif name == "imagefolder":
         from .folder import list_image_folder
 
-        listing = list_image_folder(root, image_size=image_size, val_labels=val_labels, skip_corrupt=skip_corrupt, workers=workers)
-        train = FolderSource(listing.train_files, listing.train_labels, listing.mode, image_size, listing.dtype)
-        test = FolderSource(listing.test_files, listing.test_labels, listing.mode, image_size, listing.dtype)
-        classes, source, split, skipped = listing.classes, str(listing.root), listing.test_split, listing.skipped
+        listing = list_image_folder(
+            root,
+            image_size=image_size,
+            val_labels=val_labels,
+            skip_corrupt=skip_corrupt,
+            workers=workers,
+        )
+        train = FolderSource(
+            listing.train_files, listing.train_labels, listing.mode, image_size, listing.dtype
+        )
+        test = FolderSource(
+            listing.test_files, listing.test_labels, listing.mode, image_size, listing.dtype
+        )
+        classes, source, split, skipped = (
+            listing.classes,
+            str(listing.root),
+            listing.test_split,
+            listing.skipped,
+        )
         users, notes = listing.train_users, listing.notes
     else:
-        raise DatasetError(f"data.loader=stream reads image folders and prepared shards, not {name!r}")
+        raise DatasetError(
+            f"data.loader=stream reads image folders and prepared shards, not {name!r}"
+        )
     shape = tuple(int(d) for d in train.read(0).shape)
-    info = DatasetInfo(name, len(train), len(test), len(classes), shape, source, split, skipped, classes=tuple(classes), notes=notes)  # type: ignore[arg-type]
-    return StreamedData(train, test, info, normalize, _fingerprint(name, train, shape), user_ids=users)
+    info = DatasetInfo(
+        name,
+        len(train),
+        len(test),
+        len(classes),
+        shape,  # type: ignore[arg-type]
+        source,
+        split,
+        skipped,
+        classes=tuple(classes),
+        notes=notes,
+    )
+    return StreamedData(
+        train, test, info, normalize, _fingerprint(name, train, shape), user_ids=users
+    )
 
 
 def materialize(data: StreamedData) -> "ImageDataset":
@@ -329,5 +410,11 @@ def materialize(data: StreamedData) -> "ImageDataset":
             return torch.zeros((0, *data.info.input_shape))
         return images_to_float(np.stack([source.read(i) for i in range(len(source))]))
 
-    return ImageDataset(decode(data.train), data.y_train.clone(), decode(data.test), data.y_test.clone(), data.info,
-                        user_ids=data.user_ids)  # fmt: skip
+    return ImageDataset(
+        decode(data.train),
+        data.y_train.clone(),
+        decode(data.test),
+        data.y_test.clone(),
+        data.info,
+        user_ids=data.user_ids,
+    )

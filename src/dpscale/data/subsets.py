@@ -27,14 +27,18 @@ def random_classes(num_classes: int, count: int, seed: int) -> list[int]:
         raise DatasetError(f"data.random_classes={count}: a classifier needs at least two classes")
     if not count <= num_classes:
         raise DatasetError(f"cannot pick {count} random classes of {num_classes}")
-    return sorted(np.random.default_rng(seed).choice(num_classes, size=count, replace=False).tolist())
+    return sorted(
+        np.random.default_rng(seed).choice(num_classes, size=count, replace=False).tolist()
+    )
 
 
 def meta_class_map(num_classes: int, groups: int, seed: int) -> np.ndarray:
     """Label -> meta-class: the classes shuffled by ``seed`` and dealt into ``groups`` groups whose
     sizes differ by at most one."""
     if groups < MIN_CLASSES:
-        raise DatasetError(f"data.meta_classes={groups} puts every class in one group; a classifier needs at least two classes")
+        raise DatasetError(
+            f"data.meta_classes={groups} puts every class in one group; a classifier needs at least two classes"
+        )
     if not groups <= num_classes:
         raise DatasetError(f"cannot group {num_classes} classes into {groups} meta-classes")
     order = np.random.default_rng(seed).permutation(num_classes)
@@ -95,14 +99,26 @@ def select(
         require_two_classes(table[kept].numpy(), f"data.meta_classes={meta_classes}")
     out_classes = meta_classes if meta_classes is not None else len(chosen)
     names = data.info.classes and tuple(  # a meta-class is named by its members
-        "+".join(data.info.classes[c] for c in chosen if relabel[c] == label) for label in range(out_classes)
+        "+".join(data.info.classes[c] for c in chosen if relabel[c] == label)
+        for label in range(out_classes)
     )
     # an exact count per class is a rule of the whole class: one image more or less changes which others stay
-    selected_by = data.info.selected_by + ((MAX_PER_CLASS_CHOICE,) if max_per_class is not None else ())
-    info = replace(data.info, num_train=len(train), num_test=len(test), num_classes=out_classes, classes=names,
-                   selected_by=selected_by)  # fmt: skip
+    selected_by = data.info.selected_by + (
+        (MAX_PER_CLASS_CHOICE,) if max_per_class is not None else ()
+    )
+    info = replace(
+        data.info,
+        num_train=len(train),
+        num_test=len(test),
+        num_classes=out_classes,
+        classes=names,
+        selected_by=selected_by,
+    )
     return ImageDataset(
-        data.x_train[train.to(data.x_train.device)], table[data.y_train.cpu()[train]].to(data.y_train.device),
-        data.x_test[test.to(data.x_test.device)], table[data.y_test.cpu()[test]].to(data.y_test.device), info,
+        data.x_train[train.to(data.x_train.device)],
+        table[data.y_train.cpu()[train]].to(data.y_train.device),
+        data.x_test[test.to(data.x_test.device)],
+        table[data.y_test.cpu()[test]].to(data.y_test.device),
+        info,
         user_ids=None if data.user_ids is None else data.user_ids[train.numpy()],
-    )  # fmt: skip
+    )

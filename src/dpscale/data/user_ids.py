@@ -48,7 +48,8 @@ class UserIndex:
         """
         ids = user_id_array(user_ids)
         distinct, inverse = np.unique(ids, return_inverse=True)
-        examples = np.argsort(inverse, kind="stable").astype(np.int64)  # grouped, ascending within a user
+        # grouped, ascending within a user
+        examples = np.argsort(inverse, kind="stable").astype(np.int64)
         counts = np.bincount(inverse, minlength=len(distinct))
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return cls(ids=distinct, offsets=offsets, examples=examples)
@@ -66,7 +67,9 @@ class UserIndex:
     def digest(self) -> str:
         """SHA-256 of the grouping (each example's user id, in dataset order): ties a sampler's
         state to the people it sampled."""
-        digest = hashlib.sha256(f"{self.ids.dtype.kind}:{len(self.examples)}:{self.num_users}".encode())
+        digest = hashlib.sha256(
+            f"{self.ids.dtype.kind}:{len(self.examples)}:{self.num_users}".encode()
+        )
         digest.update("\x1f".join(map(str, self.ids.tolist())).encode())
         digest.update(self.codes.tobytes())
         return digest.hexdigest()
@@ -105,13 +108,18 @@ def user_id_array(user_ids: Sequence[Any] | np.ndarray | torch.Tensor) -> np.nda
         _check_shape(ids)
         _check_present(ids)
         if ids.dtype.kind not in "iuU":
-            raise ValueError(f"user ids must be integers or strings, got a {ids.dtype} array: {_WHY_TYPED}")
+            raise ValueError(
+                f"user ids must be integers or strings, got a {ids.dtype} array: {_WHY_TYPED}"
+            )
         if ids.dtype.kind == "U":
-            for i, value in enumerate(ids.tolist()):  # (np.char.find cannot look for a NUL: it strips it too)
+            for i, value in enumerate(
+                ids.tolist()
+            ):  # (np.char.find cannot look for a NUL: it strips it too)
                 _check_string_id(i, value)
         return ids
     values = raw.tolist() if isinstance(raw, np.ndarray) else list(raw)
-    _check_shape(raw if isinstance(raw, np.ndarray) else np.empty(len(values)))  # an object array's own shape
+    # an object array's own shape
+    _check_shape(raw if isinstance(raw, np.ndarray) else np.empty(len(values)))
     return _id_array_of(values)
 
 
@@ -121,7 +129,9 @@ _WHY_TYPED = "a float, a bool or ids of two types can merge two people (2**53 + 
 def _check_shape(ids: np.ndarray) -> None:
     """Refuse anything but one id per example (a non-empty 1-d array)."""
     if ids.ndim != 1 or ids.size == 0:
-        raise ValueError(f"user ids must be one id per example (a 1-d array), got shape {ids.shape}")
+        raise ValueError(
+            f"user ids must be one id per example (a 1-d array), got shape {ids.shape}"
+        )
 
 
 def _id_kind(value: Any) -> str | None:
@@ -164,12 +174,16 @@ def _round_tripped(values: list[Any], kind: str | None) -> np.ndarray:
         fits = (-(2**63), 2**63) if low < 0 else (0, 2**64)  # int64 with a negative id, else uint64
         if not (fits[0] <= low and high < fits[1]):
             i = next(j for j, v in enumerate(values) if not fits[0] <= v < fits[1])
-            raise ValueError(f"user ids: example {i}'s id {values[i]!r} does not fit 64 bits beside the others: give the ids as strings")
+            raise ValueError(
+                f"user ids: example {i}'s id {values[i]!r} does not fit 64 bits beside the others: give the ids as strings"
+            )
         ids = np.array(values, dtype=np.uint64 if high >= 2**63 else np.int64)
     back = ids.tolist()
     if back != values:  # what numpy changed would merge people or rename one
         i = next(j for j, (a, b) in enumerate(zip(back, values)) if a != b)
-        raise ValueError(f"user ids: example {i}'s id {values[i]!r} becomes {back[i]!r} in an array: give ids that survive it")
+        raise ValueError(
+            f"user ids: example {i}'s id {values[i]!r} becomes {back[i]!r} in an array: give ids that survive it"
+        )
     return ids
 
 
@@ -194,12 +208,18 @@ def _check_string_id(index: int, value: str) -> None:
 def _check_present(ids: np.ndarray, offset: int = 0) -> None:
     """Refuse a missing id: an example without a user cannot be attributed to anyone."""
     if ids.dtype.kind == "f" and np.isnan(ids).any():
-        raise ValueError(f"user ids: example {offset + int(np.flatnonzero(np.isnan(ids))[0])} has no user id (NaN)")
+        raise ValueError(
+            f"user ids: example {offset + int(np.flatnonzero(np.isnan(ids))[0])} has no user id (NaN)"
+        )
     if ids.dtype.kind == "O" and any(i is None or (isinstance(i, float) and i != i) for i in ids):
         j, value = next((j, i) for j, i in enumerate(ids) if i is None or i != i)
-        raise ValueError(f"user ids: example {offset + j} has no user id ({'None' if value is None else 'NaN'})")
+        raise ValueError(
+            f"user ids: example {offset + j} has no user id ({'None' if value is None else 'NaN'})"
+        )
     if ids.dtype.kind in "UO" and (ids == "").any():
-        raise ValueError(f"user ids: example {offset + int(np.flatnonzero(ids == '')[0])} has an empty user id")
+        raise ValueError(
+            f"user ids: example {offset + int(np.flatnonzero(ids == '')[0])} has an empty user id"
+        )
 
 
 # The side file naming each training example's user, for formats with no place for it (IDX, CIFAR):
@@ -225,7 +245,11 @@ def side_user_ids(root: Path, examples: int) -> np.ndarray | None:
         raise DatasetError(f"{root} holds both {USER_ID_FILES[0]} and {USER_ID_FILES[1]}: keep one")
     path = found[0]
     try:
-        ids = np.load(path, allow_pickle=False) if path.suffix == ".npy" else _stripped_lines(path.read_text())
+        ids = (
+            np.load(path, allow_pickle=False)
+            if path.suffix == ".npy"
+            else _stripped_lines(path.read_text())
+        )
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise DatasetError(f"{path} could not be read: {err}") from err
     return checked_user_ids(ids, examples, str(path))
@@ -245,7 +269,9 @@ def checked_user_ids(ids: np.ndarray, examples: int, what: str) -> np.ndarray:
     """
     ids = np.asarray(ids)
     if ids.ndim != 1 or len(ids) != examples:
-        raise DatasetError(f"{what} holds {ids.shape} ids but the training set has {examples} examples: give one per example")
+        raise DatasetError(
+            f"{what} holds {ids.shape} ids but the training set has {examples} examples: give one per example"
+        )
     try:
         return user_id_array(ids)
     except ValueError as err:

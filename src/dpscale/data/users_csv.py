@@ -28,7 +28,16 @@ USERS_MANIFEST = "users.csv"
 # the columns: the canonical name, then aliases accepted when exactly one is present (compared
 # lower-cased, with spaces, '-' and '_' removed)
 PATH_COLUMNS = ("path", "file", "filename", "filepath", "image", "imagepath")
-USER_COLUMNS = ("user", "userid", "patient", "patientid", "person", "personid", "subject", "subjectid")
+USER_COLUMNS = (
+    "user",
+    "userid",
+    "patient",
+    "patientid",
+    "person",
+    "personid",
+    "subject",
+    "subjectid",
+)
 NAMED_IDS = 3  # a note names this many look-alike pairs, then counts the rest
 
 
@@ -48,16 +57,26 @@ class UsersManifest:
 
 
 def read_users_manifest(
-    root: Path, files: tuple[Path, ...], labels: np.ndarray, classes: list[str], *, test_files: tuple[Path, ...] = ()
-) -> np.ndarray | None:  # fmt: skip
+    root: Path,
+    files: tuple[Path, ...],
+    labels: np.ndarray,
+    classes: list[str],
+    *,
+    test_files: tuple[Path, ...] = (),
+) -> np.ndarray | None:
     """Each training file's user from ``root/users.csv`` (None without the file): ``read_manifest``'s ``train``."""
     manifest = read_manifest(root, files, labels, classes, test_files=test_files)
     return None if manifest is None else manifest.train
 
 
 def read_manifest(
-    root: Path, files: tuple[Path, ...], labels: np.ndarray, classes: list[str], *, test_files: tuple[Path, ...] = ()
-) -> UsersManifest | None:  # fmt: skip
+    root: Path,
+    files: tuple[Path, ...],
+    labels: np.ndarray,
+    classes: list[str],
+    *,
+    test_files: tuple[Path, ...] = (),
+) -> UsersManifest | None:
     """What ``root/users.csv`` says of the listed images (None without the file).
 
     Args:
@@ -80,23 +99,35 @@ def read_manifest(
     listed = {**{f.resolve(): f for f in test_files}, **{f.resolve(): f for f in files}}
     user_of: dict[Path, tuple[int, str]] = {}
     for line, row in rows:
-        name, user, label = (row[c].strip() if c is not None and c < len(row) else "" for c in columns)
+        name, user, label = (
+            row[c].strip() if c is not None and c < len(row) else "" for c in columns
+        )
         path = _listed_path(manifest, line, root, name, listed)
         if path in user_of:
             first, first_user = user_of[path]
-            raise DatasetError(f"{manifest} line {line}: {name} is named twice (line {first} names the same image, "
-                               f"{listed[path]}, with user {first_user!r}; this line with {user!r}): one row per image")  # fmt: skip
+            raise DatasetError(
+                f"{manifest} line {line}: {name} is named twice (line {first} names the same image, "
+                f"{listed[path]}, with user {first_user!r}; this line with {user!r}): one row per image"
+            )
         if not user:
             raise DatasetError(f"{manifest} line {line}: {name} has an empty user")
-        if any(ord(c) < 32 or ord(c) == 127 for c in user):  # numpy drops a trailing NUL: 'p1\x00' would be 'p1'
-            raise DatasetError(f"{manifest} line {line}: the user {user!r} holds a control character (a NUL pads some "
-                               "database exports): remove it")  # fmt: skip
+        if any(
+            ord(c) < 32 or ord(c) == 127 for c in user
+        ):  # numpy drops a trailing NUL: 'p1\x00' would be 'p1'
+            raise DatasetError(
+                f"{manifest} line {line}: the user {user!r} holds a control character (a NUL pads some "
+                "database exports): remove it"
+            )
         user_of[path] = (line, user)
         if label and path in class_of and label != class_of[path]:
-            raise DatasetError(f"{manifest} line {line}: label {label!r} but {name} is in class folder {class_of[path]!r}")
+            raise DatasetError(
+                f"{manifest} line {line}: label {label!r} but {name} is in class folder {class_of[path]!r}"
+            )
     missing = [f for f in files if f.resolve() not in user_of]
     if missing:
-        raise DatasetError(f"{manifest} names no user for {len(missing)} training image(s), e.g. {missing[0]}")
+        raise DatasetError(
+            f"{manifest} names no user for {len(missing)} training image(s), e.g. {missing[0]}"
+        )
     train = np.array([user_of[f.resolve()][1] for f in files])
     test = {p: user_of[p][1] for p in (f.resolve() for f in test_files) if p in user_of}
     return UsersManifest(train, test, look_alike_ids(user for _, user in user_of.values()))
@@ -109,10 +140,14 @@ def _refuse_one_file_listed_twice(manifest: Path, files: tuple[Path, ...]) -> No
     for f in files:
         first = seen.setdefault(f.resolve(), f)
         if first != f:
-            raise DatasetError(f"{manifest}: {f} and {first} are one file (a link): remove one of them")
+            raise DatasetError(
+                f"{manifest}: {f} and {first} are one file (a link): remove one of them"
+            )
 
 
-def _listed_path(manifest: Path, line: int, root: Path, name: str, listed: dict[Path, Path]) -> Path:
+def _listed_path(
+    manifest: Path, line: int, root: Path, name: str, listed: dict[Path, Path]
+) -> Path:
     """The resolved path of the listed image a row names (``\\`` read as ``/`` when that names one).
 
     Raises:
@@ -123,7 +158,11 @@ def _listed_path(manifest: Path, line: int, root: Path, name: str, listed: dict[
         path = (root / name).resolve()
         if path not in listed and "\\" in name:  # a Windows export: folders separated by '\'
             path = (root / name.replace("\\", "/")).resolve()
-    except (OSError, RuntimeError, ValueError) as err:  # a NUL in the path, a link loop, a name too long
+    except (
+        OSError,
+        RuntimeError,
+        ValueError,
+    ) as err:  # a NUL in the path, a link loop, a name too long
         raise DatasetError(f"{manifest} line {line}: {name!r} names no file ({err})") from err
     if path in listed:
         return path
@@ -135,8 +174,14 @@ def _not_listed(root: Path, name: str, listed: dict[Path, Path]) -> str:
     path = root / name.replace("\\", "/")
     if not name or not path.exists():
         wanted = name.replace("\\", "/").lower()
-        near = next((f for f in listed.values() if f.relative_to(root).as_posix().lower() == wanted), None)
-        hint = f" (did you mean {near.relative_to(root).as_posix()}? paths are case-sensitive)" if near else ""
+        near = next(
+            (f for f in listed.values() if f.relative_to(root).as_posix().lower() == wanted), None
+        )
+        hint = (
+            f" (did you mean {near.relative_to(root).as_posix()}? paths are case-sensitive)"
+            if near
+            else ""
+        )
         return f"{name or '(an empty path)'} does not exist in {root}{hint}"
     if not is_image_file(path):
         return f"{name} is not an image dpscale reads ({', '.join(sorted(IMAGE_EXTENSIONS))}): convert it, or remove the row"
@@ -172,8 +217,10 @@ def look_alikes_note(pairs: tuple[tuple[str, str], ...]) -> str | None:
         return None
     named = ", ".join(f"{a!r} and {b!r}" for a, b in pairs[:NAMED_IDS])
     more = f" and {len(pairs) - NAMED_IDS:,} more" if len(pairs) > NAMED_IDS else ""
-    return (f"{USERS_MANIFEST}: {len(pairs):,} id(s) differ from another only in case or leading zeros ({named}{more}): "
-            "each spelling counts as its own person; if one person, write the ids alike")  # fmt: skip
+    return (
+        f"{USERS_MANIFEST}: {len(pairs):,} id(s) differ from another only in case or leading zeros ({named}{more}): "
+        "each spelling counts as its own person; if one person, write the ids alike"
+    )
 
 
 def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]]]]:
@@ -185,7 +232,9 @@ def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]
     try:
         text = raw.decode(encoding)
     except UnicodeDecodeError as e:
-        raise DatasetError(f"{manifest} is not UTF-8 text ({e.reason} at byte {e.start}): save it as CSV UTF-8") from e
+        raise DatasetError(
+            f"{manifest} is not UTF-8 text ({e.reason} at byte {e.start}): save it as CSV UTF-8"
+        ) from e
     first = next((line for line in text.splitlines() if line.strip()), "")
     delimiter = max((",", ";", "\t"), key=first.count)
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
@@ -194,7 +243,9 @@ def _manifest_rows(manifest: Path) -> tuple[list[str], list[tuple[int, list[str]
     except csv.Error as err:  # e.g. a field over the csv module's limit (128 kB)
         raise DatasetError(f"{manifest} line {reader.line_num}: {err}") from err
     if not records:
-        raise DatasetError(f"{manifest} is empty: it needs a header with path and user columns, then one row per image")
+        raise DatasetError(
+            f"{manifest} is empty: it needs a header with path and user columns, then one row per image"
+        )
     return records[0][1], records[1:]
 
 
@@ -206,14 +257,18 @@ def _manifest_columns(manifest: Path, header: list[str]) -> tuple[int, int, int 
     """The indices of users.csv's path, user and (optional) label columns: names compared without
     case, spaces, '-' or '_', each of path and user found by exactly one of its accepted names."""
     keys = [_column_key(name) for name in header]
-    expected = (f"expected a path column ({', '.join(PATH_COLUMNS)}), a user column ({', '.join(USER_COLUMNS)}) and "
-                "optionally label; case, spaces and '_' do not matter")  # fmt: skip
+    expected = (
+        f"expected a path column ({', '.join(PATH_COLUMNS)}), a user column ({', '.join(USER_COLUMNS)}) and "
+        "optionally label; case, spaces and '_' do not matter"
+    )
     found = []
     for aliases in (PATH_COLUMNS, USER_COLUMNS):
         hits = [i for i, key in enumerate(keys) if key in aliases]
         if len(hits) > 1:
             both = " and ".join(repr(header[i].strip()) for i in hits)
-            raise DatasetError(f"{manifest}: both {both} could name the {aliases[0]}: keep one ({expected})")
+            raise DatasetError(
+                f"{manifest}: both {both} could name the {aliases[0]}: keep one ({expected})"
+            )
         if not hits:
             columns = ", ".join(repr(name.strip()) for name in header)
             raise DatasetError(f"{manifest}: found columns {columns}; {expected}")

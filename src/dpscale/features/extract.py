@@ -31,12 +31,7 @@ from dpscale.data import ImageDataset
 from dpscale.models import build_model
 
 from .scatternet import ScatterNet, import_kymatio
-from .source_run import (
-    SourceRun,
-    read_run,
-    read_source_run,
-    source_run_privacy,
-)
+from .source_run import SourceRun, read_run, read_source_run, source_run_privacy
 
 __all__ = [
     "CACHE_FORMAT",
@@ -118,12 +113,17 @@ def _weights_sha256(module: nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # uint8 view: bf16 has no numpy dtype
+        # uint8 view: bf16 has no numpy dtype
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
 def _model_extractor(
-    model: nn.Module, input_shape: tuple[int, int, int], spec: dict[str, Any], name: str, device: torch.device
+    model: nn.Module,
+    input_shape: tuple[int, int, int],
+    spec: dict[str, Any],
+    name: str,
+    device: torch.device,
 ) -> FeatureExtractor:
     """Wrap a classifier's ``forward_features``; a dry run on one blank image gives the output shape."""
     spec = {**spec, "input_shape": list(input_shape), "weights_sha256": _weights_sha256(model)}
@@ -132,7 +132,9 @@ def _model_extractor(
         with torch.no_grad():
             out = module(torch.zeros((1, *input_shape), device=device))
     except RuntimeError as err:  # conv/linear size mismatches
-        raise ValueError(f"{name} cannot take images of shape {tuple(input_shape)} (C, H, W): {err}") from err
+        raise ValueError(
+            f"{name} cannot take images of shape {tuple(input_shape)} (C, H, W): {err}"
+        ) from err
     return FeatureExtractor(module, spec, tuple(out.shape[1:]), name=name, input_shape=input_shape)
 
 
@@ -147,7 +149,9 @@ def _data_key(data_name: str) -> str:
     return data_name.strip().lower().replace("_", "-")  # as dpscale.data.load_dataset reads it
 
 
-def _trained_input_shape(data_name: str, image_size: int | None) -> tuple[int | None, int | None, int | None]:
+def _trained_input_shape(
+    data_name: str, image_size: int | None
+) -> tuple[int | None, int | None, int | None]:
     """(C, H, W) a run's images had, as far as its data config fixes it (None where unknown)."""
     key = _data_key(data_name)
     size = image_size if image_size is not None else _KNOWN_SIZE.get(key)
@@ -165,7 +169,9 @@ def _trained_on_images(config: Any, run_dir: Path) -> None:
         )
 
 
-def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device: torch.device) -> FeatureExtractor:
+def _checkpoint_extractor(
+    where: str, input_shape: tuple[int, int, int], device: torch.device
+) -> FeatureExtractor:
     run_dir, ckpt, config, state = read_run(where, _trained_on_images)
     weights = state.get("model")
     if not isinstance(weights, dict):
@@ -180,9 +186,13 @@ def _checkpoint_extractor(where: str, input_shape: tuple[int, int, int], device:
     # The head's size is read off the weights (the final "head.*weight" has num_classes rows), so
     # the run's dataset need not be loaded; a strict load below checks the guess.
     head = [k for k in weights if k.startswith("head.") and k.endswith("weight")]
-    num_classes = int(weights[head[-1]].shape[0]) if head else _KNOWN_CLASSES.get(_data_key(config.data.name))
+    num_classes = (
+        int(weights[head[-1]].shape[0]) if head else _KNOWN_CLASSES.get(_data_key(config.data.name))
+    )
     if num_classes is None:
-        raise ValueError(f"cannot tell the number of classes of the model in {ckpt} (no head.* weights)")
+        raise ValueError(
+            f"cannot tell the number of classes of the model in {ckpt} (no head.* weights)"
+        )
     m = config.model
     model = _build_seeded(m.name, num_classes, input_shape, m.activation, **m.kwargs)
     try:
@@ -233,7 +243,9 @@ def make_extractor(
         ImportError: ``"scatternet"`` without kymatio installed.
     """
     if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
-        raise ValueError(f"input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}")
+        raise ValueError(
+            f"input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}"
+        )
     shape = (int(input_shape[0]), int(input_shape[1]), int(input_shape[2]))
     device = torch.device(device)
     kind, _, arg = spec.strip().partition(":")
@@ -250,8 +262,12 @@ def make_extractor(
     if kind == "model" and arg:
         model = _build_seeded(arg, num_classes=MODEL_NUM_CLASSES, input_shape=shape)
         spec_dict = {
-            "kind": "model", "model": arg, "activation": "tanh", "num_classes": MODEL_NUM_CLASSES, "seed": MODEL_SEED,
-        }  # fmt: skip
+            "kind": "model",
+            "model": arg,
+            "activation": "tanh",
+            "num_classes": MODEL_NUM_CLASSES,
+            "seed": MODEL_SEED,
+        }
         return _model_extractor(model, shape, spec_dict, f"model:{arg}", device)
     if kind == "checkpoint" and arg:
         return _checkpoint_extractor(arg, shape, device)
@@ -287,7 +303,9 @@ def extract_features(
     n = len(images)
     out = torch.empty((n, *extractor.output_shape), dtype=torch.float32)
     device = extractor.device
-    bar = tqdm(total=n, disable=not progress, file=sys.stderr, desc=desc, unit="img", dynamic_ncols=True)
+    bar = tqdm(
+        total=n, disable=not progress, file=sys.stderr, desc=desc, unit="img", dynamic_ncols=True
+    )
     with torch.no_grad(), bar:
         for start in range(0, n, batch_size):
             batch = images[start : start + batch_size].to(device=device, dtype=torch.float32)
@@ -307,7 +325,8 @@ def _split_hash(x: torch.Tensor, y: torch.Tensor) -> str:
     digest = hashlib.sha256()
     digest.update(repr((tuple(x.shape), tuple(y.shape), str(x.dtype))).encode())
     digest.update(y.detach().cpu().contiguous().numpy().tobytes())
-    digest.update(x.detach().cpu().contiguous().numpy().data.cast("B"))  # ndarray.data: the array's memoryview
+    # ndarray.data: the array's memoryview
+    digest.update(x.detach().cpu().contiguous().numpy().data.cast("B"))
     return digest.hexdigest()
 
 
@@ -339,7 +358,9 @@ def default_cache_dir() -> Path:
     return base / "dpscale" / "features"
 
 
-def _read_cache(path: Path, key: str, extractor: FeatureExtractor, dataset: ImageDataset) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_cache(
+    path: Path, key: str, extractor: FeatureExtractor, dataset: ImageDataset
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached (x_train, x_test), or ValueError saying why the file cannot be used."""
     from dpscale._io import load_torch_file
 
@@ -350,17 +371,27 @@ def _read_cache(path: Path, key: str, extractor: FeatureExtractor, dataset: Imag
     for split, n in (("x_train", len(dataset.x_train)), ("x_test", len(dataset.x_test))):
         x = state.get(split)
         expected = (n, *extractor.output_shape)
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != expected:
+        if (
+            not isinstance(x, torch.Tensor)
+            or x.dtype != torch.float32
+            or tuple(x.shape) != expected
+        ):
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{split} is {got}, expected float32 {expected}")
         features.append(x)
     return features[0], features[1]
 
 
-def _write_cache(path: Path, key: str, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor) -> None:
+def _write_cache(
+    path: Path, key: str, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor
+) -> None:
     from dpscale._io import save_torch_file
 
-    save_torch_file(path, {"key": key, "spec": extractor.spec, "x_train": x_train, "x_test": x_test}, CACHE_FORMAT)
+    save_torch_file(
+        path,
+        {"key": key, "spec": extractor.spec, "x_train": x_train, "x_test": x_test},
+        CACHE_FORMAT,
+    )
 
 
 def load_or_extract(
@@ -395,7 +426,10 @@ def load_or_extract(
     key, path = "", None
     if use_cache:
         key = feature_cache_key(extractor, dataset)
-        path = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / f"{key}.pt"
+        path = (
+            Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
+            / f"{key}.pt"
+        )
         if path.is_file():
             try:
                 x_train, x_test = _read_cache(path, key, extractor, dataset)
@@ -405,8 +439,12 @@ def load_or_extract(
                 say(f"features: loaded from cache {path}")
                 return _with_features(dataset, extractor, x_train, x_test), True
     started = time.perf_counter()
-    x_train = extract_features(extractor, dataset.x_train, batch_size, progress, desc=f"{extractor.name} train")
-    x_test = extract_features(extractor, dataset.x_test, batch_size, progress, desc=f"{extractor.name} test")
+    x_train = extract_features(
+        extractor, dataset.x_train, batch_size, progress, desc=f"{extractor.name} train"
+    )
+    x_test = extract_features(
+        extractor, dataset.x_test, batch_size, progress, desc=f"{extractor.name} test"
+    )
     done = f"features: computing {extractor.name} for {len(x_train)}+{len(x_test)} images ..."
     if path is None:
         say(f"{done} done, not cached ({time.perf_counter() - started:.1f} s)")
@@ -414,12 +452,17 @@ def load_or_extract(
         try:
             _write_cache(path, key, extractor, x_train, x_test)
         except OSError as err:
-            say(f"{done} done, but could not save to {path} ({err}) ({time.perf_counter() - started:.1f} s)")
+            say(
+                f"{done} done, but could not save to {path} ({err}) ({time.perf_counter() - started:.1f} s)"
+            )
         else:
             say(f"{done} saved to {path} ({time.perf_counter() - started:.1f} s)")
     return _with_features(dataset, extractor, x_train, x_test), False
 
 
-def _with_features(dataset: ImageDataset, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor) -> ImageDataset:
-    info = replace(dataset.info, input_shape=extractor.output_shape)  # may be 1-D, see load_or_extract
+def _with_features(
+    dataset: ImageDataset, extractor: FeatureExtractor, x_train: torch.Tensor, x_test: torch.Tensor
+) -> ImageDataset:
+    # may be 1-D, see load_or_extract
+    info = replace(dataset.info, input_shape=extractor.output_shape)
     return replace(dataset, x_train=x_train, x_test=x_test, info=info)

@@ -32,13 +32,27 @@ import torch
 import torch.nn.functional as F
 
 from dpscale.data.user_ids import UserIndex
-from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, data_norm_release, feature_mean_release
+from dpscale.privacy.accounting.segments import (
+    DATA_NORM,
+    FEATURE_MEAN,
+    data_norm_release,
+    feature_mean_release,
+)
 from dpscale.rng import DPRandom, require_dprandom
 
 __all__ = [  # the release labels and events live with the accountant (torch-free); re-exported here
-    "DATA_NORM", "FEATURE_MEAN", "NORMALIZATIONS", "DataNormStats", "FeatureNormalizer", "data_norm_release",
-    "feature_mean_release", "group_normalize", "private_channel_mean", "private_data_norm", "private_feature_mean",
-]  # fmt: skip
+    "DATA_NORM",
+    "FEATURE_MEAN",
+    "NORMALIZATIONS",
+    "DataNormStats",
+    "FeatureNormalizer",
+    "data_norm_release",
+    "feature_mean_release",
+    "group_normalize",
+    "private_channel_mean",
+    "private_data_norm",
+    "private_feature_mean",
+]
 NORMALIZATIONS: tuple[str, ...] = ("none", "groupnorm", "datanorm")
 GROUPNORM_EPS = 1e-5  # as torch.nn.GroupNorm
 
@@ -56,7 +70,9 @@ def group_normalize(x: torch.Tensor, groups: int, eps: float = GROUPNORM_EPS) ->
     """
     channels = x.shape[1]
     if groups < 1 or channels % groups:
-        raise ValueError(f"features have {channels} channels, which {groups} groups do not divide evenly")
+        raise ValueError(
+            f"features have {channels} channels, which {groups} groups do not divide evenly"
+        )
     return F.group_norm(x, groups, eps=eps)
 
 
@@ -108,18 +124,27 @@ def _per_user_means(stats: torch.Tensor, users: UserIndex | None) -> torch.Tenso
     if users is None:
         return stats
     codes = torch.from_numpy(users.codes).to(stats.device)
-    sums = torch.zeros(users.num_users, stats.shape[1], dtype=stats.dtype, device=stats.device).index_add_(0, codes, stats)
+    sums = torch.zeros(
+        users.num_users, stats.shape[1], dtype=stats.dtype, device=stats.device
+    ).index_add_(0, codes, stats)
     return sums / torch.from_numpy(users.sizes).to(stats.device, stats.dtype).unsqueeze(1)
 
 
 def _release_channel_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, square: bool, batch_size: int,
+    x: torch.Tensor,
+    clip: float,
+    noise_multiplier: float,
+    generator: DPRandom,
+    square: bool,
+    batch_size: int,
     users: UserIndex | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """PrivChannelMean on x (or x^2) without argument checks; see :func:`private_channel_mean`."""
     rows = _per_user_means(_per_example_channel_means(x, square, batch_size), users)
     total = _clipped_sum(rows, clip)
-    noise = require_dprandom(generator, "Data Normalization noise").normal(total.shape, dtype=torch.float64)
+    noise = require_dprandom(generator, "Data Normalization noise").normal(
+        total.shape, dtype=torch.float64
+    )
     return (total + noise * (noise_multiplier * clip)) / len(rows)
 
 
@@ -157,8 +182,15 @@ def private_channel_mean(
     Returns:
         [K] float64 estimate.
     """
-    if not (_finite_positive(clip) and math.isfinite(noise_multiplier) and noise_multiplier >= 0 and len(x) > 0):
-        raise ValueError("private_channel_mean needs a finite clip > 0, a finite noise_multiplier >= 0 and N >= 1")
+    if not (
+        _finite_positive(clip)
+        and math.isfinite(noise_multiplier)
+        and noise_multiplier >= 0
+        and len(x) > 0
+    ):
+        raise ValueError(
+            "private_channel_mean needs a finite clip > 0, a finite noise_multiplier >= 0 and N >= 1"
+        )
     return _release_channel_mean(x, clip, noise_multiplier, generator, False, batch_size, users)
 
 
@@ -220,17 +252,28 @@ def private_data_norm(
     """
     finite_noise = math.isfinite(noise_multiplier) and noise_multiplier >= 0
     if not (_finite_positive(clip_mean, clip_square, floor) and finite_noise and len(x) > 0):
-        raise ValueError("private_data_norm needs finite clip_mean, clip_square, floor > 0, a finite noise_multiplier >= 0 and N >= 1")
-    mean = _release_channel_mean(x, clip_mean, noise_multiplier, generator, False, batch_size, users)
-    mean_square = _release_channel_mean(x, clip_square, noise_multiplier, generator, True, batch_size, users)
+        raise ValueError(
+            "private_data_norm needs finite clip_mean, clip_square, floor > 0, a finite noise_multiplier >= 0 and N >= 1"
+        )
+    mean = _release_channel_mean(
+        x, clip_mean, noise_multiplier, generator, False, batch_size, users
+    )
+    mean_square = _release_channel_mean(
+        x, clip_square, noise_multiplier, generator, True, batch_size, users
+    )
     var = torch.clamp(mean_square - mean.square(), min=floor)
     return DataNormStats(mean, var)
 
 
 def private_feature_mean(
-    x: torch.Tensor, clip: float, noise_multiplier: float, generator: DPRandom, batch_size: int = 4096,
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None, users: UserIndex | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    clip: float,
+    noise_multiplier: float,
+    generator: DPRandom,
+    batch_size: int = 4096,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    users: UserIndex | None = None,
+) -> torch.Tensor:
     """The training set's mean feature vector, privately: each example's flattened features are
     clipped to L2 norm ``clip``, summed in float64, and N(0, (noise_multiplier * clip)^2) noise is
     added to every coordinate of the sum, which is then divided by N (public, as DP-SGD's
@@ -255,24 +298,30 @@ def private_feature_mean(
         [...] float64 tensor of one example's feature shape.
     """
     if not (clip > 0 and math.isfinite(clip) and noise_multiplier >= 0 and len(x) > 0):
-        raise ValueError("private_feature_mean needs clip > 0, noise_multiplier >= 0 and at least one example")
+        raise ValueError(
+            "private_feature_mean needs clip > 0, noise_multiplier >= 0 and at least one example"
+        )
     total = torch.zeros(x[0].numel(), dtype=torch.float64)
     for batch, local in _batches(x, users, batch_size):
-        rows = (transform(batch) if transform else batch).reshape(-1, total.numel()).to(torch.float64)
+        rows = (
+            (transform(batch) if transform else batch).reshape(-1, total.numel()).to(torch.float64)
+        )
         rows = _per_user_means(rows, local)
         norms = rows.norm(dim=1, keepdim=True)
         factors = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)
         # An example with a non-finite feature contributes nothing (inf * 0 would be NaN): still
         # within the sensitivity R, and one bad input cannot turn the released mean into NaN.
         total += torch.where(norms.isfinite(), rows * factors, 0.0).sum(dim=0).cpu()
-    noise = require_dprandom(generator, "feature centring noise").normal(total.shape, dtype=torch.float64)
+    noise = require_dprandom(generator, "feature centring noise").normal(
+        total.shape, dtype=torch.float64
+    )
     units = len(x) if users is None else users.num_users
     return ((total + noise * (noise_multiplier * clip)) / units).reshape(x.shape[1:])
 
 
 def _batches(
     x: torch.Tensor, users: UserIndex | None, batch_size: int
-) -> Iterator[tuple[torch.Tensor, UserIndex | None]]:  # fmt: skip
+) -> Iterator[tuple[torch.Tensor, UserIndex | None]]:
     """``x`` in batches of about ``batch_size`` examples: in order, or of whole users (each batch
     with the index of its own users)."""
     if users is None:
@@ -281,7 +330,11 @@ def _batches(
         return
     first = 0
     while first < users.num_users:
-        last = max(first + 1, int(np.searchsorted(users.offsets, users.offsets[first] + batch_size, side="right")) - 1)
+        last = max(
+            first + 1,
+            int(np.searchsorted(users.offsets, users.offsets[first] + batch_size, side="right"))
+            - 1,
+        )
         last = min(last, users.num_users)
         rows = users.examples[users.offsets[first] : users.offsets[last]]
         local = UserIndex.from_ids(np.repeat(np.arange(last - first), users.sizes[first:last]))

@@ -21,7 +21,12 @@ from dpscale.features.extract import load_or_extract, make_extractor
 from dpscale.features.source_run import source_run_privacy
 from dpscale.features.normalize import FeatureNormalizer, private_data_norm, private_feature_mean
 from dpscale.data.user_ids import UserIndex
-from dpscale.privacy.accounting.segments import DATA_NORM, FEATURE_MEAN, AccountingSegment, feature_releases as _releases
+from dpscale.privacy.accounting.segments import (
+    DATA_NORM,
+    FEATURE_MEAN,
+    AccountingSegment,
+    feature_releases as _releases,
+)
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.rng import DPRandom
@@ -73,8 +78,14 @@ def extract_run_features(
 def feature_releases(features: FeaturesConfig) -> tuple[AccountingSegment, ...]:
     """The privacy-costing releases the feature normalisation makes (for the DP plan), in the
     order the normaliser draws them (none at zero noise: a non-private run)."""
-    data_norm = features.norm_noise if features.normalize == "datanorm" and features.norm_noise > 0 else None
-    return _releases(data_norm, features.center_noise if features.center and features.center_noise > 0 else None)
+    data_norm = (
+        features.norm_noise
+        if features.normalize == "datanorm" and features.norm_noise > 0
+        else None
+    )
+    return _releases(
+        data_norm, features.center_noise if features.center and features.center_noise > 0 else None
+    )
 
 
 def extractor_privacy(
@@ -102,11 +113,17 @@ def extractor_privacy(
     kind, _, where = spec.partition(":")
     if kind.strip().lower() != "checkpoint" or not where.strip():
         return None, ()
-    return source_run_privacy("extractor", spec, where.strip(), features.extractor_public, fingerprint_as, private)
+    return source_run_privacy(
+        "extractor", spec, where.strip(), features.extractor_public, fingerprint_as, private
+    )
 
 
 def fit_normalizer(
-    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom, users: UserIndex | None = None
+    features: FeaturesConfig,
+    x_train: torch.Tensor,
+    plan: DPPlan,
+    generator: DPRandom,
+    users: UserIndex | None = None,
 ) -> FeatureNormalizer:
     """The normaliser a new run uses; Data Normalization, then centring, draw their noise from
     ``generator`` with the noise multipliers the DP plan accounts for (at the user unit, ``users``:
@@ -116,12 +133,18 @@ def fit_normalizer(
         return normalizer
     sigma = plan.release_noise(FEATURE_MEAN) if plan.is_private else features.center_noise
     clip = features.center_clip * x_train[0].numel() ** 0.5  # normalisation keeps the shape
-    center = private_feature_mean(x_train, clip, sigma, generator, transform=normalizer, users=users)
+    center = private_feature_mean(
+        x_train, clip, sigma, generator, transform=normalizer, users=users
+    )
     return replace(normalizer, center=center)
 
 
 def _fit_base_normalizer(
-    features: FeaturesConfig, x_train: torch.Tensor, plan: DPPlan, generator: DPRandom, users: UserIndex | None
+    features: FeaturesConfig,
+    x_train: torch.Tensor,
+    plan: DPPlan,
+    generator: DPRandom,
+    users: UserIndex | None,
 ) -> FeatureNormalizer:
     """GroupNorm, Data Normalization or nothing (before any centring)."""
     if features.normalize == "groupnorm":
@@ -135,17 +158,25 @@ def _fit_base_normalizer(
     if features.normalize == "datanorm":
         sigma = plan.release_noise(DATA_NORM) if plan.is_private else features.norm_noise
         clip_mean, clip_square = features.norm_clip
-        stats = private_data_norm(x_train, clip_mean, clip_square, sigma, features.norm_floor, generator, users=users)
+        stats = private_data_norm(
+            x_train, clip_mean, clip_square, sigma, features.norm_floor, generator, users=users
+        )
         return FeatureNormalizer("datanorm", stats=stats)
     return FeatureNormalizer()
 
 
-def normalize_dataset(data: ImageDataset, normalizer: FeatureNormalizer, batch_size: int = 4096) -> ImageDataset:
+def normalize_dataset(
+    data: ImageDataset, normalizer: FeatureNormalizer, batch_size: int = 4096
+) -> ImageDataset:
     """Apply ``normalizer`` to the train and test inputs (in batches, to bound peak memory)."""
     if normalizer.is_identity:
         return data
 
     def apply(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([normalizer(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]) if len(x) else x
+        return (
+            torch.cat([normalizer(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+            if len(x)
+            else x
+        )
 
     return replace(data, x_train=apply(data.x_train), x_test=apply(data.x_test))

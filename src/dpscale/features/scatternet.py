@@ -18,7 +18,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
-__all__ = ["KYMATIO_HINT", "ScatterNet", "import_kymatio", "scatter_output_shape", "scatter_channels"]
+__all__ = [
+    "KYMATIO_HINT",
+    "ScatterNet",
+    "import_kymatio",
+    "scatter_output_shape",
+    "scatter_channels",
+]
 
 KYMATIO_HINT = "ScatterNet features need kymatio: pip install -c constraints.txt kymatio"
 
@@ -71,7 +77,9 @@ def scatter_output_shape(
     """
     k = scatter_channels(J, L, max_order)
     if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
-        raise ValueError(f"ScatterNet input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}")
+        raise ValueError(
+            f"ScatterNet input_shape must be (C, H, W) with positive sizes, got {tuple(input_shape)}"
+        )
     if pad < 0:
         raise ValueError(f"ScatterNet pad must be >= 0, got {pad}")
     c, h, w = (int(d) for d in input_shape)
@@ -79,7 +87,9 @@ def scatter_output_shape(
     step = 2**J
     for what, size in (("height", h), ("width", w)):
         if size < step:
-            raise ValueError(f"ScatterNet with J={J} needs images at least {step} pixels in {what}, got {size}")
+            raise ValueError(
+                f"ScatterNet with J={J} needs images at least {step} pixels in {what}, got {size}"
+            )
         if size % step:
             raise ValueError(
                 f"ScatterNet with J={J} needs image {what} divisible by 2^J = {step}, got {size}; "
@@ -109,7 +119,14 @@ class ScatterNet(nn.Module):
         ImportError: kymatio is not installed.
     """
 
-    def __init__(self, input_shape: tuple[int, int, int], J: int = 2, L: int = 8, max_order: int = 2, pad: int = 0) -> None:
+    def __init__(
+        self,
+        input_shape: tuple[int, int, int],
+        J: int = 2,
+        L: int = 8,
+        max_order: int = 2,
+        pad: int = 0,
+    ) -> None:
         super().__init__()
         # Validate first so a bad shape is reported as such even without kymatio.
         self.output_shape = scatter_output_shape(input_shape, J, L, max_order, pad)
@@ -120,11 +137,15 @@ class ScatterNet(nn.Module):
         # with recent scipy; the result is an nn.Module whose filters are buffers.
         _, h, w = self.input_shape
         h, w = h + 2 * pad, w + 2 * pad
-        self.scattering = kymatio.Scattering2D(J=J, shape=(h, w), L=L, max_order=max_order, frontend="torch")
+        self.scattering = kymatio.Scattering2D(
+            J=J, shape=(h, w), L=L, max_order=max_order, frontend="torch"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or tuple(x.shape[1:]) != self.input_shape:
-            raise ValueError(f"ScatterNet built for images of shape {self.input_shape} (C, H, W) got a batch of shape {tuple(x.shape)}")
+            raise ValueError(
+                f"ScatterNet built for images of shape {self.input_shape} (C, H, W) got a batch of shape {tuple(x.shape)}"
+            )
         if self.pad:
             x = nn.functional.pad(x, (self.pad,) * 4)  # zeros: a fixed, data-independent border
         out = self.scattering(x.contiguous())  # [N, C, K, H/2^J, W/2^J]

@@ -22,7 +22,9 @@ from dpscale.privacy.plan.source_runs import SOURCE_ROLES, SourceRunPrivacy
 from dpscale.runs import CHECKPOINT_NAME, NotARunDirectory, read_run_config
 
 
-def read_run(where: str, check_config: Callable[[Any, Path], None] | None = None) -> tuple[Path, Path, Any, dict[str, Any]]:
+def read_run(
+    where: str, check_config: Callable[[Any, Path], None] | None = None
+) -> tuple[Path, Path, Any, dict[str, Any]]:
     """The run directory, checkpoint path, config and checkpoint state of ``checkpoint:<where>``;
     ``check_config`` may refuse the run from its config before the checkpoint is read.
 
@@ -41,7 +43,9 @@ def read_run(where: str, check_config: Callable[[Any, Path], None] | None = None
     run_dir, ckpt = (path, path / CHECKPOINT_NAME) if path.is_dir() else (path.parent, path)
     try:
         config = read_run_config(run_dir)
-    except NotARunDirectory as err:  # a user error (ConfigError, a ValueError too): one line, no traceback
+    except (
+        NotARunDirectory
+    ) as err:  # a user error (ConfigError, a ValueError too): one line, no traceback
         raise ConfigError(f"checkpoint:{where}: {err}") from err
     if check_config is not None:
         check_config(config, run_dir)
@@ -91,10 +95,17 @@ def read_source_run(where: str) -> SourceRun:
         ValueError: not a run directory, no checkpoint, or one without a DP plan and accountant.
     """
     run_dir, ckpt, config, state = read_run(where)
-    mechanism = state.get("mechanism") or {}  # load_checkpoint gives every format in the current layout
+    # load_checkpoint gives every format in the current layout
+    mechanism = state.get("mechanism") or {}
     plan, accountant = mechanism.get("plan"), mechanism.get("accountant")
-    if not isinstance(plan, dict) or "noise_multiplier" not in plan or not isinstance(accountant, dict):
-        raise ConfigError(f"{ckpt} holds no DP plan and accountant history: cannot tell what its training cost")
+    if (
+        not isinstance(plan, dict)
+        or "noise_multiplier" not in plan
+        or not isinstance(accountant, dict)
+    ):
+        raise ConfigError(
+            f"{ckpt} holds no DP plan and accountant history: cannot tell what its training cost"
+        )
     return SourceRun(
         run_dir=run_dir,
         data_fingerprint=state.get("data_fingerprint"),
@@ -124,7 +135,12 @@ def refuse_user_level_history(run: SourceRun, key: str, source: str, public_key:
 
 
 def source_run_privacy(
-    role: str, source: str, where: str, public: bool, fingerprint_as: Callable[[bool], str], private: bool = True
+    role: str,
+    source: str,
+    where: str,
+    public: bool,
+    fingerprint_as: Callable[[bool], str],
+    private: bool = True,
 ) -> tuple[SourceRunPrivacy, tuple[AccountingSegment, ...]]:
     """How a run this run starts from (``role`` "extractor" or "init") enters its guarantee, and
     the releases of that run's training that the DP plan must compose.
@@ -156,7 +172,9 @@ def source_run_privacy(
     except ValueError as err:
         raise ConfigError(f"{words.key}={source!r}: {err}") from err
     # No fingerprint (never written by dpscale so far): assume the same data, the safe side.
-    if run.data_fingerprint is not None and run.data_fingerprint != fingerprint_as(run.data_normalize):
+    if run.data_fingerprint is not None and run.data_fingerprint != fingerprint_as(
+        run.data_normalize
+    ):
         return SourceRunPrivacy(source, "other data", role=role), ()
     if public:
         return SourceRunPrivacy(source, "declared public", role=role), ()
@@ -174,4 +192,5 @@ def source_run_privacy(
 
 def _source_caveats(plan: dict[str, Any], config: Any) -> tuple[str, ...]:
     """The source plan's caveats, its labels taken from its config (older checkpoints lack them)."""
-    return tuple(DPPlan(**{**plan, **plan_labels(config)}).caveats())  # the labels replace the plan's own
+    # the labels replace the plan's own
+    return tuple(DPPlan(**{**plan, **plan_labels(config)}).caveats())

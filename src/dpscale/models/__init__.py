@@ -7,7 +7,13 @@ from dpscale.models import vit as _vit  # noqa: F401
 from dpscale.models import scatter as _scatter  # noqa: F401
 from dpscale.models.activations import TemperedSigmoid, make_activation
 from dpscale.models.adapt import convert_batchnorm_to_groupnorm, freeze_block_groups
-from dpscale.models.registry import build_model, count_parameters, default_input_shape, list_models, register_model
+from dpscale.models.registry import (
+    build_model,
+    count_parameters,
+    default_input_shape,
+    list_models,
+    register_model,
+)
 
 __all__ = [
     "TemperedSigmoid",

@@ -21,9 +21,15 @@ class TemperedSigmoid(nn.Module):
         offset: o, shifts the output range to [-o, s - o].
     """
 
-    def __init__(self, scale: float = 2.0, inverse_temperature: float = 2.0, offset: float = 1.0) -> None:
+    def __init__(
+        self, scale: float = 2.0, inverse_temperature: float = 2.0, offset: float = 1.0
+    ) -> None:
         super().__init__()
-        self.scale, self.inverse_temperature, self.offset = float(scale), float(inverse_temperature), float(offset)
+        self.scale, self.inverse_temperature, self.offset = (
+            float(scale),
+            float(inverse_temperature),
+            float(offset),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * torch.sigmoid(self.inverse_temperature * x) - self.offset
@@ -36,7 +42,9 @@ _SIMPLE = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "elu": nn.EL
 _TEMPERED = re.compile(r"^tempered_sigmoid(?:\((?P<args>[^)]*)\))?$")
 _TEMPERED_KEYS = {"s": "scale", "T": "inverse_temperature", "o": "offset"}
 
-ACTIVATION_HELP = "relu, tanh, sigmoid, elu, gelu, tempered_sigmoid or tempered_sigmoid(s=2,T=2,o=1)"
+ACTIVATION_HELP = (
+    "relu, tanh, sigmoid, elu, gelu, tempered_sigmoid or tempered_sigmoid(s=2,T=2,o=1)"
+)
 
 
 def make_activation(spec: str) -> nn.Module:
@@ -58,6 +66,8 @@ def make_activation(spec: str) -> nn.Module:
     for item in filter(None, (match.group("args") or "").split(",")):
         key, _, value = item.partition("=")
         if key not in _TEMPERED_KEYS or not value:
-            raise ValueError(f"bad tempered_sigmoid argument {item!r} in {spec!r}; use s=..,T=..,o=..")
+            raise ValueError(
+                f"bad tempered_sigmoid argument {item!r} in {spec!r}; use s=..,T=..,o=.."
+            )
         kwargs[_TEMPERED_KEYS[key]] = float(value)
     return TemperedSigmoid(**kwargs)

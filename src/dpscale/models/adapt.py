@@ -29,7 +29,9 @@ def freeze_block_groups(model: nn.Module, k: int) -> int:
     if groups is None:
         raise ValueError(f"{type(model).__name__} has no block_groups(); cannot freeze groups")
     if not 0 <= k < len(groups):
-        raise ValueError(f"can freeze 0..{len(groups) - 1} block groups of this model (it has {len(groups)}), got {k}")
+        raise ValueError(
+            f"can freeze 0..{len(groups) - 1} block groups of this model (it has {len(groups)}), got {k}"
+        )
     for group in groups[:k]:
         for p in group:
             p.requires_grad_(False)

@@ -76,7 +76,11 @@ class Classifier(nn.Module):
 
 def _layer_groups(module: nn.Module) -> list[list[nn.Parameter]]:
     """One group per sub-module that owns parameters, in registration (= forward) order."""
-    return [list(m.parameters(recurse=False)) for m in module.modules() if list(m.parameters(recurse=False))]
+    return [
+        list(m.parameters(recurse=False))
+        for m in module.modules()
+        if list(m.parameters(recurse=False))
+    ]
 
 
 def _conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
@@ -114,7 +118,9 @@ def papernot_cnn(
         MaxPool2d(2, stride=1),
         nn.Flatten(),
     )
-    return Classifier(features, k2 * h * w, num_classes, head_hidden=(hidden,), activation=activation)
+    return Classifier(
+        features, k2 * h * w, num_classes, head_hidden=(hidden,), activation=activation
+    )
 
 
 def _vgg_features(
@@ -152,10 +158,14 @@ def _tramer_cnn(
     head_weight_standardization=False,
 ) -> Classifier:
     channels, height, width = input_shape
-    features, num_pools = _vgg_features(channels, widths, pool_after, activation, norm_groups, weight_standardization)
+    features, num_pools = _vgg_features(
+        channels, widths, pool_after, activation, norm_groups, weight_standardization
+    )
     h, w = height >> num_pools, width >> num_pools
     if h < 1 or w < 1:
-        raise ValueError(f"input {input_shape} is too small for {len(widths)} convs with {num_pools} poolings")
+        raise ValueError(
+            f"input {input_shape} is too small for {len(widths)} convs with {num_pools} poolings"
+        )
     return Classifier(
         features,
         widths[-1] * h * w,
@@ -174,7 +184,9 @@ def tramer_cifar_cnn(
     hidden: int = 128,
 ) -> Classifier:
     """CIFAR-10 CNN of Tramer & Boneh Table 7: convs 32-32-64-64-128-128, fc 128 (551K params)."""
-    return _tramer_cnn((32, 32, 64, 64, 128, 128), (2, 4, 6), num_classes, input_shape, activation, hidden)
+    return _tramer_cnn(
+        (32, 32, 64, 64, 128, 128), (2, 4, 6), num_classes, input_shape, activation, hidden
+    )
 
 
 @register_model("tramer-cifar-cnn-small", input_shape=(3, 32, 32))
@@ -186,7 +198,9 @@ def tramer_cifar_cnn_small(
 ) -> Classifier:
     """The smaller Table 7 variant (Tramer & Boneh Section 4): convs 16-16-32-32-64, pools after
     the 2nd, 4th and 5th conv, fc 128 (168K params)."""
-    return _tramer_cnn((16, 16, 32, 32, 64), (2, 4, 5), num_classes, input_shape, activation, hidden)
+    return _tramer_cnn(
+        (16, 16, 32, 32, 64), (2, 4, 5), num_classes, input_shape, activation, hidden
+    )
 
 
 @register_model("papernot-cifar-cnn", input_shape=(3, 32, 32))
@@ -199,7 +213,9 @@ def papernot_cifar_cnn(
     """Papernot et al. Table 2 CIFAR-10 CNN: convs 32-32-64-64-128-128 (3x3, 'same'), 2x2 max-pool
     after each pair, fc 1024, fc classes; 2,395,434 parameters (the count implies a pool after the
     last pair too, as in Tramer Table 7). ReLU as in the paper's transfer experiments."""
-    return _tramer_cnn((32, 32, 64, 64, 128, 128), (2, 4, 6), num_classes, input_shape, activation, hidden)
+    return _tramer_cnn(
+        (32, 32, 64, 64, 128, 128), (2, 4, 6), num_classes, input_shape, activation, hidden
+    )
 
 
 def parse_simplevgg(spec: str) -> tuple[list[tuple[int, int]], int]:
@@ -218,7 +234,9 @@ def parse_simplevgg(spec: str) -> tuple[list[tuple[int, int]], int]:
             f"bad simpleVGG spec {spec!r}; expected blocks width(convs) then the fc width, e.g. simplevgg-32(2)-64(2)-128(2)-128"
         ) from err
     if not blocks or any(w < 1 or n < 1 for w, n in blocks) or fc < 1:
-        raise ValueError(f"bad simpleVGG spec {spec!r}: needs at least one block and positive sizes")
+        raise ValueError(
+            f"bad simpleVGG spec {spec!r}: needs at least one block and positive sizes"
+        )
     return blocks, fc
 
 
@@ -244,7 +262,9 @@ def simplevgg(
         head_weight_standardization: the same for the hidden fc layer (``ScaledStdLinear``; the
             logits layer stays plain)."""
     if norm_groups < 0:
-        raise ValueError(f"simplevgg: norm_groups must be >= 0 (0: no GroupNorm), got {norm_groups}")
+        raise ValueError(
+            f"simplevgg: norm_groups must be >= 0 (0: no GroupNorm), got {norm_groups}"
+        )
     blocks, fc = parse_simplevgg(spec)
     widths, pools, count = [], [], 0
     for width, convs in blocks:
@@ -252,9 +272,16 @@ def simplevgg(
         count += convs
         pools.append(count)
     return _tramer_cnn(
-        tuple(widths), tuple(pools), num_classes, input_shape, activation, fc, norm_groups, weight_standardization,
+        tuple(widths),
+        tuple(pools),
+        num_classes,
+        input_shape,
+        activation,
+        fc,
+        norm_groups,
+        weight_standardization,
         head_weight_standardization,
-    )  # fmt: skip
+    )
 
 
 class AllConvNet(nn.Module):
@@ -262,7 +289,9 @@ class AllConvNet(nn.Module):
     64-128 | avgpool | 128-256 | avgpool | 256-512 | avgpool | conv to classes, spatial mean.
     The head is the last conv and the mean (2,334,730 parameters with 10 classes)."""
 
-    def __init__(self, num_classes: int, input_shape: tuple[int, int, int], activation: str) -> None:
+    def __init__(
+        self, num_classes: int, input_shape: tuple[int, int, int], activation: str
+    ) -> None:
         super().__init__()
         channels = input_shape[0]
         layers: list[nn.Module] = []
@@ -292,7 +321,9 @@ class AllConvNet(nn.Module):
 
 
 @register_model("papernot-allconv", input_shape=(3, 32, 32))
-def papernot_allconv(num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 32, 32), activation: str = "tanh") -> AllConvNet:
+def papernot_allconv(
+    num_classes: int = 10, input_shape: tuple[int, int, int] = (3, 32, 32), activation: str = "tanh"
+) -> AllConvNet:
     """Papernot Appendix A all-convolutional model (tanh, as in their Section 4.2 column)."""
     if input_shape[1] < 8 or input_shape[2] < 8:
         raise ValueError(f"input {input_shape} is too small for three 2x2 poolings")
@@ -301,9 +332,7 @@ def papernot_allconv(num_classes: int = 10, input_shape: tuple[int, int, int] = 
 
 @register_model("linear")
 def linear(
-    num_classes: int = 10,
-    input_shape: tuple[int, int, int] = (1, 28, 28),
-    activation: str = "tanh",
+    num_classes: int = 10, input_shape: tuple[int, int, int] = (1, 28, 28), activation: str = "tanh"
 ) -> Classifier:
     """Multinomial logistic regression on flattened inputs of any shape, e.g. pixels (C, H, W) or
     features (D,) for a linear probe (``activation`` is unused)."""

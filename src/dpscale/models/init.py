@@ -48,9 +48,11 @@ def read_weights(source: str) -> dict[str, torch.Tensor]:
     file holding a state dict (or {"model" | "state_dict": ...}), or ``timm:<name>``."""
     if source.startswith("timm:"):
         try:
-            import timm  # noqa: PLC0415 - optional; does not import on the CPU torch of CI
-        except Exception as err:  # noqa: BLE001 - any import failure: say so
-            raise ConfigError(f"model.init={source}: timm does not import here ({type(err).__name__}: {err})") from err
+            import timm  # optional; does not import on the CPU torch of CI
+        except Exception as err:  # any import failure: say so
+            raise ConfigError(
+                f"model.init={source}: timm does not import here ({type(err).__name__}: {err})"
+            ) from err
         return timm.create_model(source[len("timm:") :], pretrained=True).state_dict()
     path = Path(source)
     if path.is_dir():
@@ -115,7 +117,9 @@ def _head_names(model: nn.Module) -> set[str]:
     """Names of the logits layer's parameters (the last of ``block_groups()``)."""
     groups = block_groups_of(model)
     if groups is None:
-        raise ConfigError(f"model.reset_head: {type(model).__name__} has no block_groups(), so no known head")
+        raise ConfigError(
+            f"model.reset_head: {type(model).__name__} has no block_groups(), so no known head"
+        )
     head = {id(p) for p in groups[-1]}
     return {name for name, p in model.named_parameters() if id(p) in head}
 
@@ -150,12 +154,17 @@ def init_from(model: nn.Module, source: str, *, reset_head: bool = False) -> Ini
     problems = [f"{n}: not in the source" for n in own if n not in head and n not in state]
     problems += [
         f"{n}: source {tuple(state[n].shape)} vs model {tuple(t.shape)}"
-        for n, t in own.items() if n not in head and n in state and state[n].shape != t.shape
-    ]  # fmt: skip
-    problems += [f"{n}: in the source, not in the model" for n in state if n not in own and n not in head]
+        for n, t in own.items()
+        if n not in head and n in state and state[n].shape != t.shape
+    ]
+    problems += [
+        f"{n}: in the source, not in the model" for n in state if n not in own and n not in head
+    ]
     if problems:
         hint = "" if reset_head else " (a different number of classes? set model.reset_head: true)"
-        raise ConfigError(f"model.init={source} does not match the model{hint}: " + "; ".join(problems))
+        raise ConfigError(
+            f"model.init={source} does not match the model{hint}: " + "; ".join(problems)
+        )
     names = [n for n in own if n not in head]
     with torch.no_grad():
         for name in names:
@@ -163,7 +172,9 @@ def init_from(model: nn.Module, source: str, *, reset_head: bool = False) -> Ini
     return InitReport(source, _fingerprint(state, names), len(names), tuple(sorted(head)))
 
 
-def meanvar_init(model: nn.Module, seed_state: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, int]:
+def meanvar_init(
+    model: nn.Module, seed_state: dict[str, torch.Tensor], generator: torch.Generator
+) -> dict[str, int]:
     """Mean-Var weight scaling (Raghu et al. 2019; Papernot et al. Section 4.2): every parameter
     tensor of ``model`` that the seed model has (by name) is redrawn i.i.d. from a Gaussian with
     the mean and variance of the seed's tensor of that name (shapes may differ, e.g. the head).

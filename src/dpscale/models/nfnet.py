@@ -34,7 +34,9 @@ class _ScaledActivation(nn.Module):
 
 
 class NFBottleneck(nn.Module):
-    def __init__(self, cin: int, planes: int, stride: int, alpha: float, beta: float, activation: str) -> None:
+    def __init__(
+        self, cin: int, planes: int, stride: int, alpha: float, beta: float, activation: str
+    ) -> None:
         super().__init__()
         cout = 4 * planes
         self.alpha, self.beta = alpha, beta
@@ -42,7 +44,9 @@ class NFBottleneck(nn.Module):
         self.conv1 = ScaledStdConv2d(cin, planes, 1)
         self.conv2 = ScaledStdConv2d(planes, planes, 3, stride=stride, padding=1)
         self.conv3 = ScaledStdConv2d(planes, cout, 1)
-        self.shortcut = ScaledStdConv2d(cin, cout, 1, stride=stride) if stride != 1 or cin != cout else None
+        self.shortcut = (
+            ScaledStdConv2d(cin, cout, 1, stride=stride) if stride != 1 or cin != cout else None
+        )
         self.skip_gain = ScalarGain(alpha)  # SkipInit: zero, so each block starts as the identity
         self._register_load_state_dict_pre_hook(_skip_gain_as_a_layer)
 
@@ -62,11 +66,18 @@ def _skip_gain_as_a_layer(state_dict: dict, prefix: str, *args) -> None:
 
 
 def _nf_resnet(
-    counts, num_classes: int, input_shape: tuple[int, int, int], activation: str, alpha: float = 0.2, stem: str | None = None
+    counts,
+    num_classes: int,
+    input_shape: tuple[int, int, int],
+    activation: str,
+    alpha: float = 0.2,
+    stem: str | None = None,
 ) -> ResidualNetwork:
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
     if stem == "imagenet":
-        stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), MaxPool2d(3, 2, 1))
+        stem_module = nn.Sequential(
+            ScaledStdConv2d(input_shape[0], 64, 7, stride=2, padding=3), MaxPool2d(3, 2, 1)
+        )
     elif stem == "cifar":
         stem_module = nn.Sequential(ScaledStdConv2d(input_shape[0], 64, 3, padding=1))
     else:
@@ -76,7 +87,9 @@ def _nf_resnet(
         expected_var, blocks = 1.0, []
         for j in range(count):
             stride = 2 if (j == 0 and i > 0) else 1
-            blocks.append(NFBottleneck(cin, planes, stride, alpha, math.sqrt(expected_var), activation))
+            blocks.append(
+                NFBottleneck(cin, planes, stride, alpha, math.sqrt(expected_var), activation)
+            )
             # A transition block's shortcut re-normalises the signal; identity blocks add alpha^2.
             expected_var = 1.0 + alpha**2 if j == 0 else expected_var + alpha**2
             cin = 4 * planes

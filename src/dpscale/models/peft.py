@@ -75,16 +75,27 @@ class LoRAConv2d(nn.Module):
     def __init__(self, base: nn.Conv2d, rank: int, alpha: float) -> None:
         super().__init__()
         if base.groups != 1 or not isinstance(base.padding, tuple) or base.padding_mode != "zeros":
-            raise ValueError(f"LoRA takes Conv2d layers with groups=1 and numeric zero padding, got {base}")
+            raise ValueError(
+                f"LoRA takes Conv2d layers with groups=1 and numeric zero padding, got {base}"
+            )
         self.base, self.scale = base, alpha / rank
         base.requires_grad_(False)
         self.lora_a = LoRADownConv2d(base, rank)
-        self.lora_b = nn.Conv2d(rank, base.out_channels, 1, bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_b = nn.Conv2d(
+            rank,
+            base.out_channels,
+            1,
+            bias=False,
+            device=base.weight.device,
+            dtype=base.weight.dtype,
+        )
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # evaluation: one convolution, the merged weight (as exported)
+        if (
+            not torch.is_grad_enabled()
+        ):  # evaluation: one convolution, the merged weight (as exported)
             return self.base._conv_forward(x, self.merged_weight(), self.base.bias)
         down = self.lora_a(x)  # A x, computed with W x + b in one convolution
         return torch.add(self.lora_a.take_frozen_output(), self.lora_b(down), alpha=self.scale)
@@ -118,11 +129,15 @@ def logits_parameters(model: nn.Module) -> list[nn.Parameter]:
         return list(groups[-1])
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
-        raise ValueError(f"{type(model).__name__} has no block_groups() and no Linear layer: cannot find its logits layer")
+        raise ValueError(
+            f"{type(model).__name__} has no block_groups() and no Linear layer: cannot find its logits layer"
+        )
     return list(linears[-1].parameters())
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: Sequence[str] = ("*",)) -> int:
+def apply_lora(
+    model: nn.Module, rank: int, alpha: float | None = None, targets: Sequence[str] = ("*",)
+) -> int:
     """Freeze ``model`` and wrap its Linear/Conv2d layers (those whose module name matches a
     pattern of ``targets``; never the logits layer, which trains in full) in LoRA adapters, in place.
 
@@ -144,14 +159,22 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, targets:
     head = {id(p) for p in logits_parameters(model)}
     model.requires_grad_(False)
     chosen = [
-        (name, module) for name, module in model.named_modules()
-        if isinstance(module, (nn.Linear, nn.Conv2d)) and any(fnmatchcase(name, t) for t in targets)
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Conv2d))
+        and any(fnmatchcase(name, t) for t in targets)
         and not any(id(p) in head for p in module.parameters())
-    ]  # fmt: skip
+    ]
     if not chosen:
-        raise ValueError(f"model.lora_targets {list(targets)} match no Linear or Conv2d layer outside the logits layer")
+        raise ValueError(
+            f"model.lora_targets {list(targets)} match no Linear or Conv2d layer outside the logits layer"
+        )
     for name, module in chosen:
-        wrapper = LoRALinear(module, rank, alpha) if isinstance(module, nn.Linear) else LoRAConv2d(module, rank, alpha)
+        wrapper = (
+            LoRALinear(module, rank, alpha)
+            if isinstance(module, nn.Linear)
+            else LoRAConv2d(module, rank, alpha)
+        )
         _set_submodule(model, name, wrapper)
     return _train_also(model, logits_parameters(model))
 
@@ -175,9 +198,13 @@ def train_last_groups(model: nn.Module, k: int) -> int:
     """
     groups = block_groups_of(model)
     if groups is None:
-        raise ValueError(f"{type(model).__name__} has no block_groups(); cannot train its last groups")
+        raise ValueError(
+            f"{type(model).__name__} has no block_groups(); cannot train its last groups"
+        )
     if not 1 <= k <= len(groups):
-        raise ValueError(f"model.train_last_groups must be in 1..{len(groups)} for this model, got {k}")
+        raise ValueError(
+            f"model.train_last_groups must be in 1..{len(groups)} for this model, got {k}"
+        )
     model.requires_grad_(False)
     return _train_also(model, [p for group in groups[-k:] for p in group])
 
@@ -207,9 +234,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def apply_peft(
-    model: nn.Module, method: str, *, rank: int = 8, alpha: float | None = None, targets: Sequence[str] = ("*",),
+    model: nn.Module,
+    method: str,
+    *,
+    rank: int = 8,
+    alpha: float | None = None,
+    targets: Sequence[str] = ("*",),
     last_groups: int = 1,
-) -> int:  # fmt: skip
+) -> int:
     """Apply ``method`` ("none", "lora", "bitfit", "last_groups") to ``model`` in place.
 
     Returns:

@@ -20,7 +20,9 @@ _REGISTRY: dict[str, ModelBuilder] = {}
 _DEFAULT_INPUT: dict[str, tuple[int, int, int]] = {}
 
 
-def register_model(name: str, input_shape: tuple[int, int, int] = (1, 28, 28)) -> Callable[[_Builder], _Builder]:
+def register_model(
+    name: str, input_shape: tuple[int, int, int] = (1, 28, 28)
+) -> Callable[[_Builder], _Builder]:
     """Decorator adding a builder under ``name``; ``input_shape`` is its usual (C, H, W)."""
 
     def add(builder: _Builder) -> _Builder:
@@ -43,7 +45,9 @@ def _chw(shape: tuple[int, int, int]) -> tuple[int, int, int]:
 _FAMILIES: dict[str, tuple[Callable[..., nn.Module], tuple[int, int, int], str]] = {}
 
 
-def register_family(prefix: str, example: str, input_shape: tuple[int, int, int]) -> Callable[[Callable], Callable]:
+def register_family(
+    prefix: str, example: str, input_shape: tuple[int, int, int]
+) -> Callable[[Callable], Callable]:
     """Decorator for a builder taking ``spec`` (the name after ``prefix-``); ``example`` is listed."""
 
     def add(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
@@ -53,14 +57,18 @@ def register_family(prefix: str, example: str, input_shape: tuple[int, int, int]
     return add
 
 
-def _timm_builder(num_classes: int, input_shape: tuple[int, int, int], activation: str, spec: str, **options: Any) -> nn.Module:
+def _timm_builder(
+    num_classes: int, input_shape: tuple[int, int, int], activation: str, spec: str, **options: Any
+) -> nn.Module:
     """``timm:<name>``: a timm model (optional; timm's CUDA wheels may not import on CPU torch).
     BatchNorm models are rejected at training time; convert them with
     ``dpscale.models.convert_batchnorm_to_groupnorm`` first. ``activation`` is timm's choice."""
     try:
         import timm
     except Exception as err:  # ImportError, or a binary mismatch with this torch build
-        raise ValueError(f"timm:{spec} needs the timm package, which does not import here ({err})") from err
+        raise ValueError(
+            f"timm:{spec} needs the timm package, which does not import here ({err})"
+        ) from err
     return timm.create_model(spec, num_classes=num_classes, in_chans=input_shape[0], **options)
 
 
@@ -118,7 +126,13 @@ def build_model(
         raise ConfigError(f"unknown model {name!r}.{hint} Known models: {', '.join(list_models())}")
     try:
         builder, spec = resolved
-        return builder(num_classes=num_classes, input_shape=tuple(input_shape), activation=activation, **spec, **options)
+        return builder(
+            num_classes=num_classes,
+            input_shape=tuple(input_shape),
+            activation=activation,
+            **spec,
+            **options,
+        )
     except TypeError as err:
         raise ConfigError(f"bad options for model {name!r}: {err}") from err
 

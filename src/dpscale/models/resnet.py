@@ -28,7 +28,14 @@ ORDERS = ("conv-norm-act", "conv-act-norm")
 class ResidualNetwork(nn.Module):
     """stem -> stages -> pooled features -> logits, with the common model interface."""
 
-    def __init__(self, stem: nn.Module, stages: Sequence[nn.Module], final: nn.Module, width: int, num_classes: int):
+    def __init__(
+        self,
+        stem: nn.Module,
+        stages: Sequence[nn.Module],
+        final: nn.Module,
+        width: int,
+        num_classes: int,
+    ):
         super().__init__()
         self.stem = stem
         self.stages = nn.ModuleList(stages)
@@ -64,7 +71,9 @@ class ResidualNetwork(nn.Module):
 class WideBlock(nn.Module):
     """Two 3x3 convs with a residual connection, in the given normalisation order."""
 
-    def __init__(self, cin: int, cout: int, stride: int, order: str, groups: int, activation: str) -> None:
+    def __init__(
+        self, cin: int, cout: int, stride: int, order: str, groups: int, activation: str
+    ) -> None:
         super().__init__()
         self.order = order
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
@@ -73,7 +82,11 @@ class WideBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
         self.norm2 = group_norm(cout, groups)
         self.act2 = make_activation(activation)
-        self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+        self.shortcut = (
+            nn.Identity()
+            if stride == 1 and cin == cout
+            else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.order == "conv-norm-act":  # CONV-GN-ReLU, CONV-GN, add, ReLU
@@ -104,7 +117,9 @@ def wrn16_4(
         raise ValueError(f"WideResNet depth must be 6n + 4, got {depth}")
     blocks = (depth - 4) // 6
     widths = [16 * width, 32 * width, 64 * width]
-    stem_layers: dict[str, nn.Module] = {"conv": nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False)}
+    stem_layers: dict[str, nn.Module] = {
+        "conv": nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False)
+    }
     pair = {"norm": group_norm(16, norm_groups), "act": make_activation(activation)}
     for key in ("norm", "act") if order == "conv-norm-act" else ("act", "norm"):
         stem_layers[key] = pair[key]  # named, so both orders share one state-dict layout
@@ -112,7 +127,14 @@ def wrn16_4(
     stages, cin = [], 16
     for i, cout in enumerate(widths):
         layers = [
-            WideBlock(cin if j == 0 else cout, cout, (1 if i == 0 else 2) if j == 0 else 1, order, norm_groups, activation)
+            WideBlock(
+                cin if j == 0 else cout,
+                cout,
+                (1 if i == 0 else 2) if j == 0 else 1,
+                order,
+                norm_groups,
+                activation,
+            )
             for j in range(blocks)
         ]
         stages.append(nn.Sequential(*layers))
@@ -135,7 +157,11 @@ class PreActBlock(nn.Module):
         self.conv1 = nn.Conv2d(cin, planes, 3, stride=stride, padding=1, bias=False)
         self.norm2, self.act2 = group_norm(planes, groups), make_activation(activation)
         self.conv2 = nn.Conv2d(planes, cout, 3, padding=1, bias=False)
-        self.shortcut = None if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+        self.shortcut = (
+            None
+            if stride == 1 and cin == cout
+            else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.act1(self.norm1(x))
@@ -158,7 +184,11 @@ class PreActBottleneck(nn.Module):
         self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
         self.norm3, self.act3 = group_norm(planes, groups), make_activation(activation)
         self.conv3 = nn.Conv2d(planes, cout, 1, bias=False)
-        self.shortcut = None if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+        self.shortcut = (
+            None
+            if stride == 1 and cin == cout
+            else nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.act1(self.norm1(x))
@@ -179,7 +209,9 @@ def _resnet_v2(
 ) -> ResidualNetwork:
     channels = input_shape[0]
     if stem == "imagenet":  # 7x7/2 conv + 3x3/2 max-pool (224x224 inputs)
-        stem_module = nn.Sequential(nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), MaxPool2d(3, 2, 1))
+        stem_module = nn.Sequential(
+            nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False), MaxPool2d(3, 2, 1)
+        )
     elif stem == "cifar":  # 3x3/1 conv, no pooling (32x32 inputs)
         stem_module = nn.Sequential(nn.Conv2d(channels, 64, 3, padding=1, bias=False))
     else:
@@ -188,7 +220,9 @@ def _resnet_v2(
     for i, (planes, count) in enumerate(zip((64, 128, 256, 512), counts)):
         blocks = []
         for j in range(count):
-            blocks.append(block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm_groups, activation))
+            blocks.append(
+                block(cin, planes, 2 if (j == 0 and i > 0) else 1, norm_groups, activation)
+            )
             cin = planes * block.expansion
         stages.append(nn.Sequential(*blocks))
     final = nn.Sequential(group_norm(cin, norm_groups), make_activation(activation))
@@ -205,7 +239,9 @@ def resnet18_gn(
 ) -> ResidualNetwork:
     """ResNet-v2-18 with GroupNorm (Kurakin et al.); ``stem`` defaults to cifar for inputs <= 64 px."""
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
-    return _resnet_v2(PreActBlock, (2, 2, 2, 2), num_classes, input_shape, activation, norm_groups, stem)
+    return _resnet_v2(
+        PreActBlock, (2, 2, 2, 2), num_classes, input_shape, activation, norm_groups, stem
+    )
 
 
 @register_model("resnet50-gn", input_shape=(3, 224, 224))
@@ -218,4 +254,6 @@ def resnet50_gn(
 ) -> ResidualNetwork:
     """ResNet-v2-50 (bottleneck) with GroupNorm (Kurakin et al.)."""
     stem = stem or ("cifar" if input_shape[1] <= 64 else "imagenet")
-    return _resnet_v2(PreActBottleneck, (3, 4, 6, 3), num_classes, input_shape, activation, norm_groups, stem)
+    return _resnet_v2(
+        PreActBottleneck, (3, 4, 6, 3), num_classes, input_shape, activation, norm_groups, stem
+    )

@@ -111,5 +111,9 @@ def scatter_cnn(
         for hidden_width in hidden:
             convs.extend([nn.Linear(feature_dim, hidden_width), act()])
             feature_dim = hidden_width
-        features, feature_dim, hidden = WithLinearSkip(convs), feature_dim + channels * height * width, ()
+        features, feature_dim, hidden = (
+            WithLinearSkip(convs),
+            feature_dim + channels * height * width,
+            (),
+        )
     return Classifier(features, feature_dim, num_classes, hidden, activation)

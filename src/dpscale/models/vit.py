@@ -31,7 +31,11 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), make_activation(activation), nn.Linear(mlp_ratio * dim, dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim),
+            make_activation(activation),
+            nn.Linear(mlp_ratio * dim, dim),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -56,7 +60,9 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"input {input_shape} is not divisible into {patch}x{patch} patches")
         self.patch_embed = nn.Conv2d(channels, dim, patch, stride=patch)
         self.tokens = ClassTokenPositionEmbedding((height // patch) * (width // patch), dim)
-        self.blocks = nn.Sequential(*(Block(dim, heads, mlp_ratio, activation) for _ in range(depth)))
+        self.blocks = nn.Sequential(
+            *(Block(dim, heads, mlp_ratio, activation) for _ in range(depth))
+        )
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.dim = dim
         self.head = nn.Linear(dim, num_classes)
@@ -95,7 +101,9 @@ def vit_tiny(
     depth: int = 12,
 ) -> VisionTransformer:
     """ViT-Tiny: width 192, 12 blocks, 3 heads, MLP 768; patch 16 (224 px) or 4 (32 px)."""
-    return VisionTransformer(num_classes, input_shape, _patch(input_shape, patch), 192, depth, 3, 4, activation)
+    return VisionTransformer(
+        num_classes, input_shape, _patch(input_shape, patch), 192, depth, 3, 4, activation
+    )
 
 
 @register_model("vit-small", input_shape=(3, 224, 224))
@@ -107,4 +115,6 @@ def vit_small(
     depth: int = 12,
 ) -> VisionTransformer:
     """ViT-Small: width 384, 12 blocks, 6 heads, MLP 1536."""
-    return VisionTransformer(num_classes, input_shape, _patch(input_shape, patch), 384, depth, 6, 4, activation)
+    return VisionTransformer(
+        num_classes, input_shape, _patch(input_shape, patch), 384, depth, 6, 4, activation
+    )

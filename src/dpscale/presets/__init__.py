@@ -20,7 +20,13 @@ from dpscale.presets.tramer import TRAMER_PRESETS
 PRESET_PREFIX = "preset:"
 
 
-_ALL = (*PAPERNOT_PRESETS, *TRAMER_PRESETS, *SCALE_PRESETS, *TRANSFER_PRESETS, *DPSCALE_FMNIST_PRESETS)
+_ALL = (
+    *PAPERNOT_PRESETS,
+    *TRAMER_PRESETS,
+    *SCALE_PRESETS,
+    *TRANSFER_PRESETS,
+    *DPSCALE_FMNIST_PRESETS,
+)
 _PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
 
 
@@ -39,7 +45,9 @@ def get_preset(name: str) -> Preset:
     if key not in _PRESETS:
         close = difflib.get_close_matches(key, list(_PRESETS), n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"unknown preset {key!r}.{hint} Known presets: {', '.join(sorted(_PRESETS))}")
+        raise KeyError(
+            f"unknown preset {key!r}.{hint} Known presets: {', '.join(sorted(_PRESETS))}"
+        )
     preset = _PRESETS[key]
     return Preset(preset.name, preset.description, preset.source, copy.deepcopy(preset.values))
 

@@ -37,7 +37,10 @@ DPSCALE_FMNIST_PRESETS = [
     _recipe(
         "dpscale-fmnist-scatter-linear",
         "tramer-fmnist-scatter-linear",
-        {"features": {"scatter_pad": 2, "center": True, "center_noise": 8.0}, "dp": {"accountant": "pld"}},
+        {
+            "features": {"scatter_pad": 2, "center": True, "center_noise": 8.0},
+            "dp": {"accountant": "pld"},
+        },
         "fashion-mnist, ScatterNet (J=2, L=8, images zero-padded by 2: 81x8x8) + linear "
         "(51,850 parameters), GroupNorm G=27 then minus the private mean feature vector, epsilon=3",
         "dpscale issue 28: Tramer & Boneh Table 13 (B=8192, lr 16, 40 epochs, C=0.1, momentum 0.9) "
@@ -110,4 +113,6 @@ _OTHER_EPSILONS = [
     ("dpscale-fmnist-cnn", 8.0, 80, "91.26% +- 0.21, EMA 91.25% (2 seeds)"),
 ]
 
-DPSCALE_FMNIST_PRESETS += [_at_epsilon(_BY_NAME[name], eps, epochs, text) for name, eps, epochs, text in _OTHER_EPSILONS]
+DPSCALE_FMNIST_PRESETS += [
+    _at_epsilon(_BY_NAME[name], eps, epochs, text) for name, eps, epochs, text in _OTHER_EPSILONS
+]

@@ -14,7 +14,11 @@ PAPERNOT_PRESETS = [
         "paper's). On a smaller set the same sigma spends more (q = B/N is larger); the run reports what it spent.",
         {
             "data": {"name": "mnist", "root": None},
-            "model": {"name": "papernot-cnn", "activation": "tanh", "kwargs": {"filters": [16, 16]}},
+            "model": {
+                "name": "papernot-cnn",
+                "activation": "tanh",
+                "kwargs": {"filters": [16, 16]},
+            },
             "dp": {
                 "epsilon": None,  # sigma is given, not calibrated
                 "delta": 1.0e-5,
@@ -38,7 +42,11 @@ PAPERNOT_PRESETS = [
         "Not in the paper: momentum (none here), the sampling scheme (Poisson here).",
         {
             "data": {"name": "fashion-mnist", "root": None},
-            "model": {"name": "papernot-cnn", "activation": "tanh", "kwargs": {"filters": [16, 16]}},
+            "model": {
+                "name": "papernot-cnn",
+                "activation": "tanh",
+                "kwargs": {"filters": [16, 16]},
+            },
             "dp": {
                 "epsilon": None,  # sigma is given, not calibrated
                 "delta": 1.0e-5,

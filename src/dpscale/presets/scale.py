@@ -22,9 +22,13 @@ IMAGENET_GAPS = (
 
 _KURAKIN_DATA = {"name": "imagefolder", "root": None, "image_size": 224, "loader": "auto"}
 _KURAKIN_OPTIM = {  # Section 3.6 / App. B: Nesterov 0.9, weight decay 1e-4, warmup 1 epoch + cosine to 0
-    "name": "sgd", "momentum": 0.9, "nesterov": True, "weight_decay": 1.0e-4, "schedule": "cosine",
+    "name": "sgd",
+    "momentum": 0.9,
+    "nesterov": True,
+    "weight_decay": 1.0e-4,
+    "schedule": "cosine",
     "min_lr_ratio": 0.0,
-}  # fmt: skip
+}
 
 KURAKIN_RESNET18 = Preset(
     "kurakin-imagenet-resnet18-gn",
@@ -39,7 +43,8 @@ KURAKIN_RESNET18 = Preset(
     "{0.256, 0.768, 2.56, 7.68, 25.6, 76.8, 256} at 64k: `dpscale sweep` over optim.lr, whose tuning cost is not "
     "accounted). Not in the paper, from its released code: 224 px Inception crops + flips (a single view; dpscale "
     "augments only with multiplicity > 1, so none here), GroupNorm with 32 groups. Weight decay: the code adds it "
-    "inside each example's clipped loss; dpscale applies it after the noise (no privacy effect). " + IMAGENET_GAPS,
+    "inside each example's clipped loss; dpscale applies it after the noise (no privacy effect). "
+    + IMAGENET_GAPS,
     {
         "data": dict(_KURAKIN_DATA),
         "model": {
@@ -49,7 +54,7 @@ KURAKIN_RESNET18 = Preset(
             "freeze_groups": 3,
             "init": "RUN_DIR",
             "reset_head": True,
-        },  # fmt: skip
+        },
         "dp": {
             "epsilon": 10.0,
             "delta": 1.0e-6,
@@ -58,8 +63,12 @@ KURAKIN_RESNET18 = Preset(
             "batch_size": 65536,
             "sampling": "poisson",
             "accountant": "rdp",
-        },  # fmt: skip
-        "optim": {**_KURAKIN_OPTIM, "lr": 7.68, "warmup_steps": round(IMAGENET_TRAIN / 65536)},  # 1 epoch
+        },
+        "optim": {
+            **_KURAKIN_OPTIM,
+            "lr": 7.68,
+            "warmup_steps": round(IMAGENET_TRAIN / 65536),
+        },  # 1 epoch
         "train": {"epochs": 70, "max_physical_batch_size": 256},
     },
 )
@@ -75,7 +84,11 @@ KURAKIN_RESNET50 = Preset(
     "0.9, weight decay 1e-4, 1 warmup epoch then cosine (App. B 'typically'). " + IMAGENET_GAPS,
     {
         "data": dict(_KURAKIN_DATA),
-        "model": {"name": "resnet50-gn", "activation": "relu", "kwargs": {"norm_groups": 32, "stem": "imagenet"}},
+        "model": {
+            "name": "resnet50-gn",
+            "activation": "relu",
+            "kwargs": {"norm_groups": 32, "stem": "imagenet"},
+        },
         "dp": {
             "epsilon": None,
             "delta": 1.0e-6,
@@ -84,7 +97,7 @@ KURAKIN_RESNET50 = Preset(
             "batch_size": 1024,
             "sampling": "poisson",
             "accountant": "rdp",
-        },  # fmt: skip
+        },
         "optim": {**_KURAKIN_OPTIM, "lr": 16.0, "warmup_steps": round(IMAGENET_TRAIN / 1024)},
         "train": {"epochs": 10, "max_physical_batch_size": 128},
     },
@@ -93,7 +106,11 @@ KURAKIN_RESNET50 = Preset(
 _TAN_CIFAR = {
     "data": {"name": "cifar10", "root": None},
     "augment": {"multiplicity": 16, "type": "crop-flip"},
-    "model": {"name": "wrn16-4", "activation": "relu", "kwargs": {"order": "conv-act-norm", "norm_groups": 16}},
+    "model": {
+        "name": "wrn16-4",
+        "activation": "relu",
+        "kwargs": {"order": "conv-act-norm", "norm_groups": 16},
+    },
     "dp": {
         "epsilon": 7.1,
         "delta": 1.0e-5,
@@ -102,9 +119,20 @@ _TAN_CIFAR = {
         "batch_size": 4096,
         "sampling": "poisson",
         "accountant": "rdp",
-    },  # fmt: skip
-    "optim": {"name": "sgd", "lr": 4.0, "momentum": 0.0, "weight_decay": 0.0, "schedule": "constant"},
-    "train": {"steps": 2500, "ema_decay": 0.9999, "eval_every_epochs": 8, "max_physical_batch_size": 1024},
+    },
+    "optim": {
+        "name": "sgd",
+        "lr": 4.0,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "schedule": "constant",
+    },
+    "train": {
+        "steps": 2500,
+        "ema_decay": 0.9999,
+        "eval_every_epochs": 8,
+        "max_physical_batch_size": 1024,
+    },
 }
 _TAN_CIFAR_SOURCE = (
     "Sander et al. 2023, Section 4.4 and Figure 5: WRN-16-4 (GroupNorm after the activation), (B_ref, sigma_ref, S) "
@@ -134,7 +162,8 @@ TAN_CIFAR_SIMULATION = Preset(
     "Sander et al. 2023, Figure 5 / Section 3.4: the reference run simulated at (B, sigma) = (512, 3/8) for the "
     "same S=2500 steps and lr, keeping the per-step signal-to-noise ratio (sigma/B) and so eps_TAN; 8x cheaper, "
     "for choosing hyper-parameters. The simulated model has no guarantee at epsilon 7.1 (its own epsilon is ~63: "
-    "sigma is below the privacy wall); runs report the reference's epsilon as reference_epsilon. " + _TAN_CIFAR_SOURCE,
+    "sigma is below the privacy wall); runs report the reference's epsilon as reference_epsilon. "
+    + _TAN_CIFAR_SOURCE,
     _simulation(_TAN_CIFAR, 512),
 )
 
@@ -150,9 +179,21 @@ _TAN_IMAGENET = {
         "batch_size": 32768,
         "sampling": "poisson",
         "accountant": "rdp",
-    },  # fmt: skip
-    "optim": {"name": "sgd", "lr": 32.0, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "schedule": "constant"},
-    "train": {"steps": 18000, "ema_decay": 0.999, "eval_every_epochs": 25, "max_physical_batch_size": 256},
+    },
+    "optim": {
+        "name": "sgd",
+        "lr": 32.0,
+        "momentum": 0.0,
+        "dampening": 0.0,
+        "weight_decay": 0.0,
+        "schedule": "constant",
+    },
+    "train": {
+        "steps": 18000,
+        "ema_decay": 0.999,
+        "eval_every_epochs": 25,
+        "max_physical_batch_size": 256,
+    },
 }
 _TAN_IMAGENET_SOURCE = (
     "Sander et al. 2023, Tables 1, 2 and 4: NF-ResNet-50, sigma=2.5, (B, S) = (32768, 18k), C=1, lr 32 (Sec. 4.3: "
@@ -178,4 +219,11 @@ TAN_IMAGENET_SIMULATION = Preset(
     _simulation(_TAN_IMAGENET, 256),
 )
 
-SCALE_PRESETS = [KURAKIN_RESNET18, KURAKIN_RESNET50, TAN_CIFAR, TAN_CIFAR_SIMULATION, TAN_IMAGENET, TAN_IMAGENET_SIMULATION]
+SCALE_PRESETS = [
+    KURAKIN_RESNET18,
+    KURAKIN_RESNET50,
+    TAN_CIFAR,
+    TAN_CIFAR_SIMULATION,
+    TAN_IMAGENET,
+    TAN_IMAGENET_SIMULATION,
+]

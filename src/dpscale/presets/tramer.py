@@ -75,25 +75,46 @@ def _values(row: Row) -> dict:
         },
     }
     if scatter:
-        features: dict = {"extractor": "scatternet", "scatter_j": 2, "scatter_angles": 8, "scatter_order": 2}
+        features: dict = {
+            "extractor": "scatternet",
+            "scatter_j": 2,
+            "scatter_angles": 8,
+            "scatter_order": 2,
+        }
         if row.groups is not None:
             features.update(normalize="groupnorm", groups=row.groups)
         else:
             features.update(normalize="datanorm", norm_clip=[c1, c2], norm_noise=row.norm_noise)
-        values = {"data": values.pop("data"), "features": features, **values}  # config section order
+        # config section order
+        values = {"data": values.pop("data"), "features": features, **values}
     return values
 
 
 def _describe(row: Row) -> tuple[str, str]:
-    model = {"scatter-linear": "ScatterNet + linear", "scatter-cnn": "ScatterNet + CNN", "cnn": "end-to-end CNN"}[row.model]
-    norm = f", GroupNorm G={row.groups}" if row.groups else (f", private Data Norm sigma_norm={row.norm_noise:g}" if row.norm_noise else "")
+    model = {
+        "scatter-linear": "ScatterNet + linear",
+        "scatter-cnn": "ScatterNet + CNN",
+        "cnn": "end-to-end CNN",
+    }[row.model]
+    norm = (
+        f", GroupNorm G={row.groups}"
+        if row.groups
+        else (f", private Data Norm sigma_norm={row.norm_noise:g}" if row.norm_noise else "")
+    )
     description = f"{DATASETS[row.dataset][0]}, {model}{norm}, epsilon=3"
     source = (
         f"Tramer & Boneh 2021, Table 13: B={row.batch_size}, base lr {row.base_lr:g} (x B/512), "
         f"{row.epochs} epochs, C=0.1, momentum 0.9; paper accuracy at epsilon=3: {row.paper_accuracy}% "
-        "(shuffled batches)" + (f", {row.poisson_accuracy}% with Poisson sampling (Table 19)" if row.poisson_accuracy else "")
+        "(shuffled batches)"
+        + (
+            f", {row.poisson_accuracy}% with Poisson sampling (Table 19)"
+            if row.poisson_accuracy
+            else ""
+        )
     )
     return description, source
 
 
-TRAMER_PRESETS = [Preset(f"tramer-{row.dataset}-{row.model}", *_describe(row), _values(row)) for row in TABLE_13]
+TRAMER_PRESETS = [
+    Preset(f"tramer-{row.dataset}-{row.model}", *_describe(row), _values(row)) for row in TABLE_13
+]

@@ -33,17 +33,30 @@ def _source(**subset: Any) -> dict[str, Any]:
 
 
 def _source_preset(name: str, variant: str, description: str, **subset: Any) -> Preset:
-    return Preset(name, f"CIFAR-100 source '{variant}' for Papernot's transfer (NOT PRIVATE): {description}",
-                  _SOURCE_TEXT.format(name=name), _source(**subset))  # fmt: skip
+    return Preset(
+        name,
+        f"CIFAR-100 source '{variant}' for Papernot's transfer (NOT PRIVATE): {description}",
+        _SOURCE_TEXT.format(name=name),
+        _source(**subset),
+    )
 
 
 PAPERNOT_SOURCES = [
-    _source_preset("papernot-cifar100-source-min-rand-10", "Min-rand-10", "10 random classes, 5,000 images",
-                   random_classes=10),
-    _source_preset("papernot-cifar100-source-half-rand-50", "Half-rand-50",
-                   "50 random classes in 10 evenly sized meta-classes, 25,000 images", random_classes=50, meta_classes=10),
+    _source_preset(
+        "papernot-cifar100-source-min-rand-10",
+        "Min-rand-10",
+        "10 random classes, 5,000 images",
+        random_classes=10,
+    ),
+    _source_preset(
+        "papernot-cifar100-source-half-rand-50",
+        "Half-rand-50",
+        "50 random classes in 10 evenly sized meta-classes, 25,000 images",
+        random_classes=50,
+        meta_classes=10,
+    ),
     _source_preset("papernot-cifar100-source-max-100", "Max-100", "all 100 classes, 50,000 images"),
-]  # fmt: skip
+]
 
 PAPERNOT_TRANSFER = Preset(
     "papernot-cifar10-transfer",
@@ -57,7 +70,13 @@ PAPERNOT_TRANSFER = Preset(
     "run: --set model.init=RUN_DIR (a papernot-cifar100-source-* pretraining); the guarantee assumes its data public.",
     {
         "data": {"name": "cifar10", "root": None},
-        "model": {"name": "papernot-cifar-cnn", "activation": "relu", "init": RUN_DIR, "reset_head": True, "freeze_groups": 7},  # fmt: skip
+        "model": {
+            "name": "papernot-cifar-cnn",
+            "activation": "relu",
+            "init": RUN_DIR,
+            "reset_head": True,
+            "freeze_groups": 7,
+        },
         "dp": {
             "epsilon": None,
             "delta": 1.0e-5,
@@ -66,7 +85,7 @@ PAPERNOT_TRANSFER = Preset(
             "batch_size": 5000,
             "sampling": "poisson",
             "accountant": "rdp",
-        },  # fmt: skip
+        },
         "optim": {"name": "sgd", "lr": 0.8, "momentum": 0.0},
         "train": {"epochs": 400, "max_physical_batch_size": 1000, "eval_every_epochs": 10},
     },
@@ -92,7 +111,7 @@ TRAMER_LINEAR_PROBE = Preset(
             "batch_size": 1024,
             "sampling": "poisson",
             "accountant": "rdp",
-        },  # fmt: skip
+        },
         "optim": {"name": "sgd", "lr": 4.0, "momentum": 0.9},
         "train": {"epochs": 40, "max_physical_batch_size": 2048},
     },

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dpscale._lazy import lazy_dir, lazy_getattr
 
-ROOMS = ("accounting", "sampling", "noise", "clipping", "plan")  # lowest first: a room imports only earlier ones
+# lowest first: a room imports only earlier ones
+ROOMS = ("accounting", "sampling", "noise", "clipping", "plan")
 
 _MODULE_OF = {
     "ACCOUNTANT_KINDS": "accounting.accountant",

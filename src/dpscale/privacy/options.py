@@ -23,7 +23,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Mapping, Union
 
-from dpscale.choices import ACCOUNTANT_KINDS, DEFAULT_MAX_BANDS, DEFAULT_MAX_NOISE_MEMORY_MB, ENGINE_NAMES, PRECISIONS
+from dpscale.choices import (
+    ACCOUNTANT_KINDS,
+    DEFAULT_MAX_BANDS,
+    DEFAULT_MAX_NOISE_MEMORY_MB,
+    ENGINE_NAMES,
+    PRECISIONS,
+)
 from dpscale.privacy.workload import Workload
 
 
@@ -93,7 +99,9 @@ def _check_positive(owner: object, name: str, value: Any) -> None:
 
 def _check_norm(owner: object, name: str, value: Any) -> None:
     """One clipping norm C > 0 (a list is Opacus' per-layer form, said so)."""
-    if isinstance(value, (list, tuple)):  # the hint before the value: "got [...]" closes every refusal
+    if isinstance(
+        value, (list, tuple)
+    ):  # the hint before the value: "got [...]" closes every refusal
         wanted = "one positive number (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C, per tensor)"
         raise _refused(owner, name, wanted, value)
     if not (_is_number(value) and value > 0):
@@ -101,14 +109,21 @@ def _check_norm(owner: object, name: str, value: Any) -> None:
     _keep(owner, name, value)
 
 
-def _check_count(owner: object, name: str, value: Any, *, auto: bool = False, none: bool = False) -> None:
+def _check_count(
+    owner: object, name: str, value: Any, *, auto: bool = False, none: bool = False
+) -> None:
     """``value`` a positive integer (or "auto", or None, where allowed)."""
     if (none and value is None) or (auto and value == AUTO):
         return
-    whole = _is_number(value) and float(value).is_integer()  # 64, np.int64(64) and 64.0: the count 64
+    # 64, np.int64(64) and 64.0: the count 64
+    whole = _is_number(value) and float(value).is_integer()
     if not whole or value < 1:
         others = (['"auto"'] if auto else []) + (["None"] if none else [])
-        wanted = "a positive integer" + (", " if len(others) > 1 else " or " if others else "") + ", ".join(others[:-1])
+        wanted = (
+            "a positive integer"
+            + (", " if len(others) > 1 else " or " if others else "")
+            + ", ".join(others[:-1])
+        )
         wanted += (" or " if len(others) > 1 else "") + (others[-1] if others else "")
         raise _refused(owner, name, wanted, value)
     object.__setattr__(owner, name, int(value))
@@ -127,7 +142,9 @@ def check_accountant(accountant: Any) -> None:
         ValueError: e.g. "prv" or the typo "rpd".
     """
     if accountant not in ACCOUNTANT_KINDS:
-        raise ValueError(f"accountant must be one of {', '.join(repr(k) for k in ACCOUNTANT_KINDS)}, got {accountant!r}")
+        raise ValueError(
+            f"accountant must be one of {', '.join(repr(k) for k in ACCOUNTANT_KINDS)}, got {accountant!r}"
+        )
 
 
 # ------------------------------------------------------------------------------- sampling
@@ -185,8 +202,12 @@ Bounds = Union[float, Mapping[str, float]]
 def _check_bounds(owner: object, name: str, bounds: Any) -> None:
     """C > 0, or a non-empty mapping from name patterns to C_g > 0."""
     if isinstance(bounds, Mapping):
-        if not bounds or not all(isinstance(k, str) and k and _is_number(v) and v > 0 for k, v in bounds.items()):
-            raise _refused(owner, name, "a non-empty mapping from name patterns to norms > 0", dict(bounds))
+        if not bounds or not all(
+            isinstance(k, str) and k and _is_number(v) and v > 0 for k, v in bounds.items()
+        ):
+            raise _refused(
+                owner, name, "a non-empty mapping from name patterns to norms > 0", dict(bounds)
+            )
         object.__setattr__(owner, name, {k: _plain(v) for k, v in bounds.items()})
         return
     _check_norm(owner, name, bounds)
@@ -227,7 +248,12 @@ class PerLayer:
         _check_choice(self, "per", self.per, ("group", "tensor"))
         _check_bounds(self, "bounds", self.bounds)
         if self.per == "group" and not isinstance(self.bounds, Mapping):
-            raise _refused(self, "bounds", 'a mapping of name patterns with per="group" (one C: Flat)', self.bounds)
+            raise _refused(
+                self,
+                "bounds",
+                'a mapping of name patterns with per="group" (one C: Flat)',
+                self.bounds,
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,7 +405,9 @@ class PerUser:
 
     def __repr__(self) -> str:  # the ids are a dataset's worth: their count, not their values
         count = len(self.user_ids) if hasattr(self.user_ids, "__len__") else "?"
-        return f"PerUser(user_ids=<{count} ids>, max_examples_per_user={self.max_examples_per_user!r})"
+        return (
+            f"PerUser(user_ids=<{count} ids>, max_examples_per_user={self.max_examples_per_user!r})"
+        )
 
     def __post_init__(self) -> None:
         if self.user_ids is None:
@@ -414,9 +442,19 @@ class PerformanceFlags:
     def __post_init__(self) -> None:
         _check_choice(self, "engine", self.engine, ENGINE_NAMES)
         _check_choice(self, "precision", self.precision, PRECISIONS)
-        _check_count(self, "max_physical_batch_size", self.max_physical_batch_size, auto=True, none=True)
-        for name, none in (("compile", False), ("fixed_shapes", True)):  # 0 and 1 as False and True, as if-tests read them
+        _check_count(
+            self, "max_physical_batch_size", self.max_physical_batch_size, auto=True, none=True
+        )
+        for name, none in (
+            ("compile", False),
+            ("fixed_shapes", True),
+        ):  # 0 and 1 as False and True, as if-tests read them
             value = getattr(self, name)
-            if not ((none and value is None) or (value in (0, 1) and not isinstance(value, (str, float)))):
-                raise _refused(self, name, "True, False or None" if none else "True or False", value)
+            if not (
+                (none and value is None)
+                or (value in (0, 1) and not isinstance(value, (str, float)))
+            ):
+                raise _refused(
+                    self, name, "True, False or None" if none else "True or False", value
+                )
             object.__setattr__(self, name, value if value is None else bool(value))

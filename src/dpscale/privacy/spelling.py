@@ -84,18 +84,29 @@ class Spelling:
             setting = FIELD_SETTINGS.get((err.owner, err.field))
             if not self.rename or setting is None:
                 raise
-            raise self.refusal(f"{self.key(setting)} must be {err.wanted}, got {err.value!r}") from err
+            raise self.refusal(
+                f"{self.key(setting)} must be {err.wanted}, got {err.value!r}"
+            ) from err
 
 
 def clipping_needed(spell: Spelling) -> ValueError:
     """The refusal of a private run without a clipping norm (its noise std sigma x C has no C), in
     ``spell``'s words: config validation and the plan both say it."""
     if spell.typed_names:
-        return spell.refusal("a private run needs clipping: Flat(max_grad_norm=None) is for NoiseMultiplier(sigma=0) only")
-    return spell.refusal(f"a private run needs clipping: set {spell.key('max_grad_norm')} (null is for non-private runs only)")
+        return spell.refusal(
+            "a private run needs clipping: Flat(max_grad_norm=None) is for NoiseMultiplier(sigma=0) only"
+        )
+    return spell.refusal(
+        f"a private run needs clipping: set {spell.key('max_grad_norm')} (null is for non-private runs only)"
+    )
 
 
-CONFIG = Spelling(names={"target_epsilon": "dp.epsilon", "noise_mechanism": "dp.mechanism"}, prefix="dp.", rename=True, warn_unused=True)
+CONFIG = Spelling(
+    names={"target_epsilon": "dp.epsilon", "noise_mechanism": "dp.mechanism"},
+    prefix="dp.",
+    rename=True,
+    warn_unused=True,
+)
 PYTHON = Spelling(
     door="make_private",
     names={

@@ -35,7 +35,9 @@ class Workload:
         if lr is not None:
             lr = tuple(float(x) for x in lr)
             if len(lr) != steps:
-                raise ValueError(f"lr_multipliers has {len(lr)} entries, expected one per step ({steps})")
+                raise ValueError(
+                    f"lr_multipliers has {len(lr)} entries, expected one per step ({steps})"
+                )
             bad = [x for x in lr if not (math.isfinite(x) and x >= 0.0)]
             if bad:
                 raise ValueError(f"lr_multipliers must be finite and >= 0, got {bad[0]!r}")
@@ -54,7 +56,9 @@ class Workload:
         """
         lr = self.lr_multipliers
         canonical_lr = None if lr is None or uniform_lr(self) == 1.0 else [x.hex() for x in lr]
-        text = json.dumps({"steps": self.steps, "momentum": self.momentum.hex(), "lr": canonical_lr})
+        text = json.dumps(
+            {"steps": self.steps, "momentum": self.momentum.hex(), "lr": canonical_lr}
+        )
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 
     def describe(self) -> str:

@@ -5,7 +5,13 @@ does not load the Trainer, the config loader or the data pipeline."""
 
 from importlib import import_module
 
-_HOMES = {"Trainer": "loop", "StepStats": "step", "apply_gradient": "step", "noisy_clipped_mean": "step", "physical_chunks": "step"}
+_HOMES = {
+    "Trainer": "loop",
+    "StepStats": "step",
+    "apply_gradient": "step",
+    "noisy_clipped_mean": "step",
+    "physical_chunks": "step",
+}
 __all__ = sorted(_HOMES)
 
 

@@ -34,7 +34,8 @@ class TrainBatches:
         self.built = built
         rank, world = built.dist.rank, built.dist.world_size
         augment_seed = rank_stream_seed(built.seeds["augment"], rank, world, start_step)
-        self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)  # torch takes 64 bits
+        # torch takes 64 bits
+        self.augment_generator = torch.Generator().manual_seed(augment_seed % 2**64)
         self.feed: StreamFeed | None = None
 
     def chunks(self, step: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
@@ -42,9 +43,16 @@ class TrainBatches:
         mechanism (in memory), or the stream's read-ahead (its sampler is the mechanism's)."""
         built, config = self.built, self.built.config
         mechanism, data, device, augment = built.mechanism, built.data, built.device, config.augment
-        views = AugmentViews(augment.type, augment.multiplicity, self.augment_generator, built.value_range, augment.padding)
+        views = AugmentViews(
+            augment.type,
+            augment.multiplicity,
+            self.augment_generator,
+            built.value_range,
+            augment.padding,
+        )
         plan, physical = mechanism.plan, built.physical_batch_size
-        chunk_size = chunk_size_for(plan, physical, augment.multiplicity)  # examples (users) per chunk
+        # examples (users) per chunk
+        chunk_size = chunk_size_for(plan, physical, augment.multiplicity)
         if not built.streamed:
             drawn = mechanism.draw_batch()
             if plan.user_level:
@@ -55,9 +63,15 @@ class TrainBatches:
             return views.chunks(physical_chunks(data.x_train, data.y_train, indices, chunk_size))
         if self.feed is None:
             self.feed = StreamFeed(
-                data, mechanism.sampler, chunk_size=chunk_size, start_step=step,
-                total_steps=built.total_steps, device=device, workers=data_workers(config), prefetch=config.data.prefetch,
-            )  # fmt: skip
+                data,
+                mechanism.sampler,
+                chunk_size=chunk_size,
+                start_step=step,
+                total_steps=built.total_steps,
+                device=device,
+                workers=data_workers(config),
+                prefetch=config.data.prefetch,
+            )
         return streamed_chunks(self.feed.chunks(step), plan, views)
 
     def waited_s(self) -> float:
@@ -79,7 +93,11 @@ class TrainBatches:
 
     def state(self, step: int) -> dict[str, Any]:
         """This rank's streams before ``step``'s draw (a stream draws batches ahead)."""
-        sampler = self.feed.sampler_state(step) if self.feed is not None else self.built.mechanism.sampler.state_dict()
+        sampler = (
+            self.feed.sampler_state(step)
+            if self.feed is not None
+            else self.built.mechanism.sampler.state_dict()
+        )
         return {"sampler": sampler, "augment_generator": self.augment_generator.get_state()}
 
     def load_state(self, saved: dict[str, Any]) -> None:
@@ -106,7 +124,9 @@ def restarted_streams(built: Run, start_step: int) -> TrainBatches:
     return TrainBatches(built, start_step)
 
 
-def continued_batches(batches: TrainBatches, built: Run, saved: dict[str, Any], step: int, log: Callable[[str], Any]) -> TrainBatches:
+def continued_batches(
+    batches: TrainBatches, built: Run, saved: dict[str, Any], step: int, log: Callable[[str], Any]
+) -> TrainBatches:
     """This rank's batches from a checkpoint: ``batches`` continuing its saved streams, or fresh
     ones (``restarted_streams``, the reason logged) where they cannot continue
     (``state.saved_rank_streams``).

@@ -89,7 +89,9 @@ class Run:
         """train.max_physical_batch_size as the run uses it (``build_run`` resolves auto to its number)."""
         size = self.config.train.max_physical_batch_size
         if not isinstance(size, int):
-            raise RuntimeError(f"train.max_physical_batch_size={size!r} was not resolved to a number")
+            raise RuntimeError(
+                f"train.max_physical_batch_size={size!r} was not resolved to a number"
+            )
         return size
 
 
@@ -115,49 +117,92 @@ def build_run(
             drawn again: a second draw would be a second release).
     """
     dist, device, seeds = open_process(config)
-    features, fingerprint, data_notes, sources = _training_features(config, hooks, dist, device, log, progress)
+    features, fingerprint, data_notes, sources = _training_features(
+        config, hooks, dist, device, log, progress
+    )
     inputs = inputs_for(config, privacy_units(config, features), sources)
     # the model before the plan: BandMF's noise history is sized by its trainable parameters
-    model, init_report, trainable = run_model(config, features.info, seeds, device, log, initial_weights=saved_plan is None)
+    model, init_report, trainable = run_model(
+        config, features.info, seeds, device, log, initial_weights=saved_plan is None
+    )
     # dp.max_grad_norm_per=tensor: a bound for each tensor that trains (after PEFT and frozen groups)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     plan = plan_for(config, inputs, saved_plan, parameters=trainable, names=names)
     for note in data_notes:
         log(note)
-    normalizer = feature_normalizer(config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None)
+    normalizer = feature_normalizer(
+        config, features, plan, seeds, dist, feature_norm, loading=saved_plan is not None
+    )
     data = normalize_dataset(features, normalizer)
     dist.broadcast_module_(model)  # identical already (same seed); made certain
-    built = _with_mechanism(config, hooks, dist, device, seeds, data, fingerprint, plan, inputs.steps, normalizer,
-                            model, init_report, log)  # fmt: skip
+    built = _with_mechanism(
+        config,
+        hooks,
+        dist,
+        device,
+        seeds,
+        data,
+        fingerprint,
+        plan,
+        inputs.steps,
+        normalizer,
+        model,
+        init_report,
+        log,
+    )
     built = _resolved_chunk(built, log)
-    chunk = chunk_size_for(built.plan, built.physical_batch_size, config.augment.multiplicity)  # examples a chunk
-    built.mechanism.pad_rows = fixed_rows(built.plan, chunk, config.train.fixed_shapes, config.train.compile)
+    # examples a chunk
+    chunk = chunk_size_for(built.plan, built.physical_batch_size, config.augment.multiplicity)
+    built.mechanism.pad_rows = fixed_rows(
+        built.plan, chunk, config.train.fixed_shapes, config.train.compile
+    )
     return built
 
 
 def _training_features(
-    config: Config, hooks: RunHooks, dist: Distributed, device: torch.device, log: Log, progress: bool
-) -> tuple[Any, str, list[str], Any]:  # fmt: skip
+    config: Config,
+    hooks: RunHooks,
+    dist: Distributed,
+    device: torch.device,
+    log: Log,
+    progress: bool,
+) -> tuple[Any, str, list[str], Any]:
     """The training data opened and extracted as features (an audit's canaries added), with the
     images' fingerprint, the data's notes (reported with the plan) and the source runs, checked
     before extracting."""
-    data_notes: list[str] = []  # the labels line: reported with the plan, so a refusal before it stays one line
+    data_notes: list[
+        str
+    ] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
-    if device.type == "cpu":  # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
-        keep_freed_memory(streamed=isinstance(images, StreamedData))  # logged with the engine's checks
-    data_notes.extend(images.info.notes)  # files left out, colour files, people on each side of the split
+    if (
+        device.type == "cpu"
+    ):  # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
+        # logged with the engine's checks
+        keep_freed_memory(streamed=isinstance(images, StreamedData))
+    # files left out, colour files, people on each side of the split
+    data_notes.extend(images.info.notes)
     fingerprint = data_fingerprint(images)
     if images.info.skipped_files:
-        log(f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
-            f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images")  # fmt: skip
+        log(
+            f"data.skip_corrupt: left out {len(images.info.skipped_files)} unreadable file(s), e.g. "
+            f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images"
+        )
 
-    def fingerprint_as(normalize: bool) -> str:  # a source run may have used the other data.normalize
-        return fingerprint if normalize == config.data.normalize else training_fingerprint(config, normalize)
+    def fingerprint_as(
+        normalize: bool,
+    ) -> str:  # a source run may have used the other data.normalize
+        return (
+            fingerprint
+            if normalize == config.data.normalize
+            else training_fingerprint(config, normalize)
+        )
 
     # Before extracting: a source run (checkpoint extractor, model.init) that cannot be composed is refused at once.
     sources = source_runs(config, fingerprint_as)
     with dist.main_first():  # rank 0 fills the feature cache, the others read it
-        features = extract_run_features(config.features, images, device, progress and dist.is_main, log)
+        features = extract_run_features(
+            config.features, images, device, progress and dist.is_main, log
+        )
     del images
     if hooks.training_set is not None:  # an audit's canaries: before the plan, so N counts them
         features = hooks.training_set(features)
@@ -171,9 +216,20 @@ def _resolved_chunk(built: Run, log: Log) -> Run:
     if train.max_physical_batch_size != AUTO:
         return built
     views = built.config.augment.multiplicity
-    choice = run_chunk(built.engine, built.model, built.plan, built.data, views, built.device, train.memory_budget_mb)
+    choice = run_chunk(
+        built.engine,
+        built.model,
+        built.plan,
+        built.data,
+        views,
+        built.device,
+        train.memory_budget_mb,
+    )
     rows = min(built.dist.all_gather_object(choice.rows))
-    log(choice.describe() + (f"; {rows} rows on every rank (the smallest rank's)" if rows != choice.rows else ""))
+    log(
+        choice.describe()
+        + (f"; {rows} rows on every rank (the smallest rank's)" if rows != choice.rows else "")
+    )
     built.config = replace(built.config, train=replace(train, max_physical_batch_size=rows))
     return built
 
@@ -183,7 +239,9 @@ def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, i
     and the run's seeds (fresh entropy: rank 0's, for all)."""
     dist = init_distributed(config.run.device)
     if dist.enabled and config.data.privacy_unit == "user":
-        raise ConfigError("data.privacy_unit=user runs in one process (users are not sharded across ranks yet)")
+        raise ConfigError(
+            "data.privacy_unit=user runs in one process (users are not sharded across ranks yet)"
+        )
     if config.run.out_dir is None:
         raise ConfigError("run.out_dir must be set (the CLI picks runs/<model>-<data>-<time>)")
     if config.run.threads:
@@ -192,17 +250,31 @@ def open_process(config: Config) -> tuple[Distributed, torch.device, dict[str, i
     if dist.enabled and device == "cuda":
         device = f"cuda:{dist.local_rank}"  # one GPU per process
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"run.device={config.run.device} but this torch build has no usable CUDA device")
+        raise ConfigError(
+            f"run.device={config.run.device} but this torch build has no usable CUDA device"
+        )
     return dist, torch.device(device), dist.broadcast_object(run_seeds(config.run.seed))
 
 
 def _with_mechanism(
-    config: Config, hooks: RunHooks, dist: Distributed, device: torch.device, seeds: dict[str, int], data: Any,
-    fingerprint: str, plan: DPPlan, total_steps: int, normalizer: FeatureNormalizer, model: nn.Module,
-    init_report: dict[str, Any] | None, log: Log,
-) -> Run:  # fmt: skip
+    config: Config,
+    hooks: RunHooks,
+    dist: Distributed,
+    device: torch.device,
+    seeds: dict[str, int],
+    data: Any,
+    fingerprint: str,
+    plan: DPPlan,
+    total_steps: int,
+    normalizer: FeatureNormalizer,
+    model: nn.Module,
+    init_report: dict[str, Any] | None,
+    log: Log,
+) -> Run:
     """The checked engine, optimizer, scheduler and DP mechanism around ``model``."""
-    precision, engine, self_check, first_chunk_check = run_engine(config, plan, model, data, device, distributed=dist.enabled, log=log)
+    precision, engine, self_check, first_chunk_check = run_engine(
+        config, plan, model, data, device, distributed=dist.enabled, log=log
+    )
     if hooks.engine is not None:
         engine = hooks.engine(engine, model)
     optimizer = build_optimizer(config.optim, [p for p in model.parameters() if p.requires_grad])
@@ -211,22 +283,43 @@ def _with_mechanism(
     # step, e.g. Data Normalization, recorded first). Only the noise rank draws noise; noise is
     # drawn on the host, then copied to the device: the same noise on CPU and CUDA.
     mechanism = DPMechanism(
-        model, optimizer, plan, engine, scheduler=scheduler, noise_seed=seeds["noise"],
+        model,
+        optimizer,
+        plan,
+        engine,
+        scheduler=scheduler,
+        noise_seed=seeds["noise"],
         sampler_seed=rank_stream_seed(seeds["sampler"], dist.rank, dist.world_size, 0),
         partition_seed=seeds["partition"],  # one partition for every rank (BandMF's b groups)
-        rank=dist.rank, world_size=dist.world_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
         # in train mode, on the first real training chunk (the set-up check saw a few examples)
         first_chunk_check=first_chunk_check,
-        users=run_users(plan, data), views=config.augment.multiplicity,
-    )  # fmt: skip
+        users=run_users(plan, data),
+        views=config.augment.multiplicity,
+    )
     mechanism.observer = hooks.observe_gradient
     ema = _ema(model, config.train.ema_decay, total_steps, log)
     return Run(
-        config=config, dist=dist, device=device, seeds=seeds, data=data, data_fingerprint=fingerprint, plan=plan,
-        total_steps=total_steps, feature_normalizer=normalizer, model=model, init_report=init_report,
-        precision=precision, engine=engine, self_check=self_check, optimizer=optimizer, scheduler=scheduler,
-        mechanism=mechanism, ema=ema,
-    )  # fmt: skip
+        config=config,
+        dist=dist,
+        device=device,
+        seeds=seeds,
+        data=data,
+        data_fingerprint=fingerprint,
+        plan=plan,
+        total_steps=total_steps,
+        feature_normalizer=normalizer,
+        model=model,
+        init_report=init_report,
+        precision=precision,
+        engine=engine,
+        self_check=self_check,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        mechanism=mechanism,
+        ema=ema,
+    )
 
 
 def _ema(model: nn.Module, decay: float | None, total_steps: int, log: Log) -> WeightEMA | None:

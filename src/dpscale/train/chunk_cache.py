@@ -23,7 +23,9 @@ CACHE_NAME = "chunk_size.json"
 BUCKETS_PER_OCTAVE = 4  # budgets within a quarter octave (19%) share a cache entry
 
 
-def cache_key(engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device, budget: float) -> str:
+def cache_key(
+    engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device, budget: float
+) -> str:
     """What the chosen chunk depends on: the device (``device_descriptor``), the model (class,
     parameters, trainable shapes), one unit's input shape and dtype, the engine and its
     precision, the clipping's form, the dpscale version and the budget to a quarter octave."""
@@ -31,22 +33,37 @@ def cache_key(engine: PerExampleEngine, model: nn.Module, unit: Batch, device: t
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
     total = sum(p.numel() for p in model.parameters())
     bound = engine.max_grad_norm
-    clip = f"groups={len(bound)}" if isinstance(bound, dict) else "one" if bound is not None else "none"
-    bucket = 2 ** (math.floor(math.log2(max(budget, 1.0) / 1e6) * BUCKETS_PER_OCTAVE) / BUCKETS_PER_OCTAVE)
-    return (f"{device_descriptor(device)}|model={type(model).__name__}:{total}:{digest}|unit={tuple(unit[0].shape[1:])}:"
-            f"{unit[0].dtype}:{tuple(unit[1].shape[1:])}|engine={engine.name}:{engine.precision.name}:clip={clip}:"
-            f"gamma={engine.clip_gamma is not None}|dpscale={__version__}|budget~{bucket:.0f}MB")  # fmt: skip
+    clip = (
+        f"groups={len(bound)}"
+        if isinstance(bound, dict)
+        else "one"
+        if bound is not None
+        else "none"
+    )
+    bucket = 2 ** (
+        math.floor(math.log2(max(budget, 1.0) / 1e6) * BUCKETS_PER_OCTAVE) / BUCKETS_PER_OCTAVE
+    )
+    return (
+        f"{device_descriptor(device)}|model={type(model).__name__}:{total}:{digest}|unit={tuple(unit[0].shape[1:])}:"
+        f"{unit[0].dtype}:{tuple(unit[1].shape[1:])}|engine={engine.name}:{engine.precision.name}:clip={clip}:"
+        f"gamma={engine.clip_gamma is not None}|dpscale={__version__}|budget~{bucket:.0f}MB"
+    )
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing or unreadable: measured again and rewritten, never fatal
+    except (
+        OSError,
+        ValueError,
+    ):  # missing or unreadable: measured again and rewritten, never fatal
         return {}
     return table if isinstance(table, dict) else {}
 
 
-def cached_choice(path: Path, key: str, budget: float, max_units: int) -> tuple[int, float, bool] | None:
+def cached_choice(
+    path: Path, key: str, budget: float, max_units: int
+) -> tuple[int, float, bool] | None:
     """(units, peak, capped) of a cached choice that still holds: its peak within ``budget``, and
     not capped by a smaller largest batch than ``max_units`` (then a larger chunk may fit).
 
@@ -71,6 +88,12 @@ def store_choice(path: Path, key: str, choice: dict[str, Any]) -> None:
     """A choice recorded under ``key`` in the cache file ``path`` (``choice``: ``ChunkChoice``'s
     fields); a cache that cannot be written is left as it is."""
     table = _read_cache(path)
-    table[key] = {k: v for k, v in choice.items() if k in ("units", "rows", "peak_bytes", "budget_bytes", "capped")}
-    with contextlib.suppress(OSError):  # a read-only home: the choice still holds for this run (in its config)
+    table[key] = {
+        k: v
+        for k, v in choice.items()
+        if k in ("units", "rows", "peak_bytes", "budget_bytes", "capped")
+    }
+    with contextlib.suppress(
+        OSError
+    ):  # a read-only home: the choice still holds for this run (in its config)
         atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")

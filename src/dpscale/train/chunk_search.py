@@ -28,7 +28,8 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     (n1, p1), (n2, p2) = points[0], points[-1]
     if n2 == n1:
         return 0.0, p1 / n1
-    per_unit = max((p2 - p1) / (n2 - n1), 1.0)  # a flat or falling pair (methods that change with the size): barely rising
+    # a flat or falling pair (methods that change with the size): barely rising
+    per_unit = max((p2 - p1) / (n2 - n1), 1.0)
     return max(p1 - per_unit * n1, 0.0), per_unit
 
 
@@ -39,7 +40,9 @@ def _too_small(fixed: float, per_unit: float, budget: float) -> ConfigError:
     )
 
 
-def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, extra: float = 0.0) -> tuple[int, float]:
+def choose_units(
+    probe: Measure, check: Measure, budget: float, max_units: int, extra: float = 0.0
+) -> tuple[int, float]:
     """The largest chunk (examples, or users) whose step fits ``budget``.
 
     Args:
@@ -61,16 +64,24 @@ def choose_units(probe: Measure, check: Measure, budget: float, max_units: int, 
             break
         points.append((n, peak + extra))
     if not points:
-        raise ConfigError(f"max_physical_batch_size=auto: a chunk of {min(PROBE_UNITS[0], max_units)} examples ran out of memory")
+        raise ConfigError(
+            f"max_physical_batch_size=auto: a chunk of {min(PROBE_UNITS[0], max_units)} examples ran out of memory"
+        )
     fixed, per_unit = _fit(points)
     if fixed + per_unit > budget:
         raise _too_small(fixed, per_unit, budget)
     fits = [p for p in points if p[1] <= budget]
-    if not fits:  # the line allows one example, the smallest probe did not fit: one example, measured
+    if (
+        not fits
+    ):  # the line allows one example, the smallest probe did not fit: one example, measured
         one = check(1)
         if one is None or one + extra > budget:
-            needs = f"peaked at {gigabytes(one + extra)}" if one is not None else "ran out of memory"
-            raise ConfigError(f"max_physical_batch_size=auto: one example {needs}, above the memory budget of {gigabytes(budget)}")
+            needs = (
+                f"peaked at {gigabytes(one + extra)}" if one is not None else "ran out of memory"
+            )
+            raise ConfigError(
+                f"max_physical_batch_size=auto: one example {needs}, above the memory budget of {gigabytes(budget)}"
+            )
         fits = [(1, one + extra)]
     low, high, checked = fits[-1], None, False
     units: int | None = _within(int((budget - fixed) // per_unit), max_units)
@@ -96,7 +107,9 @@ def _checked_below(check: Measure, units: int, budget: float, extra: float) -> t
         if peak is not None and peak + extra <= budget:
             return units, peak + extra
         units //= 2
-    raise ConfigError(f"max_physical_batch_size=auto: no checked chunk fit the memory budget of {gigabytes(budget)}")
+    raise ConfigError(
+        f"max_physical_batch_size=auto: no checked chunk fit the memory budget of {gigabytes(budget)}"
+    )
 
 
 def _within(units: int, max_units: int) -> int:
@@ -107,7 +120,11 @@ def _within(units: int, max_units: int) -> int:
 
 
 def _next_size(
-    first: tuple[int, float], low: tuple[int, float], high: tuple[int, float | None] | None, budget: float, max_units: int
+    first: tuple[int, float],
+    low: tuple[int, float],
+    high: tuple[int, float | None] | None,
+    budget: float,
+    max_units: int,
 ) -> int | None:
     """The next size to check, or None when done. Nothing known too large yet: where the line through
     the first probe and ``low`` (the largest size seen to fit, and its peak) meets the budget, if that
@@ -123,6 +140,8 @@ def _next_size(
         units = _within(int((budget - fixed) // per_unit), max_units)
         return units if units > 1.1 * n_low else None
     n_high, p_high = high
-    guess = n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
+    guess = (
+        n_low + (budget - p_low) * (n_high - n_low) / (p_high - p_low) if p_high is not None else 0
+    )
     units = _within(max(int(guess), (n_low + n_high) // 2), max_units)
     return units if n_low < units < n_high else None

@@ -46,8 +46,12 @@ from dpscale.train.chunk_search import Measure, choose_units, gigabytes
 from dpscale.train.units import rows_per_user
 
 AUTO = "auto"
-CUDA_FREE_FRACTION = 0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
-CPU_BUDGET_FRACTION = 0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
+CUDA_FREE_FRACTION = (
+    0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
+)
+CPU_BUDGET_FRACTION = (
+    0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
+)
 # Parameter-sized float32 tensors a step holds beside the clipped sum: the running sum, the noise,
 # the noisy sum, the gradient, and an optimizer's state (Adam's two moments).
 STEP_PARAMETER_COPIES = 6
@@ -78,16 +82,26 @@ class ChunkChoice:
     def describe(self) -> str:
         """One line for a run's log."""
         per = self.rows // self.units
-        what = f"{self.rows} example{'s' * (self.rows > 1)}" if per == 1 else f"{self.rows} rows ({self.units} units of {per})"
+        what = (
+            f"{self.rows} example{'s' * (self.rows > 1)}"
+            if per == 1
+            else f"{self.rows} rows ({self.units} units of {per})"
+        )
         bound = ", the largest logical batch" if self.capped else ""
-        return (f"chunk size auto: {what}{bound} (peak {gigabytes(self.peak_bytes)} of a {gigabytes(self.budget_bytes)} budget, "
-                f"{self.budget_source}; {self.source})")  # fmt: skip
+        return (
+            f"chunk size auto: {what}{bound} (peak {gigabytes(self.peak_bytes)} of a {gigabytes(self.budget_bytes)} budget, "
+            f"{self.budget_source}; {self.source})"
+        )
 
 
 def available_cpu_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo in bytes (None where there is none: not Linux, no /proc)."""
     try:
-        found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(encoding="ascii"), re.MULTILINE)
+        found = re.search(
+            r"^MemAvailable:\s+(\d+) kB",
+            Path("/proc/meminfo").read_text(encoding="ascii"),
+            re.MULTILINE,
+        )
     except (OSError, ValueError):
         return None
     return int(found.group(1)) * 1024 if found else None
@@ -112,7 +126,9 @@ def memory_budget(device: torch.device, budget_mb: float | None, setting: str) -
         return CUDA_FREE_FRACTION * free, f"{CUDA_FREE_FRACTION:.0%} of the GPU's free memory"
     available = available_cpu_bytes() if device.type == "cpu" else None
     if available is None:
-        raise ConfigError(f"max_physical_batch_size=auto does not know how much memory {device.type} has here: set {setting}")
+        raise ConfigError(
+            f"max_physical_batch_size=auto does not know how much memory {device.type} has here: set {setting}"
+        )
     return CPU_BUDGET_FRACTION * available, f"{CPU_BUDGET_FRACTION:.0%} of the available RAM"
 
 
@@ -125,8 +141,13 @@ def largest_batch_units(plan: DPPlan) -> int:
     return max(1, min(plan.dataset_size, math.ceil(plan.batch_size + spread)))
 
 
-def synthetic_unit(input_shape: tuple[int, ...], rows: int, per_row_targets: bool, dtype: torch.dtype,
-                   device: torch.device) -> Batch:  # fmt: skip
+def synthetic_unit(
+    input_shape: tuple[int, ...],
+    rows: int,
+    per_row_targets: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Batch:
     """One unit as the engine takes it, drawn from a fixed seed (no training example is read):
     x (1, [rows,] *input_shape), y (1,) or, at the user unit, (1, rows), every label 0.
 
@@ -135,12 +156,16 @@ def synthetic_unit(input_shape: tuple[int, ...], rows: int, per_row_targets: boo
         per_row_targets: a label per row (the user unit with k > 1); dtype, device: the inputs'.
     """
     shape = (1, *((rows,) if rows > 1 else ()), *input_shape)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(
+        device=device, dtype=dtype
+    )
     y = torch.zeros((1, rows) if per_row_targets else (1,), dtype=torch.long, device=device)
     return x, y
 
 
-def engine_peak(engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device) -> Measure:
+def engine_peak(
+    engine: PerExampleEngine, model: nn.Module, unit: Batch, device: torch.device
+) -> Measure:
     """``Measure`` of the engine's clipped sum over ``unit`` repeated n times: one warm-up call (first
     calls allocate workspaces; the tuner, when on, times there), then the peak of a second."""
     params = trainable_params(model)
@@ -175,9 +200,17 @@ def _tuner(engine: PerExampleEngine, enabled: bool) -> Iterator[None]:
 
 
 def auto_chunk(
-    engine: PerExampleEngine, model: nn.Module, unit: Batch, *, rows_per_unit: int, max_units: int,
-    device: torch.device, budget_mb: float | None, setting: str, cache_file: Path | None = None,
-) -> ChunkChoice:  # fmt: skip
+    engine: PerExampleEngine,
+    model: nn.Module,
+    unit: Batch,
+    *,
+    rows_per_unit: int,
+    max_units: int,
+    device: torch.device,
+    budget_mb: float | None,
+    setting: str,
+    cache_file: Path | None = None,
+) -> ChunkChoice:
     """The largest chunk of ``unit``s whose step fits the memory budget: cached, else measured
     (``choose_units``) and cached.
 
@@ -198,18 +231,25 @@ def auto_chunk(
     if hit is not None:
         units, peak, capped = hit
         return ChunkChoice(units, units * rows_per_unit, peak, budget, where, "cached", capped)
-    extra = STEP_PARAMETER_COPIES * sum(p.numel() * p.element_size() for p in trainable_params(model).values())
+    extra = STEP_PARAMETER_COPIES * sum(
+        p.numel() * p.element_size() for p in trainable_params(model).values()
+    )
     # a compiled engine is probed by its eager twin (a compile for each probe size would cost minutes) and checked
     # compiled: its step's peak is its own (1.3x the eager one on resnet18-gn, lower on papernot-cnn), the checks decide
     measure = engine_peak(engine, model, unit, device)
     eager = engine_peak(getattr(engine, "eager", engine), model, unit, device)
 
-    def probe(units: int) -> float | None:  # the shape rule's methods: nothing timed at a size the run never takes
+    def probe(
+        units: int,
+    ) -> float | None:  # the shape rule's methods: nothing timed at a size the run never takes
         with _tuner(engine, False):
             return eager(units)
 
     forked, started = [device] if device.type == "cuda" else [], time.perf_counter()
-    with torch.random.fork_rng(devices=forked), engine.precision.matmul_flags():  # the run's streams untouched
+    with (
+        torch.random.fork_rng(devices=forked),
+        engine.precision.matmul_flags(),
+    ):  # the run's streams untouched
         try:
             units, peak = choose_units(probe, measure, budget, max_units, extra)
         except ConfigError as err:
@@ -217,24 +257,52 @@ def auto_chunk(
     if device.type == "cpu":
         trim_kept_memory()  # the probes' larger blocks back to the system
     measured = f"measured in {time.perf_counter() - started:.1f} s"
-    choice = ChunkChoice(units, units * rows_per_unit, peak, budget, where, measured, units >= max_units)
+    choice = ChunkChoice(
+        units, units * rows_per_unit, peak, budget, where, measured, units >= max_units
+    )
     store_choice(path, key, asdict(choice))
     return choice
 
 
-def run_chunk(engine: PerExampleEngine, model: nn.Module, plan: DPPlan, data: Any, views: int, device: torch.device,
-              budget_mb: float | None) -> ChunkChoice:  # fmt: skip
+def run_chunk(
+    engine: PerExampleEngine,
+    model: nn.Module,
+    plan: DPPlan,
+    data: Any,
+    views: int,
+    device: torch.device,
+    budget_mb: float | None,
+) -> ChunkChoice:
     """``auto_chunk`` for a ``dpscale train`` run: a unit shaped like its training examples (``data.info``,
     in ``views`` AugMult views; at the user unit k x K rows, a label each)."""
     k = rows_per_user(plan) if plan.user_level else 1
     x_train = getattr(data, "x_train", None)  # a stream's examples reach the model as float32
-    dtype = x_train.dtype if isinstance(x_train, torch.Tensor) and x_train.is_floating_point() else torch.float32
+    dtype = (
+        x_train.dtype
+        if isinstance(x_train, torch.Tensor) and x_train.is_floating_point()
+        else torch.float32
+    )
     unit = synthetic_unit(tuple(data.info.input_shape), k * views, k > 1, dtype, device)
-    return auto_chunk(engine, model, unit, rows_per_unit=k * views, max_units=largest_batch_units(plan), device=device,
-                      budget_mb=budget_mb, setting="train.memory_budget_mb")  # fmt: skip
+    return auto_chunk(
+        engine,
+        model,
+        unit,
+        rows_per_unit=k * views,
+        max_units=largest_batch_units(plan),
+        device=device,
+        budget_mb=budget_mb,
+        setting="train.memory_budget_mb",
+    )
 
 
-def batch_chunk(size: str, engine: PerExampleEngine, model: nn.Module, plan: DPPlan, batch: Batch | None, views: int) -> int:
+def batch_chunk(
+    size: str,
+    engine: PerExampleEngine,
+    model: nn.Module,
+    plan: DPPlan,
+    batch: Batch | None,
+    views: int,
+) -> int:
     """``make_private(max_physical_batch_size="auto")``: the rows of the chunk ``auto_chunk`` chose for
     examples shaped like ``batch``'s first (its ``views`` AugMult views), on the model's device.
 
@@ -243,11 +311,23 @@ def batch_chunk(size: str, engine: PerExampleEngine, model: nn.Module, plan: DPP
             shape from; see ``auto_chunk``.
     """
     if size != AUTO:
-        raise ValueError(f'max_physical_batch_size must be an integer >= 1, "auto" or None, got {size!r}')
+        raise ValueError(
+            f'max_physical_batch_size must be an integer >= 1, "auto" or None, got {size!r}'
+        )
     if batch is None:
-        raise ValueError('max_physical_batch_size="auto" needs check_batch=(x, y), the examples\' shape it measures with '
-                         "(so not with user_ids); or give a number")  # fmt: skip
+        raise ValueError(
+            'max_physical_batch_size="auto" needs check_batch=(x, y), the examples\' shape it measures with '
+            "(so not with user_ids); or give a number"
+        )
     device = next(iter(trainable_params(model).values())).device
     unit = (batch[0][:1].to(device), batch[1][:1].to(device))
-    return auto_chunk(engine, model, unit, rows_per_unit=views, max_units=largest_batch_units(plan), device=device,
-                      budget_mb=None, setting="a number for max_physical_batch_size").rows  # fmt: skip
+    return auto_chunk(
+        engine,
+        model,
+        unit,
+        rows_per_unit=views,
+        max_units=largest_batch_units(plan),
+        device=device,
+        budget_mb=None,
+        setting="a number for max_physical_batch_size",
+    ).rows

@@ -154,7 +154,9 @@ def rank_stream_seed(base: int, rank: int, world_size: int, start_step: int) -> 
     return derive_seed(base, (world_size, rank, start_step))
 
 
-def launch_command(processes: int, dpscale_args: list[str], threads: int = 1) -> tuple[list[str], dict[str, str]]:
+def launch_command(
+    processes: int, dpscale_args: list[str], threads: int = 1
+) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) that run ``dpscale ARGS`` on this machine with ``processes`` processes:
     torchrun --standalone for several, plain ``python -m dpscale`` for one (benchmarks, tests).
 
@@ -167,5 +169,11 @@ def launch_command(processes: int, dpscale_args: list[str], threads: int = 1) ->
     env.pop("WORLD_SIZE", None)
     if processes == 1:
         return [sys.executable, "-m", "dpscale", *dpscale_args], env
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+    ]
     return [*launcher, "-m", "dpscale", *dpscale_args], env

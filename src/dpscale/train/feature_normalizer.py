@@ -17,9 +17,15 @@ from dpscale.train.units import run_users
 
 
 def feature_normalizer(
-    config: Config, features: Any, plan: DPPlan, seeds: dict[str, int], dist: Distributed,
-    saved: dict[str, Any] | None, *, loading: bool,
-) -> FeatureNormalizer:  # fmt: skip
+    config: Config,
+    features: Any,
+    plan: DPPlan,
+    seeds: dict[str, int],
+    dist: Distributed,
+    saved: dict[str, Any] | None,
+    *,
+    loading: bool,
+) -> FeatureNormalizer:
     """A checkpoint's normaliser (its private statistics reused, never drawn again), or a new one
     (``loading``: the run continues a checkpoint, whose normalisation must be the config's).
 
@@ -49,8 +55,13 @@ def feature_normalizer(
     generator = noise_generator(seeds["features"], config.dp.secure_noise)
     # a stream has features.normalize=none (config validation): nothing to fit
     streamed = isinstance(features, StreamedData)
-    users = run_users(plan, features) if not streamed else None  # at the user unit: one clipped row per person
-    normalizer = FeatureNormalizer() if streamed else fit_normalizer(config.features, features.x_train, plan, generator, users)
+    # at the user unit: one clipped row per person
+    users = run_users(plan, features) if not streamed else None
+    normalizer = (
+        FeatureNormalizer()
+        if streamed
+        else fit_normalizer(config.features, features.x_train, plan, generator, users)
+    )
     if not dist.enabled:
         return normalizer
     # One release, whatever P: every rank uses rank 0's noisy statistics.

@@ -50,7 +50,9 @@ def refuse_steps_outside_the_mechanism(optimizer: torch.optim.Optimizer) -> None
     optimizer._dpscale_in_step = False  # type: ignore[attr-defined]
 
 
-def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
+def independence_check(
+    engine: PerExampleEngine, model: nn.Module, chunk: Batch
+) -> PerExampleEngine:
     """The first training chunk's batch-independence check (``FirstChunkCheck``): ``engine`` if
     each example's loss and norm are its own, else ValueError naming what mixes examples."""
     result = check_batch_independence(engine, model, chunk)
@@ -59,7 +61,9 @@ def independence_check(engine: PerExampleEngine, model: nn.Module, chunk: Batch)
     return engine
 
 
-def check_optimizer_covers_trainable(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: MaxGradNorm) -> None:
+def check_optimizer_covers_trainable(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: MaxGradNorm
+) -> None:
     """Refuse to step when a trainable parameter of the model is not in the optimizer (a head
     replaced, or layers unfrozen, after the optimizer was made): it would be clipped and
     noised but never updated, a silent no-op. (Freezing later is fine: a frozen parameter gets
@@ -70,7 +74,9 @@ def check_optimizer_covers_trainable(model: nn.Module, optimizer: torch.optim.Op
     """
     check_same_tensors(max_grad_norm, [n for n, p in model.named_parameters() if p.requires_grad])
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in optimized)
+    missing = sorted(
+        n for n, p in model.named_parameters() if p.requires_grad and id(p) not in optimized
+    )
     if missing:
         raise ValueError(
             f"trainable parameters not in the optimizer: {', '.join(missing)} (a head replaced or layers "
@@ -80,7 +86,9 @@ def check_optimizer_covers_trainable(model: nn.Module, optimizer: torch.optim.Op
         )
 
 
-def check_state_fits(state: dict[str, Any], plan: DPPlan, model: nn.Module, users: UserIndex | None) -> DPPlan:
+def check_state_fits(
+    state: dict[str, Any], plan: DPPlan, model: nn.Module, users: UserIndex | None
+) -> DPPlan:
     """Check that a mechanism state (``DPMechanism.state_dict``) continues this mechanism's run:
     the same DP plan's numbers, the model's trainable weights it was saved with, the same users.
 
@@ -93,7 +101,9 @@ def check_state_fits(state: dict[str, Any], plan: DPPlan, model: nn.Module, user
     """
     saved = DPPlan(**state["plan"])
     if saved != plan:  # the numbers (labels are left out of ==)
-        raise ValueError("this mechanism state was written under a different DP plan; refusing to load it")
+        raise ValueError(
+            "this mechanism state was written under a different DP plan; refusing to load it"
+        )
     if state.get("model_digest", model_digest(model)) != model_digest(model):
         raise ValueError(
             "the model's trainable weights are not the ones saved with this mechanism state (its accountant "

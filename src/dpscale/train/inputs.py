@@ -25,8 +25,12 @@ from dpscale.privacy.plan.make_plan import steps_for
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.privacy.plan.source_runs import SourceRunPrivacy
 from dpscale.train.plan_config import (
-    bands_request, check_plan_against_config, check_same_unit, plan_from_config, refuse_per_tensor_without_model,
-)  # fmt: skip
+    bands_request,
+    check_plan_against_config,
+    check_same_unit,
+    plan_from_config,
+    refuse_per_tensor_without_model,
+)
 
 SEED_MODEL_RUN = "init-seed-run"  # label of a Mean-Var seed run's releases in this run's accountant
 
@@ -85,7 +89,12 @@ def source_runs(config: Config, fingerprint_as: Callable[[bool], str]) -> Source
     private = is_private_config(config.dp)
     extractor, extractor_releases = extractor_privacy(config.features, fingerprint_as, private)
     init_run, init_releases = init_privacy(config.model, fingerprint_as, private)
-    releases = extractor_releases + init_releases + feature_releases(config.features) + seed_model_releases(config)
+    releases = (
+        extractor_releases
+        + init_releases
+        + feature_releases(config.features)
+        + seed_model_releases(config)
+    )
     return SourceRuns(extractor=extractor, init_run=init_run, releases=releases)
 
 
@@ -106,7 +115,9 @@ def seed_model_releases(config: Config) -> tuple[AccountingSegment, ...]:
             "release its training data without a guarantee; use a private seed run, or set "
             "model.init_seed_public=true if its training data is public"
         )
-    refuse_user_level_history(source, "model.init_seed_model", model.init_seed_model, "model.init_seed_public")
+    refuse_user_level_history(
+        source, "model.init_seed_model", model.init_seed_model, "model.init_seed_public"
+    )
     return tuple(replace(seg, label=f"{SEED_MODEL_RUN}:{seg.label}") for seg in source.history)
 
 
@@ -132,9 +143,11 @@ def privacy_units(config: Config, data: Any) -> int:
             f"{config.data.root or 'its built-in source'} names none: add a user_ids array to the npz file, a "
             "train-user-ids.txt (one id per line) beside IDX/CIFAR files, or a users.csv (path,user) in an image "
             "folder (docs/privacy-units.md)"
-        )  # fmt: skip
+        )
     if len(ids) != data.info.num_train:
-        raise ConfigError(f"{len(ids)} user ids for {data.info.num_train} training images: the ids no longer match them")
+        raise ConfigError(
+            f"{len(ids)} user ids for {data.info.num_train} training images: the ids no longer match them"
+        )
     return len(np.unique(ids))
 
 
@@ -171,7 +184,9 @@ def _refuse_composed_sources_per_user(config: Config, sources: SourceRuns) -> No
     budget: composing it into a user-level epsilon would misstate it. Refused, in one line."""
     runs = [run for run in (sources.extractor, sources.init_run) if run is not None]
     seed_model = any(seg.label.startswith(f"{SEED_MODEL_RUN}:") for seg in sources.releases)
-    if config.data.privacy_unit == "user" and (seed_model or any(run.case == "composed" for run in runs)):
+    if config.data.privacy_unit == "user" and (
+        seed_model or any(run.case == "composed" for run in runs)
+    ):
         raise ConfigError(
             "data.privacy_unit=user cannot compose a source run on the same data (its history is accounted per "
             "image): train the source on public data, or declare it public (features.extractor_public, "
@@ -180,9 +195,13 @@ def _refuse_composed_sources_per_user(config: Config, sources: SourceRuns) -> No
 
 
 def plan_for(
-    config: Config, inputs: PlanInputs, saved: DPPlan | None = None, *, parameters: int | None = None,
+    config: Config,
+    inputs: PlanInputs,
+    saved: DPPlan | None = None,
+    *,
+    parameters: int | None = None,
     names: Sequence[str] | None = None,
-) -> DPPlan:  # fmt: skip
+) -> DPPlan:
     """The DP plan the Trainer runs under: a new one (calibrated), or a checkpoint's ``saved``
     plan checked against the config and inputs (a changed source run is refused: its releases
     differ; so is other clipping). Either way with the labels the config determines (a fixed seed,
@@ -205,9 +224,16 @@ def plan_for(
     _refuse_composed_sources_per_user(config, sources)
     if saved is None:
         plan = plan_from_config(
-            config.dp, n, steps, sources.releases, seeded=labels["seeded"], extractor=sources.extractor,
-            correlated=correlated, names=names, privacy_unit=config.data.privacy_unit,
-        )  # fmt: skip
+            config.dp,
+            n,
+            steps,
+            sources.releases,
+            seeded=labels["seeded"],
+            extractor=sources.extractor,
+            correlated=correlated,
+            names=names,
+            privacy_unit=config.data.privacy_unit,
+        )
     else:
         check_same_unit(saved, config.data.privacy_unit, config.dp.max_examples_per_user)
         check_plan_against_config(saved, config.dp, n, steps, sources.releases, correlated, names)

@@ -66,8 +66,14 @@ class Trainer:
         is_main = init_distributed(config.run.device).is_main  # only rank 0 prints and writes
         self.show_progress = progress and is_main
         self.report = (progress if report is None else report) and is_main
-        self.built: Run = build_run(config, hooks or RunHooks(), log=self.log, progress=self.show_progress,
-                                    saved_plan=plan, feature_norm=feature_norm)  # fmt: skip
+        self.built: Run = build_run(
+            config,
+            hooks or RunHooks(),
+            log=self.log,
+            progress=self.show_progress,
+            saved_plan=plan,
+            feature_norm=feature_norm,
+        )
         # as built: an auto chunk size as its number
         self.config, self.batches = self.built.config, TrainBatches(self.built, 0)
         # AugTest's seed: the same test views at every evaluation
@@ -98,7 +104,13 @@ class Trainer:
         return self.built.dist
 
     @classmethod
-    def create(cls, config: Config, progress: bool = True, hooks: RunHooks | None = None, report: bool | None = None) -> "Trainer":
+    def create(
+        cls,
+        config: Config,
+        progress: bool = True,
+        hooks: RunHooks | None = None,
+        report: bool | None = None,
+    ) -> "Trainer":
         """Start a new run in ``config.run.out_dir`` (``hooks``: an audit's canaries, see ``RunHooks``).
 
         Refuses a directory that holds a checkpointed run or that another process trains in; what a
@@ -125,7 +137,13 @@ class Trainer:
         return trainer
 
     @classmethod
-    def resume(cls, run_dir: str | Path, progress: bool = True, overrides: Sequence[str] = (), report: bool | None = None) -> "Trainer":
+    def resume(
+        cls,
+        run_dir: str | Path,
+        progress: bool = True,
+        overrides: Sequence[str] = (),
+        report: bool | None = None,
+    ) -> "Trainer":
         """Continue the run in ``run_dir`` from its newest intact checkpoint, exactly where it stopped.
 
         Args:
@@ -187,7 +205,9 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         """The checkpoint (``dpscale.checkpoint_format``); collective with P processes."""
         streams = self.batches.state(self.step)
-        return run_state.training_state(self.built, self.progress, rank_streams=streams, window=self.window.as_dict())
+        return run_state.training_state(
+            self.built, self.progress, rank_streams=streams, window=self.window.as_dict()
+        )
 
     def load_state(self, saved: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (current layout: ``load_checkpoint`` migrates)."""
@@ -231,7 +251,9 @@ class Trainer:
         for line in report.header_lines(self.plan, self.built, self.privacy_warnings()):
             self.log(line)
         self.warnings_shown = self.report
-        self.board = self.board or open_board(self.built, self.run_dir, self.step, self.privacy_warnings(), self.log)
+        self.board = self.board or open_board(
+            self.built, self.run_dir, self.step, self.privacy_warnings(), self.log
+        )
         bar = StepBar(self.total_steps, self.step, self.show_progress, self.epsilon)
         interrupt = DeferredInterrupt()
         self.checkpoints.saved_at = time.perf_counter()
@@ -264,9 +286,13 @@ class Trainer:
         if line := report.new_clip_methods(self.built):
             self.log(line)
         if self.board is not None:
-            waited = self.progress.data_wait_s + self.batches.waited_s() if self.built.streamed else None
+            waited = (
+                self.progress.data_wait_s + self.batches.waited_s() if self.built.streamed else None
+            )
             lr = self.built.scheduler.get_last_lr()[0]
-            self.board.after_step(self.step, stats, lr, 1000 * (time.perf_counter() - started), waited)
+            self.board.after_step(
+                self.step, stats, lr, 1000 * (time.perf_counter() - started), waited
+            )
         evaluated = evaluation_due(self.plan, train.eval_every_epochs, self.step, self.total_steps)
         if evaluated:
             self.progress.wall_time_s += time.perf_counter() - started
@@ -285,7 +311,9 @@ class Trainer:
         reduce = self.dist.all_reduce_sum_ if self.dist.enabled else None
         chunks = self.batches.chunks(self.step)  # drawn by the mechanism, or read ahead by a stream
         # clip, noise once, / B, optimizer and scheduler step, account
-        stats = self.mechanism.step_drawn_chunks(chunks, all_reduce_sum=reduce, add_noise=self.dist.adds_noise)
+        stats = self.mechanism.step_drawn_chunks(
+            chunks, all_reduce_sum=reduce, add_noise=self.dist.adds_noise
+        )
         if self.built.ema is not None:
             self.built.ema.update(self.model)
         self.progress.step += 1
@@ -297,7 +325,9 @@ class Trainer:
         """Evaluate and append to metrics.jsonl (rank 0; other ranks only reset the window)."""
         record: dict[str, Any] | None = None
         if self.dist.is_main:
-            record = report.evaluation_record(self.built, self.progress, self.window.as_dict(), self.log)
+            record = report.evaluation_record(
+                self.built, self.progress, self.window.as_dict(), self.log
+            )
         self.window.load(EMPTY)
         if record is not None:
             self.metrics.append(record)
@@ -332,7 +362,9 @@ class Trainer:
         summary = None
         if self.dist.is_main:
             last = self.metrics.read()[-1]
-            summary = report.write_summary(self.built, self.progress, self.run_dir, last, self.privacy_warnings())
+            summary = report.write_summary(
+                self.built, self.progress, self.run_dir, last, self.privacy_warnings()
+            )
         return self.dist.broadcast_object(summary)
 
     def log(self, message: str) -> None:

@@ -25,7 +25,11 @@ class LossWindow:
 
     def load(self, window: dict[str, Any]) -> None:
         """Set the window (``as_dict``'s layout: a checkpoint's, or ``EMPTY`` after an evaluation)."""
-        values = [float(window["loss_sum"]), float(window["examples"]), float(window["nonfinite_examples"])]
+        values = [
+            float(window["loss_sum"]),
+            float(window["examples"]),
+            float(window["nonfinite_examples"]),
+        ]
         self.sums = torch.tensor(values, dtype=torch.float64, device=self.device)
 
     def add(self, stats: StepStats) -> None:
@@ -35,4 +39,8 @@ class LossWindow:
     def as_dict(self) -> dict[str, float | int]:
         """The window as evaluation records and checkpoints read it (waits for the device)."""
         loss_sum, examples, nonfinite = self.sums.tolist()
-        return {"loss_sum": loss_sum, "examples": int(examples), "nonfinite_examples": int(nonfinite)}
+        return {
+            "loss_sum": loss_sum,
+            "examples": int(examples),
+            "nonfinite_examples": int(nonfinite),
+        }

@@ -29,15 +29,31 @@ import torch
 
 from dpscale.cpu_memory import bound_kept_memory
 from dpscale.data.user_ids import user_slices
-from dpscale.privacy.clipping.adaptive import AdaptiveClipping, next_clip, noisy_unclipped_fraction, normalised_update
+from dpscale.privacy.clipping.adaptive import (
+    AdaptiveClipping,
+    next_clip,
+    noisy_unclipped_fraction,
+    normalised_update,
+)
 from dpscale.privacy.clipping.independence import MIN_EXAMPLES
 from dpscale.privacy.clipping.per_example import Batch
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.sampling.units import UnitBatch
-from dpscale.train.guards import FirstChunkCheck, check_optimizer_covers_trainable, independence_check, model_digest
+from dpscale.train.guards import (
+    FirstChunkCheck,
+    check_optimizer_covers_trainable,
+    independence_check,
+    model_digest,
+)
 from dpscale.train.mechanism_state import MechanismState
 from dpscale.train.step import StepStats, apply_gradient, noisy_clipped_mean, padded_chunks
-from dpscale.train.units import DrawnChunks, check_gathered, rows_per_user, user_step_chunks_of, users_per_chunk
+from dpscale.train.units import (
+    DrawnChunks,
+    check_gathered,
+    rows_per_user,
+    user_step_chunks_of,
+    users_per_chunk,
+)
 
 
 class PrivacyBudgetExhausted(RuntimeError):
@@ -87,9 +103,13 @@ class DPMechanism(MechanismState):
             expected = self.steps_taken
             yield self.sample()
             if self.steps_taken != expected + 1:
-                raise RuntimeError("call mechanism.step(...) once for each batch that batches() yields")
+                raise RuntimeError(
+                    "call mechanism.step(...) once for each batch that batches() yields"
+                )
 
-    def data_loader(self, dataset: torch.utils.data.Dataset, **loader_options: Any) -> Iterator[list[Batch]]:
+    def data_loader(
+        self, dataset: torch.utils.data.Dataset, **loader_options: Any
+    ) -> Iterator[list[Batch]]:
         """For a map-style dataset returning (x, y): each remaining logical batch as a list of
         physical chunks of at most ``max_physical_batch_size`` examples, read by a DataLoader
         (``loader_options`` such as num_workers are passed on)."""
@@ -97,7 +117,10 @@ class DPMechanism(MechanismState):
         for indices in self.batches():
             if self.plan.user_level:  # whole users per chunk
                 per_chunk = users_per_chunk(chunk, rows_per_user(self.plan), 1, 0)
-                parts = [indices[a:b].tolist() for a, b, _ in user_slices(self._drawn_units().offsets, per_chunk)]
+                parts = [
+                    indices[a:b].tolist()
+                    for a, b, _ in user_slices(self._drawn_units().offsets, per_chunk)
+                ]
             else:
                 parts = [p.tolist() for p in indices.split(chunk)]
             loader = torch.utils.data.DataLoader(dataset, batch_sampler=parts, **loader_options)
@@ -105,9 +128,12 @@ class DPMechanism(MechanismState):
 
     # -------------------------------------------------------------------- step
     def step(
-        self, inputs: torch.Tensor | Iterable[Batch], targets: torch.Tensor | None = None, *,
+        self,
+        inputs: torch.Tensor | Iterable[Batch],
+        targets: torch.Tensor | None = None,
+        *,
         indices: torch.Tensor | None = None,
-    ) -> StepStats:  # fmt: skip
+    ) -> StepStats:
         """One private step on the logical batch that ``batches()``/``sample()`` drew.
 
         Args:
@@ -125,20 +151,31 @@ class DPMechanism(MechanismState):
         drawn = self._drawn_units()
         if targets is not None:
             self._check_size(len(targets))  # before anything is computed
-        if indices is None and isinstance(inputs, DrawnChunks):  # data_loader's chunks carry their indices
+        if indices is None and isinstance(
+            inputs, DrawnChunks
+        ):  # data_loader's chunks carry their indices
             indices = inputs.indices
         chunks: Iterable[Batch]
         if self.plan.user_level:  # whole users per chunk, each user's examples together
-            chunks = user_step_chunks_of(inputs, targets, indices, drawn, rows_per_user(self.plan),
-                                         self.views, self.max_physical_batch_size)  # fmt: skip
+            chunks = user_step_chunks_of(
+                inputs,
+                targets,
+                indices,
+                drawn,
+                rows_per_user(self.plan),
+                self.views,
+                self.max_physical_batch_size,
+            )
         elif targets is not None:  # then inputs is the batch's tensor
             check_gathered(indices, drawn.indices, chunks=False)
             size = self.max_physical_batch_size or max(1, len(targets))
-            chunks = zip(cast(torch.Tensor, inputs).split(size), targets.split(size))  # views: no copy of the batch
+            # views: no copy of the batch
+            chunks = zip(cast(torch.Tensor, inputs).split(size), targets.split(size))
         else:
             check_gathered(indices, drawn.indices, chunks=True)
             chunks = cast(Iterable[Batch], inputs)
-        stats = self.step_drawn_chunks(chunks, check_drawn=not self.plan.user_level)  # users: cut_at_users counts
+        # users: cut_at_users counts
+        stats = self.step_drawn_chunks(chunks, check_drawn=not self.plan.user_level)
         self._drawn, self._drawn_batch = None, None
         return stats
 
@@ -161,9 +198,13 @@ class DPMechanism(MechanismState):
             )
 
     def step_drawn_chunks(
-        self, chunks: Iterable[Batch], *, all_reduce_sum: Callable | None = None, add_noise: bool = True,
+        self,
+        chunks: Iterable[Batch],
+        *,
+        all_reduce_sum: Callable | None = None,
+        add_noise: bool = True,
         check_drawn: bool = False,
-    ) -> StepStats:  # fmt: skip
+    ) -> StepStats:
         """``step`` for physical chunks, with the data-parallel hooks: the seam to a loop that draws
         with ``draw_batch`` (or a stream's read-ahead from ``sampler``) itself (the Trainer, the
         step-time bench) and so vouches for ``chunks``; users call ``step``, which checks them.
@@ -182,13 +223,17 @@ class DPMechanism(MechanismState):
             try:
                 self._check_size(stats.examples)
             except ValueError:
-                if self.correlated_noise is not None and history is not None:  # BandMF: the recursion untouched
+                if (
+                    self.correlated_noise is not None and history is not None
+                ):  # BandMF: the recursion untouched
                     self.correlated_noise.rewind(history)
                 raise
         if self.observer is not None:
             self.observer(gradient)
         adaptive = self.plan.adaptive
-        if adaptive is not None:  # the step in C_0's units (its scale lr x C_0), the count's release, C_{t+1}
+        if (
+            adaptive is not None
+        ):  # the step in C_0's units (its scale lr x C_0), the count's release, C_{t+1}
             gradient = normalised_update(gradient, self.clip, self.plan.max_grad_norm)  # type: ignore[arg-type]
             self._release_count_and_move_clip(stats, adaptive)
         self._apply_and_account(gradient)
@@ -196,19 +241,33 @@ class DPMechanism(MechanismState):
 
     def _noisy_clipped_mean(
         self, chunks: Iterable[Batch], all_reduce_sum: Callable | None, add_noise: bool
-    ) -> tuple[Params, StepStats]:  # fmt: skip
+    ) -> tuple[Params, StepStats]:
         """The step's release: its chunks through the first-chunk check and padded, then clipped,
         summed, noised once and divided by B (``noisy_clipped_mean``), in the plan's precision."""
         with self.engine.precision.matmul_flags():  # the check and the step in the plan's precision
-            chunks = padded_chunks(self._run_first_chunk_check(chunks), self.pad_rows)  # checked as drawn, then padded
+            # checked as drawn, then padded
+            chunks = padded_chunks(self._run_first_chunk_check(chunks), self.pad_rows)
             adaptive = self.plan.adaptive
-            engine = self.engine if adaptive is None else replace(self.engine, max_grad_norm=self.clip)  # type: ignore[type-var]
+            engine = self.engine
+            if adaptive is not None:
+                engine = replace(engine, max_grad_norm=self.clip)  # type: ignore[type-var]
             # adaptive clipping's C is a number (make_dp_plan refuses per-layer bounds with it)
-            noise_std = self.plan.noise_std if adaptive is None else self.plan.gradient_noise_multiplier * cast(float, self.clip)
+            noise_std = (
+                self.plan.noise_std
+                if adaptive is None
+                else self.plan.gradient_noise_multiplier * cast(float, self.clip)
+            )
             gradient, stats = noisy_clipped_mean(
-                engine, self.model, chunks, noise_std=noise_std, expected_batch_size=self.plan.batch_size,
-                noise_generator=self.noise_generator, all_reduce_sum=all_reduce_sum, add_noise=add_noise,
-                correlate=self.correlated_noise.next if self.correlated_noise is not None else None)  # fmt: skip
+                engine,
+                self.model,
+                chunks,
+                noise_std=noise_std,
+                expected_batch_size=self.plan.batch_size,
+                noise_generator=self.noise_generator,
+                all_reduce_sum=all_reduce_sum,
+                add_noise=add_noise,
+                correlate=self.correlated_noise.next if self.correlated_noise is not None else None,
+            )
         return gradient, stats
 
     def _apply_and_account(self, gradient: Params) -> None:
@@ -224,8 +283,11 @@ class DPMechanism(MechanismState):
         if self.plan.is_private and self.steps_taken % self.plan.bands == 0:
             # DP-SGD: one composition per step. BandMF: one per b steps, at p = b*q, counted when
             # its first step runs (an example joins at most one step of each b).
-            self.accountant.step(sample_rate=self.plan.participation_rate, noise_multiplier=self.plan.noise_multiplier,
-                                 batches=self.plan.batch_sampling)  # fmt: skip
+            self.accountant.step(
+                sample_rate=self.plan.participation_rate,
+                noise_multiplier=self.plan.noise_multiplier,
+                batches=self.plan.batch_sampling,
+            )
         self.steps_taken += 1
         bound_kept_memory()  # a fragmenting kept heap trimmed (dpscale.cpu_memory: at most 256 MiB over its level)
 
@@ -267,4 +329,10 @@ class DPMechanism(MechanismState):
             )
 
 
-__all__ = ["DPMechanism", "FirstChunkCheck", "PrivacyBudgetExhausted", "independence_check", "model_digest"]
+__all__ = [
+    "DPMechanism",
+    "FirstChunkCheck",
+    "PrivacyBudgetExhausted",
+    "independence_check",
+    "model_digest",
+]

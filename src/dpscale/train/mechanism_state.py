@@ -22,10 +22,16 @@ from dpscale.privacy.plan.dp_plan import LASTING_CAVEATS, DPPlan
 from dpscale.privacy.sampling.units import UnitBatch
 from dpscale.rng import DPRandom, derive_seed, noise_generator
 from dpscale.train.distributed import NOISE_RANK
-from dpscale.train.guards import FirstChunkCheck, check_state_fits, model_digest, refuse_steps_outside_the_mechanism
+from dpscale.train.guards import (
+    FirstChunkCheck,
+    check_state_fits,
+    model_digest,
+    refuse_steps_outside_the_mechanism,
+)
 from dpscale.train.units import check_chunk_fits, rows_per_user
 
-PARTITION_KEY = (0x62616E64,)  # spawn key of BandMF's partition seed when none is given (make_private: one process)
+# spawn key of BandMF's partition seed when none is given (make_private: one process)
+PARTITION_KEY = (0x62616E64,)
 
 
 class MechanismState:
@@ -33,11 +39,24 @@ class MechanismState:
     the plan, engine, streams and accountant kept in step, and their checkpoint."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, engine: PerExampleEngine, *,
-        sampler_seed: int, noise_seed: int, scheduler: Any = None, max_physical_batch_size: int | None = None,
-        rank: int = 0, world_size: int = 1, first_chunk_check: FirstChunkCheck | None = None,
-        partition_seed: int | None = None, users: UserIndex | None = None, views: int = 1, pad_rows: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan: DPPlan,
+        engine: PerExampleEngine,
+        *,
+        sampler_seed: int,
+        noise_seed: int,
+        scheduler: Any = None,
+        max_physical_batch_size: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        first_chunk_check: FirstChunkCheck | None = None,
+        partition_seed: int | None = None,
+        users: UserIndex | None = None,
+        views: int = 1,
+        pad_rows: int | None = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         refuse_steps_outside_the_mechanism(optimizer)
         self.plan, self.engine = plan, engine
@@ -47,23 +66,33 @@ class MechanismState:
         if plan.user_level:
             check_chunk_fits(max_physical_batch_size, rows_per_user(plan))
         if plan.adaptive is not None and world_size > 1:
-            raise ValueError("adaptive clipping runs in one process (its count's noise and C are not shared across ranks yet)")
-        self.clip: MaxGradNorm = plan.max_grad_norm  # C_t: fixed, or adaptive clipping's current norm
+            raise ValueError(
+                "adaptive clipping runs in one process (its count's noise and C are not shared across ranks yet)"
+            )
+        # C_t: fixed, or adaptive clipping's current norm
+        self.clip: MaxGradNorm = plan.max_grad_norm
         self.steps_taken = 0
         # BandMF's b groups, fixed for the whole run (every rank must pass the same seed)
-        self.partition_seed = derive_seed(sampler_seed, PARTITION_KEY) if partition_seed is None else partition_seed
+        self.partition_seed = (
+            derive_seed(sampler_seed, PARTITION_KEY) if partition_seed is None else partition_seed
+        )
         self.restart_streams(sampler_seed=sampler_seed, noise_seed=noise_seed)
-        self.correlated_noise = BandedNoise(plan.correlated.coefficients) if plan.correlated is not None else None
+        self.correlated_noise = (
+            BandedNoise(plan.correlated.coefficients) if plan.correlated is not None else None
+        )
         self.accountant = PrivacyAccountant(plan.run_accountant)
         for release in plan.releases:  # one-off releases made before the first step
             self.accountant.record(release)
-        self.max_physical_batch_size, self.pad_rows = max_physical_batch_size, pad_rows  # pad_rows: step.pad_rows_for
+        # pad_rows: step.pad_rows_for
+        self.max_physical_batch_size, self.pad_rows = (max_physical_batch_size, pad_rows)
         # run, in train mode and before anything is released, on the first chunk of >= MIN_EXAMPLES
         # and again on every first chunk larger than any checked before
         self.first_chunk_check = first_chunk_check
         self._checked_rows = 0
         self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
-        self._drawn_batch: UnitBatch | None = None  # its indices (and users' boundaries at the user unit)
+        self._drawn_batch: UnitBatch | None = (
+            None  # its indices (and users' boundaries at the user unit)
+        )
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
 
@@ -74,9 +103,13 @@ class MechanismState:
         dp.secure_noise draws the noise from the OS CSPRNG (no seed, no state). BandMF's groups
         stay those of ``partition_seed``, and its cyclic sampling continues at the step taken next."""
         self.sampler = self.plan.make_sampler(
-            DPRandom(sampler_seed), self.rank, self.world_size, partition_seed=self.partition_seed,
-            start_step=self.steps_taken, users=self.users,
-        )  # fmt: skip
+            DPRandom(sampler_seed),
+            self.rank,
+            self.world_size,
+            partition_seed=self.partition_seed,
+            start_step=self.steps_taken,
+            users=self.users,
+        )
         self.noise_generator = noise_generator(noise_seed, self.plan.secure_noise)
 
     def remaining_steps(self) -> int:
@@ -110,10 +143,16 @@ class MechanismState:
             "partition_seed": self.partition_seed,
             # BandMF's last b-1 noise vectors: past noise, kept (like the generator) for a seeded run
             # only, and never with dp.secure_noise (no file may reproduce that noise)
-            "correlated_noise": self.correlated_noise.state_dict() if self.correlated_noise and self._keeps_noise_history else None,
+            "correlated_noise": self.correlated_noise.state_dict()
+            if self.correlated_noise and self._keeps_noise_history
+            else None,
             "clip_norm": self.clip,  # adaptive clipping's C_t (a function of released counts)
-            "users": self.users.digest() if self.users is not None else None,  # the people it sampled
-            "clip_methods": methods_state(self.engine),  # bk's per-layer methods: a resume computes as the run did
+            "users": self.users.digest()
+            if self.users is not None
+            else None,  # the people it sampled
+            "clip_methods": methods_state(
+                self.engine
+            ),  # bk's per-layer methods: a resume computes as the run did
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -145,14 +184,24 @@ class MechanismState:
                 "Load the state first, then draw"
             )
         saved = check_state_fits(state, self.plan, self.model, self.users)
-        if state["sampler"] is not None:  # first: it refuses an old partition before anything is loaded
-            self.sampler.load_state_dict(state["sampler"])  # (None: a state whose sampler stream is not continued)
+        if (
+            state["sampler"] is not None
+        ):  # first: it refuses an old partition before anything is loaded
+            # (None: a state whose sampler stream is not continued)
+            self.sampler.load_state_dict(state["sampler"])
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's
-        self.plan = replace(self.plan, **{k: getattr(self.plan, k) or getattr(saved, k) for k in LASTING_CAVEATS})
-        self.partition_seed = state.get("partition_seed", self.partition_seed)  # the run keeps its groups
+        self.plan = replace(
+            self.plan, **{k: getattr(self.plan, k) or getattr(saved, k) for k in LASTING_CAVEATS}
+        )
+        # the run keeps its groups
+        self.partition_seed = state.get("partition_seed", self.partition_seed)
         if self.plan.seeded and state.get("noise_generator") is not None:
             self.noise_generator.load_state_dict(state["noise_generator"])
-        history = state.get("correlated_noise") if self._keeps_noise_history and self.rank == NOISE_RANK else None
+        history = (
+            state.get("correlated_noise")
+            if self._keeps_noise_history and self.rank == NOISE_RANK
+            else None
+        )
         if self.correlated_noise is not None and history is not None:
             self.correlated_noise.load_state_dict(history)  # the noise rank's alone
         self.accountant.load_state_dict(state["accountant"])

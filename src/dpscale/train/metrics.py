@@ -14,18 +14,25 @@ from torch import nn
 from dpscale._io import append_private_text, atomic_write_text
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000
+) -> tuple[float, float]:
     """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` on (x, y)."""
-    batches = ((x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, x.shape[0], batch_size))
+    batches = (
+        (x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)
+    )
     return evaluate_batches(model, batches, x.device)
 
 
 @torch.no_grad()
-def evaluate_batches(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[float, float]:
+def evaluate_batches(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> tuple[float, float]:
     """Accuracy (fraction in [0, 1]) and mean cross-entropy of ``model`` over (x, y) batches on ``device``."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count: read once at the end
+    # correct, loss sum, count: read once at the end
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for x, target in batches:
         logits = model(x)
         loss = F.cross_entropy(logits, target, reduction="sum").double()
@@ -97,7 +104,14 @@ def evaluate_augtest(
     correct = 0
     step = max(1, batch_size // views)
     for start in range(0, x.shape[0], step):
-        batch = augment_views(x[start : start + step], kind, views, generator, value_range=value_range, padding=padding)
+        batch = augment_views(
+            x[start : start + step],
+            kind,
+            views,
+            generator,
+            value_range=value_range,
+            padding=padding,
+        )
         logits = model(batch.reshape(-1, *batch.shape[2:])).reshape(batch.shape[0], views, -1)
         correct += int((majority_vote(logits) == y[start : start + step]).sum())
     model.train(was_training)

@@ -10,7 +10,9 @@ import torch
 from dpscale.config import OptimConfig
 
 
-def build_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimConfig, params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
     """SGD (momentum / Nesterov / dampening), Adam or AdamW from the config.
 
     DP noise is already in the gradient when the optimizer sees it, so any optimizer is a
@@ -27,13 +29,19 @@ def build_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
             weight_decay=cfg.weight_decay,
         )
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     raise ValueError(f"unknown optimizer {cfg.name!r}; choose sgd, adam or adamw")
 
 
-def lr_multiplier(step: int, total_steps: int, schedule: str, warmup_steps: int = 0, min_ratio: float = 0.0) -> float:
+def lr_multiplier(
+    step: int, total_steps: int, schedule: str, warmup_steps: int = 0, min_ratio: float = 0.0
+) -> float:
     """Learning-rate factor at ``step`` (0-based): linear warmup, then constant or cosine decay.
 
     Args:
@@ -54,8 +62,12 @@ def lr_multiplier(step: int, total_steps: int, schedule: str, warmup_steps: int 
     raise ValueError(f"unknown schedule {schedule!r}; choose constant or cosine")
 
 
-def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_multiplier(step, total_steps, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio),
+        lambda step: lr_multiplier(
+            step, total_steps, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio
+        ),
     )

@@ -31,12 +31,15 @@ def people_line(plan: DPPlan, user_ids: np.ndarray | None) -> str | None:
     people, most = len(counts), int(counts.max())
     if plan.user_level:
         k = plan.max_examples_per_user or most
-        return (f"privacy unit user: {len(user_ids):,} training images of {people:,} people; "
-                f"{int((counts > k).sum()):,} of {people:,} people have more than k = {k} images (a random {k} of "
-                f"theirs train each step they are drawn in; the most: {most})")  # fmt: skip
+        return (
+            f"privacy unit user: {len(user_ids):,} training images of {people:,} people; "
+            f"{int((counts > k).sum()):,} of {people:,} people have more than k = {k} images (a random {k} of "
+            f"theirs train each step they are drawn in; the most: {most})"
+        )
     if most == 1:
         return None
-    k = int(np.ceil(np.quantile(counts, 0.9)))  # a starting k: 9 in 10 people contribute every image
+    # a starting k: 9 in 10 people contribute every image
+    k = int(np.ceil(np.quantile(counts, 0.9)))
     return (
         f"the training set names {people:,} people (up to {most} images each) but the privacy unit is one image "
         f"(data.privacy_unit=example, the default): {_person_reading(plan, most)}; to protect each person, "
@@ -58,17 +61,28 @@ def _person_reading(plan: DPPlan, k: int) -> str:
     if plan.adjacency == REPLACE_ONE or plan.mechanism != "dpsgd":
         return f"its epsilon covers one image, and a person with {k} only through group privacy"
     accountant = history_accountant(  # the history the plan's epsilon composed (cached)
-        sample_rate=plan.participation_rate, noise_multiplier=plan.noise_multiplier,
-        steps=plan.compositions(plan.steps), kind=plan.accountant, releases=plan.releases, batches=plan.batch_sampling,
-    )  # fmt: skip
-    bound = best_group_bound(epsilons_at=accountant.epsilons, target_delta=plan.delta, group_size=k, min_delta=search_floor(plan.accountant),
-                             extra_deltas=(plan.delta,))  # fmt: skip
+        sample_rate=plan.participation_rate,
+        noise_multiplier=plan.noise_multiplier,
+        steps=plan.compositions(plan.steps),
+        kind=plan.accountant,
+        releases=plan.releases,
+        batches=plan.batch_sampling,
+    )
+    bound = best_group_bound(
+        epsilons_at=accountant.epsilons,
+        target_delta=plan.delta,
+        group_size=k,
+        min_delta=search_floor(plan.accountant),
+        extra_deltas=(plan.delta,),
+    )
     promise = f"epsilon {bound.epsilon:.3g}" if bound else "nothing"
     reading = f"group privacy promises the person with {k} images {promise} at delta={plan.delta:g}"
     if plan.releases or plan.sampling != "poisson":
         return reading
     cap = f" --max-batch-size {plan.max_batch_size}" if plan.max_batch_size else ""
-    command = (f"dpscale account --dataset-size {plan.dataset_size} --batch-size {plan.batch_size:g} --steps "
-               f"{plan.steps} --noise {plan.noise_multiplier!r} --delta {plan.delta!r} --accountant {plan.accountant}"
-               f"{cap} --group-size {k}")  # fmt: skip
+    command = (
+        f"dpscale account --dataset-size {plan.dataset_size} --batch-size {plan.batch_size:g} --steps "
+        f"{plan.steps} --noise {plan.noise_multiplier!r} --delta {plan.delta!r} --accountant {plan.accountant}"
+        f"{cap} --group-size {k}"
+    )
     return f"{reading} (`{command}`)"

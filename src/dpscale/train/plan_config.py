@@ -33,11 +33,18 @@ def dp_numbers(dp: DPConfig, names: Sequence[str] | None = None) -> PrivacyNumbe
     Returns:
         the numbers ``make_dp_plan`` takes; ``max_grad_norm`` as ``config_clip_bounds`` spells it out.
     """
-    sampling, clipping, _ = dp_options(dp)  # make_private's typed options, through the translation both doors share
+    # make_private's typed options, through the translation both doors share
+    sampling, clipping, _ = dp_options(dp)
     return privacy_numbers(
-        sampling, clipping, max_grad_norm=config_clip_bounds(dp, names), delta=dp.delta, target_epsilon=dp.epsilon,
-        noise_multiplier=dp.noise_multiplier, accountant=dp.accountant, simulated_batch_size=dp.simulated_batch_size,
-    )  # fmt: skip
+        sampling,
+        clipping,
+        max_grad_norm=config_clip_bounds(dp, names),
+        delta=dp.delta,
+        target_epsilon=dp.epsilon,
+        noise_multiplier=dp.noise_multiplier,
+        accountant=dp.accountant,
+        simulated_batch_size=dp.simulated_batch_size,
+    )
 
 
 def refuse_per_tensor_without_model(dp: DPConfig) -> None:
@@ -79,7 +86,10 @@ def workload_for(optim: OptimConfig, steps: int) -> Workload:
     momentum = optim.momentum if optim.name == "sgd" else 0.0
     multipliers = None
     if optim.schedule != "constant" or optim.warmup_steps:
-        multipliers = tuple(lr_multiplier(t, steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio) for t in range(steps))
+        multipliers = tuple(
+            lr_multiplier(t, steps, optim.schedule, optim.warmup_steps, optim.min_lr_ratio)
+            for t in range(steps)
+        )
     return Workload(steps=steps, momentum=momentum, lr_multipliers=multipliers)
 
 
@@ -93,9 +103,13 @@ def bands_request(config: Config, steps: int, parameters: int | None = None) -> 
     if dp.mechanism != "bandmf":
         return None
     return BandsRequest(
-        bands=dp.bands, workload=workload_for(config.optim, steps), max_bands=dp.max_bands, parameters=parameters,
-        max_noise_memory_mb=dp.max_noise_memory_mb, cache_dir=str(strategy_cache_dir()),
-    )  # fmt: skip
+        bands=dp.bands,
+        workload=workload_for(config.optim, steps),
+        max_bands=dp.max_bands,
+        parameters=parameters,
+        max_noise_memory_mb=dp.max_noise_memory_mb,
+        cache_dir=str(strategy_cache_dir()),
+    )
 
 
 def plan_from_config(
@@ -113,10 +127,16 @@ def plan_from_config(
     request from ``bands_request``; ``names``: the trainable tensors', as ``dp_numbers``; at
     ``privacy_unit`` user, N counts users and dp.max_examples_per_user bounds each)."""
     return make_dp_plan(
-        dp_numbers(dp, names), dataset_size=dataset_size, steps=steps, releases=releases, seeded=seeded,
-        extractor=extractor, correlated=correlated, privacy_unit=privacy_unit,
+        dp_numbers(dp, names),
+        dataset_size=dataset_size,
+        steps=steps,
+        releases=releases,
+        seeded=seeded,
+        extractor=extractor,
+        correlated=correlated,
+        privacy_unit=privacy_unit,
         max_examples_per_user=dp.max_examples_per_user,
-    )  # fmt: skip
+    )
 
 
 def check_same_unit(plan: DPPlan, privacy_unit: str, max_examples_per_user: int | None) -> None:
@@ -130,9 +150,14 @@ def check_same_unit(plan: DPPlan, privacy_unit: str, max_examples_per_user: int 
 
 
 def check_plan_against_config(
-    plan: DPPlan, dp: DPConfig, dataset_size: int, steps: int, releases: tuple[AccountingSegment, ...] = (),
-    correlated: BandsRequest | None = None, names: Sequence[str] | None = None,
-) -> None:  # fmt: skip
+    plan: DPPlan,
+    dp: DPConfig,
+    dataset_size: int,
+    steps: int,
+    releases: tuple[AccountingSegment, ...] = (),
+    correlated: BandsRequest | None = None,
+    names: Sequence[str] | None = None,
+) -> None:
     """``check_plan_matches`` for a checkpoint's plan against a config's ``dp`` section, the
     clipping first (``check_same_clipping``).
 
@@ -143,7 +168,14 @@ def check_plan_against_config(
     """
     numbers = dp_numbers(dp, names)
     check_same_clipping(plan.max_grad_norm, numbers.max_grad_norm, dp)
-    check_plan_matches(plan, numbers, dataset_size=dataset_size, steps=steps, releases=releases, correlated=correlated)
+    check_plan_matches(
+        plan,
+        numbers,
+        dataset_size=dataset_size,
+        steps=steps,
+        releases=releases,
+        correlated=correlated,
+    )
 
 
 def check_same_clipping(saved: MaxGradNorm, now: MaxGradNorm, dp: DPConfig) -> None:

@@ -109,7 +109,8 @@ def make_private(
     check_accountant(accountant)
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of epochs= and steps=")
-    from dpscale.train.private_build import build_mechanism  # the engines, the accountant, torch: on the call
+    # the engines, the accountant, torch: on the call
+    from dpscale.train.private_build import build_mechanism
 
     return build_mechanism(
         model,

@@ -24,8 +24,12 @@ from dpscale.privacy.noise.correlated import BandsRequest, strategy_cache_dir
 from dpscale.privacy.clipping.engines import make_engine
 from dpscale.data.user_ids import UserIndex
 from dpscale.privacy.clipping.per_example import (
-    Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
-)  # fmt: skip
+    Batch,
+    PerExampleEngine,
+    ghost_per_user_notice,
+    per_example_cross_entropy,
+    user_engine_options,
+)
 from dpscale.privacy.plan.options_flat import privacy_numbers
 from dpscale.privacy.spelling import PYTHON
 from dpscale.privacy.options import BandMF, Noise, PerformanceFlags
@@ -48,7 +52,9 @@ def _engine_check(name: str, **engine_options: Any) -> FirstChunkCheck:
     def check(engine: PerExampleEngine, model: nn.Module, chunk: Batch) -> PerExampleEngine:
         # the same tuner: the choices it holds (pinned by a loaded state) carry over
         tuner = getattr(engine, "tuner", None)
-        chosen, notices, _ = checked_engine(name, engine.max_grad_norm, model, chunk, tuner=tuner, **engine_options)
+        chosen, notices, _ = checked_engine(
+            name, engine.max_grad_norm, model, chunk, tuner=tuner, **engine_options
+        )
         _tell(notices)
         return chosen
 
@@ -79,39 +85,84 @@ def per_example_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 
 
 def build_mechanism(
-    model: nn.Module, optimizer: torch.optim.Optimizer, options: Options, *, dataset_size: int, epochs: float | None,
-    steps: int | None, accountant: str, loss_fn: Callable | None, augment_multiplicity: int, scheduler: Any,
-    seed: int | None, secure_noise: bool, check: bool, check_batch: Batch | None,
-) -> DPMechanism:  # fmt: skip
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    options: Options,
+    *,
+    dataset_size: int,
+    epochs: float | None,
+    steps: int | None,
+    accountant: str,
+    loss_fn: Callable | None,
+    augment_multiplicity: int,
+    scheduler: Any,
+    seed: int | None,
+    secure_noise: bool,
+    check: bool,
+    check_batch: Batch | None,
+) -> DPMechanism:
     """``make_private``'s mechanism from its checked options and keywords (see its docstring)."""
     flags, settings = options.performance, flat_settings(options)
     if any(p.device.type == "cpu" for p in model.parameters()):
         keep_freed_memory()  # fresh per-step tensors without page faults (dpscale.cpu_memory; opt out by env)
     max_grad_norm = _clip_bounds(model, settings["max_grad_norm"], settings["max_grad_norm_per"])
-    users, units = _user_index(settings["user_ids"], settings["max_examples_per_user"], dataset_size, check_batch)
+    users, units = _user_index(
+        settings["user_ids"], settings["max_examples_per_user"], dataset_size, check_batch
+    )
     total_steps = steps_for(epochs, steps, units, options.sampling.batch_size)
     numbers = privacy_numbers(
-        options.sampling, options.clipping, max_grad_norm=max_grad_norm, delta=settings["delta"],
-        target_epsilon=settings["target_epsilon"], noise_multiplier=settings["noise_multiplier"], accountant=accountant,
-    )  # fmt: skip
+        options.sampling,
+        options.clipping,
+        max_grad_norm=max_grad_norm,
+        delta=settings["delta"],
+        target_epsilon=settings["target_epsilon"],
+        noise_multiplier=settings["noise_multiplier"],
+        accountant=accountant,
+    )
     plan = make_dp_plan(
-        numbers, dataset_size=units, steps=total_steps, seeded=seed is not None,
-        privacy_unit="example" if users is None else "user", max_examples_per_user=settings["max_examples_per_user"],
-        correlated=_bands_request(options.noise, model, optimizer, total_steps), spell=PYTHON,
-    )  # fmt: skip
+        numbers,
+        dataset_size=units,
+        steps=total_steps,
+        seeded=seed is not None,
+        privacy_unit="example" if users is None else "user",
+        max_examples_per_user=settings["max_examples_per_user"],
+        correlated=_bands_request(options.noise, model, optimizer, total_steps),
+        spell=PYTHON,
+    )
     plan = replace(plan, secure_noise=secure_noise, engine_unchecked=plan.is_private and not check)
     return _mechanism(
-        model, optimizer, plan, flags, max_grad_norm, users=users, rows=settings["max_examples_per_user"] if users else None,
-        loss_fn=loss_fn, augment_multiplicity=augment_multiplicity, scheduler=scheduler, seed=seed, check=check,
+        model,
+        optimizer,
+        plan,
+        flags,
+        max_grad_norm,
+        users=users,
+        rows=settings["max_examples_per_user"] if users else None,
+        loss_fn=loss_fn,
+        augment_multiplicity=augment_multiplicity,
+        scheduler=scheduler,
+        seed=seed,
+        check=check,
         check_batch=check_batch,
-    )  # fmt: skip
+    )
 
 
 def _mechanism(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan: DPPlan, flags: PerformanceFlags, max_grad_norm: MaxGradNorm,
-    *, users: UserIndex | None, rows: int | None, loss_fn: Callable | None, augment_multiplicity: int, scheduler: Any,
-    seed: int | None, check: bool, check_batch: Batch | None,
-) -> DPMechanism:  # fmt: skip
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: DPPlan,
+    flags: PerformanceFlags,
+    max_grad_norm: MaxGradNorm,
+    *,
+    users: UserIndex | None,
+    rows: int | None,
+    loss_fn: Callable | None,
+    augment_multiplicity: int,
+    scheduler: Any,
+    seed: int | None,
+    check: bool,
+    check_batch: Batch | None,
+) -> DPMechanism:
     """The mechanism of ``plan``: its engine (checked now on ``check_batch``, or at the first step),
     compiled with ``flags.compile``, the chunk size (measured for "auto") and the streams of ``seed``.
 
@@ -121,39 +172,72 @@ def _mechanism(
         users, rows: the user unit's users and k (None at the example unit).
         loss_fn, augment_multiplicity, scheduler, seed, check, check_batch: ``make_private``'s keywords.
     """
-    engine = compiled_engine_name(flags.engine, make_precision(flags.precision), model) if flags.compile else flags.engine
-    chosen, first_chunk_check = _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
-        engine, max_grad_norm, model, loss_fn=loss_fn, views=augment_multiplicity, precision=flags.precision,
-        check=check and plan.is_private, check_batch=check_batch, rows=rows, clip_gamma=plan.clip_gamma,
-    )  # fmt: skip
+    engine = (
+        compiled_engine_name(flags.engine, make_precision(flags.precision), model)
+        if flags.compile
+        else flags.engine
+    )
+    chosen, first_chunk_check = (
+        _chosen_engine(  # a non-private run claims no guarantee for the checks to protect
+            engine,
+            max_grad_norm,
+            model,
+            loss_fn=loss_fn,
+            views=augment_multiplicity,
+            precision=flags.precision,
+            check=check and plan.is_private,
+            check_batch=check_batch,
+            rows=rows,
+            clip_gamma=plan.clip_gamma,
+        )
+    )
     if flags.compile:  # after the eager engine's checks: one shape compiled per chunk size
         chosen, first_chunk_check = compiled_choice(chosen, first_chunk_check)
-    chunk = flags.max_physical_batch_size  # "auto": measured with the engine that runs (compiled too), on check_batch's shape
+    # "auto": measured with the engine that runs (compiled too), on check_batch's shape
+    chunk = flags.max_physical_batch_size
     if isinstance(chunk, str):
         chunk = batch_chunk(chunk, chosen, model, plan, check_batch, augment_multiplicity)
-    return DPMechanism(model, optimizer, plan, chosen, **_seed_streams(seed), scheduler=scheduler, users=users,
-                       max_physical_batch_size=chunk, first_chunk_check=first_chunk_check,
-                       views=augment_multiplicity, pad_rows=fixed_rows(plan, chunk, flags.fixed_shapes, flags.compile))  # fmt: skip
+    return DPMechanism(
+        model,
+        optimizer,
+        plan,
+        chosen,
+        **_seed_streams(seed),
+        scheduler=scheduler,
+        users=users,
+        max_physical_batch_size=chunk,
+        first_chunk_check=first_chunk_check,
+        views=augment_multiplicity,
+        pad_rows=fixed_rows(plan, chunk, flags.fixed_shapes, flags.compile),
+    )
 
 
 def _seed_streams(seed: int | None) -> dict[str, int]:
     """The mechanism's sampler, noise and BandMF partition seeds from ``seed`` (None: fresh entropy)."""
     seeds = run_seeds(seed)
-    return {"sampler_seed": seeds["sampler"], "noise_seed": seeds["noise"], "partition_seed": seeds["partition"]}
+    return {
+        "sampler_seed": seeds["sampler"],
+        "noise_seed": seeds["noise"],
+        "partition_seed": seeds["partition"],
+    }
 
 
 def _user_index(
     user_ids: Any, max_examples_per_user: int | None, dataset_size: int, check_batch: Batch | None
-) -> tuple[UserIndex | None, int]:  # fmt: skip
+) -> tuple[UserIndex | None, int]:
     """``make_private``'s users (None at the example unit), checked against the dataset, and the
     plan's N (the users, or the examples)."""
     if user_ids is None:  # PerExample (PerUser always has both: typed_options)
         return None, dataset_size
     if check_batch is not None:
-        raise ValueError("check_batch is not taken with user_ids: the checks run on the first step's users instead")
+        raise ValueError(
+            "check_batch is not taken with user_ids: the checks run on the first step's users instead"
+        )
     users = UserIndex.from_ids(user_ids)
     if len(users.examples) != dataset_size:
-        raise ValueError(f"user_ids holds {len(users.examples)} ids but dataset_size={dataset_size}: give one per dataset index")
+        raise ValueError(
+            f"user_ids holds {len(users.examples)} ids but dataset_size={dataset_size}: give one per dataset index"
+        )
     return users, users.num_users
 
 
@@ -168,10 +252,14 @@ def _clip_bounds(model: nn.Module, max_grad_norm: MaxGradNorm, per: str) -> MaxG
     Returns:
         C, pattern -> C_g, or (per tensor) tensor name -> C_i; None without clipping.
     """
-    return clip_bounds(max_grad_norm, per, [name for name, p in model.named_parameters() if p.requires_grad])
+    return clip_bounds(
+        max_grad_norm, per, [name for name, p in model.named_parameters() if p.requires_grad]
+    )
 
 
-def _bands_request(noise: Noise, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> BandsRequest | None:
+def _bands_request(
+    noise: Noise, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int
+) -> BandsRequest | None:
     """BandMF's request for ``make_private`` (None for DP-SGD). Without ``BandMF.workload``: prefix
     sums with SGD's momentum at a constant learning rate (a scheduler's rates are the user's to give,
     ``Workload(lr_multipliers=...)``: ``dpscale train`` knows its schedule, ``make_private`` would have to
@@ -181,33 +269,57 @@ def _bands_request(noise: Noise, model: nn.Module, optimizer: torch.optim.Optimi
     workload = noise.workload
     if workload is None:  # torch's SGD has its momentum in its param groups
         sgd = isinstance(optimizer, torch.optim.SGD)
-        workload = Workload(steps=steps, momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0) if sgd else 0.0)
+        workload = Workload(
+            steps=steps,
+            momentum=float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0) if sgd else 0.0,
+        )
     if workload.steps != steps:
         raise ValueError(f"BandMF.workload.steps={workload.steps} but the plan has {steps} steps")
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return BandsRequest(
-        bands=noise.bands, workload=workload, max_bands=noise.max_bands, parameters=parameters,
-        max_noise_memory_mb=noise.max_noise_memory_mb, cache_dir=str(strategy_cache_dir()),
-    )  # fmt: skip
+        bands=noise.bands,
+        workload=workload,
+        max_bands=noise.max_bands,
+        parameters=parameters,
+        max_noise_memory_mb=noise.max_noise_memory_mb,
+        cache_dir=str(strategy_cache_dir()),
+    )
 
 
 def _chosen_engine(
-    engine: str, max_grad_norm: MaxGradNorm, model: nn.Module, *, loss_fn: Callable | None, views: int,
-    precision: str, check: bool, check_batch: Batch | None, rows: int | None, clip_gamma: float | None = None,
-) -> tuple[PerExampleEngine, FirstChunkCheck | None]:  # fmt: skip
+    engine: str,
+    max_grad_norm: MaxGradNorm,
+    model: nn.Module,
+    *,
+    loss_fn: Callable | None,
+    views: int,
+    precision: str,
+    check: bool,
+    check_batch: Batch | None,
+    rows: int | None,
+    clip_gamma: float | None = None,
+) -> tuple[PerExampleEngine, FirstChunkCheck | None]:
     """``make_private``'s engine, checked now on ``check_batch`` or at the first step's first chunk;
     at the user unit (``rows`` = k) one that clips each user's ``user_rows`` as one example."""
-    base = per_example_loss(loss_fn) if loss_fn else None  # user_sum_loss: None is cross-entropy with padding
+    # user_sum_loss: None is cross-entropy with padding
+    base = per_example_loss(loss_fn) if loss_fn else None
     if rows is not None:
         views, unit_loss = user_engine_options(rows, views, base)
         _tell([n for n in [ghost_per_user_notice(engine, rows)] if n])
     else:
         unit_loss = base or per_example_cross_entropy
-    options: dict[str, Any] = {"views": views, "loss_fn": unit_loss, "precision": make_precision(precision), "clip_gamma": clip_gamma}
+    options: dict[str, Any] = {
+        "views": views,
+        "loss_fn": unit_loss,
+        "precision": make_precision(precision),
+        "clip_gamma": clip_gamma,
+    }
     # make_engine refuses the layers no engine can clip per example (BatchNorm, ...) in every case
     if check and check_batch is not None:
         with options["precision"].matmul_flags():  # as at every step (full float32 unless tf32)
-            chosen, notices, _ = checked_engine(engine, max_grad_norm, model, check_batch, **options)
+            chosen, notices, _ = checked_engine(
+                engine, max_grad_norm, model, check_batch, **options
+            )
         _tell(notices)
         return chosen, independence_check
     chosen, notice = make_engine(engine, max_grad_norm, model, **options)

@@ -38,7 +38,13 @@ from dpscale.privacy.plan.options_flat import (
 
 BUDGET_KEYWORDS = {"delta": None, "target_epsilon": None, "noise_multiplier": None}
 UNIT_KEYWORDS = {"user_ids": None, "max_examples_per_user": None}
-PERFORMANCE_KEYWORDS = {"engine": "auto", "precision": "fp32", "max_physical_batch_size": None, "compile": False, "fixed_shapes": None}
+PERFORMANCE_KEYWORDS = {
+    "engine": "auto",
+    "precision": "fp32",
+    "max_physical_batch_size": None,
+    "compile": False,
+    "fixed_shapes": None,
+}
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,14 @@ def typed_options(
         TypeError: an unknown keyword, a concern given both ways, or a required setting missing.
         ValueError: a flat keyword out of range (named by its class and field) or of a strategy not chosen.
     """
-    known = {**SAMPLING_SETTINGS, **CLIPPING_SETTINGS, **BUDGET_KEYWORDS, **NOISE_SETTINGS, **UNIT_KEYWORDS, **PERFORMANCE_KEYWORDS}
+    known = {
+        **SAMPLING_SETTINGS,
+        **CLIPPING_SETTINGS,
+        **BUDGET_KEYWORDS,
+        **NOISE_SETTINGS,
+        **UNIT_KEYWORDS,
+        **PERFORMANCE_KEYWORDS,
+    }
     unknown = sorted(set(legacy) - set(known))
     if unknown:
         raise TypeError(f"make_private() got an unexpected keyword argument {unknown[0]!r}")
@@ -79,7 +92,15 @@ def typed_options(
         budget=_concern("budget", budget, legacy, BUDGET_KEYWORDS, _legacy_budget, flat),
         noise=_concern("noise", noise, legacy, NOISE_SETTINGS, _legacy_noise, flat, Independent()),
         unit=_concern("unit", unit, legacy, UNIT_KEYWORDS, _legacy_unit, flat, PerExample()),
-        performance=_concern("performance", performance, legacy, PERFORMANCE_KEYWORDS, _legacy_performance, flat, PerformanceFlags()),
+        performance=_concern(
+            "performance",
+            performance,
+            legacy,
+            PERFORMANCE_KEYWORDS,
+            _legacy_performance,
+            flat,
+            PerformanceFlags(),
+        ),
     )
     if flat:
         warnings.warn(deprecation_text(options), DeprecationWarning, stacklevel=3)
@@ -87,14 +108,22 @@ def typed_options(
 
 
 def _concern(
-    name: str, given: Any, legacy: dict[str, Any], keywords: dict[str, Any], translate: Any, flat: bool, default: Any = None
+    name: str,
+    given: Any,
+    legacy: dict[str, Any],
+    keywords: dict[str, Any],
+    translate: Any,
+    flat: bool,
+    default: Any = None,
 ) -> Any:
     """One concern's typed option: ``given``, or the flat keywords' translation."""
     spelled = {k: legacy[k] for k in keywords if k in legacy}
     mode = given if isinstance(given, str) else None
     if given is not None and mode is None:
         if spelled:
-            raise TypeError(f"make_private() got {name}= and the flat keyword {next(iter(spelled))}= it replaces: give one")
+            raise TypeError(
+                f"make_private() got {name}= and the flat keyword {next(iter(spelled))}= it replaces: give one"
+            )
         return given
     if not flat:
         if default is None:
@@ -130,7 +159,9 @@ def _legacy_clipping(values: dict[str, Any], mode: str | None, given: set[str]) 
 def _legacy_budget(values: dict[str, Any], mode: str | None, given: set[str]) -> Budget:
     _required(values, "delta")
     if (values["target_epsilon"] is None) == (values["noise_multiplier"] is None):
-        raise ValueError("give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier=")
+        raise ValueError(
+            "give exactly one of target_epsilon= (sigma is calibrated) and noise_multiplier="
+        )
     if values["target_epsilon"] is not None:
         return TargetEpsilon(epsilon=values["target_epsilon"], delta=values["delta"])
     return NoiseMultiplier(sigma=values["noise_multiplier"], delta=values["delta"])
@@ -143,24 +174,38 @@ def _legacy_noise(values: dict[str, Any], mode: str | None, given: set[str]) -> 
 def _legacy_unit(values: dict[str, Any], mode: str | None, given: set[str]) -> Unit:
     ids, k = values["user_ids"], values["max_examples_per_user"]
     if ids is None and k is not None:
-        raise ValueError("max_examples_per_user bounds a user's examples: give user_ids (one per dataset index) too")
+        raise ValueError(
+            "max_examples_per_user bounds a user's examples: give user_ids (one per dataset index) too"
+        )
     if ids is None:
         return PerExample()
     if k is None:
-        raise ValueError("user_ids need max_examples_per_user=k: the examples a drawn user contributes per step")
+        raise ValueError(
+            "user_ids need max_examples_per_user=k: the examples a drawn user contributes per step"
+        )
     return PerUser(user_ids=ids, max_examples_per_user=k)
 
 
-def _legacy_performance(values: dict[str, Any], mode: str | None, given: set[str]) -> PerformanceFlags:
+def _legacy_performance(
+    values: dict[str, Any], mode: str | None, given: set[str]
+) -> PerformanceFlags:
     return PerformanceFlags(**values)
 
 
 def deprecation_text(options: Options) -> str:
     """The warning of a call with the flat keywords: the same call in the typed options."""
-    parts = [f"sampling={options.sampling!r}", f"clipping={options.clipping!r}", f"budget={options.budget!r}"]
+    parts = [
+        f"sampling={options.sampling!r}",
+        f"clipping={options.clipping!r}",
+        f"budget={options.budget!r}",
+    ]
     parts += [
         f"{name}={value!r}"
-        for name, value in (("noise", options.noise), ("unit", options.unit), ("performance", options.performance))
+        for name, value in (
+            ("noise", options.noise),
+            ("unit", options.unit),
+            ("performance", options.performance),
+        )
         if value != _DEFAULTS[name]
     ]
     return (
@@ -170,7 +215,11 @@ def deprecation_text(options: Options) -> str:
     )
 
 
-_DEFAULTS: dict[str, Any] = {"noise": Independent(), "unit": PerExample(), "performance": PerformanceFlags()}
+_DEFAULTS: dict[str, Any] = {
+    "noise": Independent(),
+    "unit": PerExample(),
+    "performance": PerformanceFlags(),
+}
 
 
 def flat_settings(options: Options) -> dict[str, Any]:
@@ -178,7 +227,9 @@ def flat_settings(options: Options) -> dict[str, Any]:
     budget's numbers and the users."""
     clipping, budget, unit = options.clipping, options.budget, options.unit
     return {
-        "max_grad_norm": clipping.bounds if isinstance(clipping, PerLayer) else clipping.max_grad_norm,
+        "max_grad_norm": clipping.bounds
+        if isinstance(clipping, PerLayer)
+        else clipping.max_grad_norm,
         "max_grad_norm_per": getattr(clipping, "per", "group"),
         "delta": budget.delta,
         "target_epsilon": budget.epsilon if isinstance(budget, TargetEpsilon) else None,

@@ -31,9 +31,14 @@ class StepBar:
     def __init__(self, total: int, initial: int, show: bool, epsilon: Callable[[], float]) -> None:
         self.show = show
         self.bar = tqdm(
-            total=total, initial=initial, disable=not show, file=sys.stderr, desc="train", unit="step",
+            total=total,
+            initial=initial,
+            disable=not show,
+            file=sys.stderr,
+            desc="train",
+            unit="step",
             dynamic_ncols=True,
-        )  # fmt: skip
+        )
         self.epsilon, self.reported_at = epsilon() if initial else 0.0, time.perf_counter()
 
     def after_step(self, stats: StepStats, evaluated: bool, epsilon: Callable[[], float]) -> None:
@@ -44,7 +49,9 @@ class StepBar:
         if self.show and (evaluated or time.perf_counter() - self.reported_at > EPSILON_REFRESH_S):
             self.epsilon, self.reported_at = epsilon(), time.perf_counter()
             loss = stats.loss_sum / max(1, stats.examples)
-            self.bar.set_postfix(loss=f"{loss:.3f}", eps=format_epsilon(self.epsilon), refresh=False)
+            self.bar.set_postfix(
+                loss=f"{loss:.3f}", eps=format_epsilon(self.epsilon), refresh=False
+            )
 
     def close(self) -> None:
         """Close the bar (its last line stays on the terminal)."""

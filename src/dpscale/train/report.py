@@ -54,7 +54,9 @@ def _evaluate_model(built: Run, model: nn.Module) -> tuple[float, float]:
     batch = config.train.eval_batch_size
     if built.streamed:  # host memory bounded by the training chunk, whatever eval_batch_size says
         batch = min(batch, built.physical_batch_size)
-        return evaluate_batches(model, eval_batches(built.data, batch, built.device, data_workers(config)), built.device)
+        return evaluate_batches(
+            model, eval_batches(built.data, batch, built.device, data_workers(config)), built.device
+        )
     return evaluate(model, built.data.x_test, built.data.y_test, batch)
 
 
@@ -68,13 +70,22 @@ def extra_evaluations(built: Run, augtest_seed: int) -> dict[str, float]:
     if built.config.eval.augtest:  # in memory only (config validation)
         generator = torch.Generator().manual_seed(augtest_seed)
         out["test_accuracy_augtest"] = evaluate_augtest(
-            built.model, built.data.x_test, built.data.y_test, augment.type, augment.multiplicity, generator,
-            built.value_range, built.config.train.eval_batch_size, augment.padding,
-        )  # fmt: skip
+            built.model,
+            built.data.x_test,
+            built.data.y_test,
+            augment.type,
+            augment.multiplicity,
+            generator,
+            built.value_range,
+            built.config.train.eval_batch_size,
+            augment.padding,
+        )
     return out
 
 
-def evaluation_record(built: Run, progress: Progress, window: dict[str, Any], log: Log) -> dict[str, Any]:
+def evaluation_record(
+    built: Run, progress: Progress, window: dict[str, Any], log: Log
+) -> dict[str, Any]:
     """One line of metrics.jsonl: test accuracy and loss, epsilon so far, the train-loss window
     (``window``: loss sum, examples, non-finite examples since the last evaluation); ``log``
     prints the warning about non-finite examples."""
@@ -89,7 +100,9 @@ def evaluation_record(built: Run, progress: Progress, window: dict[str, Any], lo
         "epsilon": built.mechanism.epsilon(),
         "delta": plan.delta,
         **({"reference_epsilon": plan.reference_epsilon(step)} if plan.simulation else {}),
-        **({"clip_norm": built.mechanism.clip} if plan.adaptive is not None else {}),  # C_t, adaptive clipping
+        **(
+            {"clip_norm": built.mechanism.clip} if plan.adaptive is not None else {}
+        ),  # C_t, adaptive clipping
         # epsilon's unit when it is a person (the example unit's records stay as they were);
         # train_loss is then per user, the sum of its images' losses
         **({"privacy_unit": "user"} if plan.user_level else {}),
@@ -113,16 +126,22 @@ def evaluation_record(built: Run, progress: Progress, window: dict[str, Any], lo
 
 def evaluation_line(record: dict[str, Any]) -> str:
     """The run report's line of an evaluation record (``evaluation_record``'s)."""
-    return (f"epoch {record['epoch']:.2f} step {record['step']}: test accuracy "
-            f"{100 * record['test_accuracy']:.2f}%, epsilon {format_epsilon(record['epsilon'])}")  # fmt: skip
+    return (
+        f"epoch {record['epoch']:.2f} step {record['step']}: test accuracy "
+        f"{100 * record['test_accuracy']:.2f}%, epsilon {format_epsilon(record['epsilon'])}"
+    )
 
 
-def privacy_statement(plan: DPPlan, privacy_warnings: list[str], training_set: str | None = None) -> list[str]:
+def privacy_statement(
+    plan: DPPlan, privacy_warnings: list[str], training_set: str | None = None
+) -> list[str]:
     """The lines a run prints before training (and TensorBoard keeps): the plan, what it means,
     the planned attacker's odds, and every caveat and warning (``privacy_advice``'s; and
     ``training_set``, :func:`training_set_note`'s)."""
     lines = [plan.describe(), *filter(None, [plan.meaning(), plan.planned_odds()])]
-    return lines + [f"WARNING: {note}" for note in plan.caveats() + privacy_warnings + [training_set] if note]
+    return lines + [
+        f"WARNING: {note}" for note in plan.caveats() + privacy_warnings + [training_set] if note
+    ]
 
 
 def training_set_note(built: Run) -> str | None:
@@ -135,7 +154,9 @@ def header_lines(plan: DPPlan, built: Run, privacy_warnings: list[str]) -> list[
     """Every line of a session's run header: the privacy statement (with how the training set was
     chosen) and, where the data names people, the people line."""
     people = people_line(plan, getattr(built.data, "user_ids", None))
-    return privacy_statement(plan, privacy_warnings, training_set_note(built)) + ([people] if people else [])
+    return privacy_statement(plan, privacy_warnings, training_set_note(built)) + (
+        [people] if people else []
+    )
 
 
 def privacy_advice(plan: DPPlan, config: Config) -> list[str]:
@@ -173,7 +194,11 @@ def _spent(built: Run, step: int) -> dict[str, Any]:
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.calibrated,
         "max_grad_norm": plan.max_grad_norm,
-        "clipping": "adaptive" if plan.adaptive is not None else "automatic" if plan.clip_gamma else "fixed",
+        "clipping": "adaptive"
+        if plan.adaptive is not None
+        else "automatic"
+        if plan.clip_gamma
+        else "fixed",
         "clip_gamma": plan.clip_gamma,
         "clip_norm": built.mechanism.clip,  # the last step's C (adaptive clipping moves it)
         # the unit the guarantee protects: at "user", N, B and q count users (each at most k examples a step)
@@ -192,12 +217,18 @@ def _spent(built: Run, step: int) -> dict[str, Any]:
         "mechanism": plan.mechanism,
         # BandMF: b, why, its strategy and amplified accounting (ceil(S/b) compositions at p = b*q)
         "bandmf": (
-            {**asdict(plan.correlated), "participation_rate": plan.participation_rate, "compositions": plan.compositions(step)}
+            {
+                **asdict(plan.correlated),
+                "participation_rate": plan.participation_rate,
+                "compositions": plan.compositions(step),
+            }
             if plan.correlated
             else None
-        ),  # fmt: skip
+        ),
         "eps_tan": plan.eps_tan,
-        "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta) if plan.releases else None,
+        "epsilon_parts": built.mechanism.accountant.epsilon_by_label(plan.delta)
+        if plan.releases
+        else None,
     }
 
 
@@ -207,17 +238,24 @@ def _caveats(built: Run, progress: Progress, privacy_warnings: list[str]) -> dic
     the changes asked for on resume."""
     plan, step = built.plan, progress.step
     return {
-        "simulation": ({**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant} if plan.simulation else None),
+        "simulation": (
+            {**asdict(plan.simulation), "own_epsilon_accountant": plan.run_accountant}
+            if plan.simulation
+            else None
+        ),
         "reference_epsilon": plan.reference_epsilon(step) if plan.simulation else None,
         "privacy_warnings": privacy_warnings,
         "features": built.config.features.extractor,
         "feature_normalization": built.feature_normalizer.kind,
-        "feature_centering": built.feature_normalizer.center is not None,  # a released mean subtracted
+        "feature_centering": built.feature_normalizer.center
+        is not None,  # a released mean subtracted
         # composed / declared public / other data: how a checkpoint extractor's run enters epsilon
         "extractor_privacy": plan.extractor.case if plan.extractor else None,
         "guarantee_caveats": plan.caveats(),
         "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
-        "training_set": training_set_note(built),  # chosen from the whole collection: what the guarantee covers
+        "training_set": training_set_note(
+            built
+        ),  # chosen from the whole collection: what the guarantee covers
         "seeded": built.config.run.seed is not None,
         "config_changes": progress.config_changes,  # asked for with --set on resume, by step
     }
@@ -230,7 +268,9 @@ def odds_summary(built: Run) -> dict[str, Any]:
     plan = built.plan
     if not plan.is_private or plan.simulation is not None:
         return dict(NO_ODDS)
-    return attacker_odds(built.mechanism.accountant, "person" if plan.privacy_unit == "user" else "image")
+    return attacker_odds(
+        built.mechanism.accountant, "person" if plan.privacy_unit == "user" else "image"
+    )
 
 
 def new_clip_methods(built: Run) -> str | None:
@@ -243,7 +283,9 @@ def new_clip_methods(built: Run) -> str | None:
     return tuner.unreported() if tuner is not None else None
 
 
-def write_summary(built: Run, progress: Progress, run_dir: Path, last: dict[str, Any], privacy_warnings: list[str]) -> dict[str, Any]:
+def write_summary(
+    built: Run, progress: Progress, run_dir: Path, last: dict[str, Any], privacy_warnings: list[str]
+) -> dict[str, Any]:
     """summary.json of a finished run in ``run_dir`` (rank 0), returned.
 
     Args:
@@ -269,7 +311,9 @@ def write_summary(built: Run, progress: Progress, run_dir: Path, last: dict[str,
         "engine": built.engine.name,
         "precision": built.precision.name,
         "engine_self_check": built.self_check.as_json() if built.self_check else None,
-        "clip_methods": layer_methods(built.engine),  # per layer (how chosen and the timings: the log)
+        "clip_methods": layer_methods(
+            built.engine
+        ),  # per layer (how chosen and the timings: the log)
         "world_size": built.dist.world_size,
         "noise_rank": NOISE_RANK if built.dist.enabled else None,
         "wall_time_s": progress.wall_time_s,

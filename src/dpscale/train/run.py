@@ -25,7 +25,9 @@ def train_and_report(trainer: Trainer, max_steps: int | None) -> int:
     if not trainer.dist.is_main:
         return 0  # rank 0 reports for the job
     if summary is None:
-        print(f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}")
+        print(
+            f"stopped at step {trainer.step}/{trainer.total_steps}; continue with: dpscale train --resume {trainer.run_dir}"
+        )
         return 0
     # each warning once: after the result unless the run printed them when it started
     print(result_line(summary, trainer.run_dir, warnings=not trainer.warnings_shown))
@@ -35,7 +37,13 @@ def train_and_report(trainer: Trainer, max_steps: int | None) -> int:
 def result_line(summary: dict[str, Any], run_dir: Path, warnings: bool = True) -> str:
     """The one-line result of a finished run, followed (``warnings``) by every caveat of its guarantee."""
     accuracy = f"test_accuracy={100 * summary['test_accuracy']:.2f}%"
-    notes = summary["guarantee_caveats"] + summary.get("privacy_warnings", []) + [summary.get("training_set")] if warnings else []
+    notes = (
+        summary["guarantee_caveats"]
+        + summary.get("privacy_warnings", [])
+        + [summary.get("training_set")]
+        if warnings
+        else []
+    )
     notes = "".join(f"\nWARNING: {n}" for n in notes if n)
     odds = f"\n{summary['odds']} [from {summary['odds_from']}]" if summary.get("odds") else ""
     return f"{accuracy} {summary['privacy_status']} steps={summary['steps']} run_dir={run_dir}{odds}{notes}"

@@ -14,8 +14,12 @@ from dpscale.data.stream import StreamedData
 from dpscale.errors import ConfigError
 from dpscale.privacy.clipping.compiled import COMPILED_NOTE, compiled_choice, compiled_engine_name
 from dpscale.privacy.clipping.per_example import (
-    Batch, PerExampleEngine, ghost_per_user_notice, per_example_cross_entropy, user_engine_options,
-)  # fmt: skip
+    Batch,
+    PerExampleEngine,
+    ghost_per_user_notice,
+    per_example_cross_entropy,
+    user_engine_options,
+)
 from dpscale.privacy.clipping.precision import Precision, make_precision
 from dpscale.privacy.clipping.self_check import SELF_CHECK_EXAMPLES, SelfCheckResult, checked_engine
 from dpscale.privacy.plan.dp_plan import DPPlan
@@ -27,8 +31,15 @@ Log = Callable[[str], Any]
 
 
 def run_engine(
-    config: Config, plan: DPPlan, model: nn.Module, data: Any, device: torch.device, *, distributed: bool, log: Log
-) -> tuple[Precision, PerExampleEngine, SelfCheckResult | None, FirstChunkCheck | None]:  # fmt: skip
+    config: Config,
+    plan: DPPlan,
+    model: nn.Module,
+    data: Any,
+    device: torch.device,
+    *,
+    distributed: bool,
+    log: Log,
+) -> tuple[Precision, PerExampleEngine, SelfCheckResult | None, FirstChunkCheck | None]:
     """The precision and clipping engine the run's steps take, checked now.
 
     Args:
@@ -47,15 +58,25 @@ def run_engine(
     tuner = getattr(engine, "tuner", None)
     if distributed and tuner is not None:  # ranks timing apart could choose apart
         tuner.enabled = False  # (a resume pins rank 0's choices): the shape rule on every rank
-    first_chunk_check: FirstChunkCheck | None = independence_check if config.train.self_check and plan.is_private else None
-    if config.train.compile:  # the eager engine built and checked above, compiled (its checks run eagerly)
+    first_chunk_check: FirstChunkCheck | None = (
+        independence_check if config.train.self_check and plan.is_private else None
+    )
+    if (
+        config.train.compile
+    ):  # the eager engine built and checked above, compiled (its checks run eagerly)
         engine, first_chunk_check = compiled_choice(engine, first_chunk_check)
         log(COMPILED_NOTE)
     return precision, engine, self_check, first_chunk_check
 
 
 def _checked_engine(
-    config: Config, plan: DPPlan, model: nn.Module, data: Any, device: torch.device, precision: Precision, log: Log
+    config: Config,
+    plan: DPPlan,
+    model: nn.Module,
+    data: Any,
+    device: torch.device,
+    precision: Precision,
+    log: Log,
 ) -> tuple[PerExampleEngine, SelfCheckResult | None]:
     """The clipping engine, verified before the first step on the first few training examples
     (their K views drawn from a fixed generator: the run's streams are untouched)."""
@@ -65,41 +86,67 @@ def _checked_engine(
     try:
         with precision.matmul_flags():  # as the steps will run (full float32 unless tf32)
             engine, notices, result = checked_engine(
-                name, plan.max_grad_norm, model, chunk, views=views, loss_fn=loss_fn,
+                name,
+                plan.max_grad_norm,
+                model,
+                chunk,
+                views=views,
+                loss_fn=loss_fn,
                 # a non-private run claims no guarantee for the check to protect (and its unclipped,
                 # cancelling gradient sums are where float32 reorderings look largest)
-                check=train.self_check and plan.is_private, precision=precision, clip_gamma=plan.clip_gamma,
-            )  # fmt: skip
+                check=train.self_check and plan.is_private,
+                precision=precision,
+                clip_gamma=plan.clip_gamma,
+            )
     except ValueError as err:
         raise ConfigError(f"train.engine={train.engine}: {err}") from err
     checks = [result, result.independence] if result else []
-    unit = " (privacy unit user: each example above is one user's padded rows, its norm the user's)" if plan.user_level else ""
+    unit = (
+        " (privacy unit user: each example above is one user's padded rows, its norm the user's)"
+        if plan.user_level
+        else ""
+    )
     memory = [f"cpu memory: {keep_freed_memory()}"] if torch.device(device).type == "cpu" else []
-    for note in notices + [check.describe() + unit for check in checks if check is not None] + memory:
+    for note in (
+        notices + [check.describe() + unit for check in checks if check is not None] + memory
+    ):
         log(note)
     return engine, result
 
 
 def _self_check_chunk(
     config: Config, plan: DPPlan, data: Any, device: torch.device, log: Log
-) -> tuple[Batch, int, Callable]:  # fmt: skip
+) -> tuple[Batch, int, Callable]:
     """The set-up check's examples (at the user unit the first users' padded rows, one "example"
     per user) with their views, and the engine's views and loss for them."""
     train, augment = config.train, config.augment
     value_range = (-1.0, 1.0) if config.data.normalize else (0.0, 1.0)
-    fixed = AugmentViews(augment.type, augment.multiplicity, torch.Generator().manual_seed(0), value_range, augment.padding)
+    fixed = AugmentViews(
+        augment.type,
+        augment.multiplicity,
+        torch.Generator().manual_seed(0),
+        value_range,
+        augment.padding,
+    )
     augment_views = fixed if augment.multiplicity > 1 else None
     if plan.user_level:  # per-user quantities: the first users' padded rows, one "example" per user
         rows = rows_per_user(plan)
-        chunk = first_users_chunk(data, SELF_CHECK_EXAMPLES, rows, augment.multiplicity, augment_views)
-        chunk = (chunk[0].to(device), chunk[1].to(device))  # a stream's examples are read on the host
+        chunk = first_users_chunk(
+            data, SELF_CHECK_EXAMPLES, rows, augment.multiplicity, augment_views
+        )
+        # a stream's examples are read on the host
+        chunk = (chunk[0].to(device), chunk[1].to(device))
         views, loss_fn = user_engine_options(rows, augment.multiplicity, None)
         notice = ghost_per_user_notice(train.engine, rows)
         if notice:
             log(f"WARNING: {notice}")
     else:
         k = min(SELF_CHECK_EXAMPLES, len(data.y_train))
-        chunk = data.head(k, device) if isinstance(data, StreamedData) else (data.x_train[:k], data.y_train[:k])
+        chunk = (
+            data.head(k, device)
+            if isinstance(data, StreamedData)
+            else (data.x_train[:k], data.y_train[:k])
+        )
         chunk = (augment_views(chunk[0]), chunk[1]) if augment_views else chunk
         views, loss_fn = augment.multiplicity, per_example_cross_entropy
     return chunk, views, loss_fn

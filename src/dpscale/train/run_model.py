@@ -20,9 +20,14 @@ Log = Callable[[str], Any]
 
 
 def run_model(
-    config: Config, info: Any, seeds: dict[str, int], device: torch.device, log: Log, *,
+    config: Config,
+    info: Any,
+    seeds: dict[str, int],
+    device: torch.device,
+    log: Log,
+    *,
     initial_weights: bool,
-) -> tuple[nn.Module, dict[str, Any] | None, int]:  # fmt: skip
+) -> tuple[nn.Module, dict[str, Any] | None, int]:
     """The model ``config`` describes, ready to train on ``device``.
 
     Args:
@@ -50,19 +55,27 @@ def _peft(model: nn.Module, config: Config, log: Log) -> int:
     returns the trainable parameters."""
     cfg = config.model
     try:
-        trainable = apply_peft(model, cfg.peft, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
-                               last_groups=cfg.train_last_groups)  # fmt: skip
+        trainable = apply_peft(
+            model,
+            cfg.peft,
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            targets=cfg.lora_targets,
+            last_groups=cfg.train_last_groups,
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if cfg.peft != "none":
         total = sum(p.numel() for p in model.parameters())
-        log(f"model.peft={cfg.peft}: {trainable:,} of {total:,} parameters train (clipped and noised); the rest is frozen")
+        log(
+            f"model.peft={cfg.peft}: {trainable:,} of {total:,} parameters train (clipped and noised); the rest is frozen"
+        )
     return trainable
 
 
 def _model(
     config: Config, info: Any, seeds: dict[str, int], log: Log, initial_weights: bool
-) -> tuple[nn.Module, dict[str, Any] | None]:  # fmt: skip
+) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model, seeded, with model.init's weights and Mean-Var scaling applied for a new run."""
     cfg = config.model
     torch.manual_seed(seeds["init"])
@@ -74,8 +87,12 @@ def _model(
         log(loaded.describe())
     if cfg.init_scaling == "meanvar" and initial_weights:
         assert cfg.init_seed_model is not None  # validate() requires it with meanvar
-        counts = meanvar_init(model, read_weights(cfg.init_seed_model), torch.Generator().manual_seed(seeds["init"]))
+        counts = meanvar_init(
+            model, read_weights(cfg.init_seed_model), torch.Generator().manual_seed(seeds["init"])
+        )
         report = {"source": cfg.init_seed_model, "scaling": "meanvar", **counts}
-        log(f"model.init_scaling=meanvar: {counts['scaled']} tensors drawn with the statistics of "
-            f"{cfg.init_seed_model} ({counts['kept']} kept at their default init)")  # fmt: skip
+        log(
+            f"model.init_scaling=meanvar: {counts['scaled']} tensors drawn with the statistics of "
+            f"{cfg.init_seed_model} ({counts['kept']} kept at their default init)"
+        )
     return model, report

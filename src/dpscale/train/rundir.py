@@ -31,8 +31,14 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "NewRun", "RunDirBusy", "RunLock", "check_config_edits", "config_changes", "default_out_dir", "open_new_run",
-]  # fmt: skip
+    "NewRun",
+    "RunDirBusy",
+    "RunLock",
+    "check_config_edits",
+    "config_changes",
+    "default_out_dir",
+    "open_new_run",
+]
 
 
 class RunDirBusy(ConfigError):
@@ -88,7 +94,8 @@ class RunLock:
                 ) from err
             if _same_file(fd, self.path):
                 break
-            os.close(fd)  # the holder released (and removed) the file between our open and flock: again
+            # the holder released (and removed) the file between our open and flock: again
+            os.close(fd)
         self.stale_holder = _read_holder(fd) or None
         _write_holder(fd)
         self._fd = fd
@@ -137,7 +144,9 @@ def _named_holder(fd: int, wait_s: float = 1.0) -> str:
 
 
 def _write_holder(fd: int) -> None:
-    text = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+    text = (
+        f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+    )
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, text.encode(), 0)
@@ -167,7 +176,9 @@ class NewRun:
         try:
             created = atomic_create_bytes(self.run_dir / CONFIG_NAME, text)
         except OSError as err:
-            raise OSError(f"cannot write the run directory {self.run_dir}: {err.strerror or err}") from err
+            raise OSError(
+                f"cannot write the run directory {self.run_dir}: {err.strerror or err}"
+            ) from err
         if not created:
             raise ConfigError(taken_message(self.run_dir))
 
@@ -216,7 +227,11 @@ def config_changes(saved: dict[str, Any], config: Config) -> dict[str, tuple[Any
     # a setting added since the checkpoint was written (dp.mechanism, ...) had its default then
     defaults = flat_config(Config().to_dict())
     before.update({k: defaults[k] for k in set(after) - set(before) if k in defaults})
-    changes = {k: (before.get(k), after.get(k)) for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)}
+    changes = {
+        k: (before.get(k), after.get(k))
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
     changes.pop("run.out_dir", None)
     return changes
 

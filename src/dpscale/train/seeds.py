@@ -31,7 +31,9 @@ def run_seeds(seed: int | None) -> dict[str, int]:
         "sampler": words_to_int(words[6:8]),
         "noise": words_to_int(words[8:10]),
         "features": words_to_int(words[10:12]),
-        "partition": words_to_int(words[12:14]),  # BandMF's groups: the same on every rank, for the whole run
+        "partition": words_to_int(
+            words[12:14]
+        ),  # BandMF's groups: the same on every rank, for the whole run
         "augment": int(words[4]),
         "augtest": int(words[5]),
     }

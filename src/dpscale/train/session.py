@@ -12,7 +12,13 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from dpscale.config import Config
 from dpscale.errors import ConfigError
 from dpscale.privacy.plan.dp_plan import DPPlan
-from dpscale.runs import LatestCheckpoint, is_audit_run, latest_checkpoint, read_run, read_run_config
+from dpscale.runs import (
+    LatestCheckpoint,
+    is_audit_run,
+    latest_checkpoint,
+    read_run,
+    read_run_config,
+)
 from dpscale.train.distributed import Distributed, init_distributed
 from dpscale.train.rundir import NewRun, RunLock, check_config_edits, open_new_run
 
@@ -26,7 +32,9 @@ def run_dir_of(config: Config) -> Path:
         ValueError: ``run.out_dir`` is not set.
     """
     if config.run.out_dir is None:
-        raise ValueError("a Trainer needs config.run.out_dir (set it, or name one with dpscale.train.rundir.default_out_dir)")
+        raise ValueError(
+            "a Trainer needs config.run.out_dir (set it, or name one with dpscale.train.rundir.default_out_dir)"
+        )
     return Path(config.run.out_dir)
 
 
@@ -109,7 +117,9 @@ def open_to_resume(run_dir: Path, overrides: Sequence[str]) -> Resumption:
         latest = latest_checkpoint(run_dir)
         changes = {}
         if latest.state is not None:
-            changes = check_config_edits(run_dir, latest.state["config"], config, overrides, int(latest.state["step"]))
+            changes = check_config_edits(
+                run_dir, latest.state["config"], config, overrides, int(latest.state["step"])
+            )
     except BaseException:
         lock.release()
         raise
@@ -118,7 +128,10 @@ def open_to_resume(run_dir: Path, overrides: Sequence[str]) -> Resumption:
 
 def change_record(step: int, changes: dict[str, tuple[Any, Any]]) -> tuple[dict[str, Any], str]:
     """The run's record of the changes asked for on resume at ``step``, and the line announcing them."""
-    record = {"step": step, "changes": {k: {"from": old, "to": new} for k, (old, new) in changes.items()}}
+    record = {
+        "step": step,
+        "changes": {k: {"from": old, "to": new} for k, (old, new) in changes.items()},
+    }
     listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
     return record, f"changed on resume at step {step} (recorded in the run): {listed}"
 

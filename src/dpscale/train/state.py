@@ -21,12 +21,12 @@ FRESH_NOISE_ON_RESUME = (
     "run.seed is null: the noise continues from fresh OS entropy, so no two continuations of this checkpoint share "
     "noise (release one; releasing two continuations of one checkpoint composes both)"
 )
-FRESH_CORRELATED_NOISE_ON_RESUME = (
-    " BandMF's noise recursion restarts too (the checkpoint holds no past noise): the same epsilon, a little more error"
-)
+FRESH_CORRELATED_NOISE_ON_RESUME = " BandMF's noise recursion restarts too (the checkpoint holds no past noise): the same epsilon, a little more error"
 
 
-def training_state(built: Run, progress: Progress, *, rank_streams: dict[str, Any], window: dict[str, Any]) -> dict[str, Any]:
+def training_state(
+    built: Run, progress: Progress, *, rank_streams: dict[str, Any], window: dict[str, Any]
+) -> dict[str, Any]:
     """The checkpoint. Collective with P processes: gathers every rank's sampling streams.
 
     Args:
@@ -36,7 +36,8 @@ def training_state(built: Run, progress: Progress, *, rank_streams: dict[str, An
         window: the train-loss window since the last evaluation (loss sum, examples, non-finite examples).
     """
     streams = built.dist.all_gather_object(rank_streams)
-    mechanism = {**built.mechanism.state_dict(), "sampler": streams[0]["sampler"]}  # before the next draw
+    # before the next draw
+    mechanism = {**built.mechanism.state_dict(), "sampler": streams[0]["sampler"]}
     return {
         "step": progress.step,
         "wall_time_s": progress.wall_time_s,
@@ -72,9 +73,11 @@ def restore(built: Run, state: dict[str, Any]) -> tuple[Progress, list[str]]:
         raise ConfigError(
             f"the training data at data.root={built.config.data.root!r} differs from the data this run was trained on; refusing to resume"
         )
-    built.model.load_state_dict(state["model"])  # first: the mechanism's state is tied to these weights
+    # first: the mechanism's state is tied to these weights
+    built.model.load_state_dict(state["model"])
     try:
-        built.mechanism.load_state_dict(state["mechanism"])  # plan checked, accountant replaced, never added
+        # plan checked, accountant replaced, never added
+        built.mechanism.load_state_dict(state["mechanism"])
     except ValueError as err:
         raise ConfigError(f"the checkpoint does not fit this run: {err}") from err
     built.plan = built.mechanism.plan  # the steps taken keep their caveats (a seed, checks off)
@@ -89,13 +92,18 @@ def restore(built: Run, state: dict[str, Any]) -> tuple[Progress, list[str]]:
         step=int(state["step"]),
         wall_time_s=float(state["wall_time_s"]),
         # absent in checkpoints from before augmentation existed
-        augtest_seed=int(state["augtest_seed"]) if state["augtest_seed"] is not None else built.seeds["augtest"],
+        augtest_seed=int(state["augtest_seed"])
+        if state["augtest_seed"] is not None
+        else built.seeds["augtest"],
         config_changes=list(state["config_changes"]),
     )
     _check_accounting(built, progress.step)
     notes = []
     if not built.plan.seeded and built.plan.is_private:
-        notes.append(FRESH_NOISE_ON_RESUME + (FRESH_CORRELATED_NOISE_ON_RESUME if built.plan.bands > 1 else ""))
+        notes.append(
+            FRESH_NOISE_ON_RESUME
+            + (FRESH_CORRELATED_NOISE_ON_RESUME if built.plan.bands > 1 else "")
+        )
     return progress, notes
 
 
@@ -106,10 +114,14 @@ def _check_accounting(built: Run, step: int) -> None:
             f"checkpoint is inconsistent: step {step} needs {plan.compositions(step)} accounted composition(s), it holds {accountant.steps}"
         )
     if accountant.releases != plan.releases:
-        raise ConfigError("checkpoint is inconsistent: its accountant's releases differ from the DP plan's")
+        raise ConfigError(
+            "checkpoint is inconsistent: its accountant's releases differ from the DP plan's"
+        )
 
 
-def saved_rank_streams(state: dict[str, Any], dist: Distributed) -> tuple[dict[str, Any] | None, str | None]:
+def saved_rank_streams(
+    state: dict[str, Any], dist: Distributed
+) -> tuple[dict[str, Any] | None, str | None]:
     """This rank's sampling streams to continue from a checkpoint's ``state``, or why fresh ones
     start at its step: with a different number of processes than the checkpoint's, or generator
     states it cannot continue (32-bit torch states, from before the 128-bit DP RNG). Fresh streams
@@ -120,7 +132,9 @@ def saved_rank_streams(state: dict[str, Any], dist: Distributed) -> tuple[dict[s
         (this rank's saved streams, None), or (None, the note to report) when fresh ones start.
     """
     step, saved_world = int(state["step"]), int(state["world_size"])
-    if state["fresh_streams"]:  # seeds: fresh OS entropy without run.seed, else derived from it and the step
+    if state[
+        "fresh_streams"
+    ]:  # seeds: fresh OS entropy without run.seed, else derived from it and the step
         return None, (
             f"the checkpoint's noise and sampling generators are 32-bit-seeded torch states (written "
             f"before the 128-bit DP RNG): continuing with fresh 128-bit streams from step {step} on"
@@ -180,7 +194,9 @@ class RunCheckpoints:
         self.saved_at = time.perf_counter()
 
 
-def write_checkpoint(run_dir: Path, saved: dict[str, Any], *, damaged: Path | None, intact_step: int | None) -> None:
+def write_checkpoint(
+    run_dir: Path, saved: dict[str, Any], *, damaged: Path | None, intact_step: int | None
+) -> None:
     """Write ``saved`` as ``run_dir``'s checkpoint (atomic; the one before kept as the previous).
 
     Args:
@@ -197,5 +213,11 @@ def write_checkpoint(run_dir: Path, saved: dict[str, Any], *, damaged: Path | No
     try:
         save_checkpoint(path, saved)
     except OSError as err:
-        kept = "no earlier checkpoint" if intact_step is None else f"the checkpoint of step {intact_step} is intact"
-        raise OSError(f"cannot write {path} at step {saved['step']}: {err.strerror or err}; {kept}") from err
+        kept = (
+            "no earlier checkpoint"
+            if intact_step is None
+            else f"the checkpoint of step {intact_step} is intact"
+        )
+        raise OSError(
+            f"cannot write {path} at step {saved['step']}: {err.strerror or err}; {kept}"
+        ) from err

@@ -19,7 +19,12 @@ from torch import nn
 
 from dpscale.privacy.noise.gaussian import draw_noise, with_scaled_noise
 from dpscale.clip_norms import clip_sensitivity
-from dpscale.privacy.clipping.per_example import Batch, PerExampleEngine, pad_chunk, trainable_params
+from dpscale.privacy.clipping.per_example import (
+    Batch,
+    PerExampleEngine,
+    pad_chunk,
+    trainable_params,
+)
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.plan.dp_plan import DPPlan
 from dpscale.rng import DPRandom
@@ -92,7 +97,9 @@ class StepStats:
         return {name: getattr(on_host, name) for name in names}
 
 
-def physical_chunks(x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max_physical_batch_size: int) -> Iterable[Batch]:
+def physical_chunks(
+    x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, max_physical_batch_size: int
+) -> Iterable[Batch]:
     """Gather a logical batch chunk by chunk, so at most ``max_physical_batch_size``
     examples are materialised at once however large the logical batch (64k+) is."""
     for chunk in indices.split(max_physical_batch_size):
@@ -114,7 +121,9 @@ def pad_rows_for(plan: DPPlan, max_physical_batch_size: int | None) -> int:
             the user unit (its chunks hold whole users; not padded yet), in one line.
     """
     if plan.user_level:
-        raise ValueError("fixed_shapes pads chunks of examples; at privacy_unit='user' chunks hold whole users: not yet")
+        raise ValueError(
+            "fixed_shapes pads chunks of examples; at privacy_unit='user' chunks hold whole users: not yet"
+        )
     bounds = [n for n in (max_physical_batch_size, plan.max_batch_size) if n is not None]
     if plan.sampling in ("fixed", "shuffle"):
         bounds.append(round(plan.batch_size))
@@ -126,7 +135,9 @@ def pad_rows_for(plan: DPPlan, max_physical_batch_size: int | None) -> int:
     return int(min(bounds))
 
 
-def fixed_rows(plan: DPPlan, max_physical_batch_size: int | None, fixed_shapes: bool | None, compiled: bool) -> int | None:
+def fixed_rows(
+    plan: DPPlan, max_physical_batch_size: int | None, fixed_shapes: bool | None, compiled: bool
+) -> int | None:
     """The rows chunks are padded to (``pad_rows_for``), or None when they are not: ``fixed_shapes``
     True pads (or refuses why it cannot), False does not, None pads a compiled step's chunks where
     the sampling has a largest batch."""
@@ -172,13 +183,22 @@ class AugmentViews:
         """(n, C, H, W) images -> (n, K, C, H, W) views."""
         from dpscale.data.augment import augment_views
 
-        return augment_views(x, self.kind, self.views, self.generator, value_range=self.value_range, padding=self.padding)
+        return augment_views(
+            x,
+            self.kind,
+            self.views,
+            self.generator,
+            value_range=self.value_range,
+            padding=self.padding,
+        )
 
     def chunks(self, chunks: Iterable[Batch]) -> Iterable[Batch]:
         """Each (x, y) chunk with x as its K views (the chunks unchanged when K = 1)."""
         if self.views == 1:
             return chunks
-        return augmented_chunks(chunks, self.kind, self.views, self.generator, self.value_range, self.padding)
+        return augmented_chunks(
+            chunks, self.kind, self.views, self.generator, self.value_range, self.padding
+        )
 
 
 def noisy_clipped_mean(
@@ -220,16 +240,26 @@ def noisy_clipped_mean(
     params = trainable_params(model)
     names = sorted(params)
     # the StepStats counts, accumulated on the device: no host sync
-    device = next(iter(params.values())).device if params else torch.device("cpu")  # nccl reduces on the GPU
+    # nccl reduces on the GPU
+    device = next(iter(params.values())).device if params else torch.device("cpu")
     counts = torch.zeros(len(STEP_STATISTICS), dtype=torch.float64, device=device)
     std = noise_std if add_noise else 0.0
     if prefetch_noise is None:
         prefetch_noise = device.type == "cuda"
-    pending = _NOISE_THREAD.submit(draw_noise, params, noise_generator) if std > 0 and prefetch_noise else None
-    total: list[torch.Tensor] | None = None  # the clipped sums in sorted-name order, in the parameters' types
+    pending = (
+        _NOISE_THREAD.submit(draw_noise, params, noise_generator)
+        if std > 0 and prefetch_noise
+        else None
+    )
+    total: list[torch.Tensor] | None = (
+        None  # the clipped sums in sorted-name order, in the parameters' types
+    )
     for i, chunk in enumerate(chunks):
-        if i == 1 and total is not None:  # the first chunk's own tensors, copied (one operator) before the engine
-            total = list(torch._foreach_mul(total, 1.0))  # runs again: it may reuse them for its next output
+        if (
+            i == 1 and total is not None
+        ):  # the first chunk's own tensors, copied (one operator) before the engine
+            # runs again: it may reuse them for its next output
+            total = list(torch._foreach_mul(total, 1.0))
         total, chunk_counts = _add_chunk(engine, model, params, chunk, total, names)
         counts += chunk_counts if chunk_counts.device == device else chunk_counts.to(device)
     if total is None:  # an empty logical batch: the noise alone
@@ -241,7 +271,9 @@ def noisy_clipped_mean(
     if std > 0:
         noise = noise if noise is not None else draw_noise(params, noise_generator)
         total = with_scaled_noise(total, std, [noise[name] for name in names])
-    elif all_reduce_sum is not None:  # the reduce writes in place: never into an engine's own tensors
+    elif (
+        all_reduce_sum is not None
+    ):  # the reduce writes in place: never into an engine's own tensors
         total = [t.clone() for t in total]
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
         all_reduce_sum(total)
@@ -250,9 +282,13 @@ def noisy_clipped_mean(
 
 
 def _add_chunk(
-    engine: PerExampleEngine, model: nn.Module, params: Params, chunk: Batch, total: list[torch.Tensor] | None,
+    engine: PerExampleEngine,
+    model: nn.Module,
+    params: Params,
+    chunk: Batch,
+    total: list[torch.Tensor] | None,
     names: list[str],
-) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Add one physical chunk's clipped per-example gradient sum into ``total``.
 
     Args:
@@ -268,13 +304,17 @@ def _add_chunk(
     grad_sum, norms, losses = engine.clipped_sum_and_losses(model, params, chunk)
     sums = [grad_sum[name] for name in names]
     if total is None:  # 0 + s is s: the first chunk's sums, taken to the parameters' types
-        total = [s if s.dtype == params[n].dtype else s.to(params[n].dtype) for n, s in zip(names, sums)]
+        total = [
+            s if s.dtype == params[n].dtype else s.to(params[n].dtype) for n, s in zip(names, sums)
+        ]
     else:
         total = list(torch._foreach_add(total, sums))
     return total, _chunk_statistics(engine, norms, losses)
 
 
-def _chunk_statistics(engine: PerExampleEngine, norms: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+def _chunk_statistics(
+    engine: PerExampleEngine, norms: torch.Tensor, losses: torch.Tensor
+) -> torch.Tensor:
     """A chunk's ``STEP_STATISTICS`` (float64, on the chunk's device), in a few operators."""
     # per layer: examples whose whole norm exceeds sqrt(sum_g C_g^2), which were clipped in some
     # group (a lower bound on those clipped anywhere)
@@ -283,8 +323,15 @@ def _chunk_statistics(engine: PerExampleEngine, norms: torch.Tensor, losses: tor
     # a non-finite norm counts as clipped (it contributed zero): adaptive clipping's count needs
     # every example's indicator in {0, 1}; a non-finite example's loss stays out of the train loss
     clipped = torch.where(norms <= clip, 0.0, 1.0) if clip is not None else torch.zeros_like(norms)
-    rows = torch.stack([torch.ones_like(norms), torch.where(finite, losses, 0.0), clipped,
-                        torch.where(finite, norms, 0.0), torch.where(finite, 0.0, 1.0)])  # fmt: skip
+    rows = torch.stack(
+        [
+            torch.ones_like(norms),
+            torch.where(finite, losses, 0.0),
+            clipped,
+            torch.where(finite, norms, 0.0),
+            torch.where(finite, 0.0, 1.0),
+        ]
+    )
     return rows.sum(1, dtype=torch.float64)
 
 

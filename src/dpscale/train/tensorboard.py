@@ -83,7 +83,9 @@ class RunBoard:
         self.writer.add_text("config", _code(config_yaml(built.config)), step)
         self.writer.add_text("privacy", _code("\n".join(statement)), step)
 
-    def after_step(self, step: int, stats: StepStats, lr: float, step_ms: float, data_wait_s: float | None) -> None:
+    def after_step(
+        self, step: int, stats: StepStats, lr: float, step_ms: float, data_wait_s: float | None
+    ) -> None:
         """The step scalars of step ``step``, every ``STEP_SCALARS_EVERY`` steps (else nothing).
 
         Args:
@@ -120,7 +122,9 @@ def _code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def open_board(built: Run, run_dir: Path | None, step: int, privacy_warnings: list[str], log: Log) -> RunBoard | None:
+def open_board(
+    built: Run, run_dir: Path | None, step: int, privacy_warnings: list[str], log: Log
+) -> RunBoard | None:
     """The writer of a session starting at ``step`` in ``run_dir``, its text written: None when
     ``run.tensorboard`` is off, on ranks other than 0, or when tensorboard is not installed
     (said once with ``log``)."""

@@ -48,7 +48,7 @@ def check_chunk_fits(max_physical_batch_size: int | None, rows: int) -> None:
 
 def gathered_user_chunks(
     x: torch.Tensor, y: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, per_chunk: int
-) -> Iterator[UnitChunk]:  # fmt: skip
+) -> Iterator[UnitChunk]:
     """A drawn batch of users, gathered from the whole training set chunk by chunk.
 
     Args:
@@ -86,8 +86,10 @@ def check_gathered(indices: Any, drawn: torch.Tensor, *, chunks: bool) -> None:
         return
     given = torch.as_tensor(indices).reshape(-1).cpu()
     same = len(given) == len(drawn) and bool(
-        torch.equal(given, drawn) if chunks else torch.equal(given.sort().values, drawn.sort().values)
-    )  # fmt: skip
+        torch.equal(given, drawn)
+        if chunks
+        else torch.equal(given.sort().values, drawn.sort().values)
+    )
     if not same:
         order = " in the drawn order" if chunks else ""
         raise ValueError(
@@ -97,9 +99,14 @@ def check_gathered(indices: Any, drawn: torch.Tensor, *, chunks: bool) -> None:
 
 
 def user_step_chunks_of(
-    inputs: Any, targets: torch.Tensor | None, indices: Any, drawn: UnitBatch, rows: int, views: int,
+    inputs: Any,
+    targets: torch.Tensor | None,
+    indices: Any,
+    drawn: UnitBatch,
+    rows: int,
+    views: int,
     max_physical_batch_size: int | None,
-) -> Iterator[Batch]:  # fmt: skip
+) -> Iterator[Batch]:
     """``mechanism.step``'s examples at the user unit as padded chunks of whole users: tensors
     gathered in any order of the drawn indices are put back in the drawn order (each user's
     examples together); chunks must come in the drawn order and end where a user's examples end.
@@ -143,12 +150,17 @@ def cut_at_users(chunks: Iterable[Batch], offsets: torch.Tensor) -> Iterator[Uni
         yield x, y, torch.tensor(ends[first : last + 1], dtype=torch.int64) - cursor
         cursor = end
     if cursor != ends[-1]:
-        raise ValueError(f"the chunks hold {cursor} examples but the drawn users hold {ends[-1]}; nothing was released")
+        raise ValueError(
+            f"the chunks hold {cursor} examples but the drawn users hold {ends[-1]}; nothing was released"
+        )
 
 
 def padded_user_chunks(
-    chunks: Iterable[UnitChunk], rows: int, views: int, augment: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> Iterator[Batch]:  # fmt: skip
+    chunks: Iterable[UnitChunk],
+    rows: int,
+    views: int,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Iterator[Batch]:
     """Each chunk of users as the engine takes it (``user_rows``), its images first made into K
     views by ``augment`` (AugMult: (n, ...) -> (n, K, ...)) when given."""
     for x, y, offsets in chunks:
@@ -161,8 +173,12 @@ def run_users(plan: DPPlan, data: Any) -> UserIndex | None:
 
 
 def first_users_chunk(
-    data: Any, count: int, rows: int, views: int, augment: Callable[[torch.Tensor], torch.Tensor] | None
-) -> Batch:  # fmt: skip
+    data: Any,
+    count: int,
+    rows: int,
+    views: int,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> Batch:
     """The set-up check's chunk at the user unit: the first ``count`` users (in id order), each
     with its first k examples, their K views from ``augment``, padded as the steps pad them.
 
@@ -174,7 +190,9 @@ def first_users_chunk(
     count = min(count, users.num_users)
     sizes = torch.from_numpy(np.minimum(users.sizes[:count], rows))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
-    picks = np.concatenate([users.examples[a : a + int(n)] for a, n in zip(users.offsets[:count], sizes)])
+    picks = np.concatenate(
+        [users.examples[a : a + int(n)] for a, n in zip(users.offsets[:count], sizes)]
+    )
     x, y = _examples(data, picks)
     return user_rows((augment(x) if augment is not None else x, y, offsets), rows, views)
 
@@ -191,8 +209,12 @@ def _examples(data: Any, picks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def user_step_chunks(
-    drawn: UnitBatch, data: Any, plan: DPPlan, max_physical_batch_size: int | None, augment: AugmentViews
-) -> Iterator[Batch]:  # fmt: skip
+    drawn: UnitBatch,
+    data: Any,
+    plan: DPPlan,
+    max_physical_batch_size: int | None,
+    augment: AugmentViews,
+) -> Iterator[Batch]:
     """The Trainer's step at the user unit: the drawn users gathered in chunks of whole users,
     each example made into its K views, padded to k rows per user (``user_rows``)."""
     k = rows_per_user(plan)
@@ -209,10 +231,14 @@ def chunk_size_for(plan: DPPlan, max_physical_batch_size: int, views: int) -> in
     return max(1, max_physical_batch_size // views)
 
 
-def streamed_chunks(chunks: Iterable[tuple[torch.Tensor, ...]], plan: DPPlan, augment: AugmentViews) -> Iterable[Batch]:
+def streamed_chunks(
+    chunks: Iterable[tuple[torch.Tensor, ...]], plan: DPPlan, augment: AugmentViews
+) -> Iterable[Batch]:
     """A stream's chunks as the engine takes them: each example's K views, and at the user unit
     ((x, y, offsets) chunks of whole users) padded to k rows per user."""
     if plan.user_level:  # the stream cuts (x, y, offsets) chunks at the user unit, else (x, y)
         users = cast(Iterable[UnitChunk], chunks)
-        return padded_user_chunks(users, rows_per_user(plan), augment.views, augment if augment.views > 1 else None)
+        return padded_user_chunks(
+            users, rows_per_user(plan), augment.views, augment if augment.views > 1 else None
+        )
     return augment.chunks(cast(Iterable[Batch], chunks))

@@ -55,7 +55,9 @@ class ClipLrResult:
         return self.chosen_lr * self.chosen_clip_norm
 
     def as_json(self) -> dict:
-        return json_safe({**asdict(self), "lr_times_clip": self.lr_times_clip, "tuning_caveat": TUNING_CAVEAT})
+        return json_safe(
+            {**asdict(self), "lr_times_clip": self.lr_times_clip, "tuning_caveat": TUNING_CAVEAT}
+        )
 
 
 def _by_value(results: list[PointResult], key: str, metric: str) -> list[GridValue]:
@@ -72,13 +74,23 @@ def _by_value(results: list[PointResult], key: str, metric: str) -> list[GridVal
     return out
 
 
-def choose_clip_norm(values: list[GridValue], tolerance: float, higher_is_better: bool = True) -> tuple[float, float]:
+def choose_clip_norm(
+    values: list[GridValue], tolerance: float, higher_is_better: bool = True
+) -> tuple[float, float]:
     """(C~, unclipped metric): the smallest C within ``tolerance`` of the unclipped (None) value."""
     unclipped = next((v for v in values if v.value is None), None)
     if unclipped is None or unclipped.metric is None:
-        raise ValueError("the unclipped run (dp.max_grad_norm=null) did not finish; cannot choose a clipping norm")
+        raise ValueError(
+            "the unclipped run (dp.max_grad_norm=null) did not finish; cannot choose a clipping norm"
+        )
     sign = 1.0 if higher_is_better else -1.0
-    ok = [v.value for v in values if v.value is not None and v.metric is not None and sign * (unclipped.metric - v.metric) <= tolerance]
+    ok = [
+        v.value
+        for v in values
+        if v.value is not None
+        and v.metric is not None
+        and sign * (unclipped.metric - v.metric) <= tolerance
+    ]
     if not ok:
         raise ValueError(
             f"no clipping norm came within {tolerance:g} of the unclipped {unclipped.metric:.4g}; "
@@ -121,7 +133,9 @@ def run_clip_lr(
     if not learning_rates or any(not lr > 0 for lr in learning_rates):
         raise ConfigError(f"learning rates must be positive, got {learning_rates}")
     if base.dp.noise_multiplier == 0:
-        raise ConfigError("the config is not private (dp.noise_multiplier=0): stage 3 needs the target sigma")
+        raise ConfigError(
+            "the config is not private (dp.noise_multiplier=0): stage 3 needs the target sigma"
+        )
     seed_grid = (("run.seed", tuple(str(s) for s in seeds)),) if seeds else ()
     out_dir, higher = Path(out_dir), "loss" not in metric
 
@@ -130,23 +144,46 @@ def run_clip_lr(
         return Sweep(out_dir / stage, spec, progress, on_point).run()
 
     # stage 2: clipping norms of the non-private run, against the unclipped one
-    clip_results = sweep("clip", ("dp.epsilon=null", "dp.noise_multiplier=0", "dp.simulated_batch_size=null"),
-                         (("dp.max_grad_norm", ("null", *(repr(float(c)) for c in clip_norms))),))  # fmt: skip
+    clip_results = sweep(
+        "clip",
+        ("dp.epsilon=null", "dp.noise_multiplier=0", "dp.simulated_batch_size=null"),
+        (("dp.max_grad_norm", ("null", *(repr(float(c)) for c in clip_norms))),),
+    )
     clip_values = _by_value(clip_results, "dp.max_grad_norm", metric)
     chosen_clip, unclipped = choose_clip_norm(clip_values, tolerance, higher)
     # stage 3: learning rates of the private run at the chosen norm
-    lr_results = sweep("lr", (f"dp.max_grad_norm={chosen_clip!r}",),
-                       (("optim.lr", tuple(repr(float(lr)) for lr in learning_rates)),))  # fmt: skip
-    result = _result(metric, tolerance, public_lr, unclipped, clip_values, chosen_clip, lr_results, higher, out_dir)
+    lr_results = sweep(
+        "lr",
+        (f"dp.max_grad_norm={chosen_clip!r}",),
+        (("optim.lr", tuple(repr(float(lr)) for lr in learning_rates)),),
+    )
+    result = _result(
+        metric,
+        tolerance,
+        public_lr,
+        unclipped,
+        clip_values,
+        chosen_clip,
+        lr_results,
+        higher,
+        out_dir,
+    )
     atomic_write_text(out_dir / "clip_lr.json", json.dumps(result.as_json(), indent=2) + "\n")
     atomic_write_text(out_dir / "clip_lr.md", clip_lr_report(result))
     return result
 
 
 def _result(
-    metric: str, tolerance: float, public_lr: float, unclipped: float, clip_values: list[GridValue],
-    chosen_clip: float, lr_results: list, higher: bool, out_dir: Path,
-) -> ClipLrResult:  # fmt: skip
+    metric: str,
+    tolerance: float,
+    public_lr: float,
+    unclipped: float,
+    clip_values: list[GridValue],
+    chosen_clip: float,
+    lr_results: list,
+    higher: bool,
+    out_dir: Path,
+) -> ClipLrResult:
     """The tuning's result: the best learning rate of stage 3 (every caveat of its runs kept)."""
     learning_rates = _by_value(lr_results, "optim.lr", metric)
     finished = [(v, v.metric) for v in learning_rates if v.metric is not None]
@@ -155,17 +192,26 @@ def _result(
     best, best_metric = (max if higher else min)(finished, key=lambda pair: pair[1])
     caveats = {n for r in lr_results for n in ((r.summary or {}).get("guarantee_caveats") or [])}
     return ClipLrResult(
-        metric=metric, tolerance=tolerance, public_lr=public_lr, unclipped=unclipped, clip_norms=tuple(clip_values),
-        chosen_clip_norm=chosen_clip, learning_rates=tuple(learning_rates), chosen_lr=float(best.value),
-        best_metric=best_metric, guarantee_caveats=tuple(sorted(caveats)),
-    )  # fmt: skip
+        metric=metric,
+        tolerance=tolerance,
+        public_lr=public_lr,
+        unclipped=unclipped,
+        clip_norms=tuple(clip_values),
+        chosen_clip_norm=chosen_clip,
+        learning_rates=tuple(learning_rates),
+        chosen_lr=float(best.value),
+        best_metric=best_metric,
+        guarantee_caveats=tuple(sorted(caveats)),
+    )
 
 
 def _cell(value: float | None) -> str:
     return "failed" if value is None else f"{value:.4f}"
 
 
-def _value_table(name: str, values: tuple[GridValue, ...], chosen: Any, metric: str, show: Callable[[Any], str]) -> list[str]:
+def _value_table(
+    name: str, values: tuple[GridValue, ...], chosen: Any, metric: str, show: Callable[[Any], str]
+) -> list[str]:
     """Markdown rows: one swept value per row, the chosen one marked."""
     rows = [f"| {name} | {metric} | runs |", "|---|---|---|"]
     for v in values:
@@ -183,9 +229,21 @@ def clip_lr_report(result: ClipLrResult) -> str:
         f"{result.tolerance:g} of the unclipped {result.metric} ({result.unclipped:.4f}).",
         "",
     ]
-    lines += _value_table("C", result.clip_norms, result.chosen_clip_norm, result.metric, lambda v: "unclipped" if v is None else f"{v:g}")
+    lines += _value_table(
+        "C",
+        result.clip_norms,
+        result.chosen_clip_norm,
+        result.metric,
+        lambda v: "unclipped" if v is None else f"{v:g}",
+    )
     lines += ["", f"Stage 3: the target sigma, C = {result.chosen_clip_norm:g}.", ""]
-    lines += _value_table("lr", result.learning_rates, result.chosen_lr, result.metric, lambda v: str(display_value(repr(v))))
+    lines += _value_table(
+        "lr",
+        result.learning_rates,
+        result.chosen_lr,
+        result.metric,
+        lambda v: str(display_value(repr(v))),
+    )
     lines += [
         "",
         f"Chosen: C = {result.chosen_clip_norm:g}, lr = {result.chosen_lr:g} ({result.metric} "

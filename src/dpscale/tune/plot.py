@@ -37,7 +37,13 @@ def plot_scaling_fit(result: SweepFit, path: str | Path) -> Path:
     grid = [2 ** (math.log2(lo) + (math.log2(hi) - math.log2(lo)) * i / 100) for i in range(101)]
     preds = [fit.predict(b) for b in grid]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(grid, [p.value for p in preds], "--", color="C0", label="fit: %+.4f per doubling of B" % fit.slope)
+    ax.plot(
+        grid,
+        [p.value for p in preds],
+        "--",
+        color="C0",
+        label="fit: %+.4f per doubling of B" % fit.slope,
+    )
     if math.isfinite(fit.residual_std):
         ax.fill_between(
             grid,
@@ -47,9 +53,19 @@ def plot_scaling_fit(result: SweepFit, path: str | Path) -> Path:
             alpha=0.2,
             label=f"{100 * fit.confidence:g}% confidence band",
         )
-    ax.plot(xs, [p.value for p in result.points], "x", color="C0", markersize=8, label="simulated runs")
+    ax.plot(
+        xs, [p.value for p in result.points], "x", color="C0", markersize=8, label="simulated runs"
+    )
     pred = result.prediction
-    ax.plot([pred.batch_size], [pred.value], "o", mfc="none", color="C1", markersize=9, label="prediction at B_ref")
+    ax.plot(
+        [pred.batch_size],
+        [pred.value],
+        "o",
+        mfc="none",
+        color="C1",
+        markersize=9,
+        label="prediction at B_ref",
+    )
     if result.reference_points:
         ax.plot(
             [p.batch_size for p in result.reference_points],
@@ -76,7 +92,13 @@ def plot_wall(rows: list[WallRow], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, steps in enumerate(sorted({r.steps for r in rows})):
         curve = [r for r in rows if r.steps == steps]
-        ax.plot([r.noise_multiplier for r in curve], [r.epsilon for r in curve], "o-", color=f"C{i}", label=f"S={steps}")
+        ax.plot(
+            [r.noise_multiplier for r in curve],
+            [r.epsilon for r in curve],
+            "o-",
+            color=f"C{i}",
+            label=f"S={steps}",
+        )
     if rows:
         ax.axhline(rows[0].eps_tan, color="k", ls="--", label=f"eps_TAN = {rows[0].eps_tan:.3g}")
     ax.axvline(2.0, color="gray", ls=":", label="sigma = 2")

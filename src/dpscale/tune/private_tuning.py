@@ -28,7 +28,11 @@ from dpscale.errors import ConfigError
 from dpscale.features.source_run import read_source_run
 from dpscale.privacy.accounting.accountant import PrivacyAccountant
 from dpscale.privacy.accounting.segments import AccountingSegment
-from dpscale.privacy.accounting.tuning import TuningDistribution, parse_tuning_distribution, tuned_epsilon
+from dpscale.privacy.accounting.tuning import (
+    TuningDistribution,
+    parse_tuning_distribution,
+    tuned_epsilon,
+)
 from dpscale.runs import CONFIG_NAME, read_run
 from dpscale.train.metrics import json_safe
 
@@ -112,21 +116,32 @@ def tuning_release(
     """
     released = best_run_dir is not None
     record: dict[str, Any] = {
-        "mechanism": MECHANISM, "distribution": tuning.describe(), "released": released, **selection,
-        "tuned_epsilon": None, "run_epsilon_rdp": None, "delta": delta,
-        "model": RELEASED_MODEL if released else None, "config": RELEASED_CONFIG if released else None,
+        "mechanism": MECHANISM,
+        "distribution": tuning.describe(),
+        "released": released,
+        **selection,
+        "tuned_epsilon": None,
+        "run_epsilon_rdp": None,
+        "delta": delta,
+        "model": RELEASED_MODEL if released else None,
+        "config": RELEASED_CONFIG if released else None,
         "k_secret": K_SECRET,
-    }  # fmt: skip
+    }
     if not released:
         return record
     if delta is None:  # a finished private run's summary always holds its delta
-        raise ValueError(f"the summary of {best_run_dir} holds no delta: cannot account for the tuning")
+        raise ValueError(
+            f"the summary of {best_run_dir} holds no delta: cannot account for the tuning"
+        )
     histories = {read_source_run(d).history for d in run_dirs}
     if len(histories) != 1:
-        raise ConfigError("the tuning runs differ in their privacy accounting; the tuning bound needs one cost for all")
+        raise ConfigError(
+            "the tuning runs differ in their privacy accounting; the tuning bound needs one cost for all"
+        )
     history = histories.pop()
     record["tuned_epsilon"] = tuned_epsilon(history, delta, tuning)
-    record["run_epsilon_rdp"] = compute_history_epsilon(history, delta)  # one run alone, same accountant
+    # one run alone, same accountant
+    record["run_epsilon_rdp"] = compute_history_epsilon(history, delta)
     return record
 
 
@@ -143,10 +158,15 @@ def write_release(directory: Path, record: dict[str, Any], best_run_dir: str | N
     if best_run_dir is not None:
         config, state = read_run(best_run_dir)
         buffer = io.BytesIO()  # a plain state-dict file: model.init and torch.load read it
-        torch.save({key: state[key] for key in RELEASED_STATE if state.get(key) is not None}, buffer)
+        torch.save(
+            {key: state[key] for key in RELEASED_STATE if state.get(key) is not None}, buffer
+        )
         atomic_write_bytes(directory / RELEASED_MODEL, buffer.getbuffer())
         # The trial's seed is the sweep's seed + its index, and its run directory is named after it.
-        save_config(replace(config, run=replace(config.run, out_dir=None, seed=None)), directory / RELEASED_CONFIG)
+        save_config(
+            replace(config, run=replace(config.run, out_dir=None, seed=None)),
+            directory / RELEASED_CONFIG,
+        )
     atomic_write_text(directory / RELEASE_NAME, json.dumps(json_safe(record), indent=2) + "\n")
 
 

@@ -71,7 +71,9 @@ class ScalingPrediction:
     prediction_interval: tuple[float, float]  # for one more run at this B
 
 
-def fit_log_batch_law(batch_sizes: list[float], values: list[float], confidence: float = 0.95) -> ScalingFit:
+def fit_log_batch_law(
+    batch_sizes: list[float], values: list[float], confidence: float = 0.95
+) -> ScalingFit:
     """Ordinary least squares of ``values`` on log2(``batch_sizes``), with Student-t intervals.
 
     Repeated runs (seeds) at the same B are separate points.
@@ -186,13 +188,17 @@ def _law_point(summary: dict, run_dir: str, metric: str) -> tuple[LawPoint, dict
     if metric not in summary or not isinstance(summary[metric], (int, float)):
         raise ValueError(f"run {run_dir} has no numeric {metric!r} in its summary")
     if not (summary.get("noise_multiplier") or 0) > 0:
-        raise ValueError(f"run {run_dir} is not private (sigma = 0): the TAN law is for DP-SGD runs")
+        raise ValueError(
+            f"run {run_dir} is not private (sigma = 0): the TAN law is for DP-SGD runs"
+        )
     sim = summary.get("simulation")
     info = {
         "steps": int(summary["steps"]),
         "eta_step": summary["sample_rate"] / summary["noise_multiplier"],
         "reference_batch_size": sim["batch_size"] if sim else summary["batch_size"],
-        "reference_noise_multiplier": sim["noise_multiplier"] if sim else summary["noise_multiplier"],
+        "reference_noise_multiplier": sim["noise_multiplier"]
+        if sim
+        else summary["noise_multiplier"],
         "reference_epsilon": sim["epsilon"] if sim else summary["epsilon"],
     }
     return LawPoint(float(summary["batch_size"]), float(summary[metric]), run_dir, bool(sim)), info
@@ -202,7 +208,9 @@ def _same(values: list[float], what: str, rel: float = 1e-9) -> float:
     first = values[0]
     if any(abs(v - first) > rel * max(abs(first), 1e-300) for v in values):
         shown = ", ".join(f"{v:.6g}" for v in sorted(set(values)))
-        raise ValueError(f"the runs do not share one {what} ({shown}): the law holds at constant eta_step and S")
+        raise ValueError(
+            f"the runs do not share one {what} ({shown}): the law holds at constant eta_step and S"
+        )
     return first
 
 
@@ -225,19 +233,27 @@ def fit_sweep(
         ValueError: mixed S or eta_step, other varying grid keys, or too few batch sizes.
     """
     where = where or {}
-    chosen = [r for r in records if r["status"] == "done" and all(r["point"].get(k) == v for k, v in where.items())]
+    chosen = [
+        r
+        for r in records
+        if r["status"] == "done" and all(r["point"].get(k) == v for k, v in where.items())
+    ]
     if not chosen and not reference_summaries:
         raise ValueError("no finished runs to fit" + (f" matching {where}" if where else ""))
     keys = {k for r in chosen for k in r["point"]} - set(BATCH_KEYS) - set(REPEAT_KEYS) - set(where)
     varying = sorted(k for k in keys if len({json_key(r["point"].get(k)) for r in chosen}) > 1)
     if varying:
-        raise ValueError(f"the sweep also varies {', '.join(varying)}; fit one setting at a time with --where KEY=VALUE")
+        raise ValueError(
+            f"the sweep also varies {', '.join(varying)}; fit one setting at a time with --where KEY=VALUE"
+        )
     runs = [_law_point(r["summary"], r["run_dir"], metric) for r in chosen]
     runs += [_law_point(summary, run_dir, metric) for run_dir, summary in reference_summaries]
     infos = [info for _, info in runs]
     steps = int(_same([i["steps"] for i in infos], "number of steps S"))
     eta = _same([i["eta_step"] for i in infos], "eta_step = q / sigma")
-    b_ref = reference_batch_size or _same([i["reference_batch_size"] for i in infos], "reference batch size")
+    b_ref = reference_batch_size or _same(
+        [i["reference_batch_size"] for i in infos], "reference batch size"
+    )
     _check_one_setting([p.run_dir for p, _ in runs])
     # Runs at B_ref (a simulation there is the reference run itself) are the measurement to
     # predict; every other run is a point of the law.
@@ -266,7 +282,10 @@ def _reference_noise(info: dict[str, Any], batch_size: float) -> tuple[float | N
     """(sigma, epsilon) of the reference run at ``batch_size``: the runs' own when it is their
     reference B; at another B (``--reference-batch-size``) the same eta_step = q / sigma puts sigma in
     proportion to B, and its epsilon is not accounted here (None)."""
-    sigma, epsilon, runs_b = (info.get(k) for k in ("reference_noise_multiplier", "reference_epsilon", "reference_batch_size"))
+    sigma, epsilon, runs_b = (
+        info.get(k)
+        for k in ("reference_noise_multiplier", "reference_epsilon", "reference_batch_size")
+    )
     if sigma is None or runs_b is None or abs(batch_size - runs_b) <= 1e-9 * runs_b:
         return sigma, epsilon
     return sigma * batch_size / runs_b, None
@@ -284,7 +303,9 @@ def _setting(run_dir: str) -> dict[str, Any] | None:
 
     if not is_run_dir(run_dir):
         return None
-    values = read_run_config(run_dir).to_dict()  # one-line errors for a malformed file, defaults filled in
+    values = read_run_config(
+        run_dir
+    ).to_dict()  # one-line errors for a malformed file, defaults filled in
     values["dp"].pop("simulated_batch_size", None)
     values.pop("run", None)
     for section, key in SCORING_ONLY:
@@ -299,7 +320,9 @@ def _check_one_setting(run_dirs: list[str]) -> None:
     if len(set(resolved)) != len(resolved):
         raise ValueError("a run is counted twice (the same sweep or --reference given twice?)")
     settings = [flat_config(s) for s in (_setting(d) for d in run_dirs) if s is not None]
-    keys = sorted({k for s in settings for k in s if len({json_key(x.get(k)) for x in settings}) > 1})
+    keys = sorted(
+        {k for s in settings for k in s if len({json_key(x.get(k)) for x in settings}) > 1}
+    )
     if keys:
         raise ValueError(
             f"the runs' configs differ in more than the batch size and seed: {', '.join(keys)} "

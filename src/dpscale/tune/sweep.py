@@ -203,7 +203,8 @@ class Sweep:
     progress: bool = True
     on_point: Callable[[PointResult], None] | None = None
     _configs: list[Config] = field(default_factory=list, init=False)
-    drawn_points: list[dict[str, str]] = field(default_factory=list, init=False)  # the points run (a draw, with private tuning)
+    # the points run (a draw, with private tuning)
+    drawn_points: list[dict[str, str]] = field(default_factory=list, init=False)
     tuning: TuningDistribution | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -214,7 +215,9 @@ class Sweep:
         claim or check the sweep directory. With private tuning, the points are the drawn trials."""
         path = self.out_dir / MANIFEST_NAME
         saved = json.loads(path.read_text()) if path.exists() else None
-        if saved is not None and any(saved.get(key) != value for key, value in self.spec.manifest().items()):
+        if saved is not None and any(
+            saved.get(key) != value for key, value in self.spec.manifest().items()
+        ):
             raise ConfigError(self._different_sweep())
         grid_points = self.spec.points()
         self.drawn_points, trials = grid_points, None
@@ -226,13 +229,24 @@ class Sweep:
             if trials is None or earlier.get("private_tuning") != self.spec.private_tuning:
                 trials = draw_trials(self.tuning, len(grid_points))
             self.drawn_points = [grid_points[i] for i in trials]
-        configs = [self._point_config(index, point, trials is not None) for index, point in enumerate(self.drawn_points)]
+        configs = [
+            self._point_config(index, point, trials is not None)
+            for index, point in enumerate(self.drawn_points)
+        ]
         if trials is not None and not all(is_private_config(c.dp) for c in configs):
-            raise ConfigError("--private-tuning accounts for private runs; this config trains without noise (no finite cost)")
-        grid_units = {self._point_config(i, p, False).data.privacy_unit for i, p in enumerate(grid_points)}
-        if trials is not None and grid_units != {"example"}:  # every grid point: K may draw none of them
-            raise ConfigError("--private-tuning does not follow data.privacy_unit=user yet (its release names no unit): "
-                              "tune at the example unit, or tune without --private-tuning")  # fmt: skip
+            raise ConfigError(
+                "--private-tuning accounts for private runs; this config trains without noise (no finite cost)"
+            )
+        grid_units = {
+            self._point_config(i, p, False).data.privacy_unit for i, p in enumerate(grid_points)
+        }
+        if trials is not None and grid_units != {
+            "example"
+        }:  # every grid point: K may draw none of them
+            raise ConfigError(
+                "--private-tuning does not follow data.privacy_unit=user yet (its release names no unit): "
+                "tune at the example unit, or tune without --private-tuning"
+            )
         manifest = {**self.spec.manifest(), "config_digests": [_config_digest(c) for c in configs]}
         if trials is not None:
             manifest["trials"] = trials
@@ -257,7 +271,9 @@ class Sweep:
             config = load_config(self.spec.config, overrides)
         except ConfigError as err:
             raise ConfigError(f"sweep point {point_name(index, point)}: {err}") from err
-        run = replace(config.run, out_dir=str(self.out_dir / "runs" / point_name(index, point, trial)))
+        run = replace(
+            config.run, out_dir=str(self.out_dir / "runs" / point_name(index, point, trial))
+        )
         if trial and run.seed is not None:  # each trial is a separate run with its own randomness
             run = replace(run, seed=run.seed + index)
         return replace(config, run=run)
@@ -269,7 +285,9 @@ class Sweep:
         shown = [{k: display_value(v) for k, v in p.items()} for p in points]
         # Points finished by an earlier invocation are results from the start, so an interrupted
         # rerun never drops them from sweep.jsonl.
-        results = [self._earlier_result(i, names[i], shown[i], _run_dir(c)) for i, c in enumerate(configs)]
+        results = [
+            self._earlier_result(i, names[i], shown[i], _run_dir(c)) for i, c in enumerate(configs)
+        ]
         for index, (point, config) in enumerate(zip(points, configs)):
             if self.progress:
                 label = " ".join(f"{k}={v}" for k, v in point.items()) or "(base config)"
@@ -285,7 +303,9 @@ class Sweep:
         self.write_results(final)
         return final
 
-    def _earlier_result(self, index: int, name: str, point: dict[str, Any], run_dir: Path) -> PointResult | None:
+    def _earlier_result(
+        self, index: int, name: str, point: dict[str, Any], run_dir: Path
+    ) -> PointResult | None:
         """A point's result from an earlier invocation: finished, or (private tuning) failed for
         good: a trial is never run twice, or more than K runs would have been made."""
         summary = read_summary(run_dir)
@@ -296,14 +316,18 @@ class Sweep:
             return PointResult(index, name, point, str(run_dir), "failed", error=error)
         return None
 
-    def _run_point(self, index: int, name: str, point: dict[str, Any], config: Config) -> PointResult:
+    def _run_point(
+        self, index: int, name: str, point: dict[str, Any], config: Config
+    ) -> PointResult:
         run_dir = _run_dir(config)
         result = PointResult(index, name, point, str(run_dir), "done")
         try:
             result.summary = read_summary(run_dir)
             if result.summary is not None:
                 return result
-            if holds_checkpoint(run_dir):  # checkpoint.pt, or only the previous one kept: resume falls back on it
+            if holds_checkpoint(
+                run_dir
+            ):  # checkpoint.pt, or only the previous one kept: resume falls back on it
                 trainer = Trainer.resume(run_dir, progress=self.progress)
             else:
                 # A run that died before its first checkpoint left only its config (and maybe a
@@ -316,14 +340,23 @@ class Sweep:
             result.status, result.error = "failed", f"{type(err).__name__}: {err}"
             if self.tuning is not None:  # final: rerunning it would make more runs than the K drawn
                 run_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(run_dir / TRIAL_FAILED_NAME, json.dumps({"error": result.error}) + "\n")
+                atomic_write_text(
+                    run_dir / TRIAL_FAILED_NAME, json.dumps({"error": result.error}) + "\n"
+                )
         return result
 
     def write_results(self, results: list[PointResult]) -> None:
         lines = "".join(json.dumps(r.record()) + "\n" for r in results)
         atomic_write_text(self.out_dir / RESULTS_NAME, lines)
-        release = self.release(results) if self.tuning is not None and len(results) == len(self.drawn_points) else None
-        atomic_write_text(self.out_dir / TABLE_NAME, results_table(results, self.spec, len(self.drawn_points), release))
+        release = (
+            self.release(results)
+            if self.tuning is not None and len(results) == len(self.drawn_points)
+            else None
+        )
+        atomic_write_text(
+            self.out_dir / TABLE_NAME,
+            results_table(results, self.spec, len(self.drawn_points), release),
+        )
 
     def release(self, results: list[PointResult]) -> dict[str, Any]:
         """Private tuning: the best run, its model copied to ``released/`` with its epsilon (the
@@ -333,14 +366,18 @@ class Sweep:
         if path.exists():
             return json.loads(path.read_text())
         if self.tuning is None:
-            raise ValueError("Sweep.release is for private tuning (SweepSpec.private_tuning), after prepare()")
+            raise ValueError(
+                "Sweep.release is for private tuning (SweepSpec.private_tuning), after prepare()"
+            )
         done = sorted_done(results, self.spec.metric, self.spec.ascending)
         best = done[0] if done else None
         selection = {
             "metric": self.spec.metric,
             "value": best.summary_or_empty[self.spec.metric] if best else None,
             "hyperparameters": best.point if best else None,
-            "guarantee_caveats": best.summary_or_empty.get("guarantee_caveats") if best else None,  # e.g. a fixed seed
+            "guarantee_caveats": best.summary_or_empty.get("guarantee_caveats")
+            if best
+            else None,  # e.g. a fixed seed
         }
         best_dir = best.run_dir if best else None
         delta = best.summary_or_empty.get("delta") if best else None
@@ -353,7 +390,9 @@ def read_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``sweep.jsonl`` in ``sweep_dir``."""
     path = Path(sweep_dir) / RESULTS_NAME
     if not path.is_file():
-        raise ConfigError(f"{sweep_dir} is not a sweep directory (no {RESULTS_NAME}); run `dpscale sweep` first")
+        raise ConfigError(
+            f"{sweep_dir} is not a sweep directory (no {RESULTS_NAME}); run `dpscale sweep` first"
+        )
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -364,18 +403,31 @@ def _fmt(value: Any) -> str:
 
 
 def sorted_done(results: list[PointResult], metric: str, ascending: bool) -> list[PointResult]:
-    done = [r for r in results if r.status == "done" and isinstance(r.summary_or_empty.get(metric), (int, float))]
+    done = [
+        r
+        for r in results
+        if r.status == "done" and isinstance(r.summary_or_empty.get(metric), (int, float))
+    ]
     return sorted(done, key=lambda r: r.summary_or_empty[metric], reverse=not ascending)
 
 
-def results_table(results: list[PointResult], spec: SweepSpec, total: int | None = None, release: dict[str, Any] | None = None) -> str:
+def results_table(
+    results: list[PointResult],
+    spec: SweepSpec,
+    total: int | None = None,
+    release: dict[str, Any] | None = None,
+) -> str:
     """Markdown: the finished points sorted by the metric, then failures, then the caveat (or,
     for private tuning, what may be released)."""
     keys = [k for k, _ in spec.grid]
     metric = spec.metric
     done = sorted_done(results, metric, spec.ascending)
     simulated = any((r.summary or {}).get("simulation") for r in done)
-    extra = ["test_accuracy", "epsilon"] + (["reference_epsilon"] if simulated else []) + ["steps", "wall_time_s"]
+    extra = (
+        ["test_accuracy", "epsilon"]
+        + (["reference_epsilon"] if simulated else [])
+        + ["steps", "wall_time_s"]
+    )
     extra = [c for c in extra if c != metric]
     header = ["rank", *keys, metric, *extra, "run"]
     order = "ascending" if spec.ascending else "descending"
@@ -383,7 +435,8 @@ def results_table(results: list[PointResult], spec: SweepSpec, total: int | None
     lines += [
         f"# Sweep: {len(done)} of {len(spec.points()) if total is None else total} {'trials' if spec.private_tuning else 'points'} done, sorted by {metric} ({order})",
         "",
-        f"config: {spec.config or '(defaults)'}" + (f"; --set {' '.join(spec.overrides)}" if spec.overrides else ""),
+        f"config: {spec.config or '(defaults)'}"
+        + (f"; --set {' '.join(spec.overrides)}" if spec.overrides else ""),
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -403,7 +456,12 @@ def results_table(results: list[PointResult], spec: SweepSpec, total: int | None
             "Runs with a reference_epsilon are TAN simulations: they carry NO privacy guarantee at that "
             "epsilon; it is what the reference run they stand for would spend.",
         ]
-    notes = {n for r in done for n in (r.summary_or_empty.get("guarantee_caveats") or []) if not n.startswith("TAN SIMULATION")}
+    notes = {
+        n
+        for r in done
+        for n in (r.summary_or_empty.get("guarantee_caveats") or [])
+        if not n.startswith("TAN SIMULATION")
+    }
     lines += ["", tuning_text(spec, release)]
     lines += [f"\nWARNING: {n}" for n in sorted(notes)]
     return "\n".join(lines) + "\n"

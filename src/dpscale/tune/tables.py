@@ -45,7 +45,9 @@ def privacy_search_table(
 ) -> list[PrivacySearchRow]:
     """``privacy_search_pairs`` with each pair's epsilon (accountant) and eps_TAN at ``delta``."""
     rows = []
-    for pair in privacy_search_pairs(dataset_size, batch_size, noise_multiplier, steps, steps_factors):
+    for pair in privacy_search_pairs(
+        dataset_size, batch_size, noise_multiplier, steps, steps_factors
+    ):
         rows.append(
             PrivacySearchRow(
                 batch_size=pair.batch_size,
@@ -102,8 +104,18 @@ def wall_table(
     target = eps_tan_from_eta(eta, delta)
     for steps in steps_list:
         for sigma, q in wall_curve_points(eta, steps, noise_multipliers):
-            epsilon = compute_epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=accountant)
-            rows.append(WallRow(noise_multiplier=sigma, steps=steps, sample_rate=q, epsilon=epsilon, eps_tan=target))
+            epsilon = compute_epsilon(
+                sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta, kind=accountant
+            )
+            rows.append(
+                WallRow(
+                    noise_multiplier=sigma,
+                    steps=steps,
+                    sample_rate=q,
+                    epsilon=epsilon,
+                    eps_tan=target,
+                )
+            )
     return rows
 
 
@@ -154,7 +166,13 @@ def data_size_table(
                 dataset_size=n,
                 sample_rate=q,
                 delta=row_delta,
-                epsilon=compute_epsilon(sample_rate=q, noise_multiplier=noise_multiplier, steps=steps, delta=row_delta, kind=accountant),
+                epsilon=compute_epsilon(
+                    sample_rate=q,
+                    noise_multiplier=noise_multiplier,
+                    steps=steps,
+                    delta=row_delta,
+                    kind=accountant,
+                ),
                 eps_tan=eps_tan(q, noise_multiplier, steps, row_delta),
                 eta=eta,
                 global_snr=n * eta if math.isfinite(eta) else math.inf,

@@ -34,7 +34,13 @@ from dpscale.privacy.accounting.pld_history import (
     pld_profile,
 )
 from dpscale.privacy.accounting.rdp_history import rdp_accountant, rdp_profile
-from dpscale.privacy.accounting.segments import DP_SGD, AccountingSegment, adjacency_of, check_mechanism, releases_under
+from dpscale.privacy.accounting.segments import (
+    DP_SGD,
+    AccountingSegment,
+    adjacency_of,
+    check_mechanism,
+    releases_under,
+)
 
 
 def _check_delta(delta: float, kind: str = "rdp") -> None:
@@ -52,7 +58,9 @@ def _check_delta(delta: float, kind: str = "rdp") -> None:
 
 def _check_kind(kind: str) -> None:
     if kind not in ACCOUNTANT_KINDS:
-        raise ValueError(f"unknown accountant {kind!r}; choose one of {', '.join(ACCOUNTANT_KINDS)}")
+        raise ValueError(
+            f"unknown accountant {kind!r}; choose one of {', '.join(ACCOUNTANT_KINDS)}"
+        )
 
 
 def compute_epsilon(
@@ -86,27 +94,42 @@ def compute_epsilon(
     Returns:
         epsilon (float, >= 0); 0.0 for zero steps and no releases.
     """
-    return history_accountant(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, kind=kind,
-                              releases=releases, pld_discretization=pld_discretization,
-                              batches=batches).epsilon(delta)  # fmt: skip
+    return history_accountant(
+        sample_rate=sample_rate,
+        noise_multiplier=noise_multiplier,
+        steps=steps,
+        kind=kind,
+        releases=releases,
+        pld_discretization=pld_discretization,
+        batches=batches,
+    ).epsilon(delta)
 
 
 def history_accountant(
-    *, sample_rate: float, noise_multiplier: float, steps: int, kind: str = "pld",
-    releases: Sequence[AccountingSegment] = (), pld_discretization: float = PLD_VALUE_DISCRETIZATION,
+    *,
+    sample_rate: float,
+    noise_multiplier: float,
+    steps: int,
+    kind: str = "pld",
+    releases: Sequence[AccountingSegment] = (),
+    pld_discretization: float = PLD_VALUE_DISCRETIZATION,
     batches: BatchSampling = POISSON,
-) -> "PrivacyAccountant":  # fmt: skip
+) -> "PrivacyAccountant":
     """An accountant holding ``releases`` then ``steps`` DP-SGD steps (q, sigma, drawn by
     ``batches``): a planned run's history, for its epsilon, its group bound or its attacker's odds."""
     accountant = PrivacyAccountant(kind, pld_discretization)
     for release in releases_under(releases, batches):
         accountant.record(release)
-    accountant.step(sample_rate=sample_rate, noise_multiplier=noise_multiplier, num_steps=steps, batches=batches)
+    accountant.step(
+        sample_rate=sample_rate, noise_multiplier=noise_multiplier, num_steps=steps, batches=batches
+    )
     return accountant
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_epsilon(kind: str, discretization: float, segments: tuple[AccountingSegment, ...], delta: float) -> float:
+def _cached_epsilon(
+    kind: str, discretization: float, segments: tuple[AccountingSegment, ...], delta: float
+) -> float:
     """Epsilon of a history (a pure function of its arguments, so safe to memoise)."""
     if kind == "pld":
         return pld_epsilon_of(list(segments), delta, discretization)
@@ -124,7 +147,9 @@ class PrivacyAccountant:
         pld_discretization: PLD grid; keep the default for reported values.
     """
 
-    def __init__(self, kind: str = "pld", pld_discretization: float = PLD_VALUE_DISCRETIZATION) -> None:
+    def __init__(
+        self, kind: str = "pld", pld_discretization: float = PLD_VALUE_DISCRETIZATION
+    ) -> None:
         _check_kind(kind)
         self.kind = kind
         self.pld_discretization = pld_discretization
@@ -149,7 +174,14 @@ class PrivacyAccountant:
         """The one-off releases recorded (everything that is not a DP-SGD step)."""
         return tuple(s for s in self._segments if s.label != DP_SGD)
 
-    def step(self, *, sample_rate: float, noise_multiplier: float, num_steps: int = 1, batches: BatchSampling = POISSON) -> None:
+    def step(
+        self,
+        *,
+        sample_rate: float,
+        noise_multiplier: float,
+        num_steps: int = 1,
+        batches: BatchSampling = POISSON,
+    ) -> None:
         """Record ``num_steps`` steps run with sampling rate q and noise multiplier sigma.
 
         Args:
@@ -158,7 +190,11 @@ class PrivacyAccountant:
             num_steps: how many such steps ran, >= 0.
             batches: the sampler that drew the batches (Poisson by default).
         """
-        self.record(AccountingSegment(float(sample_rate), float(noise_multiplier), int(num_steps), batches=batches))
+        self.record(
+            AccountingSegment(
+                float(sample_rate), float(noise_multiplier), int(num_steps), batches=batches
+            )
+        )
 
     def record(self, segment: AccountingSegment) -> None:
         """Record a segment of steps or a release (merged with the previous one when identical).
@@ -182,7 +218,9 @@ class PrivacyAccountant:
         _check_delta(delta, self.kind)
         if not self._segments:
             return 0.0
-        return _cached_epsilon(self.kind, self.pld_discretization, tuple(self._segments), float(delta))
+        return _cached_epsilon(
+            self.kind, self.pld_discretization, tuple(self._segments), float(delta)
+        )
 
     def epsilons(self, deltas: Sequence[float]) -> list[float]:
         """Epsilon at each of ``deltas`` (an epsilon-delta curve), the history composed once.
@@ -205,7 +243,9 @@ class PrivacyAccountant:
             return 0.0
         if self.kind == "rdp":
             return float(rdp_accountant(self._segments).get_delta(epsilon))
-        return float(composed_pld(self._segments, self.pld_discretization).get_delta_for_epsilon(epsilon))
+        return float(
+            composed_pld(self._segments, self.pld_discretization).get_delta_for_epsilon(epsilon)
+        )
 
     def privacy_profile(self) -> Callable[[np.ndarray], np.ndarray]:
         """delta(epsilon) for an array of epsilons (nats), the history composed once: PLD's tight
@@ -228,20 +268,28 @@ class PrivacyAccountant:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "history": [_history_entry(s) for s in self._segments],
-        }
+        return {"kind": self.kind, "history": [_history_entry(s) for s in self._segments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace (never add to) the history, so a resume cannot double-count steps."""
         if state.get("kind") != self.kind:
-            raise ValueError(f"checkpoint accountant is {state.get('kind')!r}, this run uses {self.kind!r}")
+            raise ValueError(
+                f"checkpoint accountant is {state.get('kind')!r}, this run uses {self.kind!r}"
+            )
         self._segments = []
-        for entry in state["history"]:  # [q, sigma, steps], [..., label] or [..., label, mode, N, cap]
-            batches = BatchSampling(entry[4], int(entry[5]), int(entry[6])) if len(entry) > 4 else POISSON
-            label = entry[3] if len(entry) > 3 else DP_SGD  # [q, sigma, steps]: the oldest form, DP-SGD steps
-            self.record(AccountingSegment(float(entry[0]), float(entry[1]), int(entry[2]), label, batches=batches))
+        for entry in state[
+            "history"
+        ]:  # [q, sigma, steps], [..., label] or [..., label, mode, N, cap]
+            batches = (
+                BatchSampling(entry[4], int(entry[5]), int(entry[6])) if len(entry) > 4 else POISSON
+            )
+            # [q, sigma, steps]: the oldest form, DP-SGD steps
+            label = entry[3] if len(entry) > 3 else DP_SGD
+            self.record(
+                AccountingSegment(
+                    float(entry[0]), float(entry[1]), int(entry[2]), label, batches=batches
+                )
+            )
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "PrivacyAccountant":
@@ -270,9 +318,16 @@ class TruncatedPoissonResult:
 
 
 def truncated_poisson_epsilon(
-    *, dataset_size: int, batch_size: float, max_batch_size: int, noise_multiplier: float, steps: int, delta: float,
-    releases: Sequence[AccountingSegment] = (), discretization: float = PLD_VALUE_DISCRETIZATION,
-) -> TruncatedPoissonResult:  # fmt: skip
+    *,
+    dataset_size: int,
+    batch_size: float,
+    max_batch_size: int,
+    noise_multiplier: float,
+    steps: int,
+    delta: float,
+    releases: Sequence[AccountingSegment] = (),
+    discretization: float = PLD_VALUE_DISCRETIZATION,
+) -> TruncatedPoissonResult:
     """Epsilon of ``steps`` DP-SGD steps whose Poisson batches (rate B/N) are cut to at most
     ``max_batch_size`` examples (a uniformly random subset of a larger draw), composed with the
     one-off Gaussian ``releases``: dp_accounting's ``TruncatedSubsampledGaussianDpEvent`` (PLD,
@@ -288,20 +343,43 @@ def truncated_poisson_epsilon(
     _check_delta(delta, "pld")
     if int(max_batch_size) != max_batch_size or max_batch_size < 1:
         raise ValueError(f"the batch cap must be a positive integer, got {max_batch_size}")
-    return _truncated_poisson(int(dataset_size), float(batch_size), int(max_batch_size), float(noise_multiplier),
-                              int(steps), float(delta), tuple(releases), float(discretization))  # fmt: skip
+    return _truncated_poisson(
+        int(dataset_size),
+        float(batch_size),
+        int(max_batch_size),
+        float(noise_multiplier),
+        int(steps),
+        float(delta),
+        tuple(releases),
+        float(discretization),
+    )
 
 
 @functools.lru_cache(maxsize=64)  # a cap search and its report share them
 def _truncated_poisson(
-    dataset_size: int, batch_size: float, max_batch_size: int, noise_multiplier: float, steps: int, delta: float,
-    releases: tuple[AccountingSegment, ...], discretization: float,
-) -> TruncatedPoissonResult:  # fmt: skip
-    run = functools.partial(history_accountant, sample_rate=batch_size / dataset_size, noise_multiplier=noise_multiplier,
-                            steps=steps, kind="pld", releases=releases, pld_discretization=discretization)  # fmt: skip
+    dataset_size: int,
+    batch_size: float,
+    max_batch_size: int,
+    noise_multiplier: float,
+    steps: int,
+    delta: float,
+    releases: tuple[AccountingSegment, ...],
+    discretization: float,
+) -> TruncatedPoissonResult:
+    run = functools.partial(
+        history_accountant,
+        sample_rate=batch_size / dataset_size,
+        noise_multiplier=noise_multiplier,
+        steps=steps,
+        kind="pld",
+        releases=releases,
+        pld_discretization=discretization,
+    )
     capped = run(batches=BatchSampling("truncated", dataset_size, max_batch_size))
     poisson = run().epsilon(delta)
-    return TruncatedPoissonResult(max_batch_size, capped.epsilon(delta), poisson, capped.privacy_profile())
+    return TruncatedPoissonResult(
+        max_batch_size, capped.epsilon(delta), poisson, capped.privacy_profile()
+    )
 
 
 FREE_CAP_TOLERANCE = 0.01  # ``smallest_free_cap``: epsilon within 1% of uncapped Poisson's

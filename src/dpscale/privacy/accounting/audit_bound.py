@@ -23,7 +23,9 @@ import numpy as np
 from scipy import optimize, stats
 
 
-def audit_p_value(*, canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+def audit_p_value(
+    *, canaries: int, guesses: int, correct: int, epsilon: float, delta: float
+) -> float:
     """Probability of at least ``correct`` right guesses out of ``guesses`` under (epsilon, delta)-DP.
 
     Args:
@@ -36,7 +38,9 @@ def audit_p_value(*, canaries: int, guesses: int, correct: int, epsilon: float, 
         the p-value, in [0, 1].
     """
     if not 0 <= correct <= guesses <= canaries:
-        raise ValueError(f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({canaries})")
+        raise ValueError(
+            f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({canaries})"
+        )
     if epsilon < 0 or not 0 <= delta <= 1:
         raise ValueError(f"need epsilon >= 0 and 0 <= delta <= 1, got {epsilon}, {delta}")
     p = 1.0 / (1.0 + math.exp(-epsilon))  # the accuracy of epsilon-DP randomised response
@@ -49,7 +53,9 @@ def audit_p_value(*, canaries: int, guesses: int, correct: int, epsilon: float, 
     return min(1.0, tail + 2 * canaries * delta * spread)
 
 
-def epsilon_lower_bound(*, canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95) -> float:
+def epsilon_lower_bound(
+    *, canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95
+) -> float:
     """The largest epsilon that ``correct`` right guesses reject at ``confidence``: the run's
     true epsilon (at ``delta``) is at least this, unless an event of probability at most
     1 - confidence happened.
@@ -67,17 +73,26 @@ def epsilon_lower_bound(*, canaries: int, guesses: int, correct: int, delta: flo
     alpha = 1 - confidence
 
     def excess(eps: float) -> float:
-        return audit_p_value(canaries=canaries, guesses=guesses, correct=correct, epsilon=eps, delta=delta) - alpha
+        return (
+            audit_p_value(
+                canaries=canaries, guesses=guesses, correct=correct, epsilon=eps, delta=delta
+            )
+            - alpha
+        )
 
     if excess(0.0) >= 0:
         return 0.0
     high = 1.0
-    while excess(high) < 0:  # the p-value rises with epsilon, to 1 at infinity (or stays below when v = r, delta = 0)
+    while (
+        excess(high) < 0
+    ):  # the p-value rises with epsilon, to 1 at infinity (or stays below when v = r, delta = 0)
         high *= 2
         if high > 1e4:
             return math.inf
     root = float(optimize.brentq(excess, 0.0, high, xtol=1e-9, rtol=1e-12))
-    while root > 0 and excess(root) >= 0:  # brentq may land just past the crossing: stay on the rejected side
+    while (
+        root > 0 and excess(root) >= 0
+    ):  # brentq may land just past the crossing: stay on the rejected side
         root = max(0.0, root - 1e-9)
     return root
 
@@ -99,7 +114,9 @@ class GuessOutcome:
     eps_lower_bound: float
 
 
-def score_guesses(scores: np.ndarray, included: np.ndarray, guess_in: int, guess_out: int) -> tuple[int, int]:
+def score_guesses(
+    scores: np.ndarray, included: np.ndarray, guess_in: int, guess_out: int
+) -> tuple[int, int]:
     """Guess "in" for the ``guess_in`` highest scores and "out" for the ``guess_out`` lowest.
 
     Args:
@@ -156,7 +173,9 @@ def best_guesses(
     best: GuessOutcome | None = None
     for k_in, k_out in rules:
         r, v = score_guesses(scores, included, k_in, k_out)
-        bound = epsilon_lower_bound(canaries=len(scores), guesses=r, correct=v, delta=delta, confidence=each)
+        bound = epsilon_lower_bound(
+            canaries=len(scores), guesses=r, correct=v, delta=delta, confidence=each
+        )
         outcome = GuessOutcome(k_in, k_out, r, v, bound)
         if best is None or outcome.eps_lower_bound > best.eps_lower_bound:
             best = outcome
@@ -164,7 +183,13 @@ def best_guesses(
     return best
 
 
-def audit_ceiling(canaries: int, *, delta: float, confidence: float = 0.95, rules: Sequence[tuple[int, int]] | None = None) -> float:
+def audit_ceiling(
+    canaries: int,
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    rules: Sequence[tuple[int, int]] | None = None,
+) -> float:
     """The largest bound these guessing rules can give, every guess right: a claimed epsilon above it
     cannot be refuted by this audit, whatever the run does (the delta term 2 m delta caps it, so
     more canaries do not lift it past about 5.4 at delta = 1e-5).
@@ -179,6 +204,12 @@ def audit_ceiling(canaries: int, *, delta: float, confidence: float = 0.95, rule
     rules = list(rules) if rules else default_guess_rules(canaries)
     each = 1 - (1 - confidence) / len(rules)
     return max(
-        epsilon_lower_bound(canaries=canaries, guesses=k_in + k_out, correct=k_in + k_out, delta=delta, confidence=each)
+        epsilon_lower_bound(
+            canaries=canaries,
+            guesses=k_in + k_out,
+            correct=k_in + k_out,
+            delta=delta,
+            confidence=each,
+        )
         for k_in, k_out in rules
     )

@@ -34,9 +34,19 @@ from dataclasses import dataclass
 ADD_REMOVE = "add/remove"
 REPLACE_ONE = "replace-one"
 # Sampler -> the adjacency its accounting proves a guarantee for (one place for both lists).
-ADJACENCY_OF = {"poisson": ADD_REMOVE, "truncated": ADD_REMOVE, "fixed": REPLACE_ONE, "shuffle": REPLACE_ONE}
+ADJACENCY_OF = {
+    "poisson": ADD_REMOVE,
+    "truncated": ADD_REMOVE,
+    "fixed": REPLACE_ONE,
+    "shuffle": REPLACE_ONE,
+}
 # Sampler -> the accountants dp_accounting 0.6 can compose it with.
-ACCOUNTANTS_OF = {"poisson": ("pld", "rdp"), "truncated": ("pld",), "fixed": ("rdp",), "shuffle": ("pld", "rdp")}
+ACCOUNTANTS_OF = {
+    "poisson": ("pld", "rdp"),
+    "truncated": ("pld",),
+    "fixed": ("rdp",),
+    "shuffle": ("pld", "rdp"),
+}
 ADJACENCY_WORDS = {
     ADD_REMOVE: "add/remove adjacency: any one image added to or removed from the training set",
     REPLACE_ONE: "replace-one adjacency: any one image replaced by another, N unchanged",
@@ -59,11 +69,21 @@ class BatchSampling:
 
     def __post_init__(self) -> None:
         if self.mode not in ADJACENCY_OF:
-            raise ValueError(f"unknown batch sampling {self.mode!r}; choose one of {', '.join(ADJACENCY_OF)}")
-        if self.mode != "poisson" and not (isinstance(self.dataset_size, int) and self.dataset_size >= 1):
-            raise ValueError(f"{self.mode} sampling needs the dataset size N >= 1, got {self.dataset_size!r}")
-        if self.mode == "truncated" and not (isinstance(self.max_batch_size, int) and self.max_batch_size >= 1):
-            raise ValueError(f"truncated Poisson sampling needs a batch cap >= 1, got {self.max_batch_size!r}")
+            raise ValueError(
+                f"unknown batch sampling {self.mode!r}; choose one of {', '.join(ADJACENCY_OF)}"
+            )
+        if self.mode != "poisson" and not (
+            isinstance(self.dataset_size, int) and self.dataset_size >= 1
+        ):
+            raise ValueError(
+                f"{self.mode} sampling needs the dataset size N >= 1, got {self.dataset_size!r}"
+            )
+        if self.mode == "truncated" and not (
+            isinstance(self.max_batch_size, int) and self.max_batch_size >= 1
+        ):
+            raise ValueError(
+                f"truncated Poisson sampling needs a batch cap >= 1, got {self.max_batch_size!r}"
+            )
         if self.mode != "truncated" and self.max_batch_size:
             raise ValueError(f"a batch cap belongs to truncated Poisson sampling, not {self.mode}")
 
@@ -89,7 +109,9 @@ class BatchSampling:
         if self.mode == "fixed":
             return f"fixed-size batches of {self.batch_size(sample_rate)} drawn without replacement each step"
         if self.mode == "shuffle":
-            return f"shuffled batches of {self.batch_size(sample_rate)}, no amplification by sampling"
+            return (
+                f"shuffled batches of {self.batch_size(sample_rate)}, no amplification by sampling"
+            )
         if self.mode == "truncated":
             return f"poisson batches capped at {self.max_batch_size}"
         return "poisson"
@@ -98,11 +120,17 @@ class BatchSampling:
 POISSON = BatchSampling()
 
 
-def batch_sampling_for(sampling: str, dataset_size: int, max_batch_size: int | None = None) -> BatchSampling:
+def batch_sampling_for(
+    sampling: str, dataset_size: int, max_batch_size: int | None = None
+) -> BatchSampling:
     """The accountant's view of ``dp.sampling`` (and a Poisson batch cap): the one mapping the plan
     and ``dpscale account`` share."""
     if sampling == "poisson":
-        return POISSON if max_batch_size is None else BatchSampling("truncated", dataset_size, max_batch_size)
+        return (
+            POISSON
+            if max_batch_size is None
+            else BatchSampling("truncated", dataset_size, max_batch_size)
+        )
     return BatchSampling(sampling, dataset_size)
 
 

@@ -17,7 +17,11 @@ from typing import Callable, TypedDict
 
 from dpscale.privacy.accounting.accountant import PrivacyAccountant, compute_epsilon
 from dpscale.privacy.accounting.batch_sampling import ACCOUNTANTS_OF, POISSON, BatchSampling
-from dpscale.privacy.accounting.pld_history import PLD_COARSE_DISCRETIZATION, PLD_VALUE_DISCRETIZATION, PLDRangeError
+from dpscale.privacy.accounting.pld_history import (
+    PLD_COARSE_DISCRETIZATION,
+    PLD_VALUE_DISCRETIZATION,
+    PLDRangeError,
+)
 from dpscale.privacy.accounting.segments import AccountingSegment, releases_under
 
 # Upper end of the noise search; beyond this the run is pure noise.
@@ -54,7 +58,9 @@ def _tan_sigma_guess(target_epsilon: float, delta: float, sample_rate: float, st
     return max(0.3, sample_rate * math.sqrt(steps) / (math.sqrt(2.0) * eta))
 
 
-def _tan_steps_guess(target_epsilon: float, delta: float, sample_rate: float, noise_multiplier: float) -> int:
+def _tan_steps_guess(
+    target_epsilon: float, delta: float, sample_rate: float, noise_multiplier: float
+) -> int:
     """A first guess at the steps that fit, from eps_TAN (TAN eq. 4): S = 2 sigma^2 eta^2 / q^2 (>= 1)."""
     log_term = math.log(1.0 / delta)
     eta = math.sqrt(log_term + target_epsilon) - math.sqrt(log_term)
@@ -106,10 +112,18 @@ def calibrate_noise_multiplier(
         raise ValueError(f"steps must be >= 1 to calibrate noise, got {steps}")
     releases = releases_under(releases, batches)
     _check_releases_fit(target_epsilon, delta, kind, releases)
-    run: _NoiseRun = {"sample_rate": sample_rate, "delta": delta, "kind": kind, "releases": releases, "batches": batches}
+    run: _NoiseRun = {
+        "sample_rate": sample_rate,
+        "delta": delta,
+        "kind": kind,
+        "releases": releases,
+        "batches": batches,
+    }
 
     def epsilon_fn(grid: float) -> Callable[[float], float]:
-        return lambda sigma: compute_epsilon(**run, noise_multiplier=sigma, steps=steps, pld_discretization=grid)
+        return lambda sigma: compute_epsilon(
+            **run, noise_multiplier=sigma, steps=steps, pld_discretization=grid
+        )
 
     # Beyond the cap the answer is refused anyway: start there (one evaluation to find out).
     guess = min(_tan_sigma_guess(target_epsilon, delta, sample_rate, steps), MAX_NOISE_MULTIPLIER)
@@ -118,14 +132,24 @@ def calibrate_noise_multiplier(
         if kind == "pld":
             # Search on the coarse grid (~10x cheaper), then finish on the reporting grid
             # starting from a tight bracket around the coarse answer.
-            guess, initial_step = _coarse_start(epsilon_fn(PLD_COARSE_DISCRETIZATION), target_epsilon, guess, rel_tol)
-        return _solve_sigma(epsilon_fn(PLD_VALUE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol)
+            guess, initial_step = _coarse_start(
+                epsilon_fn(PLD_COARSE_DISCRETIZATION), target_epsilon, guess, rel_tol
+            )
+        return _solve_sigma(
+            epsilon_fn(PLD_VALUE_DISCRETIZATION), target_epsilon, guess, initial_step, rel_tol
+        )
     except (_OutOfRange, _BeyondPLD) as err:
         coarse = epsilon_fn(PLD_COARSE_DISCRETIZATION)
         raise ValueError(_no_sigma_message(err, target_epsilon, steps, run, coarse)) from err
 
 
-def _no_sigma_message(err: ValueError, target_epsilon: float, steps: int, run: _NoiseRun, coarse: Callable[[float], float]) -> str:
+def _no_sigma_message(
+    err: ValueError,
+    target_epsilon: float,
+    steps: int,
+    run: _NoiseRun,
+    coarse: Callable[[float], float],
+) -> str:
     """The one-line refusal of a noise search that found no sigma.
 
     Args:
@@ -144,7 +168,9 @@ def _no_sigma_message(err: ValueError, target_epsilon: float, steps: int, run: _
     return _unreachable_message(target_epsilon, delta, sample_rate, steps, at_cap)
 
 
-def _coarse_start(epsilon: Callable[[float], float], target_epsilon: float, guess: float, rel_tol: float) -> tuple[float, float]:
+def _coarse_start(
+    epsilon: Callable[[float], float], target_epsilon: float, guess: float, rel_tol: float
+) -> tuple[float, float]:
     """Where the fine-grid search starts.
 
     Args:
@@ -172,7 +198,13 @@ class _BeyondPLD(ValueError):
     """The budget needs less noise than the PLD accountant can represent (args: the least sigma it can)."""
 
 
-def _unreachable_message(target_epsilon: float, delta: float, sample_rate: float, steps: int, at_cap: Callable[[int], float]) -> str:
+def _unreachable_message(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    at_cap: Callable[[int], float],
+) -> str:
     """One line: which budget cannot be met, the least epsilon the noise cap reaches, and what would work.
 
     Args:
@@ -186,7 +218,11 @@ def _unreachable_message(target_epsilon: float, delta: float, sample_rate: float
     # At large sigma epsilon grows about like sqrt(steps) (TAN eq. 4 with eta small): a first guess at
     # the steps that fit at the cap, suggested only once the accountant confirms it.
     fit = int(steps * (target_epsilon / floor) ** 2) if math.isfinite(floor) and floor > 0 else 0
-    fewer = f"train at most {fit} steps" if 1 <= fit < steps and at_cap(fit) <= target_epsilon else "train fewer steps"
+    fewer = (
+        f"train at most {fit} steps"
+        if 1 <= fit < steps and at_cap(fit) <= target_epsilon
+        else "train fewer steps"
+    )
     return (
         f"cannot reach epsilon={target_epsilon:g} at delta={delta:g} with q={sample_rate:.4g} over {steps} steps: "
         f"even noise multiplier {MAX_NOISE_MULTIPLIER:g} (the search's cap: the updates are then pure noise) "
@@ -195,7 +231,9 @@ def _unreachable_message(target_epsilon: float, delta: float, sample_rate: float
     )
 
 
-def _beyond_pld_message(target_epsilon: float, delta: float, sample_rate: float, steps: int, sigma: float, spent: float) -> str:
+def _beyond_pld_message(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, sigma: float, spent: float
+) -> str:
     """One line for a budget past what the PLD accountant represents: ``sigma`` is the least noise
     it can account for (found to within 1%), ``spent`` that sigma's epsilon."""
     return (
@@ -215,7 +253,9 @@ def _round_up(value: float, digits: int = 3) -> float:
     return math.ceil(value / unit) * unit
 
 
-def _check_releases_fit(target_epsilon: float, delta: float, kind: str, releases: tuple[AccountingSegment, ...]) -> None:
+def _check_releases_fit(
+    target_epsilon: float, delta: float, kind: str, releases: tuple[AccountingSegment, ...]
+) -> None:
     """Refuse a budget that the one-off releases already use up (no step could then fit)."""
     if not releases:
         return
@@ -230,7 +270,13 @@ def _check_releases_fit(target_epsilon: float, delta: float, kind: str, releases
         )
 
 
-def _solve_sigma(epsilon: Callable[[float], float], target: float, guess: float, initial_step: float, rel_tol: float) -> float:
+def _solve_sigma(
+    epsilon: Callable[[float], float],
+    target: float,
+    guess: float,
+    initial_step: float,
+    rel_tol: float,
+) -> float:
     """Sigma whose epsilon lies in [target (1 - rel_tol), target] (epsilon decreasing in sigma).
 
     Args:
@@ -256,7 +302,9 @@ def _solve_sigma(epsilon: Callable[[float], float], target: float, guess: float,
     for _ in range(100):
         if f_hi >= -tolerance / 2 or hi - lo < 1e-12:
             break
-        if f_lo == math.inf and hi - lo < _WALL_RESOLUTION:  # the target lies past what the PLD represents
+        if (
+            f_lo == math.inf and hi - lo < _WALL_RESOLUTION
+        ):  # the target lies past what the PLD represents
             raise _BeyondPLD(math.exp(hi))
         # Bisect while an end has no finite value (epsilon 0, or too wide for the PLD): interpolating
         # against a stand-in value stalls, as the Illinois halving cannot act on an infinity.
@@ -294,7 +342,9 @@ def _log_excess(epsilon: Callable[[float], float], log_aim: float) -> Callable[[
     return f
 
 
-def _bracket(f: Callable[[float], float], x: float, step: float, accept: float) -> tuple[float, float, float, float]:
+def _bracket(
+    f: Callable[[float], float], x: float, step: float, accept: float
+) -> tuple[float, float, float, float]:
     """(lo, f(lo), hi, f(hi)) in log sigma with f(lo) > 0 >= f(hi), f decreasing, searched from x
     with steps doubling from ``step``; lo = hi = x when |f(x)| <= accept (already in the band), and
     lo = hi below sigma 1e-3 (any noise fits).
@@ -353,15 +403,23 @@ def calibrate_steps(
     """
     if not target_epsilon > 0 or not math.isfinite(target_epsilon):
         raise ValueError(f"target epsilon must be a positive finite number, got {target_epsilon}")
-    _check_releases_fit(target_epsilon, delta, kind, releases)  # else "no step fits" would blame the steps
+    # else "no step fits" would blame the steps
+    _check_releases_fit(target_epsilon, delta, kind, releases)
     log_target = math.log(target_epsilon)
-    run: _StepsRun = {"sample_rate": sample_rate, "noise_multiplier": noise_multiplier, "delta": delta, "releases": releases,
-                      "batches": batches}  # fmt: skip
+    run: _StepsRun = {
+        "sample_rate": sample_rate,
+        "noise_multiplier": noise_multiplier,
+        "delta": delta,
+        "releases": releases,
+        "batches": batches,
+    }
 
     def f_at(discretization: float) -> Callable[[int], float]:
         def f(steps: int) -> float:  # increasing; <= 0 means within budget
             try:
-                eps = compute_epsilon(**run, steps=steps, kind=kind, pld_discretization=discretization)
+                eps = compute_epsilon(
+                    **run, steps=steps, kind=kind, pld_discretization=discretization
+                )
             except PLDRangeError:  # so many steps at so little noise that epsilon is astronomical
                 return math.inf
             return math.log(eps) - log_target if eps > 0 else -math.inf
@@ -375,10 +433,17 @@ def calibrate_steps(
     if kind == "pld" and "rdp" in ACCOUNTANTS_OF[batches.mode]:
         # RDP is a valid (looser) bound and ~50x cheaper than PLD at millions of steps: if it
         # already certifies max_steps we are done, else its answer is a lower bound to start from.
-        rdp_steps = calibrate_steps(**run, target_epsilon=target_epsilon, kind="rdp", max_steps=max_steps)
+        rdp_steps = calibrate_steps(
+            **run, target_epsilon=target_epsilon, kind="rdp", max_steps=max_steps
+        )
         if rdp_steps >= max_steps:
             return max_steps
-        guess = max(1, _search_steps(f_at(PLD_COARSE_DISCRETIZATION), max(guess, rdp_steps), max_steps, growth=1.5))
+        guess = max(
+            1,
+            _search_steps(
+                f_at(PLD_COARSE_DISCRETIZATION), max(guess, rdp_steps), max_steps, growth=1.5
+            ),
+        )
         return _search_steps(f, guess, max_steps, growth=1.01)
     return _search_steps(f, guess, max_steps, growth=1.5)
 
@@ -410,7 +475,13 @@ def _search_steps(f: Callable[[int], float], guess: int, max_steps: int, growth:
     return _bisect_steps(f, lo, hi, f_lo, f_hi)
 
 
-def _bisect_steps(f: Callable[[int], float], lo: int, hi: int, f_lo: float | None = None, f_hi: float | None = None) -> int:
+def _bisect_steps(
+    f: Callable[[int], float],
+    lo: int,
+    hi: int,
+    f_lo: float | None = None,
+    f_hi: float | None = None,
+) -> int:
     """Largest integer in [lo, hi) with f <= 0, given f(lo) <= 0 < f(hi); interpolates in log steps."""
     f_lo = f(lo) if f_lo is None else f_lo
     f_hi = f(hi) if f_hi is None else f_hi

@@ -118,10 +118,12 @@ def direct_group_bound(*, epsilon: float, delta: float, group_size: int) -> Grou
         the GroupBound with example_delta = delta.
     """
     return GroupBound(
-        group_size=group_size, epsilon=group_epsilon(epsilon=epsilon, group_size=group_size),
+        group_size=group_size,
+        epsilon=group_epsilon(epsilon=epsilon, group_size=group_size),
         delta=group_delta(epsilon=epsilon, delta=delta, group_size=group_size),
-        example_epsilon=epsilon, example_delta=delta,
-    )  # fmt: skip
+        example_epsilon=epsilon,
+        example_delta=delta,
+    )
 
 
 def best_group_bound(
@@ -153,7 +155,9 @@ def best_group_bound(
         the GroupBound (delta = target_delta), or None when no delta' >= min_delta meets it.
     """
     if not 0.0 < target_delta < 1.0 or not min_delta > 0.0:
-        raise ValueError(f"need 0 < min_delta and 0 < target_delta < 1, got {min_delta} and {target_delta}")
+        raise ValueError(
+            f"need 0 < min_delta and 0 < target_delta < 1, got {min_delta} and {target_delta}"
+        )
     top = target_delta / group_size
     if top < min_delta:
         return None
@@ -184,12 +188,15 @@ def _log_grid(low: float, high: float, count: int) -> list[float]:
     return [low * math.exp(i * step) for i in range(count - 1)] + [high]
 
 
-def _best_feasible(deltas: Sequence[float], epsilons: Sequence[float], target_delta: float, group_size: int) -> tuple[float, float] | None:
+def _best_feasible(
+    deltas: Sequence[float], epsilons: Sequence[float], target_delta: float, group_size: int
+) -> tuple[float, float] | None:
     """(epsilon, delta') of the smallest epsilon among the deltas' whose group delta meets the target."""
     feasible = [
-        (float(e), d) for d, e in zip(deltas, epsilons)
+        (float(e), d)
+        for d, e in zip(deltas, epsilons)
         if group_delta(epsilon=float(e), delta=d, group_size=group_size) <= target_delta
-    ]  # fmt: skip
+    ]
     return min(feasible, key=lambda pair: (pair[0], -pair[1])) if feasible else None
 
 
@@ -240,8 +247,13 @@ def meaning(*, epsilon: float, delta: float, unit_words: str, replace_one: bool 
 
 
 def check_privacy_unit(
-    unit: str, max_examples_per_user: int | None, *, sampling: str, simulated: bool, spell: Spelling | None = None
-) -> None:  # fmt: skip
+    unit: str,
+    max_examples_per_user: int | None,
+    *,
+    sampling: str,
+    simulated: bool,
+    spell: Spelling | None = None,
+) -> None:
     """Refuse a privacy unit a plan cannot describe, in one line (config validation and
     ``make_dp_plan`` both ask here).
 
@@ -262,16 +274,24 @@ def check_privacy_unit(
         raise ConfigError(f"data.privacy_unit must be one of {', '.join(UNITS)}, got {unit!r}")
     if unit == "example":
         if max_examples_per_user is not None:
-            raise ConfigError("dp.max_examples_per_user bounds a user's examples: it needs data.privacy_unit=user")
+            raise ConfigError(
+                "dp.max_examples_per_user bounds a user's examples: it needs data.privacy_unit=user"
+            )
         return
     k = max_examples_per_user
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}")
+        raise ConfigError(
+            f"data.privacy_unit=user needs dp.max_examples_per_user, an integer >= 1, got {k!r}"
+        )
     if sampling != "poisson":
         unit_said = "PerUser" if spell.typed_names else "data.privacy_unit=user"
-        raise spell.refusal(f"{unit_said} samples users by Poisson sampling: use {spell.said('sampling', 'poisson')}")
+        raise spell.refusal(
+            f"{unit_said} samples users by Poisson sampling: use {spell.said('sampling', 'poisson')}"
+        )
     if simulated:
-        raise spell.refusal(f"a TAN simulation ({spell.key('simulated_batch_size')}) runs at the example unit only")
+        raise spell.refusal(
+            f"a TAN simulation ({spell.key('simulated_batch_size')}) runs at the example unit only"
+        )
 
 
 def _check_group(*, epsilon: float, group_size: int) -> None:

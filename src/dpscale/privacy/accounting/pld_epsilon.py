@@ -69,7 +69,8 @@ class _Walk:
         self.lower = np.empty(len(self.probs) + 1)
         self.upper[0], self.lower[0] = self.infinity, 0.0
         self.done = 0  # grid points whose masses are summed
-        self.overflow = len(self.probs)  # the first point whose exp(-loss) overflows (math.exp raises there)
+        # the first point whose exp(-loss) overflows (math.exp raises there)
+        self.overflow = len(self.probs)
 
     def epsilon(self, delta: float) -> float:
         """The library's ``_get_epsilon_for_delta`` for this PMF."""
@@ -100,9 +101,13 @@ class _Walk:
         exps = [_exp_or_inf(-loss) for loss in self.losses[a:end].tolist()]
         if math.inf in exps:
             self.overflow = min(self.overflow, a + exps.index(math.inf))
-        with np.errstate(invalid="ignore", over="ignore"):  # past an overflow, never used (see _check_reached)
+        with np.errstate(
+            invalid="ignore", over="ignore"
+        ):  # past an overflow, never used (see _check_reached)
             terms = np.array(exps) * self.probs[a:end]
-            self.upper[a + 1 : end + 1] = np.cumsum(np.concatenate(([self.upper[a]], self.probs[a:end])))[1:]
+            self.upper[a + 1 : end + 1] = np.cumsum(
+                np.concatenate(([self.upper[a]], self.probs[a:end]))
+            )[1:]
             self.lower[a + 1 : end + 1] = np.cumsum(np.concatenate(([self.lower[a]], terms)))[1:]
         self.done = end
 
@@ -112,7 +117,9 @@ class _Walk:
         after adding k, returns max(0, loss) if upper >= delta while lower is still 0."""
         upper, lower, losses = self.upper[start:end], self.lower[start:end], self.losses[start:end]
         breaks = (upper > delta) & (lower > 0)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # points the loop never reaches
+        with np.errstate(
+            divide="ignore", invalid="ignore", over="ignore"
+        ):  # points the loop never reaches
             ratio = (upper - delta) / lower
             logs = np.log(ratio)
         close = breaks & (np.abs(logs - losses) <= LOG_RECHECK * np.maximum(1.0, np.abs(losses)))

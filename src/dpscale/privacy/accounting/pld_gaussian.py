@@ -41,7 +41,11 @@ _LOG_MASS_TRUNCATION_BOUND = -50.0
 
 
 def gaussian_pld(
-    standard_deviation: float, sampling_prob: float = 1.0, value_discretization_interval: float = 1e-4, *, replace_one: bool = False
+    standard_deviation: float,
+    sampling_prob: float = 1.0,
+    value_discretization_interval: float = 1e-4,
+    *,
+    replace_one: bool = False,
 ) -> privacy_loss_distribution.PrivacyLossDistribution:
     """``from_gaussian_mechanism(standard_deviation, sensitivity=1, pessimistic_estimate=True,
     sampling_prob=..., value_discretization_interval=..., use_connect_dots=True, neighboring_relation=...)``
@@ -62,32 +66,48 @@ def gaussian_pld(
 
     def public() -> privacy_loss_distribution.PrivacyLossDistribution:
         return privacy_loss_distribution.from_gaussian_mechanism(
-            standard_deviation, sampling_prob=sampling_prob, value_discretization_interval=value_discretization_interval,
+            standard_deviation,
+            sampling_prob=sampling_prob,
+            value_discretization_interval=value_discretization_interval,
             neighboring_relation=relation,
-        )  # fmt: skip
+        )
 
     if not all(hasattr(privacy_loss_distribution, name) for name in _PRIVATE_HELPERS):
         return public()
 
     def single(adjacency: Any) -> Any:
         loss = _VectorisedGaussianLoss(
-            standard_deviation, sensitivity=1, pessimistic_estimate=True,
-            log_mass_truncation_bound=_LOG_MASS_TRUNCATION_BOUND, sampling_prob=sampling_prob, adjacency_type=adjacency,
-        )  # fmt: skip
+            standard_deviation,
+            sensitivity=1,
+            pessimistic_estimate=True,
+            log_mass_truncation_bound=_LOG_MASS_TRUNCATION_BOUND,
+            sampling_prob=sampling_prob,
+            adjacency_type=adjacency,
+        )
         return privacy_loss_distribution._create_pld_pmf_from_monotone_privacy_loss(
-            loss, pessimistic_estimate=True, value_discretization_interval=value_discretization_interval, use_connect_dots=True
+            loss,
+            pessimistic_estimate=True,
+            value_discretization_interval=value_discretization_interval,
+            use_connect_dots=True,
         )
 
     try:
         if replace_one:
             return privacy_loss_distribution.PrivacyLossDistribution(single(_Adjacency.REPLACE))
         return privacy_loss_distribution._pld_for_subsampled_mechanism(single, sampling_prob)
-    except (AttributeError, TypeError):  # another version's helpers or attributes differ: the library's own build
+    except (
+        AttributeError,
+        TypeError,
+    ):  # another version's helpers or attributes differ: the library's own build
         return public()
 
 
 def truncated_gaussian_pld(
-    dataset_size: int, sampling_prob: float, max_batch_size: int, noise_multiplier: float, value_discretization_interval: float = 1e-4
+    dataset_size: int,
+    sampling_prob: float,
+    max_batch_size: int,
+    noise_multiplier: float,
+    value_discretization_interval: float = 1e-4,
 ) -> privacy_loss_distribution.PrivacyLossDistribution:
     """``from_truncated_subsampled_gaussian_mechanism`` (add/remove adjacency, connect the dots) bit for
     bit, from the two vectorised Gaussian builds it mixes: the add/remove subsampled Gaussian, and a
@@ -109,7 +129,12 @@ def truncated_gaussian_pld(
     cut = stats.binom.sf(max_batch_size - 1, dataset_size - 1, sampling_prob)
     if cut == 0.0:
         return uncut
-    drawn_if_cut = stats.binom.sf(max_batch_size, dataset_size, sampling_prob) * max_batch_size / cut / dataset_size
+    drawn_if_cut = (
+        stats.binom.sf(max_batch_size, dataset_size, sampling_prob)
+        * max_batch_size
+        / cut
+        / dataset_size
+    )
     swapped = gaussian_pld(noise_multiplier / 2, drawn_if_cut, grid, replace_one=True)
     return swapped.compute_mixture(uncut, cut)
 
@@ -120,7 +145,11 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
     the library would refuse, goes to the library's own method."""
 
     def get_delta_for_epsilon(self, epsilon: Any) -> Any:
-        if isinstance(epsilon, numbers.Number) or self.adjacency_type not in (_Adjacency.ADD, _Adjacency.REMOVE, _Adjacency.REPLACE):
+        if isinstance(epsilon, numbers.Number) or self.adjacency_type not in (
+            _Adjacency.ADD,
+            _Adjacency.REMOVE,
+            _Adjacency.REPLACE,
+        ):
             return super().get_delta_for_epsilon(epsilon)
         if self.adjacency_type == _Adjacency.REPLACE:
             return self._replace_deltas(np.asarray(epsilon, dtype=float))
@@ -137,7 +166,9 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
         cutoffs = self._inverse_privacy_losses(epsilons[inverted])
         if cutoffs is None:  # a loss the library refuses: let it raise its own error
             return super().get_delta_for_epsilon(epsilon)
-        deltas[inverted] = self.mu_upper_cdf(cutoffs) - np.exp(epsilons[inverted] + self.mu_lower_log_cdf(cutoffs))
+        deltas[inverted] = self.mu_upper_cdf(cutoffs) - np.exp(
+            epsilons[inverted] + self.mu_lower_log_cdf(cutoffs)
+        )
         return np.clip(deltas, 0, 1)
 
     def _inverse_privacy_losses(self, losses: np.ndarray) -> np.ndarray | None:
@@ -149,20 +180,25 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
             unsampled = losses
         else:
             edge = -math.log(1 - q) if add else math.log(1 - q)
-            near = np.abs(losses - edge) <= 1e-9 * np.maximum(np.abs(losses), abs(edge))  # math.isclose, rel_tol 1e-9
+            # math.isclose, rel_tol 1e-9
+            near = np.abs(losses - edge) <= 1e-9 * np.maximum(np.abs(losses), abs(edge))
             logged = _log_a_times_exp_b_plus_c(1 / q, -losses if add else losses, 1 - 1 / q)
             if logged is None or bool(np.isnan(logged[~near]).any()):
                 return None
             unsampled = -logged if add else logged
             unsampled[near] = math.inf if add else -math.inf  # the library's inverse at +-infinity
-        with np.errstate(invalid="ignore"):  # inf * variance at the boundary, as the library computes it
+        with np.errstate(
+            invalid="ignore"
+        ):  # inf * variance at the boundary, as the library computes it
             remove = -0.5 * s - unsampled * variance / s
         return s + remove if add else remove
 
     def _replace_deltas(self, epsilons: np.ndarray) -> np.ndarray:
         """The library's delta(epsilon) under replace-one adjacency: every epsilon inverted."""
         cutoffs = self._inverse_replace_losses(epsilons)
-        return np.clip(self.mu_upper_cdf(cutoffs) - np.exp(epsilons + self.mu_lower_log_cdf(cutoffs)), 0, 1)
+        return np.clip(
+            self.mu_upper_cdf(cutoffs) - np.exp(epsilons + self.mu_lower_log_cdf(cutoffs)), 0, 1
+        )
 
     def _inverse_replace_losses(self, losses: np.ndarray) -> np.ndarray:
         """The library's ``_inverse_privacy_loss_replace`` of each loss, by its operations: its
@@ -174,7 +210,12 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
         else:
             log_alpha = 0.5 * (s / self._standard_deviation) ** 2 + math.log1p(-q) - math.log(q)
             halves = np.abs(losses) / 2
-            log_sinh = np.array([h + math.log1p(-math.exp(-2 * h)) - math.log(2) if h else 0.0 for h in halves.tolist()])
+            log_sinh = np.array(
+                [
+                    h + math.log1p(-math.exp(-2 * h)) - math.log(2) if h else 0.0
+                    for h in halves.tolist()
+                ]
+            )
             exponent = log_alpha + log_sinh
             sign_b = np.where(losses >= 0, -1.0, 1.0)
             asinh = sign_b * np.logaddexp(0.5 * np.logaddexp(0, 2 * exponent), exponent)

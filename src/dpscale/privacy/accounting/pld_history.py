@@ -15,7 +15,12 @@ import numpy as np
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 
-from dpscale.privacy.accounting.batch_sampling import ACCOUNTANTS_OF, REPLACE_ONE, BatchSampling, replace_one_noise
+from dpscale.privacy.accounting.batch_sampling import (
+    ACCOUNTANTS_OF,
+    REPLACE_ONE,
+    BatchSampling,
+    replace_one_noise,
+)
 from dpscale.privacy.accounting.pld_epsilon import pld_epsilons
 from dpscale.privacy.accounting.pld_gaussian import gaussian_pld, truncated_gaussian_pld
 from dpscale.privacy.accounting.segments import AccountingSegment, adjacency_of
@@ -56,7 +61,9 @@ class PLDRangeError(ValueError):
 
 
 @functools.lru_cache(maxsize=32)
-def _step_pld(sample_rate: float, noise_multiplier: float, discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _step_pld(
+    sample_rate: float, noise_multiplier: float, discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of one Poisson-subsampled Gaussian step (add/remove adjacency, pessimistic).
 
     Building it dominates PLD accounting (~0.05 s; 0.3 s with dp_accounting's own inversion,
@@ -65,21 +72,30 @@ def _step_pld(sample_rate: float, noise_multiplier: float, discretization: float
     ``dp_accounting.pld.PLDAccountant`` does for a ``PoissonSampledDpEvent(GaussianDpEvent)``
     (a test checks the two agree).
     """
-    return gaussian_pld(noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=discretization)
+    return gaussian_pld(
+        noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=discretization
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _full_batch_pld(noise_multiplier: float, steps: int, discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _full_batch_pld(
+    noise_multiplier: float, steps: int, discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of ``steps`` Gaussian mechanisms without subsampling: exactly one Gaussian with
     sigma / sqrt(steps) (cached: calibration evaluates the same releases many times)."""
-    return gaussian_pld(noise_multiplier / math.sqrt(steps), value_discretization_interval=discretization)
+    return gaussian_pld(
+        noise_multiplier / math.sqrt(steps), value_discretization_interval=discretization
+    )
 
 
 def _step_loss_range(sample_rate: float, noise_multiplier: float) -> float:
     """Width (in nats) of the privacy-loss range dp_accounting discretises for one Gaussian step,
     the wider of its add and remove sides (a closed form: no PLD is built)."""
     width = 0.0
-    for adjacency in (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD):
+    for adjacency in (
+        privacy_loss_mechanism.AdjacencyType.REMOVE,
+        privacy_loss_mechanism.AdjacencyType.ADD,
+    ):
         bounds = privacy_loss_mechanism.GaussianPrivacyLoss(
             noise_multiplier, sampling_prob=sample_rate, adjacency_type=adjacency
         ).connect_dots_bounds()
@@ -87,7 +103,9 @@ def _step_loss_range(sample_rate: float, noise_multiplier: float) -> float:
     return width
 
 
-def _composed_loss_width(sample_rate: float, noise_multiplier: float, steps: int, step_range: float) -> float:
+def _composed_loss_width(
+    sample_rate: float, noise_multiplier: float, steps: int, step_range: float
+) -> float:
     """Width (in nats) of the support dp_accounting keeps when composing ``steps`` steps.
 
     dp_accounting truncates the composition where a Chernoff bound puts less than
@@ -98,11 +116,15 @@ def _composed_loss_width(sample_rate: float, noise_multiplier: float, steps: int
         the width in nats (steps * step_range, the untruncated width, if the probe cannot be read).
     """
     grid = step_range / _PROBE_POINTS
-    probe = gaussian_pld(noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=grid)
+    probe = gaussian_pld(
+        noise_multiplier, sampling_prob=sample_rate, value_discretization_interval=grid
+    )
     width = 0.0
     try:  # private attributes of dp_accounting 0.4-0.6; the fallback is a valid (loose) width
         for pmf in (probe._pmf_remove, probe._pmf_add):
-            lower, upper = pld_common.compute_self_convolve_bounds(pmf.to_dense_pmf()._probs, steps, PLD_TAIL_MASS_TRUNCATION)
+            lower, upper = pld_common.compute_self_convolve_bounds(
+                pmf.to_dense_pmf()._probs, steps, PLD_TAIL_MASS_TRUNCATION
+            )
             width = max(width, (upper - lower) * grid)
     except AttributeError:
         return steps * step_range
@@ -116,7 +138,9 @@ def _segment_widths(sample_rate: float, noise_multiplier: float, steps: int) -> 
         width = _step_loss_range(1.0, noise_multiplier / math.sqrt(steps))
         return width, width
     step_range = _step_loss_range(sample_rate, noise_multiplier)
-    if steps == 1 or step_range > PLD_MAX_GRID * PLD_MAX_STEP_POINTS:  # past the cap: the probe could overflow
+    if (
+        steps == 1 or step_range > PLD_MAX_GRID * PLD_MAX_STEP_POINTS
+    ):  # past the cap: the probe could overflow
         return step_range, step_range
     return step_range, _composed_loss_width(sample_rate, noise_multiplier, steps, step_range)
 
@@ -127,18 +151,28 @@ def _widths_of(seg: AccountingSegment, replace_one: bool) -> tuple[float, float]
     sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
     if seg.batches.mode == "shuffle":
         return _segment_widths(1.0, sigma, seg.compositions)
-    if _cuts_every_batch(seg):  # the replace-one Gaussian at sigma/2 on the M/N kept dominates each step
-        return _segment_widths(seg.batches.max_batch_size / seg.batches.dataset_size, sigma / 2, seg.steps)
+    if _cuts_every_batch(
+        seg
+    ):  # the replace-one Gaussian at sigma/2 on the M/N kept dominates each step
+        return _segment_widths(
+            seg.batches.max_batch_size / seg.batches.dataset_size, sigma / 2, seg.steps
+        )
     return _segment_widths(seg.sample_rate, sigma, seg.steps)
 
 
 def _cuts_every_batch(seg: AccountingSegment) -> bool:
     """A capped segment at q = 1 with a cap below N: every batch is a random M-subset of the data,
     so its steps are truncated steps, not the full-batch Gaussian a q = 1 segment otherwise is."""
-    return seg.batches.mode == "truncated" and seg.sample_rate == 1.0 and seg.batches.max_batch_size < seg.batches.dataset_size
+    return (
+        seg.batches.mode == "truncated"
+        and seg.sample_rate == 1.0
+        and seg.batches.max_batch_size < seg.batches.dataset_size
+    )
 
 
-def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VALUE_DISCRETIZATION) -> float:
+def pld_grid(
+    segments: tuple[AccountingSegment, ...], requested: float = PLD_VALUE_DISCRETIZATION
+) -> float:
     """The PLD discretisation used for a history: ``requested``, or a power-of-2 multiple of it where
     the requested grid would exceed PLD_MAX_STEP_POINTS per step PLD or PLD_MAX_COMPOSED_POINTS for
     the composition (the epsilon is then a valid but looser upper bound). A request coarser than
@@ -160,7 +194,9 @@ def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VAL
         max(step for step, _ in widths) / PLD_MAX_STEP_POINTS,
         sum(composed for _, composed in widths) / PLD_MAX_COMPOSED_POINTS,
     )
-    if needed > PLD_MAX_GRID:  # judged at the full caps, so the limit does not depend on ``requested``
+    if (
+        needed > PLD_MAX_GRID
+    ):  # judged at the full caps, so the limit does not depend on ``requested``
         sigma = min(s.noise_multiplier for s in segments)
         raise PLDRangeError(
             f"the PLD accountant cannot represent noise multiplier {sigma:.3g} over this history: its privacy "
@@ -175,7 +211,9 @@ def pld_grid(segments: tuple[AccountingSegment, ...], requested: float = PLD_VAL
     return requested * 2.0 ** math.ceil(math.log2(needed / requested))
 
 
-def composed_pld(segments: list[AccountingSegment], discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+def composed_pld(
+    segments: list[AccountingSegment], discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of the whole history on the grid ``pld_grid`` picks for it (the last few kept: a run's
     summary asks for its epsilon, then its privacy profile, of the same history).
 
@@ -190,7 +228,9 @@ def composed_pld(segments: list[AccountingSegment], discretization: float) -> pr
 
 
 @functools.lru_cache(maxsize=4)
-def _composed_pld_of(segments: tuple[AccountingSegment, ...], discretization: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _composed_pld_of(
+    segments: tuple[AccountingSegment, ...], discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
     grid = pld_grid(segments, discretization)
     replace_one = adjacency_of(segments) == REPLACE_ONE
     total = None
@@ -200,18 +240,24 @@ def _composed_pld_of(segments: tuple[AccountingSegment, ...], discretization: fl
     return total
 
 
-def _segment_pld(seg: AccountingSegment, grid: float, replace_one: bool) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _segment_pld(
+    seg: AccountingSegment, grid: float, replace_one: bool
+) -> privacy_loss_distribution.PrivacyLossDistribution:
     """PLD of one segment on ``grid``: a Poisson or truncated-Poisson step self-composed, or Gaussians
     on every example it touches (releases; shuffled epochs), whose noise multiplier is halved in a
     replace-one history (``replace_one_noise``)."""
     mode = seg.batches.mode
     if "pld" not in ACCOUNTANTS_OF[mode]:
-        raise ValueError(f"{mode} sampling is accounted with the {'/'.join(ACCOUNTANTS_OF[mode])} accountant only")
+        raise ValueError(
+            f"{mode} sampling is accounted with the {'/'.join(ACCOUNTANTS_OF[mode])} accountant only"
+        )
     sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
     if (seg.sample_rate == 1.0 and not _cuts_every_batch(seg)) or mode == "shuffle":
         return _full_batch_pld(sigma, seg.compositions, grid)
     if mode == "truncated":
-        return _truncated_step_pld(seg.batches, seg.sample_rate, sigma, grid).self_compose(seg.steps)
+        return _truncated_step_pld(seg.batches, seg.sample_rate, sigma, grid).self_compose(
+            seg.steps
+        )
     return _step_pld(seg.sample_rate, sigma, grid).self_compose(seg.steps)
 
 
@@ -222,7 +268,9 @@ def _truncated_step_pld(
     """PLD of one truncated-Poisson step: what dp_accounting's PLDAccountant composes for a
     ``TruncatedSubsampledGaussianDpEvent`` (add/remove adjacency), bit for bit, built ~7x faster
     (``truncated_gaussian_pld``: 0.5 s against 3.7 at N = 1000, q = 0.05, cap 55, grid 1e-4)."""
-    return truncated_gaussian_pld(batches.dataset_size, sample_rate, batches.max_batch_size, noise_multiplier, discretization)
+    return truncated_gaussian_pld(
+        batches.dataset_size, sample_rate, batches.max_batch_size, noise_multiplier, discretization
+    )
 
 
 def pld_epsilon_of(segments: list[AccountingSegment], delta: float, discretization: float) -> float:
@@ -239,29 +287,33 @@ def pld_epsilon_of(segments: list[AccountingSegment], delta: float, discretizati
     return pld_epsilons(composed_pld(segments, discretization), [delta])[0]
 
 
-def pld_profile(pld: privacy_loss_distribution.PrivacyLossDistribution) -> Callable[[np.ndarray], np.ndarray]:
+def pld_profile(
+    pld: privacy_loss_distribution.PrivacyLossDistribution,
+) -> Callable[[np.ndarray], np.ndarray]:
     """delta(epsilon) of a PLD for sorted arrays of epsilons >= 0, vectorised.
 
     dp_accounting's own ``get_delta_for_epsilon`` walks the loss support in a Python loop (0.5 s
     for a 24-step run, per call); this takes the same sums, inf mass + sum_{L > eps} p(L) -
     e^eps sum_{L > eps} p(L) e^-L, as suffix sums in numpy (a test compares the two), and falls
     back to the library where its PMF internals differ (another dp_accounting version)."""
-    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
+    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]
     try:
         parts = [_pmf_profile(pmf.to_dense_pmf()) for pmf in pmfs]
     except AttributeError:
-        return lambda eps: np.asarray(pld.get_delta_for_epsilon(np.asarray(eps, dtype=np.float64)), dtype=np.float64)
+        return lambda eps: np.asarray(
+            pld.get_delta_for_epsilon(np.asarray(eps, dtype=np.float64)), dtype=np.float64
+        )
     return lambda eps: np.max([part(np.asarray(eps, dtype=np.float64)) for part in parts], axis=0)
 
 
 def _pmf_profile(dense: Any) -> Callable[[np.ndarray], np.ndarray]:
     """The hockey-stick divergence of one dense PMF (its losses sorted ascending) at epsilons >= 0."""
-    losses = (np.arange(dense.size) + dense._lower_loss) * dense._discretization  # noqa: SLF001
-    probs = np.asarray(dense._probs, dtype=np.float64)  # noqa: SLF001
+    losses = (np.arange(dense.size) + dense._lower_loss) * dense._discretization
+    probs = np.asarray(dense._probs, dtype=np.float64)
     # only losses > eps >= 0 enter a sum: clamping the rest keeps e^-L finite
     upper = np.append(np.cumsum(probs[::-1])[::-1], 0.0)
     lower = np.append(np.cumsum((probs * np.exp(-np.maximum(losses, 0.0)))[::-1])[::-1], 0.0)
-    infinity = float(dense._infinity_mass)  # noqa: SLF001
+    infinity = float(dense._infinity_mass)
 
     def delta(eps: np.ndarray) -> np.ndarray:
         above = np.searchsorted(losses, eps, side="right")  # the first loss > eps

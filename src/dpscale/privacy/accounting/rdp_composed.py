@@ -36,8 +36,11 @@ class ComposedRdp:
         return float(rdp_privacy_accountant.compute_delta(self.orders, self.rdp, epsilon)[0])
 
 
-@functools.lru_cache(maxsize=64)  # a calibration's bisection asks for ~50 sigmas once each; a run, one
-def _event_rdp(event: dp_accounting.DpEvent, relation: dp_accounting.NeighboringRelation) -> tuple[np.ndarray, np.ndarray]:
+# a calibration's bisection asks for ~50 sigmas once each; a run, one
+@functools.lru_cache(maxsize=64)
+def _event_rdp(
+    event: dp_accounting.DpEvent, relation: dp_accounting.NeighboringRelation
+) -> tuple[np.ndarray, np.ndarray]:
     """(orders, RDP of one ``event``), read-only, from the library's own accountant."""
     accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
     accountant.compose(event)  # raises the library's error for an event RDP cannot compose

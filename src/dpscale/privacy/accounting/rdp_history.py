@@ -19,7 +19,11 @@ def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_
     """The ``dp_accounting`` event describing ``steps`` Poisson-sampled Gaussian steps."""
     check_mechanism(sample_rate, noise_multiplier, steps)
     gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    step_event = gaussian if sample_rate == 1.0 else dp_accounting.PoissonSampledDpEvent(sample_rate, gaussian)
+    step_event = (
+        gaussian
+        if sample_rate == 1.0
+        else dp_accounting.PoissonSampledDpEvent(sample_rate, gaussian)
+    )
     return dp_accounting.SelfComposedDpEvent(step_event, int(steps))
 
 
@@ -59,10 +63,14 @@ def rdp_accountant(segments: list[AccountingSegment]) -> ComposedRdp:
     """
     for seg in segments:
         if "rdp" not in ACCOUNTANTS_OF[seg.batches.mode]:
-            raise ValueError(f"{seg.batches.mode} sampling is accounted with the pld accountant only")
+            raise ValueError(
+                f"{seg.batches.mode} sampling is accounted with the pld accountant only"
+            )
     if adjacency_of(segments) != REPLACE_ONE:
         relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-        events = [dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps) for seg in segments]
+        events = [
+            dp_sgd_event(seg.sample_rate, seg.noise_multiplier, seg.steps) for seg in segments
+        ]
     else:
         relation = dp_accounting.NeighboringRelation.REPLACE_ONE
         events = [_replace_one_event(seg) for seg in segments]
@@ -106,8 +114,11 @@ def rdp_profile(segments: tuple[AccountingSegment, ...]) -> Callable[[np.ndarray
     return delta
 
 
-@functools.lru_cache(maxsize=8)  # a run's evaluations and summary ask for the same history's profile
-def _rdp_deltas(segments: tuple[AccountingSegment, ...], largest: float) -> tuple[np.ndarray, np.ndarray]:
+# a run's evaluations and summary ask for the same history's profile
+@functools.lru_cache(maxsize=8)
+def _rdp_deltas(
+    segments: tuple[AccountingSegment, ...], largest: float
+) -> tuple[np.ndarray, np.ndarray]:
     accountant = rdp_accountant(list(segments))
     points = np.linspace(0.0, largest, RDP_PROFILE_POINTS)
     return points, np.array([min(1.0, float(accountant.get_delta(float(e)))) for e in points])

@@ -12,7 +12,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from dpscale.privacy.accounting.batch_sampling import POISSON, REPLACE_ONE, BatchSampling, history_adjacency
+from dpscale.privacy.accounting.batch_sampling import (
+    POISSON,
+    REPLACE_ONE,
+    BatchSampling,
+    history_adjacency,
+)
 
 DP_SGD = "dp-sgd"  # label of DP-SGD steps; any other label is a one-off release
 
@@ -61,7 +66,9 @@ def check_mechanism(sample_rate: float, noise_multiplier: float, steps: int) -> 
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate q must be in (0, 1], got {sample_rate}")
     if not noise_multiplier > 0.0 or not math.isfinite(noise_multiplier):
-        raise ValueError(f"noise_multiplier must be a positive finite number for a private run, got {noise_multiplier}")
+        raise ValueError(
+            f"noise_multiplier must be a positive finite number for a private run, got {noise_multiplier}"
+        )
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps}")
 
@@ -96,7 +103,9 @@ def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> Acc
     return AccountingSegment(1.0, float(noise_multiplier), int(count), label)
 
 
-DATA_NORM = "data-norm"  # label of private Data Normalization's two Gaussian sums (Tramer Algorithm 2)
+DATA_NORM = (
+    "data-norm"  # label of private Data Normalization's two Gaussian sums (Tramer Algorithm 2)
+)
 FEATURE_MEAN = "feature-mean"  # label of private centring's one Gaussian sum (features.center)
 
 
@@ -110,7 +119,9 @@ def feature_mean_release(noise_multiplier: float) -> AccountingSegment:
     return gaussian_release(FEATURE_MEAN, noise_multiplier, 1)
 
 
-def feature_releases(data_norm_noise: float | None, feature_mean_noise: float | None) -> tuple[AccountingSegment, ...]:
+def feature_releases(
+    data_norm_noise: float | None, feature_mean_noise: float | None
+) -> tuple[AccountingSegment, ...]:
     """The releases a run's feature normalisation makes before training, in the order it draws
     them (Data Normalization, then centring); a None noise multiplier means that release is not made.
     The one list both a run's DP plan and ``dpscale account`` compose."""
@@ -122,7 +133,9 @@ def feature_releases(data_norm_noise: float | None, feature_mean_noise: float | 
     return releases
 
 
-def releases_under(releases: Sequence[AccountingSegment], batches: BatchSampling) -> tuple[AccountingSegment, ...]:
+def releases_under(
+    releases: Sequence[AccountingSegment], batches: BatchSampling
+) -> tuple[AccountingSegment, ...]:
     """``releases`` labelled with a run's sampling, so that a replace-one run (fixed-size or
     shuffled batches) accounts its full-data releases under replace-one too (noise multiplier
     sigma/2), also when they are reported apart (``epsilon_by_label``).

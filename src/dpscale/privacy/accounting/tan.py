@@ -68,7 +68,9 @@ def eps_tan(sample_rate: float, noise_multiplier: float, steps: int, delta: floa
     return eps_tan_from_eta(tan_eta(sample_rate, noise_multiplier, steps), delta)
 
 
-def simulated_noise_multiplier(reference_noise: float, reference_batch_size: float, batch_size: float) -> float:
+def simulated_noise_multiplier(
+    reference_noise: float, reference_batch_size: float, batch_size: float
+) -> float:
     """sigma = sigma_ref * B / B_ref: the noise of a run at batch B with the reference's eta_step.
 
     q / sigma = (B / N) / (sigma_ref B / B_ref) = q_ref / sigma_ref, and the std of the noise on
@@ -79,14 +81,20 @@ def simulated_noise_multiplier(reference_noise: float, reference_batch_size: flo
     return reference_noise * batch_size / reference_batch_size
 
 
-def privacy_wall_warning(epsilon: float, noise_multiplier: float, eps_tan_value: float) -> str | None:
+def privacy_wall_warning(
+    epsilon: float, noise_multiplier: float, eps_tan_value: float
+) -> str | None:
     """The "privacy wall" warning (TAN Section 3.2), or None.
 
     Fires when sigma < 2 and the accountant's epsilon exceeds eps_TAN by more than 10%: the same
     eta (so, TAN predicts, about the same accuracy) is reachable at a larger batch and sigma for
     much less privacy.
     """
-    if noise_multiplier <= 0 or noise_multiplier >= PRIVACY_WALL_SIGMA or not math.isfinite(eps_tan_value):
+    if (
+        noise_multiplier <= 0
+        or noise_multiplier >= PRIVACY_WALL_SIGMA
+        or not math.isfinite(eps_tan_value)
+    ):
         return None
     if epsilon <= PRIVACY_WALL_EXCESS * eps_tan_value:
         return None
@@ -171,7 +179,9 @@ def privacy_search_pairs(
     return pairs
 
 
-def wall_curve_points(eta: float, steps: int, noise_multipliers: tuple[float, ...]) -> list[tuple[float, float]]:
+def wall_curve_points(
+    eta: float, steps: int, noise_multipliers: tuple[float, ...]
+) -> list[tuple[float, float]]:
     """(sigma, q) along a constant-eta curve at ``steps`` steps: q = sqrt(2) sigma eta / sqrt(S).
 
     Points where q would exceed 1 are left out.

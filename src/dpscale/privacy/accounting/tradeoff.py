@@ -92,10 +92,15 @@ def odds_sentence(tpr: dict[float, float], unit: str = "image", replace_one: boo
     at_one = tpr.get(0.01)
     if at_one is None:
         return ""
-    question = (f"which of two {unit}s was used (one in the other's place)" if replace_one
-                else f"whether any one {unit} was used")  # fmt: skip
-    return (f"no membership test can tell {question} with better than "
-            f"{100 * at_one:.1f}% true positives at 1% false positives")  # fmt: skip
+    question = (
+        f"which of two {unit}s was used (one in the other's place)"
+        if replace_one
+        else f"whether any one {unit} was used"
+    )
+    return (
+        f"no membership test can tell {question} with better than "
+        f"{100 * at_one:.1f}% true positives at 1% false positives"
+    )
 
 
 def attacker_odds(accountant: Any, unit: str = "image") -> dict[str, Any]:
@@ -110,15 +115,23 @@ def attacker_odds(accountant: Any, unit: str = "image") -> dict[str, Any]:
         maximal membership-test TPR at each reported FPR, the mu-GDP reading, where both come from
         (the PLD's profile is tight; the RDP curve's deltas are valid but looser), the sentence.
     """
-    return profile_odds(accountant.privacy_profile(), accountant.kind, unit, accountant.adjacency == "replace-one")
+    return profile_odds(
+        accountant.privacy_profile(), accountant.kind, unit, accountant.adjacency == "replace-one"
+    )
 
 
-def profile_odds(profile: Profile, kind: str, unit: str = "image", replace_one: bool = False) -> dict[str, Any]:
+def profile_odds(
+    profile: Profile, kind: str, unit: str = "image", replace_one: bool = False
+) -> dict[str, Any]:
     """``attacker_odds`` of a privacy profile computed by ``kind`` ("pld" or "rdp"), under
     replace-one adjacency when ``replace_one``."""
     deltas = np.asarray(profile(EPSILON_GRID), dtype=np.float64)  # evaluated once for both readings
     tpr = tpr_at_fpr(lambda eps: deltas)
-    source = "the composed PLD's privacy profile" if kind == "pld" else "the RDP curve (valid, looser than PLD)"
+    source = (
+        "the composed PLD's privacy profile"
+        if kind == "pld"
+        else "the RDP curve (valid, looser than PLD)"
+    )
     return {
         "tpr_at_fpr": {f"{a:g}": t for a, t in tpr.items()},
         "gdp_mu": gdp_mu(lambda eps: deltas),
@@ -129,5 +142,7 @@ def profile_odds(profile: Profile, kind: str, unit: str = "image", replace_one: 
 
 def format_odds(odds: dict[str, Any]) -> str:
     """One report line: the TPR bounds at the reported FPRs and mu."""
-    rates = ", ".join(f"{100 * t:.2f}% at {100 * float(a):g}%" for a, t in odds["tpr_at_fpr"].items())
+    rates = ", ".join(
+        f"{100 * t:.2f}% at {100 * float(a):g}%" for a, t in odds["tpr_at_fpr"].items()
+    )
     return f"membership-test power (true positives at false positives): {rates}; mu-GDP mu = {odds['gdp_mu']:.3f}"

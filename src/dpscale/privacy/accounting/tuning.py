@@ -129,7 +129,9 @@ def parse_tuning_distribution(text: str) -> TuningDistribution:
     raise ValueError(f"private tuning {text!r}: use {TUNING_SYNTAX}")
 
 
-def repeat_and_select(event: dp_event.DpEvent, tuning: TuningDistribution, orders: list[float] | None = None) -> rdp.RdpAccountant:
+def repeat_and_select(
+    event: dp_event.DpEvent, tuning: TuningDistribution, orders: list[float] | None = None
+) -> rdp.RdpAccountant:
     """An RDP accountant (default orders, or ``orders``) holding ``event`` repeated K ~ ``tuning``
     times with only the best output released."""
     accountant = rdp.RdpAccountant(orders) if orders is not None else rdp.RdpAccountant()
@@ -144,7 +146,9 @@ def run_event(history: tuple[AccountingSegment, ...]) -> dp_event.DpEvent:
     return events[0] if len(events) == 1 else dp_event.ComposedDpEvent(events)
 
 
-def tuned_epsilon(history: tuple[AccountingSegment, ...], delta: float, tuning: TuningDistribution) -> float:
+def tuned_epsilon(
+    history: tuple[AccountingSegment, ...], delta: float, tuning: TuningDistribution
+) -> float:
     """Epsilon at ``delta`` of releasing the best of K runs, each with this accounting ``history``.
 
     Args:

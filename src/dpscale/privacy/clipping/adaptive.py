@@ -41,7 +41,9 @@ from typing import TYPE_CHECKING, Any
 from dpscale.choices import CLIPPINGS
 from dpscale.privacy.spelling import Spelling
 
-if TYPE_CHECKING:  # the plan imports this module and never needs torch (dpscale account loads without it)
+if (
+    TYPE_CHECKING
+):  # the plan imports this module and never needs torch (dpscale account loads without it)
     from dpscale.rng import DPRandom
 
 
@@ -63,11 +65,17 @@ class AdaptiveClipping:
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile < 1:
-            raise ValueError(f"adaptive clipping: dp.clip_quantile must be in (0, 1), got {self.quantile}")
+            raise ValueError(
+                f"adaptive clipping: dp.clip_quantile must be in (0, 1), got {self.quantile}"
+            )
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"adaptive clipping: dp.clip_learning_rate must be > 0, got {self.learning_rate}")
+            raise ValueError(
+                f"adaptive clipping: dp.clip_learning_rate must be > 0, got {self.learning_rate}"
+            )
         if not (self.count_noise > 0 and math.isfinite(self.count_noise)):
-            raise ValueError(f"adaptive clipping: dp.clip_count_noise must be > 0, got {self.count_noise}")
+            raise ValueError(
+                f"adaptive clipping: dp.clip_count_noise must be > 0, got {self.count_noise}"
+            )
 
     def gradient_noise_multiplier(self, sigma: float) -> float:
         """sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2), the gradient's share of the plan's sigma.
@@ -106,7 +114,12 @@ def adaptive_refusal(spell: Spelling, clash: str) -> ValueError:
 
 
 def adaptive_clipping(
-    clipping: str, *, quantile: float, learning_rate: float, count_noise: float | None, batch_size: float
+    clipping: str,
+    *,
+    quantile: float,
+    learning_rate: float,
+    count_noise: float | None,
+    batch_size: float,
 ) -> AdaptiveClipping | None:
     """The adaptive-clipping settings for ``clipping`` ("fixed": None).
 
@@ -125,11 +138,18 @@ def adaptive_clipping(
     if clipping != "adaptive":  # fixed C, or automatic clipping (the engines' clip_gamma)
         return None
     sigma_b = float(count_noise) if count_noise is not None else batch_size / 20
-    return AdaptiveClipping(quantile=float(quantile), learning_rate=float(learning_rate), count_noise=sigma_b)
+    return AdaptiveClipping(
+        quantile=float(quantile), learning_rate=float(learning_rate), count_noise=sigma_b
+    )
 
 
 def noisy_unclipped_fraction(
-    unclipped: float, examples: float, *, expected_batch_size: float, count_noise: float, generator: DPRandom
+    unclipped: float,
+    examples: float,
+    *,
+    expected_batch_size: float,
+    count_noise: float,
+    generator: DPRandom,
 ) -> float:
     """b~: the released share of unclipped examples.
 

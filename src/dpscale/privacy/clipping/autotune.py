@@ -42,10 +42,14 @@ from dpscale.privacy.clipping.autotune_cache import (
     rows_bucket,
     store_entry,
 )
-from dpscale.privacy.clipping.autotune_timing import IDLE, JUDGE_MIN_MS, TUNE_DROP, Candidate, fastest_runs
-from dpscale.privacy.clipping.peak_memory import (
-    peak_bytes,
+from dpscale.privacy.clipping.autotune_timing import (
+    IDLE,
+    JUDGE_MIN_MS,
+    TUNE_DROP,
+    Candidate,
+    fastest_runs,
 )
+from dpscale.privacy.clipping.peak_memory import peak_bytes
 
 # Candidates whose estimated multiply-adds exceed the cheapest estimate by more than this factor are
 # not timed (a wider spread mostly times hopeless Gram candidates: the 16x16 pixel Grams estimated at 2.4x
@@ -123,10 +127,15 @@ class LayerChoice:
         if self.source == "cache":
             where = f"cached {self.timed_on or 'undated'}, timed {self.load}"
         else:
-            where = "timed now" + ("" if self.load in (IDLE, "") else f", {self.load}: not cached") + self.source[len("timed") :]
+            where = (
+                "timed now"
+                + ("" if self.load in (IDLE, "") else f", {self.load}: not cached")
+                + self.source[len("timed") :]
+            )
         timing = "/".join(f"{k} {v:.1f}" for k, v in sorted(self.ms.items(), key=lambda kv: kv[1]))
-        return where + (f": {timing} ms" if timing else "") + (f"; {self.note}" if self.note else "")
-
+        return (
+            where + (f": {timing} ms" if timing else "") + (f"; {self.note}" if self.note else "")
+        )
 
 
 @dataclass
@@ -149,15 +158,24 @@ class MethodTuner:
     _reported: tuple[int, int] = (0, 0)  # (layers, notes) already described by ``unreported``
     _notes: int = 0  # choices re-described since they were made (a check's finding)
     _chunks: dict[str, int] = field(default_factory=dict)  # signature -> chunks seen since chosen
-    _strikes: dict[str, int] = field(default_factory=dict)  # signature -> checks in a row off its prediction
-    _due: set[str] = field(default_factory=set)  # signatures whose next ``choose`` checks the prediction
+    # signature -> checks in a row off its prediction
+    _strikes: dict[str, int] = field(default_factory=dict)
+    # signatures whose next ``choose`` checks the prediction
+    _due: set[str] = field(default_factory=set)
     # this device's cache table as read once (or last written) by this tuner: a chunk too small to
     # time asks for its layers on every step, and reading the file each time cost 0.6 ms a step
     # (papernot-cnn at B = 4, a twelfth of its DP step)
     _table: dict[str, Any] | None = None
 
-    def choose(self, layer: str, signature: str, device: torch.device, rule: str, candidates: list[Candidate],
-               rows: int) -> str:  # fmt: skip
+    def choose(
+        self,
+        layer: str,
+        signature: str,
+        device: torch.device,
+        rule: str,
+        candidates: list[Candidate],
+        rows: int,
+    ) -> str:
         """The method for ``layer`` (signature without the batch size): the remembered choice,
         else the cached one (for a chunk of ``rows`` examples, if it runs as predicted here), else
         the fastest of the contending candidates timed now on this chunk (of those within
@@ -171,17 +189,27 @@ class MethodTuner:
                 self._due.discard(signature)
                 self._check(signature, known, candidates, device, rows)
             return known.method
-        cached, note = self._from_cache(device, signature, candidates, rows) if self.enabled else (None, "")
+        cached, note = (
+            self._from_cache(device, signature, candidates, rows) if self.enabled else (None, "")
+        )
         if cached is not None:
             return self._remember(layer, signature, cached)
         contending = _contending(candidates, rule, rows)
         if not self.enabled or len(contending) < 2:
-            if note:  # a cached choice that failed its check, and nothing to time now: not read again
+            if (
+                note
+            ):  # a cached choice that failed its check, and nothing to time now: not read again
                 self._store(device, cache_key(signature, rows), None)
-            if self.enabled and len(contending) == 1 and min(c.macs for c in candidates) * rows >= TUNE_MIN_MACS:
+            if (
+                self.enabled
+                and len(contending) == 1
+                and min(c.macs for c in candidates) * rows >= TUNE_MIN_MACS
+            ):
                 return self._remember(layer, signature, LayerChoice(rule, "estimate"))
             return rule
-        return self._remember(layer, signature, self._timed(device, signature, contending, rows, note))
+        return self._remember(
+            layer, signature, self._timed(device, signature, contending, rows, note)
+        )
 
     def remembered(self, layer: str, signature: str) -> str | None:
         """The method already chosen for ``signature`` (now also ``layer``'s), else None: every step
@@ -205,8 +233,10 @@ class MethodTuner:
     def as_json(self) -> dict[str, Any]:
         """The choices so far: {"device", "methods": signature -> method, "layers": name -> [method,
         source, {candidate: ms}], "tuning_s"} (for the checkpoint, the summary and the log)."""
-        layers = {name: [self.choices[s].method, self.choices[s].source, self.choices[s].ms]
-                  for name, s in self.layers.items()}  # fmt: skip
+        layers = {
+            name: [self.choices[s].method, self.choices[s].source, self.choices[s].ms]
+            for name, s in self.layers.items()
+        }
         return {
             "device": self._device,
             "methods": {s: c.method for s, c in self.choices.items()},
@@ -219,7 +249,10 @@ class MethodTuner:
         cache with the date and load it was timed under, a checkpoint), with the timings."""
         if not self.layers:
             return "clip methods: shape rule (no layer large enough to time)"
-        parts = [f"{name or '<root>'} {self.choices[s].method} ({self.choices[s].provenance()})" for name, s in self.layers.items()]
+        parts = [
+            f"{name or '<root>'} {self.choices[s].method} ({self.choices[s].provenance()})"
+            for name, s in self.layers.items()
+        ]
         where = f" on {self._device}" if self._device else ""
         return f"clip methods{where}, tuned in {self.tuning_s:.1f} s: " + "; ".join(parts)
 
@@ -238,19 +271,33 @@ class MethodTuner:
         self._chunks[signature], self._strikes[signature] = 1, 0
         return choice.method
 
-    def _timed(self, device: torch.device, signature: str, contending: list[Candidate], rows: int, note: str) -> LayerChoice:
+    def _timed(
+        self,
+        device: torch.device,
+        signature: str,
+        contending: list[Candidate],
+        rows: int,
+        note: str,
+    ) -> LayerChoice:
         """The choice timing ``contending`` on this chunk gives, written to the cache if the timing
         showed no load (else any entry for its key removed: the next run times it again)."""
         started = time.perf_counter()
-        timing = autotune_timing.time_candidates(contending, device)  # looked up on its module: tests replace it
+        # looked up on its module: tests replace it
+        timing = autotune_timing.time_candidates(contending, device)
         best, source = _leanest_near_fastest(timing.ms, contending, device)
         self.tuning_s += time.perf_counter() - started
-        choice = LayerChoice(best, source, timing.ms, rows, time.strftime("%Y-%m-%d"), timing.load, note)
+        choice = LayerChoice(
+            best, source, timing.ms, rows, time.strftime("%Y-%m-%d"), timing.load, note
+        )
         choice.checked = timing.load == IDLE and self._checkable(choice, device)
-        self._store(device, cache_key(signature, rows), _entry(choice) if timing.load == IDLE else None)
+        self._store(
+            device, cache_key(signature, rows), _entry(choice) if timing.load == IDLE else None
+        )
         return choice
 
-    def _from_cache(self, device: torch.device, signature: str, candidates: list[Candidate], rows: int) -> tuple[LayerChoice | None, str]:
+    def _from_cache(
+        self, device: torch.device, signature: str, candidates: list[Candidate], rows: int
+    ) -> tuple[LayerChoice | None, str]:
         """(the cached choice for this chunk if it runs here as it was timed (``_cache_check``),
         else None; why a cached choice was not taken, "" if there was none)."""
         table = self._cached(device)
@@ -267,7 +314,9 @@ class MethodTuner:
         choice.checked = self._checkable(choice, device)
         return choice, ""
 
-    def _cache_check(self, choice: LayerChoice, candidates: list[Candidate], device: torch.device, rows: int) -> str:
+    def _cache_check(
+        self, choice: LayerChoice, candidates: list[Candidate], device: torch.device, rows: int
+    ) -> str:
         """Why the cached ``choice`` does not run here as it was timed ("" if it does): its method
         and the runner-up of its timing (if within ``TUNE_DROP`` of it), ``CHECK_RUNS`` timed runs
         each, interleaved; the method's fastest run over ``CHECK_OFF`` off its prediction (scaled
@@ -276,15 +325,26 @@ class MethodTuner:
         if predicted is None:
             return ""
         near = TUNE_DROP * choice.ms[choice.method]
-        others = [c for c in candidates if c.name != choice.method and choice.ms.get(c.name, float("inf")) <= near]
+        others = [
+            c
+            for c in candidates
+            if c.name != choice.method and choice.ms.get(c.name, float("inf")) <= near
+        ]
         runner_up = min(others, key=lambda c: choice.ms[c.name], default=None)
         measured = fastest_runs(
-            [c for c in candidates if c.name == choice.method] + ([runner_up] if runner_up else []), device, CHECK_RUNS
+            [c for c in candidates if c.name == choice.method] + ([runner_up] if runner_up else []),
+            device,
+            CHECK_RUNS,
         )
         off = measured[choice.method] / predicted
         if not 1 / CHECK_OFF <= off <= CHECK_OFF:
-            return f"the cached {choice.method} ran {off:.2f}x its {choice.ms[choice.method]:.1f} ms"
-        if runner_up is not None and measured[choice.method] > (1.0 + TUNE_TIE) * measured[runner_up.name]:
+            return (
+                f"the cached {choice.method} ran {off:.2f}x its {choice.ms[choice.method]:.1f} ms"
+            )
+        if (
+            runner_up is not None
+            and measured[choice.method] > (1.0 + TUNE_TIE) * measured[runner_up.name]
+        ):
             ratio = measured[choice.method] / measured[runner_up.name]
             return f"the cached {choice.method} ran {ratio:.2f}x {runner_up.name}'s time"
         return ""
@@ -294,14 +354,22 @@ class MethodTuner:
         None where there is none to compare with (not timed, under ``JUDGE_MIN_MS``, another rows
         bucket)."""
         predicted = choice.ms.get(choice.method, 0.0)
-        if predicted < JUDGE_MIN_MS or choice.rows < 1 or rows_bucket(rows) != rows_bucket(choice.rows):
+        if (
+            predicted < JUDGE_MIN_MS
+            or choice.rows < 1
+            or rows_bucket(rows) != rows_bucket(choice.rows)
+        ):
             return None
         return predicted * rows / choice.rows
 
     def _checkable(self, choice: LayerChoice, device: torch.device) -> bool:
         """Whether later chunks check ``choice`` against its prediction: a CPU's, in the cache, and
         long enough to time in one run."""
-        return device.type == "cpu" and self.cache_file is not None and choice.ms.get(choice.method, 0.0) >= JUDGE_MIN_MS
+        return (
+            device.type == "cpu"
+            and self.cache_file is not None
+            and choice.ms.get(choice.method, 0.0) >= JUDGE_MIN_MS
+        )
 
     def _check_due(self, signature: str) -> bool:
         """Count a chunk of ``signature``; True (and the check marked due) on chunks 2, 4, 8, ...,
@@ -312,7 +380,14 @@ class MethodTuner:
             return True
         return False
 
-    def _check(self, signature: str, known: LayerChoice, candidates: list[Candidate], device: torch.device, rows: int) -> None:
+    def _check(
+        self,
+        signature: str,
+        known: LayerChoice,
+        candidates: list[Candidate],
+        device: torch.device,
+        rows: int,
+    ) -> None:
         """A later chunk's check: ``known``'s method run once, timed (the step has just warmed it);
         ``CHECK_STRIKES`` in a row off its prediction by ``CHECK_OFF`` drop its cache entry and say
         so in the run's line."""
@@ -346,7 +421,13 @@ class MethodTuner:
 
 def _entry(choice: LayerChoice) -> dict[str, Any]:
     """A timed choice as the cache keeps it."""
-    return {"method": choice.method, "ms": choice.ms, "rows": choice.rows, "timed": choice.timed_on, "load": choice.load}
+    return {
+        "method": choice.method,
+        "ms": choice.ms,
+        "rows": choice.rows,
+        "timed": choice.timed_on,
+        "load": choice.load,
+    }
 
 
 def _choice_of(entry: Any, names: set[str]) -> LayerChoice | None:
@@ -355,7 +436,12 @@ def _choice_of(entry: Any, names: set[str]) -> LayerChoice | None:
     if not isinstance(entry, dict) or entry.get("load") != IDLE or entry.get("method") not in names:
         return None
     ms, rows = entry.get("ms"), entry.get("rows")
-    if not isinstance(ms, dict) or not isinstance(rows, int) or rows < 1 or not isinstance(ms.get(entry["method"]), (int, float)):
+    if (
+        not isinstance(ms, dict)
+        or not isinstance(rows, int)
+        or rows < 1
+        or not isinstance(ms.get(entry["method"]), (int, float))
+    ):
         return None
     timings = {str(k): float(v) for k, v in ms.items() if isinstance(v, (int, float))}
     return LayerChoice(entry["method"], "cache", timings, rows, str(entry.get("timed", "")), IDLE)
@@ -365,7 +451,9 @@ def default_tuner() -> MethodTuner:
     """The tuner engines get: on (unless ``$DPSCALE_AUTOTUNE=0``), cached at ``autotune_cache_path``
     (not read with ``$DPSCALE_AUTOTUNE=retime``: every layer timed again, its entry replaced)."""
     setting = os.environ.get(TUNE_OFF_ENV, "1")
-    return MethodTuner(enabled=setting != "0", cache_file=autotune_cache_path(), read_cache=setting != TUNE_RETIME)
+    return MethodTuner(
+        enabled=setting != "0", cache_file=autotune_cache_path(), read_cache=setting != TUNE_RETIME
+    )
 
 
 def describe_methods(engine: Any) -> str | None:
@@ -383,12 +471,16 @@ def _contending(candidates: list[Candidate], rule: str, rows: int) -> list[Candi
     if cheapest * rows < TUNE_MIN_MACS:
         return []
     return [
-        c for c in candidates
-        if c.name == rule or (c.macs <= TUNE_SPREAD * cheapest and c.gram_bytes <= TUNE_MAX_GRAM_BYTES)
-    ]  # fmt: skip
+        c
+        for c in candidates
+        if c.name == rule
+        or (c.macs <= TUNE_SPREAD * cheapest and c.gram_bytes <= TUNE_MAX_GRAM_BYTES)
+    ]
 
 
-def _leanest_near_fastest(ms: dict[str, float], candidates: list[Candidate], device: torch.device) -> tuple[str, str]:
+def _leanest_near_fastest(
+    ms: dict[str, float], candidates: list[Candidate], device: torch.device
+) -> tuple[str, str]:
     """(method, how it was chosen): the fastest median in ``ms``, unless others are within
     ``TUNE_TIE`` of it; then, of those, the fastest whose ``peak_bytes`` is within ``PEAK_TIE``
     of the lowest. On a CPU only, and not under a user's own torch profiler: the measurement is a
@@ -401,10 +493,15 @@ def _leanest_near_fastest(ms: dict[str, float], candidates: list[Candidate], dev
     with torch.no_grad():
         peaks = {c.name: peak_bytes(c.run, device) for c in near}
     lowest = min(peaks.values())
-    best = min((name for name, peak in peaks.items() if peak <= (1.0 + PEAK_TIE) * lowest), key=ms.__getitem__)
+    best = min(
+        (name for name, peak in peaks.items() if peak <= (1.0 + PEAK_TIE) * lowest),
+        key=ms.__getitem__,
+    )
     if best == fastest:
         return fastest, "timed"
-    return best, "timed, least memory (peak MB: " + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in peaks.items()) + ")"
+    return best, "timed, least memory (peak MB: " + ", ".join(
+        f"{n} {b / 2**20:.1f}" for n, b in peaks.items()
+    ) + ")"
 
 
 def methods_state(engine: Any) -> dict[str, Any] | None:
@@ -417,7 +514,11 @@ def layer_methods(engine: Any) -> dict[str, str] | None:
     """Each layer's method (name -> method) for a run's summary: the same for an uninterrupted run
     and its resumed twin (how each was chosen, and the timings, are in the log and checkpoint)."""
     tuner = getattr(engine, "tuner", None)
-    return {name: tuner.choices[s].method for name, s in tuner.layers.items()} if isinstance(tuner, MethodTuner) else None
+    return (
+        {name: tuner.choices[s].method for name, s in tuner.layers.items()}
+        if isinstance(tuner, MethodTuner)
+        else None
+    )
 
 
 def pin_methods(engine: Any, saved: dict[str, Any] | None) -> None:

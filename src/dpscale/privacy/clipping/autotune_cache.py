@@ -94,7 +94,9 @@ def read_table(cache_file: Path | None, descriptor: str | None) -> dict[str, Any
     return entry if isinstance(entry, dict) else {}
 
 
-def store_entry(cache_file: Path | None, device: torch.device, key: str, entry: dict[str, Any] | None) -> bool:
+def store_entry(
+    cache_file: Path | None, device: torch.device, key: str, entry: dict[str, Any] | None
+) -> bool:
     """Write ``entry`` at ``key`` in ``device``'s table (None: remove it), dropping the table's
     entries in an older format (a bare method name: ``cache_key``); a missing file is not created
     to remove. A file that cannot be written (a read-only home) is left as it is.

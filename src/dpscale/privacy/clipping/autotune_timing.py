@@ -67,7 +67,9 @@ def time_candidates(candidates: list[Candidate], device: torch.device) -> Timing
         for c in candidates:
             c.run()
         samples: dict[str, list[tuple[float, float]]] = {c.name: [] for c in candidates}
-        for _ in range(2):  # two looks before dropping: one preempted sample must not drop the fastest
+        for _ in range(
+            2
+        ):  # two looks before dropping: one preempted sample must not drop the fastest
             for c in candidates:
                 samples[c.name].append(measure_once(c, device))
         best = {name: min(_on_clock(s, device) for s in v) for name, v in samples.items()}
@@ -77,7 +79,10 @@ def time_candidates(candidates: list[Candidate], device: torch.device) -> Timing
         for _ in range(rounds - 2):
             for c in kept:
                 samples[c.name].append(measure_once(c, device))
-    ms = {name: round(statistics.median(_on_clock(s, device) for s in v), 3) for name, v in samples.items()}
+    ms = {
+        name: round(statistics.median(_on_clock(s, device) for s in v), 3)
+        for name, v in samples.items()
+    }
     return Timing(ms, load_verdict(samples, thread_clock(device)))
 
 

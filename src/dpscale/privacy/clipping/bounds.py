@@ -132,7 +132,9 @@ def blocked_sq_norms(t: torch.Tensor) -> torch.Tensor:
     summed in float64 (error ~1e-9, at ~1.1x the time): never below (1 - gamma_{NORM_BLOCK + 5})
     of the exact value, whatever the kernel's order of summation (``clip_margin`` covers it)."""
     blocks = block_norms(t)
-    if blocks.shape[1] == 1:  # one block (at most NORM_BLOCK values, within clip_margin's rounding): its square
+    if (
+        blocks.shape[1] == 1
+    ):  # one block (at most NORM_BLOCK values, within clip_margin's rounding): its square
         return blocks[:, 0].square()
     return blocks.square().sum(1, dtype=torch.float64).to(t.dtype)
 
@@ -143,14 +145,19 @@ def block_norms(t: torch.Tensor) -> torch.Tensor:
     float64 sum of their squares."""
     size = math.prod(t.shape[1:])  # from the shape: ``t[0].numel()`` would launch an operator
     if size <= NORM_BLOCK:
-        return torch.linalg.vector_norm(t if t.dim() == 2 else t.reshape(t.shape[0], -1), dim=1, keepdim=True)
+        return torch.linalg.vector_norm(
+            t if t.dim() == 2 else t.reshape(t.shape[0], -1), dim=1, keepdim=True
+        )
     return torch.linalg.vector_norm(t.reshape(t.shape[0], -1, math.gcd(size, NORM_BLOCK)), dim=2)
 
 
 def clip_factors(
-    bounds: torch.Tensor, max_grad_norm: float | None, *, release_dtype: torch.dtype | None = None,
+    bounds: torch.Tensor,
+    max_grad_norm: float | None,
+    *,
+    release_dtype: torch.dtype | None = None,
     gamma: float | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Per-example scale min(1, C (1 - m) / (bound + CLIP_EPS)), or with automatic clipping
     (``gamma``) C (1 - m) / (bound + gamma); all ones when ``max_grad_norm`` is None (no clipping).
 
@@ -170,7 +177,12 @@ def clip_factors(
     return _scale(max_grad_norm * (1 - margin), bounds, gamma, release_dtype or bounds.dtype)
 
 
-def _scale(limit: float | torch.Tensor, bounds: torch.Tensor, gamma: float | None, release_dtype: torch.dtype) -> torch.Tensor:
+def _scale(
+    limit: float | torch.Tensor,
+    bounds: torch.Tensor,
+    gamma: float | None,
+    release_dtype: torch.dtype,
+) -> torch.Tensor:
     """limit / (bound + CLIP_EPS) capped at 1 (clip to the limit), or, automatic clipping, limit /
     (bound + gamma): every gradient is scaled to norm limit * bound / (bound + gamma) < limit.
 
@@ -179,14 +191,18 @@ def _scale(limit: float | torch.Tensor, bounds: torch.Tensor, gamma: float | Non
     smaller factor only shrinks the release, so the cap never raises a norm past the limit."""
     if gamma is None:
         return (limit / (bounds + CLIP_EPS)).clamp(max=1.0)
-    check_clip_gamma(gamma)  # an engine made without a plan: the floor that keeps norms within gamma
+    # an engine made without a plan: the floor that keeps norms within gamma
+    check_clip_gamma(gamma)
     return (limit / (bounds + gamma)).clamp(max=torch.finfo(release_dtype).max)
 
 
 def group_clip_factors(
-    bounds: Sequence[float], group_bounds: torch.Tensor, *, release_dtype: torch.dtype | None = None,
+    bounds: Sequence[float],
+    group_bounds: torch.Tensor,
+    *,
+    release_dtype: torch.dtype | None = None,
     gamma: float | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Per-group, per-example factors min(1, C_g (1 - m) / (bound_g + CLIP_EPS)), (G, B), from
     the groups' C_g and each group's per-example bound on its release's norm (G, B); m and
     ``gamma`` (automatic clipping: C_g (1 - m) / (bound_g + gamma)) as in ``clip_factors``."""
@@ -243,7 +259,8 @@ def _why_unused(unused: list[str], patterns: list[str], group_of: dict[str, int]
     reasons, unmatched, shadowed = [], False, False
     for pattern in unused:
         matched = [n for n in group_of if fnmatchcase(n, pattern)]
-        takers = list(dict.fromkeys(repr(patterns[group_of[n]]) for n in matched))  # earlier ones, in order
+        # earlier ones, in order
+        takers = list(dict.fromkeys(repr(patterns[group_of[n]]) for n in matched))
         if takers:
             shadowed = True
             plural = len(takers) > 1
@@ -265,7 +282,9 @@ def _count(n: int, noun: str) -> str:
     return f"the 1 {noun}" if n == 1 else f"all {n} {noun}s"
 
 
-def per_tensor_bounds(max_grad_norm: float | Mapping[str, float], names: Sequence[str]) -> dict[str, float]:
+def per_tensor_bounds(
+    max_grad_norm: float | Mapping[str, float], names: Sequence[str]
+) -> dict[str, float]:
     """Each trainable tensor's own bound, as a per-layer mapping with one group per tensor.
 
     Args:

@@ -36,12 +36,25 @@ from torch.func import functional_call, grad_and_value, vmap
 from dpscale.privacy.clipping.bounds import blocked_sq_norms, resolve_clip_groups
 from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.clipping.compiled_check import capture_mismatch
-from dpscale.privacy.clipping.per_example import Batch, ClippedSumMixin, LossFn, PerExampleEngine, VmapEngine, clip_units, mean_over_views, per_example_cross_entropy, real_rows, refuse_units
+from dpscale.privacy.clipping.per_example import (
+    Batch,
+    ClippedSumMixin,
+    LossFn,
+    PerExampleEngine,
+    VmapEngine,
+    clip_units,
+    mean_over_views,
+    per_example_cross_entropy,
+    real_rows,
+    refuse_units,
+)
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 from dpscale.privacy.clipping.precision import FP32, Precision, exact_float32, zero_rows
 
-COMPILED_ENGINE = "vmap-compiled"  # the engine's name in logs, summaries and the bench's resolved column
+COMPILED_ENGINE = (
+    "vmap-compiled"  # the engine's name in logs, summaries and the bench's resolved column
+)
 COMPILED_NOTE = (
     "compile: each chunk's clipped sum runs as one torch.compile graph of the vmap engine (checked above); each new "
     "chunk shape compiles once (seconds to minutes) and is compared once with the eager engine; train.fixed_shapes (on "
@@ -123,7 +136,9 @@ class _Captures:
     """What every copy of one engine shares (``dataclasses.replace`` keeps it: adaptive clipping
     makes a copy each step with its new C): each model's ``_ModelCaptures``."""
 
-    models: weakref.WeakKeyDictionary[nn.Module, _ModelCaptures] = field(default_factory=weakref.WeakKeyDictionary)
+    models: weakref.WeakKeyDictionary[nn.Module, _ModelCaptures] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
 
 
 @dataclass(frozen=True)
@@ -162,16 +177,28 @@ class CompiledEngine(ClippedSumMixin):
         if not isinstance(engine, VmapEngine):
             check_compilable(engine.name, engine.precision)  # bk and ghost: their own line
             raise ValueError(f"compile takes the vmap engine, got engine {engine.name}")
-        return cls(engine.max_grad_norm, engine.loss_fn, views=engine.views, precision=engine.precision, clip_gamma=engine.clip_gamma)
+        return cls(
+            engine.max_grad_norm,
+            engine.loss_fn,
+            views=engine.views,
+            precision=engine.precision,
+            clip_gamma=engine.clip_gamma,
+        )
 
     @property
     def eager(self) -> VmapEngine:
         """The eager vmap engine of the same settings: what the set-up checks run and each new shape is compared with."""
-        return VmapEngine(self.max_grad_norm, self.loss_fn, views=self.views, precision=self.precision, clip_gamma=self.clip_gamma)
+        return VmapEngine(
+            self.max_grad_norm,
+            self.loss_fn,
+            views=self.views,
+            precision=self.precision,
+            clip_gamma=self.clip_gamma,
+        )
 
     def clipped_sum_and_losses(
         self, model: nn.Module, params: Params, batch: Batch, row_mask: torch.Tensor | None = None
-    ) -> tuple[Params, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         """One chunk's clipped sum, per-example norms and losses.
 
         Args:
@@ -185,7 +212,9 @@ class CompiledEngine(ClippedSumMixin):
         refuse_units(batch, self.name)
         x, y = batch
         rows = real_rows(batch)
-        if rows is not None:  # a fixed-shape chunk (pad_chunk): its padding masked, its examples' norms and losses returned
+        if (
+            rows is not None
+        ):  # a fixed-shape chunk (pad_chunk): its padding masked, its examples' norms and losses returned
             padding = torch.arange(x.shape[0], device=x.device) < rows
             grad_sum, norms, losses = self.clipped_sum_and_losses(
                 model, params, (x, y), padding if row_mask is None else row_mask & padding
@@ -197,9 +226,19 @@ class CompiledEngine(ClippedSumMixin):
         captures = self.captures.models.setdefault(model, _ModelCaptures())
         function = self._function(captures, model, params, x.device)
         clip = None
-        if self.max_grad_norm is not None and not isinstance(self.max_grad_norm, Mapping):  # a fill, no host copy
+        if self.max_grad_norm is not None and not isinstance(
+            self.max_grad_norm, Mapping
+        ):  # a fill, no host copy
             clip = torch.full((), float(self.max_grad_norm), dtype=torch.float64, device=x.device)
-        key = (tuple(x.shape), x.dtype, x.device, tuple(y.shape), row_mask is None, model.training, tuple(params))
+        key = (
+            tuple(x.shape),
+            x.dtype,
+            x.device,
+            tuple(y.shape),
+            row_mask is None,
+            model.training,
+            tuple(params),
+        )
         with exact_float32():  # never TF32 (the clip bound's arithmetic, and fp32's forward)
             if key in captures.checked:
                 return _owned(_run(function, params, x, y, row_mask, clip))
@@ -207,23 +246,42 @@ class CompiledEngine(ClippedSumMixin):
         captures.checked.add(key)
         return result
 
-    def _function(self, captures: _ModelCaptures, model: nn.Module, params: Params, device: torch.device) -> ClippedSums:
+    def _function(
+        self, captures: _ModelCaptures, model: nn.Module, params: Params, device: torch.device
+    ) -> ClippedSums:
         """The compiled function for this model, these settings and parameters, and the device's mode."""
         bounds = self.max_grad_norm if isinstance(self.max_grad_norm, Mapping) else None
-        settings = (self.loss_fn, self.views, self.clip_gamma, None if bounds is None else tuple(bounds.items()),
-                    tuple(params), device.type)  # fmt: skip
+        settings = (
+            self.loss_fn,
+            self.views,
+            self.clip_gamma,
+            None if bounds is None else tuple(bounds.items()),
+            tuple(params),
+            device.type,
+        )
         if settings not in captures.functions:
             check_compilable("vmap", self.precision, model)
-            group_of = resolve_clip_groups(bounds, list(params)).group_of if bounds is not None else None
-            sums = _own_code(clipped_sums(model, self.loss_fn, self.views, self.clip_gamma, bounds, group_of))
+            group_of = (
+                resolve_clip_groups(bounds, list(params)).group_of if bounds is not None else None
+            )
+            sums = _own_code(
+                clipped_sums(model, self.loss_fn, self.views, self.clip_gamma, bounds, group_of)
+            )
             mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on a GPU
-            captures.functions[settings] = torch.compile(sums, dynamic=False, fullgraph=True, mode=mode)
+            captures.functions[settings] = torch.compile(
+                sums, dynamic=False, fullgraph=True, mode=mode
+            )
         return captures.functions[settings]
 
     def _first_run(
-        self, function: ClippedSums, model: nn.Module, params: Params, batch: Batch, row_mask: torch.Tensor | None,
+        self,
+        function: ClippedSums,
+        model: nn.Module,
+        params: Params,
+        batch: Batch,
+        row_mask: torch.Tensor | None,
         clip: torch.Tensor | None,
-    ) -> tuple[Params, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         """A new shape: the eager vmap engine on the kept rows first (its refusals, e.g. a model
         that draws random numbers, come from it), then the capture, compared with it."""
         x, y = batch
@@ -231,7 +289,7 @@ class CompiledEngine(ClippedSumMixin):
         want = self.eager.clipped_sum_and_losses(model, params, kept)
         try:
             got = _owned(_run(function, params, x, y, row_mask, clip))
-        except Exception as err:  # noqa: BLE001 - any failure to capture is refused in one line
+        except Exception as err:  # any failure to capture is refused in one line
             first = (str(err).strip().splitlines() or [""])[0][:200]
             raise ValueError(
                 f"compile: torch.compile could not capture {type(model).__name__}'s clipped step ({type(err).__name__}: "
@@ -239,8 +297,17 @@ class CompiledEngine(ClippedSumMixin):
             ) from err
         rows = got[1] if row_mask is None else got[1][row_mask]
         losses = got[2] if row_mask is None else got[2][row_mask]
-        differs = capture_mismatch((got[0], rows, losses), want, model=model, params=params, kept=kept, max_grad_norm=self.max_grad_norm,
-                                   loss_fn=self.loss_fn, views=self.views, clip_gamma=self.clip_gamma)  # fmt: skip
+        differs = capture_mismatch(
+            (got[0], rows, losses),
+            want,
+            model=model,
+            params=params,
+            kept=kept,
+            max_grad_norm=self.max_grad_norm,
+            loss_fn=self.loss_fn,
+            views=self.views,
+            clip_gamma=self.clip_gamma,
+        )
         if differs:
             raise ValueError(
                 f"compile: the compiled step differs from the eager vmap engine (and from the float64 loop) on a chunk of "
@@ -249,7 +316,9 @@ class CompiledEngine(ClippedSumMixin):
         return got
 
 
-def compiled_choice(engine: PerExampleEngine, check: FirstChunkCheck | None) -> tuple[CompiledEngine, FirstChunkCheck | None]:
+def compiled_choice(
+    engine: PerExampleEngine, check: FirstChunkCheck | None
+) -> tuple[CompiledEngine, FirstChunkCheck | None]:
     """A run's eager engine, built and checked as every run's (``compiled_engine_name``'s vmap),
     compiled; its first-chunk check, if any, run on the eager twin (a check's passes over halved
     chunks would each compile a shape the run never takes).
@@ -277,26 +346,40 @@ def _own_code(function: ClippedSums) -> ClippedSums:
     in a process (a test suite, a sweep) would run eagerly without a word."""
     number = next(_CAPTURES)
     code = function.__code__
-    own = code.replace(co_name=f"{code.co_name}_{number}", co_qualname=f"{code.co_qualname}_{number}")
-    return types.FunctionType(own, function.__globals__, own.co_name, function.__defaults__, function.__closure__)
+    own = code.replace(
+        co_name=f"{code.co_name}_{number}", co_qualname=f"{code.co_qualname}_{number}"
+    )
+    return types.FunctionType(
+        own, function.__globals__, own.co_name, function.__defaults__, function.__closure__
+    )
 
 
 def _check_mask(row_mask: torch.Tensor | None, rows: int) -> None:
     """Refuse a row mask that is not one bool per row (read from its type and shape: no host sync)."""
     if row_mask is not None and (row_mask.dtype != torch.bool or tuple(row_mask.shape) != (rows,)):
-        raise ValueError(f"row_mask must be a bool tensor of shape ({rows},), one per row, got {row_mask.dtype} {tuple(row_mask.shape)}")
+        raise ValueError(
+            f"row_mask must be a bool tensor of shape ({rows},), one per row, got {row_mask.dtype} {tuple(row_mask.shape)}"
+        )
 
 
 def _run(
-    function: ClippedSums, params: Params, x: torch.Tensor, y: torch.Tensor, row_mask: torch.Tensor | None,
+    function: ClippedSums,
+    params: Params,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    row_mask: torch.Tensor | None,
     clip: torch.Tensor | None,
-) -> tuple[Params, torch.Tensor, torch.Tensor]:  # fmt: skip
-    if x.device.type == "cuda":  # a new replay of the CUDA graph: the previous outputs may be overwritten
+) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    if (
+        x.device.type == "cuda"
+    ):  # a new replay of the CUDA graph: the previous outputs may be overwritten
         torch.compiler.cudagraph_mark_step_begin()
     return function(params, x, y, row_mask, clip)
 
 
-def _owned(result: tuple[Params, torch.Tensor, torch.Tensor]) -> tuple[Params, torch.Tensor, torch.Tensor]:
+def _owned(
+    result: tuple[Params, torch.Tensor, torch.Tensor],
+) -> tuple[Params, torch.Tensor, torch.Tensor]:
     """The outputs, copied out of a CUDA graph's buffers (its next replay overwrites them); as they are elsewhere."""
     grad_sum, norms, losses = result
     if norms.device.type != "cuda":
@@ -305,9 +388,13 @@ def _owned(result: tuple[Params, torch.Tensor, torch.Tensor]) -> tuple[Params, t
 
 
 def clipped_sums(
-    model: nn.Module, loss_fn: LossFn, views: int, gamma: float | None, bounds: Mapping[str, float] | None,
+    model: nn.Module,
+    loss_fn: LossFn,
+    views: int,
+    gamma: float | None,
+    bounds: Mapping[str, float] | None,
     group_of: dict[str, int] | None,
-) -> ClippedSums:  # fmt: skip
+) -> ClippedSums:
     """The function ``torch.compile`` captures: the vmap engine's arithmetic for one chunk.
 
     Args:
@@ -327,16 +414,23 @@ def clipped_sums(
         return mean_over_views(loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), views)[0]
 
     def sums(
-        params: Params, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor | None, clip: torch.Tensor | None
-    ) -> tuple[Params, torch.Tensor, torch.Tensor]:  # fmt: skip
+        params: Params,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        rows: torch.Tensor | None,
+        clip: torch.Tensor | None,
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         grads, losses = vmap(grad_and_value(loss_one), in_dims=(None, 0, 0))(params, x, y)
         # blocked: a float32 sum of millions of squares may underestimate (clip_margin covers blocks)
         sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
         zeros = next(iter(sq_norms.values())).new_zeros(x.shape[0])
-        limit: Any = bounds if bounds is not None else clip  # C as a tensor: clip_factors' arithmetic is the same
+        # C as a tensor: clip_factors' arithmetic is the same
+        limit: Any = bounds if bounds is not None else clip
         factors, norms = clip_units(sq_norms, limit, group_of, zeros=zeros, gamma=gamma)
         keep = torch.isfinite(norms) if rows is None else rows & torch.isfinite(norms)
-        grad_sum = {k: torch.tensordot(factors[k], zero_rows(g, keep), dims=1) for k, g in grads.items()}
+        grad_sum = {
+            k: torch.tensordot(factors[k], zero_rows(g, keep), dims=1) for k, g in grads.items()
+        }
         if rows is None:
             return grad_sum, norms, losses.detach()
         return grad_sum, torch.where(rows, norms, 0.0), torch.where(rows, losses.detach(), 0.0)

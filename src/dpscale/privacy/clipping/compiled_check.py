@@ -25,9 +25,17 @@ Result = tuple[Params, torch.Tensor, torch.Tensor]  # (clipped sums, norms (B,),
 
 
 def capture_mismatch(
-    got: Result, want: Result, *, model: nn.Module, params: Params, kept: Batch, max_grad_norm: MaxGradNorm, loss_fn: LossFn,
-    views: int, clip_gamma: float | None,
-) -> str:  # fmt: skip
+    got: Result,
+    want: Result,
+    *,
+    model: nn.Module,
+    params: Params,
+    kept: Batch,
+    max_grad_norm: MaxGradNorm,
+    loss_fn: LossFn,
+    views: int,
+    clip_gamma: float | None,
+) -> str:
     """What differs between a capture's results and the eager engine's on the same rows ("" if
     nothing), or, where float32 results differ, between the capture's and the float64 loop's.
 
@@ -43,7 +51,12 @@ def capture_mismatch(
     differs = _differences(got, want, _sizes(want[0], scale), got[1].dtype)
     if not differs or got[1].dtype != torch.float32:
         return differs
-    options: dict[str, Any] = {"loss_fn": loss_fn, "views": views, "names": list(params), "clip_gamma": clip_gamma}
+    options: dict[str, Any] = {
+        "loss_fn": loss_fn,
+        "views": views,
+        "names": list(params),
+        "clip_gamma": clip_gamma,
+    }
     exact = float64_reference(model, kept, max_grad_norm, **options)
     sizes = _sizes(exact.clipped_sum, scale, exact.clipped_norm_sums)
     return _differences(got, (exact.clipped_sum, exact.norms, want[2]), sizes, torch.float32)
@@ -57,7 +70,11 @@ def release_scale(norms: torch.Tensor, sensitivity: float | None, gamma: float |
     finite = finite[torch.isfinite(finite)]
     if sensitivity is None:
         return float(finite.sum())
-    return sensitivity * finite.numel() if gamma is not None else float(finite.clamp(max=sensitivity).sum())
+    return (
+        sensitivity * finite.numel()
+        if gamma is not None
+        else float(finite.clamp(max=sensitivity).sum())
+    )
 
 
 def _differences(got: Result, want: Result, sizes: dict[str, float], dtype: torch.dtype) -> str:
@@ -74,7 +91,9 @@ def _differences(got: Result, want: Result, sizes: dict[str, float], dtype: torc
         finite = torch.isfinite(b)
         a, b = a[finite], b[finite]
         floor = RELATIVE_ERROR_FLOOR * float(b.abs().max()) if b.numel() else 0.0
-        error = float(((a - b).abs() / b.abs().clamp(min=floor + 1e-300)).max()) if b.numel() else 0.0
+        error = (
+            float(((a - b).abs() / b.abs().clamp(min=floor + 1e-300)).max()) if b.numel() else 0.0
+        )
         if error > tol:
             found.append(f"{what} {error:.2g}")
     for name, g in want[0].items():
@@ -84,7 +103,9 @@ def _differences(got: Result, want: Result, sizes: dict[str, float], dtype: torc
     return "; ".join(found)
 
 
-def _sizes(sums: Params, scale: float, norm_sums: dict[str, float] | None = None) -> dict[str, float]:
+def _sizes(
+    sums: Params, scale: float, norm_sums: dict[str, float] | None = None
+) -> dict[str, float]:
     """Each clipped sum's size, the measure of its error: its norm, or the sum of its examples'
     clipped norms where known (``norm_sums``: its size without cancellation), floored at a share of
     the whole step's ``scale`` (``release_scale``) so that a sum that cancels to nearly zero is not
@@ -92,4 +113,7 @@ def _sizes(sums: Params, scale: float, norm_sums: dict[str, float] | None = None
     large model (a capture that permutes a weight's gradient) is not lost in the step's."""
     floor = RELATIVE_ERROR_FLOOR * scale
     known = norm_sums or {}
-    return {name: max(float(torch.linalg.vector_norm(g.double())), known.get(name, 0.0), floor) for name, g in sums.items()}
+    return {
+        name: max(float(torch.linalg.vector_norm(g.double())), known.get(name, 0.0), floor)
+        for name, g in sums.items()
+    }

@@ -12,8 +12,17 @@ from dpscale.clip_norms import MaxGradNorm, is_per_layer
 from dpscale.privacy.clipping.autotune import MethodTuner, default_tuner
 from dpscale.privacy.clipping.ghost.engine import GhostEngine
 from dpscale.privacy.clipping.ghost.model import unsupported_modules
-from dpscale.privacy.clipping.per_example import LossFn, PerExampleEngine, VmapEngine, per_example_cross_entropy, trainable_params
-from dpscale.privacy.clipping.layer_refusals import check_parameter_types, check_per_example_compatible
+from dpscale.privacy.clipping.per_example import (
+    LossFn,
+    PerExampleEngine,
+    VmapEngine,
+    per_example_cross_entropy,
+    trainable_params,
+)
+from dpscale.privacy.clipping.layer_refusals import (
+    check_parameter_types,
+    check_per_example_compatible,
+)
 from dpscale.privacy.clipping.precision import FP32, Precision
 
 
@@ -47,26 +56,45 @@ def make_engine(
         (engine, notice or None).
     """
     if name not in ENGINE_NAMES:
-        raise ValueError(f"unknown per-example engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+        raise ValueError(
+            f"unknown per-example engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}"
+        )
     if views < 1:
         raise ValueError(f"views (augmentation multiplicity) must be >= 1, got {views}")
     if model is not None:  # layers no engine can take (refused before one fails inside torch)
         check_per_example_compatible(model)
         check_parameter_types(model)
     problems = unsupported_modules(model) if model is not None else []
-    if model is not None and is_per_layer(max_grad_norm):  # every parameter in a group, each group used
+    if model is not None and is_per_layer(
+        max_grad_norm
+    ):  # every parameter in a group, each group used
         resolve_clip_groups(max_grad_norm, list(trainable_params(model)))
     if name == "vmap" or (name == "auto" and problems):
-        notice = f"engine auto -> vmap: bk does not support {', '.join(problems)}" if name == "auto" else None
+        notice = (
+            f"engine auto -> vmap: bk does not support {', '.join(problems)}"
+            if name == "auto"
+            else None
+        )
         if model is not None:
             _check_vmap_runs(model, notice)
-        return VmapEngine(max_grad_norm, loss_fn, views=views, precision=precision, clip_gamma=clip_gamma), notice
+        return VmapEngine(
+            max_grad_norm, loss_fn, views=views, precision=precision, clip_gamma=clip_gamma
+        ), notice
     if problems:
-        raise ValueError(f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto")
+        raise ValueError(
+            f"engine {name} does not support {', '.join(problems)}; use engine=vmap or auto"
+        )
     mode = "bk" if name == "auto" else name
     tuner = default_tuner() if tuner is None else tuner
-    return GhostEngine(max_grad_norm, loss_fn, mode=mode, views=views, precision=precision, tuner=tuner,
-                       clip_gamma=clip_gamma), None  # fmt: skip
+    return GhostEngine(
+        max_grad_norm,
+        loss_fn,
+        mode=mode,
+        views=views,
+        precision=precision,
+        tuner=tuner,
+        clip_gamma=clip_gamma,
+    ), None
 
 
 def _check_vmap_runs(model: nn.Module, notice: str | None) -> None:

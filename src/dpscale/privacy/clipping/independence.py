@@ -42,7 +42,14 @@ from dpscale.privacy.clipping.per_example import (
 from dpscale.privacy.clipping.precision import FP32
 
 MIN_EXAMPLES = 2  # fewer: nothing to compare (and nothing for one example to mix with)
-DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+DROPOUT_LAYERS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
 # What a one-line refusal advises, by what mixed the examples (one place for each text).
 MODEL_MIXING_FIX = "use per-example layers (GroupNorm/LayerNorm instead of BatchNorm; dim 0 as the batch, batch_first=True)"
 LOSS_MIXING_FIX = "DP-SGD needs each example's loss to depend on that example alone (no in-batch contrastive/centred logits)"
@@ -101,7 +108,9 @@ class IndependenceResult:
             return f"{self.culprit} from the private batch in training mode, without noise (it is in state_dict()); {self.fix}"
         if self.culprit == "the model":
             return f"the model draws random numbers in its training-mode forward pass; {self.fix}"
-        if self.engine_only and self.norm_error == float("inf"):  # the engine refused, in train mode
+        if self.engine_only and self.norm_error == float(
+            "inf"
+        ):  # the engine refused, in train mode
             return f"in training mode, {self.fix}"
         what = "per-example gradient norm" if self.engine_only else "loss"
         return (
@@ -111,7 +120,9 @@ class IndependenceResult:
         )
 
 
-def check_batch_independence(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> IndependenceResult | None:
+def check_batch_independence(
+    engine: PerExampleEngine, model: nn.Module, batch: Batch
+) -> IndependenceResult | None:
     """Compare each example's loss and norm within ``batch`` with those within ``batch`` rolled
     by one and within each of its halves, in train mode.
 
@@ -129,7 +140,11 @@ def check_batch_independence(engine: PerExampleEngine, model: nn.Module, batch: 
     started = time.perf_counter()
     precision = getattr(engine, "precision", FP32)
     params = trainable_params(model)
-    dtype = precision.compare_dtype if precision.name != "fp32" else next(iter(params.values()), batch[0]).dtype
+    dtype = (
+        precision.compare_dtype
+        if precision.name != "fp32"
+        else next(iter(params.values()), batch[0]).dtype
+    )
     tol = tolerance_for(dtype if dtype.is_floating_point else torch.float32)
     comparisons = _comparisons(batch)
     with _training_as_run(model) as state_before:
@@ -148,7 +163,9 @@ def check_batch_independence(engine: PerExampleEngine, model: nn.Module, batch: 
             norm_error, refusal = _engine_norm_change(engine, model, params, batch, comparisons)
             if norm_error > tol:
                 culprit, fix = f"engine {engine.name}", refusal or ENGINE_MIXING_FIX
-    return IndependenceResult(n, tol, loss_error, norm_error, culprit, fix, time.perf_counter() - started)
+    return IndependenceResult(
+        n, tol, loss_error, norm_error, culprit, fix, time.perf_counter() - started
+    )
 
 
 # A sub-batch to compare with the whole: (chunk, the whole batch's indices of its examples).
@@ -169,11 +186,14 @@ def _comparisons(batch: Batch) -> list[Comparison]:
         return parts + [((x[rows], y[rows]), rows) for rows in (index[: n // 2], index[n // 2 :])]
     for keep in (0, n - 1):
         rows = torch.full((n,), keep, dtype=torch.long, device=y.device)
-        parts.append(((x[rows], y[rows]), rows[:1]))  # row 0 is example ``keep``; the copies are its company
+        # row 0 is example ``keep``; the copies are its company
+        parts.append(((x[rows], y[rows]), rows[:1]))
     return parts
 
 
-def _random_draws(engine: PerExampleEngine, model: nn.Module, batch: Batch, full: torch.Tensor, tol: float) -> tuple[str | None, str]:
+def _random_draws(
+    engine: PerExampleEngine, model: nn.Module, batch: Batch, full: torch.Tensor, tol: float
+) -> tuple[str | None, str]:
     """Whether the training-mode forward pass draws random numbers other than nn.Dropout's (a
     functional dropout, added noise): the same chunk under another seed gives other losses. Such
     a model cannot be checked by comparing passes (its draws follow batch positions)."""
@@ -190,12 +210,18 @@ def _training_as_run(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """Train mode with dropout off and the global RNGs seeded (each pass draws alike), every
     parameter, buffer and RNG restored afterwards; yields the parameters and buffers as they were."""
     was_training = model.training
-    saved = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    saved = {
+        name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
     model.train()
     dropouts = [m for m in model.modules() if isinstance(m, DROPOUT_LAYERS)]
     for m in dropouts:
         m.eval()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = (
+        [torch.cuda.current_device()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else []
+    )
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
@@ -209,14 +235,21 @@ def _training_as_run(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _engine_norm_change(
-    engine: PerExampleEngine, model: nn.Module, params: dict, batch: Batch, comparisons: list[Comparison]
+    engine: PerExampleEngine,
+    model: nn.Module,
+    params: dict,
+    batch: Batch,
+    comparisons: list[Comparison],
 ) -> tuple[float, str | None]:
     """The engine's per-example norms: largest relative change between ``batch`` and the
     comparisons, and the engine's refusal if it refused one of them (a layout it handles at one
     batch size only: inf)."""
     try:
         full = engine.clipped_sum_and_losses(model, params, batch)[1].detach()
-        norms = [engine.clipped_sum_and_losses(model, params, part)[1].detach() for part, _ in comparisons]
+        norms = [
+            engine.clipped_sum_and_losses(model, params, part)[1].detach()
+            for part, _ in comparisons
+        ]
     except ValueError as err:
         return float("inf"), str(err)
     return max(_change(full[rows], got) for (_, rows), got in zip(comparisons, norms)), None
@@ -242,7 +275,9 @@ def _change(want: torch.Tensor, got: torch.Tensor) -> float:
     if not finite.any():
         return 0.0
     scale = float(want[finite].abs().max())
-    error = (got - want)[finite].abs() / want[finite].abs().clamp(min=RELATIVE_ERROR_FLOOR * scale + 1e-300)
+    error = (got - want)[finite].abs() / want[finite].abs().clamp(
+        min=RELATIVE_ERROR_FLOOR * scale + 1e-300
+    )
     return float(error.max())
 
 
@@ -261,7 +296,7 @@ def _state_writer(model: nn.Module, before: dict[str, torch.Tensor]) -> str | No
 
 def _mixing_layer(
     engine: PerExampleEngine, model: nn.Module, batch: Batch, comparison: Comparison, tol: float
-) -> tuple[str, str]:  # fmt: skip
+) -> tuple[str, str]:
     """Name what mixes examples: the first layer (in execution order) whose output for some
     examples changes between ``batch`` and ``comparison``'s chunk, or whose output does not
     follow the batch along dim 0 (a time-major layout); the loss function if no layer does."""
@@ -290,7 +325,9 @@ def _mixing_layer(
         if len(seen) != 2:
             continue
         follows = [out.dim() > 0 and out.shape[0] == size for out, size in zip(seen, sizes)]
-        if follows[0] != follows[1] or (all(follows) and _differs(seen[0][view_rows], seen[1][: len(view_rows)], tol)):
+        if follows[0] != follows[1] or (
+            all(follows) and _differs(seen[0][view_rows], seen[1][: len(view_rows)], tol)
+        ):
             module = model.get_submodule(name)
             return f"layer {name!r} ({type(module).__name__})", MODEL_MIXING_FIX
     return "the loss function", LOSS_MIXING_FIX

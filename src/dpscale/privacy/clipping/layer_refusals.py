@@ -125,4 +125,6 @@ def check_per_example_compatible(model: nn.Module, engine: str | None = None) ->
         for refusal in REFUSED_LAYERS:
             concerned = refusal.engines is None or engine in refusal.engines
             if concerned and isinstance(module, refusal.layers) and refusal.applies(module):
-                raise ValueError(f"layer {name or '<root>'!r} ({type(module).__name__}) {refusal.reason}; {refusal.fix}")
+                raise ValueError(
+                    f"layer {name or '<root>'!r} ({type(module).__name__}) {refusal.reason}; {refusal.fix}"
+                )

@@ -37,7 +37,10 @@ def peak_bytes(run: Callable[[], Any], device: torch.device) -> float:
         return float(torch.cuda.max_memory_allocated(device) - base)
     from torch.profiler import ProfilerActivity, profile
 
-    with profiler_markers_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        profiler_markers_dropped(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         run()
     return cpu_allocation_peak(prof)
 
@@ -86,9 +89,17 @@ def cpu_allocation_peak(prof: Any) -> float:
         from torch._C._profiler import _EventType
 
         roots = prof.profiler.kineto_results.experimental_event_tree()
-        changes = [(n.start_time_ns, n.extra_fields.alloc_size) for n in _walk(roots) if n.tag == _EventType.Allocation]
+        changes = [
+            (n.start_time_ns, n.extra_fields.alloc_size)
+            for n in _walk(roots)
+            if n.tag == _EventType.Allocation
+        ]
     except (ImportError, AttributeError):
-        changes = [(e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage]
+        changes = [
+            (e.time_range.start, e.self_cpu_memory_usage)
+            for e in prof.events()
+            if e.self_cpu_memory_usage
+        ]
     live = peak = 0
     for _, size in sorted(changes, key=lambda change: change[0]):
         live += size

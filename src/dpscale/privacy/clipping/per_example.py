@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpscale.privacy.clipping.bounds import blocked_sq_norms, clip_factors, group_clip_factors, resolve_clip_groups
+from dpscale.privacy.clipping.bounds import (
+    blocked_sq_norms,
+    clip_factors,
+    group_clip_factors,
+    resolve_clip_groups,
+)
 from dpscale.clip_norms import MaxGradNorm, is_per_layer
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import (
@@ -64,8 +69,11 @@ def pad_chunk(batch: Batch, size: int) -> Batch:
     missing = size - x.shape[0]
     if missing <= 0:
         return batch
-    return PaddedChunk(torch.cat([x, x.new_zeros(missing, *x.shape[1:])]), torch.cat([y, y.new_zeros(missing, *y.shape[1:])]),
-                       x.shape[0])  # fmt: skip
+    return PaddedChunk(
+        torch.cat([x, x.new_zeros(missing, *x.shape[1:])]),
+        torch.cat([y, y.new_zeros(missing, *y.shape[1:])]),
+        x.shape[0],
+    )
 
 
 def real_rows(batch: Batch) -> int | None:
@@ -101,12 +109,18 @@ def padded_units(batch: UnitChunk, rows: int) -> Batch:
     x, y, offsets = batch
     sizes = torch.diff(offsets)
     if offsets.numel() < 2 or int(offsets[0]) != 0 or int(offsets[-1]) != x.shape[0]:
-        raise ValueError(f"unit offsets must rise from 0 to the chunk's {x.shape[0]} rows, got {offsets.tolist()}")
+        raise ValueError(
+            f"unit offsets must rise from 0 to the chunk's {x.shape[0]} rows, got {offsets.tolist()}"
+        )
     if bool((sizes > rows).any()) or bool((sizes < 1).any()):
-        raise ValueError(f"every user needs 1 to {rows} examples here, got {int(sizes.min())} to {int(sizes.max())}")
+        raise ValueError(
+            f"every user needs 1 to {rows} examples here, got {int(sizes.min())} to {int(sizes.max())}"
+        )
     if rows == 1:  # users of one example: the chunk as it is (views=1 takes (B, ...) inputs)
         return x, y
-    slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(offsets[:-1], sizes).to(x.device)
+    slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(
+        offsets[:-1], sizes
+    ).to(x.device)
     user = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(x.device)
     xs = x[offsets[:-1].to(x.device)].unsqueeze(1).repeat(1, rows, *([1] * (x.dim() - 1)))
     ys = torch.full((len(sizes), rows), PADDING_LABEL, dtype=y.dtype, device=y.device)
@@ -121,8 +135,12 @@ def user_sum_loss(rows: int, base: LossFn | None = None) -> LossFn:
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if base is None:
-            return F.cross_entropy(logits, targets, reduction="none", ignore_index=PADDING_LABEL) * rows
-        padding = targets == PADDING_LABEL  # base never sees the marker; where() passes no gradient there
+            return (
+                F.cross_entropy(logits, targets, reduction="none", ignore_index=PADDING_LABEL)
+                * rows
+            )
+        # base never sees the marker; where() passes no gradient there
+        padding = targets == PADDING_LABEL
         out = base(logits, torch.where(padding, torch.zeros_like(targets), targets))
         return torch.where(padding, torch.zeros_like(out), out) * rows
 
@@ -180,14 +198,18 @@ def refuse_units(batch: Batch | UnitChunk, engine: str) -> None:
     """Refuse an unpadded chunk of users (x, y, offsets), in one line: engines take users only as
     ``padded_units`` rows, which their AugMult path sums per user."""
     if len(batch) != 2:
-        raise ValueError(f"engine {engine} takes a chunk of users as padded_units(chunk, k) with views=k and loss_fn=user_sum_loss(k)")
+        raise ValueError(
+            f"engine {engine} takes a chunk of users as padded_units(chunk, k) with views=k and loss_fn=user_sum_loss(k)"
+        )
 
 
 def per_example_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets, reduction="none")
 
 
-def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.Tensor, views: int) -> torch.Tensor:
+def mean_over_views(
+    loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.Tensor, views: int
+) -> torch.Tensor:
     """Per-example losses (B,); with augmentation multiplicity K > 1, ``x`` is (B, K, ...) and an
     example's loss is the mean over its K views (TAN eq. 5: average *before* clipping), computed
     in one forward pass over the B*K views."""
@@ -197,7 +219,9 @@ def mean_over_views(loss_fn: LossFn, model: Callable, x: torch.Tensor, y: torch.
         raise ValueError(f"expected {views} views per example, got input of shape {tuple(x.shape)}")
     logits = model(x.reshape(-1, *x.shape[2:]))
     # a loss over users' rows (user_sum_loss) takes a target per row, (B, K); AugMult repeats one per example
-    rows = y.reshape(-1) if getattr(loss_fn, "per_row_targets", False) else y.repeat_interleave(views)
+    rows = (
+        y.reshape(-1) if getattr(loss_fn, "per_row_targets", False) else y.repeat_interleave(views)
+    )
     return loss_fn(logits, rows).reshape(-1, views).mean(1)
 
 
@@ -247,8 +271,11 @@ def clip_units(
         reach[: len(slacked)] += torch.stack(slacked)
     release_dtype = zeros.dtype
     if not is_per_layer(max_grad_norm):
-        bound = torch.linalg.vector_norm(reach, dim=0)  # float64: its rounding far inside clip_margin's float64 term
-        factors = clip_factors(bound, max_grad_norm, release_dtype=release_dtype, gamma=gamma).to(release_dtype)  # type: ignore[arg-type]
+        # float64: its rounding far inside clip_margin's float64 term
+        bound = torch.linalg.vector_norm(reach, dim=0)
+        flat_bound: float = max_grad_norm  # type: ignore[assignment]  # a number: not per layer
+        factors = clip_factors(bound, flat_bound, release_dtype=release_dtype, gamma=gamma)
+        factors = factors.to(release_dtype)
         # norms + bound is finite exactly when both are (neither is negative)
         factors = torch.where(torch.isfinite(norms + bound), factors, 0.0)
         return dict.fromkeys(unit_sq_norms, factors), norms
@@ -256,9 +283,13 @@ def clip_units(
         raise ValueError("per-layer clipping needs each unit's group (resolve_clip_groups)")
     bounds = list(max_grad_norm.values())
     index = torch.tensor([group_of[unit] for unit in units], device=reach.device)
-    group_bound = reach.new_zeros(len(bounds), norms.shape[0]).index_add_(0, index, reach.square()).sqrt()
+    group_bound = (
+        reach.new_zeros(len(bounds), norms.shape[0]).index_add_(0, index, reach.square()).sqrt()
+    )
     finite = torch.isfinite(norms) & torch.isfinite(group_bound).all(0)
-    group_factors = group_clip_factors(bounds, group_bound, release_dtype=release_dtype, gamma=gamma).to(release_dtype)
+    group_factors = group_clip_factors(
+        bounds, group_bound, release_dtype=release_dtype, gamma=gamma
+    ).to(release_dtype)
     rows = torch.where(finite, group_factors, 0.0).unbind(0)
     return {unit: rows[group_of[unit]] for unit in unit_sq_norms}, norms
 
@@ -288,7 +319,9 @@ _TRAINABLE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Params]] = weakref
 def trainable_params(model: nn.Module) -> Params:
     """The parameters DP-SGD updates (requires_grad=True), detached, by name (a new dict each call)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    key = tuple((name, id(p), p.data_ptr(), p.dtype, p.device, p.shape, p.stride()) for name, p in named)
+    key = tuple(
+        (name, id(p), p.data_ptr(), p.dtype, p.device, p.shape, p.stride()) for name, p in named
+    )
     kept = _TRAINABLE.get(model)
     if kept is None or kept[0] != key:
         kept = (key, {name: p.detach() for name, p in named})
@@ -323,11 +356,15 @@ class PerExampleEngine(Protocol):
         """Automatic clipping's gamma (None: clip to C)."""
         ...
 
-    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
+    def per_example_clipped_sum(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor]:
         """Returns (sum over examples of clipped gradients, per-example gradient norms before clipping)."""
         ...
 
-    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         """As ``per_example_clipped_sum`` plus the per-example losses (for logging)."""
         ...
 
@@ -336,7 +373,9 @@ class ClippedSumMixin:
     """What every engine shares: the interface method on top of ``clipped_sum_and_losses``,
     and the result for an empty chunk (a Poisson draw may select nobody)."""
 
-    def per_example_clipped_sum(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor]:
+    def per_example_clipped_sum(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor]:
         grad_sum, norms, _ = self.clipped_sum_and_losses(model, params, batch)  # type: ignore[attr-defined]
         return grad_sum, norms
 
@@ -369,10 +408,13 @@ class VmapEngine(ClippedSumMixin):
     precision: Precision = FP32
     clip_gamma: float | None = None
 
-    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         refuse_units(batch, self.name)
         rows = real_rows(batch)
-        x, y = batch if rows is None else (batch[0][:rows], batch[1][:rows])  # vmap: each row apart, padding dropped
+        # vmap: each row apart, padding dropped
+        x, y = batch if rows is None else (batch[0][:rows], batch[1][:rows])
         if x.shape[0] == 0 or not params:  # nobody sampled, or nothing to train
             return self.empty_result(params, x)
         slots, constants = _functional_slots(model, params)
@@ -383,7 +425,9 @@ class VmapEngine(ClippedSumMixin):
             forward = lambda inputs: functional_call(model, values, (inputs,), tie_weights=False)  # noqa: E731
             # 16 bits: norm layers on a float32 copy of their input (vmap cannot differentiate the mix)
             with precision.forward(xi.device), float32_normalization(precision.low):
-                loss = mean_over_views(self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views)[0]
+                loss = mean_over_views(
+                    self.loss_fn, forward, xi.unsqueeze(0), yi.unsqueeze(0), self.views
+                )[0]
             return at_least_fp32(loss) * scale  # fp16: the fixed loss scale S
 
         try:
@@ -409,9 +453,15 @@ class VmapEngine(ClippedSumMixin):
             sq_norms = {k: blocked_sq_norms(g) for k, g in grads.items()}
             # per layer: each unit's group (is_per_layer, spelled out so that the type narrows)
             bounds = self.max_grad_norm
-            group_of = resolve_clip_groups(bounds, list(grads)).group_of if isinstance(bounds, Mapping) else None
+            group_of = (
+                resolve_clip_groups(bounds, list(grads)).group_of
+                if isinstance(bounds, Mapping)
+                else None
+            )
             zeros = next(iter(sq_norms.values())).new_zeros(examples)
-            factors, norms = clip_units(sq_norms, self.max_grad_norm, group_of, zeros=zeros, gamma=self.clip_gamma)
+            factors, norms = clip_units(
+                sq_norms, self.max_grad_norm, group_of, zeros=zeros, gamma=self.clip_gamma
+            )
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; its rows are set to zero, since
             # 0 * inf = NaN would spread to the whole update and show that it was in the batch.
@@ -422,7 +472,9 @@ class VmapEngine(ClippedSumMixin):
         return grad_sum, norms
 
 
-def _functional_slots(model: nn.Module, params: Params) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def _functional_slots(
+    model: nn.Module, params: Params
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Where ``functional_call`` must put each tensor: one name per (layer, attribute), each layer
     once. A parameter tied between layers gets the same (batched) value in every layer that holds
     it; a layer registered under two names is swapped once (torch's own tying would swap it twice
@@ -435,7 +487,10 @@ def _functional_slots(model: nn.Module, params: Params) -> tuple[dict[str, str],
     canonical = {id(p): n for n, p in model.named_parameters()}  # the name trainable_params uses
     slots, constants = {}, {}
     for prefix, module in model.named_modules():  # each layer once
-        for local, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for local, t in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]:
             slot = f"{prefix}.{local}" if prefix else local
             name = canonical.get(id(t))
             if name in params:

@@ -44,7 +44,12 @@ DEFAULT_FP16_LOSS_SCALE = 1024.0
 _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Comparisons with a float32 reference (self-check, route check) use the tolerance of the
 # precision the gradients were computed in; TF32 inputs keep fp16's 10-bit mantissa.
-_COMPARE_DTYPE = {"fp32": torch.float32, "tf32": torch.float16, "bf16": torch.bfloat16, "fp16": torch.float16}
+_COMPARE_DTYPE = {
+    "fp32": torch.float32,
+    "tf32": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,9 @@ class Precision:
         if self.name not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.name!r}")
         if not self.loss_scale > 0 or math.frexp(self.loss_scale)[0] != 0.5:
-            raise ValueError(f"the loss scale must be a positive power of two, got {self.loss_scale}")
+            raise ValueError(
+                f"the loss scale must be a positive power of two, got {self.loss_scale}"
+            )
         if self.name != "fp16" and self.loss_scale != 1.0:
             raise ValueError(f"a loss scale is for fp16 only (precision {self.name})")
 
@@ -150,7 +157,9 @@ def needs_zeroing(finite: torch.Tensor) -> bool:
 def zero_rows(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``t`` (rows first) with the rows where ``keep`` is False set to exactly zero (not
     multiplied: 0 * inf would be NaN)."""
-    return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+    return torch.where(
+        keep.view(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device)
+    )
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -163,27 +172,38 @@ def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
 # ("expected scalar type BFloat16 but found Float"). F.* and torch.* names: a user may call either
 # (getattr: an older torch may lack rms_norm).
 _NORM_NAMES = ("layer_norm", "group_norm", "instance_norm", "batch_norm", "rms_norm")
-_NORMALIZATIONS = frozenset(f for m in (F, torch) for f in (getattr(m, n, None) for n in _NORM_NAMES) if f is not None)
+_NORMALIZATIONS = frozenset(
+    f for m in (F, torch) for f in (getattr(m, n, None) for n in _NORM_NAMES) if f is not None
+)
 _SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
 def _wider_operand(args: tuple, kwargs: dict) -> bool:
     """Whether a floating tensor among ``args``/``kwargs`` is wider than 16 bits (float32 parameters)."""
     operands = [*args, *kwargs.values()]
-    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in _SIXTEEN_BITS for t in operands)
+    return any(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in _SIXTEEN_BITS
+        for t in operands
+    )
 
 
 class _Float32Normalization(TorchFunctionMode):
     """Runs a normalisation with a 16-bit input and wider parameters on a float32 copy of the input."""
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         x = args[0] if args else None
         mixed = (
-            func in _NORMALIZATIONS and isinstance(x, torch.Tensor) and x.dtype in _SIXTEEN_BITS
+            func in _NORMALIZATIONS
+            and isinstance(x, torch.Tensor)
+            and x.dtype in _SIXTEEN_BITS
             and _wider_operand(args[1:], kwargs)
-        )  # fmt: skip
-        if not mixed or not isinstance(x, torch.Tensor):  # (x is one when mixed: this tells the type checker)
+        )
+        if not mixed or not isinstance(
+            x, torch.Tensor
+        ):  # (x is one when mixed: this tells the type checker)
             return func(*args, **kwargs)
         out = func(x.float(), *args[1:], **kwargs)
         # CUDA's autocast runs normalisations in float32 and returns float32; elsewhere the mixed

@@ -24,7 +24,12 @@ from torch import nn
 
 from dpscale.privacy.clipping.bounds import clip_dtype, clip_margin
 from dpscale.clip_norms import MaxGradNorm
-from dpscale.privacy.clipping.per_example import Batch, LossFn, mean_over_views, per_example_cross_entropy
+from dpscale.privacy.clipping.per_example import (
+    Batch,
+    LossFn,
+    mean_over_views,
+    per_example_cross_entropy,
+)
 from dpscale.privacy.clipping.bounds import CLIP_EPS
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import FP32, Precision, at_least_fp32
@@ -105,14 +110,23 @@ def per_example_reference(
     bounds = range(count + 1) if unit_offsets is None else [int(o) for o in unit_offsets]
     count = len(bounds) - 1
     for i in range(count):
-        grads = _unit_gradients(model, live, names, (x[bounds[i] : bounds[i + 1]], y[bounds[i] : bounds[i + 1]]),
-                                loss_fn, views, precision)  # fmt: skip
+        grads = _unit_gradients(
+            model,
+            live,
+            names,
+            (x[bounds[i] : bounds[i + 1]], y[bounds[i] : bounds[i + 1]]),
+            loss_fn,
+            views,
+            precision,
+        )
         for n, g in zip(names, grads):
             layer_sq.setdefault(n.rpartition(".")[0], [0.0] * count)[i] += g.double().square().sum()
         # a sum of tensors (cast: without parameters it is the int 0, which torch.sqrt refuses)
         norm = torch.sqrt(cast(torch.Tensor, sum(g.double().square().sum() for g in grads)))
         margin = clip_margin(release_dtype or (grads[0].dtype if grads else torch.float32))
-        factors = _reference_factors(dict(zip(names, grads)), float(norm), max_grad_norm, margin, clip_gamma)
+        factors = _reference_factors(
+            dict(zip(names, grads)), float(norm), max_grad_norm, margin, clip_gamma
+        )
         for n, g in zip(names, grads):
             factor = factors[n]
             total[n] += factor * g
@@ -120,13 +134,21 @@ def per_example_reference(
             if g.numel():  # (abs is exact: the largest entry times the factor, in float64)
                 max_abs[n] = torch.maximum(max_abs[n], g.abs().max().double() * factor)
         norms.append(norm)
-    per_layer = {layer: torch.stack([torch.as_tensor(v) for v in sq]) for layer, sq in layer_sq.items()}
+    per_layer = {
+        layer: torch.stack([torch.as_tensor(v) for v in sq]) for layer, sq in layer_sq.items()
+    }
     empty = torch.zeros(0, dtype=torch.float64)
-    return PerExampleReference(total, torch.stack(norms) if norms else empty, per_layer, norm_sums, max_abs)
+    return PerExampleReference(
+        total, torch.stack(norms) if norms else empty, per_layer, norm_sums, max_abs
+    )
 
 
 def _reference_factors(
-    grads: dict[str, torch.Tensor], norm: float, max_grad_norm: MaxGradNorm, margin: float, gamma: float | None = None
+    grads: dict[str, torch.Tensor],
+    norm: float,
+    max_grad_norm: MaxGradNorm,
+    margin: float,
+    gamma: float | None = None,
 ) -> dict[str, float]:
     """One example's clip factor for each parameter, written out in float64 Python arithmetic
     (independently of the engines' ``clip_units``): min(1, C (1 - m) / (||g|| + CLIP_EPS)), or per
@@ -149,7 +171,13 @@ def _reference_factors(
 
 
 def _example_gradients(
-    model: nn.Module, live: Params, names: list[str], example: Batch, loss_fn: LossFn, views: int, precision: Precision
+    model: nn.Module,
+    live: Params,
+    names: list[str],
+    example: Batch,
+    loss_fn: LossFn,
+    views: int,
+    precision: Precision,
 ) -> list[torch.Tensor]:
     """One example's gradient of each parameter in ``names`` (zeros where it does not reach the
     loss), detached, float32 or wider, the loss scale undone."""
@@ -157,21 +185,36 @@ def _example_gradients(
     with precision.forward(x.device):
         loss = at_least_fp32(mean_over_views(loss_fn, model, x, y, views)[0])
     if loss.requires_grad:  # scaled by fp16's fixed loss scale, undone on the gradients
-        raw = torch.autograd.grad(loss * precision.loss_scale, [live[n] for n in names], allow_unused=True)
-        grads: list[torch.Tensor | None] = [None if g is None else at_least_fp32(g) / precision.loss_scale for g in raw]
+        raw = torch.autograd.grad(
+            loss * precision.loss_scale, [live[n] for n in names], allow_unused=True
+        )
+        grads: list[torch.Tensor | None] = [
+            None if g is None else at_least_fp32(g) / precision.loss_scale for g in raw
+        ]
     else:  # no trainable parameter reaches the loss
         grads = [None] * len(names)
     return [torch.zeros_like(live[n]) if g is None else g.detach() for n, g in zip(names, grads)]
 
 
 def _unit_gradients(
-    model: nn.Module, live: Params, names: list[str], unit: Batch, loss_fn: LossFn, views: int, precision: Precision
+    model: nn.Module,
+    live: Params,
+    names: list[str],
+    unit: Batch,
+    loss_fn: LossFn,
+    views: int,
+    precision: Precision,
 ) -> list[torch.Tensor]:
     """The sum of a unit's examples' gradients, each example's taken alone (a batch of one)."""
     x, y = unit
     total = [torch.zeros_like(at_least_fp32(live[n])) for n in names]
     for j in range(x.shape[0]):
-        for t, g in zip(total, _example_gradients(model, live, names, (x[j : j + 1], y[j : j + 1]), loss_fn, views, precision)):
+        for t, g in zip(
+            total,
+            _example_gradients(
+                model, live, names, (x[j : j + 1], y[j : j + 1]), loss_fn, views, precision
+            ),
+        ):
             t += g
     return total
 
@@ -187,7 +230,9 @@ def float64_copy(model: nn.Module, batch: Batch) -> tuple[nn.Module, Batch]:
     return deepcopy(model).double(), (x.double() if x.is_floating_point() else x, y)
 
 
-def float64_reference(model: nn.Module, batch: Batch, max_grad_norm: MaxGradNorm, **options) -> PerExampleReference:
+def float64_reference(
+    model: nn.Module, batch: Batch, max_grad_norm: MaxGradNorm, **options
+) -> PerExampleReference:
     """``per_example_reference`` on a float64 copy of ``model`` and ``batch`` (same mode; the
     parameters that require gradients in ``model``), for comparisons that must not depend on the
     float32 kernels a CPU picks for a batch of one.

@@ -26,10 +26,23 @@ from dpscale.clip_norms import MaxGradNorm
 from dpscale.privacy.clipping.autotune import MethodTuner
 from dpscale.privacy.clipping.engines import make_engine
 from dpscale.privacy.clipping.independence import IndependenceResult, check_batch_independence
-from dpscale.privacy.clipping.per_example import RELATIVE_ERROR_FLOOR, Batch, LossFn, PerExampleEngine, VmapEngine, per_example_cross_entropy, tolerance_for, trainable_params
+from dpscale.privacy.clipping.per_example import (
+    RELATIVE_ERROR_FLOOR,
+    Batch,
+    LossFn,
+    PerExampleEngine,
+    VmapEngine,
+    per_example_cross_entropy,
+    tolerance_for,
+    trainable_params,
+)
 from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.precision import FP32, Precision
-from dpscale.privacy.clipping.reference import PerExampleReference, float64_copy, per_example_reference
+from dpscale.privacy.clipping.reference import (
+    PerExampleReference,
+    float64_copy,
+    per_example_reference,
+)
 
 SELF_CHECK_EXAMPLES = 8  # examples the check runs on (fewer if the training set is smaller)
 
@@ -65,13 +78,22 @@ class SelfCheckResult:
     def as_json(self) -> dict:
         """The verdict for summary.json (no timing, so that reruns compare equal)."""
         return {
-            "engine": self.engine, "passed": self.ok, "examples": self.examples, "tolerance": self.tolerance,
-            "norm_error": self.norm_error, "sum_error": self.sum_error, "mismatched": list(self.mismatched),
-            "batch_independence": None if self.independence is None else {
-                "passed": self.independence.ok, "examples": self.independence.examples,
-                "loss_error": self.independence.loss_error, "norm_error": self.independence.norm_error,
+            "engine": self.engine,
+            "passed": self.ok,
+            "examples": self.examples,
+            "tolerance": self.tolerance,
+            "norm_error": self.norm_error,
+            "sum_error": self.sum_error,
+            "mismatched": list(self.mismatched),
+            "batch_independence": None
+            if self.independence is None
+            else {
+                "passed": self.independence.ok,
+                "examples": self.independence.examples,
+                "loss_error": self.independence.loss_error,
+                "norm_error": self.independence.norm_error,
             },
-        }  # fmt: skip
+        }
 
     def describe(self) -> str:
         if self.refusal is not None:
@@ -107,7 +129,11 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
     started = time.perf_counter()
     params = trainable_params(model)
     precision = getattr(engine, "precision", FP32)
-    dtype = precision.compare_dtype if precision.name != "fp32" else next(iter(params.values()), torch.zeros(())).dtype
+    dtype = (
+        precision.compare_dtype
+        if precision.name != "fp32"
+        else next(iter(params.values()), torch.zeros(())).dtype
+    )
     tol = tolerance_for(dtype) if params else 0.0
     was_training = model.training
     model.eval()
@@ -115,18 +141,39 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
         try:
             grad_sum, norms, layer_sq = _engine_side(engine, model, params, batch)
             finite = torch.isfinite(norms.detach()).cpu()
-            if not finite.all():  # it overflows on its own (zeroed, tested elsewhere); a float64 reference would not
+            if (
+                not finite.all()
+            ):  # it overflows on its own (zeroed, tested elsewhere); a float64 reference would not
                 batch = (batch[0][finite.to(batch[0].device)], batch[1][finite.to(batch[1].device)])
                 grad_sum, norms, layer_sq = _engine_side(engine, model, params, batch)
         except ValueError as err:
-            return SelfCheckResult(engine.name, len(batch[1]), tol, 0.0, 0.0, (), str(err), time.perf_counter() - started)
+            return SelfCheckResult(
+                engine.name,
+                len(batch[1]),
+                tol,
+                0.0,
+                0.0,
+                (),
+                str(err),
+                time.perf_counter() - started,
+            )
         got = (grad_sum, norms, layer_sq)
         # the reference clips with the engine's margin (that of the type it clips in), in any dtype
         release = clip_dtype(params.values())
-        result = _compare(engine.name, tol, got, _reference(engine, model, params, batch, precision, release), started)
-        if not result.ok and dtype == torch.float32:  # judged again against the exact values (below)
+        result = _compare(
+            engine.name,
+            tol,
+            got,
+            _reference(engine, model, params, batch, precision, release),
+            started,
+        )
+        if (
+            not result.ok and dtype == torch.float32
+        ):  # judged again against the exact values (below)
             copy = _float64_reference(model, params, batch)
-            exact = _compare(engine.name, tol, got, _reference(engine, *copy, release_dtype=release), started)
+            exact = _compare(
+                engine.name, tol, got, _reference(engine, *copy, release_dtype=release), started
+            )
             if not exact.ok and copy[0] is not model:  # the engine's own rules, run in float64 too
                 exact = _judged_in_float64(engine, copy, tol, started) or exact
             result = exact if exact.ok else result
@@ -135,7 +182,9 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
     return result
 
 
-def _judged_in_float64(engine: PerExampleEngine, copy: tuple, tol: float, started: float) -> SelfCheckResult | None:
+def _judged_in_float64(
+    engine: PerExampleEngine, copy: tuple, tol: float, started: float
+) -> SelfCheckResult | None:
     """The engine run on the float64 copy against the float64 loop; None when it refuses there (a
     route its records miss, say), which leaves the float32 verdict standing."""
     try:
@@ -179,7 +228,9 @@ def _engine_side(engine: PerExampleEngine, model: nn.Module, params: Params, bat
     return grad_sum, norms, {}
 
 
-def _float64_reference(model: nn.Module, params: Params, batch: Batch) -> tuple[nn.Module, Params, Batch]:
+def _float64_reference(
+    model: nn.Module, params: Params, batch: Batch
+) -> tuple[nn.Module, Params, Batch]:
     """A float64 copy of a float32 model and batch. The engine must match the reference loop in
     its own precision or, failing that, in float64 (its float32 result against the float64 loop,
     else the engine itself run in float64): a float32 batch of one takes other kernels than a batch
@@ -189,14 +240,21 @@ def _float64_reference(model: nn.Module, params: Params, batch: Batch) -> tuple[
     route or a wrong rule fails in every precision. (The model itself, if it cannot be copied.)"""
     try:
         copy, copied_batch = float64_copy(model, batch)
-    except Exception:  # noqa: BLE001 - an uncopyable model keeps the float32 reference
+    except Exception:  # an uncopyable model keeps the float32 reference
         return model, params, batch
     return copy, trainable_params(copy), copied_batch
 
 
-def _compare(name: str, tol: float, got: tuple, want: PerExampleReference, started: float) -> SelfCheckResult:
+def _compare(
+    name: str, tol: float, got: tuple, want: PerExampleReference, started: float
+) -> SelfCheckResult:
     grad_sum, norms, layer_sq = got
-    ref_sum, ref_norms, ref_layer_sq, scales = want.clipped_sum, want.norms, want.layer_sq_norms, want.clipped_norm_sums
+    ref_sum, ref_norms, ref_layer_sq, scales = (
+        want.clipped_sum,
+        want.norms,
+        want.layer_sq_norms,
+        want.clipped_norm_sums,
+    )
     scale = float(ref_norms.max()) if ref_norms.numel() else 0.0
     norm_error = _relative((norms.double().cpu() - ref_norms.cpu()).abs(), ref_norms.cpu(), scale)
     mismatched = []
@@ -209,7 +267,10 @@ def _compare(name: str, tol: float, got: tuple, want: PerExampleReference, start
         mismatched.append("per-example norms")
     # a clipped sum's error is judged against the sum of its examples' clipped norms (its size
     # without cancellation: float32 rounding scales with it, a missed route is percents of it)
-    size = {p: max(scales.get(p, 0.0), float(torch.linalg.vector_norm(r.double()))) for p, r in ref_sum.items()}
+    size = {
+        p: max(scales.get(p, 0.0), float(torch.linalg.vector_norm(r.double())))
+        for p, r in ref_sum.items()
+    }
     total = float(torch.sqrt(torch.tensor(sum(v * v for v in size.values()), dtype=torch.float64)))
     sum_error = 0.0
     for param, ref in ref_sum.items():
@@ -219,7 +280,16 @@ def _compare(name: str, tol: float, got: tuple, want: PerExampleReference, start
         if relative > tol:
             mismatched.append(f"parameter {param} (clipped sum)")
     examples = int(ref_norms.numel())
-    return SelfCheckResult(name, examples, tol, norm_error, sum_error, tuple(mismatched), None, time.perf_counter() - started)
+    return SelfCheckResult(
+        name,
+        examples,
+        tol,
+        norm_error,
+        sum_error,
+        tuple(mismatched),
+        None,
+        time.perf_counter() - started,
+    )
 
 
 def checked_engine(
@@ -253,11 +323,23 @@ def checked_engine(
         ValueError: the model or loss mixes examples, or the named engine (or vmap, after auto's
             fallback) failed, naming what differs.
     """
-    make = functools.partial(make_engine, model=model, loss_fn=loss_fn, views=views, precision=precision, clip_gamma=clip_gamma)
+    make = functools.partial(
+        make_engine,
+        model=model,
+        loss_fn=loss_fn,
+        views=views,
+        precision=precision,
+        clip_gamma=clip_gamma,
+    )
     engine, notice = make(name, max_grad_norm, tuner=tuner)
     notices = [notice] if notice else []
     failure, engine_only, result, independence = _verdict(engine, model, batch, check)
-    if failure is not None and engine_only and name == "auto" and not isinstance(engine, VmapEngine):
+    if (
+        failure is not None
+        and engine_only
+        and name == "auto"
+        and not isinstance(engine, VmapEngine)
+    ):
         notices.append(f"engine auto -> vmap: {failure}")
         engine, _ = make("vmap", max_grad_norm)
         failure, _, result, independence = _verdict(engine, model, batch, check)
@@ -277,14 +359,17 @@ def _verdict(
     independence = check_batch_independence(engine, model, batch) if check else None
     if independence is not None and not independence.ok:
         return independence.describe(), independence.engine_only, None, independence
-    head = (batch[0][:SELF_CHECK_EXAMPLES], batch[1][:SELF_CHECK_EXAMPLES])  # the per-example loop: a few suffice
+    # the per-example loop: a few suffice
+    head = (batch[0][:SELF_CHECK_EXAMPLES], batch[1][:SELF_CHECK_EXAMPLES])
     result = _verify(engine, model, head, check)
     if result is not None and not result.ok:
         return result.describe(), True, result, independence
     return None, True, result if check else None, independence
 
 
-def _verify(engine: PerExampleEngine, model: nn.Module, batch: Batch, check: bool) -> SelfCheckResult | None:
+def _verify(
+    engine: PerExampleEngine, model: nn.Module, batch: Batch, check: bool
+) -> SelfCheckResult | None:
     if check:
         return self_check(engine, model, batch)
     if isinstance(engine, VmapEngine):

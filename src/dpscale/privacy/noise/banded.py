@@ -34,7 +34,9 @@ class BandedNoise:
         values = check_coefficients(coefficients)
         norm = math.sqrt(math.fsum(x * x for x in values))
         if abs(norm - 1.0) > 1e-9:
-            raise ValueError(f"BandedNoise needs normalised coefficients (||c||_2 = 1), got norm {norm!r}")
+            raise ValueError(
+                f"BandedNoise needs normalised coefficients (||c||_2 = 1), got norm {norm!r}"
+            )
         self._coefficients = values
         # Newest first; a deque with maxlen drops w_{t-b+1} when w_t arrives.
         self._history: deque[Params] = deque(maxlen=len(values) - 1)
@@ -86,12 +88,16 @@ class BandedNoise:
             return
         newest = self._history[0]
         if set(newest) != set(z):
-            raise ValueError(f"BandedNoise: the parameter names changed (history has {sorted(newest)}, got {sorted(z)})")
+            raise ValueError(
+                f"BandedNoise: the parameter names changed (history has {sorted(newest)}, got {sorted(z)})"
+            )
         for name, tensor in z.items():
             if newest[name].shape != tensor.shape:
                 before, now = tuple(newest[name].shape), tuple(tensor.shape)
                 raise ValueError(f"BandedNoise: {name} changed shape from {before} to {now}")
-        moved = [n for n, t in z.items() if (newest[n].device, newest[n].dtype) != (t.device, t.dtype)]
+        moved = [
+            n for n, t in z.items() if (newest[n].device, newest[n].dtype) != (t.device, t.dtype)
+        ]
         if moved:
             for entry in self._history:
                 for name in moved:
@@ -113,7 +119,10 @@ class BandedNoise:
 
     def state_dict(self) -> dict[str, Any]:
         """{"coefficients": [c_0, ...], "history": [w_{t-1}, w_{t-2}, ...]} (CPU copies)."""
-        history = [{name: t.detach().to("cpu", copy=True) for name, t in entry.items()} for entry in self._history]
+        history = [
+            {name: t.detach().to("cpu", copy=True) for name, t in entry.items()}
+            for entry in self._history
+        ]
         return {"coefficients": list(self._coefficients), "history": history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -128,15 +137,23 @@ class BandedNoise:
         try:
             theirs = tuple(float(x) for x in state["coefficients"])
         except (TypeError, ValueError) as err:
-            raise ValueError(f"BandedNoise state has unreadable coefficients {state['coefficients']!r}") from err
+            raise ValueError(
+                f"BandedNoise state has unreadable coefficients {state['coefficients']!r}"
+            ) from err
         if theirs != self._coefficients:
-            raise ValueError(f"BandedNoise state was made with coefficients {theirs}, not {self._coefficients}")
+            raise ValueError(
+                f"BandedNoise state was made with coefficients {theirs}, not {self._coefficients}"
+            )
         history = state["history"]
         if not isinstance(history, (list, tuple)) or len(history) > self.bands - 1:
-            raise ValueError(f"BandedNoise state history must be a list of at most {self.bands - 1} steps")
+            raise ValueError(
+                f"BandedNoise state history must be a list of at most {self.bands - 1} steps"
+            )
         names = [set(entry) if isinstance(entry, dict) else None for entry in history]
         if any(n is None or n != names[0] for n in names):
-            raise ValueError("BandedNoise state history entries must be dicts with the same parameter names")
+            raise ValueError(
+                "BandedNoise state history entries must be dicts with the same parameter names"
+            )
         if not all(isinstance(t, torch.Tensor) for entry in history for t in entry.values()):
             raise ValueError("BandedNoise state history must hold tensors")
         self._history = deque((dict(entry) for entry in history), maxlen=self.bands - 1)

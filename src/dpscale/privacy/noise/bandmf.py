@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from dpscale._io import atomic_write_text
-from dpscale.privacy.noise.bandmf_math import DTYPE, check_coefficients, error_graph, normalize, squared_error
+from dpscale.privacy.noise.bandmf_math import (
+    DTYPE,
+    check_coefficients,
+    error_graph,
+    normalize,
+    squared_error,
+)
 from dpscale.privacy.workload import Workload, check_count
 
 # Workload is part of this module's API (make_private documents ``dpscale.privacy.noise.bandmf.Workload``).
@@ -83,7 +89,11 @@ def _log_error_closure(params: torch.Tensor, workload: Workload) -> float:
     value = error.item()
     if math.isfinite(value) and value > 0:
         error.log().backward()
-    if not (math.isfinite(value) and value > 0) or params.grad is None or not torch.isfinite(params.grad).all():
+    if (
+        not (math.isfinite(value) and value > 0)
+        or params.grad is None
+        or not torch.isfinite(params.grad).all()
+    ):
         params.grad = torch.zeros_like(params)
         return _DIVERGED_LOSS
     return math.log(value)
@@ -137,7 +147,10 @@ def _check_bands(bands: Any, steps: int) -> int:
 
 
 def _make_strategy(
-    coefficients: tuple[float, ...], workload: Workload, error: float | None = None, reference: float | None = None
+    coefficients: tuple[float, ...],
+    workload: Workload,
+    error: float | None = None,
+    reference: float | None = None,
 ) -> BandedStrategy:
     """A BandedStrategy for (normalised) ``coefficients``; errors computed unless given."""
     error = squared_error(coefficients, workload) if error is None else error
@@ -161,7 +174,11 @@ def _read_cache(path: Path, workload: Workload, bands: int) -> BandedStrategy | 
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON
         return None
-    if not isinstance(data, dict) or data.get("key") != workload.key() or data.get("bands") != bands:
+    if (
+        not isinstance(data, dict)
+        or data.get("key") != workload.key()
+        or data.get("bands") != bands
+    ):
         return None
     values = data.get("coefficients")
     if not isinstance(values, list) or len(values) != bands:
@@ -203,7 +220,9 @@ def _write_cache(path: Path, strategy: BandedStrategy) -> None:
         warnings.warn(f"could not write the BandMF cache file {path}: {error}", stacklevel=3)
 
 
-def optimize_strategy(workload: Workload, bands: int, *, cache_dir: str | Path | None = None) -> BandedStrategy:
+def optimize_strategy(
+    workload: Workload, bands: int, *, cache_dir: str | Path | None = None
+) -> BandedStrategy:
     """The b-banded Toeplitz strategy minimising ||A C^{-1}||_F^2 for ``workload``.
 
     L-BFGS in float64 (strong-Wolfe line search, at most 300 iterations, deterministic) on the

@@ -83,7 +83,9 @@ def workload_matrix(workload: Workload) -> torch.Tensor:
 # ------------------------------------------------------------------------------- strategy
 
 
-def check_coefficients(coefficients: Sequence[float], steps: int | None = None) -> tuple[float, ...]:
+def check_coefficients(
+    coefficients: Sequence[float], steps: int | None = None
+) -> tuple[float, ...]:
     """``coefficients`` as floats: non-empty, finite, c_0 > 0, and at most ``steps`` of them.
 
     Args:
@@ -99,7 +101,9 @@ def check_coefficients(coefficients: Sequence[float], steps: int | None = None) 
     try:
         values = tuple(float(x) for x in coefficients)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"coefficients must be a sequence of numbers, got {coefficients!r}") from err
+        raise ValueError(
+            f"coefficients must be a sequence of numbers, got {coefficients!r}"
+        ) from err
     if not values:
         raise ValueError("coefficients must not be empty (b >= 1 bands)")
     if not all(math.isfinite(x) for x in values):
@@ -225,7 +229,9 @@ def _momentum_t(values: torch.Tensor, momentum: float) -> torch.Tensor:
     filtered = blocks @ within.T  # filtered[k, i] = sum_{j <= i} beta^(i-j) values[k*size + j]
     ends = _powers_toeplitz(momentum**size, count, values.dtype) @ filtered[:, -1]
     carried = torch.cat([ends.new_zeros(1), ends[:-1]])
-    rise = torch.pow(torch.tensor(momentum, dtype=values.dtype), torch.arange(1, size + 1, dtype=values.dtype))
+    rise = torch.pow(
+        torch.tensor(momentum, dtype=values.dtype), torch.arange(1, size + 1, dtype=values.dtype)
+    )
     return (filtered + carried[:, None] * rise[None, :]).reshape(-1)[:steps]
 
 
@@ -247,7 +253,9 @@ def _toeplitz_error_t(band: torch.Tensor, workload: Workload, uniform: float) ->
     return (weights * h * h).sum() * (uniform * uniform)
 
 
-def _schedule_error(q: torch.Tensor, lr: torch.Tensor, want_grad: bool) -> tuple[float, torch.Tensor | None]:
+def _schedule_error(
+    q: torch.Tensor, lr: torch.Tensor, want_grad: bool
+) -> tuple[float, torch.Tensor | None]:
     """||P D Q||_F^2 with Q the lower-triangular Toeplitz of ``q`` (= M C^{-1}), in column chunks.
 
     Column r of P D Q is cumsum_s(eta_s q_{s-r}). Indexed by (j = s - r, r), a chunk of

@@ -75,13 +75,20 @@ class BandedNoisePlan:
     noise_state_mb: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))  # a list when read back
+        # a list when read back
+        object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))
         if len(self.coefficients) != self.bands or not self.coefficients[0] > 0:
-            raise ValueError(f"a banded strategy needs {self.bands} coefficients with c_0 > 0, got {self.coefficients}")
+            raise ValueError(
+                f"a banded strategy needs {self.bands} coefficients with c_0 > 0, got {self.coefficients}"
+            )
 
     def describe(self) -> str:
         """One clause for the plan's header."""
-        memory = f", noise history {self.noise_state_mb:.1f} MB" if self.noise_state_mb is not None else ""
+        memory = (
+            f", noise history {self.noise_state_mb:.1f} MB"
+            if self.noise_state_mb is not None
+            else ""
+        )
         table = f" [{self.candidates}]" if self.candidates else ""
         return (
             f"BandMF b={self.bands} ({self.reason}{table}; expected error {self.relative_error:.3f}x DP-SGD's at "
@@ -94,8 +101,13 @@ class BandedNoisePlan:
 
 
 def check_bandmf_settings(
-    *, sampling: str, simulated: bool, noise_multiplier: float | None, bands: int | str, spell: Spelling = CONFIG
-) -> None:  # fmt: skip
+    *,
+    sampling: str,
+    simulated: bool,
+    noise_multiplier: float | None,
+    bands: int | str,
+    spell: Spelling = CONFIG,
+) -> None:
     """Refuse settings BandMF's accounting does not describe (config validation and the plan both ask;
     in ``spell``'s words, the config's by default).
 
@@ -119,7 +131,9 @@ def check_bandmf_settings(
             f"a simulation would predict nothing: simulate the DP-SGD run ({spell.said('noise_mechanism', 'dpsgd')}) instead"
         )
     if noise_multiplier == 0:
-        raise spell.refusal(f"{bandmf} correlates the noise of a private run; {spell.said('noise_multiplier', 0)} adds none")
+        raise spell.refusal(
+            f"{bandmf} correlates the noise of a private run; {spell.said('noise_multiplier', 0)} adds none"
+        )
     if bands == "auto" and noise_multiplier is not None:
         raise spell.refusal(
             f"{spell.said('bands', 'auto')} compares each b at the sigma that spends the target epsilon for it, and sigma is "
@@ -144,7 +158,9 @@ def band_candidates(request: BandsRequest, *, steps: int, sample_rate: float) ->
     return candidates
 
 
-def _refusal(request: BandsRequest, bands: int, *, steps: int, sample_rate: float, spell: Spelling = CONFIG) -> str | None:
+def _refusal(
+    request: BandsRequest, bands: int, *, steps: int, sample_rate: float, spell: Spelling = CONFIG
+) -> str | None:
     """Why b bands cannot run (None: they can), in ``spell``'s words."""
     b, limit = spell.said("bands", bands), spell.key("max_noise_memory_mb")
     if bands > steps:
@@ -170,8 +186,13 @@ SigmaFor = Callable[[int], tuple[float, bool]]
 
 
 def choose_bands(
-    request: BandsRequest, *, steps: int, sample_rate: float, sigma_for: SigmaFor, spell: Spelling = CONFIG
-) -> tuple[BandedNoisePlan, float, bool]:  # fmt: skip
+    request: BandsRequest,
+    *,
+    steps: int,
+    sample_rate: float,
+    sigma_for: SigmaFor,
+    spell: Spelling = CONFIG,
+) -> tuple[BandedNoisePlan, float, bool]:
     """The strategy a run uses, with its sigma.
 
     A fixed b is checked and optimised. ``auto`` optimises a strategy for each candidate b and
@@ -208,9 +229,14 @@ def choose_bands(
 def _auto_reason(scored: list[tuple], best: tuple) -> tuple[str, str]:
     """dp.bands=auto's verdict, and its table: each b's expected error x sigma relative to DP-SGD's."""
     baseline = scored[0][0]  # b = 1
-    table = "error x sigma relative to DP-SGD: " + ", ".join(f"b={b} {score / baseline:.3f}" for score, b, *_ in scored)
+    table = "error x sigma relative to DP-SGD: " + ", ".join(
+        f"b={b} {score / baseline:.3f}" for score, b, *_ in scored
+    )
     if best[1] == 1:
-        return "dp.bands=auto: no banded strategy beat DP-SGD after calibrating its own sigma", table
+        return (
+            "dp.bands=auto: no banded strategy beat DP-SGD after calibrating its own sigma",
+            table,
+        )
     return f"dp.bands=auto: least expected error x sigma, {best[0] / baseline:.3f}x DP-SGD's", table
 
 
@@ -220,12 +246,18 @@ def _optimize(request: BandsRequest, bands: int) -> BandedStrategy:
     return optimize_strategy(request.workload, bands, cache_dir=request.cache_dir)
 
 
-def _noise_plan(request: BandsRequest, strategy: BandedStrategy, reason: str, candidates: str) -> BandedNoisePlan:
+def _noise_plan(
+    request: BandsRequest, strategy: BandedStrategy, reason: str, candidates: str
+) -> BandedNoisePlan:
     return BandedNoisePlan(
-        bands=strategy.bands, coefficients=strategy.coefficients, relative_error=strategy.relative_error,
-        workload=request.workload.describe(), reason=reason, candidates=candidates,
+        bands=strategy.bands,
+        coefficients=strategy.coefficients,
+        relative_error=strategy.relative_error,
+        workload=request.workload.describe(),
+        reason=reason,
+        candidates=candidates,
         noise_state_mb=noise_state_mb(strategy.bands, request.parameters),
-    )  # fmt: skip
+    )
 
 
 def compositions(steps: int, bands: int) -> int:
@@ -237,6 +269,7 @@ def strategy_cache_dir() -> Path:
     """Where optimised BandMF strategies are cached, for every door (``dpscale train``, ``make_private``):
     ``cache_path("bandmf")``. Any cached strategy is safe to use: the plan re-normalises it, and
     privacy needs only its bands and column norms."""
-    from dpscale._io import cache_path  # local: dpscale account plans BandMF without torch (_io needs it)
+    # local: dpscale account plans BandMF without torch (_io needs it)
+    from dpscale._io import cache_path
 
     return cache_path("bandmf")

@@ -6,7 +6,8 @@ import torch
 
 from dpscale.rng import DPRandom, require_dprandom
 
-Params = dict[str, torch.Tensor]  # parameter name -> tensor: the one definition (per_example re-exports it)
+# parameter name -> tensor: the one definition (per_example re-exports it)
+Params = dict[str, torch.Tensor]
 
 
 def draw_noise(like: Params, generator: DPRandom) -> Params:
@@ -29,14 +30,18 @@ def draw_noise(like: Params, generator: DPRandom) -> Params:
         # One draw for the whole step, cut in parameter order: the host generator draws a large
         # block in parallel (see dpscale.rng.PARALLEL_CHUNK) and copies it to the device once;
         # one operator cuts it into the tensors' shapes (a view each by hand was one per tensor).
-        flat = generator.normal((sum(t.numel() for t in tensors),), dtype=tensors[0].dtype, device=tensors[0].device)
+        flat = generator.normal(
+            (sum(t.numel() for t in tensors),), dtype=tensors[0].dtype, device=tensors[0].device
+        )
         noises = list(torch._C._nn.unflatten_dense_tensors(flat, tensors))
     else:
         noises = [generator.normal(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     return dict(zip(names, noises))
 
 
-def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom, noise: Params | None = None) -> Params:
+def add_gaussian_noise(
+    grad_sum: Params, std: float, generator: DPRandom, noise: Params | None = None
+) -> Params:
     """Return grad_sum + N(0, std^2 I), one independent draw per coordinate.
 
     Args:
@@ -56,10 +61,14 @@ def add_gaussian_noise(grad_sum: Params, std: float, generator: DPRandom, noise:
         return dict(grad_sum)
     noise = draw_noise(grad_sum, generator) if noise is None else noise
     names = sorted(grad_sum)
-    return dict(zip(names, with_scaled_noise([grad_sum[n] for n in names], std, [noise[n] for n in names])))
+    return dict(
+        zip(names, with_scaled_noise([grad_sum[n] for n in names], std, [noise[n] for n in names]))
+    )
 
 
-def with_scaled_noise(totals: list[torch.Tensor], std: float, noise: list[torch.Tensor]) -> list[torch.Tensor]:
+def with_scaled_noise(
+    totals: list[torch.Tensor], std: float, noise: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """``totals[i] + std * noise[i]`` as new tensors, in two multi-tensor operators (the arithmetic
     of ``t + std * z`` tensor by tensor: the product rounded, then the sum); no input is written.
 

@@ -15,7 +15,12 @@ from dpscale.privacy.sampling.modes import FIXED_CAVEAT, SHUFFLE_CAVEAT
 from dpscale.privacy.accounting.accountant import compute_epsilon, history_accountant
 from dpscale.privacy.accounting.segments import AccountingSegment
 from dpscale.privacy.clipping.adaptive import AdaptiveClipping
-from dpscale.privacy.accounting.batch_sampling import POISSON, REPLACE_ONE, BatchSampling, batch_sampling_for
+from dpscale.privacy.accounting.batch_sampling import (
+    POISSON,
+    REPLACE_ONE,
+    BatchSampling,
+    batch_sampling_for,
+)
 from dpscale.privacy.noise.correlated import BandedNoisePlan, compositions
 from dpscale.privacy.accounting.group_privacy import meaning, unit_text
 from dpscale.privacy.plan.sampling_plan import cap_cost_text, truncation_rate
@@ -135,7 +140,9 @@ class DPPlan:
             object.__setattr__(self, "correlated", BandedNoisePlan(**self.correlated))
         if isinstance(self.adaptive, dict):
             object.__setattr__(self, "adaptive", AdaptiveClipping(**self.adaptive))
-        releases = tuple(r if isinstance(r, AccountingSegment) else AccountingSegment(**r) for r in self.releases)
+        releases = tuple(
+            r if isinstance(r, AccountingSegment) else AccountingSegment(**r) for r in self.releases
+        )
         object.__setattr__(self, "releases", releases)
         if isinstance(self.simulation, dict):
             object.__setattr__(self, "simulation", TanSimulation(**self.simulation))
@@ -168,7 +175,8 @@ class DPPlan:
     @property
     def participation_rate(self) -> float:
         """p: the probability that an example joins a step of its group, b*q (q for DP-SGD)."""
-        return min(1.0, self.sample_rate * self.bands)  # b*q above 1 by a rounding error is 1 (the sampler's p)
+        # b*q above 1 by a rounding error is 1 (the sampler's p)
+        return min(1.0, self.sample_rate * self.bands)
 
     def compositions(self, steps: int) -> int:
         """The accountant's compositions after ``steps`` steps: ceil(steps / b) (steps for DP-SGD)."""
@@ -185,9 +193,13 @@ class DPPlan:
             raise ValueError("not a TAN simulation")
         sim = self.simulation
         return compute_epsilon(
-            sample_rate=sim.sample_rate, noise_multiplier=sim.noise_multiplier, steps=steps, delta=self.delta,
-            kind=self.accountant, releases=self.releases,
-        )  # fmt: skip
+            sample_rate=sim.sample_rate,
+            noise_multiplier=sim.noise_multiplier,
+            steps=steps,
+            delta=self.delta,
+            kind=self.accountant,
+            releases=self.releases,
+        )
 
     def wall_warning(self) -> str | None:
         """The privacy-wall warning for the DP-SGD steps (of the reference run, for a simulation), or None
@@ -196,18 +208,27 @@ class DPPlan:
         if not self.is_private or self.adjacency == REPLACE_ONE:
             return None
         sim = self.simulation
-        q, sigma = (sim.sample_rate, sim.noise_multiplier) if sim else (self.participation_rate, self.noise_multiplier)
+        q, sigma = (
+            (sim.sample_rate, sim.noise_multiplier)
+            if sim
+            else (self.participation_rate, self.noise_multiplier)
+        )
         if sigma >= PRIVACY_WALL_SIGMA:
             return None  # cannot fire: skip the accountant call
         steps = self.compositions(self.steps)  # per participation for BandMF
-        capped = self.batch_sampling.mode == "truncated"  # eps_TAN estimates the uncapped Poisson steps
+        # eps_TAN estimates the uncapped Poisson steps
+        capped = self.batch_sampling.mode == "truncated"
         if sim is None and not self.releases and not capped:
             epsilon = self.epsilon
         else:  # eps_TAN describes the DP-SGD steps alone, uncapped (a cap's cost is reported on its own)
             epsilon = compute_epsilon(
-                sample_rate=q, noise_multiplier=sigma, steps=steps, delta=self.delta, kind=self.accountant,
+                sample_rate=q,
+                noise_multiplier=sigma,
+                steps=steps,
+                delta=self.delta,
+                kind=self.accountant,
                 batches=POISSON if capped else self.batch_sampling,
-            )  # fmt: skip
+            )
         warning = privacy_wall_warning(epsilon, sigma, eps_tan(q, sigma, steps, self.delta))
         if warning and capped:
             warning = f"of the uncapped Poisson steps: {warning}"
@@ -245,8 +266,12 @@ class DPPlan:
         if not self.is_private:
             return 0.0
         sensitivity = self.sensitivity
-        if sensitivity is None:  # a TypeError, as sigma * None was: a private run needs a clipping norm
-            raise TypeError("a private DP plan has no noise std without a clipping norm (max_grad_norm is None)")
+        if (
+            sensitivity is None
+        ):  # a TypeError, as sigma * None was: a private run needs a clipping norm
+            raise TypeError(
+                "a private DP plan has no noise std without a clipping norm (max_grad_norm is None)"
+            )
         return self.gradient_noise_multiplier * sensitivity
 
     @property
@@ -255,7 +280,12 @@ class DPPlan:
         (p = b*q over ceil(S/b) compositions, what its accounting composes)."""
         if not self.is_private:
             return math.inf
-        return eps_tan(self.participation_rate, self.noise_multiplier, self.compositions(self.steps), self.delta)
+        return eps_tan(
+            self.participation_rate,
+            self.noise_multiplier,
+            self.compositions(self.steps),
+            self.delta,
+        )
 
     def caveats(self) -> list[str]:
         """Everything the reported guarantee does not cover; printed with every epsilon."""
@@ -296,8 +326,10 @@ class DPPlan:
             )
         detail = f", {REPLACE_ONE} adjacency" if self.adjacency == REPLACE_ONE else ""
         detail += f" at most {self.max_batch_size}" if self.max_batch_size is not None else ""
-        return (f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling_text} "
-                f"sampling{detail})")  # fmt: skip
+        return (
+            f"epsilon={self.epsilon:.4g} at delta={self.delta:g} ({self.accountant}, {self.sampling_text} "
+            f"sampling{detail})"
+        )
 
     def _simulation_note(self, sim: TanSimulation) -> str:
         return (
@@ -313,10 +345,16 @@ class DPPlan:
         if not self.is_private:
             return "No privacy guarantee: the model may reveal its training examples."
         if self.simulation:
-            return ("No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
-                    f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}.")  # fmt: skip
-        return meaning(epsilon=self.epsilon, delta=self.delta, unit_words=unit_text(self.privacy_unit),
-                       replace_one=self.adjacency == REPLACE_ONE)  # fmt: skip
+            return (
+                "No privacy guarantee: a TAN simulation, for choosing hyper-parameters; the reference run it stands "
+                f"for would have epsilon={self.simulation.epsilon:.3g} at delta={self.delta:g}."
+            )
+        return meaning(
+            epsilon=self.epsilon,
+            delta=self.delta,
+            unit_words=unit_text(self.privacy_unit),
+            replace_one=self.adjacency == REPLACE_ONE,
+        )
 
     def planned_odds(self) -> str | None:
         """The planned run's guarantee after all its steps as an attacker's odds, one line for the
@@ -325,10 +363,13 @@ class DPPlan:
         if not self.is_private or self.simulation is not None:
             return None
         accountant = history_accountant(  # the history _planned_epsilon composed (cached)
-            sample_rate=self.participation_rate, noise_multiplier=self.noise_multiplier,
-            steps=self.compositions(self.steps), kind=self.accountant, releases=self.releases,
+            sample_rate=self.participation_rate,
+            noise_multiplier=self.noise_multiplier,
+            steps=self.compositions(self.steps),
+            kind=self.accountant,
+            releases=self.releases,
             batches=self.batch_sampling,
-        )  # fmt: skip
+        )
         odds = attacker_odds(accountant, "person" if self.user_level else "image")
         return f"After all {self.steps} steps, {odds['odds']} ({format_odds(odds)})."
 
@@ -360,7 +401,11 @@ class DPPlan:
             return "epsilon=inf (NOT PRIVATE)"
         runs = [s.words.noun for s in self.sources if s.case == "composed"]
         composed = f" (composed with {' and '.join(runs)})" if runs else ""
-        mechanism = f" {self.correlated.short()} sigma={self.noise_multiplier:.4g}" if self.correlated else ""
+        mechanism = (
+            f" {self.correlated.short()} sigma={self.noise_multiplier:.4g}"
+            if self.correlated
+            else ""
+        )
         unit = " per user" if self.user_level else ""
         return f"epsilon={epsilon:.3f} delta={self.delta:g}{unit} ({self.accountant}{self._sampling_note()}){composed}{mechanism}"
 
@@ -374,25 +419,46 @@ class DPPlan:
         return f", {self.sampling_text} sampling{cap}{adjacency}"
 
     def make_sampler(
-        self, generator: DPRandom, rank: int = 0, world_size: int = 1, *, partition_seed: int | None = None,
-        start_step: int = 0, users: Any = None,
-    ):  # fmt: skip
+        self,
+        generator: DPRandom,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        partition_seed: int | None = None,
+        start_step: int = 0,
+        users: Any = None,
+    ):
         """This rank's sampler (its shard of the dataset when world_size > 1), drawing from ``generator``:
         Poisson sampling, or for BandMF with b > 1 cyclic Poisson sampling over the b groups of the
         partition ``partition_seed`` draws, at step ``start_step`` of the run. At the user unit,
         ``users`` (a ``dpscale.data.user_ids.UserIndex`` of the plan's N users) is sampled instead."""
-        from dpscale.privacy.sampling.samplers import make_sampler  # here: the plan itself never needs torch
+        # here: the plan itself never needs torch
+        from dpscale.privacy.sampling.samplers import make_sampler
 
         if self.user_level:
             from dpscale.privacy.sampling.units import user_sampler
 
-            return user_sampler(self, users, generator, world_size=world_size, partition_seed=partition_seed,
-                                start_step=start_step)  # fmt: skip
+            return user_sampler(
+                self,
+                users,
+                generator,
+                world_size=world_size,
+                partition_seed=partition_seed,
+                start_step=start_step,
+            )
 
         return make_sampler(
-            self.sampling, self.dataset_size, self.batch_size, generator, rank, world_size, bands=self.bands,
-            partition_seed=partition_seed, start_step=start_step, max_batch_size=self.max_batch_size,
-        )  # fmt: skip
+            self.sampling,
+            self.dataset_size,
+            self.batch_size,
+            generator,
+            rank,
+            world_size,
+            bands=self.bands,
+            partition_seed=partition_seed,
+            start_step=start_step,
+            max_batch_size=self.max_batch_size,
+        )
 
     def describe(self) -> str:
         """The one-line header printed when a run starts (and which case applies to each source run)."""
@@ -401,7 +467,9 @@ class DPPlan:
             return f"{NOT_PRIVATE}; B={self.batch_size:g}, S={self.steps}{extractor}"
         tan_note = " (TAN's estimate, Sander et al. 2023)"  # the privacy-wall warning says when it is optimistic
         if self.adjacency == REPLACE_ONE:
-            tan_note = " (TAN's estimate for Poisson sampling, Sander et al. 2023; not of this sampling)"
+            tan_note = (
+                " (TAN's estimate for Poisson sampling, Sander et al. 2023; not of this sampling)"
+            )
         if self.releases:  # eps_TAN describes the DP-SGD steps alone
             tan_note += "; composed with " + ", ".join(_release_text(r) for r in self.releases)
         tan_note += extractor
@@ -416,26 +484,40 @@ class DPPlan:
             f"S={self.steps}, sigma={self.noise_multiplier:.5g}, {describe_clip(self.max_grad_norm)}, "
             f"{self._epsilon_text()}, "
             f"eps_TAN={self.eps_tan:.4g}{tan_note}{self._cap_text()}{self._automatic_text()}"
-            + (f"; {self.adaptive.describe(self.noise_multiplier)}" if self.adaptive is not None else "")
+            + (
+                f"; {self.adaptive.describe(self.noise_multiplier)}"
+                if self.adaptive is not None
+                else ""
+            )
         )
 
     def _automatic_text(self) -> str:
         """Automatic clipping in the header: its scale and why C is still the sensitivity."""
         if self.clip_gamma is None:
             return ""
-        return (f"; automatic clipping (Bu et al. 2023): each per-example gradient scaled by C/(||g|| + "
-                f"{self.clip_gamma:g}), norm < C, the sensitivity")  # fmt: skip
+        return (
+            f"; automatic clipping (Bu et al. 2023): each per-example gradient scaled by C/(||g|| + "
+            f"{self.clip_gamma:g}), norm < C, the sensitivity"
+        )
 
     def _cap_text(self) -> str:
         """What a batch cap costs: the uncapped Poisson epsilon at the same sigma, beside the plan's."""
         if self.max_batch_size is None or self.simulation is not None:
             return ""
-        uncapped = compute_epsilon(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier,
-                                   steps=self.steps, delta=self.delta, kind="pld", releases=self.releases)  # fmt: skip
+        uncapped = compute_epsilon(
+            sample_rate=self.sample_rate,
+            noise_multiplier=self.noise_multiplier,
+            steps=self.steps,
+            delta=self.delta,
+            kind="pld",
+            releases=self.releases,
+        )
         units = "users" if self.user_level else "examples"  # the sampler caps the units it draws
-        return (f"; batches capped at {self.max_batch_size} {units} (truncated Poisson, P(cut) per step "
-                f"{truncation_rate(self.dataset_size, self.sample_rate, self.max_batch_size):.2g}): "
-                f"{cap_cost_text(self.epsilon, uncapped, percent=False)} against uncapped Poisson's {uncapped:.4g}")  # fmt: skip
+        return (
+            f"; batches capped at {self.max_batch_size} {units} (truncated Poisson, P(cut) per step "
+            f"{truncation_rate(self.dataset_size, self.sample_rate, self.max_batch_size):.2g}): "
+            f"{cap_cost_text(self.epsilon, uncapped, percent=False)} against uncapped Poisson's {uncapped:.4g}"
+        )
 
     def _mechanism_text(self) -> str:
         """The mechanism's name in the header; for BandMF its bands, sampling and accounting."""

@@ -18,8 +18,15 @@ from dpscale.privacy.accounting.segments import AccountingSegment, releases_unde
 from dpscale.privacy.clipping.adaptive import AdaptiveClipping
 from dpscale.privacy.accounting.batch_sampling import POISSON, BatchSampling, batch_sampling_for
 from dpscale.privacy.accounting.calibrate import calibrate_noise_multiplier
-from dpscale.privacy.noise.correlated import BandedNoisePlan, BandsRequest, choose_bands, compositions
-from dpscale.privacy.plan.compatibility import check_compatible, is_simulation  # check_compatible: tests import it here too
+from dpscale.privacy.noise.correlated import (
+    BandedNoisePlan,
+    BandsRequest,
+    choose_bands,
+    compositions,
+)
+
+# check_compatible: tests import it here too
+from dpscale.privacy.plan.compatibility import check_compatible, is_simulation
 from dpscale.privacy.plan.numbers import PrivacyNumbers
 from dpscale.privacy.plan.dp_plan import SIMULATION_OWN_ACCOUNTANT, DPPlan, TanSimulation
 from dpscale.privacy.plan.sampling_plan import AUTO_CAP, accountant_for, resolve_batch_cap
@@ -64,7 +71,11 @@ def check_plan_matches(
             strategy itself is kept, never re-optimised).
     """
     n = numbers
-    batch_size, simulated_batch_size, max_batch_size = n.batch_size, n.simulated_batch_size, n.max_batch_size
+    batch_size, simulated_batch_size, max_batch_size = (
+        n.batch_size,
+        n.simulated_batch_size,
+        n.max_batch_size,
+    )
     releases = releases_under(releases, plan.batch_sampling)  # as make_dp_plan labelled them
     _check_source_releases(plan, releases)
     simulated = is_simulation(batch_size, simulated_batch_size)
@@ -90,11 +101,20 @@ def check_plan_matches(
     actual["simulation_of_batch_size"] = plan.simulation.batch_size if plan.simulation else None
     expected["simulation_of_batch_size"] = batch_size if simulated else None
     if n.noise_multiplier is not None:
-        expected["noise_multiplier"] = float(n.noise_multiplier)  # the reference's, for a simulation
-        actual["noise_multiplier"] = plan.simulation.noise_multiplier if plan.simulation else plan.noise_multiplier
-    wrong = [f"{k}: checkpoint {actual[k]!r} vs now {v!r}" for k, v in expected.items() if actual[k] != v]
+        # the reference's, for a simulation
+        expected["noise_multiplier"] = float(n.noise_multiplier)
+        actual["noise_multiplier"] = (
+            plan.simulation.noise_multiplier if plan.simulation else plan.noise_multiplier
+        )
+    wrong = [
+        f"{k}: checkpoint {actual[k]!r} vs now {v!r}" for k, v in expected.items() if actual[k] != v
+    ]
     if wrong:
-        raise ConfigError("the checkpoint's DP plan does not match this config and data (" + "; ".join(wrong) + ")")
+        raise ConfigError(
+            "the checkpoint's DP plan does not match this config and data ("
+            + "; ".join(wrong)
+            + ")"
+        )
 
 
 def _check_source_releases(plan: DPPlan, releases: tuple[AccountingSegment, ...]) -> None:
@@ -105,7 +125,9 @@ def _check_source_releases(plan: DPPlan, releases: tuple[AccountingSegment, ...]
         return
 
     def shown(segments: list[AccountingSegment]) -> Any:
-        return [(r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in segments] or "nothing"
+        return [
+            (r.label, r.sample_rate, r.noise_multiplier, r.steps) for r in segments
+        ] or "nothing"
 
     for role in SOURCE_ROLES.values():
         saved = [r for r in plan.releases if r.label.startswith(f"{role.prefix}:")]
@@ -164,16 +186,40 @@ def make_dp_plan(
         ConfigError: batch larger than the dataset, releases that alone spend the budget, or a
             given sigma that overspends target_epsilon.
     """
-    check_compatible(numbers, dataset_size=dataset_size, correlated=correlated, privacy_unit=privacy_unit,
-                     max_examples_per_user=max_examples_per_user, spell=spell)  # fmt: skip
+    check_compatible(
+        numbers,
+        dataset_size=dataset_size,
+        correlated=correlated,
+        privacy_unit=privacy_unit,
+        max_examples_per_user=max_examples_per_user,
+        spell=spell,
+    )
     simulated = is_simulation(numbers.batch_size, numbers.simulated_batch_size)
     q = numbers.batch_size / dataset_size
     accountant = accountant_for(numbers.sampling, numbers.max_batch_size, numbers.accountant)
-    noise = _choose_noise(numbers, dataset_size=dataset_size, steps=steps, q=q, accountant=accountant,
-                          releases=tuple(releases), correlated=correlated, spell=spell)  # fmt: skip
-    plan = _plan_of(numbers, noise, dataset_size=dataset_size, steps=steps, q=q, accountant=accountant, seeded=seeded,
-                    extractor=extractor, correlated=correlated, privacy_unit=privacy_unit,
-                    max_examples_per_user=max_examples_per_user)  # fmt: skip
+    noise = _choose_noise(
+        numbers,
+        dataset_size=dataset_size,
+        steps=steps,
+        q=q,
+        accountant=accountant,
+        releases=tuple(releases),
+        correlated=correlated,
+        spell=spell,
+    )
+    plan = _plan_of(
+        numbers,
+        noise,
+        dataset_size=dataset_size,
+        steps=steps,
+        q=q,
+        accountant=accountant,
+        seeded=seeded,
+        extractor=extractor,
+        correlated=correlated,
+        privacy_unit=privacy_unit,
+        max_examples_per_user=max_examples_per_user,
+    )
     _check_adaptive_noise(numbers.adaptive, noise.sigma)
     if numbers.simulated_batch_size is None or not simulated:
         return plan
@@ -193,18 +239,39 @@ class _Noise:
 
 
 def _choose_noise(
-    numbers: PrivacyNumbers, *, dataset_size: int, steps: int, q: float, accountant: str,
-    releases: tuple[AccountingSegment, ...], correlated: BandsRequest | None, spell: Spelling,
-) -> _Noise:  # fmt: skip
+    numbers: PrivacyNumbers,
+    *,
+    dataset_size: int,
+    steps: int,
+    q: float,
+    accountant: str,
+    releases: tuple[AccountingSegment, ...],
+    correlated: BandsRequest | None,
+    spell: Spelling,
+) -> _Noise:
     """Sigma calibrated to the target (or the given one), for the sampling: Poisson batches with
     their cap, fixed-size or shuffled batches, or BandMF's bands."""
     n = numbers
     if correlated is None:
-        noise_for = functools.partial(_noise_for, noise_multiplier=n.noise_multiplier, delta=n.delta, q=q, steps=steps,
-                                      accountant=accountant)  # fmt: skip
+        noise_for = functools.partial(
+            _noise_for,
+            noise_multiplier=n.noise_multiplier,
+            delta=n.delta,
+            q=q,
+            steps=steps,
+            accountant=accountant,
+        )
         if n.sampling == "poisson":
-            sigma, calibrated, cap = _noise_and_cap(noise_for, n.target_epsilon, n.max_batch_size, dataset_size=dataset_size,
-                                                    batch_size=n.batch_size, steps=steps, delta=n.delta, releases=releases)  # fmt: skip
+            sigma, calibrated, cap = _noise_and_cap(
+                noise_for,
+                n.target_epsilon,
+                n.max_batch_size,
+                dataset_size=dataset_size,
+                batch_size=n.batch_size,
+                steps=steps,
+                delta=n.delta,
+                releases=releases,
+            )
             return _Noise(sigma, calibrated, releases, cap=cap)
         # fixed-size or shuffled batches: the releases join their replace-one history
         batches = batch_sampling_for(n.sampling, dataset_size)
@@ -212,32 +279,76 @@ def _choose_noise(
         sigma, calibrated = noise_for(n.target_epsilon, releases=releases, batches=batches)
         return _Noise(sigma, calibrated, releases)
     noise_plan, sigma, calibrated = choose_bands(
-        correlated, steps=steps, sample_rate=q, spell=spell, sigma_for=lambda b: _noise_for(
-            n.target_epsilon, noise_multiplier=n.noise_multiplier, delta=n.delta, q=min(1.0, b * q),
-            steps=compositions(steps, b), accountant=accountant, releases=releases,
+        correlated,
+        steps=steps,
+        sample_rate=q,
+        spell=spell,
+        sigma_for=lambda b: _noise_for(
+            n.target_epsilon,
+            noise_multiplier=n.noise_multiplier,
+            delta=n.delta,
+            q=min(1.0, b * q),
+            steps=compositions(steps, b),
+            accountant=accountant,
+            releases=releases,
         ),
-    )  # fmt: skip
+    )
     return _Noise(sigma, calibrated, releases, correlated=noise_plan)
 
 
 def _plan_of(
-    numbers: PrivacyNumbers, noise: _Noise, *, dataset_size: int, steps: int, q: float, accountant: str, seeded: bool,
-    extractor: SourceRunPrivacy | None, correlated: BandsRequest | None, privacy_unit: str, max_examples_per_user: int | None,
-) -> DPPlan:  # fmt: skip
+    numbers: PrivacyNumbers,
+    noise: _Noise,
+    *,
+    dataset_size: int,
+    steps: int,
+    q: float,
+    accountant: str,
+    seeded: bool,
+    extractor: SourceRunPrivacy | None,
+    correlated: BandsRequest | None,
+    privacy_unit: str,
+    max_examples_per_user: int | None,
+) -> DPPlan:
     """The plan of the noise chosen, with its epsilon after all ``steps`` (``_planned_epsilon``
     refuses a given sigma that overspends the target)."""
     n = numbers
     bands = noise.correlated.bands if noise.correlated is not None else 1
-    epsilon = _planned_epsilon(q, noise.sigma, bands, steps, n.delta, accountant, noise.releases, n.target_epsilon,
-                               batch_sampling_for(n.sampling, dataset_size, noise.cap))  # fmt: skip
+    epsilon = _planned_epsilon(
+        q,
+        noise.sigma,
+        bands,
+        steps,
+        n.delta,
+        accountant,
+        noise.releases,
+        n.target_epsilon,
+        batch_sampling_for(n.sampling, dataset_size, noise.cap),
+    )
     return DPPlan(
-        dataset_size=dataset_size, batch_size=n.batch_size, sample_rate=q, steps=steps, noise_multiplier=noise.sigma,
-        max_grad_norm=n.max_grad_norm, delta=n.delta, target_epsilon=n.target_epsilon, epsilon=epsilon, sampling=n.sampling,
-        accountant=accountant, calibrated=noise.calibrated, releases=noise.releases if noise.sigma > 0 else (), seeded=seeded,
-        extractor=extractor, mechanism="dpsgd" if correlated is None else "bandmf", correlated=noise.correlated,
-        adaptive=n.adaptive, privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
-        max_batch_size=noise.cap, clip_gamma=n.clip_gamma,
-    )  # fmt: skip
+        dataset_size=dataset_size,
+        batch_size=n.batch_size,
+        sample_rate=q,
+        steps=steps,
+        noise_multiplier=noise.sigma,
+        max_grad_norm=n.max_grad_norm,
+        delta=n.delta,
+        target_epsilon=n.target_epsilon,
+        epsilon=epsilon,
+        sampling=n.sampling,
+        accountant=accountant,
+        calibrated=noise.calibrated,
+        releases=noise.releases if noise.sigma > 0 else (),
+        seeded=seeded,
+        extractor=extractor,
+        mechanism="dpsgd" if correlated is None else "bandmf",
+        correlated=noise.correlated,
+        adaptive=n.adaptive,
+        privacy_unit=privacy_unit,
+        max_examples_per_user=max_examples_per_user,
+        max_batch_size=noise.cap,
+        clip_gamma=n.clip_gamma,
+    )
 
 
 def _check_adaptive_noise(adaptive: AdaptiveClipping | None, sigma: float) -> None:
@@ -248,10 +359,18 @@ def _check_adaptive_noise(adaptive: AdaptiveClipping | None, sigma: float) -> No
         except ValueError as err:
             raise ConfigError(str(err)) from err
 
+
 def _noise_and_cap(
-    noise_for: Callable[..., tuple[float, bool]], target_epsilon: float | None, max_batch_size: int | str | None, *,
-    dataset_size: int, batch_size: float, steps: int, delta: float, releases: tuple[AccountingSegment, ...],
-) -> tuple[float, bool, int | None]:  # fmt: skip
+    noise_for: Callable[..., tuple[float, bool]],
+    target_epsilon: float | None,
+    max_batch_size: int | str | None,
+    *,
+    dataset_size: int,
+    batch_size: float,
+    steps: int,
+    delta: float,
+    releases: tuple[AccountingSegment, ...],
+) -> tuple[float, bool, int | None]:
     """(sigma, calibrated, cap) of a DP-SGD plan with Poisson batches, capped or not.
 
     A given cap: sigma calibrated (or checked) for the truncated event. "auto": sigma calibrated for
@@ -259,18 +378,34 @@ def _noise_and_cap(
     sigma (``resolve_batch_cap``): the capped run spends at most the target without a second, ~10x dearer,
     calibration on the truncated event (it forgoes < 1% of the budget)."""
     if max_batch_size != AUTO_CAP:
-        cap = resolve_batch_cap(max_batch_size, dataset_size=dataset_size, batch_size=batch_size, steps=steps,
-                                delta=delta, releases=releases, noise_multiplier=None)  # fmt: skip
+        cap = resolve_batch_cap(
+            max_batch_size,
+            dataset_size=dataset_size,
+            batch_size=batch_size,
+            steps=steps,
+            delta=delta,
+            releases=releases,
+            noise_multiplier=None,
+        )
         batches = batch_sampling_for("poisson", dataset_size, cap)
         return (*noise_for(target_epsilon, releases=releases, batches=batches), cap)
     aim = None if target_epsilon is None else target_epsilon / (1 + FREE_CAP_TOLERANCE)
     sigma, calibrated = noise_for(aim, releases=releases, batches=POISSON)
-    cap = resolve_batch_cap(AUTO_CAP, dataset_size=dataset_size, batch_size=batch_size, steps=steps, delta=delta,
-                            releases=releases, noise_multiplier=sigma)  # fmt: skip
+    cap = resolve_batch_cap(
+        AUTO_CAP,
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        steps=steps,
+        delta=delta,
+        releases=releases,
+        noise_multiplier=sigma,
+    )
     return sigma, calibrated, cap
 
 
-def _releases_for(releases: Sequence[AccountingSegment], batches: BatchSampling) -> tuple[AccountingSegment, ...]:
+def _releases_for(
+    releases: Sequence[AccountingSegment], batches: BatchSampling
+) -> tuple[AccountingSegment, ...]:
     """``releases_under`` as a ConfigError (a source run's Poisson steps in a replace-one run)."""
     try:
         return releases_under(releases, batches)
@@ -279,9 +414,16 @@ def _releases_for(releases: Sequence[AccountingSegment], batches: BatchSampling)
 
 
 def _planned_epsilon(
-    q: float, sigma: float, bands: int, steps: int, delta: float, accountant: str,
-    releases: tuple[AccountingSegment, ...], target_epsilon: float | None, batches: BatchSampling = POISSON,
-) -> float:  # fmt: skip
+    q: float,
+    sigma: float,
+    bands: int,
+    steps: int,
+    delta: float,
+    accountant: str,
+    releases: tuple[AccountingSegment, ...],
+    target_epsilon: float | None,
+    batches: BatchSampling = POISSON,
+) -> float:
     """Epsilon after all ``steps`` (ceil(S/b) compositions at p = b*q; inf without noise).
 
     Raises:
@@ -290,9 +432,14 @@ def _planned_epsilon(
     if not sigma > 0:
         return math.inf
     epsilon = compute_epsilon(
-        sample_rate=min(1.0, q * bands), noise_multiplier=sigma, steps=compositions(steps, bands), delta=delta,
-        kind=accountant, releases=releases, batches=batches,
-    )  # fmt: skip
+        sample_rate=min(1.0, q * bands),
+        noise_multiplier=sigma,
+        steps=compositions(steps, bands),
+        delta=delta,
+        kind=accountant,
+        releases=releases,
+        batches=batches,
+    )
     if target_epsilon is not None and epsilon > target_epsilon:
         what = " with " + ", ".join(r.label for r in releases) if releases else ""
         raise ConfigError(
@@ -304,19 +451,33 @@ def _planned_epsilon(
 
 
 def _noise_for(
-    target_epsilon: float | None, *, noise_multiplier: float | None, delta: float, q: float, steps: int,
-    accountant: str, releases: tuple[AccountingSegment, ...], batches: BatchSampling = POISSON,
-) -> tuple[float, bool]:  # fmt: skip
+    target_epsilon: float | None,
+    *,
+    noise_multiplier: float | None,
+    delta: float,
+    q: float,
+    steps: int,
+    accountant: str,
+    releases: tuple[AccountingSegment, ...],
+    batches: BatchSampling = POISSON,
+) -> tuple[float, bool]:
     """(sigma, whether it was calibrated): the given noise, or the one that spends ``target_epsilon``."""
     if noise_multiplier is not None:
         return float(noise_multiplier), False
-    if target_epsilon is None:  # a TypeError, as calibrating to None was: the caller gives one of the two
+    if (
+        target_epsilon is None
+    ):  # a TypeError, as calibrating to None was: the caller gives one of the two
         raise TypeError("make_dp_plan needs target_epsilon or noise_multiplier")
     try:
         sigma = calibrate_noise_multiplier(
-            target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps, kind=accountant, releases=releases,
+            target_epsilon=target_epsilon,
+            delta=delta,
+            sample_rate=q,
+            steps=steps,
+            kind=accountant,
+            releases=releases,
             batches=batches,
-        )  # fmt: skip
+        )
         return sigma, True
     except ValueError as err:
         raise ConfigError(f"{err}{_source_run_hint(releases)}") from err
@@ -346,13 +507,19 @@ def simulate_plan(reference: DPPlan, batch_size: float) -> DPPlan:
     if reference.simulation is not None:
         raise ConfigError("cannot simulate a simulation")
     if not 0 < batch_size <= reference.dataset_size:
-        raise ConfigError(f"dp.simulated_batch_size={batch_size} must be in [1, N={reference.dataset_size}]")
+        raise ConfigError(
+            f"dp.simulated_batch_size={batch_size} must be in [1, N={reference.dataset_size}]"
+        )
     sigma = simulated_noise_multiplier(reference.noise_multiplier, reference.batch_size, batch_size)
     q = batch_size / reference.dataset_size
     own = compute_epsilon(
-        sample_rate=q, noise_multiplier=sigma, steps=reference.steps, delta=reference.delta,
-        kind=SIMULATION_OWN_ACCOUNTANT, releases=reference.releases,
-    )  # fmt: skip
+        sample_rate=q,
+        noise_multiplier=sigma,
+        steps=reference.steps,
+        delta=reference.delta,
+        kind=SIMULATION_OWN_ACCOUNTANT,
+        releases=reference.releases,
+    )
     return replace(
         reference,
         batch_size=batch_size,

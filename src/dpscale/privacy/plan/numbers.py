@@ -50,4 +50,5 @@ class PrivacyNumbers:
     simulated_batch_size: float | None = None
 
     def __post_init__(self) -> None:
-        check_accountant(self.accountant)  # every door's plan: an unknown name never plans with another
+        # every door's plan: an unknown name never plans with another
+        check_accountant(self.accountant)

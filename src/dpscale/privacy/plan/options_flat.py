@@ -57,7 +57,13 @@ ADAPTIVE_SETTINGS = ("clip_quantile", "clip_learning_rate", "clip_count_noise")
 BANDMF_SETTINGS = ("bands", "max_bands", "max_noise_memory_mb", "workload")
 
 
-def _inactive(given: Mapping[str, Any], defaults: Mapping[str, Any], keys: tuple[str, ...], owner: str, spell: Spelling) -> None:
+def _inactive(
+    given: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    keys: tuple[str, ...],
+    owner: str,
+    spell: Spelling,
+) -> None:
     """Refuse a setting of a strategy not chosen, given with a value other than its default (the
     config warns: ``Spelling.warn_unused``)."""
     for key in keys:
@@ -71,29 +77,53 @@ def _inactive(given: Mapping[str, Any], defaults: Mapping[str, Any], keys: tuple
 def sampling_option(values: Mapping[str, Any], mode: str, spell: Spelling = PYTHON) -> Sampling:
     """``Poisson``/``FixedSize``/``Shuffle`` from a sampling name and ``SAMPLING_SETTINGS``."""
     if mode not in SAMPLING_MODES:
-        typed = " (or dpscale.Poisson(...), FixedSize(...), Shuffle(...))" if spell.typed_names else ""
-        raise spell.refusal(f"{spell.key('sampling')} must be {', '.join(repr(m) for m in SAMPLING_MODES)}{typed}, got {mode!r}")
+        typed = (
+            " (or dpscale.Poisson(...), FixedSize(...), Shuffle(...))" if spell.typed_names else ""
+        )
+        raise spell.refusal(
+            f"{spell.key('sampling')} must be {', '.join(repr(m) for m in SAMPLING_MODES)}{typed}, got {mode!r}"
+        )
     if mode == "poisson":
-        return spell.built(lambda: Poisson(batch_size=values["batch_size"], max_batch_size=values["max_batch_size"]))
+        return spell.built(
+            lambda: Poisson(
+                batch_size=values["batch_size"], max_batch_size=values["max_batch_size"]
+            )
+        )
     if values["max_batch_size"] is not None:
-        raise spell.refusal(f"{spell.key('max_batch_size')} caps Poisson batches; {spell.said('sampling', mode)} draws exactly B")
+        raise spell.refusal(
+            f"{spell.key('max_batch_size')} caps Poisson batches; {spell.said('sampling', mode)} draws exactly B"
+        )
     size = values["batch_size"]
     size = int(size) if isinstance(size, float) and size.is_integer() else size
     return spell.built(lambda: SAMPLING_MODES[mode](batch_size=size))
 
 
-def clipping_option(values: Mapping[str, Any], mode: str, given: Mapping[str, Any], spell: Spelling = PYTHON) -> Clipping:
+def clipping_option(
+    values: Mapping[str, Any], mode: str, given: Mapping[str, Any], spell: Spelling = PYTHON
+) -> Clipping:
     """``Flat``/``PerLayer``/``Adaptive``/``Automatic`` from a clipping name and ``CLIPPING_SETTINGS``
     (``given``: the settings spelled out, checked against their defaults when their strategy is not chosen)."""
     if mode not in CLIPPINGS:
-        raise spell.refusal(f"{spell.key('clipping')} must be {', '.join(repr(c) for c in CLIPPINGS)}, got {mode!r}")
+        raise spell.refusal(
+            f"{spell.key('clipping')} must be {', '.join(repr(c) for c in CLIPPINGS)}, got {mode!r}"
+        )
     adaptive_keys = ADAPTIVE_SETTINGS if mode != "adaptive" else ()
     _inactive(given, CLIPPING_SETTINGS, adaptive_keys, spell.said("clipping", "adaptive"), spell)
-    _inactive(given, CLIPPING_SETTINGS, ("clip_gamma",) if mode != "automatic" else (), spell.said("clipping", "automatic"), spell)
+    _inactive(
+        given,
+        CLIPPING_SETTINGS,
+        ("clip_gamma",) if mode != "automatic" else (),
+        spell.said("clipping", "automatic"),
+        spell,
+    )
     bound, per = values["max_grad_norm"], values["max_grad_norm_per"]
     if mode == "adaptive":
         if per != "group" or isinstance(bound, Mapping):
-            clash = spell.said("max_grad_norm_per", per) if per != "group" else f"per-layer {spell.key('max_grad_norm')}"
+            clash = (
+                spell.said("max_grad_norm_per", per)
+                if per != "group"
+                else f"per-layer {spell.key('max_grad_norm')}"
+            )
             raise adaptive_refusal(spell, clash)
         return spell.built(
             lambda: Adaptive(
@@ -104,19 +134,27 @@ def clipping_option(values: Mapping[str, Any], mode: str, given: Mapping[str, An
             )
         )
     if mode == "automatic":
-        return spell.built(lambda: Automatic(max_grad_norm=bound, per=per, gamma=values["clip_gamma"]))
+        return spell.built(
+            lambda: Automatic(max_grad_norm=bound, per=per, gamma=values["clip_gamma"])
+        )
     if per == "group" and not isinstance(bound, Mapping):
         return spell.built(lambda: Flat(max_grad_norm=bound))
     return spell.built(lambda: PerLayer(bounds=bound, per=per))
 
 
-def noise_option(values: Mapping[str, Any], given: Mapping[str, Any], spell: Spelling = PYTHON) -> Noise:
+def noise_option(
+    values: Mapping[str, Any], given: Mapping[str, Any], spell: Spelling = PYTHON
+) -> Noise:
     """``Independent``/``BandMF`` from a mechanism name and ``NOISE_SETTINGS``."""
     mechanism = values["noise_mechanism"]
     if mechanism not in MECHANISMS:
-        raise spell.refusal(f"{spell.key('noise_mechanism')} must be {', '.join(repr(m) for m in MECHANISMS)}, got {mechanism!r}")
+        raise spell.refusal(
+            f"{spell.key('noise_mechanism')} must be {', '.join(repr(m) for m in MECHANISMS)}, got {mechanism!r}"
+        )
     if mechanism == "dpsgd":
-        _inactive(given, NOISE_SETTINGS, BANDMF_SETTINGS, spell.said("noise_mechanism", "bandmf"), spell)
+        _inactive(
+            given, NOISE_SETTINGS, BANDMF_SETTINGS, spell.said("noise_mechanism", "bandmf"), spell
+        )
         return Independent()
     return spell.built(
         lambda: BandMF(

@@ -23,9 +23,15 @@ def accountant_for(sampling: str, max_batch_size: int | str | None, requested: s
 
 
 def check_sampling_settings(
-    sampling: str, max_batch_size: int | str | None, *, batch_size: float, adaptive: bool, simulated: bool,
-    bandmf: bool, spell: Spelling = CONFIG,
-) -> None:  # fmt: skip
+    sampling: str,
+    max_batch_size: int | str | None,
+    *,
+    batch_size: float,
+    adaptive: bool,
+    simulated: bool,
+    bandmf: bool,
+    spell: Spelling = CONFIG,
+) -> None:
     """Refuse a sampler the plan cannot account, in one line (in ``spell``'s words: the config's by default).
 
     Raises:
@@ -34,14 +40,18 @@ def check_sampling_settings(
             fractional B; fixed-size or shuffled batches with adaptive clipping or a TAN simulation.
     """
     if sampling not in SAMPLING_MODES:
-        raise ConfigError(f"dp.sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}")
+        raise ConfigError(
+            f"dp.sampling must be one of {', '.join(SAMPLING_MODES)}, got {sampling!r}"
+        )
     if max_batch_size is not None:
         _check_cap(sampling, max_batch_size, bandmf=bandmf, simulated=simulated, spell=spell)
     if sampling == "poisson":
         return
     said = spell.said("sampling", sampling)
     if batch_size != int(batch_size):
-        raise spell.refusal(f"{said} draws exactly B examples: {spell.key('batch_size')} must be an integer, got {batch_size}")
+        raise spell.refusal(
+            f"{said} draws exactly B examples: {spell.key('batch_size')} must be an integer, got {batch_size}"
+        )
     simulation = f"a TAN simulation ({spell.key('simulated_batch_size')})"
     clash = spell.said("clipping", "adaptive") if adaptive else simulation if simulated else None
     if clash:
@@ -50,24 +60,39 @@ def check_sampling_settings(
         )
 
 
-def _check_cap(sampling: str, cap: int | str, *, bandmf: bool, simulated: bool, spell: Spelling) -> None:
+def _check_cap(
+    sampling: str, cap: int | str, *, bandmf: bool, simulated: bool, spell: Spelling
+) -> None:
     """Refuse a batch cap that is not a positive integer or "auto", or that caps no Poisson batch."""
     if cap != AUTO_CAP and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise spell.refusal(f"{spell.key('max_batch_size')} must be a positive integer, {AUTO_CAP} or null, got {cap!r}")
+        raise spell.refusal(
+            f"{spell.key('max_batch_size')} must be a positive integer, {AUTO_CAP} or null, got {cap!r}"
+        )
     clash = (
-        f"{spell.said('sampling', sampling)} (its batches are exactly B already)" if sampling != "poisson"
-        else f"{spell.said('noise_mechanism', 'bandmf')} (cyclic Poisson sampling)" if bandmf
-        else f"a TAN simulation ({spell.key('simulated_batch_size')})" if simulated
+        f"{spell.said('sampling', sampling)} (its batches are exactly B already)"
+        if sampling != "poisson"
+        else f"{spell.said('noise_mechanism', 'bandmf')} (cyclic Poisson sampling)"
+        if bandmf
+        else f"a TAN simulation ({spell.key('simulated_batch_size')})"
+        if simulated
         else None
-    )  # fmt: skip
+    )
     if clash:
-        raise spell.refusal(f"{spell.key('max_batch_size')} caps Poisson batches (truncated Poisson sampling); not with {clash}")
+        raise spell.refusal(
+            f"{spell.key('max_batch_size')} caps Poisson batches (truncated Poisson sampling); not with {clash}"
+        )
 
 
 def resolve_batch_cap(
-    max_batch_size: int | str | None, *, dataset_size: int, batch_size: float, steps: int, delta: float,
-    releases: tuple[AccountingSegment, ...], noise_multiplier: float | None,
-) -> int | None:  # fmt: skip
+    max_batch_size: int | str | None,
+    *,
+    dataset_size: int,
+    batch_size: float,
+    steps: int,
+    delta: float,
+    releases: tuple[AccountingSegment, ...],
+    noise_multiplier: float | None,
+) -> int | None:
     """The batch cap a plan runs with.
 
     Args:
@@ -86,13 +111,23 @@ def resolve_batch_cap(
         return None
     if max_batch_size == AUTO_CAP:
         if not (noise_multiplier or 0) > 0:
-            raise ConfigError("dp.max_batch_size=auto chooses a cap for a private run; a non-private one needs none")
+            raise ConfigError(
+                "dp.max_batch_size=auto chooses a cap for a private run; a non-private one needs none"
+            )
         max_batch_size = smallest_free_cap(
-            dataset_size=dataset_size, batch_size=batch_size, noise_multiplier=noise_multiplier, steps=steps,
-            delta=delta, releases=releases,
-        ).max_batch_size  # fmt: skip
-    if isinstance(max_batch_size, str):  # a string but "auto" (_check_cap refuses it): no cap to compare with N
-        raise TypeError(f"dp.max_batch_size must be a positive integer, {AUTO_CAP} or null, got {max_batch_size!r}")
+            dataset_size=dataset_size,
+            batch_size=batch_size,
+            noise_multiplier=noise_multiplier,
+            steps=steps,
+            delta=delta,
+            releases=releases,
+        ).max_batch_size
+    if isinstance(
+        max_batch_size, str
+    ):  # a string but "auto" (_check_cap refuses it): no cap to compare with N
+        raise TypeError(
+            f"dp.max_batch_size must be a positive integer, {AUTO_CAP} or null, got {max_batch_size!r}"
+        )
     return None if max_batch_size >= dataset_size else int(max_batch_size)
 
 

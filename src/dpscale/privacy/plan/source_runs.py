@@ -40,14 +40,24 @@ class SourceRole:
 
 SOURCE_ROLES = {
     "extractor": SourceRole(
-        "features.extractor", "features.extractor_public", EXTRACTOR_RUN, "the extractor run", "features from",
-        "features from its model", "use another extractor",
+        "features.extractor",
+        "features.extractor_public",
+        EXTRACTOR_RUN,
+        "the extractor run",
+        "features from",
+        "features from its model",
+        "use another extractor",
     ),
     "init": SourceRole(
-        "model.init", "model.init_public", INIT_RUN, "the init run", "initial weights from",
-        "weights from it", "start from a run on public data",
+        "model.init",
+        "model.init_public",
+        INIT_RUN,
+        "the init run",
+        "initial weights from",
+        "weights from it",
+        "start from a run on public data",
     ),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,11 @@ class SourceRunPrivacy:
     def __post_init__(self) -> None:
         cases = EXTRACTOR_CASES if self.role == "extractor" else SOURCE_CASES
         if self.role not in SOURCE_ROLES or self.case not in cases:
-            raise ValueError(f"source run privacy: role {self.role!r} with case {self.case!r} (cases: {cases})")
-        object.__setattr__(self, "source_caveats", tuple(self.source_caveats))  # a list when read back
+            raise ValueError(
+                f"source run privacy: role {self.role!r} with case {self.case!r} (cases: {cases})"
+            )
+        # a list when read back
+        object.__setattr__(self, "source_caveats", tuple(self.source_caveats))
 
     @property
     def words(self) -> SourceRole:
@@ -96,13 +109,17 @@ class SourceRunPrivacy:
         """Everything the guarantee does not cover because of the source: the case's own
         caveat, or (composed) the source run's caveats, each naming the source."""
         if self.case == "composed":
-            return [f"{self.words.noun} {self.source} (its cost is composed): {note}" for note in self.source_caveats]
+            return [
+                f"{self.words.noun} {self.source} (its cost is composed): {note}"
+                for note in self.source_caveats
+            ]
         return [self._case_caveat()]
 
     def _case_caveat(self) -> str:
         """``caveat()`` of a case that is not "composed": each of them has one."""
         caveat = self.caveat()
-        assert caveat is not None, f"no caveat for case {self.case!r}"  # __post_init__ admits only worded cases
+        # __post_init__ admits only worded cases
+        assert caveat is not None, f"no caveat for case {self.case!r}"
         return caveat
 
     def caveat(self) -> str | None:

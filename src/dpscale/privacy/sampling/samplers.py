@@ -39,9 +39,13 @@ from dpscale.rng import DPRandom, derive_seed, require_dprandom
 # were written by the first cyclic sampler (issue 27), whose partition cut a seeded permutation of
 # 0..N-1 into b equal parts: the same seed gives other groups now (see load_state_dict).
 PARTITION = "uniform-per-example-v1"
-SHARED_DRAW_KEY = 0x5D  # spawn key of the stream all ranks share for a fixed-size, shuffled or capped draw
+SHARED_DRAW_KEY = (
+    0x5D  # spawn key of the stream all ranks share for a fixed-size, shuffled or capped draw
+)
 _FRACTION_BITS = 53  # DPRandom.uniform's float64 draws are k / 2^53, k an integer below 2^53
-_HALF_BITS = 27  # partition_groups multiplies k * b in two halves of k, so that int64 never overflows
+_HALF_BITS = (
+    27  # partition_groups multiplies k * b in two halves of k, so that int64 never overflows
+)
 
 
 class BatchSampler(Protocol):
@@ -71,9 +75,14 @@ class PoissonSampler:
     """
 
     def __init__(
-        self, dataset_size: int, sample_rate: float, generator: DPRandom, rank: int = 0, world_size: int = 1,
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        generator: DPRandom,
+        rank: int = 0,
+        world_size: int = 1,
         max_batch_size: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if dataset_size < 1:
             raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
         if not 0.0 < sample_rate <= 1.0:
@@ -86,7 +95,9 @@ class PoissonSampler:
         self.rank, self.world_size = rank, world_size
         self.shard_size = len(range(rank, dataset_size, world_size))
         if max_batch_size is not None and (max_batch_size < 1 or world_size > 1):
-            raise ValueError(f"a batch cap must be >= 1 and needs one process, got {max_batch_size} over {world_size}")
+            raise ValueError(
+                f"a batch cap must be >= 1 and needs one process, got {max_batch_size} over {world_size}"
+            )
         self.max_batch_size = max_batch_size
 
     def sample(self) -> torch.Tensor:
@@ -94,7 +105,8 @@ class PoissonSampler:
         # step is negligible next to a training step. float64: float32 uniforms are multiples
         # of 2^-24, which would round the inclusion probability *up* for small q.
         mask = self.generator.uniform(self.shard_size) < self.sample_rate
-        batch = mask.nonzero().flatten() * self.world_size + self.rank  # shard position j -> example jP + r
+        # shard position j -> example jP + r
+        batch = mask.nonzero().flatten() * self.world_size + self.rank
         if self.max_batch_size is not None and batch.numel() > self.max_batch_size:
             # a uniformly random subset of the cap's size: what the truncated event assumes
             kept = self.generator.permutation(batch.numel())[: self.max_batch_size]
@@ -191,7 +203,11 @@ class ShuffleSampler:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.state_dict(), "perm": self._perm.clone(), "cursor": self._cursor}
+        return {
+            "generator": self.generator.state_dict(),
+            "perm": self._perm.clone(),
+            "cursor": self._cursor,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.load_state_dict(state["generator"])
@@ -248,7 +264,9 @@ class CyclicPoissonSampler:
         world_size: int = 1,
         start_step: int = 0,
     ) -> None:
-        self.participation_rate = _check_cyclic_args(dataset_size, sample_rate, bands, rank, world_size, start_step)
+        self.participation_rate = _check_cyclic_args(
+            dataset_size, sample_rate, bands, rank, world_size, start_step
+        )
         self.dataset_size = dataset_size
         self.sample_rate = sample_rate
         self.bands = int(bands)
@@ -259,7 +277,9 @@ class CyclicPoissonSampler:
 
     def _set_partition(self, partition_seed: int) -> None:
         """Build the partition from ``partition_seed`` and this rank's part of each group."""
-        self.groups = _split_by_group(partition_groups(partition_seed, self.dataset_size, self.bands), self.bands)
+        self.groups = _split_by_group(
+            partition_groups(partition_seed, self.dataset_size, self.bands), self.bands
+        )
         # precomputed once so that a step draws O(N / (bP)) uniforms and indexes, nothing more
         self._members = tuple(g[g % self.world_size == self.rank] for g in self.groups)
         self.partition_seed = int(partition_seed)
@@ -338,7 +358,8 @@ def partition_groups(partition_seed: int, dataset_size: int, bands: int) -> torc
     Returns:
         an int64 CPU tensor of shape [N], values in 0..b-1.
     """
-    k = (DPRandom(partition_seed).uniform(dataset_size) * 2.0**_FRACTION_BITS).to(torch.int64)  # exact
+    # exact
+    k = (DPRandom(partition_seed).uniform(dataset_size) * 2.0**_FRACTION_BITS).to(torch.int64)
     high, low = k >> _HALF_BITS, k & ((1 << _HALF_BITS) - 1)
     # floor(k * b / 2^53) = floor((high * b + floor(low * b / 2^27)) / 2^26): no int64 overflow for
     # b < 2^36, where k * b itself would overflow for b >= 2^10
@@ -370,7 +391,9 @@ def _check_cyclic_state(state: dict[str, Any], bands: int) -> None:
         bands: the loading sampler's b.
     """
     if not {"generator", "step", "partition_seed", "bands"} <= set(state):
-        raise ValueError("not a CyclicPoissonSampler state (it needs generator, step, partition_seed and bands)")
+        raise ValueError(
+            "not a CyclicPoissonSampler state (it needs generator, step, partition_seed and bands)"
+        )
     if state.get("partition") != PARTITION:
         # rebuilding from the seed would give other groups mid-run (steps fewer than b apart), and
         # the old partition is the one that add/remove neighbours shift (issue 43): not continued
@@ -388,7 +411,9 @@ def _check_cyclic_state(state: dict[str, Any], bands: int) -> None:
         )
 
 
-def _check_cyclic_args(dataset_size: int, sample_rate: float, bands: int, rank: int, world_size: int, start_step: int) -> float:
+def _check_cyclic_args(
+    dataset_size: int, sample_rate: float, bands: int, rank: int, world_size: int, start_step: int
+) -> float:
     """Validate ``CyclicPoissonSampler``'s arguments.
 
     Returns:
@@ -403,7 +428,9 @@ def _check_cyclic_args(dataset_size: int, sample_rate: float, bands: int, rank: 
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     _check_bands(bands)
     if bands > dataset_size:  # some group would surely be empty: every b-th step a batch of nothing
-        raise ValueError(f"bands={bands} exceeds dataset_size={dataset_size}: some group would have no example")
+        raise ValueError(
+            f"bands={bands} exceeds dataset_size={dataset_size}: some group would have no example"
+        )
     rate = bands * sample_rate
     if rate > 1.0 + RATE_TOLERANCE:
         raise ValueError(
@@ -476,7 +503,9 @@ def make_sampler(
         )
     if mode == "poisson" and bands > 1:
         if partition_seed is None:
-            raise ValueError(f"bands={bands} (cyclic Poisson sampling) needs a partition_seed shared by all ranks")
+            raise ValueError(
+                f"bands={bands} (cyclic Poisson sampling) needs a partition_seed shared by all ranks"
+            )
         return CyclicPoissonSampler(
             dataset_size,
             batch_size / dataset_size,
@@ -488,14 +517,20 @@ def make_sampler(
             start_step=start_step,
         )
     whole_draw = mode != "poisson" or max_batch_size is not None
-    if whole_draw and world_size > 1:  # every rank draws the whole batch from one shared stream (ShardedDraw)
+    if (
+        whole_draw and world_size > 1
+    ):  # every rank draws the whole batch from one shared stream (ShardedDraw)
         if partition_seed is None:
-            raise ValueError(f"sampling={mode} over {world_size} processes needs a partition_seed shared by all ranks")
+            raise ValueError(
+                f"sampling={mode} over {world_size} processes needs a partition_seed shared by all ranks"
+            )
         shared = DPRandom(derive_seed(partition_seed, (SHARED_DRAW_KEY, world_size, start_step)))
         inner = make_sampler(mode, dataset_size, batch_size, shared, max_batch_size=max_batch_size)
         return ShardedDraw(inner, rank, world_size)
     if mode == "poisson":
-        return PoissonSampler(dataset_size, batch_size / dataset_size, generator, rank, world_size, max_batch_size)
+        return PoissonSampler(
+            dataset_size, batch_size / dataset_size, generator, rank, world_size, max_batch_size
+        )
     if mode == "fixed":
         return FixedSizeSampler(dataset_size, int(batch_size), generator)
     return ShuffleSampler(dataset_size, int(batch_size), generator)

@@ -64,15 +64,33 @@ class UserPoissonSampler:
     """
 
     def __init__(
-        self, users: UserIndex, sample_rate: float, max_examples_per_user: int, generator: DPRandom, *,
-        bands: int = 1, partition_seed: int | None = None, start_step: int = 0, max_batch_size: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        users: UserIndex,
+        sample_rate: float,
+        max_examples_per_user: int,
+        generator: DPRandom,
+        *,
+        bands: int = 1,
+        partition_seed: int | None = None,
+        start_step: int = 0,
+        max_batch_size: int | None = None,
+    ) -> None:
         if not 0.0 < sample_rate <= 1.0 or not sample_rate * bands <= 1.0:
-            raise ValueError(f"sample_rate must be in (0, 1/bands], got {sample_rate} with bands={bands}")
-        if isinstance(max_examples_per_user, bool) or int(max_examples_per_user) != max_examples_per_user or max_examples_per_user < 1:
-            raise ValueError(f"max_examples_per_user must be an integer >= 1, got {max_examples_per_user!r}")
+            raise ValueError(
+                f"sample_rate must be in (0, 1/bands], got {sample_rate} with bands={bands}"
+            )
+        if (
+            isinstance(max_examples_per_user, bool)
+            or int(max_examples_per_user) != max_examples_per_user
+            or max_examples_per_user < 1
+        ):
+            raise ValueError(
+                f"max_examples_per_user must be an integer >= 1, got {max_examples_per_user!r}"
+            )
         if bands > 1 and partition_seed is None:
-            raise ValueError(f"bands={bands} (cyclic Poisson sampling of users) needs a partition_seed")
+            raise ValueError(
+                f"bands={bands} (cyclic Poisson sampling of users) needs a partition_seed"
+            )
         _check_user_cap(max_batch_size, bands)
         self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
         self.users, self.sample_rate, self.bands = users, sample_rate, int(bands)
@@ -94,13 +112,17 @@ class UserPoissonSampler:
         """The next step's drawn users and their contributed examples (possibly none)."""
         members = self._members[self.step % self.bands]
         # float64 uniforms, as for examples (PoissonSampler): no rounding of a small q upwards
-        drawn = self._capped(members[self.generator.uniform(len(members)).numpy() < self.sample_rate * self.bands])
+        drawn = self._capped(
+            members[self.generator.uniform(len(members)).numpy() < self.sample_rate * self.bands]
+        )
         self.step += 1
         sizes = self.users.sizes[drawn]
         keep = np.minimum(sizes, self.max_examples_per_user)
         # every example of every drawn user, with its user's rank in this batch
         rank = np.repeat(np.arange(len(drawn)), sizes)
-        flat = np.repeat(self.users.offsets[drawn] - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
+        flat = np.repeat(self.users.offsets[drawn] - np.cumsum(sizes) + sizes, sizes) + np.arange(
+            int(sizes.sum())
+        )
         chosen = self._k_smallest_keys(rank, sizes, keep)
         rank, examples = rank[chosen], self.users.examples[flat[chosen]]
         order = np.lexsort((examples, rank))  # users in drawn order, each one's examples ascending
@@ -126,7 +148,8 @@ class UserPoissonSampler:
         keys = self.generator.uniform(int(over.sum())).numpy()
         position = np.flatnonzero(over)
         order = position[np.lexsort((keys, rank[position]))]  # each user's examples by key
-        first = np.searchsorted(rank[order], rank[order], side="left")  # where each user's run starts
+        # where each user's run starts
+        first = np.searchsorted(rank[order], rank[order], side="left")
         mask[order] = (np.arange(len(order)) - first) < keep[rank[order]]
         return mask
 
@@ -135,9 +158,15 @@ class UserPoissonSampler:
         return self.sample_units().indices
 
     def state_dict(self) -> dict[str, Any]:
-        return {"unit": "user", "generator": self.generator.state_dict(), "step": self.step,
-                "bands": self.bands, "partition_seed": self.partition_seed, "users": self._digest,
-                "max_batch_size": self.max_batch_size}  # fmt: skip
+        return {
+            "unit": "user",
+            "generator": self.generator.state_dict(),
+            "step": self.step,
+            "bands": self.bands,
+            "partition_seed": self.partition_seed,
+            "users": self._digest,
+            "max_batch_size": self.max_batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where the sampler that wrote ``state`` stood, with its groups.
@@ -148,21 +177,28 @@ class UserPoissonSampler:
                 into users.
         """
         if state.get("unit") != "user":
-            raise ValueError("this sampler state samples examples, not users: it cannot continue a user-level run")
+            raise ValueError(
+                "this sampler state samples examples, not users: it cannot continue a user-level run"
+            )
         if state.get("users") != self._digest:
             raise ValueError(
                 "the user ids are not the ones this run was sampled with (another grouping of the examples into "
                 "people): each part of the run would protect another person; continue with the same ids"
             )
         if int(state["bands"]) != self.bands:
-            raise ValueError(f"this sampler state was written with bands={state['bands']}, not {self.bands}")
+            raise ValueError(
+                f"this sampler state was written with bands={state['bands']}, not {self.bands}"
+            )
         if state.get("max_batch_size") != self.max_batch_size:
             raise ValueError(
                 f"this sampler state was written with a cap of {state.get('max_batch_size')} users a step, not "
                 f"{self.max_batch_size}: the run's steps would be sampled two ways that one epsilon does not describe"
-                + (" (a run begun before dpscale applied the user-level cap drew every user its plan capped: start it anew)"
-                   if "max_batch_size" not in state else "")
-            )  # fmt: skip
+                + (
+                    " (a run begun before dpscale applied the user-level cap drew every user its plan capped: start it anew)"
+                    if "max_batch_size" not in state
+                    else ""
+                )
+            )
         self.generator.load_state_dict(state["generator"])
         self.step = int(state["step"])
         if state["partition_seed"] != self.partition_seed:  # the run's groups win (b-separation)
@@ -174,10 +210,18 @@ def _check_user_cap(max_batch_size: int | None, bands: int) -> None:
     accountant composes with a cap (the plan refuses it too: ``sampling_plan.check_sampling_settings``)."""
     if max_batch_size is None:
         return
-    if isinstance(max_batch_size, bool) or int(max_batch_size) != max_batch_size or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be an integer >= 1 (users a step), got {max_batch_size!r}")
+    if (
+        isinstance(max_batch_size, bool)
+        or int(max_batch_size) != max_batch_size
+        or max_batch_size < 1
+    ):
+        raise ValueError(
+            f"max_batch_size must be an integer >= 1 (users a step), got {max_batch_size!r}"
+        )
     if bands > 1:
-        raise ValueError(f"a batch cap truncates Poisson batches of users; cyclic sampling (bands={bands}) takes none")
+        raise ValueError(
+            f"a batch cap truncates Poisson batches of users; cyclic sampling (bands={bands}) takes none"
+        )
 
 
 def user_groups(ids: np.ndarray, bands: int, partition_seed: int | None) -> np.ndarray:
@@ -205,21 +249,38 @@ def user_groups(ids: np.ndarray, bands: int, partition_seed: int | None) -> np.n
 
 
 def user_sampler(
-    plan: Any, users: UserIndex | None, generator: DPRandom, *, world_size: int, partition_seed: int | None,
+    plan: Any,
+    users: UserIndex | None,
+    generator: DPRandom,
+    *,
+    world_size: int,
+    partition_seed: int | None,
     start_step: int,
-) -> UserPoissonSampler:  # fmt: skip
+) -> UserPoissonSampler:
     """The sampler of a user-level plan (``DPPlan.make_sampler``).
 
     Raises:
         ValueError: no user index, one of another number of users than the plan's N, or several processes.
     """
     if users is None:
-        raise ValueError("a user-level plan samples users: give the user ids (data.privacy_unit=user needs them)")
+        raise ValueError(
+            "a user-level plan samples users: give the user ids (data.privacy_unit=user needs them)"
+        )
     if users.num_users != plan.dataset_size:
-        raise ValueError(f"the plan counts N={plan.dataset_size} users but the data holds {users.num_users}")
+        raise ValueError(
+            f"the plan counts N={plan.dataset_size} users but the data holds {users.num_users}"
+        )
     if world_size > 1:
-        raise ValueError("data.privacy_unit=user runs in one process (users are not sharded across ranks yet)")
+        raise ValueError(
+            "data.privacy_unit=user runs in one process (users are not sharded across ranks yet)"
+        )
     return UserPoissonSampler(
-        users, plan.sample_rate, plan.max_examples_per_user, generator, bands=plan.bands,
-        partition_seed=partition_seed, start_step=start_step, max_batch_size=plan.max_batch_size,
-    )  # fmt: skip
+        users,
+        plan.sample_rate,
+        plan.max_examples_per_user,
+        generator,
+        bands=plan.bands,
+        partition_seed=partition_seed,
+        start_step=start_step,
+        max_batch_size=plan.max_batch_size,
+    )

@@ -56,7 +56,9 @@ def _conv(r: Record) -> nn.Conv1d | nn.Conv2d:
 def _conv_geometry(m: nn.Conv1d | nn.Conv2d) -> tuple[Pair, Pair, Pair, Pair]:
     """(kernel, stride, padding, dilation) as 2-D pairs; Conv1d is a 1 x k Conv2d."""
     padding = m.padding
-    assert not isinstance(padding, str), "padding given as a string (unsupported_modules refuses it)"
+    assert not isinstance(padding, str), (
+        "padding given as a string (unsupported_modules refuses it)"
+    )
     if isinstance(m, nn.Conv1d):
         (k,), (s,), (p,), (d,) = m.kernel_size, m.stride, padding, m.dilation
         return (1, k), (1, s), (0, p), (1, d)
@@ -79,10 +81,15 @@ def _conv_unfold(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
 
 def _output_size(size: Pair, kernel: Pair, dilation: Pair, stride: Pair) -> Pair:
     """A convolution's output (height, width) on an already padded (height, width) input."""
-    return cast(Pair, tuple((n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(size, kernel, dilation, stride)))
+    return cast(
+        Pair,
+        tuple((n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(size, kernel, dilation, stride)),
+    )
 
 
-def unfold_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pair, stride: Pair) -> torch.Tensor:
+def unfold_patches(
+    a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pair, stride: Pair
+) -> torch.Tensor:
     """``F.unfold(a, ...)``'s (B, C * kh * kw, L) patches, bit for bit, gathered by one copy of a
     strided view of the padded input: 1.5-4.4x faster than ``F.unfold`` on the paper CNNs' layers
     (2-core AMD EPYC, one thread)."""
@@ -92,11 +99,17 @@ def unfold_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pa
     b, c, h, w = a.shape
     out_h, out_w = _output_size((h, w), kernel, dilation, stride)
     sb, sc, sy, sx = a.stride()
-    view = a.as_strided((b, c, kh, kw, out_h, out_w), (sb, sc, sy * dh, sx * dw, sy * sh, sx * sw), a.storage_offset())
+    view = a.as_strided(
+        (b, c, kh, kw, out_h, out_w),
+        (sb, sc, sy * dh, sx * dw, sy * sh, sx * sw),
+        a.storage_offset(),
+    )
     return view.reshape(b, c * kh * kw, out_h * out_w)
 
 
-def channels_last_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pair, stride: Pair) -> torch.Tensor:
+def channels_last_patches(
+    a: torch.Tensor, kernel: Pair, *, dilation: Pair, padding: Pair, stride: Pair
+) -> torch.Tensor:
     """The patches of ``unfold_patches`` as (B, L, kh * kw * C), positions first and the columns
     in (kh, kw, C) order, gathered from a channels-last copy of the padded input: with dilation 1
     an output position's kw * C values of a kernel row are one contiguous run of that copy
@@ -110,7 +123,11 @@ def channels_last_patches(a: torch.Tensor, kernel: Pair, *, dilation: Pair, padd
     b, h, w, c = x.shape
     out_h, out_w = _output_size((h, w), kernel, dilation, stride)
     sb, sy, sx, sc = x.stride()
-    view = x.as_strided((b, out_h, out_w, kh, kw, c), (sb, sy * sh, sx * sw, sy * dh, sx * dw, sc), x.storage_offset())
+    view = x.as_strided(
+        (b, out_h, out_w, kh, kw, c),
+        (sb, sy * sh, sx * sw, sy * dh, sx * dw, sc),
+        x.storage_offset(),
+    )
     return view.reshape(b, out_h * out_w, kh * kw * c)
 
 
@@ -132,10 +149,20 @@ def _conv_per_example_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> to
 
     size = (b * m.out_channels, m.in_channels // groups, *kernel)
     weight = torch.ops.aten.convolution_backward(
-        views_first(g), views_first(a), _shape_only(size, g), None, stride, padding, dilation, False, [0, 0], b * groups,
+        views_first(g),
+        views_first(a),
+        _shape_only(size, g),
+        None,
+        stride,
+        padding,
+        dilation,
+        False,
+        [0, 0],
+        b * groups,
         (False, True, False),
-    )[1]  # fmt: skip
-    return weight.reshape(b, *m.weight.shape)  # the weight's layout: its clipped sum needs no reshape
+    )[1]
+    # the weight's layout: its clipped sum needs no reshape
+    return weight.reshape(b, *m.weight.shape)
 
 
 # zero-stride stand-ins for a weight the convolution backward reads only the shape of, by (shape,
@@ -160,7 +187,9 @@ def _fold_views(r: Record, t: torch.Tensor) -> torch.Tensor:
         return t
     rows, groups, d, length = t.shape
     return (
-        t.reshape(rows // r.views, r.views, groups, d, length).permute(0, 2, 3, 1, 4).reshape(rows // r.views, groups, d, r.views * length)
+        t.reshape(rows // r.views, r.views, groups, d, length)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(rows // r.views, groups, d, r.views * length)
     )
 
 
@@ -175,8 +204,12 @@ def _conv_per_example_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.
     """Each example's weight gradient by im2col + bmm, (B, G, out/G, in/G * k) (ungrouped: (B, *weight.shape)), summed over its views."""
     patches, gg = _conv_unfold(r, a, g)
     patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
-    if _conv(r).groups == 1:  # plain bmm takes the transposed operand without a copy; in the weight's layout
-        return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).view(len(gg), *_conv(r).weight.shape)
+    if (
+        _conv(r).groups == 1
+    ):  # plain bmm takes the transposed operand without a copy; in the weight's layout
+        return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).view(
+            len(gg), *_conv(r).weight.shape
+        )
     return torch.matmul(gg, patches.transpose(2, 3))
 
 
@@ -192,8 +225,10 @@ def _conv_per_example_bmm_positions(r: Record, a: torch.Tensor, g: torch.Tensor)
         a = a.unsqueeze(2)
     b = a.shape[0] // r.views
     patches = channels_last_patches(a, kernel, dilation=dilation, padding=padding, stride=stride)
-    patches = patches.reshape(b, -1, patches.shape[-1])  # an example's views one after another: (B, K*L, d)
-    gg = g.reshape(b, r.views, m.out_channels, -1).transpose(1, 2).reshape(b, m.out_channels, -1)  # (B, out, K*L)
+    # an example's views one after another: (B, K*L, d)
+    patches = patches.reshape(b, -1, patches.shape[-1])
+    # (B, out, K*L)
+    gg = g.reshape(b, r.views, m.out_channels, -1).transpose(1, 2).reshape(b, m.out_channels, -1)
     assert gg.shape[-1] == patches.shape[1], "output positions and patches disagree"
     r.kernel_major = True
     return torch.bmm(gg, patches).unsqueeze(1)
@@ -203,7 +238,10 @@ def _conv_per_example(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     """Each example's weight gradient, (B, ...) of the weight's numel per example, summed over its K views (by the shape rule)."""
     m = _conv(r)
     length = math.prod(g.shape[2:]) * r.views
-    d_in, d_out = m.in_channels // m.groups * math.prod(m.weight.shape[2:]), m.out_channels // m.groups
+    d_in, d_out = (
+        m.in_channels // m.groups * math.prod(m.weight.shape[2:]),
+        m.out_channels // m.groups,
+    )
     if _bmm_is_faster(d_in, d_out, length):
         return _conv_per_example_bmm(r, a, g)
     return _conv_per_example_grouped(r, a, g)
@@ -218,7 +256,12 @@ PIXEL_SLICE_COST = 16
 def _pixel_gram_eligible(m: nn.Module) -> TypeGuard[nn.Conv2d]:
     """Whether ``_pixel_gram_sq_norms`` applies: a plain 2-D convolution (one group, zero padding
     given as numbers; any stride and dilation)."""
-    return type(m) is nn.Conv2d and m.groups == 1 and isinstance(m.padding, tuple) and m.padding_mode == "zeros"
+    return (
+        type(m) is nn.Conv2d
+        and m.groups == 1
+        and isinstance(m.padding, tuple)
+        and m.padding_mode == "zeros"
+    )
 
 
 def _pixel_gram_cost(m: nn.Conv2d, a: torch.Tensor, length: int, views: int) -> float:
@@ -226,10 +269,15 @@ def _pixel_gram_cost(m: nn.Conv2d, a: torch.Tensor, length: int, views: int) -> 
     shifted block sums and the output gradients' Gram (float64: ``FLOAT64_GRAM_COST``)."""
     (kh, kw), _, (ph, pw), _ = _conv_geometry(m)
     pixels = views * (a.shape[-2] + 2 * ph) * (a.shape[-1] + 2 * pw)
-    return FLOAT64_GRAM_COST * (pixels * pixels * m.in_channels + length * length * m.out_channels) + kh * kw * length * length
+    return (
+        FLOAT64_GRAM_COST * (pixels * pixels * m.in_channels + length * length * m.out_channels)
+        + kh * kw * length * length
+    )
 
 
-def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pixel_gram_sq_norms(
+    r: Record, a: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``gram_sq_norms`` of a convolution without im2col: the patch Gram <a_t, a_s> is the sum
     over the k x k kernel offsets o of <x_{st+do}, x_{ss+do}> (stride s, dilation d), entries of
     the Gram of the zero-padded input's pixels (C_in deep instead of C_in k^2), and ||a_t||^2 the
@@ -261,28 +309,37 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
     # dimension: 4 operators where a slice and an add per tap were 2 k^2 (issue 63), and on the
     # CPU as fast as those (both taps in one view reduced 7-19x slower)
     columns = full.as_strided(
-        (b, views, hp, wo, views, hp, wo, kw), (s[0], s[1], s[2], s[3] * sw, s[4], s[5], s[6] * sw, (s[3] + s[6]) * dw),
+        (b, views, hp, wo, views, hp, wo, kw),
+        (s[0], s[1], s[2], s[3] * sw, s[4], s[5], s[6] * sw, (s[3] + s[6]) * dw),
         full.storage_offset(),
-    ).sum(-1)  # fmt: skip
+    ).sum(-1)
     t = columns.stride()
     patch = columns.as_strided(
-        (b, views, ho, wo, views, ho, wo, kh), (t[0], t[1], t[2] * sh, t[3], t[4], t[5] * sh, t[6], (t[2] + t[5]) * dh),
+        (b, views, ho, wo, views, ho, wo, kh),
+        (t[0], t[1], t[2] * sh, t[3], t[4], t[5] * sh, t[6], (t[2] + t[5]) * dh),
         columns.storage_offset(),
-    ).sum(-1)  # (B, K, Ho, Wo, K, Ho, Wo)  # fmt: skip
+    ).sum(-1)  # (B, K, Ho, Wo, K, Ho, Wo)
     if views == 1:
         g64 = g.double()  # (B, C_out, Ho, Wo)
         gram = torch.einsum("bvhwuxy,bhwxy->b", patch, torch.einsum("bchw,bcxy->bhwxy", g64, g64))
     else:
         g64 = g.double().reshape(b, views, m.out_channels, ho, wo)
-        gram = torch.einsum("bvhwuxy,bvhwuxy->b", patch, torch.einsum("bvchw,bucxy->bvhwuxy", g64, g64))
+        gram = torch.einsum(
+            "bvhwuxy,bvhwuxy->b", patch, torch.einsum("bvchw,bucxy->bvhwuxy", g64, g64)
+        )
     # ||a_t||^2 (B, K, Ho, Wo): each output position's k x k pixels' squared norms (the pixel Gram's
     # diagonal), summed; a float64 sum of squares, never negative
     row_sums = full.as_strided(
-        (b, views, hp, wo, kw), (s[0], s[1] + s[4], s[2] + s[5], (s[3] + s[6]) * sw, (s[3] + s[6]) * dw), full.storage_offset()
-    ).sum(-1)  # fmt: skip
+        (b, views, hp, wo, kw),
+        (s[0], s[1] + s[4], s[2] + s[5], (s[3] + s[6]) * sw, (s[3] + s[6]) * dw),
+        full.storage_offset(),
+    ).sum(-1)
     q = row_sums.stride()
-    box = row_sums.as_strided((b, views, ho, wo, kh), (q[0], q[1], q[2] * sh, q[3], q[2] * dh), row_sums.storage_offset()).sum(-1)
-    g_norms = torch.linalg.vector_norm(g64, dim=-3)  # ||g_t|| (B, Ho, Wo), or (B, K, Ho, Wo) with views
+    box = row_sums.as_strided(
+        (b, views, ho, wo, kh), (q[0], q[1], q[2] * sh, q[3], q[2] * dh), row_sums.storage_offset()
+    ).sum(-1)
+    # ||g_t|| (B, Ho, Wo), or (B, K, Ho, Wo) with views
+    g_norms = torch.linalg.vector_norm(g64, dim=-3)
     weight = torch.einsum("bvhw,bhw->b" if views == 1 else "bvhw,bvhw->b", box.sqrt(), g_norms)
     inner = max(channels * kh * kw, channels + kh * kw + 1) + m.out_channels
     return upper_bound(gram, inner, views * ho * wo, weight).to(a.dtype), weight
@@ -290,14 +347,16 @@ def _pixel_gram_sq_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> tuple[t
 
 def _conv_weight_pixel_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     gram, weight = _pixel_gram_sq_norms(r, a, g)
-    r.slack = release_slack(math.prod(g.shape[2:]) * r.views, weight, a.dtype)  # the release sums every position
+    # the release sums every position
+    r.slack = release_slack(math.prod(g.shape[2:]) * r.views, weight, a.dtype)
     return gram
 
 
 def _conv_weight_gram(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     patches, gg = _conv_unfold(r, a, g)
     patches, gg = _fold_views(r, patches), _fold_views(r, gg)
-    gram, weight = gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))  # per group (B, G, L, d)
+    # per group (B, G, L, d)
+    gram, weight = gram_sq_norms(patches.transpose(2, 3), gg.transpose(2, 3))
     # the release (a convolution weight gradient) sums an example's positions and views
     r.slack = release_slack(math.prod(g.shape[2:]) * r.views, weight, a.dtype)
     return gram
@@ -321,9 +380,12 @@ def _conv_weight_grouped(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.T
 # A conv weight's exact per-example-norm methods: Gram forms (an upper bound with the release's
 # slack) and instantiated gradients (kept for the release). Names appear in logs and checkpoints.
 CONV_WEIGHT_METHODS = {
-    "pixel-gram": _conv_weight_pixel_gram, "gram": _conv_weight_gram,
-    "bmm": _conv_weight_bmm, "bmm-positions": _conv_weight_bmm_positions, "grouped": _conv_weight_grouped,
-}  # fmt: skip
+    "pixel-gram": _conv_weight_pixel_gram,
+    "gram": _conv_weight_gram,
+    "bmm": _conv_weight_bmm,
+    "bmm-positions": _conv_weight_bmm_positions,
+    "grouped": _conv_weight_grouped,
+}
 
 
 def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
@@ -331,18 +393,27 @@ def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
     the exact candidates."""
     m, b = _conv(r), a.shape[0] // r.views
     length = math.prod(g.shape[2:]) * r.views  # an example's positions, over all its views
-    d_in, d_out = m.in_channels // m.groups * math.prod(m.weight.shape[2:]), m.out_channels // m.groups
+    d_in, d_out = (
+        m.in_channels // m.groups * math.prod(m.weight.shape[2:]),
+        m.out_channels // m.groups,
+    )
     explicit = length * d_in * d_out
     gram_cost = FLOAT64_GRAM_COST * length * length * (d_in + d_out) + IM2COL_COST * length * d_in
-    costs: dict[str, tuple[float, float]] = {"gram": (gram_cost, 16.0 * b * m.groups * length * length)}
+    costs: dict[str, tuple[float, float]] = {
+        "gram": (gram_cost, 16.0 * b * m.groups * length * length)
+    }
     if _pixel_gram_eligible(m):
         (kh, kw), _, (ph, pw), _ = _conv_geometry(m)
         pixels = r.views * (a.shape[-2] + 2 * ph) * (a.shape[-1] + 2 * pw)
         taps = kh * kw  # + the k^2 strided L x L slices the tuner has seen cost
         pixel_cost = _pixel_gram_cost(m, a, length, r.views)
-        costs["pixel-gram"] = (pixel_cost + PIXEL_SLICE_COST * taps * length * length,
-                               8.0 * b * (pixels * pixels + 2 * length * length))  # fmt: skip
-    if "pixel-gram" in costs and pixel_cost < min(explicit, gram_cost):  # the rule: without the slices' cost
+        costs["pixel-gram"] = (
+            pixel_cost + PIXEL_SLICE_COST * taps * length * length,
+            8.0 * b * (pixels * pixels + 2 * length * length),
+        )
+    if "pixel-gram" in costs and pixel_cost < min(
+        explicit, gram_cost
+    ):  # the rule: without the slices' cost
         rule = "pixel-gram"
     elif r.gram_only or use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
         rule = "gram"
@@ -380,12 +451,29 @@ def _weight_gradient(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor)
     kernel, stride, padding, dilation = _conv_geometry(m)
     if isinstance(m, nn.Conv2d) and m.weight.dtype == g.dtype:
         return torch.ops.aten.convolution_backward(
-            g, a, m.weight, None, stride, padding, dilation, False, [0, 0], m.groups, (False, True, False)
+            g,
+            a,
+            m.weight,
+            None,
+            stride,
+            padding,
+            dilation,
+            False,
+            [0, 0],
+            m.groups,
+            (False, True, False),
         )[1]
     if isinstance(m, nn.Conv1d):
         a, g = a.unsqueeze(2), g.unsqueeze(2)
-    weight = conv2d_weight(a, (m.out_channels, m.in_channels // m.groups, *kernel), g, stride=stride, padding=padding,
-                           dilation=dilation, groups=m.groups)  # fmt: skip
+    weight = conv2d_weight(
+        a,
+        (m.out_channels, m.in_channels // m.groups, *kernel),
+        g,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=m.groups,
+    )
     return weight.reshape(m.weight.shape)
 
 
@@ -398,9 +486,13 @@ def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torc
             summed = torch.tensordot(c, r.cache["weight"], dims=1)
             if r.kernel_major:  # (out, kh, kw, in) -> the weight's (out, in, kh, kw)
                 summed = summed.reshape(m.out_channels, *_conv_geometry(m)[0], -1).movedim(-1, 1)
-            out["weight"] = summed if summed.shape == m.weight.shape else summed.reshape(m.weight.shape)
+            out["weight"] = (
+                summed if summed.shape == m.weight.shape else summed.reshape(m.weight.shape)
+            )
         else:
-            assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
+            assert a is not None and g is not None, (
+                "a record's tensors are dropped only once its weight gradients are cached"
+            )
             # sum_i c_i g_i^T a_i is the ordinary weight gradient with g scaled per example:
             # the library's convolution kernel, no im2col.
             scaled = g * row_factors(r, c).view(-1, *([1] * (g.dim() - 1)))
@@ -413,21 +505,29 @@ def conv_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torc
 def ws_rows(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight-standardised layer's standardised rows u (out, n) and k = gain / s (out,), s =
     sqrt(n var + eps), computed in ``dtype`` (float64 for the closed forms)."""
-    assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), f"{type(m).__name__} is not weight-standardised"
+    assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), (
+        f"{type(m).__name__} is not weight-standardised"
+    )
     with torch.no_grad():
         w = m.weight.reshape(m.weight.shape[0], -1).to(dtype)
-        k = m.gain.to(dtype).reshape(-1) * torch.rsqrt(w.var(1, unbiased=False) * w.shape[1] + m.eps)
+        k = m.gain.to(dtype).reshape(-1) * torch.rsqrt(
+            w.var(1, unbiased=False) * w.shape[1] + m.eps
+        )
         return standardized(w, m.eps), k
 
 
-def ws_weight_norms(r: Record, grad_w: torch.Tensor, sq: torch.Tensor | None) -> torch.Tensor | None:
+def ws_weight_norms(
+    r: Record, grad_w: torch.Tensor, sq: torch.Tensor | None
+) -> torch.Tensor | None:
     """Scaled weight standardisation, W' = gain * u with u = (W - mean) / s per output row,
     s = sqrt(n var + eps): from each example's gradient G (B, out, n) with respect to W',
     d/d gain = <u, G> and d/d W = gain / s * (G - mean(G) - u <u, G>) (the Jacobian of u is
     (P - u u^T) / s, P the centring projection). Caches both for the release; returns ``sq``
     plus their squared norms (B,)."""
     m, b = r.module, grad_w.shape[0]
-    assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), f"{type(m).__name__} is not weight-standardised"
+    assert isinstance(m, (ScaledStdConv2d, ScaledStdLinear)), (
+        f"{type(m).__name__} is not weight-standardised"
+    )
     u, k = ws_rows(m, grad_w.dtype)
     along_u = (grad_w * u).sum(-1, keepdim=True)  # (B, out, 1)
     if r.trainable.get("gain"):

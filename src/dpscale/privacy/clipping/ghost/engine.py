@@ -64,11 +64,28 @@ from dpscale.privacy.clipping.ghost.model import (
 )
 from dpscale.privacy.clipping.ghost.record import Record, cached_sums
 from dpscale.privacy.clipping.ghost.rules import RULES
-from dpscale.privacy.clipping.per_example import Batch, ClippedSumMixin, LossFn, clip_units, mean_over_views, per_example_cross_entropy, real_rows, refuse_units
+from dpscale.privacy.clipping.per_example import (
+    Batch,
+    ClippedSumMixin,
+    LossFn,
+    clip_units,
+    mean_over_views,
+    per_example_cross_entropy,
+    real_rows,
+    refuse_units,
+)
 from dpscale.privacy.noise.gaussian import Params
-from dpscale.privacy.clipping.precision import FP32, Precision, at_least_fp32, exact_float32, needs_zeroing, zero_rows
+from dpscale.privacy.clipping.precision import (
+    FP32,
+    Precision,
+    at_least_fp32,
+    exact_float32,
+    needs_zeroing,
+    zero_rows,
+)
 
-__all__ = ["GhostEngine", "unsupported_modules"]  # unsupported_modules: imported from here (dpscale.privacy, engines)
+# unsupported_modules: imported from here (dpscale.privacy, engines)
+__all__ = ["GhostEngine", "unsupported_modules"]
 
 
 def _true_gradients(model: nn.Module, params: Params) -> dict[str, torch.Tensor]:
@@ -148,14 +165,18 @@ class GhostEngine(ClippedSumMixin):
     def name(self) -> str:
         return self.mode
 
-    def clipped_sum_and_losses(self, model: nn.Module, params: Params, batch: Batch) -> tuple[Params, torch.Tensor, torch.Tensor]:
+    def clipped_sum_and_losses(
+        self, model: nn.Module, params: Params, batch: Batch
+    ) -> tuple[Params, torch.Tensor, torch.Tensor]:
         refuse_units(batch, self.mode)
         x, _ = batch
         if x.shape[0] == 0:
             return self.empty_result(params, x)
         grad_sum, norms, losses, _ = self.clip_with_layer_norms(model, params, batch)
         rows = real_rows(batch)  # padding rows: zero loss weight, so zero gradient, norm and sum
-        return (grad_sum, norms, losses) if rows is None else (grad_sum, norms[:rows], losses[:rows])
+        return (
+            (grad_sum, norms, losses) if rows is None else (grad_sum, norms[:rows], losses[:rows])
+        )
 
     def clip_with_layer_norms(
         self, model: nn.Module, params: Params, batch: Batch
@@ -166,7 +187,9 @@ class GhostEngine(ClippedSumMixin):
         state = self._models.setdefault(model, ModelState())
         problems = state.static_problems(model)
         if problems:
-            raise ValueError(f"{self.mode} engine cannot handle: {'; '.join(problems)}; use engine=vmap")
+            raise ValueError(
+                f"{self.mode} engine cannot handle: {'; '.join(problems)}; use engine=vmap"
+            )
         key = state.route_key(model)
         check = key not in state.checked  # first pass in this mode with this parameter set
         if check and self.precision.name != "fp32":
@@ -179,10 +202,17 @@ class GhostEngine(ClippedSumMixin):
         checked_params = _true_gradients(model, params) if check and losses.requires_grad else {}
         targets = [_taken(r)[1] for r in records] + list(checked_params.values())
         rows = real_rows(batch)
-        loss = (losses if rows is None else losses[:rows]).sum() * scale  # padding rows weigh exactly 0
-        grads: list[torch.Tensor | None] = list(torch.autograd.grad(loss, targets, allow_unused=True)) if targets else []
+        loss = (
+            losses if rows is None else losses[:rows]
+        ).sum() * scale  # padding rows weigh exactly 0
+        grads: list[torch.Tensor | None] = (
+            list(torch.autograd.grad(loss, targets, allow_unused=True)) if targets else []
+        )
         out_grads = grads[: len(records)]
-        true = {n: None if t is None else _unscaled(t, scale) for n, t in zip(checked_params, grads[len(records) :])}
+        true = {
+            n: None if t is None else _unscaled(t, scale)
+            for n, t in zip(checked_params, grads[len(records) :])
+        }
         del targets, grads
         # the clip bound's arithmetic never in TF32; nothing after the backward pass is differentiated
         with exact_float32(), torch.no_grad():
@@ -191,12 +221,21 @@ class GhostEngine(ClippedSumMixin):
             # the type the release is computed in (never the tokens' int type)
             zeros = batch[0].new_zeros(batch[0].shape[0], dtype=clip_dtype(params.values()))
             factors, norms = clip_units(
-                units.sq, self.max_grad_norm, units.group_of, zeros=zeros, unit_slack=units.slack, gamma=self.clip_gamma
+                units.sq,
+                self.max_grad_norm,
+                units.group_of,
+                zeros=zeros,
+                unit_slack=units.slack,
+                gamma=self.clip_gamma,
             )
             finite = torch.isfinite(norms)
             # a non-finite example makes the autograd reference non-finite: this pass cannot tell
             # (a one-off pass: its host read is no cost)
-            if check and bool(finite.all()) and self._check_routes(records, true, torch.ones_like(norms)):
+            if (
+                check
+                and bool(finite.all())
+                and self._check_routes(records, true, torch.ones_like(norms))
+            ):
                 state.checked.add(key)
             # Every precision: a non-finite example (an overflow, a NaN from its own data) contributes
             # exactly zero, a function of that example alone; otherwise 0 * inf = NaN would spread
@@ -206,10 +245,15 @@ class GhostEngine(ClippedSumMixin):
             sums = released_all(records, factors, units)
             # a zero tensor only for a parameter whose layer did not run (one per parameter was an
             # operator each, issue 63)
-            grad_sum = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in params.items()}
+            grad_sum = {
+                name: sums[name] if name in sums else torch.zeros_like(p)
+                for name, p in params.items()
+            }
         return grad_sum, norms.detach(), losses.detach(), layer_sq
 
-    def _layer_norms(self, records: list[Record], out_grads: list[torch.Tensor | None], state: ModelState) -> dict[str, torch.Tensor]:
+    def _layer_norms(
+        self, records: list[Record], out_grads: list[torch.Tensor | None], state: ModelState
+    ) -> dict[str, torch.Tensor]:
         """Per-example squared norms (B,) by layer, each layer's output freed once used. In 16-bit
         precision each record is first taken to float32 (its gradient unscaled). With one bound for
         the whole gradient, the small cached gradients' norms are taken for all layers at once
@@ -229,7 +273,9 @@ class GhostEngine(ClippedSumMixin):
                 r.inputs = at_least_fp32(r.inputs) if r.inputs.is_floating_point() else r.inputs
             layer_sq[r.name] = RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
             if "weight" in r.cache or RULES[type(r.module)].sums is cached_sums:
-                r.inputs = r.out_grad = None  # the clipped sum comes from the cache: drop the activations early
+                r.inputs = r.out_grad = (
+                    None  # the clipped sum comes from the cache: drop the activations early
+                )
         return add_deferred_norms(records, layer_sq, state)
 
     def _check_routes_in_float32(self, model: nn.Module, params: Params, batch: Batch) -> None:
@@ -252,7 +298,9 @@ class GhostEngine(ClippedSumMixin):
         with exact_float32():  # shares this engine's per-model state (the ``_models`` dictionary)
             replace(self, precision=FP32).clip_with_layer_norms(model, params, batch)
 
-    def _check_routes(self, records: list[Record], true: dict[str, torch.Tensor | None], ones: torch.Tensor) -> bool:
+    def _check_routes(
+        self, records: list[Record], true: dict[str, torch.Tensor | None], ones: torch.Tensor
+    ) -> bool:
         """Refuse a route the records miss; False when this pass cannot tell (an autograd
         gradient is not finite), so that the next pass checks again."""
         if any(t is not None and not bool(torch.isfinite(t).all()) for t in true.values()):
@@ -266,14 +314,18 @@ class GhostEngine(ClippedSumMixin):
             )
         return True
 
-    def _recorded_forward(self, model: nn.Module, params: Params, batch: Batch, watch: bool) -> tuple[list[Record], torch.Tensor]:
+    def _recorded_forward(
+        self, model: nn.Module, params: Params, batch: Batch, watch: bool
+    ) -> tuple[list[Record], torch.Tensor]:
         """One forward pass with every trainable layer's (input, output) recorded, checked for
         routes the records would miss (under the outside-use monitor when ``watch``). A layer
         whose recorded tensor is changed in place later is recorded from a copy, from then on
         (the pass is redone once when first found)."""
         state = self._models[model]
         for _ in range(2):
-            records = self._records(model, params, self.views, self.mode == "ghost", self.tuner, state)
+            records = self._records(
+                model, params, self.views, self.mode == "ghost", self.tuner, state
+            )
             losses, outside = self._forward(model, records, batch, state, watch)
             if outside:
                 raise ValueError(
@@ -282,7 +334,9 @@ class GhostEngine(ClippedSumMixin):
                 )
             for r in records:
                 if r.calls > 1:
-                    raise ValueError(f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap")
+                    raise ValueError(
+                        f"layer {r.name!r} ran {r.calls} times in one forward pass (weight sharing?); use engine=vmap"
+                    )
             records = [r for r in records if r.calls]  # a layer that did not run has zero gradient
             taken = [(r, _taken(r)) for r in records]
             detached = [r.name for r, (_, output) in taken if not output.requires_grad]
@@ -291,20 +345,31 @@ class GhostEngine(ClippedSumMixin):
                     f"{self.mode} engine: the outputs of layer(s) {', '.join(detached)} carry no gradient when "
                     "recorded (torch.no_grad or checkpoint(..., use_reentrant=True)?); use use_reentrant=False"
                 )
-            rows = batch[0].shape[0] * self.views  # the forward pass sees an example's K views as rows
-            shared = [r.name for r, (inputs, output) in taken if inputs.shape[0] != rows or output.shape[0] != rows]
+            # the forward pass sees an example's K views as rows
+            rows = batch[0].shape[0] * self.views
+            shared = [
+                r.name
+                for r, (inputs, output) in taken
+                if inputs.shape[0] != rows or output.shape[0] != rows
+            ]
             if shared:  # e.g. a layer applied to one constant row broadcast to every example
                 raise ValueError(
                     f"{self.mode} engine: layer(s) {', '.join(shared)} do not process the {rows} examples row by row "
                     "(their per-example gradients cannot be told apart); use engine=vmap"
                 )
-            changed = {r.name for r, (inputs, output) in taken if (output._version, inputs._version) != r.versions}
+            changed = {
+                r.name
+                for r, (inputs, output) in taken
+                if (output._version, inputs._version) != r.versions
+            }
             if not changed:
                 return records, losses
             if changed <= state.copied:
                 break
             state.copied |= changed
-        raise ValueError(f"{self.mode} engine: the tensors of layer(s) {', '.join(sorted(changed))} change in place")
+        raise ValueError(
+            f"{self.mode} engine: the tensors of layer(s) {', '.join(sorted(changed))} change in place"
+        )
 
     def _forward(
         self, model: nn.Module, records: list[Record], batch: Batch, state: ModelState, watch: bool
@@ -316,7 +381,9 @@ class GhostEngine(ClippedSumMixin):
         handles = []
         for r in records:
             if monitor is not None:
-                handles.append(r.module.register_forward_pre_hook(lambda m, i: monitor.active.append(m)))
+                handles.append(
+                    r.module.register_forward_pre_hook(lambda m, i: monitor.active.append(m))
+                )
             # prepend: the layer's own output, before any user hook replaces it (the route through
             # such a hook is then part of the output gradient, as it should be).
             capture = self._capture(r, r.name in state.copied, monitor)
@@ -344,13 +411,22 @@ class GhostEngine(ClippedSumMixin):
         if state is None or state.layers_key != key:
             layers = []
             for name, module in model.named_modules():
-                local = {pname: (f"{name}.{pname}" if name else pname) in params for pname, _ in module.named_parameters(recurse=False)}
+                local = {
+                    pname: (f"{name}.{pname}" if name else pname) in params
+                    for pname, _ in module.named_parameters(recurse=False)
+                }
                 if any(local.values()):
                     layers.append((module, name, local))
             if state is None:
-                return [Record(m, n, dict(t), views=views, gram_only=gram_only, tuner=tuner) for m, n, t in layers]
+                return [
+                    Record(m, n, dict(t), views=views, gram_only=gram_only, tuner=tuner)
+                    for m, n, t in layers
+                ]
             state.layers, state.layers_key = layers, key
-        return [Record(m, n, dict(t), views=views, gram_only=gram_only, tuner=tuner) for m, n, t in state.layers]
+        return [
+            Record(m, n, dict(t), views=views, gram_only=gram_only, tuner=tuner)
+            for m, n, t in state.layers
+        ]
 
     @staticmethod
     def _capture(record: Record, copy: bool, monitor: OutsideUseMonitor | None) -> Callable:

@@ -31,11 +31,17 @@ def _why_unsupported(module: nn.Module, trainable: list[str], prefix: str) -> st
     if rule is None:
         return f"{type(module).__name__}: no rule for its parameter(s) {', '.join(prefix + n for n in trainable)}"
     unknown = [prefix + n for n in trainable if n not in rule.params]
-    if unknown:  # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
+    if (
+        unknown
+    ):  # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
         return f"{type(module).__name__} with parameter(s) {', '.join(unknown)} that its rule does not know"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (isinstance(module.padding, str) or module.padding_mode != "zeros"):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (
+        isinstance(module.padding, str) or module.padding_mode != "zeros"
+    ):
         return f"{type(module).__name__} with padding={module.padding!r}, padding_mode={module.padding_mode!r}"
-    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
+    if isinstance(module, nn.Embedding) and (
+        module.max_norm is not None or module.scale_grad_by_freq
+    ):
         return "Embedding with max_norm or scale_grad_by_freq"
     return None
 
@@ -49,7 +55,11 @@ def _tied_parameters(model: nn.Module) -> list[str]:
             if p.requires_grad:
                 name = f"{prefix}.{local}" if prefix else local
                 owners.setdefault(id(p), {}).setdefault((id(module), local), name)
-    return [f"{' = '.join(group.values())} (tied parameter)" for group in owners.values() if len(group) > 1]
+    return [
+        f"{' = '.join(group.values())} (tied parameter)"
+        for group in owners.values()
+        if len(group) > 1
+    ]
 
 
 def unsupported_modules(model: nn.Module) -> list[str]:
@@ -59,9 +69,13 @@ def unsupported_modules(model: nn.Module) -> list[str]:
     Returns:
         one string per problem, naming the layer ("name (reason)") or the parameters.
     """
-    if type(model).__name__ == "OptimizedModule" and "_orig_mod" in model._modules:  # without importing dynamo
-        return ["<root> (a torch.compile'd model: its layers run inside the compiled graph, where hooks cannot record "
-                "them; pass the uncompiled module)"]  # fmt: skip
+    if (
+        type(model).__name__ == "OptimizedModule" and "_orig_mod" in model._modules
+    ):  # without importing dynamo
+        return [
+            "<root> (a torch.compile'd model: its layers run inside the compiled graph, where hooks cannot record "
+            "them; pass the uncompiled module)"
+        ]
     problems = []
     for name, module in model.named_modules():
         trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -87,13 +101,17 @@ class OutsideUseMonitor(TorchFunctionMode):
         self.active: list[nn.Module] = []  # the recorded layers whose call is running
         self.outside: dict[str, None] = {}  # ordered set of parameter names
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if any(t.requires_grad for t in _tensors(out)):  # .shape, .detach() etc. carry no gradient
             current = self.active[-1] if self.active else None
             for t in _tensors((args, kwargs)):
                 # a view of the parameter (``fc.weight.T`` kept by the parent) is the parameter too
-                hit = self.owner.get(id(t)) or (self.owner.get(id(t._base)) if t._base is not None else None)
+                hit = self.owner.get(id(t)) or (
+                    self.owner.get(id(t._base)) if t._base is not None else None
+                )
                 if hit is not None and hit[1] is not current:
                     self.outside[hit[0]] = None
         return out
@@ -140,7 +158,9 @@ class ModelState:
         return (model.training, self.support_key)
 
 
-def add_deferred_norms(records: list[Record], layer_sq: Mapping[str, torch.Tensor | None], state: ModelState) -> dict[str, torch.Tensor]:
+def add_deferred_norms(
+    records: list[Record], layer_sq: Mapping[str, torch.Tensor | None], state: ModelState
+) -> dict[str, torch.Tensor]:
     """Each layer's per-example squared norms (B,), its deferred parts' squares (``small_part``)
     added, for every layer at once: the deferred per-example gradients side by side, squared and
     summed by layer in float64 with the layers' other terms (a float32 square is exact there, and
@@ -156,7 +176,11 @@ def add_deferred_norms(records: list[Record], layer_sq: Mapping[str, torch.Tenso
         layer name -> squared norms (B,), for every record.
     """
     # each layer's deferred terms: its small cached gradients, then its weights' block norms
-    terms = [(r.name, t) for r in records for t in [*(r.cache[local] for local in r.deferred), *r.squares]]
+    terms = [
+        (r.name, t)
+        for r in records
+        for t in [*(r.cache[local] for local in r.deferred), *r.squares]
+    ]
     if not terms:
         return {name: sq for name, sq in layer_sq.items() if sq is not None}
     names = [r.name for r in records]
@@ -166,8 +190,10 @@ def add_deferred_norms(records: list[Record], layer_sq: Mapping[str, torch.Tenso
     if layout not in state.indices:
         position = {name: i for i, name in enumerate(names)}
         columns = [position[name] for name, t in terms for _ in range(math.prod(t.shape[1:]))]
-        state.indices[layout] = (torch.tensor(columns, device=device),
-                                 torch.tensor([position[name] for name in direct], device=device))  # fmt: skip
+        state.indices[layout] = (
+            torch.tensor(columns, device=device),
+            torch.tensor([position[name] for name in direct], device=device),
+        )
     by_column, by_layer = state.indices[layout]
     flat = _side_by_side([t for _, t in terms]).double()
     total = flat.new_zeros(len(names), flat.shape[0]).index_add_(0, by_column, flat.square().t())
@@ -200,7 +226,12 @@ class Units:
     split: frozenset[str]
 
 
-def units_of_pass(records: list[Record], layer_sq: dict[str, torch.Tensor], max_grad_norm: MaxGradNorm, params: Params) -> Units:
+def units_of_pass(
+    records: list[Record],
+    layer_sq: dict[str, torch.Tensor],
+    max_grad_norm: MaxGradNorm,
+    params: Params,
+) -> Units:
     """The units and groups of a pass; a split layer's entry in ``layer_sq`` is set to the sum
     of its tensors' norms (what is clipped is what the self-check compares).
 
@@ -210,11 +241,14 @@ def units_of_pass(records: list[Record], layer_sq: dict[str, torch.Tensor], max_
     slack = {r.name: r.slack for r in records if r.slack is not None}
     if not is_per_layer(max_grad_norm):
         return Units(layer_sq, slack, None, frozenset())
-    assert isinstance(max_grad_norm, Mapping)  # per-layer bounds: a mapping pattern -> C_g (is_per_layer)
+    # per-layer bounds: a mapping pattern -> C_g (is_per_layer)
+    assert isinstance(max_grad_norm, Mapping)
     param_group = resolve_clip_groups(max_grad_norm, list(params)).group_of
     sq, unit_slack, group_of, split = {}, {}, {}, set()
     for r in records:
-        names = {local: full_name(r.name, local) for local, trainable in r.trainable.items() if trainable}
+        names = {
+            local: full_name(r.name, local) for local, trainable in r.trainable.items() if trainable
+        }
         groups = {param_group[n] for n in names.values()}
         if len(groups) == 1:  # the layer's tensors clipped together, from its own norm
             sq[r.name], group_of[r.name] = layer_sq[r.name], groups.pop()
@@ -232,7 +266,9 @@ def units_of_pass(records: list[Record], layer_sq: dict[str, torch.Tensor], max_
             sq[name], group_of[name] = r.parts[local], param_group[name]
         if r.slack is not None:  # the weight's release alone accumulates positions
             unit_slack[names["weight"]] = r.slack
-        layer_sq[r.name] = sum((r.parts[local] for local in names), torch.zeros_like(layer_sq[r.name]))
+        layer_sq[r.name] = sum(
+            (r.parts[local] for local in names), torch.zeros_like(layer_sq[r.name])
+        )
     return Units(sq, unit_slack, group_of, frozenset(split))
 
 
@@ -251,12 +287,21 @@ def released_all(records: list[Record], factors: dict[str, torch.Tensor], units:
         # every deferred unit has the same factors (defer only runs under one bound): c @ [g_1 ... g_n]
         # is each tensor's sum_i c_i g_i; rows zeroed since the norms (non-finite examples) are read now
         flat = _side_by_side([r.cache[local] for r, local in deferred])
-        like: list[torch.Tensor] = [getattr(r.module, local) for r, local in deferred]  # the parameters, for their shapes
+        # the parameters, for their shapes
+        like: list[torch.Tensor] = [getattr(r.module, local) for r, local in deferred]
         summed = torch._C._nn.unflatten_dense_tensors(factors[deferred[0][0].name] @ flat, like)
         out.update({full_name(r.name, local): s for (r, local), s in zip(deferred, summed)})
     for r in records:
-        kept = r if not r.deferred else replace(r, trainable={n: t and n not in r.deferred for n, t in r.trainable.items()})
-        out.update({full_name(r.name, local): s for local, s in released(kept, factors, units).items()})
+        kept = (
+            r
+            if not r.deferred
+            else replace(
+                r, trainable={n: t and n not in r.deferred for n, t in r.trainable.items()}
+            )
+        )
+        out.update(
+            {full_name(r.name, local): s for local, s in released(kept, factors, units).items()}
+        )
     return out
 
 
@@ -270,11 +315,15 @@ def released(r: Record, factors: dict[str, torch.Tensor], units: Units) -> Param
     for local, trainable in r.trainable.items():
         if trainable:
             alone = replace(r, trainable={n: n == local for n in r.trainable})
-            out[local] = rule.sums(alone, r.inputs, r.out_grad, factors[full_name(r.name, local)])[local]
+            out[local] = rule.sums(alone, r.inputs, r.out_grad, factors[full_name(r.name, local)])[
+                local
+            ]
     return out
 
 
-def unseen_routes(records: list[Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor) -> list[str]:
+def unseen_routes(
+    records: list[Record], true: dict[str, torch.Tensor | None], rows: torch.Tensor
+) -> list[str]:
     """Parameters whose autograd gradient differs from the unclipped sum of the records'
     per-example gradients: a route the records do not see (a view or copy of the parameter used
     elsewhere, a replaced ``forward``, a global hook changing an output).
@@ -292,7 +341,9 @@ def unseen_routes(records: list[Record], true: dict[str, torch.Tensor | None], r
     for r in records:
         for local, s in RULES[type(r.module)].sums(r, r.inputs, r.out_grad, rows).items():
             from_records[f"{r.name}.{local}" if r.name else local] = s
-    sizes = {n: float(torch.linalg.vector_norm(t)) if t is not None else 0.0 for n, t in true.items()}
+    sizes = {
+        n: float(torch.linalg.vector_norm(t)) if t is not None else 0.0 for n, t in true.items()
+    }
     scale = RELATIVE_ERROR_FLOOR * max(sizes.values(), default=0.0) + 1e-300
     unseen = []
     for name, t in true.items():

@@ -91,7 +91,9 @@ def plus(total: torch.Tensor | None, sq: torch.Tensor | None) -> torch.Tensor | 
     return sq if total is None else total if sq is None else total + sq
 
 
-def or_zeros(r: Record, total: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor | None:
+def or_zeros(
+    r: Record, total: torch.Tensor | None, like: torch.Tensor, rows: int
+) -> torch.Tensor | None:
     """A rule's squared norms ``total``; when it had no term, None if the batched pass adds its
     deferred ones (``small_part``), else (rows,) zeros of ``like``'s type."""
     return like.new_zeros(rows) if total is None and not (r.deferred or r.squares) else total
@@ -141,11 +143,21 @@ def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
     a relative 1e-11 in float64 where float32 would have needed 1e-3 to 4e-2."""
     a64, g64 = a.double(), g.double()
     # einsums: one operator each where transposes, matmuls and the sums were seven (issue 63)
-    grams = torch.einsum("...ld,...md->...lm", a64, a64), torch.einsum("...ld,...md->...lm", g64, g64)
+    grams = (
+        torch.einsum("...ld,...md->...lm", a64, a64),
+        torch.einsum("...ld,...md->...lm", g64, g64),
+    )
     gram = torch.einsum("b...lm,b...lm->b", *grams)
-    weight = torch.einsum("...l,...l->...", torch.linalg.vector_norm(a64, dim=-1), torch.linalg.vector_norm(g64, dim=-1))  # (B, ...)
+    # (B, ...)
+    weight = torch.einsum(
+        "...l,...l->...",
+        torch.linalg.vector_norm(a64, dim=-1),
+        torch.linalg.vector_norm(g64, dim=-1),
+    )
     upper = upper_bound(gram, a.shape[-1] + g.shape[-1], a.shape[-2], weight).to(a.dtype)
-    return upper, weight if weight.dim() == 1 else weight.square().reshape(len(gram), -1).sum(1).sqrt()
+    return upper, weight if weight.dim() == 1 else weight.square().reshape(len(gram), -1).sum(
+        1
+    ).sqrt()
 
 
 def upper_bound(gram: torch.Tensor, inner: int, length: int, weight: torch.Tensor) -> torch.Tensor:
@@ -178,17 +190,30 @@ def use_ghost(length: int, d_in: int, d_out: int, overhead: float = 0.0) -> bool
 TUNED_GRAM_MAX_POSITIONS = 256
 
 
-def accurate_enough(costs: dict[str, tuple[float, float]], rule: str, length: int) -> dict[str, tuple[float, float]]:
+def accurate_enough(
+    costs: dict[str, tuple[float, float]], rule: str, length: int
+) -> dict[str, tuple[float, float]]:
     """``costs`` without the Gram forms the tuner may not take at ``length`` positions (bk mode)."""
     if length <= TUNED_GRAM_MAX_POSITIONS:
         return costs
-    return {name: cost for name, cost in costs.items() if name == rule or name not in ("gram", "pixel-gram")}
+    return {
+        name: cost
+        for name, cost in costs.items()
+        if name == rule or name not in ("gram", "pixel-gram")
+    }
 
 
 def tuned(
-    r: Record, signature: str, rule: str, costs: dict[str, tuple[float, float]], methods: dict[str, Callable],
-    args: tuple, rows: tuple, sums: Callable, examples: int,
-) -> str:  # fmt: skip
+    r: Record,
+    signature: str,
+    rule: str,
+    costs: dict[str, tuple[float, float]],
+    methods: dict[str, Callable],
+    args: tuple,
+    rows: tuple,
+    sums: Callable,
+    examples: int,
+) -> str:
     """The method for ``r``'s weight: ``rule`` without a tuner, else the tuner's choice among the
     exact candidates (name -> (multiply-adds per example, Gram bytes for the chunk)), each timed as
     its norms plus the clipped sum on a scratch copy of the record (the record itself untouched)."""
@@ -201,10 +226,21 @@ def tuned(
 
     def runner(name: str) -> Callable[[], Any]:
         def run() -> Any:
-            scratch = replace(r, trainable={"weight": True}, cache={}, parts={}, slack=None, tuner=None, kernel_major=False,
-                              defer=False, deferred=[], squares=[])  # fmt: skip
+            scratch = replace(
+                r,
+                trainable={"weight": True},
+                cache={},
+                parts={},
+                slack=None,
+                tuner=None,
+                kernel_major=False,
+                defer=False,
+                deferred=[],
+                squares=[],
+            )
             methods[name](scratch, *args)
-            return sums(scratch, *rows, args[0].new_ones(examples))  # made when timed (not on every chunk)
+            # made when timed (not on every chunk)
+            return sums(scratch, *rows, args[0].new_ones(examples))
 
         return run
 
@@ -212,9 +248,14 @@ def tuned(
     return r.tuner.choose(r.name, signature, args[0].device, rule, candidates, examples)
 
 
-def cached_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+def cached_sums(
+    r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor
+) -> Params:
     """sum_i c_i * (per-example gradient), for rules that cache every parameter's per-example gradient
     (``a`` and ``g`` unused: the engine drops them once the norms are taken)."""
     params = dict(r.module.named_parameters(recurse=False))
-    return {n: torch.tensordot(c, t, dims=1).reshape(params[n].shape)
-            for n, t in r.cache.items() if n in params and r.trainable.get(n)}  # fmt: skip
+    return {
+        n: torch.tensordot(c, t, dims=1).reshape(params[n].shape)
+        for n, t in r.cache.items()
+        if n in params and r.trainable.get(n)
+    }

@@ -24,7 +24,13 @@ from dpscale.layers import (
     ScaledStdLinear,
 )
 from dpscale.privacy.clipping.bounds import blocked_sq_norms, gamma, release_slack
-from dpscale.privacy.clipping.ghost.conv import conv_norms, conv_sums, ws_conv_norms, ws_rows, ws_weight_norms
+from dpscale.privacy.clipping.ghost.conv import (
+    conv_norms,
+    conv_sums,
+    ws_conv_norms,
+    ws_rows,
+    ws_weight_norms,
+)
 from dpscale.privacy.clipping.ghost.record import (
     cached_norms,
     FLOAT64_GRAM_COST,
@@ -100,28 +106,37 @@ def _linear_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor, rows: tup
     methods; ``rows`` = the record's (inputs, output grads) as the release takes them."""
     t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
     rule = "gram" if r.gram_only or use_ghost(t, d_in, d_out) else "bmm"
-    costs: dict[str, tuple[float, float]] = {"gram": (FLOAT64_GRAM_COST * t * t * (d_in + d_out), 2 * 8.0 * t * t * len(a))}
+    costs: dict[str, tuple[float, float]] = {
+        "gram": (FLOAT64_GRAM_COST * t * t * (d_in + d_out), 2 * 8.0 * t * t * len(a))
+    }
     if not r.gram_only:
         costs["bmm"] = (t * d_in * d_out, 0.0)
         costs = accurate_enough(costs, rule, t)
     signature = f"Linear|t={t}|in={d_in}|out={d_out}|views={r.views}|{a.dtype}"
-    return tuned(r, signature, rule, costs, LINEAR_WEIGHT_METHODS, (a, g), rows, _linear_sums, len(a))
+    return tuned(
+        r, signature, rule, costs, LINEAR_WEIGHT_METHODS, (a, g), rows, _linear_sums, len(a)
+    )
 
 
 def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-    b = a.shape[0] // r.views  # an example's K views are consecutive rows: fold them into its sequence
+    # an example's K views are consecutive rows: fold them into its sequence
+    b = a.shape[0] // r.views
     # one row per example (the 2-d input of a classifier head): the rows themselves, no reshape
     one_row = a.dim() == 2 and r.views == 1
     a3, g3 = (a, g) if one_row else (a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1]))
     sq = None
     if r.trainable.get("weight"):
-        if one_row or a3.shape[1] == 1:  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+        if (
+            one_row or a3.shape[1] == 1
+        ):  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
             # each factor summed and multiplied in float64: a factor rounded to float32 alone read 0
             # below float32's range (||a||^2 = 1e-48) although the gradient ||g|| ||a|| was ordinary,
             # and automatic clipping released 1287 C (issue 62's review). A factor whose square
             # overflows the records' type (3e38 in float32) still makes the example non-finite (zeroed).
             sq_a, sq_g = (float64_row_sq_sums(v if one_row else v[:, 0]) for v in (a3, g3))
-            product = torch.where(torch.maximum(sq_a, sq_g) > torch.finfo(a.dtype).max, torch.inf, sq_a * sq_g)
+            product = torch.where(
+                torch.maximum(sq_a, sq_g) > torch.finfo(a.dtype).max, torch.inf, sq_a * sq_g
+            )
             sq = plus(sq, part(r, "weight", product.to(a.dtype)))
             r.slack = release_slack(1, product.sqrt(), a.dtype)
         else:
@@ -133,13 +148,17 @@ def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor |
     return or_zeros(r, sq, a, b)
 
 
-def _linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+def _linear_sums(
+    r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor
+) -> Params:
     out: Params = {}
     if r.trainable.get("weight"):
         if "weight" in r.cache:
             out["weight"] = torch.tensordot(c, r.cache["weight"], dims=1)
         else:
-            assert a is not None and g is not None, "a record's tensors are dropped only once its weight gradients are cached"
+            assert a is not None and g is not None, (
+                "a record's tensors are dropped only once its weight gradients are cached"
+            )
             rows = row_factors(r, c)
             if a.dim() == 2:  # one row per example: no reshapes (each an operator)
                 out["weight"] = (g * rows.unsqueeze(1)).t() @ a
@@ -196,11 +215,15 @@ def _ws_outer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
         ).sum(1)
         sq = plus(sq, part(r, "weight", (exact + rounding).to(a.dtype)))
         along = (kg2 * t.square() * kappa).sum(1).sqrt()
-        r.slack = release_slack(4, (k * g64).norm(dim=1) * sq_a.squeeze(1).sqrt() + along, torch.float64)
+        r.slack = release_slack(
+            4, (k * g64).norm(dim=1) * sq_a.squeeze(1).sqrt() + along, torch.float64
+        )
     return or_zeros(r, sq, a, a.shape[0])
 
 
-def _ws_linear_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+def _ws_linear_sums(
+    r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor
+) -> Params:
     """The clipped sums of a ScaledStdLinear: from the cached per-example gradients, or, after
     ``_ws_outer_norms``, as k (cg^T a_c - diag(sum_i cg_i t_i) u) in float64, cg = c g."""
     if "ws_t" not in r.cache:
@@ -235,7 +258,9 @@ def _scalar_gain_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Ten
 def _norm_layer(r: Record) -> nn.GroupNorm | nn.LayerNorm:
     """The record's norm layer (the rule table gives these rules GroupNorm and LayerNorm only)."""
     m = r.module
-    assert isinstance(m, (nn.GroupNorm, nn.LayerNorm)), f"{type(m).__name__} is not a GroupNorm or LayerNorm"
+    assert isinstance(m, (nn.GroupNorm, nn.LayerNorm)), (
+        f"{type(m).__name__} is not a GroupNorm or LayerNorm"
+    )
     return m
 
 
@@ -255,7 +280,9 @@ def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torc
     else:  # LayerNorm: params over the trailing normalized_shape
         n = len(m.normalized_shape)
         reduce = lambda t: t.reshape(b, -1, *t.shape[t.dim() - n :]).sum(1)  # noqa: E731
-    if r.trainable.get("weight") and isinstance(m, nn.GroupNorm):  # the product and its sum in one operator
+    if r.trainable.get("weight") and isinstance(
+        m, nn.GroupNorm
+    ):  # the product and its sum in one operator
         parts["weight"] = torch.einsum("bc...,bc...->bc", g, _normalized(r, a))
     elif r.trainable.get("weight"):
         parts["weight"] = reduce(g * _normalized(r, a))
@@ -273,9 +300,14 @@ def _norm_layer_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tens
     return or_zeros(r, sq, a, a.shape[0] // r.views)
 
 
-def _norm_layer_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
-    return {name: torch.tensordot(c, r.cache[name], dims=1)
-            for name in ("weight", "bias") if name in r.cache and r.trainable.get(name)}  # fmt: skip
+def _norm_layer_sums(
+    r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor
+) -> Params:
+    return {
+        name: torch.tensordot(c, r.cache[name], dims=1)
+        for name in ("weight", "bias")
+        if name in r.cache and r.trainable.get(name)
+    }
 
 
 def _embedding_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
@@ -298,7 +330,9 @@ def _embedding_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tenso
     return part(r, "weight", upper_bound(gram, g.shape[-1], idx.shape[1], weight).to(g.dtype))
 
 
-def _embedding_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+def _embedding_sums(
+    r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor
+) -> Params:
     m = r.module
     assert isinstance(m, nn.Embedding), f"{type(m).__name__} is not an Embedding"
     idx, gg = r.cache["idx"], r.cache["g"]
@@ -318,7 +352,9 @@ def _tokens_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor |
     return or_zeros(r, sq, a, g.shape[0])
 
 
-def _tokens_sums(r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor) -> Params:
+def _tokens_sums(
+    r: Record, a: torch.Tensor | None, g: torch.Tensor | None, c: torch.Tensor
+) -> Params:
     g, out = r.cache["g"], {}
     if r.trainable.get("pos_embed"):
         out["pos_embed"] = torch.tensordot(c, g, dims=1).unsqueeze(0)
@@ -349,14 +385,18 @@ _WEIGHT_BIAS = frozenset({"weight", "bias"})
 # The rule of each supported layer type, looked up by exact type (a subclass needs its own entry).
 RULES: dict[type, Rule] = {
     nn.Linear: Rule(_linear_norms, _linear_sums, _WEIGHT_BIAS),
-    LoRADownLinear: Rule(_linear_norms, _linear_sums, frozenset({"weight"})),  # its output: A x alone
+    LoRADownLinear: Rule(
+        _linear_norms, _linear_sums, frozenset({"weight"})
+    ),  # its output: A x alone
     nn.Conv1d: Rule(conv_norms, conv_sums, _WEIGHT_BIAS),
     nn.Conv2d: Rule(conv_norms, conv_sums, _WEIGHT_BIAS),
     LoRADownConv2d: Rule(conv_norms, conv_sums, frozenset({"weight"})),
     nn.GroupNorm: Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
     nn.LayerNorm: Rule(_norm_layer_norms, _norm_layer_sums, _WEIGHT_BIAS),
     nn.Embedding: Rule(_embedding_norms, _embedding_sums, frozenset({"weight"})),
-    ClassTokenPositionEmbedding: Rule(_tokens_norms, _tokens_sums, frozenset({"pos_embed", "cls_token"})),
+    ClassTokenPositionEmbedding: Rule(
+        _tokens_norms, _tokens_sums, frozenset({"pos_embed", "cls_token"})
+    ),
     ScaledStdConv2d: Rule(ws_conv_norms, cached_sums, frozenset({"weight", "gain", "bias"})),
     ScaledStdLinear: Rule(_ws_linear_norms, _ws_linear_sums, frozenset({"weight", "gain", "bias"})),
     ScalarGain: Rule(_scalar_gain_norms, cached_sums, frozenset({"gain"})),
