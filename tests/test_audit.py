@@ -292,10 +292,8 @@ def test_canaries_are_counted_in_n_whatever_their_membership(tmp_path):
 
     plain = Trainer.create(_config(tmp_path, "plain", "run.seed=0"), progress=False)
     n = plain.plan.dataset_size
-    for kind, expected in (
-        ("gradient", n + 100),
-        ("input", n),
-    ):  # input canaries are taken from the data
+    # input canaries are taken from the data
+    for kind, expected in (("gradient", n + 100), ("input", n)):
         plans = []
         for seed in (3, 4):  # different memberships, the same N, q, sigma and steps
             audit = CanaryAudit(kind, 100, seed=seed)

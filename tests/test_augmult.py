@@ -54,9 +54,8 @@ def test_every_engine_clips_the_mean_of_the_views_gradients(name):
     reference = float64_augmult_reference(model, x, y, 0.5)
     params = trainable_params(model)
     assert "auto" in supported_engines(model)
-    for engine_name in engines_besides_auto(
-        model, 0.5, views=views
-    ):  # auto: the engine it builds, checked
+    # auto: the engine it builds, checked
+    for engine_name in engines_besides_auto(model, 0.5, views=views):
         engine, _ = make_engine(engine_name, 0.5, model, views=views)
         grad_sum, norms = engine.per_example_clipped_sum(model, params, (x, y))
         assert_matches_float64(grad_sum, norms, reference, engine_name)

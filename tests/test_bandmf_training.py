@@ -486,9 +486,8 @@ def test_a_refused_step_leaves_the_noise_recursion_untouched():
     indices = next(batches)
     before = mechanism.correlated_noise.snapshot()
     assert len(before) == 2
-    with pytest.raises(
-        ValueError, match="nothing was released"
-    ):  # one example short, counted after the noise
+    # one example short, counted after the noise
+    with pytest.raises(ValueError, match="nothing was released"):
         mechanism.step([(x[indices], y[indices]), (x[:1], y[:1])])
     after = mechanism.correlated_noise.snapshot()
     assert len(after) == 2 and all(a is b for a, b in zip(after, before))

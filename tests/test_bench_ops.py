@@ -25,9 +25,8 @@ OPS_UPPER_BOUND = {
     "wrn16-4": {"nonprivate": 205, "dpscale-auto": 467},
     "resnet18-gn": {"nonprivate": 257, "dpscale-auto": 633},
 }
-MAX_RATIO = (
-    2.5  # issue 63's acceptance: the DP step launches at most 2.5x the non-private step's operators
-)
+# issue 63's acceptance: the DP step launches at most 2.5x the non-private step's operators
+MAX_RATIO = 2.5
 SLOW_MODELS = ("wrn16-4", "resnet18-gn")  # 6-7 s each; the two small models run by default
 
 

@@ -289,9 +289,8 @@ def test_the_compiled_step_releases_at_most_c_and_without_the_margin_a_construct
 
     def worst(count: int) -> float:
         most = 0.0
-        for model, x, y in bound._scalar_cases(
-            count
-        ):  # a new model each: a new graph, traced with the margin of now
+        # a new model each: a new graph, traced with the margin of now
+        for model, x, y in bound._scalar_cases(count):
             most = max(most, released(CompiledEngine(1.0), model, x, y))
             if most > 1.0:
                 break
@@ -393,9 +392,8 @@ def test_adaptive_clipping_s_moving_c_compiles_once_and_trains_as_the_eager_vmap
             compile=compile,
         )
         clips, before, graphs = [], counters["stats"]["unique_graphs"], 0
-        for step in range(
-            5
-        ):  # chunks of 16 drawn here (one shape; Poisson's sizes would each compile)
+        # chunks of 16 drawn here (one shape; Poisson's sizes would each compile)
+        for step in range(5):
             mechanism.step_drawn_chunks(
                 [(x[16 * step : 16 * step + 16], y[16 * step : 16 * step + 16])]
             )

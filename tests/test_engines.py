@@ -221,9 +221,8 @@ def test_every_registered_model_gets_the_same_noisy_update_under_every_engine(na
             expected_batch_size=8,
             noise_generator=DPRandom(42),
         )
-    if unsupported_modules(
-        model
-    ):  # re-parametrised layers (e.g. weight standardisation): exact vmap only
+    # re-parametrised layers (e.g. weight standardisation): exact vmap only
+    if unsupported_modules(model):
         assert set(updates) == {"vmap"}
         assert isinstance(make_engine("auto", 1.0, model)[0], VmapEngine)
     else:

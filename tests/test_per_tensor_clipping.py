@@ -124,9 +124,8 @@ def test_every_engine_clips_each_tensor_as_the_float64_loop_and_within_its_bound
     for n in bounds:
         torch.testing.assert_close(grad_sum[n], sum(c[n] for c in clipped), rtol=1e-7, atol=1e-12)
     x, y = batch
-    for i in range(
-        len(y)
-    ):  # each example alone: its release is its clipped gradient, tensor by tensor
+    # each example alone: its release is its clipped gradient, tensor by tensor
+    for i in range(len(y)):
         alone, _ = engine.per_example_clipped_sum(model, params, (x[i : i + 1], y[i : i + 1]))
         for n, bound in bounds.items():
             torch.testing.assert_close(alone[n], clipped[i][n], rtol=1e-7, atol=1e-12)
@@ -389,9 +388,8 @@ def test_a_config_run_plans_the_sensitivity_of_the_clipping_it_runs_and_a_resume
     ) as caught:
         Trainer.resume(run_dir, progress=False, overrides=[f"dp.max_grad_norm_per={other}"])
     assert "\n" not in str(caught.value)
-    if (
-        per == "tensor"
-    ):  # unchanged, the checkpoint's mapping and the config's spelled out compare equal
+    # unchanged, the checkpoint's mapping and the config's spelled out compare equal
+    if per == "tensor":
         resumed = Trainer.resume(run_dir, progress=False)
         assert resumed.plan.max_grad_norm == plan.max_grad_norm
         resumed.run()

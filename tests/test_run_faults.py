@@ -297,9 +297,8 @@ def test_the_lock_is_held_for_the_run_and_released_after(tmp_path):
 def _flip_bytes(path: Path, count: int = 10, seed: int = 0) -> None:
     data = bytearray(path.read_bytes())
     rng = random.Random(seed)
-    for offset in rng.sample(
-        range(len(data) // 2, len(data) - 1000), count
-    ):  # in the tensors' bytes
+    # in the tensors' bytes
+    for offset in rng.sample(range(len(data) // 2, len(data) - 1000), count):
         data[offset] ^= 0x5A
     path.write_bytes(bytes(data))
 
@@ -413,9 +412,8 @@ def test_the_result_line_carries_the_warnings_when_the_run_printed_none(tmp_path
 
 
 # ------------------------------------------------------------------ fault injection
-CLAIMED = (
-    "claimed"  # a kill point: as soon as the run has claimed its directory (before any checkpoint)
-)
+# a kill point: as soon as the run has claimed its directory (before any checkpoint)
+CLAIMED = "claimed"
 
 
 def _kill_and_resume_until_done(run_dir: Path, kill_points: list) -> int:

@@ -268,9 +268,8 @@ def test_a_run_refuses_a_planted_engine_error_naming_the_layer(tmp_path, monkeyp
 
     add_deferred = ghost.add_deferred_norms
 
-    def halved(
-        records, layer_sq, state
-    ):  # the layers' whole norms, after the batched pass adds its terms
+    # the layers' whole norms, after the batched pass adds its terms
+    def halved(records, layer_sq, state):
         sq = add_deferred(records, layer_sq, state)
         return {name: v * 0.25 if name == "features.3" else v for name, v in sq.items()}
 

@@ -131,9 +131,8 @@ def test_simulate_dry_run_reports_the_trainers_plan(cases, trainer_plans, case, 
     assert SIMULATED_BATCH / (float(q_over_sigma) * float(sigma)) == pytest.approx(
         plan.dataset_size, rel=1e-4
     )
-    if (
-        case == "meanvar seed"
-    ):  # the seed run's releases are in the budget (sigma calibrated with them)
+    # the seed run's releases are in the budget (sigma calibrated with them)
+    if case == "meanvar seed":
         assert any(r.label.startswith("init-seed-run:") for r in plan.releases)
     if _raw_n(case) is not None:  # the raw dataset is not what the Trainer samples from
         assert plan.dataset_size < _raw_n(case)

@@ -139,9 +139,8 @@ def test_dpscale_train_reports_the_odds_of_its_own_accounting(tmp_path, sampling
     assert summary["adjacency"] == ("add/remove" if sampling == "poisson" else "replace-one")
     # the result line names it
     assert (f"{sampling} sampling, replace-one)" in line) == (sampling != "poisson")
-    if (
-        sampling == "shuffle"
-    ):  # its own bound (no amplification), never the Poisson figure, anywhere
+    # its own bound (no amplification), never the Poisson figure, anywhere
+    if sampling == "shuffle":
         from dpscale.privacy.accounting.accountant import compute_epsilon
         from dpscale.privacy.accounting.batch_sampling import BatchSampling
 

@@ -68,9 +68,8 @@ def capped_mechanism(steps: int = 300, **options):
 def users_per_step(mechanism, x, y, ids, steps: int) -> list[int]:
     """The people each of ``steps`` private steps trained on, through batches() and step()."""
     counts = []
-    for _, indices in zip(
-        range(steps), mechanism.batches()
-    ):  # range first: no draw past the last step
+    # range first: no draw past the last step
+    for _, indices in zip(range(steps), mechanism.batches()):
         counts.append(len(set(ids[indices.numpy()].tolist())))
         mechanism.step(x[indices], y[indices], indices=indices)
     return counts
@@ -172,9 +171,8 @@ def test_a_capped_mechanism_resumes_bit_identically():
     assert straight[0][3:] == resumed[0] and len(resumed[0]) == 3
     assert all(torch.equal(straight[1][k], resumed[1][k]) for k in straight[1])
     mechanism, *_ = capped_mechanism(steps=6, max_batch_size=6)
-    with pytest.raises(
-        ValueError, match="written under a different DP plan"
-    ):  # the plan holds the cap
+    # the plan holds the cap
+    with pytest.raises(ValueError, match="written under a different DP plan"):
         mechanism.load_state_dict(capped_mechanism(steps=6)[0].state_dict())
 
 

@@ -89,9 +89,8 @@ def test_removing_all_of_one_users_images_moves_the_release_by_at_most_c(engine,
             <= 1.0 + 1e-5
         )
         outliers = x.clone()
-        outliers[torch.from_numpy(ids == user)] *= (
-            1e3  # replaced by outliers: at most 2C (replace-one)
-        )
+        # replaced by outliers: at most 2C (replace-one)
+        outliers[torch.from_numpy(ids == user)] *= 1e3
         assert (
             change(full, released_first_step(outliers, y, ids, engine=engine, **options))
             <= 2.0 + 1e-5
@@ -212,9 +211,8 @@ def test_each_user_joins_at_rate_q_with_at_most_k_images():
         ).all()
         joined += counts > 0
         picked[indices.numpy()] += 1
-        mechanism._drawn = mechanism._drawn_offsets = (
-            None  # a test's shortcut: draw again without a step
-        )
+        # a test's shortcut: draw again without a step
+        mechanism._drawn = mechanism._drawn_offsets = None
     rate = joined / draws  # q = 5/20 = 0.25 per user, whatever its size
     assert np.abs(rate - 0.25).max() < 5 * np.sqrt(0.25 * 0.75 / draws)
     # a user of 10 images contributes each with probability 3/10 when drawn

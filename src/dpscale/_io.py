@@ -32,9 +32,8 @@ PRIVATE_DIR_MODE = 0o700
 # (torch.load and zip readers ignore bytes after the archive, so the file stays a plain torch file).
 CHECKSUM_MARK = b"\nDPSCALE-SHA256:"
 CHECKSUM_TRAILER_BYTES = len(CHECKSUM_MARK) + 64 + 1
-CHECKSUMMED_KEY = (
-    "sha256_trailer"  # in the payload: a file that has it but no intact trailer is damaged
-)
+# in the payload: a file that has it but no intact trailer is damaged
+CHECKSUMMED_KEY = "sha256_trailer"
 # The dpscale version that wrote a file (torch files, summary.json): a reader of an older version
 # can name the release that reads a newer format.
 VERSION_KEY = "dpscale_version"

@@ -17,11 +17,9 @@ BENCH_METHODS: tuple[str, ...] = ("shape-rule", "tuned")
 PRIVACY_UNITS: tuple[str, ...] = ("example", "user")  # data.privacy_unit, dpscale account --unit
 # dp.mechanism, make_private(noise_mechanism=), --mechanism
 MECHANISMS: tuple[str, ...] = ("dpsgd", "bandmf")
-DEFAULT_MAX_BANDS = (
-    64  # dp.max_bands, make_private(max_bands=), --max-bands: the largest b that bands=auto tries
-)
-DEFAULT_MAX_NOISE_MEMORY_MB = (
-    1024.0  # dp.max_noise_memory_mb, make_private(max_noise_memory_mb=): BandMF history limit
-)
+# dp.max_bands, make_private(max_bands=), --max-bands: the largest b that bands=auto tries
+DEFAULT_MAX_BANDS = 64
+# dp.max_noise_memory_mb, make_private(max_noise_memory_mb=): BandMF history limit
+DEFAULT_MAX_NOISE_MEMORY_MB = 1024.0
 # ``dpscale export --format`` (dpscale.export, dpscale.exported)
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")

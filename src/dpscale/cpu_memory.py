@@ -57,12 +57,10 @@ KEPT_GROWTH_BYTES = 256 << 20
 
 KEPT = "freed CPU memory kept for reuse"
 _status: str | None = None  # what this process's first call did (mallopt's effect is process-wide)
-_libc: ctypes.CDLL | None = (
-    None  # set once the thresholds are raised: its malloc_trim bounds the kept heap
-)
-_floor: int | None = (
-    None  # resident bytes after the first step since the last trim (None: not measured yet)
-)
+# set once the thresholds are raised: its malloc_trim bounds the kept heap
+_libc: ctypes.CDLL | None = None
+# resident bytes after the first step since the last trim (None: not measured yet)
+_floor: int | None = None
 
 
 def keep_freed_memory(streamed: bool = False) -> str:
@@ -138,11 +136,8 @@ def bound_kept_memory() -> bool:
     try:
         # bytes
         resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (
-        OSError,
-        ValueError,
-        IndexError,
-    ):  # glibc without /proc mounted (a chroot, a sandbox): no bound to read
+    # glibc without /proc mounted (a chroot, a sandbox): no bound to read
+    except (OSError, ValueError, IndexError):
         return False
     if _floor is None:
         _floor = resident

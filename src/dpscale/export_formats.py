@@ -43,14 +43,12 @@ def _write_safetensors(model: ImagesInUnitRange, metadata: dict[str, Any], path:
     if isinstance(inner, nn.Sequential):  # export_run's (features, classifier)
         classifier, features = inner[1], cast(ScatterNetFeatures, inner[0])
     weights = {k: v.contiguous() for k, v in classifier.state_dict().items()}
-    if (
-        features is not None and features.kind == "datanorm"
-    ):  # the released statistics, as the run used them
+    # the released statistics, as the run used them
+    if features is not None and features.kind == "datanorm":
         weights[f"{FEATURE_STATS_PREFIX}mean"] = features.norm_mean.contiguous()
         weights[f"{FEATURE_STATS_PREFIX}var"] = features.norm_var.contiguous()
-    if (
-        features is not None and features.feature_center is not None
-    ):  # private centring's released mean
+    # private centring's released mean
+    if features is not None and features.feature_center is not None:
         weights[f"{FEATURE_STATS_PREFIX}center"] = features.feature_center.contiguous()
     atomic_write_bytes(path, save(weights, metadata={METADATA_KEY: json.dumps(metadata)}))
 
@@ -60,9 +58,8 @@ def _example(metadata: dict[str, Any]) -> torch.Tensor:
 
 
 def _write_torchscript(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) -> None:
-    if metadata.get(
-        "features"
-    ):  # tracing probes kymatio's deprecated attributes, which raise NameError (0.3)
+    # tracing probes kymatio's deprecated attributes, which raise NameError (0.3)
+    if metadata.get("features"):
         raise ConfigError(
             "--format torchscript cannot trace the ScatterNet (kymatio 0.3); use safetensors or onnx"
         )
@@ -141,9 +138,8 @@ def _write_onnx(model: ImagesInUnitRange, metadata: dict[str, Any], path: Path) 
     atomic_write_bytes(path, proto.SerializeToString())
 
 
-_ONNX_STACK_TRACE = (
-    "pkg.torch.onnx.stack_trace"  # per node: the Python stack, by this machine's absolute paths
-)
+# per node: the Python stack, by this machine's absolute paths
+_ONNX_STACK_TRACE = "pkg.torch.onnx.stack_trace"
 
 
 def _drop_stack_traces(proto: Any) -> None:

@@ -40,9 +40,8 @@ __all__ = [
 SUFFIXES = {"safetensors": ".safetensors", "torchscript": ".pt", "onnx": ".onnx"}
 METADATA_KEY = "dpscale"  # safetensors metadata key / ONNX metadata_props key
 TORCHSCRIPT_METADATA = "dpscale.json"  # TorchScript extra file
-FEATURE_STATS_PREFIX = (
-    "dpscale_datanorm."  # safetensors: Data Normalization's (and centring's) released statistics
-)
+# safetensors: Data Normalization's (and centring's) released statistics
+FEATURE_STATS_PREFIX = "dpscale_datanorm."
 # data.normalize: (x - 0.5) / 0.5, as dpscale.data.run_data
 NORMALIZE_SHIFT, NORMALIZE_SCALE = (0.5, 0.5)
 

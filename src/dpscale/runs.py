@@ -93,9 +93,8 @@ def find_run_dirs(path: str | Path, depth: int = RUN_SEARCH_DEPTH) -> list[Path]
         the run directories found ([] when none: not a run directory, nor a folder of runs).
     """
     path = Path(path)
-    if is_run_dir(
-        path
-    ):  # its own folders (plots/, tensorboard/) are not searched: runs do not nest
+    # its own folders (plots/, tensorboard/) are not searched: runs do not nest
+    if is_run_dir(path):
         return [path]
     if depth == 0 or not path.is_dir():
         return []

@@ -132,9 +132,8 @@ class CanaryEngine(ClippedSumMixin):
         data = ~is_canary
         if bool(data.all()):
             grad_sum, norms, losses = self.inner.clipped_sum_and_losses(model, params, batch)
-        elif bool(
-            data.any()
-        ):  # the data rows, padded again to the chunk's fixed size when it had one
+        # the data rows, padded again to the chunk's fixed size when it had one
+        elif bool(data.any()):
             kept = (x[data], y[data])
             grad_sum, norms, losses = self.inner.clipped_sum_and_losses(
                 model, params, kept if rows is None else pad_chunk(kept, size)
@@ -254,9 +253,8 @@ class CanaryAudit:
     # ------------------------------------------------------------------ engine
     def _wrap(self, engine: PerExampleEngine, model: nn.Module, fault: Any) -> PerExampleEngine:
         clip = self.max_grad_norm_of(engine)
-        if (
-            fault is not None
-        ):  # a broken engine (tests): the canaries go through it like everything else
+        # a broken engine (tests): the canaries go through it like everything else
+        if fault is not None:
             engine = fault.apply(engine)
         if self.kind == "input":
             self.initial_losses = self.canary_losses(model)

@@ -40,9 +40,8 @@ CHUNK_HEADER = [
     "|---|---|---|---|---|---|---|---|",
 ]
 PRESET = "preset:dpscale-fmnist-cnn"
-CHUNK_STEPS = (
-    40  # section 7's run with --data-root: enough steps to time after warm-up, not the whole preset
-)
+# section 7's run with --data-root: enough steps to time after warm-up, not the whole preset
+CHUNK_STEPS = 40
 WARM_STEPS = 3  # the first steps tune the clip methods, pick kernels, compile
 
 

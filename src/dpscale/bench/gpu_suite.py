@@ -412,9 +412,8 @@ def _profiled_window(trainer, stop: int, device: torch.device) -> tuple[float, f
     with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
-        warnings.showwarning = (
-            record  # called at the sync itself, so the Python stack is the caller's
-        )
+        # called at the sync itself, so the Python stack is the caller's
+        warnings.showwarning = record
         try:
             started = time.perf_counter()
             trainer.run(max_steps=stop)

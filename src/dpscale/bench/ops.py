@@ -59,9 +59,8 @@ OPS_ENGINES = ("nonprivate", "dpscale-auto", "opacus-ew")
 OPS_BATCH, OPS_WARMUP = 4, 2
 GRAPH_CALL = "## Call CompiledFxGraph"  # inductor's event around one compiled graph's launches
 BACKWARD = "autograd::engine::evaluate_function:"  # the autograd engine running one backward node
-OUTSIDE = (
-    "(autograd engine, outside dpscale)"  # by_function's name for ops no dpscale frame launched
-)
+# by_function's name for ops no dpscale frame launched
+OUTSIDE = "(autograd engine, outside dpscale)"
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,8 @@ ALL_ENGINES = (
     *(f"opacus-{m}" for m in OPACUS_MODES),
 )
 SIGMA, CLIP, LR = 1.0, 1.0, 0.1
-BANDMF_BENCH_STEPS = (
-    2000  # the plan's length for BandMF rows (its strategy is optimised for it, once)
-)
+# the plan's length for BandMF rows (its strategy is optimised for it, once)
+BANDMF_BENCH_STEPS = 2000
 
 Step = Callable[[], None]
 
@@ -294,9 +293,8 @@ def _opacus_step(
         private_optimizer.zero_grad(set_to_none=True)
         with precision.forward(x.device):
             loss = criterion(private_model(x), y)
-        if (
-            precision.loss_scale != 1.0
-        ):  # (Opacus' ghost mode returns its own loss type, without .float())
+        # (Opacus' ghost mode returns its own loss type, without .float())
+        if precision.loss_scale != 1.0:
             loss = loss.float() * precision.loss_scale
         loss.backward()
         private_optimizer.step()
@@ -345,9 +343,8 @@ def run_step_time(
     # Opacus' hooks warn on every step that the input needs no gradient; not news here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     dev = torch.device(device)
-    if (
-        dev.type == "cpu"
-    ):  # before any step is built: every row, non-private included, allocates alike
+    # before any step is built: every row, non-private included, allocates alike
+    if dev.type == "cpu":
         keep_freed_memory()
     prec = make_precision(precision)
     defaults = GPU_BATCH if dev.type == "cuda" else DEFAULT_BATCH
@@ -414,9 +411,8 @@ def _timed_steps(
     return steps
 
 
-NOISE_TOLERANCE = (
-    0.05  # bk and auto running the same engine must agree within this, else the table is noisy
-)
+# bk and auto running the same engine must agree within this, else the table is noisy
+NOISE_TOLERANCE = 0.05
 
 
 def _measure(

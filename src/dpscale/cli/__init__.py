@@ -148,9 +148,8 @@ def _one_line(err: BaseException) -> str:
 def _leave_process_group() -> None:
     """End a torchrun job's process group cleanly, after every rank got here (a no-op for a
     single process)."""
-    if (
-        "torch" not in sys.modules
-    ):  # a command that never loaded torch (dpscale account) has no group
+    # a command that never loaded torch (dpscale account) has no group
+    if "torch" not in sys.modules:
         return
     import torch.distributed as dist
 

@@ -144,9 +144,8 @@ def _cap_fields(
             if args.max_batch_size == "auto"
             else truncated_poisson_epsilon(**plan, max_batch_size=int(args.max_batch_size))
         )
-    if (
-        capped.max_batch_size >= args.dataset_size
-    ):  # cuts nothing: uncapped, as a run's plan resolves it
+    # cuts nothing: uncapped, as a run's plan resolves it
+    if capped.max_batch_size >= args.dataset_size:
         return {"max_batch_size": None, "max_batch_size_auto": args.max_batch_size == "auto"}
     odds = profile_odds(capped.profile, "pld", _odds_unit(args))
     return {

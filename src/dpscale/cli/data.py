@@ -37,9 +37,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     )
     for reason in listing.skipped:
         print(f"skipped: {reason}", file=sys.stderr)
-    for note in (
-        listing.notes
-    ):  # files left out, colour files, the manifest's people: as `dpscale train` says them
+    # files left out, colour files, the manifest's people: as `dpscale train` says them
+    for note in listing.notes:
         print(note, file=sys.stderr)
     total = len(listing.train_files) + len(listing.test_files)
     with tqdm(total=total, unit="img", file=sys.stderr, disable=args.quiet, desc="prepare") as bar:

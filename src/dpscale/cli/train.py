@@ -89,9 +89,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(
         f"{args.run_dir}: step {trainer.step}/{trainer.total_steps}, test accuracy {100 * accuracy:.2f}%, test loss {loss:.4f}, {status}"
     )
-    if (
-        plan.extractor is not None and plan.extractor.caveat() is None
-    ):  # the other cases are caveats, below
+    # the other cases are caveats, below
+    if plan.extractor is not None and plan.extractor.caveat() is None:
         print(f"epsilon includes the extractor's run: {plan.extractor.describe()}")
     for note in result["guarantee_caveats"]:
         print(f"WARNING: {note}")

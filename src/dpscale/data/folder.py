@@ -105,9 +105,8 @@ class FolderListing:
     mode: str = "RGB"
     skipped: tuple[str, ...] = ()
     dtype: str = "uint8"
-    train_users: np.ndarray | None = (
-        None  # each training file's user id (``USERS_MANIFEST``), or None
-    )
+    # each training file's user id (``USERS_MANIFEST``), or None
+    train_users: np.ndarray | None = None
     left_out: tuple[str, ...] = ()
     colour_files: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -429,9 +428,8 @@ def _listing_notes(listing: FolderListing, people: int | None) -> tuple[str, ...
     if listing.train_users is not None and people is not None:
         train_people = len(np.unique(listing.train_users))
         side = f"training: {len(listing.train_files):,} images of {train_people:,} people"
-        if (
-            listing.test_split != "official"
-        ):  # held out by whole people: the others are the test set's
+        # held out by whole people: the others are the test set's
+        if listing.test_split != "official":
             side += (
                 f"; test: {len(listing.test_files):,} images of {people - train_people:,} people"
             )

@@ -185,9 +185,8 @@ def _read_manifest(dest: Path) -> dict:
     for key in ("image_shape", "classes", "splits"):
         if key not in manifest:
             raise _bad(dest, f"manifest has no {key!r}")
-    if (
-        manifest.setdefault("dtype", "uint8") not in DTYPES
-    ):  # written before float sets existed: uint8
+    # written before float sets existed: uint8
+    if manifest.setdefault("dtype", "uint8") not in DTYPES:
         raise _bad(dest, f"manifest dtype {manifest['dtype']!r} is none of {', '.join(DTYPES)}")
     return manifest
 

@@ -112,9 +112,8 @@ def user_id_array(user_ids: Sequence[Any] | np.ndarray | torch.Tensor) -> np.nda
                 f"user ids must be integers or strings, got a {ids.dtype} array: {_WHY_TYPED}"
             )
         if ids.dtype.kind == "U":
-            for i, value in enumerate(
-                ids.tolist()
-            ):  # (np.char.find cannot look for a NUL: it strips it too)
+            # (np.char.find cannot look for a NUL: it strips it too)
+            for i, value in enumerate(ids.tolist()):
                 _check_string_id(i, value)
         return ids
     values = raw.tolist() if isinstance(raw, np.ndarray) else list(raw)

@@ -111,9 +111,8 @@ def read_manifest(
             )
         if not user:
             raise DatasetError(f"{manifest} line {line}: {name} has an empty user")
-        if any(
-            ord(c) < 32 or ord(c) == 127 for c in user
-        ):  # numpy drops a trailing NUL: 'p1\x00' would be 'p1'
+        # numpy drops a trailing NUL: 'p1\x00' would be 'p1'
+        if any(ord(c) < 32 or ord(c) == 127 for c in user):
             raise DatasetError(
                 f"{manifest} line {line}: the user {user!r} holds a control character (a NUL pads some "
                 "database exports): remove it"

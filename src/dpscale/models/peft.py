@@ -93,9 +93,8 @@ class LoRAConv2d(nn.Module):
         nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            not torch.is_grad_enabled()
-        ):  # evaluation: one convolution, the merged weight (as exported)
+        # evaluation: one convolution, the merged weight (as exported)
+        if not torch.is_grad_enabled():
             return self.base._conv_forward(x, self.merged_weight(), self.base.bias)
         down = self.lora_a(x)  # A x, computed with W x + b in one convolution
         return torch.add(self.lora_a.take_frozen_output(), self.lora_b(down), alpha=self.scale)

@@ -99,9 +99,8 @@ def _check_positive(owner: object, name: str, value: Any) -> None:
 
 def _check_norm(owner: object, name: str, value: Any) -> None:
     """One clipping norm C > 0 (a list is Opacus' per-layer form, said so)."""
-    if isinstance(
-        value, (list, tuple)
-    ):  # the hint before the value: "got [...]" closes every refusal
+    # the hint before the value: "got [...]" closes every refusal
+    if isinstance(value, (list, tuple)):
         wanted = "one positive number (a list is Opacus' clipping='per_layer' form: give a mapping pattern -> C, per tensor)"
         raise _refused(owner, name, wanted, value)
     if not (_is_number(value) and value > 0):
@@ -445,10 +444,8 @@ class PerformanceFlags:
         _check_count(
             self, "max_physical_batch_size", self.max_physical_batch_size, auto=True, none=True
         )
-        for name, none in (
-            ("compile", False),
-            ("fixed_shapes", True),
-        ):  # 0 and 1 as False and True, as if-tests read them
+        # 0 and 1 as False and True, as if-tests read them
+        for name, none in (("compile", False), ("fixed_shapes", True)):
             value = getattr(self, name)
             if not (
                 (none and value is None)

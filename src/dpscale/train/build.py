@@ -174,9 +174,8 @@ def _training_features(
         str
     ] = []  # the labels line: reported with the plan, so a refusal before it stays one line
     images = open_training_data(config, device, data_notes.append)
-    if (
-        device.type == "cpu"
-    ):  # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
+    # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
+    if device.type == "cpu":
         # logged with the engine's checks
         keep_freed_memory(streamed=isinstance(images, StreamedData))
     # files left out, colour files, people on each side of the split

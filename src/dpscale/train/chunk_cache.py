@@ -53,10 +53,8 @@ def cache_key(
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
-    except (
-        OSError,
-        ValueError,
-    ):  # missing or unreadable: measured again and rewritten, never fatal
+    # missing or unreadable: measured again and rewritten, never fatal
+    except (OSError, ValueError):
         return {}
     return table if isinstance(table, dict) else {}
 
@@ -93,7 +91,6 @@ def store_choice(path: Path, key: str, choice: dict[str, Any]) -> None:
         for k, v in choice.items()
         if k in ("units", "rows", "peak_bytes", "budget_bytes", "capped")
     }
-    with contextlib.suppress(
-        OSError
-    ):  # a read-only home: the choice still holds for this run (in its config)
+    # a read-only home: the choice still holds for this run (in its config)
+    with contextlib.suppress(OSError):
         atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")

@@ -71,9 +71,8 @@ def choose_units(
     if fixed + per_unit > budget:
         raise _too_small(fixed, per_unit, budget)
     fits = [p for p in points if p[1] <= budget]
-    if (
-        not fits
-    ):  # the line allows one example, the smallest probe did not fit: one example, measured
+    # the line allows one example, the smallest probe did not fit: one example, measured
+    if not fits:
         one = check(1)
         if one is None or one + extra > budget:
             needs = (

@@ -46,12 +46,10 @@ from dpscale.train.chunk_search import Measure, choose_units, gigabytes
 from dpscale.train.units import rows_per_user
 
 AUTO = "auto"
-CUDA_FREE_FRACTION = (
-    0.9  # of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
-)
-CPU_BUDGET_FRACTION = (
-    0.5  # of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
-)
+# of the GPU's free memory: the rest for cuBLAS/cuDNN workspaces and fragmentation
+CUDA_FREE_FRACTION = 0.9
+# of /proc/meminfo's MemAvailable: the rest for the data, the loader and the OS
+CPU_BUDGET_FRACTION = 0.5
 # Parameter-sized float32 tensors a step holds beside the clipped sum: the running sum, the noise,
 # the noisy sum, the gradient, and an optimizer's state (Adam's two moments).
 STEP_PARAMETER_COPIES = 6
@@ -246,10 +244,8 @@ def auto_chunk(
             return eager(units)
 
     forked, started = [device] if device.type == "cuda" else [], time.perf_counter()
-    with (
-        torch.random.fork_rng(devices=forked),
-        engine.precision.matmul_flags(),
-    ):  # the run's streams untouched
+    # the run's streams untouched
+    with torch.random.fork_rng(devices=forked), engine.precision.matmul_flags():
         try:
             units, peak = choose_units(probe, measure, budget, max_units, extra)
         except ConfigError as err:

@@ -151,9 +151,8 @@ class DPMechanism(MechanismState):
         drawn = self._drawn_units()
         if targets is not None:
             self._check_size(len(targets))  # before anything is computed
-        if indices is None and isinstance(
-            inputs, DrawnChunks
-        ):  # data_loader's chunks carry their indices
+        # data_loader's chunks carry their indices
+        if indices is None and isinstance(inputs, DrawnChunks):
             indices = inputs.indices
         chunks: Iterable[Batch]
         if self.plan.user_level:  # whole users per chunk, each user's examples together
@@ -223,17 +222,15 @@ class DPMechanism(MechanismState):
             try:
                 self._check_size(stats.examples)
             except ValueError:
-                if (
-                    self.correlated_noise is not None and history is not None
-                ):  # BandMF: the recursion untouched
+                # BandMF: the recursion untouched
+                if self.correlated_noise is not None and history is not None:
                     self.correlated_noise.rewind(history)
                 raise
         if self.observer is not None:
             self.observer(gradient)
         adaptive = self.plan.adaptive
-        if (
-            adaptive is not None
-        ):  # the step in C_0's units (its scale lr x C_0), the count's release, C_{t+1}
+        # the step in C_0's units (its scale lr x C_0), the count's release, C_{t+1}
+        if adaptive is not None:
             gradient = normalised_update(gradient, self.clip, self.plan.max_grad_norm)  # type: ignore[arg-type]
             self._release_count_and_move_clip(stats, adaptive)
         self._apply_and_account(gradient)

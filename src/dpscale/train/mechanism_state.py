@@ -90,9 +90,8 @@ class MechanismState:
         self.first_chunk_check = first_chunk_check
         self._checked_rows = 0
         self._drawn: int | None = None  # size of the logical batch sample() drew, until its step
-        self._drawn_batch: UnitBatch | None = (
-            None  # its indices (and users' boundaries at the user unit)
-        )
+        # its indices (and users' boundaries at the user unit)
+        self._drawn_batch: UnitBatch | None = None
         # sees each released gradient (noisy sum / B) before the optimizer: an audit's adversary
         self.observer: Callable[[dict[str, torch.Tensor]], None] | None = None
 
@@ -184,9 +183,8 @@ class MechanismState:
                 "Load the state first, then draw"
             )
         saved = check_state_fits(state, self.plan, self.model, self.users)
-        if (
-            state["sampler"] is not None
-        ):  # first: it refuses an old partition before anything is loaded
+        # first: it refuses an old partition before anything is loaded
+        if state["sampler"] is not None:
             # (None: a state whose sampler stream is not continued)
             self.sampler.load_state_dict(state["sampler"])
         # the steps already taken keep their caveats (a seed, checks off), whatever this mechanism's

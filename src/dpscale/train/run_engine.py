@@ -61,9 +61,8 @@ def run_engine(
     first_chunk_check: FirstChunkCheck | None = (
         independence_check if config.train.self_check and plan.is_private else None
     )
-    if (
-        config.train.compile
-    ):  # the eager engine built and checked above, compiled (its checks run eagerly)
+    # the eager engine built and checked above, compiled (its checks run eagerly)
+    if config.train.compile:
         engine, first_chunk_check = compiled_choice(engine, first_chunk_check)
         log(COMPILED_NOTE)
     return precision, engine, self_check, first_chunk_check

@@ -132,9 +132,8 @@ def saved_rank_streams(
         (this rank's saved streams, None), or (None, the note to report) when fresh ones start.
     """
     step, saved_world = int(state["step"]), int(state["world_size"])
-    if state[
-        "fresh_streams"
-    ]:  # seeds: fresh OS entropy without run.seed, else derived from it and the step
+    # seeds: fresh OS entropy without run.seed, else derived from it and the step
+    if state["fresh_streams"]:
         return None, (
             f"the checkpoint's noise and sampling generators are 32-bit-seeded torch states (written "
             f"before the 128-bit DP RNG): continuing with fresh 128-bit streams from step {step} on"

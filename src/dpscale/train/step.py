@@ -251,13 +251,11 @@ def noisy_clipped_mean(
         if std > 0 and prefetch_noise
         else None
     )
-    total: list[torch.Tensor] | None = (
-        None  # the clipped sums in sorted-name order, in the parameters' types
-    )
+    # the clipped sums in sorted-name order, in the parameters' types
+    total: list[torch.Tensor] | None = None
     for i, chunk in enumerate(chunks):
-        if (
-            i == 1 and total is not None
-        ):  # the first chunk's own tensors, copied (one operator) before the engine
+        # the first chunk's own tensors, copied (one operator) before the engine
+        if i == 1 and total is not None:
             # runs again: it may reuse them for its next output
             total = list(torch._foreach_mul(total, 1.0))
         total, chunk_counts = _add_chunk(engine, model, params, chunk, total, names)
@@ -271,9 +269,8 @@ def noisy_clipped_mean(
     if std > 0:
         noise = noise if noise is not None else draw_noise(params, noise_generator)
         total = with_scaled_noise(total, std, [noise[name] for name in names])
-    elif (
-        all_reduce_sum is not None
-    ):  # the reduce writes in place: never into an engine's own tensors
+    # the reduce writes in place: never into an engine's own tensors
+    elif all_reduce_sum is not None:
         total = [t.clone() for t in total]
     if all_reduce_sum is not None:  # this rank's part, then the whole batch's
         all_reduce_sum(total)

@@ -240,9 +240,8 @@ class Sweep:
         grid_units = {
             self._point_config(i, p, False).data.privacy_unit for i, p in enumerate(grid_points)
         }
-        if trials is not None and grid_units != {
-            "example"
-        }:  # every grid point: K may draw none of them
+        # every grid point: K may draw none of them
+        if trials is not None and grid_units != {"example"}:
             raise ConfigError(
                 "--private-tuning does not follow data.privacy_unit=user yet (its release names no unit): "
                 "tune at the example unit, or tune without --private-tuning"
@@ -325,9 +324,8 @@ class Sweep:
             result.summary = read_summary(run_dir)
             if result.summary is not None:
                 return result
-            if holds_checkpoint(
-                run_dir
-            ):  # checkpoint.pt, or only the previous one kept: resume falls back on it
+            # checkpoint.pt, or only the previous one kept: resume falls back on it
+            if holds_checkpoint(run_dir):
                 trainer = Trainer.resume(run_dir, progress=self.progress)
             else:
                 # A run that died before its first checkpoint left only its config (and maybe a

@@ -277,9 +277,8 @@ class PrivacyAccountant:
                 f"checkpoint accountant is {state.get('kind')!r}, this run uses {self.kind!r}"
             )
         self._segments = []
-        for entry in state[
-            "history"
-        ]:  # [q, sigma, steps], [..., label] or [..., label, mode, N, cap]
+        # [q, sigma, steps], [..., label] or [..., label, mode, N, cap]
+        for entry in state["history"]:
             batches = (
                 BatchSampling(entry[4], int(entry[5]), int(entry[6])) if len(entry) > 4 else POISSON
             )

@@ -83,16 +83,14 @@ def epsilon_lower_bound(
     if excess(0.0) >= 0:
         return 0.0
     high = 1.0
-    while (
-        excess(high) < 0
-    ):  # the p-value rises with epsilon, to 1 at infinity (or stays below when v = r, delta = 0)
+    # the p-value rises with epsilon, to 1 at infinity (or stays below when v = r, delta = 0)
+    while excess(high) < 0:
         high *= 2
         if high > 1e4:
             return math.inf
     root = float(optimize.brentq(excess, 0.0, high, xtol=1e-9, rtol=1e-12))
-    while (
-        root > 0 and excess(root) >= 0
-    ):  # brentq may land just past the crossing: stay on the rejected side
+    # brentq may land just past the crossing: stay on the rejected side
+    while root > 0 and excess(root) >= 0:
         root = max(0.0, root - 1e-9)
     return root
 

@@ -302,9 +302,8 @@ def _solve_sigma(
     for _ in range(100):
         if f_hi >= -tolerance / 2 or hi - lo < 1e-12:
             break
-        if (
-            f_lo == math.inf and hi - lo < _WALL_RESOLUTION
-        ):  # the target lies past what the PLD represents
+        # the target lies past what the PLD represents
+        if f_lo == math.inf and hi - lo < _WALL_RESOLUTION:
             raise _BeyondPLD(math.exp(hi))
         # Bisect while an end has no finite value (epsilon 0, or too wide for the PLD): interpolating
         # against a stand-in value stalls, as the Illinois halving cannot act on an infinity.

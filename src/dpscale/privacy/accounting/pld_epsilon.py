@@ -101,9 +101,8 @@ class _Walk:
         exps = [_exp_or_inf(-loss) for loss in self.losses[a:end].tolist()]
         if math.inf in exps:
             self.overflow = min(self.overflow, a + exps.index(math.inf))
-        with np.errstate(
-            invalid="ignore", over="ignore"
-        ):  # past an overflow, never used (see _check_reached)
+        # past an overflow, never used (see _check_reached)
+        with np.errstate(invalid="ignore", over="ignore"):
             terms = np.array(exps) * self.probs[a:end]
             self.upper[a + 1 : end + 1] = np.cumsum(
                 np.concatenate(([self.upper[a]], self.probs[a:end]))
@@ -117,9 +116,8 @@ class _Walk:
         after adding k, returns max(0, loss) if upper >= delta while lower is still 0."""
         upper, lower, losses = self.upper[start:end], self.lower[start:end], self.losses[start:end]
         breaks = (upper > delta) & (lower > 0)
-        with np.errstate(
-            divide="ignore", invalid="ignore", over="ignore"
-        ):  # points the loop never reaches
+        # points the loop never reaches
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             ratio = (upper - delta) / lower
             logs = np.log(ratio)
         close = breaks & (np.abs(logs - losses) <= LOG_RECHECK * np.maximum(1.0, np.abs(losses)))

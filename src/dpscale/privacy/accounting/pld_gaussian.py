@@ -95,10 +95,8 @@ def gaussian_pld(
         if replace_one:
             return privacy_loss_distribution.PrivacyLossDistribution(single(_Adjacency.REPLACE))
         return privacy_loss_distribution._pld_for_subsampled_mechanism(single, sampling_prob)
-    except (
-        AttributeError,
-        TypeError,
-    ):  # another version's helpers or attributes differ: the library's own build
+    # another version's helpers or attributes differ: the library's own build
+    except (AttributeError, TypeError):
         return public()
 
 
@@ -187,9 +185,8 @@ class _VectorisedGaussianLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
                 return None
             unsampled = -logged if add else logged
             unsampled[near] = math.inf if add else -math.inf  # the library's inverse at +-infinity
-        with np.errstate(
-            invalid="ignore"
-        ):  # inf * variance at the boundary, as the library computes it
+        # inf * variance at the boundary, as the library computes it
+        with np.errstate(invalid="ignore"):
             remove = -0.5 * s - unsampled * variance / s
         return s + remove if add else remove
 

@@ -138,9 +138,8 @@ def _segment_widths(sample_rate: float, noise_multiplier: float, steps: int) -> 
         width = _step_loss_range(1.0, noise_multiplier / math.sqrt(steps))
         return width, width
     step_range = _step_loss_range(sample_rate, noise_multiplier)
-    if (
-        steps == 1 or step_range > PLD_MAX_GRID * PLD_MAX_STEP_POINTS
-    ):  # past the cap: the probe could overflow
+    # past the cap: the probe could overflow
+    if steps == 1 or step_range > PLD_MAX_GRID * PLD_MAX_STEP_POINTS:
         return step_range, step_range
     return step_range, _composed_loss_width(sample_rate, noise_multiplier, steps, step_range)
 
@@ -151,9 +150,8 @@ def _widths_of(seg: AccountingSegment, replace_one: bool) -> tuple[float, float]
     sigma = replace_one_noise(seg.noise_multiplier) if replace_one else seg.noise_multiplier
     if seg.batches.mode == "shuffle":
         return _segment_widths(1.0, sigma, seg.compositions)
-    if _cuts_every_batch(
-        seg
-    ):  # the replace-one Gaussian at sigma/2 on the M/N kept dominates each step
+    # the replace-one Gaussian at sigma/2 on the M/N kept dominates each step
+    if _cuts_every_batch(seg):
         return _segment_widths(
             seg.batches.max_batch_size / seg.batches.dataset_size, sigma / 2, seg.steps
         )
@@ -194,9 +192,8 @@ def pld_grid(
         max(step for step, _ in widths) / PLD_MAX_STEP_POINTS,
         sum(composed for _, composed in widths) / PLD_MAX_COMPOSED_POINTS,
     )
-    if (
-        needed > PLD_MAX_GRID
-    ):  # judged at the full caps, so the limit does not depend on ``requested``
+    # judged at the full caps, so the limit does not depend on ``requested``
+    if needed > PLD_MAX_GRID:
         sigma = min(s.noise_multiplier for s in segments)
         raise PLDRangeError(
             f"the PLD accountant cannot represent noise multiplier {sigma:.3g} over this history: its privacy "

@@ -103,9 +103,8 @@ def gaussian_release(label: str, noise_multiplier: float, count: int = 1) -> Acc
     return AccountingSegment(1.0, float(noise_multiplier), int(count), label)
 
 
-DATA_NORM = (
-    "data-norm"  # label of private Data Normalization's two Gaussian sums (Tramer Algorithm 2)
-)
+# label of private Data Normalization's two Gaussian sums (Tramer Algorithm 2)
+DATA_NORM = "data-norm"
 FEATURE_MEAN = "feature-mean"  # label of private centring's one Gaussian sum (features.center)
 
 

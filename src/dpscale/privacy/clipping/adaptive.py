@@ -41,9 +41,8 @@ from typing import TYPE_CHECKING, Any
 from dpscale.choices import CLIPPINGS
 from dpscale.privacy.spelling import Spelling
 
-if (
-    TYPE_CHECKING
-):  # the plan imports this module and never needs torch (dpscale account loads without it)
+# the plan imports this module and never needs torch (dpscale account loads without it)
+if TYPE_CHECKING:
     from dpscale.rng import DPRandom
 
 

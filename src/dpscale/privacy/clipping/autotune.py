@@ -196,9 +196,8 @@ class MethodTuner:
             return self._remember(layer, signature, cached)
         contending = _contending(candidates, rule, rows)
         if not self.enabled or len(contending) < 2:
-            if (
-                note
-            ):  # a cached choice that failed its check, and nothing to time now: not read again
+            # a cached choice that failed its check, and nothing to time now: not read again
+            if note:
                 self._store(device, cache_key(signature, rows), None)
             if (
                 self.enabled

@@ -67,9 +67,8 @@ def time_candidates(candidates: list[Candidate], device: torch.device) -> Timing
         for c in candidates:
             c.run()
         samples: dict[str, list[tuple[float, float]]] = {c.name: [] for c in candidates}
-        for _ in range(
-            2
-        ):  # two looks before dropping: one preempted sample must not drop the fastest
+        # two looks before dropping: one preempted sample must not drop the fastest
+        for _ in range(2):
             for c in candidates:
                 samples[c.name].append(measure_once(c, device))
         best = {name: min(_on_clock(s, device) for s in v) for name, v in samples.items()}

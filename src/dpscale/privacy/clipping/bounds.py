@@ -132,9 +132,8 @@ def blocked_sq_norms(t: torch.Tensor) -> torch.Tensor:
     summed in float64 (error ~1e-9, at ~1.1x the time): never below (1 - gamma_{NORM_BLOCK + 5})
     of the exact value, whatever the kernel's order of summation (``clip_margin`` covers it)."""
     blocks = block_norms(t)
-    if (
-        blocks.shape[1] == 1
-    ):  # one block (at most NORM_BLOCK values, within clip_margin's rounding): its square
+    # one block (at most NORM_BLOCK values, within clip_margin's rounding): its square
+    if blocks.shape[1] == 1:
         return blocks[:, 0].square()
     return blocks.square().sum(1, dtype=torch.float64).to(t.dtype)
 

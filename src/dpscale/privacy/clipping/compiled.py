@@ -52,9 +52,8 @@ from dpscale.privacy.noise.gaussian import Params
 from dpscale.privacy.clipping.layer_refusals import check_per_example_compatible
 from dpscale.privacy.clipping.precision import FP32, Precision, exact_float32, zero_rows
 
-COMPILED_ENGINE = (
-    "vmap-compiled"  # the engine's name in logs, summaries and the bench's resolved column
-)
+# the engine's name in logs, summaries and the bench's resolved column
+COMPILED_ENGINE = "vmap-compiled"
 COMPILED_NOTE = (
     "compile: each chunk's clipped sum runs as one torch.compile graph of the vmap engine (checked above); each new "
     "chunk shape compiles once (seconds to minutes) and is compared once with the eager engine; train.fixed_shapes (on "
@@ -212,9 +211,8 @@ class CompiledEngine(ClippedSumMixin):
         refuse_units(batch, self.name)
         x, y = batch
         rows = real_rows(batch)
-        if (
-            rows is not None
-        ):  # a fixed-shape chunk (pad_chunk): its padding masked, its examples' norms and losses returned
+        # a fixed-shape chunk (pad_chunk): its padding masked, its examples' norms and losses returned
+        if rows is not None:
             padding = torch.arange(x.shape[0], device=x.device) < rows
             grad_sum, norms, losses = self.clipped_sum_and_losses(
                 model, params, (x, y), padding if row_mask is None else row_mask & padding
@@ -226,9 +224,8 @@ class CompiledEngine(ClippedSumMixin):
         captures = self.captures.models.setdefault(model, _ModelCaptures())
         function = self._function(captures, model, params, x.device)
         clip = None
-        if self.max_grad_norm is not None and not isinstance(
-            self.max_grad_norm, Mapping
-        ):  # a fill, no host copy
+        # a fill, no host copy
+        if self.max_grad_norm is not None and not isinstance(self.max_grad_norm, Mapping):
             clip = torch.full((), float(self.max_grad_norm), dtype=torch.float64, device=x.device)
         key = (
             tuple(x.shape),
@@ -370,9 +367,8 @@ def _run(
     row_mask: torch.Tensor | None,
     clip: torch.Tensor | None,
 ) -> tuple[Params, torch.Tensor, torch.Tensor]:
-    if (
-        x.device.type == "cuda"
-    ):  # a new replay of the CUDA graph: the previous outputs may be overwritten
+    # a new replay of the CUDA graph: the previous outputs may be overwritten
+    if x.device.type == "cuda":
         torch.compiler.cudagraph_mark_step_begin()
     return function(params, x, y, row_mask, clip)
 

@@ -65,9 +65,8 @@ def make_engine(
         check_per_example_compatible(model)
         check_parameter_types(model)
     problems = unsupported_modules(model) if model is not None else []
-    if model is not None and is_per_layer(
-        max_grad_norm
-    ):  # every parameter in a group, each group used
+    # every parameter in a group, each group used
+    if model is not None and is_per_layer(max_grad_norm):
         resolve_clip_groups(max_grad_norm, list(trainable_params(model)))
     if name == "vmap" or (name == "auto" and problems):
         notice = (

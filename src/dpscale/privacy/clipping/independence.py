@@ -108,9 +108,8 @@ class IndependenceResult:
             return f"{self.culprit} from the private batch in training mode, without noise (it is in state_dict()); {self.fix}"
         if self.culprit == "the model":
             return f"the model draws random numbers in its training-mode forward pass; {self.fix}"
-        if self.engine_only and self.norm_error == float(
-            "inf"
-        ):  # the engine refused, in train mode
+        # the engine refused, in train mode
+        if self.engine_only and self.norm_error == float("inf"):
             return f"in training mode, {self.fix}"
         what = "per-example gradient norm" if self.engine_only else "loss"
         return (

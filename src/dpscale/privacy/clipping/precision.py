@@ -201,9 +201,8 @@ class _Float32Normalization(TorchFunctionMode):
             and x.dtype in _SIXTEEN_BITS
             and _wider_operand(args[1:], kwargs)
         )
-        if not mixed or not isinstance(
-            x, torch.Tensor
-        ):  # (x is one when mixed: this tells the type checker)
+        # (x is one when mixed: this tells the type checker)
+        if not mixed or not isinstance(x, torch.Tensor):
             return func(*args, **kwargs)
         out = func(x.float(), *args[1:], **kwargs)
         # CUDA's autocast runs normalisations in float32 and returns float32; elsewhere the mixed

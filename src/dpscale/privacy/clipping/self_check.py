@@ -141,9 +141,8 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
         try:
             grad_sum, norms, layer_sq = _engine_side(engine, model, params, batch)
             finite = torch.isfinite(norms.detach()).cpu()
-            if (
-                not finite.all()
-            ):  # it overflows on its own (zeroed, tested elsewhere); a float64 reference would not
+            # it overflows on its own (zeroed, tested elsewhere); a float64 reference would not
+            if not finite.all():
                 batch = (batch[0][finite.to(batch[0].device)], batch[1][finite.to(batch[1].device)])
                 grad_sum, norms, layer_sq = _engine_side(engine, model, params, batch)
         except ValueError as err:
@@ -167,9 +166,8 @@ def self_check(engine: PerExampleEngine, model: nn.Module, batch: Batch) -> Self
             _reference(engine, model, params, batch, precision, release),
             started,
         )
-        if (
-            not result.ok and dtype == torch.float32
-        ):  # judged again against the exact values (below)
+        # judged again against the exact values (below)
+        if not result.ok and dtype == torch.float32:
             copy = _float64_reference(model, params, batch)
             exact = _compare(
                 engine.name, tol, got, _reference(engine, *copy, release_dtype=release), started

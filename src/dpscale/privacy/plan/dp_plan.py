@@ -266,9 +266,8 @@ class DPPlan:
         if not self.is_private:
             return 0.0
         sensitivity = self.sensitivity
-        if (
-            sensitivity is None
-        ):  # a TypeError, as sigma * None was: a private run needs a clipping norm
+        # a TypeError, as sigma * None was: a private run needs a clipping norm
+        if sensitivity is None:
             raise TypeError(
                 "a private DP plan has no noise std without a clipping norm (max_grad_norm is None)"
             )

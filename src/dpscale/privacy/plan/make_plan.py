@@ -464,9 +464,8 @@ def _noise_for(
     """(sigma, whether it was calibrated): the given noise, or the one that spends ``target_epsilon``."""
     if noise_multiplier is not None:
         return float(noise_multiplier), False
-    if (
-        target_epsilon is None
-    ):  # a TypeError, as calibrating to None was: the caller gives one of the two
+    # a TypeError, as calibrating to None was: the caller gives one of the two
+    if target_epsilon is None:
         raise TypeError("make_dp_plan needs target_epsilon or noise_multiplier")
     try:
         sigma = calibrate_noise_multiplier(

@@ -122,9 +122,8 @@ def resolve_batch_cap(
             delta=delta,
             releases=releases,
         ).max_batch_size
-    if isinstance(
-        max_batch_size, str
-    ):  # a string but "auto" (_check_cap refuses it): no cap to compare with N
+    # a string but "auto" (_check_cap refuses it): no cap to compare with N
+    if isinstance(max_batch_size, str):
         raise TypeError(
             f"dp.max_batch_size must be a positive integer, {AUTO_CAP} or null, got {max_batch_size!r}"
         )

@@ -39,13 +39,11 @@ from dpscale.rng import DPRandom, derive_seed, require_dprandom
 # were written by the first cyclic sampler (issue 27), whose partition cut a seeded permutation of
 # 0..N-1 into b equal parts: the same seed gives other groups now (see load_state_dict).
 PARTITION = "uniform-per-example-v1"
-SHARED_DRAW_KEY = (
-    0x5D  # spawn key of the stream all ranks share for a fixed-size, shuffled or capped draw
-)
+# spawn key of the stream all ranks share for a fixed-size, shuffled or capped draw
+SHARED_DRAW_KEY = 0x5D
 _FRACTION_BITS = 53  # DPRandom.uniform's float64 draws are k / 2^53, k an integer below 2^53
-_HALF_BITS = (
-    27  # partition_groups multiplies k * b in two halves of k, so that int64 never overflows
-)
+# partition_groups multiplies k * b in two halves of k, so that int64 never overflows
+_HALF_BITS = 27
 
 
 class BatchSampler(Protocol):
@@ -517,9 +515,8 @@ def make_sampler(
             start_step=start_step,
         )
     whole_draw = mode != "poisson" or max_batch_size is not None
-    if (
-        whole_draw and world_size > 1
-    ):  # every rank draws the whole batch from one shared stream (ShardedDraw)
+    # every rank draws the whole batch from one shared stream (ShardedDraw)
+    if whole_draw and world_size > 1:
         if partition_seed is None:
             raise ValueError(
                 f"sampling={mode} over {world_size} processes needs a partition_seed shared by all ranks"

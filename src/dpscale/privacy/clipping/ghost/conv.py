@@ -204,9 +204,8 @@ def _conv_per_example_bmm(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.
     """Each example's weight gradient by im2col + bmm, (B, G, out/G, in/G * k) (ungrouped: (B, *weight.shape)), summed over its views."""
     patches, gg = _conv_unfold(r, a, g)
     patches, gg = _fold_views(r, patches), _fold_views(r, gg)  # sums over views in the bmm
-    if (
-        _conv(r).groups == 1
-    ):  # plain bmm takes the transposed operand without a copy; in the weight's layout
+    # plain bmm takes the transposed operand without a copy; in the weight's layout
+    if _conv(r).groups == 1:
         return torch.bmm(gg[:, 0], patches[:, 0].transpose(1, 2)).view(
             len(gg), *_conv(r).weight.shape
         )
@@ -411,9 +410,8 @@ def _conv_weight_method(r: Record, a: torch.Tensor, g: torch.Tensor) -> str:
             pixel_cost + PIXEL_SLICE_COST * taps * length * length,
             8.0 * b * (pixels * pixels + 2 * length * length),
         )
-    if "pixel-gram" in costs and pixel_cost < min(
-        explicit, gram_cost
-    ):  # the rule: without the slices' cost
+    # the rule: without the slices' cost
+    if "pixel-gram" in costs and pixel_cost < min(explicit, gram_cost):
         rule = "pixel-gram"
     elif r.gram_only or use_ghost(length, d_in, d_out, overhead=IM2COL_COST * length * d_in):
         rule = "gram"

@@ -273,9 +273,8 @@ class GhostEngine(ClippedSumMixin):
                 r.inputs = at_least_fp32(r.inputs) if r.inputs.is_floating_point() else r.inputs
             layer_sq[r.name] = RULES[type(r.module)].norms(r, r.inputs, r.out_grad)
             if "weight" in r.cache or RULES[type(r.module)].sums is cached_sums:
-                r.inputs = r.out_grad = (
-                    None  # the clipped sum comes from the cache: drop the activations early
-                )
+                # the clipped sum comes from the cache: drop the activations early
+                r.inputs = r.out_grad = None
         return add_deferred_norms(records, layer_sq, state)
 
     def _check_routes_in_float32(self, model: nn.Module, params: Params, batch: Batch) -> None:

@@ -31,9 +31,8 @@ def _why_unsupported(module: nn.Module, trainable: list[str], prefix: str) -> st
     if rule is None:
         return f"{type(module).__name__}: no rule for its parameter(s) {', '.join(prefix + n for n in trainable)}"
     unknown = [prefix + n for n in trainable if n not in rule.params]
-    if (
-        unknown
-    ):  # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
+    # e.g. weight_norm's weight_g / weight_v, or an extra nn.Parameter attached to the layer
+    if unknown:
         return f"{type(module).__name__} with parameter(s) {', '.join(unknown)} that its rule does not know"
     if isinstance(module, (nn.Conv1d, nn.Conv2d)) and (
         isinstance(module.padding, str) or module.padding_mode != "zeros"
@@ -69,9 +68,8 @@ def unsupported_modules(model: nn.Module) -> list[str]:
     Returns:
         one string per problem, naming the layer ("name (reason)") or the parameters.
     """
-    if (
-        type(model).__name__ == "OptimizedModule" and "_orig_mod" in model._modules
-    ):  # without importing dynamo
+    # without importing dynamo
+    if type(model).__name__ == "OptimizedModule" and "_orig_mod" in model._modules:
         return [
             "<root> (a torch.compile'd model: its layers run inside the compiled graph, where hooks cannot record "
             "them; pass the uncompiled module)"

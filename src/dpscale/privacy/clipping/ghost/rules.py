@@ -126,9 +126,8 @@ def _linear_norms(r: Record, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor |
     a3, g3 = (a, g) if one_row else (a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1]))
     sq = None
     if r.trainable.get("weight"):
-        if (
-            one_row or a3.shape[1] == 1
-        ):  # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+        # ||g a^T|| = ||g|| ||a||; the release is one product per entry
+        if one_row or a3.shape[1] == 1:
             # each factor summed and multiplied in float64: a factor rounded to float32 alone read 0
             # below float32's range (||a||^2 = 1e-48) although the gradient ||g|| ||a|| was ordinary,
             # and automatic clipping released 1287 C (issue 62's review). A factor whose square
@@ -280,9 +279,8 @@ def _affine_parts(r: Record, a: torch.Tensor, g: torch.Tensor) -> dict[str, torc
     else:  # LayerNorm: params over the trailing normalized_shape
         n = len(m.normalized_shape)
         reduce = lambda t: t.reshape(b, -1, *t.shape[t.dim() - n :]).sum(1)  # noqa: E731
-    if r.trainable.get("weight") and isinstance(
-        m, nn.GroupNorm
-    ):  # the product and its sum in one operator
+    # the product and its sum in one operator
+    if r.trainable.get("weight") and isinstance(m, nn.GroupNorm):
         parts["weight"] = torch.einsum("bc...,bc...->bc", g, _normalized(r, a))
     elif r.trainable.get("weight"):
         parts["weight"] = reduce(g * _normalized(r, a))
