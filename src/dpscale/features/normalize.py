@@ -32,22 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from dpscale.data.user_ids import UserIndex
-from dpscale.privacy.accounting.segments import (
-    DATA_NORM,
-    FEATURE_MEAN,
-    data_norm_release,
-    feature_mean_release,
-)
 from dpscale.rng import DPRandom, require_dprandom
 
-__all__ = [  # the release labels and events live with the accountant (torch-free); re-exported here
-    "DATA_NORM",
-    "FEATURE_MEAN",
+__all__ = [  # the release labels and events are the accounting's (privacy/accounting/segments.py)
     "NORMALIZATIONS",
     "DataNormStats",
     "FeatureNormalizer",
-    "data_norm_release",
-    "feature_mean_release",
     "group_normalize",
     "private_channel_mean",
     "private_data_norm",
