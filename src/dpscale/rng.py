@@ -52,6 +52,28 @@ _HOST_DTYPE: dict[torch.dtype, _HostDtype] = {
 }
 
 
+_FRACTION_BITS = 53  # DPRandom.uniform's float64 draws are j / 2^53, j an integer below 2^53
+_HALF_BITS = 27  # floor(j * n / 2^53) is taken in two halves of j, so that int64 never overflows
+
+
+def uniform_below(uniforms: torch.Tensor, bounds: torch.Tensor | int) -> torch.Tensor:
+    """floor(u * n) for 53-bit uniforms u = j / 2^53, exactly (in integers): uniform over 0..n-1
+    to within n / 2^53.
+
+    Args:
+        uniforms: float64 draws of ``DPRandom.uniform`` (each a multiple of 2^-53 in [0, 1)).
+        bounds: n >= 1 (below 2^36), one for all or one per uniform.
+
+    Returns:
+        int64 values in 0..n-1, shaped like ``uniforms``.
+    """
+    j = (uniforms * 2.0**_FRACTION_BITS).to(torch.int64)
+    high, low = j >> _HALF_BITS, j & ((1 << _HALF_BITS) - 1)
+    # floor(j n / 2^53) = floor((high n + floor(low n / 2^27)) / 2^26): within int64 for n < 2^36,
+    # where j n itself would overflow for n >= 2^10
+    return (high * bounds + ((low * bounds) >> _HALF_BITS)) >> (_FRACTION_BITS - _HALF_BITS)
+
+
 def is_dprandom_state(state: Any) -> bool:
     """True for a ``DPRandom.state_dict()`` (False e.g. for a torch generator's ByteTensor state,
     as checkpoints written before this generator existed hold)."""

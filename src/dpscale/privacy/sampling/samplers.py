@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dpscale.privacy.sampling.modes import RATE_TOLERANCE, SAMPLING_MODES
-from dpscale.rng import DPRandom, derive_seed, require_dprandom
+from dpscale.rng import DPRandom, derive_seed, require_dprandom, uniform_below
 
 # Names the construction a cyclic sampler's state's partition_seed stands for. States without it
 # were written by the first cyclic sampler (issue 27), whose partition cut a seeded permutation of
@@ -41,9 +41,6 @@ from dpscale.rng import DPRandom, derive_seed, require_dprandom
 PARTITION = "uniform-per-example-v1"
 # spawn key of the stream all ranks share for a fixed-size, shuffled or capped draw
 SHARED_DRAW_KEY = 0x5D
-_FRACTION_BITS = 53  # DPRandom.uniform's float64 draws are k / 2^53, k an integer below 2^53
-# partition_groups multiplies k * b in two halves of k, so that int64 never overflows
-_HALF_BITS = 27
 
 
 class BatchSampler(Protocol):
@@ -356,12 +353,7 @@ def partition_groups(partition_seed: int, dataset_size: int, bands: int) -> torc
     Returns:
         an int64 CPU tensor of shape [N], values in 0..b-1.
     """
-    # exact
-    k = (DPRandom(partition_seed).uniform(dataset_size) * 2.0**_FRACTION_BITS).to(torch.int64)
-    high, low = k >> _HALF_BITS, k & ((1 << _HALF_BITS) - 1)
-    # floor(k * b / 2^53) = floor((high * b + floor(low * b / 2^27)) / 2^26): no int64 overflow for
-    # b < 2^36, where k * b itself would overflow for b >= 2^10
-    return (high * bands + ((low * bands) >> _HALF_BITS)) >> (_FRACTION_BITS - _HALF_BITS)
+    return uniform_below(DPRandom(partition_seed).uniform(dataset_size), bands)
 
 
 def _split_by_group(group_of: torch.Tensor, bands: int) -> tuple[torch.Tensor, ...]:
