@@ -95,9 +95,8 @@ def test_epsilon_equals_dp_accountings_composition_of_both_releases(sigma, count
     )
     for indices in mechanism.batches():
         mechanism.step(x[indices], y[indices])
-    gradient_sigma = (
-        sigma**-2 - (2 * count_noise) ** -2
-    ) ** -0.5  # what each release gets, written out
+    # what each release gets, written out
+    gradient_sigma = (sigma**-2 - (2 * count_noise) ** -2) ** -0.5
     assert mechanism.plan.gradient_noise_multiplier == pytest.approx(gradient_sigma, rel=1e-12)
     step = dp_accounting.PoissonSampledDpEvent(
         0.1,

@@ -125,9 +125,8 @@ def test_a_streamed_run_leaves_malloc_as_it_is_unless_asked_to_keep(
                 f"run.out_dir={tmp_path / out_dir}",
             ],
         )
-        Trainer.create(
-            config, progress=False, report=True
-        ).run()  # the header: logged as the run starts
+        # the header: logged as the run starts
+        Trainer.create(config, progress=False, report=True).run()
         return capsys.readouterr().err
 
     monkeypatch.delenv("DPSCALE_CPU_MEMORY", raising=False)

@@ -230,9 +230,8 @@ def test_a_class_subset_keeps_its_names_in_memory_and_streamed(folder):
     data = load_image_folder(folder)
     assert data.info.classes == tuple(CLASSES) == open_stream("imagefolder", folder).info.classes
     assert select(data, classes=[2, 0]).info.classes == ("zebra", "cat")
-    grouped = select(
-        data, meta_classes=2, seed=0
-    ).info.classes  # a meta-class is named by its members
+    # a meta-class is named by its members
+    grouped = select(data, meta_classes=2, seed=0).info.classes
     assert len(grouped) == 2 and sorted("+".join(grouped).split("+")) == CLASSES
 
 

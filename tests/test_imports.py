@@ -474,3 +474,21 @@ def test_no_module_is_over_600_lines():
     assert len(modules) > 200  # the check looks where the code is
     too_big = [f"{p.name}: {n}" for p in modules if (n := len(p.read_text().splitlines())) > 600]
     assert too_big == []
+
+
+def test_names_a_package_exported_before_the_moves_still_import_for_one_release_with_a_warning():
+    import importlib
+
+    import pytest
+
+    for package, name, home in [
+        ("dpscale.data", "PoissonSampler", "dpscale.privacy.sampling.samplers"),
+        ("dpscale.data", "SAMPLING_MODES", "dpscale.privacy.sampling.modes"),
+        ("dpscale.features", "data_norm_release", "dpscale.privacy.accounting.segments"),
+    ]:
+        with pytest.warns(DeprecationWarning, match=f"{package}.{name} moved to {home}.{name}"):
+            old = getattr(importlib.import_module(package), name)
+        assert old is getattr(importlib.import_module(home), name)
+        assert name not in dir(importlib.import_module(package))
+    with pytest.raises(AttributeError):
+        _ = importlib.import_module("dpscale.data").NoSuchName

@@ -483,3 +483,17 @@ def test_simplevgg_on_fashion_mnist_counts_by_hand():
     model = build_model("simplevgg-16(1)-32(1)-64", 10, (1, 28, 28), "tanh")
     by_hand = (16 * 9 + 16) + (32 * 16 * 9 + 32) + (1568 * 64 + 64) + (64 * 10 + 10)
     assert count_parameters(model) == by_hand == 105_866
+
+
+def test_the_registry_sees_the_zoo_however_it_is_imported():
+    """Importing ``dpscale.models.registry`` alone runs the package, which registers the built-ins
+    (a lazy package would leave the registry empty and let a user's model take a built-in's name)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from dpscale.models.registry import build_model, list_models\n"
+        "assert 'papernot-cnn' in list_models() and len(list_models()) > 10, list_models()\n"
+        "build_model('papernot-cnn', num_classes=10, input_shape=(1, 28, 28))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

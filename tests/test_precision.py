@@ -203,9 +203,8 @@ def test_make_private_steps_under_its_precision_not_the_users_tf32_flags(precisi
     # cuDNN's default is TF32: "fp32" left to it ran convolutions in TF32 on an H200, and the
     # self-check then refused bk and vmap on resnet18-gn at 224x224 (docs/benchmarks.md)
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = (
-        torch.backends.cudnn.allow_tf32
-    ) = not tf32  # the user's setting
+    # the user's setting
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
     try:
         model = FlagProbe()
         mechanism = dpscale.make_private(

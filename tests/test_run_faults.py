@@ -127,9 +127,8 @@ def test_resume_from_step_zero_finishes_the_configured_run(tmp_path, finished, c
         )
         == 0
     )
-    (
-        run_dir / "checkpoint.pt"
-    ).unlink()  # as if killed before its first checkpoint, with an evaluation logged
+    # as if killed before its first checkpoint, with an evaluation logged
+    (run_dir / "checkpoint.pt").unlink()
     assert _eval_steps(run_dir) == [2]
     assert main(["train", "--resume", str(run_dir), "--quiet"]) == 0
     assert "starting it from step 0" in capsys.readouterr().err

@@ -62,9 +62,8 @@ def test_self_check_catches_a_wrong_clipped_sum_and_names_the_parameter(monkeypa
         return {**out, "weight": out["weight"] * 1.01} if r.name == "0" and "weight" in out else out
 
     engine = GhostEngine(10.0)
-    assert self_check(
-        engine, model, (x, y)
-    ).ok  # the engine's own route check has passed for this model
+    # the engine's own route check has passed for this model
+    assert self_check(engine, model, (x, y)).ok
     monkeypatch.setitem(
         ghost_rules.RULES, nn.Linear, ghost_rules.Rule(rule.norms, wrong_weight, rule.params)
     )
@@ -205,9 +204,8 @@ def test_every_engine_equals_the_naive_loop_or_refuses(ops, seed, frozen, clip):
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     try:
         want = naive_clipped_sum(model, x, y, clip)
-    except (
-        RuntimeError
-    ) as err:  # plain autograd cannot differentiate it (in place on a saved tensor)
+    # plain autograd cannot differentiate it (in place on a saved tensor)
+    except RuntimeError as err:
         assert "inplace operation" in str(err)
         _every_engine_refuses(model, x, y, clip)
         return

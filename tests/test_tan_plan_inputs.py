@@ -58,9 +58,8 @@ def cases(tmp_path_factory) -> dict[str, list[str]]:
     root = _image_folder_with_a_corrupt_file(tmp_path_factory.mktemp("folder") / "images")
     seed = tmp_path_factory.mktemp("seed") / "run"
     seed_run = ["dp.epsilon=null", "dp.noise_multiplier=1.0", f"run.out_dir={seed}"]
-    Trainer.create(
-        load_config(None, [*SMALL, *seed_run]), progress=False
-    ).run()  # private: its releases count
+    # private: its releases count
+    Trainer.create(load_config(None, [*SMALL, *seed_run]), progress=False).run()
     return {
         "class subset": [*SMALL, "data.classes=[5, 6, 7, 8, 9]"],
         "skip_corrupt": [

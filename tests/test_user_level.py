@@ -448,9 +448,8 @@ def test_zoo_models_clip_per_user_as_the_float64_per_user_loop(engine, name, sha
     engine_views, loss = user_engine_options(k, views, None)
     try:
         chosen, _ = make_engine(engine, clip, model, views=engine_views, loss_fn=loss)
-    except (
-        ValueError
-    ) as err:  # an engine that does not support a layer refuses it (auto takes vmap)
+    # an engine that does not support a layer refuses it (auto takes vmap)
+    except ValueError as err:
         pytest.skip(f"{engine}: {err}")
     got, norms = chosen.per_example_clipped_sum(
         model, trainable_params(model), user_rows((x, y, offsets), k, views)

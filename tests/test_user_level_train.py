@@ -104,9 +104,8 @@ USER = ["data.privacy_unit=user", "dp.max_examples_per_user=4"]
 def test_removing_one_users_images_moves_a_training_runs_release_by_at_most_c(
     tmp_path, extra, bands
 ):
-    def batch(
-        users: int,
-    ) -> str:  # q = 1 (BandMF: p = b q = 1): every user of the step's group is drawn
+    # q = 1 (BandMF: p = b q = 1): every user of the step's group is drawn
+    def batch(users: int) -> str:
         return f"dp.batch_size={users / bands}"
 
     full = first_release(

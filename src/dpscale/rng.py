@@ -276,9 +276,8 @@ def _secure_normals(count: int) -> np.ndarray:
     def fill(j: int) -> None:
         lo, hi = j * _SECURE_CHUNK // 2, min(pairs, (j + 1) * _SECURE_CHUNK // 2)
         words = np.frombuffer(os.urandom(16 * (hi - lo)), dtype=np.uint64).reshape(2, -1)
-        u1 = (
-            (words[0] >> np.uint64(11)).astype(np.float64) + 1.0
-        ) * 2.0**-53  # (0, 1]: log is finite
+        # (0, 1]: log is finite
+        u1 = ((words[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
         u2 = (words[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
         radius = np.sqrt(-2.0 * np.log(u1))
         out[2 * lo : 2 * hi : 2] = radius * np.cos(2 * np.pi * u2)

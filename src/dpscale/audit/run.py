@@ -55,9 +55,8 @@ class _LooseClipping(ClippedSumMixin):
     """An engine that reports C but whose clipped sums are those of the same engine at
     ``scale`` * C (AuditFault.clip_scale): only what passes through its arithmetic shows the bug."""
 
-    def __init__(
-        self, inner: PerExampleEngine, scale: float
-    ) -> None:  # wraps ``inner``, a dataclass engine
+    # wraps ``inner``, a dataclass engine
+    def __init__(self, inner: PerExampleEngine, scale: float) -> None:
         self.loose = replace(inner, max_grad_norm=inner.max_grad_norm * scale)  # type: ignore[type-var,operator]
         self.name, self.max_grad_norm = inner.name, inner.max_grad_norm
         self.views, self.precision, self.clip_gamma = (
@@ -280,9 +279,8 @@ def _start_run(config: Config, audit: CanaryAudit, progress: bool, fault: AuditF
 class _ScaledNoise(DPRandom):
     """A noise generator that draws its normals at ``scale`` times their std (AuditFault)."""
 
-    def __init__(
-        self, source: DPRandom, scale: float
-    ) -> None:  # wraps ``source``: no seed of its own
+    # wraps ``source``: no seed of its own
+    def __init__(self, source: DPRandom, scale: float) -> None:
         self.source, self.scale = source, scale
 
     def normal(self, *args: Any, **kwargs: Any) -> torch.Tensor:

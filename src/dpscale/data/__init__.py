@@ -22,5 +22,12 @@ _MODULE_OF = {
 __all__ = sorted(_MODULE_OF)
 
 
-__getattr__ = lazy_getattr(__name__, _MODULE_OF)
+# moved to privacy/sampling/ (issue 64): served with a DeprecationWarning for one release
+_MOVED = {
+    **dict.fromkeys(
+        ("PoissonSampler", "ShuffleSampler", "make_sampler"), "dpscale.privacy.sampling.samplers"
+    ),
+    **dict.fromkeys(("SAMPLING_MODES", "SHUFFLE_CAVEAT"), "dpscale.privacy.sampling.modes"),
+}
+__getattr__ = lazy_getattr(__name__, _MODULE_OF, _MOVED)
 __dir__ = lazy_dir(_MODULE_OF)

@@ -52,13 +52,11 @@ class DatasetInfo:
     input_shape: tuple[int, int, int]
     source: str
     test_split: str
-    skipped_files: tuple[
-        str, ...
-    ] = ()  # unreadable files left out (data.skip_corrupt), with the reason
+    # unreadable files left out (data.skip_corrupt), with the reason
+    skipped_files: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()
-    notes: tuple[
-        str, ...
-    ] = ()  # what the loader left out or changed without a refusal (folder.FolderListing.notes)
+    # what the loader left out or changed without a refusal (folder.FolderListing.notes)
+    notes: tuple[str, ...] = ()
     selected_by: tuple[str, ...] = ()
 
 

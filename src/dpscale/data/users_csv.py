@@ -157,11 +157,8 @@ def _listed_path(
         path = (root / name).resolve()
         if path not in listed and "\\" in name:  # a Windows export: folders separated by '\'
             path = (root / name.replace("\\", "/")).resolve()
-    except (
-        OSError,
-        RuntimeError,
-        ValueError,
-    ) as err:  # a NUL in the path, a link loop, a name too long
+    # a NUL in the path, a link loop, a name too long
+    except (OSError, RuntimeError, ValueError) as err:
         raise DatasetError(f"{manifest} line {line}: {name!r} names no file ({err})") from err
     if path in listed:
         return path

@@ -59,5 +59,10 @@ __all__ = [  # the names of _MODULE_OF, listed for checkers (tests/test_imports.
     "private_feature_mean",
     "scatter_output_shape",
 ]
-__getattr__ = lazy_getattr(__name__, _MODULE_OF)
+# the accounting's names (issue 64): served with a DeprecationWarning for one release
+_MOVED = dict.fromkeys(
+    ("DATA_NORM", "FEATURE_MEAN", "data_norm_release", "feature_mean_release"),
+    "dpscale.privacy.accounting.segments",
+)
+__getattr__ = lazy_getattr(__name__, _MODULE_OF, _MOVED)
 __dir__ = lazy_dir(_MODULE_OF)

@@ -43,9 +43,8 @@ def read_run(
     run_dir, ckpt = (path, path / CHECKPOINT_NAME) if path.is_dir() else (path.parent, path)
     try:
         config = read_run_config(run_dir)
-    except (
-        NotARunDirectory
-    ) as err:  # a user error (ConfigError, a ValueError too): one line, no traceback
+    # a user error (ConfigError, a ValueError too): one line, no traceback
+    except NotARunDirectory as err:
         raise ConfigError(f"checkpoint:{where}: {err}") from err
     if check_config is not None:
         check_config(config, run_dir)

@@ -170,9 +170,8 @@ def _training_features(
     """The training data opened and extracted as features (an audit's canaries added), with the
     images' fingerprint, the data's notes (reported with the plan) and the source runs, checked
     before extracting."""
-    data_notes: list[
-        str
-    ] = []  # the labels line: reported with the plan, so a refusal before it stays one line
+    # the labels line: reported with the plan, so a refusal before it stays one line
+    data_notes: list[str] = []
     images = open_training_data(config, device, data_notes.append)
     # the DP step's large per-step tensors reuse freed pages (not a stream's: dpscale.cpu_memory)
     if device.type == "cpu":
@@ -187,9 +186,8 @@ def _training_features(
             f"{images.info.skipped_files[0]}; N = {images.info.num_train} readable training images"
         )
 
-    def fingerprint_as(
-        normalize: bool,
-    ) -> str:  # a source run may have used the other data.normalize
+    # a source run may have used the other data.normalize
+    def fingerprint_as(normalize: bool) -> str:
         return (
             fingerprint
             if normalize == config.data.normalize

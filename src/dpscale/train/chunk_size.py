@@ -237,9 +237,8 @@ def auto_chunk(
     measure = engine_peak(engine, model, unit, device)
     eager = engine_peak(getattr(engine, "eager", engine), model, unit, device)
 
-    def probe(
-        units: int,
-    ) -> float | None:  # the shape rule's methods: nothing timed at a size the run never takes
+    # the shape rule's methods: nothing timed at a size the run never takes
+    def probe(units: int) -> float | None:
         with _tuner(engine, False):
             return eager(units)
 

@@ -146,12 +146,10 @@ class MechanismState:
             if self.correlated_noise and self._keeps_noise_history
             else None,
             "clip_norm": self.clip,  # adaptive clipping's C_t (a function of released counts)
-            "users": self.users.digest()
-            if self.users is not None
-            else None,  # the people it sampled
-            "clip_methods": methods_state(
-                self.engine
-            ),  # bk's per-layer methods: a resume computes as the run did
+            # the people it sampled
+            "users": self.users.digest() if self.users is not None else None,
+            # bk's per-layer methods: a resume computes as the run did
+            "clip_methods": methods_state(self.engine),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -247,15 +247,14 @@ def _caveats(built: Run, progress: Progress, privacy_warnings: list[str]) -> dic
         "privacy_warnings": privacy_warnings,
         "features": built.config.features.extractor,
         "feature_normalization": built.feature_normalizer.kind,
-        "feature_centering": built.feature_normalizer.center
-        is not None,  # a released mean subtracted
+        # a released mean subtracted
+        "feature_centering": built.feature_normalizer.center is not None,
         # composed / declared public / other data: how a checkpoint extractor's run enters epsilon
         "extractor_privacy": plan.extractor.case if plan.extractor else None,
         "guarantee_caveats": plan.caveats(),
         "guarantee_scope": GUARANTEE_SCOPE if plan.is_private else None,
-        "training_set": training_set_note(
-            built
-        ),  # chosen from the whole collection: what the guarantee covers
+        # chosen from the whole collection: what the guarantee covers
+        "training_set": training_set_note(built),
         "seeded": built.config.run.seed is not None,
         "config_changes": progress.config_changes,  # asked for with --set on resume, by step
     }

@@ -303,9 +303,8 @@ def _setting(run_dir: str) -> dict[str, Any] | None:
 
     if not is_run_dir(run_dir):
         return None
-    values = read_run_config(
-        run_dir
-    ).to_dict()  # one-line errors for a malformed file, defaults filled in
+    # one-line errors for a malformed file, defaults filled in
+    values = read_run_config(run_dir).to_dict()
     values["dp"].pop("simulated_batch_size", None)
     values.pop("run", None)
     for section, key in SCORING_ONLY:

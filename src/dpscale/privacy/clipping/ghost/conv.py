@@ -313,11 +313,12 @@ def _pixel_gram_sq_norms(
         full.storage_offset(),
     ).sum(-1)
     t = columns.stride()
+    # (B, K, Ho, Wo, K, Ho, Wo)
     patch = columns.as_strided(
         (b, views, ho, wo, views, ho, wo, kh),
         (t[0], t[1], t[2] * sh, t[3], t[4], t[5] * sh, t[6], (t[2] + t[5]) * dh),
         columns.storage_offset(),
-    ).sum(-1)  # (B, K, Ho, Wo, K, Ho, Wo)
+    ).sum(-1)
     if views == 1:
         g64 = g.double()  # (B, C_out, Ho, Wo)
         gram = torch.einsum("bvhwuxy,bhwxy->b", patch, torch.einsum("bchw,bcxy->bhwxy", g64, g64))

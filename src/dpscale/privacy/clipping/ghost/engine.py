@@ -202,9 +202,8 @@ class GhostEngine(ClippedSumMixin):
         checked_params = _true_gradients(model, params) if check and losses.requires_grad else {}
         targets = [_taken(r)[1] for r in records] + list(checked_params.values())
         rows = real_rows(batch)
-        loss = (
-            losses if rows is None else losses[:rows]
-        ).sum() * scale  # padding rows weigh exactly 0
+        # padding rows weigh exactly 0
+        loss = (losses if rows is None else losses[:rows]).sum() * scale
         grads: list[torch.Tensor | None] = (
             list(torch.autograd.grad(loss, targets, allow_unused=True)) if targets else []
         )
