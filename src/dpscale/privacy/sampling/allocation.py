@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
+from dpscale.privacy.sampling.samplers import split_by_group
 from dpscale.rng import DPRandom, require_dprandom, uniform_below
 
 
@@ -43,11 +43,8 @@ def allocate(dataset_size: int, steps: int, k: int, generator: DPRandom) -> torc
 
 def _batches_of(chosen: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     """The examples of each step, ascending, from each example's steps (``allocate``'s rows)."""
-    examples = torch.arange(chosen.shape[0]).repeat_interleave(chosen.shape[1])
-    step_of = chosen.flatten()
-    # a stable sort by step keeps each step's examples ascending (rows are in example order)
-    order = torch.from_numpy(np.argsort(step_of.numpy(), kind="stable").astype(np.int64))
-    return tuple(examples[order].split(torch.bincount(step_of, minlength=steps).tolist()))
+    # row-major positions p of the [N, k] allocation: example p // k, ascending within each step
+    return tuple(p // chosen.shape[1] for p in split_by_group(chosen.flatten(), steps))
 
 
 class AllocationSampler:

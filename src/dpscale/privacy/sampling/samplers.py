@@ -272,7 +272,7 @@ class CyclicPoissonSampler:
 
     def _set_partition(self, partition_seed: int) -> None:
         """Build the partition from ``partition_seed`` and this rank's part of each group."""
-        self.groups = _split_by_group(
+        self.groups = split_by_group(
             partition_groups(partition_seed, self.dataset_size, self.bands), self.bands
         )
         # precomputed once so that a step draws O(N / (bP)) uniforms and indexes, nothing more
@@ -356,8 +356,9 @@ def partition_groups(partition_seed: int, dataset_size: int, bands: int) -> torc
     return uniform_below(DPRandom(partition_seed).uniform(dataset_size), bands)
 
 
-def _split_by_group(group_of: torch.Tensor, bands: int) -> tuple[torch.Tensor, ...]:
-    """The members of each group, from each example's group.
+def split_by_group(group_of: torch.Tensor, bands: int) -> tuple[torch.Tensor, ...]:
+    """The members of each group, from each example's group (cyclic sampling's partition, random
+    allocation's steps).
 
     Args:
         group_of: int64 [N], example i's group (``partition_groups``).
